@@ -1,0 +1,107 @@
+"""The `cedserve` command line: serve, generate, inspect, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from cedserve.model.config import ModelConfig
+
+_DESCRIPTION = """\
+cedserve: disaggregated prefill/decode serving for DeepSeek-V4.1-Flash-class (CED) models.
+
+verbs:
+  serve     start the whole system (router, prefill and decode workers) on this machine,
+            or on a Ray cluster with --ray
+  generate  send a prompt to a running server and stream the answer
+  inspect   print a model plan and its KV-cache byte accounting
+  bench     load-test a running server (agentic sessions, rate sweeps, policy comparisons)
+"""
+
+
+class NotBuiltError(RuntimeError):
+    """A verb whose subsystem does not exist yet."""
+
+
+def _load_model_config(args: argparse.Namespace) -> ModelConfig:
+    from cedserve.model.presets import preset
+
+    if args.config is not None:
+        return ModelConfig.from_hf_json(args.config)
+    return preset(args.preset)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from cedserve.inspect import inspect_dict, render_inspect
+
+    config = _load_model_config(args)
+    if args.json:
+        print(json.dumps(inspect_dict(config, args.block_size), indent=2))
+    else:
+        print(render_inspect(config, args.block_size, source=args.config or f"preset {args.preset}"))
+    return 0
+
+
+def _not_built(verb: str, issue: str) -> int:
+    print(f"cedserve {verb}: not built yet ({issue}); nothing was started.", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cedserve", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+
+    serve = verbs.add_parser("serve", help="start router + prefill + decode workers",
+                             description="Start the whole system on this machine (the embedded default) "
+                                         "or place pools on a Ray cluster.")
+    serve.add_argument("--checkpoint", help="checkpoint folder (config.json, tokenizer.json, safetensors)")
+    serve.add_argument("--config", help="serve config file (.toml or .json)")
+    serve.add_argument("--ray", metavar="ADDRESS", help="Ray cluster address, or 'auto'")
+
+    gen = verbs.add_parser("generate", help="stream an answer from a running server",
+                           description="Send a prompt to a running cedserve over gRPC and stream tokens.")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--effort", default="high", help="1-100 or low/high/max (50/75/100)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+
+    insp = verbs.add_parser("inspect", help="print the layer plan and KV byte accounting",
+                            description="Print a model plan (roles, CSA2 modes, borrowed layers) and its "
+                                        "KV-cache accounting: global bytes per token by source layer, SWA "
+                                        "bytes per request, paged block bytes.")
+    src = insp.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="v4.1-flash", help="v4.1-flash, mini-40 or tiny")
+    src.add_argument("--config", help="a Hugging Face config.json (or its folder)")
+    insp.add_argument("--block-size", type=int, default=64, help="tokens per paged block")
+    insp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    bench = verbs.add_parser("bench", help="load-test a running server",
+                             description="Drive a running server over its public gRPC API.")
+    bench.add_argument("what", nargs="?", default="serve", choices=["serve"])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.verb == "inspect":
+            return _inspect(args)
+        if args.verb == "serve":
+            return _not_built("serve", "the embedded launcher comes with the deployment issue")
+        if args.verb == "generate":
+            return _not_built("generate", "the public gRPC API comes with the router issue")
+        if args.verb == "bench":
+            return _not_built("bench", "the serving benchmark comes with its own issue")
+    except ValueError as exc:
+        print(f"cedserve: error: {exc}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

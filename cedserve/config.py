@@ -1,0 +1,120 @@
+"""Serving configuration: one typed, frozen struct per subsystem, decoded from TOML or JSON.
+
+Files decode through msgspec, which names the offending field on a type error; each struct's
+`__post_init__` checks values and raises `ValueError` naming the field. Environment variables are
+read in one place only, `ServeConfig.from_env_overrides`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import tomllib
+
+from cedserve.model.config import ModelConfig
+
+
+def _fail(section: str, name: str, message: str) -> None:
+    raise ValueError(f"config field `{section}.{name}`: {message}")
+
+
+class ModelSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the model comes from: a named preset (random tiny weights) or a checkpoint folder."""
+
+    preset: str | None = "tiny"
+    """Preset name (`tiny`, `mini-40`, `v4.1-flash`); ignored when `checkpoint` is set."""
+    checkpoint: str | None = None
+    """Folder with config.json, tokenizer.json and safetensors files."""
+
+    def load_config(self) -> ModelConfig:
+        from cedserve.model.presets import preset
+
+        if self.checkpoint is not None:
+            return ModelConfig.from_hf_json(self.checkpoint)
+        if self.preset is None:
+            raise ValueError("config field `model`: set `preset` or `checkpoint`")
+        return preset(self.preset)
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The paged global-KV block pool of one worker."""
+
+    block_size: int = 64
+    """Tokens per block; a multiple of every compression ratio and of the candidate block."""
+    num_blocks: int = 4096
+    """Blocks in the device (or host, on CPU) pool."""
+    host_offload_blocks: int = 0
+    """Blocks in the pinned host tier (0 disables it)."""
+    disk_dir: str | None = None
+    """Folder of the persistent disk tier (None disables it)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            _fail("cache", "block_size", f"must be positive, got {self.block_size}")
+        if self.num_blocks <= 0:
+            _fail("cache", "num_blocks", f"must be positive, got {self.num_blocks}")
+        if self.host_offload_blocks < 0:
+            _fail("cache", "host_offload_blocks", f"must be >= 0, got {self.host_offload_blocks}")
+
+
+class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything `cedserve serve` needs."""
+
+    model: ModelSource = msgspec.field(default_factory=ModelSource)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    host: str = "127.0.0.1"
+    """Address the public gRPC API binds to."""
+    port: int = 0
+    """Public gRPC port; 0 picks a free one and prints it."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            _fail("serve", "port", f"must be in [0, 65535], got {self.port}")
+
+    def validate_against(self, model: ModelConfig) -> None:
+        """Check the relations between the cache geometry and the model plan."""
+        from cedserve.model.kv_accounting import KVAccounting, check_block_size
+
+        check_block_size(KVAccounting.from_config(model), self.cache.block_size)
+        cand = model.candidate_source_layer_id
+        if cand is not None and cand >= 0:
+            tokens_per_candidate = model.candidate_block_size * model.compress_ratios[cand]
+            if self.cache.block_size % tokens_per_candidate:
+                _fail("cache", "block_size", f"{self.cache.block_size} is not a multiple of the candidate "
+                      f"block ({model.candidate_block_size} entries x m={model.compress_ratios[cand]})")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServeConfig:
+        """Decode a `.toml` or `.json` file; `ValueError` names the bad field."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise ValueError(f"serve config not found: {path}") from None
+        try:
+            if path.suffix == ".toml":
+                data: Any = tomllib.loads(raw.decode())
+                return msgspec.convert(data, type=cls)
+            return msgspec.json.decode(raw, type=cls)
+        except (msgspec.ValidationError, msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"serve config {path}: {exc}") from None
+
+    def with_env_overrides(self, environ: dict[str, str] | None = None) -> ServeConfig:
+        """Apply `CEDSERVE_HOST`, `CEDSERVE_PORT`, `CEDSERVE_CHECKPOINT` (the only env vars read)."""
+        env = os.environ if environ is None else environ
+        out = self
+        if "CEDSERVE_HOST" in env:
+            out = msgspec.structs.replace(out, host=env["CEDSERVE_HOST"])
+        if "CEDSERVE_PORT" in env:
+            try:
+                port = int(env["CEDSERVE_PORT"])
+            except ValueError:
+                raise ValueError(f"CEDSERVE_PORT must be an integer, got {env['CEDSERVE_PORT']!r}") from None
+            out = msgspec.structs.replace(out, port=port)
+        if "CEDSERVE_CHECKPOINT" in env:
+            out = msgspec.structs.replace(out, model=ModelSource(preset=None,
+                                                                 checkpoint=env["CEDSERVE_CHECKPOINT"]))
+        return out

@@ -1,0 +1,164 @@
+"""Shared-KV latent attention with a sliding window and the CSA2 compressed branch.
+
+Per layer: low-rank queries (`wq_a` -> `q_norm` -> `wq_b`, H heads of D), one K=V latent per
+token (`wkv` -> `kv_norm`), interleaved RoPE on the last `qk_rope_head_dim` channels of both,
+window KV stored as FP8 records. A query attends to (a) the last `sliding_window` tokens,
+itself included, and (b) at compressed layers, the top-k entries of its KV source's compressed
+KV that its index source picked. A learned per-head sink logit joins the softmax denominator.
+The output's RoPE slice is rotated back, then the grouped low-rank projection (`wo_a` per group
+of heads, `wo_b` across groups) maps it to the hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from cedserve.kernels.reference import pack_swa, unpack_swa
+from cedserve.model.compressor import Compressor
+from cedserve.model.config import AttentionMode, LayerSpec, ModelConfig
+from cedserve.model.context import ForwardContext
+from cedserve.model.indexer import (
+    Indexer,
+    mask_invisible,
+    select_candidate_blocks,
+    select_topk,
+    visible_entries,
+)
+from cedserve.model.norm import RMSNorm
+from cedserve.model.rope import RopeTable, apply_rope
+from torch import Tensor, nn
+
+
+def sink_attention(q: Tensor, keys: Tensor, bias: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """Attention of `q [S, H, D]` over shared K=V `keys [K, D]` with additive `bias [S, K]`
+    (0 or -inf) and per-head `sink [H]` logits that only enlarge the denominator -> `[S, H, D]`."""
+    heads, seq = q.shape[1], q.shape[0]
+    logits = torch.matmul(q.transpose(0, 1), keys.t()) * scale + bias  # [H, S, K]
+    sinks = sink.float().view(heads, 1, 1).expand(heads, seq, 1)
+    combined = torch.cat([logits.float(), sinks], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys).transpose(0, 1)
+
+
+def window_bias(query_positions: Tensor, key_start: int, num_keys: int, window: int) -> Tensor:
+    """0 where key position k satisfies q - window < k <= q, else -inf: `[S, K]`."""
+    keys = torch.arange(key_start, key_start + num_keys, device=query_positions.device).unsqueeze(0)
+    queries = query_positions.unsqueeze(-1)
+    visible = (keys <= queries) & (keys > queries - window)
+    zero = torch.zeros((), device=query_positions.device)
+    return torch.where(visible, zero, torch.full_like(zero, float("-inf")))
+
+
+class GroupedOutput(nn.Module):
+    """Block-diagonal `wo_a` (`[groups * rank, heads * D / groups]`): each group of heads is
+    projected to `o_lora_rank` on its own."""
+
+    def __init__(self, in_per_group: int, groups: int, rank: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * rank, in_per_group))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """`[S, groups, in_per_group]` -> `[S, groups * rank]`."""
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in, rank]
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
+
+
+class Attention(nn.Module):
+    """One layer's attention; checkpoint names under `layers.N.attn.`."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, compress_rope: RopeTable) -> None:
+        super().__init__()
+        self.config, self.spec = config, spec
+        heads, dim = config.num_attention_heads, config.head_dim
+        self.rope_kind = "compress" if spec.compress_ratio else "main"
+        self.compress_rope = compress_rope
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, heads * dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, dim, bias=False)
+        self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.wo_a = GroupedOutput(heads * dim // config.o_groups, config.o_groups, config.o_lora_rank)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(heads))
+        owns_kv = spec.mode is AttentionMode.FULL
+        scores = spec.mode in (AttentionMode.FULL, AttentionMode.REINDEX)
+        self.compressor = Compressor(config, spec.compress_ratio) if owns_kv else None
+        self.indexer = Indexer(config, owns_keys=owns_kv) if scores else None
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """`x [S, hidden]` (the normed attention input) -> `[S, hidden]`; updates the window and,
+        at a KV source, the global KV of `ctx.state`."""
+        cos, sin = ctx.rope[self.rope_kind]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        keys, bias = self._window_keys(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), ctx)
+        if self.spec.compress_ratio:
+            if self.compressor is not None and ctx.write_global_kv:
+                self.write_global_kv(x, ctx)
+            if self.indexer is not None:
+                self._select(x, q_residual, ctx)
+            keys, bias = self._add_compressed(keys, bias, ctx)
+        out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
+        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        return self.wo_b(self.wo_a(out.unflatten(1, (self.config.o_groups, -1)).flatten(2)))
+
+    def _window_keys(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """Window keys `[P + S, D]` (stored records + this chunk, FP8) and their bias `[S, P + S]`."""
+        layer = self.spec.layer_id
+        records = torch.cat([ctx.state.swa[layer], pack_swa(kv)])
+        ctx.state.keep_window(layer, records)
+        key_start = ctx.start - (records.shape[0] - kv.shape[0])
+        bias = window_bias(ctx.positions, key_start, records.shape[0], self.config.sliding_window)
+        return unpack_swa(records).to(kv.dtype), bias
+
+    def write_global_kv(self, x: Tensor, ctx: ForwardContext) -> int:
+        """Run the compressor on this chunk and append completed groups (main KV and index keys)
+        to the layer's global KV. Returns the number of entries appended."""
+        assert self.compressor is not None and self.indexer is not None
+        source = ctx.state.global_kv[self.spec.layer_id]
+        latent, source.pending = self.compressor(x, source.pending)
+        if latent.shape[0] == 0:
+            return 0
+        ratio = self.spec.compress_ratio
+        group_positions = source.next_group_position + ratio * torch.arange(latent.shape[0], device=x.device)
+        cos, sin = self.compress_rope.cos_sin(group_positions)
+        source.append(apply_rope(latent, cos, sin), self.indexer.keys(latent, cos, sin))
+        ctx.global_kv_changed(self.spec.layer_id)
+        return int(latent.shape[0])
+
+    def _select(self, x: Tensor, q_residual: Tensor, ctx: ForwardContext) -> None:
+        """Score this chunk's queries against the KV source's index keys and publish the picks."""
+        assert self.indexer is not None and self.spec.kv_layer is not None
+        keys = ctx.index_keys(self.spec.kv_layer)
+        layer, ratio = self.spec.layer_id, self.spec.compress_ratio
+        if keys.shape[0] == 0:
+            ctx.selections[layer] = None
+            return
+        cos, sin = ctx.rope["compress"]
+        scores = mask_invisible(self.indexer.scores(x, q_residual, cos, sin, keys), ctx.positions, ratio)
+        candidate_layer = self.config.candidate_source_layer_id
+        if layer == candidate_layer:
+            ctx.candidates = select_candidate_blocks(
+                scores,
+                visible_entries(ctx.positions, ratio),
+                self.config.candidate_topk_blocks,
+                self.config.candidate_block_size,
+            )
+        elif candidate_layer is not None and 0 <= candidate_layer < layer and ctx.candidates is not None:
+            scores = scores.masked_fill(~ctx.candidates, float("-inf"))
+        ctx.selections[layer] = select_topk(scores, self.config.index_topk)
+
+    def _add_compressed(self, keys: Tensor, bias: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """Append the KV source's compressed entries; only the index source's picks are unmasked."""
+        assert self.spec.kv_layer is not None and self.spec.index_layer is not None
+        compressed = ctx.main_kv(self.spec.kv_layer)
+        if compressed.shape[0] == 0:
+            return keys, bias
+        picked = ctx.selections.get(self.spec.index_layer)
+        if picked is None:
+            picked = torch.zeros(bias.shape[0], compressed.shape[0], dtype=torch.bool, device=bias.device)
+        zero = torch.zeros((), device=bias.device)
+        compressed_bias = torch.where(picked, zero, torch.full_like(zero, float("-inf")))
+        return torch.cat([keys, compressed.to(keys.dtype)]), torch.cat([bias, compressed_bias], dim=-1)

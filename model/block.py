@@ -1,0 +1,71 @@
+"""One backbone layer: Engram (where present), then attention and MoE, each wrapped in mHC."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from cedserve.model.attention import Attention
+from cedserve.model.config import LayerSpec, ModelConfig
+from cedserve.model.context import ForwardContext
+from cedserve.model.engram import Engram
+from cedserve.model.mhc import HcMix, hc_collapse, hc_expand, hc_mixes
+from cedserve.model.moe import MoE
+from cedserve.model.norm import RMSNorm
+from cedserve.model.rope import RopeTable
+
+
+class Block(nn.Module):
+    """Checkpoint names under `layers.N.`: `attn.*`, `ffn.*`, `attn_norm`, `ffn_norm`,
+    `engram.*`, and the raw mHC tensors `hc_{attn,ffn}_{fn,base,scale}` (float32)."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, compress_rope: RopeTable) -> None:
+        super().__init__()
+        self.config, self.spec = config, spec
+        hc, hidden = config.hc_mult, config.hidden_size
+        self.attn = Attention(config, spec, compress_rope)
+        self.ffn = MoE(config)
+        self.attn_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(hidden, config.rms_norm_eps)
+        engram_ids = list(config.engram_layer_ids)
+        self.engram_index = engram_ids.index(spec.layer_id) if spec.layer_id in engram_ids else None
+        self.engram = (
+            Engram(config, config.engram_num_embeddings[self.engram_index]) if self.engram_index is not None else None
+        )
+        mix_width = (2 + hc) * hc
+        self.hc_attn_fn = nn.Parameter(torch.zeros(mix_width, hc * hidden))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix_width))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(mix_width, hc * hidden))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix_width))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+
+    def _mix(self, streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> HcMix:
+        c = self.config
+        return hc_mixes(streams, fn, scale, base, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def apply_engram(self, streams: Tensor, hash_ids: Tensor | None) -> Tensor:
+        """`streams [S, hc, D]`; `hash_ids [S, engram layers, columns]`."""
+        if self.engram is None or self.engram_index is None:
+            return streams
+        if hash_ids is None:
+            raise ValueError(f"layer {self.spec.layer_id} has an Engram table but no hash ids were given")
+        return self.engram(streams, hash_ids[:, self.engram_index])
+
+    def attention_input(self, streams: Tensor, pre_mix: Tensor) -> Tensor:
+        """The normed sublayer input the attention (and a KV source's compressor) sees: `[S, D]`."""
+        return self.attn_norm(hc_collapse(streams, pre_mix))
+
+    def forward(
+        self, streams: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, ctx: ForwardContext
+    ) -> tuple[Tensor, Tensor]:
+        """`streams [S, hc, D]`, `pre_mix [S, hc]` (the previous site's pre) -> new streams and
+        this layer's FFN-site `pre`, which the next layer's attention collapses with."""
+        streams = self.apply_engram(streams, hash_ids)
+        attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        attn_out = self.attn(self.attention_input(streams, pre_mix), ctx)
+        streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
+        ffn_mix = self._mix(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        ffn_out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
+        streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
+        return streams, ffn_mix.pre

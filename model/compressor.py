@@ -1,0 +1,58 @@
+"""CSA2 compressor: pools `m = compress_ratio` consecutive tokens into one KV latent.
+
+For m > 1 each token contributes a projected latent and a per-channel gate; a group's latent is
+the softmax(gate)-weighted sum over its m tokens (float32), then RMSNorm. For m = 1 every token
+is its own group (a plain projection + RMSNorm, no gate). The output is *pre-RoPE*: the indexer
+derives its keys from it before the main KV is rotated and quantized.
+
+Tokens of a group that is not complete yet wait in a `PendingGroup` (part of the sequence state),
+so chunked prefill and decode emit exactly the groups a one-shot prefill would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from cedserve.model.config import ModelConfig
+from cedserve.model.norm import RMSNorm
+from torch import Tensor, nn
+
+
+@dataclass
+class PendingGroup:
+    """Projected tokens of the incomplete group (fewer than m), float32."""
+
+    kv: Tensor  # [n, head_dim]
+    gate: Tensor  # [n, head_dim]
+
+    @staticmethod
+    def empty(head_dim: int, device: torch.device | None = None) -> PendingGroup:
+        return PendingGroup(torch.zeros(0, head_dim, device=device), torch.zeros(0, head_dim, device=device))
+
+
+class Compressor(nn.Module):
+    """Checkpoint names: `compressor.wkv`, `compressor.wgate` (m > 1 only), `compressor.norm`."""
+
+    def __init__(self, config: ModelConfig, ratio: int) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, pending: PendingGroup) -> tuple[Tensor, PendingGroup]:
+        """Latents of the groups completed by `x [S, D]` after `pending`: `[G, head_dim]` (G may be
+        0), and the new pending group."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x)), pending
+        kv = F.linear(x.float(), self.wkv.weight.float())
+        gate = F.linear(x.float(), self.wgate.weight.float())
+        kv, gate = torch.cat([pending.kv, kv]), torch.cat([pending.gate, gate])
+        usable = (kv.shape[0] // self.ratio) * self.ratio
+        rest = PendingGroup(kv[usable:], gate[usable:])
+        groups_kv = kv[:usable].unflatten(0, (-1, self.ratio))  # [G, m, head_dim]
+        groups_gate = gate[:usable].unflatten(0, (-1, self.ratio))
+        latent = (groups_kv * groups_gate.softmax(dim=1)).sum(dim=1)
+        return self.norm(latent.to(x.dtype)), rest

@@ -1,0 +1,50 @@
+"""Values shared between the layers of one forward pass over one sequence's chunk.
+
+Nothing here outlives the call: selections and candidate pools are recomputed for each chunk's
+queries, and dequantized global KV is a per-call view of the records in `SequenceState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cedserve.model.state import SequenceState
+from torch import Tensor
+
+
+@dataclass
+class ForwardContext:
+    """One forward pass over tokens at consecutive positions `positions [S]`."""
+
+    positions: Tensor  # int64 [S]
+    rope: dict[str, tuple[Tensor, Tensor]]  # "main"/"compress" -> cos, sin [S, rope_dim/2]
+    state: SequenceState
+    write_global_kv: bool = True
+    """False when replaying decoder layers over tokens whose global KV is already stored."""
+    selections: dict[int, Tensor | None] = field(default_factory=dict)
+    """Index-source layer -> bool [S, T] picked entries (None: no entry visible yet)."""
+    candidates: Tensor | None = None
+    """bool [S, T] candidate pool of the candidate-source layer, once it ran."""
+    _main_kv: dict[int, Tensor] = field(default_factory=dict)
+    _index_keys: dict[int, Tensor] = field(default_factory=dict)
+
+    @property
+    def start(self) -> int:
+        return int(self.positions[0])
+
+    def main_kv(self, kv_layer: int) -> Tensor:
+        """Dequantized compressed KV of a KV source, float32 `[T, head_dim]`."""
+        if kv_layer not in self._main_kv:
+            self._main_kv[kv_layer] = self.state.global_kv[kv_layer].main_values()
+        return self._main_kv[kv_layer]
+
+    def index_keys(self, kv_layer: int) -> Tensor:
+        """Dequantized index keys of a KV source, float32 `[T, index_head_dim]`."""
+        if kv_layer not in self._index_keys:
+            self._index_keys[kv_layer] = self.state.global_kv[kv_layer].key_values()
+        return self._index_keys[kv_layer]
+
+    def global_kv_changed(self, kv_layer: int) -> None:
+        """Forget the dequantized views of a source whose records were just appended to."""
+        self._main_kv.pop(kv_layer, None)
+        self._index_keys.pop(kv_layer, None)

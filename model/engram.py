@@ -1,0 +1,199 @@
+"""Engram conditional memory: hashed n-gram tables gated into the residual streams.
+
+Token ids are first mapped to a smaller vocabulary in which tokens that normalise alike
+(case, accents, whitespace) share an id. For each position, the 2..N-grams ending there are
+hashed, per Engram layer, by XOR-ing `id * multiplier` over the look-back and reducing modulo
+one prime per (n-gram size, head); each (size, head) owns a disjoint row range of the layer's
+table. The rows are projected to a key per stream and one shared value; a stream takes the
+value in proportion to a sigmoid gate on its (normalised) agreement with its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cedserve.model.config import ModelConfig
+
+_MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin, exact for every n < 3.3e24."""
+    if n < 2:
+        return False
+    for p in _MILLER_RABIN_BASES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _MILLER_RABIN_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = pow(x, 2, n)
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def table_primes(config: ModelConfig) -> list[list[list[int]]]:
+    """Bucket sizes `[layer][n-gram size - 2][head]`: for every (layer, size), the `n_heads`
+    smallest primes >= `engram_vocab_size` not taken by an earlier (layer, size, head)."""
+    taken: set[int] = set()
+    out: list[list[list[int]]] = []
+    for _ in config.engram_layer_ids:
+        per_size: list[list[int]] = []
+        for _ in range(config.engram_max_ngram_size - 1):
+            sizes, candidate = [], config.engram_vocab_size - 1
+            for _ in range(config.engram_n_heads):
+                candidate += 1
+                while candidate in taken or not is_prime(candidate):
+                    candidate += 1
+                taken.add(candidate)
+                sizes.append(candidate)
+            per_size.append(sizes)
+        out.append(per_size)
+    return out
+
+
+def hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_vocab_size: int) -> Tensor:
+    """Odd multipliers `[layers, max_ngram_size]` (int64), one per look-back, drawn from a
+    numpy PCG64 stream seeded `10007 * layer_id`; bounded so `id * multiplier` fits int64."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
+    rows = []
+    for layer_id in layer_ids:
+        draws = np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64)
+        rows.append(torch.from_numpy(draws * 2 + 1))
+    return torch.stack(rows)
+
+
+def build_compressed_token_map(tokenizer: Any) -> tuple[list[int], int]:
+    """Map each id of a `tokenizers.Tokenizer` to its normalised-vocabulary id (first-seen
+    order). A token that decodes to a partial UTF-8 sequence keeps its raw token string as key."""
+    from tokenizers import Regex, normalizers
+
+    sentinel = "\ue000"  # keeps a lone-space token distinct from the empty string
+    normalizer = normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), sentinel),
+            normalizers.Strip(),
+            normalizers.Replace(sentinel, " "),
+        ]
+    )
+    ids: dict[str, int] = {}
+    mapping = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        key = tokenizer.id_to_token(token_id) if "\ufffd" in text else (normalizer.normalize_str(text) or text)
+        mapping.append(ids.setdefault(key, len(ids)))
+    return mapping, len(ids)
+
+
+def load_compressed_token_map(tokenizer_json: str, config: ModelConfig) -> list[int]:
+    """Token map from a `tokenizer.json`; raises `ValueError` if its size disagrees with
+    `engram_compressed_vocab_size` (every hash would land elsewhere)."""
+    from tokenizers import Tokenizer
+
+    mapping, size = build_compressed_token_map(Tokenizer.from_file(tokenizer_json))
+    if size != config.engram_compressed_vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_json} gives a compressed vocabulary of {size}, but the config's "
+            f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}"
+        )
+    return mapping
+
+
+class EngramHasher:
+    """Hash ids of the n-grams ending at each position, for all Engram layers at once."""
+
+    def __init__(self, config: ModelConfig, token_map: Sequence[int]) -> None:
+        primes = table_primes(config)
+        self.max_ngram = config.engram_max_ngram_size
+        self.primes = torch.tensor(primes, dtype=torch.long)  # [L, N-1, heads]
+        flat = self.primes.flatten(1)
+        self.offsets = torch.cumsum(flat, dim=1) - flat  # [L, (N-1)*heads], per-layer row starts
+        self.multipliers = hash_multipliers(config.engram_layer_ids, self.max_ngram, config.engram_compressed_vocab_size)
+        self.token_map = torch.tensor(list(token_map), dtype=torch.long)
+        self.pad_id = int(self.token_map[config.engram_pad_id])
+
+    def compress(self, token_ids: Tensor) -> Tensor:
+        return self.token_map.to(token_ids.device)[token_ids.long()]
+
+    def hash_ids(self, history: Tensor, compressed: Tensor, start: int) -> Tensor:
+        """Row ids `[S, layers, (N-1)*heads]` for compressed ids `[S]` at positions
+        `start..start+S-1`, given the compressed ids of the tokens just before (`history`, at
+        least `min(start, N-1)` of them)."""
+        full = torch.cat([history, compressed])
+        first = full.shape[0] - compressed.shape[0]
+        positions = torch.arange(start, start + compressed.shape[0], device=compressed.device)
+        index = torch.arange(first, full.shape[0], device=compressed.device)
+        grams = []
+        for shift in range(self.max_ngram):
+            source = full[(index - shift).clamp_min(0)]
+            grams.append(torch.where(positions >= shift, source, torch.full_like(source, self.pad_id)))
+        tokens = torch.stack(grams, dim=-1)  # [S, N]
+        products = tokens.unsqueeze(1) * self.multipliers.to(tokens.device)  # [S, L, N]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, self.max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1].to(tokens.device))
+        return torch.cat(hashes, dim=-1) + self.offsets.to(tokens.device)
+
+
+class EngramEmbedding(nn.Module):
+    """Table rows `weight [rows, head_dim]`; FP8 tables carry `scale [rows, head_dim / 32]`."""
+
+    def __init__(self, rows: int, head_dim: int, block: int = 32) -> None:
+        super().__init__()
+        self.block = block
+        self.weight = nn.Parameter(torch.empty(rows, head_dim))
+        self.scale = nn.Parameter(torch.ones(rows, max(1, head_dim // block)))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        values = F.embedding(ids, self.weight)
+        if self.weight.dtype == torch.float8_e4m3fn:
+            scales = F.embedding(ids, self.scale).float()
+            values = (values.float().unflatten(-1, (-1, self.block)) * scales.unsqueeze(-1)).flatten(-2)
+        return values
+
+
+class Engram(nn.Module):
+    """Checkpoint names under `layers.N.engram.`: `embed.weight`, `embed.scale`, `wkv`,
+    `q_weight`, `k_weight`."""
+
+    def __init__(self, config: ModelConfig, rows: int) -> None:
+        super().__init__()
+        hidden, hc = config.hidden_size, config.hc_mult
+        columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+        self.hidden, self.hc, self.eps = hidden, hc, config.rms_norm_eps
+        self.embed = EngramEmbedding(rows, config.engram_head_dim)
+        self.wkv = nn.Linear(columns * config.engram_head_dim, hidden * (hc + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(hc, hidden))
+        self.k_weight = nn.Parameter(torch.ones(hc, hidden))
+
+    def forward(self, streams: Tensor, hash_ids: Tensor) -> Tensor:
+        """`streams [S, hc, D]`, `hash_ids [S, columns]` -> `[S, hc, D]`."""
+        kv = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        key, value = kv.split([self.hc * self.hidden, self.hidden], dim=-1)
+        key = key.float().unflatten(-1, (self.hc, self.hidden))  # [S, hc, D]
+        h = streams.float()
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        weight = self.q_weight.float() * self.k_weight.float()
+        dot = (h * weight * key).sum(-1) * rstd * self.hidden**-0.5  # [S, hc]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

@@ -1,0 +1,90 @@
+"""CSA2 sparse indexer: scores queries against the shared index keys and picks top-k entries.
+
+Keys (`k_norm(wk(latent))`, compress-RoPE at the group's first position) exist only at KV-source
+layers; every index source (Full or Reindex) scores with its own `wq_b`/`weights_proj`:
+`score[s, t] = sum_h relu(q[s,h] . k[t]) / sqrt(d) * w[s,h] / sqrt(H)`, with q and k FP4
+(UE8M0 per 32) quantized. An entry is visible to the token at position p once its group ended at
+or before p. The candidate-source layer keeps its top blocks of `candidate_block_size` entries;
+later index sources pick their top-k inside that pool (two-level top-k).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from cedserve.kernels.reference import fake_quant_fp4
+from cedserve.model.config import ModelConfig
+from cedserve.model.norm import RMSNorm
+from cedserve.model.rope import apply_rope
+from torch import Tensor, nn
+
+INDEX_QUANT_BLOCK = 32
+
+
+def visible_entries(positions: Tensor, ratio: int) -> Tensor:
+    """Number of compressed entries visible to each query position: `[S]` -> `[S, 1]`."""
+    return (positions.long().unsqueeze(-1) + 1) // ratio
+
+
+def mask_invisible(scores: Tensor, positions: Tensor, ratio: int) -> Tensor:
+    """Set entries not yet complete at each query's position to -inf: `[S, T]`."""
+    entry = torch.arange(scores.shape[-1], device=scores.device).unsqueeze(0)
+    return scores.masked_fill(entry >= visible_entries(positions, ratio), float("-inf"))
+
+
+def select_candidate_blocks(scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
+    """Level one of the two-level top-k: bool `[S, T]` keeping each query's `topk_blocks` best
+    blocks (block score = max entry score). The block holding the newest visible entry is always
+    kept; blocks with no visible entry never are. `visible [S, 1]` counts visible entries."""
+    width = scores.shape[-1]
+    padded = F.pad(scores, (0, -width % block_size), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [S, n_blocks]
+    num_blocks = block_scores.shape[-1]
+    newest = (visible - 1).div(block_size, rounding_mode="floor")
+    block_ids = torch.arange(num_blocks, device=scores.device).unsqueeze(0)
+    block_scores = block_scores.masked_fill(block_ids == newest, float("inf"))
+    top = block_scores.topk(min(topk_blocks, num_blocks), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool)
+    keep.scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def select_topk(scores: Tensor, k: int) -> Tensor:
+    """bool `[S, T]`: each query's k best entries among those with a finite score."""
+    picked = torch.zeros_like(scores, dtype=torch.bool)
+    k = min(k, scores.shape[-1])
+    if k == 0:
+        return picked
+    top = scores.topk(k, dim=-1, sorted=False)
+    return picked.scatter_(-1, top.indices, top.values > float("-inf"))
+
+
+class Indexer(nn.Module):
+    """Checkpoint names under `attn.indexer.`: `wq_b`, `weights_proj`, and at KV sources `wk`,
+    `k_norm`."""
+
+    def __init__(self, config: ModelConfig, owns_keys: bool) -> None:
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False) if owns_keys else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if owns_keys else None
+
+    def keys(self, latent: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Unquantized index keys `[G, index_head_dim]` of pre-RoPE latents `[G, head_dim]`,
+        rotated at the groups' first positions (`cos`/`sin` `[G, rope_dim/2]`)."""
+        if self.wk is None or self.k_norm is None:
+            raise RuntimeError("index keys are produced only by a KV-source layer's indexer")
+        return apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+
+    def scores(self, x: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor, keys: Tensor) -> Tensor:
+        """Index scores `[S, T]` (before visibility masking) of queries from `x [S, D]` and
+        `q_residual [S, q_lora_rank]` against dequantized `keys [T, index_head_dim]`."""
+        q = self.wq_b(q_residual).unflatten(-1, (self.num_heads, self.head_dim))  # [S, H, d]
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q = fake_quant_fp4(q, INDEX_QUANT_BLOCK, "ue8m0")
+        per_head = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [S, H]
+        return (per_head * weights.unsqueeze(-1)).sum(dim=1)

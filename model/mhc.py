@@ -1,0 +1,63 @@
+"""Manifold-constrained hyper-connections (mHC), single-pass form.
+
+The residual is `hc_mult` parallel streams `[S, hc, D]`. At each site (before attention, before
+the FFN) one projection of the RMS-normalised, flattened streams yields three coefficient sets:
+`pre [S, hc]` (how to collapse the streams into a sublayer input), `post [S, hc]` (how to spread
+the sublayer output back) and `comb [S, hc, hc]` (a doubly stochastic mix of the residual
+streams, via Sinkhorn). In the single-pass form a site's `pre` is consumed by the *next* site:
+attention collapses with the previous site's `pre`, the FFN with attention's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from cedserve.model.norm import rms_normalize
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class HcMix:
+    """Coefficients of one mHC site for S tokens (all float32)."""
+
+    pre: Tensor  # [S, hc]
+    post: Tensor  # [S, hc]
+    comb: Tensor  # [S, hc(from), hc(to)]
+
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """Project `logits [..., n, n]` towards the doubly stochastic matrices: a row softmax, then
+    `iters` alternating normalisations (columns first, the row/column pairs after)."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+def hc_mixes(
+    streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+) -> HcMix:
+    """Coefficients for `streams [S, hc, D]` from one site's `fn [(2+hc)*hc, hc*D]`,
+    `scale [3]` and `base [(2+hc)*hc]`. Normalisation is over the whole flattened hc*D row."""
+    hc = streams.shape[-2]
+    flat = rms_normalize(streams.flatten(start_dim=-2).float(), norm_eps)
+    mixes = flat @ fn.float().t()  # [S, (2+hc)*hc]
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb_logits = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    return HcMix(pre=pre, post=post, comb=sinkhorn(comb_logits, sinkhorn_iters, hc_eps))
+
+
+def hc_collapse(streams: Tensor, pre: Tensor) -> Tensor:
+    """Weighted sum of the streams: `[S, hc, D]`, `[S, hc]` -> `[S, D]`."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+
+
+def hc_expand(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """New streams `out[k] = post[k] * x + sum_j comb[j, k] * residual[j]`, `[S, hc, D]`."""
+    mixed = torch.einsum("sjk,sjd->skd", comb.float(), residual.float())
+    return (post.unsqueeze(-1) * x.float().unsqueeze(-2) + mixed).to(residual.dtype)

@@ -1,0 +1,88 @@
+"""Mixture of experts: `noaux_tc` routing (the bias steers selection only), SwiGLU experts with
+clamped pre-activations, one shared expert every token passes through."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from cedserve.model.config import ModelConfig
+from torch import Tensor, nn
+
+
+def score_logits(logits: Tensor, scoring_func: str) -> Tensor:
+    """Router activation applied to float32 logits `[N, E]`."""
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    raise ValueError(f"scoring_func: unsupported {scoring_func!r}")
+
+
+def route(x: Tensor, weight: Tensor, bias: Tensor, config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """Pick `num_experts_per_tok` experts for `x [N, D]`: returns float32 weights `[N, k]`
+    (unbiased scores, renormalised, times `routed_scaling_factor`) and indices `[N, k]`."""
+    scores = score_logits(F.linear(x.float(), weight.float()) / config.gate_temp, config.scoring_func)
+    indices = (scores + bias.float()).topk(config.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if config.norm_topk_prob and config.num_experts_per_tok > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor, indices
+
+
+class Router(nn.Module):
+    """Checkpoint names: `gate.weight [E, D]`, `gate.bias [E]`, `gate.bias_vl [E]` (image spans;
+    unused for text)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.n_routed_experts))
+        self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return route(x, self.weight, self.bias, self.config)
+
+
+class Expert(nn.Module):
+    """SwiGLU expert: `w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`, gate/up in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        y = F.silu(gate) * up
+        if weight is not None:
+            y = weight * y  # [N, 1] routing weight, applied before the down projection
+        return self.w2(y.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared expert; loops over the experts that received tokens."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = nn.ModuleList([Expert(config) for _ in range(config.n_routed_experts)])
+        self.shared_experts = Expert(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """`x [N, D]` -> `[N, D]`."""
+        weights, indices = self.gate(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert_id in indices.unique().tolist():
+            rows, slot = torch.where(indices == expert_id)
+            out[rows] += self.experts[expert_id](x[rows], weights[rows, slot, None]).float()
+        out += self.shared_experts(x).float()
+        return out.to(x.dtype)

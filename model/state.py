@@ -1,0 +1,105 @@
+"""Per-sequence decode state, held explicitly so a serving engine can batch, ship and rebuild it.
+
+What one sequence owns (bytes per entry for the released shapes, D = head_dim = 512):
+
+* `position`: tokens consumed so far (the next token's absolute position).
+* `swa[layer]`: the last `sliding_window - 1` window-KV records of every layer, oldest first,
+  `uint8 [n, D + D/32]` (528 B; `pack_swa`). They cover positions `position - n .. position - 1`.
+* `global_kv[layer]` at KV-source layers only: compressed main KV `uint8 [T, D/2 + D/16]`
+  (288 B; `pack_main_kv`), index keys `uint8 [T, d/2 + d/32]` (68 B for d = 128;
+  `pack_index_key`), and the compressor's pending partial group (float32, < m tokens).
+* `engram_tail`: Engram-compressed ids of the last `engram_max_ngram_size - 1` tokens.
+
+Reuse and Reindex layers store nothing: they read the KV source's records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from cedserve.kernels.reference import (
+    index_key_record_bytes,
+    main_kv_record_bytes,
+    pack_index_key,
+    pack_main_kv,
+    swa_record_bytes,
+    unpack_index_key,
+    unpack_main_kv,
+)
+from cedserve.model.compressor import PendingGroup
+from cedserve.model.config import AttentionMode, ModelConfig
+from torch import Tensor
+
+
+@dataclass
+class GlobalKV:
+    """Compressed KV of one KV-source layer for one sequence (entry t covers the m tokens from
+    position `t * ratio`)."""
+
+    ratio: int
+    main: Tensor  # uint8 [T, main_kv_record_bytes(head_dim)]
+    index_keys: Tensor  # uint8 [T, index_key_record_bytes(index_head_dim)]
+    pending: PendingGroup
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.main.shape[0])
+
+    @property
+    def next_group_position(self) -> int:
+        """Absolute position of the first token of the next group to be emitted."""
+        return self.num_entries * self.ratio
+
+    def append(self, main_values: Tensor, key_values: Tensor) -> None:
+        """Quantize and append post-RoPE main KV `[G, D]` and index keys `[G, d]`."""
+        self.main = torch.cat([self.main, pack_main_kv(main_values)])
+        self.index_keys = torch.cat([self.index_keys, pack_index_key(key_values)])
+
+    def main_values(self) -> Tensor:
+        """Dequantized main KV, float32 `[T, D]`."""
+        return unpack_main_kv(self.main)
+
+    def key_values(self) -> Tensor:
+        """Dequantized index keys, float32 `[T, d]`."""
+        return unpack_index_key(self.index_keys)
+
+
+@dataclass
+class SequenceState:
+    """Everything the model remembers about one sequence between calls."""
+
+    position: int
+    swa: dict[int, Tensor]
+    global_kv: dict[int, GlobalKV]
+    engram_tail: Tensor  # int64 [<= engram_max_ngram_size - 1]
+    window_keep: int = field(default=0)  # records kept per layer: sliding_window - 1
+
+    @staticmethod
+    def new(config: ModelConfig, device: torch.device | None = None) -> SequenceState:
+        swa_bytes = swa_record_bytes(config.head_dim)
+        swa = {
+            i: torch.zeros(0, swa_bytes, dtype=torch.uint8, device=device) for i in range(config.num_hidden_layers)
+        }
+        main_bytes = main_kv_record_bytes(config.head_dim)
+        key_bytes = index_key_record_bytes(config.index_head_dim)
+        global_kv = {
+            spec.layer_id: GlobalKV(
+                ratio=spec.compress_ratio,
+                main=torch.zeros(0, main_bytes, dtype=torch.uint8, device=device),
+                index_keys=torch.zeros(0, key_bytes, dtype=torch.uint8, device=device),
+                pending=PendingGroup.empty(config.head_dim, device),
+            )
+            for spec in config.layer_plan
+            if spec.mode is AttentionMode.FULL
+        }
+        tail = torch.zeros(0, dtype=torch.long, device=device)
+        return SequenceState(0, swa, global_kv, tail, window_keep=config.sliding_window - 1)
+
+    def keep_window(self, layer_id: int, records: Tensor) -> None:
+        """Store the newest `sliding_window - 1` of `records [n, bytes]` as the layer's window."""
+        self.swa[layer_id] = records[max(0, records.shape[0] - self.window_keep) :]
+
+    def global_kv_bytes(self) -> int:
+        """Bytes of global KV records held (main KV + index keys), all sources."""
+        return sum(g.main.numel() + g.index_keys.numel() for g in self.global_kv.values())
