@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
-from cedserve.model.presets import PRESETS, preset
 
 from cedserve.config import CacheConfig, ServeConfig
+from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
+from cedserve.model.presets import PRESETS, preset
 
 RELEASED = Path(__file__).parents[1] / "fixtures" / "v41_flash_config.json"
 

@@ -1,0 +1,76 @@
+"""Reasoning effort: a scalar 1-100 rendered into the system prompt.
+
+The model was trained with "Reasoning Effort: N" at the start of the system prompt (the chat
+template adds it; the reference model does not). DeepSeek's API names low/high/max map to
+50/75/100; integers 1-100 are accepted directly. Because the effort line is part of the prompt,
+requests with different effort never share prefix-cache blocks: effort partitions the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+EFFORT_NAMES: Mapping[str, int] = {"low": 50, "high": 75, "max": 100}
+DEFAULT_EFFORT = 75
+MIN_EFFORT, MAX_EFFORT = 1, 100
+
+BOS = "<｜begin▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def parse_effort(value: int | str | None) -> int:
+    """An effort level from an integer 1-100 (or its decimal string) or a name (low/high/max).
+
+    `None` gives the default (high = 75). Anything else raises `ValueError` naming the field.
+    """
+    if value is None:
+        return DEFAULT_EFFORT
+    if isinstance(value, bool):
+        raise ValueError(f"field `effort`: expected 1-100 or one of {sorted(EFFORT_NAMES)}, got {value!r}")
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in EFFORT_NAMES:
+            return EFFORT_NAMES[key]
+        if not key.isdigit():
+            raise ValueError(f"field `effort`: expected 1-100 or one of {sorted(EFFORT_NAMES)}, got {value!r}")
+        value = int(key)
+    if not MIN_EFFORT <= value <= MAX_EFFORT:
+        raise ValueError(f"field `effort`: must be in [{MIN_EFFORT}, {MAX_EFFORT}], got {value}")
+    return value
+
+
+def effort_line(effort: int) -> str:
+    """The line the chat template puts first in the system prompt."""
+    return f"Reasoning Effort: {parse_effort(effort)}"
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    """`system`, `user` or `assistant`."""
+    content: str
+
+
+def render_chat(messages: Sequence[ChatMessage], effort: int | str | None = None) -> str:
+    """The prompt text for a conversation, with the effort line leading the system prompt.
+
+    A system message is created when the conversation has none, so the effort line is always the
+    first thing after BOS. The result ends with the assistant tag, ready for generation.
+    """
+    level = parse_effort(effort)
+    system = [m.content for m in messages if m.role == "system"]
+    parts = [BOS, effort_line(level) + ("\n" + "\n".join(system) if system else "")]
+    for m in messages:
+        if m.role == "system":
+            continue
+        if m.role == "user":
+            parts.append(USER + m.content)
+        elif m.role == "assistant":
+            parts.append(ASSISTANT + m.content + EOS)
+        else:
+            raise ValueError(f"field `messages.role`: unknown role {m.role!r} (system, user, assistant)")
+    parts.append(ASSISTANT)
+    return "".join(parts)

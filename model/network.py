@@ -1,0 +1,214 @@
+"""The CED text backbone with serving entry points over explicit per-sequence state.
+
+Entry points (all take and mutate a `SequenceState`; none keeps per-sequence data on the model):
+
+* `prefill(token_ids, state)`: run all layers over the next tokens of one sequence; chunked
+  calls compose (two halves equal one whole, up to float rounding).
+* `decode_step(token_ids, states)`: one new token for each of a batch of sequences.
+* `encode_chunk(token_ids, state)`: the CED prefill path: only the encoder layers, plus the
+  decoder KV source's compressor and index keys. Returns the new global-KV records and the
+  residual state at the encoder/decoder boundary.
+* `replay_decoder(span, state)`: rebuild the decoder layers' windows by running them over the
+  last tokens' boundary states (the global KV is already complete); returns their logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from cedserve.model.block import Block
+from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
+from cedserve.model.context import ForwardContext
+from cedserve.model.engram import EngramHasher
+from cedserve.model.mhc import hc_collapse
+from cedserve.model.norm import RMSNorm
+from cedserve.model.rope import RopeTable
+from cedserve.model.state import SequenceState
+
+
+@dataclass(frozen=True)
+class BoundaryHidden:
+    """Residual state entering the first decoder layer, for consecutive tokens."""
+
+    positions: Tensor  # int64 [n]
+    streams: Tensor  # [n, hc, hidden]
+    pre_mix: Tensor  # float32 [n, hc]: the last encoder layer's FFN-site pre
+    hash_ids: Tensor | None  # int64 [n, engram layers, columns], None without Engram
+
+    def last(self, count: int) -> BoundaryHidden:
+        """The last `count` tokens."""
+        start = max(0, self.positions.shape[0] - count)
+        hash_ids = None if self.hash_ids is None else self.hash_ids[start:]
+        return BoundaryHidden(self.positions[start:], self.streams[start:], self.pre_mix[start:], hash_ids)
+
+    @staticmethod
+    def concat(parts: Sequence[BoundaryHidden]) -> BoundaryHidden:
+        """Join spans of consecutive chunks, in order."""
+        hash_parts = [p.hash_ids for p in parts]
+        hash_ids = None if any(h is None for h in hash_parts) else torch.cat([h for h in hash_parts if h is not None])
+        return BoundaryHidden(
+            torch.cat([p.positions for p in parts]),
+            torch.cat([p.streams for p in parts]),
+            torch.cat([p.pre_mix for p in parts]),
+            hash_ids,
+        )
+
+
+@dataclass(frozen=True)
+class GlobalKVRecords:
+    """Records one chunk appended to a KV source's global KV (entries `first_entry ..`)."""
+
+    layer_id: int
+    first_entry: int
+    main: Tensor  # uint8 [G, main_kv_record_bytes]
+    index_keys: Tensor  # uint8 [G, index_key_record_bytes]
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """What `encode_chunk` hands to the KV transfer and to the decoder replay."""
+
+    global_kv: dict[int, GlobalKVRecords]
+    boundary: BoundaryHidden
+
+
+class CEDModel(nn.Module):
+    """Checkpoint names: `embed.weight`, `layers.N.*`, `norm.weight`, `lm_head.weight` (the
+    loader also accepts them under a `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, engram_token_map: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        params = config.rope_parameters or {}
+        self.ropes = {
+            kind: RopeTable(params[kind], config.head_dim, config.max_position_embeddings) for kind in ("main", "compress")
+        }
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Block(config, spec, self.ropes["compress"]) for spec in config.layer_plan])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.hasher = EngramHasher(config, engram_token_map) if engram_token_map is not None else None
+        if config.engram_layer_ids and self.hasher is None:
+            raise ValueError("this config has Engram layers: pass engram_token_map (see load_compressed_token_map)")
+
+    # ------------------------------------------------------------------ entry points
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.new(self.config, self.embed.weight.device)
+
+    @torch.no_grad()
+    def prefill(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> Tensor:
+        """Logits `[S, vocab]` (float32) for the next `S` tokens of the sequence."""
+        streams, pre_mix, hash_ids, ctx = self._begin(token_ids, state, write_global_kv=True)
+        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, hash_ids, ctx)
+        state.position += int(ctx.positions.shape[0])
+        return self._logits(streams, pre_mix)
+
+    def decode_step(self, token_ids: Sequence[int], states: Sequence[SequenceState]) -> Tensor:
+        """One token per sequence -> logits `[batch, vocab]`."""
+        if len(token_ids) != len(states):
+            raise ValueError(f"decode_step got {len(token_ids)} tokens for {len(states)} sequences")
+        return torch.cat([self.prefill([token], state)[-1:] for token, state in zip(token_ids, states)])
+
+    @torch.no_grad()
+    def encode_chunk(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> EncodedChunk:
+        """Run the encoder layers over the next tokens and write every KV source's global KV,
+        the decoder's included. Decoder windows are left untouched (rebuild with
+        `replay_decoder`)."""
+        boundary_layer = self._decoder_source()
+        before = {layer: kv.num_entries for layer, kv in state.global_kv.items()}
+        streams, pre_mix, hash_ids, ctx = self._begin(token_ids, state, write_global_kv=True)
+        streams, pre_mix = self._run(range(boundary_layer), streams, pre_mix, hash_ids, ctx)
+        block = self._block(boundary_layer)
+        x = block.attention_input(block.apply_engram(streams, hash_ids), pre_mix)
+        block.attn.write_global_kv(x, ctx)
+        state.position += int(ctx.positions.shape[0])
+        boundary = BoundaryHidden(ctx.positions, streams, pre_mix, hash_ids)
+        return EncodedChunk(self._new_records(state, before), boundary)
+
+    @torch.no_grad()
+    def replay_decoder(self, span: BoundaryHidden, state: SequenceState) -> Tensor:
+        """Clear the decoder layers' windows and rebuild them from `span` (the boundary states
+        of the sequence's last tokens). Returns the span's logits `[n, vocab]`; the last row
+        predicts the next token. Exact when the span covers the decoder's receptive field
+        (`num_decoder_layers * (sliding_window - 1)` tokens, or the whole sequence)."""
+        end = int(span.positions[-1]) + 1
+        if end != state.position:
+            raise ValueError(f"replay span ends at position {end}, but the sequence is at {state.position}")
+        first = self._decoder_source()
+        for layer in range(first, self.config.num_hidden_layers):
+            state.swa[layer] = state.swa[layer][:0]
+        ctx = self._context(span.positions, state, write_global_kv=False)
+        layers = range(first, self.config.num_hidden_layers)
+        streams, pre_mix = self._run(layers, span.streams, span.pre_mix, span.hash_ids, ctx)
+        return self._logits(streams, pre_mix)
+
+    # ------------------------------------------------------------------ internals
+
+    def _block(self, layer_id: int) -> Block:
+        block = self.layers[layer_id]
+        assert isinstance(block, Block)
+        return block
+
+    def _decoder_source(self) -> int:
+        """First decoder layer, which must be the decoder's only KV source."""
+        first = self.config.num_encoder_layers
+        for spec in self.config.layer_plan:
+            if spec.role is LayerRole.DECODER and spec.mode is AttentionMode.FULL and spec.layer_id != first:
+                raise ValueError(f"encoder-only prefill cannot fill decoder KV source {spec.layer_id}")
+        return first
+
+    def _token_tensor(self, token_ids: Tensor | Sequence[int]) -> Tensor:
+        device = self.embed.weight.device
+        tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device).flatten()
+        if tokens.numel() == 0:
+            raise ValueError("no tokens given")
+        return tokens
+
+    def _context(self, positions: Tensor, state: SequenceState, write_global_kv: bool) -> ForwardContext:
+        rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+        return ForwardContext(positions, rope, state, write_global_kv=write_global_kv)
+
+    def _hash_ids(self, tokens: Tensor, state: SequenceState) -> Tensor | None:
+        """Engram row ids for the chunk; advances the sequence's n-gram history."""
+        if self.hasher is None:
+            return None
+        compressed = self.hasher.compress(tokens)
+        hash_ids = self.hasher.hash_ids(state.engram_tail, compressed, state.position)
+        keep = self.config.engram_max_ngram_size - 1
+        history = torch.cat([state.engram_tail, compressed])
+        state.engram_tail = history[max(0, history.shape[0] - keep) :]
+        return hash_ids
+
+    def _begin(
+        self, token_ids: Tensor | Sequence[int], state: SequenceState, write_global_kv: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, ForwardContext]:
+        tokens = self._token_tensor(token_ids)
+        positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
+        hash_ids = self._hash_ids(tokens, state)
+        embedded = self.embed(tokens)
+        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(tokens.shape[0], self.config.hc_mult, device=tokens.device)
+        pre_mix[:, 0] = 1.0  # the first site reads stream 0 only
+        return streams, pre_mix, hash_ids, self._context(positions, state, write_global_kv)
+
+    def _run(
+        self, layers: range, streams: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, ctx: ForwardContext
+    ) -> tuple[Tensor, Tensor]:
+        for layer_id in layers:
+            streams, pre_mix = self._block(layer_id)(streams, pre_mix, hash_ids, ctx)
+        return streams, pre_mix
+
+    def _logits(self, streams: Tensor, pre_mix: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hc_collapse(streams, pre_mix))).float()
+
+    def _new_records(self, state: SequenceState, before: dict[int, int]) -> dict[int, GlobalKVRecords]:
+        out = {}
+        for layer, kv in state.global_kv.items():
+            first = before[layer]
+            out[layer] = GlobalKVRecords(layer, first, kv.main[first:], kv.index_keys[first:])
+        return out
