@@ -39,8 +39,11 @@ Common semantics (all arithmetic in float32, whatever the input dtype):
   scale ``e4m3(amax / 6)`` is at least ``2**-9``, the smallest E4M3 subnormal, and
   never zero. The scale is *rounded to nearest* (not up), so ``x / scale`` can exceed
   6 by up to ~6 % and the clamp to ±6 is part of the semantics. ``amax / 6`` above 448
-  saturates to 448 (this is what torch >= 2.13's float8 cast does; older torch casts
-  produced NaN there, for blocks with ``amax > 2784``).
+  saturates to 448 (scale byte ``0x7E``), whatever the torch version. The reference
+  itself depends on the version there: torch 2.13's float8 cast saturates the same
+  way, but torch 2.11's (CPU and CUDA) returns NaN for ``amax / 6 > 464``, i.e. a block
+  with ``amax > 2784`` would come out all NaN. Those are the only inputs on which this
+  module and the reference can differ.
 * ``ceil(log2(t))`` is taken from the float32 bit pattern: biased exponent minus 127,
   plus one if any mantissa bit is set (inputs are always normal floats thanks to the
   floors).

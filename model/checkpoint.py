@@ -17,6 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cedserve.model.config import ModelConfig
+from cedserve.model.engram import load_compressed_token_map
+from cedserve.model.network import CEDModel
+
 FP8_BLOCK = 128  # DeepSeek's FP8 linear weights: one float32 scale per 128 x 128 block
 ENGRAM_SCALE_BLOCK = 32  # Engram FP8 table rows: one scale per 32 channels of a row
 
@@ -108,3 +112,14 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
                 )
             scale = index.scale_for(key) if raw.dtype == torch.float8_e4m3fn else None
             param.copy_(dequantize_weight(key, raw, scale, param.dtype))
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CEDModel:
+    """Build a `CEDModel` from a checkpoint folder holding `config.json`, `tokenizer.json` (needed
+    when the config has Engram layers) and `*.safetensors`."""
+    folder = Path(folder)
+    config = ModelConfig.from_hf_json(folder)
+    token_map = load_compressed_token_map(str(folder / "tokenizer.json"), config) if config.engram_layer_ids else None
+    model = CEDModel(config, token_map).to(dtype=dtype)
+    load_checkpoint(model, folder)
+    return model.to(device).eval()

@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from cedserve.kernels import reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+
+from cedserve.kernels import reference as ref
 
 pytestmark = pytest.mark.kernels
 

@@ -35,5 +35,5 @@ def test_effort_partitions_the_prefix() -> None:
 
 
 def test_unknown_role() -> None:
-    with pytest.raises(ValueError, match="messages.role"):
+    with pytest.raises(ValueError, match=r"messages\.role"):
         render_chat([ChatMessage("tool", "x")])

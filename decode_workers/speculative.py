@@ -1,0 +1,116 @@
+"""DSpark verification: lossless acceptance of drafted tokens and the choice of verification length.
+
+Drafting proposes up to K tokens per request from the draft distribution q_k (Markov-adjusted, see
+DESIGN section 1). The target model then scores all of them in one pass, giving p_1..p_{K+1}.
+
+Acceptance is lossless rejection sampling: draft token x_k is kept with probability
+min(1, p_k(x_k) / q_k(x_k)); at the first rejection the token is resampled from
+normalise(max(0, p_k - q_k)) and the rest are dropped; when all pass, a bonus token is sampled from
+p_{K+1}. The emitted tokens are then distributed exactly as if sampled from the target alone.
+Greedy decoding keeps drafts while they equal the target's argmax and then emits the argmax.
+
+Verification length: the confidence head gives c_1..c_K; the chance that the first j drafts all
+survive is prod(c_1..c_j), so verifying j drafts yields on average 1 + sum_{i<=j} prod(c_1..c_i)
+tokens and costs j + 1 positions in the target pass. Lengths are chosen jointly for the batch to
+maximise expected tokens per second, given a profiled curve of target steps per second by the
+number of positions verified in the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one request emits after a verification pass."""
+
+    num_accepted: int
+    """Drafted tokens kept (0..K)."""
+    tokens: list[int]
+    """Tokens to append: the accepted drafts plus one corrected or bonus token."""
+
+
+def accept_greedy(draft_tokens: Sequence[int], target_logits: Tensor) -> Verdict:
+    """Keep drafts while each equals the target argmax; then emit the target's own token.
+
+    `target_logits`: `[K + 1, vocab]`, row k scoring the position of draft k (row K: the bonus).
+    """
+    k = len(draft_tokens)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {k} drafts (need {k + 1})")
+    argmax = target_logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < k and draft_tokens[n] == argmax[n]:
+        n += 1
+    return Verdict(n, [*draft_tokens[:n], int(argmax[n])])
+
+
+def accept_rejection(draft_tokens: Sequence[int], draft_probs: Tensor, target_probs: Tensor,
+                     generator: torch.Generator | None = None) -> Verdict:
+    """Lossless rejection sampling of K drafts.
+
+    `draft_probs`: `[K, vocab]` (q_k, the distribution each draft was sampled from);
+    `target_probs`: `[K + 1, vocab]` (p_k after temperature/top-p/top-k processing).
+    """
+    k = len(draft_tokens)
+    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
+        raise ValueError(f"need {k} draft rows and {k + 1} target rows, got {draft_probs.shape[0]} "
+                         f"and {target_probs.shape[0]}")
+    p = target_probs.double()
+    q = draft_probs.double()
+    drafts = torch.tensor(list(draft_tokens), dtype=torch.long)
+    rows = torch.arange(k)
+    ratio = p[rows, drafts] / q[rows, drafts].clamp_min(1e-300)
+    u = torch.rand(k, generator=generator, dtype=torch.float64)
+    rejected = (u >= ratio).nonzero()
+    if rejected.numel() == 0:
+        bonus = torch.multinomial(p[k], 1, generator=generator).item()
+        return Verdict(k, [*draft_tokens, int(bonus)])
+    n = int(rejected[0].item())
+    residual = (p[n] - q[n]).clamp_min(0.0)
+    total = residual.sum()
+    # p == q on the support leaves no residual mass; the draft was then only rejected through u's
+    # rounding edge, and p itself is the right distribution to sample from.
+    dist = residual / total if total > 0 else p[n]
+    token = torch.multinomial(dist, 1, generator=generator).item()
+    return Verdict(n, [*draft_tokens[:n], int(token)])
+
+
+def expected_tokens(confidences: Tensor, lengths: Tensor) -> Tensor:
+    """Expected tokens emitted per request: 1 + sum_{i<=j} prod(c_1..c_i), `j = lengths[b]`.
+
+    `confidences`: `[batch, K]` in [0, 1]; `lengths`: `[batch]` ints in [0, K].
+    """
+    survival = torch.cumprod(confidences.double(), dim=-1)  # [batch, K]
+    mask = torch.arange(confidences.shape[-1]) < lengths[:, None]
+    return 1.0 + (survival * mask).sum(dim=-1)
+
+
+def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[int], float]) -> Tensor:
+    """Per-request verification lengths maximising the batch's expected tokens per second.
+
+    `steps_per_s(n)` is the profiled rate of target passes verifying `n` positions in total
+    (`n = batch + sum(lengths)`). For a fixed total, the best lengths come from adding positions
+    one at a time where the expected gain is largest: each request's survival is non-increasing in
+    j, so its gains are too, and the greedy order is exact. Every total from 0 to batch x K is
+    scored and the best kept, so no shape of the rate curve is assumed.
+    """
+    batch, k = confidences.shape
+    survival = torch.cumprod(confidences.double(), dim=-1)  # [batch, K]
+    lengths = torch.zeros(batch, dtype=torch.long)
+    tokens = float(batch)
+    best_value, best_lengths = tokens * steps_per_s(batch), lengths.clone()
+    for extra in range(1, batch * k + 1):
+        gains = torch.where(lengths < k, survival.gather(1, lengths.clamp_max(k - 1)[:, None])[:, 0], -1.0)
+        pick = int(gains.argmax())
+        lengths[pick] += 1
+        tokens += float(gains[pick])
+        value = tokens * steps_per_s(batch + extra)
+        if value > best_value:
+            best_value, best_lengths = value, lengths.clone()
+    return best_lengths

@@ -1,0 +1,157 @@
+"""Placement: pick the (prefill, decode) pair, or decode-only, that minimises estimated seconds.
+
+For a request with `prompt_len` tokens and effort `e`, every candidate pair (P, D) is scored as
+
+    cost(P, D) = prefill_wait(P) + compute(P) + transfer(P, D) + decode_pressure(D)
+
+    prefill_wait(P)    = P.queued_tokens / P.prefill_tokens_per_s
+    compute(P)         = (prompt_len - cached_P) / P.prefill_tokens_per_s + onload(P)
+    onload(P)          = bytes of the prefix held in P's slower tiers / that tier's measured rate
+    transfer(P, D)     = global KV bytes of the blocks D lacks / measured link rate P->D
+    decode_pressure(D) = expected_output(e) x (D.step_s(batch + 1) - D.step_s(batch)) x batch
+                         + D.step_s(batch + 1)
+
+`cached_P` is the longest prefix of the request's block hashes that worker P holds (exact, from KV
+events), `onload` is zero for HBM hits. The decode pressure is the time this request adds to
+everyone already decoding on D over its expected output length (its effect on others) plus its own
+first decode step. Decode-only placement (D prefills the suffix itself) is scored as
+
+    cost(D) = D.queued_tokens / D.prefill_tokens_per_s + (prompt_len - cached_D) / D.prefill_tokens_per_s
+              + decode_pressure(D)
+
+and is allowed only when the uncached suffix is at most `decode_only_max_tokens`. A decode worker
+without room for the request's blocks is not a candidate. Every rate is measured by the workers and
+reported in load reports; nothing here is a tuned weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cedserve.model.effort import parse_effort
+
+# Expected output tokens by effort: the report says effort 25 -> 100 roughly doubles output length
+# (2.5x on DeepSWE). Linear in effort between those anchors; workers may report measured values.
+_OUTPUT_AT_EFFORT_25 = 1024.0
+_OUTPUT_AT_EFFORT_100 = 2560.0
+
+
+def expected_output_tokens(effort: int) -> float:
+    """Prior for a request's output length at an effort level (1-100)."""
+    e = parse_effort(effort)
+    slope = (_OUTPUT_AT_EFFORT_100 - _OUTPUT_AT_EFFORT_25) / 75.0
+    return max(64.0, _OUTPUT_AT_EFFORT_25 + slope * (e - 25))
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """What the router knows about one prefill worker."""
+
+    worker_id: str
+    queued_tokens: int
+    prefill_tokens_per_s: float
+    cached_blocks: int = 0
+    """Leading blocks of this request held in HBM (from the global index)."""
+    offloaded_blocks: Mapping[str, int] = field(default_factory=dict)
+    """Further leading blocks held in slower tiers, by tier name."""
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What the router knows about one decode worker."""
+
+    worker_id: str
+    running_requests: int
+    free_blocks: int
+    step_s: Sequence[float]
+    """Measured seconds per decode step by batch size (index = batch size; last value extrapolated)."""
+    prefill_tokens_per_s: float
+    queued_tokens: int = 0
+    cached_blocks: int = 0
+
+    def step_at(self, batch: int) -> float:
+        if batch < len(self.step_s):
+            return self.step_s[batch]
+        # Beyond the profile: extend linearly from its last two points.
+        last, prev = self.step_s[-1], self.step_s[-2] if len(self.step_s) > 1 else self.step_s[-1]
+        return last + (batch - len(self.step_s) + 1) * max(0.0, last - prev)
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    prompt_len: int
+    effort: int
+    block_size: int
+    block_bytes: int
+    """Global KV bytes of one full block (all KV sources)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.prompt_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class LinkRates:
+    """Measured rates in bytes/s: prefill->decode links and tier onloads."""
+
+    transfer_bytes_per_s: Mapping[tuple[str, str], float]
+    tier_bytes_per_s: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill_id: str | None
+    """None for decode-only placement."""
+    decode_id: str
+    cost_s: float
+    parts: Mapping[str, float]
+    """The cost's terms, for logs and metrics."""
+
+
+def decode_pressure(d: DecodeLoad, effort: int) -> float:
+    batch = d.running_requests
+    added = d.step_at(batch + 1) - d.step_at(batch)
+    return expected_output_tokens(effort) * added * batch + d.step_at(batch + 1)
+
+
+def _pair_cost(req: RequestShape, p: PrefillLoad, d: DecodeLoad, links: LinkRates) -> Placement:
+    cached = min(p.cached_blocks * req.block_size, req.prompt_len)
+    onload = sum(blocks * req.block_bytes / links.tier_bytes_per_s[tier] for tier, blocks in p.offloaded_blocks.items())
+    offloaded_tokens = sum(p.offloaded_blocks.values()) * req.block_size
+    uncached = max(0, req.prompt_len - cached - offloaded_tokens)
+    missing_blocks = max(0, req.num_blocks - d.cached_blocks)
+    link = links.transfer_bytes_per_s[(p.worker_id, d.worker_id)]
+    parts = {
+        "prefill_wait": p.queued_tokens / p.prefill_tokens_per_s,
+        "compute": uncached / p.prefill_tokens_per_s + onload,
+        "transfer": missing_blocks * req.block_bytes / link,
+        "decode_pressure": decode_pressure(d, req.effort),
+    }
+    return Placement(p.worker_id, d.worker_id, sum(parts.values()), parts)
+
+
+def _decode_only_cost(req: RequestShape, d: DecodeLoad) -> Placement:
+    uncached = max(0, req.prompt_len - d.cached_blocks * req.block_size)
+    parts = {
+        "prefill_wait": d.queued_tokens / d.prefill_tokens_per_s,
+        "compute": uncached / d.prefill_tokens_per_s,
+        "transfer": 0.0,
+        "decode_pressure": decode_pressure(d, req.effort),
+    }
+    return Placement(None, d.worker_id, sum(parts.values()), parts)
+
+
+def place(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], links: LinkRates,
+          decode_only_max_tokens: int) -> Placement:
+    """The cheapest placement; `LookupError` when no decode worker has room for the request."""
+    fits = [d for d in decode if d.free_blocks >= req.num_blocks - d.cached_blocks]
+    if not fits:
+        raise LookupError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
+    options = [_pair_cost(req, p, d, links) for p in prefill for d in fits]
+    for d in fits:
+        if req.prompt_len - d.cached_blocks * req.block_size <= decode_only_max_tokens:
+            options.append(_decode_only_cost(req, d))
+    if not options:
+        raise LookupError("no prefill worker is available and the prompt is too long for decode-only placement")
+    return min(options, key=lambda o: (o.cost_s, o.prefill_id or "", o.decode_id))

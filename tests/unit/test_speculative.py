@@ -1,0 +1,93 @@
+"""DSpark acceptance is lossless and the verification length follows the throughput objective."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cedserve.decode_workers.speculative import (
+    accept_greedy,
+    accept_rejection,
+    choose_verify_lengths,
+    expected_tokens,
+)
+
+
+def test_greedy_keeps_matching_prefix() -> None:
+    logits = torch.full((4, 10), -1.0)
+    for row, tok in enumerate([3, 5, 7, 9]):
+        logits[row, tok] = 1.0
+    assert accept_greedy([3, 5, 2], logits).tokens == [3, 5, 7]
+    assert accept_greedy([3, 5, 7], logits).tokens == [3, 5, 7, 9]  # all pass: bonus
+    assert accept_greedy([], logits[:1]).tokens == [3]
+    with pytest.raises(ValueError, match="rows"):
+        accept_greedy([1, 2], logits)
+
+
+def test_rejection_sampling_is_lossless() -> None:
+    # Emitted first token must follow p_1 whatever q is: compare the empirical law with p over many
+    # trials (fresh random distributions; tolerance from the binomial standard error).
+    gen = torch.Generator().manual_seed(7)
+    vocab, k, trials = 6, 2, 20_000
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, -1)
+    counts = torch.zeros(vocab)
+    pair_counts: dict[tuple[int, int], int] = {}
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+        out = accept_rejection(drafts, q, p, generator=gen).tokens
+        counts[out[0]] += 1
+        if len(out) >= 2:
+            pair_counts[(out[0], out[1])] = pair_counts.get((out[0], out[1]), 0) + 1
+    freq = counts / trials
+    stderr = (p[0] * (1 - p[0]) / trials).sqrt()
+    assert ((freq - p[0]).abs() <= 5 * stderr + 1e-3).all(), (freq, p[0])
+
+
+def test_rejection_identical_distributions_accept_everything() -> None:
+    gen = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(4, 8, generator=gen), -1)
+    verdict = accept_rejection([1, 2, 3], p[:3], p, generator=gen)
+    assert verdict.num_accepted == 3 and len(verdict.tokens) == 4
+
+
+def test_expected_tokens() -> None:
+    c = torch.tensor([[0.5, 0.5, 0.5]])
+    assert expected_tokens(c, torch.tensor([0])).item() == 1.0
+    assert expected_tokens(c, torch.tensor([2])).item() == pytest.approx(1 + 0.5 + 0.25)
+
+
+def _brute_force(conf: torch.Tensor, rate: object) -> float:
+    batch, k = conf.shape
+    best = 0.0
+    for combo in itertools.product(range(k + 1), repeat=batch):
+        lengths = torch.tensor(combo)
+        value = float(expected_tokens(conf, lengths).sum()) * rate(int(lengths.sum()) + batch)  # type: ignore[operator]
+        best = max(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_verify_lengths_match_brute_force(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    conf = torch.rand(3, 4, generator=gen) ** 0.3
+
+    def rate(n: int) -> float:  # a saturating throughput curve: flat until 6 positions, then 1/n
+        return 100.0 / max(6, n)
+
+    lengths = choose_verify_lengths(conf, rate)
+    got = float(expected_tokens(conf, lengths).sum()) * rate(int(lengths.sum()) + 3)
+    assert got == pytest.approx(_brute_force(conf, rate), rel=1e-9)
+
+
+def test_verify_lengths_extremes() -> None:
+    conf = torch.tensor([[0.99] * 5, [0.01] * 5])
+    free = choose_verify_lengths(conf, lambda n: 1.0)  # verification costs nothing: verify all
+    assert free.tolist() == [5, 5]
+    # A pass costs a fixed overhead plus a little per position: confident drafts pay, hopeless don't.
+    costly = choose_verify_lengths(conf, lambda n: 1.0 / (1.0 + 0.1 * n))
+    assert costly.tolist() == [5, 0]
+    # Cost purely linear in positions: no draft with c < 1 can beat one token per position.
+    assert choose_verify_lengths(conf, lambda n: 1.0 / n).tolist() == [0, 0]
