@@ -1,0 +1,202 @@
+"""DSpark: the speculative drafter (not in the public reference; semantics from DESIGN section 1).
+
+Context. For every target position t the drafter keeps one context vector
+    c_t = RMSNorm(W_c [h_a(t); h_b(t); h_c(t)])          # [hidden]
+where h_l(t) is the attention input of backbone layer l (`dspark_target_layer_ids`, 37-39 when
+released) averaged over the mHC streams. Only the last `sliding_window` vectors matter, so this
+state is bounded like every SWA ring (`DraftState`).
+
+Draft pass. The block is the anchor (the last accepted token) followed by `dspark_block_size - 1`
+copies of the noise token. Each of the `num_nextn_predict_layers` draft layers runs
+attention + MoE (`dspark_n_routed_experts`, top `dspark_num_experts_per_tok`) on one residual
+stream. Attention keys are the context vectors of the window before the anchor (projected by the
+layer's own K=V latent) plus the block's own positions, which see each other bidirectionally. The
+shared LM head turns the final states into base logits U_k for all block positions at once.
+
+Markov and confidence heads (rank r = `dspark_markov_rank`):
+    q_k(v) ∝ exp(U_k(v) + (W1[x_{k-1}] W2)_v)       # x_0 = anchor; sampled left to right
+    c_k    = sigmoid(w · [h_k; W1[x_{k-1}]])          # survival of a j-prefix = c_1 ... c_j
+The drafts, their distributions q_k (for lossless acceptance) and c_k (for the verification length)
+come out of one call.
+
+Checkpoint names (ours; the released layout is not public): `dspark.fc.weight [D, 3D]`,
+`dspark.norm.weight`, `dspark.layers.N.{attn_norm,ffn_norm}.weight`, `dspark.layers.N.attn.*`
+(same names as backbone attention minus the compressed branch), `dspark.layers.N.ffn.*` (MoE),
+`dspark.final_norm.weight`, `dspark.markov.w1 [V, r]`, `dspark.markov.w2 [r, V]`,
+`dspark.confidence.weight [1, D + r]`, `dspark.confidence.bias [1]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from cedserve.model.attention import GroupedOutput, sink_attention
+from cedserve.model.config import ModelConfig
+from cedserve.model.moe import MoE
+from cedserve.model.norm import RMSNorm
+from cedserve.model.rope import RopeTable, apply_rope
+
+
+@dataclass
+class DraftState:
+    """One sequence's drafter memory: the newest context vectors.
+
+    It keeps `window + rollback` vectors so that rolling back up to `rollback` rejected positions
+    still leaves a full window; attention reads the newest `window`.
+    """
+
+    vectors: Tensor  # [n <= window + rollback, hidden]
+    end_position: int  # position after the newest vector
+    window: int
+    rollback: int
+
+    @staticmethod
+    def new(config: ModelConfig, device: torch.device | None = None) -> DraftState:
+        return DraftState(torch.zeros(0, config.hidden_size, device=device), 0, config.sliding_window,
+                          config.dspark_block_size + 1)
+
+    @property
+    def window_vectors(self) -> Tensor:
+        """The vectors attention reads: `[min(n, window), hidden]`."""
+        return self.vectors[max(0, self.vectors.shape[0] - self.window) :]
+
+    def extend(self, vectors: Tensor) -> None:
+        """Append context vectors of the next positions, keeping the newest `window + rollback`."""
+        joined = torch.cat([self.vectors, vectors.to(self.vectors.dtype)])
+        self.vectors = joined[max(0, joined.shape[0] - self.window - self.rollback) :]
+        self.end_position += int(vectors.shape[0])
+
+    def truncate(self, end_position: int) -> None:
+        """Forget vectors at or after `end_position` (rejected drafts)."""
+        drop = self.end_position - end_position
+        if drop < 0 or drop > self.vectors.shape[0]:
+            raise ValueError(f"cannot roll the draft state back from {self.end_position} to {end_position}")
+        self.vectors = self.vectors[: self.vectors.shape[0] - drop]
+        self.end_position = end_position
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One draft pass for one sequence (k = block size)."""
+
+    tokens: list[int]  # [k] drafted tokens x_1..x_k
+    probs: Tensor  # float32 [k, vocab]: q_k each token was drawn from
+    confidences: Tensor  # float32 [k]: c_k
+
+
+class DraftAttention(nn.Module):
+    """Shared-K=V latent attention with a sink, over context keys plus a bidirectional block."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        heads, dim = config.num_attention_heads, config.head_dim
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, heads * dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, dim, bias=False)
+        self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.wo_a = GroupedOutput(heads * dim // config.o_groups, config.o_groups, config.o_lora_rank)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(heads))
+
+    def forward(self, x: Tensor, context: Tensor, rope: RopeTable, positions: Tensor, ctx_positions: Tensor) -> Tensor:
+        """`x [k, D]` block states at `positions [k]`; `context [n, D]` at `ctx_positions [n]`."""
+        c = self.config
+        cos, sin = rope.cos_sin(positions)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        block_kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        ccos, csin = rope.cos_sin(ctx_positions)
+        ctx_kv = apply_rope(self.kv_norm(self.wkv(context)), ccos, csin)
+        keys = torch.cat([ctx_kv, block_kv])
+        bias = torch.zeros(x.shape[0], keys.shape[0], device=x.device)  # all visible: window + block
+        out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, c.head_dim**-0.5)
+        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        return self.wo_b(self.wo_a(out.unflatten(1, (c.o_groups, -1)).flatten(2)))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = DraftAttention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = MoE(config.replace(n_routed_experts=config.dspark_n_routed_experts,
+                                      num_experts_per_tok=config.dspark_num_experts_per_tok))
+
+    def forward(self, x: Tensor, context: Tensor, rope: RopeTable, positions: Tensor, ctx_positions: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), context, rope, positions, ctx_positions)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(vocab, rank))
+        self.w2 = nn.Parameter(torch.empty(rank, vocab))
+
+    def bias(self, previous: Tensor) -> Tensor:
+        """Logit offsets `[n, V]` given the previous tokens `[n]`."""
+        return self.w1[previous] @ self.w2
+
+
+class Drafter(nn.Module):
+    """The DSpark draft model. It shares the target's embedding and LM head (passed in)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden, taps = config.hidden_size, len(config.dspark_target_layer_ids)
+        self.fc = nn.Linear(taps * hidden, hidden, bias=False)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_nextn_predict_layers)])
+        self.final_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.markov = MarkovHead(config.vocab_size, config.dspark_markov_rank)
+        self.confidence = nn.Linear(hidden + config.dspark_markov_rank, 1)
+        self.rope = RopeTable((config.rope_parameters or {})["main"], config.head_dim, config.max_position_embeddings)
+
+    def context_vectors(self, taps: Tensor) -> Tensor:
+        """`taps [S, n_taps, hc, D]` (attention inputs of the tapped layers, per stream) -> `[S, D]`."""
+        return self.norm(self.fc(taps.mean(dim=2).flatten(1)))
+
+    @torch.no_grad()
+    def draft(self, anchor: int, state: DraftState, embed: nn.Embedding, lm_head: nn.Module,
+              temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+        """Draft `dspark_block_size` tokens after `anchor`, the token at position `state.end_position`."""
+        c = self.config
+        k = c.dspark_block_size
+        device = embed.weight.device
+        block = torch.full((k,), c.dspark_noise_token_id, dtype=torch.long, device=device)
+        block[0] = anchor
+        positions = torch.arange(state.end_position, state.end_position + k, device=device)
+        context = state.window_vectors
+        ctx_positions = torch.arange(state.end_position - context.shape[0], state.end_position, device=device)
+        x = embed(block)
+        for layer in self.layers:
+            x = layer(x, context.to(x.dtype), self.rope, positions, ctx_positions)
+        h = self.final_norm(x)
+        base = lm_head(h).float()  # [k, V]: U_k
+        return self._sample(anchor, h, base, temperature, generator)
+
+    def _sample(self, anchor: int, h: Tensor, base: Tensor, temperature: float,
+                generator: torch.Generator | None) -> Draft:
+        tokens: list[int] = []
+        probs, confs = [], []
+        previous = torch.tensor([anchor], device=h.device)
+        for pos in range(base.shape[0]):
+            row = self.markov.w1[previous]  # [1, r]
+            logits = base[pos : pos + 1] + (row @ self.markov.w2).float()
+            confs.append(torch.sigmoid(self.confidence(torch.cat([h[pos : pos + 1], row.to(h.dtype)], -1))).float())
+            if temperature <= 0:
+                dist = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+            else:
+                dist = torch.softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(dist[0], 1, generator=generator)) if temperature > 0 else int(dist.argmax())
+            tokens.append(token)
+            probs.append(dist[0])
+            previous = torch.tensor([token], device=h.device)
+        return Draft(tokens, torch.stack(probs), torch.cat(confs).flatten())
