@@ -12,8 +12,10 @@ of heads, `wo_b` across groups) maps it to the hidden size.
 from __future__ import annotations
 
 import torch
+from torch import Tensor, nn
+
 from cedserve.kernels.reference import pack_swa, unpack_swa
-from cedserve.model.compressor import Compressor
+from cedserve.model.compressor import Compressor, PendingGroup
 from cedserve.model.config import AttentionMode, LayerSpec, ModelConfig
 from cedserve.model.context import ForwardContext
 from cedserve.model.indexer import (
@@ -25,7 +27,6 @@ from cedserve.model.indexer import (
 )
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable, apply_rope
-from torch import Tensor, nn
 
 
 def sink_attention(q: Tensor, keys: Tensor, bias: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -91,18 +92,21 @@ class Attention(nn.Module):
         at a KV source, the global KV of `ctx.state`."""
         cos, sin = ctx.rope[self.rope_kind]
         q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).unflatten(-1, (self.config.num_attention_heads, self.config.head_dim))
+        q = self.wq_b(q_residual).view(x.shape[0], self.config.num_attention_heads, self.config.head_dim)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         keys, bias = self._window_keys(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), ctx)
         if self.spec.compress_ratio:
             if self.compressor is not None and ctx.write_global_kv:
                 self.write_global_kv(x, ctx)
+            elif self.compressor is not None:
+                self._restore_pending(x, ctx)
             if self.indexer is not None:
                 self._select(x, q_residual, ctx)
             keys, bias = self._add_compressed(keys, bias, ctx)
         out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
         out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
-        return self.wo_b(self.wo_a(out.unflatten(1, (self.config.o_groups, -1)).flatten(2)))
+        projected: Tensor = self.wo_b(self.wo_a(out.reshape(x.shape[0], self.config.o_groups, -1)))
+        return projected
 
     def _window_keys(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Window keys `[P + S, D]` (stored records + this chunk, FP8) and their bias `[S, P + S]`."""
@@ -127,6 +131,22 @@ class Attention(nn.Module):
         source.append(apply_rope(latent, cos, sin), self.indexer.keys(latent, cos, sin))
         ctx.global_kv_changed(self.spec.layer_id)
         return int(latent.shape[0])
+
+    def _restore_pending(self, x: Tensor, ctx: ForwardContext) -> None:
+        """Replay: the global KV already holds this span's complete groups; rebuild the partial
+        group from the span's tokens at or after the next group's first position."""
+        assert self.compressor is not None
+        source = ctx.state.global_kv[self.spec.layer_id]
+        if self.spec.compress_ratio == 1:
+            return
+        offset = source.next_group_position - ctx.start
+        if offset < 0:
+            raise ValueError(
+                f"replay starts at position {ctx.start}, after the first pending token "
+                f"{source.next_group_position} of layer {self.spec.layer_id}'s compressor: replay more tokens"
+            )
+        projected = self.compressor.project(x)  # whole span: same matmul shape as the prefill's
+        source.pending = PendingGroup(projected.kv[offset:], projected.gate[offset:])
 
     def _select(self, x: Tensor, q_residual: Tensor, ctx: ForwardContext) -> None:
         """Score this chunk's queries against the KV source's index keys and publish the picks."""

@@ -50,11 +50,13 @@ class Block(nn.Module):
             return streams
         if hash_ids is None:
             raise ValueError(f"layer {self.spec.layer_id} has an Engram table but no hash ids were given")
-        return self.engram(streams, hash_ids[:, self.engram_index])
+        mixed: Tensor = self.engram(streams, hash_ids[:, self.engram_index])
+        return mixed
 
     def attention_input(self, streams: Tensor, pre_mix: Tensor) -> Tensor:
         """The normed sublayer input the attention (and a KV source's compressor) sees: `[S, D]`."""
-        return self.attn_norm(hc_collapse(streams, pre_mix))
+        normed: Tensor = self.attn_norm(hc_collapse(streams, pre_mix))
+        return normed
 
     def forward(
         self, streams: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, ctx: ForwardContext

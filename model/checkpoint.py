@@ -2,9 +2,14 @@
 
 Names follow the reference (`model.layers.2.attn.wkv.weight`, `lm_head.weight`); the `model.`
 prefix is optional. Every parameter of the model must be found with its exact shape, or
-`CheckpointError` names the tensor. Tensors the model has no place for (DSpark `mtp.*`, vision)
-are ignored. Float weights are cast to the parameter's dtype. FP8 weights go through
-`dequantize_weight`, the one place block-scaled formats are handled.
+`CheckpointError` names the tensor. Tensors the model has no place for (DSpark `mtp.*`, vision,
+scale tensors) are ignored. Stored formats, all turned into the parameter's dtype by
+`dequantize_weight`:
+
+* float32 / bfloat16: cast.
+* FP8 linear weight + `<name>_scale_inv` (float32 per 128 x 128 tile): `kernels.weight_formats`.
+* FP4 expert weight (uint8 `[out, in/2]`) + `<name>_scale` (UE8M0 per 32): `kernels.weight_formats`.
+* FP8 Engram table + `<module>.scale` (one float per 32 channels of a row).
 """
 
 from __future__ import annotations
@@ -17,12 +22,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cedserve.kernels.weight_formats import dequantize_fp4_weight, dequantize_fp8_weight
 from cedserve.model.config import ModelConfig
 from cedserve.model.engram import load_compressed_token_map
 from cedserve.model.network import CEDModel
 
-FP8_BLOCK = 128  # DeepSeek's FP8 linear weights: one float32 scale per 128 x 128 block
 ENGRAM_SCALE_BLOCK = 32  # Engram FP8 table rows: one scale per 32 channels of a row
+FLOAT32_PARAMETERS = frozenset(
+    {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "attn_sink"}
+    | {"bias", "bias_vl"}
+)
+"""Parameter names the released checkpoint stores in float32 and the reference keeps there."""
 
 
 class CheckpointError(ValueError):
@@ -38,29 +48,28 @@ def _shard_paths(path: Path) -> list[Path]:
     return shards
 
 
+def _dequantize_engram_rows(raw: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    blocks = raw.float().view(raw.shape[0], -1, ENGRAM_SCALE_BLOCK)
+    return (blocks * scale.float().unsqueeze(-1)).view(raw.shape).to(dtype)
+
+
 def dequantize_weight(name: str, raw: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """Turn a stored tensor into the parameter's dtype. Float tensors are cast; FP8 E4M3
-    tensors need their block scale (`<name>_scale_inv` or `<module>.scale`: one float per
-    128 x 128 block, or per 32 channels of an Engram row) and are dequantized as `fp8 * scale`. New stored formats
-    (FP4 experts) belong here."""
-    if raw.dtype != torch.float8_e4m3fn:
+    """The stored tensor `raw` (with its `scale` companion, if any) as a `dtype` tensor."""
+    quantized = raw.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8)
+    if not quantized:
         return raw.to(dtype)
     if scale is None:
-        raise CheckpointError(f"tensor {name} is FP8 but has no block scale (`{name}_scale_inv`)")
-    block_rows, block_cols = _scale_blocks(name, tuple(raw.shape), tuple(scale.shape))
-    rows, cols = raw.shape
-    expanded = scale.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-    return (raw.float() * expanded).to(dtype)
-
-
-def _scale_blocks(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
-    """Block size of a scale tensor: 128 x 128 (linear weights) or 1 x 32 (Engram table rows)."""
-    rows, cols = shape
-    if scale_shape == (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)):
-        return FP8_BLOCK, FP8_BLOCK
-    if scale_shape == (rows, cols // ENGRAM_SCALE_BLOCK):
-        return 1, ENGRAM_SCALE_BLOCK
-    raise CheckpointError(f"tensor {name}: scale shape {scale_shape} fits no known block layout for {shape}")
+        raise CheckpointError(f"tensor {name} is stored as {raw.dtype} but has no scale tensor beside it")
+    try:
+        if raw.dtype != torch.float8_e4m3fn:
+            value: Tensor = dequantize_fp4_weight(raw, scale, dtype)
+        elif tuple(scale.shape) == (raw.shape[0], raw.shape[1] // ENGRAM_SCALE_BLOCK):
+            value = _dequantize_engram_rows(raw, scale, dtype)
+        else:
+            value = dequantize_fp8_weight(raw, scale, dtype)
+    except ValueError as exc:
+        raise CheckpointError(f"tensor {name}: {exc}") from exc
+    return value
 
 
 class _TensorIndex:
@@ -72,8 +81,8 @@ class _TensorIndex:
         self.handles: dict[str, Any] = {}
         for shard in _shard_paths(path):
             handle = stack.enter_context(safe_open(str(shard), framework="pt"))
-            for key in handle.keys():
-                self.handles[key] = handle
+            names: list[str] = handle.keys()  # a safetensors handle is not iterable
+            self.handles.update(dict.fromkeys(names, handle))
 
     def find(self, name: str) -> str | None:
         for candidate in (name, f"model.{name}", name.removeprefix("model.")):
@@ -86,7 +95,9 @@ class _TensorIndex:
         return tensor
 
     def scale_for(self, key: str) -> Tensor | None:
-        for candidate in (f"{key}_scale_inv", key.removesuffix(".weight") + ".scale"):
+        """The companion scale of a quantized tensor, under any of the known names."""
+        module = key.removesuffix(".weight")
+        for candidate in (f"{key}_scale_inv", f"{key}_scale", f"{module}.scale"):
             if candidate in self.handles and candidate != key:
                 return self.get(candidate)
         return None
@@ -106,12 +117,21 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
             if key is None:
                 raise CheckpointError(f"checkpoint {path} has no tensor {name} (nor model.{name})")
             raw = index.get(key)
-            if tuple(raw.shape) != tuple(param.shape):
+            scale = index.scale_for(key) if raw.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8) else None
+            value = dequantize_weight(key, raw, scale, param.dtype)
+            if tuple(value.shape) != tuple(param.shape):
                 raise CheckpointError(
-                    f"tensor {key}: checkpoint shape {tuple(raw.shape)}, model expects {tuple(param.shape)}"
+                    f"tensor {key}: checkpoint shape {tuple(value.shape)}, model expects {tuple(param.shape)}"
                 )
-            scale = index.scale_for(key) if raw.dtype == torch.float8_e4m3fn else None
-            param.copy_(dequantize_weight(key, raw, scale, param.dtype))
+            param.copy_(value)
+
+
+def keep_float32(model: nn.Module) -> None:
+    """Return the parameters the checkpoint stores in float32 (mHC mixes, sinks, router biases)
+    to float32 after a whole-model dtype cast, as the reference does."""
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FLOAT32_PARAMETERS:
+            param.data = param.data.float()
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CEDModel:
@@ -121,5 +141,6 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     config = ModelConfig.from_hf_json(folder)
     token_map = load_compressed_token_map(str(folder / "tokenizer.json"), config) if config.engram_layer_ids else None
     model = CEDModel(config, token_map).to(dtype=dtype)
+    keep_float32(model)
     load_checkpoint(model, folder)
     return model.to(device).eval()

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from cedserve.model.config import ModelConfig
 from cedserve.model.norm import RMSNorm
-from torch import Tensor, nn
 
 
 @dataclass
@@ -42,17 +43,25 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
         self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
+    def project(self, x: Tensor) -> PendingGroup:
+        """Per-token float32 projections `[S, head_dim]` (latent and gate) of `x [S, D]`; m > 1."""
+        if self.wgate is None:
+            raise RuntimeError("a ratio-1 compressor has no pending groups")
+        kv = F.linear(x.float(), self.wkv.weight.float())
+        return PendingGroup(kv, F.linear(x.float(), self.wgate.weight.float()))
+
     def forward(self, x: Tensor, pending: PendingGroup) -> tuple[Tensor, PendingGroup]:
         """Latents of the groups completed by `x [S, D]` after `pending`: `[G, head_dim]` (G may be
         0), and the new pending group."""
         if self.wgate is None:
-            return self.norm(self.wkv(x)), pending
-        kv = F.linear(x.float(), self.wkv.weight.float())
-        gate = F.linear(x.float(), self.wgate.weight.float())
-        kv, gate = torch.cat([pending.kv, kv]), torch.cat([pending.gate, gate])
+            latent: Tensor = self.norm(self.wkv(x))
+            return latent, pending
+        projected = self.project(x)
+        kv, gate = torch.cat([pending.kv, projected.kv]), torch.cat([pending.gate, projected.gate])
         usable = (kv.shape[0] // self.ratio) * self.ratio
         rest = PendingGroup(kv[usable:], gate[usable:])
-        groups_kv = kv[:usable].unflatten(0, (-1, self.ratio))  # [G, m, head_dim]
-        groups_gate = gate[:usable].unflatten(0, (-1, self.ratio))
+        groups_kv = kv[:usable].view(-1, self.ratio, kv.shape[-1])  # [G, m, head_dim]
+        groups_gate = gate[:usable].view(-1, self.ratio, gate.shape[-1])
         latent = (groups_kv * groups_gate.softmax(dim=1)).sum(dim=1)
-        return self.norm(latent.to(x.dtype)), rest
+        normed: Tensor = self.norm(latent.to(x.dtype))
+        return normed, rest

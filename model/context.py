@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cedserve.model.state import SequenceState
 from torch import Tensor
+
+from cedserve.model.state import SequenceState
 
 
 @dataclass

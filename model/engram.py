@@ -136,8 +136,8 @@ class EngramHasher:
 
     def hash_ids(self, history: Tensor, compressed: Tensor, start: int) -> Tensor:
         """Row ids `[S, layers, (N-1)*heads]` for compressed ids `[S]` at positions
-        `start..start+S-1`, given the compressed ids of the tokens just before (`history`, at
-        least `min(start, N-1)` of them)."""
+        `start..start+S-1`, given the compressed ids of the tokens just before (`history`, exact
+        with `min(start, N-1)` of them; look-back past a shorter history reads the pad id)."""
         full = torch.cat([history, compressed])
         first = full.shape[0] - compressed.shape[0]
         positions = torch.arange(start, start + compressed.shape[0], device=compressed.device)
@@ -145,7 +145,8 @@ class EngramHasher:
         grams = []
         for shift in range(self.max_ngram):
             source = full[(index - shift).clamp_min(0)]
-            grams.append(torch.where(positions >= shift, source, torch.full_like(source, self.pad_id)))
+            known = (positions >= shift) & (index >= shift)  # unknown history counts as the start
+            grams.append(torch.where(known, source, torch.full_like(source, self.pad_id)))
         tokens = torch.stack(grams, dim=-1)  # [S, N]
         products = tokens.unsqueeze(1) * self.multipliers.to(tokens.device)  # [S, L, N]
         rolling, hashes = products[..., 0], []
@@ -168,7 +169,8 @@ class EngramEmbedding(nn.Module):
         values = F.embedding(ids, self.weight)
         if self.weight.dtype == torch.float8_e4m3fn:
             scales = F.embedding(ids, self.scale).float()
-            values = (values.float().unflatten(-1, (-1, self.block)) * scales.unsqueeze(-1)).flatten(-2)
+            blocks = values.float().view(*values.shape[:-1], -1, self.block)
+            values = (blocks * scales.unsqueeze(-1)).flatten(-2)
         return values
 
 
@@ -188,12 +190,13 @@ class Engram(nn.Module):
 
     def forward(self, streams: Tensor, hash_ids: Tensor) -> Tensor:
         """`streams [S, hc, D]`, `hash_ids [S, columns]` -> `[S, hc, D]`."""
-        kv = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
-        key, value = kv.split([self.hc * self.hidden, self.hidden], dim=-1)
-        key = key.float().unflatten(-1, (self.hc, self.hidden))  # [S, hc, D]
+        kv: Tensor = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        key = kv[:, : self.hc * self.hidden].float().view(-1, self.hc, self.hidden)  # [S, hc, D]
+        value = kv[:, self.hc * self.hidden :]  # [S, D]
         h = streams.float()
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         weight = self.q_weight.float() * self.k_weight.float()
         dot = (h * weight * key).sum(-1) * rstd * self.hidden**-0.5  # [S, hc]
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+        out: Tensor = (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+        return out

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.model.config import ModelConfig
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import apply_rope
-from torch import Tensor, nn
 
 INDEX_QUANT_BLOCK = 32
 
@@ -38,7 +39,7 @@ def select_candidate_blocks(scores: Tensor, visible: Tensor, topk_blocks: int, b
     kept; blocks with no visible entry never are. `visible [S, 1]` counts visible entries."""
     width = scores.shape[-1]
     padded = F.pad(scores, (0, -width % block_size), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [S, n_blocks]
+    block_scores = padded.view(padded.shape[0], -1, block_size).amax(dim=-1)  # [S, n_blocks]
     num_blocks = block_scores.shape[-1]
     newest = (visible - 1).div(block_size, rounding_mode="floor")
     block_ids = torch.arange(num_blocks, device=scores.device).unsqueeze(0)
@@ -77,14 +78,16 @@ class Indexer(nn.Module):
         rotated at the groups' first positions (`cos`/`sin` `[G, rope_dim/2]`)."""
         if self.wk is None or self.k_norm is None:
             raise RuntimeError("index keys are produced only by a KV-source layer's indexer")
-        return apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+        keys: Tensor = apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+        return keys
 
     def scores(self, x: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor, keys: Tensor) -> Tensor:
         """Index scores `[S, T]` (before visibility masking) of queries from `x [S, D]` and
         `q_residual [S, q_lora_rank]` against dequantized `keys [T, index_head_dim]`."""
-        q = self.wq_b(q_residual).unflatten(-1, (self.num_heads, self.head_dim))  # [S, H, d]
+        q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)  # [S, H, d]
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         q = fake_quant_fp4(q, INDEX_QUANT_BLOCK, "ue8m0")
         per_head = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * self.head_dim**-0.5
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [S, H]
-        return (per_head * weights.unsqueeze(-1)).sum(dim=1)
+        weights: Tensor = self.weights_proj(x).float() * self.num_heads**-0.5  # [S, H]
+        scores: Tensor = (per_head * weights.unsqueeze(-1)).sum(dim=1)
+        return scores

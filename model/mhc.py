@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from cedserve.model.norm import rms_normalize
 from torch import Tensor
+
+from cedserve.model.norm import rms_normalize
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def hc_mixes(
     scale, base = scale.float(), base.float()
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb_logits = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb_logits = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).view(*mixes.shape[:-1], hc, hc)
     return HcMix(pre=pre, post=post, comb=sinkhorn(comb_logits, sinkhorn_iters, hc_eps))
 
 

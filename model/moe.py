@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from cedserve.model.config import ModelConfig
 from torch import Tensor, nn
+
+from cedserve.model.config import ModelConfig
 
 
 def score_logits(logits: Tensor, scoring_func: str) -> Tensor:
@@ -65,7 +66,8 @@ class Expert(nn.Module):
         y = F.silu(gate) * up
         if weight is not None:
             y = weight * y  # [N, 1] routing weight, applied before the down projection
-        return self.w2(y.to(x.dtype))
+        down: Tensor = self.w2(y.to(x.dtype))
+        return down
 
 
 class MoE(nn.Module):

@@ -112,6 +112,8 @@ class CEDModel(nn.Module):
         """One token per sequence -> logits `[batch, vocab]`."""
         if len(token_ids) != len(states):
             raise ValueError(f"decode_step got {len(token_ids)} tokens for {len(states)} sequences")
+        if not states:
+            return torch.zeros(0, self.config.vocab_size, device=self.embed.weight.device)
         return torch.cat([self.prefill([token], state)[-1:] for token, state in zip(token_ids, states)])
 
     @torch.no_grad()
@@ -147,6 +149,28 @@ class CEDModel(nn.Module):
         streams, pre_mix = self._run(layers, span.streams, span.pre_mix, span.hash_ids, ctx)
         return self._logits(streams, pre_mix)
 
+    @torch.no_grad()
+    def replay(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> Tensor:
+        """Rebuild all bounded state (every layer's window, the compressors' partial groups, the
+        Engram history) from the sequence's last tokens, given complete global KV (e.g. received
+        from a prefill worker). Returns their logits `[n, vocab]`. Exact when the tokens cover
+        the receptive field (`num_hidden_layers * (sliding_window - 1) + engram_max_ngram_size - 1`
+        tokens, or the whole sequence); shorter spans are the bounded-replay approximation."""
+        tokens = self._token_tensor(token_ids)
+        start = state.position - int(tokens.shape[0])
+        if start < 0:
+            raise ValueError(f"replay of {tokens.shape[0]} tokens, but the sequence holds {state.position}")
+        for layer in state.swa:
+            state.swa[layer] = state.swa[layer][:0]
+        state.engram_tail = state.engram_tail[:0]
+        state.position = start  # the Engram history restarts at the span (n-grams cut at its start)
+        hash_ids = self._hash_ids(tokens, state)
+        state.position += int(tokens.shape[0])
+        ctx = self._context(torch.arange(start, state.position, device=tokens.device), state, False)
+        streams, pre_mix = self._embed(tokens)
+        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, hash_ids, ctx)
+        return self._logits(streams, pre_mix)
+
     # ------------------------------------------------------------------ internals
 
     def _block(self, layer_id: int) -> Block:
@@ -156,7 +180,7 @@ class CEDModel(nn.Module):
 
     def _decoder_source(self) -> int:
         """First decoder layer, which must be the decoder's only KV source."""
-        first = self.config.num_encoder_layers
+        first: int = self.config.num_encoder_layers
         for spec in self.config.layer_plan:
             if spec.role is LayerRole.DECODER and spec.mode is AttentionMode.FULL and spec.layer_id != first:
                 raise ValueError(f"encoder-only prefill cannot fill decoder KV source {spec.layer_id}")
@@ -167,6 +191,8 @@ class CEDModel(nn.Module):
         tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device).flatten()
         if tokens.numel() == 0:
             raise ValueError("no tokens given")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {tokens.tolist()[:16]}...")
         return tokens
 
     def _context(self, positions: Tensor, state: SequenceState, write_global_kv: bool) -> ForwardContext:
@@ -178,7 +204,7 @@ class CEDModel(nn.Module):
         if self.hasher is None:
             return None
         compressed = self.hasher.compress(tokens)
-        hash_ids = self.hasher.hash_ids(state.engram_tail, compressed, state.position)
+        hash_ids: Tensor = self.hasher.hash_ids(state.engram_tail, compressed, state.position)
         keep = self.config.engram_max_ngram_size - 1
         history = torch.cat([state.engram_tail, compressed])
         state.engram_tail = history[max(0, history.shape[0] - keep) :]
@@ -190,11 +216,16 @@ class CEDModel(nn.Module):
         tokens = self._token_tensor(token_ids)
         positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
         hash_ids = self._hash_ids(tokens, state)
+        streams, pre_mix = self._embed(tokens)
+        return streams, pre_mix, hash_ids, self._context(positions, state, write_global_kv)
+
+    def _embed(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Initial streams `[S, hc, D]` (the embedding in every stream) and pre mix `[S, hc]`."""
         embedded = self.embed(tokens)
         streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(tokens.shape[0], self.config.hc_mult, device=tokens.device)
         pre_mix[:, 0] = 1.0  # the first site reads stream 0 only
-        return streams, pre_mix, hash_ids, self._context(positions, state, write_global_kv)
+        return streams, pre_mix
 
     def _run(
         self, layers: range, streams: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, ctx: ForwardContext
@@ -204,7 +235,8 @@ class CEDModel(nn.Module):
         return streams, pre_mix
 
     def _logits(self, streams: Tensor, pre_mix: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hc_collapse(streams, pre_mix))).float()
+        logits: Tensor = self.lm_head(self.norm(hc_collapse(streams, pre_mix)))
+        return logits.float()
 
     def _new_records(self, state: SequenceState, before: dict[int, int]) -> dict[int, GlobalKVRecords]:
         out = {}

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
+
 from cedserve.kernels.reference import (
     index_key_record_bytes,
     main_kv_record_bytes,
@@ -29,7 +31,6 @@ from cedserve.kernels.reference import (
 )
 from cedserve.model.compressor import PendingGroup
 from cedserve.model.config import AttentionMode, ModelConfig
-from torch import Tensor
 
 
 @dataclass
@@ -58,11 +59,13 @@ class GlobalKV:
 
     def main_values(self) -> Tensor:
         """Dequantized main KV, float32 `[T, D]`."""
-        return unpack_main_kv(self.main)
+        values: Tensor = unpack_main_kv(self.main)
+        return values
 
     def key_values(self) -> Tensor:
         """Dequantized index keys, float32 `[T, d]`."""
-        return unpack_index_key(self.index_keys)
+        values: Tensor = unpack_index_key(self.index_keys)
+        return values
 
 
 @dataclass
@@ -98,7 +101,8 @@ class SequenceState:
 
     def keep_window(self, layer_id: int, records: Tensor) -> None:
         """Store the newest `sliding_window - 1` of `records [n, bytes]` as the layer's window."""
-        self.swa[layer_id] = records[max(0, records.shape[0] - self.window_keep) :]
+        drop = records.shape[0] - self.window_keep
+        self.swa[layer_id] = records[drop:].clone() if drop > 0 else records  # clone frees the chunk
 
     def global_kv_bytes(self) -> int:
         """Bytes of global KV records held (main KV + index keys), all sources."""

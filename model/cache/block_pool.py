@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import torch
-from cedserve.model.cache.errors import CacheExhaustedError
 from torch import Tensor
+
+from cedserve.model.cache.errors import CacheExhaustedError
 
 BlockIds = Sequence[int] | npt.NDArray[np.integer]
 IntArray = npt.NDArray[np.int64]
@@ -73,7 +74,8 @@ class BlockPool:
 
     def idle_mask(self) -> npt.NDArray[np.bool_]:
         """`bool [num_blocks]`: allocated blocks nobody references (candidates for eviction)."""
-        return (self._ref == 0) & ~self._free
+        mask: npt.NDArray[np.bool_] = (self._ref == 0) & ~self._free
+        return mask
 
     def metadata_bytes(self) -> int:
         """Bytes of bookkeeping arrays (for the overhead figure)."""
@@ -167,7 +169,8 @@ class BlockPool:
             np.add.at(self._ref, ids, 1)
             raise ValueError(f"decref of unreferenced or free blocks {np.unique(bad)[:8].tolist()}")
         touched = np.unique(ids)
-        return touched[self._ref[touched] == 0]
+        idle: IntArray = touched[self._ref[touched] == 0]
+        return idle
 
     def free(self, block_ids: BlockIds) -> None:
         """Return idle blocks (refcount 0, allocated) to the free extents."""

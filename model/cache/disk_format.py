@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
 from cedserve.model.cache.errors import CorruptBlockFileError
 
 MAGIC = b"CEDKVBLK"
@@ -77,7 +78,7 @@ def encode_header(layout_hash: bytes, block_hash: bytes, payload: memoryview) ->
 def write_block_file(path: Path, layout_hash: bytes, block_hash: bytes, payload: npt.NDArray[np.uint8],
                      fsync: bool) -> int:
     """Write atomically (temp + rename); returns payload bytes. OS errors propagate."""
-    data = memoryview(np.ascontiguousarray(payload)).cast("B")
+    data = _buffer(np.ascontiguousarray(payload))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
     try:
@@ -112,12 +113,12 @@ def read_block_file(path: Path, layout_hash: bytes, block_hash: bytes, block_byt
         size = os.fstat(f.fileno()).st_size
         header = _check_header(path, raw, size, layout_hash, block_bytes)
         payload = np.empty(block_bytes, dtype=np.uint8)
-        got = f.readinto(memoryview(payload))
+        got = f.readinto(_buffer(payload))
     if header.block_hash != block_hash:
         raise CorruptBlockFileError(str(path), "holds another block's hash")
     if got != block_bytes:
         raise CorruptBlockFileError(str(path), f"payload truncated: {got} of {block_bytes} bytes")
-    if zlib.crc32(memoryview(payload)) != header.payload_crc32:
+    if zlib.crc32(_buffer(payload)) != header.payload_crc32:
         raise CorruptBlockFileError(str(path), "payload checksum mismatch")
     return payload
 
@@ -141,6 +142,11 @@ def _check_header(path: Path, raw: bytes, size: int, layout_hash: bytes, block_b
     if claimed is not None and claimed != block_hash:
         raise CorruptBlockFileError(where, "file name and header disagree on the block hash")
     return BlockFileHeader(version, layout, block_hash, payload_bytes, crc)
+
+
+def _buffer(array: npt.NDArray[np.uint8]) -> memoryview:
+    """Byte view of a contiguous uint8 array (numpy's stubs do not declare the buffer protocol)."""
+    return memoryview(array.data).cast("B")
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -44,6 +44,10 @@ class TierIOError(CacheError):
         super().__init__(message)
 
 
+class BlockFileMissingError(CacheError, FileNotFoundError):
+    """An indexed disk-tier file is gone (an earlier read rejected it, or someone removed it)."""
+
+
 class CorruptBlockFileError(CacheError):
     """A disk-tier file failed validation (torn, truncated, wrong checksum or foreign). It is never
     served; the caller drops it and counts it."""

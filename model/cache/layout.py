@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch import Tensor
+
 from cedserve.kernels.reference import index_key_record_bytes, main_kv_record_bytes
 from cedserve.model.config import AttentionMode, ModelConfig
-from torch import Tensor
 
 LAYOUT_FORMAT_VERSION = 1
 """Bumped whenever the meaning of a block's bytes changes."""
@@ -150,7 +151,7 @@ class BlockLayout:
         """`uint8 [num_blocks, entries, record_bytes]` strided view of one region of every block."""
         self._check(storage, 2)
         r = self.region(layer_id, kind)
-        return storage[:, r.offset : r.end].unflatten(-1, (r.entries, r.record_bytes))
+        return storage[:, r.offset : r.end].view(storage.shape[0], r.entries, r.record_bytes)
 
     def main_kv(self, block: Tensor, layer_id: int) -> Tensor:
         """Main-KV records of `layer_id` in `block`, `uint8 [block_size // m, 288]`."""

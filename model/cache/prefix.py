@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
 from cedserve.model.cache.block_pool import BlockIds, BlockPool, IntArray, as_block_ids
 from cedserve.model.cache.hashing import HASH_BYTES, TokenIds, hash_blocks
 

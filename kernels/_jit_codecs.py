@@ -1,0 +1,128 @@
+"""Triton device functions for the record formats: E2M1, E4M3, UE8M0 and slot addressing.
+
+Imported only by the `_*_kernels.py` modules (it imports triton). Each function reproduces, bit
+for bit, the corresponding step of `cedserve.kernels.reference` using integer and float32
+arithmetic only (no float8 casts: the interpreter's do not round like the GPU's). Rounding to
+nearest-even uses the float32 "magic number" trick `(k + 2**23) - 2**23`, exact for
+`0 <= k < 2**22`; nothing here is contracted into an FMA in a way that changes a result.
+"""
+# mypy: disable-error-code="no-untyped-def,misc"
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FORMAT_MAIN = tl.constexpr(0)  # E2M1 elements, E4M3 scale per 16 channels (288 B at 512)
+FORMAT_INDEX = tl.constexpr(1)  # E2M1 elements, UE8M0 scale per 32 channels (68 B at 128)
+FORMAT_SWA = tl.constexpr(2)  # E4M3 elements, UE8M0 scale per 32 channels (528 B at 512)
+
+
+@triton.jit
+def _ceil_log2(t):
+    """ceil(log2(t)) as int32 for positive normal float32 t (exponent field, +1 if inexact)."""
+    bits = t.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _ue8m0_from_amax(amax, AMAX_FLOOR: tl.constexpr, INV_ELEMENT_MAX: tl.constexpr):
+    """(float32 scale 2**k, int32 biased byte k + 127) with k = ceil(log2(max(amax, floor) *
+    fl32(1 / element_max))); the byte saturates to [0, 255] like the reference."""
+    k = _ceil_log2(tl.maximum(amax, AMAX_FLOOR) * INV_ELEMENT_MAX)
+    biased = tl.minimum(tl.maximum(k + 127, 0), 255)
+    return (biased << 23).to(tl.float32, bitcast=True), biased
+
+
+@triton.jit
+def _e4m3_round_magnitude(a):
+    """Round a float32 magnitude in [0, 448] to the nearest E4M3 value, ties to even."""
+    bits = a.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    quantum_exp = tl.maximum(exponent - 3, -9)  # 3 mantissa bits; subnormal step 2**-9
+    quantum = ((quantum_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_quantum = ((127 - quantum_exp) << 23).to(tl.float32, bitcast=True)
+    steps = a * inv_quantum  # exact, < 16
+    steps = (steps + 8388608.0) - 8388608.0
+    return steps * quantum
+
+
+@triton.jit
+def _e4m3_magnitude_byte(v):
+    """E4M3 byte (int32, sign bit clear) of an exactly representable magnitude v."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    normal = (exponent + 7) * 8 + ((bits >> 20) & 7)
+    subnormal = (v * 512.0).to(tl.int32)
+    return tl.where(exponent >= -6, normal, subnormal)
+
+
+@triton.jit
+def _e4m3_decode(byte):
+    """float32 value of E4M3 bytes (int32 0..255); 0x80 is -0.0."""
+    exponent = (byte >> 3) & 0xF
+    mantissa = byte & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+    return tl.where((byte & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _e4m3_encode(q):
+    """E4M3 byte (int32) of float32 q already clamped to [-448, 448]; keeps the sign of -0.0."""
+    sign = (q.to(tl.int32, bitcast=True) >> 31) & 1
+    magnitude = _e4m3_magnitude_byte(_e4m3_round_magnitude(tl.abs(q)))
+    return magnitude | (sign << 7)
+
+
+@triton.jit
+def _e2m1_encode(q):
+    """E2M1 code (int32 0..15) of float32 q already clamped to [-6, 6]: nearest grid point with
+    ties to the even code (0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up), bit 3 the sign."""
+    m = tl.abs(q)
+    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
+            + (m > 5.0).to(tl.int32))
+    sign = (q.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << 3)
+
+
+@triton.jit
+def _e2m1_decode(code):
+    """float32 value of E2M1 codes (int32, low 4 bits used); 0x8 decodes to +0.0."""
+    index = code & 7
+    exponent = index >> 1
+    mantissa = index & 1
+    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+    return tl.where(((code & 8) != 0) & (index != 0), -magnitude, magnitude)
+
+
+@triton.jit
+def _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes):
+    """(int64 byte offset, valid) of slots (any int tensor); invalid slots (-1 or outside
+    [0, num_slots)) get offset 0 and valid False."""
+    slot = slot.to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    block = slot // slots_per_block
+    entry = slot - block * slots_per_block
+    return offset_bytes + block * block_stride_bytes + entry * slot_stride_bytes, valid
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 x rounded to the nearest bfloat16, ties to even, returned as float32 (exactly
+    representable, so a later `.to(tl.bfloat16)` is exact). Done on the bits because the
+    interpreter's float32 -> bfloat16 cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_output(x, ptr):
+    """float32 x converted to the element type of `ptr` (bf16 with round-to-nearest-even)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        x = _round_bf16(x)
+    return x.to(ptr.dtype.element_ty)

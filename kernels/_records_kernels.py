@@ -1,0 +1,157 @@
+"""Triton kernels behind `cedserve.kernels.records` (record writers and readers).
+
+One kernel writes all three formats, one reads them; the format is a constexpr. A program handles
+`BLOCK_T` tokens; each token's `D` channels are viewed as `[NB, WPB, CPW]`: `NB` scale blocks of
+`WPB` 32-bit words of `CPW` elements (8 E2M1 codes or 4 E4M3 bytes per word, low bits first,
+which is the records' little-endian byte order). Records are stored a 32-bit word at a time when
+every record address is 4-byte aligned (`WORD_STORES`), a byte at a time otherwise.
+"""
+# mypy: disable-error-code="no-untyped-def,misc"
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from cedserve.kernels._jit_codecs import (
+    FORMAT_MAIN,
+    _e2m1_decode,
+    _e2m1_encode,
+    _e4m3_decode,
+    _e4m3_encode,
+    _e4m3_magnitude_byte,
+    _e4m3_round_magnitude,
+    _slot_address,
+    _ue8m0_from_amax,
+)
+
+
+@triton.jit
+def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr):
+    """Scale of blocks with absolute maximum `amax` (float32, any shape) ->
+    (float32 scale, float32 1 / scale (exact; power-of-two scales only), int32 scale byte)."""
+    if FORMAT == FORMAT_MAIN:
+        # E4M3 scale = RNE(min(max(amax, 6 * 2**-9) / 6, 448)); x / scale is a true division.
+        scale = _e4m3_round_magnitude(tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0))
+        scale_byte = _e4m3_magnitude_byte(scale)
+        inv_scale = scale  # unused: the E4M3 scale is not a power of two
+    else:
+        if ELEM_BITS == 4:  # index keys: UE8M0 scale, E2M1 elements
+            scale, scale_byte = _ue8m0_from_amax(amax, 7.052966104933725e-38, 0.16666666666666666)
+        else:  # SWA: UE8M0 scale, E4M3 elements
+            scale, scale_byte = _ue8m0_from_amax(amax, 1e-4, 0.002232142857142857)
+        # 2**-k; k <= 126 for finite inputs, so this is a normal float32
+        inv_scale = ((254 - scale_byte) << 23).to(tl.float32, bitcast=True)
+    return scale, inv_scale, scale_byte
+
+
+@triton.jit
+def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr):
+    """Element codes (int32: E2M1 0..15 or E4M3 0..255) of float32 `x` with broadcastable
+    `scale` / `inv_scale`. For power-of-two scales, multiplying by the exact inverse equals the
+    reference's division."""
+    if FORMAT == FORMAT_MAIN:
+        q = tl.div_rn(x, scale)
+    else:
+        q = x * inv_scale
+    if ELEM_BITS == 4:
+        code = _e2m1_encode(tl.minimum(tl.maximum(q, -6.0), 6.0))
+    else:
+        code = _e4m3_encode(tl.minimum(tl.maximum(q, -448.0), 448.0))
+    return code
+
+
+@triton.jit
+def _quantize_words(x, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, CPW: tl.constexpr):
+    """Quantize float32 `x [T, NB, WPB, CPW]` (one scale block per `[WPB, CPW]`) ->
+    (uint32 words `[T, NB, WPB]`, int32 scale bytes `[T, NB]`)."""
+    amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [T, NB]
+    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS)
+    code = _quantize_elements(x, scale[:, :, None, None], inv_scale[:, :, None, None], FORMAT, ELEM_BITS)
+    shifts = (tl.arange(0, CPW) * ELEM_BITS).to(tl.uint32)
+    words = tl.sum(code.to(tl.uint32) << shifts[None, None, None, :], axis=3)  # disjoint bit fields
+    return words, scale_byte
+
+
+@triton.jit
+def _store_record(out_ptr, rec, ok, words, scale_byte,
+                  BLOCK_T: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr,
+                  CODE_BYTES: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """Store `words [T, NB_P2, WPB]` then `scale_byte [T, NB_P2]` at byte offsets `rec [T]`."""
+    b = tl.arange(0, NB_P2)
+    word_off = (b[:, None] * WPB + tl.arange(0, WPB)[None, :]) * 4  # [NB_P2, WPB]
+    mask = ok[:, None, None] & (b < NB)[None, :, None]
+    if WORD_STORES:
+        ptr = (out_ptr + rec[:, None, None] + word_off[None, :, :]).to(tl.pointer_type(tl.int32))
+        tl.store(ptr, words.to(tl.int32, bitcast=True), mask=mask)
+    else:
+        j = tl.arange(0, 4)
+        data = ((words[:, :, :, None] >> (j * 8).to(tl.uint32)[None, None, None, :]) & 0xFF).to(tl.uint8)
+        ptr = out_ptr + rec[:, None, None, None] + word_off[None, :, :, None] + j[None, None, None, :]
+        tl.store(ptr, data, mask=mask[:, :, :, None])
+    if SCALE_WORDS:  # NB == NB_P2, a multiple of 4
+        grouped = tl.reshape(scale_byte.to(tl.uint32), [BLOCK_T, NB_P2 // 4, 4])
+        shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+        scale_words = tl.sum(grouped << shifts[None, None, :], axis=2)
+        ptr = out_ptr + rec[:, None] + CODE_BYTES + tl.arange(0, NB_P2 // 4)[None, :] * 4
+        tl.store(ptr.to(tl.pointer_type(tl.int32)), scale_words.to(tl.int32, bitcast=True), mask=ok[:, None])
+    else:
+        tl.store(out_ptr + rec[:, None] + CODE_BYTES + b[None, :], scale_byte.to(tl.uint8),
+                 mask=ok[:, None] & (b < NB)[None, :])
+
+
+@triton.jit
+def _write_records_kernel(
+    x_ptr, x_row_stride, slot_ptr, out_ptr,
+    num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
+    FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
+    NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
+    BLOCK_T: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+):
+    """Quantize `x [num_tokens, NB * SCALE_BLOCK]` rows and store each as a record at its slot."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+    rec, ok = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes)
+    ok = ok & tok_ok
+    b = tl.arange(0, NB_P2)
+    channel = (b[:, None, None] * SCALE_BLOCK + tl.arange(0, WPB)[None, :, None] * CPW
+               + tl.arange(0, CPW)[None, None, :])  # [NB_P2, WPB, CPW]
+    row = tok.to(tl.int64) * x_row_stride
+    mask = ok[:, None, None, None] & (b < NB)[None, :, None, None]
+    x = tl.load(x_ptr + row[:, None, None, None] + channel[None, :, :, :], mask=mask, other=0.0)
+    words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW)
+    _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB_P2, WPB, CODE_BYTES, WORD_STORES, SCALE_WORDS)
+
+
+@triton.jit
+def _read_records_kernel(
+    src_ptr, slot_ptr, out_ptr, out_row_stride,
+    num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
+    FORMAT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ELEM_BITS: tl.constexpr, CODE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Decode the records at `slots [num_tokens]` into `out [num_tokens, D]` (zeros for -1)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+    rec, ok = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes)
+    ch = tl.arange(0, D_P2)
+    ch_ok = ch < D
+    mask = (ok & tok_ok)[:, None] & ch_ok[None, :]
+    if ELEM_BITS == 4:
+        packed = tl.load(src_ptr + rec[:, None] + (ch // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        value = _e2m1_decode(packed >> ((ch & 1) * 4)[None, :])
+    else:
+        value = _e4m3_decode(tl.load(src_ptr + rec[:, None] + ch[None, :], mask=mask, other=0).to(tl.int32))
+    scale_byte = tl.load(src_ptr + rec[:, None] + CODE_BYTES + (ch // SCALE_BLOCK)[None, :], mask=mask,
+                         other=0).to(tl.int32)
+    if FORMAT == FORMAT_MAIN:
+        scale = _e4m3_decode(scale_byte)
+    else:  # UE8M0: 2**(b - 127); 0 -> 2**-127, 255 -> NaN (never written)
+        scale = (scale_byte << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(scale_byte == 0, 5.877471754111438e-39, scale)
+        scale = tl.where(scale_byte == 255, float("nan"), scale)
+    value = tl.where(mask, value * scale, 0.0)
+    out = out_ptr + tok.to(tl.int64)[:, None] * out_row_stride + ch[None, :]
+    tl.store(out, value.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & ch_ok[None, :])

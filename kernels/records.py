@@ -1,0 +1,215 @@
+"""Record writers and readers: quantize-and-pack vectors straight into paged cache slots, and back.
+
+Three record formats (byte layouts in `cedserve.kernels.reference`, `pack_main_kv`,
+`pack_index_key`, `pack_swa`):
+
+=========  ==============================================  ===========  =====================
+kind       elements / scales                               bytes @ D    writes
+=========  ==============================================  ===========  =====================
+``main``   E2M1 pairs, E4M3 scale per 16 channels          288 @ 512    compressed main KV
+``index``  E2M1 pairs, UE8M0 scale per 32 channels         68 @ 128     indexer keys
+``swa``    E4M3 bytes, UE8M0 scale per 32 channels         528 @ 512    sliding-window KV
+=========  ==============================================  ===========  =====================
+
+:func:`write_records` takes `x [T, D]` (bf16, fp16 or fp32; rows may be strided, channels
+contiguous) and an int32/int64 `slot_mapping [T]` (-1 = skip the row) and writes record `i` at
+slot `slot_mapping[i]` of a :class:`~cedserve.kernels.paged.PagedRecords`. The kernel's bytes
+equal `pack_*` of the same rows bit for bit. :func:`read_records` decodes the records at `slots
+[T]` to `[T, D]` (zeros where the slot is -1), equal to `unpack_*` bit for bit.
+
+Three layers per op (STYLE): `_write_records_kernel` / `_read_records_kernel` in
+`_records_kernels.py`; the launchers here (shape, dtype and stride checks); the torch references
+:func:`write_records_reference` / :func:`read_records_reference` (the model's CPU path).
+
+Differences between the layers, by design: the reference raises on NaN/inf input and on slots
+outside `[-1, num_slots)`; the kernel checks neither on the device (no host sync): non-finite
+rows give unspecified records and out-of-range slots are skipped. With duplicate slots the
+written record is one of the rows, unspecified which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from cedserve.kernels import reference as ref
+from cedserve.kernels.paged import PagedRecords
+from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, next_power_of_2, resolve_impl
+
+RecordKind = Literal["main", "index", "swa"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """Static description of one record kind."""
+
+    kind: RecordKind
+    format_id: int
+    """The kernels' FORMAT constexpr (0 main, 1 index, 2 swa)."""
+    scale_block: int
+    """Channels per scale."""
+    elem_bits: int
+    """Bits per element: 4 (E2M1) or 8 (E4M3)."""
+
+    def record_bytes(self, dim: int) -> int:
+        """Bytes of one record of `dim` channels (`ValueError` unless `dim` is a positive multiple
+        of `scale_block`)."""
+        if dim <= 0 or dim % self.scale_block:
+            raise ValueError(f"{self.kind} records: D must be a positive multiple of {self.scale_block}, got {dim}")
+        return dim * self.elem_bits // 8 + dim // self.scale_block
+
+    def dim(self, record_bytes: int) -> int:
+        """Channels of a record of `record_bytes` bytes (inverse of :meth:`record_bytes`)."""
+        per_block = self.scale_block * self.elem_bits // 8 + 1
+        if record_bytes <= 0 or record_bytes % per_block:
+            raise ValueError(f"{self.kind} records: {record_bytes} B is not a valid record size")
+        return record_bytes // per_block * self.scale_block
+
+
+FORMATS: dict[str, RecordFormat] = {
+    "main": RecordFormat("main", 0, ref.MAIN_KV_BLOCK, 4),
+    "index": RecordFormat("index", 1, ref.INDEX_KEY_BLOCK, 4),
+    "swa": RecordFormat("swa", 2, ref.SWA_BLOCK, 8),
+}
+
+
+def record_format(kind: str) -> RecordFormat:
+    """The :class:`RecordFormat` of `kind` ("main", "index" or "swa")."""
+    try:
+        return FORMATS[kind]
+    except KeyError:
+        raise ValueError(f"record kind must be one of {sorted(FORMATS)}, got {kind!r}") from None
+
+
+# ---------------------------------------------------------------------------- references
+
+_PACK = {"main": ref.pack_main_kv, "index": ref.pack_index_key, "swa": ref.pack_swa}
+_UNPACK = {"main": ref.unpack_main_kv, "index": ref.unpack_index_key, "swa": ref.unpack_swa}
+
+
+def write_records_reference(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords) -> None:
+    """Torch reference of :func:`write_records`: `pack_*` the rows, scatter them to their slots."""
+    records = _PACK[kind](x)
+    dest.scatter(slot_mapping, records)
+
+
+def read_records_reference(kind: RecordKind, src: PagedRecords, slots: Tensor,
+                           dtype: torch.dtype = torch.float32) -> Tensor:
+    """Torch reference of :func:`read_records`: gather the records, `unpack_*` them, zero the
+    rows whose slot is -1."""
+    values = _UNPACK[kind](src.gather(slots))
+    return values.masked_fill((slots < 0).unsqueeze(-1), 0.0).to(dtype)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _check_slots(slots: Tensor, tokens: int, what: str) -> None:
+    check_tensor(slots, what, dtypes=_SLOT_DTYPES, dim=1)
+    if slots.shape[0] != tokens:
+        raise ValueError(f"{what}: expected {tokens} slots, got {slots.shape[0]}")
+
+
+def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *,
+                  impl: Impl = "auto") -> None:
+    """Quantize `x [T, D]` to `kind` records and store row `i` at slot `slot_mapping[i]` of
+    `dest` (skipped where the slot is -1). See the module docstring for the contract."""
+    fmt = record_format(kind)
+    op = f"write_records({kind!r})"
+    check_tensor(x, f"{op}: x", dtypes=_FLOAT_DTYPES, dim=2)
+    _check_slots(slot_mapping, x.shape[0], f"{op}: slot_mapping")
+    dim = x.shape[1]
+    if fmt.record_bytes(dim) != dest.record_bytes:
+        raise ValueError(f"{op}: D={dim} makes {fmt.record_bytes(dim)} B records, dest holds "
+                         f"{dest.record_bytes} B records")
+    if resolve_impl(impl, op, x, slot_mapping, dest.storage) == "torch":
+        write_records_reference(kind, x, slot_mapping, dest)
+        return
+    if x.shape[0] == 0:
+        return
+    from cedserve.kernels import _records_kernels as k
+
+    nb = dim // fmt.scale_block
+    cpw = 32 // fmt.elem_bits
+    word_stores = dest.alignment >= 4
+    block_t = max(1, 4096 // next_power_of_2(dim))
+    grid = (cdiv(x.shape[0], block_t),)
+    k._write_records_kernel[grid](
+        x, x.stride(0), slot_mapping, dest.storage,
+        x.shape[0], dest.num_slots, dest.offset_bytes, dest.slots_per_block, dest.slot_stride_bytes,
+        dest.block_stride_bytes,
+        FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
+        NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw,
+        CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
+        WORD_STORES=word_stores, SCALE_WORDS=word_stores and nb % 4 == 0 and nb == next_power_of_2(nb),
+        num_warps=4,
+    )
+
+
+def write_main_kv(x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, impl: Impl = "auto") -> None:
+    """Compressed main KV (post-RoPE) `x [T, D]` -> 288 B records (at D = 512)."""
+    write_records("main", x, slot_mapping, dest, impl=impl)
+
+
+def write_index_key(x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, impl: Impl = "auto") -> None:
+    """Indexer keys (post-RoPE) `x [T, D]` -> 68 B records (at D = 128)."""
+    write_records("index", x, slot_mapping, dest, impl=impl)
+
+
+def write_swa(x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, impl: Impl = "auto") -> None:
+    """Sliding-window KV (post-RoPE, whole head) `x [T, D]` -> 528 B records (at D = 512)."""
+    write_records("swa", x, slot_mapping, dest, impl=impl)
+
+
+def read_records(kind: RecordKind, src: PagedRecords, slots: Tensor, *, dtype: torch.dtype = torch.float32,
+                 out: Tensor | None = None, impl: Impl = "auto") -> Tensor:
+    """Decode the `kind` records at `slots [T]` to `[T, D]` of `dtype` (float32, or bf16 /
+    fp16 where every decoded value is exact: always for bf16). Rows whose slot is -1 are zeros.
+    `out`, when given, must be `[T, D]` of `dtype` with contiguous rows."""
+    fmt = record_format(kind)
+    op = f"read_records({kind!r})"
+    check_tensor(slots, f"{op}: slots", dtypes=_SLOT_DTYPES, dim=1)
+    dim = fmt.dim(src.record_bytes)
+    if out is None:
+        out = torch.empty(slots.shape[0], dim, dtype=dtype, device=src.device)
+    check_tensor(out, f"{op}: out", dtypes=(dtype,), dim=2)
+    if tuple(out.shape) != (slots.shape[0], dim):
+        raise ValueError(f"{op}: out must be {[slots.shape[0], dim]}, got {list(out.shape)}")
+    if resolve_impl(impl, op, slots, src.storage, out) == "torch":
+        out.copy_(read_records_reference(kind, src, slots, dtype))
+        return out
+    if slots.shape[0] == 0:
+        return out
+    from cedserve.kernels import _records_kernels as k
+
+    block_t = max(1, 4096 // next_power_of_2(dim))
+    grid = (cdiv(slots.shape[0], block_t),)
+    k._read_records_kernel[grid](
+        src.storage, slots, out, out.stride(0),
+        slots.shape[0], src.num_slots, src.offset_bytes, src.slots_per_block, src.slot_stride_bytes,
+        src.block_stride_bytes,
+        FORMAT=fmt.format_id, D=dim, D_P2=next_power_of_2(dim), SCALE_BLOCK=fmt.scale_block,
+        ELEM_BITS=fmt.elem_bits, CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t, num_warps=4,
+    )
+    return out
+
+
+__all__ = [
+    "FORMATS",
+    "RecordFormat",
+    "RecordKind",
+    "read_records",
+    "read_records_reference",
+    "record_format",
+    "write_index_key",
+    "write_main_kv",
+    "write_records",
+    "write_records_reference",
+    "write_swa",
+]

@@ -1,0 +1,234 @@
+"""Sparse attention over the compact cache: selected FP4 main-KV entries plus the FP8 window.
+
+Every query token `n` attends, with all `H` heads and one shared K = V latent of `D` channels, to
+
+* its selected compressed entries: main-KV records (288 B at D = 512) at `topk_slots[n]`, and
+* its sliding window: SWA records (528 B at D = 512) at `window_slots[n]`,
+
+with -1 marking an unused slot in either list (padding for requests with fewer entries, or not yet
+visible ones). Per head the softmax runs over the union plus one learned sink logit that only
+enlarges the denominator (the reference's `attn_sink`), and the output's RoPE slice (its last
+`2 * cos.shape[-1]` channels, interleaved pairs) is rotated back with the query's `cos`/`sin`
+(`apply_rotary_pos_emb(..., inverse=True)` of the reference model: the cached K = V carries RoPE,
+so the attention output does too)::
+
+    logits[n, h, j] = softmax_scale * q[n, h] . key_j          (key_j decoded from its record)
+    p[n, h, :]      = softmax([logits[n, h, :], sink[h]])[:-1]
+    out[n, h]       = inverse_rope(sum_j p[n, h, j] * key_j, cos[n], sin[n])
+
+Nothing assumes one token per request: decode (one token per request), speculative verification
+(several) and chunked prefill (:func:`window_slots_for_chunk` builds the window lists of a chunk)
+are the same call. Slot lists are built by the caller from its block tables
+(:func:`cedserve.kernels.paged.entries_to_slots`) and the window ring.
+
+Layers: `_sparse_decode_attention_kernel` (+ `_combine_splits_kernel` when one token's keys are
+split over several programs) in `_sparse_attention_kernels.py`; :func:`sparse_attention` here;
+:func:`sparse_attention_reference` (float32 math on the decoded records).
+
+Precision: keys are exact in bf16; logits and the accumulator are fp32; probabilities are rounded
+to bf16 for the P.V product (flash-attention practice); the output is rounded once to `q.dtype`.
+The reference keeps everything in fp32, so expect differences of a few bf16 ulps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cedserve.kernels.paged import PagedRecords
+from cedserve.kernels.records import read_records_reference, record_format
+from cedserve.kernels.triton_support import (
+    Impl,
+    cdiv,
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+    num_sms,
+    resolve_impl,
+)
+
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the sparse attention kernel (None = chosen by a heuristic)."""
+
+    block_h: int | None = None
+    """Heads per program (16, 32 or 64); the MMA's M dimension."""
+    block_n: int | None = None
+    """Keys per tile (>= 16)."""
+    num_splits: int | None = None
+    """Programs per (token, head block), each over a slice of the keys; > 1 adds a combine pass."""
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def resolve(self, tokens: int, heads: int, keys: int, device: torch.device) -> AttentionConfig:
+        """Fill every None for this problem size."""
+        block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
+        block_n = self.block_n or (64 if interpreting() else 32)
+        num_splits = self.num_splits
+        if num_splits is None:
+            programs = tokens * cdiv(heads, block_h)
+            target = 2 * num_sms(device) if device.type == "cuda" else 1
+            num_splits = max(1, min(cdiv(target, max(programs, 1)), cdiv(keys, 4 * block_n)))
+        num_warps = self.num_warps or (8 if block_h >= 64 else 4)
+        num_stages = self.num_stages or 2
+        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages)
+
+
+def _rotate_back(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inverse interleaved RoPE of the last `2 * cos.shape[-1]` channels of `x [N, H, D]` in fp32,
+    `cos`/`sin` `[N, R/2]`."""
+    pairs = cos.shape[-1]
+    if pairs == 0:
+        return x
+    nope, rot = x[..., : x.shape[-1] - 2 * pairs], x[..., x.shape[-1] - 2 * pairs:]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    rotated = torch.stack([even * c + odd * s, odd * c - even * s], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def sparse_attention_reference(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_slots: Tensor | None,
+                               swa: PagedRecords | None, window_slots: Tensor | None, cos: Tensor, sin: Tensor,
+                               softmax_scale: float | None = None) -> Tensor:
+    """Torch reference of :func:`sparse_attention` (float32 throughout, output in `q.dtype`)."""
+    tokens, heads, dim = q.shape
+    keys, valid = [], []
+    for kind, records, slots in (("main", main, topk_slots), ("swa", swa, window_slots)):
+        if records is None or slots is None or slots.shape[1] == 0:
+            continue
+        keys.append(read_records_reference(kind, records, slots.flatten()).view(tokens, slots.shape[1], dim))
+        valid.append(slots >= 0)
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    sink_col = sink.float().view(1, heads, 1).expand(tokens, heads, 1)
+    if not keys:
+        return _rotate_back(torch.zeros(tokens, heads, dim, device=q.device), cos, sin).to(q.dtype)
+    k = torch.cat(keys, dim=1)  # [N, L, D]
+    logits = torch.einsum("nhd,nld->nhl", q.float(), k) * scale
+    logits = logits.masked_fill(~torch.cat(valid, dim=1).unsqueeze(1), float("-inf"))
+    probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("nhl,nld->nhd", probs, k)
+    return _rotate_back(out, cos, sin).to(q.dtype)
+
+
+def _check_slots(slots: Tensor, tokens: int, what: str) -> None:
+    check_tensor(slots, what, dtypes=_SLOT_DTYPES, dim=2)
+    if slots.shape[0] != tokens:
+        raise ValueError(f"{what}: expected {tokens} rows, got {slots.shape[0]}")
+
+
+def _check_inputs(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_slots: Tensor | None,
+                  swa: PagedRecords | None, window_slots: Tensor | None, cos: Tensor, sin: Tensor) -> None:
+    op = "sparse_attention"
+    check_tensor(q, f"{op}: q", dtypes=(torch.bfloat16, torch.float16), dim=3)
+    tokens, heads, dim = q.shape
+    half = dim // 2
+    if dim % 32 or half & (half - 1):
+        raise ValueError(f"{op}: head_dim must be 2 * a power of two and a multiple of 32, got {dim}")
+    check_tensor(sink, f"{op}: sink", dtypes=(torch.float32, torch.bfloat16, torch.float16), dim=1)
+    if sink.shape[0] != heads:
+        raise ValueError(f"{op}: sink must be [{heads}], got {list(sink.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(t, f"{op}: {name}", dtypes=(torch.float32,), dim=2)
+        if t.shape[0] != tokens or 2 * t.shape[1] > dim:
+            raise ValueError(f"{op}: {name} must be [{tokens}, rope_dim / 2 <= {half}], got {list(t.shape)}")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise ValueError(f"{op}: cos and sin must have one shape and strides")
+    for kind, records, slots in (("main", main, topk_slots), ("swa", swa, window_slots)):
+        if (records is None) != (slots is None):
+            raise ValueError(f"{op}: give both the {kind} records and their slots, or neither")
+        if records is None or slots is None:
+            continue
+        _check_slots(slots, tokens, f"{op}: {kind} slots")
+        expected = record_format(kind).record_bytes(dim)
+        if records.record_bytes != expected:
+            raise ValueError(f"{op}: {kind} records must be {expected} B at head_dim {dim}, got {records.record_bytes}")
+
+
+def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_slots: Tensor | None,
+                     swa: PagedRecords | None, window_slots: Tensor | None, cos: Tensor, sin: Tensor, *,
+                     softmax_scale: float | None = None, out: Tensor | None = None,
+                     config: AttentionConfig | None = None, impl: Impl = "auto") -> Tensor:
+    """Attention of `q [N, H, D]` (bf16/fp16, RoPE applied) over each token's selected main-KV
+    records and window records (module docstring). `topk_slots [N, K]`, `window_slots [N, W]`:
+    int32/int64 slots of `main` / `swa` (-1 = none); either pair may be None (SWA-only layers have
+    no main KV). `sink [H]`; `cos`/`sin` float32 `[N, rope_dim / 2]` of the query positions;
+    `softmax_scale` defaults to `D ** -0.5`. Returns `out [N, H, D]` in `q.dtype`."""
+    _check_inputs(q, sink, main, topk_slots, swa, window_slots, cos, sin)
+    tokens, heads, dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"sparse_attention: out must be {list(q.shape)} {q.dtype} with contiguous rows")
+    tensors = [q, sink, cos, sin, out] + [t for t in (topk_slots, window_slots) if t is not None]
+    tensors += [r.storage for r in (main, swa) if r is not None]
+    if resolve_impl(impl, "sparse_attention", *tensors) == "torch":
+        out.copy_(sparse_attention_reference(q, sink, main, topk_slots, swa, window_slots, cos, sin, softmax_scale))
+        return out
+    if tokens == 0:
+        return out
+    from cedserve.kernels import _sparse_attention_kernels as k
+
+    num_topk = 0 if topk_slots is None else topk_slots.shape[1]
+    num_win = 0 if window_slots is None else window_slots.shape[1]
+    cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device)
+    assert cfg.block_h and cfg.block_n and cfg.num_splits and cfg.num_warps and cfg.num_stages
+    splits = cfg.num_splits
+    main_chunk = cdiv(cdiv(num_topk, splits), cfg.block_n) * cfg.block_n
+    win_chunk = cdiv(cdiv(num_win, splits), cfg.block_n) * cfg.block_n
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    dummy_slots = torch.full((tokens, 1), -1, dtype=torch.int32, device=q.device)
+    main_rec = main if main is not None else swa
+    swa_rec = swa if swa is not None else main
+    if main_rec is None or swa_rec is None:  # no keys at all: every row is the sink alone
+        out.copy_(sparse_attention_reference(q, sink, None, None, None, None, cos, sin, softmax_scale))
+        return out
+    topk = topk_slots if topk_slots is not None else dummy_slots
+    win = window_slots if window_slots is not None else dummy_slots
+    if splits > 1:
+        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (tokens, cdiv(heads, cfg.block_h), splits)
+    k._sparse_decode_attention_kernel[grid](
+        q, q.stride(0), q.stride(1), sink,
+        main_rec.storage, topk, topk.stride(0), num_topk, main_chunk,
+        main_rec.num_slots, main_rec.offset_bytes, main_rec.slots_per_block, main_rec.slot_stride_bytes,
+        main_rec.block_stride_bytes,
+        swa_rec.storage, win, win.stride(0), num_win, win_chunk,
+        swa_rec.num_slots, swa_rec.offset_bytes, swa_rec.slots_per_block, swa_rec.slot_stride_bytes,
+        swa_rec.block_stride_bytes,
+        cos, sin, cos.stride(0),
+        out, out.stride(0), out.stride(1),
+        part_acc, part_ml,
+        heads, scale * math.log2(math.e),
+        HALF=dim // 2, ROPE_PAIRS=cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        NUM_SPLITS=splits, HAS_MAIN=num_topk > 0, HAS_SWA=num_win > 0, DOT_F32=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        k._combine_splits_kernel[(tokens, cdiv(heads, cfg.block_h))](
+            part_acc, part_ml, sink, cos, sin, cos.stride(0), out, out.stride(0), out.stride(1), heads,
+            HALF=dim // 2, ROPE_PAIRS=cos.shape[1], BLOCK_H=cfg.block_h, NUM_SPLITS=splits, num_warps=4,
+        )
+    return out
+
+
+def window_slots_for_chunk(positions: Tensor, window: int, ring_slot_of: Tensor, first_position: int) -> Tensor:
+    """Window slot lists of a chunk of query `positions [S]` (absolute, increasing) when the SWA
+    records of positions `[first_position, positions[-1]]` sit at slots `ring_slot_of [P]`
+    (`ring_slot_of[p - first_position]`; e.g. a staging table holding the previous window and the
+    chunk): int32 `[S, window]`, slot of position `p - window + 1 + j` (or -1 before
+    `first_position` / position 0)."""
+    offsets = torch.arange(window, device=positions.device) - (window - 1)
+    wanted = positions.long().unsqueeze(-1) + offsets  # [S, window]
+    index = wanted - first_position
+    valid = (wanted >= 0) & (index >= 0) & (index < ring_slot_of.shape[0])
+    slots = ring_slot_of.long()[index.clamp(0, max(ring_slot_of.shape[0] - 1, 0))]
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)

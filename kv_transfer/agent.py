@@ -1,0 +1,934 @@
+"""`NixlTransferAgent`: one NIXL agent per worker, moving KV blocks between workers.
+
+Lifecycle
+---------
+1. Start: `NixlTransferAgent(config, region, layout, name)` creates the NIXL agent with the
+   configured backends (UCX, error handling `peer`), registers the whole block pool and the staging
+   buffer once, starts the KVTransferControl gRPC service (token-authenticated) and a progress
+   thread that drives UCX, notifications, heartbeats, deadlines and chunk posting.
+2. Handshake: `handshake(address)` sends our `AgentInfo` (NIXL metadata, region addresses,
+   protocol version, compatibility hash) to the peer's control service and loads its reply; both
+   sides check version and hash and refuse, naming both values, on a mismatch.
+3. Transfers (decode-first, see `protocol.py`): the receiver reserves blocks; the sender opens the
+   reservation and streams `write_blocks` chunks. WRITE mode: each chunk is one NIXL WRITE whose
+   notification (`ChunkDone`) lands after the bytes. READ mode: the sender announces `ChunkReady`
+   and the receiver READs, notifying `ChunkConsumed`. A chunk whose descriptors would be small is
+   packed through staging slots (gather, one descriptor, scatter; credits via `SlotFree`).
+4. Failure: heartbeats every `heartbeat_interval_s` on the data path; a peer silent for
+   `peer_timeout_s`, or one UCX reports disconnected, is declared dead: it is disconnected and every
+   transfer with it fails at once. Deadlines (leases) fail transfers; `abort` (or the control
+   plane's Abort) cancels them. Both sides then release their blocks (`on_finish`), the initiator
+   after quiescing its requests, the target after the initiator's word (see `transfers.py`).
+5. Close: every live transfer is aborted (SHUTDOWN), the service stops, memory is deregistered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+
+from cedserve.kv_transfer.config import KVTransferConfig
+from cedserve.kv_transfer.control import ControlClient, ControlServer, check_compatible
+from cedserve.kv_transfer.descriptors import (
+    RegionAddress,
+    as_block_ids,
+    block_descs,
+    count_runs,
+    should_pack,
+    single_desc,
+    split_positions,
+)
+from cedserve.kv_transfer.errors import FailureCause, KVTransferError, RequestId
+from cedserve.kv_transfer.metrics import TransferMetrics
+from cedserve.kv_transfer.nixl_backend import MemType, NixlBackend, NixlCallError, mem_type
+from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
+from cedserve.kv_transfer.region import Compatibility, KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.staging import StagingPool, gather_blocks, scatter_blocks
+from cedserve.kv_transfer.state import (
+    FinishCallback,
+    Role,
+    TransferRecord,
+    TransferResult,
+    TransferState,
+)
+from cedserve.kv_transfer.transfers import (
+    Chunk,
+    Inflight,
+    PeerState,
+    RecvTransfer,
+    SendTransfer,
+    Transfer,
+)
+from cedserve.kv_transfer.wire import (
+    cause_from_pb,
+    cause_to_pb,
+    compat_from_pb,
+    compat_to_pb,
+    decode_notice,
+    encode_notice,
+)
+from cedserve.proto import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_FORGET_AFTER = 4096  # finished results kept for wait()/state() after the fact
+
+
+class NixlTransferAgent:
+    """The real transfer backend (see the module docstring). Thread-safe."""
+
+    def __init__(self, config: KVTransferConfig, region: KVRegion, layout: KVLayout, name: str,
+                 *, metrics: TransferMetrics | None = None) -> None:
+        layout.check_region(region)
+        if not config.auth_token:
+            raise ValueError("config field `kv_transfer.auth_token`: must be set; a handshake grants "
+                             "access to the block pool")
+        self.config = config
+        self.region = region
+        self.layout = layout
+        self.metrics = metrics if metrics is not None else TransferMetrics()
+        self._compat = layout.compatibility()
+        self._name = name
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._peers: dict[str, PeerState] = {}
+        self._sends: dict[RequestId, SendTransfer] = {}
+        self._recvs: dict[RequestId, RecvTransfer] = {}
+        self._results: OrderedDict[tuple[Role, RequestId], TransferRecord] = OrderedDict()
+        self._callbacks: list[tuple[TransferRecord, FinishCallback | None]] = []
+        self._zombies: list[tuple[object, str]] = []
+        self._next_heartbeat_s = 0.0
+        self._pack_threshold = config.pack_threshold(region.device_memory)
+
+        self._backend = NixlBackend(name, config)
+        self._backend.register(region.tensor)
+        self.staging: StagingPool | None = None
+        if config.staging_slots > 0:
+            self.staging = StagingPool.allocate(config.staging_slots, config.staging_slot_bytes,
+                                                region.tensor.device)
+            self._backend.register(self.staging.tensor)
+        self._server = ControlServer(self, config.control_host, config.control_port, config.auth_token)
+        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ identity, roles
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def control_address(self) -> str:
+        return self._server.address
+
+    def compatibility(self) -> Compatibility:
+        return self._compat
+
+    def sender(self) -> NixlSender:
+        return NixlSender(self)
+
+    def receiver(self) -> NixlReceiver:
+        return NixlReceiver(self)
+
+    def info(self) -> pb.AgentInfo:
+        """What peers need to know about us (sent in the handshake)."""
+        r = self.region
+        staging = pb.MemoryRegion()
+        if self.staging is not None:
+            staging = pb.MemoryRegion(base_address=self.staging.base_address,
+                                      length_bytes=self.staging.tensor.numel(), device_id=r.device_id,
+                                      kind=pb.MEMORY_KIND_VRAM if r.device_memory else pb.MEMORY_KIND_DRAM)
+        return pb.AgentInfo(
+            agent_name=self._name, nixl_metadata=self._backend.metadata(), compat=compat_to_pb(self._compat),
+            kv_region=pb.MemoryRegion(base_address=r.base_address, length_bytes=r.nbytes, device_id=r.device_id,
+                                      kind=pb.MEMORY_KIND_VRAM if r.device_memory else pb.MEMORY_KIND_DRAM),
+            block_bytes=r.block_bytes, num_blocks=r.num_blocks, staging_region=staging,
+            staging_slot_bytes=self.staging.slot_bytes if self.staging else 0,
+            num_staging_slots=self.staging.num_slots if self.staging else 0,
+            control_address=self.control_address)
+
+    def active_transfers(self) -> int:
+        with self._lock:
+            return len(self._sends) + len(self._recvs)
+
+    def peers(self) -> dict[str, bool]:
+        """Handshaken peers and whether each is alive."""
+        with self._lock:
+            return {name: p.alive for name, p in self._peers.items()}
+
+    # ------------------------------------------------------------------ handshake
+
+    def handshake(self, address: str, timeout_s: float = 5.0) -> str:
+        client = ControlClient(address, self.config.auth_token)
+        try:
+            responder = client.handshake(self.info(), self._compat, timeout_s)
+        finally:
+            client.close()
+        self._add_peer(responder)
+        return responder.agent_name
+
+    def accept_handshake(self, initiator: pb.AgentInfo) -> pb.AgentInfo:
+        """Control-plane side of `handshake` (called by the gRPC service)."""
+        check_compatible(self._compat, compat_from_pb(initiator.compat), initiator.agent_name or "?")
+        self._add_peer(initiator)
+        return self.info()
+
+    def _add_peer(self, info: pb.AgentInfo) -> None:
+        if not info.agent_name or info.agent_name == self._name:
+            raise ValueError(f"handshake: bad peer agent name {info.agent_name!r}")
+        if info.block_bytes != self.region.block_bytes:
+            raise ValueError(f"handshake with {info.agent_name!r}: block_bytes {info.block_bytes} != "
+                             f"ours {self.region.block_bytes}")
+        if info.kv_region.length_bytes < info.num_blocks * info.block_bytes:
+            raise ValueError(f"handshake with {info.agent_name!r}: region shorter than its blocks")
+        with self._lock:
+            old = self._peers.get(info.agent_name)
+            if old is not None:
+                # A re-handshake means the peer restarted (or lost us): its old transfers are gone.
+                self._peer_dead(old, FailureCause.PEER_DISCONNECTED, "peer handshaked again (restarted)")
+            loaded = self._backend.add_peer(info.nixl_metadata)
+            if loaded != info.agent_name:
+                self._backend.remove_peer(loaded)
+                raise ValueError(f"handshake: NIXL metadata names {loaded!r}, AgentInfo names {info.agent_name!r}")
+            kv_mem: MemType = "VRAM" if info.kv_region.kind == pb.MEMORY_KIND_VRAM else "DRAM"
+            st_mem: MemType = "VRAM" if info.staging_region.kind == pb.MEMORY_KIND_VRAM else "DRAM"
+            self._peers[info.agent_name] = PeerState(
+                name=info.agent_name,
+                kv=RegionAddress(info.kv_region.base_address, info.num_blocks, info.kv_region.device_id),
+                kv_mem=kv_mem, block_bytes=info.block_bytes,
+                staging_base=info.staging_region.base_address, staging_slot_bytes=info.staging_slot_bytes,
+                staging_slots=info.num_staging_slots, staging_device=info.staging_region.device_id,
+                staging_mem=st_mem, control_address=info.control_address, last_seen_s=time.monotonic())
+        self._wake.set()
+
+    def _live_peer(self, name: str) -> PeerState:
+        peer = self._peers.get(name)
+        if peer is None or not peer.alive:
+            raise ValueError(f"KV transfer peer {name!r} is not connected (handshake first)")
+        return peer
+
+    # ------------------------------------------------------------------ API used by the roles
+
+    def _register(self, t: Transfer, table: dict[RequestId, SendTransfer] | dict[RequestId, RecvTransfer]) -> None:
+        if t.request_id in table:
+            raise KVTransferError(t.request_id, FailureCause.INVALID, "request id already in use")
+        table[t.request_id] = t  # type: ignore[assignment]
+        self._results.pop((t.record.role, t.request_id), None)
+
+    def reserve(self, request_id: RequestId, block_ids: BlockIds, sender: str, mode: TransferMode | None,
+                lease_s: float | None, on_finish: FinishCallback | None) -> Reservation:
+        ids = as_block_ids(block_ids)
+        self.region.check_block_ids(ids, f"reserve {request_id!r}")
+        mode = mode or TransferMode(self.config.mode)
+        lease = self.config.lease_s if lease_s is None else lease_s
+        now = time.monotonic()
+        with self._lock:
+            self._live_peer(sender)
+            slots: tuple[int, ...] = ()
+            if (mode is TransferMode.WRITE and self.staging is not None and ids.size
+                    and self.layout.kind is LayoutKind.CROSS_LAYER
+                    and should_pack(count_runs(ids, ids), ids.size * self.region.block_bytes, self._pack_threshold)):
+                slots = tuple(self.staging.acquire_up_to(self.config.staging_slots_per_request))
+            record = TransferRecord(request_id, Role.RECEIVER, sender, tuple(ids.tolist()), now + lease, on_finish, now)
+            t = RecvTransfer(record=record, mode=mode, initiator=mode is TransferMode.READ, dst_ids=ids,
+                             granted_slots=slots)
+            try:
+                self._register(t, self._recvs)
+            except KVTransferError:
+                self._release_slots(slots)
+                raise
+        self._wake.set()
+        return Reservation(request_id=request_id, receiver=self._name, sender=sender,
+                           block_ids=tuple(ids.tolist()), mode=mode, staging_slots=slots, lease_s=lease,
+                           compat_hash=self._compat.compat_hash)
+
+    def open(self, reservation: Reservation, timeout_s: float | None, on_finish: FinishCallback | None) -> None:
+        if reservation.compat_hash and reservation.compat_hash != self._compat.compat_hash:
+            raise ValueError(f"reservation {reservation.request_id!r}: compatibility hash "
+                             f"{reservation.compat_hash} != ours {self._compat.compat_hash}")
+        if reservation.sender and reservation.sender != self._name:
+            raise ValueError(f"reservation {reservation.request_id!r} is for sender {reservation.sender!r}, "
+                             f"not {self._name!r}")
+        dst = as_block_ids(reservation.block_ids)
+        now = time.monotonic()
+        timeout = reservation.lease_s if timeout_s is None else timeout_s
+        with self._lock:
+            peer = self._live_peer(reservation.receiver)
+            if dst.size and int(dst.max()) >= peer.kv.num_blocks:
+                raise ValueError(f"reservation {reservation.request_id!r}: receiver block ids beyond its pool")
+            if any(not 0 <= s < peer.staging_slots for s in reservation.staging_slots):
+                raise ValueError(f"reservation {reservation.request_id!r}: staging slots beyond the receiver's")
+            record = TransferRecord(reservation.request_id, Role.SENDER, reservation.receiver, (),
+                                    now + timeout, on_finish, now)
+            t = SendTransfer(record=record, mode=reservation.mode, initiator=reservation.mode is TransferMode.WRITE,
+                             dst_ids=dst, reservation=reservation, credits=deque(reservation.staging_slots))
+            self._register(t, self._sends)
+        self._wake.set()
+
+    def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, last: bool) -> None:
+        src = as_block_ids(local_block_ids)
+        self.region.check_block_ids(src, f"write_blocks {request_id!r}")
+        with self._lock:
+            t = self._sends.get(request_id)
+            if t is None:
+                raise KVTransferError(request_id, FailureCause.INVALID, "write_blocks on a transfer never opened "
+                                      "or already finished")
+            if t.record.state.terminal:
+                assert t.record.error is not None
+                raise t.record.error
+            if t.closed:
+                raise ValueError(f"write_blocks {request_id!r}: the transfer was already closed with last=True")
+            end = t.next_pos + src.size
+            if end > t.dst_ids.size:
+                raise ValueError(f"write_blocks {request_id!r}: {end} blocks exceed the {t.dst_ids.size} reserved")
+            if last and end != t.dst_ids.size:
+                raise ValueError(f"write_blocks {request_id!r}: last=True at {end} of {t.dst_ids.size} reserved blocks")
+            self._enqueue_chunks(t, src, last)
+            t.record.start_transferring(time.monotonic())
+        self._wake.set()
+
+    def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
+        dst = t.dst_ids[t.next_pos: t.next_pos + src.size]
+        peer = self._peers[t.peer]
+        packed = False
+        max_blocks = self.config.chunk_blocks
+        if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and src.size > 1:
+            remote_slots = len(t.credits) if t.mode is TransferMode.WRITE else peer.staging_slots
+            slot_blocks = min(self.staging.slot_bytes, peer.staging_slot_bytes) // self.region.block_bytes
+            if remote_slots and slot_blocks >= 1 and should_pack(
+                    count_runs(src, dst), src.size * self.region.block_bytes, self._pack_threshold):
+                packed, max_blocks = True, slot_blocks
+        pieces = split_positions(src.size, max_blocks) or ([(0, 0)] if last else [])
+        total = t.next_seq + len(pieces)
+        for i, (a, b) in enumerate(pieces):
+            is_last = last and i == len(pieces) - 1
+            t.queue.append(Chunk(seq=t.next_seq, first=t.next_pos + a, src=src[a:b], dst=dst[a:b],
+                                 packed=packed and b - a > 1, last=is_last, total_chunks=total if is_last else 0))
+            t.next_seq += 1
+        t.next_pos += src.size
+        t.local_ids.append(src)
+        t.record.block_ids = t.record.block_ids + tuple(src.tolist())
+        t.closed = last
+
+    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
+        """Abort the request in whichever role holds it; True if a live transfer was found."""
+        found = False
+        with self._lock:
+            for t in (self._sends.get(request_id), self._recvs.get(request_id)):
+                if t is not None and not t.record.state.terminal:
+                    self._fail(t, TransferState.ABORTED, cause, detail or "aborted locally", tell_peer=True)
+                    found = True
+        self._wake.set()
+        return found
+
+    def wait(self, role: Role, request_id: RequestId, timeout_s: float) -> TransferResult:
+        record = self._record(role, request_id)
+        if not record.finished.wait(timeout_s):
+            raise TimeoutError(f"KV transfer {request_id!r} ({role.value}) still {record.state.value} "
+                               f"after {timeout_s} s")
+        assert record.result is not None
+        return record.result.raise_for_state()
+
+    def state(self, role: Role, request_id: RequestId) -> TransferState:
+        return self._record(role, request_id).state
+
+    def _record(self, role: Role, request_id: RequestId) -> TransferRecord:
+        with self._lock:
+            table: dict[RequestId, SendTransfer] | dict[RequestId, RecvTransfer] = (
+                self._sends if role is Role.SENDER else self._recvs)
+            t = table.get(request_id)
+            if t is not None:
+                return t.record
+            done = self._results.get((role, request_id))
+            if done is None:
+                raise KeyError(f"no KV transfer {request_id!r} on the {role.value} side of {self._name!r}")
+            return done
+
+    def measure_raw(self, peer_name: str, nbytes: int, op: Literal["WRITE", "READ"] = "WRITE",
+                    timeout_s: float = 60.0) -> float:
+        """Seconds for one NIXL request of ONE descriptor of `nbytes` from the start of our region to
+        the start of the peer's (the benchmark's reference rate). Touches those bytes: benchmark only."""
+        with self._lock:
+            peer = self._live_peer(peer_name)
+        if nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
+            raise ValueError(f"measure_raw: {nbytes} bytes exceed a region")
+        descs = single_desc(self.region.base_address, self.region.device_id, peer.kv.base_address,
+                            peer.kv.device_id, nbytes)
+        start = time.perf_counter()
+        handle, status = self._backend.post(op, descs, mem_type(self.region.tensor), peer.kv_mem, peer_name, b"")
+        while status == "PROC":
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"measure_raw: {nbytes} B not done after {timeout_s} s")
+            time.sleep(self.config.poll_interval_s)
+            status = self._backend.status(handle, peer_name)
+        elapsed = time.perf_counter() - start
+        self._backend.release(handle, peer_name)
+        if status != "DONE":
+            raise RuntimeError(f"measure_raw: NIXL {op} ended {status}")
+        return elapsed
+
+    def close(self) -> None:
+        """Abort every transfer (SHUTDOWN), wait for them to release, stop, deregister."""
+        if self._stop.is_set():
+            return
+        with self._lock:
+            for t in [*self._sends.values(), *self._recvs.values()]:
+                if not t.record.state.terminal:
+                    self._fail(t, TransferState.ABORTED, FailureCause.SHUTDOWN, f"agent {self._name} closing",
+                               tell_peer=True)
+        deadline = time.monotonic() + self.config.abort_drain_s + 0.5
+        while self.active_transfers() and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        self._server.stop()
+        with self._lock:
+            for t in [*self._sends.values(), *self._recvs.values()]:
+                self._drop_inflight(t)
+                self._finalize(t, time.monotonic())
+        self._run_callbacks()
+        self._backend.close()
+
+    # ------------------------------------------------------------------ progress loop
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self._step()
+            except Exception as exc:  # a bug here must not hang every transfer silently
+                log.exception("KV transfer progress loop of %s failed", self._name)
+                self._fail_everything(f"progress loop error: {type(exc).__name__}: {exc}")
+                busy = False
+            self._run_callbacks()
+            self._wake.wait(self.config.poll_interval_s if busy else self.config.idle_poll_s)
+            self._wake.clear()
+
+    def _fail_everything(self, detail: str) -> None:
+        with self._lock:
+            for t in [*self._sends.values(), *self._recvs.values()]:
+                if not t.record.state.terminal:
+                    self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, detail, tell_peer=True)
+                self._drop_inflight(t)
+                self._finalize(t, time.monotonic())
+
+    def _step(self) -> bool:
+        notices = self._backend.drain_notifs()
+        now = time.monotonic()
+        with self._lock:
+            for peer_name, messages in notices.items():
+                for message in messages:
+                    self._on_notice(peer_name, message, now)
+            for s in list(self._sends.values()):
+                self._pump_send(s, now)
+            for r in list(self._recvs.values()):
+                self._pump_recv(r, now)
+            self._timers(now)
+            self._retry_zombies()
+            return bool(self._sends or self._recvs)
+
+    def _run_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for record, callback in callbacks:
+            assert record.result is not None
+            if callback is not None:
+                try:
+                    callback(record.result)
+                except Exception:  # the owner's bug; the transfer itself is over either way
+                    log.exception("on_finish callback of KV transfer %r raised", record.request_id)
+            record.finished.set()
+
+    # ------------------------------------------------------------------ sender side
+
+    def _pump_send(self, t: SendTransfer, now: float) -> None:
+        while t.queue and not t.record.state.terminal:
+            chunk = t.queue.popleft()
+            if not self._post_chunk(t, chunk):
+                t.queue.appendleft(chunk)  # waits for a staging slot or a credit
+                break
+        self._poll_inflight(t)
+        if t.record.state.terminal:
+            self._settle(t, now)
+        elif t.closed and not t.queue and not t.inflight:
+            t.record.advance(TransferState.DONE)
+            self._finalize(t, now)
+
+    def _post_chunk(self, t: SendTransfer, c: Chunk) -> bool:
+        """Post (WRITE) or announce (READ) one chunk; False if it must wait for a staging slot."""
+        peer = self._peers[t.peer]
+        bb = self.region.block_bytes
+        n = int(c.src.size)
+        slot: int | None = None
+        remote_slot = -1
+        if c.packed:
+            assert self.staging is not None
+            if t.mode is TransferMode.WRITE and not t.credits:
+                return False
+            slot = self.staging.acquire()
+            if slot is None:
+                return False
+            gather_blocks(self.region.blocks(), torch.from_numpy(c.src), self.staging.slot_rows(slot, n, bb))
+            if t.mode is TransferMode.WRITE:
+                remote_slot = t.credits.popleft()
+                t.slots_in_use.add(remote_slot)
+        if t.mode is TransferMode.READ:
+            notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
+                seq=c.seq, first_index=c.first, num_blocks=n, block_ids=[] if c.packed else c.src.tolist(),
+                staging_slot=-1 if slot is None else slot, last=c.last, total_chunks=c.total_chunks))
+            if not self._notify(t.peer, notice):
+                return True  # the peer is dead; _peer_dead failed the transfer
+            t.inflight[c.seq] = Inflight(seq=c.seq, nbytes=n * bb, descriptors=0, local_slot=slot)
+            t.record.num_chunks += 1
+            return True
+        notice = encode_notice(t.request_id, chunk_done=pb.ChunkDone(
+            seq=c.seq, first_index=c.first, num_blocks=n, staging_slot=remote_slot, last=c.last,
+            total_chunks=c.total_chunks))
+        if n == 0:
+            self._notify(t.peer, notice)
+            t.record.num_chunks += 1
+            return True
+        if slot is not None:
+            descs = single_desc(self.staging.slot_address(slot) if self.staging else 0, self.region.device_id,
+                                peer.staging_address(remote_slot), peer.staging_device, n * bb)
+            remote_mem = peer.staging_mem
+        else:
+            descs = block_descs(self.layout, self._local_address(), peer.kv, c.src, c.dst)
+            remote_mem = peer.kv_mem
+        try:
+            handle, status = self._backend.post("WRITE", descs, mem_type(self.region.tensor), remote_mem,
+                                                t.peer, notice)
+        except NixlCallError as exc:
+            if slot is not None and self.staging is not None:
+                self.staging.release(slot)
+            self._nixl_failed(t, exc)
+            return True
+        t.inflight[c.seq] = Inflight(seq=c.seq, nbytes=n * bb, descriptors=descs.count, handle=handle,
+                                     local_slot=slot)
+        t.record.num_descriptors += descs.count
+        t.record.num_chunks += 1
+        if status == "ERR":
+            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, f"WRITE of chunk {c.seq} "
+                       "failed at post", tell_peer=True)
+        return True
+
+    def _local_address(self) -> RegionAddress:
+        return RegionAddress(self.region.base_address, self.region.num_blocks, self.region.device_id)
+
+    # ------------------------------------------------------------------ receiver side
+
+    def _pump_recv(self, t: RecvTransfer, now: float) -> None:
+        while t.reads and not t.record.state.terminal:
+            ready = t.reads.popleft()
+            if not self._post_read(t, ready):
+                t.reads.appendleft(ready)  # waits for a local staging slot
+                break
+        self._poll_inflight(t)
+        if t.record.state.terminal:
+            self._settle(t, now)
+        elif t.complete():
+            t.record.advance(TransferState.DONE)
+            self._finalize(t, now)
+
+    def _post_read(self, t: RecvTransfer, m: pb.ChunkReady) -> bool:
+        peer = self._peers[t.peer]
+        bb = self.region.block_bytes
+        dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
+        consumed = encode_notice(t.request_id, chunk_consumed=pb.ChunkConsumed(seq=m.seq))
+        if m.num_blocks == 0:
+            self._notify(t.peer, consumed)
+            return True
+        slot: int | None = None
+        if m.staging_slot >= 0:
+            if self.staging is None:
+                self._fail(t, TransferState.FAILED, FailureCause.INVALID, "packed chunk but no staging buffer",
+                           tell_peer=True)
+                return True
+            slot = self.staging.acquire()
+            if slot is None:
+                return False
+            descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
+                                peer.staging_address(m.staging_slot), peer.staging_device, m.num_blocks * bb)
+            remote_mem = peer.staging_mem
+        else:
+            src = np.asarray(m.block_ids, dtype=np.int64)
+            descs = block_descs(self.layout, self._local_address(), peer.kv, dst, src)
+            remote_mem = peer.kv_mem
+        try:
+            handle, status = self._backend.post("READ", descs, mem_type(self.region.tensor), remote_mem,
+                                                t.peer, consumed)
+        except NixlCallError as exc:
+            if slot is not None and self.staging is not None:
+                self.staging.release(slot)
+            self._nixl_failed(t, exc)
+            return True
+        t.inflight[m.seq] = Inflight(seq=m.seq, nbytes=m.num_blocks * bb, descriptors=descs.count, handle=handle,
+                                     local_slot=slot, scatter_ids=dst if slot is not None else None)
+        t.record.num_descriptors += descs.count
+        t.record.num_chunks += 1
+        if status == "ERR":
+            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, f"READ of chunk {m.seq} failed at post",
+                       tell_peer=True)
+        return True
+
+    def _on_chunk_done(self, t: RecvTransfer, m: pb.ChunkDone) -> None:
+        if t.mode is not TransferMode.WRITE or t.record.state.terminal:
+            return
+        problem = self._check_chunk(t, m.seq, m.first_index, m.num_blocks)
+        if m.staging_slot >= 0 and m.staging_slot not in t.granted_slots:
+            problem = f"staging slot {m.staging_slot} was not granted"
+        if problem:
+            self._fail(t, TransferState.FAILED, FailureCause.INVALID, problem, tell_peer=True)
+            return
+        if m.staging_slot >= 0:
+            assert self.staging is not None
+            dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
+            scatter_blocks(self.region.blocks(), torch.from_numpy(dst),
+                           self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes))
+            self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
+        t.record.start_transferring(time.monotonic())
+        t.seen.add(m.seq)
+        t.blocks_landed += m.num_blocks
+        t.record.num_bytes += m.num_blocks * self.region.block_bytes
+        t.record.num_chunks += 1
+        if m.last:
+            t.total_chunks = m.total_chunks
+
+    def _on_chunk_ready(self, t: RecvTransfer, m: pb.ChunkReady) -> None:
+        if t.mode is not TransferMode.READ or t.record.state.terminal:
+            return
+        problem = self._check_chunk(t, m.seq, m.first_index, m.num_blocks)
+        peer = self._peers[t.peer]
+        if m.staging_slot >= 0 and (m.staging_slot >= peer.staging_slots
+                                    or m.num_blocks * self.region.block_bytes > peer.staging_slot_bytes):
+            problem = f"staging slot {m.staging_slot} beyond the sender's"
+        elif m.staging_slot < 0 and (len(m.block_ids) != m.num_blocks
+                                     or any(b >= peer.kv.num_blocks for b in m.block_ids)):
+            problem = "block ids missing or beyond the sender's pool"
+        if problem:
+            self._fail(t, TransferState.FAILED, FailureCause.INVALID, problem, tell_peer=True)
+            return
+        t.record.start_transferring(time.monotonic())
+        t.seen.add(m.seq)
+        t.reads.append(m)
+        if m.last:
+            t.total_chunks = m.total_chunks
+
+    def _check_chunk(self, t: RecvTransfer, seq: int, first: int, n: int) -> str:
+        if seq in t.seen:
+            return f"chunk {seq} arrived twice"
+        if first + n > t.dst_ids.size:
+            return f"chunk {seq} covers positions [{first}, {first + n}) beyond {t.dst_ids.size} reserved"
+        return ""
+
+    # ------------------------------------------------------------------ in-flight requests
+
+    def _poll_inflight(self, t: Transfer) -> None:
+        for seq, inf in list(t.inflight.items()):
+            if inf.handle is None:
+                continue  # a READ sender's announced chunk: ends on ChunkConsumed
+            try:
+                status = self._backend.status(inf.handle, t.peer)
+            except NixlCallError as exc:
+                self._nixl_failed(t, exc)
+                status = "ERR"
+            if status == "PROC":
+                continue
+            self._release_handle(inf.handle, t.peer)
+            del t.inflight[seq]
+            if status == "DONE" and not t.record.state.terminal:
+                if inf.scatter_ids is not None and inf.local_slot is not None and self.staging is not None:
+                    scatter_blocks(self.region.blocks(), torch.from_numpy(inf.scatter_ids),
+                                   self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
+                                                          self.region.block_bytes))
+                t.record.num_bytes += inf.nbytes
+                if isinstance(t, RecvTransfer):
+                    t.blocks_landed += inf.nbytes // self.region.block_bytes
+            elif status == "ERR":
+                self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
+                           f"NIXL request of chunk {seq} ended in error", tell_peer=True)
+            if inf.local_slot is not None and self.staging is not None:
+                self.staging.release(inf.local_slot)
+
+    def _release_handle(self, handle: object, peer: str) -> None:
+        try:
+            self._backend.release(handle, peer)
+        except NixlCallError as exc:
+            log.warning("%s; retrying later", exc)
+            self._zombies.append((handle, peer))
+
+    def _retry_zombies(self) -> None:
+        zombies, self._zombies = self._zombies, []
+        for handle, peer in zombies:
+            self._release_handle(handle, peer)
+
+    def _drop_inflight(self, t: Transfer) -> None:
+        """Forget in-flight requests of a transfer whose peer is dead (nothing more will land)."""
+        for inf in t.inflight.values():
+            if inf.handle is not None:
+                self._release_handle(inf.handle, t.peer)
+            if inf.local_slot is not None and self.staging is not None:
+                self.staging.release(inf.local_slot)
+        t.inflight.clear()
+
+    # ------------------------------------------------------------------ notifications
+
+    def _notify(self, peer_name: str, message: bytes) -> bool:
+        """Send a notification; on a disconnect, declare the peer dead and return False."""
+        peer = self._peers.get(peer_name)
+        if peer is None or not peer.alive:
+            return False
+        try:
+            self._backend.notify(peer_name, message)
+        except NixlCallError as exc:
+            self._peer_dead(peer, FailureCause.PEER_DISCONNECTED, str(exc))
+            return False
+        return True
+
+    def _on_notice(self, peer_name: str, message: bytes, now: float) -> None:
+        peer = self._peers.get(peer_name)
+        if peer is None or not peer.alive:
+            return  # from an agent we never handshook, or declared dead: ignore
+        peer.last_seen_s = now
+        try:
+            notice = decode_notice(message)
+        except ValueError as exc:
+            log.warning("ignoring notification from %s: %s", peer_name, exc)
+            return
+        kind = notice.WhichOneof("body")
+        if kind == "heartbeat":
+            return
+        rid = notice.request_id
+        send = self._sends.get(rid)
+        recv = self._recvs.get(rid)
+        send = send if send is not None and send.peer == peer_name else None
+        recv = recv if recv is not None and recv.peer == peer_name else None
+        if kind == "chunk_done" and recv is not None:
+            self._on_chunk_done(recv, notice.chunk_done)
+        elif kind == "chunk_ready" and recv is not None:
+            self._on_chunk_ready(recv, notice.chunk_ready)
+        elif kind == "slot_free" and send is not None:
+            slot = notice.slot_free.staging_slot
+            if slot in send.slots_in_use:  # a credit we gave out, returned once
+                send.slots_in_use.discard(slot)
+                send.credits.append(slot)
+        elif kind == "chunk_consumed" and send is not None:
+            inf = send.inflight.pop(notice.chunk_consumed.seq, None)
+            if inf is not None:
+                send.record.num_bytes += inf.nbytes
+                if inf.local_slot is not None and self.staging is not None:
+                    self.staging.release(inf.local_slot)
+        elif kind == "abort":
+            self._on_peer_abort(peer_name, rid, notice.abort)
+        elif kind == "abort_ack":
+            for t in (send, recv):
+                if t is not None:
+                    t.peer_quiesced = True
+
+    def _on_peer_abort(self, peer_name: str, rid: RequestId, m: pb.Abort) -> None:
+        detail = f"{peer_name} aborted: {cause_from_pb(m.cause).value}" + (f" ({m.detail})" if m.detail else "")
+        matched = False
+        for t in (self._sends.get(rid), self._recvs.get(rid)):
+            if t is None or t.peer != peer_name:
+                continue
+            matched = True
+            self._fail(t, TransferState.ABORTED, FailureCause.PEER_ABORTED, detail, tell_peer=False)
+            if t.initiator:
+                t.reply = t.reply or "ack"
+            else:
+                t.peer_quiesced = True  # an initiator aborts only once quiesced
+        if not matched:
+            # Already finished here (or never known): nothing of ours is in flight; let the target go.
+            self._notify(peer_name, encode_notice(rid, abort_ack=pb.AbortAck()))
+
+    # ------------------------------------------------------------------ failure, settling, finishing
+
+    def _fail(self, t: Transfer, state: TransferState, cause: FailureCause, detail: str, *, tell_peer: bool) -> None:
+        fallback = ("recompute" if self.config.on_failure == "recompute" and state is TransferState.FAILED
+                    else None)
+        error = KVTransferError(t.request_id, cause, detail, fallback=fallback)
+        if not t.record.fail(state, error):
+            return
+        log.info("KV transfer %r (%s, peer %s) %s: %s", t.request_id, t.record.role.value, t.peer,
+                 state.value, error)
+        if isinstance(t, SendTransfer):
+            t.queue.clear()
+        if t.initiator:
+            t.reply = "abort" if tell_peer else None
+            for inf in list(t.inflight.values()):
+                if inf.handle is not None:
+                    try:  # ask NIXL to cancel; if it cannot, _poll_inflight waits for the end
+                        self._backend.release(inf.handle, t.peer)
+                    except NixlCallError:
+                        continue
+                    inf.handle = None
+                    if inf.local_slot is not None and self.staging is not None:
+                        self.staging.release(inf.local_slot)
+                    del t.inflight[inf.seq]
+        else:
+            if tell_peer:
+                self._notify(t.peer, encode_notice(t.request_id, abort=pb.Abort(cause=cause_to_pb(cause),
+                                                                                detail=detail)))
+            t.drain_until_s = time.monotonic() + self.config.abort_drain_s
+        self._wake.set()
+
+    def _nixl_failed(self, t: Transfer, exc: NixlCallError) -> None:
+        peer = self._peers.get(t.peer)
+        if exc.disconnected and peer is not None:
+            self._peer_dead(peer, FailureCause.PEER_DISCONNECTED, str(exc))
+        else:
+            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, str(exc), tell_peer=True)
+
+    def _settle(self, t: Transfer, now: float) -> None:
+        """A terminal transfer releases its blocks once nothing of it can touch memory any more."""
+        if t.finalized:
+            return
+        peer = self._peers.get(t.peer)
+        peer_gone = peer is None or not peer.alive
+        if t.initiator:
+            if t.inflight and not peer_gone:
+                return
+            if t.reply == "abort" and not peer_gone:
+                cause = t.record.error.cause if t.record.error else FailureCause.CANCELLED
+                detail = t.record.error.detail if t.record.error else ""
+                self._notify(t.peer, encode_notice(t.request_id, abort=pb.Abort(cause=cause_to_pb(cause),
+                                                                                detail=detail)))
+            elif t.reply == "ack" and not peer_gone:
+                self._notify(t.peer, encode_notice(t.request_id, abort_ack=pb.AbortAck()))
+            self._drop_inflight(t)
+            self._finalize(t, now)
+            return
+        if t.peer_quiesced or peer_gone or (t.drain_until_s is not None and now >= t.drain_until_s):
+            if not (t.peer_quiesced or peer_gone):
+                log.warning("KV transfer %r: no abort acknowledgement from %s within %.2f s; releasing anyway",
+                            t.request_id, t.peer, self.config.abort_drain_s)
+            self._drop_inflight(t)
+            self._finalize(t, now)
+
+    def _finalize(self, t: Transfer, now: float) -> None:
+        if t.finalized:
+            return
+        t.finalized = True
+        if isinstance(t, RecvTransfer):
+            self._release_slots(t.granted_slots)
+            self._recvs.pop(t.request_id, None)
+        else:
+            self._sends.pop(t.request_id, None)
+        for inf in t.inflight.values():
+            if inf.local_slot is not None and self.staging is not None:
+                self.staging.release(inf.local_slot)
+        t.inflight.clear()
+        result = t.record.finish(now)
+        self.metrics.record(result, t.mode.value)
+        self._results[(t.record.role, t.request_id)] = t.record
+        while len(self._results) > _FORGET_AFTER:
+            self._results.popitem(last=False)
+        self._callbacks.append((t.record, t.record.on_finish))
+
+    def _release_slots(self, slots: tuple[int, ...]) -> None:
+        if self.staging is not None:
+            for s in slots:
+                self.staging.release(s)
+
+    def _peer_dead(self, peer: PeerState, cause: FailureCause, detail: str) -> None:
+        if not peer.alive:
+            return
+        peer.alive = False
+        affected = [t for t in (*self._sends.values(), *self._recvs.values()) if t.peer == peer.name]
+        (log.warning if affected else log.info)("KV transfer peer %s declared dead (%s: %s); failing %d transfers",
+                                                peer.name, cause.value, detail, len(affected))
+        try:
+            self._backend.remove_peer(peer.name)
+        except NixlCallError as exc:
+            log.warning("%s", exc)
+        now = time.monotonic()
+        for t in affected:
+            self._fail(t, TransferState.FAILED, cause, f"peer {peer.name}: {detail}", tell_peer=False)
+            self._drop_inflight(t)
+            self._finalize(t, now)
+
+    def _timers(self, now: float) -> None:
+        for t in [*self._sends.values(), *self._recvs.values()]:
+            if not t.record.state.terminal and now > t.record.deadline_s:
+                self._fail(t, TransferState.FAILED, FailureCause.DEADLINE,
+                           f"not done within its lease ({t.record.deadline_s - t.record.started_s:.3g} s)",
+                           tell_peer=True)
+                self._settle(t, now)
+        for peer in list(self._peers.values()):
+            if peer.alive and now - peer.last_seen_s > self.config.peer_timeout_s:
+                self._peer_dead(peer, FailureCause.PEER_SILENT,
+                                f"no heartbeat for {now - peer.last_seen_s:.2f} s")
+        if now >= self._next_heartbeat_s:
+            self._next_heartbeat_s = now + self.config.heartbeat_interval_s
+            for peer in list(self._peers.values()):
+                if peer.alive:
+                    peer.next_heartbeat_seq += 1
+                    self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)))
+
+
+class NixlSender:
+    """The sender role of a `NixlTransferAgent` (satisfies `KVSender`)."""
+
+    def __init__(self, agent: NixlTransferAgent) -> None:
+        self._agent = agent
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent.name
+
+    def open(self, reservation: Reservation, *, timeout_s: float | None = None,
+             on_finish: FinishCallback | None = None) -> None:
+        self._agent.open(reservation, timeout_s, on_finish)
+
+    def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, *, last: bool = False) -> None:
+        self._agent.write_blocks(request_id, local_block_ids, last)
+
+    def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
+        return self._agent.wait(Role.SENDER, request_id, timeout_s)
+
+    def state(self, request_id: RequestId) -> TransferState:
+        return self._agent.state(Role.SENDER, request_id)
+
+    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
+        return self._agent.abort(request_id, cause, detail)
+
+
+class NixlReceiver:
+    """The receiver role of a `NixlTransferAgent` (satisfies `KVReceiver`)."""
+
+    def __init__(self, agent: NixlTransferAgent) -> None:
+        self._agent = agent
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent.name
+
+    def reserve(self, request_id: RequestId, block_ids: BlockIds, *, sender: str,
+                mode: TransferMode | None = None, lease_s: float | None = None,
+                on_finish: FinishCallback | None = None) -> Reservation:
+        return self._agent.reserve(request_id, block_ids, sender, mode, lease_s, on_finish)
+
+    def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
+        return self._agent.wait(Role.RECEIVER, request_id, timeout_s)
+
+    def state(self, request_id: RequestId) -> TransferState:
+        return self._agent.state(Role.RECEIVER, request_id)
+
+    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
+        return self._agent.abort(request_id, cause, detail)
+
+
+if TYPE_CHECKING:
+    from cedserve.kv_transfer.protocol import KVReceiver, KVSender, TransferEndpoint
+
+    def _conforms(agent: NixlTransferAgent) -> tuple[TransferEndpoint, KVSender, KVReceiver]:
+        """mypy checks the engine against the contract here; never called."""
+        return agent, agent.sender(), agent.receiver()

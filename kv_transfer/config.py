@@ -1,0 +1,102 @@
+"""`KVTransferConfig`: everything the transfer layer reads, as one frozen, validated struct.
+
+It decodes from the serve config's TOML/JSON through msgspec like the other subsystems (a bad field
+is named). Environment variables are not read here; UCX's own variables are *written* from
+`ucx_tls` / `ucx_net_devices` in one place (`nixl_backend.apply_ucx_environment`) before the agent
+exists, because UCX reads them when its context is created.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"config field `kv_transfer.{name}`: {message}")
+
+
+class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The NIXL agent, its control plane, chunking, packing, liveness and failure policy."""
+
+    backends: tuple[str, ...] = ("UCX",)
+    """NIXL backends to create; only UCX moves KV today."""
+    ucx_error_handling_mode: Literal["peer", "none"] = "peer"
+    """UCX endpoint error handling; `peer` makes a dead peer's endpoint fail fast instead of hanging."""
+    ucx_tls: str | None = None
+    """If set, exported as UCX_TLS before the agent starts (e.g. `rc,cuda_copy,cuda_ipc` on an RDMA
+    cluster so a missing NIC fails loud instead of silently falling back to TCP; `tcp` between hosts
+    without RDMA). None leaves UCX's choice."""
+    ucx_net_devices: str | None = None
+    """If set, exported as UCX_NET_DEVICES (e.g. `mlx5_0:1`, or the veth of a test namespace)."""
+    ucx_num_workers: int = 1
+    """UCX workers per agent (`num_workers` backend parameter)."""
+    progress_thread: bool = False
+    """NIXL's own progress thread. It busy-polls a whole core while idle, so by default the agent's
+    progress loop drives UCX instead (it polls only while transfers are in flight)."""
+    control_host: str = "127.0.0.1"
+    """Address the KVTransferControl gRPC service binds to (the worker's cluster address)."""
+    control_port: int = 0
+    """Port of the control service; 0 binds a free one and reports it."""
+    auth_token: str = ""
+    """Shared secret every control-plane call carries (`authorization: Bearer <token>`). Required:
+    the agent refuses to start without one, since a handshake grants write access to the block pool."""
+    mode: Literal["write", "read"] = "write"
+    """Default direction: the sender WRITEs into reserved blocks (decode-first), or the receiver READs."""
+    chunk_blocks: int = 256
+    """Most blocks per NIXL transfer request; a `write_blocks` call larger than this is split."""
+    pack_below_bytes: int | None = None
+    """Pack a chunk through the staging buffers when its mean descriptor (after coalescing contiguous
+    runs) is smaller than this. None picks by memory: 1 MiB for device memory, where small
+    descriptors run at a few percent of the link, and 0 (never) for host memory, where they cost
+    little (docs/benchmarks/kv-transfer-cpu.json measures both)."""
+    staging_slots: int = 8
+    """Slots in this agent's staging buffer (0: no staging buffer, packing disabled)."""
+    staging_slot_bytes: int = 16 << 20
+    """Bytes per staging slot; a packed chunk is at most one slot."""
+    staging_slots_per_request: int = 2
+    """Receiver slots a WRITE reservation may hold at once (the sender's credits)."""
+    lease_s: float = 30.0
+    """Default lease of a reservation: the transfer fails with DEADLINE if not done by then."""
+    heartbeat_interval_s: float = 0.15
+    """Interval of heartbeat notifications to every connected peer."""
+    peer_timeout_s: float = 0.9
+    """A peer silent for this long is declared dead and its transfers fail (PEER_SILENT)."""
+    abort_drain_s: float = 0.9
+    """How long a side whose memory the peer may touch waits for the peer's abort acknowledgement."""
+    poll_interval_s: float = 0.0002
+    """Progress-loop sleep while transfers are in flight."""
+    idle_poll_s: float = 0.005
+    """Progress-loop sleep with nothing in flight (heartbeats and notifications still flow)."""
+    on_failure: Literal["fail", "recompute"] = "fail"
+    """What a failed transfer lets the caller do: `fail` the request, or `recompute` the KV locally
+    (the error says so and the fallback is counted; never silent)."""
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            _fail("backends", "must name at least one NIXL backend")
+        if not 0 <= self.control_port <= 65535:
+            _fail("control_port", f"must be in [0, 65535], got {self.control_port}")
+        for name in ("chunk_blocks", "ucx_num_workers", "staging_slot_bytes", "staging_slots_per_request"):
+            if getattr(self, name) <= 0:
+                _fail(name, f"must be positive, got {getattr(self, name)}")
+        if self.staging_slots < 0:
+            _fail("staging_slots", f"must be >= 0, got {self.staging_slots}")
+        if self.pack_below_bytes is not None and self.pack_below_bytes < 0:
+            _fail("pack_below_bytes", f"must be >= 0 or null, got {self.pack_below_bytes}")
+        for name in ("lease_s", "heartbeat_interval_s", "peer_timeout_s", "abort_drain_s",
+                     "poll_interval_s", "idle_poll_s"):
+            if getattr(self, name) <= 0:
+                _fail(name, f"must be positive, got {getattr(self, name)}")
+        if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
+            _fail("peer_timeout_s", f"{self.peer_timeout_s} s leaves room for fewer than two heartbeats "
+                  f"at {self.heartbeat_interval_s} s")
+
+    def pack_threshold(self, device_memory: bool) -> int:
+        """Mean descriptor bytes below which a chunk is packed (0: never)."""
+        if self.staging_slots == 0:
+            return 0
+        if self.pack_below_bytes is not None:
+            return self.pack_below_bytes
+        return (1 << 20) if device_memory else 0

@@ -1,0 +1,473 @@
+"""Multi-process harness for the transfer layer: worker processes driven over stdin/stdout, and the
+network namespaces that make two of them look like two hosts.
+
+`PeerProcess` starts `python -m cedserve.kv_transfer.harness --spec JSON` (optionally behind a
+prefix: `ip netns exec NS`, or `ssh HOST` for real hosts) and sends it JSON-line commands; the
+worker owns one `NixlTransferAgent` over a block pool of its own, a free-list allocator, and answers
+each command with one JSON line. The e2e tests and `cedserve bench kv-transfer` play the router:
+they reserve on the receiver, hand the reservation (protobuf, base64) to the sender, and wait on both.
+
+`NetnsPair` builds two namespaces joined by a veth pair with addresses from the RFC 2544
+benchmarking range 198.18.0.0/15 (UCX's TCP transport skips link-local 169.254/16 interfaces, so
+those cannot carry UCX), and UCX is pinned to `tcp` on that veth: bytes cross a real TCP connection
+between two network stacks, as between machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from cedserve.kv_transfer.config import KVTransferConfig
+from cedserve.kv_transfer.errors import KVTransferError
+from cedserve.kv_transfer.protocol import TransferMode
+from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.state import TransferResult
+from cedserve.kv_transfer.wire import reservation_from_pb, reservation_to_pb
+from cedserve.proto import kv_transfer_pb2 as pb
+
+_TAG = "@@kvh "
+
+
+# ---------------------------------------------------------------------- specs, layout, patterns
+
+
+@dataclass
+class LayoutSpec:
+    """A model layout (`preset` + `block_size`) or a model-free one (`raw_block_bytes`)."""
+
+    kind: str = LayoutKind.CROSS_LAYER.value
+    preset: str | None = "v4.1-flash"
+    block_size: int = 64
+    raw_block_bytes: int = 0
+    raw_layers: int = 1
+
+    def build(self) -> KVLayout:
+        kind = LayoutKind(self.kind)
+        if self.preset is None:
+            return KVLayout.raw(self.raw_block_bytes, kind, self.raw_layers)
+        from cedserve.model.presets import preset
+
+        return KVLayout.from_config(preset(self.preset), self.block_size, kind)
+
+
+@dataclass
+class WorkerSpec:
+    name: str
+    num_blocks: int
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    device: str = "cpu"
+    config: dict[str, Any] = field(default_factory=dict)
+    """KVTransferConfig fields (auth_token, control_host, ucx_tls, ...)."""
+    seed: int = 0
+
+
+def pattern_rows(seed: int, block_ids: np.ndarray, block_bytes: int, device: torch.device) -> torch.Tensor:
+    """`[n, block_bytes]` uint8: row i = (j + 131 * id_i + 7919 * seed) mod 256 for byte j."""
+    row = (torch.arange(block_bytes, device=device) % 256).to(torch.uint8)
+    offs = torch.from_numpy((block_ids.astype(np.int64) * 131 + seed * 7919) % 256).to(torch.uint8).to(device)
+    return row[None, :] + offs[:, None]
+
+
+def write_logical(layout: KVLayout, region: KVRegion, block_ids: np.ndarray, rows: torch.Tensor) -> None:
+    idx = torch.from_numpy(block_ids).to(region.tensor.device)
+    for view, start, stop in layout.segment_views(region):
+        view.index_copy_(0, idx, rows[:, start:stop].contiguous())
+
+
+def read_logical(layout: KVLayout, region: KVRegion, block_ids: np.ndarray) -> torch.Tensor:
+    idx = torch.from_numpy(block_ids).to(region.tensor.device)
+    return torch.cat([view.index_select(0, idx) for view, _, _ in layout.segment_views(region)], dim=1)
+
+
+class FreeList:
+    """Block allocator of a test worker: contiguous (lowest free ids) or random (scattered) ids."""
+
+    def __init__(self, num_blocks: int, seed: int) -> None:
+        self.free = np.ones(num_blocks, dtype=bool)
+        self.rng = np.random.default_rng(seed)
+
+    def allocate(self, n: int, pattern: str) -> np.ndarray:
+        candidates = np.flatnonzero(self.free)
+        if candidates.size < n:
+            raise ValueError(f"out of blocks: want {n}, {candidates.size} free")
+        ids = candidates[:n] if pattern == "contiguous" else self.rng.choice(candidates, n, replace=False)
+        self.free[ids] = False
+        return ids.astype(np.int64)
+
+    def release(self, ids: Sequence[int] | np.ndarray) -> None:
+        self.free[np.asarray(ids, dtype=np.int64)] = True
+
+    @property
+    def num_free(self) -> int:
+        return int(self.free.sum())
+
+
+def result_dict(result: TransferResult | None) -> dict[str, Any]:
+    if result is None:
+        return {"state": "error", "error": "no result recorded"}
+    out: dict[str, Any] = {
+        "request_id": result.request_id, "state": result.state.value, "bytes": result.num_bytes,
+        "descriptors": result.num_descriptors, "chunks": result.num_chunks,
+        "latency_s": result.finished_s - result.started_s, "duration_s": result.duration_s,
+        "finished_s": result.finished_s, "started_s": result.started_s}
+    if result.error is not None:
+        out.update(cause=result.error.cause.value, error=str(result.error))
+    return out
+
+
+# ---------------------------------------------------------------------- the worker process
+
+
+class Worker:
+    """One agent and its pool, answering harness commands (see `handle`)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from cedserve.kv_transfer.agent import NixlTransferAgent
+
+        self.spec = spec
+        self.layout = spec.layout.build()
+        device = torch.device(spec.device)
+        tensor = torch.zeros(spec.num_blocks * self.layout.block_bytes, dtype=torch.uint8, device=device)
+        self.region = KVRegion(tensor, self.layout.block_bytes)
+        self.config = msgspec.convert(spec.config, KVTransferConfig)
+        self.agent = NixlTransferAgent(self.config, self.region, self.layout, spec.name)
+        self.blocks = FreeList(spec.num_blocks, spec.seed)
+        self.lock = threading.Lock()
+        self.results: dict[str, TransferResult] = {}
+        self.held: dict[str, np.ndarray] = {}  # receiver blocks holding DONE transfers
+        self.send_errors: dict[str, str] = {}
+
+    def _on_finish(self, result: TransferResult) -> None:
+        with self.lock:
+            self.results[result.request_id] = result
+            if result.role.value == "receiver" and result.state.value == "done":
+                self.held[result.request_id] = np.asarray(result.block_ids, dtype=np.int64)
+            else:
+                self.blocks.release(result.block_ids)
+
+    def handle(self, cmd: str, a: dict[str, Any]) -> dict[str, Any]:
+        agent = self.agent
+        if cmd == "info":
+            return {"name": agent.name, "control_address": agent.control_address, "pid": os.getpid(),
+                    "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
+                    "compat_hash": agent.compatibility().compat_hash}
+        if cmd == "handshake":
+            return {"peer": agent.handshake(a["address"], a.get("timeout_s", 10.0))}
+        if cmd == "fill":
+            ids = np.arange(self.region.num_blocks, dtype=np.int64)
+            for s in range(0, ids.size, 512):
+                part = ids[s: s + 512]
+                write_logical(self.layout, self.region, part,
+                              pattern_rows(a["seed"], part, self.region.block_bytes, self.region.tensor.device))
+            return {}
+        if cmd == "reserve":
+            out = []
+            for r in a["requests"]:
+                ids = self.blocks.allocate(r["num_blocks"], a.get("alloc", "random"))
+                res = agent.receiver().reserve(r["request_id"], ids, sender=r["sender"],
+                                               mode=TransferMode(r.get("mode", "write")),
+                                               lease_s=r.get("lease_s"), on_finish=self._on_finish)
+                out.append(base64.b64encode(reservation_to_pb(res).SerializeToString()).decode())
+            return {"reservations": out}
+        if cmd == "send":
+            return self._send(a)
+        if cmd == "wait":
+            out = {}
+            for rid in a["request_ids"]:
+                side = agent.sender() if a["role"] == "sender" else agent.receiver()
+                try:
+                    out[rid] = result_dict(side.wait(rid, a.get("timeout_s", 60.0)))
+                except KVTransferError:
+                    with self.lock:
+                        out[rid] = result_dict(self.results.get(rid))
+                except (TimeoutError, KeyError) as exc:
+                    error = self.send_errors.get(rid) or f"{type(exc).__name__}: {exc}"
+                    out[rid] = {"state": "error", "error": error}
+            return {"results": out}
+        if cmd == "verify":
+            with self.lock:
+                dst = self.held.get(a["request_id"])
+            if dst is None:
+                return {"ok": False, "reason": "no DONE transfer held"}
+            src = np.asarray(a["src_ids"], dtype=np.int64)
+            bad = 0
+            for s in range(0, dst.size, 512):
+                want = pattern_rows(a["src_seed"], src[s: s + 512], self.region.block_bytes, self.region.tensor.device)
+                got = read_logical(self.layout, self.region, dst[s: s + 512])
+                bad += int((want != got).any(dim=1).sum())
+            return {"ok": bad == 0, "mismatched_blocks": bad}
+        if cmd == "release":
+            with self.lock:
+                for rid in a["request_ids"]:
+                    held = self.held.pop(rid, None)
+                    if held is not None:
+                        self.blocks.release(held)
+            return {}
+        if cmd == "abort":
+            return {"found": agent.abort(a["request_id"])}
+        if cmd == "free":
+            with self.lock:
+                return {"free_blocks": self.blocks.num_free, "held": len(self.held),
+                        "active": agent.active_transfers(),
+                        "staging_free": agent.staging.free_slots if agent.staging else 0}
+        if cmd == "raw":
+            return {"seconds": [agent.measure_raw(a["peer"], a["nbytes"], a.get("op", "WRITE"))
+                                for _ in range(a.get("reps", 1))]}
+        if cmd == "memcpy":
+            n = a["nbytes"]
+            src = self.region.tensor[:n]
+            dst = torch.empty_like(src)
+            seconds = []
+            for _ in range(a.get("reps", 1)):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                if dst.device.type == "cuda":
+                    torch.cuda.synchronize(dst.device)
+                seconds.append(time.perf_counter() - t0)
+            return {"seconds": seconds}
+        raise ValueError(f"unknown harness command {cmd!r}")
+
+    def _send(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Open every reservation, then stream each request's blocks in `stream_blocks` pieces
+        (round-robin across the batch, `pace_s` apart: prefill chunks finishing) on a thread."""
+        sender = self.agent.sender()
+        plans = []
+        local: dict[str, list[int]] = {}
+        for b64 in a["reservations"]:
+            res = reservation_from_pb(pb.Reservation.FromString(base64.b64decode(b64)))
+            ids = self.blocks.allocate(res.num_blocks, a.get("alloc", "random"))
+            local[res.request_id] = ids.tolist()
+            plans.append((res, ids))
+        stream = max(1, int(a.get("stream_blocks", 256)))
+        pace = float(a.get("pace_s", 0.0))
+
+        def run() -> None:
+            pending = []
+            for res, ids in plans:
+                try:
+                    sender.open(res, timeout_s=a.get("timeout_s"), on_finish=self._on_finish)
+                    pending.append((res.request_id, ids))
+                except (ValueError, KVTransferError) as exc:
+                    self.send_errors[res.request_id] = str(exc)
+                    self.blocks.release(ids)
+            cursor = dict.fromkeys((rid for rid, _ in pending), 0)
+            while pending:
+                still = []
+                for rid, ids in pending:
+                    end = min(cursor[rid] + stream, ids.size)
+                    try:
+                        sender.write_blocks(rid, ids[cursor[rid]:end], last=end == ids.size)
+                    except (ValueError, KVTransferError) as exc:
+                        self.send_errors[rid] = str(exc)
+                        continue
+                    cursor[rid] = end
+                    if end < ids.size:
+                        still.append((rid, ids))
+                pending = still
+                if pending and pace:
+                    time.sleep(pace)
+
+        threading.Thread(target=run, name="harness-send", daemon=True).start()
+        return {"local_ids": local}
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="cedserve KV transfer harness worker (driven over stdin)")
+    parser.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    args = parser.parse_args(argv)
+    raw = json.loads(args.spec)
+    raw["layout"] = LayoutSpec(**raw.get("layout", {}))
+    worker = Worker(WorkerSpec(**raw))
+    out = sys.stdout
+
+    def reply(obj: dict[str, Any]) -> None:
+        out.write(_TAG + json.dumps(obj) + "\n")
+        out.flush()
+
+    reply({"id": 0, "ok": True, "result": worker.handle("info", {})})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        if msg["cmd"] == "quit":
+            worker.agent.close()
+            reply({"id": msg["id"], "ok": True, "result": {}})
+            break
+        try:
+            reply({"id": msg["id"], "ok": True, "result": worker.handle(msg["cmd"], msg.get("args", {}))})
+        except Exception as exc:  # report to the driver instead of dying silently
+            reply({"id": msg["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+# ---------------------------------------------------------------------- the driver side
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+class PeerProcess:
+    """A worker process and the pipe to it."""
+
+    def __init__(self, spec: WorkerSpec, *, prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+                 python: str = sys.executable, start_timeout_s: float = 60.0) -> None:
+        self.spec = spec
+        # stderr (NIXL/UCX logs) goes to a file: a pipe nobody reads would fill and block the worker
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
+            prefix=f"kvh-{spec.name}-", suffix=".log", delete=False)
+        payload = asdict(spec)
+        cmd = [*prefix, python, "-m", "cedserve.kv_transfer.harness", "--spec", json.dumps(payload)]
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, bufsize=1, env=full_env)
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._next_id = 1
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info = self._wait_reply(0, start_timeout_s)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_TAG):
+                self._replies.put(json.loads(line[len(_TAG):]))
+        self._replies.put({"id": -1, "ok": False, "error": "worker exited"})
+
+    def _wait_reply(self, msg_id: int, timeout_s: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self._replies.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                raise HarnessError(f"{self.spec.name}: no reply in {timeout_s} s\n{self.log_tail()}") from None
+            if msg["id"] == -1:
+                raise HarnessError(f"{self.spec.name}: worker exited ({self.proc.poll()})\n{self.log_tail()}")
+            if msg["id"] == msg_id:
+                if not msg["ok"]:
+                    raise HarnessError(f"{self.spec.name}: {msg['error']}")
+                result: dict[str, Any] = msg["result"]
+                return result
+
+    def send(self, cmd: str, **args: Any) -> int:
+        """Send a command without waiting; returns its id for `reply`."""
+        msg_id = self._next_id
+        self._next_id += 1
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": msg_id, "cmd": cmd, "args": args}) + "\n")
+        self.proc.stdin.flush()
+        return msg_id
+
+    def reply(self, msg_id: int, timeout_s: float = 120.0) -> dict[str, Any]:
+        return self._wait_reply(msg_id, timeout_s)
+
+    def call(self, cmd: str, timeout_s: float = 120.0, **args: Any) -> dict[str, Any]:
+        return self.reply(self.send(cmd, **args), timeout_s)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.proc.send_signal(sig)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            with open(self._log.name, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(HarnessError, BrokenPipeError, OSError):  # it may be dying already
+                self.call("quit", timeout_s=timeout_s)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        os.unlink(self._log.name)
+
+
+# ---------------------------------------------------------------------- network namespaces
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (no root, no `ip`, no veth support)."""
+
+
+class NetnsPair:
+    """Two network namespaces joined by one veth pair: `a` at `addr_a`, `b` at `addr_b`."""
+
+    def __init__(self, subnet_index: int | None = None) -> None:
+        tag = f"{os.getpid() % 100000}{int(time.monotonic() * 1000) % 1000}"
+        self.ns = (f"kvx{tag}a", f"kvx{tag}b")
+        self.dev = (f"kvx{tag}va", f"kvx{tag}vb")
+        third = (subnet_index if subnet_index is not None else os.getpid()) % 250
+        self.addr = (f"198.18.{third}.1", f"198.18.{third}.2")
+        self._made: list[str] = []
+
+    def __enter__(self) -> NetnsPair:
+        try:
+            for ns in self.ns:
+                self._ip("netns", "add", ns)
+                self._made.append(ns)
+            self._ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                self._ip("link", "set", dev, "netns", ns)
+                self._ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+                self._ip("-n", ns, "link", "set", dev, "up")
+                self._ip("-n", ns, "link", "set", "lo", "up")
+        except NetnsUnavailable:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self._made:  # deleting a namespace deletes its end of the veth, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made.clear()
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        try:
+            done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise NetnsUnavailable(f"`ip {' '.join(args)}`: {exc}") from None
+        if done.returncode:
+            raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+
+    def prefix(self, side: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[side]]
+
+    def config(self, side: int) -> dict[str, Any]:
+        """KVTransferConfig fields pinning the control plane and UCX (TCP) to this side's veth."""
+        return {"control_host": self.addr[side], "ucx_tls": "tcp", "ucx_net_devices": self.dev[side]}
+
+
+def netns_unavailable_reason() -> str | None:
+    """None if a namespace pair can be made here, else why not."""
+    try:
+        with NetnsPair(subnet_index=249):
+            return None
+    except NetnsUnavailable as exc:
+        return str(exc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker_main())

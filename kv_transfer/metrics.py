@@ -1,0 +1,77 @@
+"""Transfer metrics: bytes, GB/s, per-request time and its share of time-to-first-token, failures by
+cause, fallbacks taken. Prometheus collectors live in a registry the caller passes (a new private one
+by default, so two agents in one process never collide and nothing is global)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from cedserve.kv_transfer.errors import RequestId
+from cedserve.kv_transfer.state import TransferResult, TransferState
+
+_GBPS_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+_SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+class TransferMetrics:
+    """One agent's transfer metrics. `record` is called once per finished transfer side."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, remember: int = 4096) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.bytes_total = Counter("cedserve_kv_transfer_bytes", "KV bytes moved", ["role", "mode"], registry=r)
+        self.descriptors_total = Counter("cedserve_kv_transfer_descriptors", "NIXL descriptors posted",
+                                         ["role"], registry=r)
+        self.requests_total = Counter("cedserve_kv_transfer_requests", "Transfers ended, by state",
+                                      ["role", "state"], registry=r)
+        self.failures_total = Counter("cedserve_kv_transfer_failures", "Failed or aborted transfers by cause",
+                                      ["role", "cause"], registry=r)
+        self.fallbacks_total = Counter("cedserve_kv_transfer_fallbacks", "Configured fallbacks taken",
+                                       ["to"], registry=r)
+        self.duration_seconds = Histogram("cedserve_kv_transfer_seconds", "Per-request transfer time",
+                                          ["role"], buckets=_SECONDS_BUCKETS, registry=r)
+        self.gbps = Histogram("cedserve_kv_transfer_gbps", "Per-request transfer rate (GB/s)", ["role"],
+                              buckets=_GBPS_BUCKETS, registry=r)
+        self.ttft_share = Histogram("cedserve_kv_transfer_ttft_share",
+                                    "Transfer time as a fraction of time-to-first-token",
+                                    buckets=_SHARE_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._durations: OrderedDict[RequestId, float] = OrderedDict()
+        self._remember = remember
+
+    def record(self, result: TransferResult, mode: str) -> None:
+        role = result.role.value
+        self.requests_total.labels(role, result.state.value).inc()
+        self.bytes_total.labels(role, mode).inc(result.num_bytes)
+        self.descriptors_total.labels(role).inc(result.num_descriptors)
+        if result.state is TransferState.DONE:
+            self.duration_seconds.labels(role).observe(result.duration_s)
+            self.gbps.labels(role).observe(result.gbps)
+            with self._lock:
+                self._durations[result.request_id] = result.duration_s
+                while len(self._durations) > self._remember:
+                    self._durations.popitem(last=False)
+        elif result.error is not None:
+            self.failures_total.labels(role, result.error.cause.value).inc()
+            if result.error.fallback:
+                self.fallbacks_total.labels(result.error.fallback).inc()
+
+    def observe_ttft(self, request_id: RequestId, ttft_s: float) -> float | None:
+        """Record the request's time-to-first-token; returns the transfer's share of it (None when
+        this agent has no finished transfer for the request)."""
+        with self._lock:
+            duration = self._durations.pop(request_id, None)
+        if duration is None or ttft_s <= 0:
+            return None
+        share = duration / ttft_s
+        self.ttft_share.observe(share)
+        return share
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (tests and the benchmark), 0 if never set."""
+        got = self.registry.get_sample_value(name, labels)
+        return float(got) if got is not None else 0.0

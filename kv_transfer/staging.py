@@ -1,0 +1,81 @@
+"""The packed staging buffer: fixed slots in one registered tensor, gather on the sender and scatter
+on the receiver, so a chunk of scattered blocks crosses the link as one large descriptor.
+
+Slot s holds bytes `[s * slot_bytes, (s + 1) * slot_bytes)`; a packed chunk of n blocks occupies
+its first `n * block_bytes` bytes, block i of the chunk at `i * block_bytes` (request order).
+Packing on the device costs an HBM gather (TB/s) against a link at tens to hundreds of GB/s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StagingPool:
+    """Slot allocator over a staging tensor. Not thread-safe: the owning agent holds its lock."""
+
+    def __init__(self, tensor: torch.Tensor, slot_bytes: int) -> None:
+        if tensor.dtype != torch.uint8 or not tensor.is_contiguous() or tensor.numel() % slot_bytes:
+            raise ValueError("staging tensor must be contiguous uint8 of a whole number of slots")
+        self.tensor = tensor
+        self.slot_bytes = slot_bytes
+        self.num_slots = tensor.numel() // slot_bytes
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @classmethod
+    def allocate(cls, num_slots: int, slot_bytes: int, device: torch.device) -> StagingPool:
+        return cls(torch.zeros(num_slots * slot_bytes, dtype=torch.uint8, device=device), slot_bytes)
+
+    @property
+    def base_address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        """A free slot, or None when all are in use."""
+        return self._free.pop() if self._free else None
+
+    def acquire_up_to(self, n: int) -> list[int]:
+        return [self._free.pop() for _ in range(min(n, len(self._free)))]
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"staging slot {slot} is not held")
+        self._free.append(slot)
+
+    def slot_address(self, slot: int) -> int:
+        return self.base_address + slot * self.slot_bytes
+
+    def slot_rows(self, slot: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
+        """`[num_blocks, block_bytes]` view of the start of `slot`."""
+        if num_blocks * block_bytes > self.slot_bytes:
+            raise ValueError(f"{num_blocks} blocks of {block_bytes} B exceed a {self.slot_bytes} B slot")
+        start = slot * self.slot_bytes
+        return self.tensor[start: start + num_blocks * block_bytes].view(num_blocks, block_bytes)
+
+
+def _index(ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.int64)
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def gather_blocks(blocks: torch.Tensor, ids: list[int] | torch.Tensor, out: torch.Tensor) -> None:
+    """`out[i] = blocks[ids[i]]`; `blocks` `[num_blocks, block_bytes]`, `out` `[len(ids), block_bytes]`.
+    Synchronises the device afterwards, since NIXL reads `out` as soon as the transfer is posted."""
+    torch.index_select(blocks, 0, _index(ids, blocks.device), out=out)
+    sync_device(out)
+
+
+def scatter_blocks(blocks: torch.Tensor, ids: list[int] | torch.Tensor, src: torch.Tensor) -> None:
+    """`blocks[ids[i]] = src[i]`; synchronises, so the staging slot may be handed back at once."""
+    blocks.index_copy_(0, _index(ids, blocks.device), src)
+    sync_device(blocks)
+
+
+def sync_device(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()

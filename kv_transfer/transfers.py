@@ -1,0 +1,126 @@
+"""Per-request bookkeeping of the NIXL engine (`agent.py`): peers, chunks, in-flight requests.
+
+Plain data; the agent mutates it under its lock. The *initiator* of a transfer is the side that
+posts NIXL requests (the sender in WRITE mode, the receiver in READ mode); the other side is the
+*target*, whose memory the initiator touches. A target releases its blocks only once the initiator
+has quiesced (its Abort, AbortAck or DONE) or is known dead, or after `abort_drain_s`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from cedserve.kv_transfer.descriptors import RegionAddress
+from cedserve.kv_transfer.nixl_backend import MemType
+from cedserve.kv_transfer.protocol import Reservation, TransferMode
+from cedserve.kv_transfer.state import TransferRecord
+from cedserve.proto import kv_transfer_pb2 as pb
+
+
+@dataclass
+class PeerState:
+    """A handshaken peer agent."""
+
+    name: str
+    kv: RegionAddress
+    kv_mem: MemType
+    block_bytes: int
+    staging_base: int
+    staging_slot_bytes: int
+    staging_slots: int
+    staging_device: int
+    staging_mem: MemType
+    control_address: str
+    last_seen_s: float
+    alive: bool = True
+    next_heartbeat_seq: int = 0
+
+    def staging_address(self, slot: int) -> int:
+        return self.staging_base + slot * self.staging_slot_bytes
+
+
+@dataclass
+class Chunk:
+    """Positions `[first, first + len(src))` of a request, queued on the sender."""
+
+    seq: int
+    first: int
+    src: np.ndarray
+    """Local (sender) block ids, int64."""
+    dst: np.ndarray
+    """Receiver block ids for the same positions, int64."""
+    packed: bool
+    last: bool
+    total_chunks: int
+
+
+@dataclass
+class Inflight:
+    """One posted NIXL request (or, on a READ sender, one announced chunk awaiting consumption)."""
+
+    seq: int
+    nbytes: int
+    descriptors: int
+    handle: Any = None
+    local_slot: int | None = None
+    scatter_ids: np.ndarray | None = None
+    """READ receiver, packed: blocks to scatter the local slot into once the READ is done."""
+
+
+Reply = Literal["abort", "ack"]
+
+
+@dataclass
+class Transfer:
+    record: TransferRecord
+    mode: TransferMode
+    initiator: bool
+    dst_ids: np.ndarray
+    """The reservation's (receiver) block ids, in request order."""
+    inflight: dict[int, Inflight] = field(default_factory=dict)
+    reply: Reply | None = None
+    """What the initiator tells the peer once quiesced, after a failure."""
+    peer_quiesced: bool = False
+    drain_until_s: float | None = None
+    finalized: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def peer(self) -> str:
+        return self.record.peer
+
+
+@dataclass
+class SendTransfer(Transfer):
+    reservation: Reservation | None = None
+    next_pos: int = 0
+    next_seq: int = 0
+    queue: deque[Chunk] = field(default_factory=deque)
+    credits: deque[int] = field(default_factory=deque)
+    """Receiver staging slots this sender may write into now (packed WRITE)."""
+    slots_in_use: set[int] = field(default_factory=set)
+    """Receiver staging slots written and not yet returned by a `SlotFree`."""
+    closed: bool = False
+    """The chunk with `last` is queued."""
+    local_ids: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class RecvTransfer(Transfer):
+    granted_slots: tuple[int, ...] = ()
+    seen: set[int] = field(default_factory=set)
+    blocks_landed: int = 0
+    total_chunks: int | None = None
+    reads: deque[pb.ChunkReady] = field(default_factory=deque)
+    """READ mode: announced chunks not yet read."""
+
+    def complete(self) -> bool:
+        return (self.total_chunks is not None and len(self.seen) == self.total_chunks
+                and not self.reads and not self.inflight and self.blocks_landed == self.dst_ids.shape[0])

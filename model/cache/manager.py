@@ -1,0 +1,499 @@
+"""One worker's KV cache: the block pool, the prefix cache, the lower tiers and the event stream.
+
+Lifecycle of a request (all calls from the engine's thread):
+
+1. `admit(request_id, token_ids, salt)`: hash the prompt's whole blocks, find the longest cached run
+   across tiers, share device hits (no copy), allocate the rest (contiguous where possible), copy
+   host-tier hits in, queue disk-tier reads. Evicts idle cached blocks if the pool is short; raises
+   `CacheExhaustedError` (leaving nothing behind) if even that is not enough.
+2. `finish_onload(request_id)`: wait for the disk reads; a rejected file ends the cached run there
+   (the request recomputes from that block). Returns the tokens to skip.
+3. The engine writes records into `block_table(request_id)`, then `commit(request_id, n)` makes
+   every whole block of the first `n` tokens a shared prefix block (`BlockStored` event).
+4. Decode: `append_tokens` (allocates a block when the last one fills), `commit`, and for DSpark
+   `truncate` to drop rejected tokens that were never committed.
+5. `free(request_id)`: cached blocks stay as idle prefix blocks (LRU); the others return to the pool.
+
+Eviction moves idle blocks down: device -> host -> disk (disk writes in the background), or drops
+them when a tier is off. Every change of what the worker holds is published as a KV event; `poll()`
+retires finished disk work, publishes, and raises `TierIOError` for failed disk I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cedserve.model.cache.background import IOWorker
+from cedserve.model.cache.block_pool import BlockPool
+from cedserve.model.cache.config import KVCacheConfig
+from cedserve.model.cache.errors import (
+    BlockFileMissingError,
+    CacheExhaustedError,
+    CorruptBlockFileError,
+    TierIOError,
+    UnknownRequestError,
+)
+from cedserve.model.cache.events import (
+    BlockRemoved,
+    BlockStored,
+    BlockTierChanged,
+    KVEventBatch,
+    KVEventPublisher,
+    Tier,
+)
+from cedserve.model.cache.hashing import TokenIds, hash_blocks
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.cache.metrics import CacheMetrics
+from cedserve.model.cache.prefix import PrefixCache
+from cedserve.model.cache.tiers import DiskTier, HostTier, Payload
+
+RequestId = str
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached run of a prompt's blocks, without taking anything."""
+
+    block_hashes: list[bytes]
+    """Hashes of every whole block of the prompt."""
+    tiers: list[Tier]
+    """Tier serving each block of the run (device first, then host, then disk)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `admit` gave a request."""
+
+    request_id: RequestId
+    block_ids: list[int]
+    """The request's block table: block `i` holds tokens `[i * block_size, (i + 1) * block_size)`."""
+    num_cached_tokens: int
+    """Prompt tokens whose records are in the blocks (provisional while `onload_pending`)."""
+    hit_tiers: tuple[Tier, ...]
+    """Where each cached block came from."""
+    onload_pending: bool
+    """Disk reads are in flight: call `finish_onload` before reading the blocks."""
+
+
+@dataclass
+class _Onload:
+    position: int
+    block_hash: bytes
+    future: Future[Payload]
+
+
+@dataclass
+class _Request:
+    request_id: RequestId
+    salt: str
+    token_ids: list[int]
+    block_ids: list[int]
+    hashes: list[bytes]
+    """Hashes of the whole blocks of `token_ids` computed so far."""
+    num_committed_blocks: int
+    """Blocks `[0, n)` have been offered to the prefix cache (shared hits count as offered)."""
+    num_cached_tokens: int
+    onloads: list[_Onload] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Owns the pool, prefix cache, tiers and events of one worker. Not thread-safe."""
+
+    def __init__(self, layout: BlockLayout, config: KVCacheConfig, worker_id: str = "worker-0",
+                 device: torch.device | str = "cpu", event_sink: Callable[[KVEventBatch], None] | None = None,
+                 epoch: int | None = None) -> None:
+        if config.block_size != layout.block_size:
+            raise ValueError(f"cache field `block_size`: config has {config.block_size}, layout {layout.block_size}")
+        self.layout = layout
+        self.config = config
+        self.block_size = layout.block_size
+        self.metrics = CacheMetrics()
+        self.pool = BlockPool(config.num_blocks, layout.block_bytes, device)
+        self.prefix = PrefixCache(self.pool, self.block_size)
+        self.events = KVEventPublisher(worker_id, epoch, config.event_replay_batches, event_sink)
+        self.host = HostTier(config.host_offload_blocks, layout.block_bytes) if config.host_offload_blocks else None
+        self._io: IOWorker | None = None
+        self.disk: DiskTier | None = None
+        if config.disk_path is not None:
+            self._io = IOWorker(config.io_queue_depth)
+            self.disk = DiskTier(config.disk_path, layout.compat_hash, layout.block_bytes, self._io, self.metrics,
+                                 config.disk_capacity_blocks, config.disk_fsync)
+        self._requests: dict[RequestId, _Request] = {}
+        self._orphans: list[_Onload] = []
+        self._errors: list[BaseException] = []
+        self.events.snapshot(self.holdings())  # seq 0 of every epoch: what survived the restart
+
+    # ------------------------------------------------------------------ lookup and admission
+
+    def lookup(self, token_ids: TokenIds, salt: str = "") -> PrefixMatch:
+        """The longest cached run of the prompt's whole blocks, across tiers (changes nothing)."""
+        hashes = hash_blocks(token_ids, salt, self.block_size)
+        return PrefixMatch(hashes, self._match(hashes[: self._usable_blocks(len(token_ids))]))
+
+    def admit(self, request_id: RequestId, token_ids: TokenIds, salt: str = "",
+              num_lookahead_tokens: int = 0) -> Admission:
+        """Give a new request its blocks: shared prefix hits plus fresh blocks for the rest of the prompt
+        and `num_lookahead_tokens` more. At least the last prompt token is always left to compute."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        token_array = np.asarray(token_ids, dtype=np.int64)
+        match = self.lookup(token_array, salt)
+        tokens: list[int] = token_array.tolist()
+        self._count_lookup(match, self._usable_blocks(len(tokens)))
+        hashes, tiers = match.block_hashes, match.tiers
+        table: list[int] = [-1] * max(math.ceil((len(tokens) + num_lookahead_tokens) / self.block_size), len(tiers))
+        device_pos = [i for i, t in enumerate(tiers) if t is Tier.DEVICE]
+        device_ids = [self._device_block(hashes[i]) for i in device_pos]
+        self.pool.incref(device_ids)
+        # Take the lower-tier hits' bytes (host) or queue their reads (disk) before allocating: making
+        # room may push those very blocks further down or out.
+        host_pos = [i for i, t in enumerate(tiers) if t is Tier.HOST]
+        host_rows = self._read_host([hashes[i] for i in host_pos])
+        onloads = [_Onload(i, hashes[i], self._disk().read(hashes[i])) for i, t in enumerate(tiers) if t is Tier.DISK]
+        lead = next((i for i, t in enumerate(tiers) if t is not Tier.DEVICE), len(tiers))
+        hint = device_ids[lead - 1] + 1 if lead else None
+        try:
+            fresh = self._allocate(len(table) - len(device_ids), request_id, hint)
+        except CacheExhaustedError:
+            self._release(device_ids)
+            self._orphans += onloads
+            raise
+        for i, block in zip(device_pos, device_ids):
+            table[i] = block
+        fresh_iter = iter(fresh)
+        table = [next(fresh_iter) if b < 0 else b for b in table]
+        req = _Request(request_id, salt, tokens, table, hashes[: len(tokens) // self.block_size], 0,
+                       len(tiers) * self.block_size, onloads)
+        if host_rows is not None:
+            dest = torch.as_tensor([table[i] for i in host_pos], dtype=torch.long, device=self.pool.storage.device)
+            self.pool.storage[dest] = host_rows.to(self.pool.storage.device)
+            self.metrics.onload_host_bytes += host_rows.numel()
+        self._register(req, onloads[0].position if onloads else len(tiers))
+        self._requests[request_id] = req
+        self.events.flush()
+        return Admission(request_id, list(table), req.num_cached_tokens, tuple(tiers), bool(req.onloads))
+
+    def finish_onload(self, request_id: RequestId) -> int:
+        """Wait for the request's disk reads and copy them in. A rejected or unreadable file is dropped
+        (counted, `BlockRemoved` published) and the cached run ends before it. Returns the number of
+        prompt tokens whose records are in the blocks."""
+        req = self._get(request_id)
+        if not req.onloads:
+            return req.num_cached_tokens
+        end = req.num_cached_tokens // self.block_size
+        for onload in req.onloads:
+            try:
+                payload = onload.future.result()
+            except (CorruptBlockFileError, OSError) as exc:
+                self._drop_disk(onload.block_hash, exc)
+                end = min(end, onload.position)
+                continue
+            if onload.position < end:
+                block = req.block_ids[onload.position]
+                self.pool.storage[block].copy_(torch.from_numpy(payload))
+                self.metrics.onload_disk_bytes += payload.nbytes
+        req.onloads = []
+        req.num_cached_tokens = end * self.block_size
+        self._register(req, end)
+        self.events.flush()
+        return req.num_cached_tokens
+
+    # ------------------------------------------------------------------ running requests
+
+    def block_table(self, request_id: RequestId) -> list[int]:
+        return list(self._get(request_id).block_ids)
+
+    def num_tokens(self, request_id: RequestId) -> int:
+        return len(self._get(request_id).token_ids)
+
+    def commit(self, request_id: RequestId, num_computed_tokens: int) -> None:
+        """Records of the first `num_computed_tokens` tokens are written: make their whole blocks shared
+        prefix blocks. A block whose hash another request already cached stays private."""
+        req = self._get(request_id)
+        if req.onloads:
+            raise ValueError(f"request {request_id!r}: call finish_onload before commit")
+        if not 0 <= num_computed_tokens <= len(req.token_ids):
+            raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens of {len(req.token_ids)}")
+        full = num_computed_tokens // self.block_size
+        if full > len(req.hashes):
+            parent = req.hashes[-1] if req.hashes else None
+            start = len(req.hashes) * self.block_size
+            req.hashes += hash_blocks(req.token_ids[start : full * self.block_size], req.salt, self.block_size, parent)
+        self._register(req, full)
+        self.events.flush()
+
+    def append_tokens(self, request_id: RequestId, token_ids: Sequence[int]) -> list[int]:
+        """Add generated (or draft) tokens; returns blocks newly allocated to hold them."""
+        req = self._get(request_id)
+        need = math.ceil((len(req.token_ids) + len(token_ids)) / self.block_size) - len(req.block_ids)
+        fresh: list[int] = []
+        if need > 0:
+            hint = req.block_ids[-1] + 1 if req.block_ids else None
+            fresh = self._allocate(need, request_id, hint)
+            req.block_ids += fresh
+        req.token_ids += [int(t) for t in token_ids]
+        self.events.flush()
+        return fresh
+
+    def truncate(self, request_id: RequestId, num_tokens: int) -> None:
+        """Forget tokens after `num_tokens` (rejected drafts). Committed blocks cannot be cut into."""
+        req = self._get(request_id)
+        if not req.num_committed_blocks * self.block_size <= num_tokens <= len(req.token_ids):
+            raise ValueError(f"request {request_id!r}: cannot truncate to {num_tokens} tokens "
+                             f"({req.num_committed_blocks} blocks committed, {len(req.token_ids)} tokens)")
+        del req.token_ids[num_tokens:]
+        del req.hashes[num_tokens // self.block_size :]
+
+    def free(self, request_id: RequestId) -> None:
+        """Release a request's blocks: cached ones become idle prefix blocks, the rest free."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        self._orphans += req.onloads
+        self._release(req.block_ids)
+        self.events.flush()
+
+    # ------------------------------------------------------------------ eviction and tiers
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to `num_blocks` idle cached blocks (least recently released first) down the tiers."""
+        victims = self.prefix.pick_victims(num_blocks)
+        if victims.size:
+            hashes = self.prefix.remove(victims)
+            self._offload(hashes, victims)
+            self.pool.free(victims)
+            self.metrics.evicted_device_blocks += int(victims.size)
+        self.events.flush()
+        return int(victims.size)
+
+    def poll(self) -> None:
+        """Retire finished disk work, publish events; `TierIOError` if disk I/O failed since the last call."""
+        if self.disk is not None:
+            for block_hash, exc in self.disk.poll():
+                if block_hash:
+                    self.events.add(BlockRemoved([block_hash], Tier.DISK))
+                self._errors.append(exc)
+        for onload in [o for o in self._orphans if o.future.done()]:
+            self._orphans.remove(onload)
+            failure = onload.future.exception()
+            if failure is not None:
+                self._drop_disk(onload.block_hash, failure)
+        self.events.flush()
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise TierIOError(f"{len(errors)} disk-tier operations failed; first: {errors[0]!r}", errors)
+
+    def snapshot_events(self) -> KVEventBatch:
+        """A snapshot batch (for a consumer that lost track): clears and restates every tier's blocks."""
+        return self.events.snapshot(self.holdings())
+
+    def close(self, persist: bool = False) -> None:
+        """Finish queued disk work and stop the disk worker; `TierIOError` if any of it failed.
+        `persist`: first queue every cached device and host block that is not on disk yet, so a
+        graceful restart keeps them all."""
+        try:
+            if self.disk is not None and persist:
+                hashes = self.prefix.hashes()
+                rows = torch.as_tensor([self._device_block(h) for h in hashes], dtype=torch.long)
+                self._persist(hashes, self.pool.storage[rows.to(self.pool.storage.device)].cpu().numpy())
+                if self.host is not None:
+                    self._persist(*self.host.dump())
+        finally:
+            if self._io is not None:
+                self._io.close()  # runs every queued job first
+        try:
+            self.poll()
+        finally:
+            if self.disk is not None:
+                self.disk.close()
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_invariants(self) -> None:
+        """`AssertionError` if pool, prefix cache and request tables disagree (tests)."""
+        self.pool.check_invariants()
+        expected = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        for req in self._requests.values():
+            np.add.at(expected, np.asarray(req.block_ids, dtype=np.int64), 1)
+        assert (self.pool.refcount(np.arange(self.pool.num_blocks)) == expected).all(), "refcounts != block tables"
+        idle = self.pool.idle_mask()
+        assert self.prefix.cached_mask(np.flatnonzero(idle)).all(), "an idle block is not cached (leaked)"
+        for h in self.prefix.hashes():
+            block = self.prefix.get(h)
+            assert block is not None and not self.pool.is_free([block])[0], "cached block is free"
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, request_id: RequestId) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        return req
+
+    def _usable_blocks(self, num_tokens: int) -> int:
+        """Whole blocks a prompt may take from the cache: the last token is always computed (its logits
+        give the first output token)."""
+        return max(0, num_tokens - 1) // self.block_size
+
+    def _match(self, hashes: list[bytes]) -> list[Tier]:
+        tiers: list[Tier] = []
+        for h in hashes:
+            if h in self.prefix:
+                tiers.append(Tier.DEVICE)
+            elif self.host is not None and h in self.host:
+                tiers.append(Tier.HOST)
+            elif self.disk is not None and h in self.disk:
+                tiers.append(Tier.DISK)
+            else:
+                break
+        return tiers
+
+    def _count_lookup(self, match: PrefixMatch, usable: int) -> None:
+        m = self.metrics
+        m.lookups += 1
+        m.lookup_blocks += usable
+        m.hit_blocks_device += match.tiers.count(Tier.DEVICE)
+        m.hit_blocks_host += match.tiers.count(Tier.HOST)
+        m.hit_blocks_disk += match.tiers.count(Tier.DISK)
+
+    def _device_block(self, block_hash: bytes) -> int:
+        block = self.prefix.get(block_hash)
+        assert block is not None
+        return block
+
+    def _allocate(self, n: int, request_id: RequestId, hint: int | None) -> list[int]:
+        short = n - self.pool.num_free
+        if short > 0:
+            evictable = self.prefix.num_evictable()
+            if short > evictable:
+                self.metrics.exhausted_errors += 1
+                raise CacheExhaustedError(request_id, n, self.pool.num_free + evictable)
+            self.evict(short)
+        blocks = self.pool.allocate(n, request_id, hint)
+        self.metrics.allocated_blocks += n
+        return blocks
+
+    def _release(self, block_ids: list[int]) -> None:
+        idle = self.pool.decref(block_ids)
+        if idle.size == 0:
+            return
+        cached = self.prefix.cached_mask(idle)
+        table = np.asarray(block_ids, dtype=np.int64)
+        self.prefix.touch_released(table[np.isin(table, idle[cached])])
+        self.pool.free(idle[~cached])
+
+    def _read_host(self, hashes: list[bytes]) -> torch.Tensor | None:
+        """Copy of the host-tier blocks `hashes` (all held), `uint8 [n, block_bytes]`; None if none."""
+        if not hashes or self.host is None:
+            return None
+        slots = [self.host.get(h) for h in hashes]
+        assert all(s is not None for s in slots)
+        return self.host.read([s for s in slots if s is not None])
+
+    def _disk(self) -> DiskTier:
+        assert self.disk is not None
+        return self.disk
+
+    def _register(self, req: _Request, end: int) -> None:
+        """Offer blocks `[num_committed_blocks, end)` to the prefix cache and publish what it took."""
+        start = req.num_committed_blocks
+        if end <= start:
+            return
+        ids = req.block_ids[start:end]
+        hashes = req.hashes[start:end]
+        inserted = self.prefix.insert(ids, hashes)
+        for lo, hi in _true_runs(inserted):
+            parent = req.hashes[start + lo - 1] if start + lo > 0 else None
+            self.events.add(BlockStored(hashes[lo:hi], Tier.DEVICE, parent))
+        req.num_committed_blocks = end
+        if self.disk is not None and self.config.disk_write_through and inserted.any():
+            new = [i for i in np.flatnonzero(inserted).tolist() if hashes[i] not in self.disk]
+            rows = torch.as_tensor([ids[i] for i in new], dtype=torch.long)
+            self._persist([hashes[i] for i in new], self.pool.storage[rows.to(self.pool.storage.device)].cpu().numpy())
+
+    def _persist(self, hashes: list[bytes], data: Payload) -> None:
+        """Queue copies on disk of blocks that stay where they are (write-through, shutdown)."""
+        assert self.disk is not None
+        stored: list[bytes] = []
+        evicted: list[bytes] = []
+        for i, h in enumerate(hashes):
+            if h not in self.disk:
+                stored.append(h)
+                evicted += self.disk.write(h, data[i])
+        self.events.add(BlockStored(stored, Tier.DISK))
+        self.events.add(BlockRemoved(evicted, Tier.DISK))
+
+    def _offload(self, hashes: list[bytes], block_ids: np.ndarray) -> None:
+        """Move evicted device blocks to the next tier down (or drop them)."""
+        if self.host is None:
+            if self.disk is None:
+                self.events.add(BlockRemoved(hashes, Tier.DEVICE))
+            else:
+                self._spill(hashes, self.pool.storage[torch.from_numpy(block_ids)].cpu().numpy(), Tier.DEVICE)
+            return
+        held = np.asarray([h in self.host for h in hashes], dtype=np.bool_)
+        self.events.add(BlockRemoved([h for h, k in zip(hashes, held) if k], Tier.DEVICE))
+        new = np.flatnonzero(~held)
+        for lo in range(0, new.size, self.host.num_blocks):
+            part = new[lo : lo + self.host.num_blocks]
+            part_hashes = [hashes[i] for i in part.tolist()]
+            rows = torch.from_numpy(block_ids[part]).to(self.pool.storage.device)
+            evicted, evicted_bytes = self.host.put(part_hashes, self.pool.storage[rows])
+            self.metrics.offload_host_bytes += len(part_hashes) * self.layout.block_bytes
+            self.metrics.evicted_host_blocks += len(evicted)
+            self._spill(evicted, evicted_bytes, Tier.HOST)
+            self.events.add(BlockTierChanged(part_hashes, Tier.DEVICE, Tier.HOST))
+
+    def _spill(self, hashes: list[bytes], data: Payload, src: Tier) -> None:
+        """Blocks leaving `src` for good: to disk when there is one, else dropped."""
+        if not hashes:
+            return
+        if self.disk is None:
+            self.events.add(BlockRemoved(hashes, src))
+            return
+        held = [h in self.disk for h in hashes]
+        self.events.add(BlockRemoved([h for h, k in zip(hashes, held) if k], src))
+        moved = [h for h, k in zip(hashes, held) if not k]
+        evicted: list[bytes] = []
+        for i, h in enumerate(hashes):
+            if not held[i]:
+                evicted += self.disk.write(h, data[i])
+        self.events.add(BlockTierChanged(moved, src, Tier.DISK))
+        self.events.add(BlockRemoved(evicted, Tier.DISK))
+
+    def _drop_disk(self, block_hash: bytes, exc: BaseException) -> None:
+        assert self.disk is not None
+        self.metrics.onload_failed_blocks += 1
+        if self.disk.drop(block_hash, exc):
+            self.events.add(BlockRemoved([block_hash], Tier.DISK))
+        if not isinstance(exc, CorruptBlockFileError | BlockFileMissingError):
+            self._errors.append(exc)
+
+    def holdings(self) -> list[tuple[Tier, list[bytes]]]:
+        out = [(Tier.DEVICE, self.prefix.hashes())]
+        if self.host is not None:
+            out.append((Tier.HOST, self.host.hashes()))
+        if self.disk is not None:
+            out.append((Tier.DISK, self.disk.hashes()))
+        return out
+
+
+def _true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """`[lo, hi)` ranges where `mask` is True."""
+    padded = np.concatenate([[False], mask.astype(np.bool_), [False]])
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]

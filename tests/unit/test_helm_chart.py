@@ -1,0 +1,568 @@
+"""The Helm chart (helm/cedserve): lint, render, Kubernetes schemas, golden renders, values schema.
+
+Everything runs offline: `helm-python-sdk` carries Helm v4's Go SDK as a shared library in its
+wheel (no helm binary, no cluster), and `kubernetes-validate` carries the Kubernetes OpenAPI
+schemas. LeaderWorkerSet and ServiceMonitor are CRDs it has no schema for: their pod templates are
+checked as core `PodTemplate`s and their specs against the small schemas below, taken from the
+LWS v1 Go types and the Prometheus Operator's ServiceMonitor.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from cedserve.config import ServeConfig
+
+pytestmark = pytest.mark.unit
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed (pip install -e '.[dev]')")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate not installed (pip install -e '.[dev]')"
+)
+jsonschema = pytest.importorskip("jsonschema")
+
+REPO = Path(__file__).resolve().parents[2]
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and a recent one.
+K8S_VERSIONS = ("1.29", "1.35")
+
+
+def _load_golden_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("chart_golden", REPO / "helm" / "chart_golden.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+golden = _load_golden_module()
+VALUE_SETS: dict[str, dict[str, Any]] = golden.value_sets()
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[Any]:
+    with helm.Chart.load(golden.CHART_DIR) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def renders() -> dict[str, dict[str, str]]:
+    return {name: golden.render(values) for name, values in VALUE_SETS.items()}
+
+
+_PARSED: dict[str, list[dict[str, Any]]] = {}
+
+
+def _objects(renders: dict[str, dict[str, str]], name: str) -> list[dict[str, Any]]:
+    """The parsed objects of a value set's render (parsed once; tests only read them)."""
+    if name not in _PARSED:
+        _PARSED[name] = golden.objects(renders[name])
+    return _PARSED[name]
+
+
+def _one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def _render_objects(values: dict[str, Any]) -> list[dict[str, Any]]:
+    return golden.objects(golden.render(values))
+
+
+def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+    return workload["spec"]["template"]["spec"]
+
+
+def _pool_name(role: str) -> str:
+    return f"{golden.RELEASE}-cedserve-{role}"
+
+
+# ---------------------------------------------------------------- CRD schemas (no OpenAPI offline)
+
+_INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+LWS_SPEC_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["leaderWorkerTemplate"],
+    "properties": {
+        "replicas": {"type": "integer", "minimum": 0},
+        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "networkConfig": {"type": "object"},
+        "rolloutStrategy": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "type": {"enum": ["RollingUpdate"]},
+                "rollingUpdateConfiguration": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"partition": {"type": "integer"}, "maxUnavailable": _INT_OR_STRING,
+                                   "maxSurge": _INT_OR_STRING},
+                },
+            },
+        },
+        "leaderWorkerTemplate": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["workerTemplate"],
+            "properties": {
+                "leaderTemplate": {"type": "object"},
+                "workerTemplate": {"type": "object"},
+                "size": {"type": "integer", "minimum": 1},
+                "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart",
+                                           "None"]},
+                "subGroupPolicy": {"type": "object"},
+                "volumeClaimTemplates": {"type": "array"},
+                "persistentVolumeClaimRetentionPolicy": {"type": "object"},
+            },
+        },
+    },
+}
+SERVICE_MONITOR_SPEC_SCHEMA = {
+    "type": "object",
+    "required": ["selector", "endpoints"],
+    "properties": {
+        "selector": {"type": "object"},
+        "namespaceSelector": {"type": "object", "additionalProperties": False,
+                              "properties": {"any": {"type": "boolean"},
+                                             "matchNames": {"type": "array", "items": {"type": "string"}}}},
+        "endpoints": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["port"],
+            "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                           "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                           "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+    },
+}
+
+
+def _validate_object(obj: dict[str, Any], version: str) -> None:
+    """Kubernetes schema (strict: unknown fields fail) or, for the two CRDs, the schemas above."""
+    kind = obj["kind"]
+    if kind == "LeaderWorkerSet":
+        assert obj["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+        jsonschema.validate(obj["spec"], LWS_SPEC_SCHEMA)
+        for key in ("leaderTemplate", "workerTemplate"):
+            template = obj["spec"]["leaderWorkerTemplate"].get(key)
+            if template is not None:
+                _validate_object({"apiVersion": "v1", "kind": "PodTemplate",
+                                  "metadata": {"name": f"{obj['metadata']['name']}-{key}"},
+                                  "template": template}, version)
+        return
+    if kind == "ServiceMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        jsonschema.validate(obj["spec"], SERVICE_MONITOR_SPEC_SCHEMA)
+        return
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+# ---------------------------------------------------------------- lint, render, validate, golden
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_lint_is_clean(name: str) -> None:
+    report = helm.lint(golden.CHART_DIR, VALUE_SETS[name], strict=True, namespace=golden.NAMESPACE,
+                       kube_version=f"v{K8S_VERSIONS[0]}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], report
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_objects_match_kubernetes_schemas(renders: dict[str, dict[str, str]], name: str,
+                                                   version: str) -> None:
+    objs = _objects(renders, name)
+    assert len(objs) >= 15
+    errors = []
+    for obj in objs:
+        try:
+            _validate_object(obj, version)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
+            path = ".".join(str(p) for p in exc.path)
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            errors.append(exc.message)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_golden_render_is_current(renders: dict[str, dict[str, str]], name: str) -> None:
+    path = golden.golden_path(name)
+    assert path.is_file(), f"{path} missing: run helm/regen-golden.sh"
+    assert golden.golden_text(renders[name]) == path.read_text(), (
+        f"{path.name} is stale: run helm/regen-golden.sh and review the diff")
+
+
+def test_every_golden_file_has_a_value_set() -> None:
+    names = {p.stem for p in golden.GOLDEN_DIR.glob("*.yaml")}
+    assert names == set(VALUE_SETS)
+
+
+def test_examples_cover_every_checkpoint_source_and_workload() -> None:
+    sources = {v.get("model", {}).get("checkpoint", {}).get("source", "none") for v in VALUE_SETS.values()}
+    assert sources == {"none", "pvc", "existingClaim", "hostPath"}
+    workloads = {v.get("groupWorkload", "auto") for v in VALUE_SETS.values()}
+    assert {"LeaderWorkerSet", "StatefulSet"} <= workloads
+
+
+# ---------------------------------------------------------------- values schema
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    pytest.param({"decode": {"replica": 2}}, "additional properties 'replica'", id="typo-in-pool"),
+    pytest.param({"routr": {}}, "additional properties 'routr'", id="typo-top-level"),
+    pytest.param({"decode": {"replicas": -1}}, "/decode/replicas", id="negative-replicas"),
+    pytest.param({"prefill": {"groupSize": 0}}, "/prefill/groupSize", id="empty-group"),
+    pytest.param({"prefill": {"ports": {"grpc": "50061"}}}, "/prefill/ports/grpc", id="port-as-string"),
+    pytest.param({"router": {"ports": {"grpc": 70000}}}, "/router/ports/grpc", id="port-out-of-range"),
+    pytest.param({"groupWorkload": "lws"}, "/groupWorkload", id="unknown-workload"),
+    pytest.param({"decode": {"shm": {"sizeLimit": "64GB"}}}, "/decode/shm/sizeLimit", id="bad-quantity"),
+    pytest.param({"decode": {"cache": {"numBlocks": 0}}}, "/decode/cache/numBlocks", id="zero-blocks"),
+    pytest.param({"config": {"cache": {"block_size": 64}}}, "additional properties 'block_size'",
+                 id="snake-case-cache-key"),
+    pytest.param({"model": {"checkpoint": {"source": "existingClaim"}}}, "existingClaim",
+                 id="claim-without-name"),
+    pytest.param({"model": {"checkpoint": {"source": "hostPath", "hostPath": {"path": "models"}}}},
+                 "/model/checkpoint/hostPath/path", id="relative-host-path"),
+    pytest.param({"prefill": {"autoscaling": {"metric": {"type": "Object"}}}}, "/prefill/autoscaling/metric/type",
+                 id="unknown-metric-type"),
+    pytest.param({"prefill": {"pdb": {"maxUnavailable": "half"}}}, "/prefill/pdb/maxUnavailable",
+                 id="bad-percentage"),
+])
+def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as info:
+        chart.validate_schema(values)
+    assert where in str(info.value)
+    # The same values stop a render too (install and template validate before rendering).
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(values, name=golden.RELEASE, namespace=golden.NAMESPACE)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_schema_accepts_defaults_and_examples(chart: Any, name: str) -> None:
+    chart.validate_schema(VALUE_SETS[name])
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    pytest.param({"decode": {"autoscaling": {"enabled": True}}, "groupWorkload": "StatefulSet"},
+                 "a StatefulSet scales pods, not groups", id="hpa-on-statefulset-groups"),
+    pytest.param({"decode": {"drain": {"timeoutSeconds": 300}}}, "decode.drain.timeoutSeconds (300) must be below",
+                 id="drain-longer-than-grace"),
+])
+def test_template_guards(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        golden.render(values)
+
+
+def _values_key_lines() -> Iterator[tuple[int, list[str], str, bool]]:
+    """(line number, key path, text after the colon, has a comment right above) for each block key."""
+    lines = (golden.CHART_DIR / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []
+    for number, line in enumerate(lines, 1):
+        match = re.match(r"^( *)([A-Za-z][\w.-]*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3).strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = [k for _, k in stack] + [key]
+        stack.append((indent, key))
+        above = lines[number - 2].strip() if number >= 2 else ""
+        yield number, path, rest, above.startswith("#")
+
+
+def _schema_node(schema: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    """The schema of a values path ($refs resolved); None where the schema has no such key."""
+    node: dict[str, Any] | None = schema
+    for key in path:
+        assert node is not None
+        node = node.get("properties", {}).get(key)
+        while node is not None and "$ref" in node:
+            node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+        if node is None:
+            return None
+    return node
+
+
+def test_every_value_is_documented_and_in_the_schema(chart: Any) -> None:
+    schema = chart.schema
+    undocumented, unknown = [], []
+    for number, path, rest, commented in _values_key_lines():
+        parent = _schema_node(schema, path[:-1])
+        if parent is None or parent.get("additionalProperties") is not False or path[-2:-1] == ["resources"]:
+            continue  # inside a Kubernetes shape (requests/limits, securityContext): documented by its parent
+        if _schema_node(schema, path) is None:
+            unknown.append(f"values.yaml:{number} {'.'.join(path)}")
+        elif rest and not rest.startswith("#") and not commented:
+            undocumented.append(f"values.yaml:{number} {'.'.join(path)}")
+    assert not unknown, f"keys missing from values.schema.json: {unknown}"
+    assert not undocumented, f"values without a `# --` comment above them: {undocumented}"
+
+
+# ---------------------------------------------------------------- what the objects must say
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_namespaced_only_no_cluster_rbac(renders: dict[str, dict[str, str]], name: str) -> None:
+    objs = _objects(renders, name)
+    kinds = {o["kind"] for o in objs}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Namespace", "CustomResourceDefinition",
+                        "PersistentVolume", "PriorityClass", "StorageClass", "MutatingWebhookConfiguration",
+                        "ValidatingWebhookConfiguration"}
+    assert all(o["metadata"].get("namespace") == golden.NAMESPACE for o in objs)
+
+    role = _one(objs, "Role", f"{golden.RELEASE}-cedserve-router")
+    assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in role["rules"]} == {
+        (("",), ("pods",)), (("discovery.k8s.io",), ("endpointslices",))}
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
+
+    binding = _one(objs, "RoleBinding", f"{golden.RELEASE}-cedserve-router")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    router = _one(objs, "Deployment", f"{golden.RELEASE}-cedserve-router")
+    router_sa = router["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": router_sa, "namespace": golden.NAMESPACE}]
+
+    # Only the router holds an API token; workers and the test pod never talk to the API server.
+    for obj in objs:
+        pod = _pod_spec(obj) if obj["kind"] in {"StatefulSet", "LeaderWorkerSet"} else None
+        if obj["kind"] == "Job":
+            pod = obj["spec"]["template"]["spec"]
+        if pod is not None:
+            assert pod["automountServiceAccountToken"] is False, obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_network_policies_fence_internal_ports(renders: dict[str, dict[str, str]], name: str) -> None:
+    values = VALUE_SETS[name]
+    objs = _objects(renders, name)
+    policies = {o["metadata"]["name"]: o for o in objs if o["kind"] == "NetworkPolicy"}
+    release = {"app.kubernetes.io/name": "cedserve", "app.kubernetes.io/instance": golden.RELEASE}
+    for role in ("prefill", "decode"):
+        policy = policies[_pool_name(role)]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["podSelector"]["matchLabels"] == {**release, "app.kubernetes.io/component": role}
+        workload = next(o for o in objs if o["kind"] in {"StatefulSet", "LeaderWorkerSet"}
+                        and o["metadata"]["name"] == _pool_name(role))
+        ports = {p["name"]: p["containerPort"] for p in _pod_spec(workload)["containers"][0]["ports"]}
+        env = {e["name"]: e.get("value") for e in _pod_spec(workload)["containers"][0]["env"]}
+        first, last = (int(x) for x in env["UCX_TCP_PORT_RANGE"].split("-"))
+        opened: dict[int, list[dict[str, Any]] | None] = {}
+        for rule in policy["spec"]["ingress"]:
+            for port in rule.get("ports", [{"port": "*"}]):
+                opened.setdefault(port["port"], rule.get("from"))
+            if "ports" not in rule:
+                # Every port, but only from the same pool (torch.distributed/NCCL inside a group).
+                assert rule["from"] == [{"podSelector": {"matchLabels": {**release,
+                                                                         "app.kubernetes.io/component": role}}}]
+        for port in (ports["grpc"], ports["nixl"], first):
+            assert opened[port] == [{"podSelector": {"matchLabels": release}}], (role, port)
+        ucx_rule = next(p for r in policy["spec"]["ingress"] for p in r.get("ports", []) if p["port"] == first)
+        assert ucx_rule["endPort"] == last
+        assert opened[ports["metrics"]] == (values.get("networkPolicy", {}).get("metricsFrom") or None)
+
+    router = policies[f"{golden.RELEASE}-cedserve-router"]
+    public = router["spec"]["ingress"][0]
+    assert public["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert public.get("from") == (values.get("networkPolicy", {}).get("clientsFrom") or None)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_pool_pods_request_devices_and_drain(renders: dict[str, dict[str, str]], name: str) -> None:
+    objs = _objects(renders, name)
+    for role in ("prefill", "decode"):
+        v = _merged(name)[role]
+        workload = next(o for o in objs if o["kind"] in {"StatefulSet", "LeaderWorkerSet"}
+                        and o["metadata"]["name"] == _pool_name(role))
+        pod = _pod_spec(workload)
+        (container,) = pod["containers"]
+        res = container["resources"]
+        if v["gpusPerPod"]:
+            assert res["requests"][v["gpuResourceName"]] == res["limits"][v["gpuResourceName"]] == v["gpusPerPod"]
+        if v["rdma"]["enabled"]:
+            assert res["limits"][v["rdma"]["resourceName"]] == v["rdma"]["count"]
+        else:
+            assert not any(k.startswith("rdma/") for k in res["limits"])
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        shm = next(vol for vol in pod["volumes"] if vol["name"] == "shm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": v["shm"]["sizeLimit"]}
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        grpc_port = v["ports"]["grpc"]
+        for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", "liveness")):
+            assert container[probe]["grpc"] == {"port": grpc_port, "service": service}
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[:3] == ["cedserve", "drain", f"--address=127.0.0.1:{grpc_port}"]
+        assert v["drain"]["timeoutSeconds"] < pod["terminationGracePeriodSeconds"]
+
+
+def _merged(name: str) -> dict[str, Any]:
+    """Chart defaults coalesced with the value set, as Helm does."""
+    with helm.Chart.load(golden.CHART_DIR) as loaded:
+        return loaded.merge_values(VALUE_SETS[name])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_config_map_files_load_as_serve_config(renders: dict[str, dict[str, str]], name: str,
+                                               tmp_path: Path) -> None:
+    merged = _merged(name)
+    config_map = _one(_objects(renders, name), "ConfigMap", f"{golden.RELEASE}-cedserve-config")
+    assert set(config_map["data"]) == {"router.toml", "prefill.toml", "decode.toml"}
+    for filename, text in config_map["data"].items():
+        (tmp_path / filename).write_text(text)
+        loaded = ServeConfig.load(tmp_path / filename)  # the real decoder: unknown fields fail
+        role = filename.removesuffix(".toml")
+        cache = {**merged["config"]["cache"], **(merged[role]["cache"] if role != "router" else {})}
+        assert loaded.cache.num_blocks == cache["numBlocks"]
+        assert loaded.cache.block_size == cache["blockSize"]
+        assert loaded.port == merged[role]["ports"]["grpc"]
+        if merged["model"]["checkpoint"]["source"] == "none":
+            assert loaded.model.preset == merged["model"]["preset"] and loaded.model.checkpoint is None
+        else:
+            assert loaded.model.checkpoint == merged["model"]["checkpoint"]["mountPath"]
+
+
+def test_prefill_and_decode_render_through_the_same_templates() -> None:
+    """Give both pools identical values: their objects differ only in the role's name."""
+    with helm.Chart.load(golden.CHART_DIR) as loaded:
+        pool = copy.deepcopy(loaded.values["decode"])
+    for workload in ("StatefulSet", "LeaderWorkerSet"):
+        pool["autoscaling"]["enabled"] = workload == "LeaderWorkerSet"
+        pool["rdma"]["enabled"] = True
+        objs = _render_objects({"groupWorkload": workload, "prefill": pool, "decode": pool,
+                                "serviceMonitor": {"enabled": True}})
+        by_role: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for obj in objs:
+            component = obj["metadata"]["labels"].get("app.kubernetes.io/component")
+            if component in by_role:
+                text = yaml.safe_dump(obj, sort_keys=True)
+                by_role[component].append(text.replace("prefill", "ROLE").replace("decode", "ROLE"))
+        assert len(by_role["prefill"]) >= 4  # Service, workload, PDB, NetworkPolicy (+ HPA)
+        assert sorted(by_role["prefill"]) == sorted(by_role["decode"]), workload
+
+
+# ---------------------------------------------------------------- command lines (the worker contract)
+
+
+def _container(obj: dict[str, Any]) -> dict[str, Any]:
+    return _pod_spec(obj)["containers"][0]  # type: ignore[no-any-return]
+
+
+def test_lws_workers_take_group_identity_from_lws_env(renders: dict[str, dict[str, str]]) -> None:
+    objs = _objects(renders, "multi-node-lws")
+    for role in ("prefill", "decode"):
+        lws = _one(objs, "LeaderWorkerSet", _pool_name(role))
+        container = _container(lws)
+        assert container["command"] == ["cedserve"]
+        args = container["args"]
+        assert args[:2] == ["worker", f"--role={role}"]
+        assert args[-3:] == ["--group-size=$(LWS_GROUP_SIZE)", "--rank=$(LWS_WORKER_INDEX)",
+                             "--leader-address=$(LWS_LEADER_ADDRESS)"]
+        assert f"--config=/etc/cedserve/{role}.toml" in args
+        assert "--checkpoint=/models/checkpoint" in args
+    decode = _one(objs, "LeaderWorkerSet", _pool_name("decode"))
+    assert decode["spec"]["leaderWorkerTemplate"]["size"] == 4
+    assert decode["metadata"]["annotations"] == {
+        "leaderworkerset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+    hpa = _one(objs, "HorizontalPodAutoscaler", _pool_name("prefill"))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1",
+                                             "kind": "LeaderWorkerSet", "name": _pool_name("prefill")}
+    assert "replicas" not in _one(objs, "LeaderWorkerSet", _pool_name("prefill"))["spec"]
+
+
+@pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs /bin/sh to run the rank derivation")
+@pytest.mark.parametrize(("ordinal", "rank", "leader_ordinal"), [(0, 0, 0), (1, 1, 0), (2, 0, 2), (3, 1, 2)])
+def test_statefulset_rank_and_leader_come_from_the_ordinal(renders: dict[str, dict[str, str]], tmp_path: Path,
+                                                           ordinal: int, rank: int, leader_ordinal: int) -> None:
+    """Run the rendered shell preamble with a stand-in `cedserve` that prints its argv."""
+    sts = _one(_objects(renders, "multi-node-statefulset"), "StatefulSet", _pool_name("decode"))
+    assert sts["spec"]["replicas"] == 4  # 2 groups x 2 pods
+    container = _container(sts)
+    fake = tmp_path / "cedserve"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    pod = f"{_pool_name('decode')}-{ordinal}"
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}", "POD_NAME": pod}
+    out = subprocess.run([*container["command"], *container["args"]], env=env, capture_output=True, text=True,
+                         check=True, timeout=10).stdout.splitlines()
+    assert out[: len(container["args"])] == container["args"], shlex.join(out)
+    headless = sts["spec"]["serviceName"]
+    assert out[len(container["args"]):] == [
+        "--group-size=2", f"--rank={rank}",
+        f"--leader-address={_pool_name('decode')}-{leader_ordinal}.{headless}.{golden.NAMESPACE}.svc.cluster.local"]
+
+
+def test_router_discovers_pools_through_headless_services(renders: dict[str, dict[str, str]]) -> None:
+    objs = _objects(renders, "default")
+    router = _container(_one(objs, "Deployment", f"{golden.RELEASE}-cedserve-router"))
+    for role in ("prefill", "decode"):
+        service = _one(objs, "Service", f"{_pool_name(role)}-headless")
+        assert service["spec"]["clusterIP"] == "None"
+        assert f"--{role}-service={service['metadata']['name']}" in router["args"]
+        assert {p["name"] for p in service["spec"]["ports"]} >= {"grpc", "nixl", "metrics"}
+    assert "--api-key-file=/var/run/secrets/cedserve/api-key" in router["args"]
+
+
+def test_existing_api_key_secret_is_used_not_generated(renders: dict[str, dict[str, str]]) -> None:
+    objs = _objects(renders, "multi-node-statefulset")
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    router = _one(objs, "Deployment", f"{golden.RELEASE}-cedserve-router")
+    volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-key")
+    assert volume["secret"] == {"secretName": "cedserve-api-key", "items": [{"key": "token", "path": "api-key"}]}
+
+
+def test_generated_api_key_is_random_and_masked_in_golden() -> None:
+    keys = []
+    for _ in range(2):
+        manifests = golden.render()
+        raw = yaml.safe_load(manifests["cedserve/templates/secret-api-key.yaml"])
+        keys.append(base64.b64decode(raw["data"]["api-key"]))
+        masked = _one(golden.objects(manifests), "Secret", f"{golden.RELEASE}-cedserve-api-key")
+        assert masked["data"]["api-key"] == golden.GENERATED
+    assert all(len(key) == 48 and key.isalnum() for key in keys)
+    assert keys[0] != keys[1]
+
+
+@pytest.mark.parametrize("name", ["default", "multi-node-lws"])
+def test_helm_test_runs_kv_transfer_between_group_leaders(renders: dict[str, dict[str, str]], name: str) -> None:
+    objs = _objects(renders, name)
+    (job,) = [o for o in objs if o["kind"] == "Job"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["cedserve"] and container["args"][:2] == ["bench", "kv-transfer"]
+    args = dict(a.split("=", 1) for a in container["args"][2:])
+    for role in ("prefill", "decode"):
+        workload = next(o for o in objs if o["kind"] in {"StatefulSet", "LeaderWorkerSet"}
+                        and o["metadata"]["name"] == _pool_name(role))
+        # Pod 0 leads group 0 both ways; LWS pods live under a Service named after the LWS.
+        subdomain = workload["spec"].get("serviceName", _pool_name(role))
+        assert args[f"--{role}-address"] == (
+            f"{_pool_name(role)}-0.{subdomain}.{golden.NAMESPACE}.svc.cluster.local:50061")
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/instance"] == golden.RELEASE  # so the NetworkPolicies admit it
+
+
+def test_deploy_doc_lists_every_flag_the_chart_passes(renders: dict[str, dict[str, str]]) -> None:
+    """docs/deploy.md is the contract the entry points implement: every flag used must be in it."""
+    doc = (REPO / "docs" / "deploy.md").read_text()
+    used: set[str] = set()
+    for name in VALUE_SETS:
+        text = golden.golden_text(renders[name])
+        used.update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+(?==)", text))
+    missing = sorted(flag for flag in used if f"`{flag}" not in doc)
+    assert not missing, f"flags the chart passes but docs/deploy.md does not document: {missing}"
+    for verb in ("cedserve router", "cedserve worker", "cedserve drain", "cedserve bench kv-transfer"):
+        assert verb in doc
