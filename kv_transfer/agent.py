@@ -421,6 +421,11 @@ class NixlTransferAgent:
                 self._finalize(t, time.monotonic())
 
     def _step(self) -> bool:
+        # Liveness first: after this process was stopped or starved for longer than the peer timeout,
+        # its peers have declared it dead and freed their blocks; it must not drain stale heartbeats
+        # and then keep writing into them.
+        with self._lock:
+            self._check_liveness(time.monotonic())
         notices = self._backend.drain_notifs()
         now = time.monotonic()
         with self._lock:
@@ -465,6 +470,8 @@ class NixlTransferAgent:
     def _post_chunk(self, t: SendTransfer, c: Chunk) -> bool:
         """Post (WRITE) or announce (READ) one chunk; False if it must wait for a staging slot."""
         peer = self._peers[t.peer]
+        if not self._peer_fresh(peer):
+            return True  # the transfer failed with the peer
         bb = self.region.block_bytes
         n = int(c.src.size)
         slot: int | None = None
@@ -540,6 +547,8 @@ class NixlTransferAgent:
 
     def _post_read(self, t: RecvTransfer, m: pb.ChunkReady) -> bool:
         peer = self._peers[t.peer]
+        if not self._peer_fresh(peer):
+            return True
         bb = self.region.block_bytes
         dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
         consumed = encode_notice(t.request_id, chunk_consumed=pb.ChunkConsumed(seq=m.seq))
@@ -855,6 +864,17 @@ class NixlTransferAgent:
             self._drop_inflight(t)
             self._finalize(t, now)
 
+    def _check_liveness(self, now: float) -> None:
+        for peer in list(self._peers.values()):
+            if peer.alive and now - peer.last_seen_s > self.config.peer_timeout_s:
+                self._peer_dead(peer, FailureCause.PEER_SILENT,
+                                f"no heartbeat for {now - peer.last_seen_s:.2f} s")
+
+    def _peer_fresh(self, peer: PeerState) -> bool:
+        """Check liveness right before posting, with a fresh clock reading (see `_step`)."""
+        self._check_liveness(time.monotonic())
+        return peer.alive
+
     def _timers(self, now: float) -> None:
         for t in [*self._sends.values(), *self._recvs.values()]:
             if not t.record.state.terminal and now > t.record.deadline_s:
@@ -862,10 +882,7 @@ class NixlTransferAgent:
                            f"not done within its lease ({t.record.deadline_s - t.record.started_s:.3g} s)",
                            tell_peer=True)
                 self._settle(t, now)
-        for peer in list(self._peers.values()):
-            if peer.alive and now - peer.last_seen_s > self.config.peer_timeout_s:
-                self._peer_dead(peer, FailureCause.PEER_SILENT,
-                                f"no heartbeat for {now - peer.last_seen_s:.2f} s")
+        self._check_liveness(now)
         if now >= self._next_heartbeat_s:
             self._next_heartbeat_s = now + self.config.heartbeat_interval_s
             for peer in list(self._peers.values()):

@@ -154,14 +154,17 @@ class Worker:
         self.results: dict[str, TransferResult] = {}
         self.held: dict[str, np.ndarray] = {}  # receiver blocks holding DONE transfers
         self.send_errors: dict[str, str] = {}
+        self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
 
     def _on_finish(self, result: TransferResult) -> None:
         with self.lock:
             self.results[result.request_id] = result
             if result.role.value == "receiver" and result.state.value == "done":
                 self.held[result.request_id] = np.asarray(result.block_ids, dtype=np.int64)
-            else:
+            elif result.role.value == "receiver":
                 self.blocks.release(result.block_ids)
+            else:  # the sender owns every block it allocated for the request, written or not yet
+                self.blocks.release(self.send_blocks.pop(result.request_id, np.zeros(0, dtype=np.int64)))
 
     def handle(self, cmd: str, a: dict[str, Any]) -> dict[str, Any]:
         agent = self.agent
@@ -254,6 +257,8 @@ class Worker:
         for b64 in a["reservations"]:
             res = reservation_from_pb(pb.Reservation.FromString(base64.b64decode(b64)))
             ids = self.blocks.allocate(res.num_blocks, a.get("alloc", "random"))
+            with self.lock:
+                self.send_blocks[res.request_id] = ids
             local[res.request_id] = ids.tolist()
             plans.append((res, ids))
         stream = max(1, int(a.get("stream_blocks", 256)))
@@ -267,7 +272,8 @@ class Worker:
                     pending.append((res.request_id, ids))
                 except (ValueError, KVTransferError) as exc:
                     self.send_errors[res.request_id] = str(exc)
-                    self.blocks.release(ids)
+                    with self.lock:
+                        self.blocks.release(self.send_blocks.pop(res.request_id))
             cursor = dict.fromkeys((rid for rid, _ in pending), 0)
             while pending:
                 still = []

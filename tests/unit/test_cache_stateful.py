@@ -13,6 +13,7 @@ disk flush, file corruption and restart, and checks after every step that
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import tempfile
@@ -164,9 +165,10 @@ class CacheMachine(RuleBasedStateMachine):
             data[HEADER_BYTES + pick % (len(data) - HEADER_BYTES)] ^= 0xFF
             path.write_bytes(bytes(data))
 
-    @rule(persist=st.booleans())
-    def restart(self, persist: bool) -> None:
+    @rule(persist=st.booleans(), write_through=st.booleans())
+    def restart(self, persist: bool, write_through: bool) -> None:
         self.cache.close(persist=persist)
+        self.config = dataclasses.replace(self.config, disk_write_through=write_through)
         self.cache = self._start()
         self.live.clear()
         self.onload_pending.clear()

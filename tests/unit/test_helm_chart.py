@@ -32,7 +32,7 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate not installed (pip install -e '.[dev]')"
 )
-jsonschema = pytest.importorskip("jsonschema")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (a kubernetes-validate dependency) not installed")
 
 REPO = Path(__file__).resolve().parents[2]
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and a recent one.
@@ -262,6 +262,8 @@ def test_schema_accepts_defaults_and_examples(chart: Any, name: str) -> None:
                  "a StatefulSet scales pods, not groups", id="hpa-on-statefulset-groups"),
     pytest.param({"decode": {"drain": {"timeoutSeconds": 300}}}, "decode.drain.timeoutSeconds (300) must be below",
                  id="drain-longer-than-grace"),
+    pytest.param({"prefill": {"ucxPortRange": "41000-40000"}}, 'prefill.ucxPortRange "41000-40000"',
+                 id="reversed-port-range"),
 ])
 def test_template_guards(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(message)):

@@ -338,6 +338,9 @@ group); metrics from `networkPolicy.metricsFrom`.
 {{- $v := index $root.Values .role -}}
 {{- $ctx := dict "root" $root "component" .role -}}
 {{- $ucx := splitList "-" $v.ucxPortRange -}}
+{{- if gt (index $ucx 0 | int) (index $ucx 1 | int) }}
+{{- fail (printf "%s.ucxPortRange %q: the first port is above the last" .role $v.ucxPortRange) }}
+{{- end -}}
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:

@@ -1,0 +1,260 @@
+"""CSA2 indexer: scores over FP4 index-key records and the two-level top-k.
+
+Scoring (the reference's `DeepseekV41Indexer`): for query token `n` with indexer queries
+`q [H, d]` (RoPE'd and FP4 fake-quantized by the caller, `fake_quant_fp4(q, 32, "ue8m0")`) and
+head weights `w [H]` (`weights_proj(x) * H ** -0.5`), the score of compressed entry `t` is
+
+    score[n, t] = sum_h relu(q[h] . key[t]) * softmax_scale * w[h]      (softmax_scale = d ** -0.5)
+
+where `key[t]` is the decoded index-key record of entry `t` of the token's request, and `-inf`
+when the entry is not visible yet (`t >= visible[n] = (position + 1) // m`).
+
+Selection (`index_topk`), three modes matching the reference's layer roles:
+
+* candidate source (`candidate_blocks=B`): blocks of `candidate_block_size` entries score their
+  maximum; the block holding the newest visible entry is pinned in; the top `B` blocks form the
+  token's candidate pool (returned); the layer's own top-k is over every visible entry;
+* Reindex layer (`candidates=` a pool): top-k of the scores inside the pool;
+* Full layer without a pool (neither): top-k over every visible entry.
+
+At Full layers the kernel scores every entry once, for block maxima only (a full scan of the
+index keys, the only part of decode that grows with context), then re-scores the entries of the
+top-k blocks (k blocks of `candidate_block_size`) and takes the top-k among them. That is exact:
+every entry of the top-k lies in a block whose maximum is at least the k-th score, and there are
+at most k such blocks (ties may resolve differently, as between any two top-k implementations).
+
+Layers: `_index_scores_kernel` (`_indexer_kernels.py`); :func:`index_scores`; the torch reference
+:func:`index_scores_reference` and :func:`index_topk_reference` (dense scores, the reference
+model's selection rules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cedserve.kernels.paged import PagedRecords
+from cedserve.kernels.records import read_records_reference, record_format
+from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, interpreting, next_power_of_2, resolve_impl
+
+_INTS = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class IndexKeys:
+    """Where each query token's index keys live, and how many it may see."""
+
+    records: PagedRecords
+    """Index-key records (68 B at d = 128)."""
+    block_table: Tensor
+    """int32/int64 `[R, max_blocks]`: block ids of each request's compressed entries (-1 = none)."""
+    token_req: Tensor
+    """int32/int64 `[N]`: row of `block_table` of each query token."""
+    visible: Tensor
+    """int32/int64 `[N]`: entries visible to each token (`(position + 1) // m`)."""
+
+    def __post_init__(self) -> None:
+        check_tensor(self.block_table, "IndexKeys.block_table", dtypes=_INTS, dim=2)
+        check_tensor(self.token_req, "IndexKeys.token_req", dtypes=_INTS, dim=1)
+        check_tensor(self.visible, "IndexKeys.visible", dtypes=_INTS, dim=1)
+        if self.token_req.shape != self.visible.shape:
+            raise ValueError(f"IndexKeys: token_req {list(self.token_req.shape)} and visible "
+                             f"{list(self.visible.shape)} must both be [N]")
+
+    @property
+    def dim(self) -> int:
+        return record_format("index").dim(self.records.record_bytes)
+
+    def slots(self, entries: Tensor) -> Tensor:
+        """int32 slots of entries `[N, T]` (-1 for -1 entries, invisible ones or unmapped blocks)."""
+        table = self.block_table.long()[self.token_req.long()]  # [N, max_blocks]
+        spb = self.records.slots_per_block
+        e = entries.long()
+        ok = (e >= 0) & (e < self.visible.long().unsqueeze(-1)) & (e < table.shape[1] * spb)
+        block_idx = e.clamp_min(0).div(spb, rounding_mode="floor").clamp_max(max(table.shape[1] - 1, 0))
+        block = torch.gather(table, 1, block_idx)
+        ok = ok & (block >= 0)
+        return torch.where(ok, block * spb + e.clamp_min(0).remainder(spb), torch.full_like(e, -1)).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class IndexSelection:
+    """What an index source publishes."""
+
+    entries: Tensor
+    """int32 `[N, k]`: each token's selected entries (-1 = none), in no particular order."""
+    candidates: Tensor | None
+    """int32 `[N, B * candidate_block_size]`: the candidate pool (candidate source only; -1 = none)."""
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def index_scores_reference(q: Tensor, weights: Tensor, keys: IndexKeys, entries: Tensor,
+                           softmax_scale: float | None = None) -> Tensor:
+    """Float32 scores `[N, T]` of the listed `entries [N, T]` (-inf where masked)."""
+    tokens, heads, dim = q.shape
+    slots = keys.slots(entries)
+    k = read_records_reference("index", keys.records, slots.flatten()).view(tokens, -1, dim)
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    per_head = torch.einsum("nhd,ntd->nht", q.float(), k).relu() * scale
+    scores = (per_head * weights.float().unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(slots < 0, float("-inf"))
+
+
+def _check_scores(q: Tensor, weights: Tensor, keys: IndexKeys) -> None:
+    op = "index_scores"
+    check_tensor(q, f"{op}: q", dtypes=(torch.bfloat16,), dim=3)
+    check_tensor(weights, f"{op}: weights", dtypes=(torch.float32, torch.bfloat16), dim=2)
+    tokens, heads, dim = q.shape
+    if weights.shape != (tokens, heads):
+        raise ValueError(f"{op}: weights must be [{tokens}, {heads}], got {list(weights.shape)}")
+    if keys.token_req.shape[0] != tokens:
+        raise ValueError(f"{op}: keys describe {keys.token_req.shape[0]} tokens, q has {tokens}")
+    if keys.dim != dim:
+        raise ValueError(f"{op}: index records hold d={keys.dim}, q has d={dim}")
+    half = dim // 2
+    if half & (half - 1) or half < 16:
+        raise ValueError(f"{op}: the kernel needs d / 2 to be a power of two >= 16, got d={dim}")
+
+
+def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor | None = None,
+                 width: int | None = None, block_max: int | None = None, write_scores: bool = True,
+                 softmax_scale: float | None = None, impl: Impl = "auto") -> tuple[Tensor | None, Tensor | None]:
+    """Index scores of `q [N, H, d]` (bf16) with head weights `weights [N, H]`.
+
+    List mode (`entries [N, T]` int, -1 = none): scores `[N, T]`. Range mode (`width`): scores of
+    entries `[0, width)`, `[N, width]`, and with `block_max=B` also the maxima of each block of `B`
+    entries, `[N, cdiv(width, B)]` (`write_scores=False` skips the per-entry scores: level one of
+    the top-k needs only the maxima). Returns `(scores or None, block maxima or None)`, float32,
+    -inf where masked."""
+    _check_scores(q, weights, keys)
+    if (entries is None) == (width is None):
+        raise ValueError("index_scores: give exactly one of `entries` (list mode) or `width` (range mode)")
+    if entries is not None:
+        check_tensor(entries, "index_scores: entries", dtypes=_INTS, dim=2)
+        if block_max is not None:
+            raise ValueError("index_scores: block maxima are a range-mode output")
+    tokens = q.shape[0]
+    device = q.device
+    if entries is None:
+        assert width is not None
+        entries_t = torch.arange(width, device=device).expand(tokens, width)
+    else:
+        entries_t = entries
+    num = entries_t.shape[1]
+    layer = resolve_impl(impl, "index_scores", q, weights, keys.records.storage, keys.block_table, keys.token_req,
+                         keys.visible, *([entries] if entries is not None else []))
+    if layer == "torch":
+        scores = index_scores_reference(q, weights, keys, entries_t, softmax_scale)
+        maxima = None
+        if block_max is not None:
+            padded = F.pad(scores, (0, -num % block_max), value=float("-inf"))
+            maxima = padded.unflatten(-1, (-1, block_max)).amax(-1)
+        return (scores if write_scores or entries is not None else None), maxima
+    from cedserve.kernels import _indexer_kernels as k
+
+    heads, dim = q.shape[1], q.shape[2]
+    cand = block_max or 1
+    if cand & (cand - 1):
+        raise ValueError(f"index_scores: block_max must be a power of two, got {cand}")
+    write = write_scores or entries is not None
+    scores = torch.empty(tokens, num if write else 1, dtype=torch.float32, device=device)
+    maxima = torch.empty(tokens, cdiv(num, cand) if block_max else 1, dtype=torch.float32, device=device)
+    if tokens == 0 or num == 0:
+        return (scores if write else None), (maxima if block_max else None)
+    block_t = max(cand, 64)
+    entries_arg = entries if entries is not None else keys.visible
+    k._index_scores_kernel[(tokens, cdiv(num, block_t))](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0),
+        keys.records.storage, keys.records.num_slots, keys.records.offset_bytes, keys.records.slots_per_block,
+        keys.records.slot_stride_bytes, keys.records.block_stride_bytes,
+        keys.block_table, keys.block_table.stride(0), keys.block_table.shape[1], keys.token_req, keys.visible,
+        entries_arg, entries_arg.stride(0), num,
+        scores, scores.stride(0), maxima, maxima.stride(0),
+        heads, dim**-0.5 if softmax_scale is None else softmax_scale,
+        HALF=dim // 2, HEADS_P2=max(16, next_power_of_2(heads)), BLOCK_T=block_t, LIST_MODE=entries is not None,
+        CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None, DOT_F32=interpreting(),
+        num_warps=4,
+    )
+    return (scores if write else None), (maxima if block_max else None)
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+def topk_entries(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
+    """int32 `[N, min(k, T)]`: the k best of `scores [N, T]` (-1 where the score is -inf), as
+    entry ids (`entries [N, T]` maps columns to ids; default the column index)."""
+    k = min(k, scores.shape[1])
+    if k == 0:
+        return torch.empty(scores.shape[0], 0, dtype=torch.int32, device=scores.device)
+    top = scores.topk(k, dim=-1, sorted=False)
+    ids = top.indices if entries is None else torch.gather(entries.long(), 1, top.indices)
+    return torch.where(top.values > float("-inf"), ids, torch.full_like(ids, -1)).to(torch.int32)
+
+
+def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
+    """Level one: entry ids `[N, min(topk_blocks, nb) * block_size]` (-1 = none) of each token's
+    best `topk_blocks` blocks by block maximum, the block of its newest visible entry pinned in,
+    blocks without a visible entry never kept."""
+    num_blocks = block_scores.shape[1]
+    newest = (visible.long() - 1).div(block_size, rounding_mode="floor").unsqueeze(-1)
+    ids = torch.arange(num_blocks, device=block_scores.device).unsqueeze(0)
+    pinned = block_scores.masked_fill((ids == newest) & (block_scores > float("-inf")), float("inf"))
+    blocks = topk_entries(pinned, topk_blocks).long()  # [N, B], -1 for empty picks
+    offsets = torch.arange(block_size, device=blocks.device)
+    entries = (blocks.unsqueeze(-1) * block_size + offsets).flatten(1)
+    keep = (blocks >= 0).repeat_interleave(block_size, dim=1) & (entries < visible.long().unsqueeze(-1))
+    return torch.where(keep, entries, torch.full_like(entries, -1)).to(torch.int32)
+
+
+def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width: int,
+               candidates: Tensor | None = None, candidate_blocks: int | None = None, candidate_block_size: int = 8,
+               softmax_scale: float | None = None, impl: Impl = "auto") -> IndexSelection:
+    """Each token's top-`topk` entries among `[0, width)` (`width` >= every token's visible
+    count; a host int so nothing syncs), in the mode the arguments select (module docstring)."""
+    if candidates is not None:  # Reindex: inside the pool
+        scores, _ = index_scores(q, weights, keys, entries=candidates, softmax_scale=softmax_scale, impl=impl)
+        assert scores is not None
+        return IndexSelection(topk_entries(scores, topk, candidates), None)
+    _, maxima = index_scores(q, weights, keys, width=width, block_max=candidate_block_size, write_scores=False,
+                             softmax_scale=softmax_scale, impl=impl)
+    assert maxima is not None
+    # exact top-k through the top-k blocks (unpinned: this list is not the published pool)
+    blocks = topk_entries(maxima, topk).long()
+    offsets = torch.arange(candidate_block_size, device=blocks.device)
+    near = (blocks.unsqueeze(-1) * candidate_block_size + offsets).flatten(1)
+    near = torch.where((blocks >= 0).repeat_interleave(candidate_block_size, dim=1), near, torch.full_like(near, -1))
+    scores, _ = index_scores(q, weights, keys, entries=near, softmax_scale=softmax_scale, impl=impl)
+    assert scores is not None
+    pool = None
+    if candidate_blocks is not None:
+        pool = candidate_pool(maxima, keys.visible, candidate_blocks, candidate_block_size)
+    return IndexSelection(topk_entries(scores, topk, near), pool)
+
+
+def index_topk_reference(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width: int,
+                         candidates: Tensor | None = None, candidate_blocks: int | None = None,
+                         candidate_block_size: int = 8, softmax_scale: float | None = None
+                         ) -> tuple[IndexSelection, Tensor]:
+    """The reference model's rules on dense scores: (selection, dense scores `[N, width]`). The
+    candidate source's own top-k is over all visible entries, its pool its top blocks (pinned
+    newest); a Reindex layer's top-k is inside the given pool."""
+    tokens = q.shape[0]
+    dense = index_scores_reference(q, weights, keys, torch.arange(width, device=q.device).expand(tokens, width),
+                                   softmax_scale)
+    if candidates is not None:
+        inside = torch.zeros_like(dense, dtype=torch.bool)
+        valid = candidates.long() >= 0
+        inside.scatter_(1, candidates.long().clamp_min(0), valid)
+        return IndexSelection(topk_entries(dense.masked_fill(~inside, float("-inf")), topk), None), dense
+    pool = None
+    if candidate_blocks is not None:
+        padded = F.pad(dense, (0, -width % candidate_block_size), value=float("-inf"))
+        pool = candidate_pool(padded.unflatten(-1, (-1, candidate_block_size)).amax(-1), keys.visible,
+                              candidate_blocks, candidate_block_size)
+    return IndexSelection(topk_entries(dense, topk), pool), dense

@@ -1,0 +1,130 @@
+"""Write tiny random checkpoints in the released layout, so tests and the embedded default load a
+real-format folder (config.json, tokenizer.json, safetensors with FP8 and FP4 weights).
+
+Formats written (what `checkpoint.load_checkpoint` reads back):
+
+* 2-D linear weights (`*.weight` of attention, shared experts, Engram `wkv`, DSpark layers, the LM
+  head and embedding excluded): FP8 E4M3 with `*.weight_scale_inv`, one power-of-two (UE8M0) scale
+  per 128 x 128 tile.
+* Routed expert weights (`*.experts.E.w{1,2,3}.weight`): FP4 E2M1 packed two per byte with
+  `*.weight_scale` (UE8M0 per 32 input channels), as the released experts are.
+* Everything else (norms, mHC mixes, sinks, router gate and biases, embeddings, LM head, Engram
+  tables): float32.
+
+Random init follows the reference fixture's recipe: N(0, initializer_range) for matrices, and the
+parameters an init would leave constant (norm weights, sinks, router biases, mHC bases and scales,
+Engram q/k weights) perturbed so that mix-ups show.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from cedserve.kernels.weight_formats import quantize_fp4_weight, quantize_fp8_weight
+from cedserve.model.config import ModelConfig
+from cedserve.model.dspark import Drafter
+from cedserve.model.engram import build_compressed_token_map
+from cedserve.model.network import CEDModel
+from cedserve.model.tokenizer import tiny_tokenizer_path
+
+_PERTURBED = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", "hc_attn_base", "hc_ffn_base",
+              "hc_attn_scale", "hc_ffn_scale", "q_weight", "k_weight")
+_FLOAT32_MATRICES = ("embed.weight", "lm_head.weight", "gate.weight", "hc_attn_fn", "hc_ffn_fn",
+                     "engram.embed.weight", "engram.embed.scale", "markov.w1", "markov.w2")
+
+
+def fit_config_to_tokenizer(config: ModelConfig, tokenizer_json: Path) -> ModelConfig:
+    """The config with `engram_compressed_vocab_size` set to what this tokenizer gives."""
+    from tokenizers import Tokenizer
+
+    _, size = build_compressed_token_map(Tokenizer.from_file(str(tokenizer_json)))
+    return config.replace(engram_compressed_vocab_size=size)
+
+
+def init_random_(module: nn.Module, std: float, generator: torch.Generator) -> None:
+    """In-place random init of every parameter (see the module docstring)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+            if name.endswith(("hc_attn_scale", "hc_ffn_scale", "q_weight", "k_weight")) or "norm.weight" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(_PERTURBED):
+                p.copy_(0.1 * noise)
+            elif name.endswith("embed.scale"):
+                p.fill_(1.0)
+            else:
+                p.copy_(std * noise)
+
+
+def random_model(config: ModelConfig, tokenizer_json: Path, seed: int) -> tuple[CEDModel, Drafter]:
+    """A randomly initialised backbone and drafter for `config` (fitted to the tokenizer)."""
+    from tokenizers import Tokenizer
+
+    token_map, _ = build_compressed_token_map(Tokenizer.from_file(str(tokenizer_json)))
+    model = CEDModel(config, token_map if config.engram_layer_ids else None)
+    drafter = Drafter(config)
+    gen = torch.Generator().manual_seed(seed)
+    init_random_(model, config.initializer_range, gen)
+    init_random_(drafter, config.initializer_range, gen)
+    return model.eval(), drafter.eval()
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name and name.endswith(".weight")
+
+
+def encode_tensors(named: dict[str, Tensor], quantize: bool) -> dict[str, Tensor]:
+    """Checkpoint tensors for float parameters: FP8/FP4 where the released layout quantizes."""
+    out: dict[str, Tensor] = {}
+    for name, value in named.items():
+        value = value.detach().float().contiguous()
+        fp4_ok = value.dim() == 2 and value.shape[1] % 32 == 0
+        if quantize and _is_expert(name) and fp4_ok:
+            out[name], out[name + "_scale"] = quantize_fp4_weight(value)
+        elif quantize and value.dim() == 2 and name.endswith(".weight") and not name.endswith(_FLOAT32_MATRICES):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_weight(value)
+        else:
+            out[name] = value
+    return out
+
+
+def write_random_checkpoint(config: ModelConfig, folder: str | Path, seed: int = 0, quantize: bool = True,
+                            tokenizer_json: Path | None = None) -> ModelConfig:
+    """Write a random checkpoint of `config` into `folder`; returns the config as written
+    (its Engram vocabulary fitted to the tokenizer). The folder is created; existing files of the
+    same names are replaced atomically (written beside, then renamed)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer_json = tokenizer_json or tiny_tokenizer_path()
+    config = fit_config_to_tokenizer(config, tokenizer_json)
+    model, drafter = random_model(config, tokenizer_json, seed)
+    named = {f"model.{k}" if k != "lm_head.weight" else k: v for k, v in model.state_dict().items()}
+    named.update({f"dspark.{k}": v for k, v in drafter.state_dict().items() if not k.startswith("rope.")})
+    tensors = encode_tensors(named, quantize)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt", "writer": "cedserve", "seed": str(seed)})
+    tmp.replace(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=1))
+    shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": False}))
+    return config
+
+
+def load_drafter(folder: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Drafter:
+    """The DSpark drafter stored under `dspark.*` in a checkpoint folder."""
+    from cedserve.model.checkpoint import load_checkpoint
+
+    holder = nn.Module()
+    holder.dspark = Drafter(config).to(dtype)
+    load_checkpoint(holder, folder)
+    drafter = holder.dspark
+    assert isinstance(drafter, Drafter)
+    return drafter.eval()
