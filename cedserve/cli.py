@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="load-test a running server",
                              description="Drive a running server over its public gRPC API.")
-    bench.add_argument("what", nargs="?", default="serve", choices=["serve"])
+    bench.add_argument("what", nargs="?", default="serve", choices=["serve", "kv-transfer"],
+                       help="serve: the serving benchmark; kv-transfer: the KV transfer load test "
+                            "(`cedserve bench kv-transfer --help`)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
 
@@ -94,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _not_built("serve", "the embedded launcher comes with the deployment issue")
         if args.verb == "generate":
             return _not_built("generate", "the public gRPC API comes with the router issue")
+        if args.verb == "bench" and args.what == "kv-transfer":
+            from cedserve.kv_transfer.loadtest import main as kv_transfer_bench
+
+            return kv_transfer_bench(args.bench_args)
         if args.verb == "bench":
             return _not_built("bench", "the serving benchmark comes with its own issue")
     except ValueError as exc:

@@ -10,7 +10,7 @@ fp32, 1 round to bf16): the pooled latent is cast to the activation dtype, RMSNo
 casts `x * rsqrt(mean(x^2) + eps)` to it before the weight multiplies (result in the promoted
 dtype), RoPE computes in fp32 and casts back.
 """
-# mypy: disable-error-code="no-untyped-def,misc"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
 from __future__ import annotations
 

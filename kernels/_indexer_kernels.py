@@ -8,7 +8,7 @@ level one of the two-level top-k) or an explicit list per token (list mode). Ent
 token's request is slot `block_table[req, e // spb] * spb + e % spb`; entries at or past the
 token's visible count, -1 list entries and unmapped blocks score -inf.
 """
-# mypy: disable-error-code="no-untyped-def,misc"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
 from __future__ import annotations
 

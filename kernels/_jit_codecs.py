@@ -6,7 +6,7 @@ arithmetic only (no float8 casts: the interpreter's do not round like the GPU's)
 nearest-even uses the float32 "magic number" trick `(k + 2**23) - 2**23`, exact for
 `0 <= k < 2**22`; nothing here is contracted into an FMA in a way that changes a result.
 """
-# mypy: disable-error-code="no-untyped-def,misc"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
 from __future__ import annotations
 

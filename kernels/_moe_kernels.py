@@ -10,7 +10,7 @@ byte `j`, `2j + 1` in the high nibble; UE8M0 scale bytes `[E, out, in/32]`) are 
 registers into bf16 (exact) and multiplied by the matching even / odd input channels of the
 activations, so no interleave is needed: `x . w = x_even . w_lo + x_odd . w_hi`.
 """
-# mypy: disable-error-code="no-untyped-def,misc"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
 from __future__ import annotations
 

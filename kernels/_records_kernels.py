@@ -6,7 +6,7 @@ One kernel writes all three formats, one reads them; the format is a constexpr. 
 which is the records' little-endian byte order). Records are stored a 32-bit word at a time when
 every record address is 4-byte aligned (`WORD_STORES`), a byte at a time otherwise.
 """
-# mypy: disable-error-code="no-untyped-def,misc"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
 from __future__ import annotations
 

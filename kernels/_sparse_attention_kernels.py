@@ -13,7 +13,7 @@ logit starts the running max and sum (`m = sink`, `l = 1`), so it only enlarges 
 and a row with every key masked returns zeros. With `NUM_SPLITS > 1` each split writes its
 unnormalised accumulator and (m, l) without the sink, and `_combine_splits_kernel` merges them.
 """
-# mypy: disable-error-code="no-untyped-def,misc"
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
 from __future__ import annotations
 

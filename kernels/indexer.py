@@ -38,7 +38,14 @@ from torch import Tensor
 
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import read_records_reference, record_format
-from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, interpreting, next_power_of_2, resolve_impl
+from cedserve.kernels.triton_support import (
+    Impl,
+    cdiv,
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+    resolve_impl,
+)
 
 _INTS = (torch.int32, torch.int64)
 
@@ -96,7 +103,7 @@ class IndexSelection:
 def index_scores_reference(q: Tensor, weights: Tensor, keys: IndexKeys, entries: Tensor,
                            softmax_scale: float | None = None) -> Tensor:
     """Float32 scores `[N, T]` of the listed `entries [N, T]` (-inf where masked)."""
-    tokens, heads, dim = q.shape
+    tokens, _, dim = q.shape
     slots = keys.slots(entries)
     k = read_records_reference("index", keys.records, slots.flatten()).view(tokens, -1, dim)
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
@@ -153,7 +160,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         maxima = None
         if block_max is not None:
             padded = F.pad(scores, (0, -num % block_max), value=float("-inf"))
-            maxima = padded.unflatten(-1, (-1, block_max)).amax(-1)
+            maxima = padded.view(tokens, -1, block_max).amax(-1)
         return (scores if write_scores or entries is not None else None), maxima
     from cedserve.kernels import _indexer_kernels as k
 
@@ -237,6 +244,13 @@ def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width:
     return IndexSelection(topk_entries(scores, topk, near), pool)
 
 
+def pool_mask(candidates: Tensor, width: int) -> Tensor:
+    """bool `[N, width]`: which entries the pool `candidates [N, C]` (-1 = none) holds."""
+    column = torch.where(candidates.long() >= 0, candidates.long(), torch.full_like(candidates.long(), width))
+    inside = torch.zeros(candidates.shape[0], width + 1, dtype=torch.bool, device=candidates.device)
+    return inside.scatter_(1, column, True)[:, :width]
+
+
 def index_topk_reference(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width: int,
                          candidates: Tensor | None = None, candidate_blocks: int | None = None,
                          candidate_block_size: int = 8, softmax_scale: float | None = None
@@ -248,13 +262,11 @@ def index_topk_reference(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: i
     dense = index_scores_reference(q, weights, keys, torch.arange(width, device=q.device).expand(tokens, width),
                                    softmax_scale)
     if candidates is not None:
-        inside = torch.zeros_like(dense, dtype=torch.bool)
-        valid = candidates.long() >= 0
-        inside.scatter_(1, candidates.long().clamp_min(0), valid)
-        return IndexSelection(topk_entries(dense.masked_fill(~inside, float("-inf")), topk), None), dense
+        return IndexSelection(topk_entries(dense.masked_fill(~pool_mask(candidates, width), float("-inf")), topk),
+                              None), dense
     pool = None
     if candidate_blocks is not None:
         padded = F.pad(dense, (0, -width % candidate_block_size), value=float("-inf"))
-        pool = candidate_pool(padded.unflatten(-1, (-1, candidate_block_size)).amax(-1), keys.visible,
+        pool = candidate_pool(padded.view(tokens, -1, candidate_block_size).amax(-1), keys.visible,
                               candidate_blocks, candidate_block_size)
     return IndexSelection(topk_entries(dense, topk), pool), dense

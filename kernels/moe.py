@@ -128,7 +128,7 @@ def moe_experts_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13
     inter = w2.in_features
     y = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
     w13_f, w2_f = w13.dequantize(), w2.dequantize()
-    for expert in topk_ids.unique().tolist():
+    for expert in sorted(set(topk_ids.flatten().tolist())):
         rows, slot = torch.where(topk_ids == expert)
         h = _swiglu(x[rows].float() @ w13_f[expert].t(), inter, swiglu_limit)
         h = (topk_weights[rows, slot, None].float() * h).to(x.dtype)

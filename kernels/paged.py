@@ -63,7 +63,7 @@ class PagedRecords:
         if self.offset_bytes < 0 or self.block_stride_bytes < 0:
             raise ValueError("PagedRecords: offset_bytes and block_stride_bytes must be >= 0")
         block_span = (self.slots_per_block - 1) * self.slot_stride_bytes + self.record_bytes
-        if self.num_blocks > 1 and self.block_stride_bytes < block_span:
+        if self.block_stride_bytes and self.block_stride_bytes < block_span:
             raise ValueError(f"PagedRecords: block_stride_bytes {self.block_stride_bytes} is smaller than a "
                              f"block's records ({block_span} B): blocks would overlap")
         if self.offset_bytes + block_span > s.numel():

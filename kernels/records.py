@@ -167,22 +167,22 @@ def write_swa(x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, impl: Impl
     write_records("swa", x, slot_mapping, dest, impl=impl)
 
 
-def read_records(kind: RecordKind, src: PagedRecords, slots: Tensor, *, dtype: torch.dtype = torch.float32,
+def read_records(kind: RecordKind, src: PagedRecords, slots: Tensor, *, dtype: torch.dtype | None = None,
                  out: Tensor | None = None, impl: Impl = "auto") -> Tensor:
-    """Decode the `kind` records at `slots [T]` to `[T, D]` of `dtype` (float32, or bf16 /
-    fp16 where every decoded value is exact: always for bf16). Rows whose slot is -1 are zeros.
-    `out`, when given, must be `[T, D]` of `dtype` with contiguous rows."""
+    """Decode the `kind` records at `slots [T]` to `[T, D]`, rows whose slot is -1 zeroed. The
+    dtype is `out.dtype` when `out` is given (`[T, D]`, contiguous rows), else `dtype` (default
+    float32); bf16 holds every decoded value exactly."""
     fmt = record_format(kind)
     op = f"read_records({kind!r})"
     check_tensor(slots, f"{op}: slots", dtypes=_SLOT_DTYPES, dim=1)
     dim = fmt.dim(src.record_bytes)
     if out is None:
-        out = torch.empty(slots.shape[0], dim, dtype=dtype, device=src.device)
-    check_tensor(out, f"{op}: out", dtypes=(dtype,), dim=2)
-    if tuple(out.shape) != (slots.shape[0], dim):
-        raise ValueError(f"{op}: out must be {[slots.shape[0], dim]}, got {list(out.shape)}")
+        out = torch.empty(slots.shape[0], dim, dtype=dtype or torch.float32, device=src.device)
+    check_tensor(out, f"{op}: out", dtypes=(torch.float32, torch.bfloat16, torch.float16), dim=2)
+    if tuple(out.shape) != (slots.shape[0], dim) or (dtype is not None and out.dtype != dtype):
+        raise ValueError(f"{op}: out must be {[slots.shape[0], dim]} {dtype or ''}, got {out.dtype} {list(out.shape)}")
     if resolve_impl(impl, op, slots, src.storage, out) == "torch":
-        out.copy_(read_records_reference(kind, src, slots, dtype))
+        out.copy_(read_records_reference(kind, src, slots, out.dtype))
         return out
     if slots.shape[0] == 0:
         return out

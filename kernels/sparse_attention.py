@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from cedserve.kernels.paged import PagedRecords
-from cedserve.kernels.records import read_records_reference, record_format
+from cedserve.kernels.records import RecordKind, read_records_reference, record_format
 from cedserve.kernels.triton_support import (
     Impl,
     cdiv,
@@ -99,7 +99,9 @@ def sparse_attention_reference(q: Tensor, sink: Tensor, main: PagedRecords | Non
     """Torch reference of :func:`sparse_attention` (float32 throughout, output in `q.dtype`)."""
     tokens, heads, dim = q.shape
     keys, valid = [], []
-    for kind, records, slots in (("main", main, topk_slots), ("swa", swa, window_slots)):
+    parts: tuple[tuple[RecordKind, PagedRecords | None, Tensor | None], ...] = (
+        ("main", main, topk_slots), ("swa", swa, window_slots))
+    for kind, records, slots in parts:
         if records is None or slots is None or slots.shape[1] == 0:
             continue
         keys.append(read_records_reference(kind, records, slots.flatten()).view(tokens, slots.shape[1], dim))

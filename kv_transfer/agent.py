@@ -31,7 +31,6 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
 
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.control import ControlClient, ControlServer, check_compatible
@@ -104,6 +103,7 @@ class NixlTransferAgent:
         self._results: OrderedDict[tuple[Role, RequestId], TransferRecord] = OrderedDict()
         self._callbacks: list[tuple[TransferRecord, FinishCallback | None]] = []
         self._zombies: list[tuple[object, str]] = []
+        self._probes: OrderedDict[int, float] = OrderedDict()  # probe id -> arrival (monotonic)
         self._next_heartbeat_s = 0.0
         self._pack_threshold = config.pack_threshold(region.device_memory)
 
@@ -295,27 +295,43 @@ class NixlTransferAgent:
         self._wake.set()
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
+        """Queue one `write_blocks` call: one chunk, or slot-sized chunks when it is to be packed."""
         dst = t.dst_ids[t.next_pos: t.next_pos + src.size]
         peer = self._peers[t.peer]
         packed = False
         max_blocks = self.config.chunk_blocks
         if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and src.size > 1:
-            remote_slots = len(t.credits) if t.mode is TransferMode.WRITE else peer.staging_slots
+            assert t.reservation is not None
+            remote_slots = len(t.reservation.staging_slots) if t.mode is TransferMode.WRITE else peer.staging_slots
             slot_blocks = min(self.staging.slot_bytes, peer.staging_slot_bytes) // self.region.block_bytes
-            if remote_slots and slot_blocks >= 1 and should_pack(
+            if remote_slots and slot_blocks >= 2 and should_pack(
                     count_runs(src, dst), src.size * self.region.block_bytes, self._pack_threshold):
                 packed, max_blocks = True, slot_blocks
         pieces = split_positions(src.size, max_blocks) or ([(0, 0)] if last else [])
-        total = t.next_seq + len(pieces)
         for i, (a, b) in enumerate(pieces):
-            is_last = last and i == len(pieces) - 1
-            t.queue.append(Chunk(seq=t.next_seq, first=t.next_pos + a, src=src[a:b], dst=dst[a:b],
-                                 packed=packed and b - a > 1, last=is_last, total_chunks=total if is_last else 0))
-            t.next_seq += 1
+            t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b], packed=packed and b - a > 1,
+                                 last=last and i == len(pieces) - 1))
         t.next_pos += src.size
-        t.local_ids.append(src)
         t.record.block_ids = t.record.block_ids + tuple(src.tolist())
         t.closed = last
+
+    def _next_chunk(self, t: SendTransfer) -> Chunk:
+        """Pop the head chunk; a direct one absorbs the direct chunks queued behind it, up to
+        `chunk_blocks`. While the link is the bottleneck, prefill pieces pile up and leave as fewer,
+        larger NIXL requests (each costs a flush and a notification); an idle link sends at once."""
+        head = t.queue.popleft()
+        if head.packed:
+            return head
+        parts = [head]
+        size = head.src.size
+        while t.queue and not t.queue[0].packed and size + t.queue[0].src.size <= self.config.chunk_blocks:
+            nxt = t.queue.popleft()
+            parts.append(nxt)
+            size += nxt.src.size
+        if len(parts) == 1:
+            return head
+        return Chunk(first=head.first, src=np.concatenate([p.src for p in parts]),
+                     dst=np.concatenate([p.dst for p in parts]), packed=False, last=parts[-1].last)
 
     def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
         """Abort the request in whichever role holds it; True if a live transfer was found."""
@@ -352,27 +368,42 @@ class NixlTransferAgent:
             return done
 
     def measure_raw(self, peer_name: str, nbytes: int, op: Literal["WRITE", "READ"] = "WRITE",
-                    timeout_s: float = 60.0) -> float:
-        """Seconds for one NIXL request of ONE descriptor of `nbytes` from the start of our region to
-        the start of the peer's (the benchmark's reference rate). Touches those bytes: benchmark only."""
+                    probe_id: int = 0, timeout_s: float = 60.0) -> tuple[float, float]:
+        """One NIXL request of ONE descriptor of `nbytes` between the starts of our region and the
+        peer's: the benchmark's reference. Returns `(posted_s, done_s)` on this host's monotonic
+        clock; a WRITE carries a `Probe(probe_id)` notification whose arrival the peer records
+        (`probe_arrival`), so the rate can be taken where the bytes land. Overwrites those bytes:
+        benchmark only."""
         with self._lock:
             peer = self._live_peer(peer_name)
         if nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
             raise ValueError(f"measure_raw: {nbytes} bytes exceed a region")
         descs = single_desc(self.region.base_address, self.region.device_id, peer.kv.base_address,
                             peer.kv.device_id, nbytes)
-        start = time.perf_counter()
-        handle, status = self._backend.post(op, descs, mem_type(self.region.tensor), peer.kv_mem, peer_name, b"")
+        notif = encode_notice("", probe=pb.Probe(probe_id=probe_id)) if op == "WRITE" else b""
+        start = time.monotonic()
+        handle, status = self._backend.post(op, descs, mem_type(self.region.tensor), peer.kv_mem, peer_name, notif)
         while status == "PROC":
-            if time.perf_counter() - start > timeout_s:
+            if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"measure_raw: {nbytes} B not done after {timeout_s} s")
             time.sleep(self.config.poll_interval_s)
             status = self._backend.status(handle, peer_name)
-        elapsed = time.perf_counter() - start
+        done = time.monotonic()
         self._backend.release(handle, peer_name)
         if status != "DONE":
             raise RuntimeError(f"measure_raw: NIXL {op} ended {status}")
-        return elapsed
+        return start, done
+
+    def probe_arrival(self, probe_id: int, timeout_s: float = 10.0) -> float:
+        """When `Probe(probe_id)` arrived here (monotonic), waiting up to `timeout_s` for it."""
+        end = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if probe_id in self._probes:
+                    return self._probes[probe_id]
+            if time.monotonic() > end:
+                raise TimeoutError(f"probe {probe_id} did not arrive within {timeout_s} s")
+            time.sleep(0.001)
 
     def close(self) -> None:
         """Abort every transfer (SHUTDOWN), wait for them to release, stop, deregister."""
@@ -394,7 +425,7 @@ class NixlTransferAgent:
         with self._lock:
             for t in [*self._sends.values(), *self._recvs.values()]:
                 self._drop_inflight(t)
-                self._finalize(t, time.monotonic())
+                self._finalize(t)
         self._run_callbacks()
         self._backend.close()
 
@@ -403,13 +434,13 @@ class NixlTransferAgent:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self._step()
+                sleep_s = self._step()
             except Exception as exc:  # a bug here must not hang every transfer silently
                 log.exception("KV transfer progress loop of %s failed", self._name)
                 self._fail_everything(f"progress loop error: {type(exc).__name__}: {exc}")
-                busy = False
+                sleep_s = self.config.idle_poll_s
             self._run_callbacks()
-            self._wake.wait(self.config.poll_interval_s if busy else self.config.idle_poll_s)
+            self._wake.wait(sleep_s)
             self._wake.clear()
 
     def _fail_everything(self, detail: str) -> None:
@@ -418,9 +449,13 @@ class NixlTransferAgent:
                 if not t.record.state.terminal:
                     self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, detail, tell_peer=True)
                 self._drop_inflight(t)
-                self._finalize(t, time.monotonic())
+                self._finalize(t)
 
-    def _step(self) -> bool:
+    def _step(self) -> float:
+        """One round of progress; returns how long to sleep before the next: short while this side
+        has NIXL requests or chunks waiting, longer while it only waits for the peer's notifications
+        (UCX moves incoming bytes on its own thread; a spinning target would steal the core the
+        sender needs), longest when idle."""
         # Liveness first: after this process was stopped or starved for longer than the peer timeout,
         # its peers have declared it dead and freed their blocks; it must not drain stale heartbeats
         # and then keep writing into them.
@@ -438,7 +473,10 @@ class NixlTransferAgent:
                 self._pump_recv(r, now)
             self._timers(now)
             self._retry_zombies()
-            return bool(self._sends or self._recvs)
+            transfers = [*self._sends.values(), *self._recvs.values()]
+            if any(t.has_local_work() for t in transfers):
+                return self.config.poll_interval_s
+            return self.config.target_poll_s if transfers else self.config.idle_poll_s
 
     def _run_callbacks(self) -> None:
         with self._lock:
@@ -456,24 +494,26 @@ class NixlTransferAgent:
 
     def _pump_send(self, t: SendTransfer, now: float) -> None:
         while t.queue and not t.record.state.terminal:
-            chunk = t.queue.popleft()
-            if not self._post_chunk(t, chunk):
+            chunk = self._next_chunk(t)
+            if not self._post_chunk(t, chunk, t.next_seq):
                 t.queue.appendleft(chunk)  # waits for a staging slot or a credit
                 break
+            t.next_seq += 1
         self._poll_inflight(t)
         if t.record.state.terminal:
             self._settle(t, now)
         elif t.closed and not t.queue and not t.inflight:
             t.record.advance(TransferState.DONE)
-            self._finalize(t, now)
+            self._finalize(t)
 
-    def _post_chunk(self, t: SendTransfer, c: Chunk) -> bool:
+    def _post_chunk(self, t: SendTransfer, c: Chunk, seq: int) -> bool:
         """Post (WRITE) or announce (READ) one chunk; False if it must wait for a staging slot."""
         peer = self._peers[t.peer]
         if not self._peer_fresh(peer):
             return True  # the transfer failed with the peer
         bb = self.region.block_bytes
         n = int(c.src.size)
+        total = seq + 1 if c.last else 0
         slot: int | None = None
         remote_slot = -1
         if c.packed:
@@ -483,22 +523,22 @@ class NixlTransferAgent:
             slot = self.staging.acquire()
             if slot is None:
                 return False
-            gather_blocks(self.region.blocks(), torch.from_numpy(c.src), self.staging.slot_rows(slot, n, bb))
+            gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb))
             if t.mode is TransferMode.WRITE:
                 remote_slot = t.credits.popleft()
                 t.slots_in_use.add(remote_slot)
         if t.mode is TransferMode.READ:
             notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
-                seq=c.seq, first_index=c.first, num_blocks=n, block_ids=[] if c.packed else c.src.tolist(),
-                staging_slot=-1 if slot is None else slot, last=c.last, total_chunks=c.total_chunks))
+                seq=seq, first_index=c.first, num_blocks=n, block_ids=[] if c.packed else c.src.tolist(),
+                staging_slot=-1 if slot is None else slot, last=c.last, total_chunks=total))
             if not self._notify(t.peer, notice):
                 return True  # the peer is dead; _peer_dead failed the transfer
-            t.inflight[c.seq] = Inflight(seq=c.seq, nbytes=n * bb, descriptors=0, local_slot=slot)
+            t.inflight[seq] = Inflight(seq=seq, nbytes=n * bb, descriptors=0, local_slot=slot)
             t.record.num_chunks += 1
             return True
         notice = encode_notice(t.request_id, chunk_done=pb.ChunkDone(
-            seq=c.seq, first_index=c.first, num_blocks=n, staging_slot=remote_slot, last=c.last,
-            total_chunks=c.total_chunks))
+            seq=seq, first_index=c.first, num_blocks=n, staging_slot=remote_slot, last=c.last,
+            total_chunks=total))
         if n == 0:
             self._notify(t.peer, notice)
             t.record.num_chunks += 1
@@ -518,12 +558,12 @@ class NixlTransferAgent:
                 self.staging.release(slot)
             self._nixl_failed(t, exc)
             return True
-        t.inflight[c.seq] = Inflight(seq=c.seq, nbytes=n * bb, descriptors=descs.count, handle=handle,
-                                     local_slot=slot)
+        t.inflight[seq] = Inflight(seq=seq, nbytes=n * bb, descriptors=descs.count, handle=handle,
+                                   local_slot=slot)
         t.record.num_descriptors += descs.count
         t.record.num_chunks += 1
         if status == "ERR":
-            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, f"WRITE of chunk {c.seq} "
+            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, f"WRITE of chunk {seq} "
                        "failed at post", tell_peer=True)
         return True
 
@@ -543,7 +583,7 @@ class NixlTransferAgent:
             self._settle(t, now)
         elif t.complete():
             t.record.advance(TransferState.DONE)
-            self._finalize(t, now)
+            self._finalize(t)
 
     def _post_read(self, t: RecvTransfer, m: pb.ChunkReady) -> bool:
         peer = self._peers[t.peer]
@@ -600,7 +640,7 @@ class NixlTransferAgent:
         if m.staging_slot >= 0:
             assert self.staging is not None
             dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
-            scatter_blocks(self.region.blocks(), torch.from_numpy(dst),
+            scatter_blocks(self.region.blocks(), dst,
                            self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes))
             self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
         t.record.start_transferring(time.monotonic())
@@ -655,7 +695,7 @@ class NixlTransferAgent:
             del t.inflight[seq]
             if status == "DONE" and not t.record.state.terminal:
                 if inf.scatter_ids is not None and inf.local_slot is not None and self.staging is not None:
-                    scatter_blocks(self.region.blocks(), torch.from_numpy(inf.scatter_ids),
+                    scatter_blocks(self.region.blocks(), inf.scatter_ids,
                                    self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
                                                           self.region.block_bytes))
                 t.record.num_bytes += inf.nbytes
@@ -714,6 +754,11 @@ class NixlTransferAgent:
             return
         kind = notice.WhichOneof("body")
         if kind == "heartbeat":
+            return
+        if kind == "probe":
+            self._probes[notice.probe.probe_id] = now
+            while len(self._probes) > 64:
+                self._probes.popitem(last=False)
             return
         rid = notice.request_id
         send = self._sends.get(rid)
@@ -813,16 +858,16 @@ class NixlTransferAgent:
             elif t.reply == "ack" and not peer_gone:
                 self._notify(t.peer, encode_notice(t.request_id, abort_ack=pb.AbortAck()))
             self._drop_inflight(t)
-            self._finalize(t, now)
+            self._finalize(t)
             return
         if t.peer_quiesced or peer_gone or (t.drain_until_s is not None and now >= t.drain_until_s):
             if not (t.peer_quiesced or peer_gone):
                 log.warning("KV transfer %r: no abort acknowledgement from %s within %.2f s; releasing anyway",
                             t.request_id, t.peer, self.config.abort_drain_s)
             self._drop_inflight(t)
-            self._finalize(t, now)
+            self._finalize(t)
 
-    def _finalize(self, t: Transfer, now: float) -> None:
+    def _finalize(self, t: Transfer) -> None:
         if t.finalized:
             return
         t.finalized = True
@@ -835,7 +880,7 @@ class NixlTransferAgent:
             if inf.local_slot is not None and self.staging is not None:
                 self.staging.release(inf.local_slot)
         t.inflight.clear()
-        result = t.record.finish(now)
+        result = t.record.finish(time.monotonic())  # fresh: a step may have posted for a while
         self.metrics.record(result, t.mode.value)
         self._results[(t.record.role, t.request_id)] = t.record
         while len(self._results) > _FORGET_AFTER:
@@ -858,11 +903,10 @@ class NixlTransferAgent:
             self._backend.remove_peer(peer.name)
         except NixlCallError as exc:
             log.warning("%s", exc)
-        now = time.monotonic()
         for t in affected:
             self._fail(t, TransferState.FAILED, cause, f"peer {peer.name}: {detail}", tell_peer=False)
             self._drop_inflight(t)
-            self._finalize(t, now)
+            self._finalize(t)
 
     def _check_liveness(self, now: float) -> None:
         for peer in list(self._peers.values()):

@@ -44,8 +44,10 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the agent refuses to start without one, since a handshake grants write access to the block pool."""
     mode: Literal["write", "read"] = "write"
     """Default direction: the sender WRITEs into reserved blocks (decode-first), or the receiver READs."""
-    chunk_blocks: int = 256
-    """Most blocks per NIXL transfer request; a `write_blocks` call larger than this is split."""
+    chunk_blocks: int = 1024
+    """Most blocks per NIXL transfer request (58 MB at the released geometry). Each `write_blocks`
+    call is one chunk; direct chunks already queued behind each other leave as one request up to
+    this size, so a busy link sees few large requests and an idle one gets each chunk at once."""
     pack_below_bytes: int | None = None
     """Pack a chunk through the staging buffers when its mean descriptor (after coalescing contiguous
     runs) is smaller than this. None picks by memory: 1 MiB for device memory, where small
@@ -66,7 +68,9 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     abort_drain_s: float = 0.9
     """How long a side whose memory the peer may touch waits for the peer's abort acknowledgement."""
     poll_interval_s: float = 0.0002
-    """Progress-loop sleep while transfers are in flight."""
+    """Progress-loop sleep while this side has NIXL requests in flight or chunks waiting."""
+    target_poll_s: float = 0.001
+    """Progress-loop sleep while transfers are open but only the peer acts (notifications flow)."""
     idle_poll_s: float = 0.005
     """Progress-loop sleep with nothing in flight (heartbeats and notifications still flow)."""
     on_failure: Literal["fail", "recompute"] = "fail"
@@ -86,7 +90,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.pack_below_bytes is not None and self.pack_below_bytes < 0:
             _fail("pack_below_bytes", f"must be >= 0 or null, got {self.pack_below_bytes}")
         for name in ("lease_s", "heartbeat_interval_s", "peer_timeout_s", "abort_drain_s",
-                     "poll_interval_s", "idle_poll_s"):
+                     "poll_interval_s", "target_poll_s", "idle_poll_s"):
             if getattr(self, name) <= 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:

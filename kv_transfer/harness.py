@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.errors import KVTransferError
 from cedserve.kv_transfer.protocol import TransferMode
 from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.staging import put_rows, take_rows
 from cedserve.kv_transfer.state import TransferResult
 from cedserve.kv_transfer.wire import reservation_from_pb, reservation_to_pb
 from cedserve.proto import kv_transfer_pb2 as pb
@@ -87,14 +89,17 @@ def pattern_rows(seed: int, block_ids: np.ndarray, block_bytes: int, device: tor
 
 
 def write_logical(layout: KVLayout, region: KVRegion, block_ids: np.ndarray, rows: torch.Tensor) -> None:
-    idx = torch.from_numpy(block_ids).to(region.tensor.device)
     for view, start, stop in layout.segment_views(region):
-        view.index_copy_(0, idx, rows[:, start:stop].contiguous())
+        put_rows(view, block_ids, rows[:, start:stop].contiguous())
 
 
 def read_logical(layout: KVLayout, region: KVRegion, block_ids: np.ndarray) -> torch.Tensor:
-    idx = torch.from_numpy(block_ids).to(region.tensor.device)
-    return torch.cat([view.index_select(0, idx) for view, _, _ in layout.segment_views(region)], dim=1)
+    parts = []
+    for view, _, _ in layout.segment_views(region):
+        out = torch.empty(block_ids.size, view.shape[1], dtype=torch.uint8, device=view.device)
+        take_rows(view, block_ids, out)
+        parts.append(out)
+    return torch.cat(parts, dim=1)
 
 
 class FreeList:
@@ -167,86 +172,108 @@ class Worker:
                 self.blocks.release(self.send_blocks.pop(result.request_id, np.zeros(0, dtype=np.int64)))
 
     def handle(self, cmd: str, a: dict[str, Any]) -> dict[str, Any]:
+        method = getattr(self, f"cmd_{cmd}", None)
+        if method is None:
+            raise ValueError(f"unknown harness command {cmd!r}")
+        result: dict[str, Any] = method(a)
+        return result
+
+    def cmd_info(self, a: dict[str, Any]) -> dict[str, Any]:
         agent = self.agent
-        if cmd == "info":
-            return {"name": agent.name, "control_address": agent.control_address, "pid": os.getpid(),
-                    "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
-                    "compat_hash": agent.compatibility().compat_hash}
-        if cmd == "handshake":
-            return {"peer": agent.handshake(a["address"], a.get("timeout_s", 10.0))}
-        if cmd == "fill":
-            ids = np.arange(self.region.num_blocks, dtype=np.int64)
-            for s in range(0, ids.size, 512):
-                part = ids[s: s + 512]
-                write_logical(self.layout, self.region, part,
-                              pattern_rows(a["seed"], part, self.region.block_bytes, self.region.tensor.device))
-            return {}
-        if cmd == "reserve":
-            out = []
-            for r in a["requests"]:
-                ids = self.blocks.allocate(r["num_blocks"], a.get("alloc", "random"))
-                res = agent.receiver().reserve(r["request_id"], ids, sender=r["sender"],
-                                               mode=TransferMode(r.get("mode", "write")),
-                                               lease_s=r.get("lease_s"), on_finish=self._on_finish)
-                out.append(base64.b64encode(reservation_to_pb(res).SerializeToString()).decode())
-            return {"reservations": out}
-        if cmd == "send":
-            return self._send(a)
-        if cmd == "wait":
-            out = {}
+        return {"name": agent.name, "control_address": agent.control_address, "pid": os.getpid(),
+                "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
+                "compat_hash": agent.compatibility().compat_hash}
+
+    def cmd_handshake(self, a: dict[str, Any]) -> dict[str, Any]:
+        return {"peer": self.agent.handshake(a["address"], a.get("timeout_s", 10.0))}
+
+    def cmd_fill(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Fill every block with `pattern_rows(seed, id)`."""
+        ids = np.arange(self.region.num_blocks, dtype=np.int64)
+        for s in range(0, ids.size, 512):
+            part = ids[s: s + 512]
+            rows = pattern_rows(a["seed"], part, self.region.block_bytes, self.region.tensor.device)
+            write_logical(self.layout, self.region, part, rows)
+        return {}
+
+    def cmd_reserve(self, a: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for r in a["requests"]:
+            ids = self.blocks.allocate(r["num_blocks"], a.get("alloc", "random"))
+            res = self.agent.receiver().reserve(r["request_id"], ids, sender=r["sender"],
+                                                mode=TransferMode(r.get("mode", "write")),
+                                                lease_s=r.get("lease_s"), on_finish=self._on_finish)
+            out.append(base64.b64encode(reservation_to_pb(res).SerializeToString()).decode())
+        return {"reservations": out}
+
+    def cmd_wait(self, a: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for rid in a["request_ids"]:
+            side = self.agent.sender() if a["role"] == "sender" else self.agent.receiver()
+            try:
+                out[rid] = result_dict(side.wait(rid, a.get("timeout_s", 60.0)))
+            except KVTransferError:
+                with self.lock:
+                    out[rid] = result_dict(self.results.get(rid))
+            except (TimeoutError, KeyError) as exc:
+                out[rid] = {"state": "error", "error": self.send_errors.get(rid) or f"{type(exc).__name__}: {exc}"}
+        return {"results": out}
+
+    def cmd_verify(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Compare a DONE request's blocks with the pattern of the sender's blocks `src_ids`."""
+        with self.lock:
+            dst = self.held.get(a["request_id"])
+        if dst is None:
+            return {"ok": False, "reason": "no DONE transfer held"}
+        src = np.asarray(a["src_ids"], dtype=np.int64)
+        bad = 0
+        for s in range(0, dst.size, 512):
+            want = pattern_rows(a["src_seed"], src[s: s + 512], self.region.block_bytes, self.region.tensor.device)
+            got = read_logical(self.layout, self.region, dst[s: s + 512])
+            bad += int((want != got).any(dim=1).sum())
+        return {"ok": bad == 0, "mismatched_blocks": bad}
+
+    def cmd_release(self, a: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
             for rid in a["request_ids"]:
-                side = agent.sender() if a["role"] == "sender" else agent.receiver()
-                try:
-                    out[rid] = result_dict(side.wait(rid, a.get("timeout_s", 60.0)))
-                except KVTransferError:
-                    with self.lock:
-                        out[rid] = result_dict(self.results.get(rid))
-                except (TimeoutError, KeyError) as exc:
-                    error = self.send_errors.get(rid) or f"{type(exc).__name__}: {exc}"
-                    out[rid] = {"state": "error", "error": error}
-            return {"results": out}
-        if cmd == "verify":
-            with self.lock:
-                dst = self.held.get(a["request_id"])
-            if dst is None:
-                return {"ok": False, "reason": "no DONE transfer held"}
-            src = np.asarray(a["src_ids"], dtype=np.int64)
-            bad = 0
-            for s in range(0, dst.size, 512):
-                want = pattern_rows(a["src_seed"], src[s: s + 512], self.region.block_bytes, self.region.tensor.device)
-                got = read_logical(self.layout, self.region, dst[s: s + 512])
-                bad += int((want != got).any(dim=1).sum())
-            return {"ok": bad == 0, "mismatched_blocks": bad}
-        if cmd == "release":
-            with self.lock:
-                for rid in a["request_ids"]:
-                    held = self.held.pop(rid, None)
-                    if held is not None:
-                        self.blocks.release(held)
-            return {}
-        if cmd == "abort":
-            return {"found": agent.abort(a["request_id"])}
-        if cmd == "free":
-            with self.lock:
-                return {"free_blocks": self.blocks.num_free, "held": len(self.held),
-                        "active": agent.active_transfers(),
-                        "staging_free": agent.staging.free_slots if agent.staging else 0}
-        if cmd == "raw":
-            return {"seconds": [agent.measure_raw(a["peer"], a["nbytes"], a.get("op", "WRITE"))
-                                for _ in range(a.get("reps", 1))]}
-        if cmd == "memcpy":
-            n = a["nbytes"]
-            src = self.region.tensor[:n]
-            dst = torch.empty_like(src)
-            seconds = []
-            for _ in range(a.get("reps", 1)):
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                if dst.device.type == "cuda":
-                    torch.cuda.synchronize(dst.device)
-                seconds.append(time.perf_counter() - t0)
-            return {"seconds": seconds}
-        raise ValueError(f"unknown harness command {cmd!r}")
+                held = self.held.pop(rid, None)
+                if held is not None:
+                    self.blocks.release(held)
+        return {}
+
+    def cmd_abort(self, a: dict[str, Any]) -> dict[str, Any]:
+        return {"found": self.agent.abort(a["request_id"])}
+
+    def cmd_free(self, a: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            return {"free_blocks": self.blocks.num_free, "held": len(self.held),
+                    "active": self.agent.active_transfers(),
+                    "staging_free": self.agent.staging.free_slots if self.agent.staging else 0}
+
+    def cmd_raw(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Single-descriptor NIXL requests: `(posted_s, done_s)` per rep (probe ids from `probe_base`)."""
+        times = [self.agent.measure_raw(a["peer"], a["nbytes"], a.get("op", "WRITE"), a.get("probe_base", 0) + i)
+                 for i in range(a.get("reps", 1))]
+        return {"times": times}
+
+    def cmd_probe(self, a: dict[str, Any]) -> dict[str, Any]:
+        return {"arrivals": [self.agent.probe_arrival(p) for p in a["probe_ids"]]}
+
+    def cmd_memcpy(self, a: dict[str, Any]) -> dict[str, Any]:
+        """One in-process copy of `nbytes` of the pool (the bench's memory-copy reference)."""
+        src = self.region.tensor[: a["nbytes"]]
+        dst = torch.empty_like(src)
+        seconds = []
+        for _ in range(a.get("reps", 1)):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if dst.device.type == "cuda":
+                torch.cuda.synchronize(dst.device)
+            seconds.append(time.perf_counter() - t0)
+        return {"seconds": seconds}
+
+    def cmd_send(self, a: dict[str, Any]) -> dict[str, Any]:
+        return self._send(a)
 
     def _send(self, a: dict[str, Any]) -> dict[str, Any]:
         """Open every reservation, then stream each request's blocks in `stream_blocks` pieces
@@ -340,8 +367,12 @@ class PeerProcess:
         # stderr (NIXL/UCX logs) goes to a file: a pipe nobody reads would fill and block the worker
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
             prefix=f"kvh-{spec.name}-", suffix=".log", delete=False)
-        payload = asdict(spec)
-        cmd = [*prefix, python, "-m", "cedserve.kv_transfer.harness", "--spec", json.dumps(payload)]
+        inner = [python, "-m", "cedserve.kv_transfer.harness", "--spec", json.dumps(asdict(spec))]
+        if prefix and prefix[0] == "ssh":  # a remote shell: same checkout path and venv on that host
+            extra = [f"{k}={v}" for k, v in (env or {}).items()]
+            cmd = [*prefix, f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["env", *extra, *inner])]
+        else:
+            cmd = [*prefix, *inner]
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1, env=full_env)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cedserve.kv_transfer.control import check_compatible
@@ -25,6 +26,7 @@ from cedserve.kv_transfer.errors import FailureCause, HandshakeError, KVTransfer
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
 from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.staging import put_rows, take_rows
 from cedserve.kv_transfer.state import FinishCallback, Role, TransferRecord, TransferResult, TransferState
 
 if TYPE_CHECKING:
@@ -212,13 +214,12 @@ class LoopbackAgent:
                     record.advance(TransferState.DONE)
                 self._finish(pair)
 
-    def _copy(self, dst_region: KVRegion, src: object, dst: object) -> None:
-        src_t = torch.as_tensor(src, dtype=torch.int64)
-        dst_t = torch.as_tensor(dst, dtype=torch.int64)
+    def _copy(self, dst_region: KVRegion, src: np.ndarray, dst: np.ndarray) -> None:
         for (src_view, _, _), (dst_view, _, _) in zip(self.layout.segment_views(self.region),
                                                       self.layout.segment_views(dst_region)):
-            dst_view.index_copy_(0, dst_t.to(dst_view.device), src_view.index_select(0, src_t.to(src_view.device))
-                                 .to(dst_view.device))
+            rows = torch.empty(src.size, src_view.shape[1], dtype=torch.uint8, device=src_view.device)
+            take_rows(src_view, src, rows)
+            put_rows(dst_view, dst, rows.to(dst_view.device))
 
     # ------------------------------------------------------------------ shared
 

@@ -45,9 +45,9 @@ class PeerState:
 
 @dataclass
 class Chunk:
-    """Positions `[first, first + len(src))` of a request, queued on the sender."""
+    """Positions `[first, first + len(src))` of a request, queued on the sender (its sequence
+    number is given when it is posted, after merging)."""
 
-    seq: int
     first: int
     src: np.ndarray
     """Local (sender) block ids, int64."""
@@ -55,7 +55,6 @@ class Chunk:
     """Receiver block ids for the same positions, int64."""
     packed: bool
     last: bool
-    total_chunks: int
 
 
 @dataclass
@@ -92,6 +91,10 @@ class Transfer:
     def request_id(self) -> str:
         return self.record.request_id
 
+    def has_local_work(self) -> bool:
+        """NIXL requests of ours in flight, or chunks waiting to be posted."""
+        return any(inf.handle is not None for inf in self.inflight.values())
+
     @property
     def peer(self) -> str:
         return self.record.peer
@@ -109,7 +112,9 @@ class SendTransfer(Transfer):
     """Receiver staging slots written and not yet returned by a `SlotFree`."""
     closed: bool = False
     """The chunk with `last` is queued."""
-    local_ids: list[np.ndarray] = field(default_factory=list)
+
+    def has_local_work(self) -> bool:
+        return bool(self.queue) or super().has_local_work()
 
 
 @dataclass
@@ -120,6 +125,9 @@ class RecvTransfer(Transfer):
     total_chunks: int | None = None
     reads: deque[pb.ChunkReady] = field(default_factory=deque)
     """READ mode: announced chunks not yet read."""
+
+    def has_local_work(self) -> bool:
+        return bool(self.reads) or super().has_local_work()
 
     def complete(self) -> bool:
         return (self.total_chunks is not None and len(self.seen) == self.total_chunks

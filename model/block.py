@@ -19,7 +19,7 @@ class Block(nn.Module):
     """Checkpoint names under `layers.N.`: `attn.*`, `ffn.*`, `attn_norm`, `ffn_norm`,
     `engram.*`, and the raw mHC tensors `hc_{attn,ffn}_{fn,base,scale}` (float32)."""
 
-    def __init__(self, config: ModelConfig, spec: LayerSpec, compress_rope: RopeTable) -> None:
+    def __init__(self, config: ModelConfig, spec: LayerSpec, compress_rope: RopeTable, engram_table: bool = True) -> None:
         super().__init__()
         self.config, self.spec = config, spec
         hc, hidden = config.hc_mult, config.hidden_size
@@ -30,7 +30,9 @@ class Block(nn.Module):
         engram_ids = list(config.engram_layer_ids)
         self.engram_index = engram_ids.index(spec.layer_id) if spec.layer_id in engram_ids else None
         self.engram = (
-            Engram(config, config.engram_num_embeddings[self.engram_index]) if self.engram_index is not None else None
+            Engram(config, config.engram_num_embeddings[self.engram_index], with_table=engram_table)
+            if self.engram_index is not None
+            else None
         )
         mix_width = (2 + hc) * hc
         self.hc_attn_fn = nn.Parameter(torch.zeros(mix_width, hc * hidden))
@@ -44,13 +46,15 @@ class Block(nn.Module):
         c = self.config
         return hc_mixes(streams, fn, scale, base, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def apply_engram(self, streams: Tensor, hash_ids: Tensor | None) -> Tensor:
-        """`streams [S, hc, D]`; `hash_ids [S, engram layers, columns]`."""
+    def apply_engram(self, streams: Tensor, ctx: ForwardContext) -> Tensor:
+        """`streams [S, hc, D]` plus this layer's Engram value; waits for the chunk's rows
+        (`ctx.engram_rows`, `[S, engram layers, columns, head_dim]`) only here."""
         if self.engram is None or self.engram_index is None:
             return streams
-        if hash_ids is None:
-            raise ValueError(f"layer {self.spec.layer_id} has an Engram table but no hash ids were given")
-        mixed: Tensor = self.engram(streams, hash_ids[:, self.engram_index])
+        if ctx.engram_rows is None:
+            raise ValueError(f"layer {self.spec.layer_id} has an Engram table but no rows were looked up")
+        rows = ctx.engram_rows.result()[:, self.engram_index]  # [S, columns, head_dim]
+        mixed: Tensor = self.engram(streams, rows.to(streams.device))
         return mixed
 
     def attention_input(self, streams: Tensor, pre_mix: Tensor) -> Tensor:
@@ -58,12 +62,10 @@ class Block(nn.Module):
         normed: Tensor = self.attn_norm(hc_collapse(streams, pre_mix))
         return normed
 
-    def forward(
-        self, streams: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, ctx: ForwardContext
-    ) -> tuple[Tensor, Tensor]:
-        """`streams [S, hc, D]`, `pre_mix [S, hc]` (the previous site's pre) -> new streams and
+    def sublayers(self, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """Attention then MoE, each wrapped in mHC, on streams that already carry Engram:
+        `streams [S, hc, D]`, `pre_mix [S, hc]` (the previous site's pre) -> new streams and
         this layer's FFN-site `pre`, which the next layer's attention collapses with."""
-        streams = self.apply_engram(streams, hash_ids)
         attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         attn_out = self.attn(self.attention_input(streams, pre_mix), ctx)
         streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
@@ -71,3 +73,7 @@ class Block(nn.Module):
         ffn_out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
+
+    def forward(self, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """Engram (where present), then `sublayers`."""
+        return self.sublayers(self.apply_engram(streams, ctx), pre_mix, ctx)

@@ -24,19 +24,18 @@ from torch import Tensor, nn
 
 from cedserve.kernels.weight_formats import dequantize_fp4_weight, dequantize_fp8_weight
 from cedserve.model.config import ModelConfig
-from cedserve.model.engram import load_compressed_token_map
+from cedserve.model.engram import ENGRAM_SCALE_BLOCK as ENGRAM_SCALE_BLOCK
+from cedserve.model.engram import dequantize_engram_rows, load_compressed_token_map
+from cedserve.model.engram_store import EngramStore
 from cedserve.model.network import CEDModel
+from cedserve.model.safetensors_file import CheckpointError as CheckpointError
 
-ENGRAM_SCALE_BLOCK = 32  # Engram FP8 table rows: one scale per 32 channels of a row
+ENGRAM_MODES = ("memory", "mmap")
 FLOAT32_PARAMETERS = frozenset(
     {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "attn_sink"}
     | {"bias", "bias_vl"}
 )
 """Parameter names the released checkpoint stores in float32 and the reference keeps there."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, mis-shaped or in a format this loader cannot read."""
 
 
 def _shard_paths(path: Path) -> list[Path]:
@@ -46,11 +45,6 @@ def _shard_paths(path: Path) -> list[Path]:
     if not shards:
         raise CheckpointError(f"no *.safetensors files in {path}")
     return shards
-
-
-def _dequantize_engram_rows(raw: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    blocks = raw.float().view(raw.shape[0], -1, ENGRAM_SCALE_BLOCK)
-    return (blocks * scale.float().unsqueeze(-1)).view(raw.shape).to(dtype)
 
 
 def dequantize_weight(name: str, raw: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -64,7 +58,7 @@ def dequantize_weight(name: str, raw: Tensor, scale: Tensor | None, dtype: torch
         if raw.dtype != torch.float8_e4m3fn:
             value: Tensor = dequantize_fp4_weight(raw, scale, dtype)
         elif tuple(scale.shape) == (raw.shape[0], raw.shape[1] // ENGRAM_SCALE_BLOCK):
-            value = _dequantize_engram_rows(raw, scale, dtype)
+            value = dequantize_engram_rows(raw, scale, dtype)
         else:
             value = dequantize_fp8_weight(raw, scale, dtype)
     except ValueError as exc:
@@ -134,13 +128,23 @@ def keep_float32(model: nn.Module) -> None:
             param.data = param.data.float()
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CEDModel:
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               engram: str = "memory") -> CEDModel:
     """Build a `CEDModel` from a checkpoint folder holding `config.json`, `tokenizer.json` (needed
-    when the config has Engram layers) and `*.safetensors`."""
+    when the config has Engram layers) and `*.safetensors`.
+
+    `engram`: "memory" loads the Engram tables into the model's parameters; "mmap" leaves them in
+    the checkpoint files and serves rows through an `EngramStore` (read-only memory maps, gathered on
+    a background thread), owned by the model and released by `model.close()`. Both give the same
+    logits bit for bit."""
+    if engram not in ENGRAM_MODES:
+        raise ValueError(f"engram must be one of {ENGRAM_MODES}, got {engram!r}")
     folder = Path(folder)
     config = ModelConfig.from_hf_json(folder)
     token_map = load_compressed_token_map(str(folder / "tokenizer.json"), config) if config.engram_layer_ids else None
-    model = CEDModel(config, token_map).to(dtype=dtype)
+    mapped = engram == "mmap" and bool(config.engram_layer_ids)
+    store = EngramStore.open(_shard_paths(folder), config, dtype) if mapped else None
+    model = CEDModel(config, token_map, engram_store=store).to(dtype=dtype)
     keep_float32(model)
     load_checkpoint(model, folder)
     return model.to(device).eval()

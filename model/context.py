@@ -6,6 +6,7 @@ queries, and dequantized global KV is a per-call view of the records in `Sequenc
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -22,6 +23,9 @@ class ForwardContext:
     state: SequenceState
     write_global_kv: bool = True
     """False when replaying decoder layers over tokens whose global KV is already stored."""
+    engram_rows: Future[Tensor] | None = None
+    """Engram table rows of the chunk, `[S, engram layers, columns, head_dim]`, started before
+    layer 0 (possibly still being gathered on the store's thread); None without Engram."""
     selections: dict[int, Tensor | None] = field(default_factory=dict)
     """Index-source layer -> bool [S, T] picked entries (None: no entry visible yet)."""
     candidates: Tensor | None = None

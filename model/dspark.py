@@ -116,7 +116,8 @@ class DraftAttention(nn.Module):
         bias = torch.zeros(x.shape[0], keys.shape[0], device=x.device)  # all visible: window + block
         out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, c.head_dim**-0.5)
         out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
-        return self.wo_b(self.wo_a(out.unflatten(1, (c.o_groups, -1)).flatten(2)))
+        projected: Tensor = self.wo_b(self.wo_a(out.reshape(out.shape[0], c.o_groups, -1)))  # [k, groups, H/groups*D]
+        return projected
 
 
 class DraftLayer(nn.Module):
@@ -130,7 +131,8 @@ class DraftLayer(nn.Module):
 
     def forward(self, x: Tensor, context: Tensor, rope: RopeTable, positions: Tensor, ctx_positions: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), context, rope, positions, ctx_positions)
-        return x + self.ffn(self.ffn_norm(x))
+        out: Tensor = x + self.ffn(self.ffn_norm(x))
+        return out
 
 
 class MarkovHead(nn.Module):
@@ -161,7 +163,8 @@ class Drafter(nn.Module):
 
     def context_vectors(self, taps: Tensor) -> Tensor:
         """`taps [S, n_taps, hc, D]` (attention inputs of the tapped layers, per stream) -> `[S, D]`."""
-        return self.norm(self.fc(taps.mean(dim=2).flatten(1)))
+        vectors: Tensor = self.norm(self.fc(taps.mean(dim=2).flatten(1)))
+        return vectors
 
     @torch.no_grad()
     def draft(self, anchor: int, state: DraftState, embed: nn.Embedding, lm_head: nn.Module,

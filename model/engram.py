@@ -156,10 +156,21 @@ class EngramHasher:
         return torch.cat(hashes, dim=-1) + self.offsets.to(tokens.device)
 
 
+ENGRAM_SCALE_BLOCK = 32
+"""FP8 Engram table rows carry one float scale per 32 channels (`embed.scale [rows, head_dim / 32]`)."""
+
+
+def dequantize_engram_rows(raw: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """FP8 rows `raw [n, head_dim]` times their block scales `scale [n, head_dim / 32]`, as `dtype`.
+    Elementwise per row, so a gathered subset dequantizes to the same bits as the whole table."""
+    blocks = raw.float().view(raw.shape[0], -1, ENGRAM_SCALE_BLOCK)
+    return (blocks * scale.float().unsqueeze(-1)).view(raw.shape).to(dtype)
+
+
 class EngramEmbedding(nn.Module):
     """Table rows `weight [rows, head_dim]`; FP8 tables carry `scale [rows, head_dim / 32]`."""
 
-    def __init__(self, rows: int, head_dim: int, block: int = 32) -> None:
+    def __init__(self, rows: int, head_dim: int, block: int = ENGRAM_SCALE_BLOCK) -> None:
         super().__init__()
         self.block = block
         self.weight = nn.Parameter(torch.empty(rows, head_dim))
@@ -176,21 +187,29 @@ class EngramEmbedding(nn.Module):
 
 class Engram(nn.Module):
     """Checkpoint names under `layers.N.engram.`: `embed.weight`, `embed.scale`, `wkv`,
-    `q_weight`, `k_weight`."""
+    `q_weight`, `k_weight`. With `with_table=False` the table lives outside the module (an
+    `EngramStore` serving rows from host memory) and the module has no `embed`."""
 
-    def __init__(self, config: ModelConfig, rows: int) -> None:
+    def __init__(self, config: ModelConfig, rows: int, with_table: bool = True) -> None:
         super().__init__()
         hidden, hc = config.hidden_size, config.hc_mult
         columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
         self.hidden, self.hc, self.eps = hidden, hc, config.rms_norm_eps
-        self.embed = EngramEmbedding(rows, config.engram_head_dim)
+        self.embed = EngramEmbedding(rows, config.engram_head_dim) if with_table else None
         self.wkv = nn.Linear(columns * config.engram_head_dim, hidden * (hc + 1), bias=False)
         self.q_weight = nn.Parameter(torch.ones(hc, hidden))
         self.k_weight = nn.Parameter(torch.ones(hc, hidden))
 
-    def forward(self, streams: Tensor, hash_ids: Tensor) -> Tensor:
-        """`streams [S, hc, D]`, `hash_ids [S, columns]` -> `[S, hc, D]`."""
-        kv: Tensor = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+    def lookup(self, hash_ids: Tensor) -> Tensor:
+        """Rows of the in-module table: `hash_ids [S, columns]` -> `[S, columns, head_dim]`."""
+        if self.embed is None:
+            raise RuntimeError("this Engram layer's table is served by an EngramStore, not the module")
+        rows: Tensor = self.embed(hash_ids)
+        return rows
+
+    def forward(self, streams: Tensor, rows: Tensor) -> Tensor:
+        """`streams [S, hc, D]`, table `rows [S, columns, head_dim]` -> `[S, hc, D]`."""
+        kv: Tensor = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))
         key = kv[:, : self.hc * self.hidden].float().view(-1, self.hc, self.hidden)  # [S, hc, D]
         value = kv[:, self.hc * self.hidden :]  # [S, D]
         h = streams.float()

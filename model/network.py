@@ -10,11 +10,18 @@ Entry points (all take and mutate a `SequenceState`; none keeps per-sequence dat
   residual state at the encoder/decoder boundary.
 * `replay_decoder(span, state)`: rebuild the decoder layers' windows by running them over the
   last tokens' boundary states (the global KV is already complete); returns their logits.
+* `prefill_with_taps(token_ids, state)`: `prefill` that also returns DSpark's taps.
+* `verify(token_ids, state)` / `commit(state, snapshot, num_tokens_kept)`: score an anchor and its
+  drafts in one pass, then keep only the accepted prefix (see `commit` for how).
+
+Engram rows are looked up by token ids only, so every entry point starts the lookup (on the
+`EngramStore`'s thread when the tables are memory-mapped) before layer 0 runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +30,12 @@ from torch import Tensor, nn
 from cedserve.model.block import Block
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.context import ForwardContext
-from cedserve.model.engram import EngramHasher
+from cedserve.model.engram import Engram, EngramHasher
+from cedserve.model.engram_store import EngramStore
 from cedserve.model.mhc import hc_collapse
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable
-from cedserve.model.state import SequenceState
+from cedserve.model.state import SequenceState, StateSnapshot
 
 
 @dataclass(frozen=True)
@@ -76,11 +84,43 @@ class EncodedChunk:
     boundary: BoundaryHidden
 
 
+@dataclass(frozen=True)
+class TargetOutput:
+    """A target pass over S tokens, with what DSpark reads from it."""
+
+    logits: Tensor  # float32 [S, vocab]
+    taps: Tensor  # [S, n_taps, hc, hidden]: streams entering each `dspark_target_layer_ids` attention
+
+
+@dataclass(frozen=True)
+class VerifySnapshot:
+    """What `commit` needs to undo or keep a verification pass."""
+
+    before: StateSnapshot  # the sequence before the pass
+    token_ids: Tensor  # int64 [K + 1]: the anchor and the drafts that were scored
+    taps: Tensor  # [K + 1, n_taps, hc, hidden] of the pass
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One verification pass: row k of `logits` scores the token after `token_ids[k]`."""
+
+    logits: Tensor  # float32 [K + 1, vocab]
+    taps: Tensor  # [K + 1, n_taps, hc, hidden]
+    snapshot: VerifySnapshot
+
+
 class CEDModel(nn.Module):
     """Checkpoint names: `embed.weight`, `layers.N.*`, `norm.weight`, `lm_head.weight` (the
-    loader also accepts them under a `model.` prefix)."""
+    loader also accepts them under a `model.` prefix). With an `engram_store` the Engram tables
+    are served by the store (and closed by `close`), not held as parameters."""
 
-    def __init__(self, config: ModelConfig, engram_token_map: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        engram_token_map: Sequence[int] | None = None,
+        engram_store: EngramStore | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         params = config.rope_parameters or {}
@@ -88,12 +128,19 @@ class CEDModel(nn.Module):
             kind: RopeTable(params[kind], config.head_dim, config.max_position_embeddings) for kind in ("main", "compress")
         }
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Block(config, spec, self.ropes["compress"]) for spec in config.layer_plan])
+        in_memory = engram_store is None
+        self.layers = nn.ModuleList([Block(config, spec, self.ropes["compress"], in_memory) for spec in config.layer_plan])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.hasher = EngramHasher(config, engram_token_map) if engram_token_map is not None else None
         if config.engram_layer_ids and self.hasher is None:
             raise ValueError("this config has Engram layers: pass engram_token_map (see load_compressed_token_map)")
+        self.engram_store = engram_store
+
+    def close(self) -> None:
+        """Release host resources: the Engram store's thread and memory maps, if any."""
+        if self.engram_store is not None:
+            self.engram_store.close()
 
     # ------------------------------------------------------------------ entry points
 
@@ -103,10 +150,54 @@ class CEDModel(nn.Module):
     @torch.no_grad()
     def prefill(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> Tensor:
         """Logits `[S, vocab]` (float32) for the next `S` tokens of the sequence."""
-        streams, pre_mix, hash_ids, ctx = self._begin(token_ids, state, write_global_kv=True)
-        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, hash_ids, ctx)
-        state.position += int(ctx.positions.shape[0])
-        return self._logits(streams, pre_mix)
+        return self._forward(token_ids, state, None)
+
+    @torch.no_grad()
+    def prefill_with_taps(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> TargetOutput:
+        """`prefill`, plus the DSpark taps of every token: for each `dspark_target_layer_ids`
+        layer, the mHC streams entering its attention (after Engram, before the attention's
+        collapse), `[S, n_taps, hc, hidden]`; `Drafter.context_vectors` averages the streams."""
+        taps: dict[int, Tensor] = {}
+        logits = self._forward(token_ids, state, taps)
+        return TargetOutput(logits, torch.stack([taps[i] for i in self.config.dspark_target_layer_ids], dim=1))
+
+    def verify(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> Verification:
+        """Score the anchor and K drafts (`token_ids [K + 1]`) in one target pass. The state then
+        holds all K + 1 tokens until `commit` keeps the accepted prefix."""
+        before = state.snapshot()
+        tokens = self._token_tensor(token_ids)
+        out = self.prefill_with_taps(tokens, state)
+        return Verification(out.logits, out.taps, VerifySnapshot(before, tokens, out.taps))
+
+    def commit(self, state: SequenceState, snapshot: VerifySnapshot, num_tokens_kept: int) -> Tensor:
+        """Leave `state` exactly, bit for bit, as if only the first `num_tokens_kept` tokens of the
+        verified chunk had been consumed (by one `prefill` of them). Returns their taps
+        `[num_tokens_kept, n_taps, hc, hidden]`, as the state now reflects them.
+
+        Strategy: snapshot + re-run. The snapshot costs nothing (it holds references; state updates
+        never write in place) and restores every window, the compressors' partial groups and global
+        KV entries, the Engram tail and the position at once. Keeping all K + 1 tokens needs
+        nothing, keeping none only the restore; otherwise the kept tokens run again (one more
+        target pass over at most K tokens).
+
+        Why not truncate in place (keep window records past the window, cut global KV entries and
+        partial groups back): the kept tokens' records would come from a (K + 1)-row pass, whose
+        matmul and softmax shapes differ from an n-row pass, so the state would equal a
+        non-speculative run's only up to float rounding (about 1e-6 in the tiny model's logits,
+        as for chunked prefill) and later logits would drift from it. That is the trade a GPU
+        engine may take for speed; this model keeps speculation bit-exact."""
+        total = int(snapshot.token_ids.shape[0])
+        if state.position != snapshot.before.position + total:
+            raise ValueError(f"commit: the sequence is at position {state.position}, not at the end of the "
+                             f"verified chunk ({snapshot.before.position} + {total}); commit each verify once")
+        if not 0 <= num_tokens_kept <= total:
+            raise ValueError(f"commit: num_tokens_kept must be in [0, {total}], got {num_tokens_kept}")
+        if num_tokens_kept == total:
+            return snapshot.taps
+        state.restore(snapshot.before)
+        if num_tokens_kept == 0:
+            return snapshot.taps[:0]
+        return self.prefill_with_taps(snapshot.token_ids[:num_tokens_kept], state).taps
 
     def decode_step(self, token_ids: Sequence[int], states: Sequence[SequenceState]) -> Tensor:
         """One token per sequence -> logits `[batch, vocab]`."""
@@ -124,9 +215,9 @@ class CEDModel(nn.Module):
         boundary_layer = self._decoder_source()
         before = {layer: kv.num_entries for layer, kv in state.global_kv.items()}
         streams, pre_mix, hash_ids, ctx = self._begin(token_ids, state, write_global_kv=True)
-        streams, pre_mix = self._run(range(boundary_layer), streams, pre_mix, hash_ids, ctx)
+        streams, pre_mix = self._run(range(boundary_layer), streams, pre_mix, ctx)
         block = self._block(boundary_layer)
-        x = block.attention_input(block.apply_engram(streams, hash_ids), pre_mix)
+        x = block.attention_input(block.apply_engram(streams, ctx), pre_mix)
         block.attn.write_global_kv(x, ctx)
         state.position += int(ctx.positions.shape[0])
         boundary = BoundaryHidden(ctx.positions, streams, pre_mix, hash_ids)
@@ -144,9 +235,9 @@ class CEDModel(nn.Module):
         first = self._decoder_source()
         for layer in range(first, self.config.num_hidden_layers):
             state.swa[layer] = state.swa[layer][:0]
-        ctx = self._context(span.positions, state, write_global_kv=False)
+        ctx = self._context(span.positions, state, False, span.hash_ids)
         layers = range(first, self.config.num_hidden_layers)
-        streams, pre_mix = self._run(layers, span.streams, span.pre_mix, span.hash_ids, ctx)
+        streams, pre_mix = self._run(layers, span.streams, span.pre_mix, ctx)
         return self._logits(streams, pre_mix)
 
     @torch.no_grad()
@@ -166,9 +257,9 @@ class CEDModel(nn.Module):
         state.position = start  # the Engram history restarts at the span (n-grams cut at its start)
         hash_ids = self._hash_ids(tokens, state)
         state.position += int(tokens.shape[0])
-        ctx = self._context(torch.arange(start, state.position, device=tokens.device), state, False)
+        ctx = self._context(torch.arange(start, state.position, device=tokens.device), state, False, hash_ids)
         streams, pre_mix = self._embed(tokens)
-        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, hash_ids, ctx)
+        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx)
         return self._logits(streams, pre_mix)
 
     # ------------------------------------------------------------------ internals
@@ -195,9 +286,30 @@ class CEDModel(nn.Module):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {tokens.tolist()[:16]}...")
         return tokens
 
-    def _context(self, positions: Tensor, state: SequenceState, write_global_kv: bool) -> ForwardContext:
+    def _context(
+        self, positions: Tensor, state: SequenceState, write_global_kv: bool, hash_ids: Tensor | None
+    ) -> ForwardContext:
+        """The pass's shared values; starts the Engram row lookup (before any layer runs)."""
+        rows = self._engram_rows(hash_ids)
         rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
-        return ForwardContext(positions, rope, state, write_global_kv=write_global_kv)
+        return ForwardContext(positions, rope, state, write_global_kv=write_global_kv, engram_rows=rows)
+
+    def _engram_rows(self, hash_ids: Tensor | None) -> Future[Tensor] | None:
+        """Rows `[S, engram layers, columns, head_dim]` for `hash_ids [S, engram layers, columns]`:
+        prefetched on the store's thread, or gathered now from the in-memory tables."""
+        if hash_ids is None:
+            return None
+        if self.engram_store is not None:
+            return self.engram_store.prefetch(hash_ids)
+        tables = [self._engram(layer_id) for layer_id in self.config.engram_layer_ids]
+        done: Future[Tensor] = Future()
+        done.set_result(torch.stack([t.lookup(hash_ids[:, i]) for i, t in enumerate(tables)], dim=1))
+        return done
+
+    def _engram(self, layer_id: int) -> Engram:
+        engram = self._block(layer_id).engram
+        assert engram is not None
+        return engram
 
     def _hash_ids(self, tokens: Tensor, state: SequenceState) -> Tensor | None:
         """Engram row ids for the chunk; advances the sequence's n-gram history."""
@@ -216,8 +328,9 @@ class CEDModel(nn.Module):
         tokens = self._token_tensor(token_ids)
         positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
         hash_ids = self._hash_ids(tokens, state)
+        ctx = self._context(positions, state, write_global_kv, hash_ids)
         streams, pre_mix = self._embed(tokens)
-        return streams, pre_mix, hash_ids, self._context(positions, state, write_global_kv)
+        return streams, pre_mix, hash_ids, ctx
 
     def _embed(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Initial streams `[S, hc, D]` (the embedding in every stream) and pre mix `[S, hc]`."""
@@ -227,11 +340,25 @@ class CEDModel(nn.Module):
         pre_mix[:, 0] = 1.0  # the first site reads stream 0 only
         return streams, pre_mix
 
+    def _forward(self, token_ids: Tensor | Sequence[int], state: SequenceState, taps: dict[int, Tensor] | None) -> Tensor:
+        """All layers over the next tokens; logits `[S, vocab]`; fills `taps` if given."""
+        streams, pre_mix, _, ctx = self._begin(token_ids, state, write_global_kv=True)
+        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx, taps)
+        state.position += int(ctx.positions.shape[0])
+        return self._logits(streams, pre_mix)
+
     def _run(
-        self, layers: range, streams: Tensor, pre_mix: Tensor, hash_ids: Tensor | None, ctx: ForwardContext
+        self, layers: range, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext, taps: dict[int, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
+        """Run `layers` in order; `taps[layer]` gets the streams entering each DSpark target
+        layer's attention `[S, hc, hidden]`."""
+        tapped = set(self.config.dspark_target_layer_ids) if taps is not None else set()
         for layer_id in layers:
-            streams, pre_mix = self._block(layer_id)(streams, pre_mix, hash_ids, ctx)
+            block = self._block(layer_id)
+            streams = block.apply_engram(streams, ctx)
+            if taps is not None and layer_id in tapped:
+                taps[layer_id] = streams
+            streams, pre_mix = block.sublayers(streams, pre_mix, ctx)
         return streams, pre_mix
 
     def _logits(self, streams: Tensor, pre_mix: Tensor) -> Tensor:

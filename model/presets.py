@@ -33,7 +33,7 @@ def _mini_40() -> ModelConfig:
         n_routed_experts=8,
         num_experts_per_tok=2,
         engram_vocab_size=1000,
-        engram_num_embeddings=(6000, 6000),
+        engram_num_embeddings=(6126, 6332),  # the sums of each layer's table primes
         engram_n_heads=2,
         engram_head_dim=32,
         engram_compressed_vocab_size=4096,

@@ -11,6 +11,9 @@ What one sequence owns (bytes per entry for the released shapes, D = head_dim = 
 * `engram_tail`: Engram-compressed ids of the last `engram_max_ngram_size - 1` tokens.
 
 Reuse and Reindex layers store nothing: they read the KV source's records.
+
+Every update replaces a tensor (`torch.cat`, slicing, reassignment) and never writes into one, so
+a `StateSnapshot` that holds the old references is an exact copy that costs no bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,16 @@ class GlobalKV:
         return values
 
 
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A sequence's state at one moment, by reference (see the module docstring)."""
+
+    position: int
+    swa: dict[int, Tensor]
+    global_kv: dict[int, tuple[Tensor, Tensor, PendingGroup]]  # layer -> main, index_keys, pending
+    engram_tail: Tensor
+
+
 @dataclass
 class SequenceState:
     """Everything the model remembers about one sequence between calls."""
@@ -103,6 +116,18 @@ class SequenceState:
         """Store the newest `sliding_window - 1` of `records [n, bytes]` as the layer's window."""
         drop = records.shape[0] - self.window_keep
         self.swa[layer_id] = records[drop:].clone() if drop > 0 else records  # clone frees the chunk
+
+    def snapshot(self) -> StateSnapshot:
+        """The state as it is now; `restore` brings it back exactly."""
+        kv = {layer: (g.main, g.index_keys, g.pending) for layer, g in self.global_kv.items()}
+        return StateSnapshot(self.position, dict(self.swa), kv, self.engram_tail)
+
+    def restore(self, snapshot: StateSnapshot) -> None:
+        """Return to `snapshot`, forgetting every token consumed since it was taken."""
+        self.position, self.swa, self.engram_tail = snapshot.position, dict(snapshot.swa), snapshot.engram_tail
+        for layer, (main, index_keys, pending) in snapshot.global_kv.items():
+            source = self.global_kv[layer]
+            source.main, source.index_keys, source.pending = main, index_keys, pending
 
     def global_kv_bytes(self) -> int:
         """Bytes of global KV records held (main KV + index keys), all sources."""

@@ -79,15 +79,18 @@ def write_block_file(path: Path, layout_hash: bytes, block_hash: bytes, payload:
                      fsync: bool) -> int:
     """Write atomically (temp + rename); returns payload bytes. OS errors propagate."""
     data = _buffer(np.ascontiguousarray(payload))
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+    fd = _create(tmp)
     try:
-        with open(tmp, "wb") as f:
-            f.write(encode_header(layout_hash, block_hash, data))
-            f.write(data)
+        try:
+            header = encode_header(layout_hash, block_hash, data)
+            written = os.writev(fd, [header, data])
+            if written != len(header) + data.nbytes:
+                raise OSError(f"short write to {tmp}: {written} bytes")
             if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -98,22 +101,29 @@ def write_block_file(path: Path, layout_hash: bytes, block_hash: bytes, payload:
 
 
 def read_header(path: Path, layout_hash: bytes, block_bytes: int) -> BlockFileHeader:
-    """Validate a file's header against this layout (no payload read). `CorruptBlockFileError`."""
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
-        size = os.fstat(f.fileno()).st_size
-    return _check_header(path, raw, size, layout_hash, block_bytes)
+    """Validate a file's header (and that its name matches it) against this layout, without reading
+    the payload. `CorruptBlockFileError`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = _check_header(path, os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size, layout_hash, block_bytes)
+    finally:
+        os.close(fd)
+    if hash_from_path(path) not in (None, header.block_hash):
+        raise CorruptBlockFileError(str(path), "file name and header disagree on the block hash")
+    return header
 
 
-def read_block_file(path: Path, layout_hash: bytes, block_hash: bytes, block_bytes: int) -> npt.NDArray[np.uint8]:
-    """The verified payload `uint8 [block_bytes]`. `CorruptBlockFileError` on any mismatch,
-    `FileNotFoundError`/`OSError` from the OS."""
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
-        size = os.fstat(f.fileno()).st_size
-        header = _check_header(path, raw, size, layout_hash, block_bytes)
-        payload = np.empty(block_bytes, dtype=np.uint8)
-        got = f.readinto(_buffer(payload))
+def read_block_file(path: Path, layout_hash: bytes, block_hash: bytes, block_bytes: int,
+                    out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """The verified payload `uint8 [block_bytes]`, read into `out` when given (whose bytes are then
+    undefined if this raises). `CorruptBlockFileError` on any mismatch, `OSError` from the OS."""
+    payload = np.empty(block_bytes, dtype=np.uint8) if out is None else out
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = _check_header(path, os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size, layout_hash, block_bytes)
+        got = os.preadv(fd, [_buffer(payload)], HEADER_BYTES)
+    finally:
+        os.close(fd)
     if header.block_hash != block_hash:
         raise CorruptBlockFileError(str(path), "holds another block's hash")
     if got != block_bytes:
@@ -138,10 +148,17 @@ def _check_header(path: Path, raw: bytes, size: int, layout_hash: bytes, block_b
         raise CorruptBlockFileError(where, "written for another block layout", foreign=True)
     if size != HEADER_BYTES + payload_bytes:
         raise CorruptBlockFileError(where, f"size {size}, expected {HEADER_BYTES + payload_bytes}")
-    claimed = hash_from_path(path)
-    if claimed is not None and claimed != block_hash:
-        raise CorruptBlockFileError(where, "file name and header disagree on the block hash")
     return BlockFileHeader(version, layout, block_hash, payload_bytes, crc)
+
+
+def _create(path: Path) -> int:
+    """Open a new file for writing, making the fan-out folder on first use (no mkdir call per file)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, flags, 0o644)
 
 
 def _buffer(array: npt.NDArray[np.uint8]) -> memoryview:

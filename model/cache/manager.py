@@ -22,15 +22,16 @@ retires finished disk work, publishes, and raises `TierIOError` for failed disk 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cedserve.model.cache.background import IOWorker
-from cedserve.model.cache.block_pool import BlockPool
+from cedserve.model.cache.block_pool import BlockPool, gather_rows, scatter_rows
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.errors import (
     BlockFileMissingError,
@@ -51,9 +52,12 @@ from cedserve.model.cache.hashing import TokenIds, hash_blocks
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.metrics import CacheMetrics
 from cedserve.model.cache.prefix import PrefixCache
-from cedserve.model.cache.tiers import DiskTier, HostTier, Payload
+from cedserve.model.cache.tiers import DiskTier, HostTier, Payload, ReadOutcome
 
 RequestId = str
+STAGING_KEEP_BLOCKS = 1024
+"""Largest disk-read staging buffer kept for reuse (58 MB at 56,960 B blocks): fresh host memory
+costs a page fault per 4 KiB on first touch, which would otherwise dominate onload time."""
 
 
 @dataclass(frozen=True)
@@ -87,23 +91,34 @@ class Admission:
 
 @dataclass
 class _Onload:
-    position: int
-    block_hash: bytes
-    future: Future[Payload]
+    """Disk reads of one request, in chain order."""
+
+    positions: list[int]
+    block_hashes: list[bytes]
+    staging: torch.Tensor
+    """`uint8 [>= len(positions), block_bytes]` host buffer the I/O thread reads into (pinned with CUDA)."""
+    future: Future[list[ReadOutcome]]
 
 
 @dataclass
 class _Request:
     request_id: RequestId
     salt: str
-    token_ids: list[int]
     block_ids: list[int]
     hashes: list[bytes]
-    """Hashes of the whole blocks of `token_ids` computed so far."""
-    num_committed_blocks: int
+    """Hashes of the whole blocks known so far (at least the committed ones)."""
+    pending: array[int]
+    """Token ids from position `pending_start` on: those of blocks not committed yet (the engine holds
+    the rest; 8 B per token)."""
+    pending_start: int = 0
+    num_committed_blocks: int = 0
     """Blocks `[0, n)` have been offered to the prefix cache (shared hits count as offered)."""
-    num_cached_tokens: int
-    onloads: list[_Onload] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    onload: _Onload | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pending_start + len(self.pending)
 
 
 class KVCacheManager:
@@ -130,6 +145,7 @@ class KVCacheManager:
                                  config.disk_capacity_blocks, config.disk_fsync)
         self._requests: dict[RequestId, _Request] = {}
         self._orphans: list[_Onload] = []
+        self._spare_staging: torch.Tensor | None = None
         self._errors: list[BaseException] = []
         self.events.snapshot(self.holdings())  # seq 0 of every epoch: what survived the restart
 
@@ -138,7 +154,7 @@ class KVCacheManager:
     def lookup(self, token_ids: TokenIds, salt: str = "") -> PrefixMatch:
         """The longest cached run of the prompt's whole blocks, across tiers (changes nothing)."""
         hashes = hash_blocks(token_ids, salt, self.block_size)
-        return PrefixMatch(hashes, self._match(hashes[: self._usable_blocks(len(token_ids))]))
+        return PrefixMatch(hashes, self._match(hashes[: self._usable_blocks(len(token_ids))])[0])
 
     def admit(self, request_id: RequestId, token_ids: TokenIds, salt: str = "",
               num_lookahead_tokens: int = 0) -> Admission:
@@ -146,63 +162,65 @@ class KVCacheManager:
         and `num_lookahead_tokens` more. At least the last prompt token is always left to compute."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already admitted")
-        token_array = np.asarray(token_ids, dtype=np.int64)
-        match = self.lookup(token_array, salt)
-        tokens: list[int] = token_array.tolist()
-        self._count_lookup(match, self._usable_blocks(len(tokens)))
-        hashes, tiers = match.block_hashes, match.tiers
-        table: list[int] = [-1] * max(math.ceil((len(tokens) + num_lookahead_tokens) / self.block_size), len(tiers))
-        device_pos = [i for i, t in enumerate(tiers) if t is Tier.DEVICE]
-        device_ids = [self._device_block(hashes[i]) for i in device_pos]
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        hashes = hash_blocks(tokens, salt, self.block_size)
+        usable = self._usable_blocks(len(tokens))
+        tiers, located = self._match(hashes[:usable])
+        self._count_lookup(tiers, usable)
+        table = np.full(max(math.ceil((len(tokens) + num_lookahead_tokens) / self.block_size), len(tiers)), -1)
+        table[: len(located)] = located
+        device_ids = table[table >= 0]
         self.pool.incref(device_ids)
         # Take the lower-tier hits' bytes (host) or queue their reads (disk) before allocating: making
         # room may push those very blocks further down or out.
         host_pos = [i for i, t in enumerate(tiers) if t is Tier.HOST]
         host_rows = self._read_host([hashes[i] for i in host_pos])
-        onloads = [_Onload(i, hashes[i], self._disk().read(hashes[i])) for i, t in enumerate(tiers) if t is Tier.DISK]
+        disk_pos = [i for i, t in enumerate(tiers) if t is Tier.DISK]
+        onload = None
+        if disk_pos:
+            disk_hashes = [hashes[i] for i in disk_pos]
+            staging = self._take_staging(len(disk_pos))
+            rows = staging[: len(disk_pos)].numpy()
+            onload = _Onload(disk_pos, disk_hashes, staging, self._disk().read_many(disk_hashes, rows))
         lead = next((i for i, t in enumerate(tiers) if t is not Tier.DEVICE), len(tiers))
-        hint = device_ids[lead - 1] + 1 if lead else None
+        hint = int(table[lead - 1]) + 1 if lead else None
         try:
             fresh = self._allocate(len(table) - len(device_ids), request_id, hint)
         except CacheExhaustedError:
-            self._release(device_ids)
-            self._orphans += onloads
+            self._release(device_ids.tolist())
+            self._orphans += [onload] if onload is not None else []
             raise
-        for i, block in zip(device_pos, device_ids):
-            table[i] = block
-        fresh_iter = iter(fresh)
-        table = [next(fresh_iter) if b < 0 else b for b in table]
-        req = _Request(request_id, salt, tokens, table, hashes[: len(tokens) // self.block_size], 0,
-                       len(tiers) * self.block_size, onloads)
+        table[table < 0] = fresh
+        req = _Request(request_id, salt, table.tolist(), hashes, array("q", tokens.tobytes()),
+                       num_cached_tokens=len(tiers) * self.block_size, onload=onload)
         if host_rows is not None:
-            dest = torch.as_tensor([table[i] for i in host_pos], dtype=torch.long, device=self.pool.storage.device)
-            self.pool.storage[dest] = host_rows.to(self.pool.storage.device)
+            scatter_rows(self.pool.storage, table[host_pos], host_rows)
             self.metrics.onload_host_bytes += host_rows.numel()
-        self._register(req, onloads[0].position if onloads else len(tiers))
+        self._register(req, disk_pos[0] if disk_pos else len(tiers))
         self._requests[request_id] = req
         self.events.flush()
-        return Admission(request_id, list(table), req.num_cached_tokens, tuple(tiers), bool(req.onloads))
+        return Admission(request_id, list(req.block_ids), req.num_cached_tokens, tuple(tiers), onload is not None)
 
     def finish_onload(self, request_id: RequestId) -> int:
         """Wait for the request's disk reads and copy them in. A rejected or unreadable file is dropped
         (counted, `BlockRemoved` published) and the cached run ends before it. Returns the number of
         prompt tokens whose records are in the blocks."""
         req = self._get(request_id)
-        if not req.onloads:
+        if req.onload is None:
             return req.num_cached_tokens
+        onload = req.onload
         end = req.num_cached_tokens // self.block_size
-        for onload in req.onloads:
-            try:
-                payload = onload.future.result()
-            except (CorruptBlockFileError, OSError) as exc:
-                self._drop_disk(onload.block_hash, exc)
-                end = min(end, onload.position)
-                continue
-            if onload.position < end:
-                block = req.block_ids[onload.position]
-                self.pool.storage[block].copy_(torch.from_numpy(payload))
-                self.metrics.onload_disk_bytes += payload.nbytes
-        req.onloads = []
+        for position, block_hash, outcome in zip(onload.positions, onload.block_hashes, onload.future.result()):
+            if outcome is not None:
+                self._drop_disk(block_hash, outcome)
+                end = min(end, position)
+        usable = sum(1 for i in onload.positions if i < end)  # a prefix of the staging rows
+        if usable:
+            blocks = [req.block_ids[i] for i in onload.positions[:usable]]
+            scatter_rows(self.pool.storage, blocks, onload.staging[:usable])
+            self.metrics.onload_disk_bytes += usable * self.layout.block_bytes
+        self._give_staging(onload.staging)
+        req.onload = None
         req.num_cached_tokens = end * self.block_size
         self._register(req, end)
         self.events.flush()
@@ -210,48 +228,54 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ running requests
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether `request_id` holds blocks here."""
+        return request_id in self._requests
+
     def block_table(self, request_id: RequestId) -> list[int]:
         return list(self._get(request_id).block_ids)
 
     def num_tokens(self, request_id: RequestId) -> int:
-        return len(self._get(request_id).token_ids)
+        return self._get(request_id).num_tokens
 
     def commit(self, request_id: RequestId, num_computed_tokens: int) -> None:
         """Records of the first `num_computed_tokens` tokens are written: make their whole blocks shared
         prefix blocks. A block whose hash another request already cached stays private."""
         req = self._get(request_id)
-        if req.onloads:
+        if req.onload is not None:
             raise ValueError(f"request {request_id!r}: call finish_onload before commit")
-        if not 0 <= num_computed_tokens <= len(req.token_ids):
-            raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens of {len(req.token_ids)}")
+        if not 0 <= num_computed_tokens <= req.num_tokens:
+            raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens of {req.num_tokens}")
         full = num_computed_tokens // self.block_size
         if full > len(req.hashes):
             parent = req.hashes[-1] if req.hashes else None
-            start = len(req.hashes) * self.block_size
-            req.hashes += hash_blocks(req.token_ids[start : full * self.block_size], req.salt, self.block_size, parent)
+            lo = len(req.hashes) * self.block_size - req.pending_start
+            hi = full * self.block_size - req.pending_start
+            req.hashes += hash_blocks(np.frombuffer(req.pending, dtype=np.int64)[lo:hi], req.salt, self.block_size,
+                                      parent)
         self._register(req, full)
         self.events.flush()
 
     def append_tokens(self, request_id: RequestId, token_ids: Sequence[int]) -> list[int]:
         """Add generated (or draft) tokens; returns blocks newly allocated to hold them."""
         req = self._get(request_id)
-        need = math.ceil((len(req.token_ids) + len(token_ids)) / self.block_size) - len(req.block_ids)
+        need = math.ceil((req.num_tokens + len(token_ids)) / self.block_size) - len(req.block_ids)
         fresh: list[int] = []
         if need > 0:
             hint = req.block_ids[-1] + 1 if req.block_ids else None
             fresh = self._allocate(need, request_id, hint)
             req.block_ids += fresh
-        req.token_ids += [int(t) for t in token_ids]
+        req.pending.extend(int(t) for t in token_ids)
         self.events.flush()
         return fresh
 
     def truncate(self, request_id: RequestId, num_tokens: int) -> None:
         """Forget tokens after `num_tokens` (rejected drafts). Committed blocks cannot be cut into."""
         req = self._get(request_id)
-        if not req.num_committed_blocks * self.block_size <= num_tokens <= len(req.token_ids):
+        if not req.num_committed_blocks * self.block_size <= num_tokens <= req.num_tokens:
             raise ValueError(f"request {request_id!r}: cannot truncate to {num_tokens} tokens "
-                             f"({req.num_committed_blocks} blocks committed, {len(req.token_ids)} tokens)")
-        del req.token_ids[num_tokens:]
+                             f"({req.num_committed_blocks} blocks committed, {req.num_tokens} tokens)")
+        del req.pending[num_tokens - req.pending_start :]
         del req.hashes[num_tokens // self.block_size :]
 
     def free(self, request_id: RequestId) -> None:
@@ -259,7 +283,7 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             raise UnknownRequestError(request_id)
-        self._orphans += req.onloads
+        self._orphans += [req.onload] if req.onload is not None else []
         self._release(req.block_ids)
         self.events.flush()
 
@@ -285,9 +309,10 @@ class KVCacheManager:
                 self._errors.append(exc)
         for onload in [o for o in self._orphans if o.future.done()]:
             self._orphans.remove(onload)
-            failure = onload.future.exception()
-            if failure is not None:
-                self._drop_disk(onload.block_hash, failure)
+            for block_hash, outcome in zip(onload.block_hashes, onload.future.result()):
+                if outcome is not None:
+                    self._drop_disk(block_hash, outcome)
+            self._give_staging(onload.staging)
         self.events.flush()
         if self._errors:
             errors, self._errors = self._errors, []
@@ -304,8 +329,8 @@ class KVCacheManager:
         try:
             if self.disk is not None and persist:
                 hashes = self.prefix.hashes()
-                rows = torch.as_tensor([self._device_block(h) for h in hashes], dtype=torch.long)
-                self._persist(hashes, self.pool.storage[rows.to(self.pool.storage.device)].cpu().numpy())
+                rows = [self._device_block(h) for h in hashes]
+                self._persist(hashes, gather_rows(self.pool.storage, rows).cpu().numpy())
                 if self.host is not None:
                     self._persist(*self.host.dump())
         finally:
@@ -349,10 +374,13 @@ class KVCacheManager:
         give the first output token)."""
         return max(0, num_tokens - 1) // self.block_size
 
-    def _match(self, hashes: list[bytes]) -> list[Tier]:
-        tiers: list[Tier] = []
-        for h in hashes:
-            if h in self.prefix:
+    def _match(self, hashes: list[bytes]) -> tuple[list[Tier], list[int]]:
+        """Tier of each block of the longest cached run, and its device block (-1 in other tiers)."""
+        located = self.prefix.lookup(hashes)  # the leading device run: the common case, one tight loop
+        tiers = [Tier.DEVICE] * len(located)
+        for h in hashes[len(located) :]:
+            block = self.prefix.get(h)
+            if block is not None:
                 tiers.append(Tier.DEVICE)
             elif self.host is not None and h in self.host:
                 tiers.append(Tier.HOST)
@@ -360,15 +388,16 @@ class KVCacheManager:
                 tiers.append(Tier.DISK)
             else:
                 break
-        return tiers
+            located.append(-1 if block is None else block)
+        return tiers, located
 
-    def _count_lookup(self, match: PrefixMatch, usable: int) -> None:
+    def _count_lookup(self, tiers: list[Tier], usable: int) -> None:
         m = self.metrics
         m.lookups += 1
         m.lookup_blocks += usable
-        m.hit_blocks_device += match.tiers.count(Tier.DEVICE)
-        m.hit_blocks_host += match.tiers.count(Tier.HOST)
-        m.hit_blocks_disk += match.tiers.count(Tier.DISK)
+        m.hit_blocks_device += tiers.count(Tier.DEVICE)
+        m.hit_blocks_host += tiers.count(Tier.HOST)
+        m.hit_blocks_disk += tiers.count(Tier.DISK)
 
     def _device_block(self, block_hash: bytes) -> int:
         block = self.prefix.get(block_hash)
@@ -404,6 +433,19 @@ class KVCacheManager:
         assert all(s is not None for s in slots)
         return self.host.read([s for s in slots if s is not None])
 
+    def _take_staging(self, n: int) -> torch.Tensor:
+        spare = self._spare_staging
+        if spare is not None and spare.shape[0] >= n:
+            self._spare_staging = None
+            return spare
+        return torch.empty((n, self.layout.block_bytes), dtype=torch.uint8, pin_memory=self.pool.storage.is_cuda)
+
+    def _give_staging(self, staging: torch.Tensor) -> None:
+        """Keep the largest finished staging buffer (up to STAGING_KEEP_BLOCKS rows) for the next onload."""
+        spare = self._spare_staging
+        if staging.shape[0] <= STAGING_KEEP_BLOCKS and (spare is None or staging.shape[0] > spare.shape[0]):
+            self._spare_staging = staging
+
     def _disk(self) -> DiskTier:
         assert self.disk is not None
         return self.disk
@@ -420,21 +462,20 @@ class KVCacheManager:
             parent = req.hashes[start + lo - 1] if start + lo > 0 else None
             self.events.add(BlockStored(hashes[lo:hi], Tier.DEVICE, parent))
         req.num_committed_blocks = end
+        committed_tokens = end * self.block_size
+        del req.pending[: committed_tokens - req.pending_start]
+        req.pending_start = committed_tokens
         if self.disk is not None and self.config.disk_write_through and inserted.any():
             new = [i for i in np.flatnonzero(inserted).tolist() if hashes[i] not in self.disk]
-            rows = torch.as_tensor([ids[i] for i in new], dtype=torch.long)
-            self._persist([hashes[i] for i in new], self.pool.storage[rows.to(self.pool.storage.device)].cpu().numpy())
+            rows = gather_rows(self.pool.storage, [ids[i] for i in new])
+            self._persist([hashes[i] for i in new], rows.cpu().numpy())
 
     def _persist(self, hashes: list[bytes], data: Payload) -> None:
         """Queue copies on disk of blocks that stay where they are (write-through, shutdown)."""
-        assert self.disk is not None
-        stored: list[bytes] = []
-        evicted: list[bytes] = []
-        for i, h in enumerate(hashes):
-            if h not in self.disk:
-                stored.append(h)
-                evicted += self.disk.write(h, data[i])
-        self.events.add(BlockStored(stored, Tier.DISK))
+        disk = self._disk()
+        new = [i for i, h in enumerate(hashes) if h not in disk]
+        evicted = disk.write_many([(hashes[i], data[i]) for i in new])
+        self.events.add(BlockStored([hashes[i] for i in new], Tier.DISK))
         self.events.add(BlockRemoved(evicted, Tier.DISK))
 
     def _offload(self, hashes: list[bytes], block_ids: np.ndarray) -> None:
@@ -443,7 +484,7 @@ class KVCacheManager:
             if self.disk is None:
                 self.events.add(BlockRemoved(hashes, Tier.DEVICE))
             else:
-                self._spill(hashes, self.pool.storage[torch.from_numpy(block_ids)].cpu().numpy(), Tier.DEVICE)
+                self._spill(hashes, gather_rows(self.pool.storage, block_ids).cpu().numpy(), Tier.DEVICE)
             return
         held = np.asarray([h in self.host for h in hashes], dtype=np.bool_)
         self.events.add(BlockRemoved([h for h, k in zip(hashes, held) if k], Tier.DEVICE))
@@ -451,8 +492,7 @@ class KVCacheManager:
         for lo in range(0, new.size, self.host.num_blocks):
             part = new[lo : lo + self.host.num_blocks]
             part_hashes = [hashes[i] for i in part.tolist()]
-            rows = torch.from_numpy(block_ids[part]).to(self.pool.storage.device)
-            evicted, evicted_bytes = self.host.put(part_hashes, self.pool.storage[rows])
+            evicted, evicted_bytes = self.host.put(part_hashes, gather_rows(self.pool.storage, block_ids[part]))
             self.metrics.offload_host_bytes += len(part_hashes) * self.layout.block_bytes
             self.metrics.evicted_host_blocks += len(evicted)
             self._spill(evicted, evicted_bytes, Tier.HOST)
@@ -468,10 +508,7 @@ class KVCacheManager:
         held = [h in self.disk for h in hashes]
         self.events.add(BlockRemoved([h for h, k in zip(hashes, held) if k], src))
         moved = [h for h, k in zip(hashes, held) if not k]
-        evicted: list[bytes] = []
-        for i, h in enumerate(hashes):
-            if not held[i]:
-                evicted += self.disk.write(h, data[i])
+        evicted = self.disk.write_many([(h, data[i]) for i, h in enumerate(hashes) if not held[i]])
         self.events.add(BlockTierChanged(moved, src, Tier.DISK))
         self.events.add(BlockRemoved(evicted, Tier.DISK))
 

@@ -85,14 +85,17 @@ class PrefixCache:
         ids = as_block_ids(block_ids)
         if ids.size != len(block_hashes):
             raise ValueError(f"{ids.size} blocks for {len(block_hashes)} hashes")
-        inserted = np.zeros(ids.size, dtype=np.bool_)
-        for i, (block, h) in enumerate(zip(ids.tolist(), block_hashes)):
-            if h in self._block_of or self._cached[block]:
-                continue
-            self._block_of[h] = block
-            self._hashes[block] = np.frombuffer(h, dtype=np.uint8)
-            self._cached[block] = True
-            inserted[i] = True
+        inserted = ~self._cached[ids]
+        for i in np.flatnonzero(inserted).tolist():
+            h = block_hashes[i]
+            if h in self._block_of:
+                inserted[i] = False
+            else:
+                self._block_of[h] = int(ids[i])
+        new = ids[inserted]
+        rows = b"".join(h for h, keep in zip(block_hashes, inserted.tolist()) if keep)
+        self._hashes[new] = np.frombuffer(rows, dtype=np.uint8).reshape(-1, HASH_BYTES)
+        self._cached[new] = True
         return inserted
 
     def touch_released(self, block_ids: BlockIds) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from cedserve.model.cache.background import IOWorker
+from cedserve.model.cache.block_pool import gather_rows, scatter_rows
 from cedserve.model.cache.disk_format import (
     SUFFIX,
     TMP_MARK,
@@ -81,7 +82,7 @@ class HostTier:
 
     def read(self, slots: list[int]) -> Tensor:
         """`uint8 [len(slots), block_bytes]` copy of the slots."""
-        return self.storage[torch.as_tensor(slots, dtype=torch.long)]
+        return gather_rows(self.storage, slots)
 
     def put(self, block_hashes: list[bytes], blocks: Tensor) -> tuple[list[bytes], Payload]:
         """Store `blocks` (`uint8 [k, block_bytes]`, any device) under new hashes, evicting the least
@@ -100,13 +101,13 @@ class HostTier:
             need = k - free.size
             victims = used[np.argpartition(self._stamp[used], need - 1)[:need]] if need < used.size else used
             evicted = [self._hashes[s].tobytes() for s in victims.tolist()]
-            evicted_bytes = self.storage[torch.from_numpy(victims)].numpy().copy()
+            evicted_bytes = gather_rows(self.storage, victims).numpy()
             for h in evicted:
                 del self._slot_of[h]
             self._used[victims] = False
             free = np.sort(np.concatenate([free, victims]))
         slots = free[:k]
-        self.storage[torch.from_numpy(slots)] = blocks.to("cpu")
+        scatter_rows(self.storage, slots, blocks)
         for slot, h in zip(slots.tolist(), block_hashes):
             self._slot_of[h] = slot
             self._hashes[slot] = np.frombuffer(h, dtype=np.uint8)
@@ -119,20 +120,30 @@ class HostTier:
         """Every block's hash and a copy of its bytes (for persisting at shutdown); changes nothing."""
         slots = np.flatnonzero(self._used)
         hashes = [self._hashes[s].tobytes() for s in slots.tolist()]
-        return hashes, self.storage[torch.from_numpy(slots)].numpy().copy()
+        return hashes, gather_rows(self.storage, slots).numpy()
 
 
 @dataclass
 class _DiskEntry:
     pending: Payload | None = None
     """Bytes queued for writing (served from memory until the file is complete)."""
-    write: Future[int] | None = field(default=None, repr=False)
+
+
+@dataclass
+class _WriteBatch:
+    entries: list[tuple[bytes, _DiskEntry]]
+    future: Future[list[BaseException | None]] = field(repr=False)
+
+
+ReadOutcome = BaseException | None
+"""Per block of a batched read: None when its verified bytes are in place, else why not."""
 
 
 class DiskTier:
     """Persistent LRU cache of blocks, one file each, under `root`.
 
-    Mutated from the owner's thread only; file I/O runs on `io`. `poll()` collects finished writes
+    Mutated from the owner's thread only; file I/O runs on `io`, one job per batch of blocks (a
+    future per block would cost more than reading a 57 KB file). `poll()` collects finished writes
     and returns failed ones (dropped from the index) for the owner to report.
     """
 
@@ -146,7 +157,7 @@ class DiskTier:
         self._io = io
         self._metrics = metrics
         self._index: OrderedDict[bytes, _DiskEntry] = OrderedDict()  # oldest first
-        self._writing: dict[bytes, _DiskEntry] = {}
+        self._writes: list[_WriteBatch] = []
         self._deletes: list[Future[None]] = []
         root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_folder(root)
@@ -192,70 +203,83 @@ class DiskTier:
 
     # ------------------------------------------------------------------ writes
 
-    def write(self, block_hash: bytes, payload: Payload) -> list[bytes]:
-        """Queue `payload` (`uint8 [block_bytes]`, owned by the tier from now on) for writing.
-        Returns the hashes evicted to stay within capacity. A hash already held is only touched."""
-        if block_hash in self._index:
-            self._index.move_to_end(block_hash)
-            return []
-        if payload.shape != (self.block_bytes,):
-            raise ValueError(f"payload of shape {payload.shape}, expected ({self.block_bytes},)")
-        entry = _DiskEntry(pending=payload)
-        path = block_path(self.root, block_hash)
-        entry.write = self._io.submit(partial(write_block_file, path, self.layout_hash, block_hash, payload, self.fsync))
-        self._index[block_hash] = entry
-        self._writing[block_hash] = entry
+    def write_many(self, items: list[tuple[bytes, Payload]]) -> list[bytes]:
+        """Queue blocks (`uint8 [block_bytes]` each, owned by the tier from now on) for writing, as one
+        job. Returns the hashes evicted to stay within capacity. Hashes already held are only touched."""
+        batch: list[tuple[bytes, _DiskEntry]] = []
+        jobs: list[tuple[Path, bytes, Payload]] = []
+        for block_hash, payload in items:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+                continue
+            if payload.shape != (self.block_bytes,):
+                raise ValueError(f"payload of shape {payload.shape}, expected ({self.block_bytes},)")
+            entry = _DiskEntry(pending=payload)
+            self._index[block_hash] = entry
+            batch.append((block_hash, entry))
+            jobs.append((block_path(self.root, block_hash), block_hash, payload))
+        if jobs:
+            future = self._io.submit(partial(_write_all, jobs, self.layout_hash, self.fsync))
+            self._writes.append(_WriteBatch(batch, future))
         return self._enforce_capacity()
 
     def _enforce_capacity(self) -> list[bytes]:
         evicted: list[bytes] = []
         while self.capacity_blocks and len(self._index) > self.capacity_blocks:
             block_hash, _ = self._index.popitem(last=False)
-            self._writing.pop(block_hash, None)
             self._deletes.append(self._io.submit(partial(_unlink, block_path(self.root, block_hash))))
             evicted.append(block_hash)
         self._metrics.evicted_disk_blocks += len(evicted)
         return evicted
 
     def poll(self) -> list[tuple[bytes, BaseException]]:
-        """Retire finished writes and deletes; failed writes leave the index and are returned."""
+        """Retire finished writes and deletes; failed writes leave the index and are returned
+        (a failed delete is returned with an empty hash)."""
         failed: list[tuple[bytes, BaseException]] = []
-        for block_hash, entry in list(self._writing.items()):
-            assert entry.write is not None
-            if not entry.write.done():
+        still: list[_WriteBatch] = []
+        for batch in self._writes:
+            if not batch.future.done():
+                still.append(batch)
                 continue
-            del self._writing[block_hash]
-            exc = entry.write.exception()
-            if exc is None:
-                self._metrics.offload_disk_bytes += entry.write.result()
-                entry.pending, entry.write = None, None
-            else:
+            crashed = batch.future.exception()
+            outcomes = [crashed] * len(batch.entries) if crashed is not None else batch.future.result()
+            for (block_hash, entry), exc in zip(batch.entries, outcomes):
+                current = self._index.get(block_hash) is entry  # not evicted or rewritten since
+                if exc is None:
+                    self._metrics.offload_disk_bytes += self.block_bytes
+                    entry.pending = None
+                    continue
                 self._metrics.disk_io_errors += 1
-                self._index.pop(block_hash, None)
-                failed.append((block_hash, exc))
-        still: list[Future[None]] = []
+                if current:
+                    del self._index[block_hash]
+                    failed.append((block_hash, exc))
+        self._writes = still
+        pending_deletes: list[Future[None]] = []
         for future in self._deletes:
             if not future.done():
-                still.append(future)
+                pending_deletes.append(future)
             elif (exc := future.exception()) is not None:
                 self._metrics.disk_io_errors += 1
                 failed.append((b"", exc))
-        self._deletes = still
+        self._deletes = pending_deletes
         return failed
 
     # ------------------------------------------------------------------ reads
 
-    def read(self, block_hash: bytes) -> Future[Payload]:
-        """Future of the verified bytes of `block_hash` (`KeyError` if not held). The future raises
-        `CorruptBlockFileError` for a bad file (already deleted by then): call `drop`."""
-        entry = self._index[block_hash]
-        self._index.move_to_end(block_hash)
-        if entry.pending is not None:
-            done: Future[Payload] = Future()
-            done.set_result(entry.pending)
-            return done
-        path = block_path(self.root, block_hash)
-        return self._io.submit(partial(_read_or_delete, path, self.layout_hash, block_hash, self.block_bytes))
+    def read_many(self, block_hashes: list[bytes], out: Payload) -> Future[list[ReadOutcome]]:
+        """Read blocks into the rows of `out` (`uint8 [len(block_hashes), block_bytes]`, untouched by
+        the caller until the future is done) as one job. Per block the future gives None, or the
+        exception that keeps it from being served (`CorruptBlockFileError`: the file was deleted;
+        `BlockFileMissingError`; `OSError`): pass those to `drop`. Blocks still queued for writing are
+        copied from memory. `KeyError` if a hash is not held."""
+        if out.shape != (len(block_hashes), self.block_bytes):
+            raise ValueError(f"out has shape {out.shape}, expected ({len(block_hashes)}, {self.block_bytes})")
+        jobs: list[tuple[Path, bytes, Payload | None]] = []
+        for block_hash in block_hashes:
+            entry = self._index[block_hash]
+            self._index.move_to_end(block_hash)
+            jobs.append((block_path(self.root, block_hash), block_hash, entry.pending))
+        return self._io.submit(partial(_read_all, jobs, out, self.layout_hash, self.block_bytes))
 
     def drop(self, block_hash: bytes, exc: BaseException) -> bool:
         """Forget a block whose read failed, counting why; True if it was indexed."""
@@ -267,30 +291,56 @@ class DiskTier:
             self._metrics.disk_foreign_files += 1
         else:
             self._metrics.disk_io_errors += 1
-        self._writing.pop(block_hash, None)
         return self._index.pop(block_hash, None) is not None
 
     # ------------------------------------------------------------------ lifecycle
 
-    def drain(self) -> list[tuple[bytes, BaseException]]:
-        """Wait for queued writes and deletes, then `poll`."""
-        for entry in list(self._writing.values()):
-            assert entry.write is not None
-            entry.write.exception()  # waits
+    def drain(self) -> None:
+        """Wait for queued writes and deletes (their outcome is collected by the next `poll`)."""
+        for batch in self._writes:
+            batch.future.exception()  # waits; never raises
         for future in self._deletes:
             future.exception()
-        return self.poll()
 
     def close(self) -> None:
-        """Release the folder lock (call after `drain` and after the I/O worker stopped)."""
+        """Release the folder lock (call after the I/O worker stopped)."""
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
 
-def _read_or_delete(path: Path, layout_hash: bytes, block_hash: bytes, block_bytes: int) -> Payload:
+def _write_all(jobs: list[tuple[Path, bytes, Payload]], layout_hash: bytes, fsync: bool) -> list[BaseException | None]:
+    """Runs on the I/O thread: write each block, recording each one's OS error."""
+    outcomes: list[BaseException | None] = []
+    for path, block_hash, payload in jobs:
+        try:
+            write_block_file(path, layout_hash, block_hash, payload, fsync)
+            outcomes.append(None)
+        except OSError as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+def _read_all(jobs: list[tuple[Path, bytes, Payload | None]], out: Payload, layout_hash: bytes,
+              block_bytes: int) -> list[ReadOutcome]:
+    """Runs on the I/O thread: read and verify each block into its row of `out`."""
+    outcomes: list[ReadOutcome] = []
+    for row, (path, block_hash, pending) in zip(out, jobs):
+        if pending is not None:
+            np.copyto(row, pending)
+            outcomes.append(None)
+            continue
+        try:
+            _read_or_delete(path, layout_hash, block_hash, block_bytes, row)
+            outcomes.append(None)
+        except (CacheError, OSError) as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+def _read_or_delete(path: Path, layout_hash: bytes, block_hash: bytes, block_bytes: int, out: Payload) -> None:
     try:
-        return read_block_file(path, layout_hash, block_hash, block_bytes)
+        read_block_file(path, layout_hash, block_hash, block_bytes, out)
     except FileNotFoundError:
         raise BlockFileMissingError(f"{path}: indexed but missing") from None
     except CorruptBlockFileError as exc:

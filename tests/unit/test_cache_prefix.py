@@ -27,7 +27,7 @@ def test_definition_is_the_documented_chain() -> None:
 
 def test_same_tokens_and_salt_hit() -> None:
     assert hash_blocks(TOKENS, "a", 8) == hash_blocks(np.asarray(TOKENS, dtype=np.int32), "a", 8)
-    assert len(hash_blocks(TOKENS + [1, 2, 3], "a", 8)) == 5  # the partial block is not hashed
+    assert len(hash_blocks([*TOKENS, 1, 2, 3], "a", 8)) == 5  # the partial block is not hashed
 
 
 def test_other_salt_misses_everywhere() -> None:

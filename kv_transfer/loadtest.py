@@ -1,0 +1,377 @@
+"""`cedserve bench kv-transfer`: the KV transfer load test.
+
+One receiver (decode) process and one or more sender (prefill) processes, on this host, in two
+network namespaces joined by a veth pair (`--netns`: UCX over TCP, as between machines), or on
+other hosts (`--hosts`, started over ssh). Block pools use the model's real block layout
+(`--preset`, `--block-size`: 56,960 B per 64-token block at the released geometry).
+
+For each cell of the matrix (request size x batch x READ/WRITE x fan-in x layout x block
+allocation x packing) it runs `--reps` rounds: the driver reserves blocks on the receiver (decode
+first), hands the reservations to the senders, which stream their blocks in prefill-sized pieces,
+and waits on both sides. It reports aggregate GB/s, p50/p99 per-request latency and descriptors per
+request, and, in the same run and processes, the raw NIXL rate of ONE descriptor of the same bytes
+and a plain memory copy of them, so every figure reads as a ratio. The `per_layer` layout moves the
+same bytes the way a conventional paged cache would (one descriptor per block per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cedserve.kv_transfer.harness import LayoutSpec, NetnsPair, PeerProcess, WorkerSpec
+
+_TOKEN = "kv-transfer-bench"  # a private token for the bench's own processes
+
+
+@dataclass(frozen=True)
+class Cell:
+    layout: str
+    alloc: str
+    pack: str
+    mode: str
+    tokens: int
+    batch: int
+    fan_in: int
+
+    @property
+    def group(self) -> tuple[str, str]:
+        """Cells sharing a group run on the same processes (layout and packing are agent config)."""
+        return self.layout, self.pack
+
+    def key(self) -> str:
+        return f"{self.layout}-{self.alloc}-{self.pack}-{self.mode}-{self.tokens}-b{self.batch}-f{self.fan_in}"
+
+
+def parse_tokens(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1:], 1)
+    return int(float(text.rstrip("KM")) * scale)
+
+
+def default_matrix(sizes: Sequence[int], batches: Sequence[int], modes: Sequence[str],
+                   fan_ins: Sequence[int], max_multi_tokens: int) -> list[Cell]:
+    """The main matrix on our layout (random block ids, packing by size), plus on single requests:
+    the per-layer baseline, contiguous block ids, and forced packing. Requests larger than
+    `max_multi_tokens` run only alone (memory)."""
+    cells = []
+    for tokens in sizes:
+        for mode in modes:
+            for batch in batches:
+                for fan_in in fan_ins:
+                    if (batch > 1 or fan_in > 1) and tokens > max_multi_tokens:
+                        continue
+                    cells.append(Cell("cross_layer", "random", "auto", mode, tokens, batch, fan_in))
+            cells.append(Cell("per_layer", "random", "off", mode, tokens, 1, 1))
+        cells.append(Cell("cross_layer", "contiguous", "auto", "write", tokens, 1, 1))
+        cells.append(Cell("cross_layer", "random", "on", "write", tokens, 1, 1))
+    return cells
+
+
+def _machine(device: str) -> dict[str, Any]:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
+                            "kernel": platform.release(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if device == "cuda" and torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["nixl"] = next((f"{n} {version(n)}" for n in ("nixl-cu13", "nixl-cu12", "nixl")
+                             if _has_dist(n)), "none")
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def _has_dist(name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(name)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+class Group:
+    """The processes of one (layout, packing) group: a receiver and `fan_in` senders."""
+
+    def __init__(self, args: argparse.Namespace, layout: str, pack: str, recv_blocks: int, send_blocks: int,
+                 senders: int, netns: NetnsPair | None) -> None:
+        base_cfg: dict[str, Any] = {"auth_token": _TOKEN, "peer_timeout_s": args.peer_timeout_s,
+                                    "heartbeat_interval_s": args.peer_timeout_s / 6,
+                                    "chunk_blocks": args.chunk_blocks, "lease_s": 600.0}
+        if pack == "off":
+            base_cfg["pack_below_bytes"] = 0
+        elif pack == "on":
+            base_cfg["pack_below_bytes"] = 1 << 30
+        lay = LayoutSpec(kind=layout, preset=args.preset, block_size=args.block_size)
+        cuda = args.device == "cuda"
+        gpus = _gpu_count() if cuda else 0
+
+        def launch(name: str, blocks: int, index: int, side: int) -> PeerProcess:
+            cfg = dict(base_cfg)
+            prefix: list[str] = []
+            env: dict[str, str] = {}
+            if netns is not None:
+                cfg.update(netns.config(side))
+                prefix = netns.prefix(side)
+            elif args.hosts:  # receiver on the first host, senders round-robin on the others
+                others = args.hosts[1:] or args.hosts
+                host = args.hosts[0] if side == 0 else others[(index - 1) % len(others)]
+                cfg["control_host"] = host
+                prefix = ["ssh", host]
+            if cuda and gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+            spec = WorkerSpec(name=name, num_blocks=blocks, layout=lay, device=args.device, config=cfg,
+                              seed=index)
+            return PeerProcess(spec, prefix=prefix, env=env)
+
+        self.receiver = launch("decode0", recv_blocks, 0, 0)
+        self.senders = [launch(f"prefill{i}", send_blocks, i + 1, 1) for i in range(senders)]
+        for i, s in enumerate(self.senders):
+            s.call("handshake", address=self.receiver.info["control_address"])
+            s.call("fill", seed=100 + i, timeout_s=600)
+        self.block_bytes = int(self.receiver.info["block_bytes"])
+        self.same_clock = not args.hosts  # one kernel: CLOCK_MONOTONIC agrees across processes
+        self._next_probe = 1
+
+    def close(self) -> None:
+        for p in [*self.senders, self.receiver]:
+            p.close()
+
+    def reference(self, nbytes: int, mode: str) -> tuple[float, float]:
+        """Seconds of one raw single-descriptor NIXL request of `nbytes` and of one memcpy of them.
+        A raw WRITE is timed from its post on the sender to its notification's arrival on the
+        receiver (one clock on one host), like the transfers; a READ until done on the receiver."""
+        if mode == "write":
+            probe = self._next_probe
+            self._next_probe += 1
+            (posted, done), = self.senders[0].call("raw", peer="decode0", nbytes=nbytes, op="WRITE",
+                                                   probe_base=probe)["times"]
+            if self.same_clock:
+                done = self.receiver.call("probe", probe_ids=[probe])["arrivals"][0]
+        else:
+            (posted, done), = self.receiver.call("raw", peer="prefill0", nbytes=nbytes, op="READ")["times"]
+        copy = self.senders[0].call("memcpy", nbytes=nbytes)["seconds"][0]
+        return done - posted, copy
+
+    def run(self, cell: Cell, reps: int, stream_blocks: int, verify: bool) -> dict[str, Any]:
+        blocks = cell.tokens // self.block_size_tokens
+        latencies: list[float] = []
+        descriptors: list[int] = []
+        gbps: list[float] = []
+        failures: list[str] = []
+        verified: bool | None = None
+        raw: list[float] = []
+        copy: list[float] = []
+        nbytes = blocks * self.block_bytes
+        for rep in range(reps):
+            names = [[f"{cell.key()}-r{rep}-s{j}-b{i}" for i in range(cell.batch)] for j in range(cell.fan_in)]
+            requests = [{"request_id": rid, "num_blocks": blocks, "sender": f"prefill{j}", "mode": cell.mode}
+                        for j in range(cell.fan_in) for rid in names[j]]
+            res = self.receiver.call("reserve", requests=requests, alloc=cell.alloc)["reservations"]
+            ids = [self.senders[j].send("send", reservations=res[j * cell.batch:(j + 1) * cell.batch],
+                                        alloc=cell.alloc, stream_blocks=stream_blocks)
+                   for j in range(cell.fan_in)]
+            local = [self.senders[j].reply(m)["local_ids"] for j, m in enumerate(ids)]
+            waits = [self.senders[j].send("wait", role="sender", request_ids=names[j], timeout_s=600)
+                     for j in range(cell.fan_in)]
+            sent = [self.senders[j].reply(m, 700)["results"] for j, m in enumerate(waits)]
+            all_names = [rid for group in names for rid in group]
+            got = self.receiver.call("wait", role="receiver", request_ids=all_names, timeout_s=600)["results"]
+            walls, done = [], 0
+            for j in range(cell.fan_in):
+                failures += [f"{rid}: {r.get('error', r['state'])}" for rid, r in sent[j].items()
+                             if r["state"] != "done"]
+                ok = {rid: r for rid, r in sent[j].items() if r["state"] == "done" and got[rid]["state"] == "done"}
+                if not ok:
+                    continue
+                # Latency: sender open() to the bytes in place on the receiver (its DONE), when both
+                # clocks agree; else to the sender's own completion.
+                ends = {rid: got[rid]["finished_s"] if self.same_clock else r["finished_s"] for rid, r in ok.items()}
+                walls.append((max(ends.values()), min(r["started_s"] for r in ok.values())))
+                done += len(ok)
+                latencies += [ends[rid] - r["started_s"] for rid, r in ok.items()]
+                descriptors += [r["descriptors"] + got[rid]["descriptors"] for rid, r in ok.items()]
+            failures += [f"{rid} (receiver): {r.get('error', r['state'])}" for rid, r in got.items()
+                         if r["state"] != "done"]
+            if verify and rep == 0 and not failures:
+                rid = names[0][0]
+                check = self.receiver.call("verify", request_id=rid, src_seed=100, src_ids=local[0][rid],
+                                           timeout_s=600)
+                verified = bool(check["ok"])
+            self.receiver.call("release", request_ids=all_names)
+            if walls:
+                wall = (max(e for e, _ in walls) - min(st for _, st in walls) if self.same_clock
+                        else max(e - st for e, st in walls))
+                gbps.append(done * blocks * self.block_bytes / wall / 1e9)
+            # The references run right after each round, so load on a shared host hits both alike.
+            raw_s, copy_s = self.reference(nbytes, cell.mode)
+            raw.append(nbytes / raw_s / 1e9)
+            copy.append(nbytes / copy_s / 1e9)
+        out: dict[str, Any] = {**asdict(cell), "blocks_per_request": blocks, "bytes_per_request": nbytes,
+                               "reps": reps, "gbps": _median(gbps), "gbps_best": max(gbps, default=0.0),
+                               "raw_gbps": _median(raw), "raw_gbps_best": max(raw, default=0.0),
+                               "memcpy_gbps": _median(copy),
+                               "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3,
+                               "descriptors_per_request": statistics.mean(descriptors) if descriptors else 0,
+                               "verified": verified, "failures": failures[:5]}
+        out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
+        out["ratio_to_raw_best"] = out["gbps_best"] / out["raw_gbps_best"] if out["raw_gbps_best"] else 0.0
+        out["ratio_to_memcpy"] = out["gbps"] / out["memcpy_gbps"] if out["memcpy_gbps"] else 0.0
+        return out
+
+    block_size_tokens = 64
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'layout':<11} {'alloc':<10} {'pack':<4} {'mode':<5} {'tokens':>7} {'b':>2} {'fi':>2} "
+            f"{'GB/s':>6} {'raw':>6} {'ratio':>5} {'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'desc/req':>8} ok")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tokens = f"{r['tokens'] // 1024}K" if r["tokens"] < 1 << 20 else f"{r['tokens'] >> 20}M"
+        ok = "FAIL" if r["failures"] else ("v" if r["verified"] else "-")
+        lines.append(f"{r['layout']:<11} {r['alloc']:<10} {r['pack']:<4} {r['mode']:<5} {tokens:>7} "
+                     f"{r['batch']:>2} {r['fan_in']:>2} {r['gbps']:>6.2f} {r['raw_gbps']:>6.2f} "
+                     f"{r['ratio_to_raw']:>5.2f} {r['memcpy_gbps']:>6.2f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                     f"{r['descriptors_per_request']:>8.0f} {ok}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cedserve bench kv-transfer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="4K,32K,128K,1M", help="request sizes in tokens")
+    p.add_argument("--batch", default="1,4", help="requests per sender per round")
+    p.add_argument("--modes", default="write,read")
+    p.add_argument("--fan-in", default="1,2", help="prefill senders into one decode receiver")
+    p.add_argument("--max-multi-tokens", default="128K", help="larger requests run only alone (memory)")
+    p.add_argument("--only", default="", help="comma list of substrings; keep cells whose key has all")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--stream-blocks", type=int, default=128, help="blocks per write_blocks call (a prefill chunk)")
+    p.add_argument("--chunk-blocks", type=int, default=256, help="most blocks per NIXL request")
+    p.add_argument("--peer-timeout-s", type=float, default=3.0,
+                   help="liveness timeout of the bench's agents (generous: a loaded host must not flap)")
+    p.add_argument("--netns", action="store_true", help="receiver and senders in two network namespaces (veth, TCP)")
+    p.add_argument("--hosts", default="", help="comma list: receiver host, then sender hosts (started over ssh)")
+    p.add_argument("--json", default="", help="write results here (default docs/benchmarks/kv-transfer-<device>.json "
+                   "when run from a checkout)")
+    p.add_argument("--no-verify", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.hosts = [h for h in args.hosts.split(",") if h]
+    sizes = [parse_tokens(s) for s in args.sizes.split(",") if s]
+    batches = [int(b) for b in args.batch.split(",") if b]
+    fan_ins = [int(f) for f in args.fan_in.split(",") if f]
+    modes = [m for m in args.modes.split(",") if m]
+    cells = default_matrix(sizes, batches, modes, fan_ins, parse_tokens(args.max_multi_tokens))
+    for term in filter(None, args.only.split(",")):
+        cells = [c for c in cells if term in c.key()]
+    if not cells:
+        print("cedserve bench kv-transfer: no cells selected", file=sys.stderr)
+        return 2
+    Group.block_size_tokens = args.block_size
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    netns = NetnsPair().__enter__() if args.netns else None
+    try:
+        for group in dict.fromkeys(c.group for c in cells):
+            group_cells = [c for c in cells if c.group == group]
+            blocks = max(c.tokens // args.block_size for c in group_cells)
+            recv_blocks = max(c.tokens // args.block_size * c.batch * c.fan_in for c in group_cells) + 64
+            send_blocks = max(c.tokens // args.block_size * c.batch for c in group_cells) + 64
+            senders = max(c.fan_in for c in group_cells)
+            print(f"# group layout={group[0]} pack={group[1]}: {senders} sender(s), pools "
+                  f"{recv_blocks}/{send_blocks} blocks, largest request {blocks} blocks", file=sys.stderr)
+            g = Group(args, group[0], group[1], recv_blocks, send_blocks, senders, netns)
+            try:
+                for cell in group_cells:
+                    row = g.run(cell, args.reps, args.stream_blocks, not args.no_verify)
+                    rows.append(row)
+                    print(render_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+            finally:
+                g.close()
+    finally:
+        if netns is not None:
+            netns.__exit__()
+    print(render_table(rows))
+    out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": "cedserve bench kv-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": _machine(args.device), "elapsed_s": round(time.time() - started, 1),
+           "topology": ("two network namespaces, veth, UCX tcp" if args.netns else
+                        f"hosts {args.hosts}" if args.hosts else "one host, loopback (UCX default transports)"),
+           "notes": ("gbps: aggregate bytes / wall of a round (median over reps); raw_gbps: one NIXL request "
+                     "of ONE descriptor of bytes_per_request between the same processes, post to arrival "
+                     "of its notification at the receiver; memcpy_gbps: one "
+                     "in-process copy of the same bytes; latency: sender open() to its on_finish"),
+           "cells": rows}
+    path = Path(args.json) if args.json else _default_json(args.device, args.netns)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"# wrote {path}", file=sys.stderr)
+    return 1 if any(r["failures"] for r in rows) else 0
+
+
+def _default_json(device: str, netns: bool) -> Path | None:
+    docs = Path.cwd() / "docs" / "benchmarks"
+    if not docs.is_dir():
+        return None
+    return docs / f"kv-transfer-{device}{'-netns' if netns else ''}.json"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU kernel run: the kernel tests marked `gpu` (realistic shapes), then benchmarks/kernels.py
+# (correctness at realistic shapes, then timings). Run from the repo root on a CUDA host:
+#
+#     OUT=/some/dir bash scripts/gpu_kernels.sh      # writes into $OUT (default build/gpu_kernels)
+#     PART=tests bash scripts/gpu_kernels.sh         # only the tests (PART=bench: only the benchmark)
+#
+# Both parts together stay under 10 minutes (tests are cut at 200 s, the benchmark at 380 s).
+# Outputs in $OUT: env.txt, gpu-tests.log, gpu-tests.xml (junit), kernels-h200.json, benchmark.log.
+# Needs torch (CUDA build) and triton; the project need not be installed: a symlink tree puts
+# `cedserve.*` on PYTHONPATH as scripts/typecheck.sh does. pytest is needed for the tests; on a
+# host without it (or without hypothesis, which tests/kernels/test_records.py imports), first run
+#
+#     bash scripts/gpu_kernels.sh --prepare-deps     # here, where .venv has them
+#
+# which copies the pure-Python test dependencies into build/gpu_pydeps, and carry that folder
+# along (it is git-ignored); this script puts it on PYTHONPATH when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--prepare-deps" ]; then
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  rm -rf build/gpu_pydeps && mkdir -p build/gpu_pydeps
+  for name in pytest _pytest py.py pluggy iniconfig packaging hypothesis _hypothesis_pytestplugin.py \
+              _hypothesis_globals.py _hypothesis_ftz_detector.py sortedcontainers attr attrs pytest_timeout.py; do
+    [ -e "$site/$name" ] && cp -r "$site/$name" build/gpu_pydeps/
+  done
+  for dist in "$site"/{pytest,pluggy,iniconfig,packaging,hypothesis,sortedcontainers,attrs,pytest_timeout}-*.dist-info; do
+    [ -e "$dist" ] && cp -r "$dist" build/gpu_pydeps/
+  done
+  find build/gpu_pydeps -name __pycache__ -prune -exec rm -rf {} +
+  du -sh build/gpu_pydeps
+  exit 0
+fi
+
+OUT=${OUT:-build/gpu_kernels}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+
+tree=build/gpu_pkg
+rm -rf "$tree"; mkdir -p "$tree/cedserve"
+for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
+for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
+  [ -d "$pkg" ] && ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
+done
+export PYTHONPATH="$PWD/$tree${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d build/gpu_pydeps ]; then
+  export PYTHONPATH="$PYTHONPATH:$PWD/build/gpu_pydeps"  # after the host's own packages
+fi
+unset TRITON_INTERPRET
+
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"; hostname; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "triton", triton.__version__, "device", torch.cuda.get_device_name())'
+} 2>&1 | tee "$OUT/env.txt"
+
+PART=${PART:-all}
+rc_tests=0
+rc_bench=0
+if [ "$PART" = bench ]; then
+  :
+elif "$PY" -c 'import pytest' 2>/dev/null; then
+  ignore=()
+  "$PY" -c 'import hypothesis' 2>/dev/null || ignore=(--ignore=tests/kernels/test_records.py)
+  echo "== pytest tests/kernels -m gpu ${ignore[*]}"
+  timeout 200 "$PY" -m pytest tests/kernels -m gpu -q -p no:cacheprovider -o addopts="" -rA \
+    --junitxml="$OUT/gpu-tests.xml" "${ignore[@]}" 2>&1 | tee "$OUT/gpu-tests.log"
+  rc_tests=${PIPESTATUS[0]}
+else
+  echo "pytest is not importable here: skipping the GPU tests (see --prepare-deps)" | tee "$OUT/gpu-tests.log"
+  rc_tests=3
+fi
+
+if [ "$PART" != tests ]; then
+  echo "== benchmarks/kernels.py"
+  timeout 380 "$PY" benchmarks/kernels.py --out "$OUT/kernels-h200.json" 2>&1 | tee "$OUT/benchmark.log"
+  rc_bench=${PIPESTATUS[0]}
+fi
+
+echo "gpu tests rc=$rc_tests benchmark rc=$rc_bench (results in $OUT)"
+[ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]

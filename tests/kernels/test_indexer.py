@@ -1,0 +1,131 @@
+"""Indexer scores over FP4 index keys and the two-level top-k (`cedserve.kernels.indexer`): the
+Triton kernel against the dense torch reference.
+
+Scores: keys and queries are exact in bf16, products exact in fp32, so only the summation order
+differs: |kernel - reference| <= 1e-5 * (1 + |reference|), and the -inf pattern (visibility,
+unmapped blocks, -1 entries) must be identical. Selections are compared tie-aware: the kernel's
+picks must be as many as the reference's, all visible, and each scored (by the reference) at
+least the reference's k-th best score minus that tolerance. Outputs are freshly allocated by
+the launcher; masked entries must come back -inf, never left unwritten.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from cedserve.kernels.indexer import IndexKeys, index_scores, index_topk, index_topk_reference, pool_mask
+from cedserve.kernels.paged import PagedRecords
+from cedserve.kernels.records import record_format, write_records_reference
+from cedserve.kernels.reference import fake_quant_fp4
+
+pytestmark = pytest.mark.kernels
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _keys(requests: int, tokens: int, dim: int, entries_per_block: int, blocks_per_req: int, max_visible: int,
+          gen: torch.Generator, device: torch.device) -> IndexKeys:
+    rb = record_format("index").record_bytes(dim)
+    num_blocks = requests * blocks_per_req + 3
+    pool = torch.randint(0, 256, (num_blocks, 32 + entries_per_block * rb), generator=gen, device=device,
+                         dtype=torch.uint8)
+    records = PagedRecords.region(pool, 32, entries_per_block, rb)
+    x = torch.randn(records.num_slots, dim, generator=gen, device=device)
+    write_records_reference("index", x, torch.arange(records.num_slots, device=device), records)
+    table = torch.randperm(num_blocks, generator=gen, device=device)[: requests * blocks_per_req]
+    table = table.view(requests, blocks_per_req).int()
+    table[-1, -1] = -1  # the last request's last block is not mapped yet
+    token_req = torch.randint(0, requests, (tokens,), generator=gen, device=device).int()
+    visible = torch.randint(0, max_visible + 1, (tokens,), generator=gen, device=device).int()
+    visible[0], visible[-1] = max_visible, 0
+    return IndexKeys(records, table, token_req, visible)
+
+
+def _queries(tokens: int, heads: int, dim: int, gen: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor]:
+    q = fake_quant_fp4(torch.randn(tokens, heads, dim, generator=gen, device=device), 32, "ue8m0").bfloat16()
+    w = torch.randn(tokens, heads, generator=gen, device=device) * heads**-0.5
+    return q, w
+
+
+def _assert_scores(got: Tensor, want: Tensor) -> None:
+    assert torch.equal(got.isneginf(), want.isneginf()), "masked entries differ"
+    finite = want.isfinite()
+    err = (got[finite] - want[finite]).abs()
+    assert bool((err <= 1e-5 * (1 + want[finite].abs())).all()), f"max score error {err.max().item():.3g}"
+
+
+def _assert_selection(picked: Tensor, want: Tensor, dense: Tensor) -> None:
+    for n in range(dense.shape[0]):
+        mine = picked[n][picked[n] >= 0].long()
+        theirs = want[n][want[n] >= 0].long()
+        assert mine.numel() == theirs.numel() and mine.unique().numel() == mine.numel()
+        if theirs.numel():
+            kth = dense[n, theirs].min()
+            assert bool((dense[n, mine] >= kth - 1e-5 * (1 + kth.abs())).all()), f"token {n}: a worse entry picked"
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(32, 128), (16, 32)])
+def test_scores_range_and_list(heads: int, dim: int, gen: torch.Generator, device: torch.device) -> None:
+    # 150 entries: 3 tiles of 64 (ragged last), blocks of 16 entries, a 64-entry unmapped tail
+    keys = _keys(requests=3, tokens=7, dim=dim, entries_per_block=16, blocks_per_req=10, max_visible=150,
+                 gen=gen, device=device)
+    q, w = _queries(7, heads, dim, gen, device)
+    width = 150
+    scores, maxima = index_scores(q, w, keys, width=width, block_max=8, impl="triton")
+    ref_scores, ref_maxima = index_scores(q, w, keys, width=width, block_max=8, impl="torch")
+    assert scores is not None and maxima is not None and ref_scores is not None and ref_maxima is not None
+    _assert_scores(scores, ref_scores)
+    _assert_scores(maxima, ref_maxima)
+    entries = torch.randint(-1, 170, (7, 45), generator=gen, device=device).int()  # some past `visible`
+    listed, _ = index_scores(q, w, keys, entries=entries, impl="triton")
+    ref_listed, _ = index_scores(q, w, keys, entries=entries, impl="torch")
+    assert listed is not None and ref_listed is not None
+    _assert_scores(listed, ref_listed)
+
+
+@pytest.mark.parametrize("mode", ["full", "candidate", "reindex"])
+def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device) -> None:
+    tokens, heads, dim, width = 6, 32, 64, 200
+    keys = _keys(requests=2, tokens=tokens, dim=dim, entries_per_block=32, blocks_per_req=7, max_visible=width,
+                 gen=gen, device=device)
+    q, w = _queries(tokens, heads, dim, gen, device)
+    kwargs: dict[str, object] = {"topk": 12, "width": width}
+    pool = None
+    if mode == "candidate":
+        kwargs["candidate_blocks"] = 5
+    if mode == "reindex":
+        pool = index_topk_reference(q, w, keys, topk=12, width=width, candidate_blocks=5)[0].candidates
+        kwargs["candidates"] = pool
+    sel = index_topk(q, w, keys, impl="triton", **kwargs)  # type: ignore[arg-type]
+    ref, dense = index_topk_reference(q, w, keys, **kwargs)  # type: ignore[arg-type]
+    if mode == "reindex":  # the reference ranks inside the pool only
+        assert isinstance(pool, Tensor)
+        dense = dense.masked_fill(~pool_mask(pool, width), float("-inf"))
+    _assert_selection(sel.entries, ref.entries, dense)
+    if mode == "candidate":
+        assert sel.candidates is not None and ref.candidates is not None
+        for n in range(tokens):  # the pool: same blocks (block maxima have no ties here)
+            assert set(sel.candidates[n].tolist()) == set(ref.candidates[n].tolist())
+        newest = keys.visible.long() - 1
+        for n in range(tokens):
+            if newest[n] >= 0 and keys.slots(newest[n].view(1, 1).int())[0, 0] >= 0:
+                assert int(newest[n]) in sel.candidates[n].tolist(), "the newest entry's block must be pinned"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_realistic(gen: torch.Generator, device: torch.device) -> None:
+    # 16 decode tokens over up to 40,000 entries of 64-entry blocks: 32 heads x 128, top-512,
+    # a 2048-block candidate pool of blocks of 8
+    tokens, heads, dim, width = 16, 32, 128, 40_000
+    keys = _keys(requests=4, tokens=tokens, dim=dim, entries_per_block=64, blocks_per_req=640, max_visible=width,
+                 gen=gen, device=device)
+    q, w = _queries(tokens, heads, dim, gen, device)
+    sel = index_topk(q, w, keys, topk=512, width=width, candidate_blocks=2048, impl="triton")
+    ref, dense = index_topk_reference(q, w, keys, topk=512, width=width, candidate_blocks=2048)
+    _assert_selection(sel.entries, ref.entries, dense)
+    scores, _ = index_scores(q, w, keys, width=width, impl="triton")
+    assert scores is not None
+    _assert_scores(scores, dense)

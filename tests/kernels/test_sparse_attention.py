@@ -1,0 +1,152 @@
+"""Sparse attention over FP4 main-KV and FP8 window records (`cedserve.kernels.sparse_attention`):
+the Triton kernel against the float32 torch reference.
+
+Tolerance: the kernel's keys are exact, its logits and accumulator fp32; it rounds the softmax
+probabilities to bf16 for the P.V product and the output once to bf16, the reference only the
+output. So |kernel - reference| <= 2e-2 * max|reference| + 1e-2 * |reference| (a few bf16 ulps).
+Outputs are NaN-poisoned before each launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from cedserve.kernels.paged import PagedRecords
+from cedserve.kernels.records import record_format, write_records_reference
+from cedserve.kernels.sparse_attention import (
+    AttentionConfig,
+    sparse_attention,
+    sparse_attention_reference,
+    window_slots_for_chunk,
+)
+
+pytestmark = pytest.mark.kernels
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _records(kind: str, slots: int, dim: int, gen: torch.Generator, device: torch.device,
+             entries_per_block: int = 16) -> PagedRecords:
+    """A pool of blocks with a region of `entries_per_block` records after a 48-byte header,
+    filled with records of random vectors (scaled like post-norm latents)."""
+    rb = record_format(kind).record_bytes(dim)
+    blocks = -(-slots // entries_per_block)
+    pool = torch.randint(0, 256, (blocks, 48 + entries_per_block * rb + 16), generator=gen, device=device,
+                         dtype=torch.uint8)
+    rec = PagedRecords.region(pool, 48, entries_per_block, rb)
+    x = torch.randn(rec.num_slots, dim, generator=gen, device=device) * 2
+    write_records_reference(kind, x, torch.arange(rec.num_slots, device=device), rec)  # type: ignore[arg-type]
+    return rec
+
+
+def _slot_lists(tokens: int, width: int, num_slots: int, gen: torch.Generator, device: torch.device,
+                lengths: Tensor) -> Tensor:
+    """Per token `lengths[n]` distinct random slots, -1 padded to `width`."""
+    slots = torch.stack([torch.randperm(num_slots, generator=gen, device=device)[:width] for _ in range(tokens)])
+    cols = torch.arange(width, device=device).unsqueeze(0)
+    return torch.where(cols < lengths.unsqueeze(1), slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def _rope_tables(tokens: int, pairs: int, gen: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor]:
+    angle = torch.rand(tokens, pairs, generator=gen, device=device) * 20
+    return angle.cos() * 1.2, angle.sin() * 1.2  # YaRN scales cos/sin by its attention factor
+
+
+def _check(out: Tensor, ref: Tensor) -> None:
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) output elements"
+    err = (out.float() - ref.float()).abs()
+    bound = 2e-2 * ref.float().abs().max() + 1e-2 * ref.float().abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.4g} vs max |ref| {ref.float().abs().max():.4g}"
+
+
+def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, splits: int | None,
+          block_n: int | None, gen: torch.Generator, device: torch.device, use_main: bool = True,
+          use_swa: bool = True) -> None:
+    main = _records("main", 3 * topk + 5, dim, gen, device) if use_main else None
+    swa = _records("swa", 2 * window + 3, dim, gen, device) if use_swa else None
+    # lengths: full, empty, partial (a request shorter than top-k, a window not yet full)
+    lengths_k = torch.randint(0, topk + 1, (tokens,), generator=gen, device=device)
+    lengths_k[0], lengths_k[-1] = topk, 0
+    lengths_w = torch.randint(1, window + 1, (tokens,), generator=gen, device=device)
+    lengths_w[0] = window
+    topk_slots = _slot_lists(tokens, topk, main.num_slots, gen, device, lengths_k) if main else None
+    win_slots = _slot_lists(tokens, window, swa.num_slots, gen, device, lengths_w) if swa else None
+    if win_slots is not None and tokens > 2:
+        win_slots[-1] = -1  # one token with no key at all but (maybe) the window: sink only
+        if topk_slots is not None:
+            topk_slots[-1] = -1
+    q = (torch.randn(tokens, heads, dim, generator=gen, device=device) * 0.5).bfloat16()
+    sink = torch.randn(heads, generator=gen, device=device)
+    cos, sin = _rope_tables(tokens, rope // 2, gen, device)
+    out = torch.full_like(q, float("nan"))
+    config = AttentionConfig(num_splits=splits, block_n=block_n)
+    sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=config, impl="triton")
+    _check(out, sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_small_head_dim(splits: int, gen: torch.Generator, device: torch.device) -> None:
+    # fixture-like geometry: 4 heads (padded to a 16-row tile), head_dim 64, rope 16; 37 selected
+    # entries and a window of 9 cross 16-key tiles and split boundaries
+    _case(tokens=4, heads=4, dim=64, topk=37, window=9, rope=16, splits=splits, block_n=16, gen=gen, device=device)
+
+
+def test_decode_released_head_dim(gen: torch.Generator, device: torch.device) -> None:
+    _case(tokens=2, heads=16, dim=512, topk=24, window=20, rope=64, splits=2, block_n=16, gen=gen, device=device)
+
+
+@pytest.mark.parametrize(("use_main", "use_swa"), [(False, True), (True, False)])
+def test_decode_one_source(use_main: bool, use_swa: bool, gen: torch.Generator, device: torch.device) -> None:
+    _case(tokens=3, heads=8, dim=64, topk=20, window=12, rope=16, splits=1, block_n=16, gen=gen, device=device,
+          use_main=use_main, use_swa=use_swa)
+
+
+def test_window_slots_for_chunk(device: torch.device) -> None:
+    ring = torch.arange(100, 110, device=device)  # records of positions 5..14
+    slots = window_slots_for_chunk(torch.tensor([7, 8], device=device), 4, ring, first_position=5)
+    assert slots.tolist() == [[-1, 100, 101, 102], [100, 101, 102, 103]]
+
+
+def test_chunked_prefill_equals_decode(gen: torch.Generator, device: torch.device) -> None:
+    """A chunk of 6 query tokens over a staging table of window records (the previous window
+    plus the chunk) gives, token by token, what single-token decode calls give."""
+    dim, heads, window = 64, 4, 4
+    staging = _records("swa", 10, dim, gen, device)  # positions 10..19 at slots 0..9
+    main = _records("main", 30, dim, gen, device)
+    positions = torch.arange(14, 20, device=device)
+    win = window_slots_for_chunk(positions, window, torch.arange(10, device=device), first_position=10)
+    topk = _slot_lists(6, 8, main.num_slots, gen, device, torch.tensor([8, 3, 0, 8, 5, 8], device=device))
+    q = torch.randn(6, heads, dim, generator=gen, device=device).bfloat16()
+    sink = torch.randn(heads, generator=gen, device=device)
+    cos, sin = _rope_tables(6, 8, gen, device)
+    chunk = sparse_attention(q, sink, main, topk, staging, win, cos, sin, impl="triton")
+    for n in range(6):
+        one = sparse_attention(q[n : n + 1], sink, main, topk[n : n + 1], staging, win[n : n + 1], cos[n : n + 1],
+                               sin[n : n + 1], impl="triton")
+        assert torch.equal(one, chunk[n : n + 1])
+    _check(chunk, sparse_attention_reference(q, sink, main, topk, staging, win, cos, sin))
+
+
+def test_launcher_checks(gen: torch.Generator, device: torch.device) -> None:
+    swa = _records("swa", 4, 64, gen, device)
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device=device)
+    cos = sin = torch.zeros(2, 8, device=device)
+    win = torch.zeros(2, 3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="both"):
+        sparse_attention(q, torch.zeros(4, device=device), None, win, swa, win, cos, sin)
+    with pytest.raises(ValueError, match="sink"):
+        sparse_attention(q, torch.zeros(5, device=device), None, None, swa, win, cos, sin)
+    with pytest.raises(ValueError, match="66 B"):
+        sparse_attention(q, torch.zeros(4, device=device), None, None, _records("swa", 4, 128, gen, device), win,
+                         cos, sin)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_gpu_decode_released_shapes(splits: int | None, gen: torch.Generator, device: torch.device) -> None:
+    # batch 64, 64 heads x 512, top-512 + window 128, rope 64
+    _case(tokens=64, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
+          device=device)
