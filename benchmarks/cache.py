@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cedserve.model.cache.block_pool import BlockPool, gather_rows
+from cedserve.model.cache.block_pool import BlockPool, gather_rows, scatter_rows
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.hashing import hash_blocks
 from cedserve.model.cache.layout import BlockLayout
@@ -66,14 +66,21 @@ def machine() -> dict[str, Any]:
     return out
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], object], repeat: int = 3, setup: Callable[[], object] | None = None) -> tuple[float, float]:
     """(best, median) seconds of `fn` over `repeat` runs, `setup` untimed before each."""
     times = []
     for _ in range(repeat):
         if setup is not None:
             setup()
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return min(times), statistics.median(times)
 
@@ -168,22 +175,24 @@ def throughput(layout: BlockLayout) -> dict[str, Any]:
 
 
 def fill_cache(cache: KVCacheManager, tokens: np.ndarray) -> torch.Tensor:
-    """Admit, write random bytes, commit and free one prompt; returns the written bytes in table order."""
+    """Admit, write random bytes, commit and free one prompt; returns the written bytes (on CPU) in table order."""
     admission = cache.admit("fill", tokens)
-    rows = torch.tensor(admission.block_ids, dtype=torch.long)
-    data = torch.randint(0, 256, (len(rows), cache.layout.block_bytes), dtype=torch.uint8)
-    cache.pool.storage[rows] = data
+    data = torch.randint(0, 256, (len(admission.block_ids), cache.layout.block_bytes), dtype=torch.uint8)
+    scatter_rows(cache.pool.storage, admission.block_ids, data)
     cache.commit("fill", len(tokens))
     cache.free("fill")
     return data[: len(tokens) // cache.block_size]
 
 
-def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, repeat: int = 3) -> dict[str, Any]:
+def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, device: str, repeat: int = 3) -> dict[str, Any]:
     """Each path runs `repeat` times on fresh prompts; `best` is the steady state (pages of reused
     buffers already faulted in), `first` the cold run. Baselines are timed the same way."""
     bb = layout.block_bytes
     nbytes = num_blocks * bb
-    out: dict[str, Any] = {"blocks": num_blocks, "bytes": nbytes, "repeat": repeat}
+    out: dict[str, Any] = {"blocks": num_blocks, "bytes": nbytes, "repeat": repeat, "device_pool": device}
+
+    def table_bytes(cache: KVCacheManager, rid: str) -> torch.Tensor:
+        return gather_rows(cache.pool.storage, cache.block_table(rid)[:num_blocks]).cpu()
 
     def record(name: str, seconds: list[float]) -> None:
         out[name] = {"GB_per_s": nbytes / min(seconds) / GB, "first_GB_per_s": nbytes / seconds[0] / GB,
@@ -194,20 +203,21 @@ def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, repeat: int = 
 
     # device <-> host tier, against one torch copy of the same bytes
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1,
-                                                 host_offload_blocks=num_blocks))
+                                                 host_offload_blocks=num_blocks), device=device)
     off, on = [], []
     for k in range(repeat):
         tokens = tokens_for(k)
         data = fill_cache(cache, tokens)
         off.append(timed(lambda: cache.evict(num_blocks), repeat=1)[0])
         on.append(timed(lambda: cache.admit("back", tokens), repeat=1)[0])  # noqa: B023
-        assert torch.equal(gather_rows(cache.pool.storage, cache.block_table("back")[:num_blocks]), data)
+        assert torch.equal(table_bytes(cache, "back"), data)
         cache.free("back")
     record("offload_device_to_host", off)
     record("onload_host_to_device", on)
     cache.close()
-    dst = torch.empty_like(data)
-    record("plain_torch_copy", [timed(lambda: dst.copy_(data), repeat=1)[0] for _ in range(repeat)])
+    src = data.to(device)
+    dst = torch.empty(data.shape, dtype=torch.uint8, pin_memory=device != "cpu")
+    record("plain_torch_copy", [timed(lambda: dst.copy_(src), repeat=1)[0] for _ in range(repeat)])
 
     # device -> disk (background writes) and disk -> device after a restart
     config = KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, disk_dir=folder / "tier",
@@ -215,8 +225,9 @@ def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, repeat: int = 
     off, on_cold, on_warm, scans = [], [], [], []
     for k in range(repeat):
         tokens = tokens_for(k)
-        cache = KVCacheManager(layout, config)
+        cache = KVCacheManager(layout, config, device=device)
         data = fill_cache(cache, tokens)
+        sync()
         start = time.perf_counter()
         cache.evict(num_blocks)
         assert cache.disk is not None
@@ -225,14 +236,15 @@ def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, repeat: int = 
         off.append(time.perf_counter() - start)
         cache.close()
         start = time.perf_counter()
-        cache = KVCacheManager(layout, config)  # a restart: scan and re-index the folder
+        cache = KVCacheManager(layout, config, device=device)  # a restart: scan and re-index the folder
         scans.append((time.perf_counter() - start, len(cache.disk or [])))
         for timings in (on_cold, on_warm):  # the second read reuses the staging buffer
             start = time.perf_counter()
             cache.admit("back", tokens)
             assert cache.finish_onload("back") == num_blocks * BLOCK_SIZE
+            sync()
             timings.append(time.perf_counter() - start)
-            assert torch.equal(gather_rows(cache.pool.storage, cache.block_table("back")[:num_blocks]), data)
+            assert torch.equal(table_bytes(cache, "back"), data)
             cache.free("back")
             cache.evict(num_blocks)  # already on disk: nothing is written
         assert cache.metrics.disk_rejected_files == 0
@@ -306,7 +318,8 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=1024, help="blocks moved in the bandwidth runs (57 KB each)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "cache-cpu.json")
+    parser.add_argument("--device", default="cpu", help="device of the block pool in the bandwidth runs (cpu, cuda)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/cache-<cpu|gpu>.json)")
     args = parser.parse_args(argv)
     config = preset("v4.1-flash")
     layout = BlockLayout.from_config(config, BLOCK_SIZE)
@@ -319,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             "layout": {"block_size": BLOCK_SIZE, "block_bytes": layout.block_bytes, "regions": layout.describe()},
             "overhead": overhead(layout, bytes_per_token),
             "throughput_1m_tokens": throughput(layout),
-            "bandwidth": bandwidth(layout, args.blocks, Path(tmp)),
+            "bandwidth": bandwidth(layout, args.blocks, Path(tmp), args.device),
         }
     print(table(result))
+    if args.out is None:
+        args.out = REPO / "docs" / "benchmarks" / f"cache-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

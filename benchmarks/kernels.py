@@ -39,6 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,6 @@ from cedserve.kernels.sparse_attention import (  # noqa: E402
     sparse_attention,
     sparse_attention_reference,
 )
-
 
 # ---------------------------------------------------------------------------- plumbing
 
@@ -212,18 +212,18 @@ def correctness(b: Bench) -> None:
         tokens = 64 if smoke else 65536
         x = torch.randn(tokens, dim, device=dev) * torch.exp2(torch.randint(-20, 20, (tokens, 1), device=dev).float())
         x = x.bfloat16()
-        dest = _pool(kind, dim, 2 * tokens, 32, dev)  # type: ignore[arg-type]
+        dest = _pool(kind, dim, 2 * tokens, 32, dev)
         twin = PagedRecords(dest.storage.clone(), dest.record_bytes, dest.slots_per_block, dest.slot_stride_bytes,
                             dest.block_stride_bytes, dest.offset_bytes)
         slots = torch.randperm(dest.num_slots, device=dev)[:tokens]
         slots[::7] = -1
-        rec_ops.write_records(kind, x, slots, dest, impl="triton")  # type: ignore[arg-type]
-        rec_ops.write_records_reference(kind, x, slots, twin)  # type: ignore[arg-type]
+        rec_ops.write_records(kind, x, slots, dest, impl="triton")
+        rec_ops.write_records_reference(kind, x, slots, twin)
         bad = int((dest.storage != twin.storage).sum())
         b.check(f"write_records[{kind}] {tokens}x{dim}", bad == 0, f"{bad} bytes differ")
         out = torch.full((tokens, dim), float("nan"), device=dev)
-        rec_ops.read_records(kind, dest, slots, out=out, impl="triton")  # type: ignore[arg-type]
-        want = rec_ops.read_records_reference(kind, twin, slots)  # type: ignore[arg-type]
+        rec_ops.read_records(kind, dest, slots, out=out, impl="triton")
+        want = rec_ops.read_records_reference(kind, twin, slots)
         same = torch.equal(out.view(torch.int32), want.view(torch.int32))
         b.check(f"read_records[{kind}] {tokens}x{dim}", same, "bit-exact" if same else "mismatch")
 
@@ -316,22 +316,28 @@ def _fp4_experts(experts: int, out: int, inp: int, device: torch.device) -> Expe
     return ExpertWeights(codes, scales)
 
 
+def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
+    dev = b.device
+    tokens = (2 * 1024 if b.smoke else 256 * MiB) // (2 * dim)  # >= 256 MiB of bf16 input
+    record_bytes = rec_ops.record_format(kind).record_bytes(dim)
+    entries = 64  # records per block region (64-token blocks; m = 1)
+    dest = _pool(kind, dim, tokens, entries, dev)
+    x = torch.randn(tokens, dim, device=dev).bfloat16()
+    slots = _block_slots(tokens, entries, dest.num_blocks, dev)
+    moved = tokens * (2 * dim + record_bytes + 8)
+    t = b.time_s(lambda: rec_ops.write_records(kind, x, slots, dest, impl="triton"))
+    row = b.record(f"write_records[{kind}]", f"{tokens}x{dim} bf16 -> {record_bytes} B", t, moved)
+    b.target(f"write_records[{kind}] >= 70% copy", row.frac_copy, ">= 0.70", row.frac_copy >= 0.70)
+    out = torch.empty(tokens, dim, dtype=torch.bfloat16, device=dev)
+    t = b.time_s(lambda: rec_ops.read_records(kind, dest, slots, out=out, impl="triton"))
+    b.record(f"read_records[{kind}]", f"{tokens}x{dim} -> bf16", t, moved)
+
+
 def record_writers(b: Bench) -> None:
     dev = b.device
-    for kind, dim in (("main", 512), ("index", 128), ("swa", 512)):
-        tokens = (2 * 1024 if b.smoke else 256 * MiB) // (2 * dim)  # >= 256 MiB of bf16 input
-        fmt = rec_ops.record_format(kind)
-        entries = 64 if kind != "index" else 64
-        dest = _pool(kind, dim, tokens, entries, dev)  # type: ignore[arg-type]
-        x = torch.randn(tokens, dim, device=dev).bfloat16()
-        slots = _block_slots(tokens, entries, dest.num_blocks, dev)
-        moved = tokens * (2 * dim + fmt.record_bytes(dim) + 8)
-        t = b.time_s(lambda: rec_ops.write_records(kind, x, slots, dest, impl="triton"))  # type: ignore[arg-type]
-        row = b.record(f"write_records[{kind}]", f"{tokens}x{dim} bf16 -> {fmt.record_bytes(dim)} B", t, moved)
-        b.target(f"write_records[{kind}] >= 70% copy", row.frac_copy, ">= 0.70", row.frac_copy >= 0.70)
-        out = torch.empty(tokens, dim, dtype=torch.bfloat16, device=dev)
-        t = b.time_s(lambda: rec_ops.read_records(kind, dest, slots, out=out, impl="triton"))  # type: ignore[arg-type]
-        b.record(f"read_records[{kind}]", f"{tokens}x{dim} -> bf16", t, moved)
+    _bench_records(b, "main", 512)
+    _bench_records(b, "index", 128)
+    _bench_records(b, "swa", 512)
     # fused compressor (m = 2: two fp32 projections per group) and the index-key writer
     groups = (64 if b.smoke else 256 * MiB // (2 * 2 * 512 * 4))
     kv = torch.randn(2 * groups, 512, device=dev)
@@ -370,23 +376,24 @@ def decode_attention(b: Bench) -> None:
     flops = 4.0 * n * heads * keys * dim
     configs = [AttentionConfig()]
     if not b.smoke:
-        configs += [AttentionConfig(block_h=bh, block_n=bn, num_splits=sp, num_warps=nw)
-                    for bh, bn, sp, nw in ((64, 32, 1, 8), (64, 64, 1, 8), (64, 32, 2, 8), (64, 32, 4, 8),
-                                           (32, 32, 1, 4), (32, 64, 2, 4), (32, 32, 4, 4), (16, 32, 2, 4),
-                                           (64, 16, 4, 4))]
+        configs += [AttentionConfig(block_h=bh, block_n=bn, num_splits=sp, num_warps=nw, num_stages=st)
+                    for bh, bn, sp, nw, st in ((64, 32, 1, 8, 1), (64, 32, 2, 8, 2), (64, 64, 1, 8, 1),
+                                               (64, 32, 4, 8, 1), (32, 32, 1, 4, 1), (32, 64, 2, 4, 2),
+                                               (32, 32, 4, 4, 2), (16, 32, 2, 4, 2), (64, 16, 4, 4, 2))]
     best: Row | None = None
     for cfg in configs:
         if b.late and best is not None:
             break
         try:
-            t = b.time_s(lambda cfg=cfg: sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin,
-                                                          out=out, config=cfg, impl="triton"))
+            t = b.time_s(partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
+                                 config=cfg, impl="triton"))
         except Exception as exc:
             print(f"  config {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
         resolved = cfg.resolve(n, heads, topk, dev)
         row = b.record("sparse_attention decode", f"{n}x{heads}x{dim} top{topk}+{window}", t, must_read, flops,
-                       f"h{resolved.block_h} n{resolved.block_n} s{resolved.num_splits} w{resolved.num_warps}")
+                       f"h{resolved.block_h} n{resolved.block_n} s{resolved.num_splits} w{resolved.num_warps} "
+                       f"st{resolved.num_stages}")
         if best is None or row.time_us < best.time_us:
             best = row
     if best is None:
@@ -407,7 +414,7 @@ def decode_attention(b: Bench) -> None:
             break
         try:
             kd = torch.randn(n, 1, ctx, dim, device=dev, dtype=torch.bfloat16)
-            t = b.time_s(lambda kd=kd: F.scaled_dot_product_attention(qd, kd, kd))
+            t = b.time_s(partial(F.scaled_dot_product_attention, qd, kd, kd))
             del kd
         except Exception as exc:
             print(f"  SDPA at {ctx}: {type(exc).__name__}: {str(exc)[:160]}")
@@ -444,14 +451,14 @@ def decode_step_curve(b: Bench) -> None:
         visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
         keys_m1 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
         keys_m2 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible // 2)
-        cand = b.time_s(lambda k=keys_m1, c=ctx: index_topk(qi, wi, k, topk=topk, width=c,
-                                                             candidate_blocks=pool_blocks, impl="triton"))
-        full2 = b.time_s(lambda k=keys_m2, c=ctx: index_topk(qi, wi, k, topk=topk, width=c // 2, impl="triton"))
+        cand = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                                impl="triton"))
+        full2 = b.time_s(partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, impl="triton"))
         pool = index_topk(qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
                           impl="triton").candidates
         assert pool is not None
-        reindex = b.time_s(lambda k=keys_m1, p=pool: index_topk(qi, wi, k, topk=topk, width=ctx, candidates=p,
-                                                                 impl="triton"))
+        reindex = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool,
+                                   impl="triton"))
         b.record("index_topk candidate (m=1)", f"{n} tok x ctx {ctx}", cand, n * ctx * 68,
                  4.0 * n * 32 * 128 * ctx)
         b.record("index_topk full (m=2)", f"{n} tok x ctx {ctx}", full2, n * ctx // 2 * 68)
@@ -483,7 +490,7 @@ def moe(b: Bench) -> None:
         x = torch.randn(tokens, hidden, device=dev).bfloat16()
         ids = torch.rand(tokens, experts, device=dev).topk(top_k, dim=-1).indices
         rw = torch.rand(tokens, top_k, device=dev)
-        active = int(ids.unique().numel())
+        active = len(set(ids.flatten().tolist()))
         flops = 2.0 * tokens * top_k * 3 * hidden * inter
         act_bytes = tokens * hidden * 2 * 2 + tokens * top_k * (hidden + inter) * 2 * 2
         fp4_bytes = active * (w13.nbytes + w2.nbytes) // experts + act_bytes
@@ -496,19 +503,18 @@ def moe(b: Bench) -> None:
             if b.late and cfg is not configs[0]:
                 break
             try:
-                t = b.time_s(lambda x=x, ids=ids, rw=rw, cfg=cfg: moe_experts(x, ids, rw, w13, w2, swiglu_limit=10.0,
-                                                                              config=cfg, impl="triton"))
+                t = b.time_s(partial(moe_experts, x, ids, rw, w13, w2, swiglu_limit=10.0, config=cfg,
+                                     impl="triton"))
             except Exception as exc:
                 print(f"  moe config {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             r = cfg.resolve(tokens * top_k, experts)
             b.record("moe_experts triton fp4", shape, t, fp4_bytes, flops,
-                     f"m{r.block_m} n{r.block_n} k{r.block_k} w{r.num_warps}")
-        t = b.time_s(lambda x=x, ids=ids, rw=rw: moe_experts(x, ids, rw, bf13, bf2, swiglu_limit=10.0, impl="triton"))
+                     f"m{r.block_m} n{r.block_n} k{r.block_k} w{r.num_warps} st{r.num_stages}")
+        t = b.time_s(partial(moe_experts, x, ids, rw, bf13, bf2, swiglu_limit=10.0, impl="triton"))
         b.record("moe_experts triton bf16", shape, t, bf_bytes, flops)
         try:
-            t = b.time_s(lambda x=x, ids=ids, rw=rw: moe_experts(x, ids, rw, bf13, bf2, swiglu_limit=10.0,
-                                                                 impl="grouped_mm"))
+            t = b.time_s(partial(moe_experts, x, ids, rw, bf13, bf2, swiglu_limit=10.0, impl="grouped_mm"))
             b.record("moe_experts torch grouped_mm", shape, t, bf_bytes, flops)
         except Exception as exc:
             print(f"  grouped_mm: {type(exc).__name__}: {str(exc)[:200]}")

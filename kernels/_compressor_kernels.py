@@ -45,7 +45,7 @@ def _compress_kernel(
     num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
     RATIO: tl.constexpr, FORMAT: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, WPB: tl.constexpr,
     ROPE_PAIRS: tl.constexpr, ACT_ROUND: tl.constexpr, OUT_ROUND: tl.constexpr, BLOCK_G: tl.constexpr,
-    WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr, WRITE_LATENT: tl.constexpr,
+    WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr, WRITE_LATENT: tl.constexpr, HW_FP8: tl.constexpr,
 ):
     """Groups `g` of `RATIO` rows of `kv` (softmax(`gate`)-weighted over the rows when RATIO > 1)
     -> latent (RMSNorm with `weight`) -> RoPE with `cos/sin[g]` -> FP4 record at `slot[g]`."""
@@ -107,10 +107,11 @@ def _compress_kernel(
 
     # quantize and pack: one scale per [WPB, 4] pairs
     amax = tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=3), axis=2)  # [G, NB]
-    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, 4)
+    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, 4, HW_FP8)
     scale = scale[:, :, None, None]
     inv_scale = inv_scale[:, :, None, None]
-    byte = _quantize_elements(lo, scale, inv_scale, FORMAT, 4) | (_quantize_elements(hi, scale, inv_scale, FORMAT, 4) << 4)
+    byte = (_quantize_elements(lo, scale, inv_scale, FORMAT, 4, HW_FP8)
+            | (_quantize_elements(hi, scale, inv_scale, FORMAT, 4, HW_FP8) << 4))
     shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
     words = tl.sum(byte.to(tl.uint32) << shifts[None, None, None, :], axis=3)  # [G, NB, WPB]
 

@@ -53,7 +53,8 @@ def _e4m3_magnitude_byte(v):
     bits = v.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
     normal = (exponent + 7) * 8 + ((bits >> 20) & 7)
-    subnormal = (v * 512.0).to(tl.int32)
+    # v * 512 is an integer 0..7 here: read it off the mantissa of 2**23 + v * 512 (no F2I)
+    subnormal = (v * 512.0 + 8388608.0).to(tl.int32, bitcast=True) & 0xF
     return tl.where(exponent >= -6, normal, subnormal)
 
 

@@ -27,13 +27,20 @@ from cedserve.kernels._jit_codecs import (
 
 
 @triton.jit
-def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr):
+def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr):
     """Scale of blocks with absolute maximum `amax` (float32, any shape) ->
-    (float32 scale, float32 1 / scale (exact; power-of-two scales only), int32 scale byte)."""
+    (float32 scale, float32 1 / scale (exact; power-of-two scales only), int32 scale byte).
+    `HW_FP8`: round to E4M3 with the GPU's cvt.rn.satfinite (sm89+) instead of by hand."""
     if FORMAT == FORMAT_MAIN:
         # E4M3 scale = RNE(min(max(amax, 6 * 2**-9) / 6, 448)); x / scale is a true division.
-        scale = _e4m3_round_magnitude(tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0))
-        scale_byte = _e4m3_magnitude_byte(scale)
+        t = tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
+        if HW_FP8:
+            scale_fp8 = t.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            scale = scale_fp8.to(tl.float32)
+            scale_byte = scale_fp8.to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            scale = _e4m3_round_magnitude(t)
+            scale_byte = _e4m3_magnitude_byte(scale)
         inv_scale = scale  # unused: the E4M3 scale is not a power of two
     else:
         if ELEM_BITS == 4:  # index keys: UE8M0 scale, E2M1 elements
@@ -46,7 +53,7 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr):
+def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr):
     """Element codes (int32: E2M1 0..15 or E4M3 0..255) of float32 `x` with broadcastable
     `scale` / `inv_scale`. For power-of-two scales, multiplying by the exact inverse equals the
     reference's division."""
@@ -56,18 +63,21 @@ def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.
         q = x * inv_scale
     if ELEM_BITS == 4:
         code = _e2m1_encode(tl.minimum(tl.maximum(q, -6.0), 6.0))
+    elif HW_FP8:
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         code = _e4m3_encode(tl.minimum(tl.maximum(q, -448.0), 448.0))
     return code
 
 
 @triton.jit
-def _quantize_words(x, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, CPW: tl.constexpr):
+def _quantize_words(x, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, CPW: tl.constexpr, HW_FP8: tl.constexpr):
     """Quantize float32 `x [T, NB, WPB, CPW]` (one scale block per `[WPB, CPW]`) ->
     (uint32 words `[T, NB, WPB]`, int32 scale bytes `[T, NB]`)."""
     amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [T, NB]
-    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS)
-    code = _quantize_elements(x, scale[:, :, None, None], inv_scale[:, :, None, None], FORMAT, ELEM_BITS)
+    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8)
+    code = _quantize_elements(x, scale[:, :, None, None], inv_scale[:, :, None, None], FORMAT, ELEM_BITS, HW_FP8)
     shifts = (tl.arange(0, CPW) * ELEM_BITS).to(tl.uint32)
     words = tl.sum(code.to(tl.uint32) << shifts[None, None, None, :], axis=3)  # disjoint bit fields
     return words, scale_byte
@@ -106,7 +116,7 @@ def _write_records_kernel(
     num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
     FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
     NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
-    BLOCK_T: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    BLOCK_T: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr, HW_FP8: tl.constexpr,
 ):
     """Quantize `x [num_tokens, NB * SCALE_BLOCK]` rows and store each as a record at its slot."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -120,7 +130,7 @@ def _write_records_kernel(
     row = tok.to(tl.int64) * x_row_stride
     mask = ok[:, None, None, None] & (b < NB)[None, :, None, None]
     x = tl.load(x_ptr + row[:, None, None, None] + channel[None, :, :, :], mask=mask, other=0.0)
-    words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW)
+    words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW, HW_FP8)
     _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB_P2, WPB, CODE_BYTES, WORD_STORES, SCALE_WORDS)
 
 

@@ -32,7 +32,14 @@ from torch import Tensor
 
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import record_format, write_records_reference
-from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, next_power_of_2, resolve_impl
+from cedserve.kernels.triton_support import (
+    Impl,
+    cdiv,
+    check_tensor,
+    hardware_fp8,
+    next_power_of_2,
+    resolve_impl,
+)
 
 _FLOATS = (torch.float32, torch.bfloat16)
 _ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -132,7 +139,7 @@ def _launch(op: str, kv: Tensor, gate: Tensor | None, ratio: int, act_dtype: tor
         RATIO=ratio, FORMAT=fmt.format_id, HALF=half, NB=nb, WPB=wpb, ROPE_PAIRS=cos.shape[1],
         ACT_ROUND=_ROUND_CODE[act_dtype], OUT_ROUND=_ROUND_CODE[out_dtype], BLOCK_G=block_g,
         WORD_STORES=word_stores, SCALE_WORDS=word_stores and nb % 4 == 0, WRITE_LATENT=latent is not None,
-        num_warps=4, enable_fp_fusion=False,
+        HW_FP8=hardware_fp8(kv.device), num_warps=4, enable_fp_fusion=False,
     )
 
 

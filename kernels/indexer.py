@@ -130,14 +130,15 @@ def _check_scores(q: Tensor, weights: Tensor, keys: IndexKeys) -> None:
 
 def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor | None = None,
                  width: int | None = None, block_max: int | None = None, write_scores: bool = True,
-                 softmax_scale: float | None = None, impl: Impl = "auto") -> tuple[Tensor | None, Tensor | None]:
+                 softmax_scale: float | None = None, out: Tensor | None = None, maxima_out: Tensor | None = None,
+                 impl: Impl = "auto") -> tuple[Tensor | None, Tensor | None]:
     """Index scores of `q [N, H, d]` (bf16) with head weights `weights [N, H]`.
 
     List mode (`entries [N, T]` int, -1 = none): scores `[N, T]`. Range mode (`width`): scores of
     entries `[0, width)`, `[N, width]`, and with `block_max=B` also the maxima of each block of `B`
     entries, `[N, cdiv(width, B)]` (`write_scores=False` skips the per-entry scores: level one of
     the top-k needs only the maxima). Returns `(scores or None, block maxima or None)`, float32,
-    -inf where masked."""
+    -inf where masked, written into `out` / `maxima_out` when given (float32, contiguous rows)."""
     _check_scores(q, weights, keys)
     if (entries is None) == (width is None):
         raise ValueError("index_scores: give exactly one of `entries` (list mode) or `width` (range mode)")
@@ -147,35 +148,36 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
             raise ValueError("index_scores: block maxima are a range-mode output")
     tokens = q.shape[0]
     device = q.device
-    if entries is None:
-        assert width is not None
-        entries_t = torch.arange(width, device=device).expand(tokens, width)
-    else:
-        entries_t = entries
-    num = entries_t.shape[1]
+    num = entries.shape[1] if entries is not None else int(width or 0)
     layer = resolve_impl(impl, "index_scores", q, weights, keys.records.storage, keys.block_table, keys.token_req,
                          keys.visible, *([entries] if entries is not None else []))
+    write = write_scores or entries is not None
+    num_maxima = cdiv(num, block_max) if block_max else 0
+    out = _output(out, (tokens, num), "out", device) if write else None
+    maxima_out = _output(maxima_out, (tokens, num_maxima), "maxima_out", device) if block_max else None
     if layer == "torch":
-        scores = index_scores_reference(q, weights, keys, entries_t, softmax_scale)
-        maxima = None
-        if block_max is not None:
+        listed = entries if entries is not None else torch.arange(num, device=device).expand(tokens, num)
+        scores = index_scores_reference(q, weights, keys, listed, softmax_scale)
+        if block_max is not None and maxima_out is not None:
             padded = F.pad(scores, (0, -num % block_max), value=float("-inf"))
-            maxima = padded.view(tokens, -1, block_max).amax(-1)
-        return (scores if write_scores or entries is not None else None), maxima
+            maxima_out.copy_(padded.view(tokens, -1, block_max).amax(-1))
+        if out is not None:
+            out.copy_(scores)
+        return out, maxima_out
     from cedserve.kernels import _indexer_kernels as k
 
     heads, dim = q.shape[1], q.shape[2]
     cand = block_max or 1
     if cand & (cand - 1):
         raise ValueError(f"index_scores: block_max must be a power of two, got {cand}")
-    write = write_scores or entries is not None
-    scores = torch.empty(tokens, num if write else 1, dtype=torch.float32, device=device)
-    maxima = torch.empty(tokens, cdiv(num, cand) if block_max else 1, dtype=torch.float32, device=device)
+    scores = out if out is not None else torch.empty(tokens, 1, dtype=torch.float32, device=device)
+    maxima = maxima_out if maxima_out is not None else torch.empty(tokens, 1, dtype=torch.float32, device=device)
     if tokens == 0 or num == 0:
-        return (scores if write else None), (maxima if block_max else None)
-    block_t = max(cand, 64)
+        return out, maxima_out
+    block_t = max(cand, 64 if interpreting() else 128)
+    tiles = min(8, cdiv(num, block_t))  # tiles per program: the token's queries are loaded once per span
     entries_arg = entries if entries is not None else keys.visible
-    k._index_scores_kernel[(tokens, cdiv(num, block_t))](
+    k._index_scores_kernel[(tokens, cdiv(num, block_t * tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0),
         keys.records.storage, keys.records.num_slots, keys.records.offset_bytes, keys.records.slots_per_block,
         keys.records.slot_stride_bytes, keys.records.block_stride_bytes,
@@ -183,11 +185,20 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         entries_arg, entries_arg.stride(0), num,
         scores, scores.stride(0), maxima, maxima.stride(0),
         heads, dim**-0.5 if softmax_scale is None else softmax_scale,
-        HALF=dim // 2, HEADS_P2=max(16, next_power_of_2(heads)), BLOCK_T=block_t, LIST_MODE=entries is not None,
-        CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None, DOT_F32=interpreting(),
-        num_warps=4,
+        HALF=dim // 2, HEADS_P2=max(16, next_power_of_2(heads)), BLOCK_T=block_t, TILES=tiles,
+        LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
+        DOT_F32=interpreting(), num_warps=4,
     )
-    return (scores if write else None), (maxima if block_max else None)
+    return out, maxima_out
+
+
+def _output(t: Tensor | None, shape: tuple[int, int], what: str, device: torch.device) -> Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if t.shape != shape or t.dtype != torch.float32 or (shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"index_scores: {what} must be float32 {list(shape)} with contiguous rows, got "
+                         f"{t.dtype} {list(t.shape)}")
+    return t
 
 
 # ------------------------------------------------------------------------------ selection

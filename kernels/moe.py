@@ -24,6 +24,9 @@ Implementations (`impl`):
 * "grouped_mm": `torch._grouped_mm` over the expert-sorted rows (bf16 weights only; on Hopper it
   is CUTLASS's grouped GEMM), SwiGLU in torch.
 * "torch": the reference, a loop over experts in float32 (:func:`moe_experts_reference`).
+
+:func:`moe_experts_per_pair` returns the per-(token, expert) outputs before the sum (what an
+expert-parallel combine ships back to the token's rank).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ class ExpertWeights:
         if w.dim() != 3 or not w.is_contiguous():
             raise ValueError(f"ExpertWeights.weight must be a contiguous [E, out, in] tensor, got {list(w.shape)}")
         if s is None:
-            if w.dtype not in (torch.bfloat16, torch.float16):
-                raise TypeError(f"ExpertWeights: unquantized weights must be bf16/fp16, got {w.dtype}")
+            if w.dtype != torch.bfloat16:
+                raise TypeError(f"ExpertWeights: unquantized weights must be bf16, got {w.dtype}")
             return
         if w.dtype != torch.uint8 or s.dtype != torch.uint8:
             raise TypeError(f"ExpertWeights: FP4 weight and scale must be uint8, got {w.dtype}/{s.dtype}")
@@ -109,7 +112,7 @@ class MoeConfig:
         block_m = self.block_m or (16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64)
         block_n = self.block_n or (64 if block_m <= 32 else 128)
         block_k = self.block_k or 128
-        return MoeConfig(block_m, block_n, block_k, self.num_warps or 4, self.num_stages or 3)
+        return MoeConfig(block_m, block_n, block_k, self.num_warps or 4, self.num_stages or 2)
 
 
 def _swiglu(gate_up: Tensor, inter: int, limit: float) -> Tensor:
@@ -120,20 +123,27 @@ def _swiglu(gate_up: Tensor, inter: int, limit: float) -> Tensor:
     return F.silu(gate) * up
 
 
-def moe_experts_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights,
-                          w2: ExpertWeights, swiglu_limit: float) -> Tensor:
-    """Torch reference of :func:`moe_experts`: per expert, float32 GEMMs on the dequantized
-    weights, bf16 rounding of the weighted activation and of the expert output (as the model)."""
-    tokens, hidden = x.shape
+def _per_pair_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights,
+                        swiglu_limit: float) -> Tensor:
+    """bf16 `[N, k, hidden]`: every pair's expert output, float32 GEMMs on the dequantized weights,
+    the weighted activation and the output rounded to `x.dtype` (as the model)."""
+    tokens, top_k = topk_ids.shape
     inter = w2.in_features
-    y = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
     w13_f, w2_f = w13.dequantize(), w2.dequantize()
     for expert in sorted(set(topk_ids.flatten().tolist())):
         rows, slot = torch.where(topk_ids == expert)
         h = _swiglu(x[rows].float() @ w13_f[expert].t(), inter, swiglu_limit)
         h = (topk_weights[rows, slot, None].float() * h).to(x.dtype)
-        y.index_add_(0, rows, (h.float() @ w2_f[expert].t()).to(x.dtype).float())
-    return y.to(x.dtype)
+        out[rows, slot] = (h.float() @ w2_f[expert].t()).to(x.dtype)
+    return out
+
+
+def moe_experts_reference(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights,
+                          w2: ExpertWeights, swiglu_limit: float) -> Tensor:
+    """Torch reference of :func:`moe_experts`: per expert, float32 GEMMs on the dequantized
+    weights, bf16 rounding of the weighted activation and of each expert's output, fp32 sum."""
+    return _per_pair_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit).float().sum(1).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,7 @@ def _moe_grouped_mm(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Expe
     down = torch._grouped_mm(h.to(x.dtype), w2.weight.transpose(1, 2), offs=offs)
     per_pair = torch.empty_like(down)
     per_pair[order] = down
-    return per_pair.view(tokens, top_k, -1).float().sum(1).to(x.dtype)
+    return per_pair.view(tokens, top_k, -1)
 
 
 def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights) -> None:
@@ -205,20 +215,37 @@ def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights
 
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights, *,
                 swiglu_limit: float, config: MoeConfig | None = None, impl: MoeImpl = "auto") -> Tensor:
-    """Routed-expert output `[N, hidden]` (bf16) of `x [N, hidden]` bf16 (module docstring).
-    Expert ids must lie in `[0, E)` (not checked on the device)."""
+    """Routed-expert output `[N, hidden]` (bf16) of `x [N, hidden]` bf16 (module docstring): the
+    per-pair outputs of :func:`moe_experts_per_pair` summed over `k` in fp32."""
     _check(x, topk_ids, topk_weights, w13, w2)
+    if impl == "torch" or (impl == "auto" and resolve_impl("auto", "moe_experts", x, w13.weight) == "torch"):
+        return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
+    per_pair = moe_experts_per_pair(x, topk_ids, topk_weights, w13, w2, swiglu_limit=swiglu_limit, config=config,
+                                    impl=impl)
+    return per_pair.float().sum(1).to(x.dtype)
+
+
+def moe_experts_per_pair(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights,
+                         *, swiglu_limit: float, out: Tensor | None = None, config: MoeConfig | None = None,
+                         impl: MoeImpl = "auto") -> Tensor:
+    """Each (token, expert) pair's weighted expert output, bf16 `[N, k, hidden]` (what an
+    expert-parallel combine sends back to the token's rank); `out` may be given (contiguous)."""
+    _check(x, topk_ids, topk_weights, w13, w2)
+    tokens, top_k = topk_ids.shape
+    hidden, inter = x.shape[1], w2.in_features
+    if out is None:
+        out = torch.empty(tokens, top_k, hidden, dtype=x.dtype, device=x.device)
+    elif out.shape != (tokens, top_k, hidden) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"moe_experts_per_pair: out must be a contiguous {[tokens, top_k, hidden]} {x.dtype} tensor")
     if impl == "grouped_mm":
         if w13.fp4:
             raise ValueError("moe_experts: impl='grouped_mm' needs bf16 weights")
-        return _moe_grouped_mm(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
+        return out.copy_(_moe_grouped_mm(x, topk_ids, topk_weights, w13, w2, swiglu_limit))
     layer: Impl = "triton" if impl == "triton" else "torch" if impl == "torch" else "auto"
-    if resolve_impl(layer, "moe_experts", x, topk_ids, topk_weights, w13.weight, w2.weight) == "torch":
-        return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit)
-    tokens, top_k = topk_ids.shape
-    hidden, inter = x.shape[1], w2.in_features
+    if resolve_impl(layer, "moe_experts", x, topk_ids, topk_weights, w13.weight, w2.weight, out) == "torch":
+        return out.copy_(_per_pair_reference(x, topk_ids, topk_weights, w13, w2, swiglu_limit))
     if tokens == 0:
-        return torch.zeros_like(x)
+        return out
     from cedserve.kernels import _moe_kernels as k
 
     cfg = (config or MoeConfig()).resolve(tokens * top_k, w13.num_experts)
@@ -226,7 +253,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWe
     plan = dispatch(topk_ids, w13.num_experts, cfg.block_m)
     tiles = plan.block_expert.shape[0]
     h = torch.empty(tiles * cfg.block_m, inter, dtype=x.dtype, device=x.device)
-    per_pair = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    per_pair = out.view(tokens * top_k, hidden)
     route_w = topk_weights.flatten().float().contiguous()
     s13 = w13.scale if w13.scale is not None else w13.weight
     s2 = w2.scale if w2.scale is not None else w2.weight
@@ -245,4 +272,4 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWe
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP4=w2.fp4, DOT_F32=dot_f32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return per_pair.view(tokens, top_k, hidden).float().sum(1).to(x.dtype)
+    return out

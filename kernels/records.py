@@ -37,7 +37,14 @@ from torch import Tensor
 
 from cedserve.kernels import reference as ref
 from cedserve.kernels.paged import PagedRecords
-from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, next_power_of_2, resolve_impl
+from cedserve.kernels.triton_support import (
+    Impl,
+    cdiv,
+    check_tensor,
+    hardware_fp8,
+    next_power_of_2,
+    resolve_impl,
+)
 
 RecordKind = Literal["main", "index", "swa"]
 
@@ -148,7 +155,7 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
         NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw,
         CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
         WORD_STORES=word_stores, SCALE_WORDS=word_stores and nb % 4 == 0 and nb == next_power_of_2(nb),
-        num_warps=4,
+        HW_FP8=hardware_fp8(x.device), num_warps=4,
     )
 
 

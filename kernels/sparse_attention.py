@@ -76,7 +76,7 @@ class AttentionConfig:
             target = 2 * num_sms(device) if device.type == "cuda" else 1
             num_splits = max(1, min(cdiv(target, max(programs, 1)), cdiv(keys, 4 * block_n)))
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
-        num_stages = self.num_stages or 2
+        num_stages = self.num_stages or 1  # 2 stages of gathered tiles may not fit at block_h 64
         return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages)
 
 
@@ -127,7 +127,7 @@ def _check_slots(slots: Tensor, tokens: int, what: str) -> None:
 def _check_inputs(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_slots: Tensor | None,
                   swa: PagedRecords | None, window_slots: Tensor | None, cos: Tensor, sin: Tensor) -> None:
     op = "sparse_attention"
-    check_tensor(q, f"{op}: q", dtypes=(torch.bfloat16, torch.float16), dim=3)
+    check_tensor(q, f"{op}: q", dtypes=(torch.bfloat16,), dim=3)
     tokens, heads, dim = q.shape
     half = dim // 2
     if dim % 32 or half & (half - 1):
@@ -156,7 +156,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
                      swa: PagedRecords | None, window_slots: Tensor | None, cos: Tensor, sin: Tensor, *,
                      softmax_scale: float | None = None, out: Tensor | None = None,
                      config: AttentionConfig | None = None, impl: Impl = "auto") -> Tensor:
-    """Attention of `q [N, H, D]` (bf16/fp16, RoPE applied) over each token's selected main-KV
+    """Attention of `q [N, H, D]` (bf16, RoPE applied) over each token's selected main-KV
     records and window records (module docstring). `topk_slots [N, K]`, `window_slots [N, W]`:
     int32/int64 slots of `main` / `swa` (-1 = none); either pair may be None (SWA-only layers have
     no main KV). `sink [H]`; `cos`/`sin` float32 `[N, rope_dim / 2]` of the query positions;
@@ -174,52 +174,82 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         return out
     if tokens == 0:
         return out
-    from cedserve.kernels import _sparse_attention_kernels as k
-
     num_topk = 0 if topk_slots is None else topk_slots.shape[1]
     num_win = 0 if window_slots is None else window_slots.shape[1]
-    cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device)
-    assert cfg.block_h and cfg.block_n and cfg.num_splits and cfg.num_warps and cfg.num_stages
-    splits = cfg.num_splits
-    main_chunk = cdiv(cdiv(num_topk, splits), cfg.block_n) * cfg.block_n
-    win_chunk = cdiv(cdiv(num_win, splits), cfg.block_n) * cfg.block_n
-    scale = dim**-0.5 if softmax_scale is None else softmax_scale
-    dummy_slots = torch.full((tokens, 1), -1, dtype=torch.int32, device=q.device)
     main_rec = main if main is not None else swa
     swa_rec = swa if swa is not None else main
     if main_rec is None or swa_rec is None:  # no keys at all: every row is the sink alone
         out.copy_(sparse_attention_reference(q, sink, None, None, None, None, cos, sin, softmax_scale))
         return out
-    topk = topk_slots if topk_slots is not None else dummy_slots
-    win = window_slots if window_slots is not None else dummy_slots
-    if splits > 1:
-        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
-    grid = (tokens, cdiv(heads, cfg.block_h), splits)
-    k._sparse_decode_attention_kernel[grid](
-        q, q.stride(0), q.stride(1), sink,
-        main_rec.storage, topk, topk.stride(0), num_topk, main_chunk,
-        main_rec.num_slots, main_rec.offset_bytes, main_rec.slots_per_block, main_rec.slot_stride_bytes,
-        main_rec.block_stride_bytes,
-        swa_rec.storage, win, win.stride(0), num_win, win_chunk,
-        swa_rec.num_slots, swa_rec.offset_bytes, swa_rec.slots_per_block, swa_rec.slot_stride_bytes,
-        swa_rec.block_stride_bytes,
-        cos, sin, cos.stride(0),
-        out, out.stride(0), out.stride(1),
-        part_acc, part_ml,
-        heads, scale * math.log2(math.e),
-        HALF=dim // 2, ROPE_PAIRS=cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, HAS_MAIN=num_topk > 0, HAS_SWA=num_win > 0, DOT_F32=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        k._combine_splits_kernel[(tokens, cdiv(heads, cfg.block_h))](
-            part_acc, part_ml, sink, cos, sin, cos.stride(0), out, out.stride(0), out.stride(1), heads,
-            HALF=dim // 2, ROPE_PAIRS=cos.shape[1], BLOCK_H=cfg.block_h, NUM_SPLITS=splits, num_warps=4,
-        )
+    dummy_slots = torch.full((tokens, 1), -1, dtype=torch.int32, device=q.device)
+    launch = _Launch(q, sink, main_rec, topk_slots if topk_slots is not None else dummy_slots, num_topk,
+                     swa_rec, window_slots if window_slots is not None else dummy_slots, num_win, cos, sin, out,
+                     dim**-0.5 if softmax_scale is None else softmax_scale)
+    cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device)
+    if config is not None:
+        launch.run(cfg)
+        return out
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        launch.run(cfg)
+    except OutOfResources:  # the default tile did not fit this GPU: halve the head block
+        launch.run(AttentionConfig(block_h=max(16, (cfg.block_h or 32) // 2), block_n=cfg.block_n,
+                                   num_splits=cfg.num_splits, num_warps=4, num_stages=1))
     return out
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """The tensors of one `sparse_attention` call, launched with a given config."""
+
+    q: Tensor
+    sink: Tensor
+    main: PagedRecords
+    topk: Tensor
+    num_topk: int
+    swa: PagedRecords
+    win: Tensor
+    num_win: int
+    cos: Tensor
+    sin: Tensor
+    out: Tensor
+    scale: float
+
+    def run(self, cfg: AttentionConfig) -> None:
+        from cedserve.kernels import _sparse_attention_kernels as k
+
+        assert cfg.block_h and cfg.block_n and cfg.num_splits and cfg.num_warps and cfg.num_stages
+        q, out, main, swa = self.q, self.out, self.main, self.swa
+        tokens, heads, dim = q.shape
+        splits = cfg.num_splits
+        main_chunk = cdiv(cdiv(self.num_topk, splits), cfg.block_n) * cfg.block_n
+        win_chunk = cdiv(cdiv(self.num_win, splits), cfg.block_n) * cfg.block_n
+        if splits > 1:  # per split: unnormalised accumulator [.., lo | hi] and (max, sum)
+            part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
+        else:
+            part_acc = part_ml = out  # unused
+        k._sparse_decode_attention_kernel[(tokens, cdiv(heads, cfg.block_h), splits)](
+            q, q.stride(0), q.stride(1), self.sink,
+            main.storage, self.topk, self.topk.stride(0), self.num_topk, main_chunk,
+            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
+            swa.storage, self.win, self.win.stride(0), self.num_win, win_chunk,
+            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
+            self.cos, self.sin, self.cos.stride(0),
+            out, out.stride(0), out.stride(1),
+            part_acc, part_ml,
+            heads, self.scale * math.log2(math.e),
+            HALF=dim // 2, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0, DOT_F32=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            k._combine_splits_kernel[(tokens, cdiv(heads, cfg.block_h))](
+                part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
+                out.stride(1), heads,
+                HALF=dim // 2, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, NUM_SPLITS=splits, num_warps=4,
+            )
 
 
 def window_slots_for_chunk(positions: Tensor, window: int, ring_slot_of: Tensor, first_position: int) -> Tensor:

@@ -75,6 +75,15 @@ def resolve_impl(impl: Impl, op: str, *tensors: Tensor) -> Literal["triton", "to
     return "triton"
 
 
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether kernels may round to E4M3 with the GPU's conversion instruction (sm89+, not in the
+    interpreter, whose float8 casts round differently); otherwise they round by hand. Both give
+    the reference's bytes (the GPU tests check the hardware path, the CPU tests the other)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(n - 1, 0).bit_length()

@@ -60,6 +60,7 @@ from cedserve.kv_transfer.transfers import (
     Chunk,
     Inflight,
     PeerState,
+    PostJob,
     RecvTransfer,
     SendTransfer,
     Transfer,
@@ -110,7 +111,7 @@ class NixlTransferAgent:
         self._backend = NixlBackend(name, config)
         self._backend.register(region.tensor)
         self.staging: StagingPool | None = None
-        if config.staging_slots > 0:
+        if config.staging_slots > 0 and self._pack_threshold > 0:
             self.staging = StagingPool.allocate(config.staging_slots, config.staging_slot_bytes,
                                                 region.tensor.device)
             self._backend.register(self.staging.tensor)
@@ -316,22 +317,24 @@ class NixlTransferAgent:
         t.closed = last
 
     def _next_chunk(self, t: SendTransfer) -> Chunk:
-        """Pop the head chunk; a direct one absorbs the direct chunks queued behind it, up to
-        `chunk_blocks`. While the link is the bottleneck, prefill pieces pile up and leave as fewer,
+        """Pop the head chunk, absorbing the chunks of the same kind queued behind it, up to
+        `chunk_blocks` (direct) or one staging slot (packed). While the link is the bottleneck, prefill pieces pile up and leave as fewer,
         larger NIXL requests (each costs a flush and a notification); an idle link sends at once."""
         head = t.queue.popleft()
-        if head.packed:
-            return head
+        limit = self.config.chunk_blocks
+        if head.packed:  # packed chunks merge up to one staging slot
+            assert self.staging is not None
+            limit = min(self.staging.slot_bytes, self._peers[t.peer].staging_slot_bytes) // self.region.block_bytes
         parts = [head]
         size = head.src.size
-        while t.queue and not t.queue[0].packed and size + t.queue[0].src.size <= self.config.chunk_blocks:
+        while t.queue and t.queue[0].packed == head.packed and size + t.queue[0].src.size <= limit:
             nxt = t.queue.popleft()
             parts.append(nxt)
             size += nxt.src.size
         if len(parts) == 1:
             return head
         return Chunk(first=head.first, src=np.concatenate([p.src for p in parts]),
-                     dst=np.concatenate([p.dst for p in parts]), packed=False, last=parts[-1].last)
+                     dst=np.concatenate([p.dst for p in parts]), packed=head.packed, last=parts[-1].last)
 
     def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
         """Abort the request in whichever role holds it; True if a live transfer was found."""
@@ -368,18 +371,23 @@ class NixlTransferAgent:
             return done
 
     def measure_raw(self, peer_name: str, nbytes: int, op: Literal["WRITE", "READ"] = "WRITE",
-                    probe_id: int = 0, timeout_s: float = 60.0) -> tuple[float, float]:
-        """One NIXL request of ONE descriptor of `nbytes` between the starts of our region and the
-        peer's: the benchmark's reference. Returns `(posted_s, done_s)` on this host's monotonic
-        clock; a WRITE carries a `Probe(probe_id)` notification whose arrival the peer records
-        (`probe_arrival`), so the rate can be taken where the bytes land. Overwrites those bytes:
-        benchmark only."""
+                    probe_id: int = 0, blocks: tuple[np.ndarray, np.ndarray] | None = None,
+                    timeout_s: float = 60.0) -> tuple[float, float]:
+        """One NIXL request, straight to NIXL (no chunks, no engine): ONE descriptor of `nbytes`
+        between the starts of our region and the peer's, or, with `blocks=(local_ids, peer_ids)`,
+        the descriptors this layout would use for those blocks. The benchmark's references. Returns
+        `(posted_s, done_s)` on this host's monotonic clock; a WRITE carries a `Probe(probe_id)`
+        notification whose arrival the peer records (`probe_arrival`), so the rate can be taken where
+        the bytes land. Overwrites those bytes: benchmark only."""
         with self._lock:
             peer = self._live_peer(peer_name)
-        if nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
+        if blocks is not None:
+            descs = block_descs(self.layout, self._local_address(), peer.kv, blocks[0], blocks[1])
+        elif nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
             raise ValueError(f"measure_raw: {nbytes} bytes exceed a region")
-        descs = single_desc(self.region.base_address, self.region.device_id, peer.kv.base_address,
-                            peer.kv.device_id, nbytes)
+        else:
+            descs = single_desc(self.region.base_address, self.region.device_id, peer.kv.base_address,
+                                peer.kv.device_id, nbytes)
         notif = encode_notice("", probe=pb.Probe(probe_id=probe_id)) if op == "WRITE" else b""
         start = time.monotonic()
         handle, status = self._backend.post(op, descs, mem_type(self.region.tensor), peer.kv_mem, peer_name, notif)
@@ -463,14 +471,26 @@ class NixlTransferAgent:
             self._check_liveness(time.monotonic())
         notices = self._backend.drain_notifs()
         now = time.monotonic()
+        jobs: list[PostJob] = []
         with self._lock:
             for peer_name, messages in notices.items():
                 for message in messages:
                     self._on_notice(peer_name, message, now)
             for s in list(self._sends.values()):
-                self._pump_send(s, now)
+                self._pump_send(s, jobs)
             for r in list(self._recvs.values()):
-                self._pump_recv(r, now)
+                self._pump_recv(r, jobs)
+        # Posting copies synchronously on some transports (TCP: tens of ms for a large chunk); the
+        # agent lock stays free meanwhile, so prefill threads keep queueing chunks (which then merge).
+        posted = [(job, *self._post(job)) for job in jobs]
+        now = time.monotonic()
+        with self._lock:
+            for job, handle, status, error in posted:
+                self._commit(job, handle, status, error)
+            for s in list(self._sends.values()):
+                self._advance_send(s, now)
+            for r in list(self._recvs.values()):
+                self._advance_recv(r, now)
             self._timers(now)
             self._retry_zombies()
             transfers = [*self._sends.values(), *self._recvs.values()]
@@ -492,22 +512,28 @@ class NixlTransferAgent:
 
     # ------------------------------------------------------------------ sender side
 
-    def _pump_send(self, t: SendTransfer, now: float) -> None:
+    def _pump_send(self, t: SendTransfer, jobs: list[PostJob]) -> None:
         while t.queue and not t.record.state.terminal:
             chunk = self._next_chunk(t)
-            if not self._post_chunk(t, chunk, t.next_seq):
+            outcome = self._prepare_chunk(t, chunk, t.next_seq)
+            if outcome is False:
                 t.queue.appendleft(chunk)  # waits for a staging slot or a credit
                 break
+            if isinstance(outcome, PostJob):
+                jobs.append(outcome)
             t.next_seq += 1
+
+    def _advance_send(self, t: SendTransfer, now: float) -> None:
         self._poll_inflight(t)
         if t.record.state.terminal:
             self._settle(t, now)
-        elif t.closed and not t.queue and not t.inflight:
+        elif t.closed and not t.queue and not t.inflight and not t.posting:
             t.record.advance(TransferState.DONE)
             self._finalize(t)
 
-    def _post_chunk(self, t: SendTransfer, c: Chunk, seq: int) -> bool:
-        """Post (WRITE) or announce (READ) one chunk; False if it must wait for a staging slot."""
+    def _prepare_chunk(self, t: SendTransfer, c: Chunk, seq: int) -> PostJob | bool:
+        """Announce a READ chunk (True), or build the WRITE of one (a `PostJob`); False when it must
+        wait for a staging slot or a receiver credit."""
         peer = self._peers[t.peer]
         if not self._peer_fresh(peer):
             return True  # the transfer failed with the peer
@@ -527,71 +553,97 @@ class NixlTransferAgent:
             if t.mode is TransferMode.WRITE:
                 remote_slot = t.credits.popleft()
                 t.slots_in_use.add(remote_slot)
+        t.record.num_chunks += 1
         if t.mode is TransferMode.READ:
             notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
                 seq=seq, first_index=c.first, num_blocks=n, block_ids=[] if c.packed else c.src.tolist(),
                 staging_slot=-1 if slot is None else slot, last=c.last, total_chunks=total))
-            if not self._notify(t.peer, notice):
-                return True  # the peer is dead; _peer_dead failed the transfer
-            t.inflight[seq] = Inflight(seq=seq, nbytes=n * bb, descriptors=0, local_slot=slot)
-            t.record.num_chunks += 1
+            if self._notify(t.peer, notice):  # on False the peer is dead and the transfer failed
+                t.inflight[seq] = Inflight(seq=seq, nbytes=n * bb, descriptors=0, local_slot=slot)
+            elif slot is not None and self.staging is not None:
+                self.staging.release(slot)
             return True
         notice = encode_notice(t.request_id, chunk_done=pb.ChunkDone(
             seq=seq, first_index=c.first, num_blocks=n, staging_slot=remote_slot, last=c.last,
             total_chunks=total))
         if n == 0:
             self._notify(t.peer, notice)
-            t.record.num_chunks += 1
             return True
-        if slot is not None:
-            descs = single_desc(self.staging.slot_address(slot) if self.staging else 0, self.region.device_id,
+        if slot is not None and self.staging is not None:
+            descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
                                 peer.staging_address(remote_slot), peer.staging_device, n * bb)
             remote_mem = peer.staging_mem
         else:
             descs = block_descs(self.layout, self._local_address(), peer.kv, c.src, c.dst)
             remote_mem = peer.kv_mem
+        t.posting += 1
+        return PostJob(t, seq, "WRITE", descs, remote_mem, notice, n * bb, slot, None)
+
+    def _post(self, job: PostJob) -> tuple[object, str, NixlCallError | None]:
+        """Phase two of a step, without the agent lock: hand one request to NIXL."""
         try:
-            handle, status = self._backend.post("WRITE", descs, mem_type(self.region.tensor), remote_mem,
-                                                t.peer, notice)
+            handle, status = self._backend.post(job.op, job.descs, mem_type(self.region.tensor), job.remote_mem,
+                                                job.transfer.peer, job.notif)
         except NixlCallError as exc:
-            if slot is not None and self.staging is not None:
-                self.staging.release(slot)
-            self._nixl_failed(t, exc)
-            return True
-        t.inflight[seq] = Inflight(seq=seq, nbytes=n * bb, descriptors=descs.count, handle=handle,
-                                   local_slot=slot)
-        t.record.num_descriptors += descs.count
-        t.record.num_chunks += 1
+            return None, "ERR", exc
+        return handle, status, None
+
+    def _commit(self, job: PostJob, handle: object, status: str, error: NixlCallError | None) -> None:
+        """Phase three: record a posted request (or its failure) on its transfer."""
+        t = job.transfer
+        t.posting -= 1
+        if error is not None:
+            if job.local_slot is not None and self.staging is not None:
+                self.staging.release(job.local_slot)
+            if not t.finalized:
+                self._nixl_failed(t, error)
+            return
+        if t.finalized:  # its peer died while we posted: nothing will land; drop the request
+            self._release_handle(handle, t.peer)
+            if job.local_slot is not None and self.staging is not None:
+                self.staging.release(job.local_slot)
+            return
+        t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descs.count, handle=handle,
+                                       local_slot=job.local_slot, scatter_ids=job.scatter_ids)
+        t.record.num_descriptors += job.descs.count
         if status == "ERR":
-            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, f"WRITE of chunk {seq} "
-                       "failed at post", tell_peer=True)
-        return True
+            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
+                       f"{job.op} of chunk {job.seq} failed at post", tell_peer=True)
+        elif t.record.state.terminal:
+            self._cancel_inflight(t)  # aborted while we posted
 
     def _local_address(self) -> RegionAddress:
         return RegionAddress(self.region.base_address, self.region.num_blocks, self.region.device_id)
 
     # ------------------------------------------------------------------ receiver side
 
-    def _pump_recv(self, t: RecvTransfer, now: float) -> None:
+    def _pump_recv(self, t: RecvTransfer, jobs: list[PostJob]) -> None:
         while t.reads and not t.record.state.terminal:
             ready = t.reads.popleft()
-            if not self._post_read(t, ready):
+            outcome = self._prepare_read(t, ready)
+            if outcome is False:
                 t.reads.appendleft(ready)  # waits for a local staging slot
                 break
+            if isinstance(outcome, PostJob):
+                jobs.append(outcome)
+
+    def _advance_recv(self, t: RecvTransfer, now: float) -> None:
         self._poll_inflight(t)
         if t.record.state.terminal:
             self._settle(t, now)
-        elif t.complete():
+        elif t.complete() and not t.posting:
             t.record.advance(TransferState.DONE)
             self._finalize(t)
 
-    def _post_read(self, t: RecvTransfer, m: pb.ChunkReady) -> bool:
+    def _prepare_read(self, t: RecvTransfer, m: pb.ChunkReady) -> PostJob | bool:
+        """Build the READ of one announced chunk; False when it must wait for a staging slot."""
         peer = self._peers[t.peer]
         if not self._peer_fresh(peer):
             return True
         bb = self.region.block_bytes
         dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
         consumed = encode_notice(t.request_id, chunk_consumed=pb.ChunkConsumed(seq=m.seq))
+        t.record.num_chunks += 1
         if m.num_blocks == 0:
             self._notify(t.peer, consumed)
             return True
@@ -603,6 +655,7 @@ class NixlTransferAgent:
                 return True
             slot = self.staging.acquire()
             if slot is None:
+                t.record.num_chunks -= 1
                 return False
             descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
                                 peer.staging_address(m.staging_slot), peer.staging_device, m.num_blocks * bb)
@@ -611,22 +664,9 @@ class NixlTransferAgent:
             src = np.asarray(m.block_ids, dtype=np.int64)
             descs = block_descs(self.layout, self._local_address(), peer.kv, dst, src)
             remote_mem = peer.kv_mem
-        try:
-            handle, status = self._backend.post("READ", descs, mem_type(self.region.tensor), remote_mem,
-                                                t.peer, consumed)
-        except NixlCallError as exc:
-            if slot is not None and self.staging is not None:
-                self.staging.release(slot)
-            self._nixl_failed(t, exc)
-            return True
-        t.inflight[m.seq] = Inflight(seq=m.seq, nbytes=m.num_blocks * bb, descriptors=descs.count, handle=handle,
-                                     local_slot=slot, scatter_ids=dst if slot is not None else None)
-        t.record.num_descriptors += descs.count
-        t.record.num_chunks += 1
-        if status == "ERR":
-            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, f"READ of chunk {m.seq} failed at post",
-                       tell_peer=True)
-        return True
+        t.posting += 1
+        return PostJob(t, m.seq, "READ", descs, remote_mem, consumed, m.num_blocks * bb, slot,
+                       dst if slot is not None else None)
 
     def _on_chunk_done(self, t: RecvTransfer, m: pb.ChunkDone) -> None:
         if t.mode is not TransferMode.WRITE or t.record.state.terminal:
@@ -817,22 +857,26 @@ class NixlTransferAgent:
             t.queue.clear()
         if t.initiator:
             t.reply = "abort" if tell_peer else None
-            for inf in list(t.inflight.values()):
-                if inf.handle is not None:
-                    try:  # ask NIXL to cancel; if it cannot, _poll_inflight waits for the end
-                        self._backend.release(inf.handle, t.peer)
-                    except NixlCallError:
-                        continue
-                    inf.handle = None
-                    if inf.local_slot is not None and self.staging is not None:
-                        self.staging.release(inf.local_slot)
-                    del t.inflight[inf.seq]
+            self._cancel_inflight(t)
         else:
             if tell_peer:
                 self._notify(t.peer, encode_notice(t.request_id, abort=pb.Abort(cause=cause_to_pb(cause),
                                                                                 detail=detail)))
             t.drain_until_s = time.monotonic() + self.config.abort_drain_s
         self._wake.set()
+
+    def _cancel_inflight(self, t: Transfer) -> None:
+        """Ask NIXL to cancel our requests; those it cannot cancel are polled to their end."""
+        for inf in list(t.inflight.values()):
+            if inf.handle is None:
+                continue
+            try:
+                self._backend.release(inf.handle, t.peer)
+            except NixlCallError:
+                continue
+            if inf.local_slot is not None and self.staging is not None:
+                self.staging.release(inf.local_slot)
+            del t.inflight[inf.seq]
 
     def _nixl_failed(self, t: Transfer, exc: NixlCallError) -> None:
         peer = self._peers.get(t.peer)
@@ -847,6 +891,8 @@ class NixlTransferAgent:
             return
         peer = self._peers.get(t.peer)
         peer_gone = peer is None or not peer.alive
+        if t.posting:
+            return  # a request of it is being handed to NIXL right now; decide after the commit
         if t.initiator:
             if t.inflight and not peer_gone:
                 return

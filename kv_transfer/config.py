@@ -54,10 +54,11 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     descriptors run at a few percent of the link, and 0 (never) for host memory, where they cost
     little (docs/benchmarks/kv-transfer-cpu.json measures both)."""
     staging_slots: int = 8
-    """Slots in this agent's staging buffer (0: no staging buffer, packing disabled)."""
+    """Slots in this agent's staging buffer (0: none, packing disabled). Allocated and registered only
+    when packing can happen (`pack_threshold` > 0)."""
     staging_slot_bytes: int = 16 << 20
     """Bytes per staging slot; a packed chunk is at most one slot."""
-    staging_slots_per_request: int = 2
+    staging_slots_per_request: int = 4
     """Receiver slots a WRITE reservation may hold at once (the sender's credits)."""
     lease_s: float = 30.0
     """Default lease of a reservation: the transfer fails with DEADLINE if not done by then."""

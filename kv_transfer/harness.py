@@ -160,6 +160,7 @@ class Worker:
         self.held: dict[str, np.ndarray] = {}  # receiver blocks holding DONE transfers
         self.send_errors: dict[str, str] = {}
         self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
+        self._copy_dst: torch.Tensor | None = None
 
     def _on_finish(self, result: TransferResult) -> None:
         with self.lock:
@@ -252,8 +253,15 @@ class Worker:
 
     def cmd_raw(self, a: dict[str, Any]) -> dict[str, Any]:
         """Single-descriptor NIXL requests: `(posted_s, done_s)` per rep (probe ids from `probe_base`)."""
-        times = [self.agent.measure_raw(a["peer"], a["nbytes"], a.get("op", "WRITE"), a.get("probe_base", 0) + i)
-                 for i in range(a.get("reps", 1))]
+        blocks = None
+        if a.get("alloc"):  # the descriptors of `num_blocks` blocks allocated like the cell's
+            n, peer_blocks = a["num_blocks"], a["peer_num_blocks"]
+            rng = np.random.default_rng(a.get("probe_base", 0))
+            pick = (lambda total: np.arange(n, dtype=np.int64)) if a["alloc"] == "contiguous" else (
+                lambda total: rng.choice(total, n, replace=False).astype(np.int64))
+            blocks = (pick(self.region.num_blocks), pick(peer_blocks))
+        times = [self.agent.measure_raw(a["peer"], a["nbytes"], a.get("op", "WRITE"), a.get("probe_base", 0) + i,
+                                        blocks) for i in range(a.get("reps", 1))]
         return {"times": times}
 
     def cmd_probe(self, a: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +270,9 @@ class Worker:
     def cmd_memcpy(self, a: dict[str, Any]) -> dict[str, Any]:
         """One in-process copy of `nbytes` of the pool (the bench's memory-copy reference)."""
         src = self.region.tensor[: a["nbytes"]]
-        dst = torch.empty_like(src)
+        if self._copy_dst is None or self._copy_dst.numel() < src.numel():
+            self._copy_dst = torch.ones_like(src)  # touched once: time the copy, not page faults
+        dst = self._copy_dst[: src.numel()]
         seconds = []
         for _ in range(a.get("reps", 1)):
             t0 = time.perf_counter()
@@ -378,8 +388,17 @@ class PeerProcess:
                                      text=True, bufsize=1, env=full_env)
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._next_id = 1
+        self._start_timeout_s = start_timeout_s
+        self._info: dict[str, Any] | None = None
         threading.Thread(target=self._read, daemon=True).start()
-        self.info = self._wait_reply(0, start_timeout_s)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The worker's `info` reply (name, control address, pid, ...), waiting for it to start.
+        Start several workers first and read `info` after, so they start in parallel."""
+        if self._info is None:
+            self._info = self._wait_reply(0, self._start_timeout_s)
+        return self._info
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -104,11 +104,24 @@ def _machine(device: str) -> dict[str, Any]:
     except ImportError:
         pass
     try:
+        with open("/proc/loadavg") as f:
+            info["loadavg_at_start"] = f.read().split()[:3]
+    except OSError:
+        pass
+    try:
         with open("/proc/meminfo") as f:
             info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
     return info
+
+
+def _loadavg() -> list[str]:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[:3]
+    except OSError:
+        return []
 
 
 def _has_dist(name: str) -> bool:
@@ -168,21 +181,33 @@ class Group:
         for p in [*self.senders, self.receiver]:
             p.close()
 
-    def reference(self, nbytes: int, mode: str) -> tuple[float, float]:
-        """Seconds of one raw single-descriptor NIXL request of `nbytes` and of one memcpy of them.
-        A raw WRITE is timed from its post on the sender to its notification's arrival on the
-        receiver (one clock on one host), like the transfers; a READ until done on the receiver."""
+    def reference(self, nbytes: int, mode: str, cell: Cell | None = None) -> float:
+        """Seconds of one NIXL request of `nbytes`, straight to NIXL: ONE descriptor, or with `cell`,
+        the descriptors the cell's layout and block allocation make (in one request: NIXL's own
+        cost of many descriptors). A WRITE is timed from its post on the sender to its notification's
+        arrival on the receiver (one clock on one host), like the transfers; a READ until done."""
+        extra: dict[str, Any] = {}
+        if cell is not None:
+            blocks = nbytes // self.block_bytes
+            extra = {"alloc": cell.alloc, "num_blocks": blocks}
+        probe = self._next_probe
+        self._next_probe += 1
         if mode == "write":
-            probe = self._next_probe
-            self._next_probe += 1
+            if extra:
+                extra["peer_num_blocks"] = self.receiver.info["num_blocks"]
             (posted, done), = self.senders[0].call("raw", peer="decode0", nbytes=nbytes, op="WRITE",
-                                                   probe_base=probe)["times"]
+                                                   probe_base=probe, **extra)["times"]
             if self.same_clock:
                 done = self.receiver.call("probe", probe_ids=[probe])["arrivals"][0]
         else:
-            (posted, done), = self.receiver.call("raw", peer="prefill0", nbytes=nbytes, op="READ")["times"]
-        copy = self.senders[0].call("memcpy", nbytes=nbytes)["seconds"][0]
-        return done - posted, copy
+            if extra:
+                extra["peer_num_blocks"] = self.senders[0].info["num_blocks"]
+            (posted, done), = self.receiver.call("raw", peer="prefill0", nbytes=nbytes, op="READ",
+                                                 probe_base=probe, **extra)["times"]
+        return float(done - posted)
+
+    def memcpy(self, nbytes: int) -> float:
+        return float(self.senders[0].call("memcpy", nbytes=nbytes)["seconds"][0])
 
     def run(self, cell: Cell, reps: int, stream_blocks: int, verify: bool) -> dict[str, Any]:
         blocks = cell.tokens // self.block_size_tokens
@@ -192,6 +217,7 @@ class Group:
         failures: list[str] = []
         verified: bool | None = None
         raw: list[float] = []
+        same: list[float] = []
         copy: list[float] = []
         nbytes = blocks * self.block_bytes
         for rep in range(reps):
@@ -235,19 +261,22 @@ class Group:
                         else max(e - st for e, st in walls))
                 gbps.append(done * blocks * self.block_bytes / wall / 1e9)
             # The references run right after each round, so load on a shared host hits both alike.
-            raw_s, copy_s = self.reference(nbytes, cell.mode)
-            raw.append(nbytes / raw_s / 1e9)
-            copy.append(nbytes / copy_s / 1e9)
+            raw.append(nbytes / self.reference(nbytes, cell.mode) / 1e9)
+            same.append(nbytes / self.reference(nbytes, cell.mode, cell) / 1e9)
+            copy.append(nbytes / self.memcpy(nbytes) / 1e9)
         out: dict[str, Any] = {**asdict(cell), "blocks_per_request": blocks, "bytes_per_request": nbytes,
                                "reps": reps, "gbps": _median(gbps), "gbps_best": max(gbps, default=0.0),
                                "raw_gbps": _median(raw), "raw_gbps_best": max(raw, default=0.0),
-                               "memcpy_gbps": _median(copy),
+                               "nixl_same_descs_gbps": _median(same), "memcpy_gbps": _median(copy),
+                               "gbps_all": [round(x, 3) for x in gbps], "raw_gbps_all": [round(x, 3) for x in raw],
                                "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3,
                                "descriptors_per_request": statistics.mean(descriptors) if descriptors else 0,
                                "verified": verified, "failures": failures[:5]}
         out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
         out["ratio_to_raw_best"] = out["gbps_best"] / out["raw_gbps_best"] if out["raw_gbps_best"] else 0.0
         out["ratio_to_memcpy"] = out["gbps"] / out["memcpy_gbps"] if out["memcpy_gbps"] else 0.0
+        out["ratio_to_nixl_same_descs"] = (out["gbps"] / out["nixl_same_descs_gbps"]
+                                           if out["nixl_same_descs_gbps"] else 0.0)
         return out
 
     block_size_tokens = 64
@@ -273,14 +302,16 @@ def _pct(values: list[float], q: float) -> float:
 
 def render_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'layout':<11} {'alloc':<10} {'pack':<4} {'mode':<5} {'tokens':>7} {'b':>2} {'fi':>2} "
-            f"{'GB/s':>6} {'raw':>6} {'ratio':>5} {'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'desc/req':>8} ok")
+            f"{'GB/s':>6} {'raw1':>6} {'ratio':>5} {'sameD':>6} {'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'desc/req':>8} ok")
     lines = [head, "-" * len(head)]
     for r in rows:
         tokens = f"{r['tokens'] // 1024}K" if r["tokens"] < 1 << 20 else f"{r['tokens'] >> 20}M"
         ok = "FAIL" if r["failures"] else ("v" if r["verified"] else "-")
         lines.append(f"{r['layout']:<11} {r['alloc']:<10} {r['pack']:<4} {r['mode']:<5} {tokens:>7} "
                      f"{r['batch']:>2} {r['fan_in']:>2} {r['gbps']:>6.2f} {r['raw_gbps']:>6.2f} "
-                     f"{r['ratio_to_raw']:>5.2f} {r['memcpy_gbps']:>6.2f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                     f"{r['ratio_to_raw']:>5.2f} {r['nixl_same_descs_gbps']:>6.2f} {r['memcpy_gbps']:>6.2f} "
+                     f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
                      f"{r['descriptors_per_request']:>8.0f} {ok}")
     return "\n".join(lines)
 
@@ -325,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     Group.block_size_tokens = args.block_size
     started = time.time()
+    machine = _machine(args.device)
     rows: list[dict[str, Any]] = []
     netns = NetnsPair().__enter__() if args.netns else None
     try:
@@ -350,12 +382,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_table(rows))
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "cedserve bench kv-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": _machine(args.device), "elapsed_s": round(time.time() - started, 1),
+           "machine": machine, "elapsed_s": round(time.time() - started, 1),
+           "loadavg_at_end": _loadavg(),
            "topology": ("two network namespaces, veth, UCX tcp" if args.netns else
                         f"hosts {args.hosts}" if args.hosts else "one host, loopback (UCX default transports)"),
-           "notes": ("gbps: aggregate bytes / wall of a round (median over reps); raw_gbps: one NIXL request "
+           "notes": ("gbps: aggregate bytes / wall of a round (median over reps); raw_gbps (raw1): one NIXL request "
                      "of ONE descriptor of bytes_per_request between the same processes, post to arrival "
-                     "of its notification at the receiver; memcpy_gbps: one "
+                     "of its notification at the receiver, measured right after each round; "
+                     "nixl_same_descs_gbps (sameD): one NIXL request of the descriptors the cell's layout and "
+                     "allocation make for one request (NIXL's own cost of many descriptors); memcpy_gbps: one "
                      "in-process copy of the same bytes; latency: sender open() to its on_finish"),
            "cells": rows}
     path = Path(args.json) if args.json else _default_json(args.device, args.netns)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cedserve.kv_transfer.descriptors import RegionAddress
+from cedserve.kv_transfer.descriptors import DescriptorPair, RegionAddress
 from cedserve.kv_transfer.nixl_backend import MemType
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.state import TransferRecord
@@ -74,6 +74,21 @@ Reply = Literal["abort", "ack"]
 
 
 @dataclass
+class PostJob:
+    """A NIXL request prepared under the agent lock and posted outside it (see `agent._step`)."""
+
+    transfer: Transfer
+    seq: int
+    op: Literal["WRITE", "READ"]
+    descs: DescriptorPair
+    remote_mem: MemType
+    notif: bytes
+    nbytes: int
+    local_slot: int | None
+    scatter_ids: np.ndarray | None
+
+
+@dataclass
 class Transfer:
     record: TransferRecord
     mode: TransferMode
@@ -86,6 +101,8 @@ class Transfer:
     peer_quiesced: bool = False
     drain_until_s: float | None = None
     finalized: bool = False
+    posting: int = 0
+    """Requests being handed to NIXL outside the lock right now."""
 
     @property
     def request_id(self) -> str:
@@ -93,7 +110,7 @@ class Transfer:
 
     def has_local_work(self) -> bool:
         """NIXL requests of ours in flight, or chunks waiting to be posted."""
-        return any(inf.handle is not None for inf in self.inflight.values())
+        return self.posting > 0 or any(inf.handle is not None for inf in self.inflight.values())
 
     @property
     def peer(self) -> str:

@@ -27,6 +27,7 @@ class Block(nn.Module):
         self.ffn = MoE(config)
         self.attn_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.tapped = spec.layer_id in config.dspark_target_layer_ids
         engram_ids = list(config.engram_layer_ids)
         self.engram_index = engram_ids.index(spec.layer_id) if spec.layer_id in engram_ids else None
         self.engram = (
@@ -62,10 +63,13 @@ class Block(nn.Module):
         normed: Tensor = self.attn_norm(hc_collapse(streams, pre_mix))
         return normed
 
-    def sublayers(self, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-        """Attention then MoE, each wrapped in mHC, on streams that already carry Engram:
-        `streams [S, hc, D]`, `pre_mix [S, hc]` (the previous site's pre) -> new streams and
-        this layer's FFN-site `pre`, which the next layer's attention collapses with."""
+    def forward(self, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """`streams [S, hc, D]`, `pre_mix [S, hc]` (the previous site's pre) -> new streams and
+        this layer's FFN-site `pre`, which the next layer's attention collapses with. At a DSpark
+        target layer, `ctx.taps` (when set) receives the streams entering the attention."""
+        streams = self.apply_engram(streams, ctx)
+        if self.tapped and ctx.taps is not None:
+            ctx.taps[self.spec.layer_id] = streams
         attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         attn_out = self.attn(self.attention_input(streams, pre_mix), ctx)
         streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
@@ -73,7 +77,3 @@ class Block(nn.Module):
         ffn_out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
-
-    def forward(self, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-        """Engram (where present), then `sublayers`."""
-        return self.sublayers(self.apply_engram(streams, ctx), pre_mix, ctx)

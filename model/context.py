@@ -26,6 +26,9 @@ class ForwardContext:
     engram_rows: Future[Tensor] | None = None
     """Engram table rows of the chunk, `[S, engram layers, columns, head_dim]`, started before
     layer 0 (possibly still being gathered on the store's thread); None without Engram."""
+    taps: dict[int, Tensor] | None = None
+    """When set, each `dspark_target_layer_ids` layer stores the streams entering its attention
+    (after Engram), `[S, hc, hidden]`."""
     selections: dict[int, Tensor | None] = field(default_factory=dict)
     """Index-source layer -> bool [S, T] picked entries (None: no entry visible yet)."""
     candidates: Tensor | None = None

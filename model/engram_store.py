@@ -6,9 +6,9 @@ position), so a chunk's rows are known before layer 0 runs. `EngramStore.prefetc
 on the store's own thread while the layers before the first Engram layer compute; the forward
 waits on the future only when it reaches that layer.
 
-Nothing is read at open time but the safetensors headers: each table is a `np.memmap` over its
-tensor's byte range, and indexing it with the chunk's ids touches only those rows' pages (the OS
-page cache keeps hot rows resident). Rows come back dequantized to the model's dtype with the same
+Nothing is read at open time but the safetensors headers: each table is a read-only numpy view of
+a memory map of its tensor's byte range (advised for random access), and indexing it with the
+chunk's ids touches only those rows' pages (the OS page cache keeps hot rows resident). Rows come back dequantized to the model's dtype with the same
 arithmetic as the in-memory path (`checkpoint.dequantize_weight`), so logits are bit-identical.
 
 Stored formats: F32 and BF16 tables (cast), F8_E4M3 tables with a `scale` companion
@@ -34,13 +34,12 @@ from cedserve.model.config import ModelConfig
 from cedserve.model.engram import ENGRAM_SCALE_BLOCK, dequantize_engram_rows
 from cedserve.model.safetensors_file import (
     CheckpointError,
+    RawArray,
     TensorInfo,
     memmap_tensor,
     raw_to_torch,
     read_header,
 )
-
-RawMap = np.memmap[tuple[int, ...], np.dtype[np.generic]]
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,9 @@ class MappedTable:
     [rows, head_dim / 32]`, both memory-mapped raw elements."""
 
     name: str
-    weight: RawMap
+    weight: RawArray
     weight_dtype: str  # safetensors dtype of `weight`
-    scale: RawMap | None
+    scale: RawArray | None
     scale_dtype: str
 
     @property

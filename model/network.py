@@ -98,7 +98,6 @@ class VerifySnapshot:
 
     before: StateSnapshot  # the sequence before the pass
     token_ids: Tensor  # int64 [K + 1]: the anchor and the drafts that were scored
-    taps: Tensor  # [K + 1, n_taps, hc, hidden] of the pass
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,10 @@ class Verification:
     """One verification pass: row k of `logits` scores the token after `token_ids[k]`."""
 
     logits: Tensor  # float32 [K + 1, vocab]
-    taps: Tensor  # [K + 1, n_taps, hc, hidden]
+    taps: Tensor
+    """[K + 1, n_taps, hc, hidden]: the drafter's context for the pass's positions. Extend the
+    `DraftState` with all rows and `truncate` it to the kept ones after `commit`: the kept rows
+    equal the committed state's up to float rounding (bit-equal when all or none are kept)."""
     snapshot: VerifySnapshot
 
 
@@ -167,12 +169,11 @@ class CEDModel(nn.Module):
         before = state.snapshot()
         tokens = self._token_tensor(token_ids)
         out = self.prefill_with_taps(tokens, state)
-        return Verification(out.logits, out.taps, VerifySnapshot(before, tokens, out.taps))
+        return Verification(out.logits, out.taps, VerifySnapshot(before, tokens))
 
-    def commit(self, state: SequenceState, snapshot: VerifySnapshot, num_tokens_kept: int) -> Tensor:
+    def commit(self, state: SequenceState, snapshot: VerifySnapshot, num_tokens_kept: int) -> None:
         """Leave `state` exactly, bit for bit, as if only the first `num_tokens_kept` tokens of the
-        verified chunk had been consumed (by one `prefill` of them). Returns their taps
-        `[num_tokens_kept, n_taps, hc, hidden]`, as the state now reflects them.
+        verified chunk had been consumed (by one `prefill` of them).
 
         Strategy: snapshot + re-run. The snapshot costs nothing (it holds references; state updates
         never write in place) and restores every window, the compressors' partial groups and global
@@ -193,11 +194,10 @@ class CEDModel(nn.Module):
         if not 0 <= num_tokens_kept <= total:
             raise ValueError(f"commit: num_tokens_kept must be in [0, {total}], got {num_tokens_kept}")
         if num_tokens_kept == total:
-            return snapshot.taps
+            return
         state.restore(snapshot.before)
-        if num_tokens_kept == 0:
-            return snapshot.taps[:0]
-        return self.prefill_with_taps(snapshot.token_ids[:num_tokens_kept], state).taps
+        if num_tokens_kept:
+            self.prefill(snapshot.token_ids[:num_tokens_kept], state)
 
     def decode_step(self, token_ids: Sequence[int], states: Sequence[SequenceState]) -> Tensor:
         """One token per sequence -> logits `[batch, vocab]`."""
@@ -343,22 +343,14 @@ class CEDModel(nn.Module):
     def _forward(self, token_ids: Tensor | Sequence[int], state: SequenceState, taps: dict[int, Tensor] | None) -> Tensor:
         """All layers over the next tokens; logits `[S, vocab]`; fills `taps` if given."""
         streams, pre_mix, _, ctx = self._begin(token_ids, state, write_global_kv=True)
-        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx, taps)
+        ctx.taps = taps
+        streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx)
         state.position += int(ctx.positions.shape[0])
         return self._logits(streams, pre_mix)
 
-    def _run(
-        self, layers: range, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext, taps: dict[int, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Run `layers` in order; `taps[layer]` gets the streams entering each DSpark target
-        layer's attention `[S, hc, hidden]`."""
-        tapped = set(self.config.dspark_target_layer_ids) if taps is not None else set()
+    def _run(self, layers: range, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         for layer_id in layers:
-            block = self._block(layer_id)
-            streams = block.apply_engram(streams, ctx)
-            if taps is not None and layer_id in tapped:
-                taps[layer_id] = streams
-            streams, pre_mix = block.sublayers(streams, pre_mix, ctx)
+            streams, pre_mix = self._block(layer_id)(streams, pre_mix, ctx)
         return streams, pre_mix
 
     def _logits(self, streams: Tensor, pre_mix: Tensor) -> Tensor:

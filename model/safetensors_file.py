@@ -12,6 +12,7 @@ Layout of a `.safetensors` file:
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,18 +83,30 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
-def memmap_tensor(info: TensorInfo) -> np.memmap[tuple[int, ...], np.dtype[np.generic]]:
-    """A read-only memory map of the tensor's raw elements (see `RAW_DTYPES`), shaped `info.shape`.
-    Nothing is read until rows are indexed."""
+RawArray = np.ndarray[tuple[int, ...], np.dtype[np.generic]]
+
+
+def memmap_tensor(info: TensorInfo) -> RawArray:
+    """A read-only numpy view, shaped `info.shape`, of the tensor's raw elements (see
+    `RAW_DTYPES`) in a memory map of its byte range (`.base` is the `mmap.mmap`). Nothing is
+    read until rows are indexed. The map is advised for random access: a lookup then reads the
+    pages of its rows only, not a readahead window around each (128 KiB or more per 512-B row)."""
     if info.dtype not in RAW_DTYPES:
         raise CheckpointError(f"tensor {info.name}: dtype {info.dtype} cannot be memory-mapped; "
                               f"supported: {', '.join(RAW_DTYPES)}")
     raw_dtype = RAW_DTYPES[info.dtype][0]
     if int(np.prod(info.shape)) * raw_dtype.itemsize != info.nbytes:
         raise CheckpointError(f"tensor {info.name}: {info.nbytes} bytes do not hold {info.dtype} {list(info.shape)}")
-    return np.memmap(info.path, dtype=raw_dtype, mode="r", offset=info.offset, shape=info.shape)
+    if info.nbytes == 0:
+        return np.empty(info.shape, dtype=raw_dtype)
+    start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY  # map offsets must be aligned
+    with info.path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_READ, offset=start)
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.ndarray(info.shape, dtype=raw_dtype, buffer=mapped, offset=info.offset - start)
 
 
-def raw_to_torch(values: np.ndarray[tuple[int, ...], np.dtype[np.generic]], dtype: str) -> Tensor:
+def raw_to_torch(values: RawArray, dtype: str) -> Tensor:
     """Rows gathered from a memory map (an in-memory copy) as a torch tensor of the stored dtype."""
     return torch.from_numpy(np.ascontiguousarray(values)).view(RAW_DTYPES[dtype][1])

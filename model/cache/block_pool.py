@@ -224,13 +224,28 @@ def gather_rows(storage: Tensor, rows: BlockIds) -> Tensor:
     return storage.index_select(0, torch.from_numpy(ids).to(storage.device))
 
 
+MAX_RUN_COPIES = 64
+"""Device -> host scatters into at most this many contiguous runs copy straight into the destination."""
+
+
 def scatter_rows(storage: Tensor, rows: BlockIds, values: Tensor) -> None:
-    """`storage[rows] = values` (`values` on any device), row copies at memcpy speed on CPU."""
+    """`storage[rows] = values` (`values` on any device), at memcpy/DMA speed.
+
+    Host -> device copies are issued on the current stream without waiting (`values` in pinned
+    memory makes them asynchronous: keep it alive and unmodified until the stream passes them).
+    Device -> host copies are done when this returns."""
     ids = as_block_ids(rows)
-    if storage.device.type == "cpu":
-        storage.numpy()[ids] = values.cpu().numpy()
-    else:
+    if storage.device.type != "cpu":
         storage.index_copy_(0, torch.from_numpy(ids).to(storage.device), values.to(storage.device, non_blocking=True))
+    elif values.device.type == "cpu":
+        storage.numpy()[ids] = values.numpy()
+    elif len(runs := contiguous_runs(ids)) <= MAX_RUN_COPIES:
+        done = 0
+        for start, n in runs.tolist():  # DMA straight into (pinned) destination rows
+            storage[start : start + n].copy_(values[done : done + n])
+            done += n
+    else:
+        storage.numpy()[ids] = values.cpu().numpy()
 
 
 def contiguous_runs(block_ids: BlockIds) -> IntArray:

@@ -146,6 +146,7 @@ class KVCacheManager:
         self._requests: dict[RequestId, _Request] = {}
         self._orphans: list[_Onload] = []
         self._spare_staging: torch.Tensor | None = None
+        self._spare_ready: torch.cuda.Event | None = None
         self._errors: list[BaseException] = []
         self.events.snapshot(self.holdings())  # seq 0 of every epoch: what survived the restart
 
@@ -436,7 +437,9 @@ class KVCacheManager:
     def _take_staging(self, n: int) -> torch.Tensor:
         spare = self._spare_staging
         if spare is not None and spare.shape[0] >= n:
-            self._spare_staging = None
+            if self._spare_ready is not None:
+                self._spare_ready.synchronize()  # its last copy to the device has been read
+            self._spare_staging, self._spare_ready = None, None
             return spare
         return torch.empty((n, self.layout.block_bytes), dtype=torch.uint8, pin_memory=self.pool.storage.is_cuda)
 
@@ -445,6 +448,10 @@ class KVCacheManager:
         spare = self._spare_staging
         if staging.shape[0] <= STAGING_KEEP_BLOCKS and (spare is None or staging.shape[0] > spare.shape[0]):
             self._spare_staging = staging
+            self._spare_ready = None
+            if self.pool.storage.is_cuda:  # an asynchronous host -> device copy may still read it
+                self._spare_ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self._spare_ready.record()
 
     def _disk(self) -> DiskTier:
         assert self.disk is not None
@@ -492,7 +499,8 @@ class KVCacheManager:
         for lo in range(0, new.size, self.host.num_blocks):
             part = new[lo : lo + self.host.num_blocks]
             part_hashes = [hashes[i] for i in part.tolist()]
-            evicted, evicted_bytes = self.host.put(part_hashes, gather_rows(self.pool.storage, block_ids[part]))
+            rows = gather_rows(self.pool.storage, block_ids[part])
+            evicted, evicted_bytes = self.host.put(part_hashes, rows, keep_evicted=self.disk is not None)
             self.metrics.offload_host_bytes += len(part_hashes) * self.layout.block_bytes
             self.metrics.evicted_host_blocks += len(evicted)
             self._spill(evicted, evicted_bytes, Tier.HOST)

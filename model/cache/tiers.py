@@ -81,13 +81,18 @@ class HostTier:
         return slot
 
     def read(self, slots: list[int]) -> Tensor:
-        """`uint8 [len(slots), block_bytes]` copy of the slots."""
-        return gather_rows(self.storage, slots)
+        """`uint8 [len(slots), block_bytes]` copy of the slots (pinned when the tier is, so the copy to
+        the device can run asynchronously; the caching host allocator keeps it alive until then)."""
+        if not self.storage.is_pinned():
+            return gather_rows(self.storage, slots)
+        out = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, pin_memory=True)
+        np.take(self.storage.numpy(), np.asarray(slots, dtype=np.int64), axis=0, out=out.numpy())
+        return out
 
-    def put(self, block_hashes: list[bytes], blocks: Tensor) -> tuple[list[bytes], Payload]:
+    def put(self, block_hashes: list[bytes], blocks: Tensor, keep_evicted: bool = True) -> tuple[list[bytes], Payload]:
         """Store `blocks` (`uint8 [k, block_bytes]`, any device) under new hashes, evicting the least
-        recently used blocks if needed. Returns the evicted hashes and a copy of their bytes
-        `uint8 [evicted, block_bytes]` (for the next tier down)."""
+        recently used blocks if needed. Returns the evicted hashes and, with `keep_evicted`, a copy of
+        their bytes `uint8 [evicted, block_bytes]` (for the next tier down; else an empty array)."""
         k = len(block_hashes)
         if k > self.num_blocks or blocks.shape[0] != k:
             raise ValueError(f"cannot put {k} blocks ({blocks.shape[0]} rows) into a host tier of {self.num_blocks}")
@@ -101,7 +106,8 @@ class HostTier:
             need = k - free.size
             victims = used[np.argpartition(self._stamp[used], need - 1)[:need]] if need < used.size else used
             evicted = [self._hashes[s].tobytes() for s in victims.tolist()]
-            evicted_bytes = gather_rows(self.storage, victims).numpy()
+            if keep_evicted:
+                evicted_bytes = gather_rows(self.storage, victims).numpy()
             for h in evicted:
                 del self._slot_of[h]
             self._used[victims] = False

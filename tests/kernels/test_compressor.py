@@ -21,7 +21,12 @@ from cedserve.kernels.compressor import (
     norm_rope_write_index_key,
 )
 from cedserve.kernels.paged import PagedRecords
-from cedserve.kernels.records import RecordKind, read_records_reference, record_format, write_records_reference
+from cedserve.kernels.records import (
+    RecordKind,
+    read_records_reference,
+    record_format,
+    write_records_reference,
+)
 
 pytestmark = pytest.mark.kernels
 CUDA = torch.cuda.is_available()

@@ -3,7 +3,7 @@ weights) and the torch grouped-matmul path against the float32 reference.
 
 Tolerance: every path accumulates in fp32 and rounds the weighted SwiGLU activation and each
 expert's output to bf16, like the reference, but sums in another order, so a rounding can flip:
-|out - ref| <= 1e-2 * max|ref| + 1e-2 * |ref|.
+|out - ref| <= 1e-2 * max|ref| + 1e-2 * |ref|. Per-pair outputs are NaN-poisoned before the launch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from cedserve.kernels.moe import ExpertWeights, MoeConfig, dispatch, moe_experts, moe_experts_reference
+from cedserve.kernels.moe import (
+    ExpertWeights,
+    MoeConfig,
+    dispatch,
+    moe_experts,
+    moe_experts_per_pair,
+    moe_experts_reference,
+)
 from cedserve.kernels.weight_formats import quantize_fp4_weight
 
 pytestmark = pytest.mark.kernels
@@ -52,10 +59,13 @@ def test_triton_matches_reference(fp4: bool, gen: torch.Generator, device: torch
     ids, weights = _routing(tokens, experts, top_k, gen, device)
     w13 = _weights(experts, 2 * inter, hidden, fp4, gen, device)
     w2 = _weights(experts, hidden, inter, fp4, gen, device)
+    config = MoeConfig(block_m=16, block_n=64, block_k=64)
+    per_pair = torch.full((tokens, top_k, hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    moe_experts_per_pair(x, ids, weights, w13, w2, swiglu_limit=1.0, out=per_pair, impl="triton", config=config)
+    ref_pairs = moe_experts_per_pair(x, ids, weights, w13, w2, swiglu_limit=1.0, impl="torch")
+    _check(per_pair, ref_pairs)  # every pair row written (NaN-poisoned), each close to its expert's output
     ref = moe_experts_reference(x, ids, weights, w13, w2, swiglu_limit=1.0)  # the clamps bite at 1.0
-    out = moe_experts(x, ids, weights, w13, w2, swiglu_limit=1.0, impl="triton",
-                      config=MoeConfig(block_m=16, block_n=64, block_k=64))
-    _check(out, ref)
+    _check(moe_experts(x, ids, weights, w13, w2, swiglu_limit=1.0, impl="triton", config=config), ref)
 
 
 def test_no_clamp_and_one_token(gen: torch.Generator, device: torch.device) -> None:

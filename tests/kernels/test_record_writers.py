@@ -156,7 +156,7 @@ def test_launcher_checks(device: torch.device) -> None:
         write_records("main", torch.zeros(2, 512, device=device), torch.zeros(3, dtype=torch.int64, device=device),
                       dest)
     with pytest.raises(ValueError, match="record kind"):
-        write_records("fp4", torch.zeros(2, 512, device=device), torch.zeros(2, dtype=torch.int64,  # type: ignore[arg-type]
+        write_records("fp4", torch.zeros(2, 512, device=device), torch.zeros(2, dtype=torch.int64,
                                                                              device=device), dest)
 
 

@@ -37,7 +37,7 @@ def _records(kind: str, slots: int, dim: int, gen: torch.Generator, device: torc
                          dtype=torch.uint8)
     rec = PagedRecords.region(pool, 48, entries_per_block, rb)
     x = torch.randn(rec.num_slots, dim, generator=gen, device=device) * 2
-    write_records_reference(kind, x, torch.arange(rec.num_slots, device=device), rec)  # type: ignore[arg-type]
+    write_records_reference(kind, x, torch.arange(rec.num_slots, device=device), rec)
     return rec
 
 
@@ -63,7 +63,7 @@ def _check(out: Tensor, ref: Tensor) -> None:
 
 def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, splits: int | None,
           block_n: int | None, gen: torch.Generator, device: torch.device, use_main: bool = True,
-          use_swa: bool = True) -> None:
+          use_swa: bool = True, block_h: int | None = None) -> None:
     main = _records("main", 3 * topk + 5, dim, gen, device) if use_main else None
     swa = _records("swa", 2 * window + 3, dim, gen, device) if use_swa else None
     # lengths: full, empty, partial (a request shorter than top-k, a window not yet full)
@@ -81,7 +81,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     sink = torch.randn(heads, generator=gen, device=device)
     cos, sin = _rope_tables(tokens, rope // 2, gen, device)
     out = torch.full_like(q, float("nan"))
-    config = AttentionConfig(num_splits=splits, block_n=block_n)
+    config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h)
     sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=config, impl="triton")
     _check(out, sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin))
 
@@ -94,7 +94,9 @@ def test_decode_small_head_dim(splits: int, gen: torch.Generator, device: torch.
 
 
 def test_decode_released_head_dim(gen: torch.Generator, device: torch.device) -> None:
-    _case(tokens=2, heads=16, dim=512, topk=24, window=20, rope=64, splits=2, block_n=16, gen=gen, device=device)
+    # 20 heads in blocks of 16: a full head block and a ragged one
+    _case(tokens=2, heads=20, dim=512, topk=24, window=20, rope=64, splits=2, block_n=16, gen=gen, device=device,
+          block_h=16)
 
 
 @pytest.mark.parametrize(("use_main", "use_swa"), [(False, True), (True, False)])

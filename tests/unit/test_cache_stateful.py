@@ -155,6 +155,8 @@ class CacheMachine(RuleBasedStateMachine):
         disk.drain()
         self.cache.poll()
         hashes = disk.hashes()
+        if not hashes:  # the poll may have dropped the last one (a failed orphaned read)
+            return
         path = block_path(self.dir, hashes[pick % len(hashes)])
         if not path.exists():
             return

@@ -1,0 +1,154 @@
+"""The transfer state machine, its results and errors; wire messages; staging; config; metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cedserve.kv_transfer.config import KVTransferConfig
+from cedserve.kv_transfer.errors import FailureCause, KVTransferError
+from cedserve.kv_transfer.metrics import TransferMetrics
+from cedserve.kv_transfer.protocol import Reservation, TransferMode
+from cedserve.kv_transfer.region import PROTOCOL_VERSION
+from cedserve.kv_transfer.staging import StagingPool, gather_blocks, scatter_blocks
+from cedserve.kv_transfer.state import (
+    ALLOWED_TRANSITIONS,
+    IllegalTransition,
+    Role,
+    TransferRecord,
+    TransferState,
+)
+from cedserve.kv_transfer.wire import decode_notice, encode_notice, reservation_from_pb, reservation_to_pb
+from cedserve.proto import kv_transfer_pb2 as pb
+
+S = TransferState
+
+
+def record(now: float = 10.0) -> TransferRecord:
+    return TransferRecord("req-1", Role.RECEIVER, "prefill0", (4, 5, 6), deadline_s=now + 30, on_finish=None,
+                          now_s=now)
+
+
+def test_state_machine_is_an_enum_with_three_terminal_states() -> None:
+    assert [s.value for s in S] == ["reserved", "transferring", "done", "failed", "aborted"]
+    assert {s for s in S if s.terminal} == {S.DONE, S.FAILED, S.ABORTED}
+    for s in S:
+        assert (not ALLOWED_TRANSITIONS[s]) == s.terminal
+
+
+@pytest.mark.parametrize(("path", "ok"), [
+    ([S.TRANSFERRING, S.DONE], True),
+    ([S.TRANSFERRING, S.FAILED], True),
+    ([S.ABORTED], True),
+    ([S.DONE], True),                       # an empty request finishes at once
+    ([S.DONE, S.FAILED], False),            # terminal is final
+    ([S.TRANSFERRING, S.RESERVED], False),  # no going back
+    ([S.FAILED, S.ABORTED], False),
+])
+def test_transitions(path: list[TransferState], ok: bool) -> None:
+    r = record()
+    if ok:
+        for s in path:
+            r.advance(s)
+        assert r.state is path[-1]
+    else:
+        with pytest.raises(IllegalTransition, match="req-1"):
+            for s in path:
+                r.advance(s)
+
+
+def test_first_failure_wins_and_result_carries_the_request_id() -> None:
+    r = record()
+    r.start_transferring(11.0)
+    assert r.fail(S.FAILED, KVTransferError("req-1", FailureCause.PEER_SILENT, "no heartbeat"))
+    assert not r.fail(S.ABORTED, KVTransferError("req-1", FailureCause.CANCELLED))
+    r.num_bytes = 2_000_000_000
+    result = r.finish(12.0)
+    assert result.state is S.FAILED and result.duration_s == pytest.approx(1.0)
+    assert result.gbps == pytest.approx(2.0)
+    with pytest.raises(KVTransferError) as exc:
+        result.raise_for_state()
+    assert exc.value.request_id == "req-1" and exc.value.cause is FailureCause.PEER_SILENT
+    assert "req-1" in str(exc.value) and "peer_silent" in str(exc.value)
+
+
+def test_error_names_its_fallback() -> None:
+    err = KVTransferError("r", FailureCause.DEADLINE, "lease", fallback="recompute")
+    assert "configured fallback: recompute" in str(err)
+
+
+def test_notice_round_trip_and_rejections() -> None:
+    data = encode_notice("r7", chunk_done=pb.ChunkDone(seq=3, first_index=64, num_blocks=32, staging_slot=-1))
+    notice = decode_notice(data)
+    assert notice.request_id == "r7" and notice.WhichOneof("body") == "chunk_done"
+    assert notice.chunk_done.num_blocks == 32 and notice.protocol_version == PROTOCOL_VERSION
+    with pytest.raises(ValueError, match="undecodable"):
+        decode_notice(b"\x80\x04\x95 pickled bytes are never loaded")
+    with pytest.raises(ValueError, match="protocol v99"):
+        decode_notice(pb.TransferNotice(protocol_version=99, heartbeat=pb.Heartbeat()).SerializeToString())
+    with pytest.raises(ValueError, match="without a body"):
+        decode_notice(pb.TransferNotice(protocol_version=PROTOCOL_VERSION).SerializeToString())
+
+
+def test_reservation_round_trip_and_validation() -> None:
+    r = Reservation("r1", "decode0", "prefill0", (9, 3, 4), TransferMode.READ, (1,), 2.5, "abc")
+    assert reservation_from_pb(pb.Reservation.FromString(reservation_to_pb(r).SerializeToString())) == r
+    with pytest.raises(ValueError, match="`mode`"):
+        reservation_from_pb(pb.Reservation(request_id="r1"))
+
+
+def test_staging_gather_scatter_round_trip() -> None:
+    blocks = torch.arange(20 * 8, dtype=torch.int64).remainder(256).to(torch.uint8).view(20, 8)
+    pool = StagingPool.allocate(2, 64, torch.device("cpu"))
+    slot = pool.acquire()
+    assert slot is not None and pool.free_slots == 1
+    ids = np.array([7, 2, 19], dtype=np.int64)
+    rows = pool.slot_rows(slot, 3, 8)
+    gather_blocks(blocks, ids, rows)
+    assert torch.equal(rows, blocks[torch.from_numpy(ids)])
+    target = torch.zeros_like(blocks)
+    scatter_blocks(target, np.array([0, 1, 2]), rows)
+    assert torch.equal(target[:3], blocks[torch.from_numpy(ids)])
+    pool.release(slot)
+    with pytest.raises(ValueError, match="not held"):
+        pool.release(slot)
+    with pytest.raises(ValueError, match="exceed"):
+        pool.slot_rows(0, 9, 8)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("chunk_blocks", 0, "chunk_blocks"),
+    ("control_port", 70000, "control_port"),
+    ("peer_timeout_s", 0.1, "peer_timeout_s"),  # fewer than two heartbeats fit
+    ("pack_below_bytes", -1, "pack_below_bytes"),
+])
+def test_config_validation_names_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_pack_threshold_by_memory_kind() -> None:
+    cfg = KVTransferConfig()
+    assert cfg.pack_threshold(device_memory=True) == 1 << 20
+    assert cfg.pack_threshold(device_memory=False) == 0
+    assert KVTransferConfig(pack_below_bytes=5).pack_threshold(False) == 5
+    assert KVTransferConfig(staging_slots=0, pack_below_bytes=5).pack_threshold(True) == 0
+
+
+def test_metrics_count_bytes_failures_and_ttft_share() -> None:
+    m = TransferMetrics()
+    ok = record()
+    ok.start_transferring(10.0)
+    ok.num_bytes, ok.num_descriptors = 1_000_000, 7
+    ok.advance(S.DONE)
+    m.record(ok.finish(10.5), "write")
+    bad = TransferRecord("req-2", Role.SENDER, "decode0", (), 100.0, None, 0.0)
+    bad.fail(S.FAILED, KVTransferError("req-2", FailureCause.PEER_DISCONNECTED, fallback="recompute"))
+    m.record(bad.finish(1.0), "write")
+    assert m.value("cedserve_kv_transfer_bytes_total", role="receiver", mode="write") == 1_000_000
+    assert m.value("cedserve_kv_transfer_descriptors_total", role="receiver") == 7
+    assert m.value("cedserve_kv_transfer_failures_total", role="sender", cause="peer_disconnected") == 1
+    assert m.value("cedserve_kv_transfer_fallbacks_total", to="recompute") == 1
+    assert m.observe_ttft("req-1", 2.0) == pytest.approx(0.25)
+    assert m.observe_ttft("req-1", 2.0) is None  # counted once
