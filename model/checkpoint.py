@@ -10,6 +10,9 @@ scale tensors) are ignored. Stored formats, all turned into the parameter's dtyp
 * FP8 linear weight + `<name>_scale_inv` (float32 per 128 x 128 tile): `kernels.weight_formats`.
 * FP4 expert weight (uint8 `[out, in/2]`) + `<name>_scale` (UE8M0 per 32): `kernels.weight_formats`.
 * FP8 Engram table + `<module>.scale` (one float per 32 channels of a row).
+
+With `load_model(..., engram="mmap")` the Engram tables are not loaded: an `EngramStore` serves
+their rows from memory maps of the same files, dequantized with the same arithmetic.
 """
 
 from __future__ import annotations

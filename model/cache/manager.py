@@ -319,6 +319,14 @@ class KVCacheManager:
             errors, self._errors = self._errors, []
             raise TierIOError(f"{len(errors)} disk-tier operations failed; first: {errors[0]!r}", errors)
 
+    def drain(self) -> None:
+        """Wait for every queued disk write, delete and abandoned read, then `poll`."""
+        if self.disk is not None:
+            self.disk.drain()
+        for onload in self._orphans:
+            onload.future.exception()  # waits; outcomes are per block, never raised
+        self.poll()
+
     def snapshot_events(self) -> KVEventBatch:
         """A snapshot batch (for a consumer that lost track): clears and restates every tier's blocks."""
         return self.events.snapshot(self.holdings())

@@ -45,10 +45,12 @@ def _twin(dest: PagedRecords) -> PagedRecords:
 
 
 def _check_records(kind: RecordKind, dest: PagedRecords, expected: PagedRecords, slots: Tensor) -> None:
-    skipped = torch.ones(dest.num_slots, dtype=torch.bool, device=slots.device)
-    skipped[slots[slots >= 0].long()] = False
-    idle = skipped.nonzero().flatten()
-    assert torch.equal(dest.gather(idle), expected.gather(idle)), "bytes outside the written records changed"
+    written = torch.zeros(dest.storage.numel(), dtype=torch.bool, device=slots.device)
+    starts = dest.byte_offsets(slots[slots >= 0])
+    written[(starts.unsqueeze(-1) + torch.arange(dest.record_bytes, device=slots.device)).flatten()] = True
+    outside = ~written
+    assert torch.equal(dest.storage.view(-1)[outside], expected.storage.view(-1)[outside]), \
+        "bytes outside the written records changed"
     got = read_records_reference(kind, dest, slots)
     want = read_records_reference(kind, expected, slots)
     differ = got != want

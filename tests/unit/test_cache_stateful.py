@@ -143,19 +143,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def flush_disk(self) -> None:
-        assert self.cache.disk is not None
-        self.cache.disk.drain()
-        self.cache.poll()
+        self.cache.drain()
 
-    @precondition(lambda self: self.cache.disk is not None and len(self.cache.disk) > 0)
     @rule(pick=st.integers(0, 100), truncate=st.booleans())
     def damage_file(self, pick: int, truncate: bool) -> None:
         disk = self.cache.disk
         assert disk is not None
-        disk.drain()
-        self.cache.poll()
+        self.cache.drain()
         hashes = disk.hashes()
-        if not hashes:  # the poll may have dropped the last one (a failed orphaned read)
+        if not hashes:
             return
         path = block_path(self.dir, hashes[pick % len(hashes)])
         if not path.exists():
