@@ -230,9 +230,7 @@ def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, device: str, r
         sync()
         start = time.perf_counter()
         cache.evict(num_blocks)
-        assert cache.disk is not None
-        cache.disk.drain()
-        cache.poll()
+        cache.drain()
         off.append(time.perf_counter() - start)
         cache.close()
         start = time.perf_counter()

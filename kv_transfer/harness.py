@@ -447,7 +447,10 @@ class PeerProcess:
         except OSError:
             return ""
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, graceful: bool = True) -> None:
+        """Ask the worker to close its agent and exit (`graceful`), or kill it."""
+        if self.proc.poll() is None and not graceful:
+            self.proc.kill()
         if self.proc.poll() is None:
             with contextlib.suppress(HarnessError, BrokenPipeError, OSError):  # it may be dying already
                 self.call("quit", timeout_s=timeout_s)

@@ -26,23 +26,36 @@ POOL = 800
 CONFIG = {"auth_token": "e2e-failures"}  # default liveness: heartbeats 0.15 s, peer timeout 0.9 s
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[PeerProcess, PeerProcess]]:
-    receiver = PeerProcess(WorkerSpec("decode0", POOL, config=CONFIG))
-    sender = PeerProcess(WorkerSpec("prefill0", POOL, config=CONFIG, seed=1))  # both start in parallel
-    sender.call("handshake", address=receiver.info["control_address"])
-    yield receiver, sender
-    for p in (receiver, sender):
-        if p.proc.poll() is None:
-            p.kill(signal.SIGCONT)
-        p.close()
+class Workers:
+    """Three workers started together (process start-up dominates these tests): `decode0` dies in
+    the first test; `prefill0` then serves `decode1` in the others, the last of which kills it."""
+
+    def __init__(self) -> None:
+        self.first_receiver = PeerProcess(WorkerSpec("decode0", POOL, config=CONFIG))
+        self.second_receiver = PeerProcess(WorkerSpec("decode1", POOL, config=CONFIG))
+        self.sender = PeerProcess(WorkerSpec("prefill0", POOL, config=CONFIG, seed=1))
+        for r in (self.first_receiver, self.second_receiver):
+            self.sender.call("handshake", address=r.info["control_address"])
+
+    def close(self) -> None:
+        for p in (self.first_receiver, self.second_receiver, self.sender):
+            if p.proc.poll() is None:
+                p.kill(signal.SIGCONT)
+            p.close(graceful=False)
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    yield w
+    w.close()
 
 
 def start_slow_transfer(receiver: PeerProcess, sender: PeerProcess, rid: str) -> None:
-    """600 blocks in 8-block pieces 50 ms apart: a prefill that runs for about 4 s."""
-    requests = [{"request_id": rid, "num_blocks": 600, "sender": "prefill0"}]
+    """300 blocks in 4-block pieces 50 ms apart: a prefill that runs for about 4 s."""
+    requests = [{"request_id": rid, "num_blocks": 300, "sender": "prefill0"}]
     reservations = receiver.call("reserve", requests=requests)["reservations"]
-    sender.call("send", reservations=reservations, stream_blocks=8, pace_s=0.05)
+    sender.call("send", reservations=reservations, stream_blocks=4, pace_s=0.05)
     time.sleep(0.6)  # mid-transfer
 
 
@@ -56,8 +69,8 @@ def assert_all_free(p: PeerProcess) -> None:
     assert free["free_blocks"] == POOL and free["active"] == 0 and free["held"] == 0, free
 
 
-def test_receiver_killed_mid_transfer(pair: tuple[PeerProcess, PeerProcess]) -> None:
-    receiver, sender = pair
+def test_receiver_killed_mid_transfer(workers: Workers) -> None:
+    receiver, sender = workers.first_receiver, workers.sender
     start_slow_transfer(receiver, sender, "kill-recv")
     start = time.monotonic()
     receiver.kill(signal.SIGKILL)
@@ -69,26 +82,14 @@ def test_receiver_killed_mid_transfer(pair: tuple[PeerProcess, PeerProcess]) -> 
     assert_all_free(sender)
 
 
-def test_sender_killed_mid_transfer(pair: tuple[PeerProcess, PeerProcess]) -> None:
-    receiver, sender = pair
-    start_slow_transfer(receiver, sender, "kill-send")
-    start = time.monotonic()
-    sender.kill(signal.SIGKILL)
-    result, elapsed = wait_survivor(receiver, "receiver", "kill-send", start)
-    assert result["state"] == "failed", result
-    assert result["cause"] in {"peer_disconnected", "peer_silent"}
-    assert "kill-send" in str(result["error"]) and "prefill0" in str(result["error"])
-    assert elapsed < 2.0, elapsed
-    assert_all_free(receiver)
-
-
-def test_silent_sender_is_declared_dead_and_both_sides_end_free(pair: tuple[PeerProcess, PeerProcess]) -> None:
-    receiver, sender = pair
+def test_silent_sender_is_declared_dead_and_both_sides_end_free(workers: Workers) -> None:
+    receiver, sender = workers.second_receiver, workers.sender
     start_slow_transfer(receiver, sender, "silent")
     start = time.monotonic()
     sender.kill(signal.SIGSTOP)
     result, elapsed = wait_survivor(receiver, "receiver", "silent", start)
     assert result["state"] == "failed" and result["cause"] == "peer_silent", result
+    assert "silent" in str(result["error"]) and "prefill0" in str(result["error"])
     assert elapsed < 2.0, elapsed
     assert_all_free(receiver)
     time.sleep(0.5)
@@ -98,4 +99,18 @@ def test_silent_sender_is_declared_dead_and_both_sides_end_free(pair: tuple[Peer
     assert result["state"] == "failed" and result["cause"] == "peer_silent", result
     assert elapsed < 2.0, elapsed
     assert_all_free(sender)
+    assert_all_free(receiver)
+    sender.call("handshake", address=receiver.info["control_address"])  # reconnect for the next test
+
+
+def test_sender_killed_mid_transfer(workers: Workers) -> None:
+    receiver, sender = workers.second_receiver, workers.sender
+    start_slow_transfer(receiver, sender, "kill-send")
+    start = time.monotonic()
+    sender.kill(signal.SIGKILL)
+    result, elapsed = wait_survivor(receiver, "receiver", "kill-send", start)
+    assert result["state"] == "failed", result
+    assert result["cause"] in {"peer_disconnected", "peer_silent"}
+    assert "kill-send" in str(result["error"]) and "prefill0" in str(result["error"])
+    assert elapsed < 2.0, elapsed
     assert_all_free(receiver)

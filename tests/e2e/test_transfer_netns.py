@@ -41,9 +41,7 @@ def hosts() -> Iterator[tuple[NetnsPair, PeerProcess, PeerProcess]]:
             yield ns, receiver, sender
         finally:
             for p in (sender, receiver):
-                if p.proc.poll() is None:
-                    p.kill(signal.SIGCONT)
-                p.close()
+                p.close(graceful=False)
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
