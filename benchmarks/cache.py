@@ -62,7 +62,8 @@ def machine() -> dict[str, Any]:
         pass
     out: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
                            "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-                           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+                           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                           "load_average_1m_at_start": os.getloadavg()[0]}
     return out
 
 
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cedserve-cache-bench-", dir=os.environ.get("CEDSERVE_BENCH_DIR")) as tmp:
         result = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
             "machine": machine(),
             "layout": {"block_size": BLOCK_SIZE, "block_bytes": layout.block_bytes, "regions": layout.describe()},
             "overhead": overhead(layout, bytes_per_token),

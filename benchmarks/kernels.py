@@ -72,6 +72,7 @@ from cedserve.kernels import records as rec_ops  # noqa: E402
 from cedserve.kernels.compressor import (  # noqa: E402
     compress_reference,
     compress_write_main_kv,
+    norm_rope_reference,
     norm_rope_write_index_key,
 )
 from cedserve.kernels.indexer import IndexKeys, index_scores, index_topk, index_topk_reference  # noqa: E402
@@ -266,6 +267,18 @@ def correctness(b: Bench) -> None:
     frac = differ.float().mean().item()
     b.check(f"compress_write_main_kv m=2 {groups}x512", lat_ok and frac <= 5e-3,
             f"latent {'ok' if lat_ok else 'OFF'}, {frac:.2e} of record values differ")
+    k = (torch.randn(groups, 128, device=dev) * 4).bfloat16()
+    kdest = _pool("index", 128, groups, 64, dev)
+    ktwin = PagedRecords(kdest.storage.clone(), kdest.record_bytes, kdest.slots_per_block, kdest.slot_stride_bytes,
+                         kdest.block_stride_bytes, kdest.offset_bytes)
+    kslots = torch.randperm(kdest.num_slots, device=dev)[:groups]
+    norm_rope_write_index_key(k, weight[:128], 1e-20, ang.cos(), ang.sin(), kslots, kdest, impl="triton")
+    rec_ops.write_records_reference("index", norm_rope_reference(k, weight[:128], 1e-20, ang.cos(), ang.sin()),
+                                    kslots, ktwin)
+    differ = (rec_ops.read_records_reference("index", kdest, kslots)
+              != rec_ops.read_records_reference("index", ktwin, kslots))
+    b.check(f"norm_rope_write_index_key {groups}x128", differ.float().mean().item() <= 5e-3,
+            f"{differ.float().mean().item():.2e} of record values differ")
 
     # indexer: scores and the two-level top-k
     tokens, width = (4, 512) if smoke else (16, 32768)

@@ -105,6 +105,7 @@ class NixlTransferAgent:
         self._callbacks: list[tuple[TransferRecord, FinishCallback | None]] = []
         self._zombies: list[tuple[object, str]] = []
         self._probes: OrderedDict[int, float] = OrderedDict()  # probe id -> arrival (monotonic)
+        self._awaited_probes: set[int] = set()
         self._next_heartbeat_s = 0.0
         self._pack_threshold = config.pack_threshold(region.device_memory)
 
@@ -279,6 +280,9 @@ class NixlTransferAgent:
         with self._lock:
             t = self._sends.get(request_id)
             if t is None:
+                ended = self._results.get((Role.SENDER, request_id))
+                if ended is not None and ended.error is not None:
+                    raise ended.error
                 raise KVTransferError(request_id, FailureCause.INVALID, "write_blocks on a transfer never opened "
                                       "or already finished")
             if t.record.state.terminal:
@@ -318,8 +322,9 @@ class NixlTransferAgent:
 
     def _next_chunk(self, t: SendTransfer) -> Chunk:
         """Pop the head chunk, absorbing the chunks of the same kind queued behind it, up to
-        `chunk_blocks` (direct) or one staging slot (packed). While the link is the bottleneck, prefill pieces pile up and leave as fewer,
-        larger NIXL requests (each costs a flush and a notification); an idle link sends at once."""
+        `chunk_blocks` (direct) or one staging slot (packed). While the link is the bottleneck,
+        prefill pieces pile up and leave as fewer, larger NIXL requests (each costs a flush and a
+        notification); an idle link gets each piece at once."""
         head = t.queue.popleft()
         limit = self.config.chunk_blocks
         if head.packed:  # packed chunks merge up to one staging slot
@@ -401,6 +406,13 @@ class NixlTransferAgent:
         if status != "DONE":
             raise RuntimeError(f"measure_raw: NIXL {op} ended {status}")
         return start, done
+
+    def expect_probe(self, probe_id: int) -> None:
+        """Poll as during a transfer until `Probe(probe_id)` arrives, so its arrival time is as sharp
+        as a chunk's."""
+        with self._lock:
+            self._awaited_probes.add(probe_id)
+        self._wake.set()
 
     def probe_arrival(self, probe_id: int, timeout_s: float = 10.0) -> float:
         """When `Probe(probe_id)` arrived here (monotonic), waiting up to `timeout_s` for it."""
@@ -496,7 +508,7 @@ class NixlTransferAgent:
             transfers = [*self._sends.values(), *self._recvs.values()]
             if any(t.has_local_work() for t in transfers):
                 return self.config.poll_interval_s
-            return self.config.target_poll_s if transfers else self.config.idle_poll_s
+            return self.config.target_poll_s if transfers or self._awaited_probes else self.config.idle_poll_s
 
     def _run_callbacks(self) -> None:
         with self._lock:
@@ -797,6 +809,7 @@ class NixlTransferAgent:
             return
         if kind == "probe":
             self._probes[notice.probe.probe_id] = now
+            self._awaited_probes.discard(notice.probe.probe_id)
             while len(self._probes) > 64:
                 self._probes.popitem(last=False)
             return

@@ -89,7 +89,7 @@ class _Servicer(pb_grpc.KVTransferControlServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ConnectionError as exc:
+        except (ConnectionError, RuntimeError) as exc:  # NIXL could not load the peer
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.HandshakeResponse(responder=info)
 

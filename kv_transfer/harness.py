@@ -264,6 +264,11 @@ class Worker:
                                         blocks) for i in range(a.get("reps", 1))]
         return {"times": times}
 
+    def cmd_expect_probe(self, a: dict[str, Any]) -> dict[str, Any]:
+        for p in a["probe_ids"]:
+            self.agent.expect_probe(p)
+        return {}
+
     def cmd_probe(self, a: dict[str, Any]) -> dict[str, Any]:
         return {"arrivals": [self.agent.probe_arrival(p) for p in a["probe_ids"]]}
 

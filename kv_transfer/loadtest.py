@@ -195,6 +195,8 @@ class Group:
         if mode == "write":
             if extra:
                 extra["peer_num_blocks"] = self.receiver.info["num_blocks"]
+            if self.same_clock:  # the receiver polls as during a transfer while it waits for the probe
+                self.receiver.call("expect_probe", probe_ids=[probe])
             (posted, done), = self.senders[0].call("raw", peer="decode0", nbytes=nbytes, op="WRITE",
                                                    probe_base=probe, **extra)["times"]
             if self.same_clock:

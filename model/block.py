@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -13,6 +15,10 @@ from cedserve.model.mhc import HcMix, hc_collapse, hc_expand, hc_mixes
 from cedserve.model.moe import MoE
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable
+
+MoEFn = Callable[[MoE, Tensor], Tensor]
+"""Runs one layer's MoE (routed + shared experts) over `x [N, hidden]` -> `[N, hidden]`. The default
+is `local_moe`; an expert-parallel engine passes its dispatch/compute/combine instead."""
 
 
 class Block(nn.Module):
@@ -77,3 +83,33 @@ class Block(nn.Module):
         ffn_out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
+
+    def forward_batch(self, streams: Tensor, pre_mix: Tensor, ctxs: Sequence[ForwardContext], sizes: Sequence[int],
+                      moe: MoEFn) -> tuple[Tensor, Tensor]:
+        """`forward` over several sequences' chunks at once, concatenated in `ctxs` order (`sizes`
+        rows each): attention runs per sequence (its own window and global KV), everything else
+        (Engram gating, mHC mixes, norms, the MoE through `moe`) over all rows together. `moe` is
+        called exactly once, even with no rows, so expert-parallel ranks stay in step."""
+        if not ctxs:
+            moe(self.ffn, self.ffn_norm(streams[:, 0]))
+            return streams, pre_mix
+        if self.engram is not None or self.tapped:
+            parts = [self.apply_engram(p, c) for p, c in zip(streams.split(list(sizes)), ctxs)]
+            for part, ctx in zip(parts, ctxs):
+                if self.tapped and ctx.taps is not None:
+                    ctx.taps[self.spec.layer_id] = part
+            streams = torch.cat(parts)
+        attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = self.attention_input(streams, pre_mix)
+        attn_out = torch.cat([self.attn(part, ctx) for part, ctx in zip(x.split(list(sizes)), ctxs)])
+        streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
+        ffn_mix = self._mix(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        ffn_out = moe(self.ffn, self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
+        streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
+        return streams, ffn_mix.pre
+
+
+def local_moe(ffn: MoE, x: Tensor) -> Tensor:
+    """The default `MoEFn`: every expert on this process."""
+    out: Tensor = ffn(x)
+    return out

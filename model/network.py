@@ -13,6 +13,9 @@ Entry points (all take and mutate a `SequenceState`; none keeps per-sequence dat
 * `prefill_with_taps(token_ids, state)`: `prefill` that also returns DSpark's taps.
 * `verify(token_ids, state)` / `commit(state, snapshot, num_tokens_kept)`: score an anchor and its
   drafts in one pass, then keep only the accepted prefix (see `commit` for how).
+* `forward_batch(items, moe)`: one pass over chunks of several sequences (prefill, decode, verify
+  or replay chunks, mixed), attention per sequence and everything else over all rows at once; the
+  MoE goes through `moe` (expert parallelism plugs in there).
 
 Engram rows are looked up by token ids only, so every entry point starts the lookup (on the
 `EngramStore`'s thread when the tables are memory-mapped) before layer 0 runs.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from cedserve.model.block import Block
+from cedserve.model.block import Block, MoEFn, local_moe
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.context import ForwardContext
 from cedserve.model.engram import Engram, EngramHasher
@@ -110,6 +113,19 @@ class Verification:
     `DraftState` with all rows and `truncate` it to the kept ones after `commit`: the kept rows
     equal the committed state's up to float rounding (bit-equal when all or none are kept)."""
     snapshot: VerifySnapshot
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's chunk in a `forward_batch` pass."""
+
+    token_ids: Tensor | Sequence[int]
+    state: SequenceState
+    taps: bool = False
+    """Also return the chunk's DSpark taps (as `prefill_with_taps`)."""
+    replay: bool = False
+    """Rebuild the bounded state from these last tokens instead of consuming new ones (as `replay`):
+    the state must already hold the tokens' global KV and be at the chunk's end position."""
 
 
 class CEDModel(nn.Module):
@@ -208,6 +224,34 @@ class CEDModel(nn.Module):
         return torch.cat([self.prefill([token], state)[-1:] for token, state in zip(token_ids, states)])
 
     @torch.no_grad()
+    def forward_batch(self, items: Sequence[BatchItem], moe: MoEFn = local_moe) -> list[TargetOutput]:
+        """One pass over every item's chunk: per item, logits `[S_i, vocab]` and (when asked) taps
+        `[S_i, n_taps, hc, hidden]` (else an empty tensor). Each state advances as `prefill` (or is
+        rebuilt as `replay`) would leave it, up to float rounding: row-wise results do not depend on
+        the other rows, but matmuls over more rows may round differently. `moe` is called once per
+        layer even for an empty batch, so expert-parallel ranks with nothing to run stay in step."""
+        begun = [self._begin_replay(it.token_ids, it.state) if it.replay
+                 else self._begin(it.token_ids, it.state, write_global_kv=True) for it in items]
+        taps: list[dict[int, Tensor]] = [{} for _ in items]
+        for (_, _, _, ctx), item, tap in zip(begun, items, taps):
+            ctx.taps = tap if item.taps else None
+        ctxs = [b[3] for b in begun]
+        sizes = [int(ctx.positions.shape[0]) for ctx in ctxs]
+        hidden, hc = self.config.hidden_size, self.config.hc_mult
+        device, dtype = self.embed.weight.device, self.embed.weight.dtype
+        streams = torch.cat([b[0] for b in begun]) if begun else torch.zeros(0, hc, hidden, device=device, dtype=dtype)
+        pre_mix = torch.cat([b[1] for b in begun]) if begun else torch.zeros(0, hc, device=device)
+        for layer_id in range(self.config.num_hidden_layers):
+            streams, pre_mix = self._block(layer_id).forward_batch(streams, pre_mix, ctxs, sizes, moe)
+        for item, size in zip(items, sizes):
+            if not item.replay:
+                item.state.position += size
+        logits = self._logits(streams, pre_mix).split(sizes) if items else ()
+        tap_ids = self.config.dspark_target_layer_ids
+        return [TargetOutput(rows, torch.stack([t[i] for i in tap_ids], dim=1) if item.taps else rows[:0])
+                for rows, item, t in zip(logits, items, taps)]
+
+    @torch.no_grad()
     def encode_chunk(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> EncodedChunk:
         """Run the encoder layers over the next tokens and write every KV source's global KV,
         the decoder's included. Decoder windows are left untouched (rebuild with
@@ -247,18 +291,7 @@ class CEDModel(nn.Module):
         from a prefill worker). Returns their logits `[n, vocab]`. Exact when the tokens cover
         the receptive field (`num_hidden_layers * (sliding_window - 1) + engram_max_ngram_size - 1`
         tokens, or the whole sequence); shorter spans are the bounded-replay approximation."""
-        tokens = self._token_tensor(token_ids)
-        start = state.position - int(tokens.shape[0])
-        if start < 0:
-            raise ValueError(f"replay of {tokens.shape[0]} tokens, but the sequence holds {state.position}")
-        for layer in state.swa:
-            state.swa[layer] = state.swa[layer][:0]
-        state.engram_tail = state.engram_tail[:0]
-        state.position = start  # the Engram history restarts at the span (n-grams cut at its start)
-        hash_ids = self._hash_ids(tokens, state)
-        state.position += int(tokens.shape[0])
-        ctx = self._context(torch.arange(start, state.position, device=tokens.device), state, False, hash_ids)
-        streams, pre_mix = self._embed(tokens)
+        streams, pre_mix, _, ctx = self._begin_replay(token_ids, state)
         streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx)
         return self._logits(streams, pre_mix)
 
@@ -329,6 +362,24 @@ class CEDModel(nn.Module):
         positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
         hash_ids = self._hash_ids(tokens, state)
         ctx = self._context(positions, state, write_global_kv, hash_ids)
+        streams, pre_mix = self._embed(tokens)
+        return streams, pre_mix, hash_ids, ctx
+
+    def _begin_replay(
+        self, token_ids: Tensor | Sequence[int], state: SequenceState
+    ) -> tuple[Tensor, Tensor, Tensor | None, ForwardContext]:
+        """`replay`'s start: clear the bounded state and set up a pass over the last tokens."""
+        tokens = self._token_tensor(token_ids)
+        start = state.position - int(tokens.shape[0])
+        if start < 0:
+            raise ValueError(f"replay of {tokens.shape[0]} tokens, but the sequence holds {state.position}")
+        for layer in state.swa:
+            state.swa[layer] = state.swa[layer][:0]
+        state.engram_tail = state.engram_tail[:0]
+        state.position = start  # the Engram history restarts at the span (n-grams cut at its start)
+        hash_ids = self._hash_ids(tokens, state)
+        state.position += int(tokens.shape[0])
+        ctx = self._context(torch.arange(start, state.position, device=tokens.device), state, False, hash_ids)
         streams, pre_mix = self._embed(tokens)
         return streams, pre_mix, hash_ids, ctx
 

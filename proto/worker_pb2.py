@@ -22,57 +22,62 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from cedserve.proto import kv_transfer_pb2 as kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x0b\x63\x65\x64serve.v1\"\x7f\n\x0b\x45rrorDetail\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.cedserve.v1.ErrorCode\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x10\n\x08logprobs\x18\x08 \x01(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x8e\x01\n\x0c\x44\x65\x63odeTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\"\xe4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x65\x66\x66ort\x18\x03 \x01(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12)\n\x06target\x18\x05 \x01(\x0b\x32\x19.cedserve.v1.DecodeTarget\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x04\x12\x13\n\x0breplay_span\x18\x07 \x01(\r\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.cedserve.v1.SamplingParams\"F\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8f\x01\n\x0bPrefillDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x03 \x01(\r\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\"\x9c\x01\n\x0cPrefillEvent\x12.\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.cedserve.v1.FirstTokenH\x00\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x18.cedserve.v1.PrefillDoneH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.cedserve.v1.ErrorDetailH\x00\x42\x07\n\x05\x65vent\"\x8b\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x9b\x01\n\x0cReserveReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x04\"\xe4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x0e\n\x06\x65\x66\x66ort\x18\x05 \x01(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.cedserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x13\n\x0breplay_span\x18\x08 \x01(\r\x12\x17\n\x0fprefill_locally\x18\t \x01(\x08\"J\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x03 \x01(\r\"m\n\x0e\x44\x65\x63odeComplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\"\x9d\x01\n\x0b\x44\x65\x63odeEvent\x12)\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.cedserve.v1.TokenChunkH\x00\x12/\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1b.cedserve.v1.DecodeCompleteH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.cedserve.v1.ErrorDetailH\x00\x42\x07\n\x05\x65vent\"5\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xf1\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x04\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x08 \x01(\x01\x12\x0e\n\x06step_s\x18\t \x03(\x01\x12\x12\n\nagent_name\x18\n \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x0b \x01(\t\"$\n\x0fKVEventsRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\"X\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x16\n\x0e\x65vents_msgpack\x18\x03 \x01(\x0c\x12\x10\n\x08snapshot\x18\x04 \x01(\x08*\x96\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\x05\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x06\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x07\x12\x1e\n\x1a\x45RROR_CODE_TRANSFER_FAILED\x10\x08\x32\x9f\x02\n\rPrefillWorker\x12\x43\n\x07Prefill\x12\x1b.cedserve.v1.PrefillRequest\x1a\x19.cedserve.v1.PrefillEvent0\x01\x12>\n\x06\x43\x61ncel\x12\x1a.cedserve.v1.CancelRequest\x1a\x18.cedserve.v1.CancelReply\x12<\n\x07GetLoad\x12\x18.cedserve.v1.LoadRequest\x1a\x17.cedserve.v1.LoadReport\x12K\n\x0eStreamKVEvents\x12\x1c.cedserve.v1.KVEventsRequest\x1a\x19.cedserve.v1.KVEventBatch0\x01\x32\xde\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x07Reserve\x12\x1b.cedserve.v1.ReserveRequest\x1a\x19.cedserve.v1.ReserveReply\x12@\n\x06\x44\x65\x63ode\x12\x1a.cedserve.v1.DecodeRequest\x1a\x18.cedserve.v1.DecodeEvent0\x01\x12>\n\x06\x43\x61ncel\x12\x1a.cedserve.v1.CancelRequest\x1a\x18.cedserve.v1.CancelReply\x12<\n\x07GetLoad\x12\x18.cedserve.v1.LoadRequest\x1a\x17.cedserve.v1.LoadReport\x12K\n\x0eStreamKVEvents\x12\x1c.cedserve.v1.KVEventsRequest\x1a\x19.cedserve.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x0b\x63\x65\x64serve.v1\x1a\x11kv_transfer.proto\"\x7f\n\x0b\x45rrorDetail\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.cedserve.v1.ErrorCode\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x10\n\x08logprobs\x18\x08 \x01(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seed\"\xbd\x01\n\x0c\x44\x65\x63odeTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12-\n\x0breservation\x18\x07 \x01(\x0b\x32\x18.cedserve.v1.Reservation\"\xe4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x65\x66\x66ort\x18\x03 \x01(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12)\n\x06target\x18\x05 \x01(\x0b\x32\x19.cedserve.v1.DecodeTarget\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x04\x12\x13\n\x0breplay_span\x18\x07 \x01(\r\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.cedserve.v1.SamplingParams\"F\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xbd\x01\n\x0bPrefillDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x03 \x01(\r\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12,\n\x07handoff\x18\x07 \x01(\x0b\x32\x1b.cedserve.v1.PrefillHandoff\"\xbf\x01\n\x0ePrefillHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x66irst_block_index\x18\x04 \x01(\r\x12\x17\n\x0fnum_blocks_sent\x18\x05 \x01(\r\x12\x13\n\x0breplay_span\x18\x06 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\r\x12\x15\n\rfirst_logprob\x18\x08 \x01(\x02\"\x9c\x01\n\x0cPrefillEvent\x12.\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.cedserve.v1.FirstTokenH\x00\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x18.cedserve.v1.PrefillDoneH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.cedserve.v1.ErrorDetailH\x00\x42\x07\n\x05\x65vent\"\xd4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x14\n\x0csender_agent\x18\x07 \x01(\t\x12\x1e\n\x16sender_control_address\x18\x08 \x01(\t\x12\x11\n\ttoken_ids\x18\t \x03(\r\"\xca\x01\n\x0cReserveReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x04\x12-\n\x0breservation\x18\x07 \x01(\x0b\x32\x18.cedserve.v1.Reservation\"\xe4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x0e\n\x06\x65\x66\x66ort\x18\x05 \x01(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.cedserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x13\n\x0breplay_span\x18\x08 \x01(\r\x12\x17\n\x0fprefill_locally\x18\t \x01(\x08\"\x7f\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x03 \x01(\r\x12\x33\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1d.cedserve.v1.TokenTopLogprobs\"7\n\x10TokenTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"m\n\x0e\x44\x65\x63odeComplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\"\x9d\x01\n\x0b\x44\x65\x63odeEvent\x12)\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.cedserve.v1.TokenChunkH\x00\x12/\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1b.cedserve.v1.DecodeCompleteH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.cedserve.v1.ErrorDetailH\x00\x42\x07\n\x05\x65vent\"5\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x8d\x03\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x04\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x08 \x01(\x01\x12\x0e\n\x06step_s\x18\t \x03(\x01\x12\x12\n\nagent_name\x18\n \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x0b \x01(\t\x12\x13\n\x0bheld_blocks\x18\x0c \x01(\r\x12\x15\n\rcached_blocks\x18\r \x01(\r\x12\x17\n\x0fqueued_requests\x18\x0e \x01(\r\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x0f \x01(\x01\x12\x1c\n\x14mean_accepted_tokens\x18\x10 \x01(\x01\x12\x1a\n\x12preempted_requests\x18\x11 \x01(\r\"$\n\x0fKVEventsRequest\x12\x11\n\tsince_seq\x18\x01 \x01(\x04\"X\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x16\n\x0e\x65vents_msgpack\x18\x03 \x01(\x0c\x12\x10\n\x08snapshot\x18\x04 \x01(\x08*\x96\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\x05\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x06\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x07\x12\x1e\n\x1a\x45RROR_CODE_TRANSFER_FAILED\x10\x08\x32\x9f\x02\n\rPrefillWorker\x12\x43\n\x07Prefill\x12\x1b.cedserve.v1.PrefillRequest\x1a\x19.cedserve.v1.PrefillEvent0\x01\x12>\n\x06\x43\x61ncel\x12\x1a.cedserve.v1.CancelRequest\x1a\x18.cedserve.v1.CancelReply\x12<\n\x07GetLoad\x12\x18.cedserve.v1.LoadRequest\x1a\x17.cedserve.v1.LoadReport\x12K\n\x0eStreamKVEvents\x12\x1c.cedserve.v1.KVEventsRequest\x1a\x19.cedserve.v1.KVEventBatch0\x01\x32\xde\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x07Reserve\x12\x1b.cedserve.v1.ReserveRequest\x1a\x19.cedserve.v1.ReserveReply\x12@\n\x06\x44\x65\x63ode\x12\x1a.cedserve.v1.DecodeRequest\x1a\x18.cedserve.v1.DecodeEvent0\x01\x12>\n\x06\x43\x61ncel\x12\x1a.cedserve.v1.CancelRequest\x1a\x18.cedserve.v1.CancelReply\x12<\n\x07GetLoad\x12\x18.cedserve.v1.LoadRequest\x1a\x17.cedserve.v1.LoadReport\x12K\n\x0eStreamKVEvents\x12\x1c.cedserve.v1.KVEventsRequest\x1a\x19.cedserve.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=2456
-  _globals['_ERRORCODE']._serialized_end=2734
-  _globals['_ERRORDETAIL']._serialized_start=29
-  _globals['_ERRORDETAIL']._serialized_end=156
-  _globals['_SAMPLINGPARAMS']._serialized_start=159
-  _globals['_SAMPLINGPARAMS']._serialized_end=350
-  _globals['_DECODETARGET']._serialized_start=353
-  _globals['_DECODETARGET']._serialized_end=495
-  _globals['_PREFILLREQUEST']._serialized_start=498
-  _globals['_PREFILLREQUEST']._serialized_end=726
-  _globals['_FIRSTTOKEN']._serialized_start=728
-  _globals['_FIRSTTOKEN']._serialized_end=798
-  _globals['_PREFILLDONE']._serialized_start=801
-  _globals['_PREFILLDONE']._serialized_end=944
-  _globals['_PREFILLEVENT']._serialized_start=947
-  _globals['_PREFILLEVENT']._serialized_end=1103
-  _globals['_RESERVEREQUEST']._serialized_start=1106
-  _globals['_RESERVEREQUEST']._serialized_end=1245
-  _globals['_RESERVEREPLY']._serialized_start=1248
-  _globals['_RESERVEREPLY']._serialized_end=1403
-  _globals['_DECODEREQUEST']._serialized_start=1406
-  _globals['_DECODEREQUEST']._serialized_end=1634
-  _globals['_TOKENCHUNK']._serialized_start=1636
-  _globals['_TOKENCHUNK']._serialized_end=1710
-  _globals['_DECODECOMPLETE']._serialized_start=1712
-  _globals['_DECODECOMPLETE']._serialized_end=1821
-  _globals['_DECODEEVENT']._serialized_start=1824
-  _globals['_DECODEEVENT']._serialized_end=1981
-  _globals['_CANCELREQUEST']._serialized_start=1983
-  _globals['_CANCELREQUEST']._serialized_end=2036
-  _globals['_CANCELREPLY']._serialized_start=2038
-  _globals['_CANCELREPLY']._serialized_end=2066
-  _globals['_LOADREQUEST']._serialized_start=2068
-  _globals['_LOADREQUEST']._serialized_end=2081
-  _globals['_LOADREPORT']._serialized_start=2084
-  _globals['_LOADREPORT']._serialized_end=2325
-  _globals['_KVEVENTSREQUEST']._serialized_start=2327
-  _globals['_KVEVENTSREQUEST']._serialized_end=2363
-  _globals['_KVEVENTBATCH']._serialized_start=2365
-  _globals['_KVEVENTBATCH']._serialized_end=2453
-  _globals['_PREFILLWORKER']._serialized_start=2737
-  _globals['_PREFILLWORKER']._serialized_end=3024
-  _globals['_DECODEWORKER']._serialized_start=3027
-  _globals['_DECODEWORKER']._serialized_end=3377
+  _globals['_ERRORCODE']._serialized_start=3148
+  _globals['_ERRORCODE']._serialized_end=3426
+  _globals['_ERRORDETAIL']._serialized_start=48
+  _globals['_ERRORDETAIL']._serialized_end=175
+  _globals['_SAMPLINGPARAMS']._serialized_start=178
+  _globals['_SAMPLINGPARAMS']._serialized_end=369
+  _globals['_DECODETARGET']._serialized_start=372
+  _globals['_DECODETARGET']._serialized_end=561
+  _globals['_PREFILLREQUEST']._serialized_start=564
+  _globals['_PREFILLREQUEST']._serialized_end=792
+  _globals['_FIRSTTOKEN']._serialized_start=794
+  _globals['_FIRSTTOKEN']._serialized_end=864
+  _globals['_PREFILLDONE']._serialized_start=867
+  _globals['_PREFILLDONE']._serialized_end=1056
+  _globals['_PREFILLHANDOFF']._serialized_start=1059
+  _globals['_PREFILLHANDOFF']._serialized_end=1250
+  _globals['_PREFILLEVENT']._serialized_start=1253
+  _globals['_PREFILLEVENT']._serialized_end=1409
+  _globals['_RESERVEREQUEST']._serialized_start=1412
+  _globals['_RESERVEREQUEST']._serialized_end=1624
+  _globals['_RESERVEREPLY']._serialized_start=1627
+  _globals['_RESERVEREPLY']._serialized_end=1829
+  _globals['_DECODEREQUEST']._serialized_start=1832
+  _globals['_DECODEREQUEST']._serialized_end=2060
+  _globals['_TOKENCHUNK']._serialized_start=2062
+  _globals['_TOKENCHUNK']._serialized_end=2189
+  _globals['_TOKENTOPLOGPROBS']._serialized_start=2191
+  _globals['_TOKENTOPLOGPROBS']._serialized_end=2246
+  _globals['_DECODECOMPLETE']._serialized_start=2248
+  _globals['_DECODECOMPLETE']._serialized_end=2357
+  _globals['_DECODEEVENT']._serialized_start=2360
+  _globals['_DECODEEVENT']._serialized_end=2517
+  _globals['_CANCELREQUEST']._serialized_start=2519
+  _globals['_CANCELREQUEST']._serialized_end=2572
+  _globals['_CANCELREPLY']._serialized_start=2574
+  _globals['_CANCELREPLY']._serialized_end=2602
+  _globals['_LOADREQUEST']._serialized_start=2604
+  _globals['_LOADREQUEST']._serialized_end=2617
+  _globals['_LOADREPORT']._serialized_start=2620
+  _globals['_LOADREPORT']._serialized_end=3017
+  _globals['_KVEVENTSREQUEST']._serialized_start=3019
+  _globals['_KVEVENTSREQUEST']._serialized_end=3055
+  _globals['_KVEVENTBATCH']._serialized_start=3057
+  _globals['_KVEVENTBATCH']._serialized_end=3145
+  _globals['_PREFILLWORKER']._serialized_start=3429
+  _globals['_PREFILLWORKER']._serialized_end=3716
+  _globals['_DECODEWORKER']._serialized_start=3719
+  _globals['_DECODEWORKER']._serialized_end=4069
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from cedserve.proto import kv_transfer_pb2 as _kv_transfer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -65,20 +66,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodeTarget(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "control_address", "lease_id", "block_ids", "num_cached_blocks")
+    __slots__ = ("worker_id", "agent_name", "control_address", "lease_id", "block_ids", "num_cached_blocks", "reservation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     control_address: str
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    reservation: _kv_transfer_pb2.Reservation
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "effort", "cache_salt", "target", "deadline_unix_ms", "replay_span", "sampling")
@@ -111,20 +114,42 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "bytes_sent", "prefill_s", "transfer_s")
+    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "bytes_sent", "prefill_s", "transfer_s", "handoff")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     bytes_sent: int
     prefill_s: float
     transfer_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+    handoff: PrefillHandoff
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., handoff: _Optional[_Union[PrefillHandoff, _Mapping]] = ...) -> None: ...
+
+class PrefillHandoff(_message.Message):
+    __slots__ = ("request_id", "lease_id", "num_tokens", "first_block_index", "num_blocks_sent", "replay_span", "first_token", "first_logprob")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SPAN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    num_tokens: int
+    first_block_index: int
+    num_blocks_sent: int
+    replay_span: int
+    first_token: int
+    first_logprob: float
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block_index: _Optional[int] = ..., num_blocks_sent: _Optional[int] = ..., replay_span: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "done", "error")
@@ -137,36 +162,44 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "max_tokens", "lease_ms", "cache_salt")
+    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "max_tokens", "lease_ms", "cache_salt", "sender_agent", "sender_control_address", "token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     max_tokens: int
     lease_ms: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    sender_agent: str
+    sender_control_address: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., sender_agent: _Optional[str] = ..., sender_control_address: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("lease_id", "agent_name", "control_address", "block_ids", "num_cached_blocks", "lease_deadline_unix_ms")
+    __slots__ = ("lease_id", "agent_name", "control_address", "block_ids", "num_cached_blocks", "lease_deadline_unix_ms", "reservation")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     agent_name: str
     control_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
     lease_deadline_unix_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    reservation: _kv_transfer_pb2.Reservation
+    def __init__(self, lease_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "effort", "sampling", "deadline_unix_ms", "replay_span", "prefill_locally")
@@ -191,14 +224,24 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., effort: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., replay_span: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "accepted_drafts")
+    __slots__ = ("token_ids", "logprobs", "accepted_drafts", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     accepted_drafts: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenTopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., accepted_drafts: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenTopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TokenTopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DecodeComplete(_message.Message):
     __slots__ = ("finish_reason", "output_tokens", "draft_tokens", "accepted_drafts")
@@ -241,7 +284,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "role", "seq", "queued_tokens", "running_requests", "free_blocks", "total_blocks", "prefill_tokens_per_s", "step_s", "agent_name", "control_address")
+    __slots__ = ("worker_id", "role", "seq", "queued_tokens", "running_requests", "free_blocks", "total_blocks", "prefill_tokens_per_s", "step_s", "agent_name", "control_address", "held_blocks", "cached_blocks", "queued_requests", "decode_tokens_per_s", "mean_accepted_tokens", "preempted_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +296,12 @@ class LoadReport(_message.Message):
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     seq: int
@@ -264,7 +313,13 @@ class LoadReport(_message.Message):
     step_s: _containers.RepeatedScalarFieldContainer[float]
     agent_name: str
     control_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., seq: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_s: _Optional[_Iterable[float]] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
+    held_blocks: int
+    cached_blocks: int
+    queued_requests: int
+    decode_tokens_per_s: float
+    mean_accepted_tokens: float
+    preempted_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., seq: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_s: _Optional[_Iterable[float]] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., held_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., queued_requests: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., preempted_requests: _Optional[int] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("since_seq",)

@@ -44,6 +44,14 @@ def expected_output_tokens(effort: int) -> float:
     return max(64.0, _OUTPUT_AT_EFFORT_25 + slope * (e - 25))
 
 
+class NoCapacityError(LookupError):
+    """No decode worker has room for the request's blocks (retry later)."""
+
+
+class NoWorkerError(LookupError):
+    """No worker can run the request at all (none healthy, and too long for decode-only)."""
+
+
 @dataclass(frozen=True)
 class PrefillLoad:
     """What the router knows about one prefill worker."""
@@ -144,14 +152,15 @@ def _decode_only_cost(req: RequestShape, d: DecodeLoad) -> Placement:
 
 def place(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], links: LinkRates,
           decode_only_max_tokens: int) -> Placement:
-    """The cheapest placement; `LookupError` when no decode worker has room for the request."""
+    """The cheapest placement; `NoCapacityError` when no decode worker has room for the request,
+    `NoWorkerError` when no placement exists at all."""
     fits = [d for d in decode if d.free_blocks >= req.num_blocks - d.cached_blocks]
     if not fits:
-        raise LookupError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
+        raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
     options = [_pair_cost(req, p, d, links) for p in prefill for d in fits]
     for d in fits:
         if req.prompt_len - d.cached_blocks * req.block_size <= decode_only_max_tokens:
             options.append(_decode_only_cost(req, d))
     if not options:
-        raise LookupError("no prefill worker is available and the prompt is too long for decode-only placement")
+        raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
     return min(options, key=lambda o: (o.cost_s, o.prefill_id or "", o.decode_id))

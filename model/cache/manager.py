@@ -440,7 +440,7 @@ class KVCacheManager:
             return None
         slots = [self.host.get(h) for h in hashes]
         assert all(s is not None for s in slots)
-        return self.host.read([s for s in slots if s is not None])
+        return self.host.read([s for s in slots if s is not None], self.pool.storage.device)
 
     def _take_staging(self, n: int) -> torch.Tensor:
         spare = self._spare_staging

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from cedserve.model.cache.background import IOWorker
-from cedserve.model.cache.block_pool import gather_rows, scatter_rows
+from cedserve.model.cache.block_pool import contiguous_runs, gather_rows, scatter_rows
 from cedserve.model.cache.disk_format import (
     SUFFIX,
     TMP_MARK,
@@ -80,13 +80,17 @@ class HostTier:
             self._clock += 1
         return slot
 
-    def read(self, slots: list[int]) -> Tensor:
-        """`uint8 [len(slots), block_bytes]` copy of the slots (pinned when the tier is, so the copy to
-        the device can run asynchronously; the caching host allocator keeps it alive until then)."""
-        if not self.storage.is_pinned():
+    def read(self, slots: list[int], device: torch.device) -> Tensor:
+        """`uint8 [len(slots), block_bytes]` copy of the slots on `device`. To a CUDA device the copies
+        run per contiguous run of slots straight from pinned memory, asynchronously on the current
+        stream: later writes into these slots are issued on the same stream, so they cannot overtake."""
+        if device.type == "cpu":
             return gather_rows(self.storage, slots)
-        out = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, pin_memory=True)
-        np.take(self.storage.numpy(), np.asarray(slots, dtype=np.int64), axis=0, out=out.numpy())
+        out = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8, device=device)
+        done = 0
+        for start, n in contiguous_runs(slots).tolist():
+            out[done : done + n].copy_(self.storage[start : start + n], non_blocking=True)
+            done += n
         return out
 
     def put(self, block_hashes: list[bytes], blocks: Tensor, keep_evicted: bool = True) -> tuple[list[bytes], Payload]:

@@ -1,0 +1,558 @@
+"""Server scaffolding shared by every cedserve process (prefill worker, decode worker, router).
+
+Nothing here knows a worker's internals; a worker plugs in through small callbacks. Contract:
+
+* `GrpcServer(host, port, max_workers)`: a `grpc.Server` with `grpc.health.v1.Health` registered
+  (services `""` and `"liveness"`, both `NOT_SERVING` until `health.set_ready(True)`), bound at
+  construction (port 0: a free one; `address` and `port` are the bound ones). Add servicers through
+  `server.grpc`, then `start()`. `stop(grace_s)` waits for the stop to finish.
+* `Health`: `set_ready(bool)` drives `""` (readiness/startup), `set_alive(bool)` drives `"liveness"`.
+* `start_metrics_server(host, port, registry)`: Prometheus `/metrics` over HTTP for one registry
+  (never the process-global one); returns the bound port (0: a free one).
+* `DrainController`: the single place that decides "we are draining". `install_signal_handlers()`
+  (main thread only) makes SIGTERM/SIGINT request a drain; `LifecycleServicer` serves `cedserve.v1.
+  Lifecycle.Drain` (loopback peers only). The owner calls `wait_requested()` in its main thread, then
+  drains its engine and calls `finish(drained)`; `Drain` RPCs block until `finish` or their timeout.
+* `KVEventFeed`: a thread-safe fan-out of `KVEventBatch`es. Pass `feed.publish` as the cache
+  manager's `event_sink`; serve `StreamKVEvents` with `feed.stream(since_seq, snapshot, context)`.
+* `RateMeter`: measured tokens/s over a sliding window (load reports); `SeqCounter` numbers reports.
+* Errors: raise `ServingError` (or a subclass) at the boundary; `error_detail(exc, request_id)`
+  maps it (and the cache's and transfer layer's typed errors) to an `ErrorDetail`; `status_code`
+  gives the gRPC status; `abort(context, detail)` ends a unary call with it, `fail_stream(context,
+  detail)` sets it as a stream's final status. Both attach the serialized `ErrorDetail` as trailing
+  metadata `cedserve-error-bin`, which `detail_from_rpc_error(err)` reads back on the client.
+* `load_worker_model(checkpoint, preset, seed)`: the model a worker serves and the `model_id` both
+  sides put in the KV compatibility hash (same checkpoint bytes or same preset+seed -> same id).
+  `read_serve_file(path, sections)`: the `ServeConfig` of a worker's `--config` file plus the raw
+  tables of the role's own sections (e.g. `[prefill]`, `[kv_transfer]`), which ServeConfig does not own.
+* `ready_line(role, **fields)`: the machine-readable line launchers wait for:
+  `CEDSERVE_READY {"role": ..., "address": ..., ...}` (one line of JSON after the marker).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from cedserve.config import ServeConfig
+from cedserve.kv_transfer.errors import FailureCause, KVTransferError
+from cedserve.model.cache.errors import CacheExhaustedError, UnknownRequestError
+from cedserve.model.cache.events import KVEventBatch, encode_batch
+from cedserve.model.network import CEDModel
+from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc
+from cedserve.proto import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+READY_MARKER = "CEDSERVE_READY"
+ERROR_METADATA_KEY = "cedserve-error-bin"
+LIVENESS_SERVICE = "liveness"
+DEFAULT_RETRY_AFTER_MS = 500
+
+# ------------------------------------------------------------------ errors
+
+
+class ServingError(Exception):
+    """A request-level failure with the `ErrorCode` the router acts on. `field` names the offending
+    request field for INVALID_ARGUMENT (e.g. "token_ids[3]")."""
+
+    code: int = wpb.ERROR_CODE_INTERNAL
+
+    def __init__(self, message: str, *, field: str = "", retry_after_ms: int = 0, request_id: str = "") -> None:
+        self.field = field
+        self.retry_after_ms = retry_after_ms
+        self.request_id = request_id
+        super().__init__(message)
+
+
+class InvalidArgumentError(ServingError):
+    code = wpb.ERROR_CODE_INVALID_ARGUMENT
+
+
+class ResourceExhaustedError(ServingError):
+    code = wpb.ERROR_CODE_RESOURCE_EXHAUSTED
+
+
+class DeadlineExceededError(ServingError):
+    code = wpb.ERROR_CODE_DEADLINE_EXCEEDED
+
+
+class UnavailableError(ServingError):
+    code = wpb.ERROR_CODE_UNAVAILABLE
+
+
+class CancelledError(ServingError):
+    code = wpb.ERROR_CODE_CANCELLED
+
+
+class NotFoundError(ServingError):
+    code = wpb.ERROR_CODE_NOT_FOUND
+
+
+_STATUS = {
+    wpb.ERROR_CODE_UNSPECIFIED: grpc.StatusCode.UNKNOWN,
+    wpb.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    wpb.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    wpb.ERROR_CODE_DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    wpb.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    wpb.ERROR_CODE_CANCELLED: grpc.StatusCode.CANCELLED,
+    wpb.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    wpb.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+    wpb.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
+}
+
+_TRANSFER_CODES = {
+    FailureCause.CANCELLED: wpb.ERROR_CODE_CANCELLED,
+    FailureCause.DEADLINE: wpb.ERROR_CODE_DEADLINE_EXCEEDED,
+    FailureCause.INVALID: wpb.ERROR_CODE_NOT_FOUND,
+    FailureCause.SHUTDOWN: wpb.ERROR_CODE_UNAVAILABLE,
+}
+
+
+def error_detail(exc: BaseException, request_id: str = "") -> wpb.ErrorDetail:
+    """The `ErrorDetail` for a typed error; anything unknown is INTERNAL (its text kept)."""
+    if isinstance(exc, ServingError):
+        return wpb.ErrorDetail(code=exc.code, field=exc.field, message=str(exc),
+                               retry_after_ms=exc.retry_after_ms, request_id=exc.request_id or request_id)
+    if isinstance(exc, CacheExhaustedError):
+        return wpb.ErrorDetail(code=wpb.ERROR_CODE_RESOURCE_EXHAUSTED, message=str(exc),
+                               retry_after_ms=DEFAULT_RETRY_AFTER_MS, request_id=exc.request_id or request_id)
+    if isinstance(exc, KVTransferError):
+        code = _TRANSFER_CODES.get(exc.cause, wpb.ERROR_CODE_TRANSFER_FAILED)
+        return wpb.ErrorDetail(code=code, message=str(exc), request_id=exc.request_id or request_id)
+    if isinstance(exc, UnknownRequestError):
+        return wpb.ErrorDetail(code=wpb.ERROR_CODE_NOT_FOUND, message=str(exc), request_id=request_id)
+    return wpb.ErrorDetail(code=wpb.ERROR_CODE_INTERNAL, message=f"{type(exc).__name__}: {exc}",
+                           request_id=request_id)
+
+
+def status_code(code: int) -> grpc.StatusCode:
+    """gRPC status for an `ErrorCode` value."""
+    return _STATUS.get(code, grpc.StatusCode.UNKNOWN)
+
+
+def _status_text(detail: wpb.ErrorDetail) -> str:
+    where = f" (field `{detail.field}`)" if detail.field else ""
+    return f"{detail.message}{where}"
+
+
+def fail_stream(context: grpc.ServicerContext, detail: wpb.ErrorDetail) -> None:
+    """Make `detail` the final status of a server stream (the handler then returns normally)."""
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, detail.SerializeToString()),))
+    context.set_code(status_code(detail.code))
+    context.set_details(_status_text(detail))
+
+
+def abort(context: grpc.ServicerContext, detail: wpb.ErrorDetail) -> None:
+    """End a unary call with `detail` (raises, as `context.abort` does)."""
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, detail.SerializeToString()),))
+    context.abort(status_code(detail.code), _status_text(detail))
+
+
+def detail_from_rpc_error(err: grpc.RpcError) -> wpb.ErrorDetail | None:
+    """The `ErrorDetail` a cedserve server attached to a failed call, if any."""
+    trailing: Any = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == ERROR_METADATA_KEY and isinstance(value, bytes):
+            return wpb.ErrorDetail.FromString(value)
+    return None
+
+
+# ------------------------------------------------------------------ gRPC server + health
+
+
+class Health:
+    """The two health services: `""` (startup, readiness) and `"liveness"`."""
+
+    def __init__(self) -> None:
+        self.servicer = health.HealthServicer(experimental_non_blocking=True)
+        self.set_ready(False)
+        self.set_alive(False)
+
+    def set_ready(self, ready: bool) -> None:
+        self.servicer.set("", _serving(ready))
+
+    def set_alive(self, alive: bool) -> None:
+        self.servicer.set(LIVENESS_SERVICE, _serving(alive))
+
+
+def _serving(flag: bool) -> Any:
+    return health_pb2.HealthCheckResponse.SERVING if flag else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class GrpcServer:
+    """A bound (not yet started) gRPC server with the health services registered."""
+
+    def __init__(self, host: str, port: int, max_workers: int = 16) -> None:
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
+        self.health = Health()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc)
+        bound = self.grpc.add_insecure_port(format_address(host, port))
+        if bound == 0:
+            raise OSError(f"gRPC server could not bind {format_address(host, port)}")
+        self.host = host
+        self.port = bound
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    def start(self) -> None:
+        self.grpc.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.health.servicer.enter_graceful_shutdown()
+        self.grpc.stop(grace_s).wait()
+
+
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> int:
+    """Serve `registry` at `http://host:port/metrics` from a daemon thread; returns the bound port.
+    A negative port disables the endpoint (returns -1)."""
+    if port < 0:
+        return -1
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
+
+
+def ready_line(role: str, address: str, **fields: object) -> str:
+    """`CEDSERVE_READY {json}`: printed (and flushed) once a process serves."""
+    return f"{READY_MARKER} " + json.dumps({"role": role, "address": address, **fields}, sort_keys=True)
+
+
+def parse_ready_line(line: str) -> dict[str, Any] | None:
+    """The JSON of a ready line, or None for any other line."""
+    if not line.startswith(READY_MARKER + " "):
+        return None
+    value: dict[str, Any] = json.loads(line[len(READY_MARKER) + 1:])
+    return value
+
+
+# ------------------------------------------------------------------ drain
+
+
+class DrainController:
+    """Drain state of one process. Thread-safe.
+
+    `request(reason)` flips to draining (idempotent); `wait_requested()` blocks the owner until then;
+    the owner drains and calls `finish(drained, in_flight)`; `wait_finished(timeout_s)` lets RPCs wait.
+    """
+
+    def __init__(self, health: Health | None = None, default_timeout_s: float = 30.0) -> None:
+        self.default_timeout_s = default_timeout_s
+        self._health = health
+        self._requested = threading.Event()
+        self._finished = threading.Event()
+        self._deadline_s = 0.0
+        self._drained = False
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def draining(self) -> bool:
+        return self._requested.is_set()
+
+    @property
+    def deadline_s(self) -> float:
+        """`time.monotonic()` by which the drain should end (valid once requested)."""
+        return self._deadline_s
+
+    def request(self, reason: str, timeout_s: float | None = None) -> None:
+        """Start draining: readiness turns NOT_SERVING at once. A second request can only shorten
+        the deadline."""
+        with self._lock:
+            deadline = time.monotonic() + (timeout_s if timeout_s else self.default_timeout_s)
+            if self._requested.is_set():
+                self._deadline_s = min(self._deadline_s, deadline)
+                return
+            self._deadline_s = deadline
+            log.info("drain requested (%s); deadline in %.1f s", reason, deadline - time.monotonic())
+            if self._health is not None:
+                self._health.set_ready(False)
+            self._requested.set()
+
+    def wait_requested(self, timeout_s: float | None = None) -> bool:
+        return self._requested.wait(timeout_s)
+
+    def finish(self, drained: bool, in_flight: int = 0) -> None:
+        with self._lock:
+            self._drained, self._in_flight = drained, in_flight
+        self._finished.set()
+
+    def wait_finished(self, timeout_s: float | None) -> tuple[bool, int]:
+        """(drained, requests left in flight); (False, -1) when the timeout passed first."""
+        if not self._finished.wait(timeout_s):
+            return False, -1
+        with self._lock:
+            return self._drained, self._in_flight
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT request a drain (a second SIGINT exits at once). Main thread only."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.draining:
+            raise KeyboardInterrupt
+        # Handlers run between bytecodes of the main thread: only set flags here.
+        threading.Thread(target=self.request, args=(signal.Signals(signum).name,), daemon=True).start()
+
+
+def is_loopback_peer(peer: str) -> bool:
+    """`context.peer()` strings: "ipv4:127.0.0.1:5", "ipv6:[::1]:5", "unix:..."."""
+    if peer.startswith("unix:"):
+        return True
+    if peer.startswith("ipv4:"):
+        return peer[5:].startswith("127.")
+    if peer.startswith("ipv6:"):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+        return host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+    return False
+
+
+class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):  # type: ignore[misc]  # untyped generated code
+    """`cedserve.v1.Lifecycle`: Drain, accepted from loopback peers only."""
+
+    def __init__(self, drain: DrainController) -> None:
+        self._drain = drain
+
+    def Drain(self, request: lifecycle_pb2.DrainRequest, context: grpc.ServicerContext) -> lifecycle_pb2.DrainReply:
+        if not is_loopback_peer(context.peer()):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "Drain is accepted only from a loopback peer")
+        timeout_s = request.timeout_s or self._drain.default_timeout_s
+        self._drain.request("Drain RPC", timeout_s)
+        remaining = context.time_remaining()
+        wait_s = timeout_s if remaining is None else min(timeout_s, max(0.0, remaining - 0.1))
+        drained, in_flight = self._drain.wait_finished(wait_s)
+        return lifecycle_pb2.DrainReply(drained=drained, in_flight=max(in_flight, 0))
+
+
+def add_lifecycle(server: GrpcServer, drain: DrainController) -> None:
+    lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleServicer(drain), server.grpc)
+
+
+def request_drain(address: str, timeout_s: float) -> lifecycle_pb2.DrainReply | None:
+    """Client side of `cedserve drain`: None when the process could not be reached in time."""
+    with grpc.insecure_channel(address) as channel:
+        stub = lifecycle_pb2_grpc.LifecycleStub(channel)
+        try:
+            reply: lifecycle_pb2.DrainReply = stub.Drain(lifecycle_pb2.DrainRequest(timeout_s=timeout_s),
+                                                         timeout=timeout_s + 1.0)
+        except grpc.RpcError as exc:
+            log.warning("drain of %s: %s", address, exc)
+            return None
+        return reply
+
+
+# ------------------------------------------------------------------ KV events
+
+
+class KVEventFeed:
+    """Fan-out of a worker's KV event batches to any number of `StreamKVEvents` calls.
+
+    `publish` is the cache manager's `event_sink` (called on the engine thread); each stream reads
+    from its own queue, so a slow router never blocks the engine. Keeps the last `keep` batches for
+    resumption by `since_seq`.
+    """
+
+    def __init__(self, keep: int = 1024, poll_s: float = 0.5) -> None:
+        self._cond = threading.Condition()
+        self._kept: collections.deque[KVEventBatch] = collections.deque(maxlen=keep)
+        self._queues: list[collections.deque[KVEventBatch]] = []
+        self._closed = False
+        self._poll_s = poll_s
+
+    def publish(self, batch: KVEventBatch) -> None:
+        with self._cond:
+            self._kept.append(batch)
+            for q in self._queues:
+                q.append(batch)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """End every stream (process shutdown)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def stream(self, since_seq: int, snapshot: Callable[[], KVEventBatch],
+               context: grpc.ServicerContext) -> Iterator[wpb.KVEventBatch]:
+        """Batches with `seq >= since_seq` (0, or batches no longer kept: a `snapshot()` instead), then
+        live ones until the call ends. `snapshot` must be safe to call from this thread."""
+        queue: collections.deque[KVEventBatch] = collections.deque()
+        with self._cond:
+            self._queues.append(queue)
+            backlog = self._backlog(since_seq)
+        try:
+            if backlog is None:
+                snap = snapshot()
+                backlog = [snap]
+                _drop_upto(queue, snap.seq)
+            yield from (_to_pb(b) for b in backlog)
+            while context.is_active():
+                batch = self._next(queue)
+                if batch is None and self._closed:
+                    return
+                if batch is not None:
+                    yield _to_pb(batch)
+        finally:
+            with self._cond:
+                self._queues.remove(queue)
+
+    def _backlog(self, since_seq: int) -> list[KVEventBatch] | None:
+        if since_seq == 0 or not self._kept or self._kept[0].seq > since_seq:
+            return None
+        return [b for b in self._kept if b.seq >= since_seq]
+
+    def _next(self, queue: collections.deque[KVEventBatch]) -> KVEventBatch | None:
+        with self._cond:
+            if not queue and not self._closed:
+                self._cond.wait(self._poll_s)
+            return queue.popleft() if queue else None
+
+
+def _drop_upto(queue: collections.deque[KVEventBatch], seq: int) -> None:
+    while queue and queue[0].seq <= seq:
+        queue.popleft()
+
+
+def _to_pb(batch: KVEventBatch) -> wpb.KVEventBatch:
+    return wpb.KVEventBatch(worker_id=batch.worker_id, seq=batch.seq, events_msgpack=encode_batch(batch),
+                            snapshot=batch.is_snapshot)
+
+
+# ------------------------------------------------------------------ load bookkeeping
+
+
+class RateMeter:
+    """Tokens (or steps) per second measured over the last `window_s` seconds. Thread-safe."""
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: collections.deque[tuple[float, float, int]] = collections.deque()  # (start, end, n)
+        self._lock = threading.Lock()
+
+    def record(self, amount: int, busy_s: float) -> None:
+        """`amount` units done in the last `busy_s` seconds of work."""
+        now = self._clock()
+        with self._lock:
+            self._samples.append((now - busy_s, now, amount))
+            self._trim(now)
+
+    def rate(self) -> float:
+        """Units per second of busy time in the window (0.0 with no samples): a capacity, not a load."""
+        with self._lock:
+            self._trim(self._clock())
+            busy = sum(end - start for start, end, _ in self._samples)
+            done = sum(n for _, _, n in self._samples)
+        return done / busy if busy > 0 else 0.0
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][1] < now - self.window_s:
+            self._samples.popleft()
+
+
+class SeqCounter:
+    """Monotonic sequence numbers for load reports (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a started process listens (what the ready line reports)."""
+
+    grpc_address: str
+    metrics_port: int
+
+
+# ------------------------------------------------------------------ model and config files
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CEDModel
+    model_id: str
+    """Names the weights: goes into the KV transfer compatibility hash (`KVLayout.from_config`)."""
+    source: str
+
+
+def checkpoint_identity(folder: str | Path) -> str:
+    """sha256 (16 hex) over config.json and every shard's size and safetensors header (names, shapes,
+    offsets, writer metadata): two copies of one checkpoint agree without hashing gigabytes."""
+    folder = Path(folder)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for shard in sorted(folder.glob("*.safetensors")):
+        with shard.open("rb") as f:
+            head = f.read(8)
+            header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        digest.update(shard.name.encode() + str(shard.stat().st_size).encode() + header)
+    return digest.hexdigest()[:16]
+
+
+def load_worker_model(checkpoint: str | None, preset_name: str | None, seed: int = 0,
+                      device: str = "cpu") -> LoadedModel:
+    """A checkpoint folder (`load_model`), else a preset with random weights from `seed`."""
+    if checkpoint:
+        from cedserve.model.checkpoint import load_model
+
+        return LoadedModel(load_model(checkpoint, device=device), checkpoint_identity(checkpoint), checkpoint)
+    if not preset_name:
+        raise ValueError("config field `model`: set `checkpoint` or `preset`")
+    from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+    from cedserve.model.presets import preset
+    from cedserve.model.tokenizer import tiny_tokenizer_path
+
+    tokenizer = tiny_tokenizer_path()
+    model, _drafter = random_model(fit_config_to_tokenizer(preset(preset_name), tokenizer), tokenizer, seed)
+    return LoadedModel(model.to(device), f"preset:{preset_name}:seed{seed}", f"preset {preset_name}")
+
+
+def read_serve_file(path: str | Path | None, sections: tuple[str, ...]) -> tuple[ServeConfig, dict[str, Any]]:
+    """`ServeConfig` from a `.toml`/`.json` file (defaults when `path` is None) and the raw tables of
+    `sections`, removed before ServeConfig (which forbids unknown fields) decodes the rest."""
+    import msgspec
+    import tomllib
+
+    if path is None:
+        return ServeConfig(), {}
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"serve config not found: {path}") from None
+    try:
+        data: dict[str, Any] = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"serve config {path}: {exc}") from None
+    extra = {name: data.pop(name) for name in sections if name in data}
+    try:
+        return msgspec.convert(data, type=ServeConfig), extra
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"serve config {path}: {exc}") from None

@@ -1,0 +1,97 @@
+"""`PrefillWorkerConfig`: every knob of the prefill engine and its scheduler, frozen and validated.
+
+It is read from the `[prefill]` table of the worker's `--config` file (the rest of that file is the
+`ServeConfig`: `[model]`, `[cache]`) through `from_mapping`, which names an unknown or mistyped field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"config field `prefill.{name}`: {message}")
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    """The prefill engine, its scheduler, and its request limits."""
+
+    worker_id: str = "prefill-0"
+    """Names this worker in load reports, KV events and its NIXL agent name."""
+    chunk_tokens: int = 2048
+    """Most prompt tokens one request computes per engine step (chunked prefill). A multiple of the
+    block size, so every chunk but a prompt's last ends on a block boundary and its blocks can ship."""
+    step_token_budget: int = 8192
+    """Most tokens computed per engine step across all requests: a long prompt takes at most
+    `chunk_tokens` of it, so short prompts behind it start in the same step."""
+    max_running_requests: int = 16
+    """Requests holding blocks and a sequence state at once; the others wait in FIFO order."""
+    replay_span: int = 128
+    """Default decoder replay span (tokens) for the first output token: the decoder layers run over
+    the boundary states of the prompt's last `replay_span` tokens (the report's bounded replay;
+    exact once it covers `num_decoder_layers * (sliding_window - 1)` tokens or the whole prompt).
+    A request may ask for another span."""
+    prefix_replay_span: int = 128
+    """After a prefix-cache hit, the encoder's bounded state (windows, Engram history) is rebuilt by
+    `CEDModel.replay` over this many tokens before the cached end. Exact once it covers the
+    receptive field (`num_hidden_layers * (sliding_window - 1) + engram_max_ngram_size - 1`
+    tokens); shorter spans are the bounded approximation (docs/prefill.md)."""
+    max_prompt_tokens: int = 0
+    """Longest accepted prompt; 0: the model's `max_position_embeddings`."""
+    max_queued_tokens: int = 1 << 22
+    """Uncomputed prompt tokens accepted at once; beyond it new requests get RESOURCE_EXHAUSTED."""
+    retry_after_ms: int = 500
+    """Retry hint sent with RESOURCE_EXHAUSTED and with requests handed back on drain."""
+    drain_timeout_s: float = 30.0
+    """Longest a drain (SIGTERM or `cedserve drain`) waits for in-flight requests before handing
+    them back (UNAVAILABLE, so the router retries them elsewhere)."""
+    handshake_timeout_s: float = 5.0
+    """Handshake with a decode worker's transfer agent never seen before."""
+    transfer_timeout_s: float = 0.0
+    """Bound on one request's transfer; 0: the reservation's lease."""
+    load_window_s: float = 30.0
+    """Window of the measured prefill rate in load reports."""
+    device: str = "cpu"
+    """Where the model, the block pool and the states live (`cuda:0` on a GPU host)."""
+    idle_poll_s: float = 0.02
+    """Engine loop wait when it has nothing to compute."""
+
+    def __post_init__(self) -> None:
+        positive = ("chunk_tokens", "step_token_budget", "max_running_requests", "replay_span",
+                    "max_queued_tokens", "drain_timeout_s", "handshake_timeout_s", "load_window_s", "idle_poll_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                _fail(name, f"must be positive, got {getattr(self, name)}")
+        for name in ("prefix_replay_span", "max_prompt_tokens", "retry_after_ms", "transfer_timeout_s"):
+            if getattr(self, name) < 0:
+                _fail(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.step_token_budget < self.chunk_tokens:
+            _fail("step_token_budget", f"{self.step_token_budget} is below chunk_tokens {self.chunk_tokens}")
+        if not self.worker_id:
+            _fail("worker_id", "must not be empty")
+
+    def check_block_size(self, block_size: int) -> None:
+        """Chunks must end on block boundaries (see `chunk_tokens`)."""
+        if self.chunk_tokens % block_size:
+            _fail("chunk_tokens", f"{self.chunk_tokens} is not a multiple of the block size {block_size}")
+
+    def prompt_limit(self, max_position_embeddings: int) -> int:
+        return self.max_prompt_tokens or max_position_embeddings
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PrefillWorkerConfig:
+        """From a TOML/JSON table; `ValueError` names unknown or mistyped fields."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            _fail(unknown[0], f"unknown field (known: {', '.join(sorted(fields))})")
+        for name, value in values.items():
+            expected = type(getattr(cls(), name))
+            ok = isinstance(value, expected) or (expected is float and isinstance(value, int))
+            if not ok or isinstance(value, bool) != (expected is bool):
+                _fail(name, f"expected {expected.__name__}, got {value!r}")
+        return cls(**{k: (float(v) if isinstance(getattr(cls(), k), float) else v) for k, v in values.items()})

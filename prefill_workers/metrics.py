@@ -1,0 +1,33 @@
+"""Prometheus metrics of one prefill worker, in a registry of its own (served by `cedserve.serving`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class PrefillMetrics:
+    """Counters by outcome and token kind, latency histograms, and the gauges the autoscaler reads."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("cedserve_prefill_requests", "Prefill requests ended, by outcome (ok or the "
+                                "error code name)", ["outcome"], registry=r)
+        self.tokens = Counter("cedserve_prefill_tokens", "Prompt tokens by kind: prompt, cached (from the "
+                              "prefix cache), computed (encoder), replayed (prefix and decoder replay)",
+                              ["kind"], registry=r)
+        self.first_token_seconds = Histogram("cedserve_prefill_first_token_seconds", "Arrival to first token",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("cedserve_prefill_request_seconds", "Arrival to transfer closed",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("cedserve_prefill_step_seconds", "One engine step (all its chunks)",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.queued_tokens = Gauge("cedserve_prefill_queued_tokens", "Uncomputed prompt tokens accepted",
+                                   registry=r)
+        self.running_requests = Gauge("cedserve_prefill_running_requests", "Requests in flight", registry=r)
+        self.free_blocks = Gauge("cedserve_prefill_free_blocks", "Blocks free or evictable", registry=r)
+        self.tokens_per_s = Gauge("cedserve_prefill_tokens_per_second", "Measured prefill rate over the load "
+                                  "window (tokens per busy second)", registry=r)
+        self.draining = Gauge("cedserve_prefill_draining", "1 while draining", registry=r)

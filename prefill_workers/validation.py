@@ -1,0 +1,155 @@
+"""Turn a `cedserve.v1.PrefillRequest` into a checked `PrefillSpec`, or a `ServingError` naming the field.
+
+Everything here runs before the engine sees the request, so a rejected request allocates nothing.
+What cannot be checked locally (whether the decode worker really holds the lease) is checked when
+the transfer opens: the transfer layer's INVALID cause maps to NOT_FOUND (`cedserve.serving`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from cedserve.kv_transfer.protocol import Reservation, TransferMode
+from cedserve.kv_transfer.wire import reservation_from_pb
+from cedserve.model.sampling import SamplingParams
+from cedserve.proto import worker_pb2 as wpb
+from cedserve.serving import DeadlineExceededError, InvalidArgumentError
+
+MAX_EFFORT = 100
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against."""
+
+    vocab_size: int
+    max_prompt_tokens: int
+    block_size: int
+    default_replay_span: int
+    sender_agent: str
+    """This worker's transfer agent: a reservation must name it as the sender."""
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """The decode worker's reserved blocks for one request."""
+
+    worker_id: str
+    agent_name: str
+    control_address: str
+    lease_id: str
+    num_cached_blocks: int
+    """Leading prompt blocks the decode worker already holds: blocks from this index on are sent."""
+    reservation: Reservation
+    """Its `request_id` is the transfer's id; position i receives prompt block `num_cached_blocks + i`."""
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """A checked prefill request."""
+
+    request_id: str
+    token_ids: np.ndarray  # int64 [prompt_len]
+    effort: int
+    cache_salt: str
+    target: TransferTarget | None
+    deadline_unix_s: float | None
+    replay_span: int
+    sampling: SamplingParams
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def validate_prefill(req: wpb.PrefillRequest, limits: RequestLimits, now_unix_s: float | None = None) -> PrefillSpec:
+    """The checked spec; `InvalidArgumentError` (field named) or `DeadlineExceededError`."""
+    rid = req.request_id
+    if not rid:
+        raise InvalidArgumentError("request_id is empty", field="request_id")
+    tokens = _check_tokens(req, limits)
+    if req.effort > MAX_EFFORT:
+        raise InvalidArgumentError(f"effort {req.effort} is not in [1, {MAX_EFFORT}] (0: unset)", field="effort",
+                                   request_id=rid)
+    deadline = req.deadline_unix_ms / 1000.0 if req.deadline_unix_ms else None
+    now = time.time() if now_unix_s is None else now_unix_s
+    if deadline is not None and deadline <= now:
+        raise DeadlineExceededError(f"deadline passed {now - deadline:.3f} s before the request arrived",
+                                    field="deadline_unix_ms", request_id=rid)
+    target = _check_target(req, limits, len(tokens)) if req.HasField("target") else None
+    return PrefillSpec(rid, tokens, req.effort, req.cache_salt, target, deadline,
+                       req.replay_span or limits.default_replay_span, _sampling(req))
+
+
+def _check_tokens(req: wpb.PrefillRequest, limits: RequestLimits) -> np.ndarray:
+    rid = req.request_id
+    tokens = np.asarray(req.token_ids, dtype=np.int64)
+    if tokens.size == 0:
+        raise InvalidArgumentError("empty prompt", field="token_ids", request_id=rid)
+    if tokens.size > limits.max_prompt_tokens:
+        raise InvalidArgumentError(f"prompt of {tokens.size} tokens exceeds the context limit of "
+                                   f"{limits.max_prompt_tokens}", field="token_ids", request_id=rid)
+    bad = np.flatnonzero(tokens >= limits.vocab_size)  # uint32 on the wire: never negative
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(f"token id {int(tokens[i])} is out of range [0, {limits.vocab_size})",
+                                   field=f"token_ids[{i}]", request_id=rid)
+    return tokens
+
+
+def _sampling(req: wpb.PrefillRequest) -> SamplingParams:
+    s = req.sampling
+    try:
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p if 0 < s.top_p < 1 else 1.0,
+                              top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
+                              max_tokens=max(1, s.max_tokens), stop_token_ids=tuple(s.stop_token_ids),
+                              logprobs=s.logprobs, ignore_eos=s.ignore_eos)
+    except ValueError as exc:  # "field `sampling.x`: ..."
+        field = str(exc).split("`")[1] if "`" in str(exc) else "sampling"
+        raise InvalidArgumentError(str(exc), field=field, request_id=req.request_id) from None
+
+
+def _check_target(req: wpb.PrefillRequest, limits: RequestLimits, prompt_len: int) -> TransferTarget:
+    t, rid = req.target, req.request_id
+    for name in ("lease_id", "agent_name"):
+        if not getattr(t, name):
+            raise InvalidArgumentError(f"decode target has no {name}", field=f"target.{name}", request_id=rid)
+    num_blocks = math.ceil(prompt_len / limits.block_size)
+    if len(t.block_ids) != num_blocks:
+        raise InvalidArgumentError(f"{len(t.block_ids)} block ids for a {prompt_len}-token prompt, which needs "
+                                   f"{num_blocks} of {limits.block_size} tokens", field="target.block_ids",
+                                   request_id=rid)
+    if t.num_cached_blocks > num_blocks:
+        raise InvalidArgumentError(f"num_cached_blocks {t.num_cached_blocks} exceeds the prompt's {num_blocks} "
+                                   "blocks", field="target.num_cached_blocks", request_id=rid)
+    reservation = _check_reservation(t, limits, rid)
+    return TransferTarget(t.worker_id, t.agent_name, t.control_address, t.lease_id, t.num_cached_blocks,
+                          reservation)
+
+
+def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str) -> Reservation:
+    field = "target.reservation"
+    if not t.HasField("reservation"):
+        raise InvalidArgumentError("decode target carries no reservation (ReserveReply.reservation)",
+                                   field=field, request_id=rid)
+    try:
+        r = reservation_from_pb(t.reservation)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc), field=field, request_id=rid) from None
+    checks = (
+        (r.request_id == t.lease_id, "request_id", f"names transfer {r.request_id!r}, not lease {t.lease_id!r}"),
+        (r.receiver == t.agent_name, "receiver_agent", f"is {r.receiver!r}, the target is {t.agent_name!r}"),
+        (r.sender == limits.sender_agent, "sender_agent",
+         f"reserves for sender {r.sender!r}, this worker is {limits.sender_agent!r}"),
+        (list(r.block_ids) == list(t.block_ids)[t.num_cached_blocks:], "block_ids",
+         "differ from target.block_ids[num_cached_blocks:]"),
+        (r.mode is TransferMode.WRITE, "mode", f"is {r.mode.value}; prefill workers WRITE"),
+    )
+    for ok, name, message in checks:
+        if not ok:
+            raise InvalidArgumentError(f"reservation {name} {message}", field=f"{field}.{name}", request_id=rid)
+    return r

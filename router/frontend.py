@@ -1,0 +1,400 @@
+"""The public `Generation` service: validate, place, run the decode-first handshake, stream.
+
+One request, in order (docs/architecture.md):
+  prepare (tokenize, validate)  ->  admit (per-effort limits)  ->  place (policy)
+  ->  Reserve on the decode worker  ->  Prefill stream on the prefill worker (first token streamed
+  to the client at once)  ->  Decode stream  ->  Complete.
+Deadlines propagate as call timeouts and `deadline_unix_ms`; a client cancellation cancels the
+worker calls and sends `Cancel` to both workers. A failed prefill is retried on another prefill
+worker before any token was sent; a decode worker that dies mid-stream is replaced by re-placing
+the prompt plus the tokens already streamed (its prefix is in the prefill side's cache). Retries
+are bounded by `max_retries`; every failure ends with a precise status and no held lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from cedserve.model.cache.events import Tier
+from cedserve.model.tokenizer import TextCodec
+from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
+from cedserve.router.admission import Admission, effort_class
+from cedserve.router.errors import RequestError, invalid
+from cedserve.router.metrics import RouterMetrics
+from cedserve.router.placement import (
+    DecodeLoad,
+    LinkRates,
+    NoCapacityError,
+    NoWorkerError,
+    Placement,
+    PrefillLoad,
+    RequestShape,
+)
+from cedserve.router.policy import RoutingPolicy
+from cedserve.router.requests import ModelLimits, PreparedRequest, prepare
+from cedserve.router.text import StreamingText
+from cedserve.router.workers import WorkerHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_WORKER_CODES = {
+    worker_pb2.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    worker_pb2.ERROR_CODE_DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    worker_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    worker_pb2.ERROR_CODE_CANCELLED: grpc.StatusCode.CANCELLED,
+    worker_pb2.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+    worker_pb2.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
+}
+# Without measured link rates yet, assume a slow link so transfer cost is never underestimated.
+_DEFAULT_LINK_BYTES_PER_S = 1e9
+
+
+class WorkerFailed(Exception):
+    """A worker call failed in a way another worker may not (retry elsewhere)."""
+
+    def __init__(self, worker_id: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"worker {worker_id}: {code.name}: {message}")
+        self.worker_id, self.code, self.message = worker_id, code, message
+
+
+@dataclass
+class _Progress:
+    """What has been streamed so far for one request (survives a decode-worker migration)."""
+
+    output_ids: list[int] = field(default_factory=list)
+    text: StreamingText | None = None
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    drafts: int = 0
+    accepted: int = 0
+    finish: int = generation_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _deadline_ms(context: grpc.aio.ServicerContext) -> tuple[float | None, int]:
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None, 0
+    return remaining, int((time.time() + remaining) * 1000)
+
+
+def _worker_error(worker_id: str, detail: worker_pb2.ErrorDetail) -> Exception:
+    code = _WORKER_CODES.get(detail.code, grpc.StatusCode.INTERNAL)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return RequestError(code, detail.message, field=detail.field)
+    return WorkerFailed(worker_id, code, detail.message)
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, codec: TextCodec, limits: ModelLimits,
+                 admission: Admission, metrics: RouterMetrics, max_retries: int, lease_ms: int,
+                 block_bytes: int, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.pool, self.policy, self.codec, self.limits = pool, policy, codec, limits
+        self.admission, self.metrics = admission, metrics
+        self.max_retries, self.lease_ms, self.block_bytes = max_retries, lease_ms, block_bytes
+        self.metadata = metadata
+
+    # ------------------------------------------------------------------ public RPCs
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        start = time.monotonic()
+        started_stream = False
+        try:
+            prepared = prepare(request, self.codec, self.limits)
+        except RequestError as exc:
+            self.metrics.errors.labels(code=exc.code.name).inc()
+            await context.abort_with_status(exc.to_status())
+            return
+        rid = prepared.request_id
+        try:
+            async with self.admission.admit(prepared.effort, rid):
+                self.metrics.queue_s.labels(effort_class(prepared.effort)).observe(time.monotonic() - start)
+                async for response in self._run(prepared, context, start):
+                    started_stream = True
+                    yield response
+        except RequestError as exc:
+            self.metrics.errors.labels(code=exc.code.name).inc()
+            if started_stream:
+                yield generation_pb2.GenerateResponse(request_id=rid, error=generation_pb2.StreamError(
+                    grpc_code=exc.code.value[0], message=exc.message, field=exc.field,
+                    retry_after_ms=int(exc.retry_after_s * 1000)))
+                return
+            await context.abort_with_status(exc.to_status())
+
+    async def CountTokens(self, request: generation_pb2.CountTokensRequest,
+                          context: grpc.aio.ServicerContext) -> generation_pb2.CountTokensResponse:
+        shim = generation_pb2.GenerateRequest(model=request.model, prompt=request.prompt, effort=request.effort)
+        try:
+            prepared = prepare(shim, self.codec, self.limits)
+        except RequestError as exc:
+            await context.abort_with_status(exc.to_status())
+            raise AssertionError("unreachable") from exc
+        return generation_pb2.CountTokensResponse(num_tokens=len(prepared.token_ids), token_ids=prepared.token_ids)
+
+    async def ListModels(self, request: generation_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:
+        card = generation_pb2.ModelCard(id=self.limits.model_id, max_context_tokens=self.limits.max_context_tokens,
+                                        vocab_size=self.limits.vocab_size,
+                                        global_kv_bytes_per_token=self.block_bytes / self.limits.block_size)
+        return generation_pb2.ListModelsResponse(models=[card])
+
+    # ------------------------------------------------------------------ orchestration
+
+    async def _run(self, req: PreparedRequest, context: grpc.aio.ServicerContext,
+                   start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        progress = _Progress(text=StreamingText(self.codec, req.stop))
+        excluded: set[str] = set()
+        attempt = 0
+        while True:
+            try:
+                async for response in self._attempt(req, context, start, progress, frozenset(excluded)):
+                    yield response
+                break
+            except WorkerFailed as exc:
+                attempt += 1
+                excluded.add(exc.worker_id)
+                self.metrics.retries.labels(reason=exc.code.name).inc()
+                log.warning("request %s: %s (attempt %d of %d)", req.request_id, exc, attempt, self.max_retries + 1)
+                if attempt > self.max_retries:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, f"gave up after {attempt} attempts: {exc}",
+                                       retry_after_s=1.0, request_id=req.request_id) from exc
+        assert progress.text is not None
+        tail = progress.text.finish()
+        if tail:
+            yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=generation_pb2.Chunk(text=tail))
+        usage = generation_pb2.Usage(prompt_tokens=len(req.token_ids), cached_tokens=progress.cached_tokens,
+                                     completion_tokens=len(progress.output_ids), draft_tokens=progress.drafts,
+                                     accepted_draft_tokens=progress.accepted, ttft_s=progress.ttft_s,
+                                     total_s=time.monotonic() - start)
+        klass = effort_class(req.effort)
+        if len(progress.output_ids) > 1:
+            self.metrics.tpot_s.labels(klass).observe(
+                (usage.total_s - progress.ttft_s) / (len(progress.output_ids) - 1))
+        self.metrics.prompt_tokens.inc(len(req.token_ids))
+        self.metrics.cached_tokens.inc(progress.cached_tokens)
+        yield generation_pb2.GenerateResponse(request_id=req.request_id, complete=generation_pb2.Complete(
+            finish_reason=progress.finish, usage=usage))
+
+    def _placement(self, req: PreparedRequest, prompt_len: int, excluded: frozenset[str]) -> Placement:
+        prefill = self.pool.healthy("prefill", excluded)
+        decode = self.pool.healthy("decode", excluded)
+        if not decode:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker", retry_after_s=1.0)
+        hashes = list(req.block_hashes)
+        shape = RequestShape(prompt_len, req.effort, self.limits.block_size, self.block_bytes)
+        pl = [self._prefill_load(h, hashes) for h in prefill]
+        dl = [self._decode_load(h, hashes) for h in decode]
+        links = LinkRates({(p.worker_id, d.worker_id): _DEFAULT_LINK_BYTES_PER_S for p in pl for d in dl},
+                          {"host": 2e10, "disk": 2e9})
+        try:
+            choice = self.policy.choose(shape, pl, dl, links)
+        except NoCapacityError as exc:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0) from exc
+        except NoWorkerError as exc:
+            tried = f" (excluded after failures: {sorted(excluded)})" if excluded else ""
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}{tried}", retry_after_s=1.0) from exc
+        self.metrics.placements.labels(policy=self.policy.name,
+                                       kind="decode_only" if choice.prefill_id is None else "disaggregated").inc()
+        return choice
+
+    def _prefill_load(self, h: WorkerHandle, hashes: list[bytes]) -> PrefillLoad:
+        load = h.load
+        assert load is not None
+        hit = self.pool.index.longest_prefix(h.worker_id, hashes)
+        return PrefillLoad(h.worker_id, int(load.queued_tokens), max(1.0, load.prefill_tokens_per_s),
+                           cached_blocks=hit.blocks_by_tier[Tier.DEVICE],
+                           offloaded_blocks={"host": hit.blocks_by_tier[Tier.HOST],
+                                             "disk": hit.blocks_by_tier[Tier.DISK]})
+
+    def _decode_load(self, h: WorkerHandle, hashes: list[bytes]) -> DecodeLoad:
+        load = h.load
+        assert load is not None
+        hit = self.pool.index.longest_prefix(h.worker_id, hashes)
+        steps = list(load.step_s) or [0.05, 0.05]
+        return DecodeLoad(h.worker_id, int(load.running_requests), int(load.free_blocks), steps,
+                          prefill_tokens_per_s=max(1.0, load.prefill_tokens_per_s),
+                          queued_tokens=int(load.queued_tokens), cached_blocks=hit.total_blocks)
+
+    async def _attempt(self, req: PreparedRequest, context: grpc.aio.ServicerContext, start: float,
+                       progress: _Progress, excluded: frozenset[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        # After a migration the prompt is the original plus what was already streamed.
+        prompt = (*req.token_ids, *progress.output_ids)
+        remaining_tokens = req.max_tokens - len(progress.output_ids)
+        choice = self._placement(req, len(prompt), excluded)
+        decode = self.pool.workers[choice.decode_id]
+        prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
+        lease = await self._reserve(decode, req, prompt, remaining_tokens, context)
+        try:
+            first: int | None = None
+            if prefill is not None:
+                first = await self._prefill(prefill, decode, lease, req, prompt, context, progress)
+                self._note_first(progress, start)
+                async for response in self._emit(req, progress, [first], [], context):
+                    yield response
+                if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                    await self._cancel(decode, req.request_id, lease.lease_id)  # end the unused lease
+                    return
+            async for response in self._decode(decode, lease, req, prompt, first, remaining_tokens, context,
+                                               progress, start):
+                yield response
+        except asyncio.CancelledError:
+            await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
+            raise
+        except WorkerFailed:
+            await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
+            raise
+
+    def _note_first(self, progress: _Progress, start: float) -> None:
+        if not progress.ttft_s:
+            progress.ttft_s = time.monotonic() - start
+            self.metrics.ttft_s.observe(progress.ttft_s)
+
+    def _done(self, req: PreparedRequest, progress: _Progress, token: int) -> bool:
+        if token in req.stop_token_ids or (token == self._eos() and token >= 0):
+            progress.finish = generation_pb2.FINISH_REASON_STOP
+            return True
+        if len(progress.output_ids) >= req.max_tokens:
+            progress.finish = generation_pb2.FINISH_REASON_LENGTH
+            return True
+        return False
+
+    def _eos(self) -> int:
+        eos = self.codec.token_id("<|eos|>")
+        return -1 if eos is None else eos
+
+    async def _emit(self, req: PreparedRequest, progress: _Progress, token_ids: list[int], logprobs: list[float],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        assert progress.text is not None
+        kept: list[int] = []
+        for t in token_ids:
+            if len(progress.output_ids) >= req.max_tokens:
+                break
+            progress.output_ids.append(t)
+            kept.append(t)
+            if self._done(req, progress, t):
+                break
+        text = progress.text.push(kept)
+        if progress.text.stopped:
+            progress.finish = generation_pb2.FINISH_REASON_STOP
+        chunk = generation_pb2.Chunk(token_ids=kept, text=text, logprobs=logprobs[: len(kept)])
+        yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
+
+    async def _reserve(self, decode: WorkerHandle, req: PreparedRequest, prompt: tuple[int, ...], max_tokens: int,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveReply:
+        assert decode.decode is not None
+        timeout, _ = _deadline_ms(context)
+        try:
+            reply: worker_pb2.ReserveReply = await decode.decode.Reserve(worker_pb2.ReserveRequest(
+                request_id=req.request_id, prompt_tokens=len(prompt), block_hashes=list(req.block_hashes),
+                max_tokens=max_tokens, lease_ms=self.lease_ms, cache_salt=req.cache_salt),
+                timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self._from_rpc(decode.worker_id, exc) from exc
+        return reply
+
+    async def _prefill(self, prefill: WorkerHandle, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
+                       req: PreparedRequest, prompt: tuple[int, ...], context: grpc.aio.ServicerContext,
+                       progress: _Progress) -> int:
+        assert prefill.prefill is not None
+        timeout, deadline_ms = _deadline_ms(context)
+        target = worker_pb2.DecodeTarget(worker_id=decode.worker_id, agent_name=lease.agent_name,
+                                         control_address=lease.control_address, lease_id=lease.lease_id,
+                                         block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks)
+        call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
+            request_id=req.request_id, token_ids=list(prompt), effort=req.effort, cache_salt=req.cache_salt,
+            target=target, deadline_unix_ms=deadline_ms, sampling=self._sampling(req)),
+            timeout=timeout, metadata=self.metadata)
+        first: int | None = None
+        try:
+            async for event in call:
+                kind = event.WhichOneof("event")
+                if kind == "first_token":
+                    first = int(event.first_token.token_id)
+                    progress.cached_tokens = max(progress.cached_tokens, int(event.first_token.cached_tokens))
+                elif kind == "error":
+                    raise _worker_error(prefill.worker_id, event.error)
+                elif kind == "done":
+                    break
+        except grpc.aio.AioRpcError as exc:
+            raise self._from_rpc(prefill.worker_id, exc) from exc
+        if first is None:
+            raise WorkerFailed(prefill.worker_id, grpc.StatusCode.INTERNAL, "prefill ended without a first token")
+        return first
+
+    async def _decode(self, decode: WorkerHandle, lease: worker_pb2.ReserveReply, req: PreparedRequest,
+                      prompt: tuple[int, ...], first: int | None, max_tokens: int,
+                      context: grpc.aio.ServicerContext, progress: _Progress,
+                      start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        assert decode.decode is not None
+        timeout, deadline_ms = _deadline_ms(context)
+        call = decode.decode.Decode(worker_pb2.DecodeRequest(
+            request_id=req.request_id, lease_id=lease.lease_id, token_ids=list(prompt),
+            first_token=first if first is not None else 0, effort=req.effort, sampling=self._sampling(req, max_tokens),
+            deadline_unix_ms=deadline_ms, prefill_locally=first is None), timeout=timeout, metadata=self.metadata)
+        try:
+            async for event in call:
+                kind = event.WhichOneof("event")
+                if kind == "tokens":
+                    self._note_first(progress, start)
+                    progress.accepted += int(event.tokens.accepted_drafts)
+                    async for response in self._emit(req, progress, list(event.tokens.token_ids),
+                                                     list(event.tokens.logprobs), context):
+                        yield response
+                    if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                        call.cancel()
+                        await self._cancel(decode, req.request_id, lease.lease_id)
+                        return
+                elif kind == "complete":
+                    progress.drafts += int(event.complete.draft_tokens)
+                    progress.finish = (generation_pb2.FINISH_REASON_LENGTH if event.complete.finish_reason == "length"
+                                       else generation_pb2.FINISH_REASON_STOP)
+                    return
+                elif kind == "error":
+                    raise _worker_error(decode.worker_id, event.error)
+        except grpc.aio.AioRpcError as exc:
+            raise self._from_rpc(decode.worker_id, exc) from exc
+        raise WorkerFailed(decode.worker_id, grpc.StatusCode.UNAVAILABLE, "decode stream ended without completing")
+
+    def _sampling(self, req: PreparedRequest, max_tokens: int | None = None) -> worker_pb2.SamplingParams:
+        params = worker_pb2.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                           max_tokens=max_tokens or req.max_tokens,
+                                           stop_token_ids=list(req.stop_token_ids), logprobs=req.logprobs)
+        if req.seed is not None:
+            params.seed = req.seed
+        return params
+
+    def _from_rpc(self, worker_id: str, exc: grpc.aio.AioRpcError) -> Exception:
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestError(code, "the request's deadline passed before it finished")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return invalid("prompt", exc.details() or "rejected by a worker")
+        if code in _RETRYABLE:
+            return WorkerFailed(worker_id, code, exc.details() or "")
+        return RequestError(code, exc.details() or code.name)
+
+    async def _cancel(self, worker: WorkerHandle, request_id: str, lease_id: str) -> None:
+        stub = worker.prefill or worker.decode
+        assert stub is not None
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Cancel(worker_pb2.CancelRequest(request_id=request_id, lease_id=lease_id), timeout=2.0,
+                              metadata=self.metadata)
+
+    async def _cancel_everywhere(self, request_id: str, lease_id: str, prefill: WorkerHandle | None,
+                                 decode: WorkerHandle) -> None:
+        # Shielded: the caller may itself be a cancelled task, and the workers must still hear it.
+        tasks = [self._cancel(decode, request_id, lease_id)]
+        if prefill is not None:
+            tasks.append(self._cancel(prefill, request_id, lease_id))
+        await asyncio.shield(asyncio.gather(*tasks))

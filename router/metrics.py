@@ -1,0 +1,30 @@
+"""Router metrics (Prometheus): latency by effort class, cache credit, placements, errors, retries."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    """One registry per router, so several routers (tests) never collide."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft_s = Histogram("cedserve_router_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                                registry=r)
+        self.tpot_s = Histogram("cedserve_router_tpot_seconds", "Time per output token after the first",
+                                ["effort_class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_s = Histogram("cedserve_router_queue_seconds", "Admission wait", ["effort_class"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.placements = Counter("cedserve_router_placements_total", "Placement decisions",
+                                  ["policy", "kind"], registry=r)
+        self.retries = Counter("cedserve_router_retries_total", "Re-placements after a worker failure",
+                               ["reason"], registry=r)
+        self.errors = Counter("cedserve_router_errors_total", "Requests that ended in an error status",
+                              ["code"], registry=r)
+        self.prompt_tokens = Counter("cedserve_router_prompt_tokens_total", "Prompt tokens admitted", registry=r)
+        self.cached_tokens = Counter("cedserve_router_cached_tokens_total",
+                                     "Prompt tokens served from a prefix cache", registry=r)

@@ -1,0 +1,97 @@
+"""Pluggable routing policies, so benchmarks can compare them on the same trace.
+
+Every policy sees the same facts (worker loads, the request's shape, prefix hits from the global
+index, measured link rates) and returns a `Placement`. `cache_aware` is the default: it applies the
+cost formula of `placement.py`; the others ignore parts of it on purpose.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
+
+from cedserve.router.placement import (
+    DecodeLoad,
+    LinkRates,
+    NoCapacityError,
+    NoWorkerError,
+    Placement,
+    PrefillLoad,
+    RequestShape,
+    decode_pressure,
+    place,
+)
+
+
+class RoutingPolicy(Protocol):
+    """Chooses where one request runs. Mutates only its own bookkeeping (e.g. a round-robin cursor);
+    raises `LookupError` when no worker can take the request."""
+
+    name: str
+
+    def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
+               links: LinkRates) -> Placement: ...
+
+
+def _fitting(req: RequestShape, decode: Sequence[DecodeLoad]) -> list[DecodeLoad]:
+    fits = [d for d in decode if d.free_blocks >= req.num_blocks - d.cached_blocks]
+    if not fits:
+        raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
+    return fits
+
+
+class RoundRobin:
+    """Cycles through prefill and decode workers, ignoring load and cache."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
+               links: LinkRates) -> Placement:
+        fits = _fitting(req, decode)
+        if not prefill:
+            raise NoWorkerError("no prefill worker is available")
+        n = next(self._counter)
+        return Placement(prefill[n % len(prefill)].worker_id, fits[n % len(fits)].worker_id, 0.0, {})
+
+
+class LeastLoaded:
+    """Shortest prefill queue and lightest decode batch, ignoring cache locality."""
+
+    name = "least_loaded"
+
+    def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
+               links: LinkRates) -> Placement:
+        fits = _fitting(req, decode)
+        if not prefill:
+            raise NoWorkerError("no prefill worker is available")
+        p = min(prefill, key=lambda w: (w.queued_tokens / w.prefill_tokens_per_s, w.worker_id))
+        d = min(fits, key=lambda w: (decode_pressure(w, req.effort), w.worker_id))
+        return Placement(p.worker_id, d.worker_id, 0.0, {})
+
+
+class CacheAware:
+    """The documented cost formula: prefix credit, queues, transfer time and decode pressure in seconds."""
+
+    name = "cache_aware"
+
+    def __init__(self, decode_only_max_tokens: int) -> None:
+        self.decode_only_max_tokens = decode_only_max_tokens
+
+    def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
+               links: LinkRates) -> Placement:
+        return place(req, prefill, decode, links, self.decode_only_max_tokens)
+
+
+def make_policy(name: str, decode_only_max_tokens: int) -> RoutingPolicy:
+    """`ValueError` naming the choices for an unknown policy."""
+    if name == "cache_aware":
+        return CacheAware(decode_only_max_tokens)
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"router field `policy`: unknown {name!r}; choose cache_aware, least_loaded or round_robin")

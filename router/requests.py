@@ -1,0 +1,128 @@
+"""Turn a public `GenerateRequest` into a validated, tokenized `PreparedRequest`.
+
+Every refusal is a `RequestError` with INVALID_ARGUMENT naming the field, raised before any worker
+is touched, so a bad request leaves no state anywhere.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from cedserve.model.cache.hashing import hash_blocks
+from cedserve.model.effort import ChatMessage, parse_effort, render_chat
+from cedserve.model.tokenizer import TextCodec
+from cedserve.proto import generation_pb2
+from cedserve.router.errors import invalid
+from cedserve.router.placement import expected_output_tokens
+
+_EFFORT_NAMES = {generation_pb2.EFFORT_NAME_LOW: "low", generation_pb2.EFFORT_NAME_HIGH: "high",
+                 generation_pb2.EFFORT_NAME_MAX: "max"}
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    model_id: str
+    vocab_size: int
+    max_context_tokens: int
+    block_size: int
+    default_max_tokens: int
+    """0: the effort level's budget."""
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    token_ids: tuple[int, ...]
+    effort: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    logprobs: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    cache_salt: str
+    session_id: str
+    block_hashes: tuple[bytes, ...]
+
+
+def token_budget(effort: int) -> int:
+    """Default output budget at an effort level: four times its expected output length."""
+    return int(4 * expected_output_tokens(effort))
+
+
+def resolve_effort(effort: generation_pb2.Effort) -> int:
+    kind = effort.WhichOneof("value")
+    if kind is None:
+        return parse_effort(None)
+    try:
+        if kind == "name":
+            if effort.name not in _EFFORT_NAMES:
+                raise ValueError("field `effort`: unknown name")
+            return parse_effort(_EFFORT_NAMES[effort.name])
+        return parse_effort(int(effort.level))
+    except ValueError as exc:
+        raise invalid("effort", str(exc).replace("field `effort`: ", "")) from None
+
+
+def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCodec, vocab: int) -> list[int]:
+    kind = request.prompt.WhichOneof("kind")
+    if kind == "text":
+        return codec.encode(request.prompt.text)
+    if kind == "chat":
+        messages = [ChatMessage(m.role, m.content) for m in request.prompt.chat.messages]
+        if not messages:
+            raise invalid("prompt.chat.messages", "must not be empty")
+        try:
+            return codec.encode(render_chat(messages, effort))
+        except ValueError as exc:
+            raise invalid("prompt.chat.messages", str(exc)) from None
+    if kind == "token_ids":
+        ids = list(request.prompt.token_ids.ids)
+        for i, t in enumerate(ids):
+            if t >= vocab:
+                raise invalid(f"prompt.token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+        return ids
+    raise invalid("prompt", "set one of text, token_ids or chat")
+
+
+def prepare(request: generation_pb2.GenerateRequest, codec: TextCodec, limits: ModelLimits) -> PreparedRequest:
+    """Validate and tokenize; `RequestError` (INVALID_ARGUMENT, field named) on bad input."""
+    if request.model and request.model != limits.model_id:
+        raise invalid("model", f"unknown model {request.model!r}; this server serves {limits.model_id!r}")
+    effort = resolve_effort(request.effort)
+    tokens = _tokens(request, effort, codec, limits.vocab_size)
+    if not tokens:
+        raise invalid("prompt", "is empty")
+    s = request.sampling
+    if not 0.0 <= s.temperature <= 100.0:
+        raise invalid("sampling.temperature", f"must be in [0, 100], got {s.temperature}")
+    if not 0.0 <= s.top_p <= 1.0:
+        raise invalid("sampling.top_p", f"must be in [0, 1], got {s.top_p}")
+    if s.logprobs > 20:
+        raise invalid("sampling.logprobs", f"must be at most 20, got {s.logprobs}")
+    if len(request.stop) > MAX_STOP_STRINGS or any(not x or len(x) > MAX_STOP_LEN for x in request.stop):
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_LEN} characters")
+    for i, t in enumerate(request.stop_token_ids):
+        if t >= limits.vocab_size:
+            raise invalid(f"stop_token_ids[{i}]", f"token id {t} is outside the vocabulary")
+    budget = request.max_tokens or limits.default_max_tokens or token_budget(effort)
+    room = limits.max_context_tokens - len(tokens)
+    if room < 1:
+        raise invalid("prompt", f"{len(tokens)} tokens leave no room in the {limits.max_context_tokens}-token context")
+    if request.max_tokens and request.max_tokens > room:
+        raise invalid("max_tokens", f"{request.max_tokens} exceeds the {room} tokens left in the context")
+    salt = request.cache_salt
+    return PreparedRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        token_ids=tuple(tokens), effort=effort, temperature=float(s.temperature),
+        top_p=float(s.top_p) if 0.0 < s.top_p < 1.0 else 1.0, top_k=int(s.top_k),
+        seed=int(s.seed) if s.HasField("seed") else None, logprobs=int(s.logprobs),
+        max_tokens=min(budget, room), stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+        cache_salt=salt, session_id=request.session_id,
+        block_hashes=tuple(hash_blocks(tokens, salt, limits.block_size)),
+    )

@@ -1,0 +1,347 @@
+"""The router's public service over real gRPC on loopback, against fake workers.
+
+The workers here are boundary fakes (in-process gRPC servers speaking the internal worker
+protocol with scripted behaviour: deterministic tokens, injected failures). What is under test is
+the router: validation, statuses, the decode-first handshake, retries, migration, cancellation,
+deadlines, admission and prefix-aware placement. The real-worker end-to-end tests live in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cedserve.client import CedserveError, Client
+from cedserve.model.cache.events import BlockStored, KVEventBatch, Tier, encode_batch
+from cedserve.model.cache.hashing import hash_blocks
+from cedserve.model.presets import preset
+from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
+from cedserve.proto import worker_pb2, worker_pb2_grpc
+from cedserve.router.admission import ClassLimits
+from cedserve.router.config import RouterConfig, WorkerEndpoint
+from cedserve.router.server import RunningRouter, start_router
+
+VOCAB = 512
+
+
+@dataclass
+class Script:
+    """How a fake worker behaves; tests edit it between requests."""
+
+    fail_prefill: bool = False
+    die_after_tokens: int | None = None
+    token_delay_s: float = 0.0
+    cached_hashes: list[bytes] = field(default_factory=list)
+
+
+class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id, self.script = worker_id, Script()
+        self.requests: list[worker_pb2.PrefillRequest] = []
+        self.cancelled: list[str] = []
+
+    async def Prefill(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.PrefillEvent]:  # noqa: N802
+        self.requests.append(request)
+        if self.script.fail_prefill:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
+        first = sum(request.token_ids) % 200 + 3
+        yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
+        yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids)))
+
+    async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:  # noqa: N802
+        self.cancelled.append(request.request_id)
+        return worker_pb2.CancelReply(found=True)
+
+    async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:  # noqa: N802
+        return worker_pb2.LoadReport(worker_id=self.worker_id, role="prefill", prefill_tokens_per_s=1e4,
+                                     free_blocks=100, total_blocks=100)
+
+    async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:  # noqa: N802
+        batch = KVEventBatch(self.worker_id, 0, [BlockStored(list(self.script.cached_hashes), Tier.DEVICE)], epoch=1)
+        from cedserve.model.cache.events import AllBlocksCleared
+
+        batch = KVEventBatch(self.worker_id, 0, [AllBlocksCleared(), *batch.events], epoch=1)
+        yield worker_pb2.KVEventBatch(worker_id=self.worker_id, seq=0, events_msgpack=encode_batch(batch),
+                                      snapshot=True)
+        await asyncio.sleep(3600)
+
+
+class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id, self.script = worker_id, Script()
+        self.leases: dict[str, int] = {}
+        self.cancelled: list[str] = []
+        self.decodes: list[worker_pb2.DecodeRequest] = []
+        self.total_blocks = 1000
+
+    async def Reserve(self, request: Any, context: Any) -> worker_pb2.ReserveReply:  # noqa: N802
+        blocks = -(-request.prompt_tokens // 64)
+        lease = f"{self.worker_id}-{request.request_id}-{len(self.leases)}"
+        self.leases[lease] = blocks
+        return worker_pb2.ReserveReply(lease_id=lease, agent_name=f"agent-{self.worker_id}",
+                                       block_ids=list(range(blocks)))
+
+    async def Decode(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.DecodeEvent]:  # noqa: N802
+        self.decodes.append(request)
+        token = request.first_token
+        sent = 0
+        try:
+            for _ in range(request.sampling.max_tokens - (0 if request.prefill_locally else 1)):
+                token = (token * 7 + 11) % 200 + 3
+                if self.script.die_after_tokens is not None and sent >= self.script.die_after_tokens:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "injected decode worker death")
+                await asyncio.sleep(self.script.token_delay_s)
+                yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenChunk(token_ids=[token]))
+                sent += 1
+            yield worker_pb2.DecodeEvent(complete=worker_pb2.DecodeComplete(finish_reason="length",
+                                                                            output_tokens=sent))
+        finally:
+            self.leases.pop(request.lease_id, None)
+
+    async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:  # noqa: N802
+        self.cancelled.append(request.request_id)
+        found = self.leases.pop(request.lease_id, None) is not None
+        return worker_pb2.CancelReply(found=found)
+
+    async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:  # noqa: N802
+        used = sum(self.leases.values())
+        return worker_pb2.LoadReport(worker_id=self.worker_id, role="decode", free_blocks=self.total_blocks - used,
+                                     total_blocks=self.total_blocks, step_s=[0.01, 0.01, 0.011],
+                                     prefill_tokens_per_s=1e3)
+
+    async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:  # noqa: N802
+        await asyncio.sleep(3600)
+        yield worker_pb2.KVEventBatch()
+
+
+class Cluster:
+    """Fakes plus a real router, all on one event loop in a background thread."""
+
+    def __init__(self, checkpoint: Path, **router_kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.prefill = [FakePrefill("p0"), FakePrefill("p1")]
+        self.decode = [FakeDecode("d0"), FakeDecode("d1")]
+        self.servers: list[grpc.aio.Server] = []
+        endpoints = self.call(self._start_workers())
+        config = RouterConfig(checkpoint=str(checkpoint), prefill=endpoints[:2], decode=endpoints[2:],
+                              load_poll_s=0.05, **router_kwargs)
+        self.router: RunningRouter = self.call(start_router(config))
+        self.call(self.router.pool.wait_ready(10))
+        self.address = f"127.0.0.1:{self.router.port}"
+
+    def call(self, coro: Any) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(30)
+
+    async def _start_workers(self) -> tuple[WorkerEndpoint, ...]:
+        out = []
+        for servicer in (*self.prefill, *self.decode):
+            server = grpc.aio.server()
+            if isinstance(servicer, FakePrefill):
+                worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+            else:
+                worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            out.append(WorkerEndpoint(servicer.worker_id, f"127.0.0.1:{port}"))
+        return tuple(out)
+
+    def close(self) -> None:
+        self.call(self.router.stop(0.5))
+        for server in self.servers:
+            self.call(server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("router_ckpt")
+    (folder / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
+    shutil.copyfile(tiny_tokenizer_path(), folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture()
+def cluster(checkpoint: Path) -> Iterator[Cluster]:
+    c = Cluster(checkpoint, api_keys=("sekrit",), limits={"high": ClassLimits(max_running=1, max_queued=0)})
+    yield c
+    c.close()
+
+
+def _client(cluster: Cluster, key: str | None = "sekrit", timeout_s: float | None = 20) -> Client:
+    return Client(cluster.address, api_key=key, timeout_s=timeout_s)
+
+
+def _expected(prompt_ids: list[int], n: int) -> list[int]:
+    token = sum(prompt_ids) % 200 + 3
+    out = [token]
+    while len(out) < n:
+        token = (token * 7 + 11) % 200 + 3
+        out.append(token)
+    return out
+
+
+def test_streaming_generate_follows_the_handshake(cluster: Cluster) -> None:
+    codec = TextCodec.from_file(tiny_tokenizer_path(), VOCAB)
+    with _client(cluster) as client:
+        pieces = list(client.stream([5, 6, 7, 8], max_tokens=6, effort="low"))
+        done = client.last
+    assert done is not None and done.finish_reason == "length"
+    assert done.token_ids == _expected([5, 6, 7, 8], 6)
+    assert [t for p in pieces for t in p.token_ids] == done.token_ids
+    assert done.text == codec.decode(done.token_ids)
+    assert done.usage["prompt_tokens"] == 4 and done.usage["completion_tokens"] == 6
+    # Decode-first: the prefill request carried the decode worker's lease and blocks.
+    pre = [r for p in cluster.prefill for r in p.requests][-1]
+    assert pre.target.lease_id and pre.target.agent_name.startswith("agent-")
+    assert all(not d.leases for d in cluster.decode)  # every lease ended
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 2, 512]}, "prompt.token_ids[2]"),
+    ({"prompt": "hi", "effort": 0}, "effort"),
+    ({"prompt": "hi", "effort": 101}, "effort"),
+    ({"prompt": "hi", "model": "gpt-7"}, "model"),
+    ({"prompt": "hi", "temperature": -1.0}, "sampling.temperature"),
+    ({"prompt": [{"role": "robot", "content": "x"}]}, "prompt.chat.messages"),
+])
+def test_bad_input_names_the_field(cluster: Cluster, kwargs: dict[str, Any], field: str) -> None:
+    prompt = kwargs.pop("prompt")
+    with _client(cluster) as client, pytest.raises(CedserveError) as info:
+        client.generate(prompt, **kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
+    assert all(not d.leases for d in cluster.decode) and not any(p.requests for p in cluster.prefill)
+
+
+def test_authentication_and_oversized_messages(cluster: Cluster) -> None:
+    with _client(cluster, key=None) as client, pytest.raises(CedserveError) as info:
+        client.generate("hi", max_tokens=2)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with _client(cluster, key="wrong") as client, pytest.raises(CedserveError) as info:
+        client.generate("hi", max_tokens=2)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with _client(cluster) as client, pytest.raises(CedserveError) as info:
+        client.generate("x" * (17 << 20), max_tokens=2)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_failed_prefill_is_retried_elsewhere(cluster: Cluster) -> None:
+    cluster.prefill[0].script.fail_prefill = True
+    cluster.prefill[1].script.fail_prefill = False
+    with _client(cluster) as client:
+        for _ in range(3):  # whichever worker the policy picks first, the request succeeds
+            done = client.generate([9, 9, 9], max_tokens=3)
+            assert done.token_ids == _expected([9, 9, 9], 3)
+    assert all(not d.leases for d in cluster.decode)
+    cluster.prefill[1].script.fail_prefill = True
+    # A short prompt still completes: with every prefill worker failing, the decode worker prefills it.
+    with _client(cluster) as client:
+        assert len(client.generate([9, 9, 9], max_tokens=3).token_ids) == 3
+    assert [r.prefill_locally for d in cluster.decode for r in d.decodes][-1]
+    # A long one cannot: a clean UNAVAILABLE naming the failed workers.
+    with _client(cluster) as client, pytest.raises(CedserveError) as info:
+        client.generate([9] * 300, max_tokens=3)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and "p0" in info.value.message
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_decode_worker_death_migrates_the_request(cluster: Cluster) -> None:
+    for d in cluster.decode:
+        d.script.die_after_tokens = None
+    cluster.decode[0].script.die_after_tokens = 2
+    cluster.decode[1].script.die_after_tokens = 2
+    with _client(cluster) as client:
+        done = client.generate([4, 4], max_tokens=5)
+    # Streamed tokens are kept; the continuation is prefilled from prompt + output on the other worker.
+    assert len(done.token_ids) == 5 and done.token_ids[0] == _expected([4, 4], 1)[0]
+    migrated = [r for d in cluster.decode for r in d.decodes if len(r.token_ids) > 2]
+    assert migrated and list(migrated[0].token_ids[:2]) == [4, 4]
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_cancellation_reaches_the_workers(cluster: Cluster) -> None:
+    for d in cluster.decode:
+        d.script.token_delay_s = 0.05
+    with _client(cluster) as client:
+        stream = client.stream([1, 2, 3], max_tokens=200)
+        next(stream)
+        next(stream)
+        stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(d.cancelled for d in cluster.decode):
+        time.sleep(0.05)
+    assert any(d.cancelled for d in cluster.decode)
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_deadline_exceeded(cluster: Cluster) -> None:
+    for d in cluster.decode:
+        d.script.token_delay_s = 0.2
+    with _client(cluster, timeout_s=0.5) as client, pytest.raises(CedserveError) as info:
+        client.generate([1, 2, 3], max_tokens=100)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.5)
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_admission_limit_gives_retry_hint(cluster: Cluster) -> None:
+    for d in cluster.decode:
+        d.script.token_delay_s = 0.1
+    with _client(cluster) as slow:
+        stream = slow.stream([1, 2, 3], max_tokens=50, effort="high")
+        next(stream)
+        with _client(cluster) as client, pytest.raises(CedserveError) as info:
+            client.generate([1, 2, 3], max_tokens=2, effort="high")
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s > 0
+        with _client(cluster) as client:  # another effort class is not affected
+            assert len(client.generate([1, 2, 3], max_tokens=2, effort="low").token_ids) == 2
+        stream.close()
+
+
+def test_prefix_credit_steers_placement(checkpoint: Path) -> None:
+    tokens = list(range(3, 3 + 64 * 4))
+    hashes = hash_blocks(tokens, "", 64)
+    c = Cluster(checkpoint)
+    try:
+        c.prefill[1].script.cached_hashes = hashes  # p1 holds the prompt's four blocks
+        c.call(c.router.pool.stop_tasks())
+
+        async def restart() -> None:  # reconnect the event streams so the new snapshot is read
+            c.router.pool.start()
+            await c.router.pool.wait_ready(10)
+
+        c.call(restart())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and c.router.pool.index.longest_prefix("p1", hashes).total_blocks < 4:
+            time.sleep(0.05)
+        with Client(c.address, timeout_s=20) as client:
+            client.generate(tokens, max_tokens=2)
+        assert c.prefill[1].requests and not c.prefill[0].requests
+    finally:
+        c.close()
+
+
+def test_stop_strings_end_the_stream(cluster: Cluster) -> None:
+    codec = TextCodec.from_file(tiny_tokenizer_path(), VOCAB)
+    full = _expected([7, 7], 8)
+    text = codec.decode(full)
+    stop = text[len(codec.decode(full[:3])):][:2] or text[-1]
+    with _client(cluster) as client:
+        done = client.generate([7, 7], max_tokens=8, stop=[stop])
+    assert done.finish_reason == "stop" and stop not in done.text and text.startswith(done.text)

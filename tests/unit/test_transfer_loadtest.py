@@ -1,0 +1,57 @@
+"""The load test's matrix and CLI wiring (the runs themselves are in docs/benchmarks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cedserve.cli import main as cli_main
+from cedserve.kv_transfer.harness import FreeList, LayoutSpec, pattern_rows, read_logical, write_logical
+from cedserve.kv_transfer.loadtest import default_matrix, main, parse_tokens, render_table
+from cedserve.kv_transfer.region import KVRegion
+
+
+def test_token_sizes_parse() -> None:
+    assert [parse_tokens(s) for s in ("4K", "32K", "128K", "1M", "100")] == [4096, 32768, 131072, 1 << 20, 100]
+
+
+def test_matrix_covers_modes_fan_in_baseline_and_packing() -> None:
+    cells = default_matrix([4096, 1 << 20], [1, 4], ["write", "read"], [1, 2], max_multi_tokens=131072)
+    keys = {c.key() for c in cells}
+    assert "cross_layer-random-auto-read-4096-b4-f2" in keys
+    assert "per_layer-random-off-write-1048576-b1-f1" in keys   # baseline at every size
+    assert "cross_layer-contiguous-auto-write-4096-b1-f1" in keys
+    assert "cross_layer-random-on-write-4096-b1-f1" in keys
+    assert not any(c.tokens == 1 << 20 and (c.batch > 1 or c.fan_in > 1) for c in cells)
+
+
+def test_no_cells_selected_exits_2_without_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--sizes", "4K", "--only", "no-such-cell"]) == 2
+    assert cli_main(["bench", "kv-transfer", "--sizes", "4K", "--only", "no-such-cell"]) == 2
+    assert "no cells selected" in capsys.readouterr().err
+
+
+def test_table_renders_a_row() -> None:
+    row = {"layout": "cross_layer", "alloc": "random", "pack": "auto", "mode": "write", "tokens": 131072,
+           "batch": 1, "fan_in": 2, "gbps": 2.5, "raw_gbps": 3.0, "ratio_to_raw": 0.83,
+           "nixl_same_descs_gbps": 2.6, "memcpy_gbps": 9.0, "p50_ms": 40.0, "p99_ms": 60.0,
+           "descriptors_per_request": 2048, "failures": [], "verified": True}
+    line = render_table([row]).splitlines()[-1]
+    assert "128K" in line and "0.83" in line and line.endswith("v")
+
+
+@pytest.mark.parametrize("kind", ["cross_layer", "per_layer"])
+def test_logical_blocks_round_trip_in_both_layouts(kind: str) -> None:
+    import numpy as np
+    import torch
+
+    layout = LayoutSpec(kind=kind, preset="v4.1-flash", block_size=64).build()
+    region = KVRegion(torch.zeros(20 * layout.block_bytes, dtype=torch.uint8), layout.block_bytes)
+    ids = np.array([3, 17, 0], dtype=np.int64)
+    rows = pattern_rows(5, ids, layout.block_bytes, torch.device("cpu"))
+    write_logical(layout, region, ids, rows)
+    assert torch.equal(read_logical(layout, region, ids), rows)
+    alloc = FreeList(20, seed=0)
+    got = alloc.allocate(5, "contiguous")
+    assert got.tolist() == [0, 1, 2, 3, 4] and alloc.num_free == 15
+    alloc.release(got)
+    assert alloc.num_free == 20
