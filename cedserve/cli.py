@@ -18,6 +18,8 @@ verbs:
   generate  send a prompt to a running server and stream the answer
   inspect   print a model plan and its KV-cache byte accounting
   bench     load-test a running server (agentic sessions, rate sweeps, policy comparisons)
+  worker    run one prefill or decode worker (what the Helm chart starts; docs/deploy.md)
+  drain     ask a local process to drain (the pods' preStop hook)
 """
 
 
@@ -47,6 +49,52 @@ def _inspect(args: argparse.Namespace) -> int:
 def _not_built(verb: str, issue: str) -> int:
     print(f"cedserve {verb}: not built yet ({issue}); nothing was started.", file=sys.stderr)
     return 2
+
+
+def _add_worker_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    w = verbs.add_parser("worker", help="run one prefill or decode worker",
+                         description="Run one worker process (flags: docs/deploy.md). Prints a line "
+                                     "`CEDSERVE_READY {json}` once serving; drains on SIGTERM.")
+    w.add_argument("--role", required=True, choices=["prefill", "decode"])
+    w.add_argument("--config", help="serve config file (.toml or .json)")
+    w.add_argument("--checkpoint", help="checkpoint folder, read-only")
+    w.add_argument("--preset", help="random weights of a preset (tiny, mini-40) instead of a checkpoint")
+    w.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
+    w.add_argument("--host", default="127.0.0.1", help="bind address of every listener")
+    w.add_argument("--grpc-port", "--port", dest="grpc_port", type=int, default=0, help="internal gRPC port")
+    w.add_argument("--nixl-port", type=int, default=0, help="NIXL agent metadata (transfer control) port")
+    w.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1: off, 0: any)")
+    w.add_argument("--dist-port", type=int, default=29500, help="torch.distributed rendezvous port")
+    w.add_argument("--advertise-host", help="address peers and the router use for this pod")
+    w.add_argument("--group-size", type=int, default=1)
+    w.add_argument("--rank", type=int, default=0)
+    w.add_argument("--leader-address")
+    w.add_argument("--worker-id", help="unique worker name (also the NIXL agent name)")
+    d = verbs.add_parser("drain", help="drain a local process",
+                         description="Ask the process at --address to drain; exits 0 when drained or timed out.")
+    d.add_argument("--address", required=True)
+    d.add_argument("--timeout-s", type=float, default=30.0)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import importlib
+
+    from cedserve.serving import WorkerOptions
+
+    fields = {k: v for k, v in vars(args).items() if k in WorkerOptions.__dataclass_fields__}
+    opts = WorkerOptions(**fields)
+    module = importlib.import_module(f"cedserve.{args.role}_workers.main")
+    code: int = module.run(opts)
+    return code
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from cedserve.serving import request_drain
+
+    reply = request_drain(args.address, args.timeout_s)
+    print(json.dumps({"reached": reply is not None, "drained": bool(reply and reply.drained),
+                      "in_flight": reply.in_flight if reply else None}))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve: the serving benchmark; kv-transfer: the KV transfer load test "
                             "(`cedserve bench kv-transfer --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    _add_worker_parser(verbs)
     return parser
 
 
@@ -93,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.verb == "inspect":
             return _inspect(args)
+        if args.verb == "worker":
+            return _worker(args)
+        if args.verb == "drain":
+            return _drain(args)
         if args.verb == "serve":
             return _not_built("serve", "the embedded launcher comes with the deployment issue")
         if args.verb == "generate":

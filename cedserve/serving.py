@@ -71,7 +71,7 @@ class ServingError(Exception):
     """A request-level failure with the `ErrorCode` the router acts on. `field` names the offending
     request field for INVALID_ARGUMENT (e.g. "token_ids[3]")."""
 
-    code: int = wpb.ERROR_CODE_INTERNAL
+    code: wpb.ErrorCode = wpb.ERROR_CODE_INTERNAL
 
     def __init__(self, message: str, *, field: str = "", retry_after_ms: int = 0, request_id: str = "") -> None:
         self.field = field
@@ -104,7 +104,7 @@ class NotFoundError(ServingError):
     code = wpb.ERROR_CODE_NOT_FOUND
 
 
-_STATUS = {
+_STATUS: dict[wpb.ErrorCode, grpc.StatusCode] = {
     wpb.ERROR_CODE_UNSPECIFIED: grpc.StatusCode.UNKNOWN,
     wpb.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     wpb.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -116,7 +116,7 @@ _STATUS = {
     wpb.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
 }
 
-_TRANSFER_CODES = {
+_TRANSFER_CODES: dict[FailureCause, wpb.ErrorCode] = {
     FailureCause.CANCELLED: wpb.ERROR_CODE_CANCELLED,
     FailureCause.DEADLINE: wpb.ERROR_CODE_DEADLINE_EXCEEDED,
     FailureCause.INVALID: wpb.ERROR_CODE_NOT_FOUND,
@@ -141,7 +141,7 @@ def error_detail(exc: BaseException, request_id: str = "") -> wpb.ErrorDetail:
                            request_id=request_id)
 
 
-def status_code(code: int) -> grpc.StatusCode:
+def status_code(code: wpb.ErrorCode) -> grpc.StatusCode:
     """gRPC status for an `ErrorCode` value."""
     return _STATUS.get(code, grpc.StatusCode.UNKNOWN)
 
@@ -328,7 +328,7 @@ def is_loopback_peer(peer: str) -> bool:
     return False
 
 
-class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):  # type: ignore[misc]  # untyped generated code
+class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
     """`cedserve.v1.Lifecycle`: Drain, accepted from loopback peers only."""
 
     def __init__(self, drain: DrainController) -> None:
@@ -346,13 +346,14 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):  # type: ignore[m
 
 
 def add_lifecycle(server: GrpcServer, drain: DrainController) -> None:
-    lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleServicer(drain), server.grpc)
+    lifecycle_pb2_grpc.add_LifecycleServicer_to_server(  # type: ignore[no-untyped-call]
+        LifecycleServicer(drain), server.grpc)
 
 
 def request_drain(address: str, timeout_s: float) -> lifecycle_pb2.DrainReply | None:
     """Client side of `cedserve drain`: None when the process could not be reached in time."""
     with grpc.insecure_channel(address) as channel:
-        stub = lifecycle_pb2_grpc.LifecycleStub(channel)
+        stub = lifecycle_pb2_grpc.LifecycleStub(channel)  # type: ignore[no-untyped-call]
         try:
             reply: lifecycle_pb2.DrainReply = stub.Drain(lifecycle_pb2.DrainRequest(timeout_s=timeout_s),
                                                          timeout=timeout_s + 1.0)
@@ -556,3 +557,41 @@ def read_serve_file(path: str | Path | None, sections: tuple[str, ...]) -> tuple
         return msgspec.convert(data, type=ServeConfig), extra
     except msgspec.ValidationError as exc:
         raise ValueError(f"serve config {path}: {exc}") from None
+
+
+# ------------------------------------------------------------------ worker command line
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """`cedserve worker` flags (docs/deploy.md); a flag overrides the same setting of `--config`."""
+
+    role: str
+    config: str | None = None
+    checkpoint: str | None = None
+    preset: str | None = None
+    """Random weights of a named preset (`tiny`, `mini-40`) when no checkpoint is given."""
+    seed: int = 0
+    """Seed of the preset's random weights (both sides of a transfer must use the same)."""
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    nixl_port: int = 0
+    metrics_port: int = -1
+    """-1: no metrics endpoint; 0: a free port (reported in the ready line)."""
+    dist_port: int = 29500
+    advertise_host: str | None = None
+    group_size: int = 1
+    rank: int = 0
+    leader_address: str | None = None
+    worker_id: str | None = None
+
+    @property
+    def public_host(self) -> str:
+        """The host peers and the router use for this process."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def check(self) -> None:
+        if self.group_size < 1 or not 0 <= self.rank < self.group_size:
+            raise ValueError(f"--rank {self.rank} is not in [0, --group-size {self.group_size})")

@@ -392,6 +392,7 @@ class PeerProcess:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1, env=full_env)
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._stash: dict[int, dict[str, Any]] = {}
         self._next_id = 1
         self._start_timeout_s = start_timeout_s
         self._info: dict[str, Any] | None = None
@@ -415,17 +416,22 @@ class PeerProcess:
     def _wait_reply(self, msg_id: int, timeout_s: float) -> dict[str, Any]:
         end = time.monotonic() + timeout_s
         while True:
-            try:
-                msg = self._replies.get(timeout=max(0.0, end - time.monotonic()))
-            except queue.Empty:
-                raise HarnessError(f"{self.spec.name}: no reply in {timeout_s} s\n{self.log_tail()}") from None
+            msg = self._stash.pop(msg_id, None)
+            if msg is None:
+                try:
+                    msg = self._replies.get(timeout=max(0.0, end - time.monotonic()))
+                except queue.Empty:
+                    raise HarnessError(f"{self.spec.name}: no reply in {timeout_s} s\n{self.log_tail()}") from None
             if msg["id"] == -1:
+                self._replies.put(msg)  # stays visible to every later wait
                 raise HarnessError(f"{self.spec.name}: worker exited ({self.proc.poll()})\n{self.log_tail()}")
-            if msg["id"] == msg_id:
-                if not msg["ok"]:
-                    raise HarnessError(f"{self.spec.name}: {msg['error']}")
-                result: dict[str, Any] = msg["result"]
-                return result
+            if msg["id"] != msg_id:
+                self._stash[msg["id"]] = msg  # a reply someone else will ask for
+                continue
+            if not msg["ok"]:
+                raise HarnessError(f"{self.spec.name}: {msg['error']}")
+            result: dict[str, Any] = msg["result"]
+            return result
 
     def send(self, cmd: str, **args: Any) -> int:
         """Send a command without waiting; returns its id for `reply`."""

@@ -101,12 +101,24 @@ class Block(nn.Module):
             streams = torch.cat(parts)
         attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         x = self.attention_input(streams, pre_mix)
-        attn_out = torch.cat([self.attn(part, ctx) for part, ctx in zip(x.split(list(sizes)), ctxs)])
+        attn_out = torch.cat([self._attend(part, ctx) for part, ctx in zip(x.split(list(sizes)), ctxs)])
         streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
         ffn_mix = self._mix(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         ffn_out = moe(self.ffn, self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
+
+
+    def _attend(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """Attention of one chunk, recording the layer's state first when the chunk asks for it."""
+        if ctx.boundary is not None:
+            layer = self.spec.layer_id
+            ctx.boundary.swa[layer] = ctx.state.swa[layer]
+            kv = ctx.state.global_kv.get(layer)
+            if kv is not None:
+                ctx.boundary.global_kv[layer] = (kv.main, kv.index_keys, kv.pending)
+        out: Tensor = self.attn(x, ctx)
+        return out
 
 
 def local_moe(ffn: MoE, x: Tensor) -> Tensor:

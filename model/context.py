@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from cedserve.model.state import SequenceState
+from cedserve.model.state import SequenceState, StateSnapshot
 
 
 @dataclass
@@ -29,6 +29,11 @@ class ForwardContext:
     taps: dict[int, Tensor] | None = None
     """When set, each `dspark_target_layer_ids` layer stores the streams entering its attention
     (after Engram), `[S, hc, hidden]`."""
+    boundary: StateSnapshot | None = None
+    """When set, every layer records the sequence's layer state (its window and, at a KV source, its
+    global KV and partial group) here just before this chunk's attention runs, so the snapshot is the
+    sequence as it was before this chunk even when an earlier chunk of the same sequence ran in the
+    same pass (`CEDModel.forward_batch`). The caller fills position and Engram tail."""
     selections: dict[int, Tensor | None] = field(default_factory=dict)
     """Index-source layer -> bool [S, T] picked entries (None: no entry visible yet)."""
     candidates: Tensor | None = None

@@ -126,6 +126,20 @@ class BatchItem:
     replay: bool = False
     """Rebuild the bounded state from these last tokens instead of consuming new ones (as `replay`):
     the state must already hold the tokens' global KV and be at the chunk's end position."""
+    snapshot: bool = False
+    """Also return the state as it was before this chunk (for rolling rejected drafts back). A
+    sequence may have several consecutive chunks in one pass (e.g. tokens accepted last step, then
+    a new anchor and its drafts): they run in order inside every layer, and the snapshot of a later
+    chunk includes the earlier ones."""
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """One item's share of a `forward_batch` pass."""
+
+    logits: Tensor  # float32 [S, vocab]
+    taps: Tensor  # [S, n_taps, hc, hidden] when asked for, else [0]
+    snapshot: StateSnapshot | None  # the state before the chunk, when asked for
 
 
 class CEDModel(nn.Module):
@@ -224,32 +238,39 @@ class CEDModel(nn.Module):
         return torch.cat([self.prefill([token], state)[-1:] for token, state in zip(token_ids, states)])
 
     @torch.no_grad()
-    def forward_batch(self, items: Sequence[BatchItem], moe: MoEFn = local_moe) -> list[TargetOutput]:
-        """One pass over every item's chunk: per item, logits `[S_i, vocab]` and (when asked) taps
-        `[S_i, n_taps, hc, hidden]` (else an empty tensor). Each state advances as `prefill` (or is
-        rebuilt as `replay`) would leave it, up to float rounding: row-wise results do not depend on
-        the other rows, but matmuls over more rows may round differently. `moe` is called once per
-        layer even for an empty batch, so expert-parallel ranks with nothing to run stay in step."""
-        begun = [self._begin_replay(it.token_ids, it.state) if it.replay
-                 else self._begin(it.token_ids, it.state, write_global_kv=True) for it in items]
-        taps: list[dict[int, Tensor]] = [{} for _ in items]
-        for (_, _, _, ctx), item, tap in zip(begun, items, taps):
-            ctx.taps = tap if item.taps else None
-        ctxs = [b[3] for b in begun]
+    def forward_batch(self, items: Sequence[BatchItem], moe: MoEFn = local_moe) -> list[BatchOutput]:
+        """One pass over every item's chunk (see `BatchItem`). Each state ends as `prefill` (or
+        `replay`) of its chunks in order would leave it, up to float rounding: row-wise results do
+        not depend on the other rows, but matmuls over more rows may round differently. `moe` is
+        called once per layer even for an empty batch, so expert-parallel ranks with nothing to run
+        stay in step."""
+        ctxs, streams, pre_mix = [], [], []
+        for item in items:
+            before = (item.state.position, item.state.engram_tail)
+            if item.replay:
+                s, m, _, ctx = self._begin_replay(item.token_ids, item.state)
+            else:
+                s, m, _, ctx = self._begin(item.token_ids, item.state, write_global_kv=True)
+                item.state.position += int(ctx.positions.shape[0])  # a later chunk of this sequence starts here
+            ctx.taps = {} if item.taps else None
+            ctx.boundary = StateSnapshot(before[0], {}, {}, before[1]) if item.snapshot else None
+            ctxs.append(ctx)
+            streams.append(s)
+            pre_mix.append(m)
         sizes = [int(ctx.positions.shape[0]) for ctx in ctxs]
         hidden, hc = self.config.hidden_size, self.config.hc_mult
         device, dtype = self.embed.weight.device, self.embed.weight.dtype
-        streams = torch.cat([b[0] for b in begun]) if begun else torch.zeros(0, hc, hidden, device=device, dtype=dtype)
-        pre_mix = torch.cat([b[1] for b in begun]) if begun else torch.zeros(0, hc, device=device)
+        x = torch.cat(streams) if items else torch.zeros(0, hc, hidden, device=device, dtype=dtype)
+        pre = torch.cat(pre_mix) if items else torch.zeros(0, hc, device=device)
         for layer_id in range(self.config.num_hidden_layers):
-            streams, pre_mix = self._block(layer_id).forward_batch(streams, pre_mix, ctxs, sizes, moe)
-        for item, size in zip(items, sizes):
-            if not item.replay:
-                item.state.position += size
-        logits = self._logits(streams, pre_mix).split(sizes) if items else ()
-        tap_ids = self.config.dspark_target_layer_ids
-        return [TargetOutput(rows, torch.stack([t[i] for i in tap_ids], dim=1) if item.taps else rows[:0])
-                for rows, item, t in zip(logits, items, taps)]
+            x, pre = self._block(layer_id).forward_batch(x, pre, ctxs, sizes, moe)
+        logits = self._logits(x, pre).split(sizes) if items else ()
+        return [BatchOutput(rows, self._stack_taps(ctx.taps, rows), ctx.boundary) for rows, ctx in zip(logits, ctxs)]
+
+    def _stack_taps(self, taps: dict[int, Tensor] | None, rows: Tensor) -> Tensor:
+        if taps is None:
+            return rows[:0]
+        return torch.stack([taps[i] for i in self.config.dspark_target_layer_ids], dim=1)
 
     @torch.no_grad()
     def encode_chunk(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> EncodedChunk:

@@ -20,8 +20,9 @@ def _fail(name: str, message: str) -> None:
 class PrefillWorkerConfig:
     """The prefill engine, its scheduler, and its request limits."""
 
-    worker_id: str = "prefill-0"
-    """Names this worker in load reports, KV events and its NIXL agent name."""
+    worker_id: str = ""
+    """Names this worker in load reports, KV events and as its NIXL agent name; unique in the cluster.
+    Empty: `prefill-<hostname>-<pid>` (the `--worker-id` flag overrides)."""
     chunk_tokens: int = 2048
     """Most prompt tokens one request computes per engine step (chunked prefill). A multiple of the
     block size, so every chunk but a prompt's last ends on a block boundary and its blocks can ship."""
@@ -71,8 +72,6 @@ class PrefillWorkerConfig:
                 _fail(name, f"must be >= 0, got {getattr(self, name)}")
         if self.step_token_budget < self.chunk_tokens:
             _fail("step_token_budget", f"{self.step_token_budget} is below chunk_tokens {self.chunk_tokens}")
-        if not self.worker_id:
-            _fail("worker_id", "must not be empty")
 
     def check_block_size(self, block_size: int) -> None:
         """Chunks must end on block boundaries (see `chunk_tokens`)."""
@@ -94,4 +93,6 @@ class PrefillWorkerConfig:
             ok = isinstance(value, expected) or (expected is float and isinstance(value, int))
             if not ok or isinstance(value, bool) != (expected is bool):
                 _fail(name, f"expected {expected.__name__}, got {value!r}")
-        return cls(**{k: (float(v) if isinstance(getattr(cls(), k), float) else v) for k, v in values.items()})
+        converted: dict[str, Any] = {k: (float(v) if isinstance(getattr(cls(), k), float) else v)
+                                     for k, v in values.items()}
+        return cls(**converted)

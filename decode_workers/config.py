@@ -1,0 +1,86 @@
+"""`DecodeConfig`: everything one decode rank reads, as one frozen, validated dataclass.
+
+The launcher (`cedserve worker --role decode`) builds it from the serve config's `[cache]` table and
+the command line; tests build it directly. Nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from cedserve.model.effort import MAX_EFFORT, parse_effort
+
+
+class PreemptionPolicy(str, Enum):
+    """What a running request gives up when the block pool runs short."""
+
+    OFFLOAD = "offload"
+    """Copy its blocks and bounded state to host memory; resume exactly where it stopped."""
+    RECOMPUTE = "recompute"
+    """Drop everything; resume by recomputing the prompt and the tokens generated so far."""
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"config field `decode.{name}`: {message}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One decode rank: its pool, its batch, DSpark, preemption and leases."""
+
+    worker_id: str = "decode-0"
+    """Name in load reports, KV events and metrics."""
+    block_size: int = 64
+    """Tokens per paged block (must equal the prefill side's)."""
+    num_blocks: int = 4096
+    """Blocks in this rank's pool."""
+    max_running_requests: int = 64
+    """Most requests decoding in one step (the batch)."""
+    max_waiting_requests: int = 1024
+    """Leased requests waiting for their KV or a batch slot; Reserve fails RESOURCE_EXHAUSTED beyond."""
+    max_pass_tokens: int = 8192
+    """Most rows one target pass computes (joins by replay and local prefill are capped by it)."""
+    reserve_headroom_blocks: int = 0
+    """Blocks Reserve keeps free for running requests to grow into (refuses a lease that would eat them)."""
+    replay_span: int = 0
+    """Tokens replayed to rebuild bounded state when a request joins; 0: the exact receptive field
+    (`num_hidden_layers * (sliding_window - 1) + engram n-gram - 1`). Requests may ask for another."""
+    dspark: bool = True
+    """Speculative decoding with the DSpark drafter (when the checkpoint has one)."""
+    draft_tokens: int = 0
+    """Drafts per pass; 0: the model's `dspark_block_size`."""
+    adaptive_verify: bool = True
+    """Choose each request's verification length from the confidence head (else verify every draft)."""
+    step_prior_s: float = 0.05
+    """Prior seconds of a target pass (before any is measured): fixed part."""
+    step_prior_per_row_s: float = 0.002
+    """Prior seconds of a target pass: per row verified."""
+    preemption: PreemptionPolicy = PreemptionPolicy.OFFLOAD
+    """What a request gives up under memory pressure."""
+    max_offload_bytes: int = 8 << 30
+    """Host bytes offloaded requests may hold; beyond it preemption recomputes (counted)."""
+    lease_ms: int = 30_000
+    """Default lease: a reservation whose Decode call has not arrived by then is freed."""
+    max_output_tokens: int = 32_768
+    """Token budget at effort 100; effort e allows `max_output_tokens * e / 100` (at least 1)."""
+    idle_wait_s: float = 0.002
+    """How long the engine loop waits for work when idle (bounds lease expiry and drain latency)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_running_requests", "max_waiting_requests",
+                     "max_pass_tokens", "lease_ms", "max_output_tokens", "max_offload_bytes"):
+            if getattr(self, name) <= 0:
+                _fail(name, f"must be positive, got {getattr(self, name)}")
+        for name in ("reserve_headroom_blocks", "replay_span", "draft_tokens"):
+            if getattr(self, name) < 0:
+                _fail(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s"):
+            if not getattr(self, name) > 0:
+                _fail(name, f"must be positive, got {getattr(self, name)}")
+        if self.reserve_headroom_blocks >= self.num_blocks:
+            _fail("reserve_headroom_blocks", f"{self.reserve_headroom_blocks} leaves no block of {self.num_blocks}")
+
+    def token_budget(self, effort: int) -> int:
+        """Most output tokens a request of this effort (1-100) may produce."""
+        return max(1, self.max_output_tokens * parse_effort(effort) // MAX_EFFORT)

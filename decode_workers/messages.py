@@ -1,0 +1,151 @@
+"""What flows into and out of a decode engine: commands from the gRPC service, outputs to its streams.
+
+In a decode group the leader's service receives every call; commands are broadcast to all ranks at
+the start of a step and outputs are gathered back at its end, so every message here is a tagged
+msgspec struct (msgpack on the wire between ranks, never pickle). A command names the rank that
+owns its request; the others ignore it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from cedserve.model.sampling import SamplingParams
+
+RequestId = str
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`SamplingParams` on the wire (validated when the engine builds the params)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 0
+    """0: the effort's token budget."""
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p or 1.0, top_k=self.top_k,
+                              seed=self.seed, max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
+                              logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+
+
+# ------------------------------------------------------------------ commands
+
+
+class ReserveCommand(msgspec.Struct, frozen=True, tag="reserve"):
+    """Lease blocks for a prompt whose KV a prefill worker will WRITE (or that this rank prefills)."""
+
+    rank: int
+    request_id: RequestId
+    lease_id: str
+    prompt_tokens: int
+    token_ids: tuple[int, ...]
+    """The prompt when the router sent it (prefix reuse and caching); empty: neither."""
+    lease_ms: int
+    cache_salt: str = ""
+    sender_agent: str = ""
+    """The prefill worker's NIXL agent; empty: no transfer (decode-only placement)."""
+    sender_control_address: str = ""
+
+
+class AttachCommand(msgspec.Struct, frozen=True, tag="attach"):
+    """A Decode call for a lease: decode once the KV is in place."""
+
+    rank: int
+    request_id: RequestId
+    lease_id: str
+    token_ids: tuple[int, ...]
+    """The whole prompt."""
+    first_token: int | None
+    """Sampled by the prefill side; None when this rank prefills (`prefill_locally`)."""
+    effort: int
+    sampling: Sampling
+    deadline_unix_ms: int = 0
+    replay_span: int = 0
+
+
+class CancelCommand(msgspec.Struct, frozen=True, tag="cancel"):
+    """Cancel a request or a lease: every block and transfer of it is released."""
+
+    rank: int
+    request_id: RequestId
+    lease_id: str = ""
+    reason: str = "cancelled"
+
+
+Command = ReserveCommand | AttachCommand | CancelCommand
+
+
+# ------------------------------------------------------------------ outputs
+
+
+class Reserved(msgspec.Struct, frozen=True, tag="reserved"):
+    """Answer to a `ReserveCommand`."""
+
+    request_id: RequestId
+    lease_id: str
+    agent_name: str
+    control_address: str
+    block_ids: tuple[int, ...]
+    num_cached_blocks: int
+    lease_deadline_unix_ms: int
+    reservation: bytes = b""
+    """The kv_transfer `Reservation` (serialized protobuf) for the sender; empty without a transfer."""
+
+
+class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
+    """Tokens accepted in one step, in order."""
+
+    request_id: RequestId
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
+    """Log-probability of each token under the target's unprocessed distribution (when asked)."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """Per token, the `logprobs` most likely (token, log-probability) pairs."""
+    accepted_drafts: int = 0
+
+
+class Finished(msgspec.Struct, frozen=True, tag="finished"):
+    request_id: RequestId
+    finish_reason: str
+    """"stop", "length" or "cancelled"."""
+    output_tokens: int
+    draft_tokens: int
+    accepted_drafts: int
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed"):
+    """The request (or the command) failed; `code` is a `cedserve.v1.ErrorCode` value."""
+
+    request_id: RequestId
+    code: int
+    message: str
+    field: str = ""
+    retry_after_ms: int = 0
+    lease_id: str = ""
+
+
+Output = Reserved | Tokens | Finished | Failed
+
+_commands = msgspec.msgpack.Decoder(list[Command])
+_outputs = msgspec.msgpack.Decoder(list[Output])
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(messages: list[Command] | list[Output]) -> bytes:
+    return _encoder.encode(messages)
+
+
+def decode_commands(data: bytes) -> list[Command]:
+    """`msgspec.ValidationError` (a `ValueError`) names a malformed field."""
+    return _commands.decode(data)
+
+
+def decode_outputs(data: bytes) -> list[Output]:
+    return _outputs.decode(data)
