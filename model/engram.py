@@ -66,6 +66,17 @@ def table_primes(config: ModelConfig) -> list[list[list[int]]]:
     return out
 
 
+def check_table_sizes(config: ModelConfig) -> None:
+    """`ValueError` unless each Engram table has exactly the rows its hash buckets address
+    (the sum of that layer's primes); a mismatch would index past the table or waste rows."""
+    for layer, rows, primes in zip(config.engram_layer_ids, config.engram_num_embeddings, table_primes(config)):
+        needed = sum(sum(p) for p in primes)
+        if rows != needed:
+            raise ValueError(f"model config field `engram_num_embeddings`: layer {layer} has {rows} rows, "
+                             f"but its hash buckets need {needed} (engram_vocab_size={config.engram_vocab_size}, "
+                             f"{config.engram_n_heads} heads, n-grams 2..{config.engram_max_ngram_size})")
+
+
 def hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_vocab_size: int) -> Tensor:
     """Odd multipliers `[layers, max_ngram_size]` (int64), one per look-back, drawn from a
     numpy PCG64 stream seeded `10007 * layer_id`; bounded so `id * multiplier` fits int64."""

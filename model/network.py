@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from cedserve.model.block import Block, MoEFn, local_moe
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.context import ForwardContext
-from cedserve.model.engram import Engram, EngramHasher
+from cedserve.model.engram import Engram, EngramHasher, check_table_sizes
 from cedserve.model.engram_store import EngramStore
 from cedserve.model.mhc import hc_collapse
 from cedserve.model.norm import RMSNorm
@@ -164,6 +164,7 @@ class CEDModel(nn.Module):
         self.layers = nn.ModuleList([Block(config, spec, self.ropes["compress"], in_memory) for spec in config.layer_plan])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        check_table_sizes(config)
         self.hasher = EngramHasher(config, engram_token_map) if engram_token_map is not None else None
         if config.engram_layer_ids and self.hasher is None:
             raise ValueError("this config has Engram layers: pass engram_token_map (see load_compressed_token_map)")

@@ -127,3 +127,12 @@ def test_env_overrides_are_read_in_one_place() -> None:
     assert config.port == 9000 and config.model.checkpoint == "/ckpt"
     with pytest.raises(ValueError, match="CEDSERVE_PORT"):
         ServeConfig().with_env_overrides({"CEDSERVE_PORT": "x"})
+
+
+def test_engram_tables_must_match_their_buckets() -> None:
+    from cedserve.model.engram import check_table_sizes
+
+    for name in PRESETS:
+        check_table_sizes(preset(name))
+    with pytest.raises(ValueError, match="engram_num_embeddings"):
+        check_table_sizes(preset("mini-40").replace(engram_num_embeddings=(6000, 6000)))

@@ -1,0 +1,130 @@
+"""One request on a decode rank: its tokens, its model state, its lease, and where it stands.
+
+Token bookkeeping. `tokens` is the prompt followed by every output token so far (the prefill side's
+first token included). The target state has consumed `tokens[:state.position]`; the rest, `pending`,
+is what the next pass must feed: the anchor (the last token, never consumed yet) and, after a pass
+that rejected some drafts, the tokens accepted in it, which the next pass consumes in front of the
+new anchor (so a rejection never costs a pass of its own; see `engine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from cedserve.decode_workers.config import PreemptionPolicy
+from cedserve.model.dspark import DraftState
+from cedserve.model.sampling import SamplingParams
+from cedserve.model.state import SequenceState
+
+RequestId = str
+
+
+class Status(str, Enum):
+    LEASED = "leased"
+    """Blocks reserved; waiting for the KV transfer and the Decode call."""
+    WAITING = "waiting"
+    """KV in place and Decode attached (or preempted and ready to come back): waits for a batch slot."""
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    """Gave its blocks back under memory pressure (offloaded or to be recomputed)."""
+    FINISHED = "finished"
+
+
+class JoinKind(str, Enum):
+    """How a sequence's state is built when it (re)joins the batch."""
+
+    REPLAY = "replay"
+    """Global KV from the received blocks, bounded state by replaying the last tokens."""
+    PREFILL = "prefill"
+    """Prefill the prompt here (decode-only placement), sampling the first token."""
+    RECOMPUTE = "recompute"
+    """Preempted by recompute: prefill everything but the anchor again."""
+    ONLOAD = "onload"
+    """Preempted by offload: copy blocks and bounded state back; no model pass."""
+    SHIPPED = "shipped"
+    """The caller handed over a ready state (`DecodeEngine.attach_state`)."""
+
+
+@dataclass
+class Offloaded:
+    """Host copy of a preempted request (OFFLOAD)."""
+
+    rows: torch.Tensor  # uint8 [blocks, block_bytes]: the request's blocks, in table order (host)
+    state: SequenceState  # bounded state only: global KV records emptied (they are in `rows`)
+    draft: DraftState | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.numel())
+
+
+@dataclass
+class Lease:
+    """Blocks reserved for a request before its Decode call."""
+
+    lease_id: str
+    request_id: RequestId
+    block_ids: list[int]
+    num_cached_blocks: int
+    deadline_s: float
+    """Monotonic time after which an unattached lease is freed."""
+    cacheable: bool
+    """The lease was admitted with the real prompt (prefix reuse; its blocks may be cached)."""
+    transfer_open: bool = False
+    """A kv_transfer reservation is registered and has not finished (its blocks are not ours yet)."""
+    transfer_done: bool = False
+    transfer_error: str = ""
+    cancelled: bool = False
+
+
+@dataclass
+class DecodeSequence:
+    """A request that has a Decode call (see the module docstring)."""
+
+    request_id: RequestId
+    lease: Lease
+    tokens: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    join: JoinKind
+    replay_span: int
+    arrival: int
+    """Admission order (preemption takes the latest first, resumption the earliest)."""
+    status: Status = Status.LEASED
+    state: SequenceState | None = None
+    draft: DraftState | None = None
+    offloaded: Offloaded | None = None
+    stored_entries: dict[int, int] = field(default_factory=dict)
+    """Global-KV entries per source layer already written into the blocks."""
+    num_emitted: int = 0
+    """Output tokens this worker produced (the prefill side's first token excluded)."""
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    finish_reason: str = ""
+    deadline_s: float = float("inf")
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens the next pass feeds (the anchor last)."""
+        position = 0 if self.state is None else self.state.position
+        return self.tokens[position:]
+
+    @property
+    def anchor(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    def needs_pass_to_join(self) -> bool:
+        return self.join in (JoinKind.REPLAY, JoinKind.PREFILL, JoinKind.RECOMPUTE)
+
+    def preempted_as(self, policy: PreemptionPolicy) -> JoinKind:
+        return JoinKind.ONLOAD if policy is PreemptionPolicy.OFFLOAD else JoinKind.RECOMPUTE
