@@ -19,6 +19,7 @@ verbs:
   inspect   print a model plan and its KV-cache byte accounting
   bench     load-test a running server (agentic sessions, rate sweeps, policy comparisons)
   worker    run one prefill or decode worker (what the Helm chart starts; docs/deploy.md)
+  router    run the router: the public gRPC API in front of the workers
   drain     ask a local process to drain (the pods' preStop hook)
 """
 
@@ -97,6 +98,75 @@ def _drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    r = verbs.add_parser("router", help="run the router (the public gRPC API)",
+                         description="Run the router in front of prefill and decode workers. Prints "
+                                     "`CEDSERVE_READY {json}` once serving; stops cleanly on SIGTERM.")
+    r.add_argument("--checkpoint", required=True, help="checkpoint folder (its config.json and tokenizer.json)")
+    r.add_argument("--prefill", action="append", default=[], metavar="ID=HOST:PORT", help="a prefill worker")
+    r.add_argument("--decode", action="append", default=[], metavar="ID=HOST:PORT", help="a decode worker")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"])
+    r.add_argument("--block-size", type=int, default=64)
+    r.add_argument("--api-key-file", help="file with one accepted API key per line")
+    r.add_argument("--metrics-port", type=int)
+    r.add_argument("--max-retries", type=int, default=2)
+    r.add_argument("--default-max-tokens", type=int, default=0)
+    r.add_argument("--tls-cert")
+    r.add_argument("--tls-key")
+    r.add_argument("--tls-client-ca")
+
+
+def _endpoints(specs: list[str], role: str) -> tuple[object, ...]:
+    from cedserve.router.config import WorkerEndpoint
+
+    out = []
+    for i, spec in enumerate(specs):
+        worker_id, sep, address = spec.partition("=")
+        out.append(WorkerEndpoint(worker_id, address) if sep else WorkerEndpoint(f"{role}{i}", spec))
+    return tuple(out)
+
+
+def _router(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from cedserve.router.config import RouterConfig
+    from cedserve.router.server import serve_forever
+
+    keys = tuple(k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()) \
+        if args.api_key_file else ()
+    config = RouterConfig(checkpoint=args.checkpoint, prefill=_endpoints(args.prefill, "prefill"),  # type: ignore[arg-type]
+                          decode=_endpoints(args.decode, "decode"), host=args.host, port=args.port,  # type: ignore[arg-type]
+                          policy=args.policy, block_size=args.block_size, api_keys=keys,
+                          metrics_port=args.metrics_port, max_retries=args.max_retries,
+                          default_max_tokens=args.default_max_tokens, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from cedserve.client import CedserveError, Client
+    from cedserve.config import api_key_from_env
+
+    key = args.api_key or api_key_from_env()
+    try:
+        with Client(args.address, api_key=key, timeout_s=args.timeout_s) as client:
+            for piece in client.stream(args.prompt, effort=args.effort, max_tokens=args.max_tokens,
+                                       temperature=args.temperature, seed=args.seed):
+                print(piece.text, end="", flush=True)
+            print()
+            if args.verbose and client.last is not None:
+                print(json.dumps({"finish_reason": client.last.finish_reason, **client.last.usage}), file=sys.stderr)
+    except CedserveError as exc:
+        where = f" (field {exc.field})" if exc.field else ""
+        print(f"cedserve generate: {exc.code.name}: {exc.message}{where}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cedserve", description=_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default="127.0.0.1:50051")
     gen.add_argument("--effort", default="high", help="1-100 or low/high/max (50/75/100)")
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--api-key", help="API key (default: $CEDSERVE_API_KEY)")
+    gen.add_argument("--timeout-s", type=float, default=300.0)
+    gen.add_argument("-v", "--verbose", action="store_true", help="print usage (tokens, TTFT) to stderr")
 
     insp = verbs.add_parser("inspect", help="print the layer plan and KV byte accounting",
                             description="Print a model plan (roles, CSA2 modes, borrowed layers) and its "
@@ -133,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(`cedserve bench kv-transfer --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     _add_worker_parser(verbs)
+    _add_router_parser(verbs)
     return parser
 
 
@@ -149,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "serve":
             return _not_built("serve", "the embedded launcher comes with the deployment issue")
         if args.verb == "generate":
-            return _not_built("generate", "the public gRPC API comes with the router issue")
+            return _generate(args)
+        if args.verb == "router":
+            return _router(args)
         if args.verb == "bench" and args.what == "kv-transfer":
             from cedserve.kv_transfer.loadtest import main as kv_transfer_bench
 

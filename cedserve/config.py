@@ -118,3 +118,9 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             out = msgspec.structs.replace(out, model=ModelSource(preset=None,
                                                                  checkpoint=env["CEDSERVE_CHECKPOINT"]))
         return out
+
+
+def api_key_from_env(environ: dict[str, str] | None = None) -> str | None:
+    """The client's API key from `CEDSERVE_API_KEY` (None when unset)."""
+    env = os.environ if environ is None else environ
+    return env.get("CEDSERVE_API_KEY") or None

@@ -51,9 +51,12 @@ def test_inspect_cli_prints_890() -> None:
 
 
 def test_cli_reports_unbuilt_verbs_and_bad_input(tmp_path: object) -> None:
-    for verb in (["serve"], ["generate", "hi"], ["bench"]):
+    for verb in (["serve"], ["bench"]):
         proc = subprocess.run([sys.executable, "-m", "cedserve.cli", *verb], capture_output=True, text=True)
         assert proc.returncode != 0 and "not built yet" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cedserve.cli", "generate", "hi", "--address", "127.0.0.1:1",
+                           "--timeout-s", "2"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr  # no server there: a clear error, no traceback
     proc = subprocess.run([sys.executable, "-m", "cedserve.cli", "inspect", "--preset", "huge"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
