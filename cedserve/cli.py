@@ -128,6 +128,19 @@ def _endpoints(specs: list[str], role: str) -> tuple[object, ...]:
     return tuple(out)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cedserve.launcher import EmbeddedOptions, serve_embedded
+
+    if args.ray:
+        return _not_built("serve --ray", "Ray placement comes with the deployment issue")
+    opts = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, host=args.host,
+                           port=args.port, log_dir=Path(args.log_dir) if args.log_dir else None,
+                           default_max_tokens=args.default_max_tokens)
+    return serve_embedded(opts)
+
+
 def _router(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
@@ -178,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint", help="checkpoint folder (config.json, tokenizer.json, safetensors)")
     serve.add_argument("--config", help="serve config file (.toml or .json)")
     serve.add_argument("--ray", metavar="ADDRESS", help="Ray cluster address, or 'auto'")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address of every process")
+    serve.add_argument("--port", type=int, default=50051, help="public gRPC port of the router")
+    serve.add_argument("--log-dir", help="where each process's log goes (default: ~/.cache/cedserve/logs)")
+    serve.add_argument("--default-max-tokens", type=int, default=64,
+                       help="output budget of requests that give none")
 
     gen = verbs.add_parser("generate", help="stream an answer from a running server",
                            description="Send a prompt to a running cedserve over gRPC and stream tokens.")
@@ -223,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "drain":
             return _drain(args)
         if args.verb == "serve":
-            return _not_built("serve", "the embedded launcher comes with the deployment issue")
+            return _serve(args)
         if args.verb == "generate":
             return _generate(args)
         if args.verb == "router":

@@ -128,7 +128,7 @@ class PrefillScheduler:
             entry.next_pos += take
             plan.append(ScheduledChunk(entry.request_id, start, entry.next_pos, entry.next_pos == entry.prompt_len))
             budget -= take
-            if budget < self.block_size:
+            if budget == 0:
                 break
         return plan
 

@@ -51,7 +51,7 @@ def test_inspect_cli_prints_890() -> None:
 
 
 def test_cli_reports_unbuilt_verbs_and_bad_input(tmp_path: object) -> None:
-    for verb in (["serve"], ["bench"]):
+    for verb in (["serve", "--ray", "auto"], ["bench"]):
         proc = subprocess.run([sys.executable, "-m", "cedserve.cli", *verb], capture_output=True, text=True)
         assert proc.returncode != 0 and "not built yet" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cedserve.cli", "generate", "hi", "--address", "127.0.0.1:1",
