@@ -142,6 +142,9 @@ class Group:
         base_cfg: dict[str, Any] = {"auth_token": _TOKEN, "peer_timeout_s": args.peer_timeout_s,
                                     "heartbeat_interval_s": args.peer_timeout_s / 6,
                                     "chunk_blocks": args.chunk_blocks, "lease_s": 600.0}
+        for item in args.set:  # --set KEY=VALUE: any KVTransferConfig field, JSON-typed
+            key, _, value = item.partition("=")
+            base_cfg[key] = json.loads(value)
         if pack == "off":
             base_cfg["pack_below_bytes"] = 0
         elif pack == "on":
@@ -340,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="", help="write results here (default docs/benchmarks/kv-transfer-<device>.json "
                    "when run from a checkout)")
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a KVTransferConfig field of every agent, e.g. --set target_poll_s=0.0005")
     return p
 
 

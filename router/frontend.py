@@ -27,6 +27,7 @@ from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission, effort_class
 from cedserve.router.errors import RequestError, invalid
+from cedserve.router.index import PrefixHit
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
     DecodeLoad,
@@ -191,12 +192,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         decode = self.pool.healthy("decode", excluded)
         if not decode:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker", retry_after_s=1.0)
-        hashes = list(req.block_hashes)
+        hits = self.pool.index.prefix_hits(list(req.block_hashes)) if req.block_hashes else {}
         shape = RequestShape(prompt_len, req.effort, self.limits.block_size, self.block_bytes)
-        pl = [self._prefill_load(h, hashes) for h in prefill]
-        dl = [self._decode_load(h, hashes) for h in decode]
-        links = LinkRates({(p.worker_id, d.worker_id): _DEFAULT_LINK_BYTES_PER_S for p in pl for d in dl},
-                          {"host": 2e10, "disk": 2e9})
+        pl = [self._prefill_load(h, hits.get(h.worker_id)) for h in prefill]
+        dl = [self._decode_load(h, hits.get(h.worker_id)) for h in decode]
+        links = LinkRates({}, {"host": 2e10, "disk": 2e9}, default_transfer_bytes_per_s=_DEFAULT_LINK_BYTES_PER_S)
         try:
             choice = self.policy.choose(shape, pl, dl, links)
         except NoCapacityError as exc:
@@ -208,23 +208,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                        kind="decode_only" if choice.prefill_id is None else "disaggregated").inc()
         return choice
 
-    def _prefill_load(self, h: WorkerHandle, hashes: list[bytes]) -> PrefillLoad:
+    def _prefill_load(self, h: WorkerHandle, hit: PrefixHit | None) -> PrefillLoad:
         load = h.load
         assert load is not None
-        hit = self.pool.index.longest_prefix(h.worker_id, hashes)
+        tiers = hit.blocks_by_tier if hit else {}
         return PrefillLoad(h.worker_id, int(load.queued_tokens), max(1.0, load.prefill_tokens_per_s),
-                           cached_blocks=hit.blocks_by_tier[Tier.DEVICE],
-                           offloaded_blocks={"host": hit.blocks_by_tier[Tier.HOST],
-                                             "disk": hit.blocks_by_tier[Tier.DISK]})
+                           cached_blocks=tiers.get(Tier.DEVICE, 0),
+                           offloaded_blocks={"host": tiers.get(Tier.HOST, 0), "disk": tiers.get(Tier.DISK, 0)})
 
-    def _decode_load(self, h: WorkerHandle, hashes: list[bytes]) -> DecodeLoad:
+    def _decode_load(self, h: WorkerHandle, hit: PrefixHit | None) -> DecodeLoad:
         load = h.load
         assert load is not None
-        hit = self.pool.index.longest_prefix(h.worker_id, hashes)
         steps = list(load.step_s) or [0.05, 0.05]
         return DecodeLoad(h.worker_id, int(load.running_requests), int(load.free_blocks), steps,
                           prefill_tokens_per_s=max(1.0, load.prefill_tokens_per_s),
-                          queued_tokens=int(load.queued_tokens), cached_blocks=hit.total_blocks)
+                          queued_tokens=int(load.queued_tokens), cached_blocks=hit.total_blocks if hit else 0)
 
     async def _attempt(self, req: PreparedRequest, context: grpc.aio.ServicerContext, start: float,
                        progress: _Progress, excluded: frozenset[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:

@@ -29,6 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from cedserve.model.effort import parse_effort
 
 # Expected output tokens by effort: the report says effort 25 -> 100 roughly doubles output length
@@ -101,10 +104,22 @@ class RequestShape:
 
 @dataclass(frozen=True)
 class LinkRates:
-    """Measured rates in bytes/s: prefill->decode links and tier onloads."""
+    """Measured rates in bytes/s: prefill->decode links (pairs not listed use the default) and tier onloads."""
 
     transfer_bytes_per_s: Mapping[tuple[str, str], float]
     tier_bytes_per_s: Mapping[str, float]
+    default_transfer_bytes_per_s: float = 1e9
+
+    def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
+        """`[P, D]` link rates."""
+        rates = np.full((len(prefill_ids), len(decode_ids)), self.default_transfer_bytes_per_s)
+        if self.transfer_bytes_per_s:
+            p_index = {w: i for i, w in enumerate(prefill_ids)}
+            d_index = {w: j for j, w in enumerate(decode_ids)}
+            for (p, d), rate in self.transfer_bytes_per_s.items():
+                if p in p_index and d in d_index:
+                    rates[p_index[p], d_index[d]] = rate
+        return rates
 
 
 @dataclass(frozen=True)
@@ -123,20 +138,24 @@ def decode_pressure(d: DecodeLoad, effort: int) -> float:
     return expected_output_tokens(effort) * added * batch + d.step_at(batch + 1)
 
 
-def _pair_cost(req: RequestShape, p: PrefillLoad, d: DecodeLoad, links: LinkRates) -> Placement:
+def _prefill_terms(req: RequestShape, p: PrefillLoad, links: LinkRates) -> tuple[float, float]:
+    """(prefill_wait, compute) of one prefill worker, in seconds."""
     cached = min(p.cached_blocks * req.block_size, req.prompt_len)
     onload = sum(blocks * req.block_bytes / links.tier_bytes_per_s[tier] for tier, blocks in p.offloaded_blocks.items())
     offloaded_tokens = sum(p.offloaded_blocks.values()) * req.block_size
     uncached = max(0, req.prompt_len - cached - offloaded_tokens)
-    missing_blocks = max(0, req.num_blocks - d.cached_blocks)
-    link = links.transfer_bytes_per_s[(p.worker_id, d.worker_id)]
-    parts = {
-        "prefill_wait": p.queued_tokens / p.prefill_tokens_per_s,
-        "compute": uncached / p.prefill_tokens_per_s + onload,
-        "transfer": missing_blocks * req.block_bytes / link,
-        "decode_pressure": decode_pressure(d, req.effort),
-    }
-    return Placement(p.worker_id, d.worker_id, sum(parts.values()), parts)
+    return p.queued_tokens / p.prefill_tokens_per_s, uncached / p.prefill_tokens_per_s + onload
+
+
+def _pair_costs(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
+                links: LinkRates) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Per-prefill `[P, 2]` (wait, compute), per-decode `[D]` pressure and `[P, D]` transfer seconds."""
+    prefill_terms = np.array([_prefill_terms(req, p, links) for p in prefill], dtype=np.float64).reshape(-1, 2)
+    pressure = np.array([decode_pressure(d, req.effort) for d in decode], dtype=np.float64)
+    missing_bytes = np.array([max(0, req.num_blocks - d.cached_blocks) * req.block_bytes for d in decode],
+                             dtype=np.float64)
+    rates = links.matrix([p.worker_id for p in prefill], [d.worker_id for d in decode])
+    return prefill_terms, pressure, missing_bytes[None, :] / rates
 
 
 def _decode_only_cost(req: RequestShape, d: DecodeLoad) -> Placement:
@@ -153,11 +172,22 @@ def _decode_only_cost(req: RequestShape, d: DecodeLoad) -> Placement:
 def place(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], links: LinkRates,
           decode_only_max_tokens: int) -> Placement:
     """The cheapest placement; `NoCapacityError` when no decode worker has room for the request,
-    `NoWorkerError` when no placement exists at all."""
-    fits = [d for d in decode if d.free_blocks >= req.num_blocks - d.cached_blocks]
+    `NoWorkerError` when no placement exists at all. Ties go to the smallest worker ids.
+
+    Every pair is scored, vectorised: `cost[P, D] = wait[P] + compute[P] + transfer[P, D] + pressure[D]`.
+    """
+    fits = sorted((d for d in decode if d.free_blocks >= req.num_blocks - d.cached_blocks), key=lambda d: d.worker_id)
     if not fits:
         raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
-    options = [_pair_cost(req, p, d, links) for p in prefill for d in fits]
+    options: list[Placement] = []
+    ordered = sorted(prefill, key=lambda p: p.worker_id)
+    if ordered:
+        terms, pressure, transfer = _pair_costs(req, ordered, fits, links)
+        cost = terms.sum(axis=1)[:, None] + transfer + pressure[None, :]
+        i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+        parts = {"prefill_wait": float(terms[i, 0]), "compute": float(terms[i, 1]),
+                 "transfer": float(transfer[i, j]), "decode_pressure": float(pressure[j])}
+        options.append(Placement(ordered[i].worker_id, fits[j].worker_id, float(cost[i, j]), parts))
     for d in fits:
         if req.prompt_len - d.cached_blocks * req.block_size <= decode_only_max_tokens:
             options.append(_decode_only_cost(req, d))

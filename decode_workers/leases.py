@@ -1,0 +1,216 @@
+"""Leases: blocks reserved for a request before its Decode call, and the KV transfer into them.
+
+Reserve admits the prompt into the cache manager (leading blocks this rank already caches are shared,
+the rest are fresh), registers a kv_transfer reservation for the fresh ones with the named sender, and
+answers with both. The transfer's `on_finish` runs on the transfer thread: it only queues the result,
+which `poll` applies on the engine thread. A lease ends in exactly one of three ways: its Decode call
+takes it over (`take`), it is cancelled, or its deadline passes unattached. Blocks return to the pool
+only once the transfer no longer touches them (after `on_finish`), as the transfer contract requires.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Callable
+
+from cedserve.decode_workers.messages import Failed, Reserved, ReserveCommand
+from cedserve.decode_workers.metrics import DecodeMetrics
+from cedserve.decode_workers.sequence import Lease
+from cedserve.kv_transfer.errors import FailureCause
+from cedserve.kv_transfer.protocol import KVReceiver, TransferEndpoint
+from cedserve.kv_transfer.state import TransferResult, TransferState
+from cedserve.kv_transfer.wire import reservation_to_pb
+from cedserve.model.cache.errors import CacheExhaustedError
+from cedserve.model.cache.manager import KVCacheManager
+from cedserve.proto import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_MS = 200
+
+
+class LeaseError(Exception):
+    """A Reserve that cannot be granted; `code` is a `cedserve.v1.ErrorCode` value."""
+
+    def __init__(self, code: int, message: str, field: str = "", retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.code, self.field, self.retry_after_ms = code, field, retry_after_ms
+
+    def failed(self, request_id: str, lease_id: str = "") -> Failed:
+        return Failed(request_id, self.code, str(self), self.field, self.retry_after_ms, lease_id)
+
+
+def new_lease_id() -> str:
+    return uuid.uuid4().hex
+
+
+class LeaseBook:
+    """Every lease of one rank. Engine thread only, except `_on_finish` (any thread)."""
+
+    def __init__(self, cache: KVCacheManager, endpoint: TransferEndpoint | None, metrics: DecodeMetrics,
+                 headroom_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cache = cache
+        self.endpoint = endpoint
+        self.receiver: KVReceiver | None = endpoint.receiver() if endpoint is not None else None
+        self.metrics = metrics
+        self.headroom_blocks = headroom_blocks
+        self.clock = clock
+        self.leases: dict[str, Lease] = {}
+        self.by_request: dict[str, str] = {}
+        self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+
+    # ------------------------------------------------------------------ grant
+
+    def reserve(self, cmd: ReserveCommand, agent_name: str, control_address: str) -> Reserved:
+        """Admit the prompt and register its transfer; `LeaseError` leaves nothing behind."""
+        self._validate(cmd)
+        lease = self._admit(cmd)
+        try:
+            reservation = self._open_transfer(cmd, lease)
+        except LeaseError:
+            self.cache.free(cmd.request_id)
+            raise
+        self.leases[lease.lease_id] = lease
+        self.by_request[cmd.request_id] = lease.lease_id
+        self.metrics.leases.inc()
+        deadline_ms = int((time.time() + cmd.lease_ms / 1000) * 1000)
+        return Reserved(cmd.request_id, lease.lease_id, agent_name, control_address, tuple(lease.block_ids),
+                        lease.num_cached_blocks, deadline_ms, reservation)
+
+    def _validate(self, cmd: ReserveCommand) -> None:
+        if not cmd.request_id:
+            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, "request_id is empty", "request_id")
+        if cmd.request_id in self.by_request or cmd.request_id in self.cache:
+            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, f"request {cmd.request_id!r} already holds a lease "
+                             "or runs here", "request_id")
+        if cmd.prompt_tokens <= 0:
+            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, "prompt_tokens must be positive", "prompt_tokens")
+        if cmd.token_ids and len(cmd.token_ids) != cmd.prompt_tokens:
+            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, f"{len(cmd.token_ids)} token ids for "
+                             f"prompt_tokens={cmd.prompt_tokens}", "token_ids")
+        if cmd.sender_agent and self.receiver is None:
+            raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, "this worker has no KV transfer agent", "sender_agent")
+
+    def _admit(self, cmd: ReserveCommand) -> Lease:
+        # Without the prompt, admit placeholders under a salt nobody else uses: nothing can hit, and the
+        # lease is never offered to the prefix cache (`cacheable`).
+        cacheable = bool(cmd.token_ids)
+        tokens = list(cmd.token_ids) if cacheable else [0] * cmd.prompt_tokens
+        salt = cmd.cache_salt if cacheable else f"uncached/{cmd.lease_id}"
+        try:
+            adm = self.cache.admit(cmd.request_id, tokens, salt)
+        except CacheExhaustedError as exc:
+            raise LeaseError(wpb.ERROR_CODE_RESOURCE_EXHAUSTED, str(exc), retry_after_ms=RETRY_AFTER_MS) from None
+        if self.available_blocks() < self.headroom_blocks:
+            self.cache.free(cmd.request_id)
+            raise LeaseError(wpb.ERROR_CODE_RESOURCE_EXHAUSTED, f"request {cmd.request_id!r}: granting it would "
+                             f"leave fewer than {self.headroom_blocks} blocks for running requests",
+                             retry_after_ms=RETRY_AFTER_MS)
+        self.cache.finish_onload(cmd.request_id)
+        cached = adm.num_cached_tokens // self.cache.block_size
+        return Lease(cmd.lease_id, cmd.request_id, list(adm.block_ids), cached,
+                     self.clock() + cmd.lease_ms / 1000, cacheable)
+
+    def _open_transfer(self, cmd: ReserveCommand, lease: Lease) -> bytes:
+        if not cmd.sender_agent or self.receiver is None or self.endpoint is None:
+            return b""
+        self._connect(cmd)
+        try:
+            reservation = self.receiver.reserve(lease.lease_id, lease.block_ids[lease.num_cached_blocks:],
+                                                sender=cmd.sender_agent, lease_s=cmd.lease_ms / 1000,
+                                                on_finish=self._results.put)
+        except ValueError as exc:
+            raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
+                             "sender_agent") from None
+        lease.transfer_open = True
+        return bytes(reservation_to_pb(reservation).SerializeToString())
+
+    def _connect(self, cmd: ReserveCommand) -> None:
+        """Handshake with the sender unless it is connected already (once per peer)."""
+        assert self.endpoint is not None
+        peers = getattr(self.endpoint, "peers", None)
+        if callable(peers) and peers().get(cmd.sender_agent):
+            return
+        if not cmd.sender_control_address:
+            if callable(peers):
+                raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, f"sender {cmd.sender_agent!r} is not connected "
+                                 "and no sender_control_address was given", "sender_control_address")
+            return
+        try:
+            self.endpoint.handshake(cmd.sender_control_address)
+        except (ConnectionError, ValueError) as exc:
+            raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, f"handshake with {cmd.sender_agent!r} at "
+                             f"{cmd.sender_control_address}: {exc}", "sender_control_address") from None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self.leases.get(lease_id)
+
+    def lease_of(self, request_id: str) -> Lease | None:
+        lease_id = self.by_request.get(request_id)
+        return None if lease_id is None else self.leases.get(lease_id)
+
+    def take(self, lease: Lease) -> None:
+        """The Decode call owns the lease now: it no longer expires (its blocks stay with the request)."""
+        lease.deadline_s = float("inf")
+
+    def cancel(self, lease: Lease, detail: str) -> bool:
+        """End the lease: abort its transfer (blocks freed when it has let go) or free now.
+        Returns True when the blocks were freed now."""
+        lease.cancelled = True
+        if lease.transfer_open and self.receiver is not None:
+            self.receiver.abort(lease.lease_id, FailureCause.CANCELLED, detail)
+            return False
+        self._forget(lease)
+        return True
+
+    def poll(self) -> list[tuple[Lease, TransferResult]]:
+        """Apply finished transfers; returns them (DONE or not) for the engine to act on."""
+        done = []
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                return done
+            lease = self.leases.get(result.request_id)
+            if lease is None:
+                continue
+            lease.transfer_open = False
+            if result.state is TransferState.DONE and not lease.cancelled:
+                lease.transfer_done = True
+            elif lease.cancelled:
+                self._forget(lease)
+            else:
+                # Free the blocks now; the lease stays as a tombstone so its Decode call learns why.
+                cause = result.error.cause.value if result.error is not None else result.state.value
+                self.metrics.transfer_failures.labels(cause).inc()
+                lease.transfer_error = str(result.error) if result.error is not None else result.state.value
+                if lease.request_id in self.cache:
+                    self.cache.free(lease.request_id)
+            done.append((lease, result))
+
+    def expired(self) -> list[Lease]:
+        """Unattached leases past their deadline."""
+        now = self.clock()
+        return [lease for lease in self.leases.values() if lease.deadline_s < now and not lease.cancelled]
+
+    def release(self, lease: Lease) -> None:
+        """The request is gone: forget the lease (its blocks are the request's to free)."""
+        self.leases.pop(lease.lease_id, None)
+        self.by_request.pop(lease.request_id, None)
+
+    def _forget(self, lease: Lease) -> None:
+        self.release(lease)
+        if lease.request_id in self.cache:
+            self.cache.free(lease.request_id)
+
+    def available_blocks(self) -> int:
+        return int(self.cache.pool.num_free + self.cache.prefix.num_evictable())
+
+    @property
+    def num_open(self) -> int:
+        return len(self.leases)

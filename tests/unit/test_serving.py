@@ -1,0 +1,121 @@
+"""Shared server scaffolding: error mapping, drain, KV event fan-out, rates, ready lines, health."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cedserve.kv_transfer.errors import FailureCause, KVTransferError
+from cedserve.model.cache.errors import CacheExhaustedError
+from cedserve.model.cache.events import BlockStored, KVEventBatch, KVEventPublisher, Tier, decode_batch
+from cedserve.proto import worker_pb2 as wpb
+from cedserve.serving import (
+    DrainController,
+    GrpcServer,
+    InvalidArgumentError,
+    KVEventFeed,
+    RateMeter,
+    add_lifecycle,
+    error_detail,
+    is_loopback_peer,
+    parse_ready_line,
+    ready_line,
+    request_drain,
+    status_code,
+)
+
+
+def test_error_mapping() -> None:
+    d = error_detail(InvalidArgumentError("bad", field="token_ids[3]"), "r1")
+    assert (d.code, d.field, d.request_id) == (wpb.ERROR_CODE_INVALID_ARGUMENT, "token_ids[3]", "r1")
+    assert status_code(d.code) == grpc.StatusCode.INVALID_ARGUMENT
+    d = error_detail(CacheExhaustedError("r1", 10, 2))
+    assert d.code == wpb.ERROR_CODE_RESOURCE_EXHAUSTED and d.retry_after_ms > 0
+    assert error_detail(KVTransferError("x", FailureCause.INVALID)).code == wpb.ERROR_CODE_NOT_FOUND
+    assert error_detail(KVTransferError("x", FailureCause.PEER_DISCONNECTED)).code == wpb.ERROR_CODE_TRANSFER_FAILED
+    assert error_detail(KVTransferError("x", FailureCause.DEADLINE)).code == wpb.ERROR_CODE_DEADLINE_EXCEEDED
+    assert error_detail(RuntimeError("boom")).code == wpb.ERROR_CODE_INTERNAL
+
+
+@pytest.mark.parametrize(("peer", "ok"), [("ipv4:127.0.0.1:5", True), ("ipv6:[::1]:5", True), ("unix:/x", True),
+                                          ("ipv4:10.0.0.1:5", False), ("ipv6:[fe80::1]:5", False)])
+def test_loopback_peers(peer: str, ok: bool) -> None:
+    assert is_loopback_peer(peer) is ok
+
+
+def test_rate_meter_measures_busy_time_in_window() -> None:
+    now = [100.0]
+    meter = RateMeter(window_s=10, clock=lambda: now[0])
+    meter.record(1000, 0.5)
+    now[0] += 1
+    meter.record(1000, 0.5)
+    assert meter.rate() == pytest.approx(2000.0)
+    now[0] += 20
+    assert meter.rate() == 0.0
+
+
+def test_ready_line_round_trip() -> None:
+    line = ready_line("prefill", "127.0.0.1:5", agent="a")
+    assert parse_ready_line(line) == {"role": "prefill", "address": "127.0.0.1:5", "agent": "a"}
+    assert parse_ready_line("hello") is None
+
+
+class _Ctx:
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+def test_kv_event_feed_replays_snapshots_and_streams_live() -> None:
+    feed = KVEventFeed(keep=4, poll_s=0.01)
+    pub = KVEventPublisher("w", epoch=1, sink=feed.publish)
+    for i in range(6):
+        pub.add(BlockStored([bytes([i])], Tier.DEVICE))
+        pub.flush()
+    ctx: Any = _Ctx()
+    resumed = feed.stream(4, lambda: pub.snapshot([]), ctx)
+    assert [b.seq for b in (next(resumed), next(resumed))] == [4, 5]
+    snap = feed.stream(1, lambda: pub.snapshot([(Tier.DEVICE, [b"x"])]), ctx)  # seq 1 is gone: snapshot
+    first = next(snap)
+    assert first.snapshot and decode_batch(first.events_msgpack).is_snapshot
+    pub.add(BlockStored([b"live"], Tier.DEVICE))
+    pub.flush()
+    live = decode_batch(next(snap).events_msgpack)
+    assert isinstance(live, KVEventBatch) and live.events[0] == BlockStored([b"live"], Tier.DEVICE)
+    ctx.active = False
+    assert list(snap) == []
+
+
+def test_health_and_drain_over_grpc() -> None:
+    server = GrpcServer("127.0.0.1", 0)
+    drain = DrainController(server.health, default_timeout_s=5)
+    add_lifecycle(server, drain)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            check = lambda name: stub.Check(health_pb2.HealthCheckRequest(service=name)).status  # noqa: E731
+            assert check("") == health_pb2.HealthCheckResponse.NOT_SERVING
+            server.health.set_ready(True)
+            server.health.set_alive(True)
+            assert check("") == health_pb2.HealthCheckResponse.SERVING
+
+            def owner() -> None:
+                drain.wait_requested()
+                time.sleep(0.1)
+                drain.finish(True)
+
+            threading.Thread(target=owner, daemon=True).start()
+            reply = request_drain(server.address, 5)
+            assert reply is not None and reply.drained
+            assert check("") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert check("liveness") == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(0)
