@@ -40,10 +40,14 @@ EVENT_POLL_S = 0.25
 
 
 class PeerConnector(Protocol):
-    """What the service needs of the transfer agent: handshakes with decode workers."""
+    """What the service needs of the transfer agent: its peers, and handshakes with decode workers."""
 
     @property
     def name(self) -> str: ...
+
+    def peers(self) -> dict[str, bool]:
+        """Handshaken peers by agent name -> alive."""
+        ...
 
     def handshake(self, address: str, timeout_s: float = 5.0) -> str:
         """Connect and check compatibility; the peer's agent name. `CompatibilityError`, `HandshakeError`."""
@@ -51,28 +55,24 @@ class PeerConnector(Protocol):
 
 
 class PeerBook:
-    """Decode agents this worker has handshaken with (thread-safe; one handshake per peer)."""
+    """Makes sure a request's decode agent is a live peer (thread-safe). Normally the decode worker
+    handshook with us before reserving (a reservation names its sender); a handshake from this side
+    happens only for a peer we do not know, since a second handshake reads as a restarted peer and
+    fails that peer's open transfers."""
 
     def __init__(self, agent: PeerConnector | None, timeout_s: float) -> None:
         self._agent = agent
         self._timeout_s = timeout_s
-        self._known: set[str] = set()
         self._lock = threading.Lock()
 
     def ensure(self, target: TransferTarget, request_id: str) -> None:
-        """Handshake with the target's agent unless known. `UnavailableError` if it cannot be reached,
-        `InvalidArgumentError` if it is another model or layout."""
-        if self._agent is None or target.agent_name in self._known:
+        """Handshake with the target's agent unless it is a live peer. `UnavailableError` if it cannot
+        be reached, `InvalidArgumentError` if it is another model or layout."""
+        if self._agent is None or self._agent.peers().get(target.agent_name):
             return
         with self._lock:
-            if target.agent_name in self._known:
-                return
-            self._handshake(target, request_id)
-            self._known.add(target.agent_name)
-
-    def forget(self, agent_name: str) -> None:
-        with self._lock:
-            self._known.discard(agent_name)
+            if not self._agent.peers().get(target.agent_name):
+                self._handshake(target, request_id)
 
     def _handshake(self, target: TransferTarget, rid: str) -> None:
         assert self._agent is not None
@@ -136,14 +136,9 @@ class PrefillService(wpb_grpc.PrefillWorkerServicer):
             kind = event.WhichOneof("event")
             if kind == "error":
                 fail_stream(context, event.error)
-                self._forget_dead_peer(job, event.error)
                 return
             if kind == "done":
                 return
-
-    def _forget_dead_peer(self, job: PrefillJob, detail: wpb.ErrorDetail) -> None:
-        if job.spec.target is not None and detail.code in (wpb.ERROR_CODE_TRANSFER_FAILED, wpb.ERROR_CODE_UNAVAILABLE):
-            self.peers.forget(job.spec.target.agent_name)  # re-handshake next time (it may have restarted)
 
     def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelReply:
         found = any(self.engine.cancel(key, "cancelled by Cancel") for key in (request.request_id, request.lease_id)

@@ -30,6 +30,9 @@ from cedserve.model.cache.events import (
 )
 
 TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+_BIT = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
+# Fastest tier (index into TIER_ORDER) of a non-empty tier bitmask: its lowest set bit.
+_FASTEST = [0, 0, 1, 0, 2, 0, 1, 0]
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class GlobalPrefixIndex:
 
     def __init__(self) -> None:
         self._mirror = KVIndexMirror()
-        self._holders: dict[bytes, dict[str, set[Tier]]] = {}
+        self._holders: dict[bytes, dict[str, int]] = {}  # hash -> worker -> tier bitmask
         self._by_worker: dict[str, set[bytes]] = {}
         self._out_of_step: set[str] = set()
 
@@ -101,17 +104,22 @@ class GlobalPrefixIndex:
         first = self._holders.get(block_hashes[0]) if block_hashes else None
         if not first:
             return {}
-        counts = {w: _empty(w).blocks_by_tier for w in first}
-        alive = set(first)
+        counts = {w: [0, 0, 0] for w in first}
+        alive = list(first)
         for h in block_hashes:
-            holders = self._holders.get(h, {})
-            alive &= holders.keys()
-            if not alive:
+            holders = self._holders.get(h)
+            if not holders:
                 break
+            still = []
             for w in alive:
-                tiers = holders[w]
-                counts[w][next(t for t in TIER_ORDER if t in tiers)] += 1
-        return {w: PrefixHit(w, c) for w, c in counts.items()}
+                mask = holders.get(w)
+                if mask:
+                    counts[w][_FASTEST[mask]] += 1
+                    still.append(w)
+            if not still:
+                break
+            alive = still
+        return {w: PrefixHit(w, dict(zip(TIER_ORDER, c))) for w, c in counts.items()}
 
     def best(self, workers: Iterable[str], block_hashes: Sequence[bytes]) -> PrefixHit | None:
         hits = self.prefix_hits(block_hashes)
@@ -133,7 +141,8 @@ class GlobalPrefixIndex:
                 self._add(h, worker_id, event.dst)
 
     def _add(self, h: bytes, worker_id: str, tier: Tier) -> None:
-        self._holders.setdefault(h, {}).setdefault(worker_id, set()).add(tier)
+        workers = self._holders.setdefault(h, {})
+        workers[worker_id] = workers.get(worker_id, 0) | _BIT[tier]
         self._by_worker.setdefault(worker_id, set()).add(h)
 
     def _drop(self, h: bytes, worker_id: str, tier: Tier | None) -> None:
@@ -141,7 +150,7 @@ class GlobalPrefixIndex:
         if workers is None or worker_id not in workers:
             return
         if tier is not None:
-            workers[worker_id].discard(tier)
+            workers[worker_id] &= ~_BIT[tier]
         if tier is None or not workers[worker_id]:
             del workers[worker_id]
             self._by_worker.get(worker_id, set()).discard(h)

@@ -75,13 +75,13 @@ def test_deadline_in_the_past() -> None:
 
 
 def test_config_validation_names_fields() -> None:
-    with pytest.raises(ValueError, match="prefill.chunk_tokens"):
+    with pytest.raises(ValueError, match=r"prefill\.chunk_tokens"):
         PrefillWorkerConfig(chunk_tokens=0)
-    with pytest.raises(ValueError, match="prefill.step_token_budget"):
+    with pytest.raises(ValueError, match=r"prefill\.step_token_budget"):
         PrefillWorkerConfig(chunk_tokens=256, step_token_budget=128)
-    with pytest.raises(ValueError, match="prefill.bogus"):
+    with pytest.raises(ValueError, match=r"prefill\.bogus"):
         PrefillWorkerConfig.from_mapping({"bogus": 1})
-    with pytest.raises(ValueError, match="prefill.replay_span"):
+    with pytest.raises(ValueError, match=r"prefill\.replay_span"):
         PrefillWorkerConfig.from_mapping({"replay_span": "long"})
     assert PrefillWorkerConfig.from_mapping({"drain_timeout_s": 5}).drain_timeout_s == 5.0
     with pytest.raises(ValueError, match="multiple of the block size"):
