@@ -10,9 +10,11 @@ Nothing here knows a worker's internals; a worker plugs in through small callbac
 * `start_metrics_server(host, port, registry)`: Prometheus `/metrics` over HTTP for one registry
   (never the process-global one); returns the bound port (0: a free one).
 * `DrainController`: the single place that decides "we are draining". `install_signal_handlers()`
-  (main thread only) makes SIGTERM/SIGINT request a drain; `LifecycleServicer` serves `cedserve.v1.
-  Lifecycle.Drain` (loopback peers only). The owner calls `wait_requested()` in its main thread, then
-  drains its engine and calls `finish(drained)`; `Drain` RPCs block until `finish` or their timeout.
+  (main thread only) makes SIGTERM/SIGINT request a drain and an exit; `LifecycleServicer` serves
+  `cedserve.v1.Lifecycle.Drain` (loopback peers only), which drains without exiting. The owner calls
+  `wait_requested()` in its main thread, drains its engine, calls `finish(drained)` (`Drain` RPCs
+  block until then or their timeout), then `wait_exit()` before stopping: after a preStop drain the
+  process keeps answering health checks (NOT_SERVING) until SIGTERM.
 * `KVEventFeed`: a thread-safe fan-out of `KVEventBatch`es. Pass `feed.publish` as the cache
   manager's `event_sink`; serve `StreamKVEvents` with `feed.stream(since_seq, snapshot, context)`.
 * `RateMeter`: measured tokens/s over a sliding window (load reports); `SeqCounter` numbers reports.
@@ -261,6 +263,7 @@ class DrainController:
         self._health = health
         self._requested = threading.Event()
         self._finished = threading.Event()
+        self._exit = threading.Event()
         self._deadline_s = 0.0
         self._drained = False
         self._in_flight = 0
@@ -304,8 +307,19 @@ class DrainController:
         with self._lock:
             return self._drained, self._in_flight
 
+    def request_exit(self, reason: str) -> None:
+        """Drain (if not already) and then exit: what SIGTERM means."""
+        self.request(reason)
+        self._exit.set()
+
+    def wait_exit(self, timeout_s: float | None = None) -> bool:
+        """After a drain requested over RPC (preStop), the process keeps answering health checks
+        (NOT_SERVING) until SIGTERM arrives."""
+        return self._exit.wait(timeout_s)
+
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT request a drain (a second SIGINT exits at once). Main thread only."""
+        """SIGTERM and SIGINT request a drain and then an exit (a second SIGINT exits at once). Main
+        thread only."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
@@ -313,7 +327,7 @@ class DrainController:
         if signum == signal.SIGINT and self.draining:
             raise KeyboardInterrupt
         # Handlers run between bytecodes of the main thread: only set flags here.
-        threading.Thread(target=self.request, args=(signal.Signals(signum).name,), daemon=True).start()
+        threading.Thread(target=self.request_exit, args=(signal.Signals(signum).name,), daemon=True).start()
 
 
 def is_loopback_peer(peer: str) -> bool:

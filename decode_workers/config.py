@@ -31,6 +31,10 @@ class DecodeConfig:
 
     worker_id: str = "decode-0"
     """Name in load reports, KV events and metrics."""
+    device: str = "cpu"
+    """Where the model, the block pool and the states live (`cuda`, `cuda:1`, `cpu`)."""
+    drain_timeout_s: float = 30.0
+    """Longest drain when SIGTERM arrives without a prior `Lifecycle.Drain`."""
     block_size: int = 64
     """Tokens per paged block (must equal the prefill side's)."""
     num_blocks: int = 4096
@@ -64,8 +68,9 @@ class DecodeConfig:
     """Default lease: a reservation whose Decode call has not arrived by then is freed."""
     max_output_tokens: int = 32_768
     """Token budget at effort 100; effort e allows `max_output_tokens * e / 100` (at least 1)."""
-    idle_wait_s: float = 0.002
-    """How long the engine loop waits for work when idle (bounds lease expiry and drain latency)."""
+    idle_wait_s: float = 0.01
+    """How long the engine loop waits for a command when idle (bounds how late it notices a finished
+    transfer, an expired lease or a drain; a command wakes it at once)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_running_requests", "max_waiting_requests",
@@ -75,7 +80,7 @@ class DecodeConfig:
         for name in ("reserve_headroom_blocks", "replay_span", "draft_tokens"):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s"):
+        for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
         if self.reserve_headroom_blocks >= self.num_blocks:

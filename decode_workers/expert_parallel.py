@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from cedserve.model.moe import MoE
@@ -124,14 +125,12 @@ class TorchDistributedEP:
     `group`) carries `agree`. Rows travel in the model's dtype, routing metadata as float32.
     """
 
-    def __init__(self, num_experts: int, group: object | None = None, control: object | None = None) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None,
+                 control: dist.ProcessGroup | None = None) -> None:
         self._group = group
         self._control = control if control is not None else group
-        self._rank = dist.get_rank(group)  # type: ignore[arg-type]
-        self._world = dist.get_world_size(group)  # type: ignore[arg-type]
+        self._rank = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
         experts_of(self._rank, self._world, num_experts)  # checks the split
         self.num_experts = num_experts
 
@@ -145,14 +144,14 @@ class TorchDistributedEP:
 
     def _exchange(self, rows: Tensor, send: list[int], recv: list[int]) -> Tensor:
         out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        self._dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self._group)  # type: ignore[arg-type]
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self._group)
         return out
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> Dispatched:
         order, send = _send_order(indices, self._world, self.num_experts)
         counts = torch.tensor(send, dtype=torch.long, device=x.device)
         recv_t = torch.empty_like(counts)
-        self._dist.all_to_all_single(recv_t, counts, group=self._group)  # type: ignore[arg-type]
+        dist.all_to_all_single(recv_t, counts, group=self._group)
         recv = recv_t.tolist()
         k = indices.shape[1]
         meta = torch.stack([indices.reshape(-1)[order].float(), weights.reshape(-1)[order].float()], dim=1)
@@ -168,7 +167,7 @@ class TorchDistributedEP:
 
     def agree(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._control)  # type: ignore[arg-type]
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
         return int(t.item())
 
 
@@ -177,7 +176,7 @@ def ep_moe(ep: ExpertParallel, ffn: MoE, x: Tensor) -> Tensor:
     weights, indices = ffn.gate(x)
     sent = ep.dispatch(x, indices, weights)
     y = torch.zeros(sent.x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
-    for expert_id in sent.expert_ids.unique().tolist():
+    for expert_id in torch.unique(sent.expert_ids).tolist():
         rows = torch.where(sent.expert_ids == expert_id)[0]
         y[rows] = ffn.experts[expert_id](sent.x[rows], sent.weights[rows]).float()
     per_slot = ep.combine(y, sent)  # [N, k, hidden]

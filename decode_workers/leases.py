@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from cedserve.decode_workers.messages import Failed, Reserved, ReserveCommand
+from cedserve.decode_workers.messages import Failed, ReserveCommand, Reserved
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.sequence import Lease
 from cedserve.kv_transfer.errors import FailureCause
@@ -112,7 +112,7 @@ class LeaseBook:
         self.cache.finish_onload(cmd.request_id)
         cached = adm.num_cached_tokens // self.cache.block_size
         return Lease(cmd.lease_id, cmd.request_id, list(adm.block_ids), cached,
-                     self.clock() + cmd.lease_ms / 1000, cacheable)
+                     self.clock() + cmd.lease_ms / 1000, cacheable, cmd.prompt_tokens)
 
     def _open_transfer(self, cmd: ReserveCommand, lease: Lease) -> bytes:
         if not cmd.sender_agent or self.receiver is None or self.endpoint is None:
@@ -170,7 +170,7 @@ class LeaseBook:
 
     def poll(self) -> list[tuple[Lease, TransferResult]]:
         """Apply finished transfers; returns them (DONE or not) for the engine to act on."""
-        done = []
+        done: list[tuple[Lease, TransferResult]] = []
         while True:
             try:
                 result = self._results.get_nowait()

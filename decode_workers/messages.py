@@ -75,8 +75,11 @@ class CancelCommand(msgspec.Struct, frozen=True, tag="cancel"):
 
     rank: int
     request_id: RequestId
+    """`*`: every request and lease of the rank (a drain handing work back)."""
     lease_id: str = ""
     reason: str = "cancelled"
+    hand_back: bool = False
+    """Fail with UNAVAILABLE (retry elsewhere) instead of finishing as cancelled."""
 
 
 Command = ReserveCommand | AttachCommand | CancelCommand
@@ -133,19 +136,64 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
 
 Output = Reserved | Tokens | Finished | Failed
 
-_commands = msgspec.msgpack.Decoder(list[Command])
-_outputs = msgspec.msgpack.Decoder(list[Output])
+
+# ------------------------------------------------------------------ one tick of a group
+
+
+class RankLoad(msgspec.Struct, frozen=True):
+    """One rank's load after a tick (the leader aggregates them into `LoadReport`)."""
+
+    rank: int
+    running: int = 0
+    waiting: int = 0
+    """Attached requests waiting for KV or a batch slot, plus unattached leases."""
+    preempted: int = 0
+    in_flight: int = 0
+    """Requests and leases held (drain waits for 0 on every rank)."""
+    free_blocks: int = 0
+    total_blocks: int = 0
+    held_blocks: int = 0
+    cached_blocks: int = 0
+    queued_tokens: int = 0
+    """Rows the waiting requests' joins will compute (replay spans, local prefills)."""
+    tokens_emitted: int = 0
+    busy_s: float = 0.0
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    verify_passes: int = 0
+    step_s: tuple[float, ...] = ()
+    agent_name: str = ""
+    control_address: str = ""
+
+
+class TickCommands(msgspec.Struct, frozen=True):
+    """What the leader broadcasts at the start of a tick."""
+
+    commands: list[Command]
+    draining: bool = False
+    stop: bool = False
+
+
+class TickReport(msgspec.Struct, frozen=True):
+    """What each rank sends back at the end of a tick."""
+
+    outputs: list[Output]
+    load: RankLoad
+
+
 _encoder = msgspec.msgpack.Encoder()
+_tick_commands = msgspec.msgpack.Decoder(TickCommands)
+_tick_report = msgspec.msgpack.Decoder(TickReport)
 
 
-def encode(messages: list[Command] | list[Output]) -> bytes:
-    return _encoder.encode(messages)
+def encode(message: TickCommands | TickReport) -> bytes:
+    return _encoder.encode(message)
 
 
-def decode_commands(data: bytes) -> list[Command]:
+def decode_tick_commands(data: bytes) -> TickCommands:
     """`msgspec.ValidationError` (a `ValueError`) names a malformed field."""
-    return _commands.decode(data)
+    return _tick_commands.decode(data)
 
 
-def decode_outputs(data: bytes) -> list[Output]:
-    return _outputs.decode(data)
+def decode_tick_report(data: bytes) -> TickReport:
+    return _tick_report.decode(data)

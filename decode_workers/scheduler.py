@@ -98,7 +98,7 @@ class DecodeScheduler:
             if len(self.running) >= self.config.max_running_requests:
                 break
             blocks = self._growth(seq)
-            join_rows = self._join_rows(seq)
+            join_rows = self.join_rows(seq)
             if blocks > available or (joins and rows + join_rows > self.config.max_pass_tokens):
                 break
             available -= blocks
@@ -115,7 +115,8 @@ class DecodeScheduler:
         blocks = math.ceil((len(seq.tokens) + self.lookahead) / self.config.block_size)
         return max(0, blocks - self.budget.table_len(seq.request_id))
 
-    def _join_rows(self, seq: DecodeSequence) -> int:
+    def join_rows(self, seq: DecodeSequence) -> int:
+        """Rows `seq`'s join adds to a pass."""
         if seq.join is JoinKind.REPLAY:
             return min(seq.replay_span, seq.num_prompt_tokens)
         if seq.join in (JoinKind.PREFILL, JoinKind.RECOMPUTE):

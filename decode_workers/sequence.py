@@ -73,6 +73,7 @@ class Lease:
     """Monotonic time after which an unattached lease is freed."""
     cacheable: bool
     """The lease was admitted with the real prompt (prefix reuse; its blocks may be cached)."""
+    num_prompt_tokens: int
     transfer_open: bool = False
     """A kv_transfer reservation is registered and has not finished (its blocks are not ours yet)."""
     transfer_done: bool = False

@@ -14,6 +14,7 @@ A PREFILL joiner has no verify chunk: its prompt's last row samples the first to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,7 @@ def _chunk(seq: DecodeSequence, kept: list[int], rows: Tensor, accepted: int) ->
 class StopCheck:
     """Stop strings, matched on the detokenized tail of the output (the router trims the text)."""
 
-    def __init__(self, decode: object, window_tokens: int = 16) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], window_tokens: int = 16) -> None:
         self._decode = decode
         self._window = window_tokens
 
@@ -128,5 +129,5 @@ class StopCheck:
         output = seq.tokens[seq.num_prompt_tokens :]
         longest = max(len(s) for s in seq.stop_strings)
         tail = output[-(self._window + longest) :]
-        text = str(self._decode(tail))  # type: ignore[operator]
+        text = self._decode(tail)
         return any(s in text for s in seq.stop_strings)

@@ -65,7 +65,9 @@ def _e4m3_decode(byte):
     mantissa = byte & 7
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
-    return tl.where((byte & 0x80) != 0, -magnitude, magnitude)
+    # the sign goes in as a bit: `-magnitude` is `0.0 - magnitude` on Triton <= 3.6 (+0.0 for 0x80)
+    sign = (byte & 0x80) << 24
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

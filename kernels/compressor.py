@@ -64,6 +64,14 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE of the last `2 * cos.shape[-1]` channels of a latent `x [G, D]` as the compressor
+    applies it before the record (fp32 math, result in `x.dtype`): the records of
+    :func:`compress_write_main_kv` are bit for bit `pack_main_kv(rope_reference(latent, cos, sin))`
+    of the latent it returns."""
+    return _rope(x, cos, sin)
+
+
 def pool_groups(kv: Tensor, gate: Tensor | None, ratio: int, act_dtype: torch.dtype) -> Tensor:
     """Softmax-gated pooling of `ratio` consecutive rows: `kv, gate [G * ratio, D]` -> `[G, D]` in
     `act_dtype` (ratio 1: `kv` itself, cast)."""
@@ -82,6 +90,35 @@ def compress_reference(kv: Tensor, gate: Tensor | None, norm_weight: Tensor, eps
     FP4 quantizer) and hands to the indexer."""
     latent = _rms_norm(pool_groups(kv, gate, ratio, act_dtype), norm_weight, eps)
     return latent, _rope(latent, cos, sin)
+
+
+def compress_error_bound(kv: Tensor, gate: Tensor | None, norm_weight: Tensor, eps: float, ratio: int,
+                         act_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(exact latent `[G, D]` in float64, per-element error bound) for checking a computed latent
+    (the kernel's or :func:`compress_reference`'s) as `|latent - exact| <= bound`.
+
+    The latent is three roundings to the output dtype (pooled value, normalised value, times the
+    weight), each within half an ulp, i.e. `u = 2**-8` (bf16) or `2**-24` (fp32) relative; the
+    fp32 pooling sum, exp, division and rsqrt add a few fp32 ulps, relative to the pooled *terms*
+    (`sum_r |kv_r * softmax_r|`), which exceed the result where the sum cancels. So
+    `bound = C * u * (|exact| + rstd * |weight| * sum_r |kv_r * softmax_r|)` with C = 4 for bf16
+    (3 roundings + slack) and 16 for fp32 (3 roundings + GPU exp / division / rsqrt, ~2 ulps each).
+    Two correct implementations may differ by one bf16 ulp of the pooled value, which RMSNorm and
+    the weight carry into up to 2-3 ulps of the latent: a tighter check against the fp32 reference
+    itself would flag correct kernels."""
+    dim = kv.shape[-1]
+    kv64 = kv.double().view(-1, ratio, dim)
+    if ratio > 1 and gate is not None:
+        terms = kv64 * gate.double().view(-1, ratio, dim).softmax(dim=1)
+    else:
+        terms = kv64
+    pooled = terms.sum(dim=1)
+    rstd = torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps)
+    weight = norm_weight.double()
+    exact = weight * pooled * rstd
+    unit, factor = (2.0**-8, 4.0) if torch.promote_types(norm_weight.dtype, act_dtype) == torch.bfloat16 else (2.0**-24, 16.0)
+    bound = factor * unit * (exact.abs() + rstd * weight.abs() * terms.abs().sum(dim=1))
+    return exact, bound
 
 
 def norm_rope_reference(k: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:

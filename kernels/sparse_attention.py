@@ -44,6 +44,7 @@ from cedserve.kernels.triton_support import (
     Impl,
     cdiv,
     check_tensor,
+    hardware_fp8,
     interpreting,
     next_power_of_2,
     num_sms,
@@ -65,6 +66,9 @@ class AttentionConfig:
     """Programs per (token, head block), each over a slice of the keys; > 1 adds a combine pass."""
     num_warps: int | None = None
     num_stages: int | None = None
+    hw_cvt: bool | None = None
+    """Decode keys with the GPU's fp8 -> fp16 conversions (sm89+; default there) instead of integer
+    and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device) -> AttentionConfig:
         """Fill every None for this problem size."""
@@ -76,8 +80,9 @@ class AttentionConfig:
             target = 2 * num_sms(device) if device.type == "cuda" else 1
             num_splits = max(1, min(cdiv(target, max(programs, 1)), cdiv(keys, 4 * block_n)))
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
-        num_stages = self.num_stages or 1  # 2 stages of gathered tiles may not fit at block_h 64
-        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages)
+        num_stages = self.num_stages or 1  # the kernel keeps the next tile in flight itself
+        hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)
+        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, hw_cvt)
 
 
 def _rotate_back(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -195,7 +200,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         launch.run(cfg)
     except OutOfResources:  # the default tile did not fit this GPU: halve the head block
         launch.run(AttentionConfig(block_h=max(16, (cfg.block_h or 32) // 2), block_n=cfg.block_n,
-                                   num_splits=cfg.num_splits, num_warps=4, num_stages=1))
+                                   num_splits=cfg.num_splits, num_warps=4, num_stages=1, hw_cvt=cfg.hw_cvt))
     return out
 
 
@@ -225,7 +230,7 @@ class _Launch:
         splits = cfg.num_splits
         main_chunk = cdiv(cdiv(self.num_topk, splits), cfg.block_n) * cfg.block_n
         win_chunk = cdiv(cdiv(self.num_win, splits), cfg.block_n) * cfg.block_n
-        if splits > 1:  # per split: unnormalised accumulator [.., lo | hi] and (max, sum)
+        if splits > 1:  # per split: unnormalised accumulator and (max, sum)
             part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         else:
@@ -240,15 +245,16 @@ class _Launch:
             out, out.stride(0), out.stride(1),
             part_acc, part_ml,
             heads, self.scale * math.log2(math.e),
-            HALF=dim // 2, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0, DOT_F32=interpreting(),
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
+            MAIN_ALIGN=main.alignment, SWA_ALIGN=swa.alignment, HW_CVT=bool(cfg.hw_cvt), DOT_F32=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             k._combine_splits_kernel[(tokens, cdiv(heads, cfg.block_h))](
                 part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
                 out.stride(1), heads,
-                HALF=dim // 2, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, NUM_SPLITS=splits, num_warps=4,
+                D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, NUM_SPLITS=splits, num_warps=8,
             )
 
 

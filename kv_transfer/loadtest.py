@@ -141,7 +141,9 @@ class Group:
                  senders: int, netns: NetnsPair | None) -> None:
         base_cfg: dict[str, Any] = {"auth_token": _TOKEN, "peer_timeout_s": args.peer_timeout_s,
                                     "heartbeat_interval_s": args.peer_timeout_s / 6,
-                                    "chunk_blocks": args.chunk_blocks, "lease_s": 600.0}
+                                    "lease_s": 600.0}
+        if args.chunk_blocks is not None:
+            base_cfg["chunk_blocks"] = args.chunk_blocks
         for item in args.set:  # --set KEY=VALUE: any KVTransferConfig field, JSON-typed
             key, _, value = item.partition("=")
             base_cfg[key] = json.loads(value)
@@ -335,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--stream-blocks", type=int, default=128, help="blocks per write_blocks call (a prefill chunk)")
-    p.add_argument("--chunk-blocks", type=int, default=256, help="most blocks per NIXL request")
+    p.add_argument("--chunk-blocks", type=int, default=None,
+                   help="most blocks per NIXL request (default: KVTransferConfig's)")
     p.add_argument("--peer-timeout-s", type=float, default=3.0,
                    help="liveness timeout of the bench's agents (generous: a loaded host must not flap)")
     p.add_argument("--netns", action="store_true", help="receiver and senders in two network namespaces (veth, TCP)")

@@ -17,7 +17,7 @@ import numpy as np
 from cedserve.kv_transfer.descriptors import DescriptorPair, RegionAddress
 from cedserve.kv_transfer.nixl_backend import MemType
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
-from cedserve.kv_transfer.state import TransferRecord
+from cedserve.kv_transfer.state import TransferRecord, TransferState
 from cedserve.proto import kv_transfer_pb2 as pb
 
 
@@ -109,8 +109,10 @@ class Transfer:
         return self.record.request_id
 
     def has_local_work(self) -> bool:
-        """NIXL requests of ours in flight, or chunks waiting to be posted."""
-        return self.posting > 0 or any(inf.handle is not None for inf in self.inflight.values())
+        """Whether this side should poll fast: NIXL requests of ours in flight, chunks waiting to be
+        posted, or the peer moving bytes that our UCX worker must progress (on transports that
+        emulate RDMA with active messages, TCP and shared memory, the target's worker serves them)."""
+        return self.posting > 0 or bool(self.inflight)
 
     @property
     def peer(self) -> str:
@@ -144,7 +146,8 @@ class RecvTransfer(Transfer):
     """READ mode: announced chunks not yet read."""
 
     def has_local_work(self) -> bool:
-        return bool(self.reads) or super().has_local_work()
+        moving = self.mode is TransferMode.WRITE and self.record.state is TransferState.TRANSFERRING
+        return moving or bool(self.reads) or super().has_local_work()
 
     def complete(self) -> bool:
         return (self.total_chunks is not None and len(self.seen) == self.total_chunks

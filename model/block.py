@@ -94,14 +94,14 @@ class Block(nn.Module):
             moe(self.ffn, self.ffn_norm(streams[:, 0]))
             return streams, pre_mix
         if self.engram is not None or self.tapped:
-            parts = [self.apply_engram(p, c) for p, c in zip(streams.split(list(sizes)), ctxs)]
+            parts = [self.apply_engram(p, c) for p, c in zip(streams.split_with_sizes(list(sizes)), ctxs)]
             for part, ctx in zip(parts, ctxs):
                 if self.tapped and ctx.taps is not None:
                     ctx.taps[self.spec.layer_id] = part
             streams = torch.cat(parts)
         attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         x = self.attention_input(streams, pre_mix)
-        attn_out = torch.cat([self._attend(part, ctx) for part, ctx in zip(x.split(list(sizes)), ctxs)])
+        attn_out = torch.cat([self._attend(part, ctx) for part, ctx in zip(x.split_with_sizes(list(sizes)), ctxs)])
         streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
         ffn_mix = self._mix(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         ffn_out = moe(self.ffn, self.ffn_norm(hc_collapse(streams, attn_mix.pre)))

@@ -265,7 +265,7 @@ class CEDModel(nn.Module):
         pre = torch.cat(pre_mix) if items else torch.zeros(0, hc, device=device)
         for layer_id in range(self.config.num_hidden_layers):
             x, pre = self._block(layer_id).forward_batch(x, pre, ctxs, sizes, moe)
-        logits = self._logits(x, pre).split(sizes) if items else ()
+        logits = self._logits(x, pre).split_with_sizes(sizes) if items else ()
         return [BatchOutput(rows, self._stack_taps(ctx.taps, rows), ctx.boundary) for rows, ctx in zip(logits, ctxs)]
 
     def _stack_taps(self, taps: dict[int, Tensor] | None, rows: Tensor) -> Tensor:

@@ -155,6 +155,8 @@ def serve_until_drained(worker: PrefillWorker) -> bool:
     while not worker.drain.wait_requested(1.0):
         health.set_alive(worker.engine.alive())
     drained = drain_engine(worker.engine, worker.drain)
+    while not worker.drain.wait_exit(1.0):
+        health.set_alive(worker.engine.alive())
     stop_worker(worker)
     return drained
 

@@ -2,8 +2,8 @@
 `NixlTransferAgent` over a tiny-layout block pool) in this process or in a killable child process.
 
 `python tests/e2e/prefill_rig.py receiver --control ADDR --sender NAME --lease L --blocks N --token T`
-runs the child: it handshakes with the prefill worker, reserves N blocks, prints one JSON line
-(`reservation`: base64 protobuf) and then sleeps until killed.
+runs the child: it handshakes with the prefill worker, reserves N blocks, prints one line
+`RESERVED {json}` (`reservation`: base64 protobuf) and then sleeps until killed.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCK = 64
 TOKEN = "e2e-prefill-token"
 MODEL_ID = "preset:tiny:seed0"
+RESERVED = "RESERVED "
 
 
 def tiny_config() -> ModelConfig:
@@ -118,10 +119,12 @@ def start_receiver_child(control: str, sender: str, lease: str, num_blocks: int)
            "--lease", lease, "--blocks", str(num_blocks)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
+    for line in proc.stdout:  # NIXL logs to stdout too
+        if line.startswith(RESERVED):
+            data = json.loads(line[len(RESERVED):])
+            break
+    else:
         raise RuntimeError(f"receiver child exited rc={proc.wait(10)}")
-    data = json.loads(line)
     return proc, reservation_from_pb(kpb.Reservation.FromString(base64.b64decode(data["reservation"])))
 
 
@@ -136,7 +139,7 @@ def _receiver_main(argv: list[str]) -> int:
     agent.handshake(a.control)
     res = agent.receiver().reserve(a.lease, list(range(a.blocks)), sender=a.sender)
     payload = base64.b64encode(reservation_to_pb(res).SerializeToString()).decode()
-    print(json.dumps({"agent": agent.name, "control_address": agent.control_address, "reservation": payload}),
+    print(RESERVED + json.dumps({"agent": agent.name, "control_address": agent.control_address, "reservation": payload}),
           flush=True)
     while True:
         time.sleep(60)

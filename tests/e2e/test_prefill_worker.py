@@ -169,6 +169,8 @@ def test_killed_decode_target_frees_every_block(setup: Setup) -> None:
         assert time.monotonic() - start < 5
         load = wait_all_free(setup)
         assert load.held_blocks == 0 and load.free_blocks == POOL, load
+        time.sleep(1.0)
+        assert setup.worker.proc.poll() is None, setup.worker.log_tail()
     finally:
         child.kill()
         child.wait(10)
@@ -176,6 +178,7 @@ def test_killed_decode_target_frees_every_block(setup: Setup) -> None:
 
 def test_health_metrics_events_drain_and_sigterm(setup: Setup) -> None:
     w = setup.worker
+    assert w.proc.poll() is None, w.log_tail()
     health = health_pb2_grpc.HealthStub(w.channel)
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
     body = urllib.request.urlopen(f"http://127.0.0.1:{w.ready['metrics_port']}/metrics", timeout=5).read().decode()

@@ -119,3 +119,15 @@ def test_health_and_drain_over_grpc() -> None:
             assert check("liveness") == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(0)
+
+
+def test_worker_command_line_takes_the_chart_flags() -> None:
+    from cedserve.cli import build_parser
+
+    args = build_parser().parse_args([
+        "worker", "--role=prefill", "--config=/etc/cedserve/prefill.toml", "--checkpoint=/ckpt", "--host=0.0.0.0",
+        "--grpc-port=50061", "--nixl-port=5600", "--metrics-port=9091", "--dist-port=29500",
+        "--advertise-host=10.0.0.5", "--group-size=1", "--rank=0", "--leader-address=leader"])
+    assert (args.role, args.grpc_port, args.nixl_port, args.advertise_host) == ("prefill", 50061, 5600, "10.0.0.5")
+    drain = build_parser().parse_args(["drain", "--address=127.0.0.1:50061", "--timeout-s=20"])
+    assert drain.timeout_s == 20.0

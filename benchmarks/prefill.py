@@ -1,0 +1,145 @@
+"""Prefill throughput: the encoder-only engine against running all layers over the same prompt.
+
+For each prompt length, in one process and on the same random weights:
+
+* `engine`: the prefill worker's engine end to end (`PrefillEngine`, no decode target): chunked
+  `encode_chunk` (encoder layers + the decoder KV source's compressor and index keys), records
+  stored into paged blocks, prefix-cache commits, then the decoder replay over the last
+  `--replay-span` tokens and sampling of the first token;
+* `encoder`: the bare `encode_chunk` loop over the same chunks (the engine's overhead is the gap);
+* `all_layers`: `CEDModel.prefill` over the same chunks: every layer, what a non-CED prefill runs.
+
+The report's claim is that prefill costs about half of an all-layer pass (8B of 16B active
+parameters); `encoder_share` = engine time / all-layer time measures it on this plan and machine.
+
+    python benchmarks/prefill.py --preset mini-40 --tokens 1024 2048 --out docs/benchmarks/prefill-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cedserve.model.cache.config import KVCacheConfig
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.network import CEDModel
+from cedserve.prefill_workers.config import PrefillWorkerConfig
+from cedserve.prefill_workers.engine import PrefillEngine
+from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
+from cedserve.proto import worker_pb2 as wpb
+from cedserve.serving import load_worker_model
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 64
+TOKEN_ID_LIMIT = 500  # the tiny tokenizer's Engram token map covers ids < 512 (see docs/prefill.md)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "load_average_1m_at_start": os.getloadavg()[0]}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, device: str) -> float:
+    layout = BlockLayout.from_config(model.config, BLOCK)
+    cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=len(tokens) // BLOCK + 4),
+                           "bench", device)
+    config = PrefillWorkerConfig(worker_id="bench", chunk_tokens=chunk, step_token_budget=chunk, replay_span=span,
+                                 device=device)
+    engine = PrefillEngine(model, cache, None, config)
+    limits = RequestLimits(model.config.vocab_size, len(tokens), BLOCK, span, "bench")
+    spec = validate_prefill(wpb.PrefillRequest(request_id="bench", token_ids=tokens), limits)
+    sync(device)
+    start = time.perf_counter()
+    job = engine.submit(spec)
+    while True:
+        engine.step()
+        kinds = [job.events.get().WhichOneof("event") for _ in range(job.events.qsize())]
+        if "done" in kinds or "error" in kinds:
+            break
+    sync(device)
+    elapsed = time.perf_counter() - start
+    assert "error" not in kinds, kinds
+    cache.close()
+    return elapsed
+
+
+def time_loop(model: CEDModel, tokens: list[int], chunk: int, method: str, device: str) -> float:
+    state = model.new_state()
+    ids = torch.tensor(tokens, device=device)
+    sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(tokens), chunk):
+        getattr(model, method)(ids[i:i + chunk], state)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure(model: CEDModel, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    tokens = torch.randint(3, TOKEN_ID_LIMIT, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    engine_s = time_engine(model, tokens, args.chunk_tokens, args.replay_span, args.device)
+    encoder_s = time_loop(model, tokens, args.chunk_tokens, "encode_chunk", args.device)
+    all_s = time_loop(model, tokens, args.chunk_tokens, "prefill", args.device) if not args.skip_all_layers else None
+    row: dict[str, Any] = {"prompt_tokens": n, "engine_s": round(engine_s, 3), "encoder_s": round(encoder_s, 3),
+                           "engine_tokens_per_s": round(n / engine_s, 1), "encoder_tokens_per_s": round(n / encoder_s, 1)}
+    if all_s is not None:
+        row.update(all_layers_s=round(all_s, 3), all_layers_tokens_per_s=round(n / all_s, 1),
+                   encoder_share=round(engine_s / all_s, 3), speedup=round(all_s / engine_s, 2))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini-40")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--chunk-tokens", type=int, default=2048)
+    p.add_argument("--replay-span", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--skip-all-layers", action="store_true", help="time only the prefill engine")
+    p.add_argument("--note", default="", help="free text stored with the results")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    info = machine()
+    model = load_worker_model(None, args.preset, seed=0, device=args.device).model
+    plan = model.config
+    print(f"{args.preset}: {plan.num_hidden_layers} layers, encoder {plan.num_encoder_layers}; device {args.device}",
+          flush=True)
+    warm = list(range(3, 3 + 2 * BLOCK))  # first calls pay one-time costs (allocator, kernel selection)
+    time_engine(model, warm, 2 * BLOCK, args.replay_span, args.device)
+    for method in ("encode_chunk", "prefill"):
+        time_loop(model, warm, args.chunk_tokens, method, args.device)
+    rows = [measure(model, n, args) for n in args.tokens]
+    result = {"benchmark": "prefill", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *(argv or sys.argv[1:])]),
+              "machine": info, "preset": args.preset, "num_layers": plan.num_hidden_layers,
+              "encoder_layers": plan.num_encoder_layers, "chunk_tokens": args.chunk_tokens,
+              "replay_span": args.replay_span, "device": args.device, "note": args.note, "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,480 @@
+"""`DecodeEngine`: one decode rank's requests, from lease to last token.
+
+Single-threaded: the engine loop (`loop.py`) calls `handle` with the commands the gRPC service
+queued, `poll` for finished transfers and expired leases, and `step` while there is work; each
+returns the outputs to stream. A step:
+
+1. `schedule`: joins, preemptions, growth room (`scheduler.py`, `sched_output.py`);
+2. preempt (offload to host or drop) and prepare joins (global KV from the blocks, onload);
+3. draft for every running sequence whose drafter memory is at its anchor, and choose each one's
+   verification length from the confidence head (maximising expected tokens per second for this
+   batch under the measured pass-cost line, `profile.py`);
+4. one target pass over every sequence's rows (`step.py`), the MoE through expert parallelism;
+5. accept (greedy, or lossless rejection sampling), roll rejected drafts back, stream tokens, write
+   the new records into the blocks, offer whole blocks to the prefix cache, retire finished requests.
+
+Every rank of a decode group runs exactly one pass per step whenever any rank has work (`agree`):
+ranks with nothing to do run an empty pass so the MoE collectives line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+
+from cedserve.decode_workers import state_io
+from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
+from cedserve.decode_workers.drafting import Proposer
+from cedserve.decode_workers.expert_parallel import ExpertParallel, SingleRank, ep_moe
+from cedserve.decode_workers.leases import LeaseBook, LeaseError
+from cedserve.decode_workers.messages import (
+    AttachCommand,
+    CancelCommand,
+    Command,
+    Failed,
+    Finished,
+    Output,
+    RankLoad,
+    ReserveCommand,
+)
+from cedserve.decode_workers.metrics import DecodeMetrics
+from cedserve.decode_workers.profile import StepProfile
+from cedserve.decode_workers.sched_output import SchedulerOutput
+from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
+from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
+from cedserve.decode_workers.speculative import choose_verify_lengths
+from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
+from cedserve.kv_transfer.protocol import TransferEndpoint
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.dspark import Draft, DraftState
+from cedserve.model.moe import MoE
+from cedserve.model.network import BatchItem, BatchOutput, CEDModel
+from cedserve.model.sampling import make_generator
+from cedserve.model.state import SequenceState
+from cedserve.proto import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    def __init__(self, config: DecodeConfig, model: CEDModel, cache: KVCacheManager, *,
+                 proposer: Proposer | None = None, ep: ExpertParallel | None = None,
+                 endpoint: TransferEndpoint | None = None, metrics: DecodeMetrics | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, rank: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if cache.block_size != config.block_size:
+            raise ValueError(f"config field `decode.block_size`: {config.block_size} != the cache's {cache.block_size}")
+        self.config = config
+        self.model = model
+        self.cache = cache
+        self.layout: BlockLayout = cache.layout
+        self.proposer = proposer if config.dspark else None
+        self.ep = ep or SingleRank(model.config.n_routed_experts)
+        self.metrics = metrics or DecodeMetrics()
+        self.rank = rank
+        self.clock = clock
+        self.endpoint = endpoint
+        self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock)
+        self.profile = StepProfile(config.step_prior_s, config.step_prior_per_row_s)
+        lookahead = (self.proposer.max_tokens if self.proposer is not None else 0) + 1
+        budget = BlockBudget(self.leases.available_blocks, self._table_len)
+        self.scheduler = DecodeScheduler(config, budget, lookahead, self._offload_fits)
+        self.sequences: dict[str, DecodeSequence] = {}
+        self._stop = StopCheck(detokenize) if detokenize is not None else None
+        self._arrivals = 0
+        self._offloaded_bytes = 0
+        self._eos = self._eos_ids()
+        self.draining = False
+        self.tokens_emitted = 0
+        self.busy_s = 0.0
+        self.passes = 0
+        self.verify_passes = 0
+        self._drafted = 0
+        self._accepted = 0
+
+    # ------------------------------------------------------------------ commands
+
+    def handle(self, cmd: Command) -> list[Output]:
+        """Apply one command addressed to this rank; returns what to stream."""
+        if isinstance(cmd, ReserveCommand):
+            return [self.reserve(cmd)]
+        if isinstance(cmd, AttachCommand):
+            return self.attach(cmd)
+        return self.cancel(cmd)
+
+    def reserve(self, cmd: ReserveCommand) -> Output:
+        if self.draining:
+            return self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_UNAVAILABLE, "draining: no new leases",
+                                       retry_after_ms=0))
+        if self.leases.num_open + self.scheduler.num_requests >= self.config.max_waiting_requests:
+            return self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_RESOURCE_EXHAUSTED, "too many requests queued",
+                                       retry_after_ms=200))
+        agent = getattr(self.endpoint, "name", "") if self.endpoint is not None else ""
+        control = str(getattr(self.endpoint, "control_address", "")) if self.endpoint is not None else ""
+        try:
+            return self.leases.reserve(cmd, agent, control)
+        except LeaseError as exc:
+            return self._refuse(exc.failed(cmd.request_id, cmd.lease_id))
+
+    def attach(self, cmd: AttachCommand) -> list[Output]:
+        """A Decode call for a lease: validate, then decode once the KV is in place."""
+        lease = self.leases.get(cmd.lease_id)
+        if lease is None or lease.request_id != cmd.request_id:
+            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
+                                        f"no lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
+                                        "cancelled, or never granted here)", "lease_id"))]
+        if lease.transfer_error:
+            self.leases.release(lease)
+            return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error)]
+        try:
+            seq = self._new_sequence(cmd, lease)
+        except ValueError as exc:
+            field = str(exc).split("`")[1] if "`" in str(exc) else ""
+            self._drop_lease(lease, "invalid Decode call")
+            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_INVALID_ARGUMENT, str(exc), field))]
+        self.leases.take(lease)
+        self.sequences[seq.request_id] = seq
+        if seq.join is JoinKind.PREFILL or lease.transfer_done:
+            self.scheduler.add(seq)
+        return []
+
+    def attach_state(self, request_id: str, prompt: Sequence[int], state: SequenceState, first_token: int,
+                     params_cmd: AttachCommand, draft: DraftState | None = None) -> None:
+        """Accept a shipped state: `state` has consumed `prompt`; decoding starts from `first_token`.
+        (In-process callers only: tests, benchmarks, a colocated prefill.)"""
+        adm = self.cache.admit(request_id, [0] * len(prompt), f"uncached/{params_cmd.lease_id}")
+        lease = Lease(params_cmd.lease_id, request_id, list(adm.block_ids), 0, float("inf"), False, len(prompt),
+                      transfer_done=True)
+        seq = self._new_sequence(params_cmd, lease)
+        seq.state, seq.draft, seq.join = state, draft, JoinKind.SHIPPED
+        seq.stored_entries = {}
+        self.leases.leases[lease.lease_id] = lease
+        self.leases.by_request[request_id] = lease.lease_id
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def cancel(self, cmd: CancelCommand) -> list[Output]:
+        if cmd.request_id == "*":
+            targets = [*self.sequences, *(lease.request_id for lease in list(self.leases.leases.values())
+                                          if lease.request_id not in self.sequences)]
+            return [o for rid in targets for o in self.cancel(replace(cmd, request_id=rid, lease_id=""))]
+        seq = self.sequences.get(cmd.request_id)
+        if seq is not None:
+            finished = self._finish(seq, "cancelled")
+            if cmd.hand_back:
+                return [Failed(seq.request_id, wpb.ERROR_CODE_UNAVAILABLE, f"handed back: {cmd.reason}")]
+            return [finished]
+        lease = self.leases.get(cmd.lease_id) if cmd.lease_id else self.leases.lease_of(cmd.request_id)
+        if lease is None:
+            return []
+        self._drop_lease(lease, cmd.reason)
+        code = wpb.ERROR_CODE_UNAVAILABLE if cmd.hand_back else wpb.ERROR_CODE_CANCELLED
+        return [Failed(cmd.request_id, code, f"lease cancelled: {cmd.reason}", lease_id=lease.lease_id)]
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def poll(self) -> list[Output]:
+        """Finished transfers, expired leases, passed deadlines."""
+        out: list[Output] = []
+        for lease, _ in self.leases.poll():
+            seq = self.sequences.get(lease.request_id)
+            if seq is None or seq.lease is not lease or seq.status is not Status.LEASED:
+                continue
+            if lease.transfer_done:
+                self.scheduler.add(seq)
+            else:
+                self.sequences.pop(seq.request_id)
+                self.leases.release(lease)
+                out.append(Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error))
+        for lease in self.leases.expired():
+            if lease.request_id not in self.sequences:
+                self.metrics.lease_expired.inc()
+                self._drop_lease(lease, "lease expired")
+                out.append(Failed(lease.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED,
+                                  f"lease {lease.lease_id!r} expired before its Decode call", lease_id=lease.lease_id))
+        now = self.clock()
+        for seq in [s for s in self.sequences.values() if s.deadline_s < now]:
+            out.append(self._finish(seq, "deadline"))
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self.scheduler.preempted)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests and leases this rank still holds (drain waits for 0)."""
+        return len(self.sequences) + sum(1 for lease in self.leases.leases.values()
+                                         if lease.request_id not in self.sequences)
+
+    def load(self) -> RankLoad:
+        """This rank's load now (for `LoadReport` and the group leader's placement)."""
+        pool, cached = self.cache.pool, self.cache.prefix.num_evictable()
+        sched = self.scheduler
+        attached_waiting = sum(1 for s in self.sequences.values() if s.status in (Status.LEASED, Status.WAITING))
+        unattached = self.num_in_flight - len(self.sequences)
+        return RankLoad(
+            rank=self.rank, running=len(sched.running), waiting=attached_waiting + unattached,
+            preempted=len(sched.preempted), in_flight=self.num_in_flight,
+            free_blocks=pool.num_free + cached, total_blocks=pool.num_blocks,
+            held_blocks=pool.num_blocks - pool.num_free - cached, cached_blocks=cached,
+            queued_tokens=sum(sched.join_rows(s) for s in sched.waiting + sched.preempted),
+            tokens_emitted=self.tokens_emitted, busy_s=self.busy_s, draft_tokens=int(self._drafted),
+            accepted_drafts=int(self._accepted), verify_passes=self.verify_passes,
+            step_s=tuple(self.profile.step_s()), agent_name=str(getattr(self.endpoint, "name", "") or ""),
+            control_address=str(getattr(self.endpoint, "control_address", "") or ""))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[Output]:
+        """One decode step (an empty pass when this rank has nothing, so group peers stay in step)."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs: list[Output] = []
+        for p in sched.preemptions:
+            self._preempt(self.sequences[p.request_id], p.policy)
+        for join in sched.joins:
+            self._prepare_join(self.sequences[join.request_id])
+        running = [self.sequences[rid] for rid in sched.running]
+        drafts = self._drafts(running, sched)
+        plans, items = self._plan(running, drafts)
+        results = self._run(items)
+        for plan in plans:
+            outputs.extend(self._conclude(plan, results))
+        self._account(sched, start, len(running))
+        return outputs
+
+    def _drafts(self, running: list[DecodeSequence], sched: SchedulerOutput) -> list[Draft | None]:
+        if self.proposer is None or not running:
+            return [None] * len(running)
+        steady = [s for s in running if not s.needs_pass_to_join()]
+        proposed = dict(zip((s.request_id for s in steady), self.proposer.propose(steady)))
+        drafts = [proposed.get(s.request_id) for s in running]
+        with_drafts = [i for i, d in enumerate(drafts) if d is not None]
+        if not with_drafts:
+            return drafts
+        lengths = self._verify_lengths([d for d in drafts if d is not None], running, sched)
+        for i, j in zip(with_drafts, lengths):
+            d = drafts[i]
+            assert d is not None
+            drafts[i] = Draft(d.tokens[:j], d.probs[:j], d.confidences[:j]) if j else None
+        return drafts
+
+    def _verify_lengths(self, drafts: list[Draft], running: list[DecodeSequence], sched: SchedulerOutput) -> list[int]:
+        k = min(len(d.tokens) for d in drafts)
+        if not self.config.adaptive_verify:
+            return [k] * len(drafts)
+        other_rows = sched.num_join_rows + sum(len(s.pending) for s in running) - len(drafts)
+        confidences = torch.stack([d.confidences[:k].float().cpu() for d in drafts])
+        lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows))
+        return [int(j) for j in lengths]
+
+    def _plan(self, running: list[DecodeSequence], drafts: list[Draft | None]) -> tuple[list[SeqPlan], list[BatchItem]]:
+        plans: list[SeqPlan] = []
+        items: list[BatchItem] = []
+        taps = self.proposer is not None
+        for seq, draft in zip(running, drafts):
+            rows = self._replay_rows(seq)
+            plan, seq_items = plan_rows(seq, draft, len(items), rows, taps)
+            plans.append(plan)
+            items.extend(seq_items)
+        return plans, items
+
+    def _run(self, items: list[BatchItem]) -> list[BatchOutput]:
+        """The pass (every rank runs one when any has work: the caller decided that)."""
+        start = time.perf_counter()
+        moe: Callable[[MoE, torch.Tensor], torch.Tensor] = lambda ffn, x: ep_moe(self.ep, ffn, x)  # noqa: E731
+        results = self.model.forward_batch(items, moe)
+        rows = sum(len(it.token_ids) for it in items)
+        if rows:
+            self.profile.record_pass(rows, time.perf_counter() - start)
+            self.metrics.pass_rows.observe(rows)
+        self.passes += 1
+        return results
+
+    def _conclude(self, plan: SeqPlan, results: list[BatchOutput]) -> list[Output]:
+        seq = plan.seq
+        if seq.status is not Status.RUNNING:
+            return []
+        verdict, rows = decide(plan, results)
+        seq.join = JoinKind.SHIPPED  # joined: from now on it decodes like any running request
+        if plan.num_drafts:
+            self.verify_passes += 1
+            seq.draft_tokens += plan.num_drafts
+            seq.accepted_drafts += verdict.num_accepted
+            self._drafted += plan.num_drafts
+            self._accepted += verdict.num_accepted
+            self.metrics.draft_tokens.inc(plan.num_drafts)
+            self.metrics.accepted_drafts.inc(verdict.num_accepted)
+        self.metrics.accepted_length.observe(len(verdict.tokens))
+        before = len(seq.tokens)
+        chunk, reason = emit(seq, verdict, rows, verdict.num_accepted, self._stop)
+        self.tokens_emitted += len(chunk.token_ids)
+        self.metrics.output_tokens.inc(len(chunk.token_ids))
+        self._grow(seq, seq.tokens[before:])
+        out: list[Output] = [chunk] if chunk.token_ids else []
+        if reason:
+            out.append(self._finish(seq, reason))
+            return out
+        if self.proposer is not None:
+            self.proposer.observe(seq, plan.first_position, plan_taps(plan, results), len(seq.tokens) - 1)
+        self._persist(seq)
+        return out
+
+    # ------------------------------------------------------------------ joins and preemption
+
+    def _prepare_join(self, seq: DecodeSequence) -> None:
+        self.metrics.joins.labels(seq.join.value).inc()
+        kind = seq.join
+        if kind is JoinKind.REPLAY:
+            table = self.cache.block_table(seq.request_id)
+            seq.state = state_io.load_from_blocks(self.model, self.layout, self.cache.pool.storage, table,
+                                                  seq.num_prompt_tokens)
+            seq.stored_entries = state_io.entries(seq.state)
+        elif kind is JoinKind.PREFILL:
+            self._load_prefix(seq, seq.lease.num_cached_blocks * self.config.block_size)
+        elif kind in (JoinKind.RECOMPUTE, JoinKind.ONLOAD):
+            self._readmit(seq)
+
+    def _readmit(self, seq: DecodeSequence) -> None:
+        """A preempted request gets blocks again (its own cached blocks come back shared)."""
+        tokens = seq.tokens if seq.lease.cacheable else [0] * len(seq.tokens)
+        salt = "" if seq.lease.cacheable else f"uncached/{seq.lease.lease_id}"
+        adm = self.cache.admit(seq.request_id, tokens, salt)
+        cached = self.cache.finish_onload(seq.request_id)
+        seq.lease.block_ids = list(adm.block_ids)
+        if seq.join is JoinKind.ONLOAD:
+            assert seq.offloaded is not None
+            state_io.onload(seq, seq.offloaded, self.layout, self.cache.pool.storage, seq.lease.block_ids,
+                            cached // self.config.block_size)
+            self._offloaded_bytes -= seq.offloaded.nbytes
+            seq.offloaded = None
+        else:
+            self._load_prefix(seq, cached)
+
+    def _load_prefix(self, seq: DecodeSequence, cached_tokens: int) -> None:
+        """State for a local prefill: records of the cached blocks up to `prefix_start`, the rest
+        (and the bounded state) recomputed by the pass."""
+        start = state_io.prefix_start(self.model.config, cached_tokens, seq.replay_span)
+        table = self.cache.block_table(seq.request_id)
+        seq.state = state_io.load_from_blocks(self.model, self.layout, self.cache.pool.storage, table, start)
+        seq.stored_entries = {layer: cached_tokens // kv.ratio for layer, kv in seq.state.global_kv.items()}
+        seq.draft = None
+
+    def _replay_rows(self, seq: DecodeSequence) -> int:
+        return seq.replay_span if seq.join is JoinKind.REPLAY else 0
+
+    def _preempt(self, seq: DecodeSequence, policy: PreemptionPolicy) -> None:
+        self.metrics.preemptions.labels(policy.value).inc()
+        if policy is not self.config.preemption:
+            self.metrics.offload_fallbacks.inc()
+        table = self.cache.block_table(seq.request_id)
+        if policy is PreemptionPolicy.OFFLOAD and seq.state is not None:
+            seq.offloaded = state_io.offload(seq, self.cache.pool.storage, table)
+            self._offloaded_bytes += seq.offloaded.nbytes
+        else:
+            seq.join = JoinKind.RECOMPUTE
+        seq.state, seq.draft = None, None
+        self.cache.free(seq.request_id)
+
+    def _offload_fits(self, seq: DecodeSequence) -> bool:
+        need = self._table_len(seq.request_id) * self.layout.block_bytes
+        return self._offloaded_bytes + need <= self.config.max_offload_bytes
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _grow(self, seq: DecodeSequence, new_tokens: list[int]) -> None:
+        if new_tokens and seq.request_id in self.cache:
+            self.cache.append_tokens(seq.request_id, new_tokens)
+
+    def _persist(self, seq: DecodeSequence) -> None:
+        """Write the records the step added into the blocks; offer whole blocks to the prefix cache."""
+        assert seq.state is not None
+        table = self.cache.block_table(seq.request_id)
+        state_io.store_new_records(seq, self.layout, self.cache.pool.storage, table)
+        if seq.lease.cacheable:
+            self.cache.commit(seq.request_id, seq.state.position)
+
+    def _finish(self, seq: DecodeSequence, reason: str) -> Output:
+        """Retire `seq` (any status): free its blocks, state and lease."""
+        self.scheduler.remove(seq.request_id)
+        self.sequences.pop(seq.request_id, None)
+        seq.status = Status.FINISHED
+        seq.state, seq.draft = None, None
+        if seq.offloaded is not None:
+            self._offloaded_bytes -= seq.offloaded.nbytes
+            seq.offloaded = None
+        lease = seq.lease
+        if lease.transfer_open:
+            self.leases.cancel(lease, reason)  # blocks freed once the transfer lets go
+        else:
+            self.leases.release(lease)
+            if seq.request_id in self.cache:
+                self.cache.free(seq.request_id)
+        self.metrics.finished.labels(reason).inc()
+        if reason == "deadline":
+            return Failed(seq.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed")
+        return Finished(seq.request_id, reason, seq.num_emitted, seq.draft_tokens, seq.accepted_drafts)
+
+    def _drop_lease(self, lease: Lease, detail: str) -> None:
+        if self.leases.cancel(lease, detail):
+            return
+        # The transfer is being aborted; its on_finish frees the blocks (poll).
+
+    def _new_sequence(self, cmd: AttachCommand, lease: Lease) -> DecodeSequence:
+        vocab = self.model.config.vocab_size
+        for i, t in enumerate(cmd.token_ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"field `token_ids[{i}]`: {t} is not in [0, {vocab})")
+        if len(cmd.token_ids) != lease.num_prompt_tokens:
+            raise ValueError(f"field `token_ids`: {len(cmd.token_ids)} tokens, but the lease was reserved for "
+                             f"{lease.num_prompt_tokens}")
+        if cmd.first_token is not None and not 0 <= cmd.first_token < vocab:
+            raise ValueError(f"field `first_token`: {cmd.first_token} is not in [0, {vocab})")
+        if cmd.first_token is None and lease.transfer_open:
+            raise ValueError("field `prefill_locally`: the lease expects a KV transfer; prefill there")
+        if cmd.first_token is not None and not lease.transfer_open and not lease.transfer_done and lease.block_ids:
+            raise ValueError("field `prefill_locally`: the lease has no KV transfer; set prefill_locally")
+        budget = self.config.token_budget(cmd.effort) if cmd.effort else self.config.max_output_tokens
+        max_tokens = min(cmd.sampling.max_tokens or budget, budget)
+        params = cmd.sampling.params(max_tokens)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
+        self._arrivals += 1
+        tokens = [*cmd.token_ids, *(() if cmd.first_token is None else (cmd.first_token,))]
+        join = JoinKind.PREFILL if cmd.first_token is None else JoinKind.REPLAY
+        span = state_io.replay_span(self.model.config, cmd.replay_span, self.config.replay_span, len(cmd.token_ids))
+        seq = DecodeSequence(cmd.request_id, lease, tokens, len(cmd.token_ids), params, make_generator(params),
+                             frozenset(stop), cmd.sampling.stop, join, span, self._arrivals)
+        if cmd.deadline_unix_ms:
+            seq.deadline_s = self.clock() + (cmd.deadline_unix_ms / 1000 - time.time())
+        if cmd.first_token is not None and seq.request_id in self.cache:
+            self.cache.append_tokens(seq.request_id, [cmd.first_token])
+        return seq
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.config.eos_token_id
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    def _table_len(self, request_id: str) -> int:
+        return len(self.cache.block_table(request_id)) if request_id in self.cache else 0
+
+    def _refuse(self, failed: Failed) -> Failed:
+        self.metrics.rejected.labels(str(failed.code)).inc()
+        return failed
+
+    def _account(self, sched: SchedulerOutput, start: float, batch: int) -> None:
+        seconds = time.perf_counter() - start
+        self.busy_s += seconds
+        if batch:
+            self.profile.record_step(batch, seconds)
+            self.metrics.step_seconds.observe(seconds)
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting) + self.leases.num_open - len(self.scheduler.running))
+        self.metrics.preempted.set(len(self.scheduler.preempted))
+        self.metrics.free_blocks.set(self.leases.available_blocks())

@@ -1,0 +1,203 @@
+"""The engine loop of one rank, and the control plane that keeps a decode group's ranks in step.
+
+Every rank runs `EngineLoop.tick` forever. One tick:
+
+1. the leader takes the commands the gRPC service queued (waiting up to `idle_wait_s` when idle) and
+   broadcasts them with the drain/stop flags (`TickCommands`); every rank applies those addressed to it;
+2. every rank polls its transfers and leases;
+3. the ranks agree whether any has work; if so every rank runs one `DecodeEngine.step` (an empty
+   pass where it has none), whose MoE layers exchange tokens between the ranks;
+4. every rank reports its outputs and load (`TickReport`); the leader hands them to the service.
+
+`GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication),
+`TorchChannel` over a torch.distributed gloo group (CPU tensors, msgpack payloads) otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from cedserve.decode_workers.engine import DecodeEngine
+from cedserve.decode_workers.messages import (
+    Command,
+    TickCommands,
+    TickReport,
+    decode_tick_commands,
+    decode_tick_report,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class GroupChannel(Protocol):
+    """Control-plane collectives of a decode group. Every rank calls each method once per tick, in order."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        """The leader's `data` on every rank (the leader passes it, the others None)."""
+        ...
+
+    def agree(self, value: int) -> int:
+        """The largest `value` any rank passed."""
+        ...
+
+    def gather(self, data: bytes) -> list[bytes] | None:
+        """Every rank's `data`, in rank order, on the leader; None elsewhere."""
+        ...
+
+
+class LocalChannel:
+    """A group of one."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        assert data is not None
+        return data
+
+    def agree(self, value: int) -> int:
+        return value
+
+    def gather(self, data: bytes) -> list[bytes] | None:
+        return [data]
+
+
+class TorchChannel:
+    """Collectives over a gloo process group (`group`, default the world)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
+        dist.broadcast(size, src=0, group=self._group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        if int(size):
+            dist.broadcast(buf, src=0, group=self._group)
+        return bytes(buf.numpy().tobytes())
+
+    def agree(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return int(t.item())
+
+    def gather(self, data: bytes) -> list[bytes] | None:
+        size = torch.tensor([len(data)], dtype=torch.long)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self._world)]
+        dist.all_gather(sizes, size, group=self._group)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self._world)]
+        dist.all_gather(parts, buf, group=self._group)
+        if self._rank != 0:
+            return None
+        return [bytes(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+
+class CommandInbox:
+    """Commands from the gRPC threads to the leader's loop (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    def put(self, cmd: Command) -> None:
+        self._queue.put(cmd)
+
+    def take(self, wait_s: float) -> list[Command]:
+        """Everything queued; waits up to `wait_s` for the first command when there is none."""
+        out: list[Command] = []
+        try:
+            out.append(self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+
+class EngineLoop:
+    """Drives one rank's engine (see the module docstring). `on_report` (leader) gets every rank's
+    `TickReport` each tick."""
+
+    def __init__(self, engine: DecodeEngine, channel: GroupChannel, inbox: CommandInbox | None = None,
+                 on_report: Callable[[list[TickReport]], None] | None = None) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.inbox = inbox if inbox is not None else CommandInbox()
+        self.on_report = on_report
+        self.draining = False
+        self.stop_requested = False
+        self.last_tick_s = time.monotonic()
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        """Held while the engine runs; other threads hold it to read the engine's cache safely."""
+
+    @property
+    def leader(self) -> bool:
+        return self.channel.rank == 0
+
+    def tick(self) -> bool:
+        """One tick; False once the group stops."""
+        tick = self._commands()
+        self.engine.draining = tick.draining
+        outputs = []
+        with self.lock:
+            for cmd in tick.commands:
+                if cmd.rank == self.channel.rank:
+                    outputs.extend(self.engine.handle(cmd))
+            outputs.extend(self.engine.poll())
+            work = int(self.engine.has_work())
+        if self.channel.agree(work):
+            with self.lock:
+                outputs.extend(self.engine.step())
+        gathered = self.channel.gather(encode(TickReport(outputs, self.engine.load())))
+        if gathered is not None and self.on_report is not None:
+            self.on_report([decode_tick_report(g) for g in gathered])
+        self.last_tick_s = time.monotonic()
+        return not tick.stop
+
+    def _commands(self) -> TickCommands:
+        if not self.leader:
+            return decode_tick_commands(self.channel.broadcast(None))
+        idle = not self.engine.has_work()
+        commands = self.inbox.take(self.engine.config.idle_wait_s if idle else 0.0)
+        tick = TickCommands(commands, self.draining, self.stop_requested)
+        self.channel.broadcast(encode(tick))
+        return tick
+
+    def run(self) -> None:
+        """Tick until the leader says stop; a failure is kept in `error` and ends the loop."""
+        try:
+            while self.tick():
+                pass
+        except BaseException as exc:
+            self.error = exc
+            log.exception("decode engine loop of rank %d failed", self.channel.rank)
+            raise
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run, name=f"decode-engine-{self.channel.rank}", daemon=True)
+        thread.start()
+        return thread

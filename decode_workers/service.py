@@ -1,0 +1,278 @@
+"""The `cedserve.v1.DecodeWorker` gRPC service of a decode group's leader.
+
+Calls become engine commands (`messages.py`) queued for the loop (`loop.py`); the loop's reports come
+back through `OutputRouter`, which hands each output to the call waiting for it. The leader places a
+new lease on the rank with the most free blocks (attention is data-parallel: a request lives on one
+rank for its whole life) and remembers which rank holds it.
+
+How the router drives a request (docs/decode.md): `Reserve` (blocks leased, the kv_transfer
+reservation returned for the prefill worker) -> the prefill worker WRITEs the KV -> `Decode` with the
+lease id and the first token (server stream of `tokens`, then `complete` or `error`). `Cancel`, a
+cancelled `Decode` call, an expired lease or a failed transfer frees everything the request held.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import grpc
+
+from cedserve.decode_workers.leases import new_lease_id
+from cedserve.decode_workers.loop import CommandInbox
+from cedserve.decode_workers.messages import (
+    AttachCommand,
+    CancelCommand,
+    Failed,
+    Finished,
+    Output,
+    RankLoad,
+    ReserveCommand,
+    Reserved,
+    Sampling,
+    TickReport,
+    Tokens,
+)
+from cedserve.model.cache.events import KVEventBatch
+from cedserve.proto import kv_transfer_pb2, worker_pb2_grpc
+from cedserve.proto import worker_pb2 as wpb
+from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream
+
+log = logging.getLogger(__name__)
+
+RESERVE_TIMEOUT_S = 30.0
+STREAM_POLL_S = 0.2
+
+
+class OutputRouter:
+    """Leader side: outputs of every rank to the calls waiting for them. Thread-safe."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self._lock = threading.Lock()
+        self._reserves: dict[str, Future[Output]] = {}
+        self._streams: dict[str, queue.SimpleQueue[Output]] = {}
+        self._rank_of: dict[str, int] = {}  # request id -> rank holding it
+        self.loads = [RankLoad(rank=r) for r in range(num_ranks)]
+        self.last_report_s = time.monotonic()
+
+    def on_report(self, reports: list[TickReport]) -> None:
+        with self._lock:
+            for report in reports:
+                self.loads[report.load.rank] = report.load
+                for out in report.outputs:
+                    self._route(out)
+            self.last_report_s = time.monotonic()
+
+    def _route(self, out: Output) -> None:
+        future = self._reserves.pop(out.request_id, None)
+        if future is not None:
+            future.set_result(out)
+            return
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+        if isinstance(out, Finished | Failed):
+            self._rank_of.pop(out.request_id, None)
+
+    def expect_reserve(self, request_id: str, rank: int) -> Future[Output]:
+        future: Future[Output] = Future()
+        with self._lock:
+            self._reserves[request_id] = future
+            self._rank_of[request_id] = rank
+        return future
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._reserves.pop(request_id, None)
+            self._rank_of.pop(request_id, None)
+
+    def open_stream(self, request_id: str) -> queue.SimpleQueue[Output]:
+        stream: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        with self._lock:
+            self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def rank_of(self, request_id: str) -> int | None:
+        with self._lock:
+            return self._rank_of.get(request_id)
+
+    def pick_rank(self) -> int:
+        """The rank with the most free blocks, then the fewest requests."""
+        with self._lock:
+            best = max(self.loads, key=lambda load: (load.free_blocks, -load.running - load.waiting, -load.rank))
+            return best.rank
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(load.in_flight for load in self.loads)
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker_id: str, inbox: CommandInbox, router: OutputRouter, feed: KVEventFeed,
+                 snapshot: Callable[[], KVEventBatch], drain: DrainController, lease_ms: int) -> None:
+        self.worker_id = worker_id
+        self.inbox = inbox
+        self.router = router
+        self.feed = feed
+        self.snapshot = snapshot
+        self.drain = drain
+        self.lease_ms = lease_ms
+        self._seq = SeqCounter()
+
+    # ------------------------------------------------------------------ Reserve
+
+    def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveReply:
+        if self.drain.draining:
+            abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_UNAVAILABLE, message="draining: no new leases",
+                                           request_id=request.request_id))
+        rank = self.router.pick_rank()
+        cmd = ReserveCommand(rank, request.request_id, new_lease_id(), request.prompt_tokens,
+                             tuple(request.token_ids), request.lease_ms or self.lease_ms, request.cache_salt,
+                             request.sender_agent, request.sender_control_address)
+        future = self.router.expect_reserve(request.request_id, rank)
+        self.inbox.put(cmd)
+        try:
+            out = future.result(timeout=RESERVE_TIMEOUT_S)
+        except TimeoutError:
+            self.router.forget(request.request_id)
+            self.inbox.put(CancelCommand(rank, request.request_id, cmd.lease_id, "reserve timed out"))
+            abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_UNAVAILABLE, request_id=request.request_id,
+                                           message="the decode engine did not answer in time"))
+        if isinstance(out, Failed):
+            self.router.forget(request.request_id)
+            abort(context, _detail(out))
+        assert isinstance(out, Reserved)
+        return _reserve_reply(out)
+
+    # ------------------------------------------------------------------ Decode
+
+    def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[wpb.DecodeEvent]:
+        rid = request.request_id
+        rank = self.router.rank_of(rid)
+        if rank is None:
+            fail_stream(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_NOT_FOUND, field="lease_id", request_id=rid,
+                                                 message=f"no lease {request.lease_id!r} for request {rid!r}"))
+            return
+        try:
+            cmd = _attach_command(request, rank)
+        except ValueError as exc:
+            self.inbox.put(CancelCommand(rank, rid, request.lease_id, "invalid Decode call"))
+            fail_stream(context, _invalid(rid, exc))
+            return
+        stream = self.router.open_stream(rid)
+        finished = threading.Event()
+
+        def on_done() -> None:  # the call ended: a client that went away cancels the request
+            if not finished.is_set():
+                self.inbox.put(CancelCommand(rank, rid, request.lease_id, "client cancelled"))
+
+        context.add_callback(on_done)
+        self.inbox.put(cmd)
+        try:
+            yield from self._events(stream, context, finished)
+        finally:
+            self.router.close_stream(rid)
+
+    def _events(self, stream: queue.SimpleQueue[Output], context: grpc.ServicerContext,
+                finished: threading.Event) -> Iterator[wpb.DecodeEvent]:
+        while context.is_active():
+            try:
+                out = stream.get(timeout=STREAM_POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(out, Tokens):
+                yield wpb.DecodeEvent(tokens=_chunk(out))
+            elif isinstance(out, Finished):
+                finished.set()
+                yield wpb.DecodeEvent(complete=wpb.DecodeComplete(
+                    finish_reason=out.finish_reason, output_tokens=out.output_tokens,
+                    draft_tokens=out.draft_tokens, accepted_drafts=out.accepted_drafts))
+                return
+            elif isinstance(out, Failed):
+                finished.set()
+                detail = _detail(out)
+                yield wpb.DecodeEvent(error=detail)
+                fail_stream(context, detail)
+                return
+
+    # ------------------------------------------------------------------ the rest
+
+    def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelReply:
+        rank = self.router.rank_of(request.request_id)
+        if rank is None:
+            return wpb.CancelReply(found=False)
+        self.inbox.put(CancelCommand(rank, request.request_id, request.lease_id, "cancelled by the router"))
+        return wpb.CancelReply(found=True)
+
+    def GetLoad(self, request: wpb.LoadRequest, context: grpc.ServicerContext) -> wpb.LoadReport:
+        loads = list(self.router.loads)
+        leader = loads[0]
+        tokens, busy = sum(x.tokens_emitted for x in loads), sum(x.busy_s for x in loads)
+        verifies, accepted = sum(x.verify_passes for x in loads), sum(x.accepted_drafts for x in loads)
+        return wpb.LoadReport(
+            worker_id=self.worker_id, role="decode", seq=self._seq.next(),
+            queued_tokens=sum(x.queued_tokens for x in loads), running_requests=sum(x.running for x in loads),
+            free_blocks=sum(x.free_blocks for x in loads), total_blocks=sum(x.total_blocks for x in loads),
+            step_s=list(leader.step_s), agent_name=leader.agent_name, control_address=leader.control_address,
+            held_blocks=sum(x.held_blocks for x in loads), cached_blocks=sum(x.cached_blocks for x in loads),
+            queued_requests=sum(x.waiting for x in loads), decode_tokens_per_s=tokens / busy if busy else 0.0,
+            mean_accepted_tokens=1 + accepted / verifies if verifies else 0.0,
+            preempted_requests=sum(x.preempted for x in loads))
+
+    def StreamKVEvents(self, request: wpb.KVEventsRequest, context: grpc.ServicerContext
+                       ) -> Iterator[wpb.KVEventBatch]:
+        yield from self.feed.stream(request.since_seq, self.snapshot, context)
+
+
+def _attach_command(request: wpb.DecodeRequest, rank: int) -> AttachCommand:
+    """`ValueError` naming the field for a malformed call."""
+    if not request.token_ids:
+        raise ValueError("field `token_ids`: the prompt is empty")
+    s = request.sampling
+    sampling = Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                        seed=s.seed if s.HasField("seed") else None, max_tokens=s.max_tokens,
+                        stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), logprobs=s.logprobs,
+                        ignore_eos=s.ignore_eos)
+    sampling.params(max(1, s.max_tokens))  # validates, naming the field
+    first = None if request.prefill_locally else int(request.first_token)
+    return AttachCommand(rank, request.request_id, request.lease_id, tuple(request.token_ids), first,
+                         request.effort, sampling, request.deadline_unix_ms, request.replay_span)
+
+
+def _reserve_reply(out: Reserved) -> wpb.ReserveReply:
+    reply = wpb.ReserveReply(lease_id=out.lease_id, agent_name=out.agent_name, control_address=out.control_address,
+                             block_ids=list(out.block_ids), num_cached_blocks=out.num_cached_blocks,
+                             lease_deadline_unix_ms=out.lease_deadline_unix_ms)
+    if out.reservation:
+        reply.reservation.CopyFrom(kv_transfer_pb2.Reservation.FromString(out.reservation))
+    return reply
+
+
+def _chunk(out: Tokens) -> wpb.TokenChunk:
+    tops = [wpb.TokenTopLogprobs(token_ids=[t for t, _ in row], logprobs=[v for _, v in row])
+            for row in out.top_logprobs]
+    return wpb.TokenChunk(token_ids=list(out.token_ids), logprobs=list(out.logprobs),
+                          accepted_drafts=out.accepted_drafts, top_logprobs=tops)
+
+
+def _detail(out: Failed) -> wpb.ErrorDetail:
+    return wpb.ErrorDetail(code=wpb.ErrorCode.Name(out.code), field=out.field, message=out.message, retry_after_ms=out.retry_after_ms,
+                           request_id=out.request_id)
+
+
+def _invalid(request_id: str, exc: ValueError) -> wpb.ErrorDetail:
+    text = str(exc)
+    field = text.split("`")[1] if text.count("`") >= 2 else ""
+    return wpb.ErrorDetail(code=wpb.ERROR_CODE_INVALID_ARGUMENT, field=field, message=text, request_id=request_id)
+
+
+def add_decode_service(server: grpc.Server, service: DecodeService) -> None:
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]

@@ -1,0 +1,247 @@
+"""Shared pieces of the decode tests: the tiny model, an engine over a loopback transfer agent, and the
+prefill side of a request done the way the prefill worker does it (encode chunks, store their records
+into its own blocks, send them into the decode worker's reserved blocks, replay the decoder over the
+prompt's tail for the first token)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.drafting import DSparkProposer, Proposer
+from cedserve.decode_workers.engine import DecodeEngine
+from cedserve.decode_workers.messages import (
+    AttachCommand,
+    Failed,
+    Finished,
+    Output,
+    ReserveCommand,
+    Reserved,
+    Sampling,
+    Tokens,
+)
+from cedserve.kv_transfer.loopback import LoopbackAgent, LoopbackHub
+from cedserve.kv_transfer.region import KVLayout, KVRegion
+from cedserve.kv_transfer.wire import reservation_from_pb
+from cedserve.model.cache.block_pool import BlockPool
+from cedserve.model.cache.config import KVCacheConfig
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+from cedserve.model.dspark import Drafter
+from cedserve.model.network import BoundaryHidden, CEDModel
+from cedserve.model.paged_kv import store_records
+from cedserve.model.presets import preset
+from cedserve.model.tokenizer import tiny_tokenizer_path
+from cedserve.proto import kv_transfer_pb2
+
+BLOCK = 32  # the transfer layout (unpadded) and the block layout (16-byte aligned) agree at 32
+_ids = itertools.count()
+
+
+@functools.lru_cache(maxsize=2)
+def tiny(seed: int = 7) -> tuple[CEDModel, Drafter]:
+    torch.set_num_threads(1)  # the tiny model's ops are too small for intra-op threads
+    config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path())
+    return random_model(config, tiny_tokenizer_path(), seed=seed)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference_greedy(model: CEDModel, tokens: Sequence[int], n: int) -> list[int]:
+    """The single-process reference: prefill, then one decode step per token, argmax each time."""
+    state = model.new_state()
+    out = [int(model.prefill(list(tokens), state)[-1].argmax())]
+    while len(out) < n:
+        out.append(int(model.decode_step([out[-1]], [state])[0].argmax()))
+    return out
+
+
+TIE_LOGITS = 0.05
+"""Two legitimate computations of the same logits (one prefill chunk vs several, a batch of one vs
+many) differ by ~1e-6 until an FP8 window record or an FP4 global-KV record rounds the other way;
+then by up to ~5e-2 on the tiny model (measured over random chunkings of 40-token prompts: 1 in 12
+had 5e-4, the worst seen 4.6e-2). A greedy step whose top two logits are closer than this is a
+numerical tie: either token is the reference's answer."""
+
+
+def greedy_ties(model: CEDModel, tokens: Sequence[int], output: Sequence[int]) -> list[tuple[int, float]]:
+    """Check `output` against the single-process reference, step by step: each token must be the
+    reference's argmax, or lose to it by less than `TIE_LOGITS` (a tie; the reference then follows
+    `output`'s choice). Returns the ties as (step, margin); raises AssertionError on a real mismatch."""
+    state = model.new_state()
+    logits = model.prefill(list(tokens), state)[-1]
+    ties = []
+    for i, token in enumerate(output):
+        best = int(logits.argmax())
+        if token != best:
+            margin = float(logits[best] - logits[token])
+            assert margin < TIE_LOGITS, (f"step {i}: got {token}, the reference says {best} by {margin:.4f} "
+                                         f"(> {TIE_LOGITS}): not a tie")
+            ties.append((i, margin))
+        logits = model.decode_step([token], [state])[0]
+    return ties
+
+
+def layouts(model: CEDModel) -> tuple[BlockLayout, KVLayout]:
+    return BlockLayout.from_config(model.config, BLOCK), KVLayout.from_config(model.config, BLOCK)
+
+
+class Rig:
+    """A decode engine whose transfer agent is a loopback fake, and a prefill side that sends to it."""
+
+    def __init__(self, model: CEDModel, drafter: Drafter | None, proposer: Proposer | None = None,
+                 num_blocks: int = 128, **config: Any) -> None:
+        self.model = model
+        layout, kv_layout = layouts(model)
+        self.hub = LoopbackHub()
+        self.cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "decode-test")
+        region = KVRegion(self.cache.pool.storage, layout.block_bytes)
+        self.agent = LoopbackAgent(self.hub, region, kv_layout, "decode")
+        self.config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, **config)
+        if proposer is None and drafter is not None:
+            proposer = DSparkProposer(drafter, model, self.config.draft_tokens)
+        self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent)
+        self.prefill_pool = BlockPool(256, layout.block_bytes)
+        self.prefill_agent = LoopbackAgent(self.hub, KVRegion(self.prefill_pool.storage, layout.block_bytes),
+                                           kv_layout, "prefill")
+        self.prefill_agent.handshake("decode")
+        self.layout = layout
+        self.outputs: list[Output] = []
+
+    # -------------------------------------------------------------- the router's part
+
+    def reserve(self, tokens: Sequence[int], sender: bool = True, request_id: str | None = None,
+                lease_ms: int = 30_000) -> Reserved | Failed:
+        rid = request_id or f"req-{next(_ids)}"
+        cmd = ReserveCommand(0, rid, f"lease-{rid}", len(tokens), tuple(tokens), lease_ms,
+                             sender_agent="prefill" if sender else "")
+        out = self.engine.handle(cmd)[0]
+        assert isinstance(out, Reserved | Failed)
+        return out
+
+    def attach(self, reserved: Reserved, tokens: Sequence[int], first: int | None, max_tokens: int,
+               **sampling: Any) -> None:
+        cmd = AttachCommand(0, reserved.request_id, reserved.lease_id, tuple(tokens), first, 100,
+                            Sampling(max_tokens=max_tokens, **sampling))
+        self.outputs += self.engine.handle(cmd)
+
+    def prefill(self, reserved: Reserved, tokens: Sequence[int], chunk: int = 24, last: bool = True) -> int:
+        """Encode, store, send (as the prefill worker does); returns the greedy first token."""
+        model = self.model
+        state = model.new_state()
+        num_blocks = -(-len(tokens) // BLOCK)
+        local = self.prefill_pool.allocate(num_blocks, reserved.request_id)
+        reservation = reservation_from_pb(kv_transfer_pb2.Reservation.FromString(reserved.reservation))
+        sender = self.prefill_agent.sender()
+        sender.open(reservation)
+        spans = []
+        for start in range(0, len(tokens), chunk):
+            encoded = model.encode_chunk(tokens[start : start + chunk], state)
+            store_records(self.layout, self.prefill_pool.storage, local, encoded.global_kv)
+            spans.append(encoded.boundary)
+        sender.write_blocks(reservation.request_id, local[reserved.num_cached_blocks :], last=last)
+        logits = model.replay_decoder(BoundaryHidden.concat(spans), state)
+        self.prefill_pool.decref(local)
+        self.prefill_pool.free(local)
+        return int(logits[-1].argmax())
+
+    # -------------------------------------------------------------- driving the engine
+
+    def run(self, max_steps: int = 400) -> None:
+        """Step until nothing runs or waits."""
+        for _ in range(max_steps):
+            self.outputs += self.engine.poll()
+            if not self.engine.has_work():
+                return
+            self.outputs += self.engine.step()
+        raise AssertionError("the engine did not finish")
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs if isinstance(o, Tokens) and o.request_id == request_id for t in o.token_ids]
+
+    def finished(self, request_id: str) -> Finished | Failed | None:
+        for o in self.outputs:
+            if isinstance(o, Finished | Failed) and o.request_id == request_id:
+                return o
+        return None
+
+    def assert_all_free(self) -> None:
+        self.engine.poll()
+        self.cache.check_invariants()
+        held = self.cache.pool.num_blocks - self.cache.pool.num_free - self.cache.prefix.num_evictable()
+        assert held == 0, f"{held} blocks still held"
+        assert not self.engine.sequences and not self.engine.leases.leases
+        assert self.agent.active_transfers() == 0
+
+
+def greedy_rounds(rig: Rig, prompts: Iterable[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """Reserve, prefill, decode every prompt together; returns request id -> all output tokens."""
+    firsts = {}
+    for tokens in prompts:
+        reserved = rig.reserve(tokens)
+        assert isinstance(reserved, Reserved), reserved
+        first = rig.prefill(reserved, tokens)
+        rig.attach(reserved, tokens, first, max_tokens)
+        firsts[reserved.request_id] = first
+    rig.run()
+    return {rid: [first, *rig.tokens(rid)] for rid, first in firsts.items()}
+
+
+class TargetProposer:
+    """A test double for the drafter whose drafts are the target's own continuation: greedy, or sampled
+    from the target at `temperature` (a proposal distribution q unlike the request's p when the request
+    samples with top-k). It runs the target on the sequence's state and rolls it back, so the state is
+    untouched. `corrupt(step) -> position or None` replaces one draft with another token."""
+
+    def __init__(self, model: CEDModel, k: int, temperature: float = 0.0,
+                 corrupt: Any = None) -> None:
+        self.model, self.k, self.temperature, self.corrupt = model, k, temperature, corrupt
+        self.steps = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.k
+
+    def propose(self, seqs: Sequence[Any]) -> list[Any]:
+        from cedserve.model.dspark import Draft
+        from cedserve.model.network import BatchItem
+
+        ready = [s for s in seqs if s.state is not None]
+        snaps = [s.state.snapshot() for s in ready]
+        feed = [list(s.pending) for s in ready]
+        tokens: list[list[int]] = [[] for _ in ready]
+        probs: list[list[torch.Tensor]] = [[] for _ in ready]
+        for _ in range(self.k):
+            outs = self.model.forward_batch([BatchItem(f, s.state) for f, s in zip(feed, ready)])
+            for i, (out, seq) in enumerate(zip(outs, ready)):
+                q = self._q(out.logits[-1])
+                token = int(q.argmax()) if self.temperature == 0 else int(torch.multinomial(q, 1, generator=seq.generator))
+                tokens[i].append(token)
+                probs[i].append(q)
+                feed[i] = [token]
+        for seq, snap in zip(ready, snaps):
+            seq.state.restore(snap)
+        drafts = {}
+        for i, seq in enumerate(ready):
+            where = self.corrupt(self.steps) if self.corrupt is not None else None
+            if where is not None and where < self.k:
+                tokens[i][where] = (tokens[i][where] + 1) % self.model.config.vocab_size
+            drafts[seq.request_id] = Draft(tokens[i], torch.stack(probs[i]), torch.ones(self.k))
+        self.steps += 1
+        return [drafts.get(s.request_id) for s in seqs]
+
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def observe(self, seq: Any, first_position: int, taps: torch.Tensor, keep_end: int) -> None:
+        pass

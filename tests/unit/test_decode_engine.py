@@ -1,0 +1,209 @@
+"""The decode engine, request by request: what it emits equals the single-process reference model, and
+every way a request ends (finished, cancelled, its lease expired, its prefill side died) gives back
+every block.
+
+Requests go through the real path: a lease on the engine, the prefill side's records (encode_chunk ->
+store_records -> kv_transfer sender, a loopback agent standing in for NIXL) landing in the leased
+blocks, a Decode attach with the first token, global KV loaded from the blocks and bounded state
+replayed, then continuous batching.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
+from cedserve.proto import worker_pb2 as wpb
+
+from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [prompt(37, 1), prompt(21, 2)]
+NUM_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    model, _ = tiny()
+    return [reference_greedy(model, p, 24) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
+def test_greedy_equals_reference(reference: list[list[int]], dspark: bool) -> None:
+    model, drafter = tiny()
+    rig = Rig(model, drafter, dspark=dspark)
+    got = greedy_rounds(rig, PROMPTS, NUM_TOKENS - 1)
+    assert list(got.values()) == [r[:NUM_TOKENS] for r in reference]  # no tie within these steps
+    for rid in got:
+        done = rig.finished(rid)
+        assert isinstance(done, Finished) and done.finish_reason == "length"
+        assert done.output_tokens == NUM_TOKENS - 1
+        if dspark:  # the random drafter proposes (and is almost always rejected)
+            assert done.draft_tokens > 0
+    rig.assert_all_free()
+
+
+def test_drafter_equal_to_target_has_every_draft_accepted(reference: list[list[int]]) -> None:
+    model, _ = tiny()
+    k = model.config.dspark_block_size
+    rig = Rig(model, None, proposer=TargetProposer(model, k))
+    got = greedy_rounds(rig, PROMPTS[:1], 1 + 2 * (k + 1))
+    assert list(got.values()) == [reference[0][: 2 + 2 * (k + 1)]]
+    chunks = [o for o in rig.outputs if isinstance(o, Tokens)]
+    # The joining step replays and decodes one token (no drafter memory yet); after it every pass
+    # verifies K drafts, accepts them all and adds the bonus token.
+    assert [len(c.token_ids) for c in chunks] == [1, k + 1, k + 1]
+    assert [c.accepted_drafts for c in chunks] == [0, k, k]
+    done = rig.finished(next(iter(got)))
+    assert isinstance(done, Finished) and done.accepted_drafts == done.draft_tokens == 2 * k
+    rig.assert_all_free()
+
+
+def test_every_acceptance_length_is_lossless(reference: list[list[int]]) -> None:
+    """Drafts = the target's continuation with one token wrong at a position cycling through 0..K
+    (K: none wrong): every acceptance length happens, rejected drafts roll back (windows, partial
+    groups, global KV), the accepted ones are consumed in front of the next anchor."""
+    model, _ = tiny()
+    k = 3
+    rig = Rig(model, None, proposer=TargetProposer(model, k, corrupt=lambda step: step % (k + 1)),
+              adaptive_verify=False)
+    got = greedy_rounds(rig, PROMPTS[1:], 20)
+    output = next(iter(got.values()))
+    # Verification chunks of 2-4 rows round differently from one-token steps; one step here is a
+    # numerical tie (margin 0.005), after which the reference follows the engine's token.
+    assert len(greedy_ties(model, PROMPTS[1], output)) <= 1
+    accepted = [o.accepted_drafts for o in rig.outputs if isinstance(o, Tokens)]
+    assert set(accepted[:-1]) == set(range(k + 1)), accepted  # the last chunk may be cut by max_tokens
+    rig.assert_all_free()
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_memory_pressure_preempts_instead_of_failing(reference: list[list[int]], policy: str) -> None:
+    """Two requests whose prompts fill a block each, in a pool of three 32-token blocks: when both need
+    a second block, the later one is preempted (offloaded or dropped) and comes back after the first
+    finishes. Both still produce the reference tokens."""
+    model, drafter = tiny()
+    prompts = [prompt(30, 11), prompt(30, 12)]
+    want = [reference_greedy(model, p, 8) for p in prompts]
+    rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy)
+    got = greedy_rounds(rig, prompts, 7)
+    assert list(got.values()) == want
+    assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
+    rig.assert_all_free()
+
+
+def test_decode_only_prefill_then_prefix_reuse(reference: list[list[int]]) -> None:
+    """A lease without a transfer, decoded with `prefill_locally`: the engine prefills and samples the
+    first token itself. The next turn (prompt + answer + more) reuses this rank's cached blocks."""
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    first_turn = PROMPTS[0]
+    reserved = rig.reserve(first_turn, sender=False)
+    assert isinstance(reserved, Reserved) and not reserved.reservation
+    rig.attach(reserved, first_turn, None, 6)
+    rig.run()
+    answer = rig.tokens(reserved.request_id)
+    assert answer == reference[0][:6]
+
+    second_turn = first_turn + answer + prompt(9, 3)
+    again = rig.reserve(second_turn, sender=False)
+    assert isinstance(again, Reserved) and again.num_cached_blocks >= 1
+    rig.attach(again, second_turn, None, 4)
+    rig.run()
+    assert rig.tokens(again.request_id) == reference_greedy(model, second_turn, 4)
+    rig.assert_all_free()
+
+
+def test_cancel_frees_every_block() -> None:
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    tokens = PROMPTS[0]
+    running = rig.reserve(tokens)
+    assert isinstance(running, Reserved)
+    rig.attach(running, tokens, rig.prefill(running, tokens), 50)
+    for _ in range(3):
+        rig.outputs += rig.engine.poll() + rig.engine.step()
+    rig.outputs += rig.engine.handle(CancelCommand(0, running.request_id, running.lease_id))
+    done = rig.finished(running.request_id)
+    assert isinstance(done, Finished) and done.finish_reason == "cancelled"
+
+    leased = rig.reserve(tokens)  # transfer reserved, nothing sent yet, no Decode call
+    assert isinstance(leased, Reserved)
+    rig.engine.handle(CancelCommand(0, leased.request_id, leased.lease_id))
+    rig.assert_all_free()
+
+
+def test_prefill_side_dying_mid_transfer_frees_every_block() -> None:
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    tokens = PROMPTS[0]
+    reserved = rig.reserve(tokens)
+    assert isinstance(reserved, Reserved)
+    rig.prefill(reserved, tokens, last=False)  # bytes sent, transfer not closed
+    rig.attach(reserved, tokens, 5, 10)
+    rig.hub.kill("prefill")
+    rig.outputs += rig.engine.poll()
+    failed = rig.finished(reserved.request_id)
+    assert isinstance(failed, Failed) and failed.code == wpb.ERROR_CODE_TRANSFER_FAILED
+    rig.assert_all_free()
+
+
+def test_unused_lease_expires() -> None:
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    reserved = rig.reserve(PROMPTS[1], lease_ms=20)
+    assert isinstance(reserved, Reserved)
+    time.sleep(0.05)
+    expired = rig.engine.poll()
+    assert [o.code for o in expired if isinstance(o, Failed)] == [wpb.ERROR_CODE_DEADLINE_EXCEEDED]
+    rig.assert_all_free()
+
+
+def test_sampling_seed_logprobs_and_stop(reference: list[list[int]]) -> None:
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    tokens = PROMPTS[1]
+    runs = []
+    for _ in range(2):
+        reserved = rig.reserve(tokens)
+        assert isinstance(reserved, Reserved)
+        rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 5, temperature=1.0, seed=1234, logprobs=3)
+        runs.append(reserved.request_id)
+    rig.run()
+    assert rig.tokens(runs[0]) == rig.tokens(runs[1])  # same seed, same tokens (batched together)
+    chunks = [o for o in rig.outputs if isinstance(o, Tokens) and o.request_id == runs[0]]
+    for chunk in chunks:
+        assert len(chunk.logprobs) == len(chunk.token_ids) == len(chunk.top_logprobs)
+        for top in chunk.top_logprobs:
+            assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+    stop_at = reference[1][3]
+    reserved = rig.reserve(tokens)
+    assert isinstance(reserved, Reserved)
+    rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 20, stop_token_ids=(stop_at,))
+    rig.run()
+    out = rig.tokens(reserved.request_id)
+    assert out == reference[1][1 : 1 + reference[1][1:].index(stop_at) + 1]
+    done = rig.finished(reserved.request_id)
+    assert isinstance(done, Finished) and done.finish_reason == "stop"
+    rig.assert_all_free()
+
+
+def test_bad_calls_get_precise_errors() -> None:
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    reserved = rig.reserve(PROMPTS[1])
+    assert isinstance(reserved, Reserved)
+    rig.attach(reserved, PROMPTS[1][:-1], 5, 4)  # not the leased prompt
+    bad = rig.finished(reserved.request_id)
+    assert isinstance(bad, Failed) and bad.code == wpb.ERROR_CODE_INVALID_ARGUMENT and bad.field == "token_ids"
+    again = rig.reserve(PROMPTS[0], request_id="dup")
+    dup = rig.reserve(PROMPTS[0], request_id="dup")
+    assert isinstance(again, Reserved) and isinstance(dup, Failed) and dup.field == "request_id"
+    rig.engine.handle(CancelCommand(0, "dup", again.lease_id))
+    huge = rig.reserve(prompt(200 * 32, 5))
+    assert isinstance(huge, Failed) and huge.code == wpb.ERROR_CODE_RESOURCE_EXHAUSTED and huge.retry_after_ms > 0
+    rig.assert_all_free()
