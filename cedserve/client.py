@@ -54,7 +54,7 @@ def _prompt(prompt: PromptLike) -> generation_pb2.Prompt:
     if items and isinstance(items[0], dict):
         msgs = [generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in items]  # type: ignore[index]
         return generation_pb2.Prompt(chat=generation_pb2.Chat(messages=msgs))
-    return generation_pb2.Prompt(token_ids=generation_pb2.TokenIds(ids=[int(t) for t in items]))  # type: ignore[arg-type]
+    return generation_pb2.Prompt(token_ids=generation_pb2.TokenIds(ids=[int(str(t)) for t in items]))
 
 
 def _effort(effort: int | str | None) -> generation_pb2.Effort:
@@ -131,8 +131,10 @@ class _Collector:
 def _code_tuple(value: int) -> tuple[int, str]:
     for code in grpc.StatusCode:
         if code.value[0] == value:
-            return code.value
-    return grpc.StatusCode.UNKNOWN.value
+            found: tuple[int, str] = code.value
+            return found
+    unknown: tuple[int, str] = grpc.StatusCode.UNKNOWN.value
+    return unknown
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -145,7 +147,7 @@ class Client:
     def __init__(self, address: str, api_key: str | None = None, timeout_s: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
         self.metadata = _metadata(api_key)
         self.timeout_s = timeout_s
         self.last: Completion | None = None
@@ -203,7 +205,7 @@ class AsyncClient:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
                         else grpc.aio.insecure_channel(address))
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
         self.metadata = _metadata(api_key)
         self.timeout_s = timeout_s
         self.last: Completion | None = None

@@ -66,12 +66,14 @@ def _load_words(row_ptr, ok, BLOCKS: tl.constexpr, WORDS: tl.constexpr, ALIGN: t
 
 
 @triton.jit
-def _load_main(main_ptr, rec, ok, D: tl.constexpr, ALIGN: tl.constexpr):
-    """Raw main-KV records: (codes int32 [BLOCK_N, D // 16, 2]: the 8 bytes of E2M1 pairs of each
-    16-channel scale block, E4M3 scale bytes uint8 [BLOCK_N, D // 16])."""
+def _load_main(main_ptr, rec, ok, first_block, D: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr):
+    """Raw main-KV records, channels `[16 * first_block, 16 * first_block + C)`: (codes int32
+    [BLOCK_N, C // 16, 2]: the 8 bytes of E2M1 pairs of each 16-channel scale block, E4M3 scale
+    bytes uint8 [BLOCK_N, C // 16])."""
     row = main_ptr + rec
-    codes = _load_words(row, ok, D // 16, 2, ALIGN)
-    scales = tl.load(row[:, None] + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0x38)
+    codes = _load_words(row + first_block * 8, ok, C // 16, 2, ALIGN)
+    scales = tl.load(row[:, None] + (D // 2 + first_block) + tl.arange(0, C // 16)[None, :], mask=ok[:, None],
+                     other=0x38)  # 0x38 = 1.0
     return codes, scales
 
 
@@ -82,8 +84,8 @@ def _bytes_of(words):
 
 
 @triton.jit
-def _decode_main(codes, scales, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
-    """Main-KV keys [BLOCK_N, D] bf16 (exact) from `_load_main`'s words: byte `4k + t` of a block's
+def _decode_main(codes, scales, BLOCK_N: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
+    """Main-KV keys [BLOCK_N, C] bf16 (exact) from `_load_main`'s words: byte `4k + t` of a block's
     words holds channels `8k + 2t` (low nibble) and `8k + 2t + 1` (high nibble)."""
     if HW_CVT:
         # each E2M1 nibble -> the E4M3 byte of its value * 2**-6, four bytes per int32 op
@@ -97,35 +99,42 @@ def _decode_main(codes, scales, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: 
         scale = _e4m3_decode(scales.to(tl.int32))[:, :, None, None]
         lo = _e2m1_decode(c) * scale
         hi = _e2m1_decode(c >> 4) * scale
-    return tl.reshape(tl.join(lo, hi), [BLOCK_N, D]).to(tl.bfloat16)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, C]).to(tl.bfloat16)
 
 
 @triton.jit
-def _load_swa(swa_ptr, rec, ok, D: tl.constexpr, ALIGN: tl.constexpr):
-    """Raw SWA records: (E4M3 bytes as int32 words [BLOCK_N, D // 32, 8], UE8M0 bytes uint8 [BLOCK_N, D // 32])."""
+def _load_swa(swa_ptr, rec, ok, first_block, D: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr):
+    """Raw SWA records, channels `[32 * first_block, 32 * first_block + C)`: (E4M3 bytes as int32
+    words [BLOCK_N, C // 32, 8], UE8M0 bytes uint8 [BLOCK_N, C // 32])."""
     row = swa_ptr + rec
-    values = _load_words(row, ok, D // 32, 8, ALIGN)
-    scales = tl.load(row[:, None] + D + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=127)
+    values = _load_words(row + first_block * 32, ok, C // 32, 8, ALIGN)
+    scales = tl.load(row[:, None] + (D + first_block) + tl.arange(0, C // 32)[None, :], mask=ok[:, None],
+                     other=127)
     return values, scales
 
 
 @triton.jit
-def _decode_swa(values, scales, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
-    """SWA keys [BLOCK_N, D] bf16 (exact) from `_load_swa`'s words."""
+def _decode_swa(values, scales, BLOCK_N: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
+    """SWA keys [BLOCK_N, C] bf16 (exact) from `_load_swa`'s words."""
     scale = (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None, None]  # 2**(b - 127)
     if HW_CVT:
         v = _bytes_of(values).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         v = _e4m3_decode((values[:, :, :, None] >> (tl.arange(0, 4) * 8)) & 0xFF)
-    return tl.reshape(v * scale, [BLOCK_N, D]).to(tl.bfloat16)
+    return tl.reshape(v * scale, [BLOCK_N, C]).to(tl.bfloat16)
 
 
 @triton.jit
-def _attend_tile(q, k, ok, acc, m_i, l_i, sm_scale_log2, DOT_F32: tl.constexpr):
-    """One online-softmax step of `q [BLOCK_H, D]` over the keys `k [BLOCK_N, D]` (K = V)."""
+def _attend_tile(q, k, q2, k2, ok, acc, m_i, l_i, sm_scale_log2, TWO: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax step over a tile of keys (K = V): logits `q . k^T (+ q2 . k2^T when TWO)`,
+    `acc += p . k`. `k [BLOCK_N, C]` holds the channels this program accumulates, `k2` the rest."""
     if DOT_F32:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+    if TWO:
+        if DOT_F32:
+            k2 = k2.to(tl.float32)
+        s = tl.dot(q2, tl.trans(k2), s)
     s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -136,16 +145,17 @@ def _attend_tile(q, k, ok, acc, m_i, l_i, sm_scale_log2, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _store_output(out_ptr, out_stride_h, o, cos_ptr, sin_ptr, h, h_ok, BLOCK_H: tl.constexpr,
-                  D: tl.constexpr, ROPE_PAIRS: tl.constexpr):
-    """Inverse-RoPE the last ROPE_PAIRS channel pairs of `o [BLOCK_H, D]` and store it."""
-    even, odd = tl.split(tl.reshape(o, [BLOCK_H, D // 2, 2]))
-    pair = tl.arange(0, D // 2) - (D // 2 - ROPE_PAIRS)
+def _store_output(out_ptr, out_stride_h, o, first_channel, cos_ptr, sin_ptr, h, h_ok, BLOCK_H: tl.constexpr,
+                  D: tl.constexpr, C: tl.constexpr, ROPE_PAIRS: tl.constexpr):
+    """Inverse-RoPE (the last ROPE_PAIRS channel pairs of the head) and store `o [BLOCK_H, C]`, the
+    channels `[first_channel, first_channel + C)` of the output rows."""
+    even, odd = tl.split(tl.reshape(o, [BLOCK_H, C // 2, 2]))
+    pair = first_channel // 2 + tl.arange(0, C // 2) - (D // 2 - ROPE_PAIRS)
     is_rope = pair >= 0
     cos = tl.load(cos_ptr + pair, mask=is_rope, other=1.0)[None, :]
     sin = tl.load(sin_ptr + pair, mask=is_rope, other=0.0)[None, :]
-    o = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [BLOCK_H, D])
-    ptr = out_ptr + h[:, None].to(tl.int64) * out_stride_h + tl.arange(0, D)[None, :]
+    o = tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [BLOCK_H, C])
+    ptr = out_ptr + h[:, None].to(tl.int64) * out_stride_h + first_channel + tl.arange(0, C)[None, :]
     tl.store(ptr, _to_output(o, out_ptr), mask=h_ok[:, None])
 
 
@@ -161,23 +171,34 @@ def _sparse_decode_attention_kernel(
     part_acc_ptr, part_ml_ptr,
     num_heads, sm_scale_log2,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_MAIN: tl.constexpr, HAS_SWA: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr, HAS_MAIN: tl.constexpr, HAS_SWA: tl.constexpr,
     MAIN_ALIGN: tl.constexpr, SWA_ALIGN: tl.constexpr, HW_CVT: tl.constexpr, PREFETCH: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """Program (token n, head block, split): attend `BLOCK_H` heads of token n over its split of
-    the selected main-KV entries (`topk_slots[n]`) and of its window (`window_slots[n]`)."""
+    """Program (token n, head block x value half, key split): attend `BLOCK_H` heads of token n over
+    its split of the selected main-KV entries (`topk_slots[n]`) and of its window
+    (`window_slots[n]`), accumulating the output channels `[dv * C, dv * C + C)`, C = D / DV_SPLIT
+    (DV_SPLIT = 2 halves the accumulator's registers; both halves compute the full logits)."""
+    C: tl.constexpr = D // DV_SPLIT
+    TWO: tl.constexpr = DV_SPLIT == 2
     n = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h = (tl.program_id(1) // DV_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dv = tl.program_id(1) % DV_SPLIT
     split = tl.program_id(2)
     h_ok = h < num_heads
-    c = tl.arange(0, D)
+    mine = dv * C  # first channel of this program's value half; the other half starts at `other`
+    other = (1 - dv) * C
+    cc = tl.arange(0, C)
 
-    q = tl.load(q_ptr + n.to(tl.int64) * q_stride_n + h[:, None].to(tl.int64) * q_stride_h + c[None, :],
-                mask=h_ok[:, None], other=0.0)  # [BLOCK_H, D]
+    q_row = q_ptr + n.to(tl.int64) * q_stride_n + h[:, None].to(tl.int64) * q_stride_h
+    q = tl.load(q_row + mine + cc[None, :], mask=h_ok[:, None], other=0.0)  # [BLOCK_H, C]
+    q2 = q
+    if TWO:
+        q2 = tl.load(q_row + other + cc[None, :], mask=h_ok[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        q2 = q2.to(tl.float32)
+    acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
     if NUM_SPLITS == 1:
         m_i = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
         l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
@@ -192,25 +213,29 @@ def _sparse_decode_attention_kernel(
         slot_row = topk_ptr + n.to(tl.int64) * topk_stride
         rec, ok = _record_rows(slot_row, start + jn, end, main_num_slots, main_offset, main_spb,
                                main_slot_stride, main_block_stride, MAIN_ALIGN)
-        codes, scales = _load_main(main_ptr, rec, ok, D, MAIN_ALIGN)
+        codes, scales = _load_main(main_ptr, rec, ok, mine // 16, D, C, MAIN_ALIGN)
+        codes2, scales2 = codes, scales
+        if TWO:
+            codes2, scales2 = _load_main(main_ptr, rec, ok, other // 16, D, C, MAIN_ALIGN)
         for j0 in range(start, end, BLOCK_N):
+            cur_ok, cur_codes, cur_scales, cur_codes2, cur_scales2 = ok, codes, scales, codes2, scales2
             if PREFETCH:  # the next tile's records are in flight while this one is decoded and multiplied
-                cur_ok = ok
-                cur_codes = codes
-                cur_scales = scales
                 rec, ok = _record_rows(slot_row, j0 + BLOCK_N + jn, end, main_num_slots, main_offset,
                                        main_spb, main_slot_stride, main_block_stride, MAIN_ALIGN)
-                codes, scales = _load_main(main_ptr, rec, ok, D, MAIN_ALIGN)
-            else:
-                cur_ok = ok
-                cur_codes = codes
-                cur_scales = scales
-                if j0 > start:
-                    cur_rec, cur_ok = _record_rows(slot_row, j0 + jn, end, main_num_slots, main_offset,
-                                                   main_spb, main_slot_stride, main_block_stride, MAIN_ALIGN)
-                    cur_codes, cur_scales = _load_main(main_ptr, cur_rec, cur_ok, D, MAIN_ALIGN)
-            k = _decode_main(cur_codes, cur_scales, BLOCK_N, D, HW_CVT)
-            acc, m_i, l_i = _attend_tile(q, k, cur_ok, acc, m_i, l_i, sm_scale_log2, DOT_F32)
+                codes, scales = _load_main(main_ptr, rec, ok, mine // 16, D, C, MAIN_ALIGN)
+                if TWO:
+                    codes2, scales2 = _load_main(main_ptr, rec, ok, other // 16, D, C, MAIN_ALIGN)
+            elif j0 > start:
+                cur_rec, cur_ok = _record_rows(slot_row, j0 + jn, end, main_num_slots, main_offset,
+                                               main_spb, main_slot_stride, main_block_stride, MAIN_ALIGN)
+                cur_codes, cur_scales = _load_main(main_ptr, cur_rec, cur_ok, mine // 16, D, C, MAIN_ALIGN)
+                if TWO:
+                    cur_codes2, cur_scales2 = _load_main(main_ptr, cur_rec, cur_ok, other // 16, D, C, MAIN_ALIGN)
+            k = _decode_main(cur_codes, cur_scales, BLOCK_N, C, HW_CVT)
+            k2 = k
+            if TWO:
+                k2 = _decode_main(cur_codes2, cur_scales2, BLOCK_N, C, HW_CVT)
+            acc, m_i, l_i = _attend_tile(q, k, q2, k2, cur_ok, acc, m_i, l_i, sm_scale_log2, TWO, DOT_F32)
 
     if HAS_SWA:  # FP8 records: [D E4M3 bytes | D / 32 UE8M0 scales]
         start = split * win_chunk
@@ -218,34 +243,38 @@ def _sparse_decode_attention_kernel(
         slot_row = win_ptr + n.to(tl.int64) * win_stride
         rec, ok = _record_rows(slot_row, start + jn, end, swa_num_slots, swa_offset, swa_spb,
                                swa_slot_stride, swa_block_stride, SWA_ALIGN)
-        values, scales = _load_swa(swa_ptr, rec, ok, D, SWA_ALIGN)
+        values, scales = _load_swa(swa_ptr, rec, ok, mine // 32, D, C, SWA_ALIGN)
+        values2, scales2 = values, scales
+        if TWO:
+            values2, scales2 = _load_swa(swa_ptr, rec, ok, other // 32, D, C, SWA_ALIGN)
         for j0 in range(start, end, BLOCK_N):
+            cur_ok, cur_values, cur_scales, cur_values2, cur_scales2 = ok, values, scales, values2, scales2
             if PREFETCH:
-                cur_ok = ok
-                cur_values = values
-                cur_scales = scales
                 rec, ok = _record_rows(slot_row, j0 + BLOCK_N + jn, end, swa_num_slots, swa_offset, swa_spb,
                                        swa_slot_stride, swa_block_stride, SWA_ALIGN)
-                values, scales = _load_swa(swa_ptr, rec, ok, D, SWA_ALIGN)
-            else:
-                cur_ok = ok
-                cur_values = values
-                cur_scales = scales
-                if j0 > start:
-                    cur_rec, cur_ok = _record_rows(slot_row, j0 + jn, end, swa_num_slots, swa_offset, swa_spb,
-                                                   swa_slot_stride, swa_block_stride, SWA_ALIGN)
-                    cur_values, cur_scales = _load_swa(swa_ptr, cur_rec, cur_ok, D, SWA_ALIGN)
-            k = _decode_swa(cur_values, cur_scales, BLOCK_N, D, HW_CVT)
-            acc, m_i, l_i = _attend_tile(q, k, cur_ok, acc, m_i, l_i, sm_scale_log2, DOT_F32)
+                values, scales = _load_swa(swa_ptr, rec, ok, mine // 32, D, C, SWA_ALIGN)
+                if TWO:
+                    values2, scales2 = _load_swa(swa_ptr, rec, ok, other // 32, D, C, SWA_ALIGN)
+            elif j0 > start:
+                cur_rec, cur_ok = _record_rows(slot_row, j0 + jn, end, swa_num_slots, swa_offset, swa_spb,
+                                               swa_slot_stride, swa_block_stride, SWA_ALIGN)
+                cur_values, cur_scales = _load_swa(swa_ptr, cur_rec, cur_ok, mine // 32, D, C, SWA_ALIGN)
+                if TWO:
+                    cur_values2, cur_scales2 = _load_swa(swa_ptr, cur_rec, cur_ok, other // 32, D, C, SWA_ALIGN)
+            k = _decode_swa(cur_values, cur_scales, BLOCK_N, C, HW_CVT)
+            k2 = k
+            if TWO:
+                k2 = _decode_swa(cur_values2, cur_scales2, BLOCK_N, C, HW_CVT)
+            acc, m_i, l_i = _attend_tile(q, k, q2, k2, cur_ok, acc, m_i, l_i, sm_scale_log2, TWO, DOT_F32)
 
     if NUM_SPLITS == 1:
-        _store_output(out_ptr + n.to(tl.int64) * out_stride_n, out_stride_h, acc * (1.0 / l_i)[:, None],
+        _store_output(out_ptr + n.to(tl.int64) * out_stride_n, out_stride_h, acc * (1.0 / l_i)[:, None], mine,
                       cos_ptr + n.to(tl.int64) * cs_stride, sin_ptr + n.to(tl.int64) * cs_stride,
-                      h, h_ok, BLOCK_H, D, ROPE_PAIRS)
+                      h, h_ok, BLOCK_H, D, C, ROPE_PAIRS)
     else:
-        # partials: acc [N, NUM_SPLITS, H, D], ml [N, NUM_SPLITS, H, 2]
+        # partials: acc [N, NUM_SPLITS, H, D], ml [N, NUM_SPLITS, H, 2] (both value halves write the same ml)
         part = (n.to(tl.int64) * NUM_SPLITS + split) * num_heads + h.to(tl.int64)
-        tl.store(part_acc_ptr + part[:, None] * D + c[None, :], acc, mask=h_ok[:, None])
+        tl.store(part_acc_ptr + part[:, None] * D + mine + cc[None, :], acc, mask=h_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_ok)
 
@@ -273,6 +302,6 @@ def _combine_splits_kernel(
         weight = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=h_ok, other=-1.0e30) - m)
         total += weight * tl.load(part_ml_ptr + part * 2 + 1, mask=h_ok, other=0.0)
         o += weight[:, None] * tl.load(part_acc_ptr + part[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0)
-    _store_output(out_ptr + n.to(tl.int64) * out_stride_n, out_stride_h, o * (1.0 / total)[:, None],
+    _store_output(out_ptr + n.to(tl.int64) * out_stride_n, out_stride_h, o * (1.0 / total)[:, None], 0,
                   cos_ptr + n.to(tl.int64) * cs_stride, sin_ptr + n.to(tl.int64) * cs_stride,
-                  h, h_ok, BLOCK_H, D, ROPE_PAIRS)
+                  h, h_ok, BLOCK_H, D, D, ROPE_PAIRS)

@@ -66,6 +66,11 @@ class AttentionConfig:
     """Programs per (token, head block), each over a slice of the keys; > 1 adds a combine pass."""
     num_warps: int | None = None
     num_stages: int | None = None
+    dv_split: int | None = None
+    """1 or 2: programs per (token, head block) that each accumulate half of the value channels
+    (both compute the full logits: 1.5x the MMA work and 2x the decoding, half the accumulator)."""
+    prefetch: bool | None = None
+    """Load the next key tile's records before decoding the current one (registers for a second tile)."""
     hw_cvt: bool | None = None
     """Decode keys with the GPU's fp8 -> fp16 conversions (sm89+; default there) instead of integer
     and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
@@ -82,7 +87,9 @@ class AttentionConfig:
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
         num_stages = self.num_stages or 1  # the kernel keeps the next tile in flight itself
         hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)
-        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, hw_cvt)
+        dv_split = self.dv_split or 1
+        prefetch = True if self.prefetch is None else self.prefetch
+        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, dv_split, prefetch, hw_cvt)
 
 
 def _rotate_back(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -200,7 +207,8 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         launch.run(cfg)
     except OutOfResources:  # the default tile did not fit this GPU: halve the head block
         launch.run(AttentionConfig(block_h=max(16, (cfg.block_h or 32) // 2), block_n=cfg.block_n,
-                                   num_splits=cfg.num_splits, num_warps=4, num_stages=1, hw_cvt=cfg.hw_cvt))
+                                   num_splits=cfg.num_splits, num_warps=4, num_stages=1, dv_split=cfg.dv_split,
+                                   prefetch=False, hw_cvt=cfg.hw_cvt))
     return out
 
 
@@ -235,7 +243,10 @@ class _Launch:
             part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         else:
             part_acc = part_ml = out  # unused
-        k._sparse_decode_attention_kernel[(tokens, cdiv(heads, cfg.block_h), splits)](
+        dv_split = cfg.dv_split or 1
+        if dv_split not in (1, 2):
+            raise ValueError(f"sparse_attention: dv_split must be 1 or 2, got {dv_split}")
+        k._sparse_decode_attention_kernel[(tokens, cdiv(heads, cfg.block_h) * dv_split, splits)](
             q, q.stride(0), q.stride(1), self.sink,
             main.storage, self.topk, self.topk.stride(0), self.num_topk, main_chunk,
             main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
@@ -246,8 +257,9 @@ class _Launch:
             part_acc, part_ml,
             heads, self.scale * math.log2(math.e),
             D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
-            MAIN_ALIGN=main.alignment, SWA_ALIGN=swa.alignment, HW_CVT=bool(cfg.hw_cvt), DOT_F32=interpreting(),
+            NUM_SPLITS=splits, DV_SPLIT=dv_split, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
+            MAIN_ALIGN=main.alignment, SWA_ALIGN=swa.alignment, HW_CVT=bool(cfg.hw_cvt), PREFETCH=bool(cfg.prefetch),
+            DOT_F32=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:

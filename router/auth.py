@@ -36,7 +36,7 @@ def key_matches(presented: str | None, keys: Sequence[str]) -> bool:
     return matched
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, keys: Sequence[str]) -> None:
         self._keys = tuple(keys)
 

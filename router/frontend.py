@@ -79,7 +79,7 @@ class _Progress:
     ttft_s: float = 0.0
     drafts: int = 0
     accepted: int = 0
-    finish: int = generation_pb2.FINISH_REASON_UNSPECIFIED
+    finish: generation_pb2.FinishReason = generation_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def _deadline_ms(context: grpc.aio.ServicerContext) -> tuple[float | None, int]:

@@ -69,7 +69,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                                 block_bytes, metadata)
     options = [("grpc.max_receive_message_length", config.max_message_bytes)]
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys)], options=options)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)

@@ -60,9 +60,9 @@ class WorkerPool:
                 channel = grpc.aio.insecure_channel(ep.address)
                 handle = WorkerHandle(ep, role, channel)
                 if role == "prefill":
-                    handle.prefill = worker_pb2_grpc.PrefillWorkerStub(channel)
+                    handle.prefill = worker_pb2_grpc.PrefillWorkerStub(channel)  # type: ignore[no-untyped-call]
                 else:
-                    handle.decode = worker_pb2_grpc.DecodeWorkerStub(channel)
+                    handle.decode = worker_pb2_grpc.DecodeWorkerStub(channel)  # type: ignore[no-untyped-call]
                 self.workers[ep.worker_id] = handle
 
     def start(self) -> None:

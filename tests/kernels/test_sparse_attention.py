@@ -63,7 +63,8 @@ def _check(out: Tensor, ref: Tensor) -> None:
 
 def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, splits: int | None,
           block_n: int | None, gen: torch.Generator, device: torch.device, use_main: bool = True,
-          use_swa: bool = True, block_h: int | None = None) -> None:
+          use_swa: bool = True, block_h: int | None = None, dv_split: int | None = None,
+          prefetch: bool | None = None) -> None:
     main = _records("main", 3 * topk + 5, dim, gen, device) if use_main else None
     swa = _records("swa", 2 * window + 3, dim, gen, device) if use_swa else None
     # lengths: full, empty, partial (a request shorter than top-k, a window not yet full)
@@ -81,22 +82,25 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     sink = torch.randn(heads, generator=gen, device=device)
     cos, sin = _rope_tables(tokens, rope // 2, gen, device)
     out = torch.full_like(q, float("nan"))
-    config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h)
+    config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch)
     sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=config, impl="triton")
     _check(out, sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin))
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_small_head_dim(splits: int, gen: torch.Generator, device: torch.device) -> None:
+@pytest.mark.parametrize(("splits", "dv_split", "prefetch"), [(1, 1, True), (3, 1, False), (1, 2, False), (3, 2, True)])
+def test_decode_small_head_dim(splits: int, dv_split: int, prefetch: bool, gen: torch.Generator,
+                               device: torch.device) -> None:
     # fixture-like geometry: 4 heads (padded to a 16-row tile), head_dim 64, rope 16; 37 selected
-    # entries and a window of 9 cross 16-key tiles and split boundaries
-    _case(tokens=4, heads=4, dim=64, topk=37, window=9, rope=16, splits=splits, block_n=16, gen=gen, device=device)
+    # entries and a window of 9 cross 16-key tiles and split boundaries; the value halves split
+    # the rope pairs' half from the other
+    _case(tokens=4, heads=4, dim=64, topk=37, window=9, rope=16, splits=splits, block_n=16, gen=gen, device=device,
+          dv_split=dv_split, prefetch=prefetch)
 
 
 def test_decode_released_head_dim(gen: torch.Generator, device: torch.device) -> None:
     # 20 heads in blocks of 16: a full head block and a ragged one
     _case(tokens=2, heads=20, dim=512, topk=24, window=20, rope=64, splits=2, block_n=16, gen=gen, device=device,
-          block_h=16)
+          block_h=16, dv_split=2)
 
 
 @pytest.mark.parametrize(("use_main", "use_swa"), [(False, True), (True, False)])
@@ -147,8 +151,9 @@ def test_launcher_checks(gen: torch.Generator, device: torch.device) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_gpu_decode_released_shapes(splits: int | None, gen: torch.Generator, device: torch.device) -> None:
+@pytest.mark.parametrize(("splits", "dv_split", "prefetch"), [(None, None, None), (1, 1, False), (4, 2, True)])
+def test_gpu_decode_released_shapes(splits: int | None, dv_split: int | None, prefetch: bool | None,
+                                    gen: torch.Generator, device: torch.device) -> None:
     # batch 64, 64 heads x 512, top-512 + window 128, rope 64
     _case(tokens=64, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
-          device=device)
+          device=device, dv_split=dv_split, prefetch=prefetch)

@@ -72,9 +72,9 @@ def test_every_acceptance_length_is_lossless(reference: list[list[int]]) -> None
               adaptive_verify=False)
     got = greedy_rounds(rig, PROMPTS[1:], 20)
     output = next(iter(got.values()))
-    # Verification chunks of 2-4 rows round differently from one-token steps; one step here is a
-    # numerical tie (margin 0.005), after which the reference follows the engine's token.
-    assert len(greedy_ties(model, PROMPTS[1], output)) <= 1
+    # Verification chunks of 2-4 rows round differently from one-token steps: two steps here are
+    # numerical ties (top-2 margins 0.005 and 0.003, see TIE_LOGITS); every other step is the argmax.
+    assert len(greedy_ties(model, PROMPTS[1], output)) <= 2
     accepted = [o.accepted_drafts for o in rig.outputs if isinstance(o, Tokens)]
     assert set(accepted[:-1]) == set(range(k + 1)), accepted  # the last chunk may be cut by max_tokens
     rig.assert_all_free()
