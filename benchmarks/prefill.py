@@ -101,7 +101,7 @@ def measure(model: CEDModel, n: int, args: argparse.Namespace) -> dict[str, Any]
     engine_s = time_engine(model, tokens, args.chunk_tokens, args.replay_span, args.device)
     encoder_s = time_loop(model, tokens, args.chunk_tokens, "encode_chunk", args.device)
     all_s = time_loop(model, tokens, args.chunk_tokens, "prefill", args.device) if not args.skip_all_layers else None
-    row: dict[str, Any] = {"prompt_tokens": n, "engine_s": round(engine_s, 3), "encoder_s": round(encoder_s, 3),
+    row: dict[str, Any] = {"prompt_tokens": n, "load_average_1m": round(os.getloadavg()[0], 2), "engine_s": round(engine_s, 3), "encoder_s": round(encoder_s, 3),
                            "engine_tokens_per_s": round(n / engine_s, 1), "encoder_tokens_per_s": round(n / encoder_s, 1)}
     if all_s is not None:
         row.update(all_layers_s=round(all_s, 3), all_layers_tokens_per_s=round(n / all_s, 1),

