@@ -138,10 +138,25 @@ class EmbeddedOptions:
     default_max_tokens: int = 64
 
 
+def write_worker_config(run_dir: Path) -> Path:
+    """A worker config whose KV-transfer control plane uses a fresh random token (file mode 0600)."""
+    import secrets
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token = run_dir / "kv_transfer.token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    config = run_dir / "worker.toml"
+    config.write_text(f'[kv_transfer]\nauth_token_file = "{token}"\n')
+    return config
+
+
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:
     """Start prefill, decode and router; returns the router's ready info."""
     checkpoint = str(opts.checkpoint or ensure_tiny_checkpoint())
-    common = ["--checkpoint", checkpoint, "--host", opts.host, "--port", "0"]
+    worker_config = write_worker_config(launcher.log_dir / "run")
+    common = ["--checkpoint", checkpoint, "--config", str(worker_config), "--host", opts.host, "--port", "0"]
     prefill = launcher.start("prefill", ["worker", "--role", "prefill", "--worker-id", "prefill0", *common])
     decode = launcher.start("decode", ["worker", "--role", "decode", "--worker-id", "decode0", *common])
     return launcher.start("router", [

@@ -73,6 +73,10 @@ class DecodeConfig:
     transfer, an expired lease or a drain; a command wakes it at once)."""
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "preemption", PreemptionPolicy(self.preemption))
+        except ValueError:
+            _fail("preemption", f"must be one of {[p.value for p in PreemptionPolicy]}, got {self.preemption!r}")
         for name in ("block_size", "num_blocks", "max_running_requests", "max_waiting_requests",
                      "max_pass_tokens", "lease_ms", "max_output_tokens", "max_offload_bytes"):
             if getattr(self, name) <= 0:

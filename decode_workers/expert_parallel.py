@@ -112,7 +112,7 @@ class SingleRank:
     def combine(self, y: Tensor, dispatched: Dispatched) -> Tensor:
         out = torch.zeros(dispatched.num_tokens * dispatched.top_k, y.shape[-1], dtype=torch.float32, device=y.device)
         out[dispatched.order] = y.float()
-        return out.view(dispatched.num_tokens, dispatched.top_k, -1)
+        return out.view(dispatched.num_tokens, dispatched.top_k, y.shape[-1])
 
     def agree(self, value: int) -> int:
         return value
@@ -163,7 +163,7 @@ class TorchDistributedEP:
         back = self._exchange(y.float(), dispatched.recv_counts, dispatched.send_counts)
         out = torch.zeros(dispatched.num_tokens * dispatched.top_k, y.shape[-1], dtype=torch.float32, device=y.device)
         out[dispatched.order] = back
-        return out.view(dispatched.num_tokens, dispatched.top_k, -1)
+        return out.view(dispatched.num_tokens, dispatched.top_k, y.shape[-1])
 
     def agree(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)

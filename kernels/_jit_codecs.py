@@ -79,15 +79,22 @@ def _e4m3_encode(q):
 
 
 @triton.jit
+def _e2m1_magnitude_code(m):
+    """E2M1 magnitude code (int32 0..7) of float32 m in [0, 6]: nearest grid point, ties to the even
+    code (0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up). From 1 up the grid is 1 mantissa
+    bit per binade, so rounding the float32 bits at bit 22 (ties to even) gives
+    `(exponent << 1 | mantissa bit) - 252`; below 1 the grid step is 0.5."""
+    bits = m.to(tl.int32, bitcast=True)
+    big = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    small = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32)
+    return tl.where(m >= 1.0, big, small)
+
+
+@triton.jit
 def _e2m1_encode(q):
-    """E2M1 code (int32 0..15) of float32 q already clamped to [-6, 6]: nearest grid point with
-    ties to the even code (0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up), bit 3 the sign."""
-    m = tl.abs(q)
-    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
-            + (m > 5.0).to(tl.int32))
+    """E2M1 code (int32 0..15) of float32 q already clamped to [-6, 6], bit 3 the sign."""
     sign = (q.to(tl.int32, bitcast=True) >> 31) & 1
-    return code | (sign << 3)
+    return _e2m1_magnitude_code(tl.abs(q)) | (sign << 3)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton.language as tl
 from cedserve.kernels._jit_codecs import (
     FORMAT_MAIN,
     _e2m1_decode,
-    _e2m1_encode,
+    _e2m1_magnitude_code,
     _e4m3_decode,
     _e4m3_encode,
     _e4m3_magnitude_byte,
@@ -41,7 +41,7 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl
         else:
             scale = _e4m3_round_magnitude(t)
             scale_byte = _e4m3_magnitude_byte(scale)
-        inv_scale = scale  # unused: the E4M3 scale is not a power of two
+        inv_scale = tl.div_rn(1.0, scale) if HW_FP8 else scale  # RN(1 / scale): see _quantize_elements
     else:
         if ELEM_BITS == 4:  # index keys: UE8M0 scale, E2M1 elements
             scale, scale_byte = _ue8m0_from_amax(amax, 7.052966104933725e-38, 0.16666666666666666)
@@ -56,13 +56,22 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl
 def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr):
     """Element codes (int32: E2M1 0..15 or E4M3 0..255) of float32 `x` with broadcastable
     `scale` / `inv_scale`. For power-of-two scales, multiplying by the exact inverse equals the
-    reference's division."""
+    reference's division. For the E4M3 scales of main-KV records, `inv_scale` is RN(1 / scale)
+    when `HW_FP8` (GPU): one Markstein correction step, `q0 = x * inv`, `r = x - q0 * scale`
+    (exact, FMA), `q = RN(q0 + r * inv)`, gives the correctly rounded quotient, as `div_rn` does,
+    for three instructions instead of a division per element. The quotient's sign is x's (so
+    -0.0 stays -0.0 as in the reference's division)."""
     if FORMAT == FORMAT_MAIN:
-        q = tl.div_rn(x, scale)
+        if HW_FP8:
+            q0 = x * inv_scale
+            q = tl.fma(tl.fma(-q0, scale, x), inv_scale, q0)
+        else:
+            q = tl.div_rn(x, scale)
     else:
         q = x * inv_scale
     if ELEM_BITS == 4:
-        code = _e2m1_encode(tl.minimum(tl.maximum(q, -6.0), 6.0))
+        sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+        code = _e2m1_magnitude_code(tl.minimum(tl.abs(q), 6.0)) | (sign << 3)
     elif HW_FP8:
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)

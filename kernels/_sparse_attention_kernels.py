@@ -124,9 +124,8 @@ def _decode_swa(values, scales, BLOCK_N: tl.constexpr, C: tl.constexpr, HW_CVT: 
 @triton.jit
 def _load_q(q_row, h_ok, first, C: tl.constexpr, DOT_F32: tl.constexpr):
     """(q_lo, q_hi) [BLOCK_H, C // 2]: the even and odd channels of `[first, first + C)`."""
-    ptr = q_row + first + 2 * tl.arange(0, C // 2)[None, :]
-    q_lo = tl.load(ptr, mask=h_ok[:, None], other=0.0)
-    q_hi = tl.load(ptr + 1, mask=h_ok[:, None], other=0.0)
+    q = tl.load(q_row + first + tl.arange(0, C)[None, :], mask=h_ok[:, None], other=0.0)  # [BLOCK_H, C]
+    q_lo, q_hi = tl.split(tl.reshape(q, [q.shape[0], C // 2, 2]))
     if DOT_F32:
         q_lo = q_lo.to(tl.float32)
         q_hi = q_hi.to(tl.float32)
@@ -173,11 +172,10 @@ def _store_output(out_ptr, out_stride_h, o_lo, o_hi, first, cos_ptr, sin_ptr, h,
     is_rope = pair >= 0
     cos = tl.load(cos_ptr + pair, mask=is_rope, other=1.0)[None, :]
     sin = tl.load(sin_ptr + pair, mask=is_rope, other=0.0)[None, :]
-    r_lo = o_lo * cos + o_hi * sin
-    r_hi = o_hi * cos - o_lo * sin
-    base = out_ptr + h[:, None].to(tl.int64) * out_stride_h + first + 2 * i[None, :]
-    tl.store(base, _to_output(r_lo, out_ptr), mask=h_ok[:, None])
-    tl.store(base + 1, _to_output(r_hi, out_ptr), mask=h_ok[:, None])
+    o = tl.join(o_lo * cos + o_hi * sin, o_hi * cos - o_lo * sin)  # [BLOCK_H, C // 2, 2]
+    o = tl.reshape(o, [o_lo.shape[0], C])
+    ptr = out_ptr + h[:, None].to(tl.int64) * out_stride_h + first + tl.arange(0, C)[None, :]
+    tl.store(ptr, _to_output(o, out_ptr), mask=h_ok[:, None])
 
 
 @triton.jit
@@ -296,9 +294,8 @@ def _sparse_decode_attention_kernel(
         # partials: acc [N, NUM_SPLITS, H, D] (natural channel order), ml [N, NUM_SPLITS, H, 2]
         # (both value halves write the same ml)
         part = (n.to(tl.int64) * NUM_SPLITS + split) * num_heads + h.to(tl.int64)
-        acc_row = part_acc_ptr + part[:, None] * D + mine + 2 * tl.arange(0, C // 2)[None, :]
-        tl.store(acc_row, acc_lo, mask=h_ok[:, None])
-        tl.store(acc_row + 1, acc_hi, mask=h_ok[:, None])
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_H, C])
+        tl.store(part_acc_ptr + part[:, None] * D + mine + tl.arange(0, C)[None, :], acc, mask=h_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_ok)
 
@@ -313,7 +310,7 @@ def _combine_splits_kernel(
     n = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
-    i2 = 2 * tl.arange(0, D // 2)
+    c = tl.arange(0, D)
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     m = sink
     for s in range(NUM_SPLITS):
@@ -326,9 +323,10 @@ def _combine_splits_kernel(
         part = (n.to(tl.int64) * NUM_SPLITS + s) * num_heads + h.to(tl.int64)
         weight = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=h_ok, other=-1.0e30) - m)
         total += weight * tl.load(part_ml_ptr + part * 2 + 1, mask=h_ok, other=0.0)
-        acc_row = part_acc_ptr + part[:, None] * D + i2[None, :]
-        o_lo += weight[:, None] * tl.load(acc_row, mask=h_ok[:, None], other=0.0)
-        o_hi += weight[:, None] * tl.load(acc_row + 1, mask=h_ok[:, None], other=0.0)
+        acc = tl.load(part_acc_ptr + part[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0)
+        acc_lo, acc_hi = tl.split(tl.reshape(acc, [BLOCK_H, D // 2, 2]))
+        o_lo += weight[:, None] * acc_lo
+        o_hi += weight[:, None] * acc_hi
     inv = (1.0 / total)[:, None]
     _store_output(out_ptr + n.to(tl.int64) * out_stride_n, out_stride_h, o_lo * inv, o_hi * inv, 0,
                   cos_ptr + n.to(tl.int64) * cs_stride, sin_ptr + n.to(tl.int64) * cs_stride,

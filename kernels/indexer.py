@@ -42,6 +42,7 @@ from cedserve.kernels.triton_support import (
     Impl,
     cdiv,
     check_tensor,
+    hardware_fp8,
     interpreting,
     next_power_of_2,
     resolve_impl,
@@ -88,6 +89,22 @@ class IndexKeys:
 
 
 @dataclass(frozen=True)
+class IndexConfig:
+    """Launch parameters of the index-score kernel (None = default)."""
+
+    block_t: int | None = None
+    """Entries per tile (the MMA's M dimension), a power of two >= the candidate block size."""
+    tiles: int | None = None
+    """Tiles per program (the queries are loaded once per program)."""
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def resolve(self, cand_block: int) -> IndexConfig:
+        block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
+        return IndexConfig(block_t, self.tiles or 8, self.num_warps or 4, self.num_stages or 1)
+
+
+@dataclass(frozen=True)
 class IndexSelection:
     """What an index source publishes."""
 
@@ -131,6 +148,7 @@ def _check_scores(q: Tensor, weights: Tensor, keys: IndexKeys) -> None:
 def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor | None = None,
                  width: int | None = None, block_max: int | None = None, write_scores: bool = True,
                  softmax_scale: float | None = None, out: Tensor | None = None, maxima_out: Tensor | None = None,
+                 tokens_per_request: int = 1, config: IndexConfig | None = None,
                  impl: Impl = "auto") -> tuple[Tensor | None, Tensor | None]:
     """Index scores of `q [N, H, d]` (bf16) with head weights `weights [N, H]`.
 
@@ -138,14 +156,22 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     entries `[0, width)`, `[N, width]`, and with `block_max=B` also the maxima of each block of `B`
     entries, `[N, cdiv(width, B)]` (`write_scores=False` skips the per-entry scores: level one of
     the top-k needs only the maxima). Returns `(scores or None, block maxima or None)`, float32,
-    -inf where masked, written into `out` / `maxima_out` when given (float32, contiguous rows)."""
+    -inf where masked, written into `out` / `maxima_out` when given (float32, contiguous rows).
+
+    `tokens_per_request=G` (range mode): the tokens come in consecutive groups of G that share one
+    request (`token_req` equal within a group: a prefill chunk, speculative drafts); the kernel then
+    decodes each key tile once per group and scores it against the G x H queries in one MMA."""
     _check_scores(q, weights, keys)
+    if tokens_per_request < 1 or q.shape[0] % tokens_per_request:
+        raise ValueError(f"index_scores: tokens_per_request must divide the {q.shape[0]} tokens, got "
+                         f"{tokens_per_request}")
     if (entries is None) == (width is None):
         raise ValueError("index_scores: give exactly one of `entries` (list mode) or `width` (range mode)")
     if entries is not None:
         check_tensor(entries, "index_scores: entries", dtypes=_INTS, dim=2)
         if block_max is not None:
             raise ValueError("index_scores: block maxima are a range-mode output")
+        tokens_per_request = 1  # every token has its own list
     tokens = q.shape[0]
     device = q.device
     num = entries.shape[1] if entries is not None else int(width or 0)
@@ -174,20 +200,27 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     maxima = maxima_out if maxima_out is not None else torch.empty(tokens, 1, dtype=torch.float32, device=device)
     if tokens == 0 or num == 0:
         return out, maxima_out
-    block_t = max(cand, 64 if interpreting() else 128)
-    tiles = min(8, cdiv(num, block_t))  # tiles per program: the token's queries are loaded once per span
+    cfg = (config or IndexConfig()).resolve(cand)
+    group = tokens_per_request
+    heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
+    if group * heads_p2 > 256:
+        raise ValueError(f"index_scores: tokens_per_request x heads must be <= 256, got {group} x {heads_p2}")
+    block_t = cfg.block_t
+    tiles = min(cfg.tiles, cdiv(num, block_t))  # tiles per program: the group's queries are loaded once per span
     entries_arg = entries if entries is not None else keys.visible
-    k._index_scores_kernel[(tokens, cdiv(num, block_t * tiles))](
+    rec = keys.records
+    k._index_scores_kernel[(tokens // group, cdiv(num, block_t * tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0),
-        keys.records.storage, keys.records.num_slots, keys.records.offset_bytes, keys.records.slots_per_block,
-        keys.records.slot_stride_bytes, keys.records.block_stride_bytes,
+        rec.storage, rec.num_blocks, rec.offset_bytes, rec.slots_per_block, rec.slot_stride_bytes,
+        rec.block_stride_bytes,
         keys.block_table, keys.block_table.stride(0), keys.block_table.shape[1], keys.token_req, keys.visible,
-        entries_arg, entries_arg.stride(0), num,
+        entries_arg, entries_arg.stride(0), num, tokens,
         scores, scores.stride(0), maxima, maxima.stride(0),
         heads, dim**-0.5 if softmax_scale is None else softmax_scale,
-        HALF=dim // 2, HEADS_P2=max(16, next_power_of_2(heads)), BLOCK_T=block_t, TILES=tiles,
+        HALF=dim // 2, HEADS_P2=heads_p2, TOKENS=group, BLOCK_T=block_t, TILES=tiles,
         LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
-        DOT_F32=interpreting(), num_warps=4,
+        ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, maxima_out
 
@@ -232,15 +265,16 @@ def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, bloc
 
 def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width: int,
                candidates: Tensor | None = None, candidate_blocks: int | None = None, candidate_block_size: int = 8,
-               softmax_scale: float | None = None, impl: Impl = "auto") -> IndexSelection:
+               softmax_scale: float | None = None, tokens_per_request: int = 1, impl: Impl = "auto") -> IndexSelection:
     """Each token's top-`topk` entries among `[0, width)` (`width` >= every token's visible
-    count; a host int so nothing syncs), in the mode the arguments select (module docstring)."""
+    count; a host int so nothing syncs), in the mode the arguments select (module docstring).
+    `tokens_per_request` as in :func:`index_scores` (the full scan reads each key once per group)."""
     if candidates is not None:  # Reindex: inside the pool
         scores, _ = index_scores(q, weights, keys, entries=candidates, softmax_scale=softmax_scale, impl=impl)
         assert scores is not None
         return IndexSelection(topk_entries(scores, topk, candidates), None)
     _, maxima = index_scores(q, weights, keys, width=width, block_max=candidate_block_size, write_scores=False,
-                             softmax_scale=softmax_scale, impl=impl)
+                             softmax_scale=softmax_scale, tokens_per_request=tokens_per_request, impl=impl)
     assert maxima is not None
     # exact top-k through the top-k blocks (unpinned: this list is not the published pool)
     blocks = topk_entries(maxima, topk).long()

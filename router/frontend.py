@@ -232,7 +232,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         choice = self._placement(req, len(prompt), excluded)
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
-        lease = await self._reserve(decode, req, prompt, remaining_tokens, context)
+        lease = await self._reserve(decode, prefill, req, prompt, remaining_tokens, context)
         try:
             first: int | None = None
             if prefill is not None:
@@ -288,14 +288,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         chunk = generation_pb2.Chunk(token_ids=kept, text=text, logprobs=logprobs[: len(kept)])
         yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
 
-    async def _reserve(self, decode: WorkerHandle, req: PreparedRequest, prompt: tuple[int, ...], max_tokens: int,
+    async def _reserve(self, decode: WorkerHandle, prefill: WorkerHandle | None, req: PreparedRequest,
+                       prompt: tuple[int, ...], max_tokens: int,
                        context: grpc.aio.ServicerContext) -> worker_pb2.ReserveReply:
+        """Decode-first: lease blocks on the decode worker for the prefill worker that will WRITE them."""
         assert decode.decode is not None
         timeout, _ = _deadline_ms(context)
+        sender = prefill.load if prefill is not None else None
         try:
             reply: worker_pb2.ReserveReply = await decode.decode.Reserve(worker_pb2.ReserveRequest(
                 request_id=req.request_id, prompt_tokens=len(prompt), block_hashes=list(req.block_hashes),
-                max_tokens=max_tokens, lease_ms=self.lease_ms, cache_salt=req.cache_salt),
+                max_tokens=max_tokens, lease_ms=self.lease_ms, cache_salt=req.cache_salt,
+                sender_agent=sender.agent_name if sender else "",
+                sender_control_address=sender.control_address if sender else "", token_ids=list(prompt)),
                 timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise self._from_rpc(decode.worker_id, exc) from exc
@@ -308,7 +313,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         timeout, deadline_ms = _deadline_ms(context)
         target = worker_pb2.DecodeTarget(worker_id=decode.worker_id, agent_name=lease.agent_name,
                                          control_address=lease.control_address, lease_id=lease.lease_id,
-                                         block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks)
+                                         block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks,
+                                         reservation=lease.reservation)
         call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
             request_id=req.request_id, token_ids=list(prompt), effort=req.effort, cache_salt=req.cache_salt,
             target=target, deadline_unix_ms=deadline_ms, sampling=self._sampling(req)),

@@ -89,9 +89,13 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     return RunningRouter(server, pool, port, metrics, health_servicer)
 
 
-async def serve_forever(config: RouterConfig, ready_file: str | None = None) -> None:
+async def serve_forever(config: RouterConfig, ready_file: str | None = None, worker_wait_s: float = 30.0) -> None:
     """Run until SIGTERM/SIGINT; print the ready line once listening."""
     router = await start_router(config)
+    try:  # serve as soon as the workers answer, so the first request finds them healthy
+        await router.pool.wait_ready(worker_wait_s)
+    except TimeoutError as exc:
+        log.warning("%s; serving anyway (placement uses the workers that answer)", exc)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

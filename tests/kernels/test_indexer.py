@@ -89,6 +89,26 @@ def test_scores_range_and_list(heads: int, dim: int, gen: torch.Generator, devic
     _assert_scores(listed, ref_listed)
 
 
+@pytest.mark.parametrize(("group", "heads"), [(2, 32), (4, 4)])
+def test_scores_tokens_per_request(group: int, heads: int, gen: torch.Generator, device: torch.device) -> None:
+    # 3 requests x `group` tokens (a prefill chunk or drafts): one key tile per group, scored
+    # against the group's queries in one MMA; each token keeps its own visible count
+    width, dim = 300, 64
+    tokens = 3 * group
+    keys = _keys(requests=3, tokens=tokens, dim=dim, entries_per_block=16, blocks_per_req=19, max_visible=width,
+                 gen=gen, device=device)
+    keys = IndexKeys(keys.records, keys.block_table, torch.arange(tokens, device=device).int() // group, keys.visible)
+    q, w = _queries(tokens, heads, dim, gen, device)
+    scores = torch.full((tokens, width), float("nan"), device=device)
+    maxima = torch.full((tokens, -(-width // 8)), float("nan"), device=device)
+    index_scores(q, w, keys, width=width, block_max=8, out=scores, maxima_out=maxima, tokens_per_request=group,
+                 impl="triton")
+    ref_scores, ref_maxima = index_scores(q, w, keys, width=width, block_max=8, impl="torch")
+    assert ref_scores is not None and ref_maxima is not None
+    _assert_scores(scores, ref_scores)
+    _assert_scores(maxima, ref_maxima)
+
+
 @pytest.mark.parametrize("mode", ["full", "candidate", "reindex"])
 def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device) -> None:
     tokens, heads, dim, width = 6, 32, 64, 200
@@ -133,3 +153,9 @@ def test_gpu_realistic(gen: torch.Generator, device: torch.device) -> None:
     scores, _ = index_scores(q, w, keys, width=width, impl="triton")
     assert scores is not None
     _assert_scores(scores, dense)
+    # the same keys read once per group of 4 tokens of one request
+    grouped = IndexKeys(keys.records, keys.block_table, torch.arange(tokens, device=device).int() // 4, keys.visible)
+    scores, _ = index_scores(q, w, grouped, width=width, tokens_per_request=4, impl="triton")
+    ref, _ = index_scores(q, w, grouped, width=width, impl="torch")
+    assert scores is not None and ref is not None
+    _assert_scores(scores, ref)

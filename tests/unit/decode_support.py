@@ -37,6 +37,7 @@ from cedserve.model.dspark import Drafter
 from cedserve.model.network import BoundaryHidden, CEDModel
 from cedserve.model.paged_kv import store_records
 from cedserve.model.presets import preset
+from cedserve.model.sampling import SamplingParams, probabilities
 from cedserve.model.tokenizer import tiny_tokenizer_path
 from cedserve.proto import kv_transfer_pb2
 
@@ -224,13 +225,12 @@ def greedy_rounds(rig: Rig, prompts: Iterable[list[int]], max_tokens: int) -> di
 
 class TargetProposer:
     """A test double for the drafter whose drafts are the target's own continuation: greedy, or sampled
-    from the target at `temperature` (a proposal distribution q unlike the request's p when the request
-    samples with top-k). It runs the target on the sequence's state and rolls it back, so the state is
-    untouched. `corrupt(step) -> position or None` replaces one draft with another token."""
+    from the target's logits processed by `q` (a proposal distribution unlike the request's p unless
+    `q` equals its sampling parameters). It runs the target on the sequence's state and rolls it
+    back, so the state is untouched. `corrupt(step) -> position or None` replaces one draft."""
 
-    def __init__(self, model: CEDModel, k: int, temperature: float = 0.0,
-                 corrupt: Any = None) -> None:
-        self.model, self.k, self.temperature, self.corrupt = model, k, temperature, corrupt
+    def __init__(self, model: CEDModel, k: int, q: SamplingParams | None = None, corrupt: Any = None) -> None:
+        self.model, self.k, self.q, self.corrupt = model, k, q or SamplingParams(), corrupt
         self.steps = 0
 
     @property
@@ -249,8 +249,8 @@ class TargetProposer:
         for _ in range(self.k):
             outs = self.model.forward_batch([BatchItem(f, s.state) for f, s in zip(feed, ready)])
             for i, (out, seq) in enumerate(zip(outs, ready)):
-                q = self._q(out.logits[-1])
-                token = int(q.argmax()) if self.temperature == 0 else int(torch.multinomial(q, 1, generator=seq.generator))
+                q = probabilities(out.logits[-1], self.q)
+                token = int(q.argmax()) if self.q.greedy else int(torch.multinomial(q, 1, generator=seq.generator))
                 tokens[i].append(token)
                 probs[i].append(q)
                 feed[i] = [token]
@@ -265,10 +265,77 @@ class TargetProposer:
         self.steps += 1
         return [drafts.get(s.request_id) for s in seqs]
 
-    def _q(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.temperature == 0:
-            return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
-        return torch.softmax(logits.float() / self.temperature, dim=-1)
-
     def observe(self, seq: Any, first_position: int, taps: torch.Tensor, keep_end: int) -> None:
         pass
+
+
+# ---------------------------------------------------------------------- expert-parallel groups
+
+
+def group_items(model: CEDModel, rank: int) -> list[Any]:
+    """Rank 0 decodes two sequences, rank 1 one: the same chunks whichever process runs them."""
+    from cedserve.model.network import BatchItem
+
+    specs = {0: [(prompt(19, 40), [5, 9]), (prompt(26, 41), [7])], 1: [(prompt(23, 42), [11, 3, 8])]}[rank]
+    items = []
+    for tokens, chunk in specs:
+        state = model.new_state()
+        model.prefill(tokens, state)
+        items.append(BatchItem(chunk, state))
+    return items
+
+
+def ep_forward_worker(rank: int, world: int, port: int, out: Any) -> None:
+    """One rank of a gloo group: experts sharded, its own sequences' chunks through `ep_moe`; then a
+    pass where it has nothing while its peer has work (it must still take part in every exchange)."""
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP, ep_moe, shard_experts
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, _ = tiny()
+    ep = TorchDistributedEP(model.config.n_routed_experts)
+    items = group_items(model, rank)
+    shard_experts(model, rank, world)
+    logits = [o.logits for o in model.forward_batch(items, lambda ffn, x: ep_moe(ep, ffn, x))]
+    again = group_items(model, 0)[:1] if rank == 0 else []
+    extra = [o.logits for o in model.forward_batch(again, lambda ffn, x: ep_moe(ep, ffn, x))]
+    out.put((rank, [t.tolist() for t in logits], [t.tolist() for t in extra]))
+    dist.destroy_process_group()
+
+
+def group_engine_worker(rank: int, world: int, port: int, out: Any) -> None:
+    """One rank of a decode group running the real loop: rank 0 (the leader) places two decode-only
+    requests on itself and one, shorter, on rank 1, then stops the group when all have finished."""
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP, shard_experts
+    from cedserve.decode_workers.loop import EngineLoop, TorchChannel
+    from cedserve.decode_workers.messages import TickReport
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, drafter = tiny()
+    shard_experts(model, rank, world)
+    ep = TorchDistributedEP(model.config.n_routed_experts)
+    layout, _ = layouts(model)
+    cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=64), f"decode-r{rank}")
+    config = DecodeConfig(block_size=BLOCK, num_blocks=64)
+    engine = DecodeEngine(config, model, cache, proposer=DSparkProposer(drafter, model), ep=ep, rank=rank)
+    outputs: list[Output] = []
+    loop = EngineLoop(engine, TorchChannel(), on_report=lambda reports: outputs.extend(
+        o for r in reports for o in r.outputs))
+    jobs = [(0, prompt(19, 40), 7), (0, prompt(26, 41), 6), (1, prompt(23, 42), 3)]
+    if rank == 0:
+        for i, (where, tokens, n) in enumerate(jobs):
+            rid = f"g{i}"
+            loop.inbox.put(ReserveCommand(where, rid, f"lease-{rid}", len(tokens), tuple(tokens), 30_000))
+            loop.inbox.put(AttachCommand(where, rid, f"lease-{rid}", tuple(tokens), None, 100, Sampling(max_tokens=n)))
+    while loop.tick():
+        if rank == 0 and sum(isinstance(o, Finished) for o in outputs) == len(jobs):
+            loop.stop_requested = True
+    del TickReport
+    if rank == 0:
+        tokens = {f"g{i}": [t for o in outputs if isinstance(o, Tokens) and o.request_id == f"g{i}" for t in o.token_ids]
+                  for i in range(len(jobs))}
+        out.put((tokens, [(j[1], j[2]) for j in jobs], engine.passes))
+    dist.destroy_process_group()

@@ -13,11 +13,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
 
 from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
 from cedserve.proto import worker_pb2 as wpb
-
-from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
 
 pytestmark = pytest.mark.unit
 

@@ -8,6 +8,7 @@ import sys
 from fractions import Fraction
 
 import pytest
+
 from cedserve.model.kv_accounting import KVAccounting
 from cedserve.model.presets import preset
 

@@ -51,7 +51,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.requests: list[worker_pb2.PrefillRequest] = []
         self.cancelled: list[str] = []
 
-    async def Prefill(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.PrefillEvent]:  # noqa: N802
+    async def Prefill(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.PrefillEvent]:
         self.requests.append(request)
         if self.script.fail_prefill:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
@@ -59,15 +59,15 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
         yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids)))
 
-    async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:  # noqa: N802
+    async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:
         self.cancelled.append(request.request_id)
         return worker_pb2.CancelReply(found=True)
 
-    async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:  # noqa: N802
+    async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:
         return worker_pb2.LoadReport(worker_id=self.worker_id, role="prefill", prefill_tokens_per_s=1e4,
                                      free_blocks=100, total_blocks=100)
 
-    async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:  # noqa: N802
+    async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:
         batch = KVEventBatch(self.worker_id, 0, [BlockStored(list(self.script.cached_hashes), Tier.DEVICE)], epoch=1)
         from cedserve.model.cache.events import AllBlocksCleared
 
@@ -85,14 +85,14 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.decodes: list[worker_pb2.DecodeRequest] = []
         self.total_blocks = 1000
 
-    async def Reserve(self, request: Any, context: Any) -> worker_pb2.ReserveReply:  # noqa: N802
+    async def Reserve(self, request: Any, context: Any) -> worker_pb2.ReserveReply:
         blocks = -(-request.prompt_tokens // 64)
         lease = f"{self.worker_id}-{request.request_id}-{len(self.leases)}"
         self.leases[lease] = blocks
         return worker_pb2.ReserveReply(lease_id=lease, agent_name=f"agent-{self.worker_id}",
                                        block_ids=list(range(blocks)))
 
-    async def Decode(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.DecodeEvent]:  # noqa: N802
+    async def Decode(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.DecodeEvent]:
         self.decodes.append(request)
         token = request.first_token
         sent = 0
@@ -109,18 +109,18 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.leases.pop(request.lease_id, None)
 
-    async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:  # noqa: N802
+    async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:
         self.cancelled.append(request.request_id)
         found = self.leases.pop(request.lease_id, None) is not None
         return worker_pb2.CancelReply(found=found)
 
-    async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:  # noqa: N802
+    async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:
         used = sum(self.leases.values())
         return worker_pb2.LoadReport(worker_id=self.worker_id, role="decode", free_blocks=self.total_blocks - used,
                                      total_blocks=self.total_blocks, step_s=[0.01, 0.01, 0.011],
                                      prefill_tokens_per_s=1e3)
 
-    async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:  # noqa: N802
+    async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:
         await asyncio.sleep(3600)
         yield worker_pb2.KVEventBatch()
 

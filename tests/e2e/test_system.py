@@ -1,0 +1,148 @@
+"""The whole system as users run it: router + prefill worker + decode worker as real processes,
+real gRPC on loopback, real NIXL (UCX) between the workers, a tiny real-format checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cedserve.client import CedserveError, Client
+from cedserve.launcher import EmbeddedOptions, LocalLauncher, start_embedded
+from cedserve.model.checkpoint import load_model
+from cedserve.model.checkpoint_writer import write_random_checkpoint
+from cedserve.model.presets import preset
+from cedserve.proto import worker_pb2, worker_pb2_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+class System:
+    def __init__(self, root: Path) -> None:
+        self.checkpoint = root / "ckpt"
+        write_random_checkpoint(preset("tiny"), self.checkpoint, seed=21)
+        self.launcher = LocalLauncher(root / "logs")
+        router = start_embedded(EmbeddedOptions(checkpoint=self.checkpoint, port=0, log_dir=root / "logs"),
+                                self.launcher)
+        self.address = router["address"]
+        self.parts = {p.name: p for p in self.launcher.parts}
+
+    def worker_address(self, name: str) -> str:
+        return str(self.parts[name].ready["address"])
+
+    def free_blocks(self, name: str) -> tuple[int, int]:
+        with grpc.insecure_channel(self.worker_address(name)) as ch:
+            stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if name == "prefill"  # type: ignore[no-untyped-call]
+                    else worker_pb2_grpc.DecodeWorkerStub(ch))  # type: ignore[no-untyped-call]
+            load = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+        return int(load.free_blocks), int(load.total_blocks)
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    s = System(tmp_path_factory.mktemp("system"))
+    yield s
+    s.launcher.stop_all()
+
+
+def _greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
+    model = load_model(checkpoint)
+    state = model.new_state()
+    logits = model.prefill(prompt, state)[-1]
+    out = []
+    for _ in range(n):
+        token = int(logits.argmax())
+        out.append(token)
+        logits = model.decode_step([token], [state])[-1]
+    return out
+
+
+def _wait_all_free(system: System, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {n: system.free_blocks(n) for n in ("prefill", "decode")}
+        # Prefill blocks may stay in its prefix cache (evictable, not leaked): only decode must be all free.
+        if states["decode"][0] == states["decode"][1] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert states["decode"][0] == states["decode"][1], states
+
+
+@pytest.mark.parametrize("prompt_len", [300, 150])  # 300: prefill worker + NIXL; 150: decode-only placement
+def test_greedy_equals_the_monolithic_model(system: System, prompt_len: int) -> None:
+    prompt = torch.randint(3, 500, (prompt_len,), generator=torch.Generator().manual_seed(3)).tolist()
+    with Client(system.address, timeout_s=120) as client:
+        done = client.generate(prompt, max_tokens=12)
+    assert done.finish_reason == "length" and len(done.token_ids) == 12
+    assert done.token_ids == _greedy_reference(system.checkpoint, prompt, 12)
+    _wait_all_free(system)
+
+
+def test_repeated_prefix_is_served_from_cache(system: System) -> None:
+    # Longer than the decode-only threshold (256), so the prefill worker (and its cache) serves it.
+    prompt = torch.randint(3, 500, (400,), generator=torch.Generator().manual_seed(4)).tolist()
+    with Client(system.address, timeout_s=120) as client:
+        first = client.generate(prompt, max_tokens=2)
+        second = client.generate(prompt + [7, 8, 9], max_tokens=2)
+    assert first.usage["cached_tokens"] == 0
+    # Whole 64-token blocks of the shared prefix, except those inside the last 128 tokens: the decoder
+    # replay that samples the first token needs those tokens' encoder outputs, so they are recomputed.
+    assert second.usage["cached_tokens"] == (403 - 128) // 64 * 64
+
+
+def test_bad_inputs_get_precise_statuses(system: System) -> None:
+    with Client(system.address, timeout_s=30) as client:
+        for prompt, kwargs, field in [("", {}, "prompt"), ([1, 600], {}, "prompt.token_ids[1]"),
+                                      ("hi", {"effort": 101}, "effort"), ("hi", {"model": "other"}, "model")]:
+            with pytest.raises(CedserveError) as info:
+                client.generate(prompt, max_tokens=2, **kwargs)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
+    _wait_all_free(system)
+
+
+def test_cancel_and_deadline_free_every_block(system: System) -> None:
+    prompt = list(range(3, 103))
+    with Client(system.address, timeout_s=120) as client:
+        stream = client.stream(prompt, max_tokens=400)
+        next(stream)
+        stream.close()
+    _wait_all_free(system)
+    with Client(system.address, timeout_s=0.3) as client, pytest.raises(CedserveError) as info:
+        client.generate(prompt, max_tokens=400)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_all_free(system)
+
+
+def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    env = {**os.environ, "CEDSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cedserve.cli", "serve", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        address = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("CEDSERVE_READY"):
+                address = line.split('"address": "')[1].split('"')[0]
+                break
+        assert address, "serve never became ready"
+        with Client(address, timeout_s=60) as client:
+            assert len(client.generate("hello", max_tokens=3).token_ids) == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        assert "shutting down" in out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # Every child (their command lines name the checkpoint under this home) is gone.
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
