@@ -92,7 +92,7 @@ def test_repeated_prefix_is_served_from_cache(system: System) -> None:
     prompt = torch.randint(3, 500, (400,), generator=torch.Generator().manual_seed(4)).tolist()
     with Client(system.address, timeout_s=120) as client:
         first = client.generate(prompt, max_tokens=2)
-        second = client.generate(prompt + [7, 8, 9], max_tokens=2)
+        second = client.generate([*prompt, 7, 8, 9], max_tokens=2)
     assert first.usage["cached_tokens"] == 0
     # Whole 64-token blocks of the shared prefix, except those inside the last 128 tokens: the decoder
     # replay that samples the first token needs those tokens' encoder outputs, so they are recomputed.
@@ -146,3 +146,27 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     # Every child (their command lines name the checkpoint under this home) is gone.
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: System) -> None:
+    """Runs last in this module: it kills the only decode worker."""
+    prompt = list(range(3, 303))
+    decode = system.parts["decode"]
+    with Client(system.address, timeout_s=60) as client:
+        stream = client.stream(prompt, max_tokens=400)
+        next(stream)  # the request is decoding
+        os.killpg(decode.proc.pid, signal.SIGKILL)
+        with pytest.raises(CedserveError) as info:
+            for _ in stream:
+                pass
+    # One decode worker and it is gone: no retry can succeed, so the error is UNAVAILABLE, not a hang.
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with grpc.insecure_channel(system.worker_address("prefill")) as ch:
+            load = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(  # type: ignore[no-untyped-call]
+                worker_pb2.LoadRequest(), timeout=10)
+        if load.held_blocks == 0:
+            break
+        time.sleep(0.2)
+    assert load.held_blocks == 0 and load.running_requests == 0  # nothing held for the dead request
