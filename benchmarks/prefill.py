@@ -10,7 +10,9 @@ For each prompt length, in one process and on the same random weights:
 * `all_layers`: `CEDModel.prefill` over the same chunks: every layer, what a non-CED prefill runs.
 
 The report's claim is that prefill costs about half of an all-layer pass (8B of 16B active
-parameters); `encoder_share` = engine time / all-layer time measures it on this plan and machine.
+parameters); `engine_share_cpu` = engine CPU time / all-layer CPU time measures it on this plan and
+machine. Wall times are reported too; on a shared host they carry other jobs' load, which CPU time
+(`time.process_time`, all of this process's threads) mostly does not.
 
     python benchmarks/prefill.py --preset mini-40 --tokens 1024 2048 --out docs/benchmarks/prefill-cpu.json
 """
@@ -61,7 +63,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, device: str) -> float:
+Timing = tuple[float, float]
+"""(wall seconds, CPU seconds of this process): on a shared host the CPU time is the steadier
+measure of compute, since other jobs stretch the wall time."""
+
+
+def clocks() -> Timing:
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: Timing) -> Timing:
+    wall, cpu = clocks()
+    return wall - start[0], cpu - start[1]
+
+
+def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, device: str) -> Timing:
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=len(tokens) // BLOCK + 4),
                            "bench", device)
@@ -71,7 +87,7 @@ def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, devic
     limits = RequestLimits(model.config.vocab_size, len(tokens), BLOCK, span, "bench")
     spec = validate_prefill(wpb.PrefillRequest(request_id="bench", token_ids=tokens), limits)
     sync(device)
-    start = time.perf_counter()
+    start = clocks()
     job = engine.submit(spec)
     while True:
         engine.step()
@@ -79,33 +95,41 @@ def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, devic
         if "done" in kinds or "error" in kinds:
             break
     sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = since(start)
     assert "error" not in kinds, kinds
     cache.close()
     return elapsed
 
 
-def time_loop(model: CEDModel, tokens: list[int], chunk: int, method: str, device: str) -> float:
+def time_loop(model: CEDModel, tokens: list[int], chunk: int, method: str, device: str) -> Timing:
     state = model.new_state()
     ids = torch.tensor(tokens, device=device)
     sync(device)
-    start = time.perf_counter()
+    start = clocks()
     for i in range(0, len(tokens), chunk):
         getattr(model, method)(ids[i:i + chunk], state)
     sync(device)
-    return time.perf_counter() - start
+    return since(start)
+
+
+def _cells(name: str, n: int, t: Timing) -> dict[str, float]:
+    return {f"{name}_wall_s": round(t[0], 3), f"{name}_cpu_s": round(t[1], 3),
+            f"{name}_tokens_per_s": round(n / t[0], 1), f"{name}_tokens_per_cpu_s": round(n / t[1], 1)}
 
 
 def measure(model: CEDModel, n: int, args: argparse.Namespace) -> dict[str, Any]:
     tokens = torch.randint(3, TOKEN_ID_LIMIT, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    engine_s = time_engine(model, tokens, args.chunk_tokens, args.replay_span, args.device)
-    encoder_s = time_loop(model, tokens, args.chunk_tokens, "encode_chunk", args.device)
-    all_s = time_loop(model, tokens, args.chunk_tokens, "prefill", args.device) if not args.skip_all_layers else None
-    row: dict[str, Any] = {"prompt_tokens": n, "load_average_1m": round(os.getloadavg()[0], 2), "engine_s": round(engine_s, 3), "encoder_s": round(encoder_s, 3),
-                           "engine_tokens_per_s": round(n / engine_s, 1), "encoder_tokens_per_s": round(n / encoder_s, 1)}
-    if all_s is not None:
-        row.update(all_layers_s=round(all_s, 3), all_layers_tokens_per_s=round(n / all_s, 1),
-                   encoder_share=round(engine_s / all_s, 3), speedup=round(all_s / engine_s, 2))
+    engine = time_engine(model, tokens, args.chunk_tokens, args.replay_span, args.device)
+    encoder = time_loop(model, tokens, args.chunk_tokens, "encode_chunk", args.device)
+    row: dict[str, Any] = {"prompt_tokens": n, "load_average_1m": round(os.getloadavg()[0], 2)}
+    row.update(_cells("engine", n, engine))
+    row.update(_cells("encoder", n, encoder))
+    if not args.skip_all_layers:
+        all_layers = time_loop(model, tokens, args.chunk_tokens, "prefill", args.device)
+        row.update(_cells("all_layers", n, all_layers))
+        row.update(engine_share_cpu=round(engine[1] / all_layers[1], 3),
+                   engine_share_wall=round(engine[0] / all_layers[0], 3),
+                   speedup_cpu=round(all_layers[1] / engine[1], 2))
     print(json.dumps(row), flush=True)
     return row
 

@@ -94,8 +94,8 @@ class DecodeEngine:
         self.busy_s = 0.0
         self.passes = 0
         self.verify_passes = 0
-        self._drafted = 0
-        self._accepted = 0
+        self.drafted_tokens = 0
+        self.accepted_drafts = 0
 
     # ------------------------------------------------------------------ commands
 
@@ -223,8 +223,8 @@ class DecodeEngine:
             free_blocks=pool.num_free + cached, total_blocks=pool.num_blocks,
             held_blocks=pool.num_blocks - pool.num_free - cached, cached_blocks=cached,
             queued_tokens=sum(sched.join_rows(s) for s in sched.waiting + sched.preempted),
-            tokens_emitted=self.tokens_emitted, busy_s=self.busy_s, draft_tokens=int(self._drafted),
-            accepted_drafts=int(self._accepted), verify_passes=self.verify_passes,
+            tokens_emitted=self.tokens_emitted, busy_s=self.busy_s, draft_tokens=int(self.drafted_tokens),
+            accepted_drafts=int(self.accepted_drafts), verify_passes=self.verify_passes,
             step_s=tuple(self.profile.step_s()), agent_name=str(getattr(self.endpoint, "name", "") or ""),
             control_address=str(getattr(self.endpoint, "control_address", "") or ""))
 
@@ -306,8 +306,8 @@ class DecodeEngine:
             self.verify_passes += 1
             seq.draft_tokens += plan.num_drafts
             seq.accepted_drafts += verdict.num_accepted
-            self._drafted += plan.num_drafts
-            self._accepted += verdict.num_accepted
+            self.drafted_tokens += plan.num_drafts
+            self.accepted_drafts += verdict.num_accepted
             self.metrics.draft_tokens.inc(plan.num_drafts)
             self.metrics.accepted_drafts.inc(verdict.num_accepted)
         self.metrics.accepted_length.observe(len(verdict.tokens))

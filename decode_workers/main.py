@@ -91,7 +91,7 @@ def load_settings(opts: WorkerOptions) -> DecodeSettings:
         decode = msgspec.convert(dict(extra.get("decode", {})), type=DecodeConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"config field `decode`: {exc}") from None
-    worker_id = opts.worker_id or f"decode-{socket.gethostname()}-{os.getpid()}"
+    worker_id = opts.worker_id or extra.get("decode", {}).get("worker_id") or f"decode-{socket.gethostname()}-{os.getpid()}"
     decode = replace(decode, worker_id=worker_id, block_size=serve.cache.block_size, num_blocks=serve.cache.num_blocks)
     return DecodeSettings(serve, decode, _kv_transfer_config(extra.get("kv_transfer", {}), opts))
 

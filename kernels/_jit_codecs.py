@@ -112,12 +112,11 @@ def _e2m1_decode(code):
 def _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes):
     """(int64 byte offset, valid) of slots (any int tensor); invalid slots (-1 or outside
     [0, num_slots)) get offset 0 and valid False."""
-    slot = slot.to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0)
-    block = slot // slots_per_block
+    slot = tl.where(valid, slot, 0).to(tl.int32)  # valid slots are < 2**31 (PagedRecords checks)
+    block = slot // slots_per_block  # int32 division: a fraction of an int64 one's instructions
     entry = slot - block * slots_per_block
-    return offset_bytes + block * block_stride_bytes + entry * slot_stride_bytes, valid
+    return offset_bytes + block.to(tl.int64) * block_stride_bytes + entry.to(tl.int64) * slot_stride_bytes, valid
 
 
 @triton.jit

@@ -33,7 +33,12 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl
     `HW_FP8`: round to E4M3 with the GPU's cvt.rn.satfinite (sm89+) instead of by hand."""
     if FORMAT == FORMAT_MAIN:
         # E4M3 scale = RNE(min(max(amax, 6 * 2**-9) / 6, 448)); x / scale is a true division.
-        t = tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
+        if HW_FP8:  # RN(a / 6) by one Markstein step from RN(1 / 6) (see _quantize_elements)
+            a = tl.maximum(amax, 0.01171875)
+            q0 = a * 0.1666666716337204
+            t = tl.minimum(tl.fma(tl.fma(-q0, 6.0, a), 0.1666666716337204, q0), 448.0)
+        else:
+            t = tl.minimum(tl.div_rn(tl.maximum(amax, 0.01171875), 6.0), 448.0)
         if HW_FP8:
             scale_fp8 = t.to(tl.float8e4nv, fp_downcast_rounding="rtne")
             scale = scale_fp8.to(tl.float32)

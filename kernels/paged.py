@@ -69,6 +69,8 @@ class PagedRecords:
         if self.offset_bytes + block_span > s.numel():
             raise ValueError(f"PagedRecords: the first block's records end at byte {self.offset_bytes + block_span}, "
                              f"past the storage ({s.numel()} B)")
+        if self.num_slots >= 2**31:
+            raise ValueError(f"PagedRecords: {self.num_slots} slots; the kernels address slots as int32 (< 2**31)")
 
     # ------------------------------------------------------------------ constructors
 

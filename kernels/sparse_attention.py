@@ -75,20 +75,24 @@ class AttentionConfig:
     """Decode keys with the GPU's fp8 -> fp16 conversions (sm89+; default there) instead of integer
     and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
 
-    def resolve(self, tokens: int, heads: int, keys: int, device: torch.device) -> AttentionConfig:
-        """Fill every None for this problem size."""
+    def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
+        """Fill every None for this problem size. GPU defaults (ptxas reports, kernels-notes.md):
+        a 64-head block over 512 channels keeps a 64 x 512 fp32 accumulator, 128 registers a thread
+        at 8 warps, which spills once the decoded tile is added; two value halves (`dv_split=2`)
+        fit in ~240 registers without spills and give batch 64 its 128 programs."""
+        gpu = device.type == "cuda" and not interpreting()
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
-        block_n = self.block_n or (64 if interpreting() else 32)
+        block_n = self.block_n or (32 if gpu else 64)
+        dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
         num_splits = self.num_splits
         if num_splits is None:
-            programs = tokens * cdiv(heads, block_h)
-            target = 2 * num_sms(device) if device.type == "cuda" else 1
-            num_splits = max(1, min(cdiv(target, max(programs, 1)), cdiv(keys, 4 * block_n)))
+            programs = tokens * cdiv(heads, block_h) * dv_split
+            target = num_sms(device) if gpu else 1
+            num_splits = max(1, min(target // max(programs, 1), cdiv(keys, 4 * block_n)))  # <= one wave
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
         num_stages = self.num_stages or 1  # the kernel keeps the next tile in flight itself
+        prefetch = gpu if self.prefetch is None else self.prefetch
         hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)
-        dv_split = self.dv_split or 1
-        prefetch = True if self.prefetch is None else self.prefetch
         return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, dv_split, prefetch, hw_cvt)
 
 
@@ -197,7 +201,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
     launch = _Launch(q, sink, main_rec, topk_slots if topk_slots is not None else dummy_slots, num_topk,
                      swa_rec, window_slots if window_slots is not None else dummy_slots, num_win, cos, sin, out,
                      dim**-0.5 if softmax_scale is None else softmax_scale)
-    cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device)
+    cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device, dim)
     if config is not None:
         launch.run(cfg)
         return out
@@ -263,10 +267,11 @@ class _Launch:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
-            k._combine_splits_kernel[(tokens, cdiv(heads, cfg.block_h))](
+            combine_h = min(16, cfg.block_h)  # 16 heads x D fp32 per program: no spills
+            k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
                 part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
                 out.stride(1), heads,
-                D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, NUM_SPLITS=splits, num_warps=8,
+                D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4,
             )
 
 

@@ -296,9 +296,9 @@ def ep_forward_worker(rank: int, world: int, port: int, out: Any) -> None:
     model, _ = tiny()
     ep = TorchDistributedEP(model.config.n_routed_experts)
     items = group_items(model, rank)
+    again = group_items(model, 0)[:1] if rank == 0 else []
     shard_experts(model, rank, world)
     logits = [o.logits for o in model.forward_batch(items, lambda ffn, x: ep_moe(ep, ffn, x))]
-    again = group_items(model, 0)[:1] if rank == 0 else []
     extra = [o.logits for o in model.forward_batch(again, lambda ffn, x: ep_moe(ep, ffn, x))]
     out.put((rank, [t.tolist() for t in logits], [t.tolist() for t in extra]))
     dist.destroy_process_group()

@@ -8,7 +8,10 @@ layer. A rank with nothing to run still takes part in every exchange (the engine
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import socket
+import time
 
 import pytest
 import torch
@@ -33,10 +36,15 @@ def run_group(target: object, world: int = 2, timeout_s: float = 240.0) -> list[
     procs = [ctx.Process(target=target, args=(rank, world, port, out)) for rank in range(world)]
     for p in procs:
         p.start()
-    results = []
+    results: list[object] = []
+    expected = world if target.__name__ == "ep_forward_worker" else 1  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world if target.__name__ == "ep_forward_worker" else 1):  # type: ignore[attr-defined]
-            results.append(out.get(timeout=timeout_s))
+        while len(results) < expected:
+            assert time.monotonic() < deadline, "the group did not finish in time"
+            assert not any(p.exitcode for p in procs), [p.exitcode for p in procs]  # a rank crashed
+            with contextlib.suppress(queue.Empty):
+                results.append(out.get(timeout=1.0))
     finally:
         for p in procs:
             p.join(timeout=60)

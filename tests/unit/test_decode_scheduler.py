@@ -1,0 +1,114 @@
+"""The decode scheduler's decisions alone: growth room, preemption order, resumption before new joins,
+the batch and pass-size limits. The block pool is a small bookkeeping double (a dict of table sizes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
+from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
+from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
+from cedserve.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 16
+
+
+class Pool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.tables: dict[str, int] = {}
+
+    def available(self) -> int:
+        return self.num_blocks - sum(self.tables.values())
+
+    def hold(self, seq: DecodeSequence) -> None:
+        self.tables[seq.request_id] = math.ceil(len(seq.tokens) / BLOCK)
+
+
+def seq(rid: str, num_tokens: int, arrival: int, join: JoinKind = JoinKind.REPLAY) -> DecodeSequence:
+    lease = Lease(f"l-{rid}", rid, [], 0, float("inf"), True, num_tokens)
+    return DecodeSequence(rid, lease, [3] * num_tokens, num_tokens, SamplingParams(max_tokens=100), None,
+                          frozenset(), (), join, 8, arrival)
+
+
+def scheduler(pool: Pool, lookahead: int = 1, offload_fits: bool = True, **config: object) -> DecodeScheduler:
+    cfg = DecodeConfig(block_size=BLOCK, num_blocks=pool.num_blocks, **config)  # type: ignore[arg-type]
+    budget = BlockBudget(pool.available, lambda rid: pool.tables.get(rid, 0))
+    return DecodeScheduler(cfg, budget, lookahead, lambda s: offload_fits)
+
+
+def test_joins_in_order_within_the_batch_limit() -> None:
+    pool = Pool(100)
+    sched = scheduler(pool, max_running_requests=2)
+    seqs = [seq(f"r{i}", 10, i) for i in range(3)]
+    for s in seqs:
+        pool.hold(s)
+        sched.add(s)
+    out = sched.schedule()
+    assert out.running == ("r0", "r1") and [j.request_id for j in out.joins] == ["r0", "r1"]
+    assert out.num_join_rows == 16 and not out.preemptions  # replay span 8 each
+    assert seqs[2].status is Status.WAITING
+    sched.remove("r0")
+    assert sched.schedule().joins[0].request_id == "r2"
+
+
+def test_growth_preempts_the_latest_and_it_resumes_first() -> None:
+    pool = Pool(4)
+    sched = scheduler(pool, lookahead=2)
+    a, b = seq("a", 15, 0), seq("b", 15, 1)
+    for s in (a, b):
+        pool.hold(s)  # one block each
+        sched.add(s)
+    assert sched.schedule().running == ("a", "b")  # 15 + 2 tokens: a second block each, two are free
+    for s in (a, b):
+        s.tokens += [3] * 16
+        pool.hold(s)  # 31 tokens: two blocks each, the pool is full
+    out = sched.schedule()  # 31 + 2 tokens need a third block each: b goes, its two blocks cover a
+    assert out.running == ("a",)
+    assert [(p.request_id, p.policy) for p in out.preemptions] == [("b", PreemptionPolicy.OFFLOAD)]
+    assert b.status is Status.PREEMPTED and b.join is JoinKind.ONLOAD
+    del pool.tables["b"]  # the engine offloads it and frees its blocks
+    pool.tables["a"] = 3
+    c = seq("c", 5, 2)
+    pool.hold(c)
+    sched.add(c)
+    out = sched.schedule()  # b needs 3 blocks to return, none are free: c waits behind it
+    assert not out.joins and out.running == ("a",)
+    sched.remove("a")
+    del pool.tables["a"]
+    out = sched.schedule()
+    assert [j.request_id for j in out.joins] == ["b", "c"] and out.joins[0].resumed
+
+
+def test_offload_falls_back_to_recompute_when_the_host_budget_is_spent() -> None:
+    pool = Pool(2)
+    sched = scheduler(pool, offload_fits=False)
+    a, b = seq("a", 16, 0), seq("b", 16, 1)
+    for s in (a, b):
+        pool.hold(s)
+        sched.add(s)
+    out = sched.schedule()
+    assert [p.policy for p in out.preemptions] == [PreemptionPolicy.RECOMPUTE] and b.join is JoinKind.RECOMPUTE
+
+
+def test_pass_row_limit_lets_one_oversized_join_run_alone() -> None:
+    pool = Pool(100)
+    sched = scheduler(pool, max_pass_tokens=20)
+    big, small = seq("big", 40, 0, JoinKind.PREFILL), seq("small", 10, 1, JoinKind.PREFILL)
+    for s in (big, small):
+        pool.hold(s)
+        sched.add(s)
+    assert [j.request_id for j in sched.schedule().joins] == ["big"]
+    assert [j.request_id for j in sched.schedule().joins] == ["small"]
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="decode.preemption"):
+        DecodeConfig(preemption="swap")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode.max_running_requests"):
+        DecodeConfig(max_running_requests=0)
+    assert DecodeConfig(max_output_tokens=1000).token_budget(50) == 500
