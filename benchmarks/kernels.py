@@ -357,16 +357,17 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     x = torch.randn(tokens, dim, device=dev).bfloat16()
     slots = _block_slots(tokens, entries, dest.num_blocks, dev)
     moved = tokens * (2 * dim + record_bytes + 8)
-    # launch configs (rows per program, warps): the launcher's default first
-    sweep: list[tuple[int | None, int | None]] = [(None, None)]
+    # launch configs (rows per program, warps, 32-bit word stores): the launcher's default first
+    sweep: list[tuple[int | None, int | None, bool | None]] = [(None, None, None)]
     if not b.smoke:
-        sweep += [(8, 4), (32, 8)] if dim >= 512 else [(256, 8), (128, 8)]
+        sweep += {"main": [(8, 4, False), (16, 4, True)], "index": [(64, 4, True), (256, 8, False)],
+                  "swa": [(16, 4, False), (8, 4, True)]}[kind]
     best: Row | None = None
-    for block_t, warps in sweep:
+    for block_t, warps, words in sweep:
         t = b.time_s(partial(rec_ops.write_records, kind, x, slots, dest, block_t=block_t, num_warps=warps,
-                             impl="triton"))
+                             word_stores=words, impl="triton"))
         row = b.record(f"write_records[{kind}]", f"{tokens}x{dim} bf16 -> {record_bytes} B", t, moved,
-                       config="default" if block_t is None else f"t{block_t} w{warps}")
+                       config="default" if block_t is None else f"t{block_t} w{warps} {'words' if words else 'bytes'}")
         if best is None:
             b.target(f"write_records[{kind}] >= 70% copy (default launch)", row.frac_copy, ">= 0.70",
                      row.frac_copy >= 0.70)
@@ -425,9 +426,9 @@ def decode_attention(b: Bench) -> None:
     configs = [AttentionConfig()]
     if not b.smoke:  # (block_h, block_n, splits, warps, stages, dv_split, prefetch[, hw_cvt])
         configs += [AttentionConfig(*c) for c in (
-            (64, 32, 1, 8, 1, 2, True), (64, 32, 1, 8, 1, 2, False), (64, 16, 1, 8, 1, 2, True),
-            (64, 32, 2, 8, 1, 2, True), (64, 64, 1, 8, 1, 2, True), (64, 32, 2, 8, 1, 1, False),
-            (64, 32, 1, 8, 1, 2, True, False))]
+            (64, 32, 1, 8, 1, 2, False), (64, 32, 1, 8, 3, 2, False), (64, 32, 1, 8, 1, 2, True),
+            (64, 64, 1, 8, 2, 2, False), (64, 16, 1, 8, 3, 2, False), (64, 32, 2, 8, 2, 2, False),
+            (64, 32, 1, 8, 2, 2, False, False))]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -552,14 +553,14 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    configs = [IndexConfig()] + ([] if b.smoke else [IndexConfig(128, 8, 8), IndexConfig(256, 8, 8),
-                                                      IndexConfig(64, 8, 4)])
+    configs = [IndexConfig()] + ([] if b.smoke else [IndexConfig(128, 8, 4, 1), IndexConfig(128, 8, 4, 3),
+                                                      IndexConfig(256, 8, 8, 2), IndexConfig(64, 8, 4, 2)])
     for cfg in configs:
         t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, config=cfg, impl="triton"))
         r = cfg.resolve(8)
         b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
-                 f"t{r.block_t} x{r.tiles} w{r.num_warps}")
+                 f"t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}")
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
     t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,

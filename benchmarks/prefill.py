@@ -142,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-span", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--skip-all-layers", action="store_true", help="time only the prefill engine")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default); 1 keeps "
+                   "a shared host's load from inflating CPU time through spinning OpenMP threads")
     p.add_argument("--note", default="", help="free text stored with the results")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = machine()
     model = load_worker_model(None, args.preset, seed=0, device=args.device).model
     plan = model.config
@@ -154,14 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     time_engine(model, warm, 2 * BLOCK, args.replay_span, args.device)
     for method in ("encode_chunk", "prefill"):
         time_loop(model, warm, args.chunk_tokens, method, args.device)
-    rows = [measure(model, n, args) for n in args.tokens]
-    result = {"benchmark": "prefill", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *(argv or sys.argv[1:])]),
-              "machine": info, "preset": args.preset, "num_layers": plan.num_hidden_layers,
-              "encoder_layers": plan.num_encoder_layers, "chunk_tokens": args.chunk_tokens,
-              "replay_span": args.replay_span, "device": args.device, "note": args.note, "results": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    result: dict[str, Any] = {
+        "benchmark": "prefill", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *(argv or sys.argv[1:])]),
+        "machine": info, "preset": args.preset, "num_layers": plan.num_hidden_layers,
+        "encoder_layers": plan.num_encoder_layers, "chunk_tokens": args.chunk_tokens, "replay_span": args.replay_span,
+        "device": args.device, "note": args.note, "results": []}
+    for n in args.tokens:
+        result["results"].append(measure(model, n, args))
+        if args.out:  # after every row: a long run stopped early keeps what it measured
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

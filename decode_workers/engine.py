@@ -128,6 +128,9 @@ class DecodeEngine:
             return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
                                         f"no lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
                                         "cancelled, or never granted here)", "lease_id"))]
+        if cmd.request_id in self.sequences:
+            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_INVALID_ARGUMENT,
+                                        f"request {cmd.request_id!r} is already decoding", "request_id"))]
         if lease.transfer_error:
             self.leases.release(lease)
             return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error)]
@@ -421,9 +424,8 @@ class DecodeEngine:
         return Finished(seq.request_id, reason, seq.num_emitted, seq.draft_tokens, seq.accepted_drafts)
 
     def _drop_lease(self, lease: Lease, detail: str) -> None:
-        if self.leases.cancel(lease, detail):
-            return
-        # The transfer is being aborted; its on_finish frees the blocks (poll).
+        """End an unattached lease (an open transfer is aborted; `poll` frees its blocks once it let go)."""
+        self.leases.cancel(lease, detail)
 
     def _new_sequence(self, cmd: AttachCommand, lease: Lease) -> DecodeSequence:
         vocab = self.model.config.vocab_size

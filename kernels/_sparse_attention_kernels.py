@@ -225,24 +225,26 @@ def _sparse_decode_attention_kernel(
         start = split * main_chunk
         end = tl.minimum(start + main_chunk, num_topk)
         slot_row = topk_ptr + n.to(tl.int64) * topk_stride
-        rec, ok = _record_rows(slot_row, start + jn, end, main_num_slots, main_offset, main_spb,
-                               main_slot_stride, main_block_stride, MAIN_ALIGN)
-        codes, scales = _load_main(main_ptr, rec, ok, mine, D, C)
-        codes2, scales2 = codes, scales
-        if TWO:
-            codes2, scales2 = _load_main(main_ptr, rec, ok, other, D, C)
+        if PREFETCH:
+            rec, ok = _record_rows(slot_row, start + jn, end, main_num_slots, main_offset, main_spb,
+                                   main_slot_stride, main_block_stride, MAIN_ALIGN)
+            codes, scales = _load_main(main_ptr, rec, ok, mine, D, C)
+            codes2, scales2 = codes, scales
+            if TWO:
+                codes2, scales2 = _load_main(main_ptr, rec, ok, other, D, C)
         for j0 in range(start, end, BLOCK_N):
-            cur_ok, cur_codes, cur_scales, cur_codes2, cur_scales2 = ok, codes, scales, codes2, scales2
             if PREFETCH:  # the next tile's records are in flight while this one is decoded and multiplied
+                cur_ok, cur_codes, cur_scales, cur_codes2, cur_scales2 = ok, codes, scales, codes2, scales2
                 rec, ok = _record_rows(slot_row, j0 + BLOCK_N + jn, end, main_num_slots, main_offset,
                                        main_spb, main_slot_stride, main_block_stride, MAIN_ALIGN)
                 codes, scales = _load_main(main_ptr, rec, ok, mine, D, C)
                 if TWO:
                     codes2, scales2 = _load_main(main_ptr, rec, ok, other, D, C)
-            elif j0 > start:
+            else:  # plain loads at the top of the body: num_stages > 1 lets the compiler pipeline them
                 cur_rec, cur_ok = _record_rows(slot_row, j0 + jn, end, main_num_slots, main_offset,
                                                main_spb, main_slot_stride, main_block_stride, MAIN_ALIGN)
                 cur_codes, cur_scales = _load_main(main_ptr, cur_rec, cur_ok, mine, D, C)
+                cur_codes2, cur_scales2 = cur_codes, cur_scales
                 if TWO:
                     cur_codes2, cur_scales2 = _load_main(main_ptr, cur_rec, cur_ok, other, D, C)
             k_lo, k_hi = _decode_main(cur_codes, cur_scales, BLOCK_N, C, HW_CVT)
@@ -257,24 +259,26 @@ def _sparse_decode_attention_kernel(
         start = split * win_chunk
         end = tl.minimum(start + win_chunk, num_win)
         slot_row = win_ptr + n.to(tl.int64) * win_stride
-        rec, ok = _record_rows(slot_row, start + jn, end, swa_num_slots, swa_offset, swa_spb,
-                               swa_slot_stride, swa_block_stride, SWA_ALIGN)
-        values, scales = _load_swa(swa_ptr, rec, ok, mine, D, C, SWA_ALIGN)
-        values2, scales2 = values, scales
-        if TWO:
-            values2, scales2 = _load_swa(swa_ptr, rec, ok, other, D, C, SWA_ALIGN)
+        if PREFETCH:
+            rec, ok = _record_rows(slot_row, start + jn, end, swa_num_slots, swa_offset, swa_spb,
+                                   swa_slot_stride, swa_block_stride, SWA_ALIGN)
+            values, scales = _load_swa(swa_ptr, rec, ok, mine, D, C, SWA_ALIGN)
+            values2, scales2 = values, scales
+            if TWO:
+                values2, scales2 = _load_swa(swa_ptr, rec, ok, other, D, C, SWA_ALIGN)
         for j0 in range(start, end, BLOCK_N):
-            cur_ok, cur_values, cur_scales, cur_values2, cur_scales2 = ok, values, scales, values2, scales2
             if PREFETCH:
+                cur_ok, cur_values, cur_scales, cur_values2, cur_scales2 = ok, values, scales, values2, scales2
                 rec, ok = _record_rows(slot_row, j0 + BLOCK_N + jn, end, swa_num_slots, swa_offset, swa_spb,
                                        swa_slot_stride, swa_block_stride, SWA_ALIGN)
                 values, scales = _load_swa(swa_ptr, rec, ok, mine, D, C, SWA_ALIGN)
                 if TWO:
                     values2, scales2 = _load_swa(swa_ptr, rec, ok, other, D, C, SWA_ALIGN)
-            elif j0 > start:
+            else:
                 cur_rec, cur_ok = _record_rows(slot_row, j0 + jn, end, swa_num_slots, swa_offset, swa_spb,
                                                swa_slot_stride, swa_block_stride, SWA_ALIGN)
                 cur_values, cur_scales = _load_swa(swa_ptr, cur_rec, cur_ok, mine, D, C, SWA_ALIGN)
+                cur_values2, cur_scales2 = cur_values, cur_scales
                 if TWO:
                     cur_values2, cur_scales2 = _load_swa(swa_ptr, cur_rec, cur_ok, other, D, C, SWA_ALIGN)
             k_lo, k_hi = _decode_swa(cur_values, cur_scales, BLOCK_N, C, HW_CVT)

@@ -101,7 +101,8 @@ class IndexConfig:
 
     def resolve(self, cand_block: int) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
-        return IndexConfig(block_t, self.tiles or 8, self.num_warps or 4, self.num_stages or 1)
+        stages = self.num_stages or (1 if interpreting() else 2)  # 2: the compiler pipelines the record loads
+        return IndexConfig(block_t, self.tiles or 8, self.num_warps or 4, stages)
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
         raise ValueError(f"index_scores: tokens_per_request x heads must be <= 256, got {group} x {heads_p2}")
+    assert cfg.block_t and cfg.tiles and cfg.num_warps and cfg.num_stages
     block_t = cfg.block_t
     tiles = min(cfg.tiles, cdiv(num, block_t))  # tiles per program: the group's queries are loaded once per span
     entries_arg = entries if entries is not None else keys.visible

@@ -26,6 +26,7 @@ so a bad slot never corrupts the pool (the torch references raise instead).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -105,7 +106,7 @@ class PagedRecords:
 
     # ------------------------------------------------------------------ derived
 
-    @property
+    @cached_property  # the fields are frozen; launchers read these on every call
     def num_blocks(self) -> int:
         """Whole blocks that fit the storage."""
         if self.block_stride_bytes == 0:
@@ -122,7 +123,7 @@ class PagedRecords:
     def device(self) -> torch.device:
         return self.storage.device
 
-    @property
+    @cached_property
     def alignment(self) -> int:
         """Largest power of two (<= 16) dividing every record's byte address."""
         align = 16

@@ -124,10 +124,13 @@ def _check_slots(slots: Tensor, tokens: int, what: str) -> None:
 
 
 def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *,
-                  block_t: int | None = None, num_warps: int | None = None, impl: Impl = "auto") -> None:
+                  block_t: int | None = None, num_warps: int | None = None, word_stores: bool | None = None,
+                  impl: Impl = "auto") -> None:
     """Quantize `x [T, D]` to `kind` records and store row `i` at slot `slot_mapping[i]` of
     `dest` (skipped where the slot is -1). See the module docstring for the contract. `block_t`
-    (rows per program, a power of two) and `num_warps` override the kernel's launch defaults."""
+    (rows per program, a power of two), `num_warps` and `word_stores` (pack codes into 32-bit
+    words, `_write_words_kernel`, or store bytes, `_write_records_kernel`) override the launch
+    defaults (the benchmark sweeps them)."""
     fmt = record_format(kind)
     op = f"write_records({kind!r})"
     check_tensor(x, f"{op}: x", dtypes=_FLOAT_DTYPES, dim=2)
@@ -144,13 +147,24 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     from cedserve.kernels import _records_kernels as k
 
     nb = dim // fmt.scale_block
-    block_t = block_t or max(1, 8192 // next_power_of_2(dim))
+    if word_stores is None:
+        word_stores = fmt.elem_bits == 4  # measured: words for the E2M1 formats, bytes for SWA (kernels-notes.md)
+    block_t = block_t or max(1, 4096 // next_power_of_2(dim))
     grid = (cdiv(x.shape[0], block_t),)
+    common = (x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
+              dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes)
+    if word_stores:
+        cpw = 32 // fmt.elem_bits
+        words = dest.alignment >= 4
+        k._write_words_kernel[grid](
+            *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
+            NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw, CODE_BYTES=dim * fmt.elem_bits // 8,
+            BLOCK_T=block_t, WORD_STORES=words, SCALE_WORDS=words and nb % 4 == 0 and nb == next_power_of_2(nb),
+            HW_FP8=hardware_fp8(x.device), num_warps=num_warps or 4,
+        )
+        return
     k._write_records_kernel[grid](
-        x, x.stride(0), slot_mapping, dest.storage,
-        x.shape[0], dest.num_slots, dest.offset_bytes, dest.slots_per_block, dest.slot_stride_bytes,
-        dest.block_stride_bytes,
-        FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
+        *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
         NB=nb, NB_P2=next_power_of_2(nb), CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
         ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), num_warps=num_warps or 4,
     )

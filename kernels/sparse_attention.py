@@ -70,7 +70,8 @@ class AttentionConfig:
     """1 or 2: programs per (token, head block) that each accumulate half of the value channels
     (both compute the full logits: 1.5x the MMA work and 2x the decoding, half the accumulator)."""
     prefetch: bool | None = None
-    """Load the next key tile's records before decoding the current one (registers for a second tile)."""
+    """Load the next key tile's records into registers before decoding the current one, instead of
+    loading at the top of the loop body (where `num_stages > 1` lets the compiler pipeline them)."""
     hw_cvt: bool | None = None
     """Decode keys with the GPU's fp8 -> fp16 conversions (sm89+; default there) instead of integer
     and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
@@ -90,8 +91,10 @@ class AttentionConfig:
             target = num_sms(device) if gpu else 1
             num_splits = max(1, min(target // max(programs, 1), cdiv(keys, 4 * block_n)))  # <= one wave
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
-        num_stages = self.num_stages or 1  # the kernel keeps the next tile in flight itself
-        prefetch = gpu if self.prefetch is None else self.prefetch
+        # loads at the top of the loop body, pipelined by the compiler (cp.async into shared memory)
+        # measured faster than the kernel's own register prefetch (kernels-notes.md)
+        num_stages = self.num_stages or (2 if gpu else 1)
+        prefetch = False if self.prefetch is None else self.prefetch
         hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)
         return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, dv_split, prefetch, hw_cvt)
 

@@ -81,7 +81,13 @@ def hardware_fp8(device: torch.device) -> bool:
     the reference's bytes (the GPU tests check the hardware path, the CPU tests the other)."""
     if device.type != "cuda" or interpreting():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device `index` (asked once per process: launchers run per step)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def next_power_of_2(n: int) -> int:
@@ -98,7 +104,12 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a nominal 1 on CPU)."""
     if device.type != "cuda":
         return 1
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def check_tensor(t: Tensor, what: str, *, dtypes: tuple[torch.dtype, ...], dim: int,

@@ -29,7 +29,7 @@ from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import detail_from_rpc_error, load_worker_model, request_drain
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
-from decode_support import greedy_ties, prompt  # noqa: E402
+from decode_support import greedy_ties, prompt
 
 pytestmark = [pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"), pytest.mark.slow]
 

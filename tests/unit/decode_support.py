@@ -285,22 +285,27 @@ def group_items(model: CEDModel, rank: int) -> list[Any]:
     return items
 
 
-def ep_forward_worker(rank: int, world: int, port: int, out: Any) -> None:
-    """One rank of a gloo group: experts sharded, its own sequences' chunks through `ep_moe`; then a
-    pass where it has nothing while its peer has work (it must still take part in every exchange)."""
+def ep_forward_worker(rank: int, world: int, port: int, out: Any, device: str = "cpu") -> None:
+    """One rank of a group (gloo on CPU, NCCL with `device="cuda"`: rank r on GPU r): experts sharded,
+    its own sequences' chunks through `ep_moe`; then a pass where it has nothing while its peer has
+    work (it must still take part in every exchange)."""
     import torch.distributed as dist
 
     from cedserve.decode_workers.expert_parallel import TorchDistributedEP, ep_moe, shard_experts
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model, _ = tiny()
+    model = model.to(f"cuda:{rank}") if device == "cuda" else model
     ep = TorchDistributedEP(model.config.n_routed_experts)
     items = group_items(model, rank)
     again = group_items(model, 0)[:1] if rank == 0 else []
     shard_experts(model, rank, world)
     logits = [o.logits for o in model.forward_batch(items, lambda ffn, x: ep_moe(ep, ffn, x))]
     extra = [o.logits for o in model.forward_batch(again, lambda ffn, x: ep_moe(ep, ffn, x))]
-    out.put((rank, [t.tolist() for t in logits], [t.tolist() for t in extra]))
+    out.put((rank, [t.cpu().tolist() for t in logits], [t.cpu().tolist() for t in extra]))
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ layer. A rank with nothing to run still takes part in every exchange (the engine
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import socket
 import time
@@ -29,11 +30,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_group(target: object, world: int = 2, timeout_s: float = 240.0) -> list[object]:
+def run_group(target: object, world: int = 2, timeout_s: float = 240.0, *extra: object) -> list[object]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, world, port, out)) for rank in range(world)]
+    procs = [ctx.Process(target=target, args=(rank, world, port, out, *extra)) for rank in range(world)]
     for p in procs:
         p.start()
     results: list[object] = []
@@ -75,20 +76,26 @@ def test_sharding_keeps_only_owned_experts() -> None:
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_give_the_logits_of_one_rank() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_two_ranks_give_the_logits_of_one_rank(device: str) -> None:
+    """gloo on CPU; NCCL with one GPU per rank (runs where two GPUs are present)."""
     from decode_support import ep_forward_worker
 
-    results = {rank: (logits, extra) for rank, logits, extra in run_group(ep_forward_worker)}
-    model, _ = tiny()
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    results = {rank: (logits, extra) for rank, logits, extra in run_group(ep_forward_worker, 2, 240.0, device)}
+    model, _ = tiny(seed=7)
+    if device == "cuda":
+        model = copy.deepcopy(model).to("cuda:0")
     items = group_items(model, 0) + group_items(model, 1)
-    single = [o.logits for o in model.forward_batch(items)]  # one process, every expert, same row order
+    single = [o.logits.cpu() for o in model.forward_batch(items)]  # one process, every expert, same row order
     distributed = [torch.tensor(t) for t in results[0][0] + results[1][0]]
     for one, two in zip(single, distributed):
         # The routed experts see the same rows in the same order; only the router's matmul runs over
         # fewer rows per rank, which rounds differently (~1e-7) and can move an FP8 window record.
         assert torch.allclose(one, two, atol=1e-4, rtol=0), (one - two).abs().max()
         assert torch.equal(one.argmax(-1), two.argmax(-1))
-    alone = model.forward_batch(group_items(model, 0)[:1])[0].logits
+    alone = model.forward_batch(group_items(model, 0)[:1])[0].logits.cpu()
     assert torch.allclose(torch.tensor(results[0][1][0]), alone, atol=1e-4, rtol=0)  # rank 1 ran an empty pass
     assert results[1][1] == []
 

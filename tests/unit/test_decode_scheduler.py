@@ -85,12 +85,16 @@ def test_growth_preempts_the_latest_and_it_resumes_first() -> None:
 
 
 def test_offload_falls_back_to_recompute_when_the_host_budget_is_spent() -> None:
-    pool = Pool(2)
+    pool = Pool(4)
     sched = scheduler(pool, offload_fits=False)
-    a, b = seq("a", 16, 0), seq("b", 16, 1)
+    a, b = seq("a", 15, 0), seq("b", 15, 1)
     for s in (a, b):
         pool.hold(s)
         sched.add(s)
+    sched.schedule()
+    for s in (a, b):
+        s.tokens += [3] * 17
+        pool.hold(s)
     out = sched.schedule()
     assert [p.policy for p in out.preemptions] == [PreemptionPolicy.RECOMPUTE] and b.join is JoinKind.RECOMPUTE
 
@@ -107,8 +111,8 @@ def test_pass_row_limit_lets_one_oversized_join_run_alone() -> None:
 
 
 def test_config_is_validated() -> None:
-    with pytest.raises(ValueError, match="decode.preemption"):
+    with pytest.raises(ValueError, match=r"decode\.preemption"):
         DecodeConfig(preemption="swap")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="decode.max_running_requests"):
+    with pytest.raises(ValueError, match=r"decode\.max_running_requests"):
         DecodeConfig(max_running_requests=0)
     assert DecodeConfig(max_output_tokens=1000).token_budget(50) == 500
