@@ -5,8 +5,8 @@ Each cell prefills one random prompt of `context` tokens, hands a copy of its st
 request (a shipped state: no transfer, no replay), lets the engine take a warm-up step or two (the
 drafter's memory fills from the first pass's taps), then times `--steps` steps. Reported per cell:
 
-* `tokens_per_s`: output tokens of the whole batch per second of engine steps;
-* `tpot_ms`: time per output token of one request (step time / tokens per request per step);
+* `tokens_per_s`: output tokens of the whole batch per second (median step time);
+* `tpot_ms`: time per output token of one request (median step time / tokens per request per step);
 * `tokens_per_step`: tokens each request emits per step (1 without DSpark; 1 + accepted drafts with);
 * DSpark: drafts proposed/accepted and the measured speedup over the same cell without it.
 
@@ -29,6 +29,7 @@ import copy
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -94,20 +95,21 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: tuple[list[int], Sequenc
     for _ in range(2 if dspark else 1):  # joins; the drafter's memory fills from the first pass's taps
         engine.step()
     drafted0, accepted0 = engine.drafted_tokens, engine.accepted_drafts
-    emitted, elapsed = 0, 0.0
+    emitted, times = 0, []
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
         outputs = engine.step()
         _sync(device)
-        elapsed += time.perf_counter() - start
+        times.append(time.perf_counter() - start)
         emitted += sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
     per_request_step = emitted / (batch * steps)
+    step_s = statistics.median(times)  # a shared machine's load spikes hit single steps: the median resists
     drafted, accepted = engine.drafted_tokens - drafted0, engine.accepted_drafts - accepted0
     return {"context": len(tokens), "batch": batch, "dspark": dspark, "steps": steps, "tokens": emitted,
-            "seconds": elapsed, "step_ms": 1000 * elapsed / steps, "tokens_per_s": emitted / elapsed,
-            "tpot_ms": 1000 * elapsed / steps / per_request_step, "tokens_per_step": per_request_step,
-            "drafted": drafted, "accepted": accepted}
+            "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
+            "tokens_per_s": batch * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
+            "tokens_per_step": per_request_step, "drafted": drafted, "accepted": accepted}
 
 
 def _sync(device: str) -> None:
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ctx {r['context']:>6} batch {r['batch']:>3} dspark {r['dspark']!s:>5}: "
                       f"{r['tokens_per_s']:8.2f} tok/s  tpot {r['tpot_ms']:9.1f} ms  "
                       f"tokens/step {r['tokens_per_step']:.2f}", flush=True)
+    info["load_average_1m_at_end"] = os.getloadavg()[0]
     report = {"benchmark": "decode", "date": started, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "machine": info, "preset": args.preset, "device": args.device,
               "draft_tokens": args.draft_tokens or model.config.dspark_block_size, "note": args.note,

@@ -149,7 +149,8 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     nb = dim // fmt.scale_block
     if word_stores is None:
         word_stores = fmt.elem_bits == 4  # measured: words for the E2M1 formats, bytes for SWA (kernels-notes.md)
-    block_t = block_t or max(1, 4096 // next_power_of_2(dim))
+    # rows per program: ~4K elements for 512-wide rows, ~8K for the 128-wide index keys (run 3)
+    block_t = block_t or max(1, (8192 if dim <= 128 else 4096) // next_power_of_2(dim))
     grid = (cdiv(x.shape[0], block_t),)
     common = (x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
               dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes)

@@ -77,13 +77,13 @@ class AttentionConfig:
     and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
-        """Fill every None for this problem size. GPU defaults (ptxas reports, kernels-notes.md):
-        a 64-head block over 512 channels keeps a 64 x 512 fp32 accumulator, 128 registers a thread
-        at 8 warps, which spills once the decoded tile is added; two value halves (`dv_split=2`)
-        fit in ~240 registers without spills and give batch 64 its 128 programs."""
+        """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
+        kernels-notes.md): a 64-head block over 512 channels keeps a 64 x 512 fp32 accumulator, 128
+        registers a thread at 8 warps, which spills once the decoded tile is added; two value halves
+        (`dv_split=2`) fit without spills and give batch 64 its 128 programs."""
         gpu = device.type == "cuda" and not interpreting()
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
-        block_n = self.block_n or (32 if gpu else 64)
+        block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
         num_splits = self.num_splits
         if num_splits is None:
@@ -91,8 +91,8 @@ class AttentionConfig:
             target = num_sms(device) if gpu else 1
             num_splits = max(1, min(target // max(programs, 1), cdiv(keys, 4 * block_n)))  # <= one wave
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
-        # loads at the top of the loop body, pipelined by the compiler (cp.async into shared memory)
-        # measured faster than the kernel's own register prefetch (kernels-notes.md)
+        # 64-key tiles loaded at the top of the loop body and pipelined by the compiler (cp.async into
+        # shared memory, 2 stages): the fastest config of run 3 (96 us at batch 64, kernels-notes.md)
         num_stages = self.num_stages or (2 if gpu else 1)
         prefetch = False if self.prefetch is None else self.prefetch
         hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)

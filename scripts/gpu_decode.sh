@@ -5,11 +5,11 @@
 #     OUT=/some/dir bash scripts/gpu_decode.sh      # writes env.txt, decode-cuda.json, bench.log, ep.log
 #
 # The project need not be installed: a symlink tree puts `cedserve.*` on PYTHONPATH (as
-# scripts/typecheck.sh does). Wheels in build/gpu_wheels (msgspec, protobuf for the host's Python)
-# are installed into build/gpu_site first when present; fetch them here with
+# scripts/typecheck.sh does). Wheels in build/gpu_wheels (msgspec; protobuf and grpcio at the versions
+# the generated code needs) are installed into build/gpu_site first when present; fetch them here with
 #
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#         -d build/gpu_wheels msgspec==0.23.0 protobuf==7.36.2
+#         -d build/gpu_wheels msgspec==0.23.0 protobuf==7.36.2 grpcio==1.85.3
 #
 # and carry build/gpu_wheels along (it is git-ignored).
 set -uo pipefail
@@ -24,7 +24,7 @@ for pkg in model kernels kv_transfer prefill_workers decode_workers router proto
   ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
 done
 if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install --quiet --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
+  "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
 fi
 export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" \
