@@ -20,7 +20,7 @@ def _v41_flash() -> ModelConfig:
 
 def _mini_40() -> ModelConfig:
     return ModelConfig(
-        vocab_size=4096,
+        vocab_size=512,  # the shipped tiny tokenizer's vocabulary
         hidden_size=256,
         num_attention_heads=4,
         q_lora_rank=128,
@@ -36,9 +36,9 @@ def _mini_40() -> ModelConfig:
         engram_num_embeddings=(6126, 6332),  # the sums of each layer's table primes
         engram_n_heads=2,
         engram_head_dim=32,
-        engram_compressed_vocab_size=4096,
+        engram_compressed_vocab_size=440,  # what that tokenizer normalises to
         num_nextn_predict_layers=3,
-        dspark_noise_token_id=4095,
+        dspark_noise_token_id=511,
         dspark_markov_rank=32,
         dspark_n_routed_experts=8,
         dspark_num_experts_per_tok=2,
