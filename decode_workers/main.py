@@ -23,11 +23,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch.distributed as dist
@@ -48,7 +47,7 @@ from cedserve.decode_workers.messages import CancelCommand
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.service import DecodeService, OutputRouter, add_decode_service
 from cedserve.kv_transfer.agent import NixlTransferAgent
-from cedserve.kv_transfer.config import KVTransferConfig
+from cedserve.kv_transfer.config import KVTransferConfig, kv_transfer_config_from_table
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.region import KVLayout, KVRegion
 from cedserve.model.cache.config import KVCacheConfig
@@ -93,20 +92,7 @@ def load_settings(opts: WorkerOptions) -> DecodeSettings:
         raise ValueError(f"config field `decode`: {exc}") from None
     worker_id = opts.worker_id or extra.get("decode", {}).get("worker_id") or f"decode-{socket.gethostname()}-{os.getpid()}"
     decode = replace(decode, worker_id=worker_id, block_size=serve.cache.block_size, num_blocks=serve.cache.num_blocks)
-    return DecodeSettings(serve, decode, _kv_transfer_config(extra.get("kv_transfer", {}), opts))
-
-
-def _kv_transfer_config(table: Mapping[str, Any], opts: WorkerOptions) -> KVTransferConfig:
-    """`[kv_transfer]` (with `auth_token_file` read here); the control plane on `--nixl-port`."""
-    values = dict(table)
-    token_file = values.pop("auth_token_file", None)
-    if token_file:
-        values["auth_token"] = Path(token_file).read_text().strip()
-    values.update(control_host=opts.public_host, control_port=opts.nixl_port)
-    try:
-        return msgspec.convert(values, type=KVTransferConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"config field `kv_transfer`: {exc}") from None
+    return DecodeSettings(serve, decode, kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port))
 
 
 def load_drafter(loaded: LoadedModel, checkpoint: str | None, preset_name: str | None, seed: int,

@@ -8,7 +8,9 @@ exists, because UCX reads them when its context is created.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
 import msgspec
 
@@ -105,3 +107,18 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.pack_below_bytes is not None:
             return self.pack_below_bytes
         return (1 << 20) if device_memory else 0
+
+
+def kv_transfer_config_from_table(table: Mapping[str, Any], control_host: str, control_port: int) -> KVTransferConfig:
+    """A worker's `[kv_transfer]` config-file table, with `auth_token_file` read here (the token never
+    sits in the config file itself) and the control plane bound where the worker's flags say.
+    `ValueError` names the field on a bad value."""
+    values = dict(table)
+    token_file = values.pop("auth_token_file", None)
+    if token_file:
+        values["auth_token"] = Path(token_file).read_text().strip()
+    values.update(control_host=control_host, control_port=control_port)
+    try:
+        return msgspec.convert(values, type=KVTransferConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"config field `kv_transfer`: {exc}") from None

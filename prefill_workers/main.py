@@ -18,16 +18,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from cedserve.config import ServeConfig
 from cedserve.kv_transfer.agent import NixlTransferAgent
-from cedserve.kv_transfer.config import KVTransferConfig
+from cedserve.kv_transfer.config import KVTransferConfig, kv_transfer_config_from_table
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.region import KVLayout, KVRegion
 from cedserve.model.cache.config import KVCacheConfig
@@ -69,22 +66,8 @@ def load_settings(opts: WorkerOptions) -> PrefillSettings:
     prefill = PrefillWorkerConfig.from_mapping(extra.get("prefill", {}))
     worker_id = opts.worker_id or prefill.worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}"
     prefill = replace(prefill, worker_id=worker_id)
-    kv = _kv_transfer_config(extra.get("kv_transfer", {}), opts)
+    kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port)
     return PrefillSettings(serve, prefill, kv)
-
-
-def _kv_transfer_config(table: Mapping[str, Any], opts: WorkerOptions) -> KVTransferConfig:
-    """`[kv_transfer]`, plus `auth_token_file` (read here), with the control plane on `--nixl-port`."""
-    values = dict(table)
-    token_file = values.pop("auth_token_file", None)
-    if token_file:
-        with open(token_file) as f:
-            values["auth_token"] = f.read().strip()
-    values.update(control_host=opts.public_host, control_port=opts.nixl_port)
-    try:
-        return msgspec.convert(values, type=KVTransferConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"config field `kv_transfer`: {exc}") from None
 
 
 @dataclass
