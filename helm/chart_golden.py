@@ -66,7 +66,7 @@ def objects(manifests: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def _mask_generated(path: str, doc: str) -> str:
-    if not path.endswith("templates/secret-api-key.yaml"):
+    if not path.endswith(("templates/secret-api-key.yaml", "templates/secret-kv-transfer.yaml")):
         return doc
     return re.sub(r'^(  [-._a-zA-Z0-9]+: )".*"$', rf'\1"{GENERATED}"', doc, flags=re.MULTILINE)
 

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from cedserve.config import ServeConfig
+from cedserve.serving import read_serve_file
 
 pytestmark = pytest.mark.unit
 
@@ -425,8 +426,12 @@ def test_config_map_files_load_as_serve_config(renders: dict[str, dict[str, str]
     assert set(config_map["data"]) == {"router.toml", "prefill.toml", "decode.toml"}
     for filename, text in config_map["data"].items():
         (tmp_path / filename).write_text(text)
-        loaded = ServeConfig.load(tmp_path / filename)  # the real decoder: unknown fields fail
         role = filename.removesuffix(".toml")
+        if role == "router":
+            loaded = ServeConfig.load(tmp_path / filename)  # the real decoder: unknown fields fail
+        else:  # what the worker processes read: ServeConfig plus their own tables
+            loaded, extra = read_serve_file(tmp_path / filename, (role, "kv_transfer"))
+            assert extra["kv_transfer"]["auth_token_file"] == "/var/run/secrets/cedserve/kv-transfer/token"
         cache = {**merged["config"]["cache"], **(merged[role]["cache"] if role != "router" else {})}
         assert loaded.cache.num_blocks == cache["numBlocks"]
         assert loaded.cache.block_size == cache["blockSize"]
@@ -520,7 +525,8 @@ def test_router_discovers_pools_through_headless_services(renders: dict[str, dic
 
 def test_existing_api_key_secret_is_used_not_generated(renders: dict[str, dict[str, str]]) -> None:
     objs = _objects(renders, "multi-node-statefulset")
-    assert not [o for o in objs if o["kind"] == "Secret"]
+    # Only the KV-transfer token is generated; the API key comes from the existing Secret.
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == [f"{golden.RELEASE}-cedserve-kv-transfer"]
     router = _one(objs, "Deployment", f"{golden.RELEASE}-cedserve-router")
     volume = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-key")
     assert volume["secret"] == {"secretName": "cedserve-api-key", "items": [{"key": "token", "path": "api-key"}]}

@@ -143,6 +143,9 @@ spec:
           readOnly: true
         - name: shm
           mountPath: /dev/shm
+        - name: kv-transfer-token
+          mountPath: /var/run/secrets/cedserve/kv-transfer
+          readOnly: true
         {{- with include "cedserve.checkpointMount" $root }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -154,6 +157,10 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.shm.sizeLimit }}
+    - name: kv-transfer-token
+      secret:
+        secretName: {{ printf "%s-kv-transfer" (include "cedserve.fullname" $root) }}
+        defaultMode: 0400
     {{- with include "cedserve.checkpointVolume" $root }}
     {{- . | nindent 4 }}
     {{- end }}
