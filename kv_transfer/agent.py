@@ -48,6 +48,7 @@ from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.nixl_backend import MemType, NixlBackend, NixlCallError, mem_type
 from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
 from cedserve.kv_transfer.region import Compatibility, KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.roles import ReceiverRole, SenderRole
 from cedserve.kv_transfer.staging import StagingPool, gather_blocks, scatter_blocks
 from cedserve.kv_transfer.state import (
     FinishCallback,
@@ -133,11 +134,11 @@ class NixlTransferAgent:
     def compatibility(self) -> Compatibility:
         return self._compat
 
-    def sender(self) -> NixlSender:
-        return NixlSender(self)
+    def sender(self) -> SenderRole:
+        return SenderRole(self)
 
-    def receiver(self) -> NixlReceiver:
-        return NixlReceiver(self)
+    def receiver(self) -> ReceiverRole:
+        return ReceiverRole(self)
 
     def info(self) -> pb.AgentInfo:
         """What peers need to know about us (sent in the handshake)."""
@@ -992,58 +993,6 @@ class NixlTransferAgent:
                 if peer.alive:
                     peer.next_heartbeat_seq += 1
                     self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)))
-
-
-class NixlSender:
-    """The sender role of a `NixlTransferAgent` (satisfies `KVSender`)."""
-
-    def __init__(self, agent: NixlTransferAgent) -> None:
-        self._agent = agent
-
-    @property
-    def agent_name(self) -> str:
-        return self._agent.name
-
-    def open(self, reservation: Reservation, *, timeout_s: float | None = None,
-             on_finish: FinishCallback | None = None) -> None:
-        self._agent.open(reservation, timeout_s, on_finish)
-
-    def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, *, last: bool = False) -> None:
-        self._agent.write_blocks(request_id, local_block_ids, last)
-
-    def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
-        return self._agent.wait(Role.SENDER, request_id, timeout_s)
-
-    def state(self, request_id: RequestId) -> TransferState:
-        return self._agent.state(Role.SENDER, request_id)
-
-    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
-        return self._agent.abort(request_id, cause, detail)
-
-
-class NixlReceiver:
-    """The receiver role of a `NixlTransferAgent` (satisfies `KVReceiver`)."""
-
-    def __init__(self, agent: NixlTransferAgent) -> None:
-        self._agent = agent
-
-    @property
-    def agent_name(self) -> str:
-        return self._agent.name
-
-    def reserve(self, request_id: RequestId, block_ids: BlockIds, *, sender: str,
-                mode: TransferMode | None = None, lease_s: float | None = None,
-                on_finish: FinishCallback | None = None) -> Reservation:
-        return self._agent.reserve(request_id, block_ids, sender, mode, lease_s, on_finish)
-
-    def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
-        return self._agent.wait(Role.RECEIVER, request_id, timeout_s)
-
-    def state(self, request_id: RequestId) -> TransferState:
-        return self._agent.state(Role.RECEIVER, request_id)
-
-    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
-        return self._agent.abort(request_id, cause, detail)
 
 
 if TYPE_CHECKING:

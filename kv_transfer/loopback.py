@@ -26,6 +26,7 @@ from cedserve.kv_transfer.errors import FailureCause, HandshakeError, KVTransfer
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
 from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.roles import ReceiverRole, SenderRole
 from cedserve.kv_transfer.staging import put_rows, take_rows
 from cedserve.kv_transfer.state import FinishCallback, Role, TransferRecord, TransferResult, TransferState
 
@@ -104,11 +105,11 @@ class LoopbackAgent:
             peer._peers.add(self._name)
             return address
 
-    def sender(self) -> LoopbackSender:
-        return LoopbackSender(self)
+    def sender(self) -> SenderRole:
+        return SenderRole(self)
 
-    def receiver(self) -> LoopbackReceiver:
-        return LoopbackReceiver(self)
+    def receiver(self) -> ReceiverRole:
+        return ReceiverRole(self)
 
     def active_transfers(self) -> int:
         with self.hub.lock:
@@ -319,58 +320,6 @@ class LoopbackAgent:
                 if record.on_finish is not None:
                     record.on_finish(result)
                 record.finished.set()
-
-
-class LoopbackSender:
-    """Sender role of a `LoopbackAgent` (satisfies `KVSender`)."""
-
-    def __init__(self, agent: LoopbackAgent) -> None:
-        self._agent = agent
-
-    @property
-    def agent_name(self) -> str:
-        return self._agent.name
-
-    def open(self, reservation: Reservation, *, timeout_s: float | None = None,
-             on_finish: FinishCallback | None = None) -> None:
-        self._agent.open(reservation, timeout_s, on_finish)
-
-    def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, *, last: bool = False) -> None:
-        self._agent.write_blocks(request_id, local_block_ids, last)
-
-    def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
-        return self._agent.wait(Role.SENDER, request_id, timeout_s)
-
-    def state(self, request_id: RequestId) -> TransferState:
-        return self._agent.state(Role.SENDER, request_id)
-
-    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
-        return self._agent.abort(request_id, cause, detail)
-
-
-class LoopbackReceiver:
-    """Receiver role of a `LoopbackAgent` (satisfies `KVReceiver`)."""
-
-    def __init__(self, agent: LoopbackAgent) -> None:
-        self._agent = agent
-
-    @property
-    def agent_name(self) -> str:
-        return self._agent.name
-
-    def reserve(self, request_id: RequestId, block_ids: BlockIds, *, sender: str,
-                mode: TransferMode | None = None, lease_s: float | None = None,
-                on_finish: FinishCallback | None = None) -> Reservation:
-        return self._agent.reserve(request_id, block_ids, sender, mode, lease_s, on_finish)
-
-    def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
-        return self._agent.wait(Role.RECEIVER, request_id, timeout_s)
-
-    def state(self, request_id: RequestId) -> TransferState:
-        return self._agent.state(Role.RECEIVER, request_id)
-
-    def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
-        return self._agent.abort(request_id, cause, detail)
 
 
 if TYPE_CHECKING:
