@@ -88,17 +88,25 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def load(cls, path: str | Path) -> ServeConfig:
-        """Decode a `.toml` or `.json` file; `ValueError` names the bad field."""
+        """Decode a `.toml` or `.json` file; `ValueError` names the bad field (unknown ones included)."""
+        config, _ = cls.load_with_sections(path, ())
+        return config
+
+    @classmethod
+    def load_with_sections(cls, path: str | Path, sections: tuple[str, ...]) -> tuple[ServeConfig, dict[str, Any]]:
+        """Like `load`, but the tables named in `sections` (a process's own, e.g. `[prefill]`) are
+        taken out raw before the rest decodes as a `ServeConfig`."""
         path = Path(path)
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             raise ValueError(f"serve config not found: {path}") from None
         try:
-            if path.suffix == ".toml":
-                data: Any = tomllib.loads(raw.decode())
-                return msgspec.convert(data, type=cls)
-            return msgspec.json.decode(raw, type=cls)
+            data: Any = tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
+            if not isinstance(data, dict):
+                raise ValueError(f"serve config {path}: must hold an object")
+            extra = {name: data.pop(name) for name in sections if name in data}
+            return msgspec.convert(data, type=cls), extra
         except (msgspec.ValidationError, msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"serve config {path}: {exc}") from None
 

@@ -552,25 +552,9 @@ def load_worker_model(checkpoint: str | None, preset_name: str | None, seed: int
 def read_serve_file(path: str | Path | None, sections: tuple[str, ...]) -> tuple[ServeConfig, dict[str, Any]]:
     """`ServeConfig` from a `.toml`/`.json` file (defaults when `path` is None) and the raw tables of
     `sections`, removed before ServeConfig (which forbids unknown fields) decodes the rest."""
-    import msgspec
-    import tomllib
-
     if path is None:
         return ServeConfig(), {}
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"serve config not found: {path}") from None
-    try:
-        data: dict[str, Any] = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"serve config {path}: {exc}") from None
-    extra = {name: data.pop(name) for name in sections if name in data}
-    try:
-        return msgspec.convert(data, type=ServeConfig), extra
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"serve config {path}: {exc}") from None
+    return ServeConfig.load_with_sections(path, sections)
 
 
 # ------------------------------------------------------------------ worker command line
