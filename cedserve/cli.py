@@ -24,10 +24,6 @@ verbs:
 """
 
 
-class NotBuiltError(RuntimeError):
-    """A verb whose subsystem does not exist yet."""
-
-
 def _load_model_config(args: argparse.Namespace) -> ModelConfig:
     from cedserve.model.presets import preset
 
