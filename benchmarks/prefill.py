@@ -11,10 +11,20 @@ For each prompt length, in one process and on the same random weights:
 
 The report's claim is that prefill costs about half of an all-layer pass (8B of 16B active
 parameters); `engine_share_cpu` = engine CPU time / all-layer CPU time measures it on this plan and
-machine. Wall times are reported too; on a shared host they carry other jobs' load, which CPU time
+machine (on a GPU, where the process's CPU time is the launching thread's, `engine_share_wall`).
+Wall times are reported too; on a shared host they carry other jobs' load, which CPU time
 (`time.process_time`, all of this process's threads) mostly does not.
 
+Memory: every pass runs in chunks of `--chunk-tokens`; the largest temporaries are one chunk's
+attention logits over every compressed entry (`[heads, chunk, prompt / m]` float32: 4.3 GB for a
+2,048-token chunk at 128K on mini-40), so `--chunk-tokens 1024` halves the peak. The preset is
+stretched (`presets.stretch_context`) when a prompt exceeds its positions (mini-40: 64K). The
+per-row peak device memory is reported on CUDA. `--time-budget-s` starts no new prompt length after
+that many seconds (the rest are recorded as skipped), so a run's length is bounded.
+
     python benchmarks/prefill.py --preset mini-40 --tokens 1024 2048 --out docs/benchmarks/prefill-cpu.json
+    python benchmarks/prefill.py --device cuda --tokens 4096 16384 65536 131072 --time-budget-s 200 \\
+        --out docs/benchmarks/prefill-cuda.json
 """
 
 from __future__ import annotations
@@ -35,12 +45,14 @@ import torch
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.network import CEDModel
+from cedserve.model.presets import preset, stretch_context
+from cedserve.model.tokenizer import tiny_tokenizer_path
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import load_worker_model
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 64
@@ -117,8 +129,25 @@ def _cells(name: str, n: int, t: Timing) -> dict[str, float]:
             f"{name}_tokens_per_s": round(n / t[0], 1), f"{name}_tokens_per_cpu_s": round(n / t[1], 1)}
 
 
+def build(preset_name: str, seed: int, device: str, max_tokens: int) -> CEDModel:
+    """The preset with random weights (as `cedserve worker --preset` builds it), stretched to reach
+    `max_tokens` positions."""
+    config = stretch_context(fit_config_to_tokenizer(preset(preset_name), tiny_tokenizer_path()), max_tokens)
+    model, _ = random_model(config, tiny_tokenizer_path(), seed)
+    return model.to(device)
+
+
+def peak_memory_gb(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    peak = torch.cuda.max_memory_allocated(torch.device(device)) / 1e9
+    torch.cuda.reset_peak_memory_stats(torch.device(device))
+    return round(peak, 2)
+
+
 def measure(model: CEDModel, n: int, args: argparse.Namespace) -> dict[str, Any]:
     tokens = torch.randint(3, TOKEN_ID_LIMIT, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    peak_memory_gb(args.device)
     engine = time_engine(model, tokens, args.chunk_tokens, args.replay_span, args.device)
     encoder = time_loop(model, tokens, args.chunk_tokens, "encode_chunk", args.device)
     row: dict[str, Any] = {"prompt_tokens": n, "load_average_1m": round(os.getloadavg()[0], 2)}
@@ -129,7 +158,8 @@ def measure(model: CEDModel, n: int, args: argparse.Namespace) -> dict[str, Any]
         row.update(_cells("all_layers", n, all_layers))
         row.update(engine_share_cpu=round(engine[1] / all_layers[1], 3),
                    engine_share_wall=round(engine[0] / all_layers[0], 3),
-                   speedup_cpu=round(all_layers[1] / engine[1], 2))
+                   speedup_cpu=round(all_layers[1] / engine[1], 2), speedup_wall=round(all_layers[0] / engine[0], 2))
+    row["peak_memory_gb"] = peak_memory_gb(args.device)
     print(json.dumps(row), flush=True)
     return row
 
@@ -137,20 +167,27 @@ def measure(model: CEDModel, n: int, args: argparse.Namespace) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini-40")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="prompt lengths (default: 1024 2048 on CPU, 4096 16384 65536 131072 on CUDA)")
     p.add_argument("--chunk-tokens", type=int, default=2048)
     p.add_argument("--replay-span", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--skip-all-layers", action="store_true", help="time only the prefill engine")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default); 1 keeps "
                    "a shared host's load from inflating CPU time through spinning OpenMP threads")
+    p.add_argument("--time-budget-s", type=float, default=0.0, help="start no new prompt length after this "
+                   "many seconds (0: no limit); skipped lengths are recorded")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="free text stored with the results")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tokens is None:
+        args.tokens = [4096, 16384, 65536, 131072] if args.device.startswith("cuda") else [1024, 2048]
+    started = time.monotonic()
     info = machine()
-    model = load_worker_model(None, args.preset, seed=0, device=args.device).model
+    model = build(args.preset, args.seed, args.device, max(args.tokens))
     plan = model.config
     print(f"{args.preset}: {plan.num_hidden_layers} layers, encoder {plan.num_encoder_layers}; device {args.device}",
           flush=True)
@@ -165,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         "encoder_layers": plan.num_encoder_layers, "chunk_tokens": args.chunk_tokens, "replay_span": args.replay_span,
         "device": args.device, "note": args.note, "results": []}
     for n in args.tokens:
+        if args.time_budget_s and time.monotonic() - started > args.time_budget_s:
+            result["results"].append({"prompt_tokens": n, "skipped": f"time budget of {args.time_budget_s} s spent"})
+            print(f"{n}: skipped (time budget)", flush=True)
+            continue
         result["results"].append(measure(model, n, args))
         if args.out:  # after every row: a long run stopped early keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -6,8 +6,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cedserve.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from cedserve.config import ServeConfig
+    from cedserve.router.config import DiscoveryConfig
+    from cedserve.tls import TLSConfig
 
 _DESCRIPTION = """\
 cedserve: disaggregated prefill/decode serving for DeepSeek-V4.1-Flash-class (CED) models.
@@ -67,10 +73,34 @@ def _add_worker_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     w.add_argument("--rank", type=int, default=0)
     w.add_argument("--leader-address")
     w.add_argument("--worker-id", help="unique worker name (also the NIXL agent name)")
+    w.add_argument("--health-port", type=int, default=-1,
+                   help="plaintext gRPC health + Drain listener for probes when TLS is on (-1: off, 0: any)")
+    _add_tls_flags(w, "", "internal plane (overrides the config's [internal_tls])", server=True)
     d = verbs.add_parser("drain", help="drain a local process",
                          description="Ask the process at --address to drain; exits 0 when drained or timed out.")
     d.add_argument("--address", required=True)
     d.add_argument("--timeout-s", type=float, default=30.0)
+
+
+def _add_tls_flags(p: argparse.ArgumentParser, prefix: str, what: str, server: bool) -> None:
+    """`--<prefix>tls-{cert,key,ca,...}`: one `TLSConfig` (cedserve.tls); None where not given."""
+    g = p.add_argument_group(f"TLS of the {what}")
+    g.add_argument(f"--{prefix}tls-cert", metavar="PEM", help="certificate chain (served; presented under mTLS)")
+    g.add_argument(f"--{prefix}tls-key", metavar="PEM", help="private key of the certificate")
+    g.add_argument(f"--{prefix}tls-ca", metavar="PEM", help="CA bundle that verifies the other side")
+    if server:
+        g.add_argument(f"--{prefix}tls-require-client-cert", action="store_const", const=True, default=None,
+                       help="mTLS: refuse clients without a certificate signed by the CA")
+    g.add_argument(f"--{prefix}tls-server-name", metavar="NAME",
+                   help="name expected in servers' certificates instead of the dialed host")
+
+
+def _tls(args: argparse.Namespace, prefix: str, base: TLSConfig) -> TLSConfig:
+    def flag(name: str) -> object:
+        return getattr(args, f"{prefix}tls_{name}", None)
+
+    return base.override(cert=flag("cert"), key=flag("key"), ca=flag("ca"),
+                         require_client_cert=flag("require_client_cert"), server_name=flag("server_name"))
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -98,20 +128,34 @@ def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     r = verbs.add_parser("router", help="run the router (the public gRPC API)",
                          description="Run the router in front of prefill and decode workers. Prints "
                                      "`CEDSERVE_READY {json}` once serving; stops cleanly on SIGTERM.")
-    r.add_argument("--checkpoint", required=True, help="checkpoint folder (its config.json and tokenizer.json)")
+    r.add_argument("--checkpoint", help="checkpoint folder (its config.json and tokenizer.json); default: "
+                                        "the --config file's [model] checkpoint, or its preset")
     r.add_argument("--prefill", action="append", default=[], metavar="ID=HOST:PORT", help="a prefill worker")
     r.add_argument("--decode", action="append", default=[], metavar="ID=HOST:PORT", help="a decode worker")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"])
-    r.add_argument("--block-size", type=int, default=64)
+    r.add_argument("--block-size", type=int, help="tokens per KV block (default: the --config file's "
+                                                   "[cache] block_size, else 64); must equal the workers'")
     r.add_argument("--api-key-file", help="file with one accepted API key per line")
     r.add_argument("--metrics-port", type=int)
     r.add_argument("--max-retries", type=int, default=2)
     r.add_argument("--default-max-tokens", type=int, default=0)
-    r.add_argument("--tls-cert")
-    r.add_argument("--tls-key")
-    r.add_argument("--tls-client-ca")
+    r.add_argument("--decode-only-max-tokens", type=int, default=256,
+                   help="uncached suffixes up to this many tokens may be prefilled by a decode worker "
+                        "(with no --prefill worker: set it to the context length for colocated serving)")
+    r.add_argument("--config", help="serve config file: its [tls] and [internal_tls] tables")
+    r.add_argument("--health-port", type=int, default=-1,
+                   help="plaintext gRPC health listener for probes when TLS is on (-1: off, 0: any)")
+    _add_tls_flags(r, "", "public port (overrides the config's [tls])", server=True)
+    r.add_argument("--tls-client-ca", metavar="PEM", help="same as --tls-ca PEM --tls-require-client-cert")
+    _add_tls_flags(r, "internal-", "channels to workers (overrides the config's [internal_tls])", server=False)
+    k = r.add_argument_group("Kubernetes discovery (router/discovery.py; the static --prefill/--decode stay)")
+    k.add_argument("--namespace", help="watch this namespace's EndpointSlices (the chart: $(POD_NAMESPACE))")
+    k.add_argument("--prefill-service", help="headless Service whose EndpointSlices list the prefill pods")
+    k.add_argument("--decode-service", help="headless Service whose EndpointSlices list the decode pods")
+    r.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM without a prior `cedserve drain`: how long open streams may finish")
 
 
 def _endpoints(specs: list[str], role: str) -> tuple[object, ...]:
@@ -141,28 +185,61 @@ def _router(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
+    from cedserve.config import ServeConfig
     from cedserve.router.config import RouterConfig
     from cedserve.router.server import serve_forever
 
     keys = tuple(k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()) \
         if args.api_key_file else ()
-    config = RouterConfig(checkpoint=args.checkpoint, prefill=_endpoints(args.prefill, "prefill"),  # type: ignore[arg-type]
+    serve = ServeConfig.load(args.config) if args.config else ServeConfig()
+    if args.tls_client_ca:
+        args.tls_ca, args.tls_require_client_cert = args.tls_client_ca, True
+    model = _router_model(args, serve)
+    config = RouterConfig(checkpoint=model[0], preset=model[1], prefill=_endpoints(args.prefill, "prefill"),  # type: ignore[arg-type]
                           decode=_endpoints(args.decode, "decode"), host=args.host, port=args.port,  # type: ignore[arg-type]
-                          policy=args.policy, block_size=args.block_size, api_keys=keys,
+                          policy=args.policy, decode_only_max_tokens=args.decode_only_max_tokens,
+                          block_size=args.block_size or serve.cache.block_size, api_keys=keys,
+                          discovery=_discovery(args), drain_timeout_s=args.drain_timeout_s,
                           metrics_port=args.metrics_port, max_retries=args.max_retries,
-                          default_max_tokens=args.default_max_tokens, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+                          default_max_tokens=args.default_max_tokens, tls=_tls(args, "", serve.tls),
+                          internal_tls=_tls(args, "internal_", serve.internal_tls),
+                          health_port=args.health_port)
     asyncio.run(serve_forever(config))
     return 0
+
+
+def _router_model(args: argparse.Namespace, serve: ServeConfig) -> tuple[str, str | None]:
+    """(checkpoint, preset): `--checkpoint`, else the --config file's [model] checkpoint or preset."""
+    if args.checkpoint:
+        return args.checkpoint, None
+    if args.config is None:
+        raise ValueError("cedserve router: give --checkpoint DIR, or --config FILE with a [model] table")
+    if serve.model.checkpoint:
+        return serve.model.checkpoint, None
+    return "", serve.model.preset
+
+
+def _discovery(args: argparse.Namespace) -> DiscoveryConfig | None:
+    from cedserve.router.config import DiscoveryConfig
+
+    services = {role: name for role, name in (("prefill", args.prefill_service), ("decode", args.decode_service))
+                if name}
+    if args.namespace is None and not services:
+        return None
+    if args.namespace is None:
+        raise ValueError("--prefill-service/--decode-service need --namespace")
+    return DiscoveryConfig(args.namespace, services)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from cedserve.client import CedserveError, Client
     from cedserve.config import api_key_from_env
+    from cedserve.tls import TLSConfig
 
     key = args.api_key or api_key_from_env()
     try:
-        with Client(args.address, api_key=key, timeout_s=args.timeout_s) as client:
+        tls = _tls(args, "", TLSConfig())
+        with Client(args.address, api_key=key, timeout_s=args.timeout_s, tls=tls if tls.enabled else None) as client:
             for piece in client.stream(args.prompt, effort=args.effort, max_tokens=args.max_tokens,
                                        temperature=args.temperature, seed=args.seed):
                 print(piece.text, end="", flush=True)
@@ -204,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", help="API key (default: $CEDSERVE_API_KEY)")
     gen.add_argument("--timeout-s", type=float, default=300.0)
     gen.add_argument("-v", "--verbose", action="store_true", help="print usage (tokens, TTFT) to stderr")
+    _add_tls_flags(gen, "", "connection (TLS when --tls-ca or --tls-cert is given)", server=False)
 
     insp = verbs.add_parser("inspect", help="print the layer plan and KV byte accounting",
                             description="Print a model plan (roles, CSA2 modes, borrowed layers) and its "
@@ -247,7 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return kv_transfer_bench(args.bench_args)
         if args.verb == "bench":
-            return _not_built("bench", "the serving benchmark comes with its own issue")
+            from cedserve.bench_serve.main import main as serve_bench
+
+            return serve_bench(args.bench_args)
     except ValueError as exc:
         print(f"cedserve: error: {exc}", file=sys.stderr)
         return 2

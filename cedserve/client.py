@@ -6,12 +6,14 @@
             print(piece.text, end="", flush=True)
 
 Errors raise `CedserveError` with the gRPC code, the offending field (INVALID_ARGUMENT) and the
-retry hint (RESOURCE_EXHAUSTED), read from the standard rich-status trailer.
+retry hint (RESOURCE_EXHAUSTED), read from the standard rich-status trailer. For a TLS router pass
+`tls=TLSConfig(ca="ca.pem")` (plus `cert`/`key` under mTLS); a handshake that fails (unknown CA, no
+client certificate) raises `CedserveError` UNAVAILABLE.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from cedserve.proto import generation_pb2, generation_pb2_grpc
+from cedserve.tls import TLSConfig, open_aio_channel, open_channel
 
 PromptLike = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -122,7 +125,9 @@ class _Collector:
             u = response.complete.usage
             usage = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
                      "completion_tokens": u.completion_tokens, "draft_tokens": u.draft_tokens,
-                     "accepted_draft_tokens": u.accepted_draft_tokens, "ttft_s": u.ttft_s, "total_s": u.total_s}
+                     "accepted_draft_tokens": u.accepted_draft_tokens, "ttft_s": u.ttft_s, "total_s": u.total_s,
+                     "kv_transfer_bytes": u.kv_transfer_bytes, "kv_transfer_s": u.kv_transfer_s,
+                     "decode_only": float(u.decode_only)}
             reason = generation_pb2.FinishReason.Name(response.complete.finish_reason).removeprefix("FINISH_REASON_")
             self.done = Completion(self.request_id, "".join(self.text), self.token_ids, reason.lower(), usage)
         return None
@@ -145,8 +150,9 @@ class Client:
     """Blocking client over one channel."""
 
     def __init__(self, address: str, api_key: str | None = None, timeout_s: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+                 credentials: grpc.ChannelCredentials | None = None, tls: TLSConfig | None = None) -> None:
+        self.channel = (grpc.secure_channel(address, credentials) if credentials
+                        else open_channel(address, tls or TLSConfig()))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
         self.metadata = _metadata(api_key)
         self.timeout_s = timeout_s
@@ -202,9 +208,9 @@ class AsyncClient:
     """asyncio client over one channel."""
 
     def __init__(self, address: str, api_key: str | None = None, timeout_s: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, tls: TLSConfig | None = None) -> None:
         self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
-                        else grpc.aio.insecure_channel(address))
+                        else open_aio_channel(address, tls or TLSConfig()))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)  # type: ignore[no-untyped-call]
         self.metadata = _metadata(api_key)
         self.timeout_s = timeout_s
@@ -213,8 +219,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def stream(self, prompt: PromptLike, **kwargs: Any) -> AsyncIterator[Piece]:
-        collector = _Collector()
+    async def _pieces(self, collector: _Collector, prompt: PromptLike, kwargs: dict[str, Any]) -> AsyncIterator[Piece]:
         try:
             async for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
                                                      metadata=self.metadata):
@@ -223,10 +228,22 @@ class AsyncClient:
                     yield piece
         except grpc.RpcError as exc:
             raise _error(exc) from None
+
+    async def stream(self, prompt: PromptLike, **kwargs: Any) -> AsyncIterator[Piece]:
+        collector = _Collector()
+        async for piece in self._pieces(collector, prompt, kwargs):
+            yield piece
         self.last = collector.done
 
-    async def generate(self, prompt: PromptLike, **kwargs: Any) -> Completion:
-        async for _ in self.stream(prompt, **kwargs):
-            pass
-        assert self.last is not None
-        return self.last
+    async def generate(self, prompt: PromptLike, on_piece: Callable[[Piece], None] | None = None,
+                       **kwargs: Any) -> Completion:
+        """The whole completion. Safe to await concurrently on one client (each call collects its own
+        stream); `on_piece` sees every chunk as it arrives (e.g. to time the first token)."""
+        collector = _Collector()
+        async for piece in self._pieces(collector, prompt, kwargs):
+            if on_piece is not None:
+                on_piece(piece)
+        if collector.done is None:
+            raise CedserveError(grpc.StatusCode.INTERNAL, "the stream ended without a complete message")
+        self.last = collector.done
+        return collector.done

@@ -15,6 +15,7 @@ import msgspec
 import tomllib
 
 from cedserve.model.config import ModelConfig
+from cedserve.tls import TLSConfig
 
 
 def _fail(section: str, name: str, message: str) -> None:
@@ -69,6 +70,11 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Address the public gRPC API binds to."""
     port: int = 0
     """Public gRPC port; 0 picks a free one and prints it."""
+    tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
+    """`[tls]`: the router's public port (unset: plaintext)."""
+    internal_tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
+    """`[internal_tls]`: workers' internal gRPC service, the KV-transfer control plane, and the
+    router's channels to workers (unset: plaintext)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

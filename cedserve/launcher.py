@@ -1,10 +1,16 @@
-"""Start the whole system as local processes: one prefill worker, one decode worker, the router.
+"""Start the whole system as local processes: prefill workers, decode workers, the router.
 
 Each part is a real process speaking real gRPC (and NIXL between the workers), started with the
 same command lines the Helm chart uses (`cedserve worker ...`, `cedserve router ...`). A process
-is ready when it prints `CEDSERVE_READY {json}`; the launcher waits for that line (or the process's
-death, reported with its last log lines), then starts the next. Shutdown sends SIGTERM to all,
+is ready when it prints `CEDSERVE_READY {json}`; the launcher starts the workers together (the ranks
+of an expert-parallel decode group must meet), waits for every ready line (or a process's death,
+reported with its last log lines), then starts the router. Shutdown sends SIGTERM to all,
 router first, and SIGKILL to any that outlive the grace period. Logs go to `<log_dir>/<name>.log`.
+
+What to start is planned once, for both launchers: `plan_workers` gives one `ProcessSpec` per
+worker rank and `router_args` the router's command line. Specs hold `{checkpoint}` and `{run_dir}`
+placeholders that the launcher fills where the process runs: here, or inside the Ray actor that
+owns the process on another node (cedserve/ray_launcher.py, `cedserve serve --ray`).
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from cedserve.serving import parse_ready_line
+from cedserve.serving import checkpoint_identity, parse_ready_line
 
 TINY_CHECKPOINT_VERSION = "tiny-random-v1"
 
@@ -38,17 +44,51 @@ def cache_home() -> Path:
     return Path(base) / "cedserve"
 
 
+def shipped_demo_checkpoint() -> Path:
+    """The trained demo checkpoint shipped in the package (`scripts/train_demo.py`, docs/training.md)."""
+    from importlib import resources
+
+    return Path(str(resources.files("cedserve") / "assets" / "demo"))
+
+
+def ensure_demo_checkpoint(home: Path | None = None) -> Path:
+    """The embedded default's checkpoint: the shipped demo checkpoint, copied on first use to
+    `<cache home>/checkpoints/demo-<identity>` (so every process's command line names the cache
+    home, and a new package version brings a new folder)."""
+    source = shipped_demo_checkpoint()
+    if not (source / "model.safetensors").is_file():
+        raise LaunchError(f"the demo checkpoint is missing from the package ({source}); pass --checkpoint DIR")
+    folder = (home or cache_home()) / "checkpoints" / f"demo-{checkpoint_identity(source)}"
+    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
+        return folder
+    import shutil
+
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+    if folder.exists():  # another process finished first; keep its copy
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(folder)
+    return folder
+
+
 def ensure_tiny_checkpoint(home: Path | None = None) -> Path:
-    """The embedded default's checkpoint: a tiny real-format one, written on first use."""
-    folder = (home or cache_home()) / "checkpoints" / TINY_CHECKPOINT_VERSION
+    """A tiny real-format checkpoint with random weights, written on first use (tests, benchmarks)."""
+    return ensure_preset_checkpoint("tiny", home)
+
+
+def ensure_preset_checkpoint(name: str, home: Path | None = None) -> Path:
+    """A real-format checkpoint of preset `name` (tiny, mini-40) with random weights (seed 0),
+    written on first use under `<cache home>/checkpoints/<name>-random-v1`."""
+    folder = (home or cache_home()) / "checkpoints" / TINY_CHECKPOINT_VERSION.replace("tiny", name, 1)
     if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
         return folder
     from cedserve.model.checkpoint_writer import write_random_checkpoint
     from cedserve.model.presets import preset
 
-    print(f"writing a tiny random checkpoint to {folder} (first use)", file=sys.stderr, flush=True)
+    print(f"writing a {name} random checkpoint to {folder} (first use)", file=sys.stderr, flush=True)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    write_random_checkpoint(preset("tiny"), tmp, seed=0)
+    write_random_checkpoint(preset(name), tmp, seed=0)
     if folder.exists():  # another process finished first; keep its copy
         import shutil
 
@@ -100,6 +140,10 @@ class LocalLauncher:
 
     def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None,
               ready_timeout_s: float = 180.0) -> dict[str, Any]:
+        return self.spawn(name, args, env).wait_ready(ready_timeout_s)
+
+    def spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Part:
+        """Start a part without waiting for its ready line (parts that must start together)."""
         argv = [sys.executable, "-m", "cedserve.cli", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
@@ -108,7 +152,7 @@ class LocalLauncher:
         log = part.log_path.open("a")
         threading.Thread(target=part.pump, args=(log,), daemon=True, name=f"log-{name}").start()
         self.parts.append(part)
-        return part.wait_ready(ready_timeout_s)
+        return part
 
     def first_exit(self) -> Part | None:
         return next((p for p in self.parts if p.proc.poll() is not None), None)
@@ -129,40 +173,158 @@ class LocalLauncher:
 @dataclass(frozen=True)
 class EmbeddedOptions:
     checkpoint: Path | None = None
-    """None: the tiny checkpoint written on first use."""
+    """None: the shipped trained demo checkpoint (`preset` demo), or a random real-format
+    checkpoint of `preset`, written on first use."""
+    preset: str = "demo"
+    """demo (the trained checkpoint), or a preset with random weights (tiny, mini-40)."""
     host: str = "127.0.0.1"
     port: int = 50051
     """Public gRPC port of the router."""
     log_dir: Path | None = None
     """None: `<cache home>/logs`."""
     default_max_tokens: int = 64
+    num_prefill: int = 1
+    """Prefill workers; 0: colocated serving (every request prefilled by a decode worker)."""
+    num_decode: int = 1
+    """Decode workers, each a group of `decode_group_size` ranks."""
+    decode_group_size: int = 1
+    """Expert-parallel ranks per decode worker (docs/decode.md)."""
+    policy: str = "cache_aware"
+    """Router placement policy: cache_aware, least_loaded or round_robin (router/policy.py)."""
+    device: str = "cpu"
+    """Workers' device, `cpu` or `cuda` (one GPU per rank, chosen by `gpus`)."""
+    gpus: tuple[int, ...] = ()
+    """GPU ids handed to the ranks in start order (prefill workers, then decode ranks) through
+    CUDA_VISIBLE_DEVICES; empty with `cuda`: 0, 1, 2, ..."""
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1 or self.decode_group_size < 1:
+            raise ValueError(f"embedded: need num_prefill >= 0, num_decode >= 1 and decode_group_size >= 1, got "
+                             f"{self.num_prefill}, {self.num_decode}, {self.decode_group_size}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"embedded field `device`: cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and self.gpus and len(self.gpus) < self.num_ranks:
+            raise ValueError(f"embedded field `gpus`: {self.num_ranks} ranks need as many GPUs, got {list(self.gpus)}")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_prefill + self.num_decode * self.decode_group_size
+
+    def rank_env(self, index: int) -> dict[str, str]:
+        """Environment of the `index`-th rank started: its GPU on `cuda`."""
+        if self.device != "cuda":
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": str(self.gpus[index] if self.gpus else index)}
 
 
-def write_worker_config(run_dir: Path) -> Path:
-    """A worker config whose KV-transfer control plane uses a fresh random token (file mode 0600)."""
+def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = None) -> dict[str, Path]:
+    """Worker configs by role, whose KV-transfer control plane uses `token` (default: a fresh random
+    one; file mode 0600), and whose `[prefill]` / `[decode]` table sets the device (each role reads
+    only its own). Every worker of one system must share the token."""
     import secrets
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    token = run_dir / "kv_transfer.token"
-    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    token_file = run_dir / "kv_transfer.token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    config = run_dir / "worker.toml"
-    config.write_text(f'[kv_transfer]\nauth_token_file = "{token}"\n')
-    return config
+        f.write(token or secrets.token_hex(32))
+    configs = {}
+    for role in ("prefill", "decode"):
+        configs[role] = run_dir / f"{role}.toml"
+        configs[role].write_text(f'[kv_transfer]\nauth_token_file = "{token_file}"\n[{role}]\ndevice = "{device}"\n')
+    return configs
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the system, as both launchers start it: `cedserve <args>`."""
+
+    name: str
+    """Log and part name: prefill0, decode0, decode0-r1 (a follower rank), router."""
+    role: str
+    """prefill, decode or router."""
+    worker_id: str
+    """The worker's id (its ranks share it); "" for the router."""
+    group: int
+    """Index of the worker in its pool."""
+    rank: int
+    """Rank in the worker's group (0 leads: only it serves the worker service)."""
+    args: tuple[str, ...]
+    """Command line after `cedserve`, with `{checkpoint}` and `{run_dir}` placeholders."""
+    env: tuple[tuple[str, str], ...] = ()
+
+    def argv(self, checkpoint: str, run_dir: str) -> list[str]:
+        return [a.replace("{checkpoint}", checkpoint).replace("{run_dir}", run_dir) for a in self.args]
+
+
+def resolve_checkpoint(opts: EmbeddedOptions) -> str:
+    """The served checkpoint folder, written on first use for the demo and random presets."""
+    if opts.checkpoint is not None:
+        return str(opts.checkpoint)
+    if opts.preset == "demo":
+        return str(ensure_demo_checkpoint())
+    return str(ensure_preset_checkpoint(opts.preset))
+
+
+def plan_workers(opts: EmbeddedOptions, rendezvous: Callable[[int], tuple[str, int]],
+                 assign_gpus: bool = True) -> list[ProcessSpec]:
+    """Every worker rank: prefill workers, then each decode group's ranks. `rendezvous(group)` gives
+    a decode group's torch.distributed leader host and port (groups of more than one rank only);
+    `assign_gpus` hands ranks GPUs through CUDA_VISIBLE_DEVICES (Ray assigns them itself)."""
+    common = ("--checkpoint", "{checkpoint}", "--host", opts.host, "--port", "0")
+    specs = []
+    for i in range(opts.num_prefill):
+        specs.append(ProcessSpec(f"prefill{i}", "prefill", f"prefill{i}", i, 0, (
+            "worker", "--role", "prefill", "--worker-id", f"prefill{i}", "--config", "{run_dir}/prefill.toml",
+            *common)))
+    for i in range(opts.num_decode):
+        group: tuple[str, ...] = ()
+        if opts.decode_group_size > 1:
+            host, port = rendezvous(i)
+            group = ("--group-size", str(opts.decode_group_size), "--leader-address", host, "--dist-port", str(port))
+        for rank in range(opts.decode_group_size):
+            specs.append(ProcessSpec(f"decode{i}" if rank == 0 else f"decode{i}-r{rank}", "decode", f"decode{i}", i,
+                                     rank, ("worker", "--role", "decode", "--worker-id", f"decode{i}", "--config",
+                                            "{run_dir}/decode.toml", *common, *group, "--rank", str(rank))))
+    if assign_gpus:
+        specs = [replace(s, env=tuple(opts.rank_env(k).items())) for k, s in enumerate(specs)]
+    return specs
+
+
+def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[str, str, str]]) -> list[str]:
+    """`cedserve router` in front of `leaders` (role, worker id, address); `checkpoint` may be the
+    `{checkpoint}` placeholder (read for the context length only when it is a real path)."""
+    workers = [f"--{role}={worker_id}={address}" for role, worker_id, address in leaders]
+    colocated = []
+    if opts.num_prefill == 0:  # every prompt the model accepts may be prefilled by a decode worker
+        from cedserve.model.config import ModelConfig
+
+        limit = ModelConfig.from_hf_json(resolve_checkpoint(opts)).max_position_embeddings
+        colocated = ["--decode-only-max-tokens", str(limit)]
+    return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), *workers,
+            "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens), *colocated]
 
 
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:
-    """Start prefill, decode and router; returns the router's ready info."""
-    checkpoint = str(opts.checkpoint or ensure_tiny_checkpoint())
-    worker_config = write_worker_config(launcher.log_dir / "run")
-    common = ["--checkpoint", checkpoint, "--config", str(worker_config), "--host", opts.host, "--port", "0"]
-    prefill = launcher.start("prefill", ["worker", "--role", "prefill", "--worker-id", "prefill0", *common])
-    decode = launcher.start("decode", ["worker", "--role", "decode", "--worker-id", "decode0", *common])
-    return launcher.start("router", [
-        "router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port),
-        "--prefill", f"prefill0={prefill['address']}", "--decode", f"decode0={decode['address']}",
-        "--default-max-tokens", str(opts.default_max_tokens)])
+    """Start the prefill workers and decode groups (together), then the router; returns its ready info."""
+    checkpoint = resolve_checkpoint(opts)
+    run_dir = launcher.log_dir / "run"
+    write_worker_config(run_dir, opts.device)
+    specs = plan_workers(opts, lambda group: (opts.host, _free_port(opts.host)))
+    parts = [launcher.spawn(s.name, s.argv(checkpoint, str(run_dir)), dict(s.env)) for s in specs]
+    for part in parts:  # every rank, followers included
+        part.wait_ready(600.0 if opts.device == "cuda" else 180.0)
+    leaders = [(s.role, s.worker_id, str(p.ready["address"])) for s, p in zip(specs, parts) if s.rank == 0]
+    return launcher.start("router", router_args(opts, checkpoint, leaders))
 
 
 def serve_embedded(opts: EmbeddedOptions) -> int:

@@ -2,10 +2,11 @@
 
 Nothing here knows a worker's internals; a worker plugs in through small callbacks. Contract:
 
-* `GrpcServer(host, port, max_workers)`: a `grpc.Server` with `grpc.health.v1.Health` registered
-  (services `""` and `"liveness"`, both `NOT_SERVING` until `health.set_ready(True)`), bound at
-  construction (port 0: a free one; `address` and `port` are the bound ones). Add servicers through
-  `server.grpc`, then `start()`. `stop(grace_s)` waits for the stop to finish.
+* `GrpcServer(host, port, max_workers, tls, health_port)`: a `grpc.Server` with `grpc.health.v1.Health`
+  registered (services `""` and `"liveness"`, both `NOT_SERVING` until `health.set_ready(True)`), bound
+  at construction (port 0: a free one; `address` and `port` are the bound ones), TLS-only when `tls`
+  is enabled (`cedserve.tls`), plus an optional plaintext health-only listener for kubelet probes.
+  Add servicers through `server.grpc`, then `start()`. `stop(grace_s)` waits for the stop to finish.
 * `Health`: `set_ready(bool)` drives `""` (readiness/startup), `set_alive(bool)` drives `"liveness"`.
 * `start_metrics_server(host, port, registry)`: Prometheus `/metrics` over HTTP for one registry
   (never the process-global one); returns the bound port (0: a free one).
@@ -58,6 +59,7 @@ from cedserve.model.cache.events import KVEventBatch, encode_batch
 from cedserve.model.network import CEDModel
 from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
+from cedserve.tls import PLAINTEXT, TLSConfig, add_port
 
 log = logging.getLogger(__name__)
 
@@ -202,28 +204,50 @@ def format_address(host: str, port: int) -> str:
 
 
 class GrpcServer:
-    """A bound (not yet started) gRPC server with the health services registered."""
+    """A bound (not yet started) gRPC server with the health services registered.
 
-    def __init__(self, host: str, port: int, max_workers: int = 16) -> None:
+    With `tls` enabled the port serves only TLS (mTLS with `tls.require_client_cert`). Kubelet gRPC
+    probes speak plaintext only, so `health_port` >= 0 adds a plaintext listener that serves only
+    `grpc.health.v1.Health` and the loopback-only `Lifecycle.Drain` (the preStop hook), never the
+    worker's own service (port 0: a free one, see `health_port`)."""
+
+    def __init__(self, host: str, port: int, max_workers: int = 16, tls: TLSConfig = PLAINTEXT,
+                 health_port: int = -1) -> None:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
         self.health = Health()
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc)
-        bound = self.grpc.add_insecure_port(format_address(host, port))
+        bound = add_port(self.grpc, format_address(host, port), tls, "internal_tls")
         if bound == 0:
             raise OSError(f"gRPC server could not bind {format_address(host, port)}")
         self.host = host
         self.port = bound
+        self.tls = tls
+        self._health_only: grpc.Server | None = None
+        self.health_port = -1
+        if health_port >= 0:
+            self._health_only = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self._health_only)
+            self.health_port = self._health_only.add_insecure_port(format_address(host, health_port))
+            if self.health_port == 0:
+                raise OSError(f"health listener could not bind {format_address(host, health_port)}")
 
     @property
     def address(self) -> str:
         return format_address(self.host, self.port)
 
+    def listeners(self) -> list[grpc.Server]:
+        return [self.grpc] if self._health_only is None else [self.grpc, self._health_only]
+
     def start(self) -> None:
         self.grpc.start()
+        if self._health_only is not None:
+            self._health_only.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.servicer.enter_graceful_shutdown()
         self.grpc.stop(grace_s).wait()
+        if self._health_only is not None:
+            self._health_only.stop(0).wait()
 
 
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> int:
@@ -360,12 +384,15 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
 
 
 def add_lifecycle(server: GrpcServer, drain: DrainController) -> None:
-    lifecycle_pb2_grpc.add_LifecycleServicer_to_server(  # type: ignore[no-untyped-call]
-        LifecycleServicer(drain), server.grpc)
+    """`Lifecycle` on the server's port and on its plaintext health listener, if any."""
+    for listener in server.listeners():
+        lifecycle_pb2_grpc.add_LifecycleServicer_to_server(  # type: ignore[no-untyped-call]
+            LifecycleServicer(drain), listener)
 
 
 def request_drain(address: str, timeout_s: float) -> lifecycle_pb2.DrainReply | None:
-    """Client side of `cedserve drain`: None when the process could not be reached in time."""
+    """Client side of `cedserve drain` (plaintext: with TLS on, aim it at the health listener, which
+    serves Drain too): None when the process could not be reached in time."""
     with grpc.insecure_channel(address) as channel:
         stub = lifecycle_pb2_grpc.LifecycleStub(channel)  # type: ignore[no-untyped-call]
         try:
@@ -582,6 +609,20 @@ class WorkerOptions:
     rank: int = 0
     leader_address: str | None = None
     worker_id: str | None = None
+    health_port: int = -1
+    """Plaintext listener for kubelet probes (they cannot speak TLS) and the loopback-only Drain;
+    -1: none."""
+    tls_cert: str | None = None
+    """`--tls-*` flags: override the config file's `[internal_tls]` fields (None: not given)."""
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_require_client_cert: bool | None = None
+    tls_server_name: str | None = None
+
+    def internal_tls(self, from_file: TLSConfig) -> TLSConfig:
+        """The worker's `[internal_tls]` with the flags applied."""
+        return from_file.override(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca,
+                                  require_client_cert=self.tls_require_client_cert, server_name=self.tls_server_name)
 
     @property
     def public_host(self) -> str:

@@ -53,7 +53,13 @@ class DecodeConfig:
     dspark: bool = True
     """Speculative decoding with the DSpark drafter (when the checkpoint has one)."""
     draft_tokens: int = 0
-    """Drafts per pass; 0: the model's `dspark_block_size`."""
+    """Drafts per pass; 0: the model's `dspark_block_size`. A request's effort lowers it
+    (`draft_limit`)."""
+    ship_state: bool = False
+    """Leases ask the prefill side for the bounded decode state (SWA windows, compressor partial
+    groups, Engram history, DSpark taps when drafting) instead of replaying: Reserve holds room for it
+    after the KV blocks and answers `ReserveReply.state_room`. `ReserveRequest.ship_state` overrides it
+    per request."""
     adaptive_verify: bool = True
     """Choose each request's verification length from the confidence head (else verify every draft)."""
     step_prior_s: float = 0.05
@@ -93,3 +99,14 @@ class DecodeConfig:
     def token_budget(self, effort: int) -> int:
         """Most output tokens a request of this effort (1-100) may produce."""
         return max(1, self.max_output_tokens * parse_effort(effort) // MAX_EFFORT)
+
+    @staticmethod
+    def draft_limit(effort: int, max_drafts: int) -> int:
+        """Most drafts a request of this effort (1-100; 0: unset, the most) verifies per pass:
+        `ceil(max_drafts * effort / 100)`, at least 1 when drafting at all. With DSpark's 5 that is
+        5 at effort 100 (`max`), 4 at 75 (`high`), 3 at 50 (`low`), 2 at 25, 1 at 1-20. Effort buys
+        target compute as it buys output tokens: a longer verify chunk costs rows of every pass, and
+        pays where the output is long. The confidence head still chooses the length within it."""
+        if max_drafts <= 0 or effort == 0:
+            return max(0, max_drafts)
+        return max(1, -(-max_drafts * parse_effort(effort) // MAX_EFFORT))

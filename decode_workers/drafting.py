@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from cedserve.decode_workers.sequence import DecodeSequence
@@ -65,6 +66,9 @@ class DSparkProposer:
         k = self._k
         return Draft(draft.tokens[:k], draft.probs[:k], draft.confidences[:k])
 
+    # The drafter's weights require grad: without no_grad each step's vectors would keep an autograd
+    # graph chaining every earlier step's taps alive.
+    @torch.no_grad()
     def observe(self, seq: DecodeSequence, first_position: int, taps: Tensor, keep_end: int) -> None:
         state = seq.draft
         if state is None or state.end_position < first_position or state.end_position - first_position > state.rollback:

@@ -5,10 +5,11 @@ queued, `poll` for finished transfers and expired leases, and `step` while there
 returns the outputs to stream. A step:
 
 1. `schedule`: joins, preemptions, growth room (`scheduler.py`, `sched_output.py`);
-2. preempt (offload to host or drop) and prepare joins (global KV from the blocks, onload);
+2. preempt (offload to host or drop) and prepare joins (global KV from the blocks, onload, or the
+   prefill side's shipped bounded state installed over it: no replay rows, drafts at once);
 3. draft for every running sequence whose drafter memory is at its anchor, and choose each one's
    verification length from the confidence head (maximising expected tokens per second for this
-   batch under the measured pass-cost line, `profile.py`);
+   batch under the measured pass-cost line, `profile.py`), at most its effort's `draft_limit`;
 4. one target pass over every sequence's rows (`step.py`), the MoE through expert parallelism;
 5. accept (greedy, or lossless rejection sampling), roll rejected drafts back, stream tokens, write
    the new records into the blocks, offer whole blocks to the prefix cache, retire finished requests.
@@ -24,13 +25,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.drafting import Proposer
 from cedserve.decode_workers.expert_parallel import ExpertParallel, SingleRank, ep_moe
-from cedserve.decode_workers.leases import LeaseBook, LeaseError
+from cedserve.decode_workers.leases import LeaseBook, LeaseError, StateRoomPolicy
 from cedserve.decode_workers.messages import (
     AttachCommand,
     CancelCommand,
@@ -54,8 +56,16 @@ from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Draft, DraftState
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
+from cedserve.model.paged_kv import load_bytes
 from cedserve.model.sampling import make_generator
 from cedserve.model.state import SequenceState
+from cedserve.model.state_format import (
+    BoundedState,
+    StateFormatError,
+    decode_state,
+    max_state_bytes,
+    taps_supported,
+)
 from cedserve.proto import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
@@ -79,7 +89,9 @@ class DecodeEngine:
         self.rank = rank
         self.clock = clock
         self.endpoint = endpoint
-        self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock)
+        self._taps_dtype: torch.dtype | None = None
+        self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock,
+                                self._state_room_policy())
         self.profile = StepProfile(config.step_prior_s, config.step_prior_per_row_s)
         lookahead = (self.proposer.max_tokens if self.proposer is not None else 0) + 1
         budget = BlockBudget(self.leases.available_blocks, self._table_len)
@@ -143,7 +155,7 @@ class DecodeEngine:
         self.leases.take(lease)
         self.sequences[seq.request_id] = seq
         if seq.join is JoinKind.PREFILL or lease.transfer_done:
-            self.scheduler.add(seq)
+            return self._join_when_ready(seq)
         return []
 
     def attach_state(self, request_id: str, prompt: Sequence[int], state: SequenceState, first_token: int,
@@ -189,7 +201,7 @@ class DecodeEngine:
             if seq is None or seq.lease is not lease or seq.status is not Status.LEASED:
                 continue
             if lease.transfer_done:
-                self.scheduler.add(seq)
+                out.extend(self._join_when_ready(seq))
             else:
                 self.sequences.pop(seq.request_id)
                 self.leases.release(lease)
@@ -256,7 +268,7 @@ class DecodeEngine:
             return [None] * len(running)
         steady = [s for s in running if not s.needs_pass_to_join()]
         proposed = dict(zip((s.request_id for s in steady), self.proposer.propose(steady)))
-        drafts = [proposed.get(s.request_id) for s in running]
+        drafts = [_cut(proposed.get(s.request_id), s.max_drafts) for s in running]
         with_drafts = [i for i, d in enumerate(drafts) if d is not None]
         if not with_drafts:
             return drafts
@@ -268,12 +280,16 @@ class DecodeEngine:
         return drafts
 
     def _verify_lengths(self, drafts: list[Draft], running: list[DecodeSequence], sched: SchedulerOutput) -> list[int]:
-        k = min(len(d.tokens) for d in drafts)
+        """Each request's verification length, at most its draft's (already cut to its effort's limit)."""
+        limits = [len(d.tokens) for d in drafts]
         if not self.config.adaptive_verify:
-            return [k] * len(drafts)
+            return limits
         other_rows = sched.num_join_rows + sum(len(s.pending) for s in running) - len(drafts)
-        confidences = torch.stack([d.confidences[:k].float().cpu() for d in drafts])
-        lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows))
+        confidences = torch.zeros(len(drafts), max(limits))  # [batch, K]; past a request's limit: unused
+        for i, d in enumerate(drafts):
+            confidences[i, : limits[i]] = d.confidences[: limits[i]].float().cpu()
+        lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows),
+                                        torch.tensor(limits))
         return [int(j) for j in lengths]
 
     def _plan(self, running: list[DecodeSequence], drafts: list[Draft | None]) -> tuple[list[SeqPlan], list[BatchItem]]:
@@ -330,10 +346,45 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ joins and preemption
 
+    def _state_room_policy(self) -> StateRoomPolicy:
+        """Scratch blocks for one shipped state (with DSpark taps when this rank drafts)."""
+        config = self.model.config
+        taps = self.proposer is not None and taps_supported(config)
+        self._taps_dtype = self.model.embed.weight.dtype if taps else None
+        blocks = -(-max_state_bytes(config, self._taps_dtype) // self.layout.block_bytes)
+        return StateRoomPolicy(self.config.ship_state, blocks, taps)
+
+    def _join_when_ready(self, seq: DecodeSequence) -> list[Output]:
+        """The KV is in place (or this rank prefills): read and check a shipped state, then queue the join.
+        A state that fails its checks fails the request (TRANSFER_FAILED) with every block freed."""
+        lease = seq.lease
+        if lease.state_block_ids:
+            data = load_bytes(self.cache.pool.storage, lease.state_block_ids)
+            self.leases.free_state(lease)
+            try:
+                seq.shipped = self._check_state(seq, data, lease.state_taps)
+            except StateFormatError as exc:
+                self.metrics.transfer_failures.labels("invalid_state").inc()
+                self._finish(seq, "failed")
+                return [Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED,
+                               f"request {seq.request_id!r}: the shipped decode state was rejected: {exc}")]
+            seq.join = JoinKind.SHIPPED
+        self.scheduler.add(seq)
+        return []
+
+    def _check_state(self, seq: DecodeSequence, data: np.ndarray, taps: bool) -> BoundedState:
+        state = decode_state(data, self.model.config, self._taps_dtype if taps else None)
+        if state.position != seq.num_prompt_tokens:
+            raise StateFormatError(f"the state is at position {state.position}, the prompt has "
+                                   f"{seq.num_prompt_tokens} tokens")
+        return state
+
     def _prepare_join(self, seq: DecodeSequence) -> None:
         self.metrics.joins.labels(seq.join.value).inc()
         kind = seq.join
-        if kind is JoinKind.REPLAY:
+        if kind is JoinKind.SHIPPED and seq.shipped is not None:
+            self._install_shipped(seq, seq.shipped)
+        elif kind is JoinKind.REPLAY:
             table = self.cache.block_table(seq.request_id)
             seq.state = state_io.load_from_blocks(self.model, self.layout, self.cache.pool.storage, table,
                                                   seq.num_prompt_tokens)
@@ -342,6 +393,19 @@ class DecodeEngine:
             self._load_prefix(seq, seq.lease.num_cached_blocks * self.config.block_size)
         elif kind in (JoinKind.RECOMPUTE, JoinKind.ONLOAD):
             self._readmit(seq)
+
+    def _install_shipped(self, seq: DecodeSequence, shipped: BoundedState) -> None:
+        """Global KV from the blocks, the bounded state as shipped, the drafter's memory from its taps."""
+        table = self.cache.block_table(seq.request_id)
+        state = state_io.load_from_blocks(self.model, self.layout, self.cache.pool.storage, table,
+                                          seq.num_prompt_tokens)
+        shipped.install(state)
+        seq.state, seq.shipped = state, None
+        seq.stored_entries = state_io.entries(state)
+        if shipped.taps is not None and self.proposer is not None:
+            # [n, n_taps, 1, hidden]: one "stream" holding the mean, which the drafter averages again, exactly
+            taps = shipped.taps.to(self.model.embed.weight.device).unsqueeze(2)
+            self.proposer.observe(seq, shipped.taps_first_position, taps, state.position)
 
     def _readmit(self, seq: DecodeSequence) -> None:
         """A preempted request gets blocks again (its own cached blocks come back shared)."""
@@ -411,11 +475,13 @@ class DecodeEngine:
         if seq.offloaded is not None:
             self._offloaded_bytes -= seq.offloaded.nbytes
             seq.offloaded = None
+        seq.shipped = None
         lease = seq.lease
         if lease.transfer_open:
             self.leases.cancel(lease, reason)  # blocks freed once the transfer lets go
         else:
             self.leases.release(lease)
+            self.leases.free_state(lease)
             if seq.request_id in self.cache:
                 self.cache.free(seq.request_id)
         self.metrics.finished.labels(reason).inc()
@@ -451,6 +517,7 @@ class DecodeEngine:
         span = state_io.replay_span(self.model.config, cmd.replay_span, self.config.replay_span, len(cmd.token_ids))
         seq = DecodeSequence(cmd.request_id, lease, tokens, len(cmd.token_ids), params, make_generator(params),
                              frozenset(stop), cmd.sampling.stop, join, span, self._arrivals)
+        seq.max_drafts = self.config.draft_limit(cmd.effort, self.proposer.max_tokens if self.proposer else 0)
         if cmd.deadline_unix_ms:
             seq.deadline_s = self.clock() + (cmd.deadline_unix_ms / 1000 - time.time())
         if cmd.first_token is not None and seq.request_id in self.cache:
@@ -480,3 +547,12 @@ class DecodeEngine:
         self.metrics.waiting.set(len(self.scheduler.waiting) + self.leases.num_open - len(self.scheduler.running))
         self.metrics.preempted.set(len(self.scheduler.preempted))
         self.metrics.free_blocks.set(self.leases.available_blocks())
+
+
+def _cut(draft: Draft | None, max_drafts: int) -> Draft | None:
+    """`draft` shortened to `max_drafts` (None when that leaves nothing)."""
+    if draft is None or len(draft.tokens) <= max_drafts:
+        return draft
+    if max_drafts <= 0:
+        return None
+    return Draft(draft.tokens[:max_drafts], draft.probs[:max_drafts], draft.confidences[:max_drafts])

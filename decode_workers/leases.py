@@ -2,7 +2,9 @@
 
 Reserve admits the prompt into the cache manager (leading blocks this rank already caches are shared,
 the rest are fresh), registers a kv_transfer reservation for the fresh ones with the named sender, and
-answers with both. The transfer's `on_finish` runs on the transfer thread: it only queues the result,
+answers with both. A lease that asks for the bounded decode state (`ship_state`) also holds scratch
+blocks for it, reserved after the KV blocks in the same transfer; they are freed once the state is read
+(or with the lease). The transfer's `on_finish` runs on the transfer thread: it only queues the result,
 which `poll` applies on the engine thread. A lease ends in exactly one of three ways: its Decode call
 takes it over (`take`), it is cancelled, or its deadline passes unattached. Blocks return to the pool
 only once the transfer no longer touches them (after `on_finish`), as the transfer contract requires.
@@ -15,6 +17,7 @@ import queue
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cedserve.decode_workers.messages import Failed, ReserveCommand, Reserved
 from cedserve.decode_workers.metrics import DecodeMetrics
@@ -47,12 +50,31 @@ def new_lease_id() -> str:
     return uuid.uuid4().hex
 
 
+def state_owner(request_id: str) -> str:
+    """The cache manager's name for a lease's shipped-state scratch blocks."""
+    return f"{request_id}#state"
+
+
+@dataclass(frozen=True)
+class StateRoomPolicy:
+    """How this rank receives shipped bounded state."""
+
+    default: bool
+    """Leases ask for it unless the Reserve call says otherwise (`decode.ship_state`)."""
+    num_blocks: int
+    """Scratch blocks one state needs at most (`state_format.max_state_bytes` / block bytes)."""
+    taps: bool
+    """Ask for the DSpark taps (this rank drafts)."""
+
+
 class LeaseBook:
     """Every lease of one rank. Engine thread only, except `_on_finish` (any thread)."""
 
     def __init__(self, cache: KVCacheManager, endpoint: TransferEndpoint | None, metrics: DecodeMetrics,
-                 headroom_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 headroom_blocks: int, clock: Callable[[], float] = time.monotonic,
+                 state_room: StateRoomPolicy | None = None) -> None:
         self.cache = cache
+        self.state_room = state_room or StateRoomPolicy(False, 0, False)
         self.endpoint = endpoint
         self.receiver: KVReceiver | None = endpoint.receiver() if endpoint is not None else None
         self.metrics = metrics
@@ -69,8 +91,10 @@ class LeaseBook:
         self._validate(cmd)
         lease = self._admit(cmd)
         try:
+            self._hold_state_room(cmd, lease)
             reservation = self._open_transfer(cmd, lease)
         except LeaseError:
+            self.free_state(lease)
             self.cache.free(cmd.request_id)
             raise
         self.leases[lease.lease_id] = lease
@@ -78,7 +102,8 @@ class LeaseBook:
         self.metrics.leases.inc()
         deadline_ms = int((time.time() + cmd.lease_ms / 1000) * 1000)
         return Reserved(cmd.request_id, lease.lease_id, agent_name, control_address, tuple(lease.block_ids),
-                        lease.num_cached_blocks, deadline_ms, reservation)
+                        lease.num_cached_blocks, deadline_ms, reservation, len(lease.state_block_ids),
+                        lease.state_taps)
 
     def _validate(self, cmd: ReserveCommand) -> None:
         if not cmd.request_id:
@@ -114,14 +139,32 @@ class LeaseBook:
         return Lease(cmd.lease_id, cmd.request_id, list(adm.block_ids), cached,
                      self.clock() + cmd.lease_ms / 1000, cacheable, cmd.prompt_tokens)
 
+    def _hold_state_room(self, cmd: ReserveCommand, lease: Lease) -> None:
+        """Scratch blocks for the shipped bounded state, when this lease asks for it."""
+        policy = self.state_room
+        wanted = policy.default if cmd.ship_state is None else cmd.ship_state
+        if not wanted or not cmd.sender_agent or policy.num_blocks == 0:
+            return
+        try:
+            lease.state_block_ids = self.cache.allocate_scratch(state_owner(cmd.request_id), policy.num_blocks)
+        except CacheExhaustedError as exc:
+            raise LeaseError(wpb.ERROR_CODE_RESOURCE_EXHAUSTED, str(exc), retry_after_ms=RETRY_AFTER_MS) from None
+        lease.state_taps = policy.taps
+
+    def free_state(self, lease: Lease) -> None:
+        """Return the lease's state scratch blocks (idempotent)."""
+        if lease.state_block_ids:
+            self.cache.free(state_owner(lease.request_id))
+            lease.state_block_ids = []
+
     def _open_transfer(self, cmd: ReserveCommand, lease: Lease) -> bytes:
         if not cmd.sender_agent or self.receiver is None or self.endpoint is None:
             return b""
         self._connect(cmd)
         try:
-            reservation = self.receiver.reserve(lease.lease_id, lease.block_ids[lease.num_cached_blocks:],
-                                                sender=cmd.sender_agent, lease_s=cmd.lease_ms / 1000,
-                                                on_finish=self._results.put)
+            blocks = [*lease.block_ids[lease.num_cached_blocks:], *lease.state_block_ids]
+            reservation = self.receiver.reserve(lease.lease_id, blocks, sender=cmd.sender_agent,
+                                                lease_s=cmd.lease_ms / 1000, on_finish=self._results.put)
         except ValueError as exc:
             raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
                              "sender_agent") from None
@@ -189,6 +232,7 @@ class LeaseBook:
                 cause = result.error.cause.value if result.error is not None else result.state.value
                 self.metrics.transfer_failures.labels(cause).inc()
                 lease.transfer_error = str(result.error) if result.error is not None else result.state.value
+                self.free_state(lease)
                 if lease.request_id in self.cache:
                     self.cache.free(lease.request_id)
             done.append((lease, result))
@@ -205,6 +249,7 @@ class LeaseBook:
 
     def _forget(self, lease: Lease) -> None:
         self.release(lease)
+        self.free_state(lease)
         if lease.request_id in self.cache:
             self.cache.free(lease.request_id)
 

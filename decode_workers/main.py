@@ -86,13 +86,16 @@ class DecodeSettings:
 
 def load_settings(opts: WorkerOptions) -> DecodeSettings:
     serve, extra = read_serve_file(opts.config, ("decode", "kv_transfer"))
+    serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
     try:
         decode = msgspec.convert(dict(extra.get("decode", {})), type=DecodeConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"config field `decode`: {exc}") from None
     worker_id = opts.worker_id or extra.get("decode", {}).get("worker_id") or f"decode-{socket.gethostname()}-{os.getpid()}"
     decode = replace(decode, worker_id=worker_id, block_size=serve.cache.block_size, num_blocks=serve.cache.num_blocks)
-    return DecodeSettings(serve, decode, kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port))
+    kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port,
+                                       serve.internal_tls)
+    return DecodeSettings(serve, decode, kv)
 
 
 def load_drafter(loaded: LoadedModel, checkpoint: str | None, preset_name: str | None, seed: int,
@@ -148,7 +151,8 @@ class DecodeWorker:
         cfg = self.settings.decode
         return ready_line("decode", format_address(self.opts.public_host, self.server.port), agent=self.agent.name,
                           control_address=self.agent.control_address, metrics_port=self.metrics_port,
-                          worker_id=cfg.worker_id, rank=self.opts.rank, group_size=self.opts.group_size)
+                          worker_id=cfg.worker_id, rank=self.opts.rank, group_size=self.opts.group_size,
+                          health_port=self.server.health_port, tls=self.server.tls.enabled)
 
 
 def build_worker(opts: WorkerOptions) -> DecodeWorker:
@@ -179,7 +183,7 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     router = OutputRouter(opts.group_size) if leader else None
     inbox = CommandInbox()
     loop = EngineLoop(engine, channel, inbox, router.on_report if router is not None else None)
-    server = GrpcServer(opts.host, opts.grpc_port)
+    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port)
     drain = DrainController(server.health, cfg.drain_timeout_s)
     add_lifecycle(server, drain)
     worker = DecodeWorker(opts, settings, cache, agent, engine, loop, router, server, drain, feed)

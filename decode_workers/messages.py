@@ -52,6 +52,8 @@ class ReserveCommand(msgspec.Struct, frozen=True, tag="reserve"):
     sender_agent: str = ""
     """The prefill worker's NIXL agent; empty: no transfer (decode-only placement)."""
     sender_control_address: str = ""
+    ship_state: bool | None = None
+    """Hold room for the prefill side's bounded decode state; None: the rank's `decode.ship_state`."""
 
 
 class AttachCommand(msgspec.Struct, frozen=True, tag="attach"):
@@ -100,6 +102,10 @@ class Reserved(msgspec.Struct, frozen=True, tag="reserved"):
     lease_deadline_unix_ms: int
     reservation: bytes = b""
     """The kv_transfer `Reservation` (serialized protobuf) for the sender; empty without a transfer."""
+    state_blocks: int = 0
+    """The reservation's last blocks, room for the shipped bounded state (0: the rank will replay)."""
+    state_taps: bool = False
+    """The state should carry DSpark taps (this rank drafts)."""
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):

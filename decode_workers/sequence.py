@@ -18,6 +18,7 @@ from cedserve.decode_workers.config import PreemptionPolicy
 from cedserve.model.dspark import DraftState
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.state import SequenceState
+from cedserve.model.state_format import BoundedState
 
 RequestId = str
 
@@ -45,7 +46,9 @@ class JoinKind(str, Enum):
     ONLOAD = "onload"
     """Preempted by offload: copy blocks and bounded state back; no model pass."""
     SHIPPED = "shipped"
-    """The caller handed over a ready state (`DecodeEngine.attach_state`)."""
+    """The prefill side shipped the bounded state (`DecodeSequence.shipped`, installed over the
+    received global KV at the join), or an in-process caller handed over a ready state
+    (`DecodeEngine.attach_state`)."""
 
 
 @dataclass
@@ -79,6 +82,10 @@ class Lease:
     transfer_done: bool = False
     transfer_error: str = ""
     cancelled: bool = False
+    state_block_ids: list[int] = field(default_factory=list)
+    """Room for the shipped bounded state: the reservation's last blocks (freed once read)."""
+    state_taps: bool = False
+    """The shipped state must carry DSpark taps."""
 
 
 @dataclass
@@ -98,7 +105,11 @@ class DecodeSequence:
     arrival: int
     """Admission order (preemption takes the latest first, resumption the earliest)."""
     status: Status = Status.LEASED
+    max_drafts: int = 0
+    """Most drafts verified per pass (the effort's `DecodeConfig.draft_limit`)."""
     state: SequenceState | None = None
+    shipped: BoundedState | None = None
+    """The prefill side's bounded state, checked and waiting for the join to install it."""
     draft: DraftState | None = None
     offloaded: Offloaded | None = None
     stored_entries: dict[int, int] = field(default_factory=dict)

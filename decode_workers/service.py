@@ -38,6 +38,7 @@ from cedserve.decode_workers.messages import (
     Tokens,
 )
 from cedserve.model.cache.events import KVEventBatch
+from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import kv_transfer_pb2, worker_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream
@@ -136,7 +137,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         rank = self.router.pick_rank()
         cmd = ReserveCommand(rank, request.request_id, new_lease_id(), request.prompt_tokens,
                              tuple(request.token_ids), request.lease_ms or self.lease_ms, request.cache_salt,
-                             request.sender_agent, request.sender_control_address)
+                             request.sender_agent, request.sender_control_address,
+                             request.ship_state if request.HasField("ship_state") else None)
         future = self.router.expect_reserve(request.request_id, rank)
         self.inbox.put(cmd)
         try:
@@ -253,6 +255,9 @@ def _reserve_reply(out: Reserved) -> wpb.ReserveReply:
                              lease_deadline_unix_ms=out.lease_deadline_unix_ms)
     if out.reservation:
         reply.reservation.CopyFrom(kv_transfer_pb2.Reservation.FromString(out.reservation))
+    if out.state_blocks:
+        reply.state_room.CopyFrom(wpb.StateRoom(num_blocks=out.state_blocks, format_version=STATE_FORMAT_VERSION,
+                                                dspark_taps=out.state_taps))
     return reply
 
 

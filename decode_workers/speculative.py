@@ -91,22 +91,25 @@ def expected_tokens(confidences: Tensor, lengths: Tensor) -> Tensor:
     return 1.0 + (survival * mask).sum(dim=-1)
 
 
-def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[int], float]) -> Tensor:
+def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[int], float],
+                          max_lengths: Tensor | None = None) -> Tensor:
     """Per-request verification lengths maximising the batch's expected tokens per second.
 
     `steps_per_s(n)` is the profiled rate of target passes verifying `n` positions in total
-    (`n = batch + sum(lengths)`). For a fixed total, the best lengths come from adding positions
+    (`n = batch + sum(lengths)`). `max_lengths [batch]` (default K) caps each request (its effort's
+    draft limit; its confidences past the cap are ignored). For a fixed total, the best lengths come from adding positions
     one at a time where the expected gain is largest: each request's survival is non-increasing in
     j, so its gains are too, and the greedy order is exact. Every total from 0 to batch x K is
     scored and the best kept, so no shape of the rate curve is assumed.
     """
     batch, k = confidences.shape
+    caps = torch.full((batch,), k, dtype=torch.long) if max_lengths is None else max_lengths.long().clamp(0, k)
     survival = torch.cumprod(confidences.double(), dim=-1)  # [batch, K]
     lengths = torch.zeros(batch, dtype=torch.long)
     tokens = float(batch)
     best_value, best_lengths = tokens * steps_per_s(batch), lengths.clone()
-    for extra in range(1, batch * k + 1):
-        gains = torch.where(lengths < k, survival.gather(1, lengths.clamp_max(k - 1)[:, None])[:, 0], -1.0)
+    for extra in range(1, int(caps.sum()) + 1):
+        gains = torch.where(lengths < caps, survival.gather(1, lengths.clamp_max(k - 1)[:, None])[:, 0], -1.0)
         pick = int(gains.argmax())
         lengths[pick] += 1
         tokens += float(gains[pick])

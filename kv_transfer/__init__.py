@@ -9,7 +9,7 @@ Reading order (docs/kv_transfer.md has the full picture):
 5. `descriptors` vectorised descriptor lists: coalesced runs, per-layer baseline, the pack decision
 6. `staging`     packed staging slots: gather on the sender, scatter on the receiver
 7. `config`      `KVTransferConfig`
-8. `control`     the token-authenticated gRPC control plane (Handshake, Heartbeat, Abort)
+8. `control`     the token-authenticated gRPC control plane (Handshake, Heartbeat, Abort, Claim)
 9. `agent`       `NixlTransferAgent`: the engine (progress loop, heartbeats, leases, failure handling)
 10. `loopback`   `LoopbackAgent`: the in-process fake with the same interface
 11. `metrics`, `wire`, `nixl_backend`, `transfers`: metrics, protobuf conversions, the NIXL wrapper, bookkeeping

@@ -24,12 +24,15 @@ Lifecycle
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Literal
 
+import grpc
 import numpy as np
 
 from cedserve.kv_transfer.config import KVTransferConfig
@@ -107,17 +110,33 @@ class NixlTransferAgent:
         self._zombies: list[tuple[object, str]] = []
         self._probes: OrderedDict[int, float] = OrderedDict()  # probe id -> arrival (monotonic)
         self._awaited_probes: set[int] = set()
+        self._claim_clients: dict[str, ControlClient] = {}  # receiver agent -> its control service
         self._next_heartbeat_s = 0.0
         self._pack_threshold = config.pack_threshold(region.device_memory)
 
+        self._hot_poll_s, self._target_poll_s = config.poll_intervals(region.device_memory)
+        self._post_from_caller = (config.post_from_caller if config.post_from_caller is not None
+                                  else region.device_memory)
+
         self._backend = NixlBackend(name, config)
         self._backend.register(region.tensor)
+        # Cross-layer blocks are posted by index into lists prepared once (ours here, a peer's at its
+        # handshake); the per-layer baseline builds its unmerged descriptors per transfer.
+        self._blocks_list: int | None = None
+        if layout.kind is LayoutKind.CROSS_LAYER:
+            try:
+                self._blocks_list = self._backend.prep_blocks(None, region.base_address, region.block_bytes,
+                                                              region.num_blocks, region.device_id,
+                                                              mem_type(region.tensor))
+            except NixlCallError as exc:  # still correct, only slower: descriptors built per transfer
+                log.warning("%s; building descriptor lists per transfer instead", exc)
         self.staging: StagingPool | None = None
         if config.staging_slots > 0 and self._pack_threshold > 0:
             self.staging = StagingPool.allocate(config.staging_slots, config.staging_slot_bytes,
                                                 region.tensor.device)
             self._backend.register(self.staging.tensor)
-        self._server = ControlServer(self, config.control_host, config.control_port, config.auth_token)
+        self._server = ControlServer(self, config.control_host, config.control_port, config.auth_token,
+                                     tls=config.tls)
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
         self._thread.start()
 
@@ -169,7 +188,7 @@ class NixlTransferAgent:
     # ------------------------------------------------------------------ handshake
 
     def handshake(self, address: str, timeout_s: float = 5.0) -> str:
-        client = ControlClient(address, self.config.auth_token)
+        client = ControlClient(address, self.config.auth_token, self.config.tls)
         try:
             responder = client.handshake(self.info(), self._compat, timeout_s)
         finally:
@@ -202,13 +221,22 @@ class NixlTransferAgent:
                 raise ValueError(f"handshake: NIXL metadata names {loaded!r}, AgentInfo names {info.agent_name!r}")
             kv_mem: MemType = "VRAM" if info.kv_region.kind == pb.MEMORY_KIND_VRAM else "DRAM"
             st_mem: MemType = "VRAM" if info.staging_region.kind == pb.MEMORY_KIND_VRAM else "DRAM"
+            blocks_list: int | None = None
+            if self._blocks_list is not None:
+                try:
+                    blocks_list = self._backend.prep_blocks(info.agent_name, info.kv_region.base_address,
+                                                            info.block_bytes, info.num_blocks,
+                                                            info.kv_region.device_id, kv_mem)
+                except NixlCallError as exc:  # still correct, only slower
+                    log.warning("%s; building descriptor lists per transfer to %s", exc, info.agent_name)
             self._peers[info.agent_name] = PeerState(
                 name=info.agent_name,
                 kv=RegionAddress(info.kv_region.base_address, info.num_blocks, info.kv_region.device_id),
                 kv_mem=kv_mem, block_bytes=info.block_bytes,
                 staging_base=info.staging_region.base_address, staging_slot_bytes=info.staging_slot_bytes,
                 staging_slots=info.num_staging_slots, staging_device=info.staging_region.device_id,
-                staging_mem=st_mem, control_address=info.control_address, last_seen_s=time.monotonic())
+                staging_mem=st_mem, control_address=info.control_address, last_seen_s=time.monotonic(),
+                blocks_list=blocks_list)
         self._wake.set()
 
     def _live_peer(self, name: str) -> PeerState:
@@ -260,6 +288,7 @@ class NixlTransferAgent:
             raise ValueError(f"reservation {reservation.request_id!r} is for sender {reservation.sender!r}, "
                              f"not {self._name!r}")
         dst = as_block_ids(reservation.block_ids)
+        self._claim(reservation)
         now = time.monotonic()
         timeout = reservation.lease_s if timeout_s is None else timeout_s
         with self._lock:
@@ -274,6 +303,41 @@ class NixlTransferAgent:
                              dst_ids=dst, reservation=reservation, credits=deque(reservation.staging_slots))
             self._register(t, self._sends)
         self._wake.set()
+
+    def _claim(self, reservation: Reservation) -> None:
+        """Ask the receiver's control plane whether it holds `reservation` for us, before any write:
+        `KVTransferError` INVALID naming its answer when not (an unknown or ended lease), or
+        PEER_DISCONNECTED when it cannot be asked within `peer_timeout_s`."""
+        rid = reservation.request_id
+        with self._lock:
+            peer = self._live_peer(reservation.receiver)
+            client = self._claim_clients.get(peer.name)
+            if client is None or client.address != peer.control_address:
+                client = ControlClient(peer.control_address, self.config.auth_token, self.config.tls)
+                self._claim_clients[peer.name] = client
+        try:
+            problem = client.claim(rid, self._name, self.config.peer_timeout_s)
+        except grpc.RpcError as exc:
+            raise KVTransferError(rid, FailureCause.PEER_DISCONNECTED, f"receiver {reservation.receiver!r} "
+                                  f"did not answer the claim: {exc.code().name}") from None
+        if problem:
+            raise KVTransferError(rid, FailureCause.INVALID, f"receiver {reservation.receiver!r}: {problem}")
+
+    def claim(self, request_id: RequestId, sender_agent: str) -> str:
+        """Control plane (`Claim`): "" when a reservation `request_id` for `sender_agent` is held here
+        and has not ended, else why not."""
+        with self._lock:
+            t = self._recvs.get(request_id)
+            ended = self._results.get((Role.RECEIVER, request_id))
+            if t is None and ended is not None:
+                return f"reservation {request_id!r} already ended here ({ended.state.value})"
+            if t is None:
+                return f"agent {self._name!r} holds no reservation {request_id!r}"
+            if t.peer != sender_agent:
+                return f"reservation {request_id!r} is for sender {t.peer!r}, not {sender_agent!r}"
+            if t.record.state.terminal:
+                return f"reservation {request_id!r} already ended here ({t.record.state.value})"
+        return ""
 
     def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, last: bool) -> None:
         src = as_block_ids(local_block_ids)
@@ -298,6 +362,14 @@ class NixlTransferAgent:
                 raise ValueError(f"write_blocks {request_id!r}: last=True at {end} of {t.dst_ids.size} reserved blocks")
             self._enqueue_chunks(t, src, last)
             t.record.start_transferring(time.monotonic())
+            jobs: list[PostJob] = []
+            if self._post_from_caller:
+                self._pump_send(t, jobs)
+        if jobs:  # posted here, outside the lock, as the progress thread does (see `_step`)
+            posted = [(job, *self._post(job)) for job in jobs]
+            with self._lock:
+                for job, handle, status, error in posted:
+                    self._commit(job, handle, status, error)
         self._wake.set()
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
@@ -318,7 +390,7 @@ class NixlTransferAgent:
             t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b], packed=packed and b - a > 1,
                                  last=last and i == len(pieces) - 1))
         t.next_pos += src.size
-        t.record.block_ids = t.record.block_ids + tuple(src.tolist())
+        t.written.append(src)
         t.closed = last
 
     def _next_chunk(self, t: SendTransfer) -> Chunk:
@@ -384,7 +456,9 @@ class NixlTransferAgent:
         the descriptors this layout would use for those blocks. The benchmark's references. Returns
         `(posted_s, done_s)` on this host's monotonic clock; a WRITE carries a `Probe(probe_id)`
         notification whose arrival the peer records (`probe_arrival`), so the rate can be taken where
-        the bytes land. Overwrites those bytes: benchmark only."""
+        the bytes land. Polled without sleeping (NIXL sends the notification when a poll sees the
+        request complete), as the peer polls for the probe: NIXL's own rate, not our poll interval.
+        Overwrites those bytes: benchmark only."""
         with self._lock:
             peer = self._live_peer(peer_name)
         if blocks is not None:
@@ -400,7 +474,7 @@ class NixlTransferAgent:
         while status == "PROC":
             if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"measure_raw: {nbytes} B not done after {timeout_s} s")
-            time.sleep(self.config.poll_interval_s)
+            time.sleep(0)
             status = self._backend.status(handle, peer_name)
         done = time.monotonic()
         self._backend.release(handle, peer_name)
@@ -448,11 +522,14 @@ class NixlTransferAgent:
                 self._drop_inflight(t)
                 self._finalize(t)
         self._run_callbacks()
+        for client in self._claim_clients.values():
+            client.close()
         self._backend.close()
 
     # ------------------------------------------------------------------ progress loop
 
     def _run(self) -> None:
+        _tight_timer_slack()
         while not self._stop.is_set():
             try:
                 sleep_s = self._step()
@@ -474,9 +551,9 @@ class NixlTransferAgent:
 
     def _step(self) -> float:
         """One round of progress; returns how long to sleep before the next: short while this side
-        has NIXL requests or chunks waiting, longer while it only waits for the peer's notifications
-        (UCX moves incoming bytes on its own thread; a spinning target would steal the core the
-        sender needs), longest when idle."""
+        has NIXL requests or chunks waiting (or a reference probe is awaited), longer while it only
+        waits for the peer's notifications (UCX moves incoming bytes on its own thread; a spinning
+        target would steal the core the sender needs), longest when idle."""
         # Liveness first: after this process was stopped or starved for longer than the peer timeout,
         # its peers have declared it dead and freed their blocks; it must not drain stale heartbeats
         # and then keep writing into them.
@@ -507,9 +584,9 @@ class NixlTransferAgent:
             self._timers(now)
             self._retry_zombies()
             transfers = [*self._sends.values(), *self._recvs.values()]
-            if any(t.has_local_work() for t in transfers):
-                return self.config.poll_interval_s
-            return self.config.target_poll_s if transfers or self._awaited_probes else self.config.idle_poll_s
+            if self._awaited_probes or any(t.has_local_work() for t in transfers):
+                return self._hot_poll_s
+            return self._target_poll_s if transfers else self.config.idle_poll_s
 
     def _run_callbacks(self) -> None:
         with self._lock:
@@ -582,21 +659,36 @@ class NixlTransferAgent:
         if n == 0:
             self._notify(t.peer, notice)
             return True
+        t.posting += 1
         if slot is not None and self.staging is not None:
             descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
                                 peer.staging_address(remote_slot), peer.staging_device, n * bb)
-            remote_mem = peer.staging_mem
-        else:
-            descs = block_descs(self.layout, self._local_address(), peer.kv, c.src, c.dst)
-            remote_mem = peer.kv_mem
-        t.posting += 1
-        return PostJob(t, seq, "WRITE", descs, remote_mem, notice, n * bb, slot, None)
+            return PostJob(t, seq, "WRITE", descs, peer.staging_mem, notice, n * bb, slot, None, descriptors=1)
+        return self._blocks_job(t, seq, "WRITE", c.src, c.dst, peer, notice)
+
+    def _blocks_job(self, t: Transfer, seq: int, op: Literal["WRITE", "READ"], local_ids: np.ndarray,
+                    peer_ids: np.ndarray, peer: PeerState, notif: bytes) -> PostJob:
+        """The request moving our blocks `local_ids[i]` to or from the peer's `peer_ids[i]`: indices into
+        the prepared block lists (cross-layer; NIXL merges runs), or the per-layer descriptors."""
+        nbytes = int(local_ids.size) * self.region.block_bytes
+        if self._blocks_list is not None and peer.blocks_list is not None:
+            return PostJob(t, seq, op, None, peer.kv_mem, notif, nbytes, None, None,
+                           blocks=(local_ids, peer_ids), blocks_lists=(self._blocks_list, peer.blocks_list),
+                           descriptors=count_runs(local_ids, peer_ids))
+        descs = block_descs(self.layout, self._local_address(), peer.kv, local_ids, peer_ids)
+        return PostJob(t, seq, op, descs, peer.kv_mem, notif, nbytes, None, None, descriptors=descs.count)
 
     def _post(self, job: PostJob) -> tuple[object, str, NixlCallError | None]:
         """Phase two of a step, without the agent lock: hand one request to NIXL."""
         try:
-            handle, status = self._backend.post(job.op, job.descs, mem_type(self.region.tensor), job.remote_mem,
-                                                job.transfer.peer, job.notif)
+            if job.blocks is not None:
+                handle, status = self._backend.post_blocks(job.op, job.blocks_lists[0], job.blocks[0],
+                                                           job.blocks_lists[1], job.blocks[1], job.transfer.peer,
+                                                           job.notif)
+            else:
+                assert job.descs is not None
+                handle, status = self._backend.post(job.op, job.descs, mem_type(self.region.tensor),
+                                                    job.remote_mem, job.transfer.peer, job.notif)
         except NixlCallError as exc:
             return None, "ERR", exc
         return handle, status, None
@@ -616,9 +708,9 @@ class NixlTransferAgent:
             if job.local_slot is not None and self.staging is not None:
                 self.staging.release(job.local_slot)
             return
-        t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descs.count, handle=handle,
+        t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
-        t.record.num_descriptors += job.descs.count
+        t.record.num_descriptors += job.descriptors
         if status == "ERR":
             self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
                        f"{job.op} of chunk {job.seq} failed at post", tell_peer=True)
@@ -672,14 +764,11 @@ class NixlTransferAgent:
                 return False
             descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
                                 peer.staging_address(m.staging_slot), peer.staging_device, m.num_blocks * bb)
-            remote_mem = peer.staging_mem
-        else:
-            src = np.asarray(m.block_ids, dtype=np.int64)
-            descs = block_descs(self.layout, self._local_address(), peer.kv, dst, src)
-            remote_mem = peer.kv_mem
+            t.posting += 1
+            return PostJob(t, m.seq, "READ", descs, peer.staging_mem, consumed, m.num_blocks * bb, slot, dst,
+                           descriptors=1)
         t.posting += 1
-        return PostJob(t, m.seq, "READ", descs, remote_mem, consumed, m.num_blocks * bb, slot,
-                       dst if slot is not None else None)
+        return self._blocks_job(t, m.seq, "READ", dst, np.asarray(m.block_ids, dtype=np.int64), peer, consumed)
 
     def _on_chunk_done(self, t: RecvTransfer, m: pb.ChunkDone) -> None:
         if t.mode is not TransferMode.WRITE or t.record.state.terminal:
@@ -936,6 +1025,8 @@ class NixlTransferAgent:
             self._recvs.pop(t.request_id, None)
         else:
             self._sends.pop(t.request_id, None)
+            if isinstance(t, SendTransfer) and t.written:
+                t.record.block_ids = tuple(np.concatenate(t.written).tolist())
         for inf in t.inflight.values():
             if inf.local_slot is not None and self.staging is not None:
                 self.staging.release(inf.local_slot)
@@ -960,6 +1051,8 @@ class NixlTransferAgent:
         (log.warning if affected else log.info)("KV transfer peer %s declared dead (%s: %s); failing %d transfers",
                                                 peer.name, cause.value, detail, len(affected))
         try:
+            if peer.blocks_list is not None:
+                self._backend.release_blocks(peer.blocks_list)
             self._backend.remove_peer(peer.name)
         except NixlCallError as exc:
             log.warning("%s", exc)
@@ -993,6 +1086,21 @@ class NixlTransferAgent:
                 if peer.alive:
                     peer.next_heartbeat_seq += 1
                     self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)))
+
+
+def _tight_timer_slack() -> None:
+    """Let this thread's short sleeps end on time: Linux pads every timed wait by the thread's timer
+    slack (50 us by default), which would stretch a 200 us poll by a quarter. No-op elsewhere."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(1000), 0, 0, 0)  # 1 us
+    except (OSError, AttributeError):
+        pass
+
+
+_PR_SET_TIMERSLACK = 29
 
 
 if TYPE_CHECKING:

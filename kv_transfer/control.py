@@ -1,10 +1,13 @@
 """The authenticated control plane: a small gRPC service (`cedserve.v1.KVTransferControl`).
 
 Handshake exchanges `AgentInfo` (NIXL's own metadata blob, region addresses, compatibility) both
-ways; Heartbeat answers liveness probes; Abort cancels a transfer by request id. Every call carries
+ways; Heartbeat answers liveness probes; Abort cancels a transfer by request id; Claim lets a sender
+check, before its first write, that the receiver holds the reservation for it. Every call carries
 `authorization: Bearer <token>`; the server compares it with `hmac.compare_digest` and answers
-UNAUTHENTICATED to a missing or wrong one before any handler runs. Addresses come from config; port
-0 binds a free port, reported as `ControlServer.address`.
+UNAUTHENTICATED to a missing or wrong one before any handler runs. With `KVTransferConfig.tls` (the
+worker's `[internal_tls]`) enabled, the service serves only TLS (mTLS with `require_client_cert`) and
+clients dial TLS with the same certificates. Addresses come from config; port 0 binds a free port,
+reported as `ControlServer.address`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cedserve.kv_transfer.region import Compatibility
 from cedserve.kv_transfer.wire import cause_from_pb, cause_to_pb, compat_from_pb
 from cedserve.proto import kv_transfer_pb2 as pb
 from cedserve.proto import kv_transfer_pb2_grpc as pb_grpc
+from cedserve.tls import PLAINTEXT, TLSConfig, add_port, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,10 @@ class ControlHandler(Protocol):
     def active_transfers(self) -> int: ...
 
     def abort(self, request_id: str, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool: ...
+
+    def claim(self, request_id: str, sender_agent: str) -> str:
+        """"" when this agent holds an open reservation `request_id` for `sender_agent`, else why not."""
+        ...
 
 
 def _deny(request: Any, context: grpc.ServicerContext) -> Any:
@@ -104,6 +112,10 @@ class _Servicer(pb_grpc.KVTransferControlServicer):
         detail = request.detail or f"abort requested by {request.agent_name or 'control plane'}"
         return pb.AbortResponse(found=self._handler.abort(request.request_id, cause, detail))
 
+    def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimResponse:
+        problem = self._handler.claim(request.request_id, request.sender_agent)
+        return pb.ClaimResponse(found=not problem, detail=problem)
+
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
@@ -112,7 +124,8 @@ def format_address(host: str, port: int) -> str:
 class ControlServer:
     """The service bound to `host:port` (port 0: a free one, see `address`)."""
 
-    def __init__(self, handler: ControlHandler, host: str, port: int, token: str, max_workers: int = 4) -> None:
+    def __init__(self, handler: ControlHandler, host: str, port: int, token: str, max_workers: int = 4,
+                 tls: TLSConfig = PLAINTEXT) -> None:
         if not token:
             raise ValueError("config field `kv_transfer.auth_token`: must be set; the control plane "
                              "grants access to the block pool")
@@ -122,7 +135,7 @@ class ControlServer:
         # The generated gRPC module is untyped (grpc_tools makes no stubs for it).
         pb_grpc.add_KVTransferControlServicer_to_server(  # type: ignore[no-untyped-call]
             _Servicer(handler), self._server)
-        bound = self._server.add_insecure_port(format_address(host, port))
+        bound = add_port(self._server, format_address(host, port), tls, "internal_tls")
         if bound == 0:
             raise OSError(f"KV transfer control plane could not bind {format_address(host, port)}")
         self.address = format_address(host, bound)
@@ -135,9 +148,9 @@ class ControlServer:
 class ControlClient:
     """Calls to one peer's control service, each with the auth token."""
 
-    def __init__(self, address: str, token: str) -> None:
+    def __init__(self, address: str, token: str, tls: TLSConfig = PLAINTEXT) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = open_channel(address, tls)
         self._stub = pb_grpc.KVTransferControlStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),)
 
@@ -171,6 +184,13 @@ class ControlClient:
                                                  detail=detail, agent_name=agent_name),
                                  timeout=timeout_s, metadata=self._metadata)
         return bool(reply.found)
+
+    def claim(self, request_id: str, sender_agent: str, timeout_s: float) -> str:
+        """"" when the peer holds the reservation for us, else its reason. `grpc.RpcError` when the
+        peer cannot be asked."""
+        reply = self._stub.Claim(pb.ClaimRequest(request_id=request_id, sender_agent=sender_agent),
+                                 timeout=timeout_s, metadata=self._metadata)
+        return "" if reply.found else (reply.detail or "unknown reservation")
 
     def close(self) -> None:
         self._channel.close()

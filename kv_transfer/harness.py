@@ -159,6 +159,7 @@ class Worker:
         self.results: dict[str, TransferResult] = {}
         self.held: dict[str, np.ndarray] = {}  # receiver blocks holding DONE transfers
         self.send_errors: dict[str, str] = {}
+        self.first_write: dict[str, float] = {}  # request -> its first write_blocks call (monotonic)
         self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
         self._copy_dst: torch.Tensor | None = None
 
@@ -218,6 +219,8 @@ class Worker:
                     out[rid] = result_dict(self.results.get(rid))
             except (TimeoutError, KeyError) as exc:
                 out[rid] = {"state": "error", "error": self.send_errors.get(rid) or f"{type(exc).__name__}: {exc}"}
+            if a["role"] == "sender" and rid in self.first_write:
+                out[rid]["first_write_s"] = self.first_write[rid]
         return {"results": out}
 
     def cmd_verify(self, a: dict[str, Any]) -> dict[str, Any]:
@@ -305,22 +308,25 @@ class Worker:
             plans.append((res, ids))
         stream = max(1, int(a.get("stream_blocks", 256)))
         pace = float(a.get("pace_s", 0.0))
+        # Opened before this command answers, so a `wait` sent right after finds every transfer
+        # (open asks the receiver's control plane first: it takes a round trip).
+        pending = []
+        for res, ids in plans:
+            try:
+                sender.open(res, timeout_s=a.get("timeout_s"), on_finish=self._on_finish)
+                pending.append((res.request_id, ids))
+            except (ValueError, KVTransferError) as exc:
+                self.send_errors[res.request_id] = str(exc)
+                with self.lock:
+                    self.blocks.release(self.send_blocks.pop(res.request_id))
 
-        def run() -> None:
-            pending = []
-            for res, ids in plans:
-                try:
-                    sender.open(res, timeout_s=a.get("timeout_s"), on_finish=self._on_finish)
-                    pending.append((res.request_id, ids))
-                except (ValueError, KVTransferError) as exc:
-                    self.send_errors[res.request_id] = str(exc)
-                    with self.lock:
-                        self.blocks.release(self.send_blocks.pop(res.request_id))
+        def run(pending: list[tuple[str, np.ndarray]]) -> None:
             cursor = dict.fromkeys((rid for rid, _ in pending), 0)
             while pending:
                 still = []
                 for rid, ids in pending:
                     end = min(cursor[rid] + stream, ids.size)
+                    self.first_write.setdefault(rid, time.monotonic())
                     try:
                         sender.write_blocks(rid, ids[cursor[rid]:end], last=end == ids.size)
                     except (ValueError, KVTransferError) as exc:
@@ -333,7 +339,7 @@ class Worker:
                 if pending and pace:
                     time.sleep(pace)
 
-        threading.Thread(target=run, name="harness-send", daemon=True).start()
+        threading.Thread(target=run, args=(pending,), name="harness-send", daemon=True).start()
         return {"local_ids": local}
 
 

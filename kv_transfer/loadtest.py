@@ -62,11 +62,13 @@ def parse_tokens(text: str) -> int:
 
 def default_matrix(sizes: Sequence[int], batches: Sequence[int], modes: Sequence[str],
                    fan_ins: Sequence[int], max_multi_tokens: int) -> list[Cell]:
-    """The main matrix on our layout (random block ids, packing by size), plus on single requests:
-    the per-layer baseline, contiguous block ids, and forced packing. Requests larger than
-    `max_multi_tokens` run only alone (memory)."""
+    """The main matrix on our layout (random block ids, packing by size), contiguous block ids
+    (WRITE, every batch: the steady-state rate with several requests in flight), plus on single
+    requests: the per-layer baseline and forced packing. Requests larger than `max_multi_tokens`
+    run only alone (memory)."""
     cells = []
     for tokens in sizes:
+        multi = [b for b in batches if b == 1 or tokens <= max_multi_tokens]
         for mode in modes:
             for batch in batches:
                 for fan_in in fan_ins:
@@ -74,7 +76,7 @@ def default_matrix(sizes: Sequence[int], batches: Sequence[int], modes: Sequence
                         continue
                     cells.append(Cell("cross_layer", "random", "auto", mode, tokens, batch, fan_in))
             cells.append(Cell("per_layer", "random", "off", mode, tokens, 1, 1))
-        cells.append(Cell("cross_layer", "contiguous", "auto", "write", tokens, 1, 1))
+        cells += [Cell("cross_layer", "contiguous", "auto", "write", tokens, b, 1) for b in multi or [1]]
         cells.append(Cell("cross_layer", "random", "on", "write", tokens, 1, 1))
     return cells
 
@@ -249,9 +251,11 @@ class Group:
                 if not ok:
                     continue
                 # Latency: sender open() to the bytes in place on the receiver (its DONE), when both
-                # clocks agree; else to the sender's own completion.
+                # clocks agree; else to the sender's own completion. The round's rate counts from the
+                # first write_blocks call: open() asks the receiver's control plane first, a round
+                # trip that a prefill worker makes when the request arrives, not when its KV is ready.
                 ends = {rid: got[rid]["finished_s"] if self.same_clock else r["finished_s"] for rid, r in ok.items()}
-                walls.append((max(ends.values()), min(r["started_s"] for r in ok.values())))
+                walls.append((max(ends.values()), min(r.get("first_write_s", r["started_s"]) for r in ok.values())))
                 done += len(ok)
                 latencies += [ends[rid] - r["started_s"] for rid, r in ok.items()]
                 descriptors += [r["descriptors"] + got[rid]["descriptors"] for rid, r in ok.items()]
@@ -396,12 +400,14 @@ def main(argv: Sequence[str] | None = None) -> int:
            "loadavg_at_end": _loadavg(),
            "topology": ("two network namespaces, veth, UCX tcp" if args.netns else
                         f"hosts {args.hosts}" if args.hosts else "one host, loopback (UCX default transports)"),
-           "notes": ("gbps: aggregate bytes / wall of a round (median over reps); raw_gbps (raw1): one NIXL request "
+           "notes": ("gbps: aggregate bytes / wall of a round (median over reps), from the senders' first "
+                     "write_blocks call to the last receiver DONE; raw_gbps (raw1): one NIXL request "
                      "of ONE descriptor of bytes_per_request between the same processes, post to arrival "
                      "of its notification at the receiver, measured right after each round; "
                      "nixl_same_descs_gbps (sameD): one NIXL request of the descriptors the cell's layout and "
                      "allocation make for one request (NIXL's own cost of many descriptors); memcpy_gbps: one "
-                     "in-process copy of the same bytes; latency: sender open() to its on_finish"),
+                     "in-process copy of the same bytes; latency: sender open() to the receiver's DONE "
+                     "(to the sender's own on_finish across hosts)"),
            "cells": rows}
     path = Path(args.json) if args.json else _default_json(args.device, args.netns)
     if path is not None:

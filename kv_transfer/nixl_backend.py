@@ -13,6 +13,7 @@ import threading
 from types import ModuleType
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from cedserve.kv_transfer.config import KVTransferConfig
@@ -92,6 +93,8 @@ class NixlBackend:
         except Exception as exc:  # NIXL raises its own binding errors; name what failed
             raise NixlCallError(f"agent/backend creation ({', '.join(config.backends)})", "", exc) from exc
         self._registered: list[Any] = []
+        self._lists: dict[int, Any] = {}  # prepared block lists by key (see `prep_blocks`)
+        self._next_list = 1
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register a contiguous tensor with every backend, once; deregistered at `close`."""
@@ -135,6 +138,61 @@ class NixlBackend:
                 raise NixlCallError(f"{op} post", peer, exc) from exc
         return handle, status
 
+    def prep_blocks(self, peer: str | None, base_address: int, block_bytes: int, num_blocks: int,
+                    device_id: int, mem: MemType) -> int:
+        """Prepare, once, a descriptor list of `num_blocks` blocks of `block_bytes` from `base_address`:
+        ours (`peer` None) or a peer's (its metadata loaded). `post_blocks` then names blocks by index
+        and NIXL merges runs that are consecutive on both sides into one descriptor, so no
+        descriptor is built or validated per transfer. Returns a key for `post_blocks` and
+        `release_blocks`. The list is passed in NIXL's strided form (one row: address, length,
+        device, stride, count); a NIXL without it gets the plain `[num_blocks, 3]` list."""
+        agent_name = "NIXL_INIT_AGENT" if peer is None else peer
+        strided = np.array([[base_address, block_bytes, device_id, block_bytes, num_blocks]], dtype=np.uint64)
+        with self._lock:
+            try:
+                try:
+                    handle = self._agent.prep_xfer_dlist(agent_name, strided, mem)
+                except Exception:
+                    rows = np.empty((num_blocks, 3), dtype=np.uint64)
+                    rows[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+                    rows[:, 1] = block_bytes
+                    rows[:, 2] = device_id
+                    handle = self._agent.prep_xfer_dlist(agent_name, rows, mem)
+            except Exception as exc:
+                raise NixlCallError("prep_xfer_dlist", peer or "", exc) from exc
+            key = self._next_list
+            self._next_list += 1
+            self._lists[key] = handle
+        return key
+
+    def release_blocks(self, key: int) -> None:
+        """Release a prepared list; a post naming it afterwards fails with `NixlCallError`."""
+        with self._lock:
+            handle = self._lists.pop(key, None)
+            if handle is None:
+                return
+            try:
+                self._agent.release_dlist_handle(handle)
+            except Exception as exc:
+                raise NixlCallError("release_dlist_handle", "", exc) from exc
+
+    def post_blocks(self, op: Literal["WRITE", "READ"], local: int, local_ids: np.ndarray, remote: int,
+                    remote_ids: np.ndarray, peer: str, notif: bytes) -> tuple[Any, XferStatus]:
+        """Create and post one transfer request of blocks `local_ids[i]` <-> `remote_ids[i]` of two
+        prepared lists (`prep_blocks`); `(handle, status)`."""
+        with self._lock:
+            local_list, remote_list = self._lists.get(local), self._lists.get(remote)
+            if local_list is None or remote_list is None:  # the peer was removed meanwhile
+                raise NixlCallError(f"{op} post", peer, RuntimeError("descriptor list released"))
+            try:
+                handle = self._agent.make_prepped_xfer(op, local_list, local_ids.astype(np.int32, copy=False),
+                                                       remote_list, remote_ids.astype(np.int32, copy=False),
+                                                       notif)
+                status: XferStatus = self._agent.transfer(handle)
+            except Exception as exc:
+                raise NixlCallError(f"{op} post", peer, exc) from exc
+        return handle, status
+
     def status(self, handle: Any, peer: str) -> XferStatus:
         with self._lock:
             try:
@@ -168,6 +226,8 @@ class NixlBackend:
         return got
 
     def close(self) -> None:
+        for key in list(self._lists):
+            self.release_blocks(key)
         with self._lock:
             for reg in self._registered:
                 try:

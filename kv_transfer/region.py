@@ -13,6 +13,11 @@ Layouts (bytes of one 64-token block at the released geometry: 56,960):
 - PER_LAYER (the baseline): the same bytes as a conventional paged cache keeps them, one pool per
   source layer: pool l = `[num_blocks, segment_bytes(l)]` starting at `num_blocks * prefix(l)`. A
   block is then one descriptor per layer, and a request N x layers descriptors.
+
+The byte layout of a block is the cache's `BlockLayout` (`cedserve.model.cache.layout`), the one
+source of truth: `KVLayout.from_config` derives its segments from it, each spanning one layer's main
+and index regions plus the alignment padding after them, so the two agree on `block_bytes` at every
+geometry (e.g. `tiny` at 16-token blocks, where regions are padded to 16 bytes).
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from cedserve.kernels.reference import (
     index_key_record_bytes,
     main_kv_record_bytes,
 )
+from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.config import ModelConfig
-from cedserve.model.kv_accounting import KVAccounting, check_block_size
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Version of the transfer protocol (messages in proto/kv_transfer.proto and their meaning).
-Bump it whenever a peer built from the previous version would misread a message."""
+Bump it whenever a peer built from the previous version would misread a message.
+2: senders `Claim` a reservation on the receiver's control plane before writing into it."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,12 @@ class LayoutSegment:
     compress_ratio: int
     entries_per_block: int
     entry_bytes: int
+    padding_bytes: int = 0
+    """Alignment padding after the layer's records (`BlockLayout.align_bytes`), part of its share."""
 
     @property
     def nbytes(self) -> int:
-        return self.entries_per_block * self.entry_bytes
+        return self.entries_per_block * self.entry_bytes + self.padding_bytes
 
 
 @dataclass(frozen=True)
@@ -124,22 +132,28 @@ class KVLayout:
     @classmethod
     def from_config(cls, config: ModelConfig, block_size: int, kind: LayoutKind = LayoutKind.CROSS_LAYER,
                     model_id: str = "") -> KVLayout:
-        """The layout of `config`'s global KV at `block_size` tokens per block.
+        """The layout of `config`'s global KV at `block_size` tokens per block: the cache's
+        `BlockLayout`, one segment per KV-source layer (`ValueError` naming `block_size` if the
+        block does not hold whole entries).
 
         `model_id` names the weights (checkpoint name and revision): two checkpoints with the same
         geometry write different KV, so it belongs in the compatibility hash.
         """
-        accounting = KVAccounting.from_config(config)
-        check_block_size(accounting, block_size)
-        segments = tuple(LayoutSegment(s.layer_id, s.compress_ratio, block_size // s.compress_ratio,
-                                       s.entry_bytes) for s in accounting.sources)
+        blocks = BlockLayout.from_config(config, block_size)
+        starts = [blocks.region(layer, "main").offset for layer in blocks.layer_ids]
+        segments = []
+        for layer, start, end in zip(blocks.layer_ids, starts, [*starts[1:], blocks.block_bytes]):
+            main, index = blocks.region(layer, "main"), blocks.region(layer, "index")
+            records = main.entries * (main.record_bytes + index.record_bytes)
+            segments.append(LayoutSegment(layer, main.compress_ratio, main.entries,
+                                          main.record_bytes + index.record_bytes, end - start - records))
         formats = (f"main_kv=e2m1x{config.head_dim}+e4m3/{MAIN_KV_BLOCK}:"
                    f"{main_kv_record_bytes(config.head_dim)}B,"
                    f"index_key=e2m1x{config.index_head_dim}+ue8m0/{INDEX_KEY_BLOCK}:"
                    f"{index_key_record_bytes(config.index_head_dim)}B")
         arch = json.dumps(config.to_hf_dict(), sort_keys=True, default=str)
         fingerprint = hashlib.sha256(f"{arch}|{model_id}".encode()).hexdigest()[:16]
-        return cls(kind, block_size, segments, formats, fingerprint)
+        return cls(kind, block_size, tuple(segments), formats, fingerprint)
 
     @classmethod
     def raw(cls, block_bytes: int, kind: LayoutKind = LayoutKind.CROSS_LAYER, num_layers: int = 1,
@@ -181,7 +195,7 @@ class KVLayout:
 
     def compatibility(self) -> Compatibility:
         segs = ";".join(f"L{s.layer_id}/m{s.compress_ratio}:{s.entries_per_block}x{s.entry_bytes}"
-                        for s in self.segments)
+                        + (f"+{s.padding_bytes}" if s.padding_bytes else "") for s in self.segments)
         description = (f"protocol=v{PROTOCOL_VERSION} model={self.model_fingerprint} "
                        f"records={self.record_formats} block_size={self.block_size} "
                        f"block_bytes={self.block_bytes} layout={self.kind.value} segments={segs}")

@@ -60,11 +60,15 @@ class StagingPool:
 
 def take_rows(src: torch.Tensor, ids: np.ndarray, out: torch.Tensor) -> None:
     """`out[i] = src[ids[i]]` for 2-D uint8 tensors. On the host through numpy (`torch.index_select`
-    on uint8 rows runs element by element: ~100x slower than a row memcpy)."""
+    on uint8 rows runs element by element: ~100x slower than a row memcpy); on the device with the
+    rows viewed as the widest integers they divide into (8 bytes a thread instead of 1)."""
     if src.device.type == "cpu":
         np.take(src.numpy(), ids, axis=0, out=out.numpy())
     else:
-        torch.index_select(src, 0, torch.from_numpy(ids).to(src.device), out=out)
+        wide_src, wide_out = _wide(src), _wide(out)
+        if wide_src.dtype != wide_out.dtype:
+            wide_src, wide_out = src, out
+        torch.index_select(wide_src, 0, torch.from_numpy(ids).to(src.device), out=wide_out)
 
 
 def put_rows(dst: torch.Tensor, ids: np.ndarray, src: torch.Tensor) -> None:
@@ -72,7 +76,20 @@ def put_rows(dst: torch.Tensor, ids: np.ndarray, src: torch.Tensor) -> None:
     if dst.device.type == "cpu":
         dst.numpy()[ids] = src.numpy()
     else:
-        dst.index_copy_(0, torch.from_numpy(ids).to(dst.device), src)
+        wide_dst, wide_src = _wide(dst), _wide(src)
+        if wide_dst.dtype != wide_src.dtype:
+            wide_dst, wide_src = dst, src
+        wide_dst.index_copy_(0, torch.from_numpy(ids).to(dst.device), wide_src)
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """A `[n, row_bytes]` uint8 tensor viewed as `[n, row_bytes / k]` of the widest k-byte integer
+    that divides its rows and its address (itself when none does)."""
+    row_bytes = rows.shape[1]
+    for dtype, k in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row_bytes % k == 0 and rows.data_ptr() % k == 0 and rows.stride(1) == 1 and rows.stride(0) == row_bytes:
+            return rows.view(dtype)
+    return rows
 
 
 def gather_blocks(blocks: torch.Tensor, ids: np.ndarray, out: torch.Tensor) -> None:

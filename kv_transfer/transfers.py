@@ -38,6 +38,8 @@ class PeerState:
     last_seen_s: float
     alive: bool = True
     next_heartbeat_seq: int = 0
+    blocks_list: int | None = None
+    """Its block pool as a NIXL list prepared once (`NixlBackend.prep_blocks`); None: per-layer layout."""
 
     def staging_address(self, slot: int) -> int:
         return self.staging_base + slot * self.staging_slot_bytes
@@ -75,17 +77,25 @@ Reply = Literal["abort", "ack"]
 
 @dataclass
 class PostJob:
-    """A NIXL request prepared under the agent lock and posted outside it (see `agent._step`)."""
+    """A NIXL request prepared under the agent lock and posted outside it (see `agent._step`): either
+    descriptor lists (`descs`), or block indices into the two prepared block lists (`blocks`: local
+    ids, peer ids), which NIXL merges into one descriptor per run."""
 
     transfer: Transfer
     seq: int
     op: Literal["WRITE", "READ"]
-    descs: DescriptorPair
+    descs: DescriptorPair | None
     remote_mem: MemType
     notif: bytes
     nbytes: int
     local_slot: int | None
     scatter_ids: np.ndarray | None
+    blocks: tuple[np.ndarray, np.ndarray] | None = None
+    blocks_lists: tuple[int, int] = (0, 0)
+    """Our prepared block list and the peer's, as they were when the job was made (a peer that
+    handshakes again gets a new list; a post naming the released one fails)."""
+    descriptors: int = 0
+    """Descriptors the request moves (after merging runs)."""
 
 
 @dataclass
@@ -129,6 +139,8 @@ class SendTransfer(Transfer):
     """Receiver staging slots this sender may write into now (packed WRITE)."""
     slots_in_use: set[int] = field(default_factory=set)
     """Receiver staging slots written and not yet returned by a `SlotFree`."""
+    written: list[np.ndarray] = field(default_factory=list)
+    """Local block ids of every `write_blocks` call (the result's `block_ids`, joined at the end)."""
     closed: bool = False
     """The chunk with `last` is queued."""
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from cedserve.kernels.reference import pack_swa, unpack_swa
 from cedserve.model.compressor import Compressor, PendingGroup
 from cedserve.model.config import AttentionMode, LayerSpec, ModelConfig
-from cedserve.model.context import ForwardContext
+from cedserve.model.context import ForwardContext, TrainContext
 from cedserve.model.indexer import (
     Indexer,
     mask_invisible,
@@ -25,20 +24,24 @@ from cedserve.model.indexer import (
     select_topk,
     visible_entries,
 )
+from cedserve.model.kv_format import index_key_values, main_values, window_values
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable, apply_rope
 
 
 def sink_attention(q: Tensor, keys: Tensor, bias: Tensor, sink: Tensor, scale: float) -> Tensor:
     """Attention of `q [S, H, D]` over shared K=V `keys [K, D]` with additive `bias [S, K]`
-    (0 or -inf) and per-head `sink [H]` logits that only enlarge the denominator -> `[S, H, D]`."""
-    heads, seq = q.shape[1], q.shape[0]
-    logits = torch.matmul(q.transpose(0, 1), keys.t()) * scale + bias  # [H, S, K]
-    sinks = sink.float().view(heads, 1, 1).expand(heads, seq, 1)
+    (0 or -inf) and per-head `sink [H]` logits that only enlarge the denominator -> `[S, H, D]`.
+    Batched: `q [B, S, H, D]`, `keys [B, K, D]`, `bias [B, S, K]` (or `[S, K]`) -> `[B, S, H, D]`."""
+    heads = q.shape[-2]
+    kv = keys if keys.dim() == 2 else keys.unsqueeze(-3)  # [K, D] or [B, 1, K, D]
+    bias = bias if keys.dim() == 2 else bias.unsqueeze(-3)
+    logits = torch.matmul(q.transpose(-3, -2), kv.transpose(-1, -2)) * scale + bias  # [(B,) H, S, K]
+    sinks = sink.float().view(heads, 1, 1).expand(*logits.shape[:-1], 1)
     combined = torch.cat([logits.float(), sinks], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, keys).transpose(0, 1)
+    return torch.matmul(probs, kv).transpose(-3, -2)
 
 
 def window_bias(query_positions: Tensor, key_start: int, num_keys: int, window: int) -> Tensor:
@@ -60,9 +63,11 @@ class GroupedOutput(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * rank, in_per_group))
 
     def forward(self, x: Tensor) -> Tensor:
-        """`[S, groups, in_per_group]` -> `[S, groups * rank]`."""
+        """`[..., S, groups, in_per_group]` -> `[..., S, groups * rank]`."""
+        lead = x.shape[:-2]
+        x = x.reshape(-1, *x.shape[-2:])  # [N, groups, in]
         w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in, rank]
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1).view(*lead, -1)
 
 
 class Attention(nn.Module):
@@ -108,14 +113,91 @@ class Attention(nn.Module):
         projected: Tensor = self.wo_b(self.wo_a(out.reshape(x.shape[0], self.config.o_groups, -1)))
         return projected
 
+    def forward_train(self, x: Tensor, ctx: TrainContext) -> Tensor:
+        """`forward` over whole sequences from position 0, batched and differentiable:
+        `x [B, S, hidden]` -> `[B, S, hidden]`. The window and global KV are this pass's own values
+        after `ctx.kv_format`'s round trip (straight-through), so each row sees exactly what a
+        `prefill` of its sequence would. Index sources also add their indexer loss to `ctx`."""
+        c = self.config
+        cos, sin = ctx.rope[self.rope_kind]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).unflatten(-1, (c.num_attention_heads, c.head_dim))  # [B, S, H, D]
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        keys = window_values(kv, ctx.kv_format).to(kv.dtype)  # [B, S, D]
+        bias = window_bias(ctx.positions, 0, x.shape[1], c.sliding_window).expand(x.shape[0], -1, -1)
+        if self.spec.compress_ratio:
+            assert self.spec.kv_layer is not None and self.spec.index_layer is not None
+            if self.compressor is not None:
+                self._train_global_kv(x, ctx)
+            main = ctx.global_kv[self.spec.kv_layer][0]  # [B, T, D]
+            if self.indexer is not None:
+                self._train_select(x, q_residual, q, main, ctx)
+            picked = ctx.selections[self.spec.index_layer]
+            zero = torch.zeros((), device=x.device)
+            compressed_bias = torch.where(picked, zero, torch.full_like(zero, float("-inf")))
+            keys = torch.cat([keys, main.to(keys.dtype)], dim=1)
+            bias = torch.cat([bias, compressed_bias.expand(x.shape[0], -1, -1)], dim=-1)
+        out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, c.head_dim**-0.5)
+        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        projected: Tensor = self.wo_b(self.wo_a(out.reshape(*out.shape[:-2], c.o_groups, -1)))
+        return projected
+
+    def _train_global_kv(self, x: Tensor, ctx: TrainContext) -> None:
+        """`write_global_kv` for whole sequences: main KV and index keys of every complete group."""
+        assert self.compressor is not None and self.indexer is not None
+        latent = self.compressor.forward_full(x)  # [B, G, D], pre-RoPE
+        positions = self.spec.compress_ratio * torch.arange(latent.shape[1], device=x.device)
+        cos, sin = self.compress_rope.cos_sin(positions)
+        main = main_values(apply_rope(latent, cos, sin), ctx.kv_format)
+        # The indexer learns from its own loss only (as the main model's input, the latent is detached).
+        keys = index_key_values(self.indexer.keys(latent.detach(), cos, sin), ctx.kv_format)
+        ctx.global_kv[self.spec.layer_id] = (main, keys)
+
+    def _train_select(self, x: Tensor, q_residual: Tensor, q: Tensor, main: Tensor, ctx: TrainContext) -> None:
+        """`_select` for whole sequences (or every visible entry while `ctx.dense_selection`)."""
+        assert self.indexer is not None and self.spec.kv_layer is not None
+        layer, ratio = self.spec.layer_id, self.spec.compress_ratio
+        cos, sin = ctx.rope["compress"]
+        keys = ctx.global_kv[self.spec.kv_layer][1]
+        scores = mask_invisible(self.indexer.scores(x.detach(), q_residual.detach(), cos, sin, keys),
+                                ctx.positions, ratio)  # [B, S, T]
+        if ctx.indexer_loss:
+            ctx.indexer_losses.append(self._indexer_kl(scores, q, main, ratio))
+        visible = torch.isfinite(scores)
+        if ctx.dense_selection:
+            ctx.selections[layer] = visible
+            return
+        candidate_layer = self.config.candidate_source_layer_id
+        if layer == candidate_layer:
+            ctx.candidates = select_candidate_blocks(scores, visible_entries(ctx.positions, ratio),
+                                                     self.config.candidate_topk_blocks, self.config.candidate_block_size)
+        elif candidate_layer is not None and 0 <= candidate_layer < layer and ctx.candidates is not None:
+            scores = scores.masked_fill(~ctx.candidates, float("-inf"))
+        ctx.selections[layer] = select_topk(scores, self.config.index_topk)
+
+    def _indexer_kl(self, scores: Tensor, q: Tensor, main: Tensor, ratio: int) -> Tensor:
+        """KL(attention || indexer) over the visible compressed entries, mean over the queries that
+        see any: the target is this layer's attention distribution over all of them (head mean,
+        no gradient), as DeepSeek's sparse attention trains its indexer."""
+        scores, q = scores[:, ratio - 1 :], q[:, ratio - 1 :]  # earlier queries see no entry
+        visible = torch.isfinite(scores)
+        with torch.no_grad():
+            logits = torch.einsum("bshd,btd->bhst", q.float(), main.float()) * self.config.head_dim**-0.5
+            target = torch.softmax(logits.masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1).mean(dim=1)
+            entropy = torch.special.xlogy(target, target).sum(dim=-1)
+        log_probs = torch.log_softmax(scores, dim=-1).masked_fill(~visible, 0.0)
+        kl: Tensor = (entropy - (target * log_probs).sum(dim=-1)).mean()
+        return kl
+
     def _window_keys(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Window keys `[P + S, D]` (stored records + this chunk, FP8) and their bias `[S, P + S]`."""
         layer = self.spec.layer_id
-        records = torch.cat([ctx.state.swa[layer], pack_swa(kv)])
+        records = torch.cat([ctx.state.swa[layer], ctx.state.encode_window(kv)])
         ctx.state.keep_window(layer, records)
         key_start = ctx.start - (records.shape[0] - kv.shape[0])
         bias = window_bias(ctx.positions, key_start, records.shape[0], self.config.sliding_window)
-        return unpack_swa(records).to(kv.dtype), bias
+        return ctx.state.decode_window(records).to(kv.dtype), bias
 
     def write_global_kv(self, x: Tensor, ctx: ForwardContext) -> int:
         """Run the compressor on this chunk and append completed groups (main KV and index keys)

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from cedserve.model.attention import Attention
 from cedserve.model.config import LayerSpec, ModelConfig
-from cedserve.model.context import ForwardContext
+from cedserve.model.context import ForwardContext, TrainContext
 from cedserve.model.engram import Engram
 from cedserve.model.mhc import HcMix, hc_collapse, hc_expand, hc_mixes
 from cedserve.model.moe import MoE
@@ -83,6 +83,28 @@ class Block(nn.Module):
         ffn_out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
+
+    def forward_train(self, streams: Tensor, pre_mix: Tensor, ctx: TrainContext) -> tuple[Tensor, Tensor]:
+        """`forward` over a batch of whole sequences (`CEDModel.forward_train`), differentiable:
+        `streams [B, S, hc, D]`, `pre_mix [B, S, hc]`. Every step but attention runs on the
+        flattened rows, exactly as `forward` runs on one sequence's."""
+        batch, seq = streams.shape[:2]
+        flat, pre = streams.flatten(0, 1), pre_mix.flatten(0, 1)
+        if self.engram is not None and self.engram_index is not None:
+            if ctx.engram_rows is None:
+                raise ValueError(f"layer {self.spec.layer_id} has an Engram table but no rows were looked up")
+            rows = ctx.engram_rows[:, :, self.engram_index].flatten(0, 1)  # [B * S, columns, head_dim]
+            flat = self.engram(flat, rows)
+        if self.tapped and ctx.taps is not None:
+            ctx.taps[self.spec.layer_id] = flat.view(batch, seq, *flat.shape[1:])
+        attn_mix = self._mix(flat, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = self.attention_input(flat, pre).view(batch, seq, -1)
+        attn_out = self.attn.forward_train(x, ctx).flatten(0, 1)
+        flat = hc_expand(attn_out, flat, attn_mix.post, attn_mix.comb)
+        ffn_mix = self._mix(flat, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        ffn_out = self.ffn(self.ffn_norm(hc_collapse(flat, attn_mix.pre)))
+        flat = hc_expand(ffn_out, flat, ffn_mix.post, ffn_mix.comb)
+        return flat.view(streams.shape), ffn_mix.pre.view(pre_mix.shape)
 
     def forward_batch(self, streams: Tensor, pre_mix: Tensor, ctxs: Sequence[ForwardContext], sizes: Sequence[int],
                       moe: MoEFn) -> tuple[Tensor, Tensor]:

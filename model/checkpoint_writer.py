@@ -1,5 +1,6 @@
-"""Write tiny random checkpoints in the released layout, so tests and the embedded default load a
-real-format folder (config.json, tokenizer.json, safetensors with FP8 and FP4 weights).
+"""Write checkpoints in the released layout (config.json, tokenizer.json, safetensors with FP8 and
+FP4 weights): tiny random ones for tests, and trained ones (`write_checkpoint`, used by the demo
+trainer, `model/training.py`).
 
 Formats written (what `checkpoint.load_checkpoint` reads back):
 
@@ -9,7 +10,11 @@ Formats written (what `checkpoint.load_checkpoint` reads back):
 * Routed expert weights (`*.experts.E.w{1,2,3}.weight`): FP4 E2M1 packed two per byte with
   `*.weight_scale` (UE8M0 per 32 input channels), as the released experts are.
 * Everything else (norms, mHC mixes, sinks, router gate and biases, embeddings, LM head, Engram
-  tables): float32.
+  tables): float32; with `half_floats` the large float matrices (embedding, LM head, Engram tables,
+  DSpark's Markov head) are bf16, as the released checkpoint stores them.
+
+`stored_format` names each parameter's format; `snap_to_stored_formats` rounds a model's parameters
+to them in place, so a trained model in memory and its written checkpoint give the same logits.
 
 Random init follows the reference fixture's recipe: N(0, initializer_range) for matrices, and the
 parameters an init would leave constant (norm weights, sinks, router biases, mHC bases and scales,
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -78,19 +85,87 @@ def _is_expert(name: str) -> bool:
     return ".experts." in name and name.endswith(".weight")
 
 
-def encode_tensors(named: dict[str, Tensor], quantize: bool) -> dict[str, Tensor]:
+_HALF_MATRICES = ("embed.weight", "lm_head.weight", "markov.w1", "markov.w2")
+"""Float matrices `half_floats` stores as bf16 (`embed.weight` covers the Engram tables too)."""
+
+
+class StoredFormat(str, Enum):
+    """How the checkpoint stores one parameter."""
+
+    FP8 = "fp8"  # E4M3, one power-of-two scale per 128 x 128 tile
+    FP4 = "fp4"  # E2M1, one UE8M0 scale per 32 input channels (routed experts)
+    BF16 = "bf16"
+    F32 = "f32"
+
+
+def stored_format(name: str, shape: Sequence[int], quantize: bool = True, half_floats: bool = False) -> StoredFormat:
+    """The format of parameter `name` (checkpoint or module name) of `shape` (module docstring)."""
+    if quantize and _is_expert(name) and len(shape) == 2 and shape[1] % 32 == 0:
+        return StoredFormat.FP4
+    if quantize and len(shape) == 2 and name.endswith(".weight") and not name.endswith(_FLOAT32_MATRICES):
+        return StoredFormat.FP8
+    if half_floats and name.endswith(_HALF_MATRICES):
+        return StoredFormat.BF16
+    return StoredFormat.F32
+
+
+def encode_tensors(named: dict[str, Tensor], quantize: bool, half_floats: bool = False) -> dict[str, Tensor]:
     """Checkpoint tensors for float parameters: FP8/FP4 where the released layout quantizes."""
     out: dict[str, Tensor] = {}
     for name, value in named.items():
         value = value.detach().float().contiguous()
-        fp4_ok = value.dim() == 2 and value.shape[1] % 32 == 0
-        if quantize and _is_expert(name) and fp4_ok:
+        fmt = stored_format(name, value.shape, quantize, half_floats)
+        if fmt is StoredFormat.FP4:
             out[name], out[name + "_scale"] = quantize_fp4_weight(value)
-        elif quantize and value.dim() == 2 and name.endswith(".weight") and not name.endswith(_FLOAT32_MATRICES):
+        elif fmt is StoredFormat.FP8:
             out[name], out[name + "_scale_inv"] = quantize_fp8_weight(value)
+        elif fmt is StoredFormat.BF16:
+            out[name] = value.to(torch.bfloat16)
         else:
             out[name] = value
     return out
+
+
+def snap_to_stored_formats(module: nn.Module, half_floats: bool = True) -> None:
+    """Round every parameter of `module` to its stored format in place (quantize, then dequantize
+    as the loader does): the model in memory then equals the checkpoint written from it."""
+    from cedserve.model.checkpoint import dequantize_weight
+
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            encoded = encode_tensors({name: param}, True, half_floats)
+            scale = encoded.get(name + "_scale", encoded.get(name + "_scale_inv"))
+            param.copy_(dequantize_weight(name, encoded[name], scale, param.dtype))
+
+
+def checkpoint_tensors(model: CEDModel, drafter: Drafter | None) -> dict[str, Tensor]:
+    """Every parameter under its checkpoint name: `model.*` (the LM head at `lm_head.weight`) and
+    `dspark.*` for the drafter."""
+    named = {f"model.{k}" if k != "lm_head.weight" else k: v for k, v in model.state_dict().items()}
+    if drafter is not None:
+        named.update({f"dspark.{k}": v for k, v in drafter.state_dict().items()})
+    return named
+
+
+def write_checkpoint(model: CEDModel, drafter: Drafter | None, folder: str | Path, tokenizer_json: Path,
+                     metadata: dict[str, str] | None = None, quantize: bool = True, half_floats: bool = False) -> None:
+    """Write `model` (and `drafter`) as a checkpoint folder: config.json, tokenizer.json,
+    generation_config.json and model.safetensors. The folder is created; existing files of the
+    same names are replaced (the weights atomically: written beside, then renamed)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    tensors = encode_tensors(checkpoint_tensors(model, drafter), quantize, half_floats)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt", "writer": "cedserve", **(metadata or {})})
+    tmp.replace(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=1))
+    if Path(tokenizer_json).resolve() != (folder / "tokenizer.json").resolve():
+        shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": False}))
 
 
 def write_random_checkpoint(config: ModelConfig, folder: str | Path, seed: int = 0, quantize: bool = True,
@@ -98,23 +173,10 @@ def write_random_checkpoint(config: ModelConfig, folder: str | Path, seed: int =
     """Write a random checkpoint of `config` into `folder`; returns the config as written
     (its Engram vocabulary fitted to the tokenizer). The folder is created; existing files of the
     same names are replaced atomically (written beside, then renamed)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tokenizer_json = tokenizer_json or tiny_tokenizer_path()
     config = fit_config_to_tokenizer(config, tokenizer_json)
     model, drafter = random_model(config, tokenizer_json, seed)
-    named = {f"model.{k}" if k != "lm_head.weight" else k: v for k, v in model.state_dict().items()}
-    named.update({f"dspark.{k}": v for k, v in drafter.state_dict().items() if not k.startswith("rope.")})
-    tensors = encode_tensors(named, quantize)
-    tmp = folder / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt", "writer": "cedserve", "seed": str(seed)})
-    tmp.replace(folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=1))
-    shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": False}))
+    write_checkpoint(model, drafter, folder, tokenizer_json, {"seed": str(seed)}, quantize)
     return config
 
 

@@ -2,6 +2,7 @@
 
 Nothing here outlives the call: selections and candidate pools are recomputed for each chunk's
 queries, and dequantized global KV is a per-call view of the records in `SequenceState`.
+`TrainContext` is the same for the full-sequence training pass, where no state exists.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from cedserve.model.kv_format import KVFormat
 from cedserve.model.state import SequenceState, StateSnapshot
 
 
@@ -61,3 +63,31 @@ class ForwardContext:
         """Forget the dequantized views of a source whose records were just appended to."""
         self._main_kv.pop(kv_layer, None)
         self._index_keys.pop(kv_layer, None)
+
+
+@dataclass
+class TrainContext:
+    """One full-sequence pass over a batch of sequences that all start at position 0
+    (`CEDModel.forward_train`): differentiable, with no `SequenceState`. Cached values go through
+    `kv_format`'s round trip with straight-through gradients, so the values every layer sees are
+    those a `prefill` of each sequence would see."""
+
+    positions: Tensor  # int64 [S]
+    rope: dict[str, tuple[Tensor, Tensor]]  # "main"/"compress" -> cos, sin [S, rope_dim/2]
+    kv_format: KVFormat = KVFormat.RECORDS
+    engram_rows: Tensor | None = None
+    """`[B, S, engram layers, columns, head_dim]`, None without Engram."""
+    dense_selection: bool = False
+    """Every visible compressed entry is attended to (the indexer's warm-up), instead of the top-k."""
+    indexer_loss: bool = False
+    """Add each index source's distillation loss (KL from the layer's attention over all visible
+    compressed entries to the indexer's distribution) to `indexer_losses`."""
+    taps: dict[int, Tensor] | None = None
+    """When set, each `dspark_target_layer_ids` layer stores its attention input streams `[B, S, hc, D]`."""
+    global_kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    """KV source -> (main KV `[B, T, D]`, index keys `[B, T, d]`), float32 after the round trip."""
+    selections: dict[int, Tensor] = field(default_factory=dict)
+    """Index source -> bool `[B, S, T]` picked entries."""
+    candidates: Tensor | None = None
+    """bool `[B, S, T]` candidate pool of the candidate-source layer, once it ran."""
+    indexer_losses: list[Tensor] = field(default_factory=list)

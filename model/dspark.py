@@ -104,7 +104,9 @@ class DraftAttention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(heads))
 
     def forward(self, x: Tensor, context: Tensor, rope: RopeTable, positions: Tensor, ctx_positions: Tensor) -> Tensor:
-        """`x [k, D]` block states at `positions [k]`; `context [n, D]` at `ctx_positions [n]`."""
+        """`x [k, D]` block states at `positions [k]`; `context [n, D]` at `ctx_positions [n]`.
+        Batched (training): `x [A, k, D]`, `positions [A, k]`, `context [A, n, D]`,
+        `ctx_positions [A, n]`; a negative context position marks padding, which no query sees."""
         c = self.config
         cos, sin = rope.cos_sin(positions)
         q = self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (c.num_attention_heads, c.head_dim))
@@ -112,11 +114,15 @@ class DraftAttention(nn.Module):
         block_kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         ccos, csin = rope.cos_sin(ctx_positions)
         ctx_kv = apply_rope(self.kv_norm(self.wkv(context)), ccos, csin)
-        keys = torch.cat([ctx_kv, block_kv])
-        bias = torch.zeros(x.shape[0], keys.shape[0], device=x.device)  # all visible: window + block
+        keys = torch.cat([ctx_kv, block_kv], dim=-2)
+        # all visible (window + block) but padding: [(A,) k, n + k]
+        zero = torch.zeros((), device=x.device)
+        padding = torch.where(ctx_positions < 0, torch.full_like(zero, float("-inf")), zero)
+        block = torch.zeros(*positions.shape, device=x.device)
+        bias = torch.cat([padding, block], dim=-1).unsqueeze(-2).expand(*x.shape[:-1], -1)
         out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, c.head_dim**-0.5)
         out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
-        projected: Tensor = self.wo_b(self.wo_a(out.reshape(out.shape[0], c.o_groups, -1)))  # [k, groups, H/groups*D]
+        projected: Tensor = self.wo_b(self.wo_a(out.reshape(*out.shape[:-2], c.o_groups, -1)))
         return projected
 
 
@@ -162,9 +168,28 @@ class Drafter(nn.Module):
         self.rope = RopeTable((config.rope_parameters or {})["main"], config.head_dim, config.max_position_embeddings)
 
     def context_vectors(self, taps: Tensor) -> Tensor:
-        """`taps [S, n_taps, hc, D]` (attention inputs of the tapped layers, per stream) -> `[S, D]`."""
-        vectors: Tensor = self.norm(self.fc(taps.mean(dim=2).flatten(1)))
+        """`taps [..., S, n_taps, hc, D]` (attention inputs of the tapped layers, per stream) -> `[..., S, D]`."""
+        vectors: Tensor = self.norm(self.fc(taps.mean(dim=-2).flatten(-2)))
         return vectors
+
+    def block_states(self, block: Tensor, context: Tensor, positions: Tensor, ctx_positions: Tensor,
+                     embed: nn.Embedding) -> Tensor:
+        """Final states `[..., k, D]` of draft blocks `block [..., k]` (token ids) at `positions`,
+        over context vectors `context [..., n, D]` at `ctx_positions` (see `DraftAttention`)."""
+        x = embed(block)
+        for layer in self.layers:
+            x = layer(x, context.to(x.dtype), self.rope, positions, ctx_positions)
+        h: Tensor = self.final_norm(x)
+        return h
+
+    def heads(self, h: Tensor, base: Tensor, previous: Tensor) -> tuple[Tensor, Tensor]:
+        """Markov-adjusted logits `U_k + W1[x_{k-1}] W2` (float32 `[..., V]`) and confidences c_k
+        (float32 `[..., 1]`) of block states `h [..., D]` with base logits `base [..., V]`, given
+        the previous tokens `previous [...]`."""
+        row = self.markov.w1[previous]  # [..., r]
+        logits = base + (row @ self.markov.w2).float()
+        confidence = torch.sigmoid(self.confidence(torch.cat([h, row.to(h.dtype)], -1))).float()
+        return logits, confidence
 
     @torch.no_grad()
     def draft(self, anchor: int, state: DraftState, embed: nn.Embedding, lm_head: nn.Module,
@@ -178,10 +203,7 @@ class Drafter(nn.Module):
         positions = torch.arange(state.end_position, state.end_position + k, device=device)
         context = state.window_vectors
         ctx_positions = torch.arange(state.end_position - context.shape[0], state.end_position, device=device)
-        x = embed(block)
-        for layer in self.layers:
-            x = layer(x, context.to(x.dtype), self.rope, positions, ctx_positions)
-        h = self.final_norm(x)
+        h = self.block_states(block, context, positions, ctx_positions, embed)
         base = lm_head(h).float()  # [k, V]: U_k
         return self._sample(anchor, h, base, temperature, generator)
 
@@ -191,9 +213,8 @@ class Drafter(nn.Module):
         probs, confs = [], []
         previous = torch.tensor([anchor], device=h.device)
         for pos in range(base.shape[0]):
-            row = self.markov.w1[previous]  # [1, r]
-            logits = base[pos : pos + 1] + (row @ self.markov.w2).float()
-            confs.append(torch.sigmoid(self.confidence(torch.cat([h[pos : pos + 1], row.to(h.dtype)], -1))).float())
+            logits, confidence = self.heads(h[pos : pos + 1], base[pos : pos + 1], previous)
+            confs.append(confidence)
             if temperature <= 0:
                 dist = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
             else:

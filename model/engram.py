@@ -148,18 +148,19 @@ class EngramHasher:
     def hash_ids(self, history: Tensor, compressed: Tensor, start: int) -> Tensor:
         """Row ids `[S, layers, (N-1)*heads]` for compressed ids `[S]` at positions
         `start..start+S-1`, given the compressed ids of the tokens just before (`history`, exact
-        with `min(start, N-1)` of them; look-back past a shorter history reads the pad id)."""
-        full = torch.cat([history, compressed])
-        first = full.shape[0] - compressed.shape[0]
-        positions = torch.arange(start, start + compressed.shape[0], device=compressed.device)
-        index = torch.arange(first, full.shape[0], device=compressed.device)
+        with `min(start, N-1)` of them; look-back past a shorter history reads the pad id).
+        Batched: `history [B, h]`, `compressed [B, S]` -> `[B, S, layers, (N-1)*heads]`."""
+        full = torch.cat([history, compressed], dim=-1)
+        first = full.shape[-1] - compressed.shape[-1]
+        positions = torch.arange(start, start + compressed.shape[-1], device=compressed.device)
+        index = torch.arange(first, full.shape[-1], device=compressed.device)
         grams = []
         for shift in range(self.max_ngram):
-            source = full[(index - shift).clamp_min(0)]
+            source = full[..., (index - shift).clamp_min(0)]
             known = (positions >= shift) & (index >= shift)  # unknown history counts as the start
             grams.append(torch.where(known, source, torch.full_like(source, self.pad_id)))
-        tokens = torch.stack(grams, dim=-1)  # [S, N]
-        products = tokens.unsqueeze(1) * self.multipliers.to(tokens.device)  # [S, L, N]
+        tokens = torch.stack(grams, dim=-1)  # [(B,) S, N]
+        products = tokens.unsqueeze(-2) * self.multipliers.to(tokens.device)  # [(B,) S, L, N]
         rolling, hashes = products[..., 0], []
         for i in range(1, self.max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., i])

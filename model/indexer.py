@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.model.config import ModelConfig
+from cedserve.model.kv_format import straight_through
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import apply_rope
 
@@ -39,7 +40,7 @@ def select_candidate_blocks(scores: Tensor, visible: Tensor, topk_blocks: int, b
     kept; blocks with no visible entry never are. `visible [S, 1]` counts visible entries."""
     width = scores.shape[-1]
     padded = F.pad(scores, (0, -width % block_size), value=float("-inf"))
-    block_scores = padded.view(padded.shape[0], -1, block_size).amax(dim=-1)  # [S, n_blocks]
+    block_scores = padded.view(*padded.shape[:-1], -1, block_size).amax(dim=-1)  # [(B,) S, n_blocks]
     num_blocks = block_scores.shape[-1]
     newest = (visible - 1).div(block_size, rounding_mode="floor")
     block_ids = torch.arange(num_blocks, device=scores.device).unsqueeze(0)
@@ -83,11 +84,17 @@ class Indexer(nn.Module):
 
     def scores(self, x: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor, keys: Tensor) -> Tensor:
         """Index scores `[S, T]` (before visibility masking) of queries from `x [S, D]` and
-        `q_residual [S, q_lora_rank]` against dequantized `keys [T, index_head_dim]`."""
-        q = self.wq_b(q_residual).view(x.shape[0], self.num_heads, self.head_dim)  # [S, H, d]
+        `q_residual [S, q_lora_rank]` against dequantized `keys [T, index_head_dim]`. Batched:
+        `x [B, S, D]`, `q_residual [B, S, q_lora_rank]`, `keys [B, T, d]` -> `[B, S, T]`; the query
+        quantizer is straight-through under autograd."""
+        q = self.wq_b(q_residual).unflatten(-1, (self.num_heads, self.head_dim))  # [(B,) S, H, d]
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        q = fake_quant_fp4(q, INDEX_QUANT_BLOCK, "ue8m0")
-        per_head = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * self.head_dim**-0.5
-        weights: Tensor = self.weights_proj(x).float() * self.num_heads**-0.5  # [S, H]
-        scores: Tensor = (per_head * weights.unsqueeze(-1)).sum(dim=1)
+        q = straight_through(q, lambda v: fake_quant_fp4(v, INDEX_QUANT_BLOCK, "ue8m0"))
+        if keys.dim() == 2:
+            per_head = torch.einsum("shd,td->sht", q.float(), keys.float())
+        else:
+            per_head = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
+        per_head = per_head.relu() * self.head_dim**-0.5
+        weights: Tensor = self.weights_proj(x).float() * self.num_heads**-0.5  # [(B,) S, H]
+        scores: Tensor = (per_head * weights.unsqueeze(-1)).sum(dim=-2)
         return scores

@@ -80,11 +80,13 @@ class MoE(nn.Module):
         self.shared_experts = Expert(config)
 
     def forward(self, x: Tensor) -> Tensor:
-        """`x [N, D]` -> `[N, D]`."""
+        """`x [N, D]` -> `[N, D]` (any leading dimensions: `[..., D]`)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
         out = torch.zeros_like(x, dtype=torch.float32)
         for expert_id in indices.unique().tolist():
             rows, slot = torch.where(indices == expert_id)
             out[rows] += self.experts[expert_id](x[rows], weights[rows, slot, None]).float()
         out += self.shared_experts(x).float()
-        return out.to(x.dtype)
+        return out.to(x.dtype).view(shape)

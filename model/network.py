@@ -9,13 +9,17 @@ Entry points (all take and mutate a `SequenceState`; none keeps per-sequence dat
   decoder KV source's compressor and index keys. Returns the new global-KV records and the
   residual state at the encoder/decoder boundary.
 * `replay_decoder(span, state)`: rebuild the decoder layers' windows by running them over the
-  last tokens' boundary states (the global KV is already complete); returns their logits.
+  last tokens' boundary states (the global KV is already complete); returns their logits
+  (`replay_decoder_with_taps` also returns DSpark's taps, for a shipped state).
 * `prefill_with_taps(token_ids, state)`: `prefill` that also returns DSpark's taps.
 * `verify(token_ids, state)` / `commit(state, snapshot, num_tokens_kept)`: score an anchor and its
   drafts in one pass, then keep only the accepted prefix (see `commit` for how).
 * `forward_batch(items, moe)`: one pass over chunks of several sequences (prefill, decode, verify
   or replay chunks, mixed), attention per sequence and everything else over all rows at once; the
   MoE goes through `moe` (expert parallelism plugs in there).
+* `forward_train(token_ids [B, S])`: the training pass: whole sequences from position 0, batched,
+  with autograd; each row equals a `prefill` of it (cached values through the KV format's round trip
+  with straight-through gradients, see `kv_format.py`).
 
 Engram rows are looked up by token ids only, so every entry point starts the lookup (on the
 `EngramStore`'s thread when the tables are memory-mapped) before layer 0 runs.
@@ -32,9 +36,10 @@ from torch import Tensor, nn
 
 from cedserve.model.block import Block, MoEFn, local_moe
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
-from cedserve.model.context import ForwardContext
+from cedserve.model.context import ForwardContext, TrainContext
 from cedserve.model.engram import Engram, EngramHasher, check_table_sizes
 from cedserve.model.engram_store import EngramStore
+from cedserve.model.kv_format import KVFormat
 from cedserve.model.mhc import hc_collapse
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable
@@ -142,6 +147,15 @@ class BatchOutput:
     snapshot: StateSnapshot | None  # the state before the chunk, when asked for
 
 
+@dataclass(frozen=True)
+class TrainOutput:
+    """A `forward_train` pass."""
+
+    logits: Tensor  # float32 [B, S, vocab]
+    taps: Tensor | None  # [B, S, n_taps, hc, hidden] when asked for
+    indexer_loss: Tensor  # float32 scalar: mean over index sources (0 when not asked for)
+
+
 class CEDModel(nn.Module):
     """Checkpoint names: `embed.weight`, `layers.N.*`, `norm.weight`, `lm_head.weight` (the
     loader also accepts them under a `model.` prefix). With an `engram_store` the Engram tables
@@ -177,8 +191,8 @@ class CEDModel(nn.Module):
 
     # ------------------------------------------------------------------ entry points
 
-    def new_state(self) -> SequenceState:
-        return SequenceState.new(self.config, self.embed.weight.device)
+    def new_state(self, kv_format: KVFormat = KVFormat.RECORDS) -> SequenceState:
+        return SequenceState.new(self.config, self.embed.weight.device, kv_format)
 
     @torch.no_grad()
     def prefill(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> Tensor:
@@ -268,6 +282,40 @@ class CEDModel(nn.Module):
         logits = self._logits(x, pre).split_with_sizes(sizes) if items else ()
         return [BatchOutput(rows, self._stack_taps(ctx.taps, rows), ctx.boundary) for rows, ctx in zip(logits, ctxs)]
 
+    def forward_train(self, token_ids: Tensor, kv_format: KVFormat = KVFormat.RECORDS, taps: bool = False,
+                      dense_selection: bool = False, indexer_loss: bool = False) -> TrainOutput:
+        """Logits of whole sequences `token_ids [B, S]`, each starting at position 0, with autograd:
+        the training pass through the same layers. Row b equals `prefill(token_ids[b],
+        SequenceState.new(config, kv_format=kv_format))` up to float rounding. `taps`: also the
+        DSpark taps; `dense_selection`: attend to every visible compressed entry instead of the
+        top-k (the indexer's warm-up); `indexer_loss`: the indexers' distillation loss."""
+        if self.engram_store is not None:
+            raise ValueError("forward_train needs the Engram tables in memory: load with engram='memory'")
+        tokens = self._token_tensor(token_ids).view(token_ids.shape)
+        if tokens.dim() != 2:
+            raise ValueError(f"forward_train takes token ids [batch, seq], got shape {tuple(token_ids.shape)}")
+        batch, seq = tokens.shape
+        positions = torch.arange(seq, device=tokens.device)
+        rows = None
+        if self.hasher is not None:
+            compressed = self.hasher.compress(tokens)
+            hash_ids = self.hasher.hash_ids(compressed[:, :0], compressed, 0)  # [B, S, layers, columns]
+            tables = [self._engram(layer_id) for layer_id in self.config.engram_layer_ids]
+            rows = torch.stack([t.lookup(hash_ids[:, :, i]) for i, t in enumerate(tables)], dim=2)
+        rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+        ctx = TrainContext(positions, rope, kv_format, rows, dense_selection, indexer_loss, {} if taps else None)
+        streams, pre_mix = self._embed(tokens.flatten())
+        streams, pre_mix = streams.view(batch, seq, *streams.shape[1:]), pre_mix.view(batch, seq, -1)
+        for layer_id in range(self.config.num_hidden_layers):
+            streams, pre_mix = self._block(layer_id).forward_train(streams, pre_mix, ctx)
+        logits = self._logits(streams, pre_mix)
+        tapped = None
+        if ctx.taps is not None:
+            tapped = torch.stack([ctx.taps[i] for i in self.config.dspark_target_layer_ids], dim=2)
+        losses = ctx.indexer_losses
+        aux = torch.stack(losses).mean() if losses else logits.new_zeros(())
+        return TrainOutput(logits, tapped, aux)
+
     def _stack_taps(self, taps: dict[int, Tensor] | None, rows: Tensor) -> Tensor:
         if taps is None:
             return rows[:0]
@@ -295,6 +343,22 @@ class CEDModel(nn.Module):
         of the sequence's last tokens). Returns the span's logits `[n, vocab]`; the last row
         predicts the next token. Exact when the span covers the decoder's receptive field
         (`num_decoder_layers * (sliding_window - 1)` tokens, or the whole sequence)."""
+        return self._replay_decoder(span, state, None)
+
+    @torch.no_grad()
+    def replay_decoder_with_taps(self, span: BoundaryHidden, state: SequenceState) -> TargetOutput:
+        """`replay_decoder`, plus the span's DSpark taps `[n, n_taps, hc, hidden]` (as
+        `prefill_with_taps`). Every tapped layer must be a decoder layer (`ValueError` otherwise)."""
+        first = self._decoder_source()
+        encoder_taps = [i for i in self.config.dspark_target_layer_ids if i < first]
+        if encoder_taps:
+            raise ValueError(f"DSpark taps layers {encoder_taps}, which are encoder layers: the decoder replay "
+                             "does not run them")
+        taps: dict[int, Tensor] = {}
+        logits = self._replay_decoder(span, state, taps)
+        return TargetOutput(logits, torch.stack([taps[i] for i in self.config.dspark_target_layer_ids], dim=1))
+
+    def _replay_decoder(self, span: BoundaryHidden, state: SequenceState, taps: dict[int, Tensor] | None) -> Tensor:
         end = int(span.positions[-1]) + 1
         if end != state.position:
             raise ValueError(f"replay span ends at position {end}, but the sequence is at {state.position}")
@@ -302,6 +366,7 @@ class CEDModel(nn.Module):
         for layer in range(first, self.config.num_hidden_layers):
             state.swa[layer] = state.swa[layer][:0]
         ctx = self._context(span.positions, state, False, span.hash_ids)
+        ctx.taps = taps
         layers = range(first, self.config.num_hidden_layers)
         streams, pre_mix = self._run(layers, span.streams, span.pre_mix, ctx)
         return self._logits(streams, pre_mix)

@@ -7,15 +7,21 @@ here holds exactly what `BlockLayout` documents and what the model computed.
 
 Entry `e` of a KV source with ratio `m` lives in the request's block `e // (block_size // m)`, slot
 `e % (block_size // m)`.
+
+`store_bytes` / `load_bytes` move an opaque byte string (a shipped bounded state,
+`cedserve.model.state_format`) through blocks of the same pool: byte i of it is byte
+`i % block_bytes` of block `block_ids[i // block_bytes]`, zero padded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from cedserve.model.cache.block_pool import gather_rows, scatter_rows
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.network import GlobalKVRecords
 from cedserve.model.state import SequenceState
@@ -70,3 +76,20 @@ def load_state(layout: BlockLayout, storage: Tensor, block_ids: Sequence[int], n
         rows, slots = _entry_slots(layout, layer_id, block_ids, 0, count)
         kv.main = layout.pool_view(storage, layer_id, "main")[rows, slots].to(kv.main.device).clone()
         kv.index_keys = layout.pool_view(storage, layer_id, "index")[rows, slots].to(kv.main.device).clone()
+
+
+def store_bytes(storage: Tensor, block_ids: Sequence[int], data: bytes) -> None:
+    """Write `data` across the rows `block_ids` of `storage` (`uint8 [num_blocks, block_bytes]`) in
+    order, zero padded. `ValueError` when it does not fit."""
+    block_bytes = int(storage.shape[1])
+    room = len(block_ids) * block_bytes
+    if len(data) > room:
+        raise ValueError(f"{len(data)} bytes do not fit {len(block_ids)} blocks of {block_bytes} bytes")
+    padded = np.zeros(room, dtype=np.uint8)
+    padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    scatter_rows(storage, list(block_ids), torch.from_numpy(padded).view(len(block_ids), block_bytes))
+
+
+def load_bytes(storage: Tensor, block_ids: Sequence[int]) -> np.ndarray:
+    """The bytes of rows `block_ids`, in order: flat `uint8 [len(block_ids) * block_bytes]` on the host."""
+    return np.ascontiguousarray(gather_rows(storage, list(block_ids)).cpu().numpy()).reshape(-1)

@@ -5,6 +5,10 @@
   with a narrow residual stream and few experts, so a GPU runs the real attention shapes cheaply.
 - `tiny`: the same mode pattern (SWA, m=2 encoder group, m=1 decoder group, Reindex and Reuse
   layers, a candidate pool, Engram, one draft layer) in 12 layers, fast enough for CPU tests.
+- `demo`: the tiny layer plan at the width of the shipped trained checkpoint
+  (`cedserve/assets/demo`, `scripts/train_demo.py`): a 4,096-token code tokenizer, a 32-token window
+  (so bounded replay of 128 or 256 tokens is an approximation: the exact span is 375), top-32 sparse
+  attention inside a 64-entry candidate pool.
 """
 
 from __future__ import annotations
@@ -91,10 +95,28 @@ def _tiny() -> ModelConfig:
     )
 
 
+def _demo() -> ModelConfig:
+    return _tiny().replace(
+        vocab_size=4096,  # the demo tokenizer's; ids 0-3 are bos, eos, pad and the draft noise token
+        sliding_window=32,
+        candidate_topk_blocks=16,
+        candidate_block_size=4,
+        index_topk=32,
+        engram_vocab_size=300,
+        engram_num_embeddings=(4064, 4944),  # the sums of each layer's table primes
+        dspark_noise_token_id=3,
+        max_position_embeddings=8192,
+        rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                      "original_max_position_embeddings": 512},
+        rope_parameters=None,
+    )
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "v4.1-flash": _v41_flash,
     "mini-40": _mini_40,
     "tiny": _tiny,
+    "demo": _demo,
 }
 
 
@@ -104,3 +126,16 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+def stretch_context(config: ModelConfig, num_tokens: int) -> ModelConfig:
+    """`config` reaching at least `num_tokens` positions: YaRN's factor raised to the power of two that
+    covers them over its original length (long-prompt benchmarks of the small presets; weights are
+    random there, so only the shapes matter). Unchanged when it already reaches that far."""
+    if num_tokens <= config.max_position_embeddings:
+        return config
+    scaling = dict(config.rope_scaling or {})
+    original = int(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = 1 << max(0, (-(-num_tokens // original) - 1).bit_length())
+    scaling.update(rope_type=scaling.get("rope_type", "yarn"), factor=factor, original_max_position_embeddings=original)
+    return config.replace(max_position_embeddings=original * factor, rope_scaling=scaling, rope_parameters=None)

@@ -14,6 +14,9 @@ Reuse and Reindex layers store nothing: they read the KV source's records.
 
 Every update replaces a tensor (`torch.cat`, slicing, reassignment) and never writes into one, so
 a `StateSnapshot` that holds the old references is an exact copy that costs no bytes.
+
+`kv_format` (`KVFormat.RECORDS` by default) may be `KVFormat.BF16`: the same rows hold bf16 values
+instead of records, to measure what the records cost; such a state is never stored in blocks.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cedserve.kernels.reference import (
-    index_key_record_bytes,
-    main_kv_record_bytes,
-    pack_index_key,
-    pack_main_kv,
-    swa_record_bytes,
-    unpack_index_key,
-    unpack_main_kv,
-)
 from cedserve.model.compressor import PendingGroup
 from cedserve.model.config import AttentionMode, ModelConfig
+from cedserve.model.kv_format import (
+    KVFormat,
+    decode_index_key,
+    decode_main,
+    decode_window,
+    encode_index_key,
+    encode_main,
+    encode_window,
+    index_key_row_bytes,
+    main_row_bytes,
+    window_row_bytes,
+)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class GlobalKV:
     main: Tensor  # uint8 [T, main_kv_record_bytes(head_dim)]
     index_keys: Tensor  # uint8 [T, index_key_record_bytes(index_head_dim)]
     pending: PendingGroup
+    kv_format: KVFormat = KVFormat.RECORDS
 
     @property
     def num_entries(self) -> int:
@@ -57,18 +64,16 @@ class GlobalKV:
 
     def append(self, main_values: Tensor, key_values: Tensor) -> None:
         """Quantize and append post-RoPE main KV `[G, D]` and index keys `[G, d]`."""
-        self.main = torch.cat([self.main, pack_main_kv(main_values)])
-        self.index_keys = torch.cat([self.index_keys, pack_index_key(key_values)])
+        self.main = torch.cat([self.main, encode_main(main_values, self.kv_format)])
+        self.index_keys = torch.cat([self.index_keys, encode_index_key(key_values, self.kv_format)])
 
     def main_values(self) -> Tensor:
         """Dequantized main KV, float32 `[T, D]`."""
-        values: Tensor = unpack_main_kv(self.main)
-        return values
+        return decode_main(self.main, self.kv_format)
 
     def key_values(self) -> Tensor:
         """Dequantized index keys, float32 `[T, d]`."""
-        values: Tensor = unpack_index_key(self.index_keys)
-        return values
+        return decode_index_key(self.index_keys, self.kv_format)
 
 
 @dataclass(frozen=True)
@@ -90,27 +95,38 @@ class SequenceState:
     global_kv: dict[int, GlobalKV]
     engram_tail: Tensor  # int64 [<= engram_max_ngram_size - 1]
     window_keep: int = field(default=0)  # records kept per layer: sliding_window - 1
+    kv_format: KVFormat = KVFormat.RECORDS
 
     @staticmethod
-    def new(config: ModelConfig, device: torch.device | None = None) -> SequenceState:
-        swa_bytes = swa_record_bytes(config.head_dim)
+    def new(config: ModelConfig, device: torch.device | None = None,
+            kv_format: KVFormat = KVFormat.RECORDS) -> SequenceState:
+        swa_bytes = window_row_bytes(kv_format, config.head_dim)
         swa = {
             i: torch.zeros(0, swa_bytes, dtype=torch.uint8, device=device) for i in range(config.num_hidden_layers)
         }
-        main_bytes = main_kv_record_bytes(config.head_dim)
-        key_bytes = index_key_record_bytes(config.index_head_dim)
+        main_bytes = main_row_bytes(kv_format, config.head_dim)
+        key_bytes = index_key_row_bytes(kv_format, config.index_head_dim)
         global_kv = {
             spec.layer_id: GlobalKV(
                 ratio=spec.compress_ratio,
                 main=torch.zeros(0, main_bytes, dtype=torch.uint8, device=device),
                 index_keys=torch.zeros(0, key_bytes, dtype=torch.uint8, device=device),
                 pending=PendingGroup.empty(config.head_dim, device),
+                kv_format=kv_format,
             )
             for spec in config.layer_plan
             if spec.mode is AttentionMode.FULL
         }
         tail = torch.zeros(0, dtype=torch.long, device=device)
-        return SequenceState(0, swa, global_kv, tail, window_keep=config.sliding_window - 1)
+        return SequenceState(0, swa, global_kv, tail, window_keep=config.sliding_window - 1, kv_format=kv_format)
+
+    def encode_window(self, kv: Tensor) -> Tensor:
+        """Window rows (records, or bf16 bytes) of window KV `[n, D]`."""
+        return encode_window(kv, self.kv_format)
+
+    def decode_window(self, rows: Tensor) -> Tensor:
+        """float32 window KV `[n, D]` of stored rows."""
+        return decode_window(rows, self.kv_format)
 
     def keep_window(self, layer_id: int, records: Tensor) -> None:
         """Store the newest `sliding_window - 1` of `records [n, bytes]` as the layer's window."""

@@ -36,6 +36,11 @@ class PrefillWorkerConfig:
     the boundary states of the prompt's last `replay_span` tokens (the report's bounded replay;
     exact once it covers `num_decoder_layers * (sliding_window - 1)` tokens or the whole prompt).
     A request may ask for another span."""
+    ship_state: bool = True
+    """Ship the bounded decode state (SWA windows, compressor partial groups, Engram history and, when
+    asked, DSpark taps) produced by the decoder replay, when the decode target reserved room for it
+    (`DecodeTarget.state_room`; the router asks per request through `ReserveRequest.ship_state`); the
+    decode worker then skips its replay. False refuses such targets (INVALID_ARGUMENT)."""
     prefix_replay_span: int = 128
     """After a prefix-cache hit, the encoder's bounded state (windows, Engram history) is rebuilt by
     `CEDModel.replay` over this many tokens before the cached end. Exact once it covers the

@@ -14,6 +14,9 @@ through a queue of closures (`submit`, `cancel`, transfer completions, `call`). 
    run the decoder over the last `replay_span` boundary states (`replay_decoder`), sample the first
    token and stream it at once; `PrefillDone` (with the `PrefillHandoff`) follows when the transfer
    layer reports DONE. Blocks are freed after the transfer layer's `on_finish`, on every path.
+   When the decode target reserved room for the bounded decode state (`TransferTarget.state_room`),
+   the last KV blocks go without `last`; the replay's state (with DSpark taps when asked) is encoded
+   (`cedserve.model.state_format`) into scratch blocks, which close the transfer instead.
 
 A prefix hit whose uncached suffix is shorter than the replay span recomputes the few cached blocks
 the span needs (their records are not rewritten: they live in shared blocks), so the first token
@@ -40,14 +43,15 @@ from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
-from cedserve.model.paged_kv import load_state, store_records
+from cedserve.model.paged_kv import load_state, store_bytes, store_records
 from cedserve.model.sampling import make_generator, sample
 from cedserve.model.state import SequenceState
+from cedserve.model.state_format import STATE_FORMAT_VERSION, BoundedState, encode_state
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.job import Phase, PrefillJob
 from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.scheduler import PrefillScheduler, ScheduledChunk
-from cedserve.prefill_workers.validation import PrefillSpec
+from cedserve.prefill_workers.validation import PrefillSpec, StateRoom
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import (
     CancelledError,
@@ -333,9 +337,12 @@ class PrefillEngine:
 
     def _finish_compute(self, job: PrefillJob) -> None:
         self.scheduler.finish(job.request_id)
-        self._ship(job, math.ceil(job.spec.prompt_len / self.cache.block_size), last=True)
+        room = job.spec.target.state_room if job.spec.target is not None else None
+        self._ship(job, math.ceil(job.spec.prompt_len / self.cache.block_size), last=room is None)
         start = time.perf_counter()
-        job.first_token = self._first_token(job)
+        job.first_token, taps = self._first_token(job, room is not None and room.dspark_taps)
+        if room is not None:
+            self._ship_state(job, room, taps)
         job.compute_s += time.perf_counter() - start
         job.state, job.boundary = None, None
         job.phase = Phase.CLOSING
@@ -345,16 +352,33 @@ class PrefillEngine:
         if not job.transfer_open:
             self._complete(job)
 
-    def _first_token(self, job: PrefillJob) -> wpb.FirstToken:
-        """Decoder replay over the last boundary states, then sampling (the report's bounded replay)."""
+    def _first_token(self, job: PrefillJob, with_taps: bool) -> tuple[wpb.FirstToken, torch.Tensor | None]:
+        """Decoder replay over the last boundary states, then sampling (the report's bounded replay).
+        With `with_taps`, also the span's DSpark taps `[n, n_taps, hc, hidden]`."""
         assert job.state is not None and job.boundary is not None
         span = job.boundary.last(job.spec.replay_span)
-        logits = self.model.replay_decoder(span, job.state)[-1]  # [vocab]
+        taps = None
+        if with_taps:
+            out = self.model.replay_decoder_with_taps(span, job.state)
+            logits, taps = out.logits[-1], out.taps
+        else:
+            logits = self.model.replay_decoder(span, job.state)[-1]  # [vocab]
         job.replayed_tokens += int(span.positions.shape[0])
         params = job.spec.sampling
         token = sample(logits, params, make_generator(params, logits.device))
         logprob = float(torch.log_softmax(logits.float(), dim=-1)[token])
-        return wpb.FirstToken(token_id=token, logprob=logprob, cached_tokens=job.cached_tokens)
+        return wpb.FirstToken(token_id=token, logprob=logprob, cached_tokens=job.cached_tokens), taps
+
+    def _ship_state(self, job: PrefillJob, room: StateRoom, taps: torch.Tensor | None) -> None:
+        """Encode the sequence's bounded state into scratch blocks and close the transfer with them."""
+        assert job.state is not None
+        window = self.model.config.sliding_window
+        mean_taps = None if taps is None else taps[-window:].mean(dim=2)  # [n, n_taps, hidden]
+        data = encode_state(BoundedState.capture(job.state, mean_taps), self.model.config)
+        job.state_blocks = self.cache.allocate_scratch(state_owner(job.request_id), room.num_blocks)
+        store_bytes(self.cache.pool.storage, job.state_blocks, data)
+        job.state_bytes = len(data)
+        self._send(job, job.state_blocks, last=True)
 
     def _ship(self, job: PrefillJob, upto_block: int, last: bool) -> None:
         """Queue prompt blocks `[next_block, upto_block)` for the decode worker (returns at once)."""
@@ -364,10 +388,15 @@ class PrefillEngine:
         ids = job.block_ids[job.next_block:upto_block]
         if not ids and not last:
             return
-        if ids and self.cache.pool.storage.is_cuda:
-            torch.cuda.synchronize(self.cache.pool.storage.device)  # the blocks must hold their final bytes
-        self.sender.write_blocks(tid, ids, last=last)
+        self._send(job, ids, last)
         job.next_block = max(job.next_block, upto_block)
+
+    def _send(self, job: PrefillJob, block_ids: list[int], last: bool) -> None:
+        tid = job.transfer_id
+        assert tid is not None and self.sender is not None
+        if block_ids and self.cache.pool.storage.is_cuda:
+            torch.cuda.synchronize(self.cache.pool.storage.device)  # the blocks must hold their final bytes
+        self.sender.write_blocks(tid, block_ids, last=last)
 
     # ------------------------------------------------------------------ endings
 
@@ -407,9 +436,10 @@ class PrefillEngine:
         if target is not None:
             done.handoff.CopyFrom(wpb.PrefillHandoff(
                 request_id=job.request_id, lease_id=target.lease_id, num_tokens=job.spec.prompt_len,
-                first_block_index=target.num_cached_blocks, num_blocks_sent=len(target.reservation.block_ids),
+                first_block_index=target.num_cached_blocks, num_blocks_sent=target.num_kv_blocks,
                 replay_span=min(job.spec.replay_span, job.spec.prompt_len), first_token=job.first_token.token_id,
-                first_logprob=job.first_token.logprob))
+                first_logprob=job.first_token.logprob, state_bytes=job.state_bytes,
+                state_format_version=STATE_FORMAT_VERSION if job.state_bytes else 0))
         return done
 
     def _fail(self, job: PrefillJob, exc: BaseException, cause: FailureCause) -> None:
@@ -434,6 +464,9 @@ class PrefillEngine:
         if job.admitted:
             self.cache.free(job.request_id)
             job.admitted = False
+        if job.state_blocks:
+            self.cache.free(state_owner(job.request_id))
+            job.state_blocks = []
         with self._lock:
             if self._jobs.get(job.request_id) is job:
                 del self._jobs[job.request_id]
@@ -458,6 +491,11 @@ class PrefillEngine:
         m.running_requests.set(len(self._jobs))
         m.free_blocks.set(self._stats.free_blocks)
         m.tokens_per_s.set(self._stats.tokens_per_s)
+
+
+def state_owner(request_id: str) -> str:
+    """The cache manager's name for a request's shipped-state scratch blocks."""
+    return f"{request_id}#state"
 
 
 def _unshared(records: dict[int, GlobalKVRecords], shared_tokens: int,

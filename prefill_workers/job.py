@@ -47,6 +47,9 @@ class PrefillJob:
     """Boundary states of the last computed tokens, at most the replay span."""
     next_block: int = 0
     """Next prompt block to hand to the transfer (blocks before it are queued or held by decode)."""
+    state_blocks: list[int] = field(default_factory=list)
+    """Scratch blocks holding the shipped bounded state (freed with the request's blocks)."""
+    state_bytes: int = 0
     transfer_open: bool = False
     transfer: TransferResult | None = None
     first_token: wpb.FirstToken | None = None

@@ -20,6 +20,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from cedserve.config import ServeConfig
@@ -34,7 +35,7 @@ from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.service import PeerBook, PrefillService, add_prefill_service
-from cedserve.prefill_workers.validation import RequestLimits
+from cedserve.prefill_workers.validation import RequestLimits, state_limits
 from cedserve.serving import (
     DrainController,
     GrpcServer,
@@ -63,10 +64,12 @@ class PrefillSettings:
 
 def load_settings(opts: WorkerOptions) -> PrefillSettings:
     serve, extra = read_serve_file(opts.config, ("prefill", "kv_transfer"))
+    serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
     prefill = PrefillWorkerConfig.from_mapping(extra.get("prefill", {}))
     worker_id = opts.worker_id or prefill.worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}"
     prefill = replace(prefill, worker_id=worker_id)
-    kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port)
+    kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port,
+                                       serve.internal_tls)
     return PrefillSettings(serve, prefill, kv)
 
 
@@ -89,7 +92,8 @@ class PrefillWorker:
     def ready_fields(self, opts: WorkerOptions) -> str:
         return ready_line("prefill", format_address(opts.public_host, self.server.port), agent=self.agent.name,
                           control_address=self.agent.control_address, metrics_port=self.metrics_port,
-                          worker_id=self.settings.prefill.worker_id)
+                          worker_id=self.settings.prefill.worker_id, health_port=self.server.health_port,
+                          tls=self.server.tls.enabled)
 
 
 def build_worker(opts: WorkerOptions) -> PrefillWorker:
@@ -112,10 +116,11 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
                               KVLayout.from_config(config, block_size, model_id=loaded.model_id), cfg.worker_id,
                               metrics=TransferMetrics(registry))
     engine = PrefillEngine(loaded.model, cache, agent.sender(), cfg, PrefillMetrics(registry))
-    server = GrpcServer(opts.host, opts.grpc_port)
+    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port)
     drain = DrainController(server.health, cfg.drain_timeout_s)
     limits = RequestLimits(config.vocab_size, cfg.prompt_limit(config.max_position_embeddings), block_size,
-                           cfg.replay_span, agent.name)
+                           cfg.replay_span, agent.name, layout.block_bytes,
+                           *state_limits(config, loaded.model.embed.weight.dtype, cfg.ship_state))
     worker = PrefillWorker(settings, cache, agent, engine, server, drain, feed, -1)
     service = PrefillService(engine, limits, PeerBook(agent, cfg.handshake_timeout_s), feed, drain, worker.identity)
     add_prefill_service(server.grpc, service)

@@ -12,10 +12,13 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.wire import reservation_from_pb
+from cedserve.model.config import ModelConfig
 from cedserve.model.sampling import SamplingParams
+from cedserve.model.state_format import STATE_FORMAT_VERSION, max_state_bytes, taps_supported
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import DeadlineExceededError, InvalidArgumentError
 
@@ -32,6 +35,27 @@ class RequestLimits:
     default_replay_span: int
     sender_agent: str
     """This worker's transfer agent: a reservation must name it as the sender."""
+    block_bytes: int = 0
+    max_state_bytes: int = 0
+    """Largest bounded decode state this worker ships without DSpark taps (`state_format.max_state_bytes`);
+    0: it ships none (`prefill.ship_state` off), so a target with a `state_room` is refused."""
+    max_state_bytes_with_taps: int = 0
+    """The same with the DSpark taps; 0: this model's taps cannot be shipped."""
+
+
+def state_limits(config: ModelConfig, dtype: torch.dtype, ship_state: bool) -> tuple[int, int]:
+    """`(max_state_bytes, max_state_bytes_with_taps)` of `RequestLimits` for a model of `dtype`."""
+    if not ship_state:
+        return 0, 0
+    return max_state_bytes(config), max_state_bytes(config, dtype) if taps_supported(config) else 0
+
+
+@dataclass(frozen=True)
+class StateRoom:
+    """Blocks the decode worker reserved, after the KV blocks, for the bounded decode state."""
+
+    num_blocks: int
+    dspark_taps: bool
 
 
 @dataclass(frozen=True)
@@ -45,7 +69,15 @@ class TransferTarget:
     num_cached_blocks: int
     """Leading prompt blocks the decode worker already holds: blocks from this index on are sent."""
     reservation: Reservation
-    """Its `request_id` is the transfer's id; position i receives prompt block `num_cached_blocks + i`."""
+    """Its `request_id` is the transfer's id; position i receives prompt block `num_cached_blocks + i`,
+    and its last `state_room.num_blocks` positions the shipped bounded state."""
+    state_room: StateRoom | None = None
+    """Set: ship the bounded decode state (the decode worker will not replay)."""
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Reserved positions that receive prompt blocks."""
+        return self.reservation.num_blocks - (self.state_room.num_blocks if self.state_room else 0)
 
 
 @dataclass(frozen=True)
@@ -126,12 +158,31 @@ def _check_target(req: wpb.PrefillRequest, limits: RequestLimits, prompt_len: in
     if t.num_cached_blocks > num_blocks:
         raise InvalidArgumentError(f"num_cached_blocks {t.num_cached_blocks} exceeds the prompt's {num_blocks} "
                                    "blocks", field="target.num_cached_blocks", request_id=rid)
-    reservation = _check_reservation(t, limits, rid)
+    room = _check_state_room(t, limits, rid) if t.HasField("state_room") else None
+    reservation = _check_reservation(t, limits, rid, room.num_blocks if room else 0)
     return TransferTarget(t.worker_id, t.agent_name, t.control_address, t.lease_id, t.num_cached_blocks,
-                          reservation)
+                          reservation, room)
 
 
-def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str) -> Reservation:
+def _check_state_room(t: wpb.DecodeTarget, limits: RequestLimits, rid: str) -> StateRoom:
+    room, field = t.state_room, "target.state_room"
+    if room.format_version != STATE_FORMAT_VERSION:
+        raise InvalidArgumentError(f"the decode worker reads state format version {room.format_version}; this "
+                                   f"worker writes version {STATE_FORMAT_VERSION}", field=f"{field}.format_version",
+                                   request_id=rid)
+    need = limits.max_state_bytes_with_taps if room.dspark_taps else limits.max_state_bytes
+    if need == 0:
+        what = "with DSpark taps (this model taps encoder layers)" if limits.max_state_bytes else \
+            "(prefill.ship_state is off)"
+        raise InvalidArgumentError(f"this prefill worker does not ship the bounded decode state {what}",
+                                   field=f"{field}.dspark_taps" if limits.max_state_bytes else field, request_id=rid)
+    if room.num_blocks * limits.block_bytes < need:
+        raise InvalidArgumentError(f"{room.num_blocks} blocks of {limits.block_bytes} bytes cannot hold the state "
+                                   f"(up to {need} bytes)", field=f"{field}.num_blocks", request_id=rid)
+    return StateRoom(room.num_blocks, room.dspark_taps)
+
+
+def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str, state_blocks: int) -> Reservation:
     field = "target.reservation"
     if not t.HasField("reservation"):
         raise InvalidArgumentError("decode target carries no reservation (ReserveReply.reservation)",
@@ -145,8 +196,9 @@ def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str) -> 
         (r.receiver == t.agent_name, "receiver_agent", f"is {r.receiver!r}, the target is {t.agent_name!r}"),
         (r.sender == limits.sender_agent, "sender_agent",
          f"reserves for sender {r.sender!r}, this worker is {limits.sender_agent!r}"),
-        (list(r.block_ids) == list(t.block_ids)[t.num_cached_blocks:], "block_ids",
-         "differ from target.block_ids[num_cached_blocks:]"),
+        (list(r.block_ids)[:r.num_blocks - state_blocks] == list(t.block_ids)[t.num_cached_blocks:]
+         and r.num_blocks - state_blocks == len(t.block_ids) - t.num_cached_blocks, "block_ids",
+         f"differ from target.block_ids[num_cached_blocks:] followed by {state_blocks} state blocks"),
         (r.mode is TransferMode.WRITE, "mode", f"is {r.mode.value}; prefill workers WRITE"),
     )
     for ok, name, message in checks:

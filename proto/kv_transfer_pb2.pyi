@@ -140,6 +140,22 @@ class AbortResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class ClaimRequest(_message.Message):
+    __slots__ = ("request_id", "sender_agent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sender_agent: str
+    def __init__(self, request_id: _Optional[str] = ..., sender_agent: _Optional[str] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("found", "detail")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    detail: str
+    def __init__(self, found: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class Reservation(_message.Message):
     __slots__ = ("request_id", "receiver_agent", "sender_agent", "block_ids", "mode", "staging_slots", "lease_s", "compat_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

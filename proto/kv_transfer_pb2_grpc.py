@@ -49,6 +49,11 @@ class KVTransferControlStub:
                 request_serializer=kv__transfer__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/cedserve.v1.KVTransferControl/Claim',
+                request_serializer=kv__transfer__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferControlServicer:
@@ -75,6 +80,13 @@ class KVTransferControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Check a reservation before writing into it (an unknown lease fails the sender at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_KVTransferControlServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kv__transfer__pb2.AbortRequest.FromString,
                     response_serializer=kv__transfer__pb2.AbortResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=kv__transfer__pb2.ClaimRequest.FromString,
+                    response_serializer=kv__transfer__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class KVTransferControl:
             '/cedserve.v1.KVTransferControl/Abort',
             kv__transfer__pb2.AbortRequest.SerializeToString,
             kv__transfer__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cedserve.v1.KVTransferControl/Claim',
+            kv__transfer__pb2.ClaimRequest.SerializeToString,
+            kv__transfer__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

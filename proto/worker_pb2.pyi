@@ -66,7 +66,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodeTarget(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "control_address", "lease_id", "block_ids", "num_cached_blocks", "reservation")
+    __slots__ = ("worker_id", "agent_name", "control_address", "lease_id", "block_ids", "num_cached_blocks", "reservation", "state_room")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class DecodeTarget(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_ROOM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     control_address: str
@@ -81,7 +82,18 @@ class DecodeTarget(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
     reservation: _kv_transfer_pb2.Reservation
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ...) -> None: ...
+    state_room: StateRoom
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ..., state_room: _Optional[_Union[StateRoom, _Mapping]] = ...) -> None: ...
+
+class StateRoom(_message.Message):
+    __slots__ = ("num_blocks", "format_version", "dspark_taps")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DSPARK_TAPS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    format_version: int
+    dspark_taps: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., format_version: _Optional[int] = ..., dspark_taps: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "effort", "cache_salt", "target", "deadline_unix_ms", "replay_span", "sampling")
@@ -132,7 +144,7 @@ class PrefillDone(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., handoff: _Optional[_Union[PrefillHandoff, _Mapping]] = ...) -> None: ...
 
 class PrefillHandoff(_message.Message):
-    __slots__ = ("request_id", "lease_id", "num_tokens", "first_block_index", "num_blocks_sent", "replay_span", "first_token", "first_logprob")
+    __slots__ = ("request_id", "lease_id", "num_tokens", "first_block_index", "num_blocks_sent", "replay_span", "first_token", "first_logprob", "state_bytes", "state_format_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +153,8 @@ class PrefillHandoff(_message.Message):
     REPLAY_SPAN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     num_tokens: int
@@ -149,7 +163,9 @@ class PrefillHandoff(_message.Message):
     replay_span: int
     first_token: int
     first_logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block_index: _Optional[int] = ..., num_blocks_sent: _Optional[int] = ..., replay_span: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ...) -> None: ...
+    state_bytes: int
+    state_format_version: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block_index: _Optional[int] = ..., num_blocks_sent: _Optional[int] = ..., replay_span: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., state_bytes: _Optional[int] = ..., state_format_version: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "done", "error")
@@ -162,7 +178,7 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "max_tokens", "lease_ms", "cache_salt", "sender_agent", "sender_control_address", "token_ids")
+    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "max_tokens", "lease_ms", "cache_salt", "sender_agent", "sender_control_address", "token_ids", "ship_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +188,7 @@ class ReserveRequest(_message.Message):
     SENDER_AGENT_FIELD_NUMBER: _ClassVar[int]
     SENDER_CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHIP_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -181,10 +198,11 @@ class ReserveRequest(_message.Message):
     sender_agent: str
     sender_control_address: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., sender_agent: _Optional[str] = ..., sender_control_address: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ship_state: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., sender_agent: _Optional[str] = ..., sender_control_address: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ship_state: _Optional[bool] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("lease_id", "agent_name", "control_address", "block_ids", "num_cached_blocks", "lease_deadline_unix_ms", "reservation")
+    __slots__ = ("lease_id", "agent_name", "control_address", "block_ids", "num_cached_blocks", "lease_deadline_unix_ms", "reservation", "state_room")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +210,7 @@ class ReserveReply(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_ROOM_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     agent_name: str
     control_address: str
@@ -199,7 +218,8 @@ class ReserveReply(_message.Message):
     num_cached_blocks: int
     lease_deadline_unix_ms: int
     reservation: _kv_transfer_pb2.Reservation
-    def __init__(self, lease_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ...) -> None: ...
+    state_room: StateRoom
+    def __init__(self, lease_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ..., state_room: _Optional[_Union[StateRoom, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "token_ids", "first_token", "effort", "sampling", "deadline_unix_ms", "replay_span", "prefill_locally")

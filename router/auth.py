@@ -2,7 +2,8 @@
 
 Keys arrive as `authorization: Bearer <key>` or `x-api-key: <key>` and are compared in constant
 time against every configured key. With no keys configured the port is open (the embedded default
-on loopback). Health checks and reflection stay open so probes work without a key.
+on loopback). Health checks and reflection stay open so probes work without a key, and so do
+the loopback-only control services (Drain, WorkerRegistry).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 import grpc
 
-_OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+# Lifecycle (Drain) and WorkerRegistry accept loopback peers only (router/lifecycle.py): the preStop
+# hook and the Ray router actor call them without a key.
+_OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/cedserve.v1.Lifecycle/", "/cedserve.v1.WorkerRegistry/")
 
 
 def _presented_key(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:

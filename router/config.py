@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cedserve.router.admission import ClassLimits
+from cedserve.tls import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -20,9 +22,40 @@ class WorkerEndpoint:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Kubernetes discovery of workers (router/discovery.py)."""
+
+    namespace: str
+    """Namespace of the pools (the router's own, `$(POD_NAMESPACE)` in the chart)."""
+    services: Mapping[str, str] = field(default_factory=dict)
+    """Headless Service per role (`prefill`, `decode`) whose EndpointSlices list the pool's pods."""
+    port_name: str = "grpc"
+    """Name of the worker port in the slices (the Service's port name)."""
+    watch_timeout_s: int = 60
+    """Server-side length of one watch call; the next resumes from the last version seen."""
+    retry_s: float = 2.0
+    """Wait after an API error before listing again."""
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ValueError("router field `discovery.namespace`: must be set (--namespace)")
+        if not self.services:
+            raise ValueError("router field `discovery.services`: name a Service (--prefill-service, --decode-service)")
+        for role, service in self.services.items():
+            if role not in ("prefill", "decode"):
+                raise ValueError(f"router field `discovery.services`: unknown role {role!r}")
+            if not service:
+                raise ValueError(f"router field `discovery.services.{role}`: empty Service name")
+        if self.watch_timeout_s <= 0 or self.retry_s <= 0:
+            raise ValueError("router fields `discovery.watch_timeout_s` and `discovery.retry_s` must be > 0")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     checkpoint: str
-    """Checkpoint folder: its config.json and tokenizer.json define the served model."""
+    """Checkpoint folder: its config.json and tokenizer.json define the served model ("" with `preset`)."""
+    preset: str | None = None
+    """Without a checkpoint: a preset (`tiny`, `mini-40`) with the shipped tokenizer, as preset workers use."""
     prefill: tuple[WorkerEndpoint, ...] = ()
     """Prefill workers (static list; Kubernetes discovery adds to it)."""
     decode: tuple[WorkerEndpoint, ...] = ()
@@ -55,18 +88,37 @@ class RouterConfig:
     """Largest request accepted (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
     metrics_port: int | None = None
     """Prometheus endpoint; None: off."""
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    """With a CA, clients must present certificates (mTLS)."""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    """The public port (`[tls]`): TLS with `cert`/`key`; mTLS with `ca` and `require_client_cert`."""
+    internal_tls: TLSConfig = field(default_factory=TLSConfig)
+    """Channels to workers (`[internal_tls]`): `ca` verifies them, `cert`/`key` is presented under mTLS."""
+    health_port: int = -1
+    """Plaintext listener for kubelet probes (they cannot speak TLS) and the loopback-only Drain that
+    the preStop hook calls; never the Generation API. -1: none."""
+    default_link_bytes_per_s: float = 1e9
+    """Prefill->decode KV link rate assumed until a pair's transfers are measured (placement)."""
+    link_rate_alpha: float = 0.3
+    """EWMA weight of each newly measured transfer in a pair's link rate (router/placement.py)."""
+    discovery: DiscoveryConfig | None = None
+    """Kubernetes discovery of workers, besides the static lists; None: static lists only."""
+    drain_timeout_s: float = 30.0
+    """SIGTERM without a prior Drain call: how long open streams may run before the router exits."""
 
     def __post_init__(self) -> None:
+        if not self.checkpoint and not self.preset:
+            raise ValueError("router field `checkpoint`: give a checkpoint folder or a `preset`")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"router field `drain_timeout_s`: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"router field `port`: must be in [0, 65535], got {self.port}")
         if self.max_retries < 0:
             raise ValueError(f"router field `max_retries`: must be >= 0, got {self.max_retries}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("router fields `tls_cert` and `tls_key` must be given together")
+        if self.tls.enabled and self.tls.cert is None:
+            raise ValueError("router field `tls.cert`: a TLS public port needs `cert` and `key`")
+        if self.default_link_bytes_per_s <= 0:
+            raise ValueError(f"router field `default_link_bytes_per_s`: must be > 0, got {self.default_link_bytes_per_s}")
+        if not 0 < self.link_rate_alpha <= 1:
+            raise ValueError(f"router field `link_rate_alpha`: must be in (0, 1], got {self.link_rate_alpha}")
         ids = [w.worker_id for w in (*self.prefill, *self.decode)]
         if len(ids) != len(set(ids)):
             raise ValueError(f"router field `workers`: duplicate worker ids in {ids}")

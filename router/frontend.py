@@ -31,7 +31,7 @@ from cedserve.router.index import PrefixHit
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
     DecodeLoad,
-    LinkRates,
+    MeasuredLinks,
     NoCapacityError,
     NoWorkerError,
     Placement,
@@ -57,8 +57,6 @@ _WORKER_CODES = {
     worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
     worker_pb2.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
 }
-# Without measured link rates yet, assume a slow link so transfer cost is never underestimated.
-_DEFAULT_LINK_BYTES_PER_S = 1e9
 
 
 class WorkerFailed(Exception):
@@ -80,6 +78,9 @@ class _Progress:
     drafts: int = 0
     accepted: int = 0
     finish: generation_pb2.FinishReason = generation_pb2.FINISH_REASON_UNSPECIFIED
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0
+    decode_only: bool = False
 
 
 def _deadline_ms(context: grpc.aio.ServicerContext) -> tuple[float | None, int]:
@@ -99,11 +100,13 @@ def _worker_error(worker_id: str, detail: worker_pb2.ErrorDetail) -> Exception:
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, codec: TextCodec, limits: ModelLimits,
                  admission: Admission, metrics: RouterMetrics, max_retries: int, lease_ms: int,
-                 block_bytes: int, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 block_bytes: int, metadata: tuple[tuple[str, str], ...] = (), *, links: MeasuredLinks) -> None:
         self.pool, self.policy, self.codec, self.limits = pool, policy, codec, limits
         self.admission, self.metrics = admission, metrics
         self.max_retries, self.lease_ms, self.block_bytes = max_retries, lease_ms, block_bytes
         self.metadata = metadata
+        # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
+        self.links = links
 
     # ------------------------------------------------------------------ public RPCs
 
@@ -177,7 +180,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         usage = generation_pb2.Usage(prompt_tokens=len(req.token_ids), cached_tokens=progress.cached_tokens,
                                      completion_tokens=len(progress.output_ids), draft_tokens=progress.drafts,
                                      accepted_draft_tokens=progress.accepted, ttft_s=progress.ttft_s,
-                                     total_s=time.monotonic() - start)
+                                     total_s=time.monotonic() - start, kv_transfer_bytes=progress.kv_transfer_bytes,
+                                     kv_transfer_s=progress.kv_transfer_s, decode_only=progress.decode_only)
         klass = effort_class(req.effort)
         if len(progress.output_ids) > 1:
             self.metrics.tpot_s.labels(klass).observe(
@@ -196,9 +200,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         shape = RequestShape(prompt_len, req.effort, self.limits.block_size, self.block_bytes)
         pl = [self._prefill_load(h, hits.get(h.worker_id)) for h in prefill]
         dl = [self._decode_load(h, hits.get(h.worker_id)) for h in decode]
-        links = LinkRates({}, {"host": 2e10, "disk": 2e9}, default_transfer_bytes_per_s=_DEFAULT_LINK_BYTES_PER_S)
         try:
-            choice = self.policy.choose(shape, pl, dl, links)
+            choice = self.policy.choose(shape, pl, dl, self.links)
         except NoCapacityError as exc:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0) from exc
         except NoWorkerError as exc:
@@ -233,6 +236,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
         lease = await self._reserve(decode, prefill, req, prompt, remaining_tokens, context)
+        progress.decode_only = prefill is None
+        if prefill is None:  # the decode worker reuses the leading blocks it holds
+            progress.cached_tokens = max(progress.cached_tokens,
+                                         min(lease.num_cached_blocks * self.limits.block_size, len(prompt)))
         try:
             first: int | None = None
             if prefill is not None:
@@ -315,6 +322,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                          control_address=lease.control_address, lease_id=lease.lease_id,
                                          block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks,
                                          reservation=lease.reservation)
+        if lease.HasField("state_room"):  # the decode worker expects the bounded state: ship it
+            target.state_room.CopyFrom(lease.state_room)
         call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
             request_id=req.request_id, token_ids=list(prompt), effort=req.effort, cache_salt=req.cache_salt,
             target=target, deadline_unix_ms=deadline_ms, sampling=self._sampling(req)),
@@ -329,6 +338,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 elif kind == "error":
                     raise _worker_error(prefill.worker_id, event.error)
                 elif kind == "done":
+                    progress.kv_transfer_bytes += int(event.done.bytes_sent)
+                    progress.kv_transfer_s += float(event.done.transfer_s)
+                    self.links.observe(prefill.worker_id, decode.worker_id, int(event.done.bytes_sent),
+                                       float(event.done.transfer_s))
                     break
         except grpc.aio.AioRpcError as exc:
             raise self._from_rpc(prefill.worker_id, exc) from exc

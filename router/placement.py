@@ -7,7 +7,9 @@ For a request with `prompt_len` tokens and effort `e`, every candidate pair (P, 
     prefill_wait(P)    = P.queued_tokens / P.prefill_tokens_per_s
     compute(P)         = (prompt_len - cached_P) / P.prefill_tokens_per_s + onload(P)
     onload(P)          = bytes of the prefix held in P's slower tiers / that tier's measured rate
-    transfer(P, D)     = global KV bytes of the blocks D lacks / measured link rate P->D
+    transfer(P, D)     = global KV bytes of the blocks D lacks / link_rate(P, D)
+    link_rate(P, D)    = ewma(bytes) / ewma(seconds) over the pair's completed transfers
+                         (`MeasuredLinks`); the configured default until the pair has one
     decode_pressure(D) = expected_output(e) x (D.step_s(batch + 1) - D.step_s(batch)) x batch
                          + D.step_s(batch + 1)
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -122,6 +125,81 @@ class LinkRates:
         return rates
 
 
+class MeasuredLinks:
+    """Per-(prefill, decode) link rates learned from completed transfers; not thread-safe.
+
+    Each pair keeps exponentially weighted moving averages of the bytes and the seconds of its
+    transfers (`alpha` = weight of the newest); its rate is their ratio,
+
+        rate(P, D) = ewma(bytes) / ewma(seconds)
+
+    a byte-weighted mean, so a small transfer, where latency dominates, moves the estimate no more
+    than its share of the bytes. Pairs not yet measured use `default_bytes_per_s`. Rates live in a
+    dense `[prefill, decode]` array so `matrix` is one gather, whatever the number of pairs.
+    """
+
+    def __init__(self, default_bytes_per_s: float, alpha: float, tier_bytes_per_s: Mapping[str, float]) -> None:
+        if default_bytes_per_s <= 0 or not 0 < alpha <= 1:
+            raise ValueError(f"link rates: default {default_bytes_per_s} must be > 0 and alpha {alpha} in (0, 1]")
+        self.default_bytes_per_s = default_bytes_per_s
+        self.alpha = alpha
+        self.tier_bytes_per_s = dict(tier_bytes_per_s)
+        self._rows: dict[str, int] = {}  # prefill id -> row (row 0: never measured)
+        self._cols: dict[str, int] = {}  # decode id -> column (column 0: never measured)
+        self._bytes = np.zeros((1, 1))   # [rows, cols] EWMA of bytes; 0 where unmeasured
+        self._seconds = np.zeros((1, 1))
+        self._rates = np.full((1, 1), default_bytes_per_s)
+
+    def observe(self, prefill_id: str, decode_id: str, num_bytes: int, seconds: float) -> None:
+        """One completed transfer P->D. Nothing sent (a fully cached prompt) measures nothing."""
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        i, j = self._index(self._rows, prefill_id, 0), self._index(self._cols, decode_id, 1)
+        a = self.alpha if self._seconds[i, j] > 0 else 1.0
+        self._bytes[i, j] = a * num_bytes + (1 - a) * self._bytes[i, j]
+        self._seconds[i, j] = a * seconds + (1 - a) * self._seconds[i, j]
+        self._rates[i, j] = self._bytes[i, j] / self._seconds[i, j]
+
+    def rate(self, prefill_id: str, decode_id: str) -> float:
+        """Measured bytes/s of the pair, or the default."""
+        return float(self._rates[self._rows.get(prefill_id, 0), self._cols.get(decode_id, 0)])
+
+    def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
+        """`[P, D]` link rates."""
+        rows = np.fromiter((self._rows.get(w, 0) for w in prefill_ids), dtype=np.intp, count=len(prefill_ids))
+        cols = np.fromiter((self._cols.get(w, 0) for w in decode_ids), dtype=np.intp, count=len(decode_ids))
+        return self._rates[np.ix_(rows, cols)]
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a departed worker's measurements (one that comes back starts from the default)."""
+        for index, axis in ((self._rows, 0), (self._cols, 1)):
+            k = index.get(worker_id)
+            if k is not None:
+                cut = (k, slice(None)) if axis == 0 else (slice(None), k)
+                self._bytes[cut], self._seconds[cut], self._rates[cut] = 0.0, 0.0, self.default_bytes_per_s
+
+    def _index(self, index: dict[str, int], worker_id: str, axis: int) -> int:
+        k = index.get(worker_id)
+        if k is None:
+            k = index[worker_id] = len(index) + 1
+            if k >= self._rates.shape[axis]:  # grow by doubling: amortised O(1) per new worker
+                grow = [(0, 0), (0, 0)]
+                grow[axis] = (0, self._rates.shape[axis])
+                self._bytes = np.pad(self._bytes, grow)
+                self._seconds = np.pad(self._seconds, grow)
+                self._rates = np.pad(self._rates, grow, constant_values=self.default_bytes_per_s)
+        return k
+
+
+class LinkModel(Protocol):
+    """What placement reads about links: `LinkRates` (constructed) or `MeasuredLinks` (learned)."""
+
+    @property
+    def tier_bytes_per_s(self) -> Mapping[str, float]: ...
+
+    def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]: ...
+
+
 @dataclass(frozen=True)
 class Placement:
     prefill_id: str | None
@@ -138,7 +216,7 @@ def decode_pressure(d: DecodeLoad, effort: int) -> float:
     return expected_output_tokens(effort) * added * batch + d.step_at(batch + 1)
 
 
-def _prefill_terms(req: RequestShape, p: PrefillLoad, links: LinkRates) -> tuple[float, float]:
+def _prefill_terms(req: RequestShape, p: PrefillLoad, links: LinkModel) -> tuple[float, float]:
     """(prefill_wait, compute) of one prefill worker, in seconds."""
     cached = min(p.cached_blocks * req.block_size, req.prompt_len)
     onload = sum(blocks * req.block_bytes / links.tier_bytes_per_s[tier] for tier, blocks in p.offloaded_blocks.items())
@@ -148,7 +226,7 @@ def _prefill_terms(req: RequestShape, p: PrefillLoad, links: LinkRates) -> tuple
 
 
 def _pair_costs(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
-                links: LinkRates) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+                links: LinkModel) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """Per-prefill `[P, 2]` (wait, compute), per-decode `[D]` pressure and `[P, D]` transfer seconds."""
     prefill_terms = np.array([_prefill_terms(req, p, links) for p in prefill], dtype=np.float64).reshape(-1, 2)
     pressure = np.array([decode_pressure(d, req.effort) for d in decode], dtype=np.float64)
@@ -169,7 +247,7 @@ def _decode_only_cost(req: RequestShape, d: DecodeLoad) -> Placement:
     return Placement(None, d.worker_id, sum(parts.values()), parts)
 
 
-def place(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], links: LinkRates,
+def place(req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], links: LinkModel,
           decode_only_max_tokens: int) -> Placement:
     """The cheapest placement; `NoCapacityError` when no decode worker has room for the request,
     `NoWorkerError` when no placement exists at all. Ties go to the smallest worker ids.

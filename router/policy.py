@@ -13,7 +13,7 @@ from typing import Protocol
 
 from cedserve.router.placement import (
     DecodeLoad,
-    LinkRates,
+    LinkModel,
     NoCapacityError,
     NoWorkerError,
     Placement,
@@ -31,7 +31,7 @@ class RoutingPolicy(Protocol):
     name: str
 
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
-               links: LinkRates) -> Placement: ...
+               links: LinkModel) -> Placement: ...
 
 
 def _fitting(req: RequestShape, decode: Sequence[DecodeLoad]) -> list[DecodeLoad]:
@@ -50,7 +50,7 @@ class RoundRobin:
         self._counter = itertools.count()
 
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
-               links: LinkRates) -> Placement:
+               links: LinkModel) -> Placement:
         fits = _fitting(req, decode)
         if not prefill:
             raise NoWorkerError("no prefill worker is available")
@@ -64,7 +64,7 @@ class LeastLoaded:
     name = "least_loaded"
 
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
-               links: LinkRates) -> Placement:
+               links: LinkModel) -> Placement:
         fits = _fitting(req, decode)
         if not prefill:
             raise NoWorkerError("no prefill worker is available")
@@ -82,7 +82,7 @@ class CacheAware:
         self.decode_only_max_tokens = decode_only_max_tokens
 
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
-               links: LinkRates) -> Placement:
+               links: LinkModel) -> Placement:
         return place(req, prefill, decode, links, self.decode_only_max_tokens)
 
 

@@ -1,4 +1,9 @@
-"""Build and run the router process: the public gRPC API in front of the worker pools."""
+"""Build and run the router process: the public gRPC API in front of the worker pools.
+
+Shutdown: SIGTERM (or a `Drain` call first, the pod's preStop) drains (router/lifecycle.py): new
+Generate calls get UNAVAILABLE, health turns NOT_SERVING, open streams finish within the drain
+timeout, then the server stops. A second SIGINT stops at once.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cedserve.model.config import ModelConfig
@@ -22,13 +28,18 @@ from cedserve.router.auth import ApiKeyInterceptor
 from cedserve.router.config import RouterConfig
 from cedserve.router.frontend import GenerationService
 from cedserve.router.index import GlobalPrefixIndex
+from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
 from cedserve.router.metrics import RouterMetrics
+from cedserve.router.placement import MeasuredLinks
 from cedserve.router.policy import make_policy
 from cedserve.router.requests import ModelLimits
 from cedserve.router.workers import WorkerPool
+from cedserve.tls import add_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# Onload rates of the slower cache tiers (placement's onload term) until workers report them.
+_TIER_BYTES_PER_S = {"host": 2e10, "disk": 2e9}
 
 
 @dataclass
@@ -38,55 +49,108 @@ class RunningRouter:
     port: int
     metrics: RouterMetrics
     health: health.aio.HealthServicer
+    health_only: grpc.aio.Server | None = None
+    """Plaintext listener (`RouterConfig.health_port`): health for kubelet probes, loopback-only Drain."""
+    drain: RouterDrain | None = None
+    discovery: Any = None
+    """`KubernetesDiscovery` when `RouterConfig.discovery` is set."""
+    links: MeasuredLinks | None = None
+    """Per-pair KV link rates learned from completed transfers (placement reads them)."""
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.discovery is not None:
+            await asyncio.to_thread(self.discovery.stop)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_only is not None:
+            await self.health_only.stop(0)
         await self.pool.close()
 
 
-def _credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
-    if config.tls_cert is None or config.tls_key is None:
+async def _health_listener(config: RouterConfig, servicer: health.aio.HealthServicer, drain: RouterDrain,
+                           pool: WorkerPool) -> grpc.aio.Server | None:
+    """Plaintext listener for kubelet probes (they cannot speak TLS) and the loopback-only control
+    services (the preStop `cedserve drain`); never the Generation API."""
+    if config.health_port < 0:
         return None
-    key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
-    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    add_control_services(server, drain, pool)
+    address = f"{config.host}:{config.health_port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"router health listener could not bind {address}")
+    await server.start()
+    return server
 
 
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Start serving; workers are polled in the background (placement uses only healthy ones)."""
-    model = ModelConfig.from_hf_json(config.checkpoint)
-    codec = TextCodec.from_file(config.checkpoint, model.vocab_size)
+    model, codec = _served_model(config)
     block_bytes = KVAccounting.from_config(model).block_bytes(config.block_size)
     limits = ModelLimits(config.model_id, model.vocab_size, model.max_position_embeddings, config.block_size,
                          config.default_max_tokens)
     metadata = (("x-cedserve-token", config.worker_token),) if config.worker_token else ()
     index = GlobalPrefixIndex()
-    pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata)
+    pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()
     service = GenerationService(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
                                 Admission(config.limits), metrics, config.max_retries, config.lease_ms,
-                                block_bytes, metadata)
+                                block_bytes, metadata, links=MeasuredLinks(
+                                    config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
     options = [("grpc.max_receive_message_length", config.max_message_bytes)]
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys)], options=options)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()
+    drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain)],
+                             options=options)
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    add_control_services(server, drain, pool)
+    pool.on_remove.append(service.links.forget)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
-    creds = _credentials(config)
-    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    port = add_port(server, address, config.tls, "tls")
     if port == 0:
         raise OSError(f"router could not bind {address}")
+    health_only = await _health_listener(config, health_servicer, drain, pool)
     await server.start()
     pool.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    discovery = None
+    if config.discovery is not None:
+        discovery = _start_discovery(config, pool)
+    await drain.set_serving()
     if config.metrics_port is not None:
         from prometheus_client import start_http_server
 
         start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
-    return RunningRouter(server, pool, port, metrics, health_servicer)
+    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, service.links)
+
+
+def _served_model(config: RouterConfig) -> tuple[ModelConfig, TextCodec]:
+    """The model's config and tokenizer: a checkpoint's, or a preset's with the shipped tokenizer."""
+    if config.checkpoint:
+        model = ModelConfig.from_hf_json(config.checkpoint)
+        return model, TextCodec.from_file(config.checkpoint, model.vocab_size)
+    from cedserve.model.checkpoint_writer import fit_config_to_tokenizer
+    from cedserve.model.presets import preset
+    from cedserve.model.tokenizer import tiny_tokenizer_path
+
+    assert config.preset is not None  # RouterConfig requires one of the two
+    tokenizer = tiny_tokenizer_path()
+    model = fit_config_to_tokenizer(preset(config.preset), tokenizer)
+    return model, TextCodec.from_file(tokenizer, model.vocab_size)
+
+
+def _start_discovery(config: RouterConfig, pool: WorkerPool) -> Any:
+    """Kubernetes discovery, or None (a warning) when no API credentials exist: the static lists
+    stay the fallback."""
+    from cedserve.router.discovery import DiscoveryError, KubernetesDiscovery
+
+    assert config.discovery is not None
+    try:
+        return KubernetesDiscovery.attach(pool, config.discovery, asyncio.get_running_loop())
+    except DiscoveryError as exc:
+        log.warning("Kubernetes discovery is off (%s); serving the static worker list only", exc)
+        return None
 
 
 async def serve_forever(config: RouterConfig, ready_file: str | None = None, worker_wait_s: float = 30.0) -> None:
@@ -97,13 +161,34 @@ async def serve_forever(config: RouterConfig, ready_file: str | None = None, wor
     except TimeoutError as exc:
         log.warning("%s; serving anyway (placement uses the workers that answer)", exc)
     stop = asyncio.Event()
+    force = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGINT and stop.is_set():
+            force.set()  # a second Ctrl-C: do not wait for open streams
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     ready = {"role": "router", "address": f"{config.host}:{router.port}", "port": router.port}
     print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps(ready))
     await stop.wait()
-    log.info("router shutting down")
-    await router.stop()
+    await drain_and_stop(router, force)
+
+
+async def drain_and_stop(router: RunningRouter, force: asyncio.Event | None = None) -> None:
+    """SIGTERM: drain (unless a Drain call already did), then stop what is left."""
+    assert router.drain is not None
+    await router.drain.request("SIGTERM")
+    finished = asyncio.create_task(router.drain.wait_finished(None))
+    waits: list[asyncio.Future[Any]] = [finished]
+    if force is not None:
+        waits.append(asyncio.ensure_future(force.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    log.info("router shutting down (%d streams still open)", router.drain.in_flight)
+    await router.stop(0.5)

@@ -4,6 +4,14 @@ For every worker one task polls `GetLoad` (a worker that fails three polls in a 
 placement and its index entries dropped), and one task follows `StreamKVEvents` into the global
 prefix index, resuming from the last applied sequence number after a gap or a reconnect (the worker
 replays, or sends a snapshot when its replay buffer no longer reaches back).
+
+Membership changes at runtime: `add` (a new worker, or a known one at a new address: a restarted
+pod or Ray actor), `remove` (its tasks stop, its index entries go, and its channel closes once the
+calls still on it finish or `retire_grace_s` passes) and `sync` (make the workers of one source and
+role exactly a given list: what Kubernetes discovery calls on every change). Each worker records
+its `source` (static list, Kubernetes, registration RPC) so a source only ever removes its own.
+A worker that answers `GetLoad` with UNIMPLEMENTED is a follower rank of a group (only the leader
+serves the worker service) and is kept out of placement without further polls.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,6 +29,7 @@ from cedserve.model.cache.events import decode_batch
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.config import WorkerEndpoint
 from cedserve.router.index import GlobalPrefixIndex
+from cedserve.tls import PLAINTEXT, TLSConfig, open_aio_channel
 
 log = logging.getLogger(__name__)
 _MISSED_POLLS_DOWN = 3
@@ -36,6 +46,10 @@ class WorkerHandle:
     missed_polls: int = 0
     last_seen_s: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    source: str = "static"
+    """Who added it: `static` (command line), `kubernetes` (discovery) or `registry` (Register RPC)."""
+    follower: bool = False
+    """Does not serve the worker service (a follower rank of a group): never placed on."""
 
     @property
     def worker_id(self) -> str:
@@ -43,32 +57,104 @@ class WorkerHandle:
 
     @property
     def healthy(self) -> bool:
-        return self.load is not None and self.missed_polls < _MISSED_POLLS_DOWN
+        return self.load is not None and self.missed_polls < _MISSED_POLLS_DOWN and not self.follower
 
 
 class WorkerPool:
     """All workers of one router. Not thread-safe: lives on the router's event loop."""
 
     def __init__(self, prefill: tuple[WorkerEndpoint, ...], decode: tuple[WorkerEndpoint, ...],
-                 index: GlobalPrefixIndex, poll_s: float, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 index: GlobalPrefixIndex, poll_s: float, metadata: tuple[tuple[str, str], ...] = (),
+                 tls: TLSConfig = PLAINTEXT, retire_grace_s: float = 60.0) -> None:
         self.index = index
         self.poll_s = poll_s
         self.metadata = metadata
+        self.tls = tls
+        """Channels to workers dial TLS when enabled (`RouterConfig.internal_tls`)."""
+        self.retire_grace_s = retire_grace_s
+        """How long a removed worker's channel stays open for the calls still on it."""
+        self.on_remove: list[Callable[[str], None]] = []
+        """Called with the id of every removed worker (e.g. to forget its measured link rates)."""
         self.workers: dict[str, WorkerHandle] = {}
+        self._started = False
+        self._retiring: set[asyncio.Task[None]] = set()
         for role, endpoints in (("prefill", prefill), ("decode", decode)):
             for ep in endpoints:
-                channel = grpc.aio.insecure_channel(ep.address)
-                handle = WorkerHandle(ep, role, channel)
-                if role == "prefill":
-                    handle.prefill = worker_pb2_grpc.PrefillWorkerStub(channel)  # type: ignore[no-untyped-call]
-                else:
-                    handle.decode = worker_pb2_grpc.DecodeWorkerStub(channel)  # type: ignore[no-untyped-call]
-                self.workers[ep.worker_id] = handle
+                self.add(ep, role)
 
     def start(self) -> None:
+        self._started = True
         for handle in self.workers.values():
-            handle.tasks.append(asyncio.create_task(self._poll_loads(handle)))
-            handle.tasks.append(asyncio.create_task(self._follow_events(handle)))
+            if not handle.tasks:
+                self._start_tasks(handle)
+
+    def _start_tasks(self, handle: WorkerHandle) -> None:
+        handle.tasks.append(asyncio.create_task(self._poll_loads(handle)))
+        handle.tasks.append(asyncio.create_task(self._follow_events(handle)))
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, endpoint: WorkerEndpoint, role: str, source: str = "static") -> WorkerHandle:
+        """Add a worker (polled at once if the pool runs). A known id at another address or role is
+        replaced: the old entry is removed first (a restarted worker starts with no prefix credit)."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"worker {endpoint.worker_id!r}: role must be prefill or decode, got {role!r}")
+        old = self.workers.get(endpoint.worker_id)
+        if old is not None:
+            if old.endpoint == endpoint and old.role == role:
+                old.source = source
+                return old
+            self.remove(endpoint.worker_id)
+        channel = open_aio_channel(endpoint.address, self.tls)
+        handle = WorkerHandle(endpoint, role, channel, source=source)
+        if role == "prefill":
+            handle.prefill = worker_pb2_grpc.PrefillWorkerStub(channel)  # type: ignore[no-untyped-call]
+        else:
+            handle.decode = worker_pb2_grpc.DecodeWorkerStub(channel)  # type: ignore[no-untyped-call]
+        self.workers[endpoint.worker_id] = handle
+        if self._started:
+            self._start_tasks(handle)
+            log.info("%s worker %s at %s added (%s)", role, endpoint.worker_id, endpoint.address, source)
+        return handle
+
+    def remove(self, worker_id: str) -> bool:
+        """Take a worker out now: no new placement, no prefix credit. Calls already on its channel may
+        finish (for up to `retire_grace_s`). False when the id is unknown. Call on the pool's loop."""
+        handle = self.workers.pop(worker_id, None)
+        if handle is None:
+            return False
+        for task in handle.tasks:
+            task.cancel()
+        self.index.forget(worker_id)
+        for callback in self.on_remove:
+            callback(worker_id)
+        retire = asyncio.get_running_loop().create_task(self._retire(handle, self.retire_grace_s))
+        self._retiring.add(retire)
+        retire.add_done_callback(self._retiring.discard)
+        log.info("%s worker %s at %s removed", handle.role, worker_id, handle.endpoint.address)
+        return True
+
+    def sync(self, role: str, endpoints: Sequence[WorkerEndpoint], source: str) -> tuple[list[str], list[str]]:
+        """Make the `role` workers added by `source` exactly `endpoints` (others' untouched).
+        Returns the ids (added or moved, removed)."""
+        wanted = {ep.worker_id: ep for ep in endpoints}
+        removed = [w for w, h in self.workers.items() if h.source == source and h.role == role and w not in wanted]
+        for worker_id in removed:
+            self.remove(worker_id)
+        added = []
+        for ep in wanted.values():
+            old = self.workers.get(ep.worker_id)
+            if old is None or old.endpoint != ep or old.role != role:
+                added.append(ep.worker_id)
+            self.add(ep, role, source)
+        return added, removed
+
+    async def _retire(self, handle: WorkerHandle, grace_s: float) -> None:
+        for task in handle.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        handle.tasks.clear()
+        await handle.channel.close(grace_s)
 
     async def stop_tasks(self) -> None:
         """Stop polling and event streams (channels stay open; `start` resumes, from the index's seq)."""
@@ -82,8 +168,15 @@ class WorkerPool:
 
     async def close(self) -> None:
         await self.stop_tasks()
+        self._started = False
         for handle in self.workers.values():
             await handle.channel.close()
+        retiring = list(self._retiring)
+        for task in retiring:  # removed workers: close their channels now
+            task.cancel()
+        for task in retiring:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until every worker has answered a load poll; `TimeoutError` names the silent ones."""
@@ -103,11 +196,24 @@ class WorkerPool:
         assert stub is not None
         while True:
             try:
-                handle.load = await stub.GetLoad(worker_pb2.LoadRequest(), timeout=max(1.0, 2 * self.poll_s),
-                                                 metadata=self.metadata)
+                load = await stub.GetLoad(worker_pb2.LoadRequest(), timeout=max(1.0, 2 * self.poll_s),
+                                          metadata=self.metadata)
+                if handle.load is None and load.worker_id and load.worker_id != handle.worker_id:
+                    log.warning("worker %s calls itself %r: its KV events will not credit it with prefix hits "
+                                "(start it with --worker-id=%s)", handle.worker_id, load.worker_id, handle.worker_id)
+                handle.load = load
                 handle.missed_polls = 0
                 handle.last_seen_s = time.monotonic()
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("worker %s at %s does not serve the %s worker service (a group's follower rank, "
+                             "or a worker of the other role); not placing on it", handle.worker_id,
+                             handle.endpoint.address, handle.role)
+                    handle.follower = True
+                    for task in handle.tasks:
+                        if task is not asyncio.current_task():
+                            task.cancel()
+                    return
                 handle.missed_polls += 1
                 if handle.missed_polls == _MISSED_POLLS_DOWN:
                     log.warning("worker %s is down (%s); taking it out of placement", handle.worker_id, exc.code())

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tls_pki import TLSFiles
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,3 +24,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for name, mark in tiers.items():
             if name in parts:
                 item.add_marker(mark)
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """Certificates for TLS/mTLS tests (needs `cryptography`, in the dev extra)."""
+    return TLSFiles(tmp_path_factory.mktemp("pki"))

@@ -279,6 +279,17 @@ class KVCacheManager:
         del req.pending[num_tokens - req.pending_start :]
         del req.hashes[num_tokens // self.block_size :]
 
+    def allocate_scratch(self, owner: RequestId, num_blocks: int) -> list[int]:
+        """`num_blocks` fresh blocks under `owner` that hold bytes other than KV records (a shipped
+        decode state): never hashed, cached or published. `free(owner)` returns them. Raises
+        `ValueError` for an owner already holding blocks, `CacheExhaustedError` (nothing taken)."""
+        if owner in self._requests:
+            raise ValueError(f"request {owner!r} is already admitted")
+        blocks = self._allocate(num_blocks, owner, None)
+        self._requests[owner] = _Request(owner, "", blocks, [], array("q"))
+        self.events.flush()  # making room may have evicted cached blocks
+        return blocks
+
     def free(self, request_id: RequestId) -> None:
         """Release a request's blocks: cached ones become idle prefix blocks, the rest free."""
         req = self._requests.pop(request_id, None)

@@ -2,9 +2,10 @@
 sender (a real `NixlTransferAgent` in a child process).
 
 `python tests/e2e/decode_rig.py sender --blocks N` runs the child: it prints `AGENT {json}` (its agent
-name and control address), reads one line `OPEN <base64 Reservation>` from stdin, opens the
-reservation, WRITEs all but the last reserved block (never closing the transfer), prints `SENT`, and
-sleeps until killed.
+name and control address), reads one line `OPEN <base64 Reservation> [STATE_BLOCKS VERSION]` from
+stdin, opens the reservation, WRITEs all but the last reserved block (never closing the transfer),
+prints `SENT`, and sleeps until killed. With `STATE_BLOCKS VERSION` it instead fills the last
+STATE_BLOCKS blocks with a shipped-state header of format VERSION and closes the transfer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import base64
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.region import KVLayout, KVRegion
 from cedserve.kv_transfer.wire import reservation_from_pb
 from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.paged_kv import store_bytes
 from cedserve.proto import kv_transfer_pb2 as kpb
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
@@ -114,9 +117,12 @@ class SenderChild:
                 return line[len(prefix):].strip()
         raise RuntimeError(f"sender child exited rc={self.proc.wait(10)}")
 
-    def send_partial(self, reservation: kpb.Reservation) -> None:
+    def send_partial(self, reservation: kpb.Reservation, state: tuple[int, int] | None = None) -> None:
+        """All but the last block, never closing; with `state` = (state blocks, format version), every
+        block instead, a state header of that version in the state blocks, and the transfer closed."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write("OPEN " + base64.b64encode(reservation.SerializeToString()).decode() + "\n")
+        extra = "" if state is None else f" {state[0]} {state[1]}"
+        self.proc.stdin.write("OPEN " + base64.b64encode(reservation.SerializeToString()).decode() + extra + "\n")
         self.proc.stdin.flush()
         self._line("SENT")
 
@@ -136,10 +142,17 @@ def _sender_main(argv: list[str]) -> int:
                               KVRegion(pool, layout.block_bytes),
                               KVLayout.from_config(config, BLOCK, model_id=MODEL_ID), f"prefill-child-{os.getpid()}")
     print("AGENT " + json.dumps({"agent": agent.name, "control_address": agent.control_address}), flush=True)
-    line = sys.stdin.readline()
-    reservation = reservation_from_pb(kpb.Reservation.FromString(base64.b64decode(line.split()[1])))
+    words = sys.stdin.readline().split()
+    reservation = reservation_from_pb(kpb.Reservation.FromString(base64.b64decode(words[1])))
     agent.sender().open(reservation)
-    agent.sender().write_blocks(reservation.request_id, list(range(reservation.num_blocks - 1)))
+    if len(words) == 4:  # a whole transfer whose state region holds a header of another format version
+        state_blocks, version = int(words[2]), int(words[3])
+        header = struct.pack("<8sHHIQQ16sI12x", b"CEDSTATE", version, 64, 0, 64, 0, bytes(16), 0)
+        first_state = reservation.num_blocks - state_blocks
+        store_bytes(pool, list(range(first_state, reservation.num_blocks)), header)
+        agent.sender().write_blocks(reservation.request_id, list(range(reservation.num_blocks)), last=True)
+    else:
+        agent.sender().write_blocks(reservation.request_id, list(range(reservation.num_blocks - 1)))
     time.sleep(0.5)
     print("SENT", flush=True)
     while True:

@@ -5,6 +5,9 @@ returned reservation) -> Decode.
 - greedy tokens equal the single-process reference model's (a differing step must be a numerical tie,
   shown by another computation of the same model picking that token); the next turn of the
   conversation reuses the decode worker's own cached blocks, so the prefill side sends only the rest;
+- a request whose lease asks for the bounded state (`ReserveRequest.ship_state`) gets it from the
+  prefill worker over NIXL and decodes to the replay path's tokens and the reference's; a state region
+  holding another format version fails the Decode call naming it, with every block freed;
 - a client that cancels its Decode call, and a prefill side killed mid-transfer, leave every block free;
 - health, load, metrics and KV events are served; a drain refuses new leases; SIGTERM exits cleanly.
 """
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import torch
 from decode_rig import REPO, DecodeProcess, SenderChild
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefill_rig import WorkerProcess
@@ -36,16 +40,20 @@ pytestmark = [pytest.mark.skipif(not nixl_available(), reason="NIXL is not insta
 
 class Cluster:
     def __init__(self) -> None:
+        torch.set_num_threads(1)  # the reference checks run the tiny model here: intra-op threads only contend
         self.model = load_worker_model(None, "tiny", seed=0).model  # both workers' weights, bit for bit
         self.decode = DecodeProcess(num_blocks=64)
         self.prefill = WorkerProcess(num_blocks=64)
 
     def reserve(self, rid: str, tokens: list[int], sender: dict[str, str] | None = None,
-                max_tokens: int = 16) -> wpb.ReserveReply:
+                max_tokens: int = 16, ship_state: bool | None = None) -> wpb.ReserveReply:
         sender = sender or self.prefill.ready
-        reply: wpb.ReserveReply = self.decode.stub.Reserve(wpb.ReserveRequest(
+        request = wpb.ReserveRequest(
             request_id=rid, prompt_tokens=len(tokens), token_ids=tokens, max_tokens=max_tokens, lease_ms=20_000,
-            sender_agent=sender["agent"], sender_control_address=sender["control_address"]), timeout=30)
+            sender_agent=sender["agent"], sender_control_address=sender["control_address"])
+        if ship_state is not None:
+            request.ship_state = ship_state
+        reply: wpb.ReserveReply = self.decode.stub.Reserve(request, timeout=30)
         return reply
 
     def prefill_into(self, rid: str, tokens: list[int], lease: wpb.ReserveReply) -> tuple[int, wpb.PrefillDone]:
@@ -53,6 +61,8 @@ class Cluster:
                                   control_address=lease.control_address, lease_id=lease.lease_id,
                                   block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks,
                                   reservation=lease.reservation)
+        if lease.HasField("state_room"):  # what the router does
+            target.state_room.CopyFrom(lease.state_room)
         events = list(self.prefill.stub.Prefill(wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target),
                                                 timeout=60))
         assert [e.WhichOneof("event") for e in events] == ["first_token", "done"], events
@@ -64,9 +74,12 @@ class Cluster:
             request_id=rid, lease_id=lease.lease_id, token_ids=tokens, first_token=first,
             sampling=wpb.SamplingParams(max_tokens=max_tokens)), timeout=120)
 
-    def generate(self, rid: str, tokens: list[int], max_tokens: int) -> tuple[list[int], wpb.DecodeComplete, int]:
-        lease = self.reserve(rid, tokens)
-        first, _ = self.prefill_into(rid, tokens, lease)
+    def generate(self, rid: str, tokens: list[int], max_tokens: int,
+                 ship_state: bool | None = None) -> tuple[list[int], wpb.DecodeComplete, int]:
+        lease = self.reserve(rid, tokens, ship_state=ship_state)
+        assert lease.HasField("state_room") is bool(ship_state)
+        first, done = self.prefill_into(rid, tokens, lease)
+        assert (done.handoff.state_bytes > 0) is bool(ship_state)
         out, complete = [first], None
         for event in self.decode_call(rid, lease, tokens, first, max_tokens):
             kind = event.WhichOneof("event")
@@ -105,6 +118,37 @@ def test_prefilled_request_decodes_to_the_reference_tokens(cluster: Cluster) -> 
     assert len(greedy_ties(cluster.model, follow_up, out2)) <= 1
     load = cluster.decode.wait_all_free()
     assert load.held_blocks == 0 and load.cached_blocks > 0 and load.decode_tokens_per_s > 0
+
+
+def test_shipped_state_decodes_like_the_replay_path_and_the_reference(cluster: Cluster) -> None:
+    tokens = prompt(150, 1)  # the first test's prompt: its first token is no numerical tie
+    replayed, _, _ = cluster.generate("r", tokens, 8, ship_state=False)
+    shipped, complete, _ = cluster.generate("s", tokens, 8, ship_state=True)
+    assert shipped == replayed and complete.output_tokens == 8
+    assert complete.draft_tokens > 0  # drafted from the shipped DSpark taps
+    assert len(greedy_ties(cluster.model, tokens, shipped)) <= 1
+    load = cluster.decode.wait_all_free()
+    assert load.held_blocks == 0
+
+
+def test_state_region_of_another_version_is_rejected_and_frees_every_block(cluster: Cluster) -> None:
+    tokens = prompt(100, 8)
+    child = SenderChild(num_blocks=64)
+    try:
+        lease = cluster.reserve("v", tokens, sender=child.info, ship_state=True)
+        room = lease.state_room.num_blocks
+        assert room > 0 and len(lease.reservation.block_ids) == len(lease.block_ids) + room
+        child.send_partial(lease.reservation, state=(room, 99))
+        events = []
+        with pytest.raises(grpc.RpcError) as err:
+            events.extend(cluster.decode_call("v", lease, tokens, 7, 10))
+        detail = detail_from_rpc_error(err.value)
+        assert detail is not None and detail.code == wpb.ERROR_CODE_TRANSFER_FAILED
+        assert "state format version 99" in detail.message and "'v'" in detail.message
+    finally:
+        child.kill()
+    load = cluster.decode.wait_all_free()
+    assert load.held_blocks == 0 and load.free_blocks == load.total_blocks
 
 
 def test_client_cancel_frees_every_block(cluster: Cluster) -> None:

@@ -3,7 +3,9 @@ real NIXL (UCX) out to a decode-side agent in this process or in a killable chil
 
 - the KV it ships, loaded and replayed through the model's reference path, decodes to the monolithic
   model's tokens; a repeated prefix reports its cached tokens and computes only the rest;
-- bad input gets a precise status (with the `ErrorDetail` in trailing metadata) and no blocks;
+- bad input gets a precise status (with the `ErrorDetail` in trailing metadata) and no blocks; a
+  lease the decode agent never reserved fails at once with NOT_FOUND (the sender claims it first), and
+  room for the bounded state too small for it is refused before any work;
 - a decode target killed mid-transfer ends the request TRANSFER_FAILED with every block free;
 - health, metrics and KV events are served; a drain turns readiness off and refuses new work;
   SIGTERM exits promptly.
@@ -23,9 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefill_rig import BLOCK, WorkerProcess, decode_target, make_receiver, start_receiver_child
 
 from cedserve.kv_transfer.nixl_backend import nixl_available
+from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.model.cache.events import decode_batch
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.paged_kv import load_state
+from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import LoadedModel, detail_from_rpc_error, load_worker_model, request_drain
 
@@ -35,18 +39,22 @@ POOL = 64
 
 class Setup:
     def __init__(self) -> None:
+        torch.set_num_threads(1)  # the reference checks run the tiny model here: intra-op threads only contend
         self.loaded: LoadedModel = load_worker_model(None, "tiny", seed=0)  # the worker's weights, bit for bit
         self.worker = WorkerProcess(num_blocks=POOL)
         self.agent, self.pool = make_receiver("decode-e2e", 64, self.loaded.model.config)
         self.agent.handshake(self.worker.ready["control_address"])
         self.next_block = 0
 
-    def target(self, lease: str, prompt_len: int) -> wpb.DecodeTarget:
+    def target(self, lease: str, prompt_len: int, state_blocks: int = 0) -> wpb.DecodeTarget:
         n = -(-prompt_len // BLOCK)
         blocks = list(range(self.next_block, self.next_block + n))
         self.next_block = (self.next_block + n) % 32
-        res = self.agent.receiver().reserve(lease, blocks, sender=self.worker.ready["agent"], lease_s=20)
-        return decode_target(res, self.agent.name, self.agent.control_address)
+        state = list(range(40, 40 + state_blocks))
+        res = self.agent.receiver().reserve(lease, blocks + state, sender=self.worker.ready["agent"], lease_s=20)
+        target = decode_target(res, self.agent.name, self.agent.control_address)
+        del target.block_ids[n:]  # the state blocks are not prompt blocks
+        return target
 
     def close(self) -> None:
         self.worker.close()
@@ -133,6 +141,30 @@ def test_bad_input_gets_a_precise_status(setup: Setup, tokens: list[int], code: 
     assert info.value.code() == code
     detail = detail_from_rpc_error(info.value)
     assert detail is not None and detail.field == field and detail.request_id == "bad"
+    assert wait_all_free(setup).held_blocks == 0
+
+
+def test_lease_unknown_to_the_receiver_is_not_found_at_once(setup: Setup) -> None:
+    ghost = Reservation("lease-ghost", setup.agent.name, setup.worker.ready["agent"], (0, 1), TransferMode.WRITE,
+                        lease_s=30.0, compat_hash=setup.agent.compatibility().compat_hash)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        prefill(setup, "ghost", prompt(100, seed=9), decode_target(ghost, setup.agent.name, ""))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+    assert time.monotonic() - start < 5  # not the 30 s lease
+    detail = detail_from_rpc_error(info.value)
+    assert detail is not None and "lease-ghost" in detail.message and "no reservation" in detail.message
+    assert wait_all_free(setup).held_blocks == 0
+
+
+def test_state_room_too_small_is_refused_before_any_work(setup: Setup) -> None:
+    target = setup.target("lease-room", 100, state_blocks=1)
+    target.state_room.CopyFrom(wpb.StateRoom(num_blocks=1, format_version=STATE_FORMAT_VERSION, dspark_taps=True))
+    with pytest.raises(grpc.RpcError) as info:
+        prefill(setup, "room", prompt(100, seed=10), target)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert detail_from_rpc_error(info.value).field == "target.state_room.num_blocks"  # type: ignore[union-attr]
+    setup.agent.receiver().abort("lease-room")
     assert wait_all_free(setup).held_blocks == 0
 
 

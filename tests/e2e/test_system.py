@@ -41,7 +41,7 @@ class System:
 
     def free_blocks(self, name: str) -> tuple[int, int]:
         with grpc.insecure_channel(self.worker_address(name)) as ch:
-            stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if name == "prefill"  # type: ignore[no-untyped-call]
+            stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if name.startswith("prefill")  # type: ignore[no-untyped-call]
                     else worker_pb2_grpc.DecodeWorkerStub(ch))  # type: ignore[no-untyped-call]
             load = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
         return int(load.free_blocks), int(load.total_blocks)
@@ -69,12 +69,12 @@ def _greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
 def _wait_all_free(system: System, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        states = {n: system.free_blocks(n) for n in ("prefill", "decode")}
+        states = {n: system.free_blocks(n) for n in ("prefill0", "decode0")}
         # Prefill blocks may stay in its prefix cache (evictable, not leaked): only decode must be all free.
-        if states["decode"][0] == states["decode"][1] or time.monotonic() > deadline:
+        if states["decode0"][0] == states["decode0"][1] or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert states["decode"][0] == states["decode"][1], states
+    assert states["decode0"][0] == states["decode0"][1], states
 
 
 @pytest.mark.parametrize("prompt_len", [300, 150])  # 300: prefill worker + NIXL; 150: decode-only placement
@@ -151,7 +151,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path: Path) -> None:
 def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: System) -> None:
     """Runs last in this module: it kills the only decode worker."""
     prompt = list(range(3, 303))
-    decode = system.parts["decode"]
+    decode = system.parts["decode0"]
     with Client(system.address, timeout_s=60) as client:
         stream = client.stream(prompt, max_tokens=400)
         next(stream)  # the request is decoding
@@ -163,7 +163,7 @@ def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: Syst
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        with grpc.insecure_channel(system.worker_address("prefill")) as ch:
+        with grpc.insecure_channel(system.worker_address("prefill0")) as ch:
             load = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(  # type: ignore[no-untyped-call]
                 worker_pb2.LoadRequest(), timeout=10)
         if load.held_blocks == 0:

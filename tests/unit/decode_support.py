@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,13 +35,14 @@ from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.dspark import Drafter
 from cedserve.model.network import BoundaryHidden, CEDModel
-from cedserve.model.paged_kv import store_records
+from cedserve.model.paged_kv import store_bytes, store_records
 from cedserve.model.presets import preset
 from cedserve.model.sampling import SamplingParams, probabilities
+from cedserve.model.state_format import BoundedState, encode_state
 from cedserve.model.tokenizer import tiny_tokenizer_path
 from cedserve.proto import kv_transfer_pb2
 
-BLOCK = 32  # the transfer layout (unpadded) and the block layout (16-byte aligned) agree at 32
+BLOCK = 32
 _ids = itertools.count()
 
 
@@ -147,22 +148,25 @@ class Rig:
     # -------------------------------------------------------------- the router's part
 
     def reserve(self, tokens: Sequence[int], sender: bool = True, request_id: str | None = None,
-                lease_ms: int = 30_000) -> Reserved | Failed:
+                lease_ms: int = 30_000, ship_state: bool | None = None) -> Reserved | Failed:
         rid = request_id or f"req-{next(_ids)}"
         cmd = ReserveCommand(0, rid, f"lease-{rid}", len(tokens), tuple(tokens), lease_ms,
-                             sender_agent="prefill" if sender else "")
+                             sender_agent="prefill" if sender else "", ship_state=ship_state)
         out = self.engine.handle(cmd)[0]
         assert isinstance(out, Reserved | Failed)
         return out
 
     def attach(self, reserved: Reserved, tokens: Sequence[int], first: int | None, max_tokens: int,
-               **sampling: Any) -> None:
-        cmd = AttachCommand(0, reserved.request_id, reserved.lease_id, tuple(tokens), first, 100,
+               effort: int = 100, **sampling: Any) -> None:
+        cmd = AttachCommand(0, reserved.request_id, reserved.lease_id, tuple(tokens), first, effort,
                             Sampling(max_tokens=max_tokens, **sampling))
         self.outputs += self.engine.handle(cmd)
 
-    def prefill(self, reserved: Reserved, tokens: Sequence[int], chunk: int = 24, last: bool = True) -> int:
-        """Encode, store, send (as the prefill worker does); returns the greedy first token."""
+    def prefill(self, reserved: Reserved, tokens: Sequence[int], chunk: int = 24, last: bool = True,
+                state_hook: Callable[[bytearray], None] | None = None) -> int:
+        """Encode, store, send (as the prefill worker does); returns the greedy first token. When the
+        lease holds room for the bounded state, it is shipped there after the KV (as the prefill
+        engine's `_ship_state` does); `state_hook` may tamper with its bytes first."""
         model = self.model
         state = model.new_state()
         num_blocks = -(-len(tokens) // BLOCK)
@@ -175,8 +179,22 @@ class Rig:
             encoded = model.encode_chunk(tokens[start : start + chunk], state)
             store_records(self.layout, self.prefill_pool.storage, local, encoded.global_kv)
             spans.append(encoded.boundary)
-        sender.write_blocks(reservation.request_id, local[reserved.num_cached_blocks :], last=last)
-        logits = model.replay_decoder(BoundaryHidden.concat(spans), state)
+        if not reserved.state_blocks:
+            sender.write_blocks(reservation.request_id, local[reserved.num_cached_blocks :], last=last)
+            logits = model.replay_decoder(BoundaryHidden.concat(spans), state)
+        else:
+            sender.write_blocks(reservation.request_id, local[reserved.num_cached_blocks :])
+            out = model.replay_decoder_with_taps(BoundaryHidden.concat(spans), state)
+            logits, window = out.logits, model.config.sliding_window
+            taps = out.taps[-window:].mean(dim=2) if reserved.state_taps else None
+            data = bytearray(encode_state(BoundedState.capture(state, taps), model.config))
+            if state_hook is not None:
+                state_hook(data)
+            scratch = self.prefill_pool.allocate(reserved.state_blocks, f"{reserved.request_id}#state")
+            store_bytes(self.prefill_pool.storage, scratch, bytes(data))
+            sender.write_blocks(reservation.request_id, scratch, last=last)
+            self.prefill_pool.decref(scratch)
+            self.prefill_pool.free(scratch)
         self.prefill_pool.decref(local)
         self.prefill_pool.free(local)
         return int(logits[-1].argmax())

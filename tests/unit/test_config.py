@@ -10,7 +10,7 @@ import pytest
 
 from cedserve.config import CacheConfig, ServeConfig
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
-from cedserve.model.presets import PRESETS, preset
+from cedserve.model.presets import PRESETS, preset, stretch_context
 
 RELEASED = Path(__file__).parents[1] / "fixtures" / "v41_flash_config.json"
 
@@ -59,6 +59,15 @@ def test_mini40_keeps_released_geometry() -> None:
     assert mini.layer_plan == full.layer_plan
     assert (mini.head_dim, mini.qk_rope_head_dim, mini.index_head_dim) == (512, 64, 128)
     assert mini.hidden_size < full.hidden_size and mini.n_routed_experts < full.n_routed_experts
+
+
+def test_stretch_context_raises_the_yarn_factor_to_cover_long_prompts() -> None:
+    mini = preset("mini-40")  # 4,096 original positions x 16 = 65,536
+    assert stretch_context(mini, 65_536) is mini
+    long = stretch_context(mini, 100_000)
+    assert long.max_position_embeddings == 131_072 and long.rope_scaling is not None
+    assert long.rope_scaling["factor"] == 32 and long.rope_scaling["original_max_position_embeddings"] == 4096
+    assert long.rope_parameters is not None and long.rope_parameters["compress"]["factor"] == 32  # re-derived
 
 
 def test_unknown_preset_lists_known() -> None:

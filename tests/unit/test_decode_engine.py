@@ -15,6 +15,7 @@ import time
 import pytest
 from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
 
+from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
 from cedserve.proto import worker_pb2 as wpb
 
@@ -206,3 +207,24 @@ def test_bad_calls_get_precise_errors() -> None:
     huge = rig.reserve(prompt(200 * 32, 5))
     assert isinstance(huge, Failed) and huge.code == wpb.ERROR_CODE_RESOURCE_EXHAUSTED and huge.retry_after_ms > 0
     rig.assert_all_free()
+
+
+def test_effort_sets_the_draft_length(reference: list[list[int]]) -> None:
+    """Effort e verifies at most ceil(K e / 100) drafts per pass: with a drafter equal to the target every
+    draft is accepted, so each verify chunk is exactly the limit plus the bonus token."""
+    assert [DecodeConfig.draft_limit(e, 5) for e in (0, 1, 20, 21, 25, 50, 75, 100)] == [5, 1, 1, 2, 2, 3, 4, 5]
+    assert DecodeConfig.draft_limit(100, 0) == 0  # no drafter
+    model, _ = tiny()
+    tokens, k = PROMPTS[0], model.config.dspark_block_size
+    for effort in (100, 50, 1):
+        limit = DecodeConfig.draft_limit(effort, k)
+        rig = Rig(model, None, proposer=TargetProposer(model, k))
+        reserved = rig.reserve(tokens)
+        assert isinstance(reserved, Reserved)
+        rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 1 + 2 * (limit + 1), effort=effort)
+        rig.run()
+        chunks = [len(o.token_ids) for o in rig.outputs if isinstance(o, Tokens)]
+        assert chunks == [1, limit + 1, limit + 1], (effort, chunks)
+        assert rig.engine.drafted_tokens == 2 * limit
+        assert [reference[0][0], *rig.tokens(reserved.request_id)] == reference[0][: 2 + 2 * (limit + 1)]
+        rig.assert_all_free()

@@ -404,11 +404,12 @@ def test_pool_pods_request_devices_and_drain(renders: dict[str, dict[str, str]],
         shm = next(vol for vol in pod["volumes"] if vol["name"] == "shm")
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": v["shm"]["sizeLimit"]}
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-        grpc_port = v["ports"]["grpc"]
+        # With TLS on the gRPC port, probes and the drain go to the plaintext health listener.
+        probe_port = v["ports"]["health" if _merged(name)["tls"]["internal"]["enabled"] else "grpc"]
         for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", "liveness")):
-            assert container[probe]["grpc"] == {"port": grpc_port, "service": service}
+            assert container[probe]["grpc"] == {"port": probe_port, "service": service}
         pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-        assert pre_stop[:3] == ["cedserve", "drain", f"--address=127.0.0.1:{grpc_port}"]
+        assert pre_stop[:3] == ["cedserve", "drain", f"--address=127.0.0.1:{probe_port}"]
         assert v["drain"]["timeoutSeconds"] < pod["terminationGracePeriodSeconds"]
 
 
@@ -440,6 +441,36 @@ def test_config_map_files_load_as_serve_config(renders: dict[str, dict[str, str]
             assert loaded.model.preset == merged["model"]["preset"] and loaded.model.checkpoint is None
         else:
             assert loaded.model.checkpoint == merged["model"]["checkpoint"]["mountPath"]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_tls_secrets_are_mounted_where_the_configs_point(renders: dict[str, dict[str, str]], name: str,
+                                                         tmp_path: Path) -> None:
+    tls = _merged(name)["tls"]
+    objs = _objects(renders, name)
+    files = _one(objs, "ConfigMap", f"{golden.RELEASE}-cedserve-config")["data"]
+    planes = {"router": ("public", "internal"), "prefill": ("internal",), "decode": ("internal",)}
+    for obj in objs:
+        if obj["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
+            continue
+        role = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+        pod, container = _pod_spec(obj), _container(obj)
+        (tmp_path / "serve.toml").write_text(files[f"{role}.toml"])
+        serve, _ = read_serve_file(tmp_path / "serve.toml", (role, "kv_transfer"))
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        for plane in planes[role]:
+            loaded = serve.tls if plane == "public" else serve.internal_tls
+            if not tls[plane]["enabled"]:
+                assert not loaded.enabled and f"tls-{plane}" not in mounts
+                continue
+            assert secrets[f"tls-{plane}"] == tls[plane]["secretName"]
+            assert loaded.cert == f"{mounts[f'tls-{plane}']}/tls.crt" and loaded.key == f"{mounts[f'tls-{plane}']}/tls.key"
+            assert loaded.require_client_cert == tls[plane]["requireClientCert"]
+        served = "public" if role == "router" else "internal"  # the plane of this process's gRPC port
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ("health" in ports) == tls[served]["enabled"]
+        assert (f"--health-port={ports.get('health')}" in container["args"]) == tls[served]["enabled"]
 
 
 def test_prefill_and_decode_render_through_the_same_templates() -> None:
@@ -574,3 +605,42 @@ def test_deploy_doc_lists_every_flag_the_chart_passes(renders: dict[str, dict[st
     assert not missing, f"flags the chart passes but docs/deploy.md does not document: {missing}"
     for verb in ("cedserve router", "cedserve worker", "cedserve drain", "cedserve bench kv-transfer"):
         assert verb in doc
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_cli_accepts_what_the_chart_runs(renders: dict[str, dict[str, str]], name: str, tmp_path: Path) -> None:
+    """Every command line the chart runs parses with `cedserve`'s own parser, and the router's
+    resolves to a discovery config and a served model (from the rendered router.toml)."""
+    from cedserve.cli import _discovery, _router_model, build_parser
+
+    parser = build_parser()
+    env = {"POD_NAMESPACE": golden.NAMESPACE, "POD_IP": "10.0.0.7", "POD_NAME": "pod-0", "LWS_GROUP_SIZE": "2",
+           "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "leader"}
+
+    def expand(args: list[str]) -> list[str]:
+        return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+
+    objs = _objects(renders, name)
+    files = next(o for o in objs if o["kind"] == "ConfigMap")["data"]
+    for obj in objs:
+        if obj["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
+            continue
+        container = _container(obj)
+        args = expand(container["args"])
+        if container["command"][0] != "cedserve":  # the StatefulSet preamble appends the group flags
+            args += ["--group-size=2", "--rank=1", "--leader-address=leader"]
+        parsed = parser.parse_args(args)
+        drain = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert parser.parse_args(drain[1:]).verb == "drain"
+        if parsed.verb != "router":
+            assert parsed.worker_id == "pod-0"  # discovery names workers after their pods
+            continue
+        config = tmp_path / "router.toml"
+        config.write_text(files["router.toml"])
+        parsed.config = str(config)
+        discovery = _discovery(parsed)
+        assert discovery is not None and discovery.namespace == golden.NAMESPACE
+        assert discovery.services == {"prefill": f"{_pool_name('prefill')}-headless",
+                                      "decode": f"{_pool_name('decode')}-headless"}
+        checkpoint, preset = _router_model(parsed, ServeConfig.load(config))
+        assert checkpoint or preset

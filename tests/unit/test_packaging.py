@@ -22,6 +22,8 @@ def test_wheel_holds_only_the_cedserve_namespace(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     for pkg in ("model", "kernels", "kv_transfer", "prefill_workers", "decode_workers", "router", "proto"):
         assert f"cedserve/{pkg}/__init__.py" in names, pkg
+    for asset in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors"):
+        assert f"cedserve/assets/demo/{asset}" in names, asset  # the embedded default's trained checkpoint
 
 
 def test_import_without_gpu_packages() -> None:

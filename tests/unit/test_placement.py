@@ -7,6 +7,7 @@ import pytest
 from cedserve.router.placement import (
     DecodeLoad,
     LinkRates,
+    MeasuredLinks,
     PrefillLoad,
     RequestShape,
     decode_pressure,
@@ -76,3 +77,54 @@ def test_effort_raises_expected_output_and_pressure() -> None:
 def test_step_profile_extrapolates() -> None:
     d = _decode("d0")
     assert d.step_at(6) == 0.025 and d.step_at(8) == pytest.approx(0.027)
+
+
+# ------------------------------------------------------------------ measured per-pair link rates
+
+
+def test_link_rate_is_the_ratio_of_byte_and_second_ewmas() -> None:
+    links = MeasuredLinks(default_bytes_per_s=1e9, alpha=0.25, tier_bytes_per_s={})
+    assert links.rate("p0", "d0") == 1e9  # unmeasured: the configured default
+    links.observe("p0", "d0", num_bytes=8_000_000_000, seconds=1.0)  # first sample: taken as is
+    assert links.rate("p0", "d0") == pytest.approx(8e9)
+    # A small, latency-bound transfer (1 MB in 10 ms = 0.1 GB/s) moves the estimate by its bytes' share,
+    # not as a quarter-weight rate sample: (0.25 x 1e6 + 0.75 x 8e9) / (0.25 x 0.01 + 0.75 x 1.0).
+    links.observe("p0", "d0", num_bytes=1_000_000, seconds=0.01)
+    assert links.rate("p0", "d0") == pytest.approx((0.25e6 + 6e9) / (0.0025 + 0.75))
+    links.observe("p0", "d0", num_bytes=0, seconds=0.0)  # nothing sent (prefix cached): no measurement
+    links.observe("p0", "d0", num_bytes=5, seconds=0.0)
+    assert links.rate("p0", "d0") == pytest.approx((0.25e6 + 6e9) / (0.0025 + 0.75))
+    assert links.rate("p0", "d1") == links.rate("p1", "d0") == 1e9  # per pair, not per worker
+
+
+def test_ewma_converges_to_a_changed_link() -> None:
+    links = MeasuredLinks(1e9, 0.5, {})
+    links.observe("p0", "d0", 10_000_000_000, 1.0)
+    for _ in range(20):
+        links.observe("p0", "d0", 1_000_000_000, 1.0)  # the link dropped to 1 GB/s
+    assert links.rate("p0", "d0") == pytest.approx(1e9, rel=1e-4)
+
+
+def test_matrix_gathers_measured_pairs_and_defaults_the_rest() -> None:
+    links = MeasuredLinks(1.5e9, 0.3, {})
+    for i in range(5):  # enough workers to grow the dense arrays twice
+        links.observe(f"p{i}", f"d{i}", (i + 1) * 10**9, 1.0)
+    m = links.matrix(["p4", "p1", "unknown"], ["d1", "d4"])
+    assert m.tolist() == [[1.5e9, 5e9], [2e9, 1.5e9], [1.5e9, 1.5e9]]
+    links.forget("d4")  # a departed worker's pairs fall back to the default; others keep theirs
+    assert links.rate("p4", "d4") == 1.5e9 and links.rate("p1", "d1") == 2e9
+    assert links.matrix([], []).shape == (0, 0)
+
+
+def test_placement_follows_measured_links() -> None:
+    req = RequestShape(prompt_len=64_000, effort=75, block_size=64, block_bytes=56_960)
+    p = PrefillLoad("p0", 0, 10_000.0)
+    links = MeasuredLinks(default_bytes_per_s=1e9, alpha=0.3, tier_bytes_per_s={})
+    # Unmeasured, both pairs cost the default transfer; ties go to the smaller id.
+    before = place(req, [p], [_decode("d0"), _decode("d1")], links, 0)
+    assert before.decode_id == "d0" and before.parts["transfer"] == pytest.approx(1000 * 56_960 / 1e9)
+    # d0's link measured slow (0.1 GB/s), d1's fast (20 GB/s): the transfer term moves the request to d1.
+    links.observe("p0", "d0", 100_000_000, 1.0)
+    links.observe("p0", "d1", 20_000_000_000, 1.0)
+    after = place(req, [p], [_decode("d0"), _decode("d1")], links, 0)
+    assert after.decode_id == "d1" and after.parts["transfer"] == pytest.approx(1000 * 56_960 / 2e10)

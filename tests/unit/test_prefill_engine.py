@@ -20,13 +20,14 @@ from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.network import CEDModel
-from cedserve.model.paged_kv import load_state
+from cedserve.model.paged_kv import load_bytes, load_state
+from cedserve.model.state_format import STATE_FORMAT_VERSION, decode_state
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.job import PrefillJob
-from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
+from cedserve.prefill_workers.validation import RequestLimits, state_limits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import LoadedModel, load_worker_model
+from cedserve.serving import InvalidArgumentError, LoadedModel, load_worker_model
 
 BLOCK = 64
 POOL = 32
@@ -91,7 +92,8 @@ def rig(loaded: LoadedModel) -> Iterator[Rig]:
     decode.handshake("p0")
     config = PrefillWorkerConfig(worker_id="p0", chunk_tokens=64, step_token_budget=128)
     engine = PrefillEngine(model, cache, sender.sender(), config)
-    limits = RequestLimits(model.config.vocab_size, 4096, BLOCK, config.replay_span, "p0")
+    limits = RequestLimits(model.config.vocab_size, 4096, BLOCK, config.replay_span, "p0", layout.block_bytes,
+                           *state_limits(model.config, model.embed.weight.dtype, config.ship_state))
     yield Rig(model, layout, cache, engine, hub, decode, decode_pool, limits)
     cache.close()
 
@@ -227,4 +229,51 @@ def test_draining_engine_refuses_and_hands_back(rig: Rig) -> None:
     rig.engine.hand_back("draining")
     events = rig.run(job)
     assert events[-1].error.code == wpb.ERROR_CODE_UNAVAILABLE
+    rig.assert_all_free()
+
+
+def test_shipped_bounded_state_decodes_like_the_monolithic_model(rig: Rig) -> None:
+    """With room reserved after the KV blocks, the decoder replay's bounded state (windows, partial
+    groups, Engram history, DSpark taps) arrives there: installed over the received global KV it
+    continues as the monolithic model does, with no replay on the decode side."""
+    tokens = prompt(201, seed=11)  # odd: layer 2's compressor holds a partial group
+    kv_blocks, room = [0, 1, 2, 3], -(-rig.limits.max_state_bytes_with_taps // rig.layout.block_bytes)
+    state_blocks = list(range(40, 40 + room))
+    res = rig.decode.receiver().reserve("lease-s", kv_blocks + state_blocks, sender="p0")
+    target = wpb.DecodeTarget(agent_name="d0", lease_id="lease-s", block_ids=kv_blocks,
+                              reservation=reservation_to_pb(res),
+                              state_room=wpb.StateRoom(num_blocks=room, format_version=STATE_FORMAT_VERSION,
+                                                       dspark_taps=True))
+    events = rig.run(rig.engine.submit(validate_prefill(
+        wpb.PrefillRequest(request_id="s", token_ids=tokens, target=target), rig.limits)))
+    assert kinds(events) == ["first_token", "done"]
+    handoff = events[1].done.handoff
+    assert handoff.num_blocks_sent == 4 and handoff.state_format_version == STATE_FORMAT_VERSION
+    assert 0 < handoff.state_bytes <= room * rig.layout.block_bytes
+    shipped = decode_state(load_bytes(rig.decode_pool, state_blocks), rig.model.config, rig.model.embed.weight.dtype)
+    config = rig.model.config
+    assert shipped.position == 201 and shipped.taps is not None
+    assert shipped.taps.shape == (config.sliding_window, len(config.dspark_target_layer_ids), config.hidden_size)
+    assert shipped.pending[2].kv.shape[0] == 1  # 201 % m=2
+    state = rig.model.new_state()
+    load_state(rig.layout, rig.decode_pool, kv_blocks, len(tokens), state)
+    shipped.install(state)
+    out = [events[0].first_token.token_id]
+    while len(out) < 6:
+        out.append(int(rig.model.decode_step([out[-1]], [state])[-1].argmax()))
+    assert out == greedy_monolithic(rig.model, tokens, 6)
+    rig.assert_all_free()
+
+
+def test_state_room_too_small_or_of_another_version_is_refused(rig: Rig) -> None:
+    tokens = prompt(100, seed=12)
+    for room, field in ((wpb.StateRoom(num_blocks=1, format_version=STATE_FORMAT_VERSION), "target.state_room.num_blocks"),
+                        (wpb.StateRoom(num_blocks=50, format_version=99), "target.state_room.format_version")):
+        res = rig.decode.receiver().reserve(f"lease-{field}", list(range(2 + room.num_blocks)), sender="p0")
+        target = wpb.DecodeTarget(agent_name="d0", lease_id=res.request_id, block_ids=[0, 1],
+                                  reservation=reservation_to_pb(res), state_room=room)
+        with pytest.raises(InvalidArgumentError) as info:
+            validate_prefill(wpb.PrefillRequest(request_id="v", token_ids=tokens, target=target), rig.limits)
+        assert info.value.field == field
+        rig.decode.receiver().abort(res.request_id)
     rig.assert_all_free()

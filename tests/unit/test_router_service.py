@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
+from tls_pki import TLSFiles
 
 from cedserve.client import CedserveError, Client
 from cedserve.model.cache.events import BlockStored, KVEventBatch, Tier, encode_batch
@@ -31,6 +32,7 @@ from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.admission import ClassLimits
 from cedserve.router.config import RouterConfig, WorkerEndpoint
 from cedserve.router.server import RunningRouter, start_router
+from cedserve.tls import TLSConfig
 
 VOCAB = 512
 
@@ -43,6 +45,9 @@ class Script:
     die_after_tokens: int | None = None
     token_delay_s: float = 0.0
     cached_hashes: list[bytes] = field(default_factory=list)
+    bytes_sent: int = 0
+    """What PrefillDone reports of the KV transfer (bytes, seconds)."""
+    transfer_s: float = 0.0
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -57,7 +62,9 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
         first = sum(request.token_ids) % 200 + 3
         yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
-        yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids)))
+        yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids),
+                                                                  bytes_sent=self.script.bytes_sent,
+                                                                  transfer_s=self.script.transfer_s))
 
     async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:
         self.cancelled.append(request.request_id)
@@ -337,6 +344,20 @@ def test_prefix_credit_steers_placement(checkpoint: Path) -> None:
         c.close()
 
 
+def test_completed_transfers_teach_the_pair_link_rate(cluster: Cluster) -> None:
+    links = cluster.router.links
+    assert links is not None and links.rate("p0", "d0") == links.default_bytes_per_s  # unmeasured
+    for p in cluster.prefill:
+        p.script.bytes_sent, p.script.transfer_s = 3_000_000_000, 1.5  # 2 GB/s
+    with _client(cluster) as client:
+        client.generate(list(range(3, 3 + 300)), max_tokens=2, effort="low")  # past decode-only: a transfer
+    pre = next(p for p in cluster.prefill if p.requests)
+    pair = (pre.worker_id, pre.requests[-1].target.worker_id)
+    assert links.rate(*pair) == pytest.approx(2e9)
+    others = [(p, d) for p in ("p0", "p1") for d in ("d0", "d1") if (p, d) != pair]
+    assert all(links.rate(p, d) == links.default_bytes_per_s for p, d in others)
+
+
 def test_stop_strings_end_the_stream(cluster: Cluster) -> None:
     codec = TextCodec.from_file(tiny_tokenizer_path(), VOCAB)
     full = _expected([7, 7], 8)
@@ -345,3 +366,29 @@ def test_stop_strings_end_the_stream(cluster: Cluster) -> None:
     with _client(cluster) as client:
         done = client.generate([7, 7], max_tokens=8, stop=[stop])
     assert done.finish_reason == "stop" and stop not in done.text and text.startswith(done.text)
+
+
+def test_tls_public_port_and_plaintext_health_listener(checkpoint: Path, tls_files: TLSFiles) -> None:
+    import socket
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:  # a free port for the health listener (the router binds it itself)
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
+    server_tls = TLSConfig(cert=tls_files.server_cert, key=tls_files.server_key)
+    c = Cluster(checkpoint, tls=server_tls, health_port=health_port)
+    try:
+        with Client(c.address, timeout_s=20, tls=TLSConfig(ca=tls_files.ca)) as client:
+            assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+        with Client(c.address, timeout_s=5) as client, pytest.raises(CedserveError) as info:
+            client.generate([5, 6, 7], max_tokens=3)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with Client(f"127.0.0.1:{health_port}", timeout_s=5) as client, pytest.raises(CedserveError) as info:
+                client.generate([5, 6, 7], max_tokens=3)
+            assert info.value.code == grpc.StatusCode.UNIMPLEMENTED  # the API is never served in plaintext
+    finally:
+        c.close()

@@ -91,3 +91,14 @@ def test_verify_lengths_extremes() -> None:
     assert costly.tolist() == [5, 0]
     # Cost purely linear in positions: no draft with c < 1 can beat one token per position.
     assert choose_verify_lengths(conf, lambda n: 1.0 / n).tolist() == [0, 0]
+
+
+def test_verify_lengths_respect_each_requests_cap() -> None:
+    """Caps (an effort's draft limit) bound each request; within them the choice is unchanged."""
+    conf = torch.tensor([[0.99] * 5, [0.99] * 5, [0.5] * 5])
+    caps = torch.tensor([5, 2, 0])
+    assert choose_verify_lengths(conf, lambda n: 1.0, caps).tolist() == [5, 2, 0]
+    costly = choose_verify_lengths(conf, lambda n: 1.0 / (1.0 + 0.1 * n), caps)
+    assert costly.tolist() == [5, 2, 0]
+    assert choose_verify_lengths(conf, lambda n: 1.0 / n, caps).tolist() == [0, 0, 0]
+    assert choose_verify_lengths(conf[:, :0], lambda n: 1.0, torch.tensor([0, 0, 0])).tolist() == [0, 0, 0]

@@ -5,6 +5,7 @@ the real thing. Bytes really move in both: the receiver's blocks are compared wi
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -166,6 +167,26 @@ def test_lease_expiry_fails_both_sides(pair: Pair) -> None:
     assert recv_err.value.cause is FailureCause.DEADLINE
     assert pair.receiver.receiver().state(rid) is TransferState.FAILED
     assert send_err.value.cause is FailureCause.PEER_ABORTED and "deadline" in str(send_err.value)
+
+
+def test_sender_into_a_reservation_the_receiver_never_made_fails_fast(pair: Pair) -> None:
+    """A reservation unknown to the receiver (its lease lost, or never granted there) ends the sender
+    with INVALID at once: the fake refuses the open, the NIXL receiver answers the first chunk with an
+    Abort(INVALID) instead of ignoring it (the sender would otherwise wait out its lease)."""
+    from cedserve.kv_transfer.protocol import Reservation
+
+    rid = pair.rid("ghost")
+    ghost = Reservation(rid, pair.receiver.name, pair.sender.name, (1, 2), TransferMode.WRITE, lease_s=30.0,
+                        compat_hash=LAYOUT.compatibility().compat_hash)
+    sender = pair.sender.sender()
+    start = time.monotonic()
+    with pytest.raises(KVTransferError) as err:
+        sender.open(ghost, on_finish=pair.on_finish)
+        sender.write_blocks(rid, [5, 6], last=True)
+        sender.wait(rid, 10)
+    assert err.value.cause is FailureCause.INVALID and rid in str(err.value)
+    assert time.monotonic() - start < 3.0  # not the 30 s lease
+    assert pair.receiver.active_transfers() == 0 and pair.sender.active_transfers() == 0
 
 
 def test_validation(pair: Pair) -> None:

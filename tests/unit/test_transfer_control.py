@@ -43,6 +43,9 @@ class RecordingHandler:
         self.aborts.append((request_id, cause, detail))
         return request_id == "live"
 
+    def claim(self, request_id: str, sender_agent: str) -> str:
+        return "" if (request_id, sender_agent) == ("live", "prefill0") else f"no reservation {request_id!r}"
+
 
 @pytest.fixture
 def served() -> Iterator[tuple[RecordingHandler, ControlServer]]:
@@ -66,6 +69,7 @@ def test_missing_or_bad_token_is_unauthenticated(served: tuple[RecordingHandler,
         stub = pb_grpc.KVTransferControlStub(channel)
         for call, request in ((stub.Heartbeat, pb.HeartbeatRequest(agent_name="x")),
                               (stub.Abort, pb.AbortRequest(request_id="live")),
+                              (stub.Claim, pb.ClaimRequest(request_id="live", sender_agent="prefill0")),
                               (stub.Handshake, pb.HandshakeRequest())):
             with pytest.raises(grpc.RpcError) as exc:
                 call(request, metadata=metadata, timeout=5)
@@ -83,6 +87,18 @@ def test_good_token_heartbeat_and_abort(served: tuple[RecordingHandler, ControlS
     finally:
         client.close()
     assert handler.aborts[0] == ("live", FailureCause.CANCELLED, "client went away")
+
+
+def test_claim_answers_whether_the_reservation_is_held_for_the_sender(
+        served: tuple[RecordingHandler, ControlServer]) -> None:
+    _, server = served
+    client = ControlClient(server.address, TOKEN)
+    try:
+        assert client.claim("live", "prefill0", timeout_s=5) == ""
+        assert client.claim("ghost", "prefill0", timeout_s=5) == "no reservation 'ghost'"
+        assert client.claim("live", "prefill9", timeout_s=5) != ""
+    finally:
+        client.close()
 
 
 def test_handshake_accepts_a_compatible_peer(served: tuple[RecordingHandler, ControlServer]) -> None:
@@ -111,7 +127,8 @@ def test_handshake_mismatch_names_both_hashes(served: tuple[RecordingHandler, Co
 
 def test_protocol_version_mismatch_is_named() -> None:
     old = Compatibility(OURS.protocol_version + 1, OURS.compat_hash, OURS.description)
-    with pytest.raises(CompatibilityError, match=r"protocol version mismatch: local v1 vs peer v2"):
+    v = OURS.protocol_version
+    with pytest.raises(CompatibilityError, match=rf"protocol version mismatch: local v{v} vs peer v{v + 1}"):
         check_compatible(OURS, old, "prefill0")
 
 

@@ -17,7 +17,9 @@ from cedserve.kv_transfer.descriptors import (
     should_pack,
     split_positions,
 )
+from cedserve.kv_transfer.nixl_backend import nixl_available
 from cedserve.kv_transfer.region import KVLayout, LayoutKind
+from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.presets import preset
 
 LOCAL = RegionAddress(base_address=1 << 20, num_blocks=1000, device_id=0)
@@ -138,3 +140,60 @@ def test_compatibility_hash_covers_model_block_size_and_layout() -> None:
               KVLayout.from_config(preset("tiny"), 64).compatibility()]
     assert len({base.compat_hash, *(o.compat_hash for o in others)}) == 5
     assert "block_bytes=56960" in base.description and "layout=cross_layer" in base.description
+
+
+@pytest.mark.parametrize(("name", "block_size"), [("tiny", 16), ("tiny", 32), ("tiny", 64), ("mini-40", 64),
+                                                  ("v4.1-flash", 128)])
+def test_transfer_layout_is_the_cache_block_layout(name: str, block_size: int) -> None:
+    """One source of truth: the transfer layout's segments tile the cache's blocks exactly, padding
+    included (tiny at 16-token blocks pads layer 2's index keys from 424 to 432 bytes)."""
+    config = preset(name)
+    blocks = BlockLayout.from_config(config, block_size)
+    for kind in LayoutKind:
+        layout = KVLayout.from_config(config, block_size, kind)
+        assert layout.block_bytes == blocks.block_bytes
+        prefix, sizes = layout.segment_table()
+        assert prefix.tolist() == [blocks.region(layer, "main").offset for layer in blocks.layer_ids]
+        assert int(sizes.sum()) == blocks.block_bytes
+    if (name, block_size) == ("tiny", 16):
+        assert blocks.padding_bytes == 8 and "+8" in KVLayout.from_config(config, 16).compatibility().description
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+def test_real_records_cross_nixl_at_a_padded_geometry() -> None:
+    """tiny at 16-token blocks (a padded layout): both NIXL agents accept the cache's pool as their
+    region, and a prompt's records written by `store_records` arrive byte for byte, so the receiver's
+    `load_state` sees the sender's global KV."""
+    import torch
+
+    from cedserve.kv_transfer.agent import NixlTransferAgent
+    from cedserve.kv_transfer.config import KVTransferConfig
+    from cedserve.kv_transfer.region import KVRegion
+    from cedserve.model.paged_kv import load_state, store_state
+    from cedserve.serving import load_worker_model
+
+    torch.set_num_threads(1)  # the tiny model's ops are too small for intra-op threads
+    model = load_worker_model(None, "tiny", seed=0).model
+    blocks = BlockLayout.from_config(model.config, 16)
+    state = model.new_state()
+    model.prefill(list(range(3, 3 + 70)), state)
+    pools = [torch.zeros(12, blocks.block_bytes, dtype=torch.uint8) for _ in range(2)]
+    store_state(blocks, pools[0], [0, 1, 2, 3, 4], state)
+    layout = KVLayout.from_config(model.config, 16, model_id="tiny-test")
+    cfg = KVTransferConfig(auth_token="layout-token", control_host="127.0.0.1")
+    sender, receiver = (NixlTransferAgent(cfg, KVRegion(pool, blocks.block_bytes), layout, f"{role}-pad16")
+                        for role, pool in zip(("prefill", "decode"), pools))
+    try:
+        sender.handshake(receiver.control_address)
+        reservation = receiver.receiver().reserve("r16", [7, 3, 8, 9, 11], sender=sender.name)
+        sender.sender().open(reservation)
+        sender.sender().write_blocks("r16", [0, 1, 2, 3, 4], last=True)
+        receiver.receiver().wait("r16", 10)
+        got = model.new_state()
+        load_state(blocks, pools[1], [7, 3, 8, 9, 11], 70, got)
+        for layer, kv in state.global_kv.items():
+            assert torch.equal(got.global_kv[layer].main, kv.main)
+            assert torch.equal(got.global_kv[layer].index_keys, kv.index_keys)
+    finally:
+        sender.close()
+        receiver.close()

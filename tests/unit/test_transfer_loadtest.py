@@ -20,6 +20,8 @@ def test_matrix_covers_modes_fan_in_baseline_and_packing() -> None:
     assert "cross_layer-random-auto-read-4096-b4-f2" in keys
     assert "per_layer-random-off-write-1048576-b1-f1" in keys   # baseline at every size
     assert "cross_layer-contiguous-auto-write-4096-b1-f1" in keys
+    assert "cross_layer-contiguous-auto-write-4096-b4-f1" in keys  # steady state: several in flight
+    assert "cross_layer-contiguous-auto-write-1048576-b1-f1" in keys
     assert "cross_layer-random-on-write-4096-b1-f1" in keys
     assert not any(c.tokens == 1 << 20 and (c.batch > 1 or c.fan_in > 1) for c in cells)
 

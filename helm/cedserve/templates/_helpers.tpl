@@ -264,3 +264,52 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end }}
+
+{{/*
+TLS. A plane (`public`: the router's API; `internal`: router <-> workers and the KV-transfer control
+plane) is one Secret (tls.crt, tls.key, ca.crt) mounted at /var/run/cedserve-tls/<plane> and named
+in the config files. Kubelet gRPC probes cannot speak TLS, so a process whose gRPC port is TLS also
+opens `ports.health` (plaintext: health and the loopback-only Drain only) for probes and preStop.
+*/}}
+{{- define "cedserve.tlsDir" -}}
+/var/run/cedserve-tls/{{ . }}
+{{- end }}
+
+{{/* A `[tls]` or `[internal_tls]` table. Context: (dict "root" $ "plane" "public|internal"). */}}
+{{- define "cedserve.tlsToml" -}}
+{{- $t := index .root.Values.tls .plane -}}
+{{- $dir := include "cedserve.tlsDir" .plane -}}
+[{{ ternary "tls" "internal_tls" (eq .plane "public") }}]
+cert = "{{ $dir }}/tls.crt"
+key = "{{ $dir }}/tls.key"
+{{- if or $t.requireClientCert (eq .plane "internal") }}
+ca = "{{ $dir }}/ca.crt"
+{{- end }}
+require_client_cert = {{ $t.requireClientCert }}
+{{- with $t.serverName }}
+server_name = {{ . | toJson }}
+{{- end }}
+{{- end }}
+
+{{/* volumeMounts / volumes of the enabled planes among `planes`. Context: (dict "root" $ "planes" LIST). */}}
+{{- define "cedserve.tlsMounts" -}}
+{{- range .planes }}
+{{- if (index $.root.Values.tls .).enabled }}
+- name: tls-{{ . }}
+  mountPath: {{ include "cedserve.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "cedserve.tlsVolumes" -}}
+{{- range .planes }}
+{{- $t := index $.root.Values.tls . }}
+{{- if $t.enabled }}
+- name: tls-{{ . }}
+  secret:
+    secretName: {{ $t.secretName }}
+    defaultMode: 0400
+{{- end }}
+{{- end }}
+{{- end }}

@@ -18,6 +18,10 @@ pools cannot drift apart. The contract of the command lines is docs/deploy.md.
 - --metrics-port={{ $v.ports.metrics }}
 - --dist-port={{ $v.ports.dist }}
 - --advertise-host=$(POD_IP)
+- --worker-id=$(POD_NAME)
+{{- if .root.Values.tls.internal.enabled }}
+- --health-port={{ $v.ports.health }}
+{{- end }}
 {{- with $v.extraArgs }}
 {{ toYaml . }}
 {{- end }}
@@ -129,14 +133,20 @@ spec:
         - name: dist
           containerPort: {{ $v.ports.dist }}
           protocol: TCP
+        {{- if $root.Values.tls.internal.enabled }}
+        - name: health
+          containerPort: {{ $v.ports.health }}
+          protocol: TCP
+        {{- end }}
       resources:
         {{- include "cedserve.pool.resources" . | nindent 8 }}
       {{- with $v.securityContext }}
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- include "cedserve.grpcProbes" (dict "port" $v.ports.grpc "probes" $v.probes) | nindent 6 }}
-      {{- include "cedserve.preStopDrain" (dict "port" $v.ports.grpc "drain" $v.drain "grace" $v.terminationGracePeriodSeconds "what" .role) | nindent 6 }}
+      {{- $probePort := ternary $v.ports.health $v.ports.grpc $root.Values.tls.internal.enabled }}
+      {{- include "cedserve.grpcProbes" (dict "port" $probePort "probes" $v.probes) | nindent 6 }}
+      {{- include "cedserve.preStopDrain" (dict "port" $probePort "drain" $v.drain "grace" $v.terminationGracePeriodSeconds "what" .role) | nindent 6 }}
       volumeMounts:
         - name: config
           mountPath: /etc/cedserve
@@ -146,6 +156,9 @@ spec:
         - name: kv-transfer-token
           mountPath: /var/run/secrets/cedserve/kv-transfer
           readOnly: true
+        {{- with include "cedserve.tlsMounts" (dict "root" $root "planes" (list "internal")) | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with include "cedserve.checkpointMount" $root }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -161,6 +174,9 @@ spec:
       secret:
         secretName: {{ printf "%s-kv-transfer" (include "cedserve.fullname" $root) }}
         defaultMode: 0400
+    {{- with include "cedserve.tlsVolumes" (dict "root" $root "planes" (list "internal")) | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with include "cedserve.checkpointVolume" $root }}
     {{- . | nindent 4 }}
     {{- end }}

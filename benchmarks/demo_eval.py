@@ -1,0 +1,293 @@
+"""Evaluate the trained demo checkpoint (`cedserve/assets/demo`, `scripts/train_demo.py`) on held-out code.
+
+Held-out text: the files of the running interpreter's standard library that the trainer's fixed
+split holds out (`crc32(path) % 50 == 0`, `model/train_data.py`), tokenized with the checkpoint's
+tokenizer. Four measurements, all through the serving entry points:
+
+1. KV format: perplexity of held-out windows (`prefill` of each) with the FP4/FP8 record cache
+   against a bf16 cache (`KVFormat.BF16`: the same values unquantized).
+2. Bounded replay: a prompt is encoded (`encode_chunk`: the prefill worker's path), a decode-side
+   state is built from its global KV alone and rebuilt by `replay` over the last 128 / 256 / exact
+   tokens, then the continuation is scored; perplexity and KL against the full prefill.
+3. DSpark: greedy decoding through the decode engine (`DecodeEngine`, continuous batching, one
+   target pass per step) from held-out prompts, every draft verified (5): mean accepted drafts per
+   verification.
+4. Decode speed: tokens/s with and without DSpark at batch 1 and 32 in the same run, with distinct
+   prompts per request.
+
+    python benchmarks/demo_eval.py --device cuda --out docs/benchmarks/demo-eval-h200.json
+    python benchmarks/demo_eval.py --device cpu --ppl-rows 4 --replay-rows 2 --batches 1 2 --steps 2 \\
+        --out build/demo-eval-cpu.json      # a quick CPU check
+
+Prints a table and writes JSON (date, machine, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.drafting import DSparkProposer
+from cedserve.decode_workers.engine import DecodeEngine
+from cedserve.decode_workers.messages import AttachCommand, Sampling, Tokens
+from cedserve.decode_workers.state_io import exact_replay_span
+from cedserve.model.cache.config import KVCacheConfig
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.checkpoint import load_model
+from cedserve.model.checkpoint_writer import load_drafter
+from cedserve.model.dspark import Drafter, DraftState
+from cedserve.model.kv_format import KVFormat
+from cedserve.model.network import CEDModel
+from cedserve.model.state import SequenceState
+from cedserve.model.tokenizer import TextCodec
+from cedserve.model.train_data import consecutive_rows, load_corpus, token_stream
+
+
+def default_checkpoint() -> Path:
+    return Path(str(resources.files("cedserve") / "assets" / "demo"))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ 1. KV format
+
+
+def nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """Per-token negative log-likelihood (float64)."""
+    return F.cross_entropy(logits.double(), targets, reduction="none")
+
+
+def kv_format_perplexity(model: CEDModel, rows: Tensor) -> dict[str, Any]:
+    out: dict[str, Any] = {"rows": rows.shape[0], "tokens_per_row": rows.shape[1] - 1}
+    per_format = {}
+    for fmt in KVFormat:
+        losses = [nll(model.prefill(row[:-1], model.new_state(fmt)), row[1:]) for row in rows]
+        per_format[fmt] = torch.cat(losses)
+        out[f"{fmt.value}_loss"] = float(per_format[fmt].mean())
+        out[f"{fmt.value}_perplexity"] = math.exp(out[f"{fmt.value}_loss"])
+    out["perplexity_delta_pct"] = 100 * (out["records_perplexity"] / out["bf16_perplexity"] - 1)
+    return out
+
+
+# ------------------------------------------------------------------ 2. bounded replay
+
+
+def decode_side_state(model: CEDModel, encoded: SequenceState) -> SequenceState:
+    """What a decode worker holds after the transfer: the prompt's global KV records only (shared
+    with `encoded`: states replace tensors, never write into them)."""
+    state = model.new_state()
+    for layer, kv in encoded.global_kv.items():
+        state.global_kv[layer].main, state.global_kv[layer].index_keys = kv.main, kv.index_keys
+    state.position = encoded.position
+    return state
+
+
+def replay_perplexity(model: CEDModel, rows: Tensor, prompt_len: int, spans: dict[str, int]) -> list[dict[str, Any]]:
+    """Each row: `prompt_len` prompt tokens, the rest scored. Reference: one prefill of the row."""
+    exact_logits, replayed = [], {name: [] for name in spans}
+    targets = []
+    for row in rows:
+        prompt, cont = row[:prompt_len], row[prompt_len:]
+        exact_logits.append(model.prefill(row[:-1], model.new_state())[prompt_len - 1 :])
+        targets.append(cont)
+        encoded = model.new_state()
+        model.encode_chunk(prompt, encoded)  # the prefill worker's pass: encoder + decoder KV source
+        for name, span in spans.items():
+            state = decode_side_state(model, encoded)
+            last = model.replay(prompt[-span:], state)[-1:]
+            rest = model.prefill(cont[:-1], state)
+            replayed[name].append(torch.cat([last, rest]))
+    target = torch.cat(targets)
+    exact = torch.cat(exact_logits)
+    exact_loss = float(nll(exact, target).mean())
+    results = [{"span": "prefill (reference)", "tokens": 0, "loss": exact_loss, "perplexity": math.exp(exact_loss),
+                "perplexity_delta_pct": 0.0, "mean_kl": 0.0, "top1_agreement": 1.0}]
+    p = torch.log_softmax(exact.double(), dim=-1)
+    for name, span in spans.items():
+        logits = torch.cat(replayed[name])
+        loss = float(nll(logits, target).mean())
+        q = torch.log_softmax(logits.double(), dim=-1)
+        results.append({"span": name, "tokens": span, "loss": loss, "perplexity": math.exp(loss),
+                        "perplexity_delta_pct": 100 * (math.exp(loss - exact_loss) - 1),
+                        "mean_kl": float((p.exp() * (p - q)).sum(-1).mean()),
+                        "top1_agreement": float((logits.argmax(-1) == exact.argmax(-1)).float().mean())})
+    return results
+
+
+# ------------------------------------------------------------------ 3-4. DSpark and decode speed
+
+
+def prefilled(model: CEDModel, drafter: Drafter, prompt: Tensor) -> tuple[SequenceState, DraftState, int]:
+    """The prompt's state, the drafter's memory of it (as a replaying decode worker builds), the
+    greedy first token."""
+    state = model.new_state()
+    out = model.prefill_with_taps(prompt, state)
+    draft = DraftState.new(model.config, prompt.device)
+    draft.extend(drafter.context_vectors(out.taps))
+    return state, draft, int(out.logits[-1].argmax())
+
+
+def decode_cell(model: CEDModel, drafter: Drafter, prompts: list[Tensor], dspark: bool, steps: int, warmup: int,
+                device: str, draft_tokens: int) -> dict[str, Any]:
+    batch = len(prompts)
+    block = 64
+    longest = max(p.shape[0] for p in prompts) + (steps + warmup + 2) * (draft_tokens + 1)
+    num_blocks = batch * (longest // block + 2) + 8
+    layout = BlockLayout.from_config(model.config, block)
+    cache = KVCacheManager(layout, KVCacheConfig(block_size=block, num_blocks=num_blocks), "demo-eval", device)
+    config = DecodeConfig(block_size=block, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
+                          adaptive_verify=False, draft_tokens=draft_tokens, device=device)
+    proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
+    engine = DecodeEngine(config, model, cache, proposer=proposer)
+    for i, prompt in enumerate(prompts):
+        state, draft, first = prefilled(model, drafter, prompt)
+        tokens = prompt.tolist()
+        cmd = AttachCommand(0, f"r{i}", f"l{i}", tuple(tokens), first, 100, Sampling(max_tokens=100_000, ignore_eos=True))
+        engine.attach_state(f"r{i}", tokens, state, first, cmd, draft=draft)
+    for _ in range(warmup):
+        engine.step()
+    drafted0, accepted0, verify0 = engine.drafted_tokens, engine.accepted_drafts, engine.verify_passes
+    emitted, times = 0, []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        outputs = engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        emitted += sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
+    step_s = statistics.median(times)
+    per_request_step = emitted / (batch * steps)
+    verifies = engine.verify_passes - verify0
+    accepted = engine.accepted_drafts - accepted0
+    return {"batch": batch, "dspark": dspark, "steps": steps, "tokens": emitted, "step_ms": 1000 * step_s,
+            "step_ms_each": [round(1000 * t, 1) for t in times], "tokens_per_s": batch * per_request_step / step_s,
+            "tokens_per_step": per_request_step, "drafted": engine.drafted_tokens - drafted0, "accepted": accepted,
+            "verify_passes": verifies, "accepted_per_verify": accepted / verifies if verifies else 0.0}
+
+
+def greedy_sample(model: CEDModel, codec: TextCodec, prompt: str, tokens: int) -> str:
+    ids = codec.encode(prompt)
+    state = model.new_state()
+    logits = model.prefill(ids, state)[-1]
+    out: list[int] = []
+    for _ in range(tokens):
+        out.append(int(logits.argmax()))
+        logits = model.prefill([out[-1]], state)[-1]
+    return prompt + codec.decode(out)
+
+
+# ------------------------------------------------------------------ main
+
+
+def machine(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                            "load_average_1m_at_start": os.getloadavg()[0]}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None, help="default: the shipped demo checkpoint")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--heldout-every", type=int, default=50)
+    p.add_argument("--ppl-rows", type=int, default=64, help="held-out windows for the KV-format perplexity")
+    p.add_argument("--ppl-len", type=int, default=512)
+    p.add_argument("--replay-rows", type=int, default=32)
+    p.add_argument("--replay-prompt", type=int, default=384)
+    p.add_argument("--replay-continuation", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of the decode cells")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--steps", type=int, default=0, help="timed steps per decode cell (0: 48 at batch 1, 8 beyond)")
+    p.add_argument("--draft-tokens", type=int, default=5)
+    p.add_argument("--note", default="")
+    p.add_argument("--out", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    info = machine(args.device)
+    folder = args.checkpoint or default_checkpoint()
+    model = load_model(folder, device=args.device)
+    drafter = load_drafter(folder, model.config).to(args.device)
+    codec = TextCodec.from_file(folder, model.config.vocab_size)
+    corpus = load_corpus(heldout_every=args.heldout_every)
+    heldout = token_stream(codec.tokenizer, corpus.heldout).to(args.device)
+    print(f"checkpoint {folder}; held-out: {len(corpus.heldout)} files, {heldout.shape[0]:,} tokens ({corpus.root})",
+          flush=True)
+
+    ppl = kv_format_perplexity(model, consecutive_rows(heldout, args.ppl_len + 1, args.ppl_rows))
+    print(f"KV format ({ppl['rows']} x {ppl['tokens_per_row']} tokens): records ppl {ppl['records_perplexity']:.3f}, "
+          f"bf16 ppl {ppl['bf16_perplexity']:.3f}, delta {ppl['perplexity_delta_pct']:+.3f}%", flush=True)
+
+    exact = exact_replay_span(model.config)
+    spans = {"128": 128, "256": 256, f"exact ({exact})": exact}
+    replay_len = args.replay_prompt + args.replay_continuation + 1
+    replay = replay_perplexity(model, consecutive_rows(heldout[args.ppl_len * args.ppl_rows :], replay_len,
+                                                       args.replay_rows), args.replay_prompt, spans)
+    print(f"{'replay span':>20} {'ppl':>8} {'d ppl %':>8} {'mean KL':>10} {'top-1':>6}")
+    for r in replay:
+        print(f"{r['span']:>20} {r['perplexity']:8.3f} {r['perplexity_delta_pct']:+8.3f} {r['mean_kl']:10.2e} "
+              f"{r['top1_agreement']:6.3f}", flush=True)
+
+    prompt_rows = consecutive_rows(heldout, args.prompt_len, max(args.batches))
+    cells = []
+    for batch in args.batches:
+        steps = args.steps or (48 if batch == 1 else 8)
+        prompts = list(prompt_rows[:batch])
+        plain = decode_cell(model, drafter, prompts, False, steps, 1, args.device, args.draft_tokens)
+        spec = decode_cell(model, drafter, prompts, True, steps, 1, args.device, args.draft_tokens)
+        spec["speedup"] = spec["tokens_per_s"] / plain["tokens_per_s"]
+        cells += [plain, spec]
+    print(f"{'batch':>5} {'dspark':>6} {'tok/s':>9} {'step ms':>8} {'tok/step':>8} {'acc/verify':>10} {'speedup':>7}")
+    for c in cells:
+        print(f"{c['batch']:5d} {c['dspark']!s:>6} {c['tokens_per_s']:9.1f} {c['step_ms']:8.1f} "
+              f"{c['tokens_per_step']:8.2f} {c['accepted_per_verify']:10.2f} {c.get('speedup', 1.0):7.2f}", flush=True)
+    spec_cells = [c for c in cells if c["dspark"]]
+    verifies = sum(c["verify_passes"] for c in spec_cells)
+    acceptance = sum(c["accepted"] for c in spec_cells) / verifies if verifies else 0.0
+    print(f"DSpark: {acceptance:.2f} accepted drafts per verification of {args.draft_tokens} "
+          f"({1 + acceptance:.2f} tokens per target pass) over {verifies} verifications", flush=True)
+    sample = greedy_sample(model, codec, "def fibonacci(", 48)
+    print("greedy sample:\n" + sample, flush=True)
+
+    info["load_average_1m_at_end"] = os.getloadavg()[0]
+    report = {"benchmark": "demo_eval", "date": started, "machine": info, "device": args.device,
+              "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "checkpoint": str(folder),
+              "heldout": {"root": str(corpus.root), "files": len(corpus.heldout), "tokens": int(heldout.shape[0])},
+              "note": args.note, "kv_format": ppl, "replay": replay, "decode": cells,
+              "dspark_accepted_per_verify": acceptance, "draft_tokens": args.draft_tokens,
+              "greedy_sample": sample, "seconds": round(time.perf_counter() - t0, 1)}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

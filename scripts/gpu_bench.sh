@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Prefill and decode figures on CUDA hosts (H200), one bounded run per call (each < 4 minutes):
+#
+#     OUT=/some/dir bash scripts/gpu_bench.sh MODE
+#
+#   prefill          benchmarks/prefill.py, mini-40, 4K 16K 64K 128K prompts: the prefill engine
+#                    (encoder + decoder KV source + replay) against all 40 layers in the same run
+#   decode-short     benchmarks/decode.py, one GPU, contexts 4K and 16K, batches 1 8 32, +-DSpark
+#   decode-64k       the same at 64K
+#   decode-128k      the same at 128K
+#   decode-ep2       expert parallel over two GPUs (NCCL), contexts 4K and 64K, batches 8 and 32
+#
+# Each writes $OUT/<mode>.json and $OUT/<mode>.log. Every run has a time budget (BUDGET_S, default
+# 190 s: no new cell starts after it, skipped cells are recorded) under a hard `timeout` (LIMIT_S,
+# default 235 s). As in scripts/gpu_decode.sh the project need not be installed: a symlink tree puts
+# `cedserve.*` on PYTHONPATH, and wheels in build/gpu_wheels (msgspec, protobuf, grpcio) are installed
+# into build/gpu_site first when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:?usage: scripts/gpu_bench.sh prefill|decode-short|decode-64k|decode-128k|decode-ep2}
+OUT=${OUT:-build/gpu_bench}
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-190}
+LIMIT_S=${LIMIT_S:-235}
+mkdir -p "$OUT"
+tree=build/gpu_tree
+rm -rf "$tree" && mkdir -p "$tree/cedserve"
+for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
+for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
+  ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
+done
+if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
+fi
+export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
+NOTE="mini-40 layer plan, random weights, vocabulary 512; torch reference ops (no Triton kernels on this path)"
+decode() {  # decode <mode> <args...>
+  local mode=$1; shift
+  timeout "$LIMIT_S" "$PY" benchmarks/decode.py --device cuda --preset mini-40 --steps 4 --time-budget-s "$BUDGET_S" \
+    --note "$NOTE; $mode" --out "$OUT/$mode.json" "$@" 2>&1 | grep -v NIXL | tee "$OUT/$mode.log"
+}
+case "$MODE" in
+  prefill)
+    timeout "$LIMIT_S" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 \
+      --tokens 4096 16384 65536 131072 --chunk-tokens 2048 --time-budget-s "$BUDGET_S" \
+      --note "$NOTE; one GPU" --out "$OUT/prefill.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill.log" ;;
+  decode-short) decode "$MODE" --contexts 4096 16384 --batches 1 8 32 ;;
+  decode-64k)   decode "$MODE" --contexts 65536 --batches 1 8 32 ;;
+  decode-128k)  decode "$MODE" --contexts 131072 --batches 1 8 32 ;;
+  decode-ep2)   decode "$MODE" --ep 2 --contexts 4096 65536 --batches 8 32 ;;
+  *) echo "unknown mode $MODE" >&2; exit 2 ;;
+esac

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Train the demo checkpoint on one CUDA GPU and evaluate it, in one go (the H200 run of issue 13):
+# scripts/train_demo.py (time-budgeted from a probe of its first steps), then benchmarks/demo_eval.py
+# on the written checkpoint. Run from the repo root on a CUDA host:
+#
+#     OUT=/some/dir bash scripts/gpu_train_demo.sh
+#
+# Writes into $OUT (8 files): demo/{config,tokenizer,generation_config}.json, demo/model.safetensors,
+# train.log, train-demo.json, eval.log, demo-eval.json. Copy $OUT/demo to cedserve/assets/demo and
+# the JSON files to docs/benchmarks/ afterwards. BACKBONE_S / DRAFTER_S set the training budgets;
+# TRAIN_ARGS / EVAL_ARGS add flags (e.g. a quick CPU rehearsal with DEVICE=cpu).
+#
+# The project need not be installed: a symlink tree puts `cedserve.*` on PYTHONPATH (as
+# scripts/gpu_decode.sh does), and python runs with -P so the repo root does not shadow it. Wheels in
+# build/gpu_wheels (msgspec; protobuf at the version the generated code needs) are installed into
+# /tmp/site first when present; see scripts/gpu_decode.sh for fetching them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu_train_demo}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$OUT"
+tree=build/gpu_tree
+rm -rf "$tree" && mkdir -p "$tree/cedserve"
+for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
+for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
+  ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
+done
+if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    build/gpu_wheels/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/$tree${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
+  "$PY" -P -c 'import sys, sysconfig, torch, tokenizers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"tokenizers", tokenizers.__version__, "stdlib", sysconfig.get_paths()["stdlib"])'
+} 2>&1 | tee "$OUT/train.log"
+# shellcheck disable=SC2086
+timeout "${TRAIN_TIMEOUT_S:-430}" "$PY" -P scripts/train_demo.py --device "$DEVICE" --out "$OUT/demo" \
+  --report "$OUT/train-demo.json" --backbone-seconds "${BACKBONE_S:-200}" --drafter-seconds "${DRAFTER_S:-80}" \
+  ${TRAIN_ARGS:-} 2>&1 | tee -a "$OUT/train.log"
+rc_train=${PIPESTATUS[0]}
+rc_eval=-1
+if [ "$rc_train" -eq 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "${EVAL_TIMEOUT_S:-150}" "$PY" -P benchmarks/demo_eval.py --device "$DEVICE" --checkpoint "$OUT/demo" \
+    --out "$OUT/demo-eval.json" --note "${NOTE:-one GPU; the checkpoint just trained by scripts/train_demo.py}" \
+    ${EVAL_ARGS:-} 2>&1 | grep -v NIXL | tee "$OUT/eval.log"
+  rc_eval=${PIPESTATUS[0]}
+fi
+echo "train rc=$rc_train eval rc=$rc_eval (results in $OUT)"
+[ "$rc_train" -eq 0 ] && [ "$rc_eval" -eq 0 ]

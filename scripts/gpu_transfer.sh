@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# KV transfer load test on a CUDA host with 2+ GPUs (NVLink): `cedserve bench kv-transfer --device cuda`.
+# Run from the repo root on that host:
+#
+#     OUT=/some/dir bash scripts/gpu_transfer.sh     # writes into $OUT (default build/gpu_transfer)
+#     DEVICE=cpu QUICK=1 SKIP_WHL=1 PYTHON=.venv/bin/python bash scripts/gpu_transfer.sh  # smoke test
+#
+# What it runs, in order (each step's table lands in $OUT/bench.log, the last lines are a summary):
+#   A. variants on the core cells (128K tokens, WRITE, batch 1 and 4, contiguous and scattered ids):
+#      a0 defaults; a1 posting from the progress thread (post_from_caller=false); a2 larger staging
+#      slots (64 MiB x 16); a3 (run last) the previous poll intervals (200 us / 1 ms).
+#   B. the full matrix (32K, 128K, 1M; batch 1, 4, 8; READ and WRITE; baselines) with the settings
+#      of the best variants of A (the picked --set flags are recorded in the JSON's command):
+#      $OUT/kv-transfer-cuda.json, the file docs/benchmarks/kv-transfer-cuda-h200x2.json comes from.
+#   C. "before": the same core cells on the kv_transfer of another commit, when build/kv_before
+#      holds one (make it here first: `bash scripts/gpu_transfer.sh --prepare-before REF`).
+#
+# Needs torch (CUDA build) and NIXL. Wheels missing on the host (nixl-cu13, msgspec, protobuf,
+# grpcio for Python 3.12) can travel in .whl/ (git-ignored; see docs/kv_transfer.md): they are
+# installed into $SITE (default /tmp/site). The project need not be installed: a symlink tree puts
+# `cedserve.*` on PYTHONPATH (as scripts/gpu_kernels.sh does), and the benchmark runs from /tmp so
+# the checkout's own `cedserve/` folder does not shadow the tree in the worker processes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if [ "${1:-}" = "--prepare-before" ]; then
+  ref=${2:?usage: --prepare-before GIT_REF}
+  rm -rf build/kv_before && mkdir -p build/kv_before
+  for f in $(git ls-tree --name-only "$ref" kv_transfer/); do
+    git show "$ref:$f" > "build/kv_before/$(basename "$f")"
+  done
+  echo "$ref $(git rev-parse "$ref")" > build/kv_before/REF
+  ls build/kv_before
+  exit 0
+fi
+
+OUT=${OUT:-build/gpu_transfer}
+DEVICE=${DEVICE:-cuda}
+QUICK=${QUICK:-0}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+LOG="$OUT/bench.log"
+: > "$LOG"
+
+if [ -z "${SKIP_WHL:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    2>&1 | tail -3 | tee -a "$LOG"
+fi
+
+make_tree() {  # $1: tree folder, $2: the kv_transfer folder to map
+  rm -rf "$1"; mkdir -p "$1/cedserve"
+  for f in cedserve/*; do ln -s "$ROOT/$f" "$1/cedserve/$(basename "$f")"; done
+  for pkg in model kernels prefill_workers decode_workers router proto; do
+    [ -d "$pkg" ] && ln -s "$ROOT/$pkg" "$1/cedserve/$pkg"
+  done
+  ln -s "$2" "$1/cedserve/kv_transfer"
+}
+make_tree /tmp/kvx_new "$ROOT/kv_transfer"
+[ -f build/kv_before/agent.py ] && make_tree /tmp/kvx_old "$ROOT/build/kv_before"
+
+export PYTHONUNBUFFERED=1
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
+  nvidia-smi topo -m 2>/dev/null | head -4
+  cd /tmp && PYTHONPATH="$SITE:/tmp/kvx_new" "$PY" -P -c 'import torch, cedserve.kv_transfer.loadtest as lt
+from cedserve.kv_transfer.nixl_backend import import_nixl
+print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nixl", import_nixl().__name__)'
+} 2>&1 | tee -a "$LOG"
+
+bench() {  # $1: tree, $2: json name, $3: timeout s, rest: bench arguments
+  local tree=$1 name=$2 limit=$3; shift 3
+  echo "== [$name] bench kv-transfer $*" | tee -a "$LOG"
+  (cd /tmp && PYTHONPATH="$SITE:$tree" timeout "$limit" "$PY" -P -m cedserve.kv_transfer.loadtest \
+     --device "$DEVICE" --json "$OUT/$name.json" "$@") 2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$LOG"
+}
+
+SIZE=128K; SIZES=32K,128K,1M; BIG=128K,1M
+[ "$QUICK" = 1 ] && { SIZE=4K; SIZES=4K; BIG=4K; }
+CORE=(--sizes $SIZE --batch 1,4 --modes write --fan-in 1 --reps 3 --only cross_layer,auto)
+STAGING=(--set staging_slot_bytes=67108864 --set staging_slots=16)
+bench /tmp/kvx_new a0 60 "${CORE[@]}"
+bench /tmp/kvx_new a1 60 "${CORE[@]}" --set post_from_caller=false
+bench /tmp/kvx_new a2 60 "${CORE[@]}" "${STAGING[@]}"
+
+# Pick per knob: a1 vs a0 on contiguous ids (batch 1 and 4), a2 vs a0 on scattered ids.
+PICK=$(cd /tmp && "$PY" - "$OUT" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+def gbps(name, alloc):
+    path = os.path.join(out, name + ".json")
+    if not os.path.exists(path):
+        return 0.0
+    cells = json.load(open(path))["cells"]
+    return sum(c["gbps"] for c in cells if c["alloc"] == alloc and not c["failures"])
+flags = []
+if gbps("a1", "contiguous") > 1.05 * gbps("a0", "contiguous"):
+    flags += ["--set", "post_from_caller=false"]
+if gbps("a2", "random") > 1.05 * gbps("a0", "random"):
+    flags += ["--set", "staging_slot_bytes=67108864", "--set", "staging_slots=16"]
+print(" ".join(flags))
+EOF
+)
+echo "== picked: ${PICK:-defaults}" | tee -a "$LOG"
+# shellcheck disable=SC2086
+bench /tmp/kvx_new "kv-transfer-$DEVICE" 200 --sizes $SIZES --batch 1,4,8 --fan-in 1 --reps 3 $PICK
+
+if [ -d /tmp/kvx_old ]; then
+  echo "== before: $(cat build/kv_before/REF)" | tee -a "$LOG"
+  bench /tmp/kvx_old before 60 --sizes $BIG --batch 1 --modes write --fan-in 1 --reps 3 --only cross_layer
+fi
+bench /tmp/kvx_new a3 60 "${CORE[@]}" --set poll_interval_s=0.0002 --set target_poll_s=0.001
+
+echo "== summary (GB/s; ratio to raw one-descriptor NIXL; p50 ms)" | tee -a "$LOG"
+(cd /tmp && "$PY" - "$OUT" "$([ "$QUICK" = 1 ] && echo 4096 || echo 131072)" <<'EOF'
+import json, sys, os, glob
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = json.load(open(path))
+    for c in d["cells"]:
+        if c["layout"] != "cross_layer" or c["mode"] != "write" or c["tokens"] < int(sys.argv[2]):
+            continue
+        print(f"{os.path.basename(path)[:-5]:<17} {c['alloc']:<10} {c['pack']:<4} {c['tokens'] >> 10:>5}K b{c['batch']} "
+              f"{c['gbps']:7.1f} GB/s  raw1 {c['raw_gbps']:6.1f}  ratio {c['ratio_to_raw']:4.2f}  "
+              f"p50 {c['p50_ms']:6.2f} ms  desc {c['descriptors_per_request']:6.0f} "
+              f"{'FAIL' if c['failures'] else ('v' if c['verified'] else '-')}")
+EOF
+) 2>&1 | tee -a "$LOG"

@@ -1,0 +1,81 @@
+"""Helpers for whole-system e2e tests that start their own router and workers as real processes
+(the same command lines as `cedserve serve` and the Helm chart) with the tiny checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from cedserve.launcher import LocalLauncher, Part, write_worker_config
+from cedserve.model.checkpoint import load_model
+from cedserve.proto import worker_pb2, worker_pb2_grpc
+from cedserve.tls import PLAINTEXT, TLSConfig, open_channel
+
+
+def greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
+    """The monolithic model's greedy continuation: what the system must stream."""
+    model = load_model(checkpoint)
+    state = model.new_state()
+    logits = model.prefill(prompt, state)[-1]
+    out = []
+    for _ in range(n):
+        token = int(logits.argmax())
+        out.append(token)
+        logits = model.decode_step([token], [state])[-1]
+    return out
+
+
+def worker_load(part: Part, tls: TLSConfig = PLAINTEXT) -> worker_pb2.LoadReport:
+    with open_channel(str(part.ready["address"]), tls) as ch:
+        stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if part.ready["role"] == "prefill"  # type: ignore[no-untyped-call]
+                else worker_pb2_grpc.DecodeWorkerStub(ch))  # type: ignore[no-untyped-call]
+        load: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+    return load
+
+
+def wait_idle(parts: list[Part], tls: TLSConfig = PLAINTEXT, timeout_s: float = 10.0) -> dict[str, worker_pb2.LoadReport]:
+    """Until no worker holds blocks for a request or runs one; the last loads either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = {p.name: worker_load(p, tls) for p in parts}
+        if all(x.held_blocks == 0 and x.running_requests == 0 for x in loads.values()) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.2)
+
+
+def start_workers(launcher: LocalLauncher, checkpoint: Path, roles: dict[str, str],
+                  extra_config: dict[str, str] | None = None,
+                  extra_args: dict[str, list[str]] | None = None) -> dict[str, Part]:
+    """Start `{name: role}` workers together, sharing a KV-transfer token; `extra_config[name]` is TOML
+    added to that worker's config file, `extra_args[name]` its extra flags. Waits for every one."""
+    configs = write_worker_config(launcher.log_dir / "run")
+    parts = {}
+    for name, role in roles.items():
+        config = configs[role]
+        if (extra_config or {}).get(name):
+            config = config.with_name(f"{name}.toml")
+            config.write_text(configs[role].read_text() + (extra_config or {})[name])
+        parts[name] = launcher.spawn(name, ["worker", "--role", role, "--worker-id", name, "--checkpoint",
+                                            str(checkpoint), "--config", str(config), "--host", "127.0.0.1",
+                                            "--port", "0", *(extra_args or {}).get(name, [])])
+    for part in parts.values():
+        part.wait_ready(180.0)
+    return parts
+
+
+def router_args(checkpoint: Path, workers: dict[str, Part]) -> list[str]:
+    args = ["router", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0"]
+    for name, part in workers.items():
+        args += [f"--{part.ready['role']}", f"{name}={part.ready['address']}"]
+    return args
+
+
+def rpc_code(call: object) -> grpc.StatusCode:
+    """The status a call ends with (OK when it returns)."""
+    try:
+        call()  # type: ignore[operator]
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
