@@ -48,9 +48,9 @@ from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
 # Workload per device: GPU sizes for mini-40 on H200 (decode is the torch reference path, ~0.3-0.8 s
 # per step), CPU sizes for the tiny preset on a few cores.
 WORKLOADS = {
-    "cuda": AgentWorkload(sessions=16, turns=(2, 4), system_prompt_tokens=2048, user_tokens=(1024, 3072),
+    "cuda": AgentWorkload(sessions=16, turns=(2, 4), system_prompt_tokens=1536, user_tokens=(512, 2048),
                           tool_result_tokens=(256, 1024), output_tokens=(16, 32), tool_gap_s=0.5,
-                          max_prompt_tokens=12288),
+                          max_prompt_tokens=8192),
     "cpu": AgentWorkload(sessions=3, turns=(2, 2), system_prompt_tokens=256, user_tokens=(128, 256),
                          tool_result_tokens=(64, 128), output_tokens=(4, 8), tool_gap_s=0.2, max_prompt_tokens=2048),
 }
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", help="checkpoint preset (default: mini-40 on cuda, tiny on cpu)")
     p.add_argument("--sessions", type=int, help="agent sessions (default per device)")
     p.add_argument("--concurrency", type=int, default=6, help="sessions in flight (closed loop)")
-    p.add_argument("--max-run-s", type=float, default=75.0, help="per arm: send nothing new after this long")
+    p.add_argument("--max-run-s", type=float, default=60.0, help="per arm: send nothing new after this long")
+    p.add_argument("--request-timeout-s", type=float, default=90.0, help="a request still running after this fails")
     p.add_argument("--slo-ttft-ms", type=float, default=4000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=1000.0)
     p.add_argument("--out", default="docs/benchmarks/full-topology/full-topology.json")
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                      [LoadPoint("closed", args.concurrency)], Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                      {"kind": "agent_sessions", **asdict(workload),
                       "stats": trace_stats(records, oracle_cached_tokens(records, block, block))},
-                     warmup=2, request_timeout_s=180.0, progress=not args.no_progress, max_run_s=args.max_run_s)
+                     warmup=2, request_timeout_s=args.request_timeout_s, progress=not args.no_progress,
+                     max_run_s=args.max_run_s)
     preset = args.preset or ("mini-40" if args.device == "cuda" else "tiny")
     base = EmbeddedOptions(preset=preset, device=args.device, gpus=tuple(range(args.gpus)) if args.device == "cuda" else ())
     pool = f"decode EP={args.gpus - 1} on GPUs 1-{args.gpus - 1}" if args.gpus > 2 else "single-rank decode on GPU 1"

@@ -93,6 +93,7 @@ class NixlTransferAgent:
         if not config.auth_token:
             raise ValueError("config field `kv_transfer.auth_token`: must be set; a handshake grants "
                              "access to the block pool")
+        config = config.resolved(region.device_memory)
         self.config = config
         self.region = region
         self.layout = layout
@@ -114,9 +115,9 @@ class NixlTransferAgent:
         self._next_heartbeat_s = 0.0
         self._pack_threshold = config.pack_threshold(region.device_memory)
 
-        self._hot_poll_s, self._target_poll_s = config.poll_intervals(region.device_memory)
-        self._post_from_caller = (config.post_from_caller if config.post_from_caller is not None
-                                  else region.device_memory)
+        self._hot_poll_s, self._target_poll_s = _filled(config.poll_interval_s), _filled(config.target_poll_s)
+        self._chunk_blocks = int(_filled(config.chunk_blocks))
+        self._slots_per_request = int(_filled(config.staging_slots_per_request))
 
         self._backend = NixlBackend(name, config)
         self._backend.register(region.tensor)
@@ -131,9 +132,9 @@ class NixlTransferAgent:
             except NixlCallError as exc:  # still correct, only slower: descriptors built per transfer
                 log.warning("%s; building descriptor lists per transfer instead", exc)
         self.staging: StagingPool | None = None
-        if config.staging_slots > 0 and self._pack_threshold > 0:
-            self.staging = StagingPool.allocate(config.staging_slots, config.staging_slot_bytes,
-                                                region.tensor.device)
+        if _filled(config.staging_slots) > 0 and self._pack_threshold > 0:
+            self.staging = StagingPool.allocate(int(_filled(config.staging_slots)),
+                                                int(_filled(config.staging_slot_bytes)), region.tensor.device)
             self._backend.register(self.staging.tensor)
         self._server = ControlServer(self, config.control_host, config.control_port, config.auth_token,
                                      tls=config.tls)
@@ -266,7 +267,7 @@ class NixlTransferAgent:
             if (mode is TransferMode.WRITE and self.staging is not None and ids.size
                     and self.layout.kind is LayoutKind.CROSS_LAYER
                     and should_pack(count_runs(ids, ids), ids.size * self.region.block_bytes, self._pack_threshold)):
-                slots = tuple(self.staging.acquire_up_to(self.config.staging_slots_per_request))
+                slots = tuple(self.staging.acquire_up_to(self._slots_per_request))
             record = TransferRecord(request_id, Role.RECEIVER, sender, tuple(ids.tolist()), now + lease, on_finish, now)
             t = RecvTransfer(record=record, mode=mode, initiator=mode is TransferMode.READ, dst_ids=ids,
                              granted_slots=slots)
@@ -362,14 +363,6 @@ class NixlTransferAgent:
                 raise ValueError(f"write_blocks {request_id!r}: last=True at {end} of {t.dst_ids.size} reserved blocks")
             self._enqueue_chunks(t, src, last)
             t.record.start_transferring(time.monotonic())
-            jobs: list[PostJob] = []
-            if self._post_from_caller:
-                self._pump_send(t, jobs)
-        if jobs:  # posted here, outside the lock, as the progress thread does (see `_step`)
-            posted = [(job, *self._post(job)) for job in jobs]
-            with self._lock:
-                for job, handle, status, error in posted:
-                    self._commit(job, handle, status, error)
         self._wake.set()
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
@@ -377,7 +370,7 @@ class NixlTransferAgent:
         dst = t.dst_ids[t.next_pos: t.next_pos + src.size]
         peer = self._peers[t.peer]
         packed = False
-        max_blocks = self.config.chunk_blocks
+        max_blocks = self._chunk_blocks
         if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and src.size > 1:
             assert t.reservation is not None
             remote_slots = len(t.reservation.staging_slots) if t.mode is TransferMode.WRITE else peer.staging_slots
@@ -399,7 +392,7 @@ class NixlTransferAgent:
         prefill pieces pile up and leave as fewer, larger NIXL requests (each costs a flush and a
         notification); an idle link gets each piece at once."""
         head = t.queue.popleft()
-        limit = self.config.chunk_blocks
+        limit = self._chunk_blocks
         if head.packed:  # packed chunks merge up to one staging slot
             assert self.staging is not None
             limit = min(self.staging.slot_bytes, self._peers[t.peer].staging_slot_bytes) // self.region.block_bytes
@@ -1086,6 +1079,12 @@ class NixlTransferAgent:
                 if peer.alive:
                     peer.next_heartbeat_seq += 1
                     self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)))
+
+
+def _filled(value: float | None) -> float:
+    """A field `KVTransferConfig.resolved` has filled in (never None there)."""
+    assert value is not None
+    return value
 
 
 def _tight_timer_slack() -> None:

@@ -48,22 +48,27 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the agent refuses to start without one, since a handshake grants write access to the block pool."""
     mode: Literal["write", "read"] = "write"
     """Default direction: the sender WRITEs into reserved blocks (decode-first), or the receiver READs."""
-    chunk_blocks: int = 1024
-    """Most blocks per NIXL transfer request (58 MB at the released geometry). Each `write_blocks`
-    call is one chunk; direct chunks already queued behind each other leave as one request up to
-    this size, so a busy link sees few large requests and an idle one gets each chunk at once."""
+    chunk_blocks: int | None = None
+    """Most blocks per NIXL transfer request. Each `write_blocks` call is one chunk; direct chunks
+    already queued behind each other leave as one request up to this size, so a busy sender posts
+    few large requests and an idle one each chunk at once. None: 8192 blocks (466 MB at the released
+    geometry) for device memory, where every request costs about the same fixed time however large
+    (docs/kv_transfer.md), 1024 (58 MB) for host memory, where a post copies synchronously."""
     pack_below_bytes: int | None = None
     """Pack a chunk through the staging buffers when its mean descriptor (after coalescing contiguous
     runs) is smaller than this. None picks by memory: 1 MiB for device memory, where small
     descriptors run at a few percent of the link, and 0 (never) for host memory, where they cost
     little (docs/benchmarks/kv-transfer-cpu.json measures both)."""
-    staging_slots: int = 8
+    staging_slots: int | None = None
     """Slots in this agent's staging buffer (0: none, packing disabled). Allocated and registered only
-    when packing can happen (`pack_threshold` > 0)."""
-    staging_slot_bytes: int = 16 << 20
-    """Bytes per staging slot; a packed chunk is at most one slot."""
-    staging_slots_per_request: int = 4
-    """Receiver slots a WRITE reservation may hold at once (the sender's credits)."""
+    when packing can happen (`pack_threshold` > 0). None: 16 for device memory, 8 for host memory."""
+    staging_slot_bytes: int | None = None
+    """Bytes per staging slot; a packed chunk is at most one slot. None: 64 MiB for device memory (a
+    128K-token request in two slots, so one gather, one descriptor and one scatter per 1,178 blocks),
+    16 MiB for host memory."""
+    staging_slots_per_request: int | None = None
+    """Receiver slots a WRITE reservation may hold at once (the sender's credits). None: 2 for device
+    memory (8 requests in flight share 16 slots), 4 for host memory."""
     lease_s: float = 30.0
     """Default lease of a reservation: the transfer fails with DEADLINE if not done by then."""
     heartbeat_interval_s: float = 0.15
@@ -82,13 +87,6 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     its first chunk). None: 200 us for device memory, 1 ms for host memory."""
     idle_poll_s: float = 0.005
     """Progress-loop sleep with nothing in flight (heartbeats and notifications still flow)."""
-    post_from_caller: bool | None = None
-    """Post a chunk's NIXL request from the thread that calls `write_blocks` (outside the agent lock)
-    when it can leave at once, instead of handing it to the progress thread: no thread handoff and
-    no wait for the GIL, which a Python prefill loop holds between its GPU waits. Only right where
-    a post returns at once (device memory: NVLink/RDMA); on host-memory transports a post copies
-    synchronously (TCP: tens of ms per chunk), which would stall the caller. None: on for device
-    memory, off for host memory."""
     tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
     """TLS of the control service and of calls to peers' ones: the worker's `[internal_tls]` table."""
     on_failure: Literal["fail", "recompute"] = "fail"
@@ -101,9 +99,9 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 <= self.control_port <= 65535:
             _fail("control_port", f"must be in [0, 65535], got {self.control_port}")
         for name in ("chunk_blocks", "ucx_num_workers", "staging_slot_bytes", "staging_slots_per_request"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
-        if self.staging_slots < 0:
+        if self.staging_slots is not None and self.staging_slots < 0:
             _fail("staging_slots", f"must be >= 0, got {self.staging_slots}")
         if self.pack_below_bytes is not None and self.pack_below_bytes < 0:
             _fail("pack_below_bytes", f"must be >= 0 or null, got {self.pack_below_bytes}")
@@ -115,11 +113,15 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _fail("peer_timeout_s", f"{self.peer_timeout_s} s leaves room for fewer than two heartbeats "
                   f"at {self.heartbeat_interval_s} s")
 
-    def poll_intervals(self, device_memory: bool) -> tuple[float, float]:
-        """`(poll_interval_s, target_poll_s)` with the defaults for this memory kind filled in."""
-        hot = self.poll_interval_s if self.poll_interval_s is not None else (2e-5 if device_memory else 2e-4)
-        target = self.target_poll_s if self.target_poll_s is not None else (2e-4 if device_memory else 1e-3)
-        return hot, target
+    def resolved(self, device_memory: bool) -> KVTransferConfig:
+        """This config with every field left None (chosen by memory kind) filled in for an agent whose
+        block pool is in device memory or not; explicit values stay."""
+        device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
+                  "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4}
+        host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
+                "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3}
+        defaults = device if device_memory else host
+        return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     def pack_threshold(self, device_memory: bool) -> int:
         """Mean descriptor bytes below which a chunk is packed (0: never)."""

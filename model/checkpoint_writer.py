@@ -157,7 +157,7 @@ def write_checkpoint(model: CEDModel, drafter: Drafter | None, folder: str | Pat
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config
-    tensors = encode_tensors(checkpoint_tensors(model, drafter), quantize, half_floats)
+    tensors = {k: v.cpu() for k, v in encode_tensors(checkpoint_tensors(model, drafter), quantize, half_floats).items()}
     tmp = folder / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt", "writer": "cedserve", **(metadata or {})})
     tmp.replace(folder / "model.safetensors")

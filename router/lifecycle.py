@@ -212,3 +212,23 @@ class RegistryService(registry_pb2_grpc.WorkerRegistryServicer):
 def add_control_services(server: grpc.aio.Server, drain: RouterDrain, pool: WorkerPool) -> None:
     lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleService(drain), server)  # type: ignore[no-untyped-call]
     registry_pb2_grpc.add_WorkerRegistryServicer_to_server(RegistryService(pool), server)  # type: ignore[no-untyped-call]
+
+
+def register_workers(address: str, workers: list[tuple[str, str, str]], timeout_s: float = 10.0) -> list[str]:
+    """Client of `WorkerRegistry.Register` (from the router's host): (worker id, role, address)
+    each; returns the ids that were added or moved."""
+    request = registry_pb2.RegisterRequest(workers=[
+        registry_pb2.WorkerRegistration(worker_id=w, role=role, address=addr) for w, role, addr in workers])
+    with grpc.insecure_channel(address) as channel:
+        stub = registry_pb2_grpc.WorkerRegistryStub(channel)  # type: ignore[no-untyped-call]
+        reply: registry_pb2.RegisterReply = stub.Register(request, timeout=timeout_s)
+    return list(reply.changed)
+
+
+def list_workers(address: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Client of `WorkerRegistry.ListWorkers`: the router's pool, one dict per worker."""
+    with grpc.insecure_channel(address) as channel:
+        stub = registry_pb2_grpc.WorkerRegistryStub(channel)  # type: ignore[no-untyped-call]
+        reply: registry_pb2.ListWorkersReply = stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s)
+    return [{"worker_id": w.worker_id, "role": w.role, "address": w.address, "source": w.source,
+             "healthy": w.healthy} for w in reply.workers]

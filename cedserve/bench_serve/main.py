@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from cedserve.bench_serve.agentic import (
     AgentWorkload,
     generate_sessions,
@@ -50,7 +52,7 @@ from cedserve.bench_serve.trace import (
     read_trace,
     write_trace,
 )
-from cedserve.client import AsyncClient
+from cedserve.client import AsyncClient, CedserveError
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
 from cedserve.proto import generation_pb2
 
@@ -109,7 +111,11 @@ async def bench_address(address: str, name: str, plan: BenchPlan) -> list[dict[s
     """Every load point of the plan against the system at `address`; one run report per point."""
     client = AsyncClient(address, api_key=plan.api_key, timeout_s=plan.request_timeout_s)
     try:
-        reply = await client.stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30, metadata=client.metadata)
+        try:
+            reply = await client.stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30,
+                                                 metadata=client.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise ValueError(f"cannot reach the system at {address}: {exc.code().name} {exc.details()}") from None
         card = reply.models[0]
         low = 3  # below: the special tokens (bos, eos, pad) of the shipped tokenizers
         check_fits(plan.records, card.max_context_tokens, card.vocab_size, low)
@@ -148,8 +154,11 @@ async def _warm_up(client: AsyncClient, plan: BenchPlan, synth: TokenSynth) -> N
     """A few requests outside the measurement (first passes compile and allocate)."""
     for k in range(plan.warmup):
         record = plan.records[k % len(plan.records)]
-        await client.generate(synth.prompt(record), max_tokens=min(4, record.output_length),
-                              cache_salt=f"warmup-{uuid.uuid4().hex[:8]}")
+        try:
+            await client.generate(synth.prompt(record), max_tokens=min(4, record.output_length),
+                                  cache_salt=f"warmup-{uuid.uuid4().hex[:8]}")
+        except CedserveError as exc:  # the measured runs will count what keeps failing
+            print(f"# warm-up request {k} failed: {exc}", file=sys.stderr)
 
 
 def run_arms(arms: Sequence[Arm], base: EmbeddedOptions, log_root: Path, plan: BenchPlan) -> list[dict[str, Any]]:

@@ -2,8 +2,7 @@
 
 Three processes: a decode receiver, a prefill sender that never packs, and one that packs scattered
 blocks through the staging buffers, at the released block geometry (56,960 B per 64-token block).
-The packing sender also posts from the thread that calls `write_blocks` (`post_from_caller`, the
-device-memory default) and polls at the device interval; the direct one posts from its progress thread.
+The packing sender polls at the device-memory interval (20 us), the others at the host-memory one.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class Cluster:
         self.receiver = PeerProcess(WorkerSpec("decode0", POOL, config={**base, **PACK}))
         self.direct = PeerProcess(WorkerSpec("prefill-direct", POOL, config=base, seed=1))
         self.packed = PeerProcess(WorkerSpec("prefill-packed", POOL, seed=2, config={
-            **base, **PACK, "post_from_caller": True, "poll_interval_s": 2e-5}))
+            **base, **PACK, "poll_interval_s": 2e-5}))
         self.seeds = {"prefill-direct": 11, "prefill-packed": 22}
         for sender in (self.direct, self.packed):
             sender.call("handshake", address=self.receiver.info["control_address"])

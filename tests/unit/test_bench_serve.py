@@ -220,3 +220,20 @@ def test_write_trace_verb_writes_a_replayable_trace(tmp_path: Path) -> None:
     assert len(Sessions.of(records).keys) == 4 and len(records) == 12
     assert infer_block_size(records) == 64
     assert main(["--trace", str(path), "--rates", "x"]) == 2  # a bad flag is refused before anything starts
+
+
+def test_arms_share_devices_and_ranks_get_their_gpus_in_start_order() -> None:
+    from cedserve.bench_serve.systems import plan_arms
+    from cedserve.launcher import EmbeddedOptions
+
+    arms = plan_arms(["cache_aware", "round_robin"], num_prefill=1, num_decode=1, decode_group_size=2, colocated=True)
+    assert [a.name for a in arms] == ["cache_aware", "round_robin", "colocated"]
+    colocated = arms[-1]
+    assert colocated.colocated and colocated.num_decode == 3 and colocated.policy == "cache_aware"
+    opts = EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(4, 5, 6))
+    assert [opts.rank_env(i) for i in range(opts.num_ranks)] == [{"CUDA_VISIBLE_DEVICES": g} for g in "456"]
+    assert EmbeddedOptions(device="cpu").rank_env(0) == {}
+    with pytest.raises(ValueError, match="3 ranks need as many GPUs"):
+        EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(0, 1))
+    with pytest.raises(ValueError, match="--policies"):
+        plan_arms(["fastest"], 1, 1, 1, colocated=False)

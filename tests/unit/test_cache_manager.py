@@ -57,6 +57,25 @@ def test_salts_partition_the_cache() -> None:
     assert cache.admit("b", list(range(16)), salt="tenant-2").num_cached_tokens == 0
 
 
+def test_scratch_blocks_are_never_cached_and_come_back_on_free() -> None:
+    """Blocks for non-KV bytes (a shipped decode state): may evict idle cached blocks to make room,
+    are never offered to the prefix cache, and `free(owner)` returns them."""
+    cache = make(num_blocks=6)
+    run(cache, "a", list(range(16)))
+    cache.free("a")  # 3 idle cached blocks, 3 free
+    scratch = cache.allocate_scratch("a#state", 5)  # 2 of the cached blocks must go
+    assert len(set(scratch)) == 5 and cache.prefix.num_evictable() == 1
+    assert cache.block_table("a#state") == scratch
+    with pytest.raises(ValueError, match="already admitted"):
+        cache.allocate_scratch("a#state", 1)
+    with pytest.raises(CacheExhaustedError):
+        cache.allocate_scratch("b#state", 2)  # one evictable block left, none free
+    cache.check_invariants()
+    cache.free("a#state")
+    assert cache.pool.num_free == 5 and cache.prefix.num_evictable() == 1
+    cache.check_invariants()
+
+
 def test_exhaustion_leaves_nothing_behind() -> None:
     cache = make(num_blocks=6)
     run(cache, "a", list(range(16)))  # holds 4 blocks

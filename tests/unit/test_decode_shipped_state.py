@@ -10,7 +10,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-import torch
 from decode_support import Rig, greedy_rounds, prompt, reference_greedy, tiny
 
 from cedserve.decode_workers.messages import Failed, Finished, Reserved

@@ -136,6 +136,15 @@ def test_pack_threshold_by_memory_kind() -> None:
     assert KVTransferConfig(staging_slots=0, pack_below_bytes=5).pack_threshold(True) == 0
 
 
+def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> None:
+    device, host = KVTransferConfig().resolved(True), KVTransferConfig().resolved(False)
+    assert (device.chunk_blocks, device.staging_slot_bytes, device.poll_interval_s) == (8192, 64 << 20, 2e-5)
+    assert (host.chunk_blocks, host.staging_slot_bytes, host.poll_interval_s) == (1024, 16 << 20, 2e-4)
+    mine = KVTransferConfig(chunk_blocks=7, poll_interval_s=0.5, staging_slots=0).resolved(True)
+    assert (mine.chunk_blocks, mine.poll_interval_s, mine.staging_slots) == (7, 0.5, 0)
+    assert mine.target_poll_s == device.target_poll_s
+
+
 def test_metrics_count_bytes_failures_and_ttft_share() -> None:
     m = TransferMetrics()
     ok = record()
