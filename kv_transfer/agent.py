@@ -475,6 +475,42 @@ class NixlTransferAgent:
             raise RuntimeError(f"measure_raw: NIXL {op} ended {status}")
         return start, done
 
+    def measure_requests(self, peer_name: str, nbytes: int, pieces: int, probe_base: int,
+                         timeout_s: float = 60.0) -> dict[str, float]:
+        """`nbytes` from the start of our region to the start of the peer's as `pieces` NIXL WRITE
+        requests of one descriptor each, posted back to back, each with its `Probe(probe_base + i)`
+        notification, then polled without sleeping: what a transfer of that many chunks costs in
+        NIXL itself. Returns the first post, the time spent inside the posts, and when the sender
+        saw the last one complete (monotonic). Overwrites those bytes: benchmark only."""
+        with self._lock:
+            peer = self._live_peer(peer_name)
+        if pieces < 1 or nbytes % pieces or nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
+            raise ValueError(f"measure_requests: {nbytes} bytes in {pieces} pieces do not fit the regions")
+        size = nbytes // pieces
+        handles = []
+        in_post = 0.0
+        start = time.monotonic()
+        for i in range(pieces):
+            descs = single_desc(self.region.base_address + i * size, self.region.device_id,
+                                peer.kv.base_address + i * size, peer.kv.device_id, size)
+            t0 = time.monotonic()
+            handle, status = self._backend.post("WRITE", descs, mem_type(self.region.tensor), peer.kv_mem, peer_name,
+                                                encode_notice("", probe=pb.Probe(probe_id=probe_base + i)))
+            in_post += time.monotonic() - t0
+            handles.append([handle, status])
+        while any(h[1] == "PROC" for h in handles):
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"measure_requests: not done after {timeout_s} s")
+            for h in handles:
+                if h[1] == "PROC":
+                    h[1] = self._backend.status(h[0], peer_name)
+        done = time.monotonic()
+        for handle, status in handles:
+            self._backend.release(handle, peer_name)
+            if status != "DONE":
+                raise RuntimeError(f"measure_requests: NIXL WRITE ended {status}")
+        return {"posted_s": start, "in_post_s": in_post, "done_s": done}
+
     def expect_probe(self, probe_id: int) -> None:
         """Poll as during a transfer until `Probe(probe_id)` arrives, so its arrival time is as sharp
         as a chunk's."""

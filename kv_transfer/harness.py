@@ -267,6 +267,10 @@ class Worker:
                                         blocks) for i in range(a.get("reps", 1))]
         return {"times": times}
 
+    def cmd_requests(self, a: dict[str, Any]) -> dict[str, Any]:
+        """`nbytes` as `pieces` back-to-back single-descriptor WRITE requests (`measure_requests`)."""
+        return self.agent.measure_requests(a["peer"], a["nbytes"], a["pieces"], a["probe_base"])
+
     def cmd_expect_probe(self, a: dict[str, Any]) -> dict[str, Any]:
         for p in a["probe_ids"]:
             self.agent.expect_probe(p)

@@ -6,14 +6,14 @@
 #     DEVICE=cpu QUICK=1 SKIP_WHL=1 PYTHON=.venv/bin/python bash scripts/gpu_transfer.sh  # smoke test
 #
 # What it runs, in order (each step's table lands in $OUT/bench.log, the last lines are a summary):
-#   A. variants on the core cells (128K tokens, WRITE, batch 1 and 4, contiguous and scattered ids):
-#      a0 defaults; a1 posting from the progress thread (post_from_caller=false); a2 larger staging
-#      slots (64 MiB x 16); a3 (run last) the previous poll intervals (200 us / 1 ms).
-#   B. the full matrix (32K, 128K, 1M; batch 1, 4, 8; READ and WRITE; baselines) with the settings
-#      of the best variants of A (the picked --set flags are recorded in the JSON's command):
-#      $OUT/kv-transfer-cuda.json, the file docs/benchmarks/kv-transfer-cuda-h200x2.json comes from.
-#   C. "before": the same core cells on the kv_transfer of another commit, when build/kv_before
-#      holds one (make it here first: `bash scripts/gpu_transfer.sh --prepare-before REF`).
+#   A. benchmarks/kv_transfer_requests.py: what one NIXL request costs by itself (the same bytes as
+#      1, 2, 4 or 16 back-to-back requests): $OUT/requests.json.
+#   B. the full matrix (32K, 128K, 1M; batch 1, 4, 8; READ and WRITE; baselines) with the default
+#      config: $OUT/kv-transfer-cuda.json, the file docs/benchmarks/kv-transfer-cuda-h200x2.json
+#      comes from.
+#   C. a variant on the contiguous 128K cells: NIXL's own progress thread (progress_thread=true).
+#   D. "before": the core cells on the kv_transfer of another commit, when build/kv_before holds one
+#      (make it here first: `bash scripts/gpu_transfer.sh --prepare-before REF`).
 #
 # Needs torch (CUDA build) and NIXL. Wheels missing on the host (nixl-cu13, msgspec, protobuf,
 # grpcio for Python 3.12) can travel in .whl/ (git-ignored; see docs/kv_transfer.md): they are
@@ -79,46 +79,25 @@ bench() {  # $1: tree, $2: json name, $3: timeout s, rest: bench arguments
 
 SIZE=128K; SIZES=32K,128K,1M; BIG=128K,1M
 [ "$QUICK" = 1 ] && { SIZE=4K; SIZES=4K; BIG=4K; }
-CORE=(--sizes $SIZE --batch 1,4 --modes write --fan-in 1 --reps 3 --only cross_layer,auto)
-STAGING=(--set staging_slot_bytes=67108864 --set staging_slots=16)
-bench /tmp/kvx_new a0 60 "${CORE[@]}"
-bench /tmp/kvx_new a1 60 "${CORE[@]}" --set post_from_caller=false
-bench /tmp/kvx_new a2 60 "${CORE[@]}" "${STAGING[@]}"
+echo "== [requests] benchmarks/kv_transfer_requests.py" | tee -a "$LOG"
+(cd /tmp && PYTHONPATH="$SITE:/tmp/kvx_new" timeout 40 "$PY" -P "$ROOT/benchmarks/kv_transfer_requests.py" \
+   --device "$DEVICE" --sizes "$SIZES" --pieces 1,2,4,16 --reps 3 --json "$OUT/requests.json") 2>&1 \
+   | grep -v "NIXL INFO\|^\[" | tee -a "$LOG"
 
-# Pick per knob: a1 vs a0 on contiguous ids (batch 1 and 4), a2 vs a0 on scattered ids.
-PICK=$(cd /tmp && "$PY" - "$OUT" <<'EOF'
-import json, sys, os
-out = sys.argv[1]
-def gbps(name, alloc):
-    path = os.path.join(out, name + ".json")
-    if not os.path.exists(path):
-        return 0.0
-    cells = json.load(open(path))["cells"]
-    return sum(c["gbps"] for c in cells if c["alloc"] == alloc and not c["failures"])
-flags = []
-if gbps("a1", "contiguous") > 1.05 * gbps("a0", "contiguous"):
-    flags += ["--set", "post_from_caller=false"]
-if gbps("a2", "random") > 1.05 * gbps("a0", "random"):
-    flags += ["--set", "staging_slot_bytes=67108864", "--set", "staging_slots=16"]
-print(" ".join(flags))
-EOF
-)
-echo "== picked: ${PICK:-defaults}" | tee -a "$LOG"
-# shellcheck disable=SC2086
-bench /tmp/kvx_new "kv-transfer-$DEVICE" 200 --sizes $SIZES --batch 1,4,8 --fan-in 1 --reps 3 $PICK
-
+bench /tmp/kvx_new "kv-transfer-$DEVICE" 100 --sizes $SIZES --batch 1,4,8 --fan-in 1 --reps 3
+bench /tmp/kvx_new progress-thread 35 --sizes $SIZE --batch 1,4,8 --modes write --fan-in 1 --reps 3 \
+  --only contiguous --set progress_thread=true
 if [ -d /tmp/kvx_old ]; then
   echo "== before: $(cat build/kv_before/REF)" | tee -a "$LOG"
-  bench /tmp/kvx_old before 60 --sizes $BIG --batch 1 --modes write --fan-in 1 --reps 3 --only cross_layer
+  bench /tmp/kvx_old before 35 --sizes $BIG --batch 1 --modes write --fan-in 1 --reps 3 --only cross_layer
 fi
-bench /tmp/kvx_new a3 60 "${CORE[@]}" --set poll_interval_s=0.0002 --set target_poll_s=0.001
 
 echo "== summary (GB/s; ratio to raw one-descriptor NIXL; p50 ms)" | tee -a "$LOG"
 (cd /tmp && "$PY" - "$OUT" "$([ "$QUICK" = 1 ] && echo 4096 || echo 131072)" <<'EOF'
 import json, sys, os, glob
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     d = json.load(open(path))
-    for c in d["cells"]:
+    for c in d.get("cells", []):
         if c["layout"] != "cross_layer" or c["mode"] != "write" or c["tokens"] < int(sys.argv[2]):
             continue
         print(f"{os.path.basename(path)[:-5]:<17} {c['alloc']:<10} {c['pack']:<4} {c['tokens'] >> 10:>5}K b{c['batch']} "
