@@ -41,7 +41,7 @@ from cedserve.bench_serve.main import (
 )
 from cedserve.bench_serve.metrics import Slo
 from cedserve.bench_serve.report import machine
-from cedserve.bench_serve.systems import Arm
+from cedserve.bench_serve.systems import POLICIES, Arm
 from cedserve.bench_serve.trace import oracle_cached_tokens
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
 
@@ -56,8 +56,12 @@ WORKLOADS = {
 }
 
 
-def arms_for(gpus: int) -> list[Arm]:
-    return [Arm("disaggregated", "cache_aware", 1, 1, max(1, gpus - 1)), Arm("colocated", "cache_aware", 0, gpus)]
+def arms_for(gpus: int, colocated_policies: list[str]) -> list[Arm]:
+    """The disaggregated arm, then one colocated arm per policy: with one worker per GPU the colocated
+    arms are where routing policies differ (the disaggregated arm has one worker of each role)."""
+    colocated = [Arm("colocated" if policy == "cache_aware" else f"colocated-{policy}", policy, 0, gpus)
+                 for policy in colocated_policies]
+    return [Arm("disaggregated", "cache_aware", 1, 1, max(1, gpus - 1)), *colocated]
 
 
 def transfer_lines(report: dict[str, Any]) -> list[str]:
@@ -88,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=1000.0)
     p.add_argument("--out", default="docs/benchmarks/full-topology/full-topology.json")
     p.add_argument("--log-dir", help="process logs (default <cache home>/logs/full-topology)")
+    p.add_argument("--colocated-policies", default="cache_aware",
+                   help="comma list: one colocated arm per routing policy (cache_aware, least_loaded, round_robin)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.gpus < 2:
         p.error("--gpus must be at least 2 (a prefill GPU and a decode GPU)")
+    colocated_policies = [x for x in args.colocated_policies.split(",") if x]
+    unknown = sorted(set(colocated_policies) - set(POLICIES))
+    if unknown:
+        p.error(f"--colocated-policies: unknown {unknown}; choose from {list(POLICIES)}")
     argv_used = sys.argv[1:] if argv is None else argv
     started, machine_info = time.time(), machine(args.device)
     workload = WORKLOADS[args.device]
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     done: list[dict[str, Any]] = []
     try:
-        for arm in arms_for(args.gpus):
+        for arm in arms_for(args.gpus, colocated_policies):
             with exit_on_sigterm():
                 done += run_arms([arm], base, log_root, plan)
             report = build_report(plan, done, command, machine_info, started, system)

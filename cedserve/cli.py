@@ -173,11 +173,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cedserve.launcher import EmbeddedOptions, serve_embedded
 
-    if args.ray:
-        return _not_built("serve --ray", "Ray placement comes with the deployment issue")
     opts = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, host=args.host,
                            port=args.port, log_dir=Path(args.log_dir) if args.log_dir else None,
                            default_max_tokens=args.default_max_tokens)
+    if args.ray:
+        from cedserve.ray_launcher import RayOptions, serve_ray
+
+        return serve_ray(opts, RayOptions(address=args.ray, device=args.ray_device,
+                                          cpus_per_worker=args.ray_cpus_per_worker,
+                                          max_restarts=args.ray_max_restarts))
     return serve_embedded(opts)
 
 
@@ -263,7 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                                          "or place pools on a Ray cluster.")
     serve.add_argument("--checkpoint", help="checkpoint folder (config.json, tokenizer.json, safetensors)")
     serve.add_argument("--config", help="serve config file (.toml or .json)")
-    serve.add_argument("--ray", metavar="ADDRESS", help="Ray cluster address, or 'auto'")
+    serve.add_argument("--ray", metavar="ADDRESS",
+                       help="place router and pools as Ray actors: a cluster address, 'auto' (the running "
+                            "cluster) or 'local' (start one here); docs/deploy.md")
+    serve.add_argument("--ray-device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="with --ray: workers' device (auto: cuda when the cluster has a GPU per rank)")
+    serve.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="with --ray: CPUs in a worker's bundle")
+    serve.add_argument("--ray-max-restarts", type=int, default=3, help="with --ray: restarts of a failed actor")
     serve.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     serve.add_argument("--port", type=int, default=50051, help="public gRPC port of the router")
     serve.add_argument("--log-dir", help="where each process's log goes (default: ~/.cache/cedserve/logs)")

@@ -3,8 +3,10 @@
 # pool on the next GPUs (EP=2 on GPUs 1-2 with GPUS=3; one rank on GPU 1 with GPUS=2), against
 # colocated serving on the same GPUs, mini-40 random real-format checkpoint. Run from the repo root:
 #
-#     OUT=/some/dir GPUS=2 SITE=/tmp/site bash scripts/gpu_full_topology.sh
+#     OUT=/some/dir GPUS=2 SITE=/tmp/site bash scripts/gpu_full_topology.sh [full_topology.py args]
 #
+# e.g. `--colocated-policies cache_aware,least_loaded,round_robin` adds the policy table (MAX_RUN_S
+# bounds each arm's sending time).
 # writes env.txt, bench.log, full-topology-h200x$GPUS.json (+ PNG plots) and logs/ (every process).
 # As in scripts/gpu_decode.sh the project need not be installed: a symlink tree puts `cedserve.*` on
 # PYTHONPATH, with build/gpu_site (wheels from build/gpu_wheels) and $SITE (nixl) after it.
@@ -39,6 +41,6 @@ for m in ('grpc', 'msgspec', 'tokenizers', 'safetensors', 'prometheus_client', '
     except ImportError as exc:
         print('MISSING', m, exc)
 " | tee -a "$OUT/env.txt"
-timeout "${BENCH_S:-340}" "$PY" benchmarks/full_topology.py --gpus "$GPUS" --max-run-s 60 --no-progress \
-  --out "$OUT/full-topology-h200x$GPUS.json" --log-dir "$OUT/logs" 2>&1 | grep -v NIXL | tee "$OUT/bench.log"
+timeout "${BENCH_S:-340}" "$PY" benchmarks/full_topology.py --gpus "$GPUS" --max-run-s "${MAX_RUN_S:-60}" --no-progress \
+  --out "$OUT/full-topology-h200x$GPUS.json" --log-dir "$OUT/logs" "$@" 2>&1 | grep -v NIXL | tee "$OUT/bench.log"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"

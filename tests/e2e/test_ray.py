@@ -39,8 +39,7 @@ def test_actors_serve_restart_and_reregister(tmp_path: Path) -> None:
     from cedserve.ray_launcher import RayOptions, RaySystem
 
     checkpoint = ensure_preset_checkpoint("tiny", tmp_path / "home")
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="error", object_store_memory=100 << 20,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="error", object_store_memory=100 << 20)
     system = RaySystem(EmbeddedOptions(checkpoint=checkpoint, port=_free_port(), log_dir=tmp_path / "logs"),
                        RayOptions(device="cpu", cpus_per_worker=1, router_cpus=0.5, max_restarts=2,
                                   ready_timeout_s=180, run_dir=str(tmp_path / "run")))
