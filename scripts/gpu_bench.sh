@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-190}
 LIMIT_S=${LIMIT_S:-235}
 mkdir -p "$OUT"
-tree=build/gpu_tree
+tree=build/gpu_tree_$MODE  # one per mode: two modes may run at once on two GPUs
 rm -rf "$tree" && mkdir -p "$tree/cedserve"
 for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
 for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
