@@ -49,11 +49,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_built(verb: str, issue: str) -> int:
-    print(f"cedserve {verb}: not built yet ({issue}); nothing was started.", file=sys.stderr)
-    return 2
-
-
 def _add_worker_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w = verbs.add_parser("worker", help="run one prefill or decode worker",
                          description="Run one worker process (flags: docs/deploy.md). Prints a line "
@@ -306,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = verbs.add_parser("bench", help="load-test a running server",
                              description="Drive a running server over its public gRPC API.")
     bench.add_argument("what", nargs="?", default="serve", choices=["serve", "kv-transfer"],
-                       help="serve: the serving benchmark; kv-transfer: the KV transfer load test "
+                       help="serve: the serving benchmark; kv-transfer: the KV transfer load test, or with "
+                            "--prefill-address/--decode-address the link between two running workers "
                             "(`cedserve bench kv-transfer --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     _add_worker_parser(verbs)

@@ -110,7 +110,7 @@ class ProcessActor:
 
         self.spec = spec
         self.incarnation = uuid.uuid4().hex[:12]
-        self.node_ip = ray.util.get_node_ip_address()
+        self.node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
         self._stopping = False
         checkpoint = setup.checkpoint or resolve_checkpoint(EmbeddedOptions(preset=setup.preset))
         run_dir = Path(setup.run_dir) / spec.name  # one folder per process: restarts rewrite only their own
@@ -206,7 +206,7 @@ class RaySystem:
             import ray
         except ImportError as exc:
             raise ImportError("`cedserve serve --ray` needs Ray: pip install 'cedserve[ray]'") from exc
-        self.ray = ray
+        self.ray: Any = ray
         self.opts, self.ray_opts = opts, ray_opts
         self.owns_ray = False
         self.workers: dict[str, _Tracked] = {}
@@ -223,11 +223,21 @@ class RaySystem:
         """Place and start every worker, then the router; returns the router's ready fields."""
         ray = self.ray
         if not ray.is_initialized():
-            address = None if self.ray_opts.address == "local" else self.ray_opts.address
-            ray.init(address=address, include_dashboard=False, logging_level="warning")
+            if self.ray_opts.address == "local":  # logical CPUs: enough for every actor of the system
+                needed = self.opts.num_ranks * self.ray_opts.cpus_per_worker + self.ray_opts.router_cpus
+                ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
+                         logging_level="warning")
+            else:
+                try:
+                    ray.init(address=self.ray_opts.address, include_dashboard=False, logging_level="warning")
+                except ConnectionError as exc:
+                    raise LaunchError(f"no Ray cluster at {self.ray_opts.address!r} ({exc}); start one with "
+                                      "`ray start --head`, or serve with `--ray local`") from exc
             self.owns_ray = True
         device = self._device()
         self.opts = replace(self.opts, device=device, gpus=())
+        self._check_resources(device)
+        resolve_checkpoint(self.opts)  # fail here, not in every actor, when it cannot be had
         setup = ActorSetup(str(self.opts.checkpoint) if self.opts.checkpoint else None, self.opts.preset, device,
                            uuid.uuid4().hex + uuid.uuid4().hex,
                            self.ray_opts.run_dir or str(Path(tempfile.gettempdir()) / f"cedserve-ray-{os.getpid()}"),
@@ -248,6 +258,18 @@ class RaySystem:
             return self.ray_opts.device
         gpus = self.ray.cluster_resources().get("GPU", 0)
         return "cuda" if gpus >= self.opts.num_ranks else "cpu"
+
+    def _check_resources(self, device: str) -> None:
+        """A clear error up front instead of actors that wait for resources forever."""
+        have = self.ray.cluster_resources()
+        need = {"CPU": self.opts.num_ranks * self.ray_opts.cpus_per_worker + self.ray_opts.router_cpus}
+        if device == "cuda":
+            need["GPU"] = self.opts.num_ranks
+        short = {k: v for k, v in need.items() if have.get(k, 0) < v}
+        if short:
+            raise LaunchError(f"the Ray cluster has {({k: have.get(k, 0) for k in need})}, the system needs {need} "
+                              f"({self.opts.num_ranks} worker ranks and the router): add nodes, or lower "
+                              "--ray-cpus-per-worker")
 
     def _bundle(self, device: str) -> dict[str, float]:
         cpus = {"CPU": self.ray_opts.cpus_per_worker}
@@ -419,17 +441,17 @@ def _node_port() -> tuple[str, int]:
 
     with socket.socket() as s:
         s.bind(("", 0))
-        return ray.util.get_node_ip_address(), int(s.getsockname()[1])
+        return str(ray.util.get_node_ip_address()), int(s.getsockname()[1])  # type: ignore[no-untyped-call]
 
 
 def serve_ray(opts: EmbeddedOptions, ray_opts: RayOptions, poll_s: float = 1.0) -> int:
     """`cedserve serve --ray`: start, keep actors registered, stop on Ctrl-C/SIGTERM."""
     system = RaySystem(opts, ray_opts)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        router = system.start()
+        router = system.start()  # Ctrl-C here: KeyboardInterrupt, and `finally` still cleans up
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         address = router["address"]
         print(f"cedserve is serving on {address} (Ray; {len(system.workers)} worker ranks as actors, "
               f"device {system.opts.device})", flush=True)

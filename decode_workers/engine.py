@@ -40,6 +40,8 @@ from cedserve.decode_workers.messages import (
     Failed,
     Finished,
     Output,
+    ProbeCheckCommand,
+    ProbeChecked,
     RankLoad,
     ReserveCommand,
 )
@@ -50,6 +52,7 @@ from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
+from cedserve.kv_transfer.link_probe import digest
 from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
@@ -97,6 +100,7 @@ class DecodeEngine:
         budget = BlockBudget(self.leases.available_blocks, self._table_len)
         self.scheduler = DecodeScheduler(config, budget, lookahead, self._offload_fits)
         self.sequences: dict[str, DecodeSequence] = {}
+        self._probe_checks: dict[str, ProbeCheckCommand] = {}  # lease id -> check waiting for its transfer
         self._stop = StopCheck(detokenize) if detokenize is not None else None
         self._arrivals = 0
         self._offloaded_bytes = 0
@@ -117,6 +121,8 @@ class DecodeEngine:
             return [self.reserve(cmd)]
         if isinstance(cmd, AttachCommand):
             return self.attach(cmd)
+        if isinstance(cmd, ProbeCheckCommand):
+            return self.check_probe(cmd)
         return self.cancel(cmd)
 
     def reserve(self, cmd: ReserveCommand) -> Output:
@@ -173,6 +179,31 @@ class DecodeEngine:
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
+    def check_probe(self, cmd: ProbeCheckCommand) -> list[Output]:
+        """The link probe's check of a lease no Decode call took: answered once its transfer ended."""
+        lease = self.leases.get(cmd.lease_id)
+        if lease is None or lease.request_id != cmd.request_id or cmd.request_id in self.sequences or lease.cancelled:
+            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
+                                        f"no probe lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
+                                        "cancelled, taken by a Decode call, or never granted here)", "lease_id"))]
+        if lease.transfer_open:
+            self._probe_checks[lease.lease_id] = cmd  # `poll` answers once the transfer ended
+            return []
+        return [self._finish_probe(lease, cmd)]
+
+    def _finish_probe(self, lease: Lease, cmd: ProbeCheckCommand) -> Output:
+        """Hash the received blocks (when the transfer is DONE) and free the lease either way."""
+        if not lease.transfer_done:
+            error = lease.transfer_error or "no KV transfer into this lease"
+            self._drop_lease(lease, "probe checked")
+            return Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
+                          lease_id=lease.lease_id)
+        received = lease.block_ids[lease.num_cached_blocks:]
+        got = digest(load_bytes(self.cache.pool.storage, received))
+        self._drop_lease(lease, "probe checked")
+        return ProbeChecked(cmd.request_id, lease.lease_id, got, got == cmd.sha256, len(received),
+                            len(received) * self.layout.block_bytes)
+
     def cancel(self, cmd: CancelCommand) -> list[Output]:
         if cmd.request_id == "*":
             targets = [*self.sequences, *(lease.request_id for lease in list(self.leases.leases.values())
@@ -206,6 +237,7 @@ class DecodeEngine:
                 self.sequences.pop(seq.request_id)
                 self.leases.release(lease)
                 out.append(Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error))
+        out.extend(self._answer_probe_checks())
         for lease in self.leases.expired():
             if lease.request_id not in self.sequences:
                 self.metrics.lease_expired.inc()
@@ -215,6 +247,17 @@ class DecodeEngine:
         now = self.clock()
         for seq in [s for s in self.sequences.values() if s.deadline_s < now]:
             out.append(self._finish(seq, "deadline"))
+        return out
+
+    def _answer_probe_checks(self) -> list[Output]:
+        out: list[Output] = []
+        for lease_id, cmd in list(self._probe_checks.items()):
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.cancelled:  # expired or cancelled: its Failed went out already
+                del self._probe_checks[lease_id]
+            elif not lease.transfer_open:
+                del self._probe_checks[lease_id]
+                out.append(self._finish_probe(lease, cmd))
         return out
 
     def has_work(self) -> bool:

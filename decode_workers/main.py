@@ -188,7 +188,8 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     add_lifecycle(server, drain)
     worker = DecodeWorker(opts, settings, cache, agent, engine, loop, router, server, drain, feed)
     if router is not None:
-        service = DecodeService(cfg.worker_id, inbox, router, feed, lambda: _snapshot(worker), drain, cfg.lease_ms)
+        service = DecodeService(cfg.worker_id, inbox, router, feed, lambda: _snapshot(worker), drain, cfg.lease_ms,
+                                settings.kv_transfer.auth_token)
         add_decode_service(server.grpc, service)
         worker.metrics_port = start_metrics_server(opts.host, opts.metrics_port, registry)
     server.start()

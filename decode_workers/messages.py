@@ -84,7 +84,18 @@ class CancelCommand(msgspec.Struct, frozen=True, tag="cancel"):
     """Fail with UNAVAILABLE (retry elsewhere) instead of finishing as cancelled."""
 
 
-Command = ReserveCommand | AttachCommand | CancelCommand
+class ProbeCheckCommand(msgspec.Struct, frozen=True, tag="probe_check"):
+    """The link probe: hash a probe lease's received blocks once its transfer ended, compare with
+    `sha256`, and free the lease (`CheckProbe`)."""
+
+    rank: int
+    request_id: RequestId
+    lease_id: str
+    sha256: str
+    """What the blocks should hash to (the sender's digest)."""
+
+
+Command = ReserveCommand | AttachCommand | CancelCommand | ProbeCheckCommand
 
 
 # ------------------------------------------------------------------ outputs
@@ -140,7 +151,19 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
     lease_id: str = ""
 
 
-Output = Reserved | Tokens | Finished | Failed
+class ProbeChecked(msgspec.Struct, frozen=True, tag="probe_checked"):
+    """Answer to a `ProbeCheckCommand`; the lease is freed."""
+
+    request_id: RequestId
+    lease_id: str
+    sha256: str
+    """Digest of the received blocks, in reservation order."""
+    verified: bool
+    num_blocks: int
+    num_bytes: int
+
+
+Output = Reserved | Tokens | Finished | Failed | ProbeChecked
 
 
 # ------------------------------------------------------------------ one tick of a group

@@ -30,6 +30,8 @@ from cedserve.decode_workers.messages import (
     Failed,
     Finished,
     Output,
+    ProbeCheckCommand,
+    ProbeChecked,
     RankLoad,
     ReserveCommand,
     Reserved,
@@ -37,6 +39,7 @@ from cedserve.decode_workers.messages import (
     TickReport,
     Tokens,
 )
+from cedserve.kv_transfer.link_probe import check_token
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import kv_transfer_pb2, worker_pb2_grpc
@@ -76,7 +79,7 @@ class OutputRouter:
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
-        if isinstance(out, Finished | Failed):
+        if isinstance(out, Finished | Failed | ProbeChecked):
             self._rank_of.pop(out.request_id, None)
 
     def expect_reserve(self, request_id: str, rank: int) -> Future[Output]:
@@ -118,8 +121,10 @@ class OutputRouter:
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker_id: str, inbox: CommandInbox, router: OutputRouter, feed: KVEventFeed,
-                 snapshot: Callable[[], KVEventBatch], drain: DrainController, lease_ms: int) -> None:
+                 snapshot: Callable[[], KVEventBatch], drain: DrainController, lease_ms: int,
+                 token: str = "") -> None:
         self.worker_id = worker_id
+        self._token = token  # the KV-transfer token: CheckProbe's credential
         self.inbox = inbox
         self.router = router
         self.feed = feed
@@ -232,6 +237,31 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def StreamKVEvents(self, request: wpb.KVEventsRequest, context: grpc.ServicerContext
                        ) -> Iterator[wpb.KVEventBatch]:
         yield from self.feed.stream(request.since_seq, self.snapshot, context)
+
+    def CheckProbe(self, request: wpb.CheckProbeRequest, context: grpc.ServicerContext) -> wpb.CheckProbeReply:
+        """The link probe's last step (prefill_workers/link_probe.py): once the probe lease's transfer
+        ended, hash its blocks, compare, and free the lease. Needs the KV-transfer token."""
+        check_token(context, self._token, "CheckProbe")
+        rid = request.request_id
+        rank = self.router.rank_of(rid)
+        if rank is None:
+            abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_NOT_FOUND, field="request_id", request_id=rid,
+                                           message=f"no probe lease for request {rid!r} here"))
+        assert rank is not None
+        future = self.router.expect_reserve(rid, rank)  # the next output for this request answers
+        self.inbox.put(ProbeCheckCommand(rank, rid, request.lease_id, request.sha256))
+        try:
+            out = future.result(timeout=context.time_remaining() or RESERVE_TIMEOUT_S)
+        except TimeoutError:
+            self.router.forget(rid)
+            self.inbox.put(CancelCommand(rank, rid, request.lease_id, "probe check timed out"))
+            abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_DEADLINE_EXCEEDED, request_id=rid,
+                                           message="the probe's transfer did not end in time; lease freed"))
+        if isinstance(out, Failed):
+            abort(context, _detail(out))
+        assert isinstance(out, ProbeChecked)
+        return wpb.CheckProbeReply(verified=out.verified, sha256=out.sha256, num_bytes=out.num_bytes,
+                                   num_blocks=out.num_blocks)
 
 
 def _attach_command(request: wpb.DecodeRequest, rank: int) -> AttachCommand:

@@ -1,5 +1,8 @@
 """`cedserve bench kv-transfer`: the KV transfer load test.
 
+With `--prefill-address` and `--decode-address` it instead measures the link between two RUNNING
+workers (`link_bench.py`: what `helm test` runs); everything below is the matrix mode.
+
 One receiver (decode) process and one or more sender (prefill) processes, on this host, in two
 network namespaces joined by a veth pair (`--netns`: UCX over TCP, as between machines), or on
 other hosts (`--hosts`, started over ssh). Block pools use the model's real block layout
@@ -30,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cedserve.kv_transfer import link_bench
 from cedserve.kv_transfer.harness import LayoutSpec, NetnsPair, PeerProcess, WorkerSpec
 
 _TOKEN = "kv-transfer-bench"  # a private token for the bench's own processes
@@ -347,16 +351,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="liveness timeout of the bench's agents (generous: a loaded host must not flap)")
     p.add_argument("--netns", action="store_true", help="receiver and senders in two network namespaces (veth, TCP)")
     p.add_argument("--hosts", default="", help="comma list: receiver host, then sender hosts (started over ssh)")
-    p.add_argument("--json", default="", help="write results here (default docs/benchmarks/kv-transfer-<device>.json "
-                   "when run from a checkout)")
+    p.add_argument("--json", default="", help="write results here (matrix mode default: "
+                   "docs/benchmarks/kv-transfer-<device>.json when run from a checkout; live mode: only when given)")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a KVTransferConfig field of every agent, e.g. --set target_poll_s=0.0005")
+    link_bench.add_arguments(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.prefill_address or args.decode_address:
+        return link_bench.main(args, list(argv if argv is not None else sys.argv[1:]))
     args.hosts = [h for h in args.hosts.split(",") if h]
     sizes = [parse_tokens(s) for s in args.sizes.split(",") if s]
     batches = [int(b) for b in args.batch.split(",") if b]

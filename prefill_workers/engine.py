@@ -151,6 +151,10 @@ class PrefillEngine:
         self._inbox.put(run)
         return future.result(timeout_s)
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Queue `fn` for the engine thread and return at once (safe from transfer callbacks)."""
+        self._inbox.put(fn)
+
     def stats(self) -> EngineStats:
         return self._stats
 

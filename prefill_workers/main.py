@@ -33,6 +33,7 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
+from cedserve.prefill_workers.link_probe import LinkProber
 from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.service import PeerBook, PrefillService, add_prefill_service
 from cedserve.prefill_workers.validation import RequestLimits, state_limits
@@ -115,14 +116,18 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
     agent = NixlTransferAgent(settings.kv_transfer, KVRegion(cache.pool.storage, layout.block_bytes),
                               KVLayout.from_config(config, block_size, model_id=loaded.model_id), cfg.worker_id,
                               metrics=TransferMetrics(registry))
-    engine = PrefillEngine(loaded.model, cache, agent.sender(), cfg, PrefillMetrics(registry))
+    metrics = PrefillMetrics(registry)
+    engine = PrefillEngine(loaded.model, cache, agent.sender(), cfg, metrics)
     server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port)
     drain = DrainController(server.health, cfg.drain_timeout_s)
     limits = RequestLimits(config.vocab_size, cfg.prompt_limit(config.max_position_embeddings), block_size,
                            cfg.replay_span, agent.name, layout.block_bytes,
                            *state_limits(config, loaded.model.embed.weight.dtype, cfg.ship_state))
     worker = PrefillWorker(settings, cache, agent, engine, server, drain, feed, -1)
-    service = PrefillService(engine, limits, PeerBook(agent, cfg.handshake_timeout_s), feed, drain, worker.identity)
+    peers = PeerBook(agent, cfg.handshake_timeout_s)
+    token = settings.kv_transfer.auth_token
+    prober = LinkProber(engine, agent, peers, serve.internal_tls, token, drain, metrics)
+    service = PrefillService(engine, limits, peers, feed, drain, worker.identity, prober, token)
     add_prefill_service(server.grpc, service)
     add_lifecycle(server, drain)
     engine.start()

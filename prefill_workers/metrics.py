@@ -31,3 +31,7 @@ class PrefillMetrics:
         self.tokens_per_s = Gauge("cedserve_prefill_tokens_per_second", "Measured prefill rate over the load "
                                   "window (tokens per busy second)", registry=r)
         self.draining = Gauge("cedserve_prefill_draining", "1 while draining", registry=r)
+        self.link_probes = Counter("cedserve_prefill_link_probes", "Link probes (ProbeLink) ended, by outcome: "
+                                   "ok, mismatch (bytes differed) or the error code name", ["outcome"], registry=r)
+        self.link_probe_gbps = Gauge("cedserve_prefill_link_probe_gbps", "GB/s of the last link probe to a decode "
+                                     "agent", ["decode_agent"], registry=r)

@@ -13,11 +13,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from cedserve.kv_transfer.errors import CompatibilityError, HandshakeError
+from cedserve.kv_transfer.errors import CompatibilityError, HandshakeError, KVTransferError
+from cedserve.kv_transfer.link_probe import check_token
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.job import PrefillJob
@@ -31,9 +32,13 @@ from cedserve.serving import (
     SeqCounter,
     ServingError,
     UnavailableError,
+    abort,
     error_detail,
     fail_stream,
 )
+
+if TYPE_CHECKING:
+    from cedserve.prefill_workers.link_probe import LinkProber
 
 log = logging.getLogger(__name__)
 EVENT_POLL_S = 0.25
@@ -95,8 +100,11 @@ class PrefillService(wpb_grpc.PrefillWorkerServicer):
     """gRPC handlers; every one is thread-safe (the engine serialises the work)."""
 
     def __init__(self, engine: PrefillEngine, limits: RequestLimits, peers: PeerBook, feed: KVEventFeed,
-                 drain: DrainController, identity: Callable[[], tuple[str, str]]) -> None:
+                 drain: DrainController, identity: Callable[[], tuple[str, str]],
+                 prober: LinkProber | None = None, token: str = "") -> None:
         self.engine = engine
+        self.prober = prober
+        self._token = token  # the KV-transfer token: ProbeLink's credential
         self.limits = limits
         self.peers = peers
         self.feed = feed
@@ -160,6 +168,18 @@ class PrefillService(wpb_grpc.PrefillWorkerServicer):
 
     def _snapshot(self) -> KVEventBatch:
         return self.engine.call(self.engine.cache.snapshot_events)
+
+    def ProbeLink(self, request: wpb.ProbeLinkRequest, context: grpc.ServicerContext) -> wpb.ProbeLinkReply:
+        """Measure the KV link to a decode worker (`link_probe.py`); needs the KV-transfer token."""
+        check_token(context, self._token, "ProbeLink")
+        if self.prober is None:
+            abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_UNAVAILABLE, message="this worker has no transfer agent"))
+        assert self.prober is not None
+        try:
+            return self.prober.probe(request, context.time_remaining())
+        except (ServingError, KVTransferError) as exc:
+            abort(context, error_detail(exc))
+            raise  # not reached: abort raised
 
 
 def add_prefill_service(server: grpc.Server, service: PrefillService) -> None:

@@ -358,3 +358,65 @@ class KVEventBatch(_message.Message):
     events_msgpack: bytes
     snapshot: bool
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., events_msgpack: _Optional[bytes] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class ProbeLinkRequest(_message.Message):
+    __slots__ = ("decode_address", "num_bytes", "seed", "timeout_ms")
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    decode_address: str
+    num_bytes: int
+    seed: int
+    timeout_ms: int
+    def __init__(self, decode_address: _Optional[str] = ..., num_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ProbeLinkReply(_message.Message):
+    __slots__ = ("num_bytes", "num_blocks", "block_bytes", "transfer_s", "gbps", "descriptors", "verified", "sha256", "received_sha256", "wall_s", "prefill_agent", "decode_agent")
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    GBPS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_AGENT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    num_blocks: int
+    block_bytes: int
+    transfer_s: float
+    gbps: float
+    descriptors: int
+    verified: bool
+    sha256: str
+    received_sha256: str
+    wall_s: float
+    prefill_agent: str
+    decode_agent: str
+    def __init__(self, num_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., gbps: _Optional[float] = ..., descriptors: _Optional[int] = ..., verified: _Optional[bool] = ..., sha256: _Optional[str] = ..., received_sha256: _Optional[str] = ..., wall_s: _Optional[float] = ..., prefill_agent: _Optional[str] = ..., decode_agent: _Optional[str] = ...) -> None: ...
+
+class CheckProbeRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id", "sha256")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    sha256: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CheckProbeReply(_message.Message):
+    __slots__ = ("verified", "sha256", "num_bytes", "num_blocks")
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    verified: bool
+    sha256: str
+    num_bytes: int
+    num_blocks: int
+    def __init__(self, verified: _Optional[bool] = ..., sha256: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class PrefillWorkerStub:
                 request_serializer=worker__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=worker__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/cedserve.v1.PrefillWorker/ProbeLink',
+                request_serializer=worker__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=worker__pb2.ProbeLinkReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -83,6 +88,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request, context):
+        """measure the KV link to a decode worker
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.StreamKVEvents,
                     request_deserializer=worker__pb2.KVEventsRequest.FromString,
                     response_serializer=worker__pb2.KVEventBatch.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=worker__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=worker__pb2.ProbeLinkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +242,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cedserve.v1.PrefillWorker/ProbeLink',
+            worker__pb2.ProbeLinkRequest.SerializeToString,
+            worker__pb2.ProbeLinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -259,6 +303,11 @@ class DecodeWorkerStub:
                 '/cedserve.v1.DecodeWorker/StreamKVEvents',
                 request_serializer=worker__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
+        self.CheckProbe = channel.unary_unary(
+                '/cedserve.v1.DecodeWorker/CheckProbe',
+                request_serializer=worker__pb2.CheckProbeRequest.SerializeToString,
+                response_deserializer=worker__pb2.CheckProbeReply.FromString,
                 _registered_method=True)
 
 
@@ -295,6 +344,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckProbe(self, request, context):
+        """verify and free a probe lease
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -322,6 +378,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.StreamKVEvents,
                     request_deserializer=worker__pb2.KVEventsRequest.FromString,
                     response_serializer=worker__pb2.KVEventBatch.SerializeToString,
+            ),
+            'CheckProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckProbe,
+                    request_deserializer=worker__pb2.CheckProbeRequest.FromString,
+                    response_serializer=worker__pb2.CheckProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +520,33 @@ class DecodeWorker:
             '/cedserve.v1.DecodeWorker/StreamKVEvents',
             worker__pb2.KVEventsRequest.SerializeToString,
             worker__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cedserve.v1.DecodeWorker/CheckProbe',
+            worker__pb2.CheckProbeRequest.SerializeToString,
+            worker__pb2.CheckProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,3 +105,22 @@ def test_worker_plane_refuses_plaintext_and_unauthenticated_peers(system: TLSSys
         client = ControlClient(control, token, tls)
         assert rpc_code(lambda c=client: c.heartbeat("probe", 1, timeout_s=5)) == code
         client.close()
+
+
+def test_link_probe_between_running_workers_over_mtls(system: TLSSystem, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`cedserve bench kv-transfer --prefill-address --decode-address` (the helm test) over the internal
+    plane's mTLS: the CLI to the prefill worker, and the prefill worker to the decode worker."""
+    from cedserve.cli import main as cli_main
+
+    f = system.files
+    token = system.launcher.log_dir / "run" / "kv_transfer.token"
+    base = ["bench", "kv-transfer", f"--prefill-address={system.workers['prefill0'].ready['address']}",
+            f"--decode-address={system.workers['decode0'].ready['address']}", "--size-mib=0.1", "--iterations=1",
+            f"--token-file={token}", "--timeout-s=60", f"--tls-ca={f.ca}", "--tls-server-name=cedserve-internal"]
+    assert cli_main([*base, f"--tls-cert={f.server_cert}", f"--tls-key={f.server_key}"]) == 0
+    assert "OK: 1 x 0.1 MiB verified" in capsys.readouterr().out
+    assert cli_main(base) == 1  # no client certificate: the worker's mTLS listener refuses the CLI
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    loads = wait_idle(list(system.workers.values()), system.plane)
+    assert all(x.held_blocks == 0 for x in loads.values()), loads

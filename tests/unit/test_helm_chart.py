@@ -592,6 +592,28 @@ def test_helm_test_runs_kv_transfer_between_group_leaders(renders: dict[str, dic
             f"{_pool_name(role)}-0.{subdomain}.{golden.NAMESPACE}.svc.cluster.local:50061")
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/instance"] == golden.RELEASE  # so the NetworkPolicies admit it
+    # The live-worker mode of `cedserve bench kv-transfer` parses exactly these arguments, and the files
+    # they name are the mounted token Secret (the workers' own) and, with tls.internal, the plane's Secret.
+    from cedserve.kv_transfer.link_bench import check_arguments, client_tls
+    from cedserve.kv_transfer.loadtest import build_parser
+
+    parsed = build_parser().parse_args(container["args"][2:])
+    check_arguments(parsed)
+    test = _merged(name)["tests"]["kvTransfer"]
+    assert (parsed.size_mib, parsed.iterations, parsed.min_gbps, parsed.timeout_s) == (
+        test["sizeMiB"], test["iterations"], test["minGbps"], test["timeoutSeconds"])
+    pod = job["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]}
+    assert secrets["kv-transfer-token"] == f"{golden.RELEASE}-cedserve-kv-transfer"
+    assert parsed.token_file == f"{mounts['kv-transfer-token']}/token"
+    internal = _merged(name)["tls"]["internal"]
+    tls = client_tls(parsed)
+    assert tls.enabled == internal["enabled"] == ("tls-internal" in secrets)
+    if internal["enabled"]:
+        assert secrets["tls-internal"] == internal["secretName"]
+        assert (tls.ca, tls.cert, tls.key) == tuple(f"{mounts['tls-internal']}/{f}" for f in ("ca.crt", "tls.crt", "tls.key"))
+        assert tls.server_name == internal["serverName"]
 
 
 def test_deploy_doc_lists_every_flag_the_chart_passes(renders: dict[str, dict[str, str]]) -> None:

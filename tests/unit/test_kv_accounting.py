@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -51,10 +54,12 @@ def test_inspect_cli_prints_890() -> None:
     assert json.loads(js)["global_kv_bytes_per_token"] == 79.5
 
 
-def test_cli_reports_unbuilt_verbs_and_bad_input(tmp_path: object) -> None:
-    for verb in (["serve", "--ray", "auto"], ["bench"]):
-        proc = subprocess.run([sys.executable, "-m", "cedserve.cli", *verb], capture_output=True, text=True)
-        assert proc.returncode != 0 and "not built yet" in proc.stderr
+def test_cli_reports_bad_input(tmp_path: object) -> None:
+    no_cluster = not Path("/tmp/ray/ray_current_cluster").exists() and "RAY_ADDRESS" not in os.environ
+    if no_cluster and importlib.util.find_spec("ray") is not None:  # `auto` finds no running cluster
+        proc = subprocess.run([sys.executable, "-m", "cedserve.cli", "serve", "--ray", "auto"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 1 and "no Ray cluster at 'auto'" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cedserve.cli", "generate", "hi", "--address", "127.0.0.1:1",
                            "--timeout-s", "2"], capture_output=True, text=True)
     assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr  # no server there: a clear error, no traceback

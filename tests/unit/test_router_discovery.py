@@ -1,16 +1,20 @@
-"""Kubernetes discovery: the real `kubernetes` client against an in-process list/watch API server
+"""Runtime worker membership of the router. Kubernetes discovery: the real `kubernetes` client against an in-process list/watch API server
 (tests/unit/kube_api_fake.py), feeding a real WorkerPool and GlobalPrefixIndex.
 
 Workers are small in-process gRPC servers answering GetLoad and StreamKVEvents (a snapshot of the
 blocks they hold), so the pool's polls and event streams run for real: a discovered worker becomes
 healthy and credited in the index; one that disappears leaves placement and the index at once.
+The WorkerRegistry RPC (Ray's re-registration) moves and removes workers on a running router.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,10 +22,13 @@ import pytest
 from kube_api_fake import FakeKubeAPI, Pod, endpoint_slice
 
 from cedserve.model.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, Tier, encode_batch
-from cedserve.proto import worker_pb2, worker_pb2_grpc
-from cedserve.router.config import DiscoveryConfig, WorkerEndpoint
+from cedserve.model.presets import preset
+from cedserve.model.tokenizer import tiny_tokenizer_path
+from cedserve.proto import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from cedserve.router.config import DiscoveryConfig, RouterConfig, WorkerEndpoint
 from cedserve.router.discovery import KubernetesDiscovery, api_for, merge_endpoints
 from cedserve.router.index import GlobalPrefixIndex
+from cedserve.router.server import start_router
 from cedserve.router.workers import WorkerPool
 
 pytest.importorskip("kubernetes", reason="discovery needs the kubernetes client (cedserve[k8s])")
@@ -171,5 +178,47 @@ def test_api_errors_keep_the_last_known_workers() -> None:
         finally:
             discovery.stop()
             await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_registry_moves_and_removes_workers_on_a_running_router(tmp_path: Path) -> None:
+    """`WorkerRegistry` (what the Ray launcher calls after an actor restart) on a real router."""
+    from cedserve.router.lifecycle import list_workers, register_workers
+
+    (tmp_path / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
+    shutil.copyfile(tiny_tokenizer_path(), tmp_path / "tokenizer.json")
+
+    async def scenario() -> None:
+        old, old_port = await _serve("d0", "127.0.0.1")
+        new, new_port = await _serve("d0", "127.0.0.1")
+        router = await start_router(RouterConfig(checkpoint=str(tmp_path), decode=(
+            WorkerEndpoint("d0", f"127.0.0.1:{old_port}"),), load_poll_s=0.05))
+        address = f"127.0.0.1:{router.port}"
+        try:
+            await _until("d0 indexed", lambda: router.pool.index.longest_prefix("d0", HASHES).total_blocks == 4)
+            first = router.pool.workers["d0"]
+            changed = await asyncio.to_thread(register_workers, address, [("d0", "decode", f"127.0.0.1:{new_port}")])
+            assert changed == ["d0"]
+            # Moved: a new handle at the new address, the old one's tasks stopped, credit rebuilt from
+            # the new process's snapshot.
+            await _until("old tasks stopped", lambda: all(t.done() for t in first.tasks))
+            await _until("d0 healthy again", lambda: [h.endpoint.address for h in router.pool.healthy("decode")]
+                         == [f"127.0.0.1:{new_port}"])
+            state = await asyncio.to_thread(list_workers, address)
+            assert [(w["worker_id"], w["source"]) for w in state] == [("d0", "registry")]
+            again = await asyncio.to_thread(register_workers, address, [("d0", "decode", f"127.0.0.1:{new_port}")])
+            assert again == []  # idempotent
+            with pytest.raises(grpc.RpcError) as info:
+                await asyncio.to_thread(register_workers, address, [("d1", "decoder", "127.0.0.1:5")])
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "workers[0]" in str(info.value.details())
+            with grpc.insecure_channel(address) as ch:
+                stub = registry_pb2_grpc.WorkerRegistryStub(ch)  # type: ignore[no-untyped-call]
+                reply = await asyncio.to_thread(stub.Deregister, registry_pb2.DeregisterRequest(worker_ids=["d0", "x"]))
+            assert list(reply.removed) == ["d0"] and router.pool.index.num_entries == 0
+        finally:
+            await router.stop(0.1)
+            await old.stop(0)
+            await new.stop(0)
 
     asyncio.run(scenario())
