@@ -56,12 +56,13 @@ WORKLOADS = {
 }
 
 
-def arms_for(gpus: int, colocated_policies: list[str]) -> list[Arm]:
+def arms_for(gpus: int, colocated_policies: list[str], disaggregated: bool = True) -> list[Arm]:
     """The disaggregated arm, then one colocated arm per policy: with one worker per GPU the colocated
     arms are where routing policies differ (the disaggregated arm has one worker of each role)."""
     colocated = [Arm("colocated" if policy == "cache_aware" else f"colocated-{policy}", policy, 0, gpus)
                  for policy in colocated_policies]
-    return [Arm("disaggregated", "cache_aware", 1, 1, max(1, gpus - 1)), *colocated]
+    disagg = [Arm("disaggregated", "cache_aware", 1, 1, max(1, gpus - 1))] if disaggregated else []
+    return [*disagg, *colocated]
 
 
 def transfer_lines(report: dict[str, Any]) -> list[str]:
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", help="process logs (default <cache home>/logs/full-topology)")
     p.add_argument("--colocated-policies", default="cache_aware",
                    help="comma list: one colocated arm per routing policy (cache_aware, least_loaded, round_robin)")
+    p.add_argument("--no-disaggregated", action="store_true", help="run only the colocated arms")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.gpus < 2:
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     done: list[dict[str, Any]] = []
     try:
-        for arm in arms_for(args.gpus, colocated_policies):
+        for arm in arms_for(args.gpus, colocated_policies, not args.no_disaggregated):
             with exit_on_sigterm():
                 done += run_arms([arm], base, log_root, plan)
             report = build_report(plan, done, command, machine_info, started, system)

@@ -34,6 +34,14 @@ class RoutingPolicy(Protocol):
                links: LinkModel) -> Placement: ...
 
 
+def _decode_only(req: RequestShape, d: DecodeLoad, decode_only_max_tokens: int) -> Placement:
+    """With no prefill worker (colocated serving, or the pool is down) the baselines fall back to the
+    decode worker prefilling itself, under the same suffix limit as the cost formula."""
+    if req.prompt_len - d.cached_blocks * req.block_size > decode_only_max_tokens:
+        raise NoWorkerError("no prefill worker is available")
+    return Placement(None, d.worker_id, 0.0, {})
+
+
 def _fitting(req: RequestShape, decode: Sequence[DecodeLoad]) -> list[DecodeLoad]:
     fits = [d for d in decode if d.free_blocks >= req.num_blocks - d.cached_blocks]
     if not fits:
@@ -46,15 +54,16 @@ class RoundRobin:
 
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_only_max_tokens: int = 0) -> None:
         self._counter = itertools.count()
+        self.decode_only_max_tokens = decode_only_max_tokens
 
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
                links: LinkModel) -> Placement:
         fits = _fitting(req, decode)
-        if not prefill:
-            raise NoWorkerError("no prefill worker is available")
         n = next(self._counter)
+        if not prefill:
+            return _decode_only(req, fits[n % len(fits)], self.decode_only_max_tokens)
         return Placement(prefill[n % len(prefill)].worker_id, fits[n % len(fits)].worker_id, 0.0, {})
 
 
@@ -63,13 +72,16 @@ class LeastLoaded:
 
     name = "least_loaded"
 
+    def __init__(self, decode_only_max_tokens: int = 0) -> None:
+        self.decode_only_max_tokens = decode_only_max_tokens
+
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
                links: LinkModel) -> Placement:
         fits = _fitting(req, decode)
-        if not prefill:
-            raise NoWorkerError("no prefill worker is available")
-        p = min(prefill, key=lambda w: (w.queued_tokens / w.prefill_tokens_per_s, w.worker_id))
         d = min(fits, key=lambda w: (decode_pressure(w, req.effort), w.worker_id))
+        if not prefill:
+            return _decode_only(req, d, self.decode_only_max_tokens)
+        p = min(prefill, key=lambda w: (w.queued_tokens / w.prefill_tokens_per_s, w.worker_id))
         return Placement(p.worker_id, d.worker_id, 0.0, {})
 
 
@@ -91,7 +103,7 @@ def make_policy(name: str, decode_only_max_tokens: int) -> RoutingPolicy:
     if name == "cache_aware":
         return CacheAware(decode_only_max_tokens)
     if name == "least_loaded":
-        return LeastLoaded()
+        return LeastLoaded(decode_only_max_tokens)
     if name == "round_robin":
-        return RoundRobin()
+        return RoundRobin(decode_only_max_tokens)
     raise ValueError(f"router field `policy`: unknown {name!r}; choose cache_aware, least_loaded or round_robin")

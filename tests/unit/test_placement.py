@@ -128,3 +128,20 @@ def test_placement_follows_measured_links() -> None:
     links.observe("p0", "d1", 20_000_000_000, 1.0)
     after = place(req, [p], [_decode("d0"), _decode("d1")], links, 0)
     assert after.decode_id == "d1" and after.parts["transfer"] == pytest.approx(1000 * 56_960 / 2e10)
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded"])
+def test_baseline_policies_serve_colocated_pools_decode_only(name: str) -> None:
+    """With no prefill worker, the baselines place the request on a decode worker that prefills it
+    itself (colocated serving), within the same suffix limit as the formula; beyond it they refuse."""
+    from cedserve.router.placement import NoWorkerError
+    from cedserve.router.policy import make_policy
+
+    short = RequestShape(prompt_len=640, effort=50, block_size=64, block_bytes=56_960)
+    pool = [_decode("d0", running=1), _decode("d1", running=6)]
+    policy = make_policy(name, 1024)
+    placements = [policy.choose(short, [], pool, LINKS) for _ in range(4)]
+    assert all(p.prefill_id is None for p in placements)
+    assert {p.decode_id for p in placements} == ({"d0", "d1"} if name == "round_robin" else {"d0"})
+    with pytest.raises(NoWorkerError, match="no prefill worker"):
+        make_policy(name, 512).choose(short, [], pool, LINKS)
