@@ -133,6 +133,8 @@ def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     r.add_argument("--block-size", type=int, help="tokens per KV block (default: the --config file's "
                                                    "[cache] block_size, else 64); must equal the workers'")
     r.add_argument("--api-key-file", help="file with one accepted API key per line")
+    r.add_argument("--worker-token-file", help="file with the worker plane's shared token, sent to workers as "
+                                               "`x-cedserve-token` (default: the --config file's internal_token_file)")
     r.add_argument("--metrics-port", type=int)
     r.add_argument("--max-retries", type=int, default=2)
     r.add_argument("--default-max-tokens", type=int, default=0)
@@ -202,9 +204,18 @@ def _router(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, max_retries=args.max_retries,
                           default_max_tokens=args.default_max_tokens, tls=_tls(args, "", serve.tls),
                           internal_tls=_tls(args, "internal_", serve.internal_tls),
-                          health_port=args.health_port)
+                          health_port=args.health_port, worker_token=_worker_token(args, serve))
     asyncio.run(serve_forever(config))
     return 0
+
+
+def _worker_token(args: argparse.Namespace, serve: ServeConfig) -> str:
+    """`--worker-token-file`'s token, else the --config file's `internal_token_file` ("": none)."""
+    from cedserve.config import read_secret_file
+
+    if args.worker_token_file:
+        return read_secret_file(args.worker_token_file, "--worker-token-file")
+    return serve.internal_token()
 
 
 def _router_model(args: argparse.Namespace, serve: ServeConfig) -> tuple[str, str | None]:

@@ -75,6 +75,11 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     internal_tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
     """`[internal_tls]`: workers' internal gRPC service, the KV-transfer control plane, and the
     router's channels to workers (unset: plaintext)."""
+    internal_token_file: str | None = None
+    """File holding the worker plane's shared secret: a worker with it refuses every internal RPC
+    (health and the loopback-only Drain excepted) that lacks it in `x-cedserve-token` metadata; the
+    router sends it (`cedserve router --worker-token-file`, or this key in its `--config`). None: no
+    check (docs/security.md). The chart and `cedserve serve` point it at the KV-transfer token file."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,6 +96,10 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.cache.block_size % tokens_per_candidate:
                 _fail("cache", "block_size", f"{self.cache.block_size} is not a multiple of the candidate "
                       f"block ({model.candidate_block_size} entries x m={model.compress_ratios[cand]})")
+
+    def internal_token(self) -> str:
+        """The worker-plane token read from `internal_token_file` ("" when unset)."""
+        return read_secret_file(self.internal_token_file, "internal_token_file") if self.internal_token_file else ""
 
     @classmethod
     def load(cls, path: str | Path) -> ServeConfig:
@@ -138,3 +147,15 @@ def api_key_from_env(environ: dict[str, str] | None = None) -> str | None:
     """The client's API key from `CEDSERVE_API_KEY` (None when unset)."""
     env = os.environ if environ is None else environ
     return env.get("CEDSERVE_API_KEY") or None
+
+
+def read_secret_file(path: str | Path, field: str) -> str:
+    """A shared secret kept in a file (a mounted Secret): its text without surrounding whitespace.
+    `ValueError` names `field` when the file is missing or empty."""
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"config field `{field}`: cannot read {path}: {exc.strerror}") from None
+    if not secret:
+        raise ValueError(f"config field `{field}`: {path} is empty")
+    return secret

@@ -217,21 +217,34 @@ class EmbeddedOptions:
         return {"CUDA_VISIBLE_DEVICES": str(self.gpus[index] if self.gpus else index)}
 
 
-def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = None) -> dict[str, Path]:
-    """Worker configs by role, whose KV-transfer control plane uses `token` (default: a fresh random
-    one; file mode 0600), and whose `[prefill]` / `[decode]` table sets the device (each role reads
-    only its own). Every worker of one system must share the token."""
+TOKEN_FILE_NAME = "kv_transfer.token"
+"""The system's shared token in a run folder: the KV-transfer control plane's and the worker plane's
+(router -> worker RPCs) secret both, as in the Helm chart."""
+
+
+def write_token_file(run_dir: Path, token: str | None = None) -> Path:
+    """`run_dir/kv_transfer.token` holding `token` (default: a fresh random one), file mode 0600."""
     import secrets
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    token_file = run_dir / "kv_transfer.token"
+    token_file = run_dir / TOKEN_FILE_NAME
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token or secrets.token_hex(32))
+    return token_file
+
+
+def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = None) -> dict[str, Path]:
+    """Worker configs by role, whose KV-transfer control plane and internal RPCs both require `token`
+    (see `write_token_file`; the router gets it through `--worker-token-file`), and whose `[prefill]` /
+    `[decode]` table sets the device (each role reads only its own). Every worker of one system must
+    share the token."""
+    token_file = write_token_file(run_dir, token)
     configs = {}
     for role in ("prefill", "decode"):
         configs[role] = run_dir / f"{role}.toml"
-        configs[role].write_text(f'[kv_transfer]\nauth_token_file = "{token_file}"\n[{role}]\ndevice = "{device}"\n')
+        configs[role].write_text(f'internal_token_file = "{token_file}"\n[kv_transfer]\nauth_token_file = "{token_file}"\n'
+                                 f'[{role}]\ndevice = "{device}"\n')
     return configs
 
 
@@ -300,9 +313,11 @@ def plan_workers(opts: EmbeddedOptions, rendezvous: Callable[[int], tuple[str, i
     return specs
 
 
-def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[str, str, str]]) -> list[str]:
-    """`cedserve router` in front of `leaders` (role, worker id, address); `checkpoint` may be the
-    `{checkpoint}` placeholder (read for the context length only when it is a real path)."""
+def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[str, str, str]],
+                token_file: str) -> list[str]:
+    """`cedserve router` in front of `leaders` (role, worker id, address), sending the workers' token
+    from `token_file`; `checkpoint` may be the `{checkpoint}` placeholder (read for the context length
+    only when it is a real path), `token_file` one under `{run_dir}`."""
     workers = [f"--{role}={worker_id}={address}" for role, worker_id, address in leaders]
     colocated = []
     if opts.num_prefill == 0:  # every prompt the model accepts may be prefilled by a decode worker
@@ -311,7 +326,8 @@ def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[
         limit = ModelConfig.from_hf_json(resolve_checkpoint(opts)).max_position_embeddings
         colocated = ["--decode-only-max-tokens", str(limit)]
     return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), *workers,
-            "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens), *colocated]
+            "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens),
+            "--worker-token-file", token_file, *colocated]
 
 
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:
@@ -324,7 +340,7 @@ def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, 
     for part in parts:  # every rank, followers included
         part.wait_ready(600.0 if opts.device == "cuda" else 180.0)
     leaders = [(s.role, s.worker_id, str(p.ready["address"])) for s, p in zip(specs, parts) if s.rank == 0]
-    return launcher.start("router", router_args(opts, checkpoint, leaders))
+    return launcher.start("router", router_args(opts, checkpoint, leaders, str(run_dir / TOKEN_FILE_NAME)))
 
 
 def serve_embedded(opts: EmbeddedOptions) -> int:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cedserve.launcher import (
+    TOKEN_FILE_NAME,
     EmbeddedOptions,
     LaunchError,
     Part,
@@ -46,6 +47,7 @@ from cedserve.launcher import (
     plan_workers,
     resolve_checkpoint,
     router_args,
+    write_token_file,
     write_worker_config,
 )
 
@@ -97,7 +99,7 @@ class ActorSetup:
     preset: str
     device: str
     token: str
-    """The KV-transfer control plane's shared secret."""
+    """The system's shared secret: the KV-transfer control plane's and the worker plane's."""
     run_dir: str
     log_dir: str
 
@@ -114,7 +116,9 @@ class ProcessActor:
         self._stopping = False
         checkpoint = setup.checkpoint or resolve_checkpoint(EmbeddedOptions(preset=setup.preset))
         run_dir = Path(setup.run_dir) / spec.name  # one folder per process: restarts rewrite only their own
-        if spec.role != "router":
+        if spec.role == "router":  # it sends the token on every call to a worker
+            write_token_file(run_dir, setup.token)
+        else:
             write_worker_config(run_dir, setup.device, setup.token)
         args = spec.argv(checkpoint, str(run_dir))
         if spec.role != "router" and "0.0.0.0" in args:  # peers and the router dial this node's address
@@ -249,7 +253,8 @@ class RaySystem:
         for tracked in self.workers.values():
             self._wait_ready(tracked)
         leaders = [(t.spec.role, t.spec.worker_id, t.address) for t in self.workers.values() if t.spec.rank == 0]
-        spec = ProcessSpec("router", "router", "", 0, 0, tuple(router_args(self.opts, "{checkpoint}", leaders)))
+        args = router_args(self.opts, "{checkpoint}", leaders, f"{{run_dir}}/{TOKEN_FILE_NAME}")
+        spec = ProcessSpec("router", "router", "", 0, 0, tuple(args))
         self.router = _Tracked(spec, self._actor(spec, setup))
         return self._wait_ready(self.router)
 

@@ -183,7 +183,8 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     router = OutputRouter(opts.group_size) if leader else None
     inbox = CommandInbox()
     loop = EngineLoop(engine, channel, inbox, router.on_report if router is not None else None)
-    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port)
+    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port,
+                        token=serve.internal_token())
     drain = DrainController(server.health, cfg.drain_timeout_s)
     add_lifecycle(server, drain)
     worker = DecodeWorker(opts, settings, cache, agent, engine, loop, router, server, drain, feed)

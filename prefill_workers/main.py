@@ -118,7 +118,8 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
                               metrics=TransferMetrics(registry))
     metrics = PrefillMetrics(registry)
     engine = PrefillEngine(loaded.model, cache, agent.sender(), cfg, metrics)
-    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port)
+    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port,
+                        token=serve.internal_token())
     drain = DrainController(server.health, cfg.drain_timeout_s)
     limits = RequestLimits(config.vocab_size, cfg.prompt_limit(config.max_position_embeddings), block_size,
                            cfg.replay_span, agent.name, layout.block_bytes,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from cedserve.launcher import LocalLauncher, Part, write_worker_config
+from cedserve.launcher import TOKEN_FILE_NAME, LocalLauncher, Part, write_worker_config
 from cedserve.model.checkpoint import load_model
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.tls import PLAINTEXT, TLSConfig, open_channel
@@ -27,11 +27,22 @@ def greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def token_file(part: Part) -> Path:
+    """The worker-plane token file of the system `part` belongs to (`start_workers` and
+    `start_embedded` both write it under the launcher's log folder)."""
+    return part.log_path.parent / "run" / TOKEN_FILE_NAME
+
+
+def token_metadata(part: Part) -> tuple[tuple[str, str], ...]:
+    """Call metadata a direct call to `part` needs (workers refuse calls without the token)."""
+    return (("x-cedserve-token", token_file(part).read_text().strip()),)
+
+
 def worker_load(part: Part, tls: TLSConfig = PLAINTEXT) -> worker_pb2.LoadReport:
     with open_channel(str(part.ready["address"]), tls) as ch:
         stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if part.ready["role"] == "prefill"  # type: ignore[no-untyped-call]
                 else worker_pb2_grpc.DecodeWorkerStub(ch))  # type: ignore[no-untyped-call]
-        load: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+        load: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=token_metadata(part))
     return load
 
 
@@ -66,7 +77,8 @@ def start_workers(launcher: LocalLauncher, checkpoint: Path, roles: dict[str, st
 
 
 def router_args(checkpoint: Path, workers: dict[str, Part]) -> list[str]:
-    args = ["router", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0"]
+    args = ["router", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0",
+            "--worker-token-file", str(token_file(next(iter(workers.values()))))]
     for name, part in workers.items():
         args += [f"--{part.ready['role']}", f"{name}={part.ready['address']}"]
     return args

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cedserve.client import CedserveError, Client
-from cedserve.launcher import EmbeddedOptions, LocalLauncher, start_embedded
+from cedserve.launcher import TOKEN_FILE_NAME, EmbeddedOptions, LocalLauncher, start_embedded
 from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
@@ -35,6 +35,9 @@ class System:
                                 self.launcher)
         self.address = router["address"]
         self.parts = {p.name: p for p in self.launcher.parts}
+        token = (root / "logs" / "run" / TOKEN_FILE_NAME).read_text().strip()
+        self.metadata = (("x-cedserve-token", token),)
+        """What a direct call to a worker must carry: `cedserve serve` turns the worker-plane token on."""
 
     def worker_address(self, name: str) -> str:
         return str(self.parts[name].ready["address"])
@@ -43,7 +46,7 @@ class System:
         with grpc.insecure_channel(self.worker_address(name)) as ch:
             stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if name.startswith("prefill")  # type: ignore[no-untyped-call]
                     else worker_pb2_grpc.DecodeWorkerStub(ch))  # type: ignore[no-untyped-call]
-            load = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+            load = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=self.metadata)
         return int(load.free_blocks), int(load.total_blocks)
 
 
@@ -148,6 +151,19 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     assert leftover.stdout.strip() == ""
 
 
+def test_workers_refuse_calls_without_the_worker_token(system: System) -> None:
+    """The router serves (the tests above) because it sends the token; anyone else is refused."""
+    for name, stub_type in (("prefill0", worker_pb2_grpc.PrefillWorkerStub),
+                            ("decode0", worker_pb2_grpc.DecodeWorkerStub)):
+        with grpc.insecure_channel(system.worker_address(name)) as ch:
+            stub = stub_type(ch)  # type: ignore[no-untyped-call]
+            for metadata in ((), (("x-cedserve-token", "not-the-token"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
+            assert stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=system.metadata).total_blocks > 0
+
+
 def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: System) -> None:
     """Runs last in this module: it kills the only decode worker."""
     prompt = list(range(3, 303))
@@ -165,7 +181,7 @@ def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: Syst
     while time.monotonic() < deadline:
         with grpc.insecure_channel(system.worker_address("prefill0")) as ch:
             load = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(  # type: ignore[no-untyped-call]
-                worker_pb2.LoadRequest(), timeout=10)
+                worker_pb2.LoadRequest(), timeout=10, metadata=system.metadata)
         if load.held_blocks == 0:
             break
         time.sleep(0.2)

@@ -473,6 +473,34 @@ def test_tls_secrets_are_mounted_where_the_configs_point(renders: dict[str, dict
         assert (f"--health-port={ports.get('health')}" in container["args"]) == tls[served]["enabled"]
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_router_and_workers_share_the_worker_token(enabled: bool, tmp_path: Path) -> None:
+    """With `workerToken.enabled` (the default) every process's `internal_token_file` is the
+    kv-transfer Secret's `token`, mounted where the file points; off, nobody names or mounts it."""
+    objs = _render_objects({"workerToken": {"enabled": enabled}})
+    files = _one(objs, "ConfigMap", f"{golden.RELEASE}-cedserve-config")["data"]
+    seen = set()
+    for obj in objs:
+        if obj["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
+            continue
+        role = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+        (tmp_path / "serve.toml").write_text(files[f"{role}.toml"])
+        serve, _ = read_serve_file(tmp_path / "serve.toml", (role, "kv_transfer"))
+        pod, container = _pod_spec(obj), _container(obj)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        seen.add(role)
+        if not enabled:
+            assert serve.internal_token_file is None
+            continue
+        assert secrets["kv-transfer-token"] == f"{golden.RELEASE}-cedserve-kv-transfer"
+        assert serve.internal_token_file == f"{mounts['kv-transfer-token']}/token"
+        # No mount may nest inside another (a Secret volume is read-only: kubelet cannot add a mount point).
+        paths = sorted(mounts.values())
+        assert not any(b.startswith(a.rstrip("/") + "/") for a in paths for b in paths if a != b), paths
+    assert seen == {"router", "prefill", "decode"}
+
+
 def test_prefill_and_decode_render_through_the_same_templates() -> None:
     """Give both pools identical values: their objects differ only in the role's name."""
     with helm.Chart.load(golden.CHART_DIR) as loaded:

@@ -167,6 +167,9 @@ Top-level keys come before the tables, as TOML requires.
 {{- $model := .root.Values.model -}}
 host = "0.0.0.0"
 port = {{ .port | int }}
+{{- if .root.Values.workerToken.enabled }}
+internal_token_file = {{ .tokenFile | toJson }}
+{{- end }}
 [model]
 {{- if eq $model.checkpoint.source "none" }}
 preset = {{ $model.preset | toJson }}
