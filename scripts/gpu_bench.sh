@@ -24,11 +24,7 @@ BUDGET_S=${BUDGET_S:-190}
 LIMIT_S=${LIMIT_S:-235}
 mkdir -p "$OUT"
 tree=build/gpu_tree_$MODE  # one per mode: two modes may run at once on two GPUs
-rm -rf "$tree" && mkdir -p "$tree/cedserve"
-for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
-for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
-  ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
-done
+source scripts/gpu_tree.sh && make_gpu_tree "$tree"
 if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
 fi

@@ -39,11 +39,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 
 tree=build/gpu_pkg
-rm -rf "$tree"; mkdir -p "$tree/cedserve"
-for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
-for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
-  [ -d "$pkg" ] && ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
-done
+source scripts/gpu_tree.sh && make_gpu_tree "$tree"
 export PYTHONPATH="$PWD/$tree${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d build/gpu_pydeps ]; then
   export PYTHONPATH="$PYTHONPATH:$PWD/build/gpu_pydeps"  # after the host's own packages

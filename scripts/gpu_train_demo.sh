@@ -21,11 +21,7 @@ PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
 tree=build/gpu_tree
-rm -rf "$tree" && mkdir -p "$tree/cedserve"
-for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
-for pkg in model kernels kv_transfer prefill_workers decode_workers router proto; do
-  ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
-done
+source scripts/gpu_tree.sh && make_gpu_tree "$tree"
 if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     build/gpu_wheels/*.whl && export PYTHONPATH=/tmp/site
