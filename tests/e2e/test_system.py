@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from system_rig import greedy_reference
 
 from cedserve.client import CedserveError, Client
 from cedserve.launcher import TOKEN_FILE_NAME, EmbeddedOptions, LocalLauncher, start_embedded
-from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
 from cedserve.proto import worker_pb2, worker_pb2_grpc
@@ -57,18 +57,6 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     s.launcher.stop_all()
 
 
-def _greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
-    model = load_model(checkpoint)
-    state = model.new_state()
-    logits = model.prefill(prompt, state)[-1]
-    out = []
-    for _ in range(n):
-        token = int(logits.argmax())
-        out.append(token)
-        logits = model.decode_step([token], [state])[-1]
-    return out
-
-
 def _wait_all_free(system: System, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -86,7 +74,7 @@ def test_greedy_equals_the_monolithic_model(system: System, prompt_len: int) -> 
     with Client(system.address, timeout_s=120) as client:
         done = client.generate(prompt, max_tokens=12)
     assert done.finish_reason == "length" and len(done.token_ids) == 12
-    assert done.token_ids == _greedy_reference(system.checkpoint, prompt, 12)
+    assert done.token_ids == greedy_reference(system.checkpoint, prompt, 12)
     _wait_all_free(system)
 
 
