@@ -202,7 +202,8 @@ def _redacted(argv: list[str]) -> list[str]:
     return out
 
 
-def _loadavg() -> list[str]:
+def loadavg() -> list[str]:
+    """The 1/5/15-minute load averages (empty where /proc is absent): recorded with every figure."""
     try:
         with open("/proc/loadavg") as f:
             return f.read().split()[:3]
@@ -215,7 +216,7 @@ def _write_json(path: Path, args: argparse.Namespace, argv: list[str], started: 
     out = {"date": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "cedserve bench kv-transfer " + " ".join(_redacted(argv)),
            "machine": {"hostname": socket.gethostname(), "cores": os.cpu_count(), "python": platform.python_version(),
-                       "kernel": platform.release(), "loadavg_at_end": _loadavg()},
+                       "kernel": platform.release(), "loadavg_at_end": loadavg()},
            "prefill_address": args.prefill_address, "decode_address": args.decode_address,
            "size_mib": args.size_mib, "min_gbps": args.min_gbps, "median_gbps": median,
            "ok": not error, "error": error, "iterations": [asdict(it) for it in iterations],

@@ -122,14 +122,6 @@ def _machine(device: str) -> dict[str, Any]:
     return info
 
 
-def _loadavg() -> list[str]:
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().split()[:3]
-    except OSError:
-        return []
-
-
 def _has_dist(name: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -404,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "cedserve bench kv-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "elapsed_s": round(time.time() - started, 1),
-           "loadavg_at_end": _loadavg(),
+           "loadavg_at_end": link_bench.loadavg(),
            "topology": ("two network namespaces, veth, UCX tcp" if args.netns else
                         f"hosts {args.hosts}" if args.hosts else "one host, loopback (UCX default transports)"),
            "notes": ("gbps: aggregate bytes / wall of a round (median over reps), from the senders' first "
