@@ -357,17 +357,24 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     x = torch.randn(tokens, dim, device=dev).bfloat16()
     slots = _block_slots(tokens, entries, dest.num_blocks, dev)
     moved = tokens * (2 * dim + record_bytes + 8)
-    # launch configs (rows per program, warps, 32-bit word stores): the launcher's default first
-    sweep: list[tuple[int | None, int | None, bool | None]] = [(None, None, None)]
+    # launch configs (rows per program, warps, 32-bit word stores, version): the launcher's default
+    # first; E2M1 kinds also time v3's arithmetic (the correctly rounded quotient) beside v4's
+    # the launcher's default version first (v4 for main / SWA, v3 for the index keys: run 4), then the other
+    default_version = 3 if kind == "index" else 4
+    sweep: list[tuple[int | None, int | None, bool | None, int]] = [(None, None, None, default_version)]
+    if kind != "swa":
+        sweep.append((None, None, None, 7 - default_version))
     if not b.smoke:
-        sweep += {"main": [(8, 4, False), (16, 4, True)], "index": [(64, 4, True), (256, 8, False)],
-                  "swa": [(16, 4, False), (8, 4, True)]}[kind]
+        sweep += {"main": [(8, 4, False, 4), (16, 4, True, 4), (4, 4, True, 4)],
+                  "index": [(64, 4, True, 4), (32, 4, True, 4), (128, 8, True, 4)],
+                  "swa": [(16, 4, False, 4), (8, 4, True, 4)]}[kind]
     best: Row | None = None
-    for block_t, warps, words in sweep:
+    for block_t, warps, words, version in sweep:
         t = b.time_s(partial(rec_ops.write_records, kind, x, slots, dest, block_t=block_t, num_warps=warps,
-                             word_stores=words, impl="triton"))
+                             word_stores=words, version=version, impl="triton"))
+        label = "default" if block_t is None else f"t{block_t} w{warps} {'words' if words else 'bytes'}"
         row = b.record(f"write_records[{kind}]", f"{tokens}x{dim} bf16 -> {record_bytes} B", t, moved,
-                       config="default" if block_t is None else f"t{block_t} w{warps} {'words' if words else 'bytes'}")
+                       config=f"{label} v{version}")
         if best is None:
             b.target(f"write_records[{kind}] >= 70% copy (default launch)", row.frac_copy, ">= 0.70",
                      row.frac_copy >= 0.70)
@@ -553,14 +560,16 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    configs = [IndexConfig()] + ([] if b.smoke else [IndexConfig(128, 8, 4, 1), IndexConfig(128, 8, 4, 3),
-                                                      IndexConfig(256, 8, 8, 2), IndexConfig(64, 8, 4, 2)])
+    # v4 (word-wide decode) at the default launch and a sweep, v3 (per-byte decode) at its default
+    configs = [IndexConfig(), IndexConfig(version=3)] + ([] if b.smoke else [
+        IndexConfig(128, 8, 4, 2), IndexConfig(128, 16, 4, 1), IndexConfig(256, 8, 8, 1), IndexConfig(256, 8, 8, 2),
+        IndexConfig(64, 16, 4, 1), IndexConfig(128, 8, 8, 1)])
     for cfg in configs:
         t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, config=cfg, impl="triton"))
         r = cfg.resolve(8)
         b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
-                 f"t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}")
+                 f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}")
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
     t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,

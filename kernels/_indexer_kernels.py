@@ -15,6 +15,17 @@ Record bytes are loaded as `[BLOCK_T, d / 32, 16]` (16 bytes of E2M1 pairs per 3
 block) and decoded elementwise (see `_sparse_attention_kernels`: with `HW_CVT` each nibble becomes
 the E4M3 byte of its value times 2**-6 and the GPU converts it; the fp32 product with the power-of-two
 scale times 64 is exact in bf16).
+
+v4 (`VERSION=4`, the default): the codes are read as 32-bit words (8 nibbles, channels
+`8w .. 8w + 7` of word `w`) and decoded with word-wide integer ops into bf16 pairs, no per-byte
+work: for `j` in 0..3, `P_j = (W >> 4j) << 6 & 0x01C001C0 | (W >> 4j) << 12 & 0x80008000` puts
+nibble `j` (channel `8w + j`) in the low bf16 and nibble `j + 4` in the high one, sign to bit 15,
+the 3 magnitude bits to bits 8..6. A bf16 with those bits is exactly the E2M1 value times 2**-126
+(E2M1 is the same float layout; its subnormal 0.5 lands on a bf16 subnormal), so one bf16 multiply
+by `2**(b - 1 - QSHIFT)` per pair applies the block scale `2**(b - 127)`, with the queries
+pre-multiplied by `2**QSHIFT` (exact) so that the multiplier stays finite: exact for scale bytes
+`QSHIFT - 5 <= b <= QSHIFT + 128` (59..192 at QSHIFT = 64, block maxima from 2**-68 to 2**65).
+The four pair tensors are four MMAs of K = d / 4 against the matching query channels.
 """
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
@@ -49,6 +60,61 @@ def _decode_index_keys(key_ptr, rec, ok, HALF: tl.constexpr, BLOCK_T: tl.constex
 
 
 @triton.jit
+def _load_q_pairs(q_row, channels, r_ok, QSHIFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Query channels `channels [2 * NW]` of every row, times 2**QSHIFT (exact), as a dot operand."""
+    q = tl.load(q_row + channels[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * (2.0**QSHIFT)
+    return q if DOT_F32 else q.to(tl.bfloat16)
+
+
+@triton.jit
+def _decode_index_words(key_ptr, rec, ok, HALF: tl.constexpr, BLOCK_T: tl.constexpr, ALIGN: tl.constexpr,
+                        QSHIFT: tl.constexpr, DOT_F32: tl.constexpr):
+    """v4 decode: (K_0, K_1, K_2, K_3) `[BLOCK_T, HALF / 2]` of the index-key records at byte
+    offsets `rec`, K_j[:, 2w + i] = key channel 8w + 4i + j times 2**-QSHIFT (module docstring)."""
+    NW: tl.constexpr = HALF // 4
+    w = tl.arange(0, NW)
+    row = key_ptr + rec
+    if ALIGN >= 4:
+        words = tl.load((row[:, None] + w[None, :] * 4).to(tl.pointer_type(tl.int32)), mask=ok[:, None], other=0)
+    else:  # records not 4-byte aligned: the same words from 4 byte loads
+        b = row[:, None] + w[None, :] * 4
+        words = tl.load(b, mask=ok[:, None], other=0).to(tl.int32)
+        words = words | (tl.load(b + 1, mask=ok[:, None], other=0).to(tl.int32) << 8)
+        words = words | (tl.load(b + 2, mask=ok[:, None], other=0).to(tl.int32) << 16)
+        words = words | (tl.load(b + 3, mask=ok[:, None], other=0).to(tl.int32) << 24)
+    exp = tl.load(row[:, None] + HALF + w[None, :] // 4, mask=ok[:, None], other=127).to(tl.int32)  # [T, NW]
+    # the bf16 2**(b - 1 - QSHIFT), finite for b <= QSHIFT + 128, twice (a bf16x2 word)
+    mult = tl.minimum(exp + (126 - QSHIFT), 254) << 7
+    mult = mult | (mult << 16)
+    k0 = _pairs_bf16(words, mult, BLOCK_T, NW, DOT_F32)
+    k1 = _pairs_bf16(words >> 4, mult, BLOCK_T, NW, DOT_F32)
+    k2 = _pairs_bf16(words >> 8, mult, BLOCK_T, NW, DOT_F32)
+    k3 = _pairs_bf16(words >> 12, mult, BLOCK_T, NW, DOT_F32)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _pairs_bf16(a, mult, BLOCK_T: tl.constexpr, NW: tl.constexpr, DOT_F32: tl.constexpr):
+    """Nibbles 0 and 4 of the int32 words `a [T, NW]` as bf16 `[T, 2 * NW]` (nibble 0 first) times
+    the bf16x2 words `mult`: `x = a & 0x000F000F`, `x * 0x1040 & 0x81C081C0` (the two shifted
+    copies do not overlap) puts each nibble's sign at bit 15 and its magnitude at bits 8..6."""
+    if DOT_F32:  # interpreter: its bf16 multiply and bf16 -> fp32 conversion (of subnormals) are wrong,
+        # so widen on the bits (exact) and multiply in fp32 (exact: a power of two, no underflow)
+        bits = ((a & 0x000F000F) * 0x1040) & -2118090304  # 0x81C081C0 as int32
+        lo = (bits << 16).to(tl.float32, bitcast=True)
+        hi = (bits & -65536).to(tl.float32, bitcast=True)
+        m = (mult << 16).to(tl.float32, bitcast=True)
+        pair = tl.join(lo, hi) * m[:, :, None]
+    else:  # the same on one 32-bit register per pair, bf16x2 multiply: E2M1 * 2**-126 * 2**(b - 1 - QSHIFT), exact
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; and.b32 t, $2, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0;"
+            " mul.rn.bf16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r", [a, mult], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        pair = tl.join(lo, hi)
+    return tl.reshape(pair, [BLOCK_T, 2 * NW])
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n,
     key_ptr, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
@@ -58,7 +124,8 @@ def _index_scores_kernel(
     num_heads, scale,
     HALF: tl.constexpr, HEADS_P2: tl.constexpr, TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
     LIST_MODE: tl.constexpr, CAND_BLOCK: tl.constexpr, WRITE_SCORES: tl.constexpr, WRITE_BLOCK_MAX: tl.constexpr,
-    ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr,
+    ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, VERSION: tl.constexpr = 4,
+    QSHIFT: tl.constexpr = 64,
 ):
     """Program (group of TOKENS tokens, span of TILES x BLOCK_T entries)."""
     QR: tl.constexpr = TOKENS * HEADS_P2  # query rows of the group: token-major, heads padded
@@ -68,12 +135,21 @@ def _index_scores_kernel(
     n_r = tl.program_id(0).to(tl.int64) * TOKENS + r // HEADS_P2
     h_r = r % HEADS_P2
     r_ok = (n_r < num_tokens) & (h_r < num_heads)
-    q = tl.load(q_ptr + n_r[:, None] * q_stride_n + h_r[:, None] * q_stride_h + tl.arange(0, 2 * HALF)[None, :],
-                mask=r_ok[:, None], other=0.0)  # [QR, d]
-    q_lo, q_hi = tl.split(tl.reshape(q, [QR, HALF, 2]))
-    if DOT_F32:
-        q_lo = q_lo.to(tl.float32)
-        q_hi = q_hi.to(tl.float32)
+    q_row = q_ptr + n_r[:, None] * q_stride_n + h_r[:, None] * q_stride_h
+    if VERSION == 4:
+        NW: tl.constexpr = HALF // 4  # 32-bit code words per record
+        # query channels in the order of the decoded pairs: Q_j[:, 2w + i] = q[:, 8w + 4i + j]
+        qc = tl.reshape(tl.arange(0, NW)[:, None] * 8 + tl.arange(0, 2)[None, :] * 4, [2 * NW])
+        q0 = _load_q_pairs(q_row, qc, r_ok, QSHIFT, DOT_F32)
+        q1 = _load_q_pairs(q_row, qc + 1, r_ok, QSHIFT, DOT_F32)
+        q2 = _load_q_pairs(q_row, qc + 2, r_ok, QSHIFT, DOT_F32)
+        q3 = _load_q_pairs(q_row, qc + 3, r_ok, QSHIFT, DOT_F32)
+    else:
+        q = tl.load(q_row + tl.arange(0, 2 * HALF)[None, :], mask=r_ok[:, None], other=0.0)  # [QR, d]
+        q_lo, q_hi = tl.split(tl.reshape(q, [QR, HALF, 2]))
+        if DOT_F32:
+            q_lo = q_lo.to(tl.float32)
+            q_hi = q_hi.to(tl.float32)
     w = tl.load(w_ptr + n_r * w_stride_n + h_r, mask=r_ok, other=0.0).to(tl.float32) * scale  # [QR]
     visible = tl.load(visible_ptr + g, mask=g_ok, other=0)  # [TOKENS]
     req = tl.load(token_req_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
@@ -93,12 +169,20 @@ def _index_scores_kernel(
         ok = ok & (block >= 0) & (block < num_blocks)
         block = tl.where(ok, block, 0)
         rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
-        k_lo, k_hi = _decode_index_keys(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, HW_CVT)
-        if DOT_F32:
-            k_lo = k_lo.to(tl.float32)
-            k_hi = k_hi.to(tl.float32)
-        s = tl.dot(k_lo, tl.trans(q_lo))
-        s = tl.dot(k_hi, tl.trans(q_hi), s)  # [BLOCK_T, QR]
+        if VERSION == 4:
+            k0, k1, k2, k3 = _decode_index_words(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, ALIGN,
+                                                 QSHIFT, DOT_F32)
+            s = tl.dot(k0, tl.trans(q0))
+            s = tl.dot(k1, tl.trans(q1), s)
+            s = tl.dot(k2, tl.trans(q2), s)
+            s = tl.dot(k3, tl.trans(q3), s)  # [BLOCK_T, QR]
+        else:
+            k_lo, k_hi = _decode_index_keys(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, HW_CVT)
+            if DOT_F32:
+                k_lo = k_lo.to(tl.float32)
+                k_hi = k_hi.to(tl.float32)
+            s = tl.dot(k_lo, tl.trans(q_lo))
+            s = tl.dot(k_hi, tl.trans(q_hi), s)  # [BLOCK_T, QR]
         contrib = tl.maximum(s, 0.0) * w[None, :]
         score = tl.sum(tl.reshape(contrib, [BLOCK_T, TOKENS, HEADS_P2]), axis=2)  # [BLOCK_T, TOKENS]
         score = tl.where(ok[:, None] & (entry[:, None] < visible[None, :]), score, float("-inf"))

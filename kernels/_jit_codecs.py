@@ -91,6 +91,22 @@ def _e2m1_magnitude_code(m):
 
 
 @triton.jit
+def _e2m1_code_fast(q):
+    """E2M1 magnitude code (int32 0..7) of |x / s|, from `q = x * RN(1 / s)` (v4 writers).
+
+    Valid when x has at most 11 significant bits (bf16, fp16) and s at most 4 (E4M3) or is a power
+    of two: then x / s is either exactly a rounding tie t (0.25, 0.75, ..., 5) or at least 2**-12 * t
+    away from every tie, while q is within 2 ulps of x / s. Scaled by 2**-126, an E2M1 value's float32
+    bits are its code times 2**22 (the subnormal 0.5 lands on the fp32 subnormal 2**-127, so the
+    grid is uniform in the bits), and rounding the bits at bit 22 is E2M1 rounding. The rounding
+    treats everything within 0x80 units of a tie as the tie (ties to even): approximation errors
+    are a few units, a non-tie is >= 0x200 units away. Needs fp32 subnormals (no FTZ)."""
+    m = tl.minimum(tl.abs(q * 1.1754943508222875e-38), 7.052966104933725e-38)  # |q| * 2**-126, <= 6 * 2**-126
+    bits = m.to(tl.int32, bitcast=True)
+    return (bits + 0x1FFF80 + ((bits >> 14) & 0x100)) >> 22
+
+
+@triton.jit
 def _e2m1_encode(q):
     """E2M1 code (int32 0..15) of float32 q already clamped to [-6, 6], bit 3 the sign."""
     sign = (q.to(tl.int32, bitcast=True) >> 31) & 1

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from cedserve.kernels._jit_codecs import (
     FORMAT_MAIN,
+    _e2m1_code_fast,
     _e2m1_decode,
     _e2m1_magnitude_code,
     _e4m3_decode,
@@ -27,7 +28,8 @@ from cedserve.kernels._jit_codecs import (
 
 
 @triton.jit
-def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr):
+def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr,
+                 FAST_E2M1: tl.constexpr = False):
     """Scale of blocks with absolute maximum `amax` (float32, any shape) ->
     (float32 scale, float32 1 / scale (exact; power-of-two scales only), int32 scale byte).
     `HW_FP8`: round to E4M3 with the GPU's cvt.rn.satfinite (sm89+) instead of by hand."""
@@ -46,7 +48,8 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl
         else:
             scale = _e4m3_round_magnitude(t)
             scale_byte = _e4m3_magnitude_byte(scale)
-        inv_scale = tl.div_rn(1.0, scale) if HW_FP8 else scale  # RN(1 / scale): see _quantize_elements
+        # RN(1 / scale): see _quantize_elements (the exact CPU path divides instead)
+        inv_scale = tl.div_rn(1.0, scale) if HW_FP8 or FAST_E2M1 else scale
     else:
         if ELEM_BITS == 4:  # index keys: UE8M0 scale, E2M1 elements
             scale, scale_byte = _ue8m0_from_amax(amax, 7.052966104933725e-38, 0.16666666666666666)
@@ -58,14 +61,20 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl
 
 
 @triton.jit
-def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr):
+def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr,
+                       FAST_E2M1: tl.constexpr = False):
     """Element codes (int32: E2M1 0..15 or E4M3 0..255) of float32 `x` with broadcastable
     `scale` / `inv_scale`. For power-of-two scales, multiplying by the exact inverse equals the
     reference's division. For the E4M3 scales of main-KV records, `inv_scale` is RN(1 / scale)
     when `HW_FP8` (GPU): one Markstein correction step, `q0 = x * inv`, `r = x - q0 * scale`
     (exact, FMA), `q = RN(q0 + r * inv)`, gives the correctly rounded quotient, as `div_rn` does,
     for three instructions instead of a division per element. The quotient's sign is x's (so
-    -0.0 stays -0.0 as in the reference's division)."""
+    -0.0 stays -0.0 as in the reference's division).
+
+    `FAST_E2M1` (v4; E2M1 formats, inputs of at most 11 significant bits: bf16 / fp16): see
+    `_e2m1_code_fast`, one multiply instead of the correctly rounded quotient."""
+    if ELEM_BITS == 4 and FAST_E2M1:  # the sign bit 31 of x to bit 3 of the code
+        return _e2m1_code_fast(x * inv_scale) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
     if FORMAT == FORMAT_MAIN:
         if HW_FP8:
             q0 = x * inv_scale
@@ -85,12 +94,14 @@ def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.
 
 
 @triton.jit
-def _quantize_words(x, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, CPW: tl.constexpr, HW_FP8: tl.constexpr):
+def _quantize_words(x, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, CPW: tl.constexpr, HW_FP8: tl.constexpr,
+                    FAST_E2M1: tl.constexpr = False):
     """Quantize float32 `x [T, NB, WPB, CPW]` (one scale block per `[WPB, CPW]`) ->
     (uint32 words `[T, NB, WPB]`, int32 scale bytes `[T, NB]`)."""
     amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [T, NB]
-    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8)
-    code = _quantize_elements(x, scale[:, :, None, None], inv_scale[:, :, None, None], FORMAT, ELEM_BITS, HW_FP8)
+    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8, FAST_E2M1)
+    code = _quantize_elements(x, scale[:, :, None, None], inv_scale[:, :, None, None], FORMAT, ELEM_BITS, HW_FP8,
+                              FAST_E2M1)
     shifts = (tl.arange(0, CPW) * ELEM_BITS).to(tl.uint32)
     words = tl.sum(code.to(tl.uint32) << shifts[None, None, None, :], axis=3)  # disjoint bit fields
     return words, scale_byte
@@ -130,6 +141,7 @@ def _write_words_kernel(
     FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
     NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
     BLOCK_T: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr, HW_FP8: tl.constexpr,
+    FAST_E2M1: tl.constexpr = False,
 ):
     """Quantize `x [num_tokens, NB * SCALE_BLOCK]` rows and store each as a record at its slot, a
     32-bit word of `CPW` element codes at a time (`[T, NB, WPB, CPW]` tiles; byte stores when
@@ -146,7 +158,7 @@ def _write_words_kernel(
     row = tok.to(tl.int64) * x_row_stride
     mask = ok[:, None, None, None] & (b < NB)[None, :, None, None]
     x = tl.load(x_ptr + row[:, None, None, None] + channel[None, :, :, :], mask=mask, other=0.0)
-    words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW, HW_FP8)
+    words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW, HW_FP8, FAST_E2M1)
     _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB_P2, WPB, CODE_BYTES, WORD_STORES, SCALE_WORDS)
 
 
@@ -156,7 +168,7 @@ def _write_records_kernel(
     num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
     FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
     NB: tl.constexpr, NB_P2: tl.constexpr, CODE_BYTES: tl.constexpr,
-    BLOCK_T: tl.constexpr, ALIGN: tl.constexpr, HW_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, ALIGN: tl.constexpr, HW_FP8: tl.constexpr, FAST_E2M1: tl.constexpr = False,
 ):
     """Quantize `x [num_tokens, NB * SCALE_BLOCK]` rows and store each as a record at its slot.
 
@@ -177,8 +189,8 @@ def _write_records_kernel(
     x = tl.load(x_ptr + row[:, None, None] + (b * SCALE_BLOCK)[None, :, None] + j[None, None, :],
                 mask=ok[:, None, None] & b_ok[None, :, None], other=0.0).to(tl.float32)  # [T, NB_P2, SB]
     amax = tl.max(tl.abs(x), axis=2)
-    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8)
-    code = _quantize_elements(x, scale[:, :, None], inv_scale[:, :, None], FORMAT, ELEM_BITS, HW_FP8)
+    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8, FAST_E2M1)
+    code = _quantize_elements(x, scale[:, :, None], inv_scale[:, :, None], FORMAT, ELEM_BITS, HW_FP8, FAST_E2M1)
     out = out_ptr + rec[:, None, None]
     mask = ok[:, None, None] & b_ok[None, :, None]
     if ELEM_BITS == 4:

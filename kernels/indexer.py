@@ -98,11 +98,21 @@ class IndexConfig:
     """Tiles per program (the queries are loaded once per program)."""
     num_warps: int | None = None
     num_stages: int | None = None
+    version: int | None = None
+    """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64) or 3
+    (per-byte decode, `kernels-notes.md` v3; also every d = 32)."""
 
-    def resolve(self, cand_block: int) -> IndexConfig:
+    def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
-        stages = self.num_stages or (1 if interpreting() else 2)  # 2: the compiler pipelines the record loads
-        return IndexConfig(block_t, self.tiles or 8, self.num_warps or 4, stages)
+        version = self.version or 4
+        if version not in (3, 4):
+            raise ValueError(f"IndexConfig.version must be 3 or 4, got {version}")
+        if dim < 64:  # v4's four MMAs have K = d / 4, and an MMA needs K >= 16
+            version = 3
+        # v3: 2 stages (the compiler pipelines the record loads, run 3); v4: 1 (sm_90 SASS: its
+        # pipelined variant stages the words through shared memory, +10 % instructions per tile)
+        stages = self.num_stages or (1 if interpreting() or version == 4 else 2)
+        return IndexConfig(block_t, self.tiles or 8, self.num_warps or 4, stages, version)
 
 
 @dataclass(frozen=True)
@@ -201,7 +211,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     maxima = maxima_out if maxima_out is not None else torch.empty(tokens, 1, dtype=torch.float32, device=device)
     if tokens == 0 or num == 0:
         return out, maxima_out
-    cfg = (config or IndexConfig()).resolve(cand)
+    cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
@@ -221,7 +231,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         heads, dim**-0.5 if softmax_scale is None else softmax_scale,
         HALF=dim // 2, HEADS_P2=heads_p2, TOKENS=group, BLOCK_T=block_t, TILES=tiles,
         LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
-        ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(),
+        ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(), VERSION=cfg.version,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, maxima_out

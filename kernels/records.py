@@ -125,12 +125,19 @@ def _check_slots(slots: Tensor, tokens: int, what: str) -> None:
 
 def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *,
                   block_t: int | None = None, num_warps: int | None = None, word_stores: bool | None = None,
-                  impl: Impl = "auto") -> None:
+                  version: int | None = None, impl: Impl = "auto") -> None:
     """Quantize `x [T, D]` to `kind` records and store row `i` at slot `slot_mapping[i]` of
     `dest` (skipped where the slot is -1). See the module docstring for the contract. `block_t`
     (rows per program, a power of two), `num_warps` and `word_stores` (pack codes into 32-bit
     words, `_write_words_kernel`, or store bytes, `_write_records_kernel`) override the launch
-    defaults (the benchmark sweeps them)."""
+    defaults (the benchmark sweeps them). `version=3` selects the v3 arithmetic for E2M1 records
+    (correctly rounded quotient per element); 4 uses the cheaper `_e2m1_code_fast` for bf16 / fp16
+    inputs (`kernels-notes.md`); both are bit-exact. Default (None): what run 4 measured faster on
+    the H200, 4 for the main KV and SWA, 3 for the 128-wide index keys."""
+    if version is None:
+        version = 3 if kind == "index" else 4
+    if version not in (3, 4):
+        raise ValueError(f"write_records: version must be 3 or 4, got {version}")
     fmt = record_format(kind)
     op = f"write_records({kind!r})"
     check_tensor(x, f"{op}: x", dtypes=_FLOAT_DTYPES, dim=2)
@@ -147,6 +154,7 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     from cedserve.kernels import _records_kernels as k
 
     nb = dim // fmt.scale_block
+    fast = version >= 4 and fmt.elem_bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
     if word_stores is None:
         word_stores = fmt.elem_bits == 4  # measured: words for the E2M1 formats, bytes for SWA (kernels-notes.md)
     # rows per program: ~4K elements for 512-wide rows, ~8K for the 128-wide index keys (run 3)
@@ -161,13 +169,13 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
             *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
             NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw, CODE_BYTES=dim * fmt.elem_bits // 8,
             BLOCK_T=block_t, WORD_STORES=words, SCALE_WORDS=words and nb % 4 == 0 and nb == next_power_of_2(nb),
-            HW_FP8=hardware_fp8(x.device), num_warps=num_warps or 4,
+            HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4,
         )
         return
     k._write_records_kernel[grid](
         *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
         NB=nb, NB_P2=next_power_of_2(nb), CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
-        ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), num_warps=num_warps or 4,
+        ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4,
     )
 
 

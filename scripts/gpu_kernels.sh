@@ -6,7 +6,9 @@
 #     PART=tests bash scripts/gpu_kernels.sh         # only the tests (PART=bench: only the benchmark)
 #     QUICK=1 bash scripts/gpu_kernels.sh            # tests + only the benchmark sections marked quick
 #
-# Both parts together stay under 10 minutes (tests are cut at 200 s, the benchmark at 380 s).
+# Both parts together stay under 10 minutes (tests are cut at 200 s, the benchmark at 380 s);
+# QUICK=1 under 6 (130 s + 200 s): the writers (v4 beside v3 arithmetic), attention, the index
+# scan (v4 beside v3 decode, launch sweep) and the decode-step curve at 4K / 64K / 1M.
 # Outputs in $OUT: env.txt, gpu-tests.log, gpu-tests.xml (junit), kernels-h200.json, benchmark.log.
 # Needs torch (CUDA build) and triton; the project need not be installed: a symlink tree puts
 # `cedserve.*` on PYTHONPATH as scripts/typecheck.sh does. pytest is needed for the tests; on a
@@ -56,6 +58,10 @@ unset TRITON_INTERPRET
 PART=${PART:-all}
 MARK=${MARK:-gpu}    # pytest -m expression; MARK="gpu or kernels" runs the whole kernel tier natively
 QUICK=${QUICK:-0}    # 1: the benchmark times only the kernels changed since the last run (--quick)
+if [ "$QUICK" = 1 ]; then  # one device call of <= 6 minutes: tests <= 130 s, benchmark <= 200 s
+  TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-130}
+  BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-200}
+fi
 rc_tests=0
 rc_bench=0
 if [ "$PART" = bench ]; then

@@ -15,7 +15,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from cedserve.kernels.indexer import IndexKeys, index_scores, index_topk, index_topk_reference, pool_mask
+from cedserve.kernels.indexer import (
+    IndexConfig,
+    IndexKeys,
+    index_scores,
+    index_topk,
+    index_topk_reference,
+    pool_mask,
+)
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import record_format, write_records_reference
 from cedserve.kernels.reference import fake_quant_fp4
@@ -87,6 +94,25 @@ def test_scores_range_and_list(heads: int, dim: int, gen: torch.Generator, devic
     ref_listed, _ = index_scores(q, w, keys, entries=entries, impl="torch")
     assert ref_listed is not None
     _assert_scores(listed, ref_listed)
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_scores_key_scale_range(version: int, gen: torch.Generator, device: torch.device) -> None:
+    # keys of magnitudes 2**-60..2**60 (UE8M0 bytes ~66..188, inside v4's exact range 59..192)
+    # and 4-byte aligned records (v4's word loads), both decoders against the reference
+    tokens, heads, dim, width = 3, 16, 128, 160
+    keys = _keys(requests=2, tokens=tokens, dim=dim, entries_per_block=32, blocks_per_req=5, max_visible=width,
+                 gen=gen, device=device)
+    n = keys.records.num_slots
+    x = torch.randn(n, dim, generator=gen, device=device)
+    x = x * torch.exp2(torch.randint(-60, 61, (n, 1), generator=gen, device=device).float())
+    write_records_reference("index", x, torch.arange(n, device=device), keys.records)
+    q, w = _queries(tokens, heads, dim, gen, device)
+    scores = torch.full((tokens, width), float("nan"), device=device)
+    index_scores(q, w, keys, width=width, out=scores, config=IndexConfig(version=version), impl="triton")
+    ref, _ = index_scores(q, w, keys, width=width, impl="torch")
+    assert ref is not None
+    _assert_scores(scores, ref)
 
 
 @pytest.mark.parametrize(("group", "heads"), [(2, 32), (4, 4)])

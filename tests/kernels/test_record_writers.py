@@ -167,3 +167,46 @@ def test_gpu_realistic(kind: RecordKind, dim: int, gen: torch.Generator, device:
     x = torch.cat([_inputs(8192, dim, torch.bfloat16, gen, device), edge_rows(dim, 16, device).bfloat16()])
     _check_write(kind, x, "region", gen, device)
     _check_write(kind, x[:1000].float(), "flat", gen, device)
+
+
+def _tie_rows(kind: RecordKind, dtype: torch.dtype, dim: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """Blocks whose amax pins the scale s (6 * s exactly, so s = amax / 6), the other elements on
+    every E2M1 tie t * s and on its two neighbours in `dtype`, random signs: every scale of the
+    format that `dtype` can pin this way (all E4M3 values for main records, powers of two for index)."""
+    block = record_format(kind).scale_block
+    if kind == "main":
+        scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    else:
+        span = 20 if dtype == torch.bfloat16 else 12  # fp16: 6 * s and s / 4 stay normal
+        scales = [2.0**k for k in range(-span, span + 1)]
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0, 6.0])
+    blocks = []
+    for s in scales:
+        at = (ties * s).to(dtype)
+        vals = torch.cat([at, torch.nextafter(at, torch.full_like(at, float("inf"))), torch.nextafter(at, torch.zeros_like(at))])
+        vals = vals[(vals.float() <= 6 * s)]
+        for chunk in vals.split(block - 1):
+            b = torch.cat([torch.tensor([6 * s], dtype=dtype), chunk, chunk[:1].repeat(block - 1 - chunk.numel())])
+            blocks.append(b)
+    x = torch.stack(blocks)
+    x = x * torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(5)) < 0.5, -1.0, 1.0).to(dtype)
+    per_row = dim // block
+    x = torch.cat([x, x[: -x.shape[0] % per_row or x.shape[0]][: (-x.shape[0]) % per_row]])
+    return x.reshape(-1, dim).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["main", "index"])
+def test_write_fast_e2m1_ties(kind: RecordKind, dtype: torch.dtype, gen: torch.Generator,
+                              device: torch.device) -> None:
+    # v4's one-multiply E2M1 rounding (`_e2m1_code_fast`) against the reference on every tie and
+    # its neighbours, for every scale: bit-exact, like the v3 path on the same rows
+    rows = _tie_rows(kind, dtype, 64, gen, device)
+    _check_write(kind, rows, "region", gen, device)
+    fmt = record_format(kind)
+    dest = _make_dest("region", fmt.record_bytes(64), rows.shape[0], gen, device)
+    expected = _twin(dest)
+    slots = torch.arange(rows.shape[0], device=device)
+    write_records(kind, rows, slots, dest, version=3, impl="triton")
+    write_records_reference(kind, rows, slots, expected)
+    assert torch.equal(dest.storage, expected.storage)
