@@ -40,10 +40,10 @@ from cedserve.bench_serve.main import (
     write_outputs,
 )
 from cedserve.bench_serve.metrics import Slo
-from cedserve.bench_serve.report import machine
 from cedserve.bench_serve.systems import POLICIES, Arm
 from cedserve.bench_serve.trace import oracle_cached_tokens
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
+from cedserve.machine import describe_machine
 
 # Workload per device: GPU sizes for mini-40 on H200 (decode is the torch reference path, ~0.3-0.8 s
 # per step), CPU sizes for the tiny preset on a few cores.
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--colocated-policies: unknown {unknown}; choose from {list(POLICIES)}")
     argv_used = sys.argv[1:] if argv is None else argv
-    started, machine_info = time.time(), machine(args.device)
+    started, machine_info = time.time(), describe_machine(args.device)
     workload = WORKLOADS[args.device]
     if args.sessions:
         workload = replace(workload, sessions=args.sessions)

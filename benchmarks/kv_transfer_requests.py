@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from cedserve.kv_transfer.harness import LayoutSpec, PeerProcess, WorkerSpec
-from cedserve.kv_transfer.loadtest import _gpu_count, _machine, parse_tokens
+from cedserve.kv_transfer.loadtest import _gpu_count, parse_tokens
+from cedserve.machine import describe_machine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         recv.close()
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "python benchmarks/kv_transfer_requests.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": _machine(args.device), "rows": rows}
+           "machine": describe_machine(args.device), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -366,46 +366,65 @@ class NixlTransferAgent:
         self._wake.set()
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
-        """Queue one `write_blocks` call: one chunk, or slot-sized chunks when it is to be packed."""
+        """Queue one `write_blocks` call as chunks of at most `chunk_blocks`. Whether a chunk is packed
+        is decided later, once per NIXL request, on the chunks merged for it (`_next_chunk`): the
+        caller's thread does no per-call run counting (it holds the GIL while a prefill queues)."""
         dst = t.dst_ids[t.next_pos: t.next_pos + src.size]
-        peer = self._peers[t.peer]
-        packed = False
-        max_blocks = self._chunk_blocks
+        packable: bool | None = False
         if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and src.size > 1:
-            assert t.reservation is not None
-            remote_slots = len(t.reservation.staging_slots) if t.mode is TransferMode.WRITE else peer.staging_slots
-            slot_blocks = min(self.staging.slot_bytes, peer.staging_slot_bytes) // self.region.block_bytes
-            if remote_slots and slot_blocks >= 2 and should_pack(
-                    count_runs(src, dst), src.size * self.region.block_bytes, self._pack_threshold):
-                packed, max_blocks = True, slot_blocks
-        pieces = split_positions(src.size, max_blocks) or ([(0, 0)] if last else [])
+            packable = None if self._slot_blocks(t) >= 2 else False
+        pieces = split_positions(src.size, self._chunk_blocks) or ([(0, 0)] if last else [])
         for i, (a, b) in enumerate(pieces):
-            t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b], packed=packed and b - a > 1,
-                                 last=last and i == len(pieces) - 1))
+            t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b],
+                                 packed=packable if b - a > 1 else False, last=last and i == len(pieces) - 1))
         t.next_pos += src.size
         t.written.append(src)
         t.closed = last
+
+    def _slot_blocks(self, t: SendTransfer) -> int:
+        """Blocks one packed chunk of `t` may hold (0 when it may not pack: no receiver slot)."""
+        if self.staging is None:
+            return 0
+        peer = self._peers[t.peer]
+        assert t.reservation is not None
+        remote_slots = len(t.reservation.staging_slots) if t.mode is TransferMode.WRITE else peer.staging_slots
+        if not remote_slots:
+            return 0
+        return min(self.staging.slot_bytes, peer.staging_slot_bytes) // self.region.block_bytes
 
     def _next_chunk(self, t: SendTransfer) -> Chunk:
         """Pop the head chunk, absorbing the chunks of the same kind queued behind it, up to
         `chunk_blocks` (direct) or one staging slot (packed). While the link is the bottleneck,
         prefill pieces pile up and leave as fewer, larger NIXL requests (each costs a flush and a
-        notification); an idle link gets each piece at once."""
+        notification); an idle link gets each piece at once. Undecided chunks (`packed` None) merge up
+        to `chunk_blocks` and are then decided as one: direct, or cut into packed slot-sized chunks."""
         head = t.queue.popleft()
         limit = self._chunk_blocks
         if head.packed:  # packed chunks merge up to one staging slot
-            assert self.staging is not None
-            limit = min(self.staging.slot_bytes, self._peers[t.peer].staging_slot_bytes) // self.region.block_bytes
+            limit = self._slot_blocks(t)
         parts = [head]
         size = head.src.size
         while t.queue and t.queue[0].packed == head.packed and size + t.queue[0].src.size <= limit:
             nxt = t.queue.popleft()
             parts.append(nxt)
             size += nxt.src.size
-        if len(parts) == 1:
-            return head
-        return Chunk(first=head.first, src=np.concatenate([p.src for p in parts]),
-                     dst=np.concatenate([p.dst for p in parts]), packed=head.packed, last=parts[-1].last)
+        chunk = head if len(parts) == 1 else Chunk(
+            first=head.first, src=np.concatenate([p.src for p in parts]),
+            dst=np.concatenate([p.dst for p in parts]), packed=head.packed, last=parts[-1].last)
+        if chunk.packed is not None:
+            return chunk
+        slot_blocks = self._slot_blocks(t)
+        if slot_blocks < 2 or not should_pack(count_runs(chunk.src, chunk.dst),
+                                              chunk.src.size * self.region.block_bytes, self._pack_threshold):
+            chunk.packed = False
+            return chunk
+        pieces = split_positions(chunk.src.size, slot_blocks)
+        for i, (a, b) in reversed(list(enumerate(pieces))[1:]):
+            t.queue.appendleft(Chunk(first=chunk.first + a, src=chunk.src[a:b], dst=chunk.dst[a:b],
+                                     packed=b - a > 1, last=chunk.last and i == len(pieces) - 1))
+        a, b = pieces[0]
+        return Chunk(first=chunk.first, src=chunk.src[a:b], dst=chunk.dst[a:b], packed=True,
+                     last=chunk.last and len(pieces) == 1)
 
     def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
         """Abort the request in whichever role holds it; True if a live transfer was found."""
@@ -599,6 +618,12 @@ class NixlTransferAgent:
                 self._pump_send(s, jobs)
             for r in list(self._recvs.values()):
                 self._pump_recv(r, jobs)
+            # A WRITE's receiver hears of it before the bytes land (ChunkPosted), so it is on its short
+            # poll when the ChunkDone arrives instead of waiting out its reservation poll.
+            for job in jobs if self.config.announce_posts else ():
+                if job.op == "WRITE":
+                    self._notify(job.transfer.peer, encode_notice(job.transfer.request_id,
+                                                                  chunk_posted=pb.ChunkPosted(seq=job.seq)))
         # Posting copies synchronously on some transports (TCP: tens of ms for a large chunk); the
         # agent lock stays free meanwhile, so prefill threads keep queueing chunks (which then merge).
         posted = [(job, *self._post(job)) for job in jobs]
@@ -924,6 +949,8 @@ class NixlTransferAgent:
             log.warning("ignoring notification from %s: %s", peer_name, exc)
             return
         kind = notice.WhichOneof("body")
+        if kind != "heartbeat":
+            self.metrics.notices_total.labels(kind).inc()
         if kind == "heartbeat":
             return
         if kind == "probe":
@@ -937,7 +964,10 @@ class NixlTransferAgent:
         recv = self._recvs.get(rid)
         send = send if send is not None and send.peer == peer_name else None
         recv = recv if recv is not None and recv.peer == peer_name else None
-        if kind == "chunk_done" and recv is not None:
+        if kind == "chunk_posted" and recv is not None:
+            if recv.mode is TransferMode.WRITE and not recv.record.state.terminal:
+                recv.record.start_transferring(now)  # bytes on the way: poll short (has_local_work)
+        elif kind == "chunk_done" and recv is not None:
             self._on_chunk_done(recv, notice.chunk_done)
         elif kind == "chunk_ready" and recv is not None:
             self._on_chunk_ready(recv, notice.chunk_ready)

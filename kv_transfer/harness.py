@@ -254,6 +254,12 @@ class Worker:
                     "active": self.agent.active_transfers(),
                     "staging_free": self.agent.staging.free_slots if self.agent.staging else 0}
 
+    def cmd_notices(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Data-path notifications this agent received so far, by kind (its metrics)."""
+        metrics = self.agent.metrics
+        return {kind: metrics.value("cedserve_kv_transfer_notices_total", kind=kind)
+                for kind in ("chunk_posted", "chunk_done", "chunk_ready", "chunk_consumed", "slot_free")}
+
     def cmd_raw(self, a: dict[str, Any]) -> dict[str, Any]:
         """Single-descriptor NIXL requests: `(posted_s, done_s)` per rep (probe ids from `probe_base`)."""
         blocks = None

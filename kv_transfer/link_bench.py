@@ -30,6 +30,7 @@ from typing import TextIO
 import grpc
 
 from cedserve.kv_transfer.link_probe import token_metadata
+from cedserve.machine import loadavg
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
 from cedserve.tls import TLSConfig, open_channel
@@ -200,15 +201,6 @@ def _redacted(argv: list[str]) -> list[str]:
         hidden = a.startswith("--token=") or (i > 0 and argv[i - 1] == "--token")
         out.append("--token=***" if a.startswith("--token=") else "***" if hidden else a)
     return out
-
-
-def loadavg() -> list[str]:
-    """The 1/5/15-minute load averages (empty where /proc is absent): recorded with every figure."""
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().split()[:3]
-    except OSError:
-        return []
 
 
 def _write_json(path: Path, args: argparse.Namespace, argv: list[str], started: float, iterations: list[Iteration],

@@ -20,14 +20,12 @@ import hmac
 import grpc
 import numpy as np
 
-TOKEN_METADATA_KEY = "x-cedserve-token"
+# token_metadata is re-exported: the probe's client and prefill side take it from here.
+from cedserve.config import TOKEN_METADATA_KEY
+from cedserve.config import token_metadata as token_metadata
+
 DEFAULT_TIMEOUT_S = 60.0
 """A probe whose request gives no timeout."""
-
-
-def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying `token` (nothing for an empty token)."""
-    return ((TOKEN_METADATA_KEY, token),) if token else ()
 
 
 def check_token(context: grpc.ServicerContext, expected: str, what: str) -> None:

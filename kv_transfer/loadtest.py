@@ -22,9 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +32,7 @@ from typing import Any
 
 from cedserve.kv_transfer import link_bench
 from cedserve.kv_transfer.harness import LayoutSpec, NetnsPair, PeerProcess, WorkerSpec
+from cedserve.machine import describe_machine, loadavg
 
 _TOKEN = "kv-transfer-bench"  # a private token for the bench's own processes
 
@@ -83,53 +81,6 @@ def default_matrix(sizes: Sequence[int], batches: Sequence[int], modes: Sequence
         cells += [Cell("cross_layer", "contiguous", "auto", "write", tokens, b, 1) for b in multi or [1]]
         cells.append(Cell("cross_layer", "random", "on", "write", tokens, 1, 1))
     return cells
-
-
-def _machine(device: str) -> dict[str, Any]:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
-                            "kernel": platform.release(), "python": platform.python_version()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if device == "cuda" and torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-
-        info["nixl"] = next((f"{n} {version(n)}" for n in ("nixl-cu13", "nixl-cu12", "nixl")
-                             if _has_dist(n)), "none")
-    except ImportError:
-        pass
-    try:
-        with open("/proc/loadavg") as f:
-            info["loadavg_at_start"] = f.read().split()[:3]
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return info
-
-
-def _has_dist(name: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(name)
-    except PackageNotFoundError:
-        return False
-    return True
 
 
 class Group:
@@ -369,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     Group.block_size_tokens = args.block_size
     started = time.time()
-    machine = _machine(args.device)
+    machine = describe_machine(args.device)
     rows: list[dict[str, Any]] = []
     netns = NetnsPair().__enter__() if args.netns else None
     try:
@@ -396,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "cedserve bench kv-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "elapsed_s": round(time.time() - started, 1),
-           "loadavg_at_end": link_bench.loadavg(),
+           "loadavg_at_end": loadavg(),
            "topology": ("two network namespaces, veth, UCX tcp" if args.netns else
                         f"hosts {args.hosts}" if args.hosts else "one host, loopback (UCX default transports)"),
            "notes": ("gbps: aggregate bytes / wall of a round (median over reps), from the senders' first "

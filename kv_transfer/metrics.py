@@ -32,6 +32,8 @@ class TransferMetrics:
                                       ["role", "cause"], registry=r)
         self.fallbacks_total = Counter("cedserve_kv_transfer_fallbacks", "Configured fallbacks taken",
                                        ["to"], registry=r)
+        self.notices_total = Counter("cedserve_kv_transfer_notices", "Data-path notifications received, by kind",
+                                     ["kind"], registry=r)
         self.duration_seconds = Histogram("cedserve_kv_transfer_seconds", "Per-request transfer time",
                                           ["role"], buckets=_SECONDS_BUCKETS, registry=r)
         self.gbps = Histogram("cedserve_kv_transfer_gbps", "Per-request transfer rate (GB/s)", ["role"],

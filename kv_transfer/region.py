@@ -89,8 +89,15 @@ class KVRegion:
         return self.tensor.view(self.num_blocks, self.block_bytes)
 
     def check_block_ids(self, block_ids: np.ndarray, what: str) -> None:
-        """`ValueError` naming `what` unless every id is in `[0, num_blocks)`."""
-        if block_ids.size and (int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
+        """`ValueError` naming `what` unless every id is in `[0, num_blocks)` (int64 ids: one pass,
+        a negative id reads as a huge unsigned one)."""
+        if not block_ids.size:
+            return
+        if block_ids.dtype == np.int64:
+            bad = int(block_ids.view(np.uint64).max()) >= self.num_blocks
+        else:
+            bad = int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks
+        if bad:
             raise ValueError(f"{what}: block ids must be in [0, {self.num_blocks}), got "
                              f"[{int(block_ids.min())}, {int(block_ids.max())}]")
 

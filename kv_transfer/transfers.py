@@ -55,7 +55,8 @@ class Chunk:
     """Local (sender) block ids, int64."""
     dst: np.ndarray
     """Receiver block ids for the same positions, int64."""
-    packed: bool
+    packed: bool | None
+    """Through a staging slot; None: not decided yet (decided per NIXL request, `agent._next_chunk`)."""
     last: bool
 
 

@@ -246,8 +246,14 @@ class Probe(_message.Message):
     probe_id: int
     def __init__(self, probe_id: _Optional[int] = ...) -> None: ...
 
+class ChunkPosted(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
 class TransferNotice(_message.Message):
-    __slots__ = ("protocol_version", "request_id", "chunk_done", "slot_free", "chunk_ready", "chunk_consumed", "abort", "abort_ack", "heartbeat", "probe")
+    __slots__ = ("protocol_version", "request_id", "chunk_done", "slot_free", "chunk_ready", "chunk_consumed", "abort", "abort_ack", "heartbeat", "probe", "chunk_posted")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_DONE_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +264,7 @@ class TransferNotice(_message.Message):
     ABORT_ACK_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_POSTED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     request_id: str
     chunk_done: ChunkDone
@@ -268,4 +275,5 @@ class TransferNotice(_message.Message):
     abort_ack: AbortAck
     heartbeat: Heartbeat
     probe: Probe
-    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., chunk_done: _Optional[_Union[ChunkDone, _Mapping]] = ..., slot_free: _Optional[_Union[SlotFree, _Mapping]] = ..., chunk_ready: _Optional[_Union[ChunkReady, _Mapping]] = ..., chunk_consumed: _Optional[_Union[ChunkConsumed, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., abort_ack: _Optional[_Union[AbortAck, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ...) -> None: ...
+    chunk_posted: ChunkPosted
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., chunk_done: _Optional[_Union[ChunkDone, _Mapping]] = ..., slot_free: _Optional[_Union[SlotFree, _Mapping]] = ..., chunk_ready: _Optional[_Union[ChunkReady, _Mapping]] = ..., chunk_consumed: _Optional[_Union[ChunkConsumed, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., abort_ack: _Optional[_Union[AbortAck, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., chunk_posted: _Optional[_Union[ChunkPosted, _Mapping]] = ...) -> None: ...

@@ -5,15 +5,21 @@
 #     OUT=/some/dir bash scripts/gpu_transfer.sh     # writes into $OUT (default build/gpu_transfer)
 #     DEVICE=cpu QUICK=1 SKIP_WHL=1 PYTHON=.venv/bin/python bash scripts/gpu_transfer.sh  # smoke test
 #
-# What it runs, in order (each step's table lands in $OUT/bench.log, the last lines are a summary):
-#   A. benchmarks/kv_transfer_requests.py: what one NIXL request costs by itself (the same bytes as
+# What it runs, in order, each step under its own time limit (about 6.5 minutes in all; 7 files in
+# $OUT; every table also lands in $OUT/bench.log, whose last lines are a summary):
+#   A. benchmarks/kv_transfer_host.py: the host cost of one request by phase with this host's CPU
+#      (NIXL calls, then the engine between two agents in one process): $OUT/host.json.
+#   B. benchmarks/kv_transfer_requests.py: what one NIXL request costs by itself (the same bytes as
 #      1, 2, 4 or 16 back-to-back requests): $OUT/requests.json.
-#   B. the full matrix (32K, 128K, 1M; batch 1, 4, 8; READ and WRITE; baselines) with the default
+#   C. the full matrix (32K, 128K, 1M; batch 1, 4, 8; READ and WRITE; baselines) with the default
 #      config: $OUT/kv-transfer-cuda.json, the file docs/benchmarks/kv-transfer-cuda-h200x2.json
 #      comes from.
-#   C. a variant on the contiguous 128K cells: NIXL's own progress thread (progress_thread=true).
-#   D. "before": the core cells on the kv_transfer of another commit, when build/kv_before holds one
-#      (make it here first: `bash scripts/gpu_transfer.sh --prepare-before REF`).
+#   D. side by side, new path then old path, the same core cells (128K and 1M WRITE, contiguous and
+#      scattered ids, batch 1, 4, 8): $OUT/core-new.json and $OUT/core-old.json, and between them
+#      the new path without its ChunkPosted notices (128K, batch 1 and 8: `announce_posts=false`):
+#      $OUT/core-new-noannounce.json. The old path is the kv_transfer of another commit in
+#      build/kv_before (make it here first: `bash scripts/gpu_transfer.sh --prepare-before REF`,
+#      and carry build/kv_before to the device); without it, D runs only the new path.
 #
 # Needs torch (CUDA build) and NIXL. Wheels missing on the host (nixl-cu13, msgspec, protobuf,
 # grpcio for Python 3.12) can travel in .whl/ (git-ignored; see docs/kv_transfer.md): they are
@@ -77,19 +83,25 @@ bench() {  # $1: tree, $2: json name, $3: timeout s, rest: bench arguments
      --device "$DEVICE" --json "$OUT/$name.json" "$@") 2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$LOG"
 }
 
-SIZE=128K; SIZES=32K,128K,1M; BIG=128K,1M
-[ "$QUICK" = 1 ] && { SIZE=4K; SIZES=4K; BIG=4K; }
+SIZE=128K; SIZES=32K,128K,1M; BIG=128K,1M; BLOCKS=2048
+[ "$QUICK" = 1 ] && { SIZE=4K; SIZES=4K; BIG=4K; BLOCKS=256; }
+echo "== [host] benchmarks/kv_transfer_host.py" | tee -a "$LOG"
+(cd /tmp && PYTHONPATH="$SITE:/tmp/kvx_new" timeout 60 "$PY" -P "$ROOT/benchmarks/kv_transfer_host.py" \
+   --blocks $BLOCKS --reps 50 --engine-reps 15 --json "$OUT/host.json") 2>&1 \
+   | grep -v "NIXL INFO\|^\[" | tee -a "$LOG"
 echo "== [requests] benchmarks/kv_transfer_requests.py" | tee -a "$LOG"
 (cd /tmp && PYTHONPATH="$SITE:/tmp/kvx_new" timeout 40 "$PY" -P "$ROOT/benchmarks/kv_transfer_requests.py" \
    --device "$DEVICE" --sizes "$SIZES" --pieces 1,2,4,16 --reps 3 --json "$OUT/requests.json") 2>&1 \
    | grep -v "NIXL INFO\|^\[" | tee -a "$LOG"
 
 bench /tmp/kvx_new "kv-transfer-$DEVICE" 100 --sizes $SIZES --batch 1,4,8 --fan-in 1 --reps 3
-bench /tmp/kvx_new progress-thread 35 --sizes $SIZE --batch 1,4,8 --modes write --fan-in 1 --reps 3 \
-  --only contiguous --set progress_thread=true
+CORE=(--sizes $BIG --batch 1,4,8 --modes write --fan-in 1 --reps 3 --only cross_layer,auto)
+bench /tmp/kvx_new core-new 60 "${CORE[@]}"
+bench /tmp/kvx_new core-new-noannounce 45 --sizes $SIZE --batch 1,8 --modes write --fan-in 1 --reps 3 \
+  --only cross_layer,auto --set announce_posts=false
 if [ -d /tmp/kvx_old ]; then
-  echo "== before: $(cat build/kv_before/REF)" | tee -a "$LOG"
-  bench /tmp/kvx_old before 35 --sizes $BIG --batch 1 --modes write --fan-in 1 --reps 3 --only cross_layer
+  echo "== old path: $(cat build/kv_before/REF)" | tee -a "$LOG"
+  bench /tmp/kvx_old core-old 60 "${CORE[@]}"
 fi
 
 echo "== summary (GB/s; ratio to raw one-descriptor NIXL; p50 ms)" | tee -a "$LOG"

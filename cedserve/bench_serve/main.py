@@ -40,7 +40,7 @@ from cedserve.bench_serve.agentic import (
 )
 from cedserve.bench_serve.driver import Driver, LoadPoint
 from cedserve.bench_serve.metrics import Slo, summarize_run
-from cedserve.bench_serve.report import loadavg, machine, render_table, request_rows, write_plots
+from cedserve.bench_serve.report import render_table, request_rows, write_plots
 from cedserve.bench_serve.systems import POLICIES, Arm, embedded_arm, plan_arms
 from cedserve.bench_serve.trace import (
     PrefixOracle,
@@ -54,6 +54,7 @@ from cedserve.bench_serve.trace import (
 )
 from cedserve.client import AsyncClient, CedserveError
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
+from cedserve.machine import describe_machine, loadavg
 from cedserve.proto import generation_pb2
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ def run_arms(arms: Sequence[Arm], base: EmbeddedOptions, log_root: Path, plan: B
 
 def build_report(plan: BenchPlan, arms: list[dict[str, Any]], command: str, machine_info: dict[str, Any],
                  started: float, system: dict[str, Any]) -> dict[str, Any]:
-    """`machine_info`: `report.machine()` taken when the bench started."""
+    """`machine_info`: `describe_machine()` taken when the bench started."""
     return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": command,
             "machine": {**machine_info, "loadavg_at_end": loadavg()}, "elapsed_s": round(time.time() - started, 1),
             "system": system,
@@ -313,7 +314,7 @@ def exit_on_sigterm() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    started, machine_info = time.time(), machine(args.device)
+    started, machine_info = time.time(), describe_machine(args.device)
     try:
         if args.write_trace:
             records = generate_sessions(agent_workload(args))

@@ -9,38 +9,8 @@ request: the latency CDFs can be redrawn from it)}.
 from __future__ import annotations
 
 import math
-import os
-import platform
-import socket
 from pathlib import Path
 from typing import Any
-
-
-def loadavg() -> list[str]:
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().split()[:3]
-    except OSError:
-        return []
-
-
-def machine(device: str) -> dict[str, Any]:
-    """Where the figures were measured."""
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
-                            "python": platform.python_version()}
-    info["loadavg_at_start"] = loadavg()
-    import torch
-
-    info["torch"] = torch.__version__
-    if device == "cuda" and torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
 
 
 def _ms(value: float | None) -> str:

@@ -2,7 +2,8 @@
 
 Three processes: a decode receiver, a prefill sender that never packs, and one that packs scattered
 blocks through the staging buffers, at the released block geometry (56,960 B per 64-token block).
-The packing sender polls at the device-memory interval (20 us), the others at the host-memory one.
+The packing sender polls at the device-memory interval (20 us) and announces its WRITE requests
+(`announce_posts`, the device-memory default), the others use the host-memory defaults.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Cluster:
         self.receiver = PeerProcess(WorkerSpec("decode0", POOL, config={**base, **PACK}))
         self.direct = PeerProcess(WorkerSpec("prefill-direct", POOL, config=base, seed=1))
         self.packed = PeerProcess(WorkerSpec("prefill-packed", POOL, seed=2, config={
-            **base, **PACK, "poll_interval_s": 2e-5}))
+            **base, **PACK, "poll_interval_s": 2e-5, "announce_posts": True}))
         self.seeds = {"prefill-direct": 11, "prefill-packed": 22}
         for sender in (self.direct, self.packed):
             sender.call("handshake", address=self.receiver.info["control_address"])
@@ -89,6 +90,28 @@ def test_bytes_arrive_intact(cluster: Cluster, mode: str, alloc: str, packing: b
         assert descriptors <= 8  # 300 scattered blocks in 4 MiB slots (73 blocks): 5 descriptors
     else:
         assert descriptors >= 250  # scattered and unpacked: about one per block
+    cluster.receiver.call("release", request_ids=[rid])
+    assert_all_free(cluster.receiver, sender)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["direct", "packed"])
+def test_each_write_request_is_announced_before_it_lands(cluster: Cluster, packing: bool) -> None:
+    """WRITE with `announce_posts` (the packing sender): a ChunkPosted before each NIXL request (so the
+    receiver polls short while the bytes move) and a ChunkDone after it, one of each per request;
+    without it (the direct sender, host-memory default) no ChunkPosted. Bytes intact either way."""
+    sender = cluster.packed if packing else cluster.direct
+    before = cluster.receiver.call("notices")
+    rid = cluster.rid(f"announced-{'packed' if packing else 'direct'}")
+    sent, got, local = transfer(cluster, sender, [rid], 200, "write", "random", stream_blocks=50)
+    assert sent[rid]["state"] == got[rid]["state"] == "done", (sent[rid], got[rid])
+    check = cluster.receiver.call("verify", request_id=rid, src_seed=cluster.seeds[sender.spec.name],
+                                  src_ids=local[rid])
+    assert check == {"ok": True, "mismatched_blocks": 0}
+    after = cluster.receiver.call("notices")
+    posted = after["chunk_posted"] - before["chunk_posted"]
+    done = after["chunk_done"] - before["chunk_done"]
+    assert done == sent[rid]["chunks"] and done >= 1
+    assert posted == (done if packing else 0)
     cluster.receiver.call("release", request_ids=[rid])
     assert_all_free(cluster.receiver, sender)
 

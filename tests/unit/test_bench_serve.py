@@ -237,3 +237,21 @@ def test_arms_share_devices_and_ranks_get_their_gpus_in_start_order() -> None:
         EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(0, 1))
     with pytest.raises(ValueError, match="--policies"):
         plan_arms(["fastest"], 1, 1, 1, colocated=False)
+
+
+def test_machine_description_names_the_host_and_its_software() -> None:
+    """`describe_machine` (shared by `bench serve`, `bench kv-transfer` and benchmarks/): the fields a
+    reader compares figures by, read from this host."""
+    import os
+    import platform
+
+    import torch
+
+    from cedserve.machine import describe_machine, loadavg
+
+    info = describe_machine("cpu")
+    assert info["cores"] == os.cpu_count() and info["python"] == platform.python_version()
+    assert info["kernel"] == platform.release() and info["torch"] == torch.__version__
+    assert "gpus" not in info and info["nixl"].startswith(("nixl", "none"))
+    assert len(info["loadavg_at_start"]) == len(loadavg()) == 3 and float(info["mem_gib"]) > 0
+    json.dumps(info)  # it goes into the JSON report as it is
