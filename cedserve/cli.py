@@ -8,10 +8,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cedserve.model.config import ModelConfig
-
+# Heavy modules (torch, the model, workers, the router) are imported inside the verbs that need them:
+# `cedserve drain` runs in a pod's preStop hook and must start fast (tests/unit/test_serving.py).
 if TYPE_CHECKING:
     from cedserve.config import ServeConfig
+    from cedserve.model.config import ModelConfig
     from cedserve.router.config import DiscoveryConfig
     from cedserve.tls import TLSConfig
 
@@ -31,6 +32,7 @@ verbs:
 
 
 def _load_model_config(args: argparse.Namespace) -> ModelConfig:
+    from cedserve.model.config import ModelConfig
     from cedserve.model.presets import preset
 
     if args.config is not None:
@@ -111,7 +113,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    from cedserve.serving import request_drain
+    from cedserve.drain import request_drain
 
     reply = request_drain(args.address, args.timeout_s)
     print(json.dumps({"reached": reply is not None, "drained": bool(reply and reply.drained),

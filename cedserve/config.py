@@ -159,3 +159,13 @@ def read_secret_file(path: str | Path, field: str) -> str:
     if not secret:
         raise ValueError(f"config field `{field}`: {path} is empty")
     return secret
+
+
+TOKEN_METADATA_KEY = "x-cedserve-token"
+"""gRPC metadata key of the worker plane's shared secrets: the internal token (`internal_token_file`,
+checked by `serving.TokenInterceptor`, sent by the router) and the KV-transfer token of the link probe."""
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying `token` in `TOKEN_METADATA_KEY` (nothing for an empty token)."""
+    return ((TOKEN_METADATA_KEY, token),) if token else ()

@@ -17,7 +17,8 @@ Nothing here knows a worker's internals; a worker plugs in through small callbac
   `cedserve.v1.Lifecycle.Drain` (loopback peers only), which drains without exiting. The owner calls
   `wait_requested()` in its main thread, drains its engine, calls `finish(drained)` (`Drain` RPCs
   block until then or their timeout), then `wait_exit()` before stopping: after a preStop drain the
-  process keeps answering health checks (NOT_SERVING) until SIGTERM.
+  process keeps answering health checks (NOT_SERVING) until SIGTERM. The client side, `request_drain`,
+  is `cedserve.drain` (kept free of torch for the preStop hook).
 * `KVEventFeed`: a thread-safe fan-out of `KVEventBatch`es. Pass `feed.publish` as the cache
   manager's `event_sink`; serve `StreamKVEvents` with `feed.stream(since_seq, snapshot, context)`.
 * `RateMeter`: measured tokens/s over a sliding window (load reports); `SeqCounter` numbers reports.
@@ -55,7 +56,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cedserve.config import ServeConfig
+from cedserve.config import TOKEN_METADATA_KEY, ServeConfig
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.model.cache.errors import CacheExhaustedError, UnknownRequestError
 from cedserve.model.cache.events import KVEventBatch, encode_batch
@@ -206,7 +207,6 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-TOKEN_METADATA_KEY = "x-cedserve-token"
 # Health answers kubelet probes, which carry no metadata; Lifecycle.Drain accepts loopback peers only
 # (the preStop hook's `cedserve drain`), the same exemptions the router's API-key check makes.
 _TOKEN_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/cedserve.v1.Lifecycle/")
@@ -445,20 +445,6 @@ def add_lifecycle(server: GrpcServer, drain: DrainController) -> None:
     for listener in server.listeners():
         lifecycle_pb2_grpc.add_LifecycleServicer_to_server(  # type: ignore[no-untyped-call]
             LifecycleServicer(drain), listener)
-
-
-def request_drain(address: str, timeout_s: float) -> lifecycle_pb2.DrainReply | None:
-    """Client side of `cedserve drain` (plaintext: with TLS on, aim it at the health listener, which
-    serves Drain too): None when the process could not be reached in time."""
-    with grpc.insecure_channel(address) as channel:
-        stub = lifecycle_pb2_grpc.LifecycleStub(channel)  # type: ignore[no-untyped-call]
-        try:
-            reply: lifecycle_pb2.DrainReply = stub.Drain(lifecycle_pb2.DrainRequest(timeout_s=timeout_s),
-                                                         timeout=timeout_s + 1.0)
-        except grpc.RpcError as exc:
-            log.warning("drain of %s: %s", address, exc)
-            return None
-        return reply
 
 
 # ------------------------------------------------------------------ KV events

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cedserve.config import token_metadata
 from cedserve.model.config import ModelConfig
 from cedserve.model.kv_accounting import KVAccounting
 from cedserve.model.tokenizer import TextCodec
@@ -89,7 +90,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     block_bytes = KVAccounting.from_config(model).block_bytes(config.block_size)
     limits = ModelLimits(config.model_id, model.vocab_size, model.max_position_embeddings, config.block_size,
                          config.default_max_tokens)
-    metadata = (("x-cedserve-token", config.worker_token),) if config.worker_token else ()
+    metadata = token_metadata(config.worker_token)
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()

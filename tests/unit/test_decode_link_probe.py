@@ -5,12 +5,15 @@ arriving before the transfer ended, failed transfer, lease expired while the che
 
 from __future__ import annotations
 
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from decode_support import BLOCK, Rig, tiny
 
+from cedserve.decode_workers import link_probe as decode_link_probe
 from cedserve.decode_workers.messages import Failed, ProbeCheckCommand, ProbeChecked, ReserveCommand, Reserved
 from cedserve.kv_transfer.errors import FailureCause
 from cedserve.kv_transfer.link_probe import digest, pattern
@@ -85,9 +88,30 @@ def test_a_digest_mismatch_is_reported_and_the_lease_freed(rig: Rig) -> None:
     end = time.monotonic() + 5
     while lease is not None and lease.transfer_open and time.monotonic() < end:  # the check comes after DONE
         rig.engine.poll()
-    (out,) = check(rig, reserved, digest(pattern(13, NUM_BLOCKS * rig.layout.block_bytes)))
+    assert check(rig, reserved, digest(pattern(13, NUM_BLOCKS * rig.layout.block_bytes))) == []  # hashing
+    assert rig.engine.leases.get(reserved.lease_id) is None  # the blocks were copied out and freed at once
+    out = poll_until(rig, "probe-bad")
     assert isinstance(out, ProbeChecked) and not out.verified and out.sha256 == sent
     rig.assert_all_free()
+
+
+def test_the_hash_runs_off_the_engine_thread(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe never stalls decoding: the engine thread only copies the blocks out; SHA-256 runs on the
+    probe-digest worker thread (recorded by wrapping the real `digest`, whose result is still checked)."""
+    hashed_on: list[str] = []
+
+    def recording_digest(data: np.ndarray) -> str:
+        hashed_on.append(threading.current_thread().name)
+        return digest(data)
+
+    monkeypatch.setattr(decode_link_probe, "digest", recording_digest)
+    reserved = reserve_probe(rig, "probe-thread")
+    sha = send_pattern(rig, reserved, seed=14)
+    assert check(rig, reserved, sha) == []
+    out = poll_until(rig, "probe-thread")
+    assert isinstance(out, ProbeChecked) and out.verified and out.sha256 == sha
+    assert len(hashed_on) == 1 and hashed_on[0] != threading.current_thread().name
+    assert hashed_on[0].startswith("probe-digest")
 
 
 def test_a_failed_transfer_fails_the_check_with_every_block_free(rig: Rig) -> None:

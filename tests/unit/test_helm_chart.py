@@ -265,6 +265,8 @@ def test_schema_accepts_defaults_and_examples(chart: Any, name: str) -> None:
                  id="drain-longer-than-grace"),
     pytest.param({"prefill": {"ucxPortRange": "41000-40000"}}, 'prefill.ucxPortRange "41000-40000"',
                  id="reversed-port-range"),
+    pytest.param({"model": {"checkpoint": {"source": "pvc"}}, "router": {"mountCheckpoint": False}},
+                 "router.mountCheckpoint is false but the router needs", id="router-without-model-files"),
 ])
 def test_template_guards(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
@@ -694,3 +696,39 @@ def test_cli_accepts_what_the_chart_runs(renders: dict[str, dict[str, str]], nam
                                       "decode": f"{_pool_name('decode')}-headless"}
         checkpoint, preset = _router_model(parsed, ServeConfig.load(config))
         assert checkpoint or preset
+
+
+_CLAIM = {"source": "existingClaim", "existingClaim": "weights"}
+
+
+@pytest.mark.parametrize(("values", "folder"), [
+    pytest.param({"model": {"checkpoint": _CLAIM}}, "/models/checkpoint", id="checkpoint-mounted"),
+    pytest.param({"model": {"checkpoint": _CLAIM}, "router": {"mountCheckpoint": False, "modelFiles": {
+        "configMap": {"name": "model-files"}}}}, "/models/router", id="model-files-only"),
+    pytest.param({"model": {"checkpoint": {"source": "none"}}, "router": {"mountCheckpoint": False}}, None,
+                 id="preset"),
+])
+def test_the_router_reads_only_what_its_pod_mounts(values: dict[str, Any], folder: str | None,
+                                                    tmp_path: Path) -> None:
+    """The folder the router resolves (its own parser over the rendered args and router.toml) is a
+    volume its pod mounts: the checkpoint, or with `mountCheckpoint: false` the `modelFiles` volume."""
+    from cedserve.cli import _router_model, build_parser
+
+    objs = _render_objects(values)
+    router = _one(objs, "Deployment", f"{golden.RELEASE}-cedserve-router")
+    container, pod = _container(router), _pod_spec(router)
+    config = tmp_path / "router.toml"
+    config.write_text(_one(objs, "ConfigMap", f"{golden.RELEASE}-cedserve-config")["data"]["router.toml"])
+    parsed = build_parser().parse_args([a.replace("/etc/cedserve/router.toml", str(config))
+                                        for a in container["args"]])
+    serve = ServeConfig.load(config)
+    checkpoint, preset = _router_model(parsed, serve)
+    assert (checkpoint or None) == folder and serve.model.checkpoint == folder
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if folder is None:
+        assert preset == "tiny" and not {"checkpoint", "model-files"} & set(volumes)
+        return
+    assert folder in mounts and mounts[folder] in volumes
+    if folder == "/models/router":
+        assert volumes["model-files"]["configMap"] == {"name": "model-files"} and "checkpoint" not in volumes

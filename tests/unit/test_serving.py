@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -10,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cedserve.drain import request_drain
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.model.cache.errors import CacheExhaustedError
 from cedserve.model.cache.events import BlockStored, KVEventBatch, KVEventPublisher, Tier, decode_batch
@@ -25,7 +29,6 @@ from cedserve.serving import (
     is_loopback_peer,
     parse_ready_line,
     ready_line,
-    request_drain,
     status_code,
 )
 
@@ -117,6 +120,46 @@ def test_health_and_drain_over_grpc() -> None:
             assert reply is not None and reply.drained
             assert check("") == health_pb2.HealthCheckResponse.NOT_SERVING
             assert check("liveness") == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(0)
+
+
+_HEAVY = ("torch", "cedserve.serving", "cedserve.model.network", "cedserve.kv_transfer")
+_RUN_CLI = """
+import json, sys
+from cedserve.cli import main
+heavy = json.loads(sys.argv[1])
+try:
+    rc = main(sys.argv[2:])
+except SystemExit as exc:
+    rc = exc.code
+print(json.dumps({"rc": rc, "heavy": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+def _run_cli_fresh(*argv: str) -> dict[str, Any]:
+    """`cedserve ARGV` in a fresh interpreter: its exit code, stdout and which `_HEAVY` modules it imported."""
+    done = subprocess.run([sys.executable, "-c", _RUN_CLI, json.dumps(_HEAVY), *argv], capture_output=True,
+                          text=True, timeout=60, check=True)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**result, "stdout": done.stdout}
+
+
+def test_cedserve_drain_imports_no_torch() -> None:
+    """The preStop hook's `cedserve drain` (and its --help) must not pay torch's import time: it drains
+    a real server here over gRPC, from a fresh interpreter that must end without torch loaded."""
+    helped = _run_cli_fresh("drain", "--help")
+    assert helped["rc"] == 0 and "--address" in helped["stdout"] and helped["heavy"] == []
+    server = GrpcServer("127.0.0.1", 0)
+    drain = DrainController(server.health, default_timeout_s=5)
+    add_lifecycle(server, drain)
+    server.start()
+    try:
+        threading.Thread(target=lambda: (drain.wait_requested(), drain.finish(True)), daemon=True).start()
+        drained = _run_cli_fresh("drain", f"--address={server.address}", "--timeout-s=5")
+        assert drained["rc"] == 0 and drained["heavy"] == []
+        assert json.loads(drained["stdout"].splitlines()[0]) == {"reached": True, "drained": True, "in_flight": 0}
+        assert drain.draining
     finally:
         server.stop(0)
 

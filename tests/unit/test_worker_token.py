@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cedserve.config import ServeConfig
+from cedserve.config import TOKEN_METADATA_KEY, ServeConfig
 from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.serving import TOKEN_METADATA_KEY, DrainController, GrpcServer, TokenInterceptor, add_lifecycle
+from cedserve.serving import DrainController, GrpcServer, TokenInterceptor, add_lifecycle
 
 TOKEN = "worker-plane-secret"
 

@@ -163,6 +163,26 @@ the StatefulSet fallback names them `<sts>-<ordinal>` under the pool's headless 
 A ServeConfig TOML file. Context: (dict "root" $ "port" N "cache" MAP), MAP in values' camelCase.
 Top-level keys come before the tables, as TOML requires.
 */}}
+{{/*
+The checkpoint folder the router reads (config.json for block hashing, tokenizer.json): the mounted
+checkpoint, else the `router.modelFiles` volume; empty with a preset. Fails when the router would
+see neither. The router's --checkpoint, its router.toml and its mounts all follow this one answer.
+*/}}
+{{- define "cedserve.routerCheckpoint" -}}
+{{- $r := .Values.router -}}
+{{- if ne .Values.model.checkpoint.source "none" -}}
+{{- if $r.mountCheckpoint -}}
+{{ .Values.model.checkpoint.mountPath }}
+{{- else if $r.modelFiles -}}
+{{ $r.modelFilesMountPath }}
+{{- else -}}
+{{- fail "router.mountCheckpoint is false but the router needs the checkpoint's config.json and tokenizer.json: set router.modelFiles to a volume holding them (or mount the checkpoint)" -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+
+{{/* A process's ServeConfig TOML. Context: (dict "root" . "port" N "cache" MAP "tokenFile" PATH
+["checkpoint" PATH]): `checkpoint` replaces `model.checkpoint.mountPath` (the router's own folder). */}}
 {{- define "cedserve.serveToml" -}}
 {{- $model := .root.Values.model -}}
 host = "0.0.0.0"
@@ -174,7 +194,7 @@ internal_token_file = {{ .tokenFile | toJson }}
 {{- if eq $model.checkpoint.source "none" }}
 preset = {{ $model.preset | toJson }}
 {{- else }}
-checkpoint = {{ $model.checkpoint.mountPath | toJson }}
+checkpoint = {{ default $model.checkpoint.mountPath .checkpoint | toJson }}
 {{- end }}
 [cache]
 block_size = {{ .cache.blockSize | int }}
