@@ -2,22 +2,43 @@
 
 A proposer owns each sequence's drafter memory (`DecodeSequence.draft`). Per step the engine asks it
 for drafts after every running sequence's anchor (`propose`), verifies them in the target pass, and
-then shows it the pass's taps (`observe`) so it can extend its memory with the kept positions and
-roll the rejected ones back. A sequence whose drafter memory is not at its anchor yet (it joined in
-this step) gets no drafts.
+then shows it the pass's taps (`observe`, or `observe_many` for the whole batch at once) so it can
+extend its memory with the kept positions and roll the rejected ones back. A sequence whose drafter
+memory is not at its anchor yet (it joined in this step) gets no drafts.
+
+`DSparkProposer` drafts for the whole batch in one draft pass (`Drafter.draft_batch`), and, given
+the engine's `StepProfile`, first asks whether drafting pays for this batch at all: each sequence's
+confidences from its previous draft predict what verifying would gain, and `choose_verify_lengths`
+with the draft pass's measured cost (`StepProfile.draft_seconds`) added to the step must choose
+something. When it does not, nobody drafts; every `probe_every`-th such step drafts anyway, so the
+prediction follows a changing batch. A sequence with no previous draft makes the step draft.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sequence import DecodeSequence
-from cedserve.model.dspark import Draft, Drafter, DraftState
+from cedserve.decode_workers.speculative import choose_verify_lengths, expected_tokens
+from cedserve.model.dspark import Draft, Drafter, DraftRequest, DraftState
 from cedserve.model.network import CEDModel
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One sequence's share of a pass, for `Proposer.observe_many`."""
+
+    seq: DecodeSequence
+    first_position: int  # position of the first row of `taps`
+    taps: Tensor  # [n, n_taps, hc, hidden]
+    keep_end: int  # the new anchor's position: rows at or after it are dropped
 
 
 class Proposer(Protocol):
@@ -38,44 +59,128 @@ class Proposer(Protocol):
         positions before `keep_end` (the new anchor's) stay. Mutates `seq.draft`."""
         ...
 
+    def observe_many(self, observations: Sequence[Observation]) -> None:
+        """`observe` for several sequences (each at most once) in one call."""
+        ...
+
 
 class DSparkProposer:
-    """The checkpoint's DSpark drafter: one draft pass per sequence from its context vectors."""
+    """The checkpoint's DSpark drafter: one batched draft pass per step from the sequences' context
+    vectors; with a `profile`, only when drafting pays (module docstring)."""
 
-    def __init__(self, drafter: Drafter, model: CEDModel, num_tokens: int = 0) -> None:
+    def __init__(self, drafter: Drafter, model: CEDModel, num_tokens: int = 0, profile: StepProfile | None = None,
+                 probe_every: int = 8, verify_all: bool = False) -> None:
         block = drafter.config.dspark_block_size
         if not 0 <= num_tokens <= block:
             raise ValueError(f"config field `decode.draft_tokens`: must be in [0, {block}], got {num_tokens}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.drafter = drafter
         self.model = model
+        self.profile = profile
+        """The engine's measured costs; None: always draft (and measure nothing)."""
+        self.probe_every = probe_every
+        self.verify_all = verify_all
+        """The engine verifies every draft (`DecodeConfig.adaptive_verify` off): the check then weighs
+        verifying all against none."""
         self._k = num_tokens or block
+        self._declined = 0  # steps in a row the cost check turned drafting down
+        self.declined_steps = 0
+        """Steps whose drafting the cost check turned down (cumulative)."""
 
     @property
     def max_tokens(self) -> int:
         return self._k
 
     def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
-        return [self._one(seq) for seq in seqs]
-
-    def _one(self, seq: DecodeSequence) -> Draft | None:
-        anchor_position = len(seq.tokens) - 1
-        if seq.draft is None or seq.draft.end_position != anchor_position or seq.draft.vectors.shape[0] == 0:
-            return None
-        draft = self.drafter.draft(seq.anchor, seq.draft, self.model.embed, self.model.lm_head,
-                                   seq.params.temperature, seq.generator)
+        ready = [i for i, seq in enumerate(seqs) if _at_anchor(seq)]
+        out: list[Draft | None] = [None] * len(seqs)
+        if not ready or not self._worth_drafting(seqs, ready):
+            return out
+        start = time.perf_counter()
+        requests = [DraftRequest(seqs[i].anchor, _draft_state(seqs[i]), seqs[i].params.temperature, seqs[i].generator)
+                    for i in ready]
+        drafts = self.drafter.draft_batch(requests, self.model.embed, self.model.lm_head)
         k = self._k
-        return Draft(draft.tokens[:k], draft.probs[:k], draft.confidences[:k])
+        confidences = torch.stack([d.confidences[:k] for d in drafts]).cpu()  # [ready, K]
+        if self.profile is not None:
+            self.profile.record_draft(len(ready), time.perf_counter() - start)
+        for row, (i, draft) in enumerate(zip(ready, drafts)):
+            _draft_state(seqs[i]).last_confidences = confidences[row]
+            out[i] = Draft(draft.tokens[:k], draft.probs[:k], draft.confidences[:k])
+        return out
+
+    def _worth_drafting(self, seqs: Sequence[DecodeSequence], ready: list[int]) -> bool:
+        """Whether the expected gain of verifying pays for the draft pass plus the verified rows."""
+        profile = self.profile
+        if profile is None:
+            return True
+        history = [_draft_state(seqs[i]).last_confidences for i in ready]
+        if any(c is None for c in history) or self._declined + 1 >= self.probe_every:
+            self._declined = 0
+            return True
+        # [batch, K]: the sequences that cannot draft take part with no drafts (one token each)
+        predicted = torch.zeros(len(seqs), self._k)
+        caps = torch.zeros(len(seqs), dtype=torch.long)
+        for i in ready:
+            known = _history_of(seqs[i])[: self._k].float()
+            predicted[i, : known.shape[0]] = known
+            caps[i] = min(seqs[i].max_drafts, known.shape[0])
+        rows = sum(len(s.pending) for s in seqs)  # anchors and carries
+        if self.verify_all:
+            draft_s = profile.draft_seconds(len(ready))
+            tokens = float(expected_tokens(predicted, caps).sum())
+            pays = tokens / (profile.seconds(rows + int(caps.sum())) + draft_s) > len(seqs) / profile.seconds(rows)
+        else:
+            lengths = choose_verify_lengths(predicted, lambda n: profile.steps_per_s(n - len(seqs) + rows), caps,
+                                            draft_s=profile.draft_seconds(len(ready)))
+            pays = int(lengths.sum()) > 0
+        if pays:
+            self._declined = 0
+            return True
+        self._declined += 1
+        self.declined_steps += 1
+        return False
+
+    def observe(self, seq: DecodeSequence, first_position: int, taps: Tensor, keep_end: int) -> None:
+        self.observe_many([Observation(seq, first_position, taps, keep_end)])
 
     # The drafter's weights require grad: without no_grad each step's vectors would keep an autograd
     # graph chaining every earlier step's taps alive.
     @torch.no_grad()
-    def observe(self, seq: DecodeSequence, first_position: int, taps: Tensor, keep_end: int) -> None:
-        state = seq.draft
-        if state is None or state.end_position < first_position or state.end_position - first_position > state.rollback:
-            state = DraftState.new(self.drafter.config, taps.device)
-            state.end_position = first_position
-        else:
-            state.truncate(first_position)
-        state.extend(self.drafter.context_vectors(taps))
-        state.truncate(keep_end)
-        seq.draft = state
+    def observe_many(self, observations: Sequence[Observation]) -> None:
+        """Context vectors of every sequence's taps in one `context_vectors` call, then each
+        sequence's memory rolled back to `first_position`, extended and cut at `keep_end`."""
+        if not observations:
+            return
+        vectors = self.drafter.context_vectors(torch.cat([o.taps for o in observations]))  # [sum n, hidden]
+        rows = torch.split(vectors, [o.taps.shape[0] for o in observations])
+        for o, new in zip(observations, rows):
+            state = o.seq.draft
+            if (state is None or state.end_position < o.first_position
+                    or state.end_position - o.first_position > state.rollback):
+                state = DraftState.new(self.drafter.config, o.taps.device)
+                state.end_position = o.first_position
+            else:
+                state.truncate(o.first_position)
+            state.extend(new)
+            state.truncate(o.keep_end)
+            o.seq.draft = state
+
+
+def _at_anchor(seq: DecodeSequence) -> bool:
+    """The drafter memory ends at the anchor (the last token), with at least one vector."""
+    state = seq.draft
+    return state is not None and state.end_position == len(seq.tokens) - 1 and state.vectors.shape[0] > 0
+
+
+def _history_of(seq: DecodeSequence) -> Tensor:
+    """The confidences of the sequence's latest draft (it has one)."""
+    confidences = _draft_state(seq).last_confidences
+    assert confidences is not None
+    return confidences
+
+
+def _draft_state(seq: DecodeSequence) -> DraftState:
+    assert seq.draft is not None
+    return seq.draft

@@ -30,9 +30,10 @@ import torch
 
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
-from cedserve.decode_workers.drafting import Proposer
+from cedserve.decode_workers.drafting import DSparkProposer, Observation, Proposer
 from cedserve.decode_workers.expert_parallel import ExpertParallel, SingleRank, ep_moe
 from cedserve.decode_workers.leases import LeaseBook, LeaseError, StateRoomPolicy
+from cedserve.decode_workers.link_probe import ProbeDigests
 from cedserve.decode_workers.messages import (
     AttachCommand,
     CancelCommand,
@@ -41,7 +42,6 @@ from cedserve.decode_workers.messages import (
     Finished,
     Output,
     ProbeCheckCommand,
-    ProbeChecked,
     RankLoad,
     ReserveCommand,
 )
@@ -52,7 +52,6 @@ from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
-from cedserve.kv_transfer.link_probe import digest
 from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
@@ -96,11 +95,16 @@ class DecodeEngine:
         self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock,
                                 self._state_room_policy())
         self.profile = StepProfile(config.step_prior_s, config.step_prior_per_row_s)
+        if isinstance(self.proposer, DSparkProposer):
+            # the proposer declines a step's drafting when the measured draft pass cannot pay for itself
+            self.proposer.profile = self.profile
+            self.proposer.verify_all = not config.adaptive_verify
         lookahead = (self.proposer.max_tokens if self.proposer is not None else 0) + 1
         budget = BlockBudget(self.leases.available_blocks, self._table_len)
         self.scheduler = DecodeScheduler(config, budget, lookahead, self._offload_fits)
         self.sequences: dict[str, DecodeSequence] = {}
         self._probe_checks: dict[str, ProbeCheckCommand] = {}  # lease id -> check waiting for its transfer
+        self._probe_digests = ProbeDigests()  # checks whose bytes are hashed off this thread
         self._stop = StopCheck(detokenize) if detokenize is not None else None
         self._arrivals = 0
         self._offloaded_bytes = 0
@@ -189,20 +193,20 @@ class DecodeEngine:
         if lease.transfer_open:
             self._probe_checks[lease.lease_id] = cmd  # `poll` answers once the transfer ended
             return []
-        return [self._finish_probe(lease, cmd)]
+        return self._finish_probe(lease, cmd)
 
-    def _finish_probe(self, lease: Lease, cmd: ProbeCheckCommand) -> Output:
-        """Hash the received blocks (when the transfer is DONE) and free the lease either way."""
+    def _finish_probe(self, lease: Lease, cmd: ProbeCheckCommand) -> list[Output]:
+        """Copy the received blocks out (when the transfer is DONE) for hashing off this thread (its
+        `ProbeChecked` comes from a later `poll`), and free the lease either way."""
         if not lease.transfer_done:
             error = lease.transfer_error or "no KV transfer into this lease"
             self._drop_lease(lease, "probe checked")
-            return Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
-                          lease_id=lease.lease_id)
+            return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
+                           lease_id=lease.lease_id)]
         received = lease.block_ids[lease.num_cached_blocks:]
-        got = digest(load_bytes(self.cache.pool.storage, received))
+        self._probe_digests.submit(cmd, lease.lease_id, load_bytes(self.cache.pool.storage, received), len(received))
         self._drop_lease(lease, "probe checked")
-        return ProbeChecked(cmd.request_id, lease.lease_id, got, got == cmd.sha256, len(received),
-                            len(received) * self.layout.block_bytes)
+        return []
 
     def cancel(self, cmd: CancelCommand) -> list[Output]:
         if cmd.request_id == "*":
@@ -238,6 +242,7 @@ class DecodeEngine:
                 self.leases.release(lease)
                 out.append(Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error))
         out.extend(self._answer_probe_checks())
+        out.extend(self._probe_digests.poll())
         for lease in self.leases.expired():
             if lease.request_id not in self.sequences:
                 self.metrics.lease_expired.inc()
@@ -257,7 +262,7 @@ class DecodeEngine:
                 del self._probe_checks[lease_id]
             elif not lease.transfer_open:
                 del self._probe_checks[lease_id]
-                out.append(self._finish_probe(lease, cmd))
+                out.extend(self._finish_probe(lease, cmd))
         return out
 
     def has_work(self) -> bool:
@@ -301,8 +306,11 @@ class DecodeEngine:
         drafts = self._drafts(running, sched)
         plans, items = self._plan(running, drafts)
         results = self._run(items)
+        observations: list[Observation] = []
         for plan in plans:
-            outputs.extend(self._conclude(plan, results))
+            outputs.extend(self._conclude(plan, results, observations))
+        if observations and self.proposer is not None:
+            self.proposer.observe_many(observations)  # one batched drafter call for the whole step
         self._account(sched, start, len(running))
         return outputs
 
@@ -358,7 +366,9 @@ class DecodeEngine:
         self.passes += 1
         return results
 
-    def _conclude(self, plan: SeqPlan, results: list[BatchOutput]) -> list[Output]:
+    def _conclude(self, plan: SeqPlan, results: list[BatchOutput], observations: list[Observation]) -> list[Output]:
+        """Accept or roll back `plan`'s sequence, stream its tokens, persist its records; the drafter's
+        share of the pass goes to `observations` (the caller shows them to the proposer at once)."""
         seq = plan.seq
         if seq.status is not Status.RUNNING:
             return []
@@ -383,7 +393,7 @@ class DecodeEngine:
             out.append(self._finish(seq, reason))
             return out
         if self.proposer is not None:
-            self.proposer.observe(seq, plan.first_position, plan_taps(plan, results), len(seq.tokens) - 1)
+            observations.append(Observation(seq, plan.first_position, plan_taps(plan, results), len(seq.tokens) - 1))
         self._persist(seq)
         return out
 

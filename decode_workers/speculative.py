@@ -13,7 +13,9 @@ Verification length: the confidence head gives c_1..c_K; the chance that the fir
 survive is prod(c_1..c_j), so verifying j drafts yields on average 1 + sum_{i<=j} prod(c_1..c_i)
 tokens and costs j + 1 positions in the target pass. Lengths are chosen jointly for the batch to
 maximise expected tokens per second, given a profiled curve of target steps per second by the
-number of positions verified in the step.
+number of positions verified in the step. Whether to draft at all is the same choice with the
+draft pass's own measured cost added to every step that verifies a draft (`draft_s`): when the
+best lengths are all 0 the batch's expected gain does not pay for drafting (`DSparkProposer`).
 """
 
 from __future__ import annotations
@@ -92,28 +94,39 @@ def expected_tokens(confidences: Tensor, lengths: Tensor) -> Tensor:
 
 
 def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[int], float],
-                          max_lengths: Tensor | None = None) -> Tensor:
+                          max_lengths: Tensor | None = None, draft_s: float = 0.0) -> Tensor:
     """Per-request verification lengths maximising the batch's expected tokens per second.
 
     `steps_per_s(n)` is the profiled rate of target passes verifying `n` positions in total
     (`n = batch + sum(lengths)`). `max_lengths [batch]` (default K) caps each request (its effort's
-    draft limit; its confidences past the cap are ignored). For a fixed total, the best lengths come from adding positions
-    one at a time where the expected gain is largest: each request's survival is non-increasing in
-    j, so its gains are too, and the greedy order is exact. Every total from 0 to batch x K is
-    scored and the best kept, so no shape of the rate curve is assumed.
+    draft limit; its confidences past the cap are ignored). `draft_s` is what drafting adds to a
+    step that verifies any draft (the draft pass, `StepProfile.draft_seconds`): count it when the
+    choice decides whether to draft at all, leave it 0 once the drafts exist (then it is spent
+    whatever is verified). All zeros: drafting does not pay for this batch.
+
+    For a fixed total, the best lengths come from adding positions one at a time where the expected
+    gain is largest: each request's survival is non-increasing in j, so its gains are too, and the
+    greedy order is exact. That order is one stable sort of all gains (ties: the lower request, then
+    the earlier position). Every total from 0 to batch x K is scored and the best kept, so no shape
+    of the rate curve is assumed.
     """
+    if draft_s < 0:
+        raise ValueError(f"draft_s must be >= 0, got {draft_s}")
     batch, k = confidences.shape
     caps = torch.full((batch,), k, dtype=torch.long) if max_lengths is None else max_lengths.long().clamp(0, k)
     survival = torch.cumprod(confidences.double(), dim=-1)  # [batch, K]
+    allowed = (torch.arange(k) < caps[:, None]).flatten()  # [batch * K], row-major
+    gains = survival.flatten()[allowed]
+    rows = torch.arange(batch).repeat_interleave(k)[allowed]
+    order = torch.sort(gains, descending=True, stable=True).indices  # the greedy order
+    tokens = batch + torch.cumsum(gains[order], dim=0)  # [T]: expected tokens after 1..T positions
+    seconds = torch.tensor([1.0 / steps_per_s(batch + extra) for extra in range(1, tokens.shape[0] + 1)],
+                           dtype=torch.float64) + draft_s
     lengths = torch.zeros(batch, dtype=torch.long)
-    tokens = float(batch)
-    best_value, best_lengths = tokens * steps_per_s(batch), lengths.clone()
-    for extra in range(1, int(caps.sum()) + 1):
-        gains = torch.where(lengths < caps, survival.gather(1, lengths.clamp_max(k - 1)[:, None])[:, 0], -1.0)
-        pick = int(gains.argmax())
-        lengths[pick] += 1
-        tokens += float(gains[pick])
-        value = tokens * steps_per_s(batch + extra)
-        if value > best_value:
-            best_value, best_lengths = value, lengths.clone()
-    return best_lengths
+    if tokens.shape[0] == 0:
+        return lengths
+    values = tokens / seconds
+    best = int(values.argmax())
+    if float(values[best]) > batch * steps_per_s(batch):
+        lengths = torch.bincount(rows[order[: best + 1]], minlength=batch)
+    return lengths

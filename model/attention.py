@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from cedserve.model.batch import BatchPass, PaddedKV, device_ints, snapshot_layer
 from cedserve.model.compressor import Compressor, PendingGroup
 from cedserve.model.config import AttentionMode, LayerSpec, ModelConfig
 from cedserve.model.context import ForwardContext, TrainContext
@@ -24,7 +25,14 @@ from cedserve.model.indexer import (
     select_topk,
     visible_entries,
 )
-from cedserve.model.kv_format import index_key_values, main_values, window_values
+from cedserve.model.kv_format import (
+    encode_index_key,
+    encode_main,
+    encode_window,
+    index_key_values,
+    main_values,
+    window_values,
+)
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable, apply_rope
 
@@ -32,16 +40,20 @@ from cedserve.model.rope import RopeTable, apply_rope
 def sink_attention(q: Tensor, keys: Tensor, bias: Tensor, sink: Tensor, scale: float) -> Tensor:
     """Attention of `q [S, H, D]` over shared K=V `keys [K, D]` with additive `bias [S, K]`
     (0 or -inf) and per-head `sink [H]` logits that only enlarge the denominator -> `[S, H, D]`.
-    Batched: `q [B, S, H, D]`, `keys [B, K, D]`, `bias [B, S, K]` (or `[S, K]`) -> `[B, S, H, D]`."""
-    heads = q.shape[-2]
-    kv = keys if keys.dim() == 2 else keys.unsqueeze(-3)  # [K, D] or [B, 1, K, D]
-    bias = bias if keys.dim() == 2 else bias.unsqueeze(-3)
-    logits = torch.matmul(q.transpose(-3, -2), kv.transpose(-1, -2)) * scale + bias  # [(B,) H, S, K]
-    sinks = sink.float().view(heads, 1, 1).expand(*logits.shape[:-1], 1)
+    Batched: `q [B, S, H, D]`, `keys [B, K, D]`, `bias [B, S, K]` (or `[S, K]`) -> `[B, S, H, D]`.
+    The heads share the keys, so each batch element is two plain matmuls over its `S * H` query
+    rows (no per-head copy of the keys)."""
+    seq, heads = q.shape[-3], q.shape[-2]
+    rows = q.flatten(-3, -2)  # [(B,) S * H, D]
+    logits = torch.matmul(rows, keys.transpose(-1, -2))
+    logits = logits.view(*logits.shape[:-2], seq, heads, logits.shape[-1])  # [(B,) S, H, K]
+    logits = logits * scale + bias.unsqueeze(-2)
+    sinks = sink.float().view(heads, 1).expand(*logits.shape[:-1], 1)
     combined = torch.cat([logits.float(), sinks], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, kv).transpose(-3, -2)
+    out = torch.matmul(probs.flatten(-3, -2), keys)  # [(B,) S * H, D]
+    return out.view(*out.shape[:-2], seq, heads, out.shape[-1])
 
 
 def window_bias(query_positions: Tensor, key_start: int, num_keys: int, window: int) -> Tensor:
@@ -96,10 +108,50 @@ class Attention(nn.Module):
         """`x [S, hidden]` (the normed attention input) -> `[S, hidden]`; updates the window and,
         at a KV source, the global KV of `ctx.state`."""
         cos, sin = ctx.rope[self.rope_kind]
+        q_residual, q, kv = self._project(x, cos, sin)
+        return self._output(self.attend_one(x, q_residual, q, kv, ctx), cos, sin)
+
+    def forward_batch(self, x: Tensor, batch: BatchPass) -> Tensor:
+        """`forward` over the rows of every item of a pass, `x [N, hidden]` -> `[N, hidden]`:
+        projections over all rows, attention for the padded group at once and for alone items one
+        at a time (see `cedserve.model.batch`). Every state is updated as `forward` of its chunks in
+        item order would."""
+        cos, sin = batch.rope[self.rope_kind]
+        q_residual, q, kv = self._project(x, cos, sin)
+        grouped = self._attend_padded(x, q_residual, q, kv, batch) if batch.padded else None
+        if not batch.alone:
+            assert grouped is not None
+            return self._output(grouped, cos, sin)
+        parts = []
+        for i in range(len(batch.ctxs)):
+            rows = batch.rows(i)
+            if i in batch.group_offsets:
+                assert grouped is not None
+                first = batch.group_offsets[i]
+                parts.append(grouped[first : first + batch.sizes[i]])
+            else:
+                parts.append(self.attend_one(x[rows], q_residual[rows], q[rows], kv[rows], batch.ctxs[i]))
+        return self._output(torch.cat(parts), cos, sin)
+
+    def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Row-wise: the query residual `[S, q_lora_rank]`, RoPE'd queries `[S, H, D]` and window KV `[S, D]`."""
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(x.shape[0], self.config.num_attention_heads, self.config.head_dim)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        keys, bias = self._window_keys(apply_rope(self.kv_norm(self.wkv(x)), cos, sin), ctx)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return q_residual, q, kv
+
+    def _output(self, out: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Row-wise: attention output `[S, H, D]` -> `[S, hidden]` (inverse RoPE, grouped projection)."""
+        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        projected: Tensor = self.wo_b(self.wo_a(out.reshape(out.shape[0], self.config.o_groups, -1)))
+        return projected
+
+    def attend_one(self, x: Tensor, q_residual: Tensor, q: Tensor, kv: Tensor, ctx: ForwardContext) -> Tensor:
+        """One chunk's attention `[S, H, D]` from its projections; updates its state first (and
+        records the layer in the chunk's boundary snapshot when it asks for one)."""
+        snapshot_layer(ctx, self.spec.layer_id, ctx.state)
+        keys, bias = self._window_keys(kv, ctx)
         if self.spec.compress_ratio:
             if self.compressor is not None and ctx.write_global_kv:
                 self.write_global_kv(x, ctx)
@@ -108,10 +160,67 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 self._select(x, q_residual, ctx)
             keys, bias = self._add_compressed(keys, bias, ctx)
-        out = sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
-        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
-        projected: Tensor = self.wo_b(self.wo_a(out.reshape(x.shape[0], self.config.o_groups, -1)))
-        return projected
+        return sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
+
+    def _attend_padded(self, x: Tensor, q_residual: Tensor, q: Tensor, kv: Tensor, batch: BatchPass) -> Tensor:
+        """The padded group's attention, its rows `[rows, H, D]` in item order: state updates item
+        by item (windows, partial groups; completed groups encoded together), then one attention."""
+        records = self._update_padded(x, kv, batch)
+        keys, bias = batch.window(records, self.config.sliding_window)  # [B, K, D], [B, S_max, K]
+        if self.spec.compress_ratio:
+            assert self.spec.kv_layer is not None and self.spec.index_layer is not None
+            compressed = batch.compressed(self.spec.kv_layer)
+            if self.indexer is not None:
+                self._select_padded(x, q_residual, compressed, batch)
+            picked = batch.selections.get(self.spec.index_layer)
+            if compressed.width and picked is not None:  # nothing picked adds only exp(-inf) = 0 terms
+                keys = torch.cat([keys, compressed.main.to(keys.dtype)], dim=1)
+                compressed_bias = torch.zeros(picked.shape, device=bias.device).masked_fill_(~picked, float("-inf"))
+                bias = torch.cat([bias, compressed_bias], dim=-1)
+        out = sink_attention(batch.pad(q), keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
+        return batch.unpad(out)
+
+    def _update_padded(self, x: Tensor, kv: Tensor, batch: BatchPass) -> list[Tensor]:
+        """Windows and (at a KV source) partial groups of the padded group's items, in item order;
+        then every completed group of the pass encoded at once and appended. Returns each item's
+        window records (stored, then the chunk's) as its attention sees them."""
+        layer = self.spec.layer_id
+        encoded = encode_window(kv, batch.kv_format)  # row-wise: all rows at once
+        groups = _PendingAppends(self, x, batch) if self.compressor is not None else None
+        records = []
+        for i in batch.padded:
+            ctx, rows = batch.ctxs[i], batch.rows(i)
+            state = ctx.state
+            snapshot_layer(ctx, layer, state)
+            if groups is not None:
+                groups.add(i, rows)
+            window = torch.cat([state.swa[layer], encoded[rows]])
+            state.keep_window(layer, window)
+            records.append(window)
+        if groups is not None:
+            groups.append()
+            batch.global_kv_changed(layer)
+        return records
+
+    def _select_padded(self, x: Tensor, q_residual: Tensor, compressed: PaddedKV, batch: BatchPass) -> None:
+        """`_select` for the padded group: scores `[B, S_max, T_max]`, picks into `batch.selections`."""
+        assert self.indexer is not None
+        layer, ratio = self.spec.layer_id, self.spec.compress_ratio
+        if compressed.width == 0:
+            batch.selections[layer] = None
+            return
+        cos, sin = batch.rope["compress"]
+        q = batch.pad(self.indexer.query(q_residual, cos, sin))  # [B, S_max, H, d]
+        weights = batch.pad(self.indexer.head_weights(x))  # [B, S_max, H]
+        scores = mask_invisible(self.indexer.score(q, weights, compressed.index_keys), batch.positions, ratio)
+        candidate_layer = self.config.candidate_source_layer_id
+        if layer == candidate_layer:
+            batch.candidates = select_candidate_blocks(scores, visible_entries(batch.positions, ratio),
+                                                       self.config.candidate_topk_blocks,
+                                                       self.config.candidate_block_size)
+        elif candidate_layer is not None and 0 <= candidate_layer < layer and batch.candidates is not None:
+            scores = scores.masked_fill(~batch.candidates, float("-inf"))
+        batch.selections[layer] = select_topk(scores, self.config.index_topk)
 
     def forward_train(self, x: Tensor, ctx: TrainContext) -> Tensor:
         """`forward` over whole sequences from position 0, batched and differentiable:
@@ -264,3 +373,76 @@ class Attention(nn.Module):
         zero = torch.zeros((), device=bias.device)
         compressed_bias = torch.where(picked, zero, torch.full_like(zero, float("-inf")))
         return torch.cat([keys, compressed.to(keys.dtype)]), torch.cat([bias, compressed_bias], dim=-1)
+
+
+class _PendingAppends:
+    """A KV source's compressor over the padded group's items: partial groups advance item by item
+    (as `Compressor.forward` would), completed groups are pooled, RoPE'd, keyed and encoded once for
+    the whole pass, then appended to each item's global KV in item order. Boundary snapshots taken
+    between items of one sequence get the entries of its earlier items."""
+
+    def __init__(self, attn: Attention, x: Tensor, batch: BatchPass) -> None:
+        assert attn.compressor is not None
+        self.attn, self.batch, self.x = attn, batch, x
+        self.ratio = attn.spec.compress_ratio
+        compressor = attn.compressor
+        # ratio 1: every token is a group; else per-token float32 projections, pooled by whole groups
+        self.projected = compressor.project(x) if self.ratio > 1 else None
+        self.kv_parts: list[Tensor] = []
+        self.gate_parts: list[Tensor] = []
+        self.rows: list[slice] = []
+        self.positions: list[int] = []
+        self.counts: list[tuple[int, int]] = []  # (item, groups completed)
+        self.entries: dict[int, int] = {}  # id(state) -> entries including those not appended yet
+        self.boundaries: list[tuple[int, int]] = []  # (item, entries before it) for snapshots to fix
+
+    def add(self, item: int, rows: slice) -> None:
+        layer = self.attn.spec.layer_id
+        ctx = self.batch.ctxs[item]
+        source = ctx.state.global_kv[layer]
+        entries = self.entries.get(id(ctx.state), source.num_entries)
+        if ctx.boundary is not None and entries != source.num_entries:
+            self.boundaries.append((item, entries))
+        if self.projected is None:
+            count = rows.stop - rows.start
+            self.rows.append(rows)
+        else:
+            kv = torch.cat([source.pending.kv, self.projected.kv[rows]])
+            gate = torch.cat([source.pending.gate, self.projected.gate[rows]])
+            usable = (kv.shape[0] // self.ratio) * self.ratio
+            source.pending = PendingGroup(kv[usable:], gate[usable:])
+            count = usable // self.ratio
+            if count:
+                self.kv_parts.append(kv[:usable])
+                self.gate_parts.append(gate[:usable])
+        self.positions += [(entries + j) * self.ratio for j in range(count)]
+        self.counts.append((item, count))
+        self.entries[id(ctx.state)] = entries + count
+
+    def append(self) -> None:
+        if not self.positions:
+            return
+        compressor, indexer = self.attn.compressor, self.attn.indexer
+        assert compressor is not None and indexer is not None
+        if self.projected is None:
+            latent: Tensor = compressor.norm(compressor.wkv(self.x))  # row-wise: every row is a group
+            if self.batch.alone:
+                latent = torch.cat([latent[r] for r in self.rows])
+        else:
+            latent = compressor.pool(torch.cat(self.kv_parts), torch.cat(self.gate_parts), self.x.dtype)
+        (positions,) = device_ints([self.positions], self.x.device)
+        cos, sin = self.attn.compress_rope.cos_sin(positions)
+        fmt = self.batch.kv_format
+        counts = [n for _, n in self.counts]
+        main = encode_main(apply_rope(latent, cos, sin), fmt).split_with_sizes(counts)
+        keys = encode_index_key(indexer.keys(latent, cos, sin), fmt).split_with_sizes(counts)
+        layer = self.attn.spec.layer_id
+        for (item, count), main_rows, key_rows in zip(self.counts, main, keys):
+            if count:
+                self.batch.ctxs[item].state.global_kv[layer].append_records(main_rows, key_rows)
+        for item, entries in self.boundaries:
+            boundary = self.batch.ctxs[item].boundary
+            assert boundary is not None
+            source = self.batch.ctxs[item].state.global_kv[layer]
+            pending = boundary.global_kv[layer][2]
+            boundary.global_kv[layer] = (source.main[:entries], source.index_keys[:entries], pending)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from cedserve.model.attention import Attention
+from cedserve.model.batch import BatchPass
 from cedserve.model.config import LayerSpec, ModelConfig
 from cedserve.model.context import ForwardContext, TrainContext
 from cedserve.model.engram import Engram
@@ -106,41 +107,31 @@ class Block(nn.Module):
         flat = hc_expand(ffn_out, flat, ffn_mix.post, ffn_mix.comb)
         return flat.view(streams.shape), ffn_mix.pre.view(pre_mix.shape)
 
-    def forward_batch(self, streams: Tensor, pre_mix: Tensor, ctxs: Sequence[ForwardContext], sizes: Sequence[int],
-                      moe: MoEFn) -> tuple[Tensor, Tensor]:
-        """`forward` over several sequences' chunks at once, concatenated in `ctxs` order (`sizes`
-        rows each): attention runs per sequence (its own window and global KV), everything else
-        (Engram gating, mHC mixes, norms, the MoE through `moe`) over all rows together. `moe` is
-        called exactly once, even with no rows, so expert-parallel ranks stay in step."""
-        if not ctxs:
+    def forward_batch(self, streams: Tensor, pre_mix: Tensor, batch: BatchPass, moe: MoEFn) -> tuple[Tensor, Tensor]:
+        """`forward` over several sequences' chunks at once, concatenated in item order
+        (`batch.sizes` rows each): everything runs over all rows together (Engram gating, mHC
+        mixes, norms, projections, the MoE through `moe`) except attention's per-sequence part,
+        which `Attention.forward_batch` batches across sequences. `moe` is called exactly once,
+        even with no rows, so expert-parallel ranks stay in step."""
+        if not batch.ctxs:
             moe(self.ffn, self.ffn_norm(streams[:, 0]))
             return streams, pre_mix
-        if self.engram is not None or self.tapped:
-            parts = [self.apply_engram(p, c) for p, c in zip(streams.split_with_sizes(list(sizes)), ctxs)]
-            for part, ctx in zip(parts, ctxs):
-                if self.tapped and ctx.taps is not None:
+        if self.engram is not None and self.engram_index is not None:
+            if batch.engram_rows is None:
+                raise ValueError(f"layer {self.spec.layer_id} has an Engram table but no rows were looked up")
+            rows = batch.engram_rows.result()[:, self.engram_index]  # [N, columns, head_dim]
+            streams = self.engram(streams, rows.to(streams.device))
+        if self.tapped:
+            for part, ctx in zip(streams.split_with_sizes(batch.sizes), batch.ctxs):
+                if ctx.taps is not None:
                     ctx.taps[self.spec.layer_id] = part
-            streams = torch.cat(parts)
         attn_mix = self._mix(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        x = self.attention_input(streams, pre_mix)
-        attn_out = torch.cat([self._attend(part, ctx) for part, ctx in zip(x.split_with_sizes(list(sizes)), ctxs)])
+        attn_out = self.attn.forward_batch(self.attention_input(streams, pre_mix), batch)
         streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
         ffn_mix = self._mix(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         ffn_out = moe(self.ffn, self.ffn_norm(hc_collapse(streams, attn_mix.pre)))
         streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
-
-
-    def _attend(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        """Attention of one chunk, recording the layer's state first when the chunk asks for it."""
-        if ctx.boundary is not None:
-            layer = self.spec.layer_id
-            ctx.boundary.swa[layer] = ctx.state.swa[layer]
-            kv = ctx.state.global_kv.get(layer)
-            if kv is not None:
-                ctx.boundary.global_kv[layer] = (kv.main, kv.index_keys, kv.pending)
-        out: Tensor = self.attn(x, ctx)
-        return out
 
 
 def local_moe(ffn: MoE, x: Tensor) -> Tensor:

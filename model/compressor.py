@@ -60,7 +60,7 @@ class Compressor(nn.Module):
         kv, gate = torch.cat([pending.kv, projected.kv]), torch.cat([pending.gate, projected.gate])
         usable = (kv.shape[0] // self.ratio) * self.ratio
         rest = PendingGroup(kv[usable:], gate[usable:])
-        return self._pool(kv[:usable], gate[:usable], x.dtype), rest
+        return self.pool(kv[:usable], gate[:usable], x.dtype), rest
 
     def forward_full(self, x: Tensor) -> Tensor:
         """Latents `[..., G, head_dim]` of the complete groups of whole sequences `x [..., S, D]`
@@ -70,9 +70,9 @@ class Compressor(nn.Module):
             return latent
         projected = self.project(x)
         usable = (x.shape[-2] // self.ratio) * self.ratio
-        return self._pool(projected.kv[..., :usable, :], projected.gate[..., :usable, :], x.dtype)
+        return self.pool(projected.kv[..., :usable, :], projected.gate[..., :usable, :], x.dtype)
 
-    def _pool(self, kv: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
+    def pool(self, kv: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
         """Gated pooling of whole groups: float32 `[..., G * m, head_dim]` -> normed `[..., G, head_dim]`."""
         groups_kv = kv.view(*kv.shape[:-2], -1, self.ratio, kv.shape[-1])  # [..., G, m, head_dim]
         groups_gate = gate.view(*gate.shape[:-2], -1, self.ratio, gate.shape[-1])

@@ -17,7 +17,7 @@ Markov and confidence heads (rank r = `dspark_markov_rank`):
     q_k(v) ∝ exp(U_k(v) + (W1[x_{k-1}] W2)_v)       # x_0 = anchor; sampled left to right
     c_k    = sigmoid(w · [h_k; W1[x_{k-1}]])          # survival of a j-prefix = c_1 ... c_j
 The drafts, their distributions q_k (for lossless acceptance) and c_k (for the verification length)
-come out of one call.
+come out of one call, for a whole batch of sequences at once (`Drafter.draft_batch`).
 
 Checkpoint names (ours; the released layout is not public): `dspark.fc.weight [D, 3D]`,
 `dspark.norm.weight`, `dspark.layers.N.{attn_norm,ffn_norm}.weight`, `dspark.layers.N.attn.*`
@@ -28,10 +28,12 @@ Checkpoint names (ours; the released layout is not public): `dspark.fc.weight [D
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from cedserve.model.attention import GroupedOutput, sink_attention
 from cedserve.model.config import ModelConfig
@@ -52,6 +54,9 @@ class DraftState:
     end_position: int  # position after the newest vector
     window: int
     rollback: int
+    last_confidences: Tensor | None = None
+    """float32 `[K]` on the host: c_1..c_K of this sequence's latest draft (None: none yet). The
+    serving proposer predicts the next draft's worth from it."""
 
     @staticmethod
     def new(config: ModelConfig, device: torch.device | None = None) -> DraftState:
@@ -85,6 +90,16 @@ class Draft:
     tokens: list[int]  # [k] drafted tokens x_1..x_k
     probs: Tensor  # float32 [k, vocab]: q_k each token was drawn from
     confidences: Tensor  # float32 [k]: c_k
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence to draft for in a batched draft pass."""
+
+    anchor: int  # the token at position `state.end_position` (the last accepted one)
+    state: DraftState
+    temperature: float = 0.0  # <= 0: greedy
+    generator: torch.Generator | None = None  # the request's own stream (None: the global one)
 
 
 class DraftAttention(nn.Module):
@@ -195,32 +210,78 @@ class Drafter(nn.Module):
     def draft(self, anchor: int, state: DraftState, embed: nn.Embedding, lm_head: nn.Module,
               temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
         """Draft `dspark_block_size` tokens after `anchor`, the token at position `state.end_position`."""
-        c = self.config
-        k = c.dspark_block_size
-        device = embed.weight.device
-        block = torch.full((k,), c.dspark_noise_token_id, dtype=torch.long, device=device)
-        block[0] = anchor
-        positions = torch.arange(state.end_position, state.end_position + k, device=device)
-        context = state.window_vectors
-        ctx_positions = torch.arange(state.end_position - context.shape[0], state.end_position, device=device)
-        h = self.block_states(block, context, positions, ctx_positions, embed)
-        base = lm_head(h).float()  # [k, V]: U_k
-        return self._sample(anchor, h, base, temperature, generator)
+        return self.draft_batch([DraftRequest(anchor, state, temperature, generator)], embed, lm_head)[0]
 
-    def _sample(self, anchor: int, h: Tensor, base: Tensor, temperature: float,
-                generator: torch.Generator | None) -> Draft:
-        tokens: list[int] = []
-        probs, confs = [], []
-        previous = torch.tensor([anchor], device=h.device)
-        for pos in range(base.shape[0]):
-            logits, confidence = self.heads(h[pos : pos + 1], base[pos : pos + 1], previous)
-            confs.append(confidence)
-            if temperature <= 0:
-                dist = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    @torch.no_grad()
+    def draft_batch(self, requests: Sequence[DraftRequest], embed: nn.Embedding, lm_head: nn.Module) -> list[Draft]:
+        """One draft pass for several sequences: their context windows padded to the longest (a
+        negative context position masks a pad, see `DraftAttention`), all blocks through the draft
+        layers and the LM head at once, then the Markov/confidence heads left to right for all rows.
+
+        Equal to drafting each request alone up to float rounding (the batched matmuls); a request's
+        random stream is exactly what it would consume alone (`_sample_batch`)."""
+        c = self.config
+        k, batch = c.dspark_block_size, len(requests)
+        if batch == 0:
+            return []
+        device = embed.weight.device
+        windows = [r.state.window_vectors for r in requests]
+        if any(w.shape[0] == 0 for w in windows):
+            raise ValueError("draft_batch: every request needs at least one context vector")
+        context = pad_sequence(windows, batch_first=True)  # [B, n, D], zeros after each window
+        lengths = torch.tensor([w.shape[0] for w in windows], device=device)[:, None]  # [B, 1]
+        ends = torch.tensor([r.state.end_position for r in requests], device=device)  # [B]
+        offsets = torch.arange(context.shape[1], device=device)  # [n]
+        # [B, n]: the window's positions, then -1 (a pad no query sees)
+        ctx_positions = torch.where(offsets < lengths, ends[:, None] - lengths + offsets, -1)
+        block = torch.full((batch, k), c.dspark_noise_token_id, dtype=torch.long, device=device)  # [B, k]
+        block[:, 0] = torch.tensor([r.anchor for r in requests], device=device)
+        positions = ends[:, None] + torch.arange(k, device=device)  # [B, k]
+        h = self.block_states(block, context, positions, ctx_positions, embed)  # [B, k, D]
+        base = lm_head(h).float()  # [B, k, V]: U_k
+        return self._sample_batch(requests, block[:, 0], h, base)
+
+    def _sample_batch(self, requests: Sequence[DraftRequest], anchors: Tensor, h: Tensor, base: Tensor) -> list[Draft]:
+        """Markov-adjusted tokens left to right for all rows at once.
+
+        Greedy rows (temperature <= 0) take the argmax and draw nothing. A sampled row's token at
+        each position is `argmax(q / E)` with `E ~ Exp(1)^V` drawn from the request's generator
+        (float32, on the generator's device): the exponential race, which is how `torch.multinomial`
+        draws one sample, so a request consumes exactly the stream that `k` calls of
+        `torch.multinomial(q_k, 1, generator=g)` would, in position order, and draws the same tokens
+        (tests/unit/test_dspark.py checks both). The noise is drawn up front, request by request, so
+        requests sharing one generator (None: the global one) draw in the same order as one by one.
+        """
+        batch, k, vocab = base.shape
+        temperature = torch.tensor([max(r.temperature, 0.0) for r in requests], device=base.device)
+        sampled = temperature > 0  # [B]
+        noise = self._race_noise(requests, k, vocab, base.device) if bool(sampled.any()) else None  # [B, k, V]
+        scale = torch.where(sampled, temperature, torch.ones_like(temperature))[:, None]  # [B, 1]
+        previous = anchors
+        tokens, probs, confs = [], [], []
+        for pos in range(k):
+            logits, confidence = self.heads(h[:, pos], base[:, pos], previous)  # [B, V], [B, 1]
+            dist = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)  # greedy: one-hot
+            if noise is not None:
+                dist = torch.where(sampled[:, None], torch.softmax(logits / scale, dim=-1), dist)
+                previous = (dist / noise[:, pos]).argmax(-1)  # greedy rows' noise is 1
             else:
-                dist = torch.softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(dist[0], 1, generator=generator)) if temperature > 0 else int(dist.argmax())
-            tokens.append(token)
-            probs.append(dist[0])
-            previous = torch.tensor([token], device=h.device)
-        return Draft(tokens, torch.stack(probs), torch.cat(confs).flatten())
+                previous = dist.argmax(-1)
+            tokens.append(previous)
+            probs.append(dist)
+            confs.append(confidence[:, 0])
+        token_rows = torch.stack(tokens, 1).tolist()  # [B][k]: the pass's one host sync
+        prob_rows, conf_rows = torch.stack(probs, 1), torch.stack(confs, 1)  # [B, k, V], [B, k]
+        return [Draft(token_rows[i], prob_rows[i], conf_rows[i]) for i in range(batch)]
+
+    @staticmethod
+    def _race_noise(requests: Sequence[DraftRequest], k: int, vocab: int, device: torch.device) -> Tensor:
+        """`[B, k, V]` Exp(1) draws of every sampled request, k rows of V in position order from its
+        own generator (1 for greedy requests)."""
+        noise = torch.ones(len(requests), k, vocab, device=device)
+        for i, r in enumerate(requests):
+            if r.temperature > 0:
+                where = r.generator.device if r.generator is not None else device
+                rows = [torch.empty(vocab, device=where).exponential_(1, generator=r.generator) for _ in range(k)]
+                noise[i] = torch.stack(rows).to(device)
+        return noise

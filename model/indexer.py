@@ -87,14 +87,26 @@ class Indexer(nn.Module):
         `q_residual [S, q_lora_rank]` against dequantized `keys [T, index_head_dim]`. Batched:
         `x [B, S, D]`, `q_residual [B, S, q_lora_rank]`, `keys [B, T, d]` -> `[B, S, T]`; the query
         quantizer is straight-through under autograd."""
+        return self.score(self.query(q_residual, cos, sin), self.head_weights(x), keys)
+
+    def query(self, q_residual: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Quantized index queries `[..., S, H, d]` of `q_residual [..., S, q_lora_rank]` (row-wise)."""
         q = self.wq_b(q_residual).unflatten(-1, (self.num_heads, self.head_dim))  # [(B,) S, H, d]
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        q = straight_through(q, lambda v: fake_quant_fp4(v, INDEX_QUANT_BLOCK, "ue8m0"))
+        return straight_through(q, lambda v: fake_quant_fp4(v, INDEX_QUANT_BLOCK, "ue8m0"))
+
+    def head_weights(self, x: Tensor) -> Tensor:
+        """Per-head score weights `[..., S, H]` (float32) of `x [..., S, D]` (row-wise)."""
+        weights: Tensor = self.weights_proj(x).float() * self.num_heads**-0.5
+        return weights
+
+    def score(self, q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+        """Scores `[S, T]` of `query` rows `q [S, H, d]` with `head_weights` `[S, H]` against `keys
+        [T, d]`; batched `[B, S, H, d]`, `[B, S, H]`, `[B, T, d]` -> `[B, S, T]`."""
         if keys.dim() == 2:
             per_head = torch.einsum("shd,td->sht", q.float(), keys.float())
         else:
             per_head = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
         per_head = per_head.relu() * self.head_dim**-0.5
-        weights: Tensor = self.weights_proj(x).float() * self.num_heads**-0.5  # [(B,) S, H]
         scores: Tensor = (per_head * weights.unsqueeze(-1)).sum(dim=-2)
         return scores

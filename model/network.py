@@ -15,7 +15,8 @@ Entry points (all take and mutate a `SequenceState`; none keeps per-sequence dat
 * `verify(token_ids, state)` / `commit(state, snapshot, num_tokens_kept)`: score an anchor and its
   drafts in one pass, then keep only the accepted prefix (see `commit` for how).
 * `forward_batch(items, moe)`: one pass over chunks of several sequences (prefill, decode, verify
-  or replay chunks, mixed), attention per sequence and everything else over all rows at once; the
+  or replay chunks, mixed): everything row-wise over all rows at once, decode and verify chunks
+  attending as one padded batch (`cedserve.model.batch`), replays and long chunks one by one; the
   MoE goes through `moe` (expert parallelism plugs in there).
 * `forward_train(token_ids [B, S])`: the training pass: whole sequences from position 0, batched,
   with autograd; each row equals a `prefill` of it (cached values through the KV format's round trip
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from cedserve.model.batch import BatchPass, device_ints
 from cedserve.model.block import Block, MoEFn, local_moe
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.context import ForwardContext, TrainContext
@@ -256,31 +258,17 @@ class CEDModel(nn.Module):
     def forward_batch(self, items: Sequence[BatchItem], moe: MoEFn = local_moe) -> list[BatchOutput]:
         """One pass over every item's chunk (see `BatchItem`). Each state ends as `prefill` (or
         `replay`) of its chunks in order would leave it, up to float rounding: row-wise results do
-        not depend on the other rows, but matmuls over more rows may round differently. `moe` is
-        called once per layer even for an empty batch, so expert-parallel ranks with nothing to run
-        stay in step."""
-        ctxs, streams, pre_mix = [], [], []
-        for item in items:
-            before = (item.state.position, item.state.engram_tail)
-            if item.replay:
-                s, m, _, ctx = self._begin_replay(item.token_ids, item.state)
-            else:
-                s, m, _, ctx = self._begin(item.token_ids, item.state, write_global_kv=True)
-                item.state.position += int(ctx.positions.shape[0])  # a later chunk of this sequence starts here
-            ctx.taps = {} if item.taps else None
-            ctx.boundary = StateSnapshot(before[0], {}, {}, before[1]) if item.snapshot else None
-            ctxs.append(ctx)
-            streams.append(s)
-            pre_mix.append(m)
-        sizes = [int(ctx.positions.shape[0]) for ctx in ctxs]
-        hidden, hc = self.config.hidden_size, self.config.hc_mult
-        device, dtype = self.embed.weight.device, self.embed.weight.dtype
-        x = torch.cat(streams) if items else torch.zeros(0, hc, hidden, device=device, dtype=dtype)
-        pre = torch.cat(pre_mix) if items else torch.zeros(0, hc, device=device)
+        not depend on the other rows, but matmuls over more rows (and attention over padded keys)
+        may round differently. Decode and verify chunks attend as one padded batch
+        (`cedserve.model.batch`). `moe` is called once per layer even for an empty batch, so
+        expert-parallel ranks with nothing to run stay in step."""
+        batch, tokens = self._begin_batch(items)
+        x, pre = self._embed(tokens)
         for layer_id in range(self.config.num_hidden_layers):
-            x, pre = self._block(layer_id).forward_batch(x, pre, ctxs, sizes, moe)
-        logits = self._logits(x, pre).split_with_sizes(sizes) if items else ()
-        return [BatchOutput(rows, self._stack_taps(ctx.taps, rows), ctx.boundary) for rows, ctx in zip(logits, ctxs)]
+            x, pre = self._block(layer_id).forward_batch(x, pre, batch, moe)
+        logits = self._logits(x, pre).split_with_sizes(batch.sizes) if items else ()
+        return [BatchOutput(rows, self._stack_taps(ctx.taps, rows), ctx.boundary)
+                for rows, ctx in zip(logits, batch.ctxs)]
 
     def forward_train(self, token_ids: Tensor, kv_format: KVFormat = KVFormat.RECORDS, taps: bool = False,
                       dense_selection: bool = False, indexer_loss: bool = False) -> TrainOutput:
@@ -451,6 +439,57 @@ class CEDModel(nn.Module):
         ctx = self._context(positions, state, write_global_kv, hash_ids)
         streams, pre_mix = self._embed(tokens)
         return streams, pre_mix, hash_ids, ctx
+
+    def _begin_batch(self, items: Sequence[BatchItem]) -> tuple[BatchPass, Tensor]:
+        """`forward_batch`'s start: each item's bookkeeping in item order (as `_begin` or
+        `_begin_replay` would do it), and what the pass's layers share: positions, RoPE and Engram
+        rows of all rows, computed once. Token ids given as lists are checked on the host."""
+        device = self.embed.weight.device
+        sizes: list[int] = []
+        starts: list[int] = []
+        at: dict[int, int] = {}  # id(state) -> its position after the items so far
+        for item in items:  # host ints only: where each item starts
+            n = int(item.token_ids.numel()) if isinstance(item.token_ids, Tensor) else len(item.token_ids)
+            if n == 0:
+                raise ValueError("no tokens given")
+            position = at.get(id(item.state), item.state.position)
+            start = position - n if item.replay else position
+            if start < 0:
+                raise ValueError(f"replay of {n} tokens, but the sequence holds {position}")
+            sizes.append(n)
+            starts.append(start)
+            at[id(item.state)] = start + n
+        positions_host = [start + j for start, n in zip(starts, sizes) for j in range(n)]
+        if any(isinstance(item.token_ids, Tensor) for item in items):
+            tokens = torch.cat([self._token_tensor(item.token_ids) for item in items])
+            (positions,) = device_ints([positions_host], device)
+        else:
+            flat = [int(t) for item in items for t in item.token_ids]
+            if any(not 0 <= t < self.config.vocab_size for t in flat):
+                raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {flat[:16]}...")
+            tokens, positions = device_ints([flat, positions_host], device)
+        rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+        ctxs, hashes, offset = [], [], 0
+        for item, n, start in zip(items, sizes, starts):
+            state, rows = item.state, slice(offset, offset + n)
+            offset += n
+            before = (state.position, state.engram_tail)
+            if item.replay:  # as `_begin_replay`: the bounded state restarts at the span
+                for layer in state.swa:
+                    state.swa[layer] = state.swa[layer][:0]
+                state.engram_tail = state.engram_tail[:0]
+                state.position = start
+            hashes.append(self._hash_ids(tokens[rows], state))
+            state.position = start + n  # a later chunk of this sequence starts here
+            chunk_rope = {kind: (cos[rows], sin[rows]) for kind, (cos, sin) in rope.items()}
+            ctx = ForwardContext(positions[rows], chunk_rope, state, write_global_kv=not item.replay)
+            ctx.taps = {} if item.taps else None
+            ctx.boundary = StateSnapshot(before[0], {}, {}, before[1]) if item.snapshot else None
+            ctxs.append(ctx)
+        hash_ids = [h for h in hashes if h is not None]
+        rows_future = self._engram_rows(torch.cat(hash_ids)) if hash_ids else None
+        replay = [item.replay for item in items]
+        return BatchPass.build(ctxs, sizes, starts, replay, rope, rows_future, device), tokens
 
     def _begin_replay(
         self, token_ids: Tensor | Sequence[int], state: SequenceState

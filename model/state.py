@@ -64,8 +64,12 @@ class GlobalKV:
 
     def append(self, main_values: Tensor, key_values: Tensor) -> None:
         """Quantize and append post-RoPE main KV `[G, D]` and index keys `[G, d]`."""
-        self.main = torch.cat([self.main, encode_main(main_values, self.kv_format)])
-        self.index_keys = torch.cat([self.index_keys, encode_index_key(key_values, self.kv_format)])
+        self.append_records(encode_main(main_values, self.kv_format), encode_index_key(key_values, self.kv_format))
+
+    def append_records(self, main: Tensor, index_keys: Tensor) -> None:
+        """Append already encoded rows (`encode_main`, `encode_index_key` of this format)."""
+        self.main = torch.cat([self.main, main])
+        self.index_keys = torch.cat([self.index_keys, index_keys])
 
     def main_values(self) -> Tensor:
         """Dequantized main KV, float32 `[T, D]`."""
@@ -131,7 +135,9 @@ class SequenceState:
     def keep_window(self, layer_id: int, records: Tensor) -> None:
         """Store the newest `sliding_window - 1` of `records [n, bytes]` as the layer's window."""
         drop = records.shape[0] - self.window_keep
-        self.swa[layer_id] = records[drop:].clone() if drop > 0 else records  # clone frees the chunk
+        # A long chunk's records are copied out so the chunk can be freed; a decode or verify chunk's
+        # view keeps at most twice the window alive and saves a copy per layer per step.
+        self.swa[layer_id] = records[drop:].clone() if drop > self.window_keep else records[max(drop, 0):]
 
     def snapshot(self) -> StateSnapshot:
         """The state as it is now; `restore` brings it back exactly."""

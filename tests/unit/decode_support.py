@@ -286,6 +286,9 @@ class TargetProposer:
     def observe(self, seq: Any, first_position: int, taps: torch.Tensor, keep_end: int) -> None:
         pass
 
+    def observe_many(self, observations: Sequence[Any]) -> None:
+        pass
+
 
 # ---------------------------------------------------------------------- expert-parallel groups
 

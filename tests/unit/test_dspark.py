@@ -97,3 +97,100 @@ def test_state_is_bounded_and_rolls_back() -> None:
     assert torch.equal(state.window_vectors, kept)
     with pytest.raises(ValueError, match="roll the draft state back"):
         state.truncate(0)
+
+
+# ------------------------------------------------------------------ batched drafting
+
+
+def _reference_draft(drafter: Drafter, anchor: int, state: DraftState, embed: nn.Embedding, head: nn.Linear,
+                     temperature: float, generator: torch.Generator | None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The one-sequence path written out: one block, `torch.multinomial` draws left to right."""
+    config = drafter.config
+    k = config.dspark_block_size
+    block = torch.tensor([anchor] + [config.dspark_noise_token_id] * (k - 1))
+    positions = torch.arange(state.end_position, state.end_position + k)
+    context = state.window_vectors
+    ctx_pos = torch.arange(state.end_position - context.shape[0], state.end_position)
+    with torch.no_grad():
+        h = drafter.block_states(block, context, positions, ctx_pos, embed)
+        base = head(h).float()
+        tokens, probs, confs, previous = [], [], [], anchor
+        for pos in range(k):
+            logits, confidence = drafter.heads(h[pos : pos + 1], base[pos : pos + 1], torch.tensor([previous]))
+            if temperature > 0:
+                dist = torch.softmax(logits[0] / temperature, dim=-1)
+                previous = int(torch.multinomial(dist, 1, generator=generator))
+            else:
+                dist = torch.zeros_like(logits[0]).scatter_(0, logits[0].argmax(-1, keepdim=True), 1.0)
+                previous = int(logits[0].argmax())
+            tokens.append(previous)
+            probs.append(dist)
+            confs.append(confidence[0, 0])
+    return tokens, torch.stack(probs), torch.stack(confs)
+
+
+def _random_states(drafter: Drafter, seed: int) -> list[DraftState]:
+    """Windows of every length class: one vector, partial, full, full plus rollback, at scattered positions."""
+    config = drafter.config
+    gen = torch.Generator().manual_seed(seed)
+    full = config.sliding_window + config.dspark_block_size + 1
+    states = []
+    for n, start in [(1, 0), (3, 40), (config.sliding_window, 7), (full + 9, 1000), (5, 123)]:
+        state = DraftState.new(config)
+        state.end_position = start
+        taps = torch.randn(n, len(config.dspark_target_layer_ids), config.hc_mult, config.hidden_size, generator=gen)
+        with torch.no_grad():
+            state.extend(drafter.context_vectors(taps))
+        states.append(state)
+    return states
+
+
+TEMPERATURES = {"greedy": [0.0] * 5, "sampled": [0.7, 1.0, 1.3, 0.5, 2.0], "mixed": [0.0, 0.9, 0.0, 1.1, 0.6]}
+
+
+@pytest.mark.parametrize("mode", sorted(TEMPERATURES))
+def test_draft_batch_equals_one_sequence_at_a_time(mode: str) -> None:
+    from cedserve.model.dspark import DraftRequest
+
+    drafter, embed, head = _random_drafter(10 + len(mode))
+    states = _random_states(drafter, seed=len(mode))
+    anchors = torch.randint(0, drafter.config.vocab_size, (len(states),)).tolist()
+    temps = TEMPERATURES[mode]
+    seeds = [100 + i for i in range(len(states))]
+    expected = [_reference_draft(drafter, a, s, embed, head, t, torch.Generator().manual_seed(seed))
+                for a, s, t, seed in zip(anchors, states, temps, seeds)]
+    gens = [torch.Generator().manual_seed(seed) for seed in seeds]
+    got = drafter.draft_batch([DraftRequest(a, s, t, g) for a, s, t, g in zip(anchors, states, temps, gens)],
+                              embed, head)
+    for (tokens, probs, confs), draft, t, g, seed in zip(expected, got, temps, gens, seeds):
+        assert draft.tokens == tokens
+        torch.testing.assert_close(draft.probs, probs, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(draft.confidences, confs, atol=1e-6, rtol=1e-5)
+        # The request's stream: what k multinomial draws consume when sampled, nothing when greedy.
+        alone = torch.Generator().manual_seed(seed)
+        if t > 0:
+            for _ in range(drafter.config.dspark_block_size):
+                torch.multinomial(torch.ones(drafter.config.vocab_size), 1, generator=alone)
+        assert torch.equal(g.get_state(), alone.get_state())
+
+
+def test_draft_batch_shares_the_global_stream_in_request_order() -> None:
+    from cedserve.model.dspark import DraftRequest
+
+    drafter, embed, head = _random_drafter(20)
+    states = _random_states(drafter, seed=3)[:3]
+    torch.manual_seed(5)
+    expected = [_reference_draft(drafter, 9, s, embed, head, 1.0, None)[0] for s in states]
+    torch.manual_seed(5)
+    got = drafter.draft_batch([DraftRequest(9, s, 1.0) for s in states], embed, head)
+    assert [d.tokens for d in got] == expected
+
+
+def test_draft_batch_edges() -> None:
+    from cedserve.model.dspark import DraftRequest
+
+    drafter, embed, head = _random_drafter(21)
+    assert drafter.draft_batch([], embed, head) == []
+    with pytest.raises(ValueError, match="at least one context vector"):
+        drafter.draft_batch([DraftRequest(3, _state(drafter, 2)), DraftRequest(3, DraftState.new(drafter.config))],
+                            embed, head)

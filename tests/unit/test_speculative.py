@@ -102,3 +102,21 @@ def test_verify_lengths_respect_each_requests_cap() -> None:
     assert costly.tolist() == [5, 2, 0]
     assert choose_verify_lengths(conf, lambda n: 1.0 / n, caps).tolist() == [0, 0, 0]
     assert choose_verify_lengths(conf[:, :0], lambda n: 1.0, torch.tensor([0, 0, 0])).tolist() == [0, 0, 0]
+
+
+def test_verify_lengths_count_the_draft_pass() -> None:
+    # 4 requests with a good drafter (c = 0.9); a pass costs 50 ms + 1 ms per row.
+    conf = torch.full((4, 5), 0.9)
+    rate = lambda n: 1.0 / (0.05 + 0.001 * n)  # noqa: E731
+    assert choose_verify_lengths(conf, rate).tolist() == [5, 5, 5, 5]  # the drafts exist: verify them
+    # Deciding whether to draft at all: a 1 s draft pass cannot pay for 4 x 3.7 extra tokens
+    # (4 tokens per 54 ms without drafting), a 20 ms one can.
+    assert choose_verify_lengths(conf, rate, draft_s=1.0).tolist() == [0, 0, 0, 0]
+    assert choose_verify_lengths(conf, rate, draft_s=0.02).tolist() == [5, 5, 5, 5]
+    # Break-even: verifying everything yields 4 x 4.69 tokens in 74 ms + d; it pays while d < ~0.16 s.
+    tokens = float(expected_tokens(conf, torch.full((4,), 5)).sum())
+    break_even = tokens / (4 * rate(4)) - 1.0 / rate(24)
+    assert choose_verify_lengths(conf, rate, draft_s=break_even * 0.99).sum() > 0
+    assert choose_verify_lengths(conf, rate, draft_s=break_even * 1.01).sum() == 0
+    with pytest.raises(ValueError, match="draft_s"):
+        choose_verify_lengths(conf, rate, draft_s=-1.0)

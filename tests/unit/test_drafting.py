@@ -1,0 +1,155 @@
+"""DSparkProposer: the batched draft pass and batched observe equal the per-sequence path, and the
+cost check turns drafting down for a batch where it cannot pay (draft pass included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_support import Rig, greedy_rounds, greedy_ties, prompt, tiny
+
+from cedserve.decode_workers.drafting import DSparkProposer, Observation
+from cedserve.decode_workers.messages import Finished
+from cedserve.decode_workers.profile import StepProfile
+from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease
+from cedserve.model.dspark import Drafter, DraftState
+from cedserve.model.network import CEDModel
+from cedserve.model.sampling import SamplingParams, make_generator
+
+
+def _taps(model: CEDModel, n: int, gen: torch.Generator) -> torch.Tensor:
+    c = model.config
+    return torch.randn(n, len(c.dspark_target_layer_ids), c.hc_mult, c.hidden_size, generator=gen)
+
+
+def _sequence(model: CEDModel, rid: str, num_tokens: int, temperature: float, seed: int) -> DecodeSequence:
+    tokens = torch.randint(3, 500, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    params = SamplingParams(temperature=temperature, seed=seed)
+    lease = Lease(f"l-{rid}", rid, [], 0, float("inf"), False, num_tokens)
+    seq = DecodeSequence(rid, lease, tokens, num_tokens, params, make_generator(params), frozenset(), (),
+                         JoinKind.SHIPPED, 0, 0, max_drafts=model.config.dspark_block_size)
+    seq.state = model.new_state()
+    seq.state.position = num_tokens - 1  # the anchor is pending
+    return seq
+
+
+def _batch(model: CEDModel, drafter: Drafter, proposer: DSparkProposer, temps: list[float]) -> list[DecodeSequence]:
+    """Sequences whose drafter memories were filled by `observe` (history lengths differ)."""
+    gen = torch.Generator().manual_seed(len(temps))
+    seqs = []
+    for i, t in enumerate(temps):
+        n = 3 + 7 * i
+        seq = _sequence(model, f"r{i}", n, t, seed=40 + i)
+        proposer.observe(seq, 0, _taps(model, n - 1, gen), n - 1)
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0, 0.0, 0.0], [0.8, 0.0, 1.2, 1.0]], ids=["greedy", "mixed"])
+def test_propose_equals_drafting_each_sequence_alone(temps: list[float]) -> None:
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model, num_tokens=4)
+    seqs = _batch(model, drafter, proposer, temps)
+    late = _sequence(model, "late", 6, 0.0, seed=9)  # no drafter memory yet: no drafts
+    expected = []
+    for seq, t in zip(seqs, temps):
+        alone = make_generator(seq.params)
+        expected.append(drafter.draft(seq.anchor, seq.draft, model.embed, model.lm_head, t, alone))  # type: ignore[arg-type]
+    drafts = proposer.propose([*seqs[:2], late, *seqs[2:]])
+    assert drafts[2] is None
+    for want, got in zip(expected, [d for d in drafts if d is not None]):
+        assert got.tokens == want.tokens[:4]
+        torch.testing.assert_close(got.probs, want.probs[:4], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.confidences, want.confidences[:4], atol=1e-6, rtol=1e-5)
+
+
+def test_observe_many_equals_observe_each() -> None:
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model)
+    gen = torch.Generator().manual_seed(3)
+    one, many = _batch(model, drafter, proposer, [0.0] * 3), _batch(model, drafter, proposer, [0.0] * 3)
+    # The next pass: a carry + verify chunk per sequence, some drafts rejected (keep_end short),
+    # and one sequence whose memory is too far behind (rebuilt from this pass alone).
+    passes = [(s.draft.end_position, 6, s.draft.end_position + 3) for s in one]  # type: ignore[union-attr]
+    passes[2] = (passes[2][0] + 20, 6, passes[2][0] + 25)
+    taps = [_taps(model, n, gen) for _, n, _ in passes]
+    for seq, (first, _, keep), t in zip(one, passes, taps):
+        proposer.observe(seq, first, t, keep)
+    proposer.observe_many([Observation(seq, first, t, keep) for seq, (first, _, keep), t in zip(many, passes, taps)])
+    for a, b in zip(one, many):
+        assert a.draft is not None and b.draft is not None
+        assert (a.draft.end_position, a.draft.vectors.shape) == (b.draft.end_position, b.draft.vectors.shape)
+        torch.testing.assert_close(b.draft.vectors, a.draft.vectors, atol=1e-5, rtol=1e-5)
+    assert one[2].draft is not None and one[2].draft.vectors.shape[0] == 5  # rebuilt: only this pass's kept rows
+    proposer.observe_many([])
+
+
+def _profile(draft_s: float | None) -> StepProfile:
+    """A pass costs 50 ms + 1 ms per row; a draft pass `draft_s` (measured), or nothing measured."""
+    profile = StepProfile(0.05, 0.001)
+    for _ in range(8 if draft_s is not None else 0):
+        profile.record_draft(4, draft_s or 0.0)
+    return profile
+
+
+@pytest.mark.parametrize("verify_all", [False, True])
+def test_drafting_is_turned_down_where_the_draft_pass_cannot_pay(verify_all: bool) -> None:
+    model, drafter = tiny()
+    costly = DSparkProposer(drafter, model, profile=_profile(draft_s=1.0), probe_every=3, verify_all=verify_all)
+    seqs = _batch(model, drafter, costly, [0.0] * 4)
+    assert all(d is not None for d in costly.propose(seqs))  # no history yet: draft to learn the confidences
+    for seq in seqs:
+        assert seq.draft is not None and seq.draft.last_confidences is not None
+        seq.draft.last_confidences = torch.full((5,), 0.9)  # a good drafter: 4.1 tokens per verify
+    # 4 x 4.1 tokens in 0.05 + 24 rows x 1 ms + 1 s draft, against 4 tokens in 0.054 s: it cannot pay.
+    assert costly.propose(seqs) == [None] * 4 and costly.declined_steps == 1
+    assert costly.propose(seqs) == [None] * 4 and costly.declined_steps == 2
+    assert all(d is not None for d in costly.propose(seqs))  # every probe_every-th step drafts anyway
+
+    cheap = DSparkProposer(drafter, model, profile=_profile(draft_s=0.002), verify_all=verify_all)
+    seqs = _batch(model, drafter, cheap, [0.0] * 4)
+    cheap.propose(seqs)
+    for seq in seqs:
+        assert seq.draft is not None
+        seq.draft.last_confidences = torch.full((5,), 0.9)
+    assert all(d is not None for d in cheap.propose(seqs)) and cheap.declined_steps == 0
+    for seq in seqs:
+        assert seq.draft is not None
+        seq.draft.last_confidences = torch.full((5,), 0.01)  # drafts that never survive: not worth rows
+    assert cheap.propose(seqs) == [None] * 4 and cheap.declined_steps == 1
+
+
+def test_draft_pass_is_measured_into_the_profile() -> None:
+    model, drafter = tiny()
+    profile = StepProfile(0.05, 0.001)
+    proposer = DSparkProposer(drafter, model, profile=profile)
+    assert profile.draft_seconds(3) == 0.0
+    proposer.propose(_batch(model, drafter, proposer, [0.0] * 3))
+    assert profile.draft_seconds(3) > 0.0 and profile.draft_line()[1] == 0.0  # one size seen: flat
+
+
+def test_bad_settings_name_the_field() -> None:
+    model, drafter = tiny()
+    with pytest.raises(ValueError, match="draft_tokens"):
+        DSparkProposer(drafter, model, num_tokens=9)
+    with pytest.raises(ValueError, match="probe_every"):
+        DSparkProposer(drafter, model, probe_every=0)
+    state = DraftState.new(model.config)
+    assert state.last_confidences is None
+
+
+def test_engine_with_the_cost_check_declines_and_stays_lossless() -> None:
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model)
+    rig = Rig(model, drafter, proposer=proposer, dspark=True)
+    proposer.profile = rig.engine.profile  # the engine's hook (docs/decode.md, *Drafting*)
+    for _ in range(8):
+        rig.engine.profile.record_draft(2, 10.0)  # a draft pass that no acceptance can pay for
+    prompts = [prompt(37, 1), prompt(21, 2)]
+    got = greedy_rounds(rig, prompts, 12)
+    assert proposer.declined_steps > 0
+    # Tokens as without drafting, up to numerical ties (tests/unit/test_decode_engine.py)
+    assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, got.values())) <= 1
+    for rid in got:
+        done = rig.finished(rid)
+        assert isinstance(done, Finished) and done.output_tokens == 12
+    rig.assert_all_free()
