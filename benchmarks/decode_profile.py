@@ -9,7 +9,9 @@ measures exactly. Host syncs are ops that make the host wait for the device (`.i
 
 Counted with a `TorchDispatchMode` (every op after autograd, i.e. what reaches a backend), attributed to
 the attention, the MoE (routing + experts, through `local_moe`), or the rest (Engram, mHC, norms, embed,
-logits). `ops_per_layer_per_seq` = (ops at batch B - ops at batch 1) / ((B - 1) x layers): the part that
+logits). By default mHC's tail (sigmoids + Sinkhorn) counts as the one fused-kernel launch a CUDA
+pass makes (`--mhc kernel`; the torch reference computes it, uncounted); `--mhc torch` counts the
+torch ops of the CPU path. Timed passes always run the CPU path. `ops_per_layer_per_seq` = (ops at batch B - ops at batch 1) / ((B - 1) x layers): the part that
 grows with the batch. Wall time is the median of `--repeats` passes on this machine (each pass from the
 same states: they are restored after it).
 
@@ -30,7 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cedserve.kernels.mhc import hc_mix_tail_reference
+from cedserve.model import mhc
 from cedserve.model.attention import Attention
 from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
@@ -63,8 +67,17 @@ class OpCounter(TorchDispatchMode):
         self.by_section: Counter[str] = Counter()
         self.launches: Counter[str] = Counter()  # ops that compute (not views): a kernel each on a GPU
         self.section = ["other"]
+        self.paused = False  # inside a stand-in for a fused kernel: its ops are not counted
+
+    def kernel(self, name: str) -> None:
+        """Count one fused (Triton) launch, which does not dispatch through torch."""
+        self.by_name[name] += 1
+        self.by_section[self.section[-1]] += 1
+        self.launches[self.section[-1]] += 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         self.by_name[name] += 1
         self.by_section[self.section[-1]] += 1
@@ -98,6 +111,29 @@ def sections(counter: OpCounter) -> Iterator[None]:
     finally:
         for cls, name, original in wrapped:
             setattr(cls, name, original)
+
+
+@contextmanager
+def fused_mhc(counter: OpCounter) -> Iterator[None]:
+    """Count `hc_mixes`' tail as a GPU pass runs it: its three output allocations and one launch of
+    the fused kernel (`cedserve.kernels.mhc`), computed here by the uncounted torch reference."""
+    original = mhc.hc_mix_tail
+
+    def stand_in(mixes: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        for _ in range(3):
+            mixes.new_empty(0)
+        counter.kernel("triton:_hc_mix_tail_kernel")
+        counter.paused = True
+        try:
+            return hc_mix_tail_reference(mixes, *args)
+        finally:
+            counter.paused = False
+
+    mhc.hc_mix_tail = stand_in  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        mhc.hc_mix_tail = original
 
 
 @contextmanager
@@ -138,7 +174,7 @@ def prefilled_states(model: CEDModel, lengths: list[int], seed: int, chunk: int)
     return [copy.deepcopy(copies[n]) for n in lengths]
 
 
-def measure(model: CEDModel, states: list[SequenceState], rows: int, repeats: int) -> dict[str, Any]:
+def measure(model: CEDModel, states: list[SequenceState], rows: int, repeats: int, mhc_kernel: bool) -> dict[str, Any]:
     """Op counts of one pass, and its median wall time, from the same states every time."""
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(4, min(model.config.vocab_size, 512), (rows,), generator=gen).tolist() for _ in states]
@@ -151,7 +187,7 @@ def measure(model: CEDModel, states: list[SequenceState], rows: int, repeats: in
 
     one_pass()  # warm-up
     counter, extra = OpCounter(), Counter[str]()
-    with sections(counter), count_tolist(extra), counter:
+    with sections(counter), count_tolist(extra), fused_mhc(counter) if mhc_kernel else nullcontext(), counter:
         one_pass()
     times = []
     for _ in range(repeats):
@@ -175,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mhc", choices=("kernel", "torch"), default="kernel",
+                   help="count mHC's tail as the fused kernel (one launch, what a CUDA pass runs) or as the "
+                        "torch ops a CPU pass runs")
     p.add_argument("--label", default="", help="recorded with the results (e.g. the commit)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -186,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     states = prefilled_states(model, [args.context + 5 * b for b in range(max(args.batches))], args.seed, 512)
     results: list[dict[str, Any]] = []
     for batch in args.batches:
-        row = {"batch": batch, "rows": args.rows, **measure(model, states[:batch], args.rows, args.repeats)}
+        row = {"batch": batch, "rows": args.rows, **measure(model, states[:batch], args.rows, args.repeats, args.mhc == "kernel")}
         results.append(row)
         print(f"{args.model} batch {batch:>3} rows {args.rows}: {row['ops']:>7} ops ({row['compute_ops']} computing) "
               f"{row['num_syncs']:>5} syncs  {row['pass_ms']:8.1f} ms  computing ops by section "
@@ -205,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                           "load_average_1m": os.getloadavg()[0]},
-              "model": args.model, "layers": layers, "context": args.context, "results": results}
+              "model": args.model, "mhc": args.mhc, "layers": layers, "context": args.context, "results": results}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cedserve.model.moe import MoE
+from cedserve.model.moe import MoE, expert_segments, run_segments, sum_ascending
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,15 @@ def experts_of(rank: int, world_size: int, num_experts: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _send_order(indices: Tensor, world_size: int, num_experts: int) -> tuple[Tensor, list[int]]:
-    """Flat (token * k + slot) indices sorted by (expert, token), and rows per destination rank."""
-    n, k = indices.shape
+def _send_order(indices: Tensor, world_size: int, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Flat (token * k + slot) indices sorted by (expert, token), and rows per destination rank
+    (int64 `[world_size]`, on the device: nothing is read back here)."""
     flat_expert = indices.reshape(-1)
-    token = torch.arange(n, device=indices.device).repeat_interleave(k)
-    order = torch.argsort(flat_expert * max(n, 1) + token, stable=True)
-    owner = flat_expert[order] // (num_experts // world_size)
-    counts = torch.bincount(owner, minlength=world_size).tolist() if n else [0] * world_size
+    # flat index token * k + slot is already token-major: a stable sort by expert keeps token order
+    order = torch.argsort(flat_expert, stable=True)
+    owner = flat_expert // (num_experts // world_size)
+    counts = torch.zeros(world_size, dtype=torch.long, device=indices.device)
+    counts.index_add_(0, owner, torch.ones_like(owner))
     return order, counts
 
 
@@ -104,8 +105,9 @@ class SingleRank:
         return 1
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> Dispatched:
-        order, counts = _send_order(indices, 1, self.num_experts)
+        order = torch.argsort(indices.reshape(-1), stable=True)  # by (expert, token); no read-back
         k = indices.shape[1]
+        counts = [indices.numel()]
         return Dispatched(x[order // k], indices.reshape(-1)[order], weights.reshape(-1, 1)[order].float(),
                           order, counts, counts, int(x.shape[0]), k)
 
@@ -148,11 +150,11 @@ class TorchDistributedEP:
         return out
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> Dispatched:
-        order, send = _send_order(indices, self._world, self.num_experts)
-        counts = torch.tensor(send, dtype=torch.long, device=x.device)
-        recv_t = torch.empty_like(counts)
-        dist.all_to_all_single(recv_t, counts, group=self._group)
-        recv = recv_t.tolist()
+        order, send_t = _send_order(indices, self._world, self.num_experts)
+        recv_t = torch.empty_like(send_t)
+        dist.all_to_all_single(recv_t, send_t, group=self._group)
+        counts = torch.cat([send_t, recv_t]).tolist()  # the one read-back: both split lists at once
+        send, recv = counts[: self._world], counts[self._world :]
         k = indices.shape[1]
         meta = torch.stack([indices.reshape(-1)[order].float(), weights.reshape(-1)[order].float()], dim=1)
         rows = self._exchange(x[order // k], send, recv)
@@ -175,16 +177,11 @@ def ep_moe(ep: ExpertParallel, ffn: MoE, x: Tensor) -> Tensor:
     """One MoE layer over this rank's tokens `x [N, hidden]` through `ep` -> `[N, hidden]`."""
     weights, indices = ffn.gate(x)
     sent = ep.dispatch(x, indices, weights)
-    y = torch.zeros(sent.x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
-    for expert_id in torch.unique(sent.expert_ids).tolist():
-        rows = torch.where(sent.expert_ids == expert_id)[0]
-        y[rows] = ffn.experts[expert_id](sent.x[rows], sent.weights[rows]).float()
-    per_slot = ep.combine(y, sent)  # [N, k, hidden]
-    ascending = indices.argsort(dim=1, stable=True)
-    per_slot = per_slot.gather(1, ascending[..., None].expand_as(per_slot))
-    out = torch.zeros_like(x, dtype=torch.float32)
-    for slot in range(per_slot.shape[1]):
-        out += per_slot[:, slot]
+    # received rows grouped by expert, keeping (source rank, token) order within one: one host sync
+    order, counts = expert_segments(sent.expert_ids, len(ffn.experts))
+    y = torch.empty(sent.x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
+    y[order] = run_segments(ffn.experts, sent.x[order], sent.weights[order], counts)
+    out = sum_ascending(ep.combine(y, sent), indices)  # combine: [N, k, hidden]
     out += ffn.shared_experts(x).float()
     return out.to(x.dtype)
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cedserve.kernels.mhc import hc_mix_tail
+from cedserve.kernels.mhc import sinkhorn as sinkhorn
+from cedserve.kernels.triton_support import Impl
 from cedserve.model.norm import rms_normalize
 
 
@@ -27,30 +30,21 @@ class HcMix:
     comb: Tensor  # [S, hc(from), hc(to)]
 
 
-def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
-    """Project `logits [..., n, n]` towards the doubly stochastic matrices: a row softmax, then
-    `iters` alternating normalisations (columns first, the row/column pairs after)."""
-    m = torch.softmax(logits, dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
-
-
 def hc_mixes(
     streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float
 ) -> HcMix:
     """Coefficients for `streams [S, hc, D]` from one site's `fn [(2+hc)*hc, hc*D]`,
-    `scale [3]` and `base [(2+hc)*hc]`. Normalisation is over the whole flattened hc*D row."""
-    hc = streams.shape[-2]
+    `scale [3]` and `base [(2+hc)*hc]`. Normalisation is over the whole flattened hc*D row.
+
+    The sigmoids and the Sinkhorn projection (`cedserve.kernels.mhc`) run as one Triton launch on
+    CUDA tensors (no fallback: a missing triton raises) and as the torch reference elsewhere."""
     flat = rms_normalize(streams.flatten(start_dim=-2).float(), norm_eps)
     mixes = flat @ fn.float().t()  # [S, (2+hc)*hc]
-    scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb_logits = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).view(*mixes.shape[:-1], hc, hc)
-    return HcMix(pre=pre, post=post, comb=sinkhorn(comb_logits, sinkhorn_iters, hc_eps))
+    impl: Impl = "triton" if streams.is_cuda else "torch"
+    pre, post, comb = hc_mix_tail(mixes.reshape(-1, mixes.shape[-1]), scale.float().contiguous(),
+                                  base.float().contiguous(), sinkhorn_iters, hc_eps, impl=impl)
+    lead = mixes.shape[:-1]
+    return HcMix(pre=pre.view(*lead, -1), post=post.view(*lead, -1), comb=comb.view(*lead, *comb.shape[-2:]))
 
 
 def hc_collapse(streams: Tensor, pre: Tensor) -> Tensor:

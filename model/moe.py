@@ -70,8 +70,43 @@ class Expert(nn.Module):
         return down
 
 
+def expert_segments(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, list[int]]:
+    """Rows grouped by expert: a stable order of `expert_ids [M]` (rows of one expert keep their
+    order) and the rows per expert. One host sync (the counts), whatever the number of experts."""
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
+    counts.index_add_(0, expert_ids, torch.ones_like(expert_ids))
+    return order, counts.tolist()
+
+
+def run_segments(experts: nn.ModuleList, x: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+    """Expert outputs for rows grouped by expert (`x [M, D]`, routing `weights [M, 1]`, `counts[e]`
+    rows of expert e in turn, as from `expert_segments`): float32 `[M, D]`. Each expert runs once
+    over its rows, in their order; experts with no rows are not called."""
+    outs, start = [], 0
+    for expert_id, count in enumerate(counts):
+        if count:
+            outs.append(experts[expert_id](x[start:start + count], weights[start:start + count]).float())
+            start += count
+    if not outs:
+        return x.new_zeros(x.shape, dtype=torch.float32)
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def sum_ascending(per_slot: Tensor, indices: Tensor) -> Tensor:
+    """Sum each token's routed outputs `per_slot [N, k, D]` (slot order of `indices [N, k]`) in
+    ascending expert order, from zero: float32 `[N, D]`, the order a loop over experts adds them."""
+    ascending = indices.argsort(dim=1, stable=True)
+    per_slot = per_slot.gather(1, ascending[..., None].expand_as(per_slot))
+    out = per_slot.new_zeros(per_slot.shape[0], per_slot.shape[2])
+    for slot in range(per_slot.shape[1]):
+        out += per_slot[:, slot]
+    return out
+
+
 class MoE(nn.Module):
-    """Routed experts plus the shared expert; loops over the experts that received tokens."""
+    """Routed experts plus the shared expert. The (token, slot) pairs are sorted by expert and each
+    expert with tokens runs once over its contiguous rows; one host sync per call (rows per expert)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -83,10 +118,12 @@ class MoE(nn.Module):
         """`x [N, D]` -> `[N, D]` (any leading dimensions: `[..., D]`)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, indices = self.gate(x)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for expert_id in indices.unique().tolist():
-            rows, slot = torch.where(indices == expert_id)
-            out[rows] += self.experts[expert_id](x[rows], weights[rows, slot, None]).float()
+        weights, indices = self.gate(x)  # [N, k]
+        n, k = indices.shape
+        order, counts = expert_segments(indices.reshape(-1), len(self.experts))  # over flat token * k + slot
+        y = run_segments(self.experts, x[order // k], weights.reshape(-1, 1)[order], counts)
+        per_slot = torch.empty(n * k, shape[-1], dtype=torch.float32, device=x.device)
+        per_slot[order] = y
+        out = sum_ascending(per_slot.view(n, k, shape[-1]), indices)
         out += self.shared_experts(x).float()
         return out.to(x.dtype).view(shape)
