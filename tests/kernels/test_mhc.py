@@ -107,6 +107,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_model_hc_mixes_uses_the_kernel_on_cuda(tokens: int, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,6 +138,7 @@ def test_model_hc_mixes_uses_the_kernel_on_cuda(tokens: int, gen: torch.Generato
         assert err <= 1e-5, f"{name}: {err:.3g}"  # the projection matmul rounds differently on the GPU
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_cuda_kernel_matches_reference_many_tokens(gen: torch.Generator) -> None:
     mixes, scale, base = _inputs(4099, 4, gen, torch.device("cuda"))
