@@ -23,16 +23,26 @@ distribution at position anchor + j (KL), and the confidence head learns whether
 equals the backbone's (binary cross-entropy). The previous token the Markov head reads is the
 text's, i.e. every earlier draft accepted.
 
+Drafter only (`train_drafter_cached`, docs/training.md "Drafter-only training"): the frozen backbone's
+work is done once into a `DistillSet` (its greedy continuations of training prompts, as DSpark meets
+them when serving, and corpus rows: every position's taps and top-K next tokens), then the drafter
+trains many epochs over it on an argmax-aware loss (`cached_draft_loss`; the Markov head reads the
+backbone's greedy tokens), measured by replaying greedy speculative decoding on held-out prompts
+(`speculative_acceptance`) and written beside the unchanged backbone (`write_drafter_checkpoint`).
+
 Step budget: a phase runs `max_steps`, or as many steps as fit in `seconds` at the step time
 measured over its first `probe_steps` steps (the LR schedule is set then; warm-up covers the probe).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,10 +51,11 @@ from torch import Tensor, nn
 
 from cedserve.kernels.reference import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode
 from cedserve.kernels.weight_formats import FP4_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK
-from cedserve.model.checkpoint_writer import StoredFormat, stored_format
-from cedserve.model.dspark import Drafter
+from cedserve.model.checkpoint_writer import StoredFormat, encode_tensors, stored_format
+from cedserve.model.config import ModelConfig
+from cedserve.model.dspark import Drafter, DraftRequest, DraftState
 from cedserve.model.moe import Router
-from cedserve.model.network import CEDModel
+from cedserve.model.network import BatchItem, CEDModel
 from cedserve.model.train_data import consecutive_rows, random_rows
 
 LogFn = Callable[[dict[str, Any]], None]
@@ -512,3 +523,366 @@ def train_drafter(model: CEDModel, drafter: Drafter, train: Tensor, heldout: Ten
     report.steps, report.seconds = step, time.perf_counter() - budget.started
     report.tokens, report.step_s = step * cfg.batch_size * cfg.seq_len, budget.step_s
     return report
+
+
+# ------------------------------------------------------------------ drafter: self-distillation over a cache
+
+
+@dataclass(frozen=True)
+class DistillSet:
+    """The frozen backbone's work for drafter training, done once (`distill_set`) and reused for
+    many epochs: rows of text, the DSpark taps of every position (averaged over the mHC streams, as
+    `Drafter.context_vectors` does first), and the backbone's top-K next-token distribution there."""
+
+    tokens: Tensor  # int64 [N, S]
+    taps: Tensor  # float32 [N, S, n_taps, D]: stream-mean taps
+    top_ids: Tensor  # int64 [N, S, K]: the backbone's K likeliest next tokens, its argmax first
+    top_logp: Tensor  # float32 [N, S, K]: their log-probabilities (of the full softmax)
+    first_anchor: Tensor  # int64 [N]: anchors are drawn from [first_anchor, S - block]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.taps, self.top_ids, self.top_logp))
+
+    @property
+    def greedy(self) -> Tensor:
+        """int64 `[N, S]`: the backbone's argmax next token at every position."""
+        return self.top_ids[..., 0]
+
+    def select(self, index: Tensor) -> DistillSet:
+        return DistillSet(self.tokens[index], self.taps[index], self.top_ids[index], self.top_logp[index],
+                          self.first_anchor[index])
+
+    @staticmethod
+    def cat(parts: list[DistillSet]) -> DistillSet:
+        if len({p.seq_len for p in parts}) != 1:
+            raise ValueError(f"DistillSet.cat: rows of different lengths {[p.seq_len for p in parts]}")
+        return DistillSet(*(torch.cat([getattr(p, f) for p in parts])
+                            for f in ("tokens", "taps", "top_ids", "top_logp", "first_anchor")))
+
+
+@torch.no_grad()
+def greedy_continuations(model: CEDModel, prompts: Tensor, new_tokens: int, batch_size: int = 64,
+                         seconds: float = 0.0) -> Tensor:
+    """`prompts [B, P]` followed by the backbone's own greedy continuation of `new_tokens` tokens
+    (what DSpark drafts against at serving time), `[B', P + n]`. Decoding runs through the serving
+    path (`CEDModel.forward_batch`: every row's state in one pass per token), `batch_size` rows at a
+    time. With `seconds` > 0 the budget bounds it: no new group starts once it is spent (B' < B), and
+    if the first group runs out, its rows end there (n < new_tokens)."""
+    started = time.perf_counter()
+    out: list[Tensor] = []
+    for start in range(0, prompts.shape[0], batch_size):
+        if out and seconds > 0 and time.perf_counter() - started > seconds:
+            break
+        chunk = prompts[start : start + batch_size]
+        states = [model.new_state() for _ in range(chunk.shape[0])]
+        outs = model.forward_batch([BatchItem(row, state) for row, state in zip(chunk, states)])
+        token = torch.stack([o.logits[-1] for o in outs]).argmax(-1)  # [b]
+        generated = [token]
+        for _ in range(new_tokens - 1):
+            if not out and seconds > 0 and time.perf_counter() - started > seconds:
+                break  # the first group is all there is: keep what it has
+            outs = model.forward_batch([BatchItem([t], s) for t, s in zip(token.tolist(), states)])
+            token = torch.stack([o.logits[-1] for o in outs]).argmax(-1)
+            generated.append(token)
+        rows = torch.cat([chunk, torch.stack(generated, 1).to(chunk.device)], 1)
+        if out and rows.shape[1] != out[0].shape[1]:
+            break
+        out.append(rows)
+        if rows.shape[1] < prompts.shape[1] + new_tokens:
+            break
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def distill_set(model: CEDModel, rows: Tensor, first_anchor: int, topk: int = 16, batch_size: int = 16) -> DistillSet:
+    """One frozen-backbone pass (`forward_train`, taps on) over `rows [N, S]`."""
+    taps, ids, logps = [], [], []
+    for start in range(0, rows.shape[0], batch_size):
+        out = model.forward_train(rows[start : start + batch_size], taps=True)
+        assert out.taps is not None
+        top_logp, top_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(topk, dim=-1)
+        taps.append(out.taps.float().mean(dim=-2))
+        ids.append(top_ids)
+        logps.append(top_logp)
+    first = torch.full((rows.shape[0],), first_anchor, dtype=torch.long, device=rows.device)
+    return DistillSet(rows, torch.cat(taps), torch.cat(ids), torch.cat(logps), first)
+
+
+@dataclass(frozen=True)
+class CachedDraftBatch:
+    """Draft blocks of anchors drawn from a `DistillSet`."""
+
+    block: Tensor  # int64 [A, k]: anchor, then noise tokens
+    positions: Tensor  # int64 [A, k]
+    context: Tensor  # [A, W, D]: context vectors of the W positions before the anchor
+    ctx_positions: Tensor  # int64 [A, W] (negative: before the row's start, masked)
+    previous: Tensor  # int64 [A, k]: the anchor, then the backbone's greedy tokens
+    top_ids: Tensor  # int64 [A, k, K]: the backbone's top-K next tokens at each block position
+    top_logp: Tensor  # float32 [A, k, K]
+
+
+def sample_anchors(data: DistillSet, rows: Tensor, per_row: int, block: int, generator: torch.Generator) -> Tensor:
+    """`[len(rows), per_row]` anchor positions, uniform in each row's `[first_anchor, S - block]`."""
+    low = data.first_anchor.cpu()[rows.cpu()]  # [B]
+    span = (data.seq_len - block + 1 - low).clamp_min(1)
+    u = torch.rand(rows.shape[0], per_row, generator=generator)
+    return (low[:, None] + (u * span[:, None]).long()).to(data.tokens.device)
+
+
+def cached_draft_batch(drafter: Drafter, data: DistillSet, rows: Tensor, anchors: Tensor) -> CachedDraftBatch:
+    """The draft blocks at `anchors [B, a]` of data rows `rows [B]` (row-major). The Markov head's
+    previous token at block position j > 0 is the backbone's greedy token there (what a draft
+    accepted so far holds), not the text's."""
+    c = drafter.config
+    k, window = c.dspark_block_size, c.sliding_window
+    device = data.tokens.device
+    row = rows.to(device).repeat_interleave(anchors.shape[1])[:, None]  # [A, 1]
+    anchor = anchors.flatten()[:, None]  # [A, 1]
+    positions = anchor + torch.arange(k, device=device)  # [A, k]
+    ctx_positions = anchor - window + torch.arange(window, device=device)  # [A, W]
+    taps = data.taps[row, ctx_positions.clamp_min(0)]  # [A, W, n_taps, D]
+    context = drafter.context_vectors(taps.unsqueeze(-2))  # a stream axis of one: the mean is the value
+    anchor_token = data.tokens[row[:, 0], anchor[:, 0]]  # [A]
+    greedy = data.top_ids[row, positions, 0]  # [A, k]
+    previous = torch.cat([anchor_token[:, None], greedy[:, :-1]], dim=1)
+    block = torch.full_like(positions, c.dspark_noise_token_id)
+    block[:, 0] = anchor_token
+    return CachedDraftBatch(block, positions, context, ctx_positions, previous, data.top_ids[row, positions],
+                            data.top_logp[row, positions])
+
+
+@dataclass(frozen=True)
+class DraftLossConfig:
+    """Weights of the drafter's distillation loss (`cached_draft_loss`)."""
+
+    soft: float = 1.0
+    """Cross-entropy to the backbone's top-K distribution (renormalised): calibration, sampling."""
+    argmax: float = 1.0
+    """Cross-entropy to the backbone's argmax: what greedy acceptance checks."""
+    prefix: bool = False
+    """Weight block position j by the drafter's probability (detached) of drafting the backbone's
+    greedy tokens at positions < j: a position counts as much as it is reached."""
+    confidence: float = 1.0
+
+
+def cached_draft_loss(model: CEDModel, drafter: Drafter, batch: CachedDraftBatch,
+                      weights: DraftLossConfig = DraftLossConfig()) -> tuple[Tensor, dict[str, float]]:
+    """The drafter's loss on a cached batch, and statistics: `kl` (to the top-K teacher),
+    `argmax_ce`, `top1` (share of block positions whose argmax is the backbone's) and `accepted`
+    (mean leading drafts equal to the backbone's greedy tokens: greedy acceptance on these rows)."""
+    h = drafter.block_states(batch.block, batch.context, batch.positions, batch.ctx_positions, model.embed)
+    logits, confidence = drafter.heads(h, model.lm_head(h).float(), batch.previous)
+    logq = torch.log_softmax(logits, dim=-1)  # [A, k, V]
+    top_logq = logq.gather(-1, batch.top_ids)  # [A, k, K]
+    teacher = torch.log_softmax(batch.top_logp, dim=-1)  # renormalised over the top K
+    soft = -(teacher.exp() * top_logq).sum(-1)  # [A, k]
+    hard = -top_logq[..., 0]
+    per_position = weights.soft * soft + weights.argmax * hard
+    if weights.prefix:
+        reach = torch.cat([torch.ones_like(hard[:, :1]), (-hard[:, :-1]).detach().exp().cumprod(-1)], dim=-1)
+        distill = (per_position * reach).sum() / reach.sum()
+    else:
+        distill = per_position.mean()
+    match = (logits.argmax(dim=-1) == batch.top_ids[..., 0]).float()
+    conf = F.binary_cross_entropy(confidence.squeeze(-1).clamp(1e-6, 1 - 1e-6), match)
+    kl = ((teacher.exp() * teacher).sum(-1) + soft).mean()
+    stats = {"kl": float(kl.detach()), "argmax_ce": float(hard.detach().mean()), "top1": float(match.mean()),
+             "accepted": float(match.cumprod(dim=-1).sum(dim=-1).mean()), "confidence_bce": float(conf.detach())}
+    return distill + weights.confidence * conf, stats
+
+
+@torch.no_grad()
+def speculative_acceptance(model: CEDModel, drafter: Drafter, data: DistillSet, max_verifications: int = 0) -> dict[str, float]:
+    """Greedy speculative decoding replayed on `data`, whose rows from `first_anchor` on are the
+    backbone's greedy continuation of their prompt (`greedy_continuations`): from the first anchor
+    on, each verification drafts `dspark_block_size` tokens through the serving draft pass
+    (`Drafter.draft_batch`, all rows at once, each with the memory a decode worker holds: the
+    context vectors before its anchor), accepts the leading drafts equal to the backbone's greedy
+    tokens, and moves the anchor past them and the target's own token, as `DecodeEngine` does.
+    Returns the mean accepted drafts per verification (benchmarks/demo_eval.py's figure) and the
+    share of verifications whose first draft is accepted. `max_verifications` (> 0) caps each row."""
+    was_training = drafter.training
+    drafter.eval()
+    c = drafter.config
+    k, keep = c.dspark_block_size, c.sliding_window + c.dspark_block_size + 1
+    vectors = torch.cat([drafter.context_vectors(data.taps[i : i + 16].unsqueeze(-2))
+                         for i in range(0, data.num_rows, 16)])  # [N, S, D]
+    greedy = data.greedy.tolist()
+    tokens = data.tokens.tolist()
+    anchors = data.first_anchor.tolist()
+    counts = [0] * data.num_rows
+    accepted = verifications = first = 0
+    histogram = [0] * (k + 1)
+    while True:
+        active = [i for i, a in enumerate(anchors) if a + k <= data.seq_len and a > 0
+                  and (max_verifications <= 0 or counts[i] < max_verifications)]
+        if not active:
+            break
+        requests = []
+        for i in active:
+            a = anchors[i]
+            state = DraftState.new(c, vectors.device)  # what a decode worker holds at this anchor
+            state.vectors, state.end_position = vectors[i, max(0, a - keep) : a], a
+            requests.append(DraftRequest(tokens[i][a], state))
+        for i, draft in zip(active, drafter.draft_batch(requests, model.embed, model.lm_head)):
+            a = anchors[i]
+            n = 0
+            while n < k and draft.tokens[n] == greedy[i][a + n]:
+                n += 1
+            accepted += n
+            verifications += 1
+            first += n > 0
+            histogram[n] += 1
+            counts[i] += 1
+            anchors[i] = a + n + 1
+    drafter.train(was_training)
+    return {"accepted_per_verify": accepted / max(1, verifications), "first_accepted": first / max(1, verifications),
+            "verifications": float(verifications), **{f"share_{n}": h / max(1, verifications) for n, h in enumerate(histogram)}}
+
+
+def train_drafter_cached(model: CEDModel, drafter: Drafter, data: DistillSet, cfg: PhaseConfig, log: LogFn,
+                         weights: DraftLossConfig = DraftLossConfig(),
+                         evaluate: Callable[[], dict[str, float]] | None = None, evaluations: int = 0,
+                         greedy_share: float = 0.0, keep_best: str = "") -> PhaseReport:
+    """Train `drafter` in place on a `DistillSet` (the frozen backbone is not run again): every
+    step draws `batch_size` rows and `anchors_per_row` anchors per row, AdamW on
+    `cached_draft_loss`, QAT for the last `qat_fraction` of the steps, the draft experts' balancing.
+    Every `eval_every` steps (`evaluations` > 0: that many times over the phase, once its length is
+    known) and at the end, a log record; `evaluate` (e.g. `speculative_acceptance` on held-out rows)
+    adds its figures to it. Rows are drawn uniformly, or with `greedy_share` in (0, 1) that share of
+    them from the greedy rows (`first_anchor` > 1) when there are both kinds. `keep_best` (a key of
+    `evaluate`'s figures): the drafter ends as it was at the evaluation that maximised it
+    (`PhaseReport.final["best_step"]`)."""
+    generator = torch.Generator().manual_seed(cfg.seed + 2)
+    model.eval().requires_grad_(False)
+    drafter.train()
+    qat = WeightQAT(drafter)
+    opt = _optimizer(drafter.named_parameters(), qat, cfg)
+    balancer = ExpertBalancer(drafter, cfg.balance_rate)
+    budget = StepBudget(cfg)
+    report = PhaseReport()
+    bar = _progress(budget.total, "drafter")
+    k = drafter.config.dspark_block_size
+    is_greedy = (data.first_anchor > 1).cpu()
+    weights_per_row = torch.ones(data.num_rows)
+    if 0 < greedy_share < 1 and 0 < int(is_greedy.sum()) < data.num_rows:
+        weights_per_row = torch.where(is_greedy, greedy_share / is_greedy.sum(), (1 - greedy_share) / (~is_greedy).sum())
+    best: tuple[float, int, dict[str, Tensor]] | None = None
+    if keep_best and evaluate is not None:  # the starting drafter is a candidate too
+        figures = evaluate()
+        best = (figures[keep_best], 0, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
+        report.history.append({"phase": "drafter", "step": 0, **{f"heldout_{k}": v for k, v in figures.items()}})
+        log(report.history[-1])
+    step = 0
+    while not budget.done(step):
+        qat.enabled = budget.total is not None and budget.fraction(step) >= 1 - cfg.qat_fraction
+        qat.load()
+        rows = torch.multinomial(weights_per_row, cfg.batch_size, replacement=True, generator=generator)
+        anchors = sample_anchors(data, rows, cfg.anchors_per_row, k, generator)
+        loss, stats = cached_draft_loss(model, drafter, cached_draft_batch(drafter, data, rows, anchors), weights)
+        loss.backward()  # type: ignore[no-untyped-call]
+        qat.pass_grads()
+        grad_norm = _optimizer_step(opt, budget.lr(step), cfg.grad_clip)
+        balancer.update()
+        step += 1
+        budget.observe(step)
+        if bar.total is None and budget.total is not None:
+            bar.total = budget.total
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(kl=f"{stats['kl']:.3f}", acc=f"{stats['accepted']:.2f}")
+        every = cfg.eval_every
+        if evaluations > 0:
+            every = max(1, budget.total // evaluations) if budget.total else 0
+        if (every and step % every == 0) or budget.done(step):
+            record: dict[str, Any] = {"phase": "drafter", "step": step,
+                                      "seconds": round(time.perf_counter() - budget.started, 1),
+                                      **stats, "grad_norm": grad_norm, "lr": budget.lr(step - 1), "qat": qat.enabled}
+            if evaluate is not None:
+                qat.load()
+                figures = evaluate()
+                record.update({f"heldout_{key}": value for key, value in figures.items()})
+                if keep_best and (best is None or figures[keep_best] > best[0]):
+                    best = (figures[keep_best], step, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
+            report.history.append(record)
+            log(record)
+    bar.close()
+    qat.enabled = budget.total is not None and cfg.qat_fraction > 0
+    qat.load()
+    if best is not None:
+        drafter.load_state_dict(best[2])
+        report.final = {"best_step": float(best[1]), f"best_{keep_best}": best[0]}
+    balancer.close()
+    drafter.eval()
+    _sync()
+    report.steps, report.seconds = step, time.perf_counter() - budget.started
+    report.tokens, report.step_s = step * cfg.batch_size * cfg.anchors_per_row, budget.step_s
+    return report
+
+
+def write_drafter_checkpoint(source: Path, drafter: Drafter, out: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write `out` as the checkpoint folder `source` with its drafter (`dspark.*`) replaced by
+    `drafter`: every other tensor is copied as stored (its bytes unchanged), `config.json` is
+    `drafter.config` (which may change only the drafter's fields), tokenizer and generation config
+    are copied. `out` may equal `source` (the weights are replaced atomically)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, out = Path(source), Path(out)
+    old = ModelConfig.from_hf_json(source)
+    drafter_fields = {"num_nextn_predict_layers", "dspark_markov_rank", "dspark_n_routed_experts",
+                      "dspark_num_experts_per_tok", "compress_ratios"}
+    changed = {f for f in old.__dataclass_fields__ if getattr(old, f) != getattr(drafter.config, f)}
+    if changed - drafter_fields:
+        raise ValueError(f"write_drafter_checkpoint: the drafter's config changes backbone fields {sorted(changed - drafter_fields)}")
+    shards = sorted(source.glob("*.safetensors"))
+    if len(shards) != 1:
+        raise ValueError(f"write_drafter_checkpoint: expected one *.safetensors in {source}, found {len(shards)}")
+    tensors: dict[str, Tensor] = {}
+    with safe_open(str(shards[0]), framework="pt") as handle:
+        stored_metadata = dict(handle.metadata() or {})
+        for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
+            if not name.startswith("dspark."):
+                tensors[name] = handle.get_tensor(name)
+    named = {f"dspark.{k}": v for k, v in drafter.state_dict().items()}  # as checkpoint_tensors names them
+    tensors.update({k: v.cpu() for k, v in encode_tensors(named, True, half_floats=True).items()})
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (shards[0].name + ".tmp")
+    save_file(tensors, str(tmp), metadata={**stored_metadata, **(metadata or {})})
+    tmp.replace(out / shards[0].name)
+    if changed:
+        (out / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=1))
+    names = ("tokenizer.json", "generation_config.json") + (() if changed else ("config.json",))
+    for name in names:
+        if (source / name).exists() and (source / name).resolve() != (out / name).resolve():
+            shutil.copyfile(source / name, out / name)
+
+
+def backbone_identical(source: Path, out: Path) -> dict[str, Any]:
+    """Compare every tensor but the drafter's (`dspark.*`) of two checkpoint folders byte for byte:
+    `identical`, the names that differ (missing on one side, other dtype, shape or bytes), and the
+    count and bytes compared."""
+    from safetensors import safe_open
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as handle:
+                found.update({n: handle.get_tensor(n) for n in handle.keys() if not n.startswith("dspark.")})  # noqa: SIM118
+        return found
+
+    a, b = tensors(source), tensors(out)
+    differ = sorted(n for n in a.keys() | b.keys()
+                    if n not in a or n not in b or a[n].dtype != b[n].dtype or a[n].shape != b[n].shape
+                    or not torch.equal(a[n].contiguous().view(torch.uint8), b[n].contiguous().view(torch.uint8)))
+    return {"tensors": len(a), "bytes": sum(t.numel() * t.element_size() for t in a.values()), "differ": differ,
+            "identical": not differ}

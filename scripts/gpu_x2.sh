@@ -26,8 +26,8 @@ pack() { tar -C "$W" -czf "$OUT/$1.tgz" "$1"; }
 case "$PART" in
   a)
     mkdir -p "$W/drafter" "$W/transfer"
-    CUDA_VISIBLE_DEVICES=0 OUT="$W/drafter" DRAFTER_ONLY=1 DRAFTER_S=${DRAFTER_S:-240} TRAIN_TIMEOUT_S=330 \
-      EVAL_TIMEOUT_S=200 bash scripts/gpu_train_demo.sh > "$W/drafter/stdout.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 OUT="$W/drafter" DRAFTER_ONLY=1 DRAFTER_S=${DRAFTER_S:-220} GREEDY_S=${GREEDY_S:-50} TRAIN_TIMEOUT_S=380 \
+      EVAL_TIMEOUT_S=150 bash scripts/gpu_train_demo.sh > "$W/drafter/stdout.log" 2>&1 &
     ( CUDA_VISIBLE_DEVICES=0,1 OUT="$W/transfer" SKIP_WHL=1 SITE=/tmp/site:/tmp/site2 bash scripts/gpu_transfer.sh
       # then GPU 1 alone: the fused mHC kernel's GPU tests and a short decode run on it
       CUDA_VISIBLE_DEVICES=1 PART=tests MARK=gpu OUT="$W/transfer/mhc" TESTS_TIMEOUT_S=60 bash scripts/gpu_kernels.sh

@@ -11,6 +11,16 @@ logits; the JSON report records losses, timings and that check.
     python scripts/train_demo.py --device cuda --out build/demo            # the shipped checkpoint (H200)
     python scripts/train_demo.py --device cpu --max-files 60 --vocab-size 1024 --backbone-steps 20 \\
         --drafter-steps 10 --batch-size 4 --seq-len 128 --out build/demo-cpu   # a quick CPU run
+
+Drafter only (`--init CHECKPOINT --drafter-only`): the backbone is loaded from a checkpoint and
+frozen; the drafter (the checkpoint's, or a fresh one of the sizes given) is trained by
+self-distillation over a cache of the backbone's work (`DistillSet`: greedy continuations of
+training prompts, and corpus rows), evaluated by replaying greedy speculative decoding on held-out
+prompts, and written into a copy of the checkpoint whose backbone tensors are the input's, byte for
+byte (checked, and recorded in the report):
+
+    python scripts/train_demo.py --init cedserve/assets/demo --drafter-only --drafter-seconds 240 \\
+        --out build/demo-drafter/demo
 """
 
 from __future__ import annotations
@@ -35,18 +45,33 @@ from cedserve.model.checkpoint_writer import (
     snap_to_stored_formats,
     write_checkpoint,
 )
+from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter
 from cedserve.model.engram import build_compressed_token_map
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
-from cedserve.model.train_data import consecutive_rows, load_corpus, token_stream, train_tokenizer
+from cedserve.model.train_data import (
+    consecutive_rows,
+    load_corpus,
+    random_rows,
+    token_stream,
+    train_tokenizer,
+)
 from cedserve.model.training import (
+    DistillSet,
+    DraftLossConfig,
     PhaseConfig,
+    backbone_identical,
+    distill_set,
+    greedy_continuations,
     heldout_acceptance,
     heldout_loss,
     init_for_training_,
+    speculative_acceptance,
     train_backbone,
     train_drafter,
+    train_drafter_cached,
+    write_drafter_checkpoint,
 )
 
 
@@ -68,6 +93,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--drafter-lr", type=float, default=2e-3)
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows of the final evaluation")
+    d = p.add_argument_group("drafter only (--init CHECKPOINT --drafter-only)")
+    d.add_argument("--init", type=Path, help="checkpoint folder to start from")
+    d.add_argument("--drafter-only", action="store_true", help="freeze the --init backbone, train only the drafter")
+    d.add_argument("--drafter-init", choices=("checkpoint", "fresh"), default="checkpoint",
+                   help="start from the checkpoint's drafter (when its sizes are unchanged) or a fresh one")
+    d.add_argument("--draft-layers", type=int, default=0, help="draft layers (0: the checkpoint's)")
+    d.add_argument("--draft-experts", type=int, default=0, help="routed experts per draft layer (0: the checkpoint's)")
+    d.add_argument("--draft-experts-per-tok", type=int, default=0)
+    d.add_argument("--markov-rank", type=int, default=0, help="Markov head rank (0: the checkpoint's)")
+    d.add_argument("--greedy-rows", type=int, default=1024, help="training prompts continued greedily by the backbone")
+    d.add_argument("--greedy-prompt", type=int, default=448, help="their prompt tokens (the rest of --seq-len is greedy)")
+    d.add_argument("--greedy-batch", type=int, default=128, help="rows decoded together")
+    d.add_argument("--greedy-seconds", type=float, default=0.0, help="stop starting new groups after this (0: none)")
+    d.add_argument("--corpus-rows", type=int, default=1024, help="corpus rows in the cache beside the greedy ones")
+    d.add_argument("--greedy-share", type=float, default=0.5, help="share of each step's rows drawn from the greedy ones")
+    d.add_argument("--distill-topk", type=int, default=16, help="teacher tokens cached per position")
+    d.add_argument("--anchors-per-row", type=int, default=64)
+    d.add_argument("--soft-weight", type=float, default=1.0, help="loss weight: cross-entropy to the top-K teacher")
+    d.add_argument("--argmax-weight", type=float, default=1.0, help="loss weight: cross-entropy to the teacher's argmax")
+    d.add_argument("--prefix-weighting", action="store_true", help="weight block positions by their reach")
+    d.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts of the acceptance replay")
+    d.add_argument("--eval-prompt-len", type=int, default=256, help="as benchmarks/demo_eval.py --prompt-len")
+    d.add_argument("--eval-new", type=int, default=64, help="greedy tokens after each held-out prompt")
+    d.add_argument("--eval-verifications", type=int, default=8,
+                   help="verifications replayed per prompt (0: to the end; demo_eval's cells run 8 at batch 8 and 32)")
+    d.add_argument("--eval-offset", type=int, default=32 * 256,
+                   help="held-out tokens skipped before the replay's prompts (default: demo_eval's decode prompts)")
+    d.add_argument("--keep-last", action="store_true", help="keep the last drafter, not the best replayed one")
+    d.add_argument("--evaluations", type=int, default=10, help="acceptance replays over the run (besides the last)")
+    d.add_argument("--deadline-seconds", type=float, default=0.0,
+                   help="end the drafter's training early enough that the run ends within this many seconds of "
+                        "its start (0: no deadline; the drafter's budget is then --drafter-seconds)")
+    d.add_argument("--cache", type=Path, help="reuse the backbone's work from this file (written when missing)")
     return p.parse_args(argv)
 
 
@@ -94,8 +152,140 @@ def logit_gap(model: CEDModel, folder: Path, rows: torch.Tensor, device: str) ->
     return float((ours - theirs).abs().max())
 
 
+def drafter_config(base: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """`base` with the drafter sizes asked for (0: unchanged)."""
+    changes = {name: value for name, value in (("num_nextn_predict_layers", args.draft_layers),
+                                               ("dspark_n_routed_experts", args.draft_experts),
+                                               ("dspark_num_experts_per_tok", args.draft_experts_per_tok),
+                                               ("dspark_markov_rank", args.markov_rank)) if value}
+    if "num_nextn_predict_layers" in changes:  # the stored schedule ends with one zero per draft layer
+        changes["compress_ratios"] = base.compress_ratios[: base.num_hidden_layers]
+    return base.replace(**changes) if changes else base
+
+
+def drafter_only(args: argparse.Namespace) -> int:
+    """Train only the drafter of `--init` (module docstring)."""
+    started = time.perf_counter()
+    if args.init is None:
+        raise SystemExit("--drafter-only needs --init CHECKPOINT")
+    torch.manual_seed(args.seed)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    report_path = args.report or args.out.parent / "train-drafter.json"
+    if args.greedy_prompt >= args.seq_len:
+        raise SystemExit(f"--greedy-prompt ({args.greedy_prompt}) must be below --seq-len ({args.seq_len})")
+    model = load_model(args.init, device=args.device).requires_grad_(False)
+    config = drafter_config(model.config, args)
+    same_sizes = config == model.config
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.drafter_init == "checkpoint" and same_sizes:
+        drafter = load_drafter(args.init, config).to(args.device)
+    else:
+        drafter = Drafter(config)
+        init_for_training_(drafter, config.num_nextn_predict_layers, generator)
+        drafter.to(args.device)
+    original = load_drafter(args.init, model.config).to(args.device)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(args.init / "tokenizer.json"))
+    corpus = load_corpus(heldout_every=args.heldout_every, max_files=args.max_files)
+    train = token_stream(tokenizer, corpus.train).to(args.device)
+    heldout = token_stream(tokenizer, corpus.heldout).to(args.device)
+    prepared_s = time.perf_counter() - started
+    print(f"checkpoint {args.init}; corpus {corpus.root}: {train.shape[0]:,} training tokens, {heldout.shape[0]:,} "
+          f"held out; drafter {sum(p.numel() for p in drafter.parameters()):,} parameters "
+          f"({'from the checkpoint' if args.drafter_init == 'checkpoint' and same_sizes else 'fresh'}); "
+          f"{prepared_s:.1f} s", flush=True)
+
+    t = time.perf_counter()
+    if args.cache is not None and args.cache.exists():
+        saved = torch.load(args.cache, map_location=args.device)
+        data, held, greedy_s = DistillSet(**saved["data"]), DistillSet(**saved["held"]), saved["greedy_s"]
+    else:
+        eval_prompts = consecutive_rows(heldout[args.eval_offset :], args.eval_prompt_len, args.eval_prompts)
+        held = distill_set(model, greedy_continuations(model, eval_prompts, args.eval_new, args.greedy_batch),
+                           args.eval_prompt_len, args.distill_topk)
+        prompts = random_rows(train, args.greedy_rows, args.greedy_prompt, generator)
+        greedy = greedy_continuations(model, prompts, args.seq_len - args.greedy_prompt, args.greedy_batch,
+                                      args.greedy_seconds)
+        greedy_s = time.perf_counter() - t
+        parts = [distill_set(model, greedy, args.greedy_prompt, args.distill_topk)]
+        if args.corpus_rows:  # as long as the greedy rows (a budget may have cut them)
+            parts.append(distill_set(model, random_rows(train, args.corpus_rows, greedy.shape[1], generator), 1,
+                                     args.distill_topk))
+        data = DistillSet.cat(parts)
+        if args.cache is not None:
+            torch.save({"data": vars(data), "held": vars(held), "greedy_s": greedy_s}, args.cache)
+    cache_s = time.perf_counter() - t
+    greedy_rows = int((data.first_anchor > 1).sum())
+    print(f"cache: {greedy_rows} greedy rows ({greedy_s:.1f} s) + {data.num_rows - greedy_rows} corpus rows of "
+          f"{data.seq_len}, {data.nbytes / 1e6:.0f} MB; held-out replay {held.num_rows} x "
+          f"({args.eval_prompt_len} + {held.seq_len - args.eval_prompt_len}); {cache_s:.1f} s", flush=True)
+
+    before = speculative_acceptance(model, original, held, args.eval_verifications)
+    print(f"held-out greedy acceptance of the checkpoint's drafter: {before['accepted_per_verify']:.3f} of "
+          f"{config.dspark_block_size}", flush=True)
+    seconds = args.drafter_seconds
+    if args.deadline_seconds > 0:  # leave about 20 s for the replays, the checkpoint and its checks
+        seconds = max(10.0, min(seconds, args.deadline_seconds - (time.perf_counter() - started) - 20))
+        if seconds < args.drafter_seconds:
+            print(f"drafter budget cut to {seconds:.0f} s by --deadline-seconds {args.deadline_seconds:.0f}", flush=True)
+    cfg = PhaseConfig(seconds=seconds, max_steps=args.drafter_steps, batch_size=args.batch_size,
+                      seq_len=args.seq_len, lr=args.drafter_lr, dense_fraction=0.0, anchors_per_row=args.anchors_per_row,
+                      seed=args.seed)
+    weights = DraftLossConfig(soft=args.soft_weight, argmax=args.argmax_weight, prefix=args.prefix_weighting)
+    run = train_drafter_cached(model, drafter, data, cfg, log_line, weights,
+                               lambda: speculative_acceptance(model, drafter, held, args.eval_verifications), args.evaluations,
+                               args.greedy_share, "" if args.keep_last else "accepted_per_verify")
+    snap_to_stored_formats(drafter)
+    after = speculative_acceptance(model, drafter, held, args.eval_verifications)
+    write_drafter_checkpoint(args.init, drafter, args.out,
+                             {"trainer": "scripts/train_demo.py --drafter-only", "seed": str(args.seed)})
+    identical = backbone_identical(args.init, args.out)
+    loaded = load_drafter(args.out, ModelConfig.from_hf_json(args.out)).to(args.device)
+    drafter_gap = max(float((a - b).abs().max()) for a, b in zip(drafter.state_dict().values(),
+                                                                   loaded.state_dict().values()))
+    size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
+    report = {
+        "benchmark": "train_demo_drafter", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine(args.device),
+        "init": str(args.init), "corpus": {"root": str(corpus.root), "train_tokens": int(train.shape[0]),
+                                           "heldout_tokens": int(heldout.shape[0])},
+        "drafter_config": {"layers": config.num_nextn_predict_layers, "experts": config.dspark_n_routed_experts,
+                           "experts_per_tok": config.dspark_num_experts_per_tok, "markov_rank": config.dspark_markov_rank,
+                           "parameters": sum(p.numel() for p in drafter.parameters()),
+                           "init": "checkpoint" if args.drafter_init == "checkpoint" and same_sizes else "fresh"},
+        "cache": {"greedy_rows": greedy_rows, "greedy_prompt": args.greedy_prompt,
+                  "corpus_rows": data.num_rows - greedy_rows, "seq_len": data.seq_len, "topk": int(data.top_ids.shape[-1]),
+                  "mbytes": data.nbytes / 1e6, "greedy_s": round(greedy_s, 1), "cache_s": round(cache_s, 1)},
+        "loss": {"soft": weights.soft, "argmax": weights.argmax, "prefix": weights.prefix,
+                 "greedy_share": args.greedy_share},
+        "heldout_replay": {"prompts": held.num_rows, "prompt_len": args.eval_prompt_len, "offset": args.eval_offset,
+                           "verifications_per_prompt": args.eval_verifications,
+                           "new_tokens": held.seq_len - args.eval_prompt_len},
+        "drafter": {"steps": run.steps, "seconds": round(run.seconds, 1), "anchors": run.tokens, "step_s": run.step_s,
+                    "kept": run.final or "last",
+                    "config": asdict(cfg), "history": run.history},
+        "acceptance_before": before, "acceptance_after": after,
+        "checkpoint": {"folder": str(args.out), "bytes": size, "backbone": identical,
+                       "max_abs_drafter_weight_gap_after_load": drafter_gap},
+        "total_s": round(time.perf_counter() - started, 1),
+    }
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"held-out greedy acceptance {before['accepted_per_verify']:.3f} -> {after['accepted_per_verify']:.3f} of "
+          f"{config.dspark_block_size} ({run.steps} steps, {run.seconds:.0f} s; kept the drafter of step "
+          f"{int(run.final['best_step']) if run.final else run.steps}); backbone "
+          f"{'identical' if identical['identical'] else 'CHANGED: ' + ', '.join(identical['differ'][:5])}; "
+          f"checkpoint {size / 1e6:.2f} MB; {report['total_s']} s; report {report_path}", flush=True)
+    return 0 if identical["identical"] and drafter_gap == 0.0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.drafter_only:
+        return drafter_only(args)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     if args.device.startswith("cuda"):
