@@ -27,10 +27,11 @@ from decode_rig import REPO, DecodeProcess, SenderChild
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefill_rig import WorkerProcess
 
+from cedserve.drain import request_drain
 from cedserve.kv_transfer.nixl_backend import nixl_available
 from cedserve.model.cache.events import decode_batch
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import detail_from_rpc_error, load_worker_model, request_drain
+from cedserve.serving import detail_from_rpc_error, load_worker_model
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from decode_support import greedy_ties, prompt

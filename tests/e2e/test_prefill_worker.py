@@ -24,6 +24,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefill_rig import BLOCK, WorkerProcess, decode_target, make_receiver, start_receiver_child
 
+from cedserve.drain import request_drain
 from cedserve.kv_transfer.nixl_backend import nixl_available
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.model.cache.events import decode_batch
@@ -31,7 +32,7 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.paged_kv import load_state
 from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import LoadedModel, detail_from_rpc_error, load_worker_model, request_drain
+from cedserve.serving import LoadedModel, detail_from_rpc_error, load_worker_model
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 POOL = 64
