@@ -1,17 +1,20 @@
 """Where drafts come from: the `Proposer` contract and its DSpark implementation.
 
-A proposer owns each sequence's drafter memory (`DecodeSequence.draft`). Per step the engine asks it
-for drafts after every running sequence's anchor (`propose`), verifies them in the target pass, and
-then shows it the pass's taps (`observe`, or `observe_many` for the whole batch at once) so it can
-extend its memory with the kept positions and roll the rejected ones back. A sequence whose drafter
-memory is not at its anchor yet (it joined in this step) gets no drafts.
+A proposer owns each sequence's drafter memory (`DecodeSequence.draft`). The engine, when it is
+built, hands it its `StepProfile` (`attach_profile`; a proposer without a cost check ignores it).
+Per step the engine asks it for drafts after every running sequence's anchor (`propose`), verifies
+them in the target pass, and then shows it the pass's taps (`observe`, or `observe_many` for the
+whole batch at once) so it can extend its memory with the kept positions and roll the rejected ones
+back. A sequence whose drafter memory is not at its anchor yet (it joined in this step) gets no
+drafts.
 
 `DSparkProposer` drafts for the whole batch in one draft pass (`Drafter.draft_batch`), and, given
-the engine's `StepProfile`, first asks whether drafting pays for this batch at all: each sequence's
-confidences from its previous draft predict what verifying would gain, and `choose_verify_lengths`
-with the draft pass's measured cost (`StepProfile.draft_seconds`) added to the step must choose
-something. When it does not, nobody drafts; every `probe_every`-th such step drafts anyway, so the
-prediction follows a changing batch. A sequence with no previous draft makes the step draft.
+the engine's `StepProfile` (`attach_profile`, or `profile=` outside an engine), first asks whether
+drafting pays for this batch at all: each sequence's confidences from its previous draft predict
+what verifying would gain, and `choose_verify_lengths` with the draft pass's measured cost
+(`StepProfile.draft_seconds`) added to the step must choose something. When it does not, nobody
+drafts; every `probe_every`-th such step drafts anyway, so the prediction follows a changing batch.
+A sequence with no previous draft makes the step draft.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ class Proposer(Protocol):
     @property
     def max_tokens(self) -> int:
         """Drafts one call proposes per sequence (K)."""
+        ...
+
+    def attach_profile(self, profile: StepProfile, verify_all: bool) -> None:
+        """The engine's measured pass and draft-pass costs, which the proposer may read (to decline
+        drafting) and add its draft passes to, and whether the engine verifies every draft
+        (`DecodeConfig.adaptive_verify` off). Called once by `DecodeEngine.__init__`; a proposer
+        without a cost check does nothing."""
         ...
 
     def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
@@ -91,6 +101,10 @@ class DSparkProposer:
     @property
     def max_tokens(self) -> int:
         return self._k
+
+    def attach_profile(self, profile: StepProfile, verify_all: bool) -> None:
+        self.profile = profile
+        self.verify_all = verify_all
 
     def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
         ready = [i for i, seq in enumerate(seqs) if _at_anchor(seq)]

@@ -30,7 +30,7 @@ import torch
 
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
-from cedserve.decode_workers.drafting import DSparkProposer, Observation, Proposer
+from cedserve.decode_workers.drafting import Observation, Proposer
 from cedserve.decode_workers.expert_parallel import ExpertParallel, SingleRank, ep_moe
 from cedserve.decode_workers.leases import LeaseBook, LeaseError, StateRoomPolicy
 from cedserve.decode_workers.link_probe import ProbeDigests
@@ -95,10 +95,9 @@ class DecodeEngine:
         self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock,
                                 self._state_room_policy())
         self.profile = StepProfile(config.step_prior_s, config.step_prior_per_row_s)
-        if isinstance(self.proposer, DSparkProposer):
-            # the proposer declines a step's drafting when the measured draft pass cannot pay for itself
-            self.proposer.profile = self.profile
-            self.proposer.verify_all = not config.adaptive_verify
+        if self.proposer is not None:
+            # the proposer may decline a step's drafting when the measured draft pass cannot pay for itself
+            self.proposer.attach_profile(self.profile, verify_all=not config.adaptive_verify)
         lookahead = (self.proposer.max_tokens if self.proposer is not None else 0) + 1
         budget = BlockBudget(self.leases.available_blocks, self._table_len)
         self.scheduler = DecodeScheduler(config, budget, lookahead, self._offload_fits)

@@ -318,6 +318,38 @@ def _progress(total: int | None, desc: str) -> Any:
     return tqdm(total=total, desc=desc, mininterval=5.0, ncols=100)
 
 
+@dataclass
+class _StepLoop:
+    """One phase's optimisation state, which every step's tail (`_finish_step`) updates."""
+
+    cfg: PhaseConfig
+    qat: WeightQAT
+    opt: torch.optim.AdamW
+    balancer: ExpertBalancer
+    budget: StepBudget
+    bar: Any  # tqdm
+
+
+def _finish_step(loop: _StepLoop, loss: Tensor, step: int,
+                 postfix: dict[str, tuple[Tensor | float, str]]) -> tuple[int, float, float]:
+    """The tail of a step after its forward pass: backward, QAT gradients to the masters, the
+    optimizer step at the schedule's LR, the expert balancer, the budget and the progress bar
+    (`postfix`: name -> (value, format spec), shown every 10 steps; only then is a tensor read back).
+    Returns (the new 1-based step count, the gradient norm, the balancer's max expert load)."""
+    loss.backward()  # type: ignore[no-untyped-call]
+    loop.qat.pass_grads()
+    grad_norm = _optimizer_step(loop.opt, loop.budget.lr(step), loop.cfg.grad_clip)
+    imbalance = loop.balancer.update()
+    step += 1
+    loop.budget.observe(step)
+    if loop.bar.total is None and loop.budget.total is not None:
+        loop.bar.total = loop.budget.total
+    loop.bar.update(1)
+    if step % 10 == 0:
+        loop.bar.set_postfix({name: format(float(value), spec) for name, (value, spec) in postfix.items()})
+    return step, grad_norm, imbalance
+
+
 def _batches(stream: Tensor, rows: int, length: int, generator: torch.Generator) -> Iterator[Tensor]:
     while True:
         yield random_rows(stream, rows, length, generator)
@@ -360,6 +392,7 @@ def train_backbone(model: CEDModel, train: Tensor, heldout: Tensor, cfg: PhaseCo
     budget = StepBudget(cfg)
     report = PhaseReport()
     bar = _progress(budget.total, "backbone")
+    loop = _StepLoop(cfg, qat, opt, balancer, budget, bar)
     batches = _batches(train, cfg.batch_size, cfg.seq_len + 1, generator)
     step = 0
     while not budget.done(step):
@@ -368,18 +401,9 @@ def train_backbone(model: CEDModel, train: Tensor, heldout: Tensor, cfg: PhaseCo
         qat.load()
         dense = budget.total is None or frac < cfg.dense_fraction
         ce, aux = lm_loss(model, next(batches), dense, indexer_loss=True)
-        (ce + aux).backward()  # type: ignore[no-untyped-call]
-        qat.pass_grads()
-        grad_norm = _optimizer_step(opt, budget.lr(step), cfg.grad_clip)
-        imbalance = balancer.update()
+        step, grad_norm, imbalance = _finish_step(
+            loop, ce + aux, step, {"loss": (ce, ".3f"), "idx": (aux, ".3f")})
         ce, aux = ce.detach(), aux.detach()
-        step += 1
-        budget.observe(step)
-        if bar.total is None and budget.total is not None:
-            bar.total = budget.total
-        bar.update(1)
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{float(ce):.3f}", idx=f"{float(aux):.3f}")
         if step % cfg.eval_every == 0 or budget.done(step):
             record = {"phase": "backbone", "step": step, "seconds": round(time.perf_counter() - budget.started, 1),
                       "loss": float(ce), "indexer_kl": float(aux), "grad_norm": grad_norm,
@@ -483,6 +507,7 @@ def train_drafter(model: CEDModel, drafter: Drafter, train: Tensor, heldout: Ten
     budget = StepBudget(cfg)
     report = PhaseReport()
     bar = _progress(budget.total, "drafter")
+    loop = _StepLoop(cfg, qat, opt, balancer, budget, bar)
     batches = _batches(train, cfg.batch_size, cfg.seq_len, generator)
     k = drafter.config.dspark_block_size
     step = 0
@@ -495,17 +520,8 @@ def train_drafter(model: CEDModel, drafter: Drafter, train: Tensor, heldout: Ten
         assert out.taps is not None
         anchors = _anchors(rows.shape[0], cfg.seq_len, k, cfg.anchors_per_row, generator, rows.device)
         loss, stats = draft_loss(model, drafter, draft_batch(drafter, rows, out.logits, out.taps, anchors))
-        loss.backward()  # type: ignore[no-untyped-call]
-        qat.pass_grads()
-        grad_norm = _optimizer_step(opt, budget.lr(step), cfg.grad_clip)
-        balancer.update()
-        step += 1
-        budget.observe(step)
-        if bar.total is None and budget.total is not None:
-            bar.total = budget.total
-        bar.update(1)
-        if step % 10 == 0:
-            bar.set_postfix(kl=f"{stats['kl']:.3f}", acc=f"{stats['accepted']:.2f}")
+        step, grad_norm, _ = _finish_step(
+            loop, loss, step, {"kl": (stats["kl"], ".3f"), "acc": (stats["accepted"], ".2f")})
         if step % cfg.eval_every == 0 or budget.done(step):
             record: dict[str, Any] = {"phase": "drafter", "step": step,
                                       "seconds": round(time.perf_counter() - budget.started, 1),
@@ -771,6 +787,7 @@ def train_drafter_cached(model: CEDModel, drafter: Drafter, data: DistillSet, cf
     budget = StepBudget(cfg)
     report = PhaseReport()
     bar = _progress(budget.total, "drafter")
+    loop = _StepLoop(cfg, qat, opt, balancer, budget, bar)
     k = drafter.config.dspark_block_size
     is_greedy = (data.first_anchor > 1).cpu()
     weights_per_row = torch.ones(data.num_rows)
@@ -789,17 +806,8 @@ def train_drafter_cached(model: CEDModel, drafter: Drafter, data: DistillSet, cf
         rows = torch.multinomial(weights_per_row, cfg.batch_size, replacement=True, generator=generator)
         anchors = sample_anchors(data, rows, cfg.anchors_per_row, k, generator)
         loss, stats = cached_draft_loss(model, drafter, cached_draft_batch(drafter, data, rows, anchors), weights)
-        loss.backward()  # type: ignore[no-untyped-call]
-        qat.pass_grads()
-        grad_norm = _optimizer_step(opt, budget.lr(step), cfg.grad_clip)
-        balancer.update()
-        step += 1
-        budget.observe(step)
-        if bar.total is None and budget.total is not None:
-            bar.total = budget.total
-        bar.update(1)
-        if step % 10 == 0:
-            bar.set_postfix(kl=f"{stats['kl']:.3f}", acc=f"{stats['accepted']:.2f}")
+        step, grad_norm, _ = _finish_step(
+            loop, loss, step, {"kl": (stats["kl"], ".3f"), "acc": (stats["accepted"], ".2f")})
         every = cfg.eval_every
         if evaluations > 0:
             every = max(1, budget.total // evaluations) if budget.total else 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from cedserve.config import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME, LocalLauncher, Part, write_worker_config
 from cedserve.model.checkpoint import load_model
 from cedserve.proto import worker_pb2, worker_pb2_grpc
@@ -33,16 +34,16 @@ def token_file(part: Part) -> Path:
     return part.log_path.parent / "run" / TOKEN_FILE_NAME
 
 
-def token_metadata(part: Part) -> tuple[tuple[str, str], ...]:
+def worker_metadata(part: Part) -> tuple[tuple[str, str], ...]:
     """Call metadata a direct call to `part` needs (workers refuse calls without the token)."""
-    return (("x-cedserve-token", token_file(part).read_text().strip()),)
+    return token_metadata(token_file(part).read_text().strip())
 
 
 def worker_load(part: Part, tls: TLSConfig = PLAINTEXT) -> worker_pb2.LoadReport:
     with open_channel(str(part.ready["address"]), tls) as ch:
         stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if part.ready["role"] == "prefill"  # type: ignore[no-untyped-call]
                 else worker_pb2_grpc.DecodeWorkerStub(ch))  # type: ignore[no-untyped-call]
-        load: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=token_metadata(part))
+        load: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=worker_metadata(part))
     return load
 
 

@@ -255,6 +255,9 @@ class TargetProposer:
     def max_tokens(self) -> int:
         return self.k
 
+    def attach_profile(self, profile: Any, verify_all: bool) -> None:
+        pass  # drafts are the target's own: no cost check
+
     def propose(self, seqs: Sequence[Any]) -> list[Any]:
         from cedserve.model.dspark import Draft
         from cedserve.model.network import BatchItem

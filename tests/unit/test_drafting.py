@@ -3,6 +3,8 @@ cost check turns drafting down for a batch where it cannot pay (draft pass inclu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from decode_support import Rig, greedy_rounds, greedy_ties, prompt, tiny
@@ -11,7 +13,7 @@ from cedserve.decode_workers.drafting import DSparkProposer, Observation
 from cedserve.decode_workers.messages import Finished
 from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease
-from cedserve.model.dspark import Drafter, DraftState
+from cedserve.model.dspark import Draft, Drafter, DraftState
 from cedserve.model.network import CEDModel
 from cedserve.model.sampling import SamplingParams, make_generator
 
@@ -140,8 +142,7 @@ def test_bad_settings_name_the_field() -> None:
 def test_engine_with_the_cost_check_declines_and_stays_lossless() -> None:
     model, drafter = tiny()
     proposer = DSparkProposer(drafter, model)
-    rig = Rig(model, drafter, proposer=proposer, dspark=True)
-    proposer.profile = rig.engine.profile  # the engine's hook (docs/decode.md, *Drafting*)
+    rig = Rig(model, drafter, proposer=proposer, dspark=True)  # the engine attaches its profile
     for _ in range(8):
         rig.engine.profile.record_draft(2, 10.0)  # a draft pass that no acceptance can pay for
     prompts = [prompt(37, 1), prompt(21, 2)]
@@ -153,3 +154,44 @@ def test_engine_with_the_cost_check_declines_and_stays_lossless() -> None:
         done = rig.finished(rid)
         assert isinstance(done, Finished) and done.output_tokens == 12
     rig.assert_all_free()
+
+
+class _Forwarding:
+    """A proposer that wraps another, as `benchmarks/demo_eval.py`'s `TimedProposer` does: not a
+    `DSparkProposer`, so only the `Proposer` contract can reach the one inside."""
+
+    def __init__(self, inner: DSparkProposer) -> None:
+        self.inner = inner
+
+    @property
+    def max_tokens(self) -> int:
+        return self.inner.max_tokens
+
+    def attach_profile(self, profile: StepProfile, verify_all: bool) -> None:
+        self.inner.attach_profile(profile, verify_all)
+
+    def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
+        return self.inner.propose(seqs)
+
+    def observe(self, seq: DecodeSequence, first_position: int, taps: torch.Tensor, keep_end: int) -> None:
+        self.inner.observe(seq, first_position, taps, keep_end)
+
+    def observe_many(self, observations: Sequence[Observation]) -> None:
+        self.inner.observe_many(observations)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+@pytest.mark.parametrize("adaptive_verify", [True, False])
+def test_engine_hands_its_profile_to_the_proposer(adaptive_verify: bool, wrapped: bool) -> None:
+    """`DecodeEngine.__init__` attaches its `StepProfile` through the `Proposer` contract (to any
+    proposer, a wrapper included); the proposer's timed draft passes then land in the engine's profile."""
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model)
+    assert proposer.profile is None
+    rig = Rig(model, drafter, proposer=_Forwarding(proposer) if wrapped else proposer, dspark=True,
+              adaptive_verify=adaptive_verify)
+    assert proposer.profile is rig.engine.profile
+    assert proposer.verify_all is (not adaptive_verify)
+    assert rig.engine.profile.draft_seconds(2) == 0.0
+    greedy_rounds(rig, [prompt(19, 3), prompt(23, 4)], 3)
+    assert rig.engine.profile.draft_seconds(2) > 0.0
