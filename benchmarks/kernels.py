@@ -231,6 +231,14 @@ def correctness(b: Bench) -> None:
         rec_ops.write_records_reference(kind, x, slots, twin)
         bad = int((dest.storage != twin.storage).sum())
         b.check(f"write_records[{kind}] {tokens}x{dim}", bad == 0, f"{bad} bytes differ")
+        if kind != "swa":  # v5 (prefetching tiles, approximate reciprocal for main): same bytes
+            fresh = PagedRecords(dest.storage.clone(), dest.record_bytes, dest.slots_per_block,
+                                 dest.slot_stride_bytes, dest.block_stride_bytes, dest.offset_bytes)
+            fresh.storage.random_(0, 256)
+            rec_ops.write_records(kind, x, slots, fresh, version=5, impl="triton")
+            written = slots >= 0
+            same = torch.equal(fresh.gather(slots[written]), twin.gather(slots[written]))
+            b.check(f"write_records[{kind}] v5 {tokens}x{dim}", same, "bit-exact" if same else "records differ")
         out = torch.full((tokens, dim), float("nan"), device=dev)
         rec_ops.read_records(kind, dest, slots, out=out, impl="triton")
         want = rec_ops.read_records_reference(kind, twin, slots)
@@ -361,18 +369,22 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     # first; E2M1 kinds also time v3's arithmetic (the correctly rounded quotient) beside v4's
     # the launcher's default version first (v4 for main / SWA, v3 for the index keys: run 4), then the other
     default_version = 3 if kind == "index" else 4
-    sweep: list[tuple[int | None, int | None, bool | None, int]] = [(None, None, None, default_version)]
+    # v5 (E2M1 kinds): `_write_words_v5_kernel` at its defaults and a tiles / rows sweep (tiles last)
+    sweep: list[tuple[int | None, int | None, bool | None, int, int | None]] = [
+        (None, None, None, default_version, None)]
     if kind != "swa":
-        sweep.append((None, None, None, 7 - default_version))
+        sweep.append((None, None, None, 7 - default_version, None))
+        sweep.append((None, None, None, 5, None))
     if not b.smoke:
-        sweep += {"main": [(8, 4, False, 4), (16, 4, True, 4), (4, 4, True, 4)],
-                  "index": [(64, 4, True, 4), (32, 4, True, 4), (128, 8, True, 4)],
-                  "swa": [(16, 4, False, 4), (8, 4, True, 4)]}[kind]
+        sweep += {"main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
+                  "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],
+                  "swa": [(16, 4, False, 4, None)]}[kind]
     best: Row | None = None
-    for block_t, warps, words, version in sweep:
+    for block_t, warps, words, version, tiles in sweep:
         t = b.time_s(partial(rec_ops.write_records, kind, x, slots, dest, block_t=block_t, num_warps=warps,
-                             word_stores=words, version=version, impl="triton"))
-        label = "default" if block_t is None else f"t{block_t} w{warps} {'words' if words else 'bytes'}"
+                             word_stores=words, version=version, tiles=tiles, impl="triton"))
+        label = "default" if block_t is None else f"t{block_t} w{warps} {'words' if words in (True, None) else 'bytes'}"
+        label += f" x{tiles}" if tiles else ""
         row = b.record(f"write_records[{kind}]", f"{tokens}x{dim} bf16 -> {record_bytes} B", t, moved,
                        config=f"{label} v{version}")
         if best is None:
@@ -532,11 +544,21 @@ def decode_step_curve(b: Bench) -> None:
                  4.0 * n * 32 * 128 * ctx)
         b.record("index_topk full (m=2)", f"{n} tok x ctx {ctx}", full2, n * ctx // 2 * 68)
         b.record("index_topk reindex (pool)", f"{n} tok x pool {pool.shape[1]}", reindex, n * pool.shape[1] * 68)
+        # the same two scans with the v5 scan kernel (two tiles' loads in flight), beside the default
+        v5 = IndexConfig(version=5)
+        cand5 = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                                 config=v5, impl="triton"))
+        full5 = b.time_s(partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=v5, impl="triton"))
+        b.record("index_topk candidate (m=1)", f"{n} tok x ctx {ctx}", cand5, n * ctx * 68, config="scan v5")
+        b.record("index_topk full (m=2)", f"{n} tok x ctx {ctx}", full5, n * ctx // 2 * 68, config="scan v5")
         attn = (attn_us or 0.0) / 1e6
         step = 40 * attn + cand + 3 * full2 + 4 * reindex
+        step5 = 40 * attn + cand5 + 3 * full5 + 4 * reindex
         steps[str(ctx)] = {"step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
                            "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
-                           "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6}
+                           "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6,
+                           "step_scan_v5_us": step5 * 1e6, "candidate_scan_v5_us": cand5 * 1e6,
+                           "full_m2_scan_v5_us": full5 * 1e6}
         print(f"  ctx {ctx:>8}: decode step attention+indexer {step * 1e6:9.1f} us "
               f"(40 x attn {attn * 1e6:.1f}, candidate {cand * 1e6:.1f}, 3 x full {full2 * 1e6:.1f}, "
               f"4 x reindex {reindex * 1e6:.1f})", flush=True)
@@ -546,6 +568,8 @@ def decode_step_curve(b: Bench) -> None:
     if first in steps and last != first:
         ratio = steps[last]["step_us"] / steps[first]["step_us"]
         b.target(f"decode step attention+indexer at {last} / at {first}", ratio, "<= 1.5", ratio <= 1.5)
+        ratio5 = steps[last]["step_scan_v5_us"] / steps[first]["step_scan_v5_us"]
+        b.target(f"decode step with the v5 scan at {last} / at {first}", ratio5, "<= 1.5", ratio5 <= 1.5)
         layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
         b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}", layer, "<= 1.5", layer <= 1.5)
 
@@ -561,9 +585,10 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
     # v4 (word-wide decode) at the default launch and a sweep, v3 (per-byte decode) at its default
-    configs = [IndexConfig(), IndexConfig(version=3)] + ([] if b.smoke else [
-        IndexConfig(128, 8, 4, 2), IndexConfig(128, 16, 4, 1), IndexConfig(256, 8, 8, 1), IndexConfig(256, 8, 8, 2),
-        IndexConfig(64, 16, 4, 1), IndexConfig(128, 8, 8, 1)])
+    # v4 at the default launch (x16 tiles since v5), v3, v5 (two tiles' loads in flight), a sweep
+    configs = [IndexConfig(), IndexConfig(version=3), IndexConfig(version=5)] + ([] if b.smoke else [
+        IndexConfig(128, 8, 4, 1, 4), IndexConfig(128, 32, 4, 1, 4), IndexConfig(128, 32, 4, 1, 5),
+        IndexConfig(128, 8, 4, 1, 5), IndexConfig(64, 16, 4, 1, 5), IndexConfig(128, 16, 8, 1, 5)])
     for cfg in configs:
         t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, config=cfg, impl="triton"))

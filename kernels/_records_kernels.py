@@ -28,11 +28,28 @@ from cedserve.kernels._jit_codecs import (
 
 
 @triton.jit
+def _approx_reciprocal(s, HW_FP8: tl.constexpr, RCP_NUDGE: tl.constexpr):
+    """1 / s within 1 ulp for normal float32 `s` (v5 main-KV writer, `_e2m1_code_fast` only): on
+    the GPU one `rcp.approx.ftz.f32` (MUFU.RCP, max error 1 ulp; E4M3 scales are normal, 2**-9..448,
+    so flush-to-zero never applies) instead of `div.rn`'s ~10-instruction sequence with its
+    slow-path branch. In the interpreter the correctly rounded quotient with its float32 bits moved
+    by `RCP_NUDGE` ulps (tests: the fast E2M1 rounding is exact for reciprocals a few ulps off)."""
+    if HW_FP8:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    inv = 1.0 / s
+    if RCP_NUDGE != 0:
+        inv = (inv.to(tl.int32, bitcast=True) + RCP_NUDGE).to(tl.float32, bitcast=True)
+    return inv
+
+
+@triton.jit
 def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl.constexpr,
-                 FAST_E2M1: tl.constexpr = False):
+                 FAST_E2M1: tl.constexpr = False, APPROX_RCP: tl.constexpr = False, RCP_NUDGE: tl.constexpr = 0):
     """Scale of blocks with absolute maximum `amax` (float32, any shape) ->
     (float32 scale, float32 1 / scale (exact; power-of-two scales only), int32 scale byte).
-    `HW_FP8`: round to E4M3 with the GPU's cvt.rn.satfinite (sm89+) instead of by hand."""
+    `HW_FP8`: round to E4M3 with the GPU's cvt.rn.satfinite (sm89+) instead of by hand.
+    `APPROX_RCP` (v5, with `FAST_E2M1`): the main-KV 1 / scale from `_approx_reciprocal`."""
     if FORMAT == FORMAT_MAIN:
         # E4M3 scale = RNE(min(max(amax, 6 * 2**-9) / 6, 448)); x / scale is a true division.
         if HW_FP8:  # RN(a / 6) by one Markstein step from RN(1 / 6) (see _quantize_elements)
@@ -49,7 +66,10 @@ def _block_scale(amax, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, HW_FP8: tl
             scale = _e4m3_round_magnitude(t)
             scale_byte = _e4m3_magnitude_byte(scale)
         # RN(1 / scale): see _quantize_elements (the exact CPU path divides instead)
-        inv_scale = tl.div_rn(1.0, scale) if HW_FP8 or FAST_E2M1 else scale
+        if APPROX_RCP and FAST_E2M1:
+            inv_scale = _approx_reciprocal(scale, HW_FP8, RCP_NUDGE)
+        else:
+            inv_scale = tl.div_rn(1.0, scale) if HW_FP8 or FAST_E2M1 else scale
     else:
         if ELEM_BITS == 4:  # index keys: UE8M0 scale, E2M1 elements
             scale, scale_byte = _ue8m0_from_amax(amax, 7.052966104933725e-38, 0.16666666666666666)
@@ -95,11 +115,11 @@ def _quantize_elements(x, scale, inv_scale, FORMAT: tl.constexpr, ELEM_BITS: tl.
 
 @triton.jit
 def _quantize_words(x, FORMAT: tl.constexpr, ELEM_BITS: tl.constexpr, CPW: tl.constexpr, HW_FP8: tl.constexpr,
-                    FAST_E2M1: tl.constexpr = False):
+                    FAST_E2M1: tl.constexpr = False, APPROX_RCP: tl.constexpr = False, RCP_NUDGE: tl.constexpr = 0):
     """Quantize float32 `x [T, NB, WPB, CPW]` (one scale block per `[WPB, CPW]`) ->
     (uint32 words `[T, NB, WPB]`, int32 scale bytes `[T, NB]`)."""
     amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [T, NB]
-    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8, FAST_E2M1)
+    scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8, FAST_E2M1, APPROX_RCP, RCP_NUDGE)
     code = _quantize_elements(x, scale[:, :, None, None], inv_scale[:, :, None, None], FORMAT, ELEM_BITS, HW_FP8,
                               FAST_E2M1)
     shifts = (tl.arange(0, CPW) * ELEM_BITS).to(tl.uint32)
@@ -160,6 +180,50 @@ def _write_words_kernel(
     x = tl.load(x_ptr + row[:, None, None, None] + channel[None, :, :, :], mask=mask, other=0.0)
     words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW, HW_FP8, FAST_E2M1)
     _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB_P2, WPB, CODE_BYTES, WORD_STORES, SCALE_WORDS)
+
+
+@triton.jit
+def _write_words_v5_kernel(
+    x_ptr, x_row_stride, slot_ptr, out_ptr,
+    num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
+    FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
+    NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
+    BLOCK_T: tl.constexpr, TILES: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    HW_FP8: tl.constexpr, FAST_E2M1: tl.constexpr, APPROX_RCP: tl.constexpr, RCP_NUDGE: tl.constexpr = 0,
+):
+    """v5 of `_write_words_kernel`: a program writes `TILES` consecutive tiles of `BLOCK_T` rows
+    and loads tile i + 1 (rows and slots) into registers before it quantizes and stores tile i, so
+    each program keeps a tile's loads in flight behind its arithmetic instead of one load wave,
+    one compute phase and one store wave per program (kernels-notes.md, v5). Rows are loaded
+    whatever their slot (the mask is the row count only, so the prefetch needs no slot); the
+    stores are masked by the slot as in v4. Same arithmetic as v4 (`FAST_E2M1`), and with
+    `APPROX_RCP` the main-KV 1 / scale from one MUFU.RCP (`_approx_reciprocal`)."""
+    b = tl.arange(0, NB_P2)
+    channel = (b[:, None, None] * SCALE_BLOCK + tl.arange(0, WPB)[None, :, None] * CPW
+               + tl.arange(0, CPW)[None, None, :])  # [NB_P2, WPB, CPW]
+    ch_ok = (b < NB)[None, :, None, None]
+    tok = tl.program_id(0) * (TILES * BLOCK_T) + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+    x = tl.load(x_ptr + (tok.to(tl.int64) * x_row_stride)[:, None, None, None] + channel[None, :, :, :],
+                mask=tok_ok[:, None, None, None] & ch_ok, other=0.0)
+    for i in range(TILES):
+        nxt = tok + BLOCK_T
+        nxt_ok = (nxt < num_tokens) & (i + 1 < TILES)
+        slot_next = tl.load(slot_ptr + nxt, mask=nxt_ok, other=-1)
+        x_next = tl.load(x_ptr + (nxt.to(tl.int64) * x_row_stride)[:, None, None, None] + channel[None, :, :, :],
+                         mask=nxt_ok[:, None, None, None] & ch_ok, other=0.0)
+        rec, ok = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes,
+                                block_stride_bytes)
+        ok = ok & tok_ok
+        words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW, HW_FP8, FAST_E2M1, APPROX_RCP,
+                                            RCP_NUDGE)
+        _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB_P2, WPB, CODE_BYTES, WORD_STORES,
+                      SCALE_WORDS)
+        tok = nxt
+        tok_ok = nxt < num_tokens
+        slot = slot_next
+        x = x_next
 
 
 @triton.jit

@@ -99,20 +99,23 @@ class IndexConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     version: int | None = None
-    """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64) or 3
-    (per-byte decode, `kernels-notes.md` v3; also every d = 32)."""
+    """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64), 3
+    (per-byte decode, `kernels-notes.md` v3; also every d = 32) or 5 (v4's decode with the next
+    tile's key words and the tile after's block ids loaded by hand before the current tile's math,
+    `kernels-notes.md` v5)."""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
         version = self.version or 4
-        if version not in (3, 4):
-            raise ValueError(f"IndexConfig.version must be 3 or 4, got {version}")
+        if version not in (3, 4, 5):
+            raise ValueError(f"IndexConfig.version must be 3, 4 or 5, got {version}")
         if dim < 64:  # v4's four MMAs have K = d / 4, and an MMA needs K >= 16
             version = 3
         # v3: 2 stages (the compiler pipelines the record loads, run 3); v4: 1 (sm_90 SASS: its
         # pipelined variant stages the words through shared memory, +10 % instructions per tile)
-        stages = self.num_stages or (1 if interpreting() or version == 4 else 2)
-        return IndexConfig(block_t, self.tiles or 8, self.num_warps or 4, stages, version)
+        stages = self.num_stages or (1 if interpreting() or version >= 4 else 2)
+        # tiles per program: 16 for the word decode (run 4: t128 x16 1.004 ms vs x8 1.136 ms at 262K)
+        return IndexConfig(block_t, self.tiles or (8 if version == 3 else 16), self.num_warps or 4, stages, version)
 
 
 @dataclass(frozen=True)
@@ -277,16 +280,19 @@ def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, bloc
 
 def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width: int,
                candidates: Tensor | None = None, candidate_blocks: int | None = None, candidate_block_size: int = 8,
-               softmax_scale: float | None = None, tokens_per_request: int = 1, impl: Impl = "auto") -> IndexSelection:
+               softmax_scale: float | None = None, tokens_per_request: int = 1, config: IndexConfig | None = None,
+               impl: Impl = "auto") -> IndexSelection:
     """Each token's top-`topk` entries among `[0, width)` (`width` >= every token's visible
     count; a host int so nothing syncs), in the mode the arguments select (module docstring).
-    `tokens_per_request` as in :func:`index_scores` (the full scan reads each key once per group)."""
+    `tokens_per_request` as in :func:`index_scores` (the full scan reads each key once per group);
+    `config` launches the full scan (the benchmark times scan versions in the step)."""
     if candidates is not None:  # Reindex: inside the pool
         scores, _ = index_scores(q, weights, keys, entries=candidates, softmax_scale=softmax_scale, impl=impl)
         assert scores is not None
         return IndexSelection(topk_entries(scores, topk, candidates), None)
     _, maxima = index_scores(q, weights, keys, width=width, block_max=candidate_block_size, write_scores=False,
-                             softmax_scale=softmax_scale, tokens_per_request=tokens_per_request, impl=impl)
+                             softmax_scale=softmax_scale, tokens_per_request=tokens_per_request, config=config,
+                             impl=impl)
     assert maxima is not None
     # exact top-k through the top-k blocks (unpinned: this list is not the published pool)
     blocks = topk_entries(maxima, topk).long()

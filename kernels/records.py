@@ -30,6 +30,7 @@ written record is one of the rows, unspecified which.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import torch
@@ -125,7 +126,8 @@ def _check_slots(slots: Tensor, tokens: int, what: str) -> None:
 
 def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *,
                   block_t: int | None = None, num_warps: int | None = None, word_stores: bool | None = None,
-                  version: int | None = None, impl: Impl = "auto") -> None:
+                  version: int | None = None, tiles: int | None = None, num_stages: int | None = None,
+                  rcp_nudge: int = 0, impl: Impl = "auto") -> None:
     """Quantize `x [T, D]` to `kind` records and store row `i` at slot `slot_mapping[i]` of
     `dest` (skipped where the slot is -1). See the module docstring for the contract. `block_t`
     (rows per program, a power of two), `num_warps` and `word_stores` (pack codes into 32-bit
@@ -133,11 +135,20 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     defaults (the benchmark sweeps them). `version=3` selects the v3 arithmetic for E2M1 records
     (correctly rounded quotient per element); 4 uses the cheaper `_e2m1_code_fast` for bf16 / fp16
     inputs (`kernels-notes.md`); both are bit-exact. Default (None): what run 4 measured faster on
-    the H200, 4 for the main KV and SWA, 3 for the 128-wide index keys."""
+    the H200, 4 for the main KV and SWA, 3 for the 128-wide index keys.
+
+    `version=5` (E2M1 formats; SWA runs as 4): `_write_words_v5_kernel`, v4's arithmetic with the
+    main-KV 1 / scale from one approximate reciprocal, and `tiles` tiles of `block_t` rows per
+    program with the next tile's rows loaded before the current tile is quantized (`num_stages`
+    1 by default: the prefetch is by hand, the compiler's pipeliner would stage it through shared
+    memory). `rcp_nudge` (interpreter tests only) moves the v5 reciprocal by that many float32
+    ulps to show the rounding does not depend on it being correctly rounded."""
     if version is None:
         version = 3 if kind == "index" else 4
-    if version not in (3, 4):
-        raise ValueError(f"write_records: version must be 3 or 4, got {version}")
+    if version not in (3, 4, 5):
+        raise ValueError(f"write_records: version must be 3, 4 or 5, got {version}")
+    if tiles is not None and (tiles < 1 or version != 5):
+        raise ValueError(f"write_records: tiles must be >= 1 and needs version=5, got tiles={tiles} version={version}")
     fmt = record_format(kind)
     op = f"write_records({kind!r})"
     check_tensor(x, f"{op}: x", dtypes=_FLOAT_DTYPES, dim=2)
@@ -155,6 +166,9 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
 
     nb = dim // fmt.scale_block
     fast = version >= 4 and fmt.elem_bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
+    if version == 5 and fmt.elem_bits == 4:
+        return _launch_v5(k, fmt, x, slot_mapping, dest, nb, fast, block_t=block_t, tiles=tiles,
+                          num_warps=num_warps, num_stages=num_stages, rcp_nudge=rcp_nudge)
     if word_stores is None:
         word_stores = fmt.elem_bits == 4  # measured: words for the E2M1 formats, bytes for SWA (kernels-notes.md)
     # rows per program: ~4K elements for 512-wide rows, ~8K for the 128-wide index keys (run 3)
@@ -176,6 +190,27 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
         *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
         NB=nb, NB_P2=next_power_of_2(nb), CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
         ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4,
+    )
+
+
+def _launch_v5(k: ModuleType, fmt: RecordFormat, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, nb: int,
+               fast: bool, *, block_t: int | None, tiles: int | None, num_warps: int | None, num_stages: int | None,
+               rcp_nudge: int) -> None:
+    """`_write_words_v5_kernel` (E2M1 formats). Defaults: the fastest v4 tile of run 4 (8 rows of
+    512, 32 rows of 128) and 4 tiles per program (kernels-notes.md, v5)."""
+    dim = x.shape[1]
+    block_t = block_t or (32 if dim <= 128 else max(1, 4096 // next_power_of_2(dim)))
+    tiles = tiles or 4
+    cpw = 32 // fmt.elem_bits
+    words = dest.alignment >= 4
+    k._write_words_v5_kernel[(cdiv(x.shape[0], block_t * tiles),)](
+        x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
+        dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes,
+        FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
+        NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw, CODE_BYTES=dim * fmt.elem_bits // 8,
+        BLOCK_T=block_t, TILES=tiles, WORD_STORES=words,
+        SCALE_WORDS=words and nb % 4 == 0 and nb == next_power_of_2(nb), HW_FP8=hardware_fp8(x.device),
+        FAST_E2M1=fast, APPROX_RCP=fast, RCP_NUDGE=rcp_nudge, num_warps=num_warps or 4, num_stages=num_stages or 1,
     )
 
 

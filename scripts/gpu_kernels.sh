@@ -7,8 +7,8 @@
 #     QUICK=1 bash scripts/gpu_kernels.sh            # tests + only the benchmark sections marked quick
 #
 # Both parts together stay under 10 minutes (tests are cut at 200 s, the benchmark at 380 s);
-# QUICK=1 under 6 (130 s + 200 s): the writers (v4 beside v3 arithmetic), attention, the index
-# scan (v4 beside v3 decode, launch sweep) and the decode-step curve at 4K / 64K / 1M.
+# QUICK=1 under 6 (130 s + 200 s): the writers (v5 beside v4 / v3), attention, the index
+# scan (v5 beside v4 / v3, launch sweep) and the decode-step curve at 4K / 64K / 1M (both scans).
 # Outputs in $OUT: env.txt, gpu-tests.log, gpu-tests.xml (junit), kernels-h200.json, benchmark.log.
 # Needs torch (CUDA build) and triton; the project need not be installed: a symlink tree puts
 # `cedserve.*` on PYTHONPATH as scripts/typecheck.sh does. pytest is needed for the tests; on a

@@ -79,7 +79,8 @@ KINDS: list[tuple[RecordKind, int]] = [("main", 512), ("index", 128), ("swa", 51
                                        ("swa", 64)]
 
 
-def _check_write(kind: RecordKind, x: Tensor, layout: str, gen: torch.Generator, device: torch.device) -> None:
+def _check_write(kind: RecordKind, x: Tensor, layout: str, gen: torch.Generator, device: torch.device,
+                 **launch: int) -> None:
     fmt = record_format(kind)
     rb = fmt.record_bytes(x.shape[1])
     dest = _make_dest(layout, rb, 2 * x.shape[0] + 8, gen, device)
@@ -87,7 +88,7 @@ def _check_write(kind: RecordKind, x: Tensor, layout: str, gen: torch.Generator,
     slots = torch.randperm(dest.num_slots, generator=gen, device=device)[: x.shape[0]]
     if x.shape[0] > 2:
         slots[1] = -1  # skipped row
-    write_records(kind, x, slots, dest, impl="triton")
+    write_records(kind, x, slots, dest, impl="triton", **launch)
     write_records_reference(kind, x, slots, expected)
     diff = (dest.storage != expected.storage).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at byte {diff[0].tolist()}"
@@ -100,6 +101,26 @@ def test_write_matches_reference(kind: RecordKind, dim: int, layout: str, gen: t
     # token counts cross the kernel's token blocks (8 rows at 512 channels, 32 at 128, 64 at 64)
     tokens = {512: 19, 128: 37, 64: 67, 32: 67}[dim]
     _check_write(kind, _inputs(tokens, dim, torch.bfloat16, gen, device), layout, gen, device)
+
+
+@pytest.mark.parametrize("layout", ["flat", "region"])
+@pytest.mark.parametrize(("kind", "dim"), [k for k in KINDS if k[0] != "swa"])
+def test_write_v5_matches_reference(kind: RecordKind, dim: int, layout: str, gen: torch.Generator,
+                                    device: torch.device) -> None:
+    # v5 (`_write_words_v5_kernel`): 2 tiles per program so rows cross tiles (the prefetched
+    # tile) and programs, a ragged last tile, a skipped row; bf16 (fast E2M1) and fp32 (v3 path)
+    block_t = 8 if dim == 512 else 16
+    x = _inputs(3 * 2 * block_t - 5, dim, torch.bfloat16, gen, device)
+    _check_write(kind, x, layout, gen, device, version=5, block_t=block_t, tiles=2)
+    _check_write(kind, x[:7].float(), layout, gen, device, version=5, block_t=block_t, tiles=2)
+
+
+@pytest.mark.parametrize("kind", ["main", "index"])
+def test_write_v5_edge_values(kind: RecordKind, gen: torch.Generator, device: torch.device) -> None:
+    dim = 128 if kind == "index" else 512
+    rows = edge_rows(dim, record_format(kind).scale_block, device)
+    _check_write(kind, rows, "region", gen, device, version=5)
+    _check_write(kind, rows.bfloat16(), "region", gen, device, version=5)
 
 
 @pytest.mark.parametrize("kind", ["main", "index", "swa"])
@@ -210,3 +231,27 @@ def test_write_fast_e2m1_ties(kind: RecordKind, dtype: torch.dtype, gen: torch.G
     write_records(kind, rows, slots, dest, version=3, impl="triton")
     write_records_reference(kind, rows, slots, expected)
     assert torch.equal(dest.storage, expected.storage)
+
+
+@pytest.mark.parametrize("nudge", [-3, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_write_v5_ties_inexact_reciprocal(dtype: torch.dtype, nudge: int, gen: torch.Generator,
+                                          device: torch.device) -> None:
+    # v5 main-KV writer: 1 / scale from an approximate reciprocal (MUFU.RCP on the GPU, <= 1 ulp);
+    # here the correctly rounded one moved by 3 ulps either way must still give the reference's
+    # bytes on every E2M1 tie and its neighbours for every E4M3 scale (the GPU run repeats this
+    # with the hardware reciprocal: test_gpu_v5_ties)
+    rows = _tie_rows("main", dtype, 64, gen, device)
+    _check_write("main", rows, "region", gen, device, version=5, block_t=64, rcp_nudge=nudge)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", ["main", "index"])
+def test_gpu_v5_ties(kind: RecordKind, gen: torch.Generator, device: torch.device) -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        _check_write(kind, _tie_rows(kind, dtype, 512 if kind == "main" else 128, gen, device), "region", gen, device,
+                     version=5)
+    x = torch.cat([_inputs(8192, 512 if kind == "main" else 128, torch.bfloat16, gen, device),
+                   edge_rows(512 if kind == "main" else 128, 16, device).bfloat16()])
+    _check_write(kind, x, "region", gen, device, version=5)
