@@ -10,7 +10,9 @@ tokenizer. Four measurements, all through the serving entry points:
    state is built from its global KV alone and rebuilt by `replay` over the last 128 / 256 / exact
    tokens, then the continuation is scored; perplexity and KL against the full prefill.
 3. DSpark: greedy decoding through the decode engine (`DecodeEngine`, continuous batching, one
-   target pass per step) from held-out prompts: mean accepted drafts per verification.
+   target pass per step) from held-out prompts: mean accepted drafts per verification. The prompts
+   are spread evenly over the held-out code (`spread_rows`, `code_files`: no generated charmap
+   tables, which any drafter copies), the same rows the drafter trainer's acceptance replay uses.
 4. Decode speed at batch 1, 8 and 32 (`--batches`), distinct prompts per request, in one run with
    the modes' steps interleaved (`--modes`): DSpark off; `per-sequence`, the drafting before issue 8
    (one draft pass per sequence); `batched`, one draft pass for the batch; both verifying every draft
@@ -53,6 +55,7 @@ from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer, Observation
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.messages import AttachCommand, Sampling, Tokens
+from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.decode_workers.state_io import exact_replay_span
 from cedserve.model.cache.config import KVCacheConfig
@@ -65,7 +68,7 @@ from cedserve.model.kv_format import KVFormat
 from cedserve.model.network import CEDModel
 from cedserve.model.state import SequenceState
 from cedserve.model.tokenizer import TextCodec
-from cedserve.model.train_data import consecutive_rows, load_corpus, token_stream
+from cedserve.model.train_data import code_files, consecutive_rows, load_corpus, spread_rows, token_stream
 
 
 def default_checkpoint() -> Path:
@@ -173,15 +176,21 @@ class PerSequenceProposer(DSparkProposer):
 
 
 class TimedProposer:
-    """Forwards to a proposer and adds up the seconds its calls take (the draft pass, observe)."""
+    """Forwards to a proposer and adds up the seconds its calls take (the draft pass, observe).
+    `cost_check`: hand the engine's profile on (`attach_profile`), so the inner proposer may decline
+    drafting; otherwise it always drafts."""
 
-    def __init__(self, inner: DSparkProposer, device: str) -> None:
-        self.inner, self.device = inner, device
+    def __init__(self, inner: DSparkProposer, device: str, cost_check: bool) -> None:
+        self.inner, self.device, self.cost_check = inner, device, cost_check
         self.propose_s = self.observe_s = 0.0
 
     @property
     def max_tokens(self) -> int:
         return self.inner.max_tokens
+
+    def attach_profile(self, profile: StepProfile, verify_all: bool) -> None:
+        if self.cost_check:
+            self.inner.attach_profile(profile, verify_all)
 
     def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
         start = time.perf_counter()
@@ -241,10 +250,8 @@ def new_cell(model: CEDModel, drafter: Drafter, prompts: list[Tensor], mode: str
     config = DecodeConfig(block_size=block, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
                           adaptive_verify=adaptive, draft_tokens=draft_tokens, device=device)
     kind = PerSequenceProposer if mode == "per-sequence" else DSparkProposer
-    timed = TimedProposer(kind(drafter, model, draft_tokens), device) if dspark else None
+    timed = TimedProposer(kind(drafter, model, draft_tokens), device, cost_check=adaptive) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=timed)
-    if timed is not None and adaptive:
-        timed.inner.profile = engine.profile  # the hook the engine does not make yet (docs/decode.md)
     for i, prompt in enumerate(prompts):
         state, draft, first = prefilled(model, drafter, prompt)
         tokens = prompt.tolist()
@@ -435,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     draft_cost: list[dict[str, Any]] = []
     acceptance = 0.0
     if "speed" in args.parts:
-        prompt_rows = consecutive_rows(heldout, args.prompt_len, max(args.batches))
+        # held-out code spread over its files (no charmap tables): the drafter trainer's replay prompts
+        prompt_rows = spread_rows(token_stream(codec.tokenizer, code_files(corpus.heldout)).to(args.device),
+                                  args.prompt_len, max(args.batches))
         draft_cost = draft_pass_cost(model, drafter, prompt_rows, args.batches, args.device)
         print(f"{'batch':>5} {'draft pass ms, per sequence':>28} {'batched':>8} {'ratio':>6} {'CPU ms':>7} "
               f"{'batched':>8} {'ratio':>6}")

@@ -7,7 +7,12 @@
 * Tokenizer: byte-level BPE trained with `tokenizers` on the training files only; ids 0-3 are the
   special tokens `SPECIAL_TOKENS` (bos, eos, pad, and the DSpark noise token).
 * Token stream: each file's ids followed by eos, files concatenated in order. Training rows are
-  windows of it at offsets drawn from a seeded generator; held-out rows are its consecutive windows.
+  windows of it at offsets drawn from a seeded generator; held-out rows are its consecutive windows,
+  or windows spread evenly over it (`spread_rows`).
+* Code: the generated charmap tables under `encodings/` (`cp1256.py`, `mac_greek.py`, ...: a
+  256-entry table each, nearly identical from file to file) and `pydoc_data/` are data, not code.
+  `code_files` leaves them out; the drafter's acceptance is measured on held-out code only, where a
+  table would make any drafter look good (DSpark copies the next table row almost perfectly).
 """
 
 from __future__ import annotations
@@ -53,10 +58,20 @@ def is_heldout(relative: str, heldout_every: int) -> bool:
     return zlib.crc32(relative.encode()) % heldout_every == 0
 
 
-def load_corpus(root: Path | None = None, heldout_every: int = 50, max_files: int = 0) -> Corpus:
-    """The split corpus under `root` (default: the standard library). `max_files` (> 0) keeps the
-    first files only, in sorted order (for quick runs)."""
-    root = root or stdlib_root()
+def is_generated_data(f: SourceFile) -> bool:
+    """A generated table or data blob rather than code (module docstring)."""
+    return (f.relative.startswith("encodings/") and "decoding_table" in f.text) or f.relative.startswith("pydoc_data/")
+
+
+def code_files(files: Sequence[SourceFile]) -> tuple[SourceFile, ...]:
+    """`files` without the generated tables and data blobs (`is_generated_data`)."""
+    return tuple(f for f in files if not is_generated_data(f))
+
+
+def read_tree(root: Path, max_files: int = 0) -> tuple[SourceFile, ...]:
+    """Every non-empty `*.py` file under `root` that reads as UTF-8 (site-packages, dist-packages
+    and `__pycache__` excluded), in sorted order of its relative path; `max_files` (> 0): the first
+    ones only."""
     skip = {"site-packages", "dist-packages", "__pycache__"}
     paths = sorted((p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)),
                    key=lambda p: p.relative_to(root).as_posix())
@@ -72,6 +87,14 @@ def load_corpus(root: Path | None = None, heldout_every: int = 50, max_files: in
             break
     if not files:
         raise ValueError(f"no readable *.py files under {root}")
+    return tuple(files)
+
+
+def load_corpus(root: Path | None = None, heldout_every: int = 50, max_files: int = 0) -> Corpus:
+    """The split corpus under `root` (default: the standard library). `max_files` (> 0) keeps the
+    first files only, in sorted order (for quick runs)."""
+    root = root or stdlib_root()
+    files = read_tree(root, max_files)
     train = tuple(f for f in files if not is_heldout(f.relative, heldout_every))
     heldout = tuple(f for f in files if is_heldout(f.relative, heldout_every))
     if not train or not heldout:
@@ -110,6 +133,19 @@ def random_rows(stream: Tensor, batch: int, length: int, generator: torch.Genera
     if stream.shape[0] < length:
         raise ValueError(f"the token stream has {stream.shape[0]} tokens, fewer than one row of {length}")
     starts = torch.randint(0, stream.shape[0] - length + 1, (batch,), generator=generator)
+    index = starts.unsqueeze(1) + torch.arange(length).unsqueeze(0)
+    return stream[index.to(stream.device)]
+
+
+def spread_rows(stream: Tensor, length: int, rows: int) -> Tensor:
+    """`[rows, length]` windows of `stream` at evenly spaced offsets from its start to its end (the
+    first at 0, the last ending at the stream's end); they overlap only when the stream is shorter
+    than `rows * length`."""
+    if stream.shape[0] < length:
+        raise ValueError(f"the token stream has {stream.shape[0]} tokens, fewer than one row of {length}")
+    if rows < 1:
+        raise ValueError(f"spread_rows: rows must be >= 1, got {rows}")
+    starts = torch.linspace(0, stream.shape[0] - length, rows).long()
     index = starts.unsqueeze(1) + torch.arange(length).unsqueeze(0)
     return stream[index.to(stream.device)]
 

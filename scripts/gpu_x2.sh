@@ -8,6 +8,10 @@
 #                                               # then GPU 1 the kernel GPU tests and a short decode-short
 #     OUT=/some/dir bash scripts/gpu_x2.sh b    # GPU 0: decode-short, then decode-64k; GPU 1: decode-128k;
 #                                               # then GPUs 0-1: decode-ep2 (NCCL)
+#     OUT=/some/dir TRAIN_ARGS_1="--draft-layers 2 --drafter-init fresh" bash scripts/gpu_x2.sh c
+#                                               # two drafter-only trainings side by side, then their
+#                                               # demo evals one after the other (GPU_1=0: one GPU;
+#                                               # EVAL_BEST=1: only the better one's)
 #
 # Carry .whl (wheels the CUDA image lacks) and, for part a, build/kv_before (the old kv_transfer, made
 # by `bash scripts/gpu_transfer.sh --prepare-before REF`). Each part's files are packed into one
@@ -47,6 +51,35 @@ case "$PART" in
     CUDA_VISIBLE_DEVICES=0,1 OUT="$W/decode" BUDGET_S=${EP_BUDGET_S:-80} LIMIT_S=${EP_LIMIT_S:-110} \
       bash scripts/gpu_bench.sh decode-ep2 > "$W/decode/ep2.log" 2>&1
     pack decode ;;
+  c)
+    # two drafter-only trainings side by side (GPU_0 / GPU_1: which GPU each uses, default 0 and 1;
+    # on a one-GPU host both 0), then demo_eval's decode cells of each, one after the other so the
+    # timings are not shared; TRAIN_ARGS_0 / TRAIN_ARGS_1 say how the two differ
+    for v in 0 1; do
+      mkdir -p "$W/drafter$v"
+      args_var=TRAIN_ARGS_$v gpu_var=GPU_$v
+      CUDA_VISIBLE_DEVICES=${!gpu_var:-$v} GPU_TREE=build/gpu_tree$v OUT="$W/drafter$v" DRAFTER_ONLY=1 SKIP_EVAL=1 \
+        DRAFTER_S=${DRAFTER_S:-180} GREEDY_S=${GREEDY_S:-100} TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-350} \
+        TRAIN_ARGS="${!args_var:-}" bash scripts/gpu_train_demo.sh > "$W/drafter$v/stdout.log" 2>&1 &
+    done
+    wait
+    evaluate="0 1"
+    if [ "${EVAL_BEST:-0}" = 1 ]; then  # only the variant whose held-out replay accepted more
+      evaluate=$(python3 -c 'import json, sys
+best = max(sys.argv[1:], key=lambda v: json.load(open(f"{v}/train-drafter.json"))["acceptance_after"]["accepted_per_verify"])
+print(best[-1])' $(for v in 0 1; do [ -f "$W/drafter$v/train-drafter.json" ] && echo "$W/drafter$v"; done))
+    fi
+    for v in $evaluate; do
+      gpu_var=GPU_$v args_var=TRAIN_ARGS_$v
+      [ -f "$W/drafter$v/demo/model.safetensors" ] || continue
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=${!gpu_var:-$v} PYTHONPATH="$PWD/build/gpu_tree$v:$PYTHONPATH" timeout "${EVAL_TIMEOUT_S:-100}" \
+        python3 -P benchmarks/demo_eval.py --device cuda --checkpoint "$W/drafter$v/demo" --parts speed \
+        --modes ${EVAL_MODES:-off batched batched+cost-check} --out "$W/drafter$v/demo-eval.json" \
+        --note "the backbone of cedserve/assets/demo with the drafter trained by scripts/train_demo.py --drafter-only ${!args_var:-}" \
+        2>&1 | grep -v NIXL > "$W/drafter$v/eval.log"
+    done
+    pack drafter0; pack drafter1 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

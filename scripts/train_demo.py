@@ -51,9 +51,12 @@ from cedserve.model.engram import build_compressed_token_map
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
 from cedserve.model.train_data import (
+    code_files,
     consecutive_rows,
     load_corpus,
     random_rows,
+    read_tree,
+    spread_rows,
     token_stream,
     train_tokenizer,
 )
@@ -102,24 +105,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--draft-experts", type=int, default=0, help="routed experts per draft layer (0: the checkpoint's)")
     d.add_argument("--draft-experts-per-tok", type=int, default=0)
     d.add_argument("--markov-rank", type=int, default=0, help="Markov head rank (0: the checkpoint's)")
+    d.add_argument("--extra-code", type=Path, nargs="*", default=[],
+                   help="more Python source trees for the drafter's training prompts and corpus rows (e.g. the "
+                        "installed torch package): code the backbone never saw, as a served prompt is")
+    d.add_argument("--extra-max-files", type=int, default=1500, help="files read per --extra-code tree")
     d.add_argument("--greedy-rows", type=int, default=1024, help="training prompts continued greedily by the backbone")
-    d.add_argument("--greedy-prompt", type=int, default=448, help="their prompt tokens (the rest of --seq-len is greedy)")
-    d.add_argument("--greedy-batch", type=int, default=128, help="rows decoded together")
+    d.add_argument("--greedy-prompt", type=int, default=256, help="their prompt tokens (the rest of --seq-len is greedy)")
+    d.add_argument("--greedy-batch", type=int, default=512, help="rows decoded together")
     d.add_argument("--greedy-seconds", type=float, default=0.0, help="stop starting new groups after this (0: none)")
-    d.add_argument("--corpus-rows", type=int, default=1024, help="corpus rows in the cache beside the greedy ones")
+    d.add_argument("--corpus-rows", type=int, default=4096, help="corpus rows in the cache beside the greedy ones")
     d.add_argument("--greedy-share", type=float, default=0.5, help="share of each step's rows drawn from the greedy ones")
     d.add_argument("--distill-topk", type=int, default=16, help="teacher tokens cached per position")
     d.add_argument("--anchors-per-row", type=int, default=64)
     d.add_argument("--soft-weight", type=float, default=1.0, help="loss weight: cross-entropy to the top-K teacher")
     d.add_argument("--argmax-weight", type=float, default=1.0, help="loss weight: cross-entropy to the teacher's argmax")
     d.add_argument("--prefix-weighting", action="store_true", help="weight block positions by their reach")
-    d.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts of the acceptance replay")
+    d.add_argument("--eval-prompts", type=int, default=32,
+                   help="held-out prompts of the acceptance replay (32: demo_eval's decode prompts, the same rows)")
     d.add_argument("--eval-prompt-len", type=int, default=256, help="as benchmarks/demo_eval.py --prompt-len")
     d.add_argument("--eval-new", type=int, default=64, help="greedy tokens after each held-out prompt")
     d.add_argument("--eval-verifications", type=int, default=8,
                    help="verifications replayed per prompt (0: to the end; demo_eval's cells run 8 at batch 8 and 32)")
-    d.add_argument("--eval-offset", type=int, default=32 * 256,
-                   help="held-out tokens skipped before the replay's prompts (default: demo_eval's decode prompts)")
     d.add_argument("--keep-last", action="store_true", help="keep the last drafter, not the best replayed one")
     d.add_argument("--evaluations", type=int, default=10, help="acceptance replays over the run (besides the last)")
     d.add_argument("--deadline-seconds", type=float, default=0.0,
@@ -191,10 +197,14 @@ def drafter_only(args: argparse.Namespace) -> int:
 
     tokenizer = Tokenizer.from_file(str(args.init / "tokenizer.json"))
     corpus = load_corpus(heldout_every=args.heldout_every, max_files=args.max_files)
-    train = token_stream(tokenizer, corpus.train).to(args.device)
-    heldout = token_stream(tokenizer, corpus.heldout).to(args.device)
+    # code only: the generated charmap tables would teach the drafter tables and flatter its acceptance
+    train = token_stream(tokenizer, code_files(corpus.train)).to(args.device)
+    extra = [read_tree(root, args.extra_max_files) for root in args.extra_code]
+    if extra:  # the backbone memorised much of its training text; served prompts are new to it
+        train = torch.cat([train, token_stream(tokenizer, [f for tree in extra for f in tree]).to(args.device)])
+    heldout = token_stream(tokenizer, code_files(corpus.heldout)).to(args.device)
     prepared_s = time.perf_counter() - started
-    print(f"checkpoint {args.init}; corpus {corpus.root}: {train.shape[0]:,} training tokens, {heldout.shape[0]:,} "
+    print(f"checkpoint {args.init}; corpus {corpus.root}: {train.shape[0]:,} training tokens of code, {heldout.shape[0]:,} "
           f"held out; drafter {sum(p.numel() for p in drafter.parameters()):,} parameters "
           f"({'from the checkpoint' if args.drafter_init == 'checkpoint' and same_sizes else 'fresh'}); "
           f"{prepared_s:.1f} s", flush=True)
@@ -204,7 +214,7 @@ def drafter_only(args: argparse.Namespace) -> int:
         saved = torch.load(args.cache, map_location=args.device)
         data, held, greedy_s = DistillSet(**saved["data"]), DistillSet(**saved["held"]), saved["greedy_s"]
     else:
-        eval_prompts = consecutive_rows(heldout[args.eval_offset :], args.eval_prompt_len, args.eval_prompts)
+        eval_prompts = spread_rows(heldout, args.eval_prompt_len, args.eval_prompts)  # demo_eval's decode prompts
         held = distill_set(model, greedy_continuations(model, eval_prompts, args.eval_new, args.greedy_batch),
                            args.eval_prompt_len, args.distill_topk)
         prompts = random_rows(train, args.greedy_rows, args.greedy_prompt, generator)
@@ -252,6 +262,7 @@ def drafter_only(args: argparse.Namespace) -> int:
         "benchmark": "train_demo_drafter", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine(args.device),
         "init": str(args.init), "corpus": {"root": str(corpus.root), "train_tokens": int(train.shape[0]),
+                                           "extra_code": {str(r): len(t) for r, t in zip(args.extra_code, extra)},
                                            "heldout_tokens": int(heldout.shape[0])},
         "drafter_config": {"layers": config.num_nextn_predict_layers, "experts": config.dspark_n_routed_experts,
                            "experts_per_tok": config.dspark_num_experts_per_tok, "markov_rank": config.dspark_markov_rank,
@@ -262,7 +273,8 @@ def drafter_only(args: argparse.Namespace) -> int:
                   "mbytes": data.nbytes / 1e6, "greedy_s": round(greedy_s, 1), "cache_s": round(cache_s, 1)},
         "loss": {"soft": weights.soft, "argmax": weights.argmax, "prefix": weights.prefix,
                  "greedy_share": args.greedy_share},
-        "heldout_replay": {"prompts": held.num_rows, "prompt_len": args.eval_prompt_len, "offset": args.eval_offset,
+        "heldout_replay": {"prompts": held.num_rows, "prompt_len": args.eval_prompt_len,
+                           "where": "spread evenly over the held-out code (train_data.spread_rows, code_files)",
                            "verifications_per_prompt": args.eval_verifications,
                            "new_tokens": held.seq_len - args.eval_prompt_len},
         "drafter": {"steps": run.steps, "seconds": round(run.seconds, 1), "anchors": run.tokens, "step_s": run.step_s,

@@ -178,7 +178,7 @@ def test_drafter_only_trainer_writes_a_bigger_drafter_beside_the_same_backbone(t
     rc = train_demo.main(["--init", str(tmp_path / "in"), "--drafter-only", "--device", "cpu", "--out",
                           str(tmp_path / "out"), "--report", str(report), "--max-files", "60", "--heldout-every", "7", "--seq-len", "40",
                           "--greedy-prompt", "30", "--greedy-rows", "3", "--greedy-batch", "2", "--corpus-rows", "2",
-                          "--eval-prompts", "2", "--eval-prompt-len", "24", "--eval-new", "10", "--eval-offset", "0",
+                          "--eval-prompts", "2", "--eval-prompt-len", "24", "--eval-new", "10",
                           "--drafter-steps", "4", "--batch-size", "2", "--anchors-per-row", "4", "--evaluations", "2",
                           "--drafter-init", "fresh", "--draft-layers", "2", "--keep-last"])
     assert rc == 0

@@ -41,8 +41,10 @@ from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
 from cedserve.model.train_data import (
     SPECIAL_TOKENS,
     SourceFile,
+    code_files,
     is_heldout,
     load_corpus,
+    spread_rows,
     token_stream,
     train_tokenizer,
 )
@@ -204,6 +206,21 @@ def test_heldout_split_is_fixed_by_path(tmp_path: Path) -> None:
     assert {f.relative for f in corpus.heldout} == {n for n in names if is_heldout(n, 7)}
     assert [f.relative for f in corpus.train] == sorted(f.relative for f in corpus.train)
     assert load_corpus(tmp_path, heldout_every=7) == corpus
+
+
+def test_spread_rows_cover_the_stream_evenly_and_code_files_drop_generated_tables() -> None:
+    stream = torch.arange(1000)
+    rows = spread_rows(stream, 100, 4)
+    assert rows.shape == (4, 100)
+    assert rows[:, 0].tolist() == [0, 300, 600, 900] and rows[-1, -1].item() == 999
+    assert torch.equal(rows[1], torch.arange(300, 400))
+    assert spread_rows(stream, 1000, 3).tolist() == [list(range(1000))] * 3  # a short stream: overlapping rows
+    with pytest.raises(ValueError, match="fewer than one row"):
+        spread_rows(stream[:50], 100, 2)
+    files = [SourceFile("encodings/cp1256.py", "decoding_table = (\n    '\\x00'\n)"),
+             SourceFile("encodings/utf_8.py", "import codecs\n"), SourceFile("pydoc_data/topics.py", "topics = {}"),
+             SourceFile("glob.py", "import os\n")]
+    assert [f.relative for f in code_files(files)] == ["encodings/utf_8.py", "glob.py"]
 
 
 def test_tokenizer_has_the_special_ids_and_loads_through_the_codec(tmp_path: Path) -> None:
