@@ -134,8 +134,8 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     words, `_write_words_kernel`, or store bytes, `_write_records_kernel`) override the launch
     defaults (the benchmark sweeps them). `version=3` selects the v3 arithmetic for E2M1 records
     (correctly rounded quotient per element); 4 uses the cheaper `_e2m1_code_fast` for bf16 / fp16
-    inputs (`kernels-notes.md`); both are bit-exact. Default (None): what run 4 measured faster on
-    the H200, 4 for the main KV and SWA, 3 for the 128-wide index keys.
+    inputs (`kernels-notes.md`); both are bit-exact. Default (None): what the H200 runs measured
+    fastest, 5 for the main KV (run 5: 72% of copy), 4 for SWA, 3 for the 128-wide index keys.
 
     `version=5` (E2M1 formats; SWA runs as 4): `_write_words_v5_kernel`, v4's arithmetic with the
     main-KV 1 / scale from one approximate reciprocal, and `tiles` tiles of `block_t` rows per
@@ -144,7 +144,7 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     memory). `rcp_nudge` (interpreter tests only) moves the v5 reciprocal by that many float32
     ulps to show the rounding does not depend on it being correctly rounded."""
     if version is None:
-        version = 3 if kind == "index" else 4
+        version = {"main": 5, "index": 3}.get(kind, 4)
     if version not in (3, 4, 5):
         raise ValueError(f"write_records: version must be 3, 4 or 5, got {version}")
     if tiles is not None and (tiles < 1 or version != 5):
