@@ -383,7 +383,7 @@ class DecodeEngine:
             self.metrics.accepted_drafts.inc(verdict.num_accepted)
         self.metrics.accepted_length.observe(len(verdict.tokens))
         before = len(seq.tokens)
-        chunk, reason = emit(seq, verdict, rows, verdict.num_accepted, self._stop)
+        chunk, reason = emit(seq, verdict, rows, verdict.num_accepted, self._stop, plan.num_drafts)
         self.tokens_emitted += len(chunk.token_ids)
         self.metrics.output_tokens.inc(len(chunk.token_ids))
         self._grow(seq, seq.tokens[before:])

@@ -129,6 +129,9 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     """Per token, the `logprobs` most likely (token, log-probability) pairs."""
     accepted_drafts: int = 0
+    draft_tokens: int = 0
+    """DSpark drafts verified in the step that made these tokens (the usage's `draft_tokens` adds
+    them up even when the router stops reading before `Finished`)."""
 
 
 class Finished(msgspec.Struct, frozen=True, tag="finished"):

@@ -295,7 +295,7 @@ def _chunk(out: Tokens) -> wpb.TokenChunk:
     tops = [wpb.TokenTopLogprobs(token_ids=[t for t, _ in row], logprobs=[v for _, v in row])
             for row in out.top_logprobs]
     return wpb.TokenChunk(token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-                          accepted_drafts=out.accepted_drafts, top_logprobs=tops)
+                          accepted_drafts=out.accepted_drafts, top_logprobs=tops, draft_tokens=out.draft_tokens)
 
 
 def _detail(out: Failed) -> wpb.ErrorDetail:

@@ -88,7 +88,7 @@ def plan_taps(plan: SeqPlan, outputs: list[BatchOutput]) -> Tensor:
 
 
 def emit(seq: DecodeSequence, verdict: Verdict, rows: Tensor, accepted_drafts: int,
-         stopped: StopCheck | None = None) -> tuple[Tokens, str]:
+         stopped: StopCheck | None = None, drafts: int = 0) -> tuple[Tokens, str]:
     """Append the verdict's tokens to `seq` up to a stop or its budget; returns the chunk to stream
     and the finish reason ("" while it continues)."""
     kept: list[int] = []
@@ -103,17 +103,17 @@ def emit(seq: DecodeSequence, verdict: Verdict, rows: Tensor, accepted_drafts: i
             reason = "length"
         if reason:
             break
-    return _chunk(seq, kept, rows, min(accepted_drafts, len(kept))), reason
+    return _chunk(seq, kept, rows, min(accepted_drafts, len(kept)), drafts), reason
 
 
-def _chunk(seq: DecodeSequence, kept: list[int], rows: Tensor, accepted: int) -> Tokens:
+def _chunk(seq: DecodeSequence, kept: list[int], rows: Tensor, accepted: int, drafts: int) -> Tokens:
     n = seq.params.logprobs
     if n == 0:
-        return Tokens(seq.request_id, tuple(kept), accepted_drafts=accepted)
+        return Tokens(seq.request_id, tuple(kept), accepted_drafts=accepted, draft_tokens=drafts)
     logp = torch.log_softmax(rows[: len(kept)].float(), dim=-1)
     chosen = tuple(float(logp[i, t]) for i, t in enumerate(kept))
     tops = tuple(tuple(top_logprobs(rows[i], n)) for i in range(len(kept)))
-    return Tokens(seq.request_id, tuple(kept), chosen, tops, accepted)
+    return Tokens(seq.request_id, tuple(kept), chosen, tops, accepted, drafts)
 
 
 class StopCheck:

@@ -365,6 +365,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if kind == "tokens":
                     self._note_first(progress, start)
                     progress.accepted += int(event.tokens.accepted_drafts)
+                    progress.drafts += int(event.tokens.draft_tokens)
                     async for response in self._emit(req, progress, list(event.tokens.token_ids),
                                                      list(event.tokens.logprobs), context):
                         yield response
@@ -373,7 +374,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         await self._cancel(decode, req.request_id, lease.lease_id)
                         return
                 elif kind == "complete":
-                    progress.drafts += int(event.complete.draft_tokens)
+                    # the chunks carry the drafts step by step; an older worker's only count is here
+                    progress.drafts = max(progress.drafts, int(event.complete.draft_tokens))
                     progress.finish = (generation_pb2.FINISH_REASON_LENGTH if event.complete.finish_reason == "length"
                                        else generation_pb2.FINISH_REASON_STOP)
                     return

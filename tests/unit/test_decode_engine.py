@@ -62,6 +62,7 @@ def test_drafter_equal_to_target_has_every_draft_accepted(reference: list[list[i
     # verifies K drafts, accepts them all and adds the bonus token.
     assert [len(c.token_ids) for c in chunks] == [1, k + 1, k + 1]
     assert [c.accepted_drafts for c in chunks] == [0, k, k]
+    assert [c.draft_tokens for c in chunks] == [0, k, k]
     done = rig.finished(next(iter(got)))
     assert isinstance(done, Finished) and done.accepted_drafts == done.draft_tokens == 2 * k
     rig.assert_all_free()
