@@ -14,8 +14,10 @@ project is not installed). Sections, each wrapped so one failure does not stop t
 3. Record writers / readers, compressor, index-key writer: >= 256 MiB of input; bytes = input read
    + records written (+ slot mapping); target >= 70 % of copy bandwidth.
 4. Sparse decode attention, batch 64, top-512 + 128 window, 64 heads x 512: a small config sweep;
-   bytes = records it must read + q + out + slot lists; FLOPs = 4 * H * keys * D per token; against
-   torch SDPA over a dense bf16 cache of 4K..256K tokens.
+   bytes = records it must read + q + out + slot lists; FLOPs = 4 * H * keys * D per token; the
+   split-KV rows (s2, s3: keys split over programs + a combine pass) beside the one-program rows;
+   against torch SDPA over a dense bf16 cache of 4K..256K tokens (32K / 64K / 128K under --quick
+   with --sdpa, or ATTN_SDPA=1 in the environment).
 5. Indexer + attention per decode step, 4K..1M context (batch 64): Full sources scan every index
    key (block maxima), Reindex layers score inside the 16K-entry pool; the step model sums the
    released schedule (40 attention layers; index sources: layer 20 m=1 candidate source, layers
@@ -118,10 +120,11 @@ class Check:
 
 
 class Bench:
-    def __init__(self, device: torch.device, smoke: bool, quick: bool = False) -> None:
+    def __init__(self, device: torch.device, smoke: bool, quick: bool = False, sdpa: bool = False) -> None:
         self.device = device
         self.smoke = smoke
         self.quick = quick
+        self.sdpa = sdpa  # time dense SDPA even under --quick (32K..128K)
         self.rows: list[Row] = []
         self.checks: list[Check] = []
         self.errors: list[str] = []
@@ -447,7 +450,12 @@ def decode_attention(b: Bench) -> None:
         configs += [AttentionConfig(*c) for c in (
             (64, 32, 1, 8, 1, 2, False), (64, 32, 1, 8, 3, 2, False), (64, 32, 1, 8, 1, 2, True),
             (64, 64, 1, 8, 2, 2, False), (64, 16, 1, 8, 3, 2, False), (64, 32, 2, 8, 2, 2, False),
-            (64, 32, 1, 8, 2, 2, False, False))]
+            (64, 32, 1, 8, 2, 2, False, False),
+            # v6 split-KV rows (kernels-notes.md "v6"): keys split in 2 with whole value rows (no
+            # logits computed twice), st1 / st2; split in 3 (two waves); the default split in 2 (two
+            # waves of one program per SM); value halves at 4 warps (two programs per SM)
+            (64, 32, 2, 8, 1, 1, False), (64, 32, 2, 8, 2, 1, False), (64, 32, 3, 8, 1, 1, False),
+            (64, 64, 2, 8, 2, 2, False), (64, 32, 2, 4, 1, 2, False))]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -467,8 +475,13 @@ def decode_attention(b: Bench) -> None:
         except Exception as exc:
             print(f"  config {label} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
+        note = "" if ok else "WRONG OUTPUT"
+        splits = resolved.num_splits or 1
+        if splits > 1:
+            programs = n * -(-heads // (resolved.block_h or heads)) * (resolved.dv_split or 1) * splits
+            note = f"split-KV: {programs} programs + combine {note}".rstrip()
         row = b.record("sparse_attention decode", f"{n}x{heads}x{dim} top{topk}+{window}", t, must_read, flops,
-                       label, "" if ok else "WRONG OUTPUT")
+                       label, note)
         if not ok:
             b.check(f"sparse_attention config {label}", False, "output outside tolerance")
             continue
@@ -481,7 +494,7 @@ def decode_attention(b: Bench) -> None:
     roofline_us = flops / 989e12 * 1e6
     print(f"  note: {flops / 1e9:.1f} GFLOP per call -> {roofline_us:.1f} us at the 989 TFLOP/s bf16 dense peak, "
           f"vs {must_read / b.copy_gbps / 1e3:.1f} us for the bytes at copy bandwidth")
-    if b.quick:
+    if b.quick and not b.sdpa:
         return
     # dense torch SDPA over a bf16 cache of the same context. One shared K = V head: the 64 heads
     # are 64 queries of one head (FlashMLA's view of MQA decode), so nothing is expanded.
@@ -489,7 +502,13 @@ def decode_attention(b: Bench) -> None:
 
     sdpa: dict[int, float] = {}
     qd = q.unsqueeze(1)  # [n, 1, heads, dim]
-    for ctx in ([256, 1024] if b.smoke else [4096, 16384, 32768, 65536, 131072, 262144]):
+    if b.smoke:
+        contexts = [256, 1024]
+    elif b.quick:  # the "faster than SDPA from 32K" target only, ~5 s
+        contexts = [32768, 65536, 131072]
+    else:
+        contexts = [4096, 16384, 32768, 65536, 131072, 262144]
+    for ctx in contexts:
         if b.late and ctx > 65536:
             break
         try:
@@ -663,6 +682,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--quick", action="store_true",
                         help="time only the kernels changed in this round (no readers, SDPA, MoE timings)")
+    parser.add_argument("--sdpa", action="store_true", default=os.environ.get("ATTN_SDPA", "0") == "1",
+                        help="time dense torch SDPA at 32K/64K/128K even with --quick (default: env ATTN_SDPA=1)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -671,7 +692,7 @@ def main() -> int:
     import triton
 
     torch.manual_seed(0)
-    b = Bench(device, args.smoke, args.quick)
+    b = Bench(device, args.smoke, args.quick, args.sdpa)
     print(f"kernels benchmark on {machine(device)}; torch {torch.__version__}, triton {triton.__version__}")
     b.section("HBM copy bandwidth", lambda: copy_bandwidth(b))
     b.section("correctness at realistic shapes", lambda: correctness(b))
@@ -688,6 +709,7 @@ def main() -> int:
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
         "smoke": args.smoke,
         "quick": args.quick,
+        "sdpa": args.sdpa,
         "copy_gbps": b.copy_gbps,
         "checks": [asdict(c) for c in b.checks],
         "rows": [asdict(r) for r in b.rows],

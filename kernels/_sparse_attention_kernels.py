@@ -33,8 +33,10 @@ whose fp8 casts differ) the same values are decoded with integer and fp32 arithm
 
 Online softmax runs in base 2 (`sm_scale_log2 = softmax_scale * log2(e)`); the per-head sink
 logit starts the running max and sum (`m = sink`, `l = 1`), so it only enlarges the denominator
-and a row with every key masked returns zeros. With `NUM_SPLITS > 1` each split writes its
-unnormalised accumulator and (m, l) without the sink, and `_combine_splits_kernel` merges them.
+and a row with every key masked returns zeros. With `NUM_SPLITS > 1` (split-KV, "flash-decoding")
+a token's key tiles, main list then window, are dealt out in contiguous runs of equal length (+-1
+tile) to `NUM_SPLITS` programs; each writes its unnormalised fp32 accumulator and (m, l) without
+the sink, and `_combine_splits_kernel` merges them, adds the sink and rotates back.
 """
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
@@ -181,9 +183,9 @@ def _store_output(out_ptr, out_stride_h, o_lo, o_hi, first, cos_ptr, sin_ptr, h,
 @triton.jit
 def _sparse_decode_attention_kernel(
     q_ptr, q_stride_n, q_stride_h, sink_ptr,
-    main_ptr, topk_ptr, topk_stride, num_topk, main_chunk,
+    main_ptr, topk_ptr, topk_stride, num_topk,
     main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
-    swa_ptr, win_ptr, win_stride, num_win, win_chunk,
+    swa_ptr, win_ptr, win_stride, num_win,
     swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
     cos_ptr, sin_ptr, cs_stride,
     out_ptr, out_stride_n, out_stride_h,
@@ -220,10 +222,16 @@ def _sparse_decode_attention_kernel(
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     jn = tl.arange(0, BLOCK_N)
+    # key split: the token's tiles, main then window, dealt out in contiguous runs of equal length
+    # (+-1 tile), so a split may end in the main list and continue in the window
+    main_tiles = tl.cdiv(num_topk, BLOCK_N)
+    total_tiles = main_tiles + tl.cdiv(num_win, BLOCK_N)
+    t0 = split * total_tiles // NUM_SPLITS
+    t1 = (split + 1) * total_tiles // NUM_SPLITS
 
     if HAS_MAIN:  # FP4 records: [D / 2 bytes of E2M1 pairs | D / 16 E4M3 scales]
-        start = split * main_chunk
-        end = tl.minimum(start + main_chunk, num_topk)
+        start = tl.minimum(t0, main_tiles) * BLOCK_N
+        end = tl.minimum(tl.minimum(t1, main_tiles) * BLOCK_N, num_topk)
         slot_row = topk_ptr + n.to(tl.int64) * topk_stride
         if PREFETCH:
             rec, ok = _record_rows(slot_row, start + jn, end, main_num_slots, main_offset, main_spb,
@@ -256,8 +264,8 @@ def _sparse_decode_attention_kernel(
             acc_lo, acc_hi = _accumulate(p, alpha, k_lo, k_hi, acc_lo, acc_hi, DOT_F32)
 
     if HAS_SWA:  # FP8 records: [D E4M3 bytes | D / 32 UE8M0 scales]
-        start = split * win_chunk
-        end = tl.minimum(start + win_chunk, num_win)
+        start = tl.maximum(t0 - main_tiles, 0) * BLOCK_N
+        end = tl.minimum(tl.maximum(t1 - main_tiles, 0) * BLOCK_N, num_win)
         slot_row = win_ptr + n.to(tl.int64) * win_stride
         if PREFETCH:
             rec, ok = _record_rows(slot_row, start + jn, end, swa_num_slots, swa_offset, swa_spb,

@@ -63,7 +63,11 @@ class AttentionConfig:
     block_n: int | None = None
     """Keys per tile (>= 16)."""
     num_splits: int | None = None
-    """Programs per (token, head block), each over a slice of the keys; > 1 adds a combine pass."""
+    """Programs per (token, head block x value half), each over a contiguous run of the token's key
+    tiles (main list, then window; split-KV); > 1 adds a combine pass over fp32 partials
+    (`[N, splits, H, D]` accumulators + `[N, splits, H, 2]` (max, sum)). `dv_split=1` with 2 splits
+    is the v6 candidate: the same 128 programs at batch 64 as `dv_split=2`, without computing the
+    logits twice (kernels-notes.md, "v6")."""
     num_warps: int | None = None
     num_stages: int | None = None
     dv_split: int | None = None
@@ -243,8 +247,6 @@ class _Launch:
         q, out, main, swa = self.q, self.out, self.main, self.swa
         tokens, heads, dim = q.shape
         splits = cfg.num_splits
-        main_chunk = cdiv(cdiv(self.num_topk, splits), cfg.block_n) * cfg.block_n
-        win_chunk = cdiv(cdiv(self.num_win, splits), cfg.block_n) * cfg.block_n
         if splits > 1:  # per split: unnormalised accumulator and (max, sum)
             part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
@@ -255,9 +257,9 @@ class _Launch:
             raise ValueError(f"sparse_attention: dv_split must be 1 or 2, got {dv_split}")
         k._sparse_decode_attention_kernel[(tokens, cdiv(heads, cfg.block_h) * dv_split, splits)](
             q, q.stride(0), q.stride(1), self.sink,
-            main.storage, self.topk, self.topk.stride(0), self.num_topk, main_chunk,
+            main.storage, self.topk, self.topk.stride(0), self.num_topk,
             main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
-            swa.storage, self.win, self.win.stride(0), self.num_win, win_chunk,
+            swa.storage, self.win, self.win.stride(0), self.num_win,
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             self.cos, self.sin, self.cos.stride(0),
             out, out.stride(0), out.stride(1),

@@ -5,9 +5,11 @@
 #     OUT=/some/dir bash scripts/gpu_kernels.sh      # writes into $OUT (default build/gpu_kernels)
 #     PART=tests bash scripts/gpu_kernels.sh         # only the tests (PART=bench: only the benchmark)
 #     QUICK=1 bash scripts/gpu_kernels.sh            # tests + only the benchmark sections marked quick
+#     QUICK=1 ATTN_SDPA=1 bash scripts/gpu_kernels.sh  # + dense torch SDPA at 32K/64K/128K (~5 s more)
 #
 # Both parts together stay under 10 minutes (tests are cut at 200 s, the benchmark at 380 s);
-# QUICK=1 under 6 (130 s + 200 s): the writers (v5 beside v4 / v3), attention, the index
+# QUICK=1 under 6 (130 s + 200 s): the writers (v5 beside v4 / v3), attention (split-KV rows
+# beside the one-program rows; ATTN_SDPA=1, read by benchmarks/kernels.py, adds SDPA), the index
 # scan (v5 beside v4 / v3, launch sweep) and the decode-step curve at 4K / 64K / 1M (both scans).
 # Outputs in $OUT: env.txt, gpu-tests.log, gpu-tests.xml (junit), kernels-h200.json, benchmark.log.
 # Needs torch (CUDA build) and triton; the project need not be installed: a symlink tree puts

@@ -12,6 +12,8 @@
 #                                               # two drafter-only trainings side by side, then their
 #                                               # demo evals one after the other (GPU_1=0: one GPU;
 #                                               # EVAL_BEST=1: only the better one's)
+#     OUT=/some/dir bash scripts/gpu_x2.sh d    # one GPU: the shipped demo's decode cells, then the
+#                                               # kernel GPU tests + QUICK benchmark
 #
 # Carry .whl (wheels the CUDA image lacks) and, for part a, build/kv_before (the old kv_transfer, made
 # by `bash scripts/gpu_transfer.sh --prepare-before REF`). Each part's files are packed into one
@@ -80,6 +82,18 @@ print(best[-1])' $(for v in 0 1; do [ -f "$W/drafter$v/train-drafter.json" ] && 
         2>&1 | grep -v NIXL > "$W/drafter$v/eval.log"
     done
     pack drafter0; pack drafter1 ;;
+  d)
+    # one GPU: the shipped demo checkpoint's decode cells (demo_eval --parts speed), then the kernels'
+    # GPU tests and benchmark (QUICK; carry build/gpu_pydeps too); EVAL_ARGS / KERNEL_ENV add settings
+    mkdir -p "$W/eval" "$W/kernels"
+    source scripts/gpu_tree.sh && make_gpu_tree build/gpu_tree_eval
+    # shellcheck disable=SC2086
+    PYTHONPATH="$PWD/build/gpu_tree_eval:$PYTHONPATH" timeout "${EVAL_TIMEOUT_S:-200}" python3 -P benchmarks/demo_eval.py \
+      --device cuda --parts speed --out "$W/eval/demo-eval.json" --note "one GPU; the shipped cedserve/assets/demo" \
+      ${EVAL_ARGS:-} > "$W/eval/eval.log" 2>&1
+    # shellcheck disable=SC2086
+    env ${KERNEL_ENV:-} QUICK=1 OUT="$W/kernels" bash scripts/gpu_kernels.sh > "$W/kernels/run.log" 2>&1
+    pack eval; pack kernels ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -64,7 +64,7 @@ def _check(out: Tensor, ref: Tensor) -> None:
 def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, splits: int | None,
           block_n: int | None, gen: torch.Generator, device: torch.device, use_main: bool = True,
           use_swa: bool = True, block_h: int | None = None, dv_split: int | None = None,
-          prefetch: bool | None = None) -> None:
+          prefetch: bool | None = None, num_warps: int | None = None, num_stages: int | None = None) -> None:
     main = _records("main", 3 * topk + 5, dim, gen, device) if use_main else None
     swa = _records("swa", 2 * window + 3, dim, gen, device) if use_swa else None
     # lengths: full, empty, partial (a request shorter than top-k, a window not yet full)
@@ -82,7 +82,8 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     sink = torch.randn(heads, generator=gen, device=device)
     cos, sin = _rope_tables(tokens, rope // 2, gen, device)
     out = torch.full_like(q, float("nan"))
-    config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch)
+    config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
+                             num_warps=num_warps, num_stages=num_stages)
     sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=config, impl="triton")
     _check(out, sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin))
 
@@ -95,6 +96,23 @@ def test_decode_small_head_dim(splits: int, dv_split: int, prefetch: bool, gen: 
     # the rope pairs' half from the other
     _case(tokens=4, heads=4, dim=64, topk=37, window=9, rope=16, splits=splits, block_n=16, gen=gen, device=device,
           dv_split=dv_split, prefetch=prefetch)
+
+
+@pytest.mark.parametrize(("splits", "dv_split"), [(2, 1), (3, 1), (5, 1), (3, 2)])
+def test_decode_key_splits(splits: int, dv_split: int, gen: torch.Generator, device: torch.device) -> None:
+    # split-KV ("flash-decoding"): 37 selected entries (3 tiles of 16, the last ragged) and a window
+    # of 9 (1 tile) are 4 tiles dealt out in contiguous runs: 3 splits take tiles {0}, {1}, {2, w0}
+    # (a split ending in the main list continues in the window), 5 splits leave one split empty;
+    # the combine pass adds the sink and rotates back
+    _case(tokens=5, heads=4, dim=64, topk=37, window=9, rope=16, splits=splits, block_n=16, gen=gen, device=device,
+          dv_split=dv_split)
+
+
+def test_decode_released_head_dim_key_split(gen: torch.Generator, device: torch.device) -> None:
+    # D = 512 with the whole value width per program (dv_split 1) and keys split in 3: tiles of 16
+    # over 24 + 20 keys (2 + 2 tiles) put the main / window boundary inside the middle split
+    _case(tokens=2, heads=20, dim=512, topk=24, window=20, rope=64, splits=3, block_n=16, gen=gen, device=device,
+          block_h=16, dv_split=1)
 
 
 def test_decode_released_head_dim(gen: torch.Generator, device: torch.device) -> None:
@@ -151,9 +169,14 @@ def test_launcher_checks(gen: torch.Generator, device: torch.device) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize(("splits", "dv_split", "prefetch"), [(None, None, None), (1, 1, False), (4, 2, True)])
+@pytest.mark.parametrize(("splits", "dv_split", "prefetch", "block_n", "num_warps"),
+                         [(None, None, None, None, None), (1, 1, False, None, None), (4, 2, True, None, None),
+                          (2, 1, False, 32, 8), (2, 2, False, 32, 4)])
 def test_gpu_decode_released_shapes(splits: int | None, dv_split: int | None, prefetch: bool | None,
+                                    block_n: int | None, num_warps: int | None,
                                     gen: torch.Generator, device: torch.device) -> None:
-    # batch 64, 64 heads x 512, top-512 + window 128, rope 64
-    _case(tokens=64, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
-          device=device, dv_split=dv_split, prefetch=prefetch)
+    # batch 64, 64 heads x 512, top-512 + window 128, rope 64; the last two rows are the split-KV
+    # candidates of v6 (kernels-notes.md): keys split in 2 with whole value rows, and in 2 with value
+    # halves at 4 warps (two programs per SM)
+    _case(tokens=64, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=block_n, gen=gen,
+          device=device, dv_split=dv_split, prefetch=prefetch, num_warps=num_warps)
