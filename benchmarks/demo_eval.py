@@ -115,7 +115,8 @@ def decode_side_state(model: CEDModel, encoded: SequenceState) -> SequenceState:
 
 def replay_perplexity(model: CEDModel, rows: Tensor, prompt_len: int, spans: dict[str, int]) -> list[dict[str, Any]]:
     """Each row: `prompt_len` prompt tokens, the rest scored. Reference: one prefill of the row."""
-    exact_logits, replayed = [], {name: [] for name in spans}
+    exact_logits: list[Tensor] = []
+    replayed: dict[str, list[Tensor]] = {name: [] for name in spans}
     targets = []
     for row in rows:
         prompt, cont = row[:prompt_len], row[prompt_len:]

@@ -18,6 +18,7 @@ import torch
 from system_rig import greedy_reference
 
 from cedserve.client import CedserveError, Client
+from cedserve.config import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME, EmbeddedOptions, LocalLauncher, start_embedded
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
@@ -36,7 +37,7 @@ class System:
         self.address = router["address"]
         self.parts = {p.name: p for p in self.launcher.parts}
         token = (root / "logs" / "run" / TOKEN_FILE_NAME).read_text().strip()
-        self.metadata = (("x-cedserve-token", token),)
+        self.metadata = token_metadata(token)
         """What a direct call to a worker must carry: `cedserve serve` turns the worker-plane token on."""
 
     def worker_address(self, name: str) -> str:
@@ -148,7 +149,7 @@ def test_workers_refuse_calls_without_the_worker_token(system: System) -> None:
                             ("decode0", worker_pb2_grpc.DecodeWorkerStub)):
         with grpc.insecure_channel(system.worker_address(name)) as ch:
             stub = stub_type(ch)  # type: ignore[no-untyped-call]
-            for metadata in ((), (("x-cedserve-token", "not-the-token"),)):
+            for metadata in ((), token_metadata("not-the-token")):
                 with pytest.raises(grpc.RpcError) as info:
                     stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=metadata)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
