@@ -298,3 +298,57 @@ def _read_records_kernel(
     value = tl.where(mask, value * scale, 0.0)
     out = out_ptr + tok.to(tl.int64)[:, None] * out_row_stride + ch[None, :]
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & ch_ok[None, :])
+
+
+@triton.jit
+def _write_index_runs_kernel(
+    x_ptr, x_row_stride, slot_ptr, out_ptr,
+    num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
+    FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
+    NB: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
+    BLOCK_T: tl.constexpr, HW_FP8: tl.constexpr, FAST_E2M1: tl.constexpr,
+):
+    """v7 index-key writer (`NB == 4`: 128 channels -> 68 B records = 16 code words + 1 scale
+    word). Quantizes a tile as `_write_words_kernel` does; then, when the tile's `BLOCK_T` records
+    are one contiguous, 16-byte aligned byte range (every row valid and `rec[i] == rec[0] + 68 i`:
+    consecutive rows in consecutive slots of one block, what a prefill chunk writes; checked per
+    tile at run time), it lays the `17 * BLOCK_T` words out in store order with one `tl.gather`
+    (through shared memory on the GPU) and writes them as 16-byte vectors: `16 * BLOCK_T` words,
+    then the last `BLOCK_T`. Any other tile (a skipped row, scattered slots, the ragged last
+    tile, a run starting 4 mod 16) takes `_write_words_kernel`'s word stores."""
+    RW: tl.constexpr = NB * WPB + 1  # 32-bit words per record (17)
+    CW: tl.constexpr = NB * WPB  # code words per record (16, a power of two)
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+    rec, ok = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes)
+    ok = ok & tok_ok
+    b = tl.arange(0, NB)
+    channel = (b[:, None, None] * SCALE_BLOCK + tl.arange(0, WPB)[None, :, None] * CPW
+               + tl.arange(0, CPW)[None, None, :])  # [NB, WPB, CPW]
+    row = tok.to(tl.int64) * x_row_stride
+    x = tl.load(x_ptr + row[:, None, None, None] + channel[None, :, :, :], mask=ok[:, None, None, None], other=0.0)
+    words, scale_byte = _quantize_words(x.to(tl.float32), FORMAT, ELEM_BITS, CPW, HW_FP8, FAST_E2M1)
+    # the tile's records are rec0 + 68 i for i < BLOCK_T iff every row is valid and rec - 68 i is constant
+    start = rec - tl.arange(0, BLOCK_T).to(tl.int64) * (RW * 4)
+    rec0 = tl.min(start, axis=0)
+    run = (tl.min(ok.to(tl.int32), axis=0) == 1) & (tl.max(start, axis=0) == rec0) & (rec0 % 16 == 0)
+    if run:
+        # source [BLOCK_T, 2, CW] flattened: record i's code word w at i * 2CW + w, its scale word
+        # (broadcast over the second half) at i * 2CW + CW
+        shifts = (tl.arange(0, NB) * 8).to(tl.uint32)
+        scale_word = tl.sum(scale_byte.to(tl.uint32) << shifts[None, :], axis=1)  # [BLOCK_T]
+        codes = tl.reshape(words, [BLOCK_T, CW]).to(tl.int32, bitcast=True)
+        scales = tl.broadcast_to(scale_word.to(tl.int32, bitcast=True)[:, None], [BLOCK_T, CW])
+        src = tl.reshape(tl.permute(tl.join(codes, scales), (0, 2, 1)), [BLOCK_T * 2 * CW])
+        base = (out_ptr + rec0).to(tl.pointer_type(tl.int32))
+        base = tl.multiple_of(base, 16)
+        # words [0, CW * BLOCK_T) of the range, then the last BLOCK_T words
+        k = tl.arange(0, CW * BLOCK_T)
+        head = tl.gather(src, (k // RW) * (2 * CW) + tl.minimum(k % RW, CW), axis=0)
+        tl.store(base + tl.max_contiguous(tl.multiple_of(k, 4), 4), head)
+        k = CW * BLOCK_T + tl.arange(0, BLOCK_T)
+        tail = tl.gather(src, (k // RW) * (2 * CW) + tl.minimum(k % RW, CW), axis=0)
+        tl.store(base + tl.max_contiguous(tl.multiple_of(k, 4), 4), tail)
+    else:
+        _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB, WPB, CODE_BYTES, True, True)
