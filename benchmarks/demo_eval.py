@@ -239,7 +239,9 @@ class Cell:
 
 
 def new_cell(model: CEDModel, drafter: Drafter, prompts: list[Tensor], mode: str, steps: int, device: str,
-             draft_tokens: int) -> Cell:
+             draft_tokens: int, profile: StepProfile | None = None) -> Cell:
+    """One mode's engine decoding `prompts`; `profile`: the measured costs of an earlier cell of the
+    same mode, as one long-running worker would have them (the batch-1 prompts decoded in turn)."""
     batch = len(prompts)
     block = 64
     dspark = mode != "off"
@@ -253,6 +255,10 @@ def new_cell(model: CEDModel, drafter: Drafter, prompts: list[Tensor], mode: str
     kind = PerSequenceProposer if mode == "per-sequence" else DSparkProposer
     timed = TimedProposer(kind(drafter, model, draft_tokens), device, cost_check=adaptive) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=timed)
+    if profile is not None:
+        engine.profile = profile
+        if timed is not None:
+            timed.attach_profile(profile, verify_all=not adaptive)
     for i, prompt in enumerate(prompts):
         state, draft, first = prefilled(model, drafter, prompt)
         tokens = prompt.tolist()
@@ -346,10 +352,16 @@ def decode_speed(model: CEDModel, drafter: Drafter, prompt_rows: Tensor, args: a
         per_group = max(1, steps // len(groups))
         by_mode: dict[str, list[Cell]] = {mode: [] for mode in args.modes}
         for rows in groups:
-            cells = [new_cell(model, drafter, list(rows), mode, per_group, args.device, args.draft_tokens)
+            # each mode's engine keeps the cost profile its earlier prompts measured (one worker)
+            cells = [new_cell(model, drafter, list(rows), mode, per_group + args.warmup_steps, args.device,
+                              args.draft_tokens, by_mode[mode][-1].engine.profile if by_mode[mode] else None)
                      for mode in args.modes]
+            # untimed warm-up: the drafter's memory fills from the first pass's taps, and the engine's
+            # cost line (verification lengths, the cost check) replaces its prior as a running worker's has
+            for _ in range(1 + (args.warmup_steps if rows is groups[0] else 0)):
+                for cell in cells:
+                    cell.engine.step()
             for cell in cells:
-                cell.engine.step()  # warm-up: the drafter's memory fills from this pass's taps
                 cell.start = cell.counters()
             for _ in range(per_group):
                 for cell in cells:
@@ -416,6 +428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", choices=("quality", "speed"), default=["quality", "speed"],
                    help="quality: KV format and replay perplexity; speed: the decode cells")
     p.add_argument("--steps", type=int, default=0, help="timed steps per decode cell (0: 48 at batch 1, 8 beyond)")
+    p.add_argument("--warmup-steps", type=int, default=8,
+                   help="untimed steps before a batch's first cells are timed (the cost profile's warm-up)")
     p.add_argument("--batch1-prompts", type=int, default=8, help="prompts the batch-1 cells decode in turn")
     p.add_argument("--draft-tokens", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

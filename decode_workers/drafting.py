@@ -137,7 +137,7 @@ class DSparkProposer:
         predicted = torch.zeros(len(seqs), self._k)
         caps = torch.zeros(len(seqs), dtype=torch.long)
         for i in ready:
-            known = _history_of(seqs[i])[: self._k].float()
+            known = profile.survival.calibrated(_history_of(seqs[i])[: self._k].float())
             predicted[i, : known.shape[0]] = known
             caps[i] = min(seqs[i].max_drafts, known.shape[0])
         rows = sum(len(s.pending) for s in seqs)  # anchors and carries

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
@@ -306,8 +307,10 @@ class DecodeEngine:
         plans, items = self._plan(running, drafts)
         results = self._run(items)
         observations: list[Observation] = []
+        verified: list[tuple[Tensor, int]] = []  # (the drafts' confidences, how many were accepted)
         for plan in plans:
-            outputs.extend(self._conclude(plan, results, observations))
+            outputs.extend(self._conclude(plan, results, observations, verified))
+        self._calibrate(verified)
         if observations and self.proposer is not None:
             self.proposer.observe_many(observations)  # one batched drafter call for the whole step
         self._account(sched, start, len(running))
@@ -338,6 +341,7 @@ class DecodeEngine:
         confidences = torch.zeros(len(drafts), max(limits))  # [batch, K]; past a request's limit: unused
         for i, d in enumerate(drafts):
             confidences[i, : limits[i]] = d.confidences[: limits[i]].float().cpu()
+        confidences = self.profile.survival.calibrated(confidences)  # survival as verification measured it
         lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows),
                                         torch.tensor(limits))
         return [int(j) for j in lengths]
@@ -365,7 +369,16 @@ class DecodeEngine:
         self.passes += 1
         return results
 
-    def _conclude(self, plan: SeqPlan, results: list[BatchOutput], observations: list[Observation]) -> list[Output]:
+    def _calibrate(self, verified: list[tuple[Tensor, int]]) -> None:
+        """What verification measured against the drafter's predicted survival (one host copy)."""
+        if not verified:
+            return
+        confidences = torch.split(torch.cat([c.float() for c, _ in verified]).cpu(), [c.shape[0] for c, _ in verified])
+        for c, (_, accepted) in zip(confidences, verified):
+            self.profile.survival.record(torch.cumprod(c.double(), 0).tolist(), accepted)
+
+    def _conclude(self, plan: SeqPlan, results: list[BatchOutput], observations: list[Observation],
+                  verified: list[tuple[Tensor, int]] | None = None) -> list[Output]:
         """Accept or roll back `plan`'s sequence, stream its tokens, persist its records; the drafter's
         share of the pass goes to `observations` (the caller shows them to the proposer at once)."""
         seq = plan.seq
@@ -381,6 +394,8 @@ class DecodeEngine:
             self.accepted_drafts += verdict.num_accepted
             self.metrics.draft_tokens.inc(plan.num_drafts)
             self.metrics.accepted_drafts.inc(verdict.num_accepted)
+            if verified is not None and plan.draft is not None:
+                verified.append((plan.draft.confidences[: plan.num_drafts], verdict.num_accepted))
         self.metrics.accepted_length.observe(len(verdict.tokens))
         before = len(seq.tokens)
         chunk, reason = emit(seq, verdict, rows, verdict.num_accepted, self._stop, plan.num_drafts)

@@ -7,11 +7,20 @@ same way (no prior: 0 until one is measured, the mean while all measured passes 
 the decision to draft at all (`DSparkProposer`) counts what the draft pass itself costs. `step_s()`
 is seconds per decode step by batch size (index = batch size), an exponential average of whole
 steps, for the router's placement formula.
+
+`calibrated(confidences)` corrects the drafter's confidences by what verification measured
+(`SurvivalCalibration`): a confidence head trained on per-position agreement predicts the
+marginal chance of draft k, and the product c_1 ... c_j then undercounts how often a j-prefix
+survives (errors cluster), which made the cost check decline drafting that paid.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
 
 MIN_SAMPLES = 8
 """Passes measured before the fitted line replaces the prior."""
@@ -60,8 +69,63 @@ class CostLine:
         return max(mean_s - slope * mean_r, 0.0), slope
 
 
+class SurvivalCalibration:
+    """Per draft position j, the ratio of verified prefixes that survived past j to the survival
+    the drafter predicted for them, over about the last `window` verifications (exponential
+    decay), starting from `prior_weight` verifications at ratio 1."""
+
+    def __init__(self, window: int = 256, prior_weight: float = 4.0) -> None:
+        self.window = window
+        self.prior_weight = prior_weight
+        self._predicted: list[float] = []
+        self._survived: list[float] = []
+        self._count: list[float] = []
+
+    def record(self, predicted: Sequence[float], accepted: int) -> None:
+        """One verification: `predicted[j]` the drafter's survival of the first j + 1 drafts (the
+        product of their confidences), for the positions verified; `accepted` how many survived."""
+        keep = 1.0 - 1.0 / self.window
+        while len(self._predicted) < len(predicted):
+            self._predicted.append(0.0)
+            self._survived.append(0.0)
+            self._count.append(0.0)
+        for j in range(len(self._predicted)):
+            self._predicted[j] *= keep
+            self._survived[j] *= keep
+            self._count[j] *= keep
+        for j, value in enumerate(predicted):
+            self._predicted[j] += float(value)
+            self._survived[j] += float(accepted > j)
+            self._count[j] += 1.0
+
+    def ratios(self, k: int) -> list[float]:
+        """Measured / predicted survival for positions 0..k-1; a position never verified takes the
+        ratio of the one before (so its own c_k stays as the drafter said), 1.0 before any."""
+        out: list[float] = []
+        for j in range(k):
+            if j < len(self._predicted) and self._predicted[j] > 0:
+                # the prior: `prior_weight` verifications that survived as often as predicted
+                prior = self.prior_weight * self._predicted[j] / self._count[j]
+                out.append((self._survived[j] + prior) / (self._predicted[j] + prior))
+            else:
+                out.append(out[-1] if out else 1.0)
+        return out
+
+    def calibrated(self, confidences: Tensor) -> Tensor:
+        """`confidences [..., K]` (c_k) -> confidences whose running product is the calibrated
+        survival: survival x measured ratio, kept in [0, 1] and non-increasing along k."""
+        survival = torch.cumprod(confidences.double().clamp(0.0, 1.0), dim=-1)
+        ratio = torch.tensor(self.ratios(confidences.shape[-1]), dtype=torch.float64)
+        fixed = torch.cummin((survival * ratio).clamp(0.0, 1.0), dim=-1).values
+        previous = torch.cat([torch.ones_like(fixed[..., :1]), fixed[..., :-1]], dim=-1)
+        out = torch.where(previous > 0, fixed / previous.clamp_min(1e-12), torch.zeros_like(fixed))
+        return out.to(confidences.dtype)
+
+
 class StepProfile:
     def __init__(self, prior_s: float, prior_per_row_s: float, window: int = 512, ema: float = 0.2) -> None:
+        self.survival = SurvivalCalibration()
+        """How the drafter's predicted survival compares with what verification measured."""
         self.prior = (prior_s, prior_per_row_s)
         self._passes = CostLine(self.prior, window)
         self._drafts = CostLine(None, window)

@@ -453,6 +453,17 @@ def draft_batch(drafter: Drafter, tokens: Tensor, logits: Tensor, taps: Tensor, 
                       tokens[rows, positions], logits[rows, positions].float())
 
 
+def confidence_loss(confidence: Tensor, match: Tensor) -> Tensor:
+    """The confidence head's loss: `confidence [A, k, 1]` against `match [A, k]` (draft k equals the
+    backbone's argmax), counted only where drafts 1..k-1 all matched. Serving multiplies c_1 ... c_j
+    into the survival of a j-prefix (`choose_verify_lengths`), so c_k must be the probability that
+    draft k is right *given* the earlier ones were; a plain per-position target learns the marginal,
+    which errors' correlation makes far lower at k > 1, and the product then undercounts survival."""
+    reached = torch.cat([torch.ones_like(match[:, :1]), match[:, :-1].cumprod(dim=-1)], dim=-1)  # [A, k]
+    bce = F.binary_cross_entropy(confidence.squeeze(-1).clamp(1e-6, 1 - 1e-6), match, reduction="none")
+    return (bce * reached).sum() / reached.sum().clamp_min(1.0)
+
+
 def draft_loss(model: CEDModel, drafter: Drafter, batch: DraftBatch) -> tuple[Tensor, dict[str, float]]:
     """KL(backbone || draft) per block position plus the confidence head's cross-entropy; also the
     mean number of leading drafts equal to the backbone's argmax (greedy acceptance on the text)."""
@@ -461,7 +472,7 @@ def draft_loss(model: CEDModel, drafter: Drafter, batch: DraftBatch) -> tuple[Te
     target = torch.log_softmax(batch.teacher, dim=-1)
     kl = (target.exp() * (target - torch.log_softmax(logits, dim=-1))).sum(dim=-1).mean()
     match = (logits.argmax(dim=-1) == batch.teacher.argmax(dim=-1)).float()
-    conf = F.binary_cross_entropy(confidence.squeeze(-1).clamp(1e-6, 1 - 1e-6), match)
+    conf = confidence_loss(confidence, match)
     accepted = match.cumprod(dim=-1).sum(dim=-1).mean()
     stats = {"kl": float(kl.detach()), "confidence_bce": float(conf.detach()), "accepted": float(accepted)}
     return kl + conf, stats
@@ -709,7 +720,7 @@ def cached_draft_loss(model: CEDModel, drafter: Drafter, batch: CachedDraftBatch
     else:
         distill = per_position.mean()
     match = (logits.argmax(dim=-1) == batch.top_ids[..., 0]).float()
-    conf = F.binary_cross_entropy(confidence.squeeze(-1).clamp(1e-6, 1 - 1e-6), match)
+    conf = confidence_loss(confidence, match)
     kl = ((teacher.exp() * teacher).sum(-1) + soft).mean()
     stats = {"kl": float(kl.detach()), "argmax_ce": float(hard.detach().mean()), "top1": float(match.mean()),
              "accepted": float(match.cumprod(dim=-1).sum(dim=-1).mean()), "confidence_bce": float(conf.detach())}

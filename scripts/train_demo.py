@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--eval-new", type=int, default=64, help="greedy tokens after each held-out prompt")
     d.add_argument("--eval-verifications", type=int, default=8,
                    help="verifications replayed per prompt (0: to the end; demo_eval's cells run 8 at batch 8 and 32)")
+    d.add_argument("--train-only", choices=("all", "confidence"), default="all",
+                   help="confidence: train only the confidence head (the drafts, hence the acceptance, stay "
+                        "the same; implies --keep-last, no expert balancing)")
     d.add_argument("--keep-last", action="store_true", help="keep the last drafter, not the best replayed one")
     d.add_argument("--evaluations", type=int, default=10, help="acceptance replays over the run (besides the last)")
     d.add_argument("--deadline-seconds", type=float, default=0.0,
@@ -242,13 +245,17 @@ def drafter_only(args: argparse.Namespace) -> int:
         seconds = max(10.0, min(seconds, args.deadline_seconds - (time.perf_counter() - started) - 20))
         if seconds < args.drafter_seconds:
             print(f"drafter budget cut to {seconds:.0f} s by --deadline-seconds {args.deadline_seconds:.0f}", flush=True)
+    only_confidence = args.train_only == "confidence"
+    if only_confidence:  # the drafts stay bit for bit what they were: only c_k moves
+        for name, param in drafter.named_parameters():
+            param.requires_grad_(name.startswith("confidence."))
     cfg = PhaseConfig(seconds=seconds, max_steps=args.drafter_steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, lr=args.drafter_lr, dense_fraction=0.0, anchors_per_row=args.anchors_per_row,
-                      seed=args.seed)
+                      seed=args.seed, balance_rate=0.0 if only_confidence else PhaseConfig.balance_rate)
     weights = DraftLossConfig(soft=args.soft_weight, argmax=args.argmax_weight, prefix=args.prefix_weighting)
     run = train_drafter_cached(model, drafter, data, cfg, log_line, weights,
                                lambda: speculative_acceptance(model, drafter, held, args.eval_verifications), args.evaluations,
-                               args.greedy_share, "" if args.keep_last else "accepted_per_verify")
+                               args.greedy_share, "" if args.keep_last or only_confidence else "accepted_per_verify")
     snap_to_stored_formats(drafter)
     after = speculative_acceptance(model, drafter, held, args.eval_verifications)
     write_drafter_checkpoint(args.init, drafter, args.out,
@@ -267,7 +274,8 @@ def drafter_only(args: argparse.Namespace) -> int:
         "drafter_config": {"layers": config.num_nextn_predict_layers, "experts": config.dspark_n_routed_experts,
                            "experts_per_tok": config.dspark_num_experts_per_tok, "markov_rank": config.dspark_markov_rank,
                            "parameters": sum(p.numel() for p in drafter.parameters()),
-                           "init": "checkpoint" if args.drafter_init == "checkpoint" and same_sizes else "fresh"},
+                           "init": "checkpoint" if args.drafter_init == "checkpoint" and same_sizes else "fresh",
+                           "train_only": args.train_only},
         "cache": {"greedy_rows": greedy_rows, "greedy_prompt": args.greedy_prompt,
                   "corpus_rows": data.num_rows - greedy_rows, "seq_len": data.seq_len, "topk": int(data.top_ids.shape[-1]),
                   "mbytes": data.nbytes / 1e6, "greedy_s": round(greedy_s, 1), "cache_s": round(cache_s, 1)},

@@ -188,3 +188,18 @@ def test_drafter_only_trainer_writes_a_bigger_drafter_beside_the_same_backbone(t
     assert out["drafter_config"]["layers"] == 2 and out["drafter"]["kept"] == "last"
     assert 0 <= out["acceptance_after"]["accepted_per_verify"] <= 5 and out["acceptance_after"]["verifications"] > 0
     assert load_model(tmp_path / "out").config.num_nextn_predict_layers == 2
+
+
+def test_confidence_loss_counts_a_position_only_after_a_matched_prefix() -> None:
+    from cedserve.model.training import confidence_loss
+
+    match = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
+    good = torch.tensor([[0.9, 0.1, 0.5, 0.5], [0.1, 0.5, 0.5, 0.5]]).unsqueeze(-1)
+    # positions after the first miss do not count: changing them leaves the loss unchanged
+    other = good.clone()
+    other[0, 2:] = 0.01
+    other[1, 1:] = 0.99
+    assert torch.allclose(confidence_loss(good, match), confidence_loss(other, match))
+    # the counted ones: row 0 positions 0-1, row 1 position 0 (mean BCE over those three)
+    expected = -(torch.log(torch.tensor(0.9)) + torch.log(torch.tensor(0.9)) + torch.log(torch.tensor(0.9))) / 3
+    assert torch.allclose(confidence_loss(good, match), expected, atol=1e-6)

@@ -120,3 +120,28 @@ def test_verify_lengths_count_the_draft_pass() -> None:
     assert choose_verify_lengths(conf, rate, draft_s=break_even * 1.01).sum() == 0
     with pytest.raises(ValueError, match="draft_s"):
         choose_verify_lengths(conf, rate, draft_s=-1.0)
+
+
+def test_survival_calibration_moves_predicted_survival_to_the_measured_one() -> None:
+    from cedserve.decode_workers.profile import SurvivalCalibration
+
+    cal = SurvivalCalibration(window=10_000, prior_weight=4.0)
+    raw = torch.tensor([0.5, 0.4, 0.5, 0.5, 0.5])  # conditional c_k; survival 0.5, 0.2, 0.1, 0.05, 0.025
+    assert torch.allclose(cal.calibrated(raw), raw)  # nothing measured: unchanged
+    predicted = torch.cumprod(raw.double(), 0).tolist()
+    # drafts that in truth survive much longer than predicted: 2 of 3 verifications accept all 5
+    for i in range(300):
+        cal.record(predicted, 5 if i % 3 else 0)
+    survival = torch.cumprod(cal.calibrated(raw).double(), 0)
+    # measured survival is 2/3 at every position; the prior (4 verifications at the prediction)
+    # pulls it slightly toward the prediction; kept <= 1 and non-increasing
+    assert abs(float(survival[0]) - 2 / 3) < 0.01
+    assert torch.all(survival[1:] <= survival[:-1] + 1e-12) and float(survival.max()) <= 1.0
+    assert abs(float(survival[4]) - 2 / 3) < 0.03
+    # positions never verified keep the prediction
+    cal2 = SurvivalCalibration()
+    cal2.record(predicted[:2], 2)
+    assert torch.allclose(cal2.calibrated(raw)[2:], raw[2:].to(torch.float32))
+    # a batch [B, K] with zero confidences past a request's limit stays finite
+    out = cal.calibrated(torch.tensor([[0.5, 0.0, 0.0, 0.0, 0.0], [0.9, 0.9, 0.9, 0.9, 0.9]]))
+    assert torch.isfinite(out).all() and float(out[0, 1:].abs().max()) == 0.0
