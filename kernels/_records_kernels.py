@@ -352,3 +352,133 @@ def _write_index_runs_kernel(
         tl.store(base + tl.max_contiguous(tl.multiple_of(k, 4), 4), tail)
     else:
         _store_record(out_ptr, rec, ok, words, scale_byte, BLOCK_T, NB, NB, WPB, CODE_BYTES, True, True)
+
+
+
+@triton.jit
+def _join4(a, b, c, d):
+    """`[G]` tensors -> `[G, 4]` (a, b, c, d along the new axis, held by the thread that holds g:
+    `tl.join` adds an in-register axis, so no data moves between threads)."""
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [a.shape[0], 4])
+
+
+@triton.jit
+def _index_group_words(x_ptr, x_row_stride, out_ptr, tile0, rec0, num_tokens, slot_ptr, num_slots, offset_bytes,
+                       slots_per_block, slot_stride_bytes, block_stride_bytes,
+                       FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
+                       NB: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
+                       GROUPS: tl.constexpr, HW_FP8: tl.constexpr, VECTOR: tl.constexpr):
+    """Quantize the tile's rows (thread g: rows tile0 + 4g .. 4g + 3) and store them. The words are
+    produced in store order (record r's 16 code words, then its scale word). `VECTOR`: every group's
+    4 records are one contiguous range starting at byte `rec0 [GROUPS]` (16-byte aligned); words
+    are collected in four registers and written as one 16-byte vector per 4 (17 per thread). Else
+    each word is stored at its record's slot address (v3's word stores)."""
+    RW: tl.constexpr = NB * WPB + 1  # 32-bit words per record (17)
+    g = tl.arange(0, GROUPS)
+    c = tl.arange(0, CPW)
+    shifts = (c * ELEM_BITS).to(tl.uint32)
+    grp = tl.multiple_of((out_ptr + rec0).to(tl.pointer_type(tl.int32)), 16)
+    j = tl.max_contiguous(tl.multiple_of(tl.arange(0, 4), 4), 4)
+    a0 = tl.zeros([GROUPS], dtype=tl.int32)
+    a1 = tl.zeros([GROUPS], dtype=tl.int32)
+    a2 = tl.zeros([GROUPS], dtype=tl.int32)
+    a3 = tl.zeros([GROUPS], dtype=tl.int32)
+    for r in tl.static_range(4):
+        tok = tile0 + 4 * g + r
+        tok_ok = tok < num_tokens
+        slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+        rec, ok = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes,
+                                block_stride_bytes)
+        ok = ok & tok_ok
+        ptr = (out_ptr + rec).to(tl.pointer_type(tl.int32))
+        row = x_ptr + tok.to(tl.int64) * x_row_stride
+        scale_word = tl.zeros([GROUPS], dtype=tl.uint32)
+        for b in tl.static_range(NB):
+            x0 = tl.load(row[:, None] + (b * SCALE_BLOCK + 0 * CPW) + c[None, :], mask=ok[:, None], other=0.0)
+            x1 = tl.load(row[:, None] + (b * SCALE_BLOCK + 1 * CPW) + c[None, :], mask=ok[:, None], other=0.0)
+            x2 = tl.load(row[:, None] + (b * SCALE_BLOCK + 2 * CPW) + c[None, :], mask=ok[:, None], other=0.0)
+            x3 = tl.load(row[:, None] + (b * SCALE_BLOCK + 3 * CPW) + c[None, :], mask=ok[:, None], other=0.0)
+            x0 = x0.to(tl.float32)
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+            x3 = x3.to(tl.float32)
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)),
+                              tl.maximum(tl.max(tl.abs(x2), axis=1), tl.max(tl.abs(x3), axis=1)))
+            scale, inv_scale, scale_byte = _block_scale(amax, FORMAT, ELEM_BITS, HW_FP8)
+            scale_word = scale_word | (scale_byte.to(tl.uint32) << (8 * b))
+            for w in tl.static_range(WPB + 1):
+                k = r * RW + b * WPB + w  # the word's index in the group
+                if w < WPB or b == NB - 1:  # code word w of block b; after the last block's, the scale word
+                    if w == WPB:
+                        word = scale_word.to(tl.int32, bitcast=True)
+                    else:
+                        xw = x0
+                        if w == 1:
+                            xw = x1
+                        if w == 2:
+                            xw = x2
+                        if w == 3:
+                            xw = x3
+                        code = _quantize_elements(xw, scale[:, None], inv_scale[:, None], FORMAT, ELEM_BITS, HW_FP8)
+                        word = tl.sum(code.to(tl.uint32) << shifts[None, :], axis=1).to(tl.int32, bitcast=True)
+                    if VECTOR:
+                        if k % 4 == 0:
+                            a0 = word
+                        if k % 4 == 1:
+                            a1 = word
+                        if k % 4 == 2:
+                            a2 = word
+                        if k % 4 == 3:
+                            a3 = word
+                            tl.store(grp[:, None] + (k - 3) + j[None, :], _join4(a0, a1, a2, a3))
+                    else:
+                        if w == WPB:
+                            tl.store(ptr + CODE_BYTES // 4, word, mask=ok)
+                        else:
+                            tl.store(ptr + (b * WPB + w), word, mask=ok)
+
+
+@triton.jit
+def _write_index_regs_kernel(
+    x_ptr, x_row_stride, slot_ptr, out_ptr,
+    num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
+    FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
+    NB: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
+    GROUPS: tl.constexpr, HW_FP8: tl.constexpr,
+):
+    """v8 index-key writer (`NB == 4`: 128 channels -> 68 B records = 16 code words + 1 scale
+    word), register layout: a program writes `4 * GROUPS` rows; thread g owns rows 4g .. 4g + 3
+    (a group of 4 records = 272 B = 17 x 16 B). Every tensor is `[GROUPS]` or `[GROUPS, CPW]` with
+    the `CPW` (8) channels of one code word contiguous in the thread (one 16-byte load), so a block's
+    maximum, its scale and its code words never leave the thread, and a group's 68 words are made
+    in store order: no shared-memory reorder (v7's `tl.gather`). Written for `GROUPS == 32 *
+    num_warps` (one group per thread, the launcher's default); other tile sizes are correct but
+    spread the groups differently.
+
+    v7's run check, per group of 4 records instead of per tile: when every group of the tile is a
+    contiguous 16-byte aligned range (its 4 rows valid, `rec[4g + r] == rec[4g] + 68 r`,
+    `rec[4g] % 16 == 0`; checked from the slots before any row is loaded), each thread writes its
+    group as 17 16-byte vectors, so a tile may span cache blocks (the benchmark's runs of 64 rows);
+    any other tile takes word stores (v3's stores). v3's arithmetic (`_quantize_elements` without
+    `FAST_E2M1`)."""
+    RW: tl.constexpr = NB * WPB + 1
+    g = tl.arange(0, GROUPS)
+    tile0 = tl.program_id(0) * (4 * GROUPS)
+    slot = tl.load(slot_ptr + tile0 + 4 * g, mask=tile0 + 4 * g < num_tokens, other=-1)
+    rec0, run = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes)
+    run = run & (tile0 + 4 * g < num_tokens) & (rec0 % 16 == 0)
+    for r in tl.static_range(1, 4):  # run check from the slots alone: rec[4g + r] == rec0[g] + 68 r
+        tok = tile0 + 4 * g + r
+        tok_ok = tok < num_tokens
+        slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+        rec, ok = _slot_address(slot, num_slots, offset_bytes, slots_per_block, slot_stride_bytes,
+                                block_stride_bytes)
+        run = run & ok & tok_ok & (rec == rec0 + r * (RW * 4))
+    if tl.min(run.to(tl.int32), axis=0) == 1:
+        _index_group_words(x_ptr, x_row_stride, out_ptr, tile0, rec0, num_tokens, slot_ptr, num_slots, offset_bytes,
+                           slots_per_block, slot_stride_bytes, block_stride_bytes, FORMAT, SCALE_BLOCK, ELEM_BITS,
+                           NB, WPB, CPW, CODE_BYTES, GROUPS, HW_FP8, True)
+    else:
+        _index_group_words(x_ptr, x_row_stride, out_ptr, tile0, rec0, num_tokens, slot_ptr, num_slots, offset_bytes,
+                           slots_per_block, slot_stride_bytes, block_stride_bytes, FORMAT, SCALE_BLOCK, ELEM_BITS,
+                           NB, WPB, CPW, CODE_BYTES, GROUPS, HW_FP8, False)
