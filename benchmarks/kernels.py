@@ -242,19 +242,6 @@ def correctness(b: Bench) -> None:
             written = slots >= 0
             same = torch.equal(fresh.gather(slots[written]), twin.gather(slots[written]))
             b.check(f"write_records[{kind}] v5 {tokens}x{dim}", same, "bit-exact" if same else "records differ")
-        if kind == "index":  # v7 / v8 on prefill-like runs (their 16-byte vector stores), against the reference
-            runs = _block_slots(tokens, dest.slots_per_block, dest.num_blocks, dev)
-            run_ref = PagedRecords(dest.storage.clone(), dest.record_bytes, dest.slots_per_block,
-                                   dest.slot_stride_bytes, dest.block_stride_bytes, dest.offset_bytes)
-            rec_ops.write_records_reference(kind, x, runs, run_ref)
-            for version in (7, 8):
-                fresh = PagedRecords(run_ref.storage.clone(), dest.record_bytes, dest.slots_per_block,
-                                     dest.slot_stride_bytes, dest.block_stride_bytes, dest.offset_bytes)
-                fresh.storage.random_(0, 256)
-                rec_ops.write_records(kind, x, runs, fresh, version=version, impl="triton")
-                same = torch.equal(fresh.gather(runs), run_ref.gather(runs))
-                b.check(f"write_records[{kind}] v{version} runs {tokens}x{dim}", same,
-                        "bit-exact" if same else "records differ")
         out = torch.full((tokens, dim), float("nan"), device=dev)
         rec_ops.read_records(kind, dest, slots, out=out, impl="triton")
         want = rec_ops.read_records_reference(kind, twin, slots)
@@ -384,7 +371,7 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     # launch configs (rows per program, warps, 32-bit word stores, version): the launcher's default
     # first; E2M1 kinds also time v3's arithmetic (the correctly rounded quotient) beside v4's
     # the launcher's default version first (v5 for main since run 5, v4 for SWA, v3 for the index keys), then
-    # the other versions of the E2M1 kinds, then v7 and v8 for the index keys
+    # the other versions of the E2M1 kinds, then v7 for the index keys
     default_version = {"main": 5, "index": 3}.get(kind, 4)
     # v5 (E2M1 kinds): `_write_words_v5_kernel` at its defaults and a tiles / rows sweep (tiles last)
     sweep: list[tuple[int | None, int | None, bool | None, int, int | None]] = [
@@ -393,8 +380,6 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
         sweep += [(None, None, None, v, None) for v in (3, 4, 5) if v != default_version]
     if kind == "index":  # v7: 16-byte stores of a tile's contiguous records (the slots below are runs of 64)
         sweep += [(None, None, None, 7, None), (32, 4, None, 7, None)]
-        # v8: a thread owns 4 records (register layout, 16-byte stores); default t256 w2, then 1 and 4 warps
-        sweep += [(None, None, None, 8, None), (128, 1, None, 8, None), (512, 4, None, 8, None)]
     if not b.smoke:
         sweep += {"main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
                   "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],

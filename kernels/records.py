@@ -147,22 +147,13 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     `version=7` (index keys only): `_write_index_runs_kernel`, v3's arithmetic and word tiles, but a
     tile whose records form one contiguous 16-byte aligned range (consecutive rows in consecutive
     slots of one block, checked per tile on the device) is stored as 16-byte vectors; other tiles
-    take v3's word stores. Widths other than 128 and records not 4-byte aligned run v3.
-
-    `version=8` (index keys only): `_write_index_regs_kernel`, v7's run check and v3's arithmetic in a
-    register layout: a thread owns 4 whole records (272 B = 17 x 16 B), so a run tile's 16-byte
-    stores need no shared-memory reorder; other tiles take word stores. A program writes `block_t`
-    rows (a power of two >= 4; default `128 * num_warps`, 2 warps: one group per thread, the layout
-    the kernel is written for; other values are correct but spread a group over threads). Widths
-    other than 128 and records not 4-byte aligned run v3."""
+    take v3's word stores. Widths other than 128 and records not 4-byte aligned run v3."""
     if version is None:
         version = {"main": 5, "index": 3}.get(kind, 4)
-    if version not in (3, 4, 5, 7, 8):
-        raise ValueError(f"write_records: version must be 3, 4, 5, 7 or 8, got {version}")
-    if version in (7, 8) and kind != "index":
-        raise ValueError(f"write_records: version {version} is the index-key writer, got kind {kind!r}")
-    if version == 8 and block_t is not None and (block_t < 4 or block_t & (block_t - 1)):
-        raise ValueError(f"write_records: version 8 needs block_t a power of two >= 4, got {block_t}")
+    if version not in (3, 4, 5, 7):
+        raise ValueError(f"write_records: version must be 3, 4, 5 or 7, got {version}")
+    if version == 7 and kind != "index":
+        raise ValueError(f"write_records: version 7 is the index-key writer, got kind {kind!r}")
     if tiles is not None and (tiles < 1 or version != 5):
         raise ValueError(f"write_records: tiles must be >= 1 and needs version=5, got tiles={tiles} version={version}")
     fmt = record_format(kind)
@@ -193,17 +184,6 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
             FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits, NB=nb,
             WPB=fmt.scale_block // 8, CPW=8, CODE_BYTES=dim // 2, BLOCK_T=block_t, HW_FP8=hardware_fp8(x.device),
             FAST_E2M1=False, num_warps=num_warps or 4,
-        )
-        return
-    if version == 8 and nb == 4 and dest.alignment >= 4 and word_stores is not False:
-        warps = num_warps or 2
-        block_t = block_t or 128 * warps
-        k._write_index_regs_kernel[(cdiv(x.shape[0], block_t),)](
-            x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
-            dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes,
-            FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits, NB=nb,
-            WPB=fmt.scale_block // 8, CPW=8, CODE_BYTES=dim // 2, GROUPS=block_t // 4, HW_FP8=hardware_fp8(x.device),
-            num_warps=warps,
         )
         return
     if word_stores is None:

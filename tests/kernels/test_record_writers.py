@@ -115,16 +115,15 @@ def test_write_v5_matches_reference(kind: RecordKind, dim: int, layout: str, gen
     _check_write(kind, x[:7].float(), layout, gen, device, version=5, block_t=block_t, tiles=2)
 
 
-@pytest.mark.parametrize("version", [7, 8])
 @pytest.mark.parametrize("layout", ["flat", "region"])
 @pytest.mark.parametrize("dim", [128, 32])
-def test_write_v7_scattered_matches_reference(dim: int, layout: str, version: int, gen: torch.Generator,
+def test_write_v7_scattered_matches_reference(dim: int, layout: str, gen: torch.Generator,
                                               device: torch.device) -> None:
-    # v7 / v8 index-key writers on scattered slots (every tile takes the word-store fallback; D = 32
-    # and the byte-aligned flat table run v3 whole); bf16 and fp32 inputs
+    # v7 index-key writer on scattered slots (every tile takes the word-store fallback; D = 32 and
+    # the byte-aligned flat table run v3 whole); bf16 and fp32 inputs
     x = _inputs(2 * 16 + 5, dim, torch.bfloat16, gen, device)
-    _check_write("index", x, layout, gen, device, version=version, block_t=16)
-    _check_write("index", x[:7].float(), layout, gen, device, version=version, block_t=16)
+    _check_write("index", x, layout, gen, device, version=7, block_t=16)
+    _check_write("index", x[:7].float(), layout, gen, device, version=7, block_t=16)
 
 
 def _run_dest(gen: torch.Generator, device: torch.device) -> PagedRecords:
@@ -132,41 +131,32 @@ def _run_dest(gen: torch.Generator, device: torch.device) -> PagedRecords:
     return PagedRecords.region(_poisoned((4, 16 + 32 * 68 + 48), gen, device), 16, 32, 68)
 
 
-@pytest.mark.parametrize("version", [7, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_v7_runs_match_reference(dtype: torch.dtype, version: int, gen: torch.Generator,
-                                       device: torch.device) -> None:
+def test_write_v7_runs_match_reference(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> None:
     # 8-row tiles: block 2 gets rows 0..31 in order (4 run tiles), block 0 rows 32..44 from entry 4
     # (tile 4 runs at a 16-aligned start, tile 5 starts 4 mod 16 and is ragged: fallback), and a
-    # second write whose tiles hold a skipped row, a block crossing and a reversed run (fallbacks).
-    # v8 (16-row tiles, fewer interpreted programs): tiles 0 and 1 run (vector stores), the rest fall back
-    block_t = 8 if version == 7 else 16
+    # second write whose tiles hold a skipped row, a block crossing and a reversed run (fallbacks)
     dest = _run_dest(gen, device)
     expected = _twin(dest)
     x = _inputs(45, 128, dtype, gen, device)
     slots = torch.cat([torch.arange(64, 96), torch.arange(4, 17)]).to(device)
-    write_records("index", x, slots, dest, version=version, block_t=block_t, impl="triton")
+    write_records("index", x, slots, dest, version=7, block_t=8, impl="triton")
     write_records_reference("index", x, slots, expected)
     assert torch.equal(dest.storage, expected.storage)
     y = _inputs(24, 128, dtype, gen, device)
     again = torch.cat([torch.arange(32, 40), torch.arange(92, 100), torch.arange(111, 103, -1)]).to(device)
     again[2] = -1
-    write_records("index", y, again, dest, version=version, block_t=block_t, impl="triton")
+    write_records("index", y, again, dest, version=7, block_t=8, impl="triton")
     write_records_reference("index", y, again, expected)
     diff = (dest.storage != expected.storage).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at byte {diff[0].tolist()}"
 
 
-@pytest.mark.parametrize("version", [7, 8])
-def test_write_v7_rejects_other_kinds(version: int, device: torch.device) -> None:
+def test_write_v7_rejects_other_kinds(device: torch.device) -> None:
     dest = PagedRecords.flat(torch.zeros(4, 288, dtype=torch.uint8, device=device), 288)
-    with pytest.raises(ValueError, match=f"version {version}"):
+    with pytest.raises(ValueError, match="version 7"):
         write_records("main", torch.zeros(2, 512, device=device), torch.zeros(2, dtype=torch.int64, device=device),
-                      dest, version=version)
-    index = PagedRecords.flat(torch.zeros(4, 68, dtype=torch.uint8, device=device), 68)
-    with pytest.raises(ValueError, match="block_t"):
-        write_records("index", torch.zeros(2, 128, device=device), torch.zeros(2, dtype=torch.int64, device=device),
-                      index, version=8, block_t=12)
+                      dest, version=7)
 
 
 @pytest.mark.parametrize("kind", ["main", "index"])
@@ -175,14 +165,13 @@ def test_write_v5_edge_values(kind: RecordKind, gen: torch.Generator, device: to
     rows = edge_rows(dim, record_format(kind).scale_block, device)
     _check_write(kind, rows, "region", gen, device, version=5)
     _check_write(kind, rows.bfloat16(), "region", gen, device, version=5)
-    if kind == "index":  # the edge rows as one contiguous run (v7's and v8's vector stores)
-        for version in (7, 8):
-            dest = _run_dest(gen, device)
-            expected = _twin(dest)
-            slots = torch.arange(rows.shape[0], device=device) + 32
-            write_records("index", rows, slots, dest, version=version, block_t=8, impl="triton")
-            write_records_reference("index", rows, slots, expected)
-            assert torch.equal(dest.storage, expected.storage)
+    if kind == "index":  # the edge rows as one contiguous run (v7's vector stores)
+        dest = _run_dest(gen, device)
+        expected = _twin(dest)
+        slots = torch.arange(rows.shape[0], device=device) + 32
+        write_records("index", rows, slots, dest, version=7, block_t=8, impl="triton")
+        write_records_reference("index", rows, slots, expected)
+        assert torch.equal(dest.storage, expected.storage)
 
 
 @pytest.mark.parametrize("kind", ["main", "index", "swa"])
@@ -321,8 +310,7 @@ def test_gpu_v5_ties(kind: RecordKind, gen: torch.Generator, device: torch.devic
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("version", [7, 8])
-def test_gpu_v7_runs(version: int, gen: torch.Generator, device: torch.device) -> None:
+def test_gpu_v7_runs(gen: torch.Generator, device: torch.device) -> None:
     # v7 on the GPU: prefill-like runs (64 consecutive rows per block, random blocks; the vector
     # stores), a skipped row and a ragged end (fallback tiles), bit for bit against the reference
     rows, entries = 8192 + 37, 64
@@ -335,6 +323,6 @@ def test_gpu_v7_runs(version: int, gen: torch.Generator, device: torch.device) -
     slots[100] = -1
     edge = edge_rows(128, 32, device).bfloat16()
     x = torch.cat([_inputs(rows - edge.shape[0], 128, torch.bfloat16, gen, device), edge])
-    write_records("index", x, slots, dest, version=version, impl="triton")
+    write_records("index", x, slots, dest, version=7, impl="triton")
     write_records_reference("index", x, slots, expected)
     assert torch.equal(dest.storage, expected.storage)
