@@ -371,15 +371,13 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     # launch configs (rows per program, warps, 32-bit word stores, version): the launcher's default
     # first; E2M1 kinds also time v3's arithmetic (the correctly rounded quotient) beside v4's
     # the launcher's default version first (v5 for main since run 5, v4 for SWA, v3 for the index keys), then
-    # the other versions of the E2M1 kinds, then v7 for the index keys
+    # the other versions of the E2M1 kinds
     default_version = {"main": 5, "index": 3}.get(kind, 4)
     # v5 (E2M1 kinds): `_write_words_v5_kernel` at its defaults and a tiles / rows sweep (tiles last)
     sweep: list[tuple[int | None, int | None, bool | None, int, int | None]] = [
         (None, None, None, default_version, None)]
     if kind != "swa":
         sweep += [(None, None, None, v, None) for v in (3, 4, 5) if v != default_version]
-    if kind == "index":  # v7: 16-byte stores of a tile's contiguous records (the slots below are runs of 64)
-        sweep += [(None, None, None, 7, None), (32, 4, None, 7, None)]
     if not b.smoke:
         sweep += {"main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
                   "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],

@@ -142,18 +142,11 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     program with the next tile's rows loaded before the current tile is quantized (`num_stages`
     1 by default: the prefetch is by hand, the compiler's pipeliner would stage it through shared
     memory). `rcp_nudge` (interpreter tests only) moves the v5 reciprocal by that many float32
-    ulps to show the rounding does not depend on it being correctly rounded.
-
-    `version=7` (index keys only): `_write_index_runs_kernel`, v3's arithmetic and word tiles, but a
-    tile whose records form one contiguous 16-byte aligned range (consecutive rows in consecutive
-    slots of one block, checked per tile on the device) is stored as 16-byte vectors; other tiles
-    take v3's word stores. Widths other than 128 and records not 4-byte aligned run v3."""
+    ulps to show the rounding does not depend on it being correctly rounded."""
     if version is None:
         version = {"main": 5, "index": 3}.get(kind, 4)
-    if version not in (3, 4, 5, 7):
-        raise ValueError(f"write_records: version must be 3, 4, 5 or 7, got {version}")
-    if version == 7 and kind != "index":
-        raise ValueError(f"write_records: version 7 is the index-key writer, got kind {kind!r}")
+    if version not in (3, 4, 5):
+        raise ValueError(f"write_records: version must be 3, 4 or 5, got {version}")
     if tiles is not None and (tiles < 1 or version != 5):
         raise ValueError(f"write_records: tiles must be >= 1 and needs version=5, got tiles={tiles} version={version}")
     fmt = record_format(kind)
@@ -172,20 +165,10 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     from cedserve.kernels import _records_kernels as k
 
     nb = dim // fmt.scale_block
-    fast = version in (4, 5) and fmt.elem_bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
+    fast = version >= 4 and fmt.elem_bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
     if version == 5 and fmt.elem_bits == 4:
         return _launch_v5(k, fmt, x, slot_mapping, dest, nb, fast, block_t=block_t, tiles=tiles,
                           num_warps=num_warps, num_stages=num_stages, rcp_nudge=rcp_nudge)
-    if version == 7 and nb == 4 and dest.alignment >= 4 and word_stores is not False:
-        block_t = block_t or 64  # v3's index tile (run 3: t64 w4 fastest)
-        k._write_index_runs_kernel[(cdiv(x.shape[0], block_t),)](
-            x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
-            dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes,
-            FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits, NB=nb,
-            WPB=fmt.scale_block // 8, CPW=8, CODE_BYTES=dim // 2, BLOCK_T=block_t, HW_FP8=hardware_fp8(x.device),
-            FAST_E2M1=False, num_warps=num_warps or 4,
-        )
-        return
     if word_stores is None:
         word_stores = fmt.elem_bits == 4  # measured: words for the E2M1 formats, bytes for SWA (kernels-notes.md)
     # rows per program: ~4K elements for 512-wide rows, ~8K for the 128-wide index keys (run 3)

@@ -115,63 +115,12 @@ def test_write_v5_matches_reference(kind: RecordKind, dim: int, layout: str, gen
     _check_write(kind, x[:7].float(), layout, gen, device, version=5, block_t=block_t, tiles=2)
 
 
-@pytest.mark.parametrize("layout", ["flat", "region"])
-@pytest.mark.parametrize("dim", [128, 32])
-def test_write_v7_scattered_matches_reference(dim: int, layout: str, gen: torch.Generator,
-                                              device: torch.device) -> None:
-    # v7 index-key writer on scattered slots (every tile takes the word-store fallback; D = 32 and
-    # the byte-aligned flat table run v3 whole); bf16 and fp32 inputs
-    x = _inputs(2 * 16 + 5, dim, torch.bfloat16, gen, device)
-    _check_write("index", x, layout, gen, device, version=7, block_t=16)
-    _check_write("index", x[:7].float(), layout, gen, device, version=7, block_t=16)
-
-
-def _run_dest(gen: torch.Generator, device: torch.device) -> PagedRecords:
-    """A pool of 4 blocks of 32 index-key records (68 B) at a 16-aligned region offset."""
-    return PagedRecords.region(_poisoned((4, 16 + 32 * 68 + 48), gen, device), 16, 32, 68)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_v7_runs_match_reference(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> None:
-    # 8-row tiles: block 2 gets rows 0..31 in order (4 run tiles), block 0 rows 32..44 from entry 4
-    # (tile 4 runs at a 16-aligned start, tile 5 starts 4 mod 16 and is ragged: fallback), and a
-    # second write whose tiles hold a skipped row, a block crossing and a reversed run (fallbacks)
-    dest = _run_dest(gen, device)
-    expected = _twin(dest)
-    x = _inputs(45, 128, dtype, gen, device)
-    slots = torch.cat([torch.arange(64, 96), torch.arange(4, 17)]).to(device)
-    write_records("index", x, slots, dest, version=7, block_t=8, impl="triton")
-    write_records_reference("index", x, slots, expected)
-    assert torch.equal(dest.storage, expected.storage)
-    y = _inputs(24, 128, dtype, gen, device)
-    again = torch.cat([torch.arange(32, 40), torch.arange(92, 100), torch.arange(111, 103, -1)]).to(device)
-    again[2] = -1
-    write_records("index", y, again, dest, version=7, block_t=8, impl="triton")
-    write_records_reference("index", y, again, expected)
-    diff = (dest.storage != expected.storage).nonzero()
-    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at byte {diff[0].tolist()}"
-
-
-def test_write_v7_rejects_other_kinds(device: torch.device) -> None:
-    dest = PagedRecords.flat(torch.zeros(4, 288, dtype=torch.uint8, device=device), 288)
-    with pytest.raises(ValueError, match="version 7"):
-        write_records("main", torch.zeros(2, 512, device=device), torch.zeros(2, dtype=torch.int64, device=device),
-                      dest, version=7)
-
-
 @pytest.mark.parametrize("kind", ["main", "index"])
 def test_write_v5_edge_values(kind: RecordKind, gen: torch.Generator, device: torch.device) -> None:
     dim = 128 if kind == "index" else 512
     rows = edge_rows(dim, record_format(kind).scale_block, device)
     _check_write(kind, rows, "region", gen, device, version=5)
     _check_write(kind, rows.bfloat16(), "region", gen, device, version=5)
-    if kind == "index":  # the edge rows as one contiguous run (v7's vector stores)
-        dest = _run_dest(gen, device)
-        expected = _twin(dest)
-        slots = torch.arange(rows.shape[0], device=device) + 32
-        write_records("index", rows, slots, dest, version=7, block_t=8, impl="triton")
-        write_records_reference("index", rows, slots, expected)
-        assert torch.equal(dest.storage, expected.storage)
 
 
 @pytest.mark.parametrize("kind", ["main", "index", "swa"])
@@ -306,23 +255,3 @@ def test_gpu_v5_ties(kind: RecordKind, gen: torch.Generator, device: torch.devic
     x = torch.cat([_inputs(8192, 512 if kind == "main" else 128, torch.bfloat16, gen, device),
                    edge_rows(512 if kind == "main" else 128, 16, device).bfloat16()])
     _check_write(kind, x, "region", gen, device, version=5)
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_v7_runs(gen: torch.Generator, device: torch.device) -> None:
-    # v7 on the GPU: prefill-like runs (64 consecutive rows per block, random blocks; the vector
-    # stores), a skipped row and a ragged end (fallback tiles), bit for bit against the reference
-    rows, entries = 8192 + 37, 64
-    pool = _poisoned((2 * rows // entries + 2, 64 + entries * 68 + 64), gen, device)
-    dest = PagedRecords.region(pool, 64, entries, 68)
-    expected = _twin(dest)
-    blocks = torch.randperm(dest.num_blocks, generator=gen, device=device)[: -(-rows // entries)]
-    t = torch.arange(rows, device=device)
-    slots = blocks[t // entries] * entries + t % entries
-    slots[100] = -1
-    edge = edge_rows(128, 32, device).bfloat16()
-    x = torch.cat([_inputs(rows - edge.shape[0], 128, torch.bfloat16, gen, device), edge])
-    write_records("index", x, slots, dest, version=7, impl="triton")
-    write_records_reference("index", x, slots, expected)
-    assert torch.equal(dest.storage, expected.storage)
