@@ -563,21 +563,11 @@ def decode_step_curve(b: Bench) -> None:
                  4.0 * n * 32 * 128 * ctx)
         b.record("index_topk full (m=2)", f"{n} tok x ctx {ctx}", full2, n * ctx // 2 * 68)
         b.record("index_topk reindex (pool)", f"{n} tok x pool {pool.shape[1]}", reindex, n * pool.shape[1] * 68)
-        # the same two scans with the v5 scan kernel (two tiles' loads in flight), beside the default
-        v5 = IndexConfig(version=5)
-        cand5 = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                                 config=v5, impl="triton"))
-        full5 = b.time_s(partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=v5, impl="triton"))
-        b.record("index_topk candidate (m=1)", f"{n} tok x ctx {ctx}", cand5, n * ctx * 68, config="scan v5")
-        b.record("index_topk full (m=2)", f"{n} tok x ctx {ctx}", full5, n * ctx // 2 * 68, config="scan v5")
         attn = (attn_us or 0.0) / 1e6
         step = 40 * attn + cand + 3 * full2 + 4 * reindex
-        step5 = 40 * attn + cand5 + 3 * full5 + 4 * reindex
         steps[str(ctx)] = {"step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
                            "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
-                           "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6,
-                           "step_scan_v5_us": step5 * 1e6, "candidate_scan_v5_us": cand5 * 1e6,
-                           "full_m2_scan_v5_us": full5 * 1e6}
+                           "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6}
         print(f"  ctx {ctx:>8}: decode step attention+indexer {step * 1e6:9.1f} us "
               f"(40 x attn {attn * 1e6:.1f}, candidate {cand * 1e6:.1f}, 3 x full {full2 * 1e6:.1f}, "
               f"4 x reindex {reindex * 1e6:.1f})", flush=True)
@@ -587,8 +577,6 @@ def decode_step_curve(b: Bench) -> None:
     if first in steps and last != first:
         ratio = steps[last]["step_us"] / steps[first]["step_us"]
         b.target(f"decode step attention+indexer at {last} / at {first}", ratio, "<= 1.5", ratio <= 1.5)
-        ratio5 = steps[last]["step_scan_v5_us"] / steps[first]["step_scan_v5_us"]
-        b.target(f"decode step with the v5 scan at {last} / at {first}", ratio5, "<= 1.5", ratio5 <= 1.5)
         layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
         b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}", layer, "<= 1.5", layer <= 1.5)
 
@@ -603,11 +591,10 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    # v4 (word-wide decode) at the default launch and a sweep, v3 (per-byte decode) at its default
-    # v4 at the default launch (x16 tiles since v5), v3, v5 (two tiles' loads in flight), a sweep
-    configs = [IndexConfig(), IndexConfig(version=3), IndexConfig(version=5)] + ([] if b.smoke else [
-        IndexConfig(128, 8, 4, 1, 4), IndexConfig(128, 32, 4, 1, 4), IndexConfig(128, 32, 4, 1, 5),
-        IndexConfig(128, 8, 4, 1, 5), IndexConfig(64, 16, 4, 1, 5), IndexConfig(128, 16, 8, 1, 5)])
+    # v4 (word-wide decode) at the default launch (x16 tiles since run 5), v3 (per-byte decode) at
+    # its default, then a v4 sweep
+    configs = [IndexConfig(), IndexConfig(version=3)] + ([] if b.smoke else [
+        IndexConfig(128, 8, 4, 1, 4), IndexConfig(128, 32, 4, 1, 4)])
     for cfg in configs:
         t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, config=cfg, impl="triton"))

@@ -71,14 +71,6 @@ def _decode_index_words(key_ptr, rec, ok, HALF: tl.constexpr, BLOCK_T: tl.conste
                         QSHIFT: tl.constexpr, DOT_F32: tl.constexpr):
     """v4 decode: (K_0, K_1, K_2, K_3) `[BLOCK_T, HALF / 2]` of the index-key records at byte
     offsets `rec`, K_j[:, 2w + i] = key channel 8w + 4i + j times 2**-QSHIFT (module docstring)."""
-    words, exp = _load_index_words(key_ptr, rec, ok, HALF, ALIGN)
-    return _decode_words(words, exp, BLOCK_T, HALF // 4, QSHIFT, DOT_F32)
-
-
-@triton.jit
-def _load_index_words(key_ptr, rec, ok, HALF: tl.constexpr, ALIGN: tl.constexpr):
-    """int32 code words `[BLOCK_T, HALF / 4]` and int32 UE8M0 scale bytes (one per word) of the
-    index-key records at byte offsets `rec` (masked rows: zeros, scale byte 127)."""
     NW: tl.constexpr = HALF // 4
     w = tl.arange(0, NW)
     row = key_ptr + rec
@@ -91,12 +83,6 @@ def _load_index_words(key_ptr, rec, ok, HALF: tl.constexpr, ALIGN: tl.constexpr)
         words = words | (tl.load(b + 2, mask=ok[:, None], other=0).to(tl.int32) << 16)
         words = words | (tl.load(b + 3, mask=ok[:, None], other=0).to(tl.int32) << 24)
     exp = tl.load(row[:, None] + HALF + w[None, :] // 4, mask=ok[:, None], other=127).to(tl.int32)  # [T, NW]
-    return words, exp
-
-
-@triton.jit
-def _decode_words(words, exp, BLOCK_T: tl.constexpr, NW: tl.constexpr, QSHIFT: tl.constexpr, DOT_F32: tl.constexpr):
-    """(K_0, K_1, K_2, K_3) of `_decode_index_words` from loaded words and scale bytes."""
     # the bf16 2**(b - 1 - QSHIFT), finite for b <= QSHIFT + 128, twice (a bf16x2 word)
     mult = tl.minimum(exp + (126 - QSHIFT), 254) << 7
     mult = mult | (mult << 16)
@@ -150,7 +136,7 @@ def _index_scores_kernel(
     h_r = r % HEADS_P2
     r_ok = (n_r < num_tokens) & (h_r < num_heads)
     q_row = q_ptr + n_r[:, None] * q_stride_n + h_r[:, None] * q_stride_h
-    if VERSION >= 4:
+    if VERSION == 4:
         NW: tl.constexpr = HALF // 4  # 32-bit code words per record
         # query channels in the order of the decoded pairs: Q_j[:, 2w + i] = q[:, 8w + 4i + j]
         qc = tl.reshape(tl.arange(0, NW)[:, None] * 8 + tl.arange(0, 2)[None, :] * 4, [2 * NW])
@@ -168,141 +154,42 @@ def _index_scores_kernel(
     visible = tl.load(visible_ptr + g, mask=g_ok, other=0)  # [TOKENS]
     req = tl.load(token_req_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
 
-    if VERSION == 5:
-        _scan_tiles_prefetched(q0, q1, q2, q3, w, visible, req, g, g_ok, key_ptr, num_blocks, offset_bytes,
-                               slots_per_block, slot_stride_bytes, block_stride_bytes, block_table_ptr, bt_stride,
-                               max_blocks, entries_ptr, entries_stride, num_entries, score_ptr, score_stride,
-                               block_score_ptr, block_score_stride, HALF, HEADS_P2, TOKENS, BLOCK_T, TILES,
-                               LIST_MODE, CAND_BLOCK, WRITE_SCORES, WRITE_BLOCK_MAX, ALIGN, DOT_F32, QSHIFT)
-    else:
-        for tile in range(TILES):
-            t = (tl.program_id(1) * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-            t_ok = t < num_entries
-            if LIST_MODE:
-                entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
-            else:
-                entry = t
-            ok = t_ok & (entry >= 0)
-            entry = tl.where(ok, entry, 0)
-            block_idx = entry // slots_per_block
-            ok = ok & (block_idx < max_blocks)
-            block = tl.load(block_table_ptr + req * bt_stride + block_idx, mask=ok, other=-1).to(tl.int64)
-            ok = ok & (block >= 0) & (block < num_blocks)
-            block = tl.where(ok, block, 0)
-            rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
-            if VERSION == 4:
-                k0, k1, k2, k3 = _decode_index_words(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, ALIGN,
-                                                     QSHIFT, DOT_F32)
-                s = tl.dot(k0, tl.trans(q0))
-                s = tl.dot(k1, tl.trans(q1), s)
-                s = tl.dot(k2, tl.trans(q2), s)
-                s = tl.dot(k3, tl.trans(q3), s)  # [BLOCK_T, QR]
-            else:
-                k_lo, k_hi = _decode_index_keys(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, HW_CVT)
-                if DOT_F32:
-                    k_lo = k_lo.to(tl.float32)
-                    k_hi = k_hi.to(tl.float32)
-                s = tl.dot(k_lo, tl.trans(q_lo))
-                s = tl.dot(k_hi, tl.trans(q_hi), s)  # [BLOCK_T, QR]
-            contrib = tl.maximum(s, 0.0) * w[None, :]
-            score = tl.sum(tl.reshape(contrib, [BLOCK_T, TOKENS, HEADS_P2]), axis=2)  # [BLOCK_T, TOKENS]
-            score = tl.where(ok[:, None] & (entry[:, None] < visible[None, :]), score, float("-inf"))
-            if WRITE_SCORES:
-                tl.store(score_ptr + g[None, :] * score_stride + t[:, None], score, mask=t_ok[:, None] & g_ok[None, :])
-            if WRITE_BLOCK_MAX:
-                block_max = tl.max(tl.reshape(score, [BLOCK_T // CAND_BLOCK, CAND_BLOCK, TOKENS]), axis=1)
-                b = (tl.program_id(1) * TILES + tile) * (BLOCK_T // CAND_BLOCK) + tl.arange(0, BLOCK_T // CAND_BLOCK)
-                tl.store(block_score_ptr + g[None, :] * block_score_stride + b[:, None], block_max,
-                         mask=(b * CAND_BLOCK < num_entries)[:, None] & g_ok[None, :])
-
-
-@triton.jit
-def _tile_entries(tile, g, entries_ptr, entries_stride, num_entries, slots_per_block, max_blocks,
-                  block_table_ptr, bt_stride, req, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
-                  LIST_MODE: tl.constexpr):
-    """Tile `tile` of this program: (t, entry, ok, block_idx, block ids as loaded) `[BLOCK_T]`;
-    tiles past `TILES` come back all masked (their loads do nothing)."""
-    t = (tl.program_id(1) * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = (t < num_entries) & (tile < TILES)
-    if LIST_MODE:
-        entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
-    else:
-        entry = t
-    ok = t_ok & (entry >= 0)
-    entry = tl.where(ok, entry, 0)
-    block_idx = entry // slots_per_block
-    ok = ok & (block_idx < max_blocks)
-    block = tl.load(block_table_ptr + req * bt_stride + block_idx, mask=ok, other=-1).to(tl.int64)
-    return t, entry, ok, block_idx, block
-
-
-@triton.jit
-def _tile_words(key_ptr, entry, ok, block_idx, block, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes,
-                block_stride_bytes, HALF: tl.constexpr, ALIGN: tl.constexpr):
-    """(words, scale bytes, ok) of a tile whose block ids have been loaded (`_tile_entries`)."""
-    ok = ok & (block >= 0) & (block < num_blocks)
-    block = tl.where(ok, block, 0)
-    rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
-    words, exp = _load_index_words(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, ALIGN)
-    return words, exp, ok
-
-
-@triton.jit
-def _scan_tiles_prefetched(q0, q1, q2, q3, w, visible, req, g, g_ok, key_ptr, num_blocks, offset_bytes,
-                           slots_per_block, slot_stride_bytes, block_stride_bytes, block_table_ptr, bt_stride,
-                           max_blocks, entries_ptr, entries_stride, num_entries, score_ptr, score_stride,
-                           block_score_ptr, block_score_stride, HALF: tl.constexpr, HEADS_P2: tl.constexpr,
-                           TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
-                           LIST_MODE: tl.constexpr, CAND_BLOCK: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                           WRITE_BLOCK_MAX: tl.constexpr, ALIGN: tl.constexpr, DOT_F32: tl.constexpr,
-                           QSHIFT: tl.constexpr):
-    """v5 tile loop: v4's decode and MMAs on two tiles per iteration, both tiles' block-table
-    lookups and then both tiles' key-word loads issued before either tile is decoded, so the
-    second tile's loads are in flight during the first tile's decode and MMAs and the two
-    dependent latencies (block ids, then records) are waited for once per two tiles. Not a
-    loop-carried register prefetch: a loaded tile carried across the back edge loses v4's
-    register layout for the MMA operand (sm_90 SASS: every bf16 then goes through shared memory,
-    +72 instructions per tile); nor the compiler's 2-stage pipeline (slower in run 4)."""
-    for tile in range(0, TILES, 2):
-        ta, entry_a, ok_a, block_idx_a, block_a = _tile_entries(tile, g, entries_ptr, entries_stride, num_entries,
-                                                                slots_per_block, max_blocks, block_table_ptr,
-                                                                bt_stride, req, BLOCK_T, TILES, LIST_MODE)
-        tb, entry_b, ok_b, block_idx_b, block_b = _tile_entries(tile + 1, g, entries_ptr, entries_stride,
-                                                                num_entries, slots_per_block, max_blocks,
-                                                                block_table_ptr, bt_stride, req, BLOCK_T, TILES,
-                                                                LIST_MODE)
-        words_a, exp_a, ok_a = _tile_words(key_ptr, entry_a, ok_a, block_idx_a, block_a, num_blocks, offset_bytes,
-                                           slots_per_block, slot_stride_bytes, block_stride_bytes, HALF, ALIGN)
-        words_b, exp_b, ok_b = _tile_words(key_ptr, entry_b, ok_b, block_idx_b, block_b, num_blocks, offset_bytes,
-                                           slots_per_block, slot_stride_bytes, block_stride_bytes, HALF, ALIGN)
-        _score_tile(tile, ta, entry_a, ok_a, words_a, exp_a, q0, q1, q2, q3, w, visible, g, g_ok, num_entries,
-                    score_ptr, score_stride, block_score_ptr, block_score_stride, HALF, HEADS_P2, TOKENS, BLOCK_T,
-                    TILES, CAND_BLOCK, WRITE_SCORES, WRITE_BLOCK_MAX, DOT_F32, QSHIFT)
-        _score_tile(tile + 1, tb, entry_b, ok_b, words_b, exp_b, q0, q1, q2, q3, w, visible, g, g_ok, num_entries,
-                    score_ptr, score_stride, block_score_ptr, block_score_stride, HALF, HEADS_P2, TOKENS, BLOCK_T,
-                    TILES, CAND_BLOCK, WRITE_SCORES, WRITE_BLOCK_MAX, DOT_F32, QSHIFT)
-
-
-@triton.jit
-def _score_tile(tile, t, entry, ok, words, exp, q0, q1, q2, q3, w, visible, g, g_ok, num_entries, score_ptr,
-                score_stride, block_score_ptr, block_score_stride, HALF: tl.constexpr, HEADS_P2: tl.constexpr,
-                TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr, CAND_BLOCK: tl.constexpr,
-                WRITE_SCORES: tl.constexpr, WRITE_BLOCK_MAX: tl.constexpr, DOT_F32: tl.constexpr,
-                QSHIFT: tl.constexpr):
-    """Decode, MMAs and epilogue of one loaded tile (as v4); a tile past `TILES` stores nothing."""
-    k0, k1, k2, k3 = _decode_words(words, exp, BLOCK_T, HALF // 4, QSHIFT, DOT_F32)
-    s = tl.dot(k0, tl.trans(q0))
-    s = tl.dot(k1, tl.trans(q1), s)
-    s = tl.dot(k2, tl.trans(q2), s)
-    s = tl.dot(k3, tl.trans(q3), s)  # [BLOCK_T, QR]
-    contrib = tl.maximum(s, 0.0) * w[None, :]
-    score = tl.sum(tl.reshape(contrib, [BLOCK_T, TOKENS, HEADS_P2]), axis=2)  # [BLOCK_T, TOKENS]
-    score = tl.where(ok[:, None] & (entry[:, None] < visible[None, :]), score, float("-inf"))
-    t_ok = (t < num_entries) & (tile < TILES)
-    if WRITE_SCORES:
-        tl.store(score_ptr + g[None, :] * score_stride + t[:, None], score, mask=t_ok[:, None] & g_ok[None, :])
-    if WRITE_BLOCK_MAX:
-        block_max = tl.max(tl.reshape(score, [BLOCK_T // CAND_BLOCK, CAND_BLOCK, TOKENS]), axis=1)
-        b = (tl.program_id(1) * TILES + tile) * (BLOCK_T // CAND_BLOCK) + tl.arange(0, BLOCK_T // CAND_BLOCK)
-        tl.store(block_score_ptr + g[None, :] * block_score_stride + b[:, None], block_max,
-                 mask=(b * CAND_BLOCK < num_entries)[:, None] & g_ok[None, :] & (tile < TILES))
+    for tile in range(TILES):
+        t = (tl.program_id(1) * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < num_entries
+        if LIST_MODE:
+            entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
+        else:
+            entry = t
+        ok = t_ok & (entry >= 0)
+        entry = tl.where(ok, entry, 0)
+        block_idx = entry // slots_per_block
+        ok = ok & (block_idx < max_blocks)
+        block = tl.load(block_table_ptr + req * bt_stride + block_idx, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (block >= 0) & (block < num_blocks)
+        block = tl.where(ok, block, 0)
+        rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
+        if VERSION == 4:
+            k0, k1, k2, k3 = _decode_index_words(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, ALIGN,
+                                                 QSHIFT, DOT_F32)
+            s = tl.dot(k0, tl.trans(q0))
+            s = tl.dot(k1, tl.trans(q1), s)
+            s = tl.dot(k2, tl.trans(q2), s)
+            s = tl.dot(k3, tl.trans(q3), s)  # [BLOCK_T, QR]
+        else:
+            k_lo, k_hi = _decode_index_keys(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, HW_CVT)
+            if DOT_F32:
+                k_lo = k_lo.to(tl.float32)
+                k_hi = k_hi.to(tl.float32)
+            s = tl.dot(k_lo, tl.trans(q_lo))
+            s = tl.dot(k_hi, tl.trans(q_hi), s)  # [BLOCK_T, QR]
+        contrib = tl.maximum(s, 0.0) * w[None, :]
+        score = tl.sum(tl.reshape(contrib, [BLOCK_T, TOKENS, HEADS_P2]), axis=2)  # [BLOCK_T, TOKENS]
+        score = tl.where(ok[:, None] & (entry[:, None] < visible[None, :]), score, float("-inf"))
+        if WRITE_SCORES:
+            tl.store(score_ptr + g[None, :] * score_stride + t[:, None], score, mask=t_ok[:, None] & g_ok[None, :])
+        if WRITE_BLOCK_MAX:
+            block_max = tl.max(tl.reshape(score, [BLOCK_T // CAND_BLOCK, CAND_BLOCK, TOKENS]), axis=1)
+            b = (tl.program_id(1) * TILES + tile) * (BLOCK_T // CAND_BLOCK) + tl.arange(0, BLOCK_T // CAND_BLOCK)
+            tl.store(block_score_ptr + g[None, :] * block_score_stride + b[:, None], block_max,
+                     mask=(b * CAND_BLOCK < num_entries)[:, None] & g_ok[None, :])

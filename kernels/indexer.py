@@ -99,16 +99,15 @@ class IndexConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     version: int | None = None
-    """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64), 3
-    (per-byte decode, `kernels-notes.md` v3; also every d = 32) or 5 (v4's decode with the next
-    tile's key words and the tile after's block ids loaded by hand before the current tile's math,
-    `kernels-notes.md` v5)."""
+    """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64) or 3
+    (per-byte decode, `kernels-notes.md` v3; also every d = 32). (v5, two tiles' loads in flight,
+    lost in runs 5 and 6 and was removed: `kernels-notes.md` v5.)"""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
         version = self.version or 4
-        if version not in (3, 4, 5):
-            raise ValueError(f"IndexConfig.version must be 3, 4 or 5, got {version}")
+        if version not in (3, 4):
+            raise ValueError(f"IndexConfig.version must be 3 or 4, got {version}")
         if dim < 64:  # v4's four MMAs have K = d / 4, and an MMA needs K >= 16
             version = 3
         # v3: 2 stages (the compiler pipelines the record loads, run 3); v4: 1 (sm_90 SASS: its

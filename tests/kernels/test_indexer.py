@@ -73,12 +73,11 @@ def _assert_selection(picked: Tensor, want: Tensor, dense: Tensor) -> None:
             assert bool((dense[n, mine] >= kth - 1e-5 * (1 + kth.abs())).all()), f"token {n}: a worse entry picked"
 
 
-@pytest.mark.parametrize(("heads", "dim", "version"), [(32, 128, 4), (32, 128, 5), (16, 32, 4)])
-def test_scores_range_and_list(heads: int, dim: int, version: int, gen: torch.Generator,
-                               device: torch.device) -> None:
+@pytest.mark.parametrize(("heads", "dim"), [(32, 128), (16, 32)])
+def test_scores_range_and_list(heads: int, dim: int, gen: torch.Generator, device: torch.device) -> None:
     # 600 entries: 10 tiles of 64 (ragged last) over three programs of 4 tiles, blocks of 16
-    # entries, the last request's last block unmapped; d = 32 runs v3 whatever the version
-    config = IndexConfig(tiles=4, version=version)
+    # entries, the last request's last block unmapped; d = 32 runs v3
+    config = IndexConfig(tiles=4)
     width = 600
     keys = _keys(requests=3, tokens=7, dim=dim, entries_per_block=16, blocks_per_req=38, max_visible=width,
                  gen=gen, device=device)
@@ -98,7 +97,7 @@ def test_scores_range_and_list(heads: int, dim: int, version: int, gen: torch.Ge
     _assert_scores(listed, ref_listed)
 
 
-@pytest.mark.parametrize("version", [3, 4, 5])
+@pytest.mark.parametrize("version", [3, 4])
 def test_scores_key_scale_range(version: int, gen: torch.Generator, device: torch.device) -> None:
     # keys of magnitudes 2**-60..2**60 (UE8M0 bytes ~66..188, inside v4's exact range 59..192)
     # and 4-byte aligned records (v4's word loads), both decoders against the reference
@@ -117,10 +116,8 @@ def test_scores_key_scale_range(version: int, gen: torch.Generator, device: torc
     _assert_scores(scores, ref)
 
 
-@pytest.mark.parametrize("version", [4, 5])
 @pytest.mark.parametrize(("group", "heads"), [(2, 32), (4, 4)])
-def test_scores_tokens_per_request(group: int, heads: int, version: int, gen: torch.Generator,
-                                   device: torch.device) -> None:
+def test_scores_tokens_per_request(group: int, heads: int, gen: torch.Generator, device: torch.device) -> None:
     # 3 requests x `group` tokens (a prefill chunk or drafts): one key tile per group, scored
     # against the group's queries in one MMA; each token keeps its own visible count
     width, dim = 300, 64
@@ -132,7 +129,7 @@ def test_scores_tokens_per_request(group: int, heads: int, version: int, gen: to
     scores = torch.full((tokens, width), float("nan"), device=device)
     maxima = torch.full((tokens, -(-width // 8)), float("nan"), device=device)
     index_scores(q, w, keys, width=width, block_max=8, out=scores, maxima_out=maxima, tokens_per_request=group,
-                 config=IndexConfig(tiles=2, version=version), impl="triton")
+                 config=IndexConfig(tiles=2), impl="triton")
     ref_scores, ref_maxima = index_scores(q, w, keys, width=width, block_max=8, impl="torch")
     assert ref_scores is not None and ref_maxima is not None
     _assert_scores(scores, ref_scores)
@@ -180,10 +177,9 @@ def test_gpu_realistic(gen: torch.Generator, device: torch.device) -> None:
     sel = index_topk(q, w, keys, topk=512, width=width, candidate_blocks=2048, impl="triton")
     ref, dense = index_topk_reference(q, w, keys, topk=512, width=width, candidate_blocks=2048)
     _assert_selection(sel.entries, ref.entries, dense)
-    for version in (4, 5):
-        scores, _ = index_scores(q, w, keys, width=width, config=IndexConfig(version=version), impl="triton")
-        assert scores is not None
-        _assert_scores(scores, dense)
+    scores, _ = index_scores(q, w, keys, width=width, impl="triton")
+    assert scores is not None
+    _assert_scores(scores, dense)
     # the same keys read once per group of 4 tokens of one request
     grouped = IndexKeys(keys.records, keys.block_table, torch.arange(tokens, device=device).int() // 4, keys.visible)
     scores, _ = index_scores(q, w, grouped, width=width, tokens_per_request=4, impl="triton")
