@@ -88,6 +88,7 @@ from cedserve.kernels.indexer import (  # noqa: E402
 )
 from cedserve.kernels.moe import ExpertWeights, MoeConfig, moe_experts, moe_experts_reference  # noqa: E402
 from cedserve.kernels.paged import PagedRecords  # noqa: E402
+from cedserve.kernels.reference import fake_quant_fp4  # noqa: E402
 from cedserve.kernels.sparse_attention import (  # noqa: E402
     AttentionConfig,
     sparse_attention,
@@ -209,6 +210,11 @@ def _block_slots(tokens: int, entries: int, num_blocks: int, device: torch.devic
 # ---------------------------------------------------------------------------- sections
 
 
+def _index_queries(tokens: int, dev: torch.device) -> torch.Tensor:
+    """Indexer queries as the model passes them: FP4 (E2M1, a UE8M0 scale per 32 channels) in bf16."""
+    return fake_quant_fp4(torch.randn(tokens, 32, 128, device=dev), 32, "ue8m0").bfloat16()
+
+
 def copy_bandwidth(b: Bench) -> None:
     n = (8 if b.smoke else 1024) * MiB
     src = torch.empty(n, dtype=torch.uint8, device=b.device).random_(0, 255)
@@ -318,7 +324,7 @@ def correctness(b: Bench) -> None:
     table = torch.randperm(idx.num_blocks, device=dev)[: tokens * per_req].view(tokens, per_req).int()
     visible = torch.randint(width // 2, width + 1, (tokens,), device=dev).int()
     keys = IndexKeys(idx, table, torch.arange(tokens, device=dev).int(), visible)
-    qi = torch.randn(tokens, 32, 128, device=dev).bfloat16()
+    qi = _index_queries(tokens, dev)
     wi = torch.randn(tokens, 32, device=dev) * 32**-0.5
     sel = index_topk(qi, wi, keys, topk=512, width=width, candidate_blocks=2048 if not smoke else 16,
                      impl="triton")
@@ -337,6 +343,23 @@ def correctness(b: Bench) -> None:
         ((scores[finite] - dense[finite]).abs() <= 1e-5 * (1 + dense[finite].abs())).all())
     b.check(f"index_topk {tokens} tokens x {width} entries", ok and score_ok,
             f"selection {'ok' if ok else 'OFF'}, scores {'ok' if score_ok else 'OFF'}")
+    # v9 (E4M3 MMAs): exact products for FP4 queries, so the reference's tolerance; bf16 queries
+    # that are not FP4 are rounded to E4M3 (3 mantissa bits): reported, bounded by 2**-4 of the
+    # terms' magnitude
+    magnitude, _ = index_scores(qi, wi.abs(), keys, width=width, impl="torch")
+    v9, _ = index_scores(qi, wi, keys, width=width, config=IndexConfig(version=9), impl="triton")
+    assert v9 is not None and magnitude is not None
+    rel = ((v9[finite] - dense[finite]).abs() / (1 + magnitude[finite])).max().item()
+    b.check(f"index scores v9 (E4M3 MMA) {tokens} x {width}, FP4 queries",
+            torch.equal(v9.isneginf(), dense.isneginf()) and rel <= 1e-5, f"max error / magnitude {rel:.2e}")
+    qb = torch.randn(tokens, 32, 128, device=dev).bfloat16()
+    ref_b, _ = index_scores(qb, wi, keys, width=width, impl="torch")
+    mag_b, _ = index_scores(qb, wi.abs(), keys, width=width, impl="torch")
+    v9b, _ = index_scores(qb, wi, keys, width=width, config=IndexConfig(version=9), impl="triton")
+    assert ref_b is not None and mag_b is not None and v9b is not None
+    rel_b = ((v9b[finite] - ref_b[finite]).abs() / (1 + mag_b[finite])).max().item()
+    b.check(f"index scores v9 {tokens} x {width}, bf16 queries (rounded to E4M3)", rel_b <= 2**-4,
+            f"max error / magnitude {rel_b:.2e}")
 
     # MoE, FP4 weights at the released widths
     experts, hidden, inter, tokens = (4, 256, 128, 16) if smoke else (8, 5120, 2304, 256)
@@ -540,45 +563,50 @@ def decode_step_curve(b: Bench) -> None:
     per_req = max_ctx // entries
     idx = _pool("index", 128, n * max_ctx, entries, dev, fill=True)  # m = 1 keys of every request
     table = torch.arange(n * per_req, device=dev).view(n, per_req).int()
-    qi = torch.randn(n, 32, 128, device=dev).bfloat16()
+    qi = _index_queries(n, dev)
     wi = torch.randn(n, 32, device=dev) * 32**-0.5
     attn_us = b.curves.get("attention_best", {}).get("time_us")
-    steps: dict[str, dict[str, float]] = {}
     pool_blocks, topk = (16, 32) if b.smoke else (2048, 512)
-    for ctx in contexts:
-        if b.late and ctx > 65536:
-            break
-        visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
-        keys_m1 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
-        keys_m2 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible // 2)
-        cand = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                                impl="triton"))
-        full2 = b.time_s(partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, impl="triton"))
-        pool = index_topk(qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                          impl="triton").candidates
-        assert pool is not None
-        reindex = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool,
-                                   impl="triton"))
-        b.record("index_topk candidate (m=1)", f"{n} tok x ctx {ctx}", cand, n * ctx * 68,
-                 4.0 * n * 32 * 128 * ctx)
-        b.record("index_topk full (m=2)", f"{n} tok x ctx {ctx}", full2, n * ctx // 2 * 68)
-        b.record("index_topk reindex (pool)", f"{n} tok x pool {pool.shape[1]}", reindex, n * pool.shape[1] * 68)
-        attn = (attn_us or 0.0) / 1e6
-        step = 40 * attn + cand + 3 * full2 + 4 * reindex
-        steps[str(ctx)] = {"step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
-                           "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
-                           "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6}
-        print(f"  ctx {ctx:>8}: decode step attention+indexer {step * 1e6:9.1f} us "
-              f"(40 x attn {attn * 1e6:.1f}, candidate {cand * 1e6:.1f}, 3 x full {full2 * 1e6:.1f}, "
-              f"4 x reindex {reindex * 1e6:.1f})", flush=True)
-    b.curves["decode_step"] = steps
+    # the default scan, then v9 (E4M3 MMAs) for the full scans and the list scoring alike
+    for label, cfg in (("", None), (" v9", IndexConfig(version=9)), (" r128", IndexConfig(max_registers=128))):
+        steps: dict[str, dict[str, float]] = {}
+        for ctx in contexts:
+            if b.late and ctx > 65536:
+                break
+            visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
+            keys_m1 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
+            keys_m2 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible // 2)
+            cand = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                                    config=cfg, impl="triton"))
+            full2 = b.time_s(partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=cfg,
+                                     impl="triton"))
+            pool = index_topk(qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                              impl="triton").candidates
+            assert pool is not None
+            reindex = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool,
+                                       config=cfg, impl="triton"))
+            b.record(f"index_topk candidate (m=1){label}", f"{n} tok x ctx {ctx}", cand, n * ctx * 68,
+                     4.0 * n * 32 * 128 * ctx)
+            b.record(f"index_topk full (m=2){label}", f"{n} tok x ctx {ctx}", full2, n * ctx // 2 * 68)
+            b.record(f"index_topk reindex (pool){label}", f"{n} tok x pool {pool.shape[1]}", reindex,
+                     n * pool.shape[1] * 68)
+            attn = (attn_us or 0.0) / 1e6
+            step = 40 * attn + cand + 3 * full2 + 4 * reindex
+            steps[str(ctx)] = {"step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
+                               "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
+                               "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6}
+            print(f"  ctx {ctx:>8}{label}: decode step attention+indexer {step * 1e6:9.1f} us "
+                  f"(40 x attn {attn * 1e6:.1f}, candidate {cand * 1e6:.1f}, 3 x full {full2 * 1e6:.1f}, "
+                  f"4 x reindex {reindex * 1e6:.1f})", flush=True)
+        b.curves["decode_step" + label.replace(" ", "_")] = steps
+        first, last = str(contexts[0]), max(steps, key=int)
+        if first in steps and last != first:
+            ratio = steps[last]["step_us"] / steps[first]["step_us"]
+            b.target(f"decode step attention+indexer at {last} / at {first}{label}", ratio, "<= 1.5", ratio <= 1.5)
+            layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
+            b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}{label}", layer, "<= 1.5",
+                     layer <= 1.5)
     index_scan_sweep(b, idx, table, qi, wi, max_ctx)
-    first, last = str(contexts[0]), max(steps, key=int)
-    if first in steps and last != first:
-        ratio = steps[last]["step_us"] / steps[first]["step_us"]
-        b.target(f"decode step attention+indexer at {last} / at {first}", ratio, "<= 1.5", ratio <= 1.5)
-        layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
-        b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}", layer, "<= 1.5", layer <= 1.5)
 
 
 def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor,
@@ -592,21 +620,27 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
     # v4 (word-wide decode) at the default launch (x16 tiles since run 5), v3 (per-byte decode) at
-    # its default, then a v4 sweep
-    configs = [IndexConfig(), IndexConfig(version=3)] + ([] if b.smoke else [
-        IndexConfig(128, 8, 4, 1, 4), IndexConfig(128, 32, 4, 1, 4)])
+    # its default, v9 (E4M3 MMAs), then v4 and v9 sweeps
+    configs = [IndexConfig(), IndexConfig(version=3), IndexConfig(version=9)] + ([] if b.smoke else [
+        IndexConfig(128, 32, 4, 1, 4), IndexConfig(128, 32, 4, 1, 9), IndexConfig(128, 16, 8, 1, 9),
+        IndexConfig(128, 16, 4, 2, 9), IndexConfig(64, 16, 4, 1, 9), IndexConfig(256, 8, 8, 1, 9),
+        IndexConfig(max_registers=128), IndexConfig(max_registers=96), IndexConfig(max_registers=80),
+        IndexConfig(128, 32, 4, 1, 4, 128), IndexConfig(version=9, max_registers=128),
+        IndexConfig(version=9, max_registers=96)])
     for cfg in configs:
         t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, config=cfg, impl="triton"))
         r = cfg.resolve(8)
         b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
-                 f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}")
+                 f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}"
+                 + (f" r{r.max_registers}" if r.max_registers else ""))
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
-    t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,
-                         maxima_out=maxima, tokens_per_request=group, impl="triton"))
-    b.record("index scan (block maxima)", f"{n} tok ({group}/request) x ctx {ctx}", t, n // group * ctx * 68,
-             2.0 * n * 32 * 128 * ctx, f"tokens_per_request {group}")
+    for cfg in (IndexConfig(), IndexConfig(version=9)):
+        t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,
+                             maxima_out=maxima, tokens_per_request=group, config=cfg, impl="triton"))
+        b.record("index scan (block maxima)", f"{n} tok ({group}/request) x ctx {ctx}", t, n // group * ctx * 68,
+                 2.0 * n * 32 * 128 * ctx, f"tokens_per_request {group} v{cfg.resolve(8).version}")
 
 
 def moe(b: Bench) -> None:

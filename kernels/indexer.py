@@ -100,21 +100,29 @@ class IndexConfig:
     num_stages: int | None = None
     version: int | None = None
     """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64) or 3
-    (per-byte decode, `kernels-notes.md` v3; also every d = 32). (v5, two tiles' loads in flight,
-    lost in runs 5 and 6 and was removed: `kernels-notes.md` v5.)"""
+    (per-byte decode, `kernels-notes.md` v3; also every d = 32), or 9 (E4M3 MMAs per 32-channel
+    block, d = 128 on sm89+ GPUs and in the interpreter, else v4; `kernels-notes.md` v9). (v5, two
+    tiles' loads in flight, lost in runs 5 and 6 and was removed: `kernels-notes.md` v5.)"""
+    max_registers: int | None = None
+    """Register cap per thread (ptxas `.maxnreg`; GPU only): 128 lets v4 run 4 programs of 4 warps
+    per SM instead of 3 (sm_90 SASS: 126 registers, no spills); lower caps trade spills for
+    occupancy."""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
         version = self.version or 4
-        if version not in (3, 4):
-            raise ValueError(f"IndexConfig.version must be 3 or 4, got {version}")
+        if version not in (3, 4, 9):
+            raise ValueError(f"IndexConfig.version must be 3, 4 or 9, got {version}")
+        if version == 9 and dim != 128:  # v9 is written for the released d = 128 (four scale blocks)
+            version = 4
         if dim < 64:  # v4's four MMAs have K = d / 4, and an MMA needs K >= 16
             version = 3
         # v3: 2 stages (the compiler pipelines the record loads, run 3); v4: 1 (sm_90 SASS: its
         # pipelined variant stages the words through shared memory, +10 % instructions per tile)
         stages = self.num_stages or (1 if interpreting() or version >= 4 else 2)
         # tiles per program: 16 for the word decode (run 4: t128 x16 1.004 ms vs x8 1.136 ms at 262K)
-        return IndexConfig(block_t, self.tiles or (8 if version == 3 else 16), self.num_warps or 4, stages, version)
+        return IndexConfig(block_t, self.tiles or (8 if version == 3 else 16), self.num_warps or 4, stages, version,
+                           self.max_registers)
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,8 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     if tokens == 0 or num == 0:
         return out, maxima_out
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
+    if cfg.version == 9 and not (interpreting() or hardware_fp8(device)):  # E4M3 MMAs need sm89+
+        cfg = IndexConfig(cfg.block_t, cfg.tiles, cfg.num_warps, cfg.num_stages, 4, cfg.max_registers)
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
@@ -222,6 +232,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     block_t = cfg.block_t
     tiles = min(cfg.tiles, cdiv(num, block_t))  # tiles per program: the group's queries are loaded once per span
     entries_arg = entries if entries is not None else keys.visible
+    launch = {"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting() else {}
     rec = keys.records
     k._index_scores_kernel[(tokens // group, cdiv(num, block_t * tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0),
@@ -234,7 +245,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         HALF=dim // 2, HEADS_P2=heads_p2, TOKENS=group, BLOCK_T=block_t, TILES=tiles,
         LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
         ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(), VERSION=cfg.version,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out, maxima_out
 
@@ -284,9 +295,10 @@ def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width:
     """Each token's top-`topk` entries among `[0, width)` (`width` >= every token's visible
     count; a host int so nothing syncs), in the mode the arguments select (module docstring).
     `tokens_per_request` as in :func:`index_scores` (the full scan reads each key once per group);
-    `config` launches the full scan (the benchmark times scan versions in the step)."""
+    `config` launches every scoring pass (the benchmark times scan versions in the step)."""
     if candidates is not None:  # Reindex: inside the pool
-        scores, _ = index_scores(q, weights, keys, entries=candidates, softmax_scale=softmax_scale, impl=impl)
+        scores, _ = index_scores(q, weights, keys, entries=candidates, softmax_scale=softmax_scale, config=config,
+                                 impl=impl)
         assert scores is not None
         return IndexSelection(topk_entries(scores, topk, candidates), None)
     _, maxima = index_scores(q, weights, keys, width=width, block_max=candidate_block_size, write_scores=False,
@@ -298,7 +310,7 @@ def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width:
     offsets = torch.arange(candidate_block_size, device=blocks.device)
     near = (blocks.unsqueeze(-1) * candidate_block_size + offsets).flatten(1)
     near = torch.where((blocks >= 0).repeat_interleave(candidate_block_size, dim=1), near, torch.full_like(near, -1))
-    scores, _ = index_scores(q, weights, keys, entries=near, softmax_scale=softmax_scale, impl=impl)
+    scores, _ = index_scores(q, weights, keys, entries=near, softmax_scale=softmax_scale, config=config, impl=impl)
     assert scores is not None
     pool = None
     if candidate_blocks is not None:
