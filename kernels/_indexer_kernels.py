@@ -115,12 +115,24 @@ def _pairs_bf16(a, mult, BLOCK_T: tl.constexpr, NW: tl.constexpr, DOT_F32: tl.co
 
 
 @triton.jit
+def _round_e4m3(x):
+    """float32 `x` (|x| < 448) rounded to the nearest E4M3 value, ties to even, in float32: 3
+    mantissa bits at and above 2**-6, multiples of 2**-9 below (the interpreter's float8 cast
+    rounds differently)."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: rounds to a multiple of 2**-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _q_e4m3_block(q_row, b: tl.constexpr, r_ok, inv, DOT_F32: tl.constexpr):
-    """Query channels `[32b, 32b + 32)` of every row times the row's `inv` (a power of two): E4M3
-    on the GPU (exact for FP4 queries, see v9 in the module docstring), float32 in the interpreter."""
+    """Query channels `[32b, 32b + 32)` of every row times the row's `inv` (a power of two), rounded
+    to E4M3 (exact for FP4 queries, see v9 in the module docstring): float8 on the GPU, the same
+    values in float32 in the interpreter."""
     q = tl.load(q_row + (b * 32 + tl.arange(0, 32))[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
     q = q * inv[:, None]
-    return q if DOT_F32 else q.to(tl.float8e4nv)
+    return _round_e4m3(q) if DOT_F32 else q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -131,11 +143,30 @@ def _q_row_exponent(q_row, b: tl.constexpr, r_ok):
 
 
 @triton.jit
-def _scaled_block_dot(row, b: tl.constexpr, ok, q_b, scale_word, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
-    """v9: `[BLOCK_T, QR]` dot of key channels `[32b, 32b + 32)` with the query block `q_b`, times
-    the keys' block scale. The 16 code bytes become 32 E4M3 bytes of value * 2**-6 (lo nibbles:
-    `(c << 2) & 0x1C | (c << 4) & 0x80`, hi: `(c >> 2) & 0x1C | c & 0x80`, four bytes per 32-bit op)."""
-    codes = tl.load(row[:, None] + b * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)  # [T, 16] u8
+def _load_v9(row, ok, HALF: tl.constexpr, ALIGN: tl.constexpr):
+    """v9's raw record bytes at `row [T]`: the four 32-channel blocks' codes `[T, 16]` (uint8) and
+    the scale word (the four UE8M0 bytes, int32)."""
+    if ALIGN >= 4:
+        sw = tl.load((row + HALF).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
+    else:
+        sw = tl.load(row + HALF, mask=ok, other=0).to(tl.int32)
+        sw = sw | (tl.load(row + HALF + 1, mask=ok, other=0).to(tl.int32) << 8)
+        sw = sw | (tl.load(row + HALF + 2, mask=ok, other=0).to(tl.int32) << 16)
+        sw = sw | (tl.load(row + HALF + 3, mask=ok, other=0).to(tl.int32) << 24)
+    byte = tl.arange(0, 16)[None, :]
+    c0 = tl.load(row[:, None] + byte, mask=ok[:, None], other=0)
+    c1 = tl.load(row[:, None] + 16 + byte, mask=ok[:, None], other=0)
+    c2 = tl.load(row[:, None] + 32 + byte, mask=ok[:, None], other=0)
+    c3 = tl.load(row[:, None] + 48 + byte, mask=ok[:, None], other=0)
+    return c0, c1, c2, c3, sw
+
+
+@triton.jit
+def _scaled_block_dot(codes, b: tl.constexpr, q_b, scale_word, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+    """v9: `[BLOCK_T, QR]` dot of key channels `[32b, 32b + 32)` (`codes [T, 16]`) with the query
+    block `q_b`, times the keys' block scale. The 16 code bytes become 32 E4M3 bytes of value * 2**-6
+    (lo nibbles: `(c << 2) & 0x1C | (c << 4) & 0x80`, hi: `(c >> 2) & 0x1C | c & 0x80`, four bytes
+    per 32-bit op)."""
     if DOT_F32:  # interpreter: the same values in float32
         c = codes.to(tl.int32)
         lo = _e2m1_decode(c) * 0.015625
@@ -156,6 +187,28 @@ def _scaled_block_dot(row, b: tl.constexpr, ok, q_b, scale_word, BLOCK_T: tl.con
 
 
 @triton.jit
+def _tile_records(tile, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride, max_blocks,
+                  num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
+                  BLOCK_T: tl.constexpr, LIST_MODE: tl.constexpr):
+    """(entry index t, t in range, entry, entry readable, record byte offset) of tile `tile`'s rows."""
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_entries
+    if LIST_MODE:
+        entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
+    else:
+        entry = t
+    ok = t_ok & (entry >= 0)
+    entry = tl.where(ok, entry, 0)
+    block_idx = entry // slots_per_block
+    ok = ok & (block_idx < max_blocks)
+    block = tl.load(block_table_ptr + req * bt_stride + block_idx, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (block >= 0) & (block < num_blocks)
+    block = tl.where(ok, block, 0)
+    rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
+    return t, t_ok, entry, ok, rec
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n,
     key_ptr, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
@@ -166,7 +219,7 @@ def _index_scores_kernel(
     HALF: tl.constexpr, HEADS_P2: tl.constexpr, TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
     LIST_MODE: tl.constexpr, CAND_BLOCK: tl.constexpr, WRITE_SCORES: tl.constexpr, WRITE_BLOCK_MAX: tl.constexpr,
     ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, VERSION: tl.constexpr = 4,
-    QSHIFT: tl.constexpr = 64,
+    QSHIFT: tl.constexpr = 64, PREFETCH: tl.constexpr = 0,
 ):
     """Program (group of TOKENS tokens, span of TILES x BLOCK_T entries)."""
     QR: tl.constexpr = TOKENS * HEADS_P2  # query rows of the group: token-major, heads padded
@@ -206,21 +259,29 @@ def _index_scores_kernel(
     visible = tl.load(visible_ptr + g, mask=g_ok, other=0)  # [TOKENS]
     req = tl.load(token_req_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
 
+    first = tl.program_id(1) * TILES
+    if PREFETCH >= 1:  # the next tile's slots (and with 2, v9's record bytes) are loaded a tile ahead
+        n_t, n_t_ok, n_entry, n_ok, n_rec = _tile_records(
+            first, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride, max_blocks,
+            num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T, LIST_MODE)
+        if PREFETCH == 2 and VERSION == 9:
+            n_c0, n_c1, n_c2, n_c3, n_sw = _load_v9(key_ptr + tl.multiple_of(n_rec, ALIGN), n_ok, HALF, ALIGN)
     for tile in range(TILES):
-        t = (tl.program_id(1) * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < num_entries
-        if LIST_MODE:
-            entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
+        if PREFETCH >= 1:
+            t, t_ok, entry, ok, rec = n_t, n_t_ok, n_entry, n_ok, n_rec
+            if PREFETCH == 2 and VERSION == 9:
+                c0, c1, c2, c3, sw = n_c0, n_c1, n_c2, n_c3, n_sw
+            n_t, n_t_ok, n_entry, n_ok, n_rec = _tile_records(
+                first + tile + 1, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride,
+                max_blocks, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T,
+                LIST_MODE)
+            if PREFETCH == 2 and VERSION == 9:
+                n_c0, n_c1, n_c2, n_c3, n_sw = _load_v9(key_ptr + tl.multiple_of(n_rec, ALIGN), n_ok, HALF, ALIGN)
         else:
-            entry = t
-        ok = t_ok & (entry >= 0)
-        entry = tl.where(ok, entry, 0)
-        block_idx = entry // slots_per_block
-        ok = ok & (block_idx < max_blocks)
-        block = tl.load(block_table_ptr + req * bt_stride + block_idx, mask=ok, other=-1).to(tl.int64)
-        ok = ok & (block >= 0) & (block < num_blocks)
-        block = tl.where(ok, block, 0)
-        rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
+            t, t_ok, entry, ok, rec = _tile_records(
+                first + tile, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride,
+                max_blocks, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T,
+                LIST_MODE)
         if VERSION == 4:
             k0, k1, k2, k3 = _decode_index_words(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, ALIGN,
                                                  QSHIFT, DOT_F32)
@@ -229,18 +290,12 @@ def _index_scores_kernel(
             s = tl.dot(k2, tl.trans(q2), s)
             s = tl.dot(k3, tl.trans(q3), s)  # [BLOCK_T, QR]
         elif VERSION == 9:
-            row = key_ptr + tl.multiple_of(rec, ALIGN)
-            if ALIGN >= 4:
-                sw = tl.load((row + HALF).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
-            else:
-                sw = tl.load(row + HALF, mask=ok, other=0).to(tl.int32)
-                sw = sw | (tl.load(row + HALF + 1, mask=ok, other=0).to(tl.int32) << 8)
-                sw = sw | (tl.load(row + HALF + 2, mask=ok, other=0).to(tl.int32) << 16)
-                sw = sw | (tl.load(row + HALF + 3, mask=ok, other=0).to(tl.int32) << 24)
-            s = _scaled_block_dot(row, 0, ok, q0, sw, BLOCK_T, DOT_F32)
-            s += _scaled_block_dot(row, 1, ok, q1, sw, BLOCK_T, DOT_F32)
-            s += _scaled_block_dot(row, 2, ok, q2, sw, BLOCK_T, DOT_F32)
-            s += _scaled_block_dot(row, 3, ok, q3, sw, BLOCK_T, DOT_F32)  # [BLOCK_T, QR]
+            if PREFETCH != 2:
+                c0, c1, c2, c3, sw = _load_v9(key_ptr + tl.multiple_of(rec, ALIGN), ok, HALF, ALIGN)
+            s = _scaled_block_dot(c0, 0, q0, sw, BLOCK_T, DOT_F32)
+            s += _scaled_block_dot(c1, 1, q1, sw, BLOCK_T, DOT_F32)
+            s += _scaled_block_dot(c2, 2, q2, sw, BLOCK_T, DOT_F32)
+            s += _scaled_block_dot(c3, 3, q3, sw, BLOCK_T, DOT_F32)  # [BLOCK_T, QR]
         else:
             k_lo, k_hi = _decode_index_keys(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, HW_CVT)
             if DOT_F32:

@@ -56,6 +56,13 @@ def _queries(tokens: int, heads: int, dim: int, gen: torch.Generator, device: to
     return q, w
 
 
+def e4m3_rows(q: Tensor) -> Tensor:
+    """`q [N, H, d]` as v9 scores it: each row rounded to E4M3 at the scale 2**(floor(log2 max|q|) - 2)."""
+    amax = q.float().abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.frexp(amax).exponent.float() - 3).masked_fill(amax == 0, 1.0)
+    return ((q.float() / scale).to(torch.float8_e4m3fn).float() * scale).bfloat16()
+
+
 def _assert_scores(got: Tensor, want: Tensor, magnitude: Tensor | None = None) -> None:
     """`magnitude` (default |want|): the sum of the terms' magnitudes, the scale of the rounding
     error where head terms of opposite signs cancel."""
@@ -76,12 +83,14 @@ def _assert_selection(picked: Tensor, want: Tensor, dense: Tensor) -> None:
             assert bool((dense[n, mine] >= kth - 1e-5 * (1 + kth.abs())).all()), f"token {n}: a worse entry picked"
 
 
-@pytest.mark.parametrize(("heads", "dim", "version"), [(32, 128, 4), (32, 128, 9), (16, 32, 4)])
-def test_scores_range_and_list(heads: int, dim: int, version: int, gen: torch.Generator,
+@pytest.mark.parametrize(("heads", "dim", "version", "prefetch"),
+                         [(32, 128, 4, 0), (32, 128, 4, 1), (32, 128, 9, 0), (32, 128, 9, 2), (16, 32, 4, 1)])
+def test_scores_range_and_list(heads: int, dim: int, version: int, prefetch: int, gen: torch.Generator,
                                device: torch.device) -> None:
     # 600 entries: 10 tiles of 64 (ragged last) over three programs of 4 tiles, blocks of 16
-    # entries, the last request's last block unmapped; d = 32 runs v3
-    config = IndexConfig(tiles=4, version=version)
+    # entries, the last request's last block unmapped; d = 32 runs v3; with `prefetch` the next
+    # tile's slots (and v9's record bytes) are loaded a tile ahead, past the program's last tile too
+    config = IndexConfig(tiles=4, version=version, prefetch=prefetch)
     width = 600
     keys = _keys(requests=3, tokens=7, dim=dim, entries_per_block=16, blocks_per_req=38, max_visible=width,
                  gen=gen, device=device)
@@ -119,6 +128,25 @@ def test_scores_key_scale_range(version: int, gen: torch.Generator, device: torc
     magnitude, _ = index_scores(q, w.abs(), keys, width=width, impl="torch")  # keys up to 2**60: heads cancel
     assert ref is not None and magnitude is not None
     _assert_scores(scores, ref, magnitude)
+
+
+def test_v9_rounds_queries_to_e4m3(gen: torch.Generator, device: torch.device) -> None:
+    # bf16 queries that are not FP4 (with a few tiny channels, below E4M3's normal range at the
+    # row's scale): v9 scores them as rounded to E4M3 at the row's power-of-two scale
+    tokens, heads, dim, width = 3, 32, 128, 200
+    keys = _keys(requests=2, tokens=tokens, dim=dim, entries_per_block=32, blocks_per_req=7, max_visible=width,
+                 gen=gen, device=device)
+    q = torch.randn(tokens, heads, dim, generator=gen, device=device)
+    q[:, :, :8] *= 2.0**-9
+    q = q.bfloat16()
+    _, w = _queries(tokens, heads, dim, gen, device)
+    got, _ = index_scores(q, w, keys, width=width, config=IndexConfig(version=9), impl="triton")
+    want, _ = index_scores(e4m3_rows(q), w, keys, width=width, impl="torch")
+    mag, _ = index_scores(e4m3_rows(q), w.abs(), keys, width=width, impl="torch")
+    exact, _ = index_scores(q, w, keys, width=width, impl="torch")
+    assert got is not None and want is not None and mag is not None and exact is not None
+    _assert_scores(got, want, mag)
+    assert not torch.allclose(want, exact, rtol=1e-4, atol=1e-4), "rounding made no difference: test is vacuous"
 
 
 @pytest.mark.parametrize(("group", "heads"), [(2, 32), (4, 4)])
@@ -228,10 +256,13 @@ def test_gpu_v9_scores(gen: torch.Generator, device: torch.device) -> None:
     mag, _ = index_scores(q, w.abs(), grouped, width=width, impl="torch")
     assert got is not None and want is not None and mag is not None
     _assert_scores(got, want, mag)
+    # not FP4: v9 scores the queries rounded to E4M3 at the row's scale (what the reference gives
+    # for those rounded queries), prefetching records a tile ahead changes nothing
     qb = torch.randn(tokens, heads, dim, generator=gen, device=device).bfloat16()
-    got, _ = index_scores(qb, w, keys, width=width, config=v9, impl="triton")
-    want, _ = index_scores(qb, w, keys, width=width, impl="torch")
-    mag, _ = index_scores(qb, w.abs(), keys, width=width, impl="torch")
-    assert got is not None and want is not None and mag is not None
-    finite = want.isfinite()
-    assert bool(((got[finite] - want[finite]).abs() <= 2**-4 * (1 + mag[finite])).all())
+    for prefetch in (0, 2):
+        got, _ = index_scores(qb, w, keys, width=width, config=IndexConfig(version=9, prefetch=prefetch),
+                              impl="triton")
+        want, _ = index_scores(e4m3_rows(qb), w, keys, width=width, impl="torch")
+        mag, _ = index_scores(e4m3_rows(qb), w.abs(), keys, width=width, impl="torch")
+        assert got is not None and want is not None and mag is not None
+        _assert_scores(got, want, mag)
