@@ -165,8 +165,25 @@ class Bench:
         self.targets.append({"target": name, "value": value, "goal": goal, "met": bool(met)})
         print(f"  target {name}: {value:.3g} (goal {goal}) -> {'MET' if met else 'NOT MET'}", flush=True)
 
+    def gpu_state(self) -> str:
+        """SM / memory clocks, power, temperature and utilisation now (nvidia-smi): the device is
+        shared, and runs 9-10 moved the same kernel by up to 1.8x within one run."""
+        if self.device.type != "cuda":
+            return ""
+        import subprocess
+
+        try:
+            return subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,"
+                 "clocks_throttle_reasons.active", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"nvidia-smi: {exc}"
+
     def section(self, name: str, fn: Callable[[], None]) -> None:
-        print(f"\n== {name} ({time.time() - self.start:.0f} s)", flush=True)
+        state = self.gpu_state()
+        self.curves.setdefault("gpu_state", {})[name] = state
+        print(f"\n== {name} ({time.time() - self.start:.0f} s){'  [' + state + ']' if state else ''}", flush=True)
         try:
             fn()
         except Exception as exc:  # report and go on: one broken section must not hide the others
@@ -343,28 +360,39 @@ def correctness(b: Bench) -> None:
         ((scores[finite] - dense[finite]).abs() <= 1e-5 * (1 + dense[finite].abs())).all())
     b.check(f"index_topk {tokens} tokens x {width} entries", ok and score_ok,
             f"selection {'ok' if ok else 'OFF'}, scores {'ok' if score_ok else 'OFF'}")
-    # v9 (E4M3 MMAs): exact products for FP4 queries, so the reference's tolerance; bf16 queries
-    # that are not FP4 are rounded to E4M3 (3 mantissa bits): reported, bounded by 2**-4 of the
-    # terms' magnitude
-    magnitude, _ = index_scores(qi, wi.abs(), keys, width=width, impl="torch")
+    # v9 (E4M3 MMAs): products exact for FP4 queries; Hopper's FP8 MMA keeps ~14 bits of a block's
+    # 32-product sum, so the bound is 2**-9 of the products' magnitude (sum |w| |q| . |k|); the
+    # error is reported against that and against the signed terms' magnitude. bf16 queries that are
+    # not FP4 are scored as rounded to E4M3 at the row's power-of-two scale.
+    k_all = rec_ops.read_records_reference("index", idx, keys.slots(
+        torch.arange(width, device=dev).int().expand(tokens, width)).flatten()).view(tokens, width, 128).abs()
+
+    def v9_errors(q: torch.Tensor, want: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+        products = torch.einsum("nhd,ntd->nht", q.float().abs(), k_all).mul(128**-0.5)
+        products = products.mul(wi.abs().unsqueeze(-1)).sum(1)
+        signed, _ = index_scores(q, wi.abs(), keys, width=width, impl="torch")
+        assert signed is not None
+        err = (got[finite] - want[finite]).abs()
+        return (err / (1 + products[finite])).max().item(), (err / (1 + signed[finite])).max().item()
+
     v9, _ = index_scores(qi, wi, keys, width=width, config=IndexConfig(version=9), impl="triton")
-    assert v9 is not None and magnitude is not None
-    rel = ((v9[finite] - dense[finite]).abs() / (1 + magnitude[finite])).max().item()
+    assert v9 is not None
+    rel_p, rel_s = v9_errors(qi, dense, v9)
     b.check(f"index scores v9 (E4M3 MMA) {tokens} x {width}, FP4 queries",
-            torch.equal(v9.isneginf(), dense.isneginf()) and rel <= 1e-5, f"max error / magnitude {rel:.2e}")
+            torch.equal(v9.isneginf(), dense.isneginf()) and rel_p <= 2**-9,
+            f"max error / product magnitude {rel_p:.2e}, / signed magnitude {rel_s:.2e}")
     qb = torch.randn(tokens, 32, 128, device=dev).bfloat16()
     amax = qb.float().abs().amax(-1, keepdim=True)
     row_scale = torch.exp2(torch.frexp(amax).exponent.float() - 3).masked_fill(amax == 0, 1.0)
     q8 = ((qb.float() / row_scale).to(torch.float8_e4m3fn).float() * row_scale).bfloat16()
     ref_b, _ = index_scores(qb, wi, keys, width=width, impl="torch")
     ref_8, _ = index_scores(q8, wi, keys, width=width, impl="torch")
-    mag_8, _ = index_scores(q8, wi.abs(), keys, width=width, impl="torch")
-    v9b, _ = index_scores(qb, wi, keys, width=width, config=IndexConfig(version=9, prefetch=2), impl="triton")
-    assert ref_b is not None and ref_8 is not None and mag_8 is not None and v9b is not None
-    rel_8 = ((v9b[finite] - ref_8[finite]).abs() / (1 + mag_8[finite])).max().item()
-    rel_b = ((v9b[finite] - ref_b[finite]).abs() / (1 + mag_8[finite])).max().item()
-    b.check(f"index scores v9 pf2 {tokens} x {width}, bf16 queries = reference on E4M3-rounded queries",
-            rel_8 <= 1e-5, f"max error / magnitude {rel_8:.2e} (vs the unrounded queries {rel_b:.2e})")
+    v9b, _ = index_scores(qb, wi, keys, width=width, config=IndexConfig(version=9), impl="triton")
+    assert ref_b is not None and ref_8 is not None and v9b is not None
+    rel_8, _ = v9_errors(q8, ref_8, v9b)
+    rel_b, _ = v9_errors(q8, ref_b, v9b)
+    b.check(f"index scores v9 {tokens} x {width}, bf16 queries = reference on E4M3-rounded queries",
+            rel_8 <= 2**-9, f"max error / product magnitude {rel_8:.2e} (vs the unrounded queries {rel_b:.2e})")
 
     # MoE, FP4 weights at the released widths
     experts, hidden, inter, tokens = (4, 256, 128, 16) if smoke else (8, 5120, 2304, 256)
@@ -585,7 +613,7 @@ def decode_step_curve(b: Bench) -> None:
     pool_blocks, topk = (16, 32) if b.smoke else (2048, 512)
     # the default scan, then v9 (E4M3 MMAs) for the full scans and the list scoring alike
     for label, cfg in (("", None), (" v9 t64", IndexConfig(64, version=9)),
-                       (" v4 t64 pf1", IndexConfig(64, version=4, prefetch=1))):
+                       (" v4 x32 pf1", IndexConfig(128, 32, version=4, prefetch=1))):
         steps: dict[str, dict[str, float]] = {}
         for ctx in contexts:
             if b.late and ctx > 65536:
@@ -636,27 +664,28 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    # v4 (word-wide decode) at the default launch (x16 tiles since run 5), v3 (per-byte decode) at
-    # its default, v9 (E4M3 MMAs), then v4 and v9 sweeps
+    # v4 (word-wide decode) at its default launch (x16 tiles since run 5), v3 (per-byte decode),
+    # v9 (E4M3 MMAs) and the launch variants runs 9-10 found fastest, timed in 3 interleaved rounds
+    # (runs 9-10 moved some rows by 2x between runs: only side-by-side rounds compare)
     configs = [IndexConfig(), IndexConfig(version=3), IndexConfig(version=9)] + ([] if b.smoke else [
-        IndexConfig(128, 32, 4, 1, 4), IndexConfig(128, 32, 4, 1, 9), IndexConfig(128, 16, 8, 1, 9),
-        IndexConfig(128, 16, 4, 2, 9), IndexConfig(64, 16, 4, 1, 9), IndexConfig(256, 8, 8, 1, 9),
-        IndexConfig(max_registers=128), IndexConfig(128, 32, 4, 1, 4, 128), IndexConfig(version=9, max_registers=128),
-        # run 9's best rows (v9 t64, v9 r128, v9 st2) combined, and prefetching a tile ahead
-        IndexConfig(prefetch=1), IndexConfig(version=9, prefetch=1), IndexConfig(version=9, prefetch=2),
-        IndexConfig(64, 16, 4, 1, 9, None, 1), IndexConfig(64, 16, 4, 1, 9, None, 2),
-        IndexConfig(64, 16, 4, 1, 9, 128), IndexConfig(64, 16, 4, 2, 9), IndexConfig(64, 32, 4, 1, 9),
-        IndexConfig(128, 16, 4, 2, 9, 128), IndexConfig(128, 16, 4, 1, 9, 128, 2), IndexConfig(64, 16, 4, 1, 9, 128, 2),
-        # v4 at 64-row tiles (sm_90 SASS: 90 registers, 5 programs per SM) with and without prefetch
-        IndexConfig(64, 16, 4, 1, 4), IndexConfig(64, 16, 4, 1, 4, None, 1), IndexConfig(64, 32, 4, 1, 4, None, 1),
-        IndexConfig(64, 16, 4, 1, 4, 80, 1), IndexConfig(64, 16, 4, 2, 4)])
-    for cfg in configs:
-        t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
-                             maxima_out=maxima, config=cfg, impl="triton"))
-        r = cfg.resolve(8)
-        b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
-                 f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}"
-                 + (f" r{r.max_registers}" if r.max_registers else "") + (f" pf{r.prefetch}" if r.prefetch else ""))
+        IndexConfig(prefetch=1), IndexConfig(128, 32, 4, 1, 4), IndexConfig(128, 32, 4, 1, 4, None, 1),
+        IndexConfig(64, 16, 4, 1, 9), IndexConfig(64, 16, 4, 1, 9, None, 1), IndexConfig(version=9, max_registers=128),
+        IndexConfig(version=9, num_stages=2), IndexConfig(64, 32, 4, 1, 4, None, 1)])
+    rounds = 1 if b.smoke else 3
+    repeats: dict[str, list[float]] = {}
+    for rnd in range(rounds):
+        for cfg in configs:
+            t = b.time_s(partial(index_scores, qi, wi, keys, width=ctx, block_max=8, write_scores=False,
+                                 maxima_out=maxima, config=cfg, impl="triton"))
+            r = cfg.resolve(8)
+            label = (f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}"
+                     + (f" r{r.max_registers}" if r.max_registers else "") + (f" pf{r.prefetch}" if r.prefetch else ""))
+            repeats.setdefault(label, []).append(t * 1e6)
+            b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
+                     label, f"round {rnd + 1}")
+    b.curves["index_scan_rounds_us"] = repeats
+    medians = sorted((sorted(v)[len(v) // 2], k) for k, v in repeats.items())
+    print("  index scan medians of the rounds (us): " + "; ".join(f"{k} {m:.0f}" for m, k in medians))
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
     for cfg in (IndexConfig(), IndexConfig(version=9)):

@@ -109,7 +109,8 @@ class IndexConfig:
     occupancy."""
     prefetch: int | None = None
     """0 (default): each tile loads its slots, then its records; 1: the next tile's slots (list
-    entries, block ids) are loaded a tile ahead; 2 (v9): its record bytes too."""
+    entries, block ids) are loaded a tile ahead. (2, v9's record bytes a tile ahead too, was the
+    slowest row of run 10 and was removed.)"""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
@@ -124,8 +125,8 @@ class IndexConfig:
         # pipelined variant stages the words through shared memory, +10 % instructions per tile)
         stages = self.num_stages or (1 if interpreting() or version >= 4 else 2)
         # tiles per program: 16 for the word decode (run 4: t128 x16 1.004 ms vs x8 1.136 ms at 262K)
-        if self.prefetch not in (None, 0, 1, 2):
-            raise ValueError(f"IndexConfig.prefetch must be 0, 1 or 2, got {self.prefetch}")
+        if self.prefetch not in (None, 0, 1):
+            raise ValueError(f"IndexConfig.prefetch must be 0 or 1, got {self.prefetch}")
         return IndexConfig(block_t, self.tiles or (8 if version == 3 else 16), self.num_warps or 4, stages, version,
                            self.max_registers, self.prefetch or 0)
 
@@ -228,8 +229,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         return out, maxima_out
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
     if cfg.version == 9 and not (interpreting() or hardware_fp8(device)):  # E4M3 MMAs need sm89+
-        cfg = IndexConfig(cfg.block_t, cfg.tiles, cfg.num_warps, cfg.num_stages, 4, cfg.max_registers,
-                          min(cfg.prefetch or 0, 1))
+        cfg = IndexConfig(cfg.block_t, cfg.tiles, cfg.num_warps, cfg.num_stages, 4, cfg.max_registers, cfg.prefetch)
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
