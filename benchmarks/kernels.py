@@ -611,9 +611,10 @@ def decode_step_curve(b: Bench) -> None:
     wi = torch.randn(n, 32, device=dev) * 32**-0.5
     attn_us = b.curves.get("attention_best", {}).get("time_us")
     pool_blocks, topk = (16, 32) if b.smoke else (2048, 512)
-    # the default scan, then v9 (E4M3 MMAs) for the full scans and the list scoring alike
-    for label, cfg in (("", None), (" v9 t64", IndexConfig(64, version=9)),
-                       (" v4 x32 pf1", IndexConfig(128, 32, version=4, prefetch=1))):
+    # the default scan (v4 x32 with the slot prefetch since run 12), the run-11 default (x16, no
+    # prefetch) and v9 (E4M3 MMAs), for the full scans and the list scoring alike
+    for label, cfg in (("", None), (" v4 x16 pf0", IndexConfig(tiles=16, version=4, prefetch=0)),
+                       (" v9 t64 x16", IndexConfig(64, 16, version=9))):
         steps: dict[str, dict[str, float]] = {}
         for ctx in contexts:
             if b.late and ctx > 65536:
@@ -637,17 +638,45 @@ def decode_step_curve(b: Bench) -> None:
                      n * pool.shape[1] * 68)
             attn = (attn_us or 0.0) / 1e6
             step = 40 * attn + cand + 3 * full2 + 4 * reindex
+            # the same 8 index calls as one CUDA graph (as a serving step would replay them): GPU
+            # time without the host's launch gaps, which dominate the short contexts
+            graph_s = float("nan")
+            if dev.type == "cuda":
+                try:
+                    calls = [partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                                     config=cfg, impl="triton")]
+                    calls += 3 * [partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=cfg,
+                                          impl="triton")]
+                    calls += 4 * [partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool,
+                                          config=cfg, impl="triton")]
+                    for c in calls:  # compile and warm outside the capture
+                        c()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for c in calls:
+                            c()
+                    graph_s = b.time_s(graph.replay)
+                    del graph
+                except Exception as exc:  # a capture failure is reported, not fatal
+                    print(f"  ctx {ctx}{label}: CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:160]}")
             steps[str(ctx)] = {"step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
                                "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
-                               "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6}
+                               "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6,
+                               "index_graph_us": graph_s * 1e6, "step_graph_us": (40 * attn + graph_s) * 1e6}
             print(f"  ctx {ctx:>8}{label}: decode step attention+indexer {step * 1e6:9.1f} us "
                   f"(40 x attn {attn * 1e6:.1f}, candidate {cand * 1e6:.1f}, 3 x full {full2 * 1e6:.1f}, "
-                  f"4 x reindex {reindex * 1e6:.1f})", flush=True)
+                  f"4 x reindex {reindex * 1e6:.1f}); index calls as one CUDA graph {graph_s * 1e6:.1f} us -> step "
+                  f"{(40 * attn + graph_s) * 1e6:.1f} us", flush=True)
         b.curves["decode_step" + label.replace(" ", "_")] = steps
         first, last = str(contexts[0]), max(steps, key=int)
         if first in steps and last != first:
             ratio = steps[last]["step_us"] / steps[first]["step_us"]
             b.target(f"decode step attention+indexer at {last} / at {first}{label}", ratio, "<= 1.5", ratio <= 1.5)
+            graph_ratio = steps[last]["step_graph_us"] / steps[first]["step_graph_us"]
+            if math.isfinite(graph_ratio):
+                b.target(f"decode step, index calls as a CUDA graph, at {last} / at {first}{label}", graph_ratio,
+                         "<= 1.5", graph_ratio <= 1.5)
             layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
             b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}{label}", layer, "<= 1.5",
                      layer <= 1.5)
@@ -664,13 +693,13 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    # v4 (word-wide decode) at its default launch (x16 tiles since run 5), v3 (per-byte decode),
-    # v9 (E4M3 MMAs) and the launch variants runs 9-10 found fastest, timed in 3 interleaved rounds
-    # (runs 9-10 moved some rows by 2x between runs: only side-by-side rounds compare)
-    configs = [IndexConfig(), IndexConfig(version=3), IndexConfig(version=9)] + ([] if b.smoke else [
-        IndexConfig(prefetch=1), IndexConfig(128, 32, 4, 1, 4), IndexConfig(128, 32, 4, 1, 4, None, 1),
-        IndexConfig(64, 16, 4, 1, 9), IndexConfig(64, 16, 4, 1, 9, None, 1), IndexConfig(version=9, max_registers=128),
-        IndexConfig(version=9, num_stages=2), IndexConfig(64, 32, 4, 1, 4, None, 1)])
+    # the v4 default (x32 tiles, slot prefetch: run 12), the run-11 default (x16, no prefetch), v3,
+    # v9 (E4M3 MMAs, loads fixed after run 11) and neighbours, timed in 3 interleaved rounds (runs
+    # 9-10 moved some rows by 2x between runs: only side-by-side rounds compare)
+    configs = [IndexConfig(), IndexConfig(tiles=16, prefetch=0), IndexConfig(version=3)] + ([] if b.smoke else [
+        IndexConfig(tiles=16), IndexConfig(prefetch=0), IndexConfig(tiles=64), IndexConfig(128, 32, 4, 1, 4, 128),
+        IndexConfig(version=9), IndexConfig(128, 16, version=9), IndexConfig(64, 16, version=9),
+        IndexConfig(64, 32, version=9), IndexConfig(128, 16, version=9, max_registers=128)])
     rounds = 1 if b.smoke else 3
     repeats: dict[str, list[float]] = {}
     for rnd in range(rounds):
@@ -688,11 +717,12 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     print("  index scan medians of the rounds (us): " + "; ".join(f"{k} {m:.0f}" for m, k in medians))
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
-    for cfg in (IndexConfig(), IndexConfig(version=9)):
+    for cfg in (IndexConfig(), IndexConfig(tiles=16, prefetch=0), IndexConfig(64, 16, version=9)):
         t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, tokens_per_request=group, config=cfg, impl="triton"))
         b.record("index scan (block maxima)", f"{n} tok ({group}/request) x ctx {ctx}", t, n // group * ctx * 68,
-                 2.0 * n * 32 * 128 * ctx, f"tokens_per_request {group} v{cfg.resolve(8).version}")
+                 2.0 * n * 32 * 128 * ctx, f"tokens_per_request {group} v{cfg.resolve(8).version} "
+                 f"x{cfg.resolve(8).tiles} pf{cfg.resolve(8).prefetch}")
 
 
 def moe(b: Bench) -> None:

@@ -254,11 +254,21 @@ def _index_scores_kernel(
                 first + tile + 1, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride,
                 max_blocks, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T,
                 LIST_MODE)
-        else:
-            t, t_ok, entry, ok, rec = _tile_records(
-                first + tile, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride,
-                max_blocks, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T,
-                LIST_MODE)
+        else:  # written out, not `_tile_records`: through the call v9's byte loads lost their 4-byte vectors
+            t = (first + tile) * BLOCK_T + tl.arange(0, BLOCK_T)  # (sm_90 SASS, Triton 3.6: 64 LDG.U8 per tile)
+            t_ok = t < num_entries
+            if LIST_MODE:
+                entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
+            else:
+                entry = t
+            ok = t_ok & (entry >= 0)
+            entry = tl.where(ok, entry, 0)
+            block_idx = entry // slots_per_block
+            ok = ok & (block_idx < max_blocks)
+            block = tl.load(block_table_ptr + req * bt_stride + block_idx, mask=ok, other=-1).to(tl.int64)
+            ok = ok & (block >= 0) & (block < num_blocks)
+            block = tl.where(ok, block, 0)
+            rec = offset_bytes + block * block_stride_bytes + (entry - block_idx * slots_per_block) * slot_stride_bytes
         if VERSION == 4:
             k0, k1, k2, k3 = _decode_index_words(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, ALIGN,
                                                  QSHIFT, DOT_F32)

@@ -45,6 +45,7 @@ from cedserve.kernels.triton_support import (
     hardware_fp8,
     interpreting,
     next_power_of_2,
+    num_sms,
     resolve_impl,
 )
 
@@ -108,9 +109,9 @@ class IndexConfig:
     per SM instead of 3 (sm_90 SASS: 126 registers, no spills); lower caps trade spills for
     occupancy."""
     prefetch: int | None = None
-    """0 (default): each tile loads its slots, then its records; 1: the next tile's slots (list
-    entries, block ids) are loaded a tile ahead. (2, v9's record bytes a tile ahead too, was the
-    slowest row of run 10 and was removed.)"""
+    """1 (the v4 default): the next tile's slots (list entries, block ids) are loaded a tile ahead,
+    so a tile waits for one dependent load instead of two; 0: each tile loads its slots, then its
+    records (v3 and v9 always: through the prefetch v9's byte loads lose their vectors)."""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
@@ -124,11 +125,14 @@ class IndexConfig:
         # v3: 2 stages (the compiler pipelines the record loads, run 3); v4: 1 (sm_90 SASS: its
         # pipelined variant stages the words through shared memory, +10 % instructions per tile)
         stages = self.num_stages or (1 if interpreting() or version >= 4 else 2)
-        # tiles per program: 16 for the word decode (run 4: t128 x16 1.004 ms vs x8 1.136 ms at 262K)
         if self.prefetch not in (None, 0, 1):
             raise ValueError(f"IndexConfig.prefetch must be 0 or 1, got {self.prefetch}")
-        return IndexConfig(block_t, self.tiles or (8 if version == 3 else 16), self.num_warps or 4, stages, version,
-                           self.max_registers, self.prefetch or 0)
+        prefetch = (1 if self.prefetch is None else self.prefetch) if version == 4 else 0
+        # tiles per program: 32 for the word decode (run 11, 3 interleaved rounds at 262K: x32 with
+        # the prefetch 0.887 ms, x16 0.941, x32 without 0.946, x16 without 0.996); `index_scores`
+        # halves it while the grid would have under two programs per SM
+        return IndexConfig(block_t, self.tiles or (8 if version == 3 else 32), self.num_warps or 4, stages, version,
+                           self.max_registers, prefetch)
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         return out, maxima_out
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
     if cfg.version == 9 and not (interpreting() or hardware_fp8(device)):  # E4M3 MMAs need sm89+
-        cfg = IndexConfig(cfg.block_t, cfg.tiles, cfg.num_warps, cfg.num_stages, 4, cfg.max_registers, cfg.prefetch)
+        cfg = IndexConfig(cfg.block_t, cfg.tiles, cfg.num_warps, cfg.num_stages, 4, cfg.max_registers, 1)
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
@@ -237,6 +241,9 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     assert cfg.block_t and cfg.tiles and cfg.num_warps and cfg.num_stages
     block_t = cfg.block_t
     tiles = min(cfg.tiles, cdiv(num, block_t))  # tiles per program: the group's queries are loaded once per span
+    if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows
+        while tiles > 4 and (tokens // group) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
+            tiles //= 2
     entries_arg = entries if entries is not None else keys.visible
     launch = {"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting() else {}
     rec = keys.records
