@@ -360,39 +360,6 @@ def correctness(b: Bench) -> None:
         ((scores[finite] - dense[finite]).abs() <= 1e-5 * (1 + dense[finite].abs())).all())
     b.check(f"index_topk {tokens} tokens x {width} entries", ok and score_ok,
             f"selection {'ok' if ok else 'OFF'}, scores {'ok' if score_ok else 'OFF'}")
-    # v9 (E4M3 MMAs): products exact for FP4 queries; Hopper's FP8 MMA keeps ~14 bits of a block's
-    # 32-product sum, so the bound is 2**-9 of the products' magnitude (sum |w| |q| . |k|); the
-    # error is reported against that and against the signed terms' magnitude. bf16 queries that are
-    # not FP4 are scored as rounded to E4M3 at the row's power-of-two scale.
-    k_all = rec_ops.read_records_reference("index", idx, keys.slots(
-        torch.arange(width, device=dev).int().expand(tokens, width)).flatten()).view(tokens, width, 128).abs()
-
-    def v9_errors(q: torch.Tensor, want: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-        products = torch.einsum("nhd,ntd->nht", q.float().abs(), k_all).mul(128**-0.5)
-        products = products.mul(wi.abs().unsqueeze(-1)).sum(1)
-        signed, _ = index_scores(q, wi.abs(), keys, width=width, impl="torch")
-        assert signed is not None
-        err = (got[finite] - want[finite]).abs()
-        return (err / (1 + products[finite])).max().item(), (err / (1 + signed[finite])).max().item()
-
-    v9, _ = index_scores(qi, wi, keys, width=width, config=IndexConfig(version=9), impl="triton")
-    assert v9 is not None
-    rel_p, rel_s = v9_errors(qi, dense, v9)
-    b.check(f"index scores v9 (E4M3 MMA) {tokens} x {width}, FP4 queries",
-            torch.equal(v9.isneginf(), dense.isneginf()) and rel_p <= 2**-9,
-            f"max error / product magnitude {rel_p:.2e}, / signed magnitude {rel_s:.2e}")
-    qb = torch.randn(tokens, 32, 128, device=dev).bfloat16()
-    amax = qb.float().abs().amax(-1, keepdim=True)
-    row_scale = torch.exp2(torch.frexp(amax).exponent.float() - 3).masked_fill(amax == 0, 1.0)
-    q8 = ((qb.float() / row_scale).to(torch.float8_e4m3fn).float() * row_scale).bfloat16()
-    ref_b, _ = index_scores(qb, wi, keys, width=width, impl="torch")
-    ref_8, _ = index_scores(q8, wi, keys, width=width, impl="torch")
-    v9b, _ = index_scores(qb, wi, keys, width=width, config=IndexConfig(version=9), impl="triton")
-    assert ref_b is not None and ref_8 is not None and v9b is not None
-    rel_8, _ = v9_errors(q8, ref_8, v9b)
-    rel_b, _ = v9_errors(q8, ref_b, v9b)
-    b.check(f"index scores v9 {tokens} x {width}, bf16 queries = reference on E4M3-rounded queries",
-            rel_8 <= 2**-9, f"max error / product magnitude {rel_8:.2e} (vs the unrounded queries {rel_b:.2e})")
 
     # MoE, FP4 weights at the released widths
     experts, hidden, inter, tokens = (4, 256, 128, 16) if smoke else (8, 5120, 2304, 256)
@@ -611,10 +578,9 @@ def decode_step_curve(b: Bench) -> None:
     wi = torch.randn(n, 32, device=dev) * 32**-0.5
     attn_us = b.curves.get("attention_best", {}).get("time_us")
     pool_blocks, topk = (16, 32) if b.smoke else (2048, 512)
-    # the default scan (v4 x32 with the slot prefetch since run 12), the run-11 default (x16, no
-    # prefetch) and v9 (E4M3 MMAs), for the full scans and the list scoring alike
-    for label, cfg in (("", None), (" v4 x16 pf0", IndexConfig(tiles=16, version=4, prefetch=0)),
-                       (" v9 t64 x16", IndexConfig(64, 16, version=9))):
+    # the default scan (v4 x32 with the slot prefetch since run 12) and the run-11 default (x16, no
+    # prefetch), for the full scans and the list scoring alike
+    for label, cfg in (("", None), (" v4 x16 pf0", IndexConfig(tiles=16, version=4, prefetch=0))):
         steps: dict[str, dict[str, float]] = {}
         for ctx in contexts:
             if b.late and ctx > 65536:
@@ -693,13 +659,11 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    # the v4 default (x32 tiles, slot prefetch: run 12), the run-11 default (x16, no prefetch), v3,
-    # v9 (E4M3 MMAs, loads fixed after run 11) and neighbours, timed in 3 interleaved rounds (runs
-    # 9-10 moved some rows by 2x between runs: only side-by-side rounds compare)
+    # the v4 default (x32 tiles, slot prefetch: run 12), the run-11 default (x16, no prefetch), v3
+    # and neighbours, timed in 3 interleaved rounds (runs 9-10 moved some rows by 2x between runs:
+    # only side-by-side rounds compare)
     configs = [IndexConfig(), IndexConfig(tiles=16, prefetch=0), IndexConfig(version=3)] + ([] if b.smoke else [
-        IndexConfig(tiles=16), IndexConfig(prefetch=0), IndexConfig(tiles=64), IndexConfig(128, 32, 4, 1, 4, 128),
-        IndexConfig(version=9), IndexConfig(128, 16, version=9), IndexConfig(64, 16, version=9),
-        IndexConfig(64, 32, version=9), IndexConfig(128, 16, version=9, max_registers=128)])
+        IndexConfig(tiles=16), IndexConfig(prefetch=0), IndexConfig(tiles=64)])
     rounds = 1 if b.smoke else 3
     repeats: dict[str, list[float]] = {}
     for rnd in range(rounds):
@@ -708,7 +672,7 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
                                  maxima_out=maxima, config=cfg, impl="triton"))
             r = cfg.resolve(8)
             label = (f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}"
-                     + (f" r{r.max_registers}" if r.max_registers else "") + (f" pf{r.prefetch}" if r.prefetch else ""))
+                     + (f" pf{r.prefetch}" if r.prefetch else ""))
             repeats.setdefault(label, []).append(t * 1e6)
             b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
                      label, f"round {rnd + 1}")
@@ -717,7 +681,7 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     print("  index scan medians of the rounds (us): " + "; ".join(f"{k} {m:.0f}" for m, k in medians))
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
-    for cfg in (IndexConfig(), IndexConfig(tiles=16, prefetch=0), IndexConfig(64, 16, version=9)):
+    for cfg in (IndexConfig(), IndexConfig(tiles=16, prefetch=0)):
         t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, tokens_per_request=group, config=cfg, impl="triton"))
         b.record("index scan (block maxima)", f"{n} tok ({group}/request) x ctx {ctx}", t, n // group * ctx * 68,

@@ -26,6 +26,10 @@ by `2**(b - 1 - QSHIFT)` per pair applies the block scale `2**(b - 127)`, with t
 pre-multiplied by `2**QSHIFT` (exact) so that the multiplier stays finite: exact for scale bytes
 `QSHIFT - 5 <= b <= QSHIFT + 128` (59..192 at QSHIFT = 64, block maxima from 2**-68 to 2**65).
 The four pair tensors are four MMAs of K = d / 4 against the matching query channels.
+
+`PREFETCH=1` (v4's default): the loop carries the next tile's slots (list entries, block ids,
+record offsets), loaded while the current tile is decoded, so each tile waits on one dependent
+load (its records) instead of two (block ids, then records).
 """
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
@@ -115,61 +119,6 @@ def _pairs_bf16(a, mult, BLOCK_T: tl.constexpr, NW: tl.constexpr, DOT_F32: tl.co
 
 
 @triton.jit
-def _round_e4m3(x):
-    """float32 `x` (|x| < 448) rounded to the nearest E4M3 value, ties to even, in float32: 3
-    mantissa bits at and above 2**-6, multiples of 2**-9 below (the interpreter's float8 cast
-    rounds differently)."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
-    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: rounds to a multiple of 2**-9
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _q_e4m3_block(q_row, b: tl.constexpr, r_ok, inv, DOT_F32: tl.constexpr):
-    """Query channels `[32b, 32b + 32)` of every row times the row's `inv` (a power of two), rounded
-    to E4M3 (exact for FP4 queries, see v9 in the module docstring): float8 on the GPU, the same
-    values in float32 in the interpreter."""
-    q = tl.load(q_row + (b * 32 + tl.arange(0, 32))[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-    q = q * inv[:, None]
-    return _round_e4m3(q) if DOT_F32 else q.to(tl.float8e4nv)
-
-
-@triton.jit
-def _q_row_exponent(q_row, b: tl.constexpr, r_ok):
-    """Biased float32 exponent of each row's largest |q| over channels `[32b, 32b + 32)`."""
-    q = tl.load(q_row + (b * 32 + tl.arange(0, 32))[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-    return (tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-
-
-@triton.jit
-def _scaled_block_dot(row, b: tl.constexpr, ok, q_b, scale_word, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
-    """v9: `[BLOCK_T, QR]` dot of key channels `[32b, 32b + 32)` of the records at `row [T]` with
-    the query block `q_b`, times the keys' block scale. The 16 code bytes become 32 E4M3 bytes of
-    value * 2**-6 (lo nibbles: `(c << 2) & 0x1C | (c << 4) & 0x80`, hi: `(c >> 2) & 0x1C | c & 0x80`,
-    four bytes per 32-bit op). Each block's bytes are loaded right before their use: loading all
-    four blocks first doubled v9's time in run 10."""
-    codes = tl.load(row[:, None] + b * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)  # [T, 16] u8
-    if DOT_F32:  # interpreter: the same values in float32
-        c = codes.to(tl.int32)
-        lo = _e2m1_decode(c) * 0.015625
-        hi = _e2m1_decode(c >> 4) * 0.015625
-    else:
-        lo = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, c; shl.b32 a, $1, 2; and.b32 a, a, 0x1C1C1C1C; shl.b32 c, $1, 4;"
-            " and.b32 c, c, 0x80808080; or.b32 $0, a, c; }",
-            "=r,r", [codes], dtype=tl.uint8, is_pure=True, pack=4).to(tl.float8e4nv, bitcast=True)
-        hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, c; shr.b32 a, $1, 2; and.b32 a, a, 0x1C1C1C1C; and.b32 c, $1, 0x80808080;"
-            " or.b32 $0, a, c; }",
-            "=r,r", [codes], dtype=tl.uint8, is_pure=True, pack=4).to(tl.float8e4nv, bitcast=True)
-    k = tl.reshape(tl.join(lo, hi), [BLOCK_T, 32])  # channel 32b + 2i + j = (byte i, nibble j)
-    # UE8M0 byte e: 2**(e - 127), times 2**6 for the decode's 2**-6 (finite for e <= 248)
-    k_scale = (tl.minimum(((scale_word >> (8 * b)) & 0xFF) + 6, 254) << 23).to(tl.float32, bitcast=True)
-    return tl.dot(k, tl.trans(q_b)) * k_scale[:, None]
-
-
-@triton.jit
 def _tile_records(tile, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride, max_blocks,
                   num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
                   BLOCK_T: tl.constexpr, LIST_MODE: tl.constexpr):
@@ -221,15 +170,6 @@ def _index_scores_kernel(
         q1 = _load_q_pairs(q_row, qc + 1, r_ok, QSHIFT, DOT_F32)
         q2 = _load_q_pairs(q_row, qc + 2, r_ok, QSHIFT, DOT_F32)
         q3 = _load_q_pairs(q_row, qc + 3, r_ok, QSHIFT, DOT_F32)
-    elif VERSION == 9:  # d = 128: four 32-channel blocks, E4M3 queries scaled per row
-        e_max = tl.maximum(tl.maximum(_q_row_exponent(q_row, 0, r_ok), _q_row_exponent(q_row, 1, r_ok)),
-                           tl.maximum(_q_row_exponent(q_row, 2, r_ok), _q_row_exponent(q_row, 3, r_ok)))
-        q_exp = tl.maximum(e_max - 2, 1)  # 2**(E - 2), E = floor(log2 max|q|): |q| / it < 8
-        q_inv = ((254 - q_exp) << 23).to(tl.float32, bitcast=True)
-        q0 = _q_e4m3_block(q_row, 0, r_ok, q_inv, DOT_F32)
-        q1 = _q_e4m3_block(q_row, 1, r_ok, q_inv, DOT_F32)
-        q2 = _q_e4m3_block(q_row, 2, r_ok, q_inv, DOT_F32)
-        q3 = _q_e4m3_block(q_row, 3, r_ok, q_inv, DOT_F32)
     else:
         q = tl.load(q_row + tl.arange(0, 2 * HALF)[None, :], mask=r_ok[:, None], other=0.0)  # [QR, d]
         q_lo, q_hi = tl.split(tl.reshape(q, [QR, HALF, 2]))
@@ -237,8 +177,6 @@ def _index_scores_kernel(
             q_lo = q_lo.to(tl.float32)
             q_hi = q_hi.to(tl.float32)
     w = tl.load(w_ptr + n_r * w_stride_n + h_r, mask=r_ok, other=0.0).to(tl.float32) * scale  # [QR]
-    if VERSION == 9:  # relu(s * 2**x) = relu(s) * 2**x: the queries' row scale joins the head weight
-        w = w * (q_exp << 23).to(tl.float32, bitcast=True)
     visible = tl.load(visible_ptr + g, mask=g_ok, other=0)  # [TOKENS]
     req = tl.load(token_req_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
 
@@ -254,8 +192,9 @@ def _index_scores_kernel(
                 first + tile + 1, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride,
                 max_blocks, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T,
                 LIST_MODE)
-        else:  # written out, not `_tile_records`: through the call v9's byte loads lost their 4-byte vectors
-            t = (first + tile) * BLOCK_T + tl.arange(0, BLOCK_T)  # (sm_90 SASS, Triton 3.6: 64 LDG.U8 per tile)
+        else:  # written out, not `_tile_records`: through the call, byte loads of the records (v3's
+            # codes) lose their 4-byte vectors (sm_90 SASS, Triton 3.6; v4's word loads keep theirs)
+            t = (first + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
             t_ok = t < num_entries
             if LIST_MODE:
                 entry = tl.load(entries_ptr + g * entries_stride + t, mask=t_ok, other=-1)
@@ -276,19 +215,6 @@ def _index_scores_kernel(
             s = tl.dot(k1, tl.trans(q1), s)
             s = tl.dot(k2, tl.trans(q2), s)
             s = tl.dot(k3, tl.trans(q3), s)  # [BLOCK_T, QR]
-        elif VERSION == 9:
-            row = key_ptr + tl.multiple_of(rec, ALIGN)
-            if ALIGN >= 4:
-                sw = tl.load((row + HALF).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
-            else:
-                sw = tl.load(row + HALF, mask=ok, other=0).to(tl.int32)
-                sw = sw | (tl.load(row + HALF + 1, mask=ok, other=0).to(tl.int32) << 8)
-                sw = sw | (tl.load(row + HALF + 2, mask=ok, other=0).to(tl.int32) << 16)
-                sw = sw | (tl.load(row + HALF + 3, mask=ok, other=0).to(tl.int32) << 24)
-            s = _scaled_block_dot(row, 0, ok, q0, sw, BLOCK_T, DOT_F32)
-            s += _scaled_block_dot(row, 1, ok, q1, sw, BLOCK_T, DOT_F32)
-            s += _scaled_block_dot(row, 2, ok, q2, sw, BLOCK_T, DOT_F32)
-            s += _scaled_block_dot(row, 3, ok, q3, sw, BLOCK_T, DOT_F32)  # [BLOCK_T, QR]
         else:
             k_lo, k_hi = _decode_index_keys(key_ptr, tl.multiple_of(rec, ALIGN), ok, HALF, BLOCK_T, HW_CVT)
             if DOT_F32:

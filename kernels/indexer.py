@@ -101,25 +101,18 @@ class IndexConfig:
     num_stages: int | None = None
     version: int | None = None
     """Key decode: 4 (word-wide integer decode into bf16 pairs, the default where d >= 64) or 3
-    (per-byte decode, `kernels-notes.md` v3; also every d = 32), or 9 (E4M3 MMAs per 32-channel
-    block, d = 128 on sm89+ GPUs and in the interpreter, else v4; `kernels-notes.md` v9). (v5, two
-    tiles' loads in flight, lost in runs 5 and 6 and was removed: `kernels-notes.md` v5.)"""
-    max_registers: int | None = None
-    """Register cap per thread (ptxas `.maxnreg`; GPU only): 128 lets v4 run 4 programs of 4 warps
-    per SM instead of 3 (sm_90 SASS: 126 registers, no spills); lower caps trade spills for
-    occupancy."""
+    (per-byte decode, `kernels-notes.md` v3; also every d = 32). (v5, two tiles' loads in flight,
+    and v9, E4M3 MMAs per scale block, were measured and removed: `kernels-notes.md` v5, v9.)"""
     prefetch: int | None = None
     """1 (the v4 default): the next tile's slots (list entries, block ids) are loaded a tile ahead,
     so a tile waits for one dependent load instead of two; 0: each tile loads its slots, then its
-    records (v3 and v9 always: through the prefetch v9's byte loads lose their vectors)."""
+    records (v3 always: through the prefetch its byte loads lose their vectors)."""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
         version = self.version or 4
-        if version not in (3, 4, 9):
-            raise ValueError(f"IndexConfig.version must be 3, 4 or 9, got {version}")
-        if version == 9 and dim != 128:  # v9 is written for the released d = 128 (four scale blocks)
-            version = 4
+        if version not in (3, 4):
+            raise ValueError(f"IndexConfig.version must be 3 or 4, got {version}")
         if dim < 64:  # v4's four MMAs have K = d / 4, and an MMA needs K >= 16
             version = 3
         # v3: 2 stages (the compiler pipelines the record loads, run 3); v4: 1 (sm_90 SASS: its
@@ -132,7 +125,7 @@ class IndexConfig:
         # the prefetch 0.887 ms, x16 0.941, x32 without 0.946, x16 without 0.996); `index_scores`
         # halves it while the grid would have under two programs per SM
         return IndexConfig(block_t, self.tiles or (8 if version == 3 else 32), self.num_warps or 4, stages, version,
-                           self.max_registers, prefetch)
+                           prefetch)
 
 
 @dataclass(frozen=True)
@@ -232,8 +225,6 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     if tokens == 0 or num == 0:
         return out, maxima_out
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
-    if cfg.version == 9 and not (interpreting() or hardware_fp8(device)):  # E4M3 MMAs need sm89+
-        cfg = IndexConfig(cfg.block_t, cfg.tiles, cfg.num_warps, cfg.num_stages, 4, cfg.max_registers, 1)
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
@@ -245,7 +236,6 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         while tiles > 4 and (tokens // group) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
             tiles //= 2
     entries_arg = entries if entries is not None else keys.visible
-    launch = {"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting() else {}
     rec = keys.records
     k._index_scores_kernel[(tokens // group, cdiv(num, block_t * tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0),
@@ -259,7 +249,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
         ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(), VERSION=cfg.version,
         PREFETCH=cfg.prefetch or 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, maxima_out
 

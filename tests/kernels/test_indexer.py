@@ -24,7 +24,7 @@ from cedserve.kernels.indexer import (
     pool_mask,
 )
 from cedserve.kernels.paged import PagedRecords
-from cedserve.kernels.records import read_records_reference, record_format, write_records_reference
+from cedserve.kernels.records import record_format, write_records_reference
 from cedserve.kernels.reference import fake_quant_fp4
 
 pytestmark = pytest.mark.kernels
@@ -56,13 +56,6 @@ def _queries(tokens: int, heads: int, dim: int, gen: torch.Generator, device: to
     return q, w
 
 
-def e4m3_rows(q: Tensor) -> Tensor:
-    """`q [N, H, d]` as v9 scores it: each row rounded to E4M3 at the scale 2**(floor(log2 max|q|) - 2)."""
-    amax = q.float().abs().amax(-1, keepdim=True)
-    scale = torch.exp2(torch.frexp(amax).exponent.float() - 3).masked_fill(amax == 0, 1.0)
-    return ((q.float() / scale).to(torch.float8_e4m3fn).float() * scale).bfloat16()
-
-
 def _assert_scores(got: Tensor, want: Tensor, magnitude: Tensor | None = None, rel: float = 1e-5) -> None:
     """`magnitude` (default |want|): the sum of the terms' magnitudes, the scale of the rounding
     error where head terms of opposite signs cancel."""
@@ -71,14 +64,6 @@ def _assert_scores(got: Tensor, want: Tensor, magnitude: Tensor | None = None, r
     err = (got[finite] - want[finite]).abs()
     scale = (want if magnitude is None else magnitude)[finite].abs()
     assert bool((err <= rel * (1 + scale)).all()), f"max score error {err.max().item():.3g}"
-
-
-def _product_magnitude(q: Tensor, w: Tensor, keys: IndexKeys, entries: Tensor) -> Tensor:
-    """sum_h |w_h| * d**-0.5 * sum_c |q_hc| |k_c| per listed entry: the scale of an MMA's
-    accumulation error (the FP8 MMA keeps ~14 bits of a block's sum)."""
-    tokens, _, dim = q.shape
-    k = read_records_reference("index", keys.records, keys.slots(entries).flatten()).view(tokens, -1, dim)
-    return torch.einsum("nhd,ntd->nht", q.float().abs(), k.abs()).mul(dim**-0.5).mul(w.abs().unsqueeze(-1)).sum(1)
 
 
 def _assert_selection(picked: Tensor, want: Tensor, dense: Tensor) -> None:
@@ -91,8 +76,7 @@ def _assert_selection(picked: Tensor, want: Tensor, dense: Tensor) -> None:
             assert bool((dense[n, mine] >= kth - 1e-5 * (1 + kth.abs())).all()), f"token {n}: a worse entry picked"
 
 
-@pytest.mark.parametrize(("heads", "dim", "version", "prefetch"),
-                         [(32, 128, 4, 0), (32, 128, 4, 1), (32, 128, 9, 0), (32, 128, 9, 1), (16, 32, 4, 1)])
+@pytest.mark.parametrize(("heads", "dim", "version", "prefetch"), [(32, 128, 4, 0), (32, 128, 4, 1), (16, 32, 4, 1)])
 def test_scores_range_and_list(heads: int, dim: int, version: int, prefetch: int, gen: torch.Generator,
                                device: torch.device) -> None:
     # 600 entries: 10 tiles of 64 (ragged last) over three programs of 4 tiles, blocks of 16
@@ -118,7 +102,7 @@ def test_scores_range_and_list(heads: int, dim: int, version: int, prefetch: int
     _assert_scores(listed, ref_listed)
 
 
-@pytest.mark.parametrize("version", [3, 4, 9])
+@pytest.mark.parametrize("version", [3, 4])
 def test_scores_key_scale_range(version: int, gen: torch.Generator, device: torch.device) -> None:
     # keys of magnitudes 2**-60..2**60 (UE8M0 bytes ~66..188, inside v4's exact range 59..192)
     # and 4-byte aligned records (v4's word loads), both decoders against the reference
@@ -136,25 +120,6 @@ def test_scores_key_scale_range(version: int, gen: torch.Generator, device: torc
     magnitude, _ = index_scores(q, w.abs(), keys, width=width, impl="torch")  # keys up to 2**60: heads cancel
     assert ref is not None and magnitude is not None
     _assert_scores(scores, ref, magnitude)
-
-
-def test_v9_rounds_queries_to_e4m3(gen: torch.Generator, device: torch.device) -> None:
-    # bf16 queries that are not FP4 (with a few tiny channels, below E4M3's normal range at the
-    # row's scale): v9 scores them as rounded to E4M3 at the row's power-of-two scale
-    tokens, heads, dim, width = 3, 32, 128, 200
-    keys = _keys(requests=2, tokens=tokens, dim=dim, entries_per_block=32, blocks_per_req=7, max_visible=width,
-                 gen=gen, device=device)
-    q = torch.randn(tokens, heads, dim, generator=gen, device=device)
-    q[:, :, :8] *= 2.0**-9
-    q = q.bfloat16()
-    _, w = _queries(tokens, heads, dim, gen, device)
-    got, _ = index_scores(q, w, keys, width=width, config=IndexConfig(version=9), impl="triton")
-    want, _ = index_scores(e4m3_rows(q), w, keys, width=width, impl="torch")
-    mag, _ = index_scores(e4m3_rows(q), w.abs(), keys, width=width, impl="torch")
-    exact, _ = index_scores(q, w, keys, width=width, impl="torch")
-    assert got is not None and want is not None and mag is not None and exact is not None
-    _assert_scores(got, want, mag)
-    assert not torch.allclose(want, exact, rtol=1e-4, atol=1e-4), "rounding made no difference: test is vacuous"
 
 
 @pytest.mark.parametrize(("group", "heads"), [(2, 32), (4, 4)])
@@ -228,47 +193,3 @@ def test_gpu_realistic(gen: torch.Generator, device: torch.device) -> None:
     assert scores is not None and ref is not None
     _assert_scores(scores, ref)
 
-
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_v9_scores(gen: torch.Generator, device: torch.device) -> None:
-    # v9's E4M3 MMAs at the released shape, keys of magnitudes 2**-40..2**40, in range mode (ragged
-    # end, unmapped block), list mode, 4 tokens per request, and with the slots prefetched: products
-    # are exact for FP4 queries, but Hopper's FP8 MMA accumulates a block's 32 products in ~14 bits,
-    # so the bound is 2**-9 (32 truncations of 2**-14) of the products' magnitude
-    tokens, heads, dim, width = 16, 32, 128, 20_000
-    keys = _keys(requests=4, tokens=tokens, dim=dim, entries_per_block=64, blocks_per_req=320, max_visible=width,
-                 gen=gen, device=device)
-    n = keys.records.num_slots
-    x = torch.randn(n, dim, generator=gen, device=device)
-    x = x * torch.exp2(torch.randint(-40, 41, (n, 1), generator=gen, device=device).float())
-    write_records_reference("index", x, torch.arange(n, device=device), keys.records)
-    q, w = _queries(tokens, heads, dim, gen, device)
-    everything = torch.arange(width, device=device).int().expand(tokens, width)
-    mag = _product_magnitude(q, w, keys, everything)
-    ref, ref_max = index_scores(q, w, keys, width=width, block_max=8, impl="torch")
-    assert ref is not None and ref_max is not None
-    for prefetch in (0, 1):
-        v9 = IndexConfig(version=9, prefetch=prefetch)
-        scores = torch.full((tokens, width), float("nan"), device=device)
-        maxima = torch.full((tokens, width // 8), float("nan"), device=device)
-        index_scores(q, w, keys, width=width, block_max=8, out=scores, maxima_out=maxima, config=v9, impl="triton")
-        _assert_scores(scores, ref, mag, rel=2**-9)
-        assert torch.equal(maxima.isneginf(), ref_max.isneginf())
-        entries = torch.randint(-1, width + 50, (tokens, 700), generator=gen, device=device).int()
-        listed, _ = index_scores(q, w, keys, entries=entries, config=v9, impl="triton")
-        ref_listed, _ = index_scores(q, w, keys, entries=entries, impl="torch")
-        assert listed is not None and ref_listed is not None
-        _assert_scores(listed, ref_listed, _product_magnitude(q, w, keys, entries), rel=2**-9)
-    grouped = IndexKeys(keys.records, keys.block_table, torch.arange(tokens, device=device).int() // 4, keys.visible)
-    got, _ = index_scores(q, w, grouped, width=width, tokens_per_request=4, config=IndexConfig(version=9),
-                          impl="triton")
-    want, _ = index_scores(q, w, grouped, width=width, impl="torch")
-    assert got is not None and want is not None
-    _assert_scores(got, want, _product_magnitude(q, w, grouped, everything), rel=2**-9)
-    # not FP4: v9 scores the queries rounded to E4M3 at the row's scale
-    qb = torch.randn(tokens, heads, dim, generator=gen, device=device).bfloat16()
-    got, _ = index_scores(qb, w, keys, width=width, config=IndexConfig(version=9), impl="triton")
-    want, _ = index_scores(e4m3_rows(qb), w, keys, width=width, impl="torch")
-    assert got is not None and want is not None
-    _assert_scores(got, want, _product_magnitude(e4m3_rows(qb), w, keys, everything), rel=2**-9)
