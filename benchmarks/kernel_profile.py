@@ -1,0 +1,73 @@
+"""One launch each of the decode hot kernels at the released shapes, for a profiler to attach to:
+sparse decode attention (batch 64, top-512 + 128 window, 64 heads x 512, default launch) and the
+index scan (64 tokens x 262K index keys, block maxima, default launch). Each kernel runs a few
+untimed times first (compile, warm), then `--launches` times inside NVTX ranges.
+
+    ncu --nvtx --nvtx-include "profile/" --section WarpStateStats --section SchedulerStats \\
+        --section Occupancy --section MemoryWorkloadAnalysis python -P benchmarks/kernel_profile.py
+
+Needs a CUDA device; prints the kernels it ran and their wall time per launch (event-timed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import IndexKeys, _index_queries, _pool, index_scores, sparse_attention
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=2)
+    parser.add_argument("--only", choices=["attention", "index"], default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    runs: list[tuple[str, object]] = []
+    if args.only in (None, "attention"):
+        n, heads, dim, topk, window = 64, 64, 512, 512, 128
+        main_kv = _pool("main", dim, 1 << 20, 32, dev, fill=True)
+        swa = _pool("swa", dim, n * window, window, dev, fill=True)
+        topk_slots = torch.randint(0, main_kv.num_slots, (n, topk), device=dev).int()
+        win_slots = (torch.arange(n, device=dev).unsqueeze(1) * window + torch.arange(window, device=dev)).int()
+        q = (torch.randn(n, heads, dim, device=dev) * 0.05).bfloat16()
+        sink = torch.randn(heads, device=dev)
+        ang = torch.rand(n, 32, device=dev)
+        out = torch.empty_like(q)
+        runs.append(("attention", lambda: sparse_attention(q, sink, main_kv, topk_slots, swa, win_slots, ang.cos(),
+                                                            ang.sin(), out=out, impl="triton")))
+    if args.only in (None, "index"):
+        n, ctx, entries = 64, 1 << 18, 64
+        idx = _pool("index", 128, n * ctx, entries, dev, fill=True)
+        table = torch.arange(n * (ctx // entries), device=dev).view(n, -1).int()
+        keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), torch.full((n,), ctx, device=dev).int())
+        qi = _index_queries(n, dev)
+        wi = torch.randn(n, 32, device=dev) * 32**-0.5
+        maxima = torch.empty(n, ctx // 8, device=dev)
+        runs.append(("index", lambda: index_scores(qi, wi, keys, width=ctx, block_max=8, write_scores=False,
+                                                   maxima_out=maxima, impl="triton")))
+    for name, fn in runs:
+        for _ in range(3):
+            fn()  # type: ignore[operator]
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.nvtx.range_push(f"profile/{name}")
+        start.record()
+        for _ in range(args.launches):
+            fn()  # type: ignore[operator]
+        end.record()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"{name}: {start.elapsed_time(end) * 1e3 / args.launches:.1f} us per launch")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
