@@ -1,6 +1,7 @@
 """One launch each of the decode hot kernels at the released shapes, for a profiler to attach to:
-sparse decode attention (batch 64, top-512 + 128 window, 64 heads x 512, default launch) and the
-index scan (64 tokens x 262K index keys, block maxima, default launch). Each kernel runs a few
+sparse decode attention (batch 64, top-512 + 128 window, 64 heads x 512, default launch), the
+index scan (64 tokens x 262K index keys, block maxima, default launch) and the index-key record
+writer (1M rows, v3 and v4). Each kernel runs a few
 untimed times first (compile, warm), then `--launches` times inside NVTX ranges.
 
     ncu --nvtx --nvtx-include "profile/" --section WarpStateStats --section SchedulerStats \\
@@ -17,13 +18,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import IndexKeys, _index_queries, _pool, index_scores, sparse_attention
+from kernels import IndexKeys, _block_slots, _index_queries, _pool, index_scores, rec_ops, sparse_attention
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=2)
-    parser.add_argument("--only", choices=["attention", "index"], default=None)
+    parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -53,6 +54,14 @@ def main() -> int:
         maxima = torch.empty(n, ctx // 8, device=dev)
         runs.append(("index", lambda: index_scores(qi, wi, keys, width=ctx, block_max=8, write_scores=False,
                                                    maxima_out=maxima, impl="triton")))
+    if args.only in (None, "writer"):  # the index-key record writer at the benchmark's 256 MiB input
+        tokens, dim = (256 << 20) // 256, 128
+        dest = _pool("index", dim, tokens, 64, dev)
+        x = torch.randn(tokens, dim, device=dev).bfloat16()
+        slots = _block_slots(tokens, 64, dest.num_blocks, dev)
+        for version in (3, 4):
+            runs.append((f"writer v{version}", lambda v=version: rec_ops.write_records("index", x, slots, dest,
+                                                                                      version=v, impl="triton")))
     for name, fn in runs:
         for _ in range(3):
             fn()  # type: ignore[operator]
