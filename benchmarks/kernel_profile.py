@@ -18,7 +18,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import IndexKeys, _block_slots, _index_queries, _pool, index_scores, rec_ops, sparse_attention
+from kernels import (
+    AttentionProblem,
+    IndexKeys,
+    _block_slots,
+    _index_queries,
+    _pool,
+    index_scores,
+    rec_ops,
+    sparse_attention,
+)
 
 
 def main() -> int:
@@ -33,17 +42,10 @@ def main() -> int:
     torch.manual_seed(0)
     runs: list[tuple[str, object]] = []
     if args.only in (None, "attention"):
-        n, heads, dim, topk, window = 64, 64, 512, 512, 128
-        main_kv = _pool("main", dim, 1 << 20, 32, dev, fill=True)
-        swa = _pool("swa", dim, n * window, window, dev, fill=True)
-        topk_slots = torch.randint(0, main_kv.num_slots, (n, topk), device=dev).int()
-        win_slots = (torch.arange(n, device=dev).unsqueeze(1) * window + torch.arange(window, device=dev)).int()
-        q = (torch.randn(n, heads, dim, device=dev) * 0.05).bfloat16()
-        sink = torch.randn(heads, device=dev)
-        ang = torch.rand(n, 32, device=dev)
-        out = torch.empty_like(q)
-        runs.append(("attention", lambda: sparse_attention(q, sink, main_kv, topk_slots, swa, win_slots, ang.cos(),
-                                                            ang.sin(), out=out, impl="triton")))
+        p = AttentionProblem.make(dev)
+        out = torch.empty_like(p.q)
+        runs.append(("attention", lambda: sparse_attention(p.q, p.sink, p.main, p.topk_slots, p.swa, p.win_slots,
+                                                            p.cos, p.sin, out=out, impl="triton")))
     if args.only in (None, "index"):
         n, ctx, entries = 64, 1 << 18, 64
         idx = _pool("index", 128, n * ctx, entries, dev, fill=True)

@@ -453,17 +453,38 @@ def record_writers(b: Bench) -> None:
     b.record("norm_rope_write_index_key", f"{groups} x 128 bf16", t, groups * (256 + 256 + 68 + 8))
 
 
+@dataclass
+class AttentionProblem:
+    """Decode attention inputs: batch `n`, the released 64 heads x 512 with top-512 + a 128-token
+    window (tiny shapes in smoke mode), records in a 1M-entry main pool and a window ring."""
+
+    main: PagedRecords
+    swa: PagedRecords
+    topk_slots: torch.Tensor
+    win_slots: torch.Tensor
+    q: torch.Tensor
+    sink: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def make(cls, dev: torch.device, smoke: bool = False) -> AttentionProblem:
+        n, heads, dim, topk, window = (4, 16, 512, 32, 16) if smoke else (64, 64, 512, 512, 128)
+        main = _pool("main", dim, 1 << (10 if smoke else 20), 32, dev, fill=True)  # 1M entries: 302 MB
+        swa = _pool("swa", dim, n * window, window, dev, fill=True)
+        topk_slots = torch.randint(0, main.num_slots, (n, topk), device=dev).int()
+        win_slots = (torch.arange(n, device=dev).unsqueeze(1) * window + torch.arange(window, device=dev)).int()
+        ang = torch.rand(n, 32, device=dev)
+        return cls(main, swa, topk_slots, win_slots, (torch.randn(n, heads, dim, device=dev) * 0.05).bfloat16(),
+                   torch.randn(heads, device=dev), ang.cos(), ang.sin())
+
+
 def decode_attention(b: Bench) -> None:
     dev = b.device
-    n, heads, dim, topk, window = (4, 16, 512, 32, 16) if b.smoke else (64, 64, 512, 512, 128)
-    main = _pool("main", dim, 1 << (10 if b.smoke else 20), 32, dev, fill=True)  # 1M entries: 302 MB
-    swa = _pool("swa", dim, n * window, window, dev, fill=True)
-    topk_slots = torch.randint(0, main.num_slots, (n, topk), device=dev).int()
-    win_slots = (torch.arange(n, device=dev).unsqueeze(1) * window + torch.arange(window, device=dev)).int()
-    q = (torch.randn(n, heads, dim, device=dev) * 0.05).bfloat16()
-    sink = torch.randn(heads, device=dev)
-    ang = torch.rand(n, 32, device=dev)
-    cos, sin = ang.cos(), ang.sin()
+    prob = AttentionProblem.make(dev, b.smoke)
+    main, swa, topk_slots, win_slots = prob.main, prob.swa, prob.topk_slots, prob.win_slots
+    q, sink, cos, sin = prob.q, prob.sink, prob.cos, prob.sin
+    (n, heads, dim), topk, window = q.shape, topk_slots.shape[1], win_slots.shape[1]
     out = torch.empty_like(q)
     keys = topk + window
     must_read = n * (topk * 288 + window * 528) + 2 * q.numel() * 2 + n * keys * 4
