@@ -192,8 +192,8 @@ def _index_scores_kernel(
                 first + tile + 1, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride,
                 max_blocks, num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T,
                 LIST_MODE)
-        else:  # written out, not `_tile_records`: through the call, byte loads of the records (v3's
-            # codes) lose their 4-byte vectors (sm_90 SASS, Triton 3.6; v4's word loads keep theirs)
+        else:  # written out, not `_tile_records`: through the call Triton 3.6 neither pipelines nor
+            # vectorises v3's record loads (sm_90 SASS per tile: 68 LDG.U8 instead of 34 LDGSTS)
             t = (first + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
             t_ok = t < num_entries
             if LIST_MODE:
