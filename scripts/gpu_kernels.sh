@@ -8,9 +8,12 @@
 #     QUICK=1 ATTN_SDPA=1 bash scripts/gpu_kernels.sh  # + dense torch SDPA at 32K/64K/128K (~5 s more)
 #
 # Both parts together stay under 10 minutes (tests are cut at 200 s, the benchmark at 380 s);
-# QUICK=1 under 6 (130 s + 200 s): the writers (v5 beside v4 / v3), attention (split-KV rows
-# beside the one-program rows; ATTN_SDPA=1, read by benchmarks/kernels.py, adds SDPA), the index
-# scan (v5 beside v4 / v3, launch sweep) and the decode-step curve at 4K / 64K / 1M (both scans).
+# QUICK=1 under 6 (130 s + 200 s; about 60 s + 60 s on an idle H200): the writers (v5 beside v4 /
+# v3), attention (split-KV rows beside the one-program rows, the default and the key split
+# interleaved 4 times; ATTN_SDPA=1, read by benchmarks/kernels.py, adds SDPA), the decode-step
+# curve at 4K / 64K / 1M for the default scan and the run-11 one (each also as one CUDA graph),
+# and the index scan's launch variants in 3 interleaved rounds. Every section logs nvidia-smi state.
+# For a profiler: benchmarks/kernel_profile.py (see its docstring for the ncu command).
 # Outputs in $OUT: env.txt, gpu-tests.log, gpu-tests.xml (junit), kernels-h200.json, benchmark.log.
 # Needs torch (CUDA build) and triton; the project need not be installed: a symlink tree puts
 # `cedserve.*` on PYTHONPATH as scripts/typecheck.sh does. pytest is needed for the tests; on a
