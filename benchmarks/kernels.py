@@ -86,7 +86,13 @@ from cedserve.kernels.indexer import (  # noqa: E402
     index_topk,
     index_topk_reference,
 )
-from cedserve.kernels.moe import ExpertWeights, MoeConfig, moe_experts, moe_experts_reference  # noqa: E402
+from cedserve.kernels.moe import (  # noqa: E402
+    ExpertWeights,
+    MoeConfig,
+    moe_experts,
+    moe_experts_reference,
+    word_decode,
+)
 from cedserve.kernels.paged import PagedRecords  # noqa: E402
 from cedserve.kernels.reference import fake_quant_fp4  # noqa: E402
 from cedserve.kernels.sparse_attention import (  # noqa: E402
@@ -367,11 +373,12 @@ def correctness(b: Bench) -> None:
     ids = torch.rand(tokens, experts, device=dev).topk(min(6, experts), dim=-1).indices
     rw = torch.rand(tokens, ids.shape[1], device=dev)
     w13, w2 = _fp4_experts(experts, 2 * inter, hidden, dev), _fp4_experts(experts, hidden, inter, dev)
-    got = moe_experts(x, ids, rw, w13, w2, swiglu_limit=10.0, impl="triton")
     want = moe_experts_reference(x, ids, rw, w13, w2, swiglu_limit=10.0)
-    err = (got.float() - want.float()).abs()
-    ok = bool((err <= 1e-2 * want.float().abs().max() + 1e-2 * want.float().abs()).all())
-    b.check(f"moe_experts fp4 {tokens}x{hidden} E={experts}", ok, f"max err {err.max().item():.3g}")
+    for label, cfg in (("", None), (" words", MoeConfig(words=True))):
+        got = moe_experts(x, ids, rw, w13, w2, swiglu_limit=10.0, config=cfg, impl="triton")
+        err = (got.float() - want.float()).abs()
+        ok = bool((err <= 1e-2 * want.float().abs().max() + 1e-2 * want.float().abs()).all())
+        b.check(f"moe_experts fp4{label} {tokens}x{hidden} E={experts}", ok, f"max err {err.max().item():.3g}")
 
 
 def _fp4_experts(experts: int, out: int, inp: int, device: torch.device) -> ExpertWeights:
@@ -726,9 +733,11 @@ def moe(b: Bench) -> None:
         fp4_bytes = active * (w13.nbytes + w2.nbytes) // experts + act_bytes
         bf_bytes = active * (bf13.nbytes + bf2.nbytes) // experts + act_bytes
         shape = f"{tokens} tok x top{top_k} / E={experts} ({active} active)"
-        configs = [MoeConfig()] + ([] if b.smoke else [MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
-                                                       for bm, bn, bk, nw in ((16, 64, 256, 4), (16, 128, 128, 4),
-                                                                              (64, 128, 64, 4), (128, 128, 64, 8))])
+        # the default, the word decode (`MoeConfig.words`) at the default tiles, then a tile sweep of both
+        configs = [MoeConfig(), MoeConfig(words=True)] + ([] if b.smoke else [
+            MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, words=words)
+            for words in (False, True)
+            for bm, bn, bk, nw in ((16, 64, 256, 4), (16, 128, 128, 4), (64, 128, 64, 4), (128, 128, 64, 8))])
         for cfg in configs:
             if b.late and cfg is not configs[0]:
                 break
@@ -740,7 +749,8 @@ def moe(b: Bench) -> None:
                 continue
             r = cfg.resolve(tokens * top_k, experts)
             b.record("moe_experts triton fp4", shape, t, fp4_bytes, flops,
-                     f"m{r.block_m} n{r.block_n} k{r.block_k} w{r.num_warps} st{r.num_stages}")
+                     f"m{r.block_m} n{r.block_n} k{r.block_k} w{r.num_warps} st{r.num_stages}"
+                     + (" words" if word_decode(r, w13, w2) else ""))
         t = b.time_s(partial(moe_experts, x, ids, rw, bf13, bf2, swiglu_limit=10.0, impl="triton"))
         b.record("moe_experts triton bf16", shape, t, bf_bytes, flops)
         try:
@@ -770,6 +780,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--quick", action="store_true",
                         help="time only the kernels changed in this round (no readers, SDPA, MoE timings)")
+    parser.add_argument("--sections", default="",
+                        help="comma-separated subset to run (copy, correctness, writers, attention, step, moe); "
+                             "default: all (MoE not with --quick)")
     parser.add_argument("--sdpa", action="store_true", default=os.environ.get("ATTN_SDPA", "0") == "1",
                         help="time dense torch SDPA at 32K/64K/128K even with --quick (default: env ATTN_SDPA=1)")
     args = parser.parse_args()
@@ -782,13 +795,20 @@ def main() -> int:
     torch.manual_seed(0)
     b = Bench(device, args.smoke, args.quick, args.sdpa)
     print(f"kernels benchmark on {machine(device)}; torch {torch.__version__}, triton {triton.__version__}")
-    b.section("HBM copy bandwidth", lambda: copy_bandwidth(b))
-    b.section("correctness at realistic shapes", lambda: correctness(b))
-    b.section("record writers, readers, compressor", lambda: record_writers(b))
-    b.section("sparse decode attention vs dense SDPA", lambda: decode_attention(b))
-    b.section("decode step: indexer + attention, 4K..1M", lambda: decode_step_curve(b))
-    if not args.quick:
-        b.section("MoE experts", lambda: moe(b))
+    chosen = {name.strip() for name in args.sections.split(",") if name.strip()}
+    sections: list[tuple[str, str, Callable[[], None]]] = [
+        ("copy", "HBM copy bandwidth", lambda: copy_bandwidth(b)),
+        ("correctness", "correctness at realistic shapes", lambda: correctness(b)),
+        ("writers", "record writers, readers, compressor", lambda: record_writers(b)),
+        ("attention", "sparse decode attention vs dense SDPA", lambda: decode_attention(b)),
+        ("step", "decode step: indexer + attention, 4K..1M", lambda: decode_step_curve(b)),
+        ("moe", "MoE experts", lambda: moe(b))]
+    unknown = chosen - {key for key, _, _ in sections}
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    for key, title, fn in sections:
+        if (key in chosen or key == "copy") if chosen else (key != "moe" or not args.quick):
+            b.section(title, fn)  # copy always: every bandwidth figure is a fraction of it
     failed = [c.name for c in b.checks if not c.passed]
     report = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -797,6 +817,7 @@ def main() -> int:
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
         "smoke": args.smoke,
         "quick": args.quick,
+        "sections": sorted(chosen) or "all",
         "sdpa": args.sdpa,
         "copy_gbps": b.copy_gbps,
         "checks": [asdict(c) for c in b.checks],
