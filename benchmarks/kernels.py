@@ -86,13 +86,7 @@ from cedserve.kernels.indexer import (  # noqa: E402
     index_topk,
     index_topk_reference,
 )
-from cedserve.kernels.moe import (  # noqa: E402
-    ExpertWeights,
-    MoeConfig,
-    moe_experts,
-    moe_experts_reference,
-    word_decode,
-)
+from cedserve.kernels.moe import ExpertWeights, MoeConfig, moe_experts, moe_experts_reference  # noqa: E402
 from cedserve.kernels.paged import PagedRecords  # noqa: E402
 from cedserve.kernels.reference import fake_quant_fp4  # noqa: E402
 from cedserve.kernels.sparse_attention import (  # noqa: E402
@@ -373,12 +367,11 @@ def correctness(b: Bench) -> None:
     ids = torch.rand(tokens, experts, device=dev).topk(min(6, experts), dim=-1).indices
     rw = torch.rand(tokens, ids.shape[1], device=dev)
     w13, w2 = _fp4_experts(experts, 2 * inter, hidden, dev), _fp4_experts(experts, hidden, inter, dev)
+    got = moe_experts(x, ids, rw, w13, w2, swiglu_limit=10.0, impl="triton")
     want = moe_experts_reference(x, ids, rw, w13, w2, swiglu_limit=10.0)
-    for label, cfg in (("", None), (" words", MoeConfig(words=True))):
-        got = moe_experts(x, ids, rw, w13, w2, swiglu_limit=10.0, config=cfg, impl="triton")
-        err = (got.float() - want.float()).abs()
-        ok = bool((err <= 1e-2 * want.float().abs().max() + 1e-2 * want.float().abs()).all())
-        b.check(f"moe_experts fp4{label} {tokens}x{hidden} E={experts}", ok, f"max err {err.max().item():.3g}")
+    err = (got.float() - want.float()).abs()
+    ok = bool((err <= 1e-2 * want.float().abs().max() + 1e-2 * want.float().abs()).all())
+    b.check(f"moe_experts fp4 {tokens}x{hidden} E={experts}", ok, f"max err {err.max().item():.3g}")
 
 
 def _fp4_experts(experts: int, out: int, inp: int, device: torch.device) -> ExpertWeights:
@@ -733,11 +726,9 @@ def moe(b: Bench) -> None:
         fp4_bytes = active * (w13.nbytes + w2.nbytes) // experts + act_bytes
         bf_bytes = active * (bf13.nbytes + bf2.nbytes) // experts + act_bytes
         shape = f"{tokens} tok x top{top_k} / E={experts} ({active} active)"
-        # the default, the word decode (`MoeConfig.words`) at the default tiles, then a tile sweep of both
-        configs = [MoeConfig(), MoeConfig(words=True)] + ([] if b.smoke else [
-            MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, words=words)
-            for words in (False, True)
-            for bm, bn, bk, nw in ((16, 64, 256, 4), (16, 128, 128, 4), (64, 128, 64, 4), (128, 128, 64, 8))])
+        configs = [MoeConfig()] + ([] if b.smoke else [MoeConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
+                                                       for bm, bn, bk, nw in ((16, 64, 256, 4), (16, 128, 128, 4),
+                                                                              (64, 128, 64, 4), (128, 128, 64, 8))])
         for cfg in configs:
             if b.late and cfg is not configs[0]:
                 break
@@ -749,8 +740,7 @@ def moe(b: Bench) -> None:
                 continue
             r = cfg.resolve(tokens * top_k, experts)
             b.record("moe_experts triton fp4", shape, t, fp4_bytes, flops,
-                     f"m{r.block_m} n{r.block_n} k{r.block_k} w{r.num_warps} st{r.num_stages}"
-                     + (" words" if word_decode(r, w13, w2) else ""))
+                     f"m{r.block_m} n{r.block_n} k{r.block_k} w{r.num_warps} st{r.num_stages}")
         t = b.time_s(partial(moe_experts, x, ids, rw, bf13, bf2, swiglu_limit=10.0, impl="triton"))
         b.record("moe_experts triton bf16", shape, t, bf_bytes, flops)
         try:

@@ -106,16 +106,13 @@ class MoeConfig:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    words: bool | None = None
-    """FP4 weights decoded a 32-bit word at a time (the index scan's v4 decode, `_moe_kernels`)
-    where `block_k` divides both widths; default off until an H200 run decides (kernels-notes.md)."""
 
     def resolve(self, pairs: int, num_experts: int) -> MoeConfig:
         rows_per_expert = pairs / max(num_experts, 1)
         block_m = self.block_m or (16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64)
         block_n = self.block_n or (64 if block_m <= 32 else 128)
         block_k = self.block_k or 128
-        return MoeConfig(block_m, block_n, block_k, self.num_warps or 4, self.num_stages or 2, bool(self.words))
+        return MoeConfig(block_m, block_n, block_k, self.num_warps or 4, self.num_stages or 2)
 
 
 def _swiglu(gate_up: Tensor, inter: int, limit: float) -> Tensor:
@@ -228,15 +225,6 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWe
     return per_pair.float().sum(1).to(x.dtype)
 
 
-def word_decode(cfg: MoeConfig, w13: ExpertWeights, w2: ExpertWeights) -> bool:
-    """Whether the Triton path decodes the FP4 weights a word at a time for `cfg`: asked for, and
-    whole `block_k` tiles of input channels (scale blocks of 32 inside them) in 4-byte weight rows."""
-    if not (cfg.words and w13.fp4 and w2.fp4 and cfg.block_k and cfg.block_k % 32 == 0):
-        return False
-    return (w13.in_features % cfg.block_k == 0 and w2.in_features % cfg.block_k == 0
-            and all(w.weight.stride(1) % 4 == 0 and w.weight.data_ptr() % 4 == 0 for w in (w13, w2)))
-
-
 def moe_experts_per_pair(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: ExpertWeights, w2: ExpertWeights,
                          *, swiglu_limit: float, out: Tensor | None = None, config: MoeConfig | None = None,
                          impl: MoeImpl = "auto") -> Tensor:
@@ -270,20 +258,18 @@ def moe_experts_per_pair(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13:
     s13 = w13.scale if w13.scale is not None else w13.weight
     s2 = w2.scale if w2.scale is not None else w2.weight
     dot_f32 = interpreting()
-    words = word_decode(cfg, w13, w2)
     k._moe_gate_up_kernel[(tiles, cdiv(inter, cfg.block_n))](
         x, x.stride(0), plan.block_expert, plan.padded_pair, route_w,
         w13.weight, w13.weight.stride(0), w13.weight.stride(1), s13, s13.stride(0), s13.stride(1),
         h, h.stride(0), hidden, inter, float(swiglu_limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP4=w13.fp4,
-        HAS_LIMIT=swiglu_limit > 0, DOT_F32=dot_f32, WORDS=words, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        HAS_LIMIT=swiglu_limit > 0, DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     k._moe_down_kernel[(tiles, cdiv(hidden, cfg.block_n))](
         h, h.stride(0), plan.block_expert, plan.padded_pair,
         w2.weight, w2.weight.stride(0), w2.weight.stride(1), s2, s2.stride(0), s2.stride(1),
         per_pair, per_pair.stride(0), hidden, inter,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP4=w2.fp4, DOT_F32=dot_f32, WORDS=words,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP4=w2.fp4, DOT_F32=dot_f32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -19,7 +19,6 @@ from cedserve.kernels.moe import (
     moe_experts,
     moe_experts_per_pair,
     moe_experts_reference,
-    word_decode,
 )
 from cedserve.kernels.weight_formats import quantize_fp4_weight
 
@@ -69,25 +68,6 @@ def test_triton_matches_reference(fp4: bool, gen: torch.Generator, device: torch
     _check(moe_experts(x, ids, weights, w13, w2, swiglu_limit=1.0, impl="triton", config=config), ref)
 
 
-def test_word_decode_matches_reference(gen: torch.Generator, device: torch.device) -> None:
-    # FP4 weights decoded a 32-bit word at a time: 192 hidden = 3 tiles of 64, 128 intermediate =
-    # 2 tiles of 64 (the word path needs whole tiles); 23 tokens x 3 experts over 6 experts
-    experts, hidden, inter, tokens, top_k = 6, 192, 128, 23, 3
-    x = torch.randn(tokens, hidden, generator=gen, device=device).bfloat16() * 2
-    ids, weights = _routing(tokens, experts, top_k, gen, device)
-    w13 = _weights(experts, 2 * inter, hidden, True, gen, device)
-    w2 = _weights(experts, hidden, inter, True, gen, device)
-    config = MoeConfig(block_m=16, block_n=64, block_k=64, words=True)
-    assert word_decode(config.resolve(tokens * top_k, experts), w13, w2)
-    per_pair = torch.full((tokens, top_k, hidden), float("nan"), dtype=torch.bfloat16, device=device)
-    moe_experts_per_pair(x, ids, weights, w13, w2, swiglu_limit=1.0, out=per_pair, impl="triton", config=config)
-    _check(per_pair, moe_experts_per_pair(x, ids, weights, w13, w2, swiglu_limit=1.0, impl="torch"))
-    # ragged widths keep the byte decode
-    ragged = _weights(experts, 2 * 96, hidden, True, gen, device), _weights(experts, hidden, 96, True, gen, device)
-    assert not word_decode(config.resolve(tokens * top_k, experts), *ragged)
-    assert not word_decode(MoeConfig(block_k=64).resolve(tokens * top_k, experts), w13, w2)
-
-
 def test_no_clamp_and_one_token(gen: torch.Generator, device: torch.device) -> None:
     experts, hidden, inter = 3, 64, 64
     x = torch.randn(1, hidden, generator=gen, device=device).bfloat16()
@@ -129,8 +109,5 @@ def test_gpu_realistic(tokens: int, gen: torch.Generator, device: torch.device) 
         w2 = _weights(experts, hidden, inter, fp4, gen, device)
         ref = moe_experts_reference(x, ids, weights, w13, w2, swiglu_limit=10.0)
         _check(moe_experts(x, ids, weights, w13, w2, swiglu_limit=10.0, impl="triton"), ref)
-        if fp4:  # the word decode at the released intermediate width
-            _check(moe_experts(x, ids, weights, w13, w2, swiglu_limit=10.0, impl="triton",
-                               config=MoeConfig(words=True)), ref)
         if not fp4:
             _check(moe_experts(x, ids, weights, w13, w2, swiglu_limit=10.0, impl="grouped_mm"), ref)
