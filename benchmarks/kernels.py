@@ -4,6 +4,7 @@ bandwidth against the HBM copy bandwidth measured in the same run, and FLOP rate
     python benchmarks/kernels.py                        # H200: table + docs/benchmarks/kernels-h200.json
     python benchmarks/kernels.py --out /tmp/k.json
     TRITON_INTERPRET=1 python benchmarks/kernels.py --smoke --out /tmp/k.json   # CPU: tiny shapes, code paths only
+    python benchmarks/kernels.py --sections correctness,moe --out /tmp/moe.json   # a subset (copy always runs)
 
 Needs only torch and triton (the `cedserve.kernels` package is found through a symlink tree if the
 project is not installed). Sections, each wrapped so one failure does not stop the others:
