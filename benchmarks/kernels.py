@@ -610,15 +610,14 @@ def decode_step_curve(b: Bench) -> None:
             visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
             keys_m1 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
             keys_m2 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible // 2)
-            cand = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                                    config=cfg, impl="triton"))
-            full2 = b.time_s(partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=cfg,
-                                     impl="triton"))
-            pool = index_topk(qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                              impl="triton").candidates
+            cand_call = partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                                config=cfg, impl="triton")
+            full_call = partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=cfg, impl="triton")
+            pool = cand_call().candidates
             assert pool is not None
-            reindex = b.time_s(partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool,
-                                       config=cfg, impl="triton"))
+            reindex_call = partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool, config=cfg,
+                                   impl="triton")
+            cand, full2, reindex = b.time_s(cand_call), b.time_s(full_call), b.time_s(reindex_call)
             b.record(f"index_topk candidate (m=1){label}", f"{n} tok x ctx {ctx}", cand, n * ctx * 68,
                      4.0 * n * 32 * 128 * ctx)
             b.record(f"index_topk full (m=2){label}", f"{n} tok x ctx {ctx}", full2, n * ctx // 2 * 68)
@@ -628,26 +627,7 @@ def decode_step_curve(b: Bench) -> None:
             step = 40 * attn + cand + 3 * full2 + 4 * reindex
             # the same 8 index calls as one CUDA graph (as a serving step would replay them): GPU
             # time without the host's launch gaps, which dominate the short contexts
-            graph_s = float("nan")
-            if dev.type == "cuda":
-                try:
-                    calls = [partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                                     config=cfg, impl="triton")]
-                    calls += 3 * [partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=cfg,
-                                          impl="triton")]
-                    calls += 4 * [partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool,
-                                          config=cfg, impl="triton")]
-                    for c in calls:  # compile and warm outside the capture
-                        c()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        for c in calls:
-                            c()
-                    graph_s = b.time_s(graph.replay)
-                    del graph
-                except Exception as exc:  # a capture failure is reported, not fatal
-                    print(f"  ctx {ctx}{label}: CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:160]}")
+            graph_s = _graph_time_s(b, [cand_call] + 3 * [full_call] + 4 * [reindex_call], f"ctx {ctx}{label}")
             steps[str(ctx)] = {"step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
                                "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
                                "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6,
@@ -669,6 +649,24 @@ def decode_step_curve(b: Bench) -> None:
             b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}{label}", layer, "<= 1.5",
                      layer <= 1.5)
     index_scan_sweep(b, idx, table, qi, wi, max_ctx)
+
+
+def _graph_time_s(b: Bench, calls: list[Callable[[], object]], what: str) -> float:
+    """Seconds per replay of `calls` captured as one CUDA graph (NaN off the GPU or when capture fails)."""
+    if b.device.type != "cuda":
+        return float("nan")
+    try:
+        for c in calls:  # compile and warm outside the capture
+            c()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        return b.time_s(graph.replay)
+    except Exception as exc:  # a capture failure is reported, not fatal
+        print(f"  {what}: CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:160]}")
+        return float("nan")
 
 
 def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor,
