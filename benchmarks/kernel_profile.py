@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import (
+    AttentionConfig,
     AttentionProblem,
     IndexKeys,
     _block_slots,
@@ -34,6 +35,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
+    parser.add_argument("--attention", default="default",
+                        help="attention launch: default, gluon (v11) or keysplit (Triton, keys in 2, whole value rows)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -44,8 +47,10 @@ def main() -> int:
     if args.only in (None, "attention"):
         p = AttentionProblem.make(dev)
         out = torch.empty_like(p.q)
+        cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"),
+               "keysplit": AttentionConfig(64, 32, 2, 8, 1, 1, False)}[args.attention]
         runs.append(("attention", lambda: sparse_attention(p.q, p.sink, p.main, p.topk_slots, p.swa, p.win_slots,
-                                                            p.cos, p.sin, out=out, impl="triton")))
+                                                            p.cos, p.sin, out=out, config=cfg, impl="triton")))
     if args.only in (None, "index"):
         n, ctx, entries = 64, 1 << 18, 64
         idx = _pool("index", 128, n * ctx, entries, dev, fill=True)

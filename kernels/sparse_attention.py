@@ -79,6 +79,11 @@ class AttentionConfig:
     hw_cvt: bool | None = None
     """Decode keys with the GPU's fp8 -> fp16 conversions (sm89+; default there) instead of integer
     and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
+    kernel: str | None = None
+    """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v11,
+    `_sparse_attention_gluon.py`: Hopper warpgroup MMAs with our own shared-memory layout; sm_90,
+    64 heads, head_dim 512, 16-byte aligned records, always split-KV partials + the combine pass).
+    The other fields except `num_splits` are fixed for "gluon" (64 heads, 64-key tiles, 8 warps)."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -86,6 +91,12 @@ class AttentionConfig:
         registers a thread at 8 warps, which spills once the decoded tile is added; two value halves
         (`dv_split=2`) fit without spills and give batch 64 its 128 programs."""
         gpu = device.type == "cuda" and not interpreting()
+        kernel = self.kernel or "triton"
+        if kernel not in ("triton", "gluon"):
+            raise ValueError(f"sparse_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
+        if kernel == "gluon":
+            num_splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), cdiv(keys, 256)))
+            return AttentionConfig(64, 64, num_splits, 8, 1, 1, False, True, "gluon")
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -100,7 +111,7 @@ class AttentionConfig:
         num_stages = self.num_stages or (2 if gpu else 1)
         prefetch = False if self.prefetch is None else self.prefetch
         hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)
-        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, dv_split, prefetch, hw_cvt)
+        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, dv_split, prefetch, hw_cvt, "triton")
 
 
 def _rotate_back(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -240,9 +251,54 @@ class _Launch:
     out: Tensor
     scale: float
 
+    def gluon_unsupported(self) -> str | None:
+        """Why the Gluon kernel (v11) cannot take this call, or None."""
+        q = self.q
+        if q.device.type != "cuda" or interpreting():
+            return "it needs a CUDA device (the interpreter cannot run Gluon)"
+        if torch.cuda.get_device_capability(q.device) != (9, 0):
+            return f"it needs sm_90 (Hopper warpgroup MMAs), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+        if q.shape[1] != 64 or q.shape[2] != 512:
+            return f"it takes 64 heads x 512 channels, got {q.shape[1]} x {q.shape[2]}"
+        if q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or q.data_ptr() % 16:
+            return "q must have 16-byte aligned rows of contiguous channels"
+        if self.main.alignment < 16 or self.swa.alignment < 16:
+            return "records must be 16-byte aligned"
+        return None
+
+    def run_gluon(self, cfg: AttentionConfig) -> None:
+        from cedserve.kernels import _sparse_attention_gluon as g
+        from cedserve.kernels import _sparse_attention_kernels as k
+
+        why = self.gluon_unsupported()
+        if why is not None:
+            raise ValueError(f"sparse_attention: the gluon kernel cannot run here: {why}")
+        q, out, main, swa = self.q, self.out, self.main, self.swa
+        tokens, heads, dim = q.shape
+        splits = cfg.num_splits or 1
+        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
+        g._gl_sparse_attention_kernel[(tokens, splits)](
+            q, q.stride(0), q.stride(1),
+            main.storage, self.topk, self.topk.stride(0), self.num_topk,
+            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
+            swa.storage, self.win, self.win.stride(0), self.num_win,
+            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
+            part_acc, part_ml, self.scale * math.log2(math.e),
+            H=heads, D=dim, BLOCK_N=64, SUB=32, NUM_SPLITS=splits, num_warps=8,
+        )
+        k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
+            part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
+            out.stride(1), heads,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=16, NUM_SPLITS=splits, num_warps=4,
+        )
+
     def run(self, cfg: AttentionConfig) -> None:
         from cedserve.kernels import _sparse_attention_kernels as k
 
+        if cfg.kernel == "gluon":
+            self.run_gluon(cfg)
+            return
         assert cfg.block_h and cfg.block_n and cfg.num_splits and cfg.num_warps and cfg.num_stages
         q, out, main, swa = self.q, self.out, self.main, self.swa
         tokens, heads, dim = q.shape

@@ -64,7 +64,8 @@ def _check(out: Tensor, ref: Tensor) -> None:
 def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, splits: int | None,
           block_n: int | None, gen: torch.Generator, device: torch.device, use_main: bool = True,
           use_swa: bool = True, block_h: int | None = None, dv_split: int | None = None,
-          prefetch: bool | None = None, num_warps: int | None = None, num_stages: int | None = None) -> None:
+          prefetch: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
+          kernel: str | None = None, slot_dtype: torch.dtype = torch.int32) -> None:
     main = _records("main", 3 * topk + 5, dim, gen, device) if use_main else None
     swa = _records("swa", 2 * window + 3, dim, gen, device) if use_swa else None
     # lengths: full, empty, partial (a request shorter than top-k, a window not yet full)
@@ -72,8 +73,8 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     lengths_k[0], lengths_k[-1] = topk, 0
     lengths_w = torch.randint(1, window + 1, (tokens,), generator=gen, device=device)
     lengths_w[0] = window
-    topk_slots = _slot_lists(tokens, topk, main.num_slots, gen, device, lengths_k) if main else None
-    win_slots = _slot_lists(tokens, window, swa.num_slots, gen, device, lengths_w) if swa else None
+    topk_slots = _slot_lists(tokens, topk, main.num_slots, gen, device, lengths_k).to(slot_dtype) if main else None
+    win_slots = _slot_lists(tokens, window, swa.num_slots, gen, device, lengths_w).to(slot_dtype) if swa else None
     if win_slots is not None and tokens > 2:
         win_slots[-1] = -1  # one token with no key at all but (maybe) the window: sink only
         if topk_slots is not None:
@@ -83,7 +84,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     cos, sin = _rope_tables(tokens, rope // 2, gen, device)
     out = torch.full_like(q, float("nan"))
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, kernel=kernel)
     sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=config, impl="triton")
     _check(out, sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin))
 
@@ -180,3 +181,32 @@ def test_gpu_decode_released_shapes(splits: int | None, dv_split: int | None, pr
     # halves at 4 warps (two programs per SM)
     _case(tokens=64, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=block_n, gen=gen,
           device=device, dv_split=dv_split, prefetch=prefetch, num_warps=num_warps)
+
+
+def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: torch.device) -> None:
+    # the Gluon kernel (v11) runs on sm_90 at 64 heads x 512 only; asked for elsewhere it says why
+    main, swa = _records("main", 8, 128, gen, device), _records("swa", 8, 128, gen, device)
+    q = torch.zeros(2, 4, 128, device=device, dtype=torch.bfloat16)
+    slots = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    cos = sin = torch.zeros(2, 8, device=device)
+    reason = "CUDA device" if device.type != "cuda" else "(sm_90|64 heads)"
+    with pytest.raises(ValueError, match=f"gluon kernel cannot run here: .*{reason}"):
+        sparse_attention(q, torch.zeros(4, device=device), main, slots, swa, slots, cos, sin,
+                         config=AttentionConfig(kernel="gluon"), impl="triton")
+    with pytest.raises(ValueError, match="kernel must be"):
+        AttentionConfig(kernel="cuda").resolve(2, 4, 4, device, 128)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel needs sm_90")
+@pytest.mark.parametrize(("tokens", "splits", "use_main", "use_swa", "slot_dtype"),
+                         [(64, None, True, True, torch.int32), (5, 1, True, True, torch.int64),
+                          (7, 3, True, True, torch.int32), (9, 4, True, False, torch.int32),
+                          (3, 2, False, True, torch.int32), (33, 7, True, True, torch.int32)])
+def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
+                          gen: torch.Generator, device: torch.device) -> None:
+    # v11 (kernels-notes.md) at the released shape: ragged top-k lengths, partial windows, a token
+    # with no key, one source only, more splits than some tokens have tiles (empty splits)
+    _case(tokens=tokens, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
+          device=device, use_main=use_main, use_swa=use_swa, kernel="gluon", slot_dtype=slot_dtype)

@@ -1,0 +1,239 @@
+"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (v11, `AttentionConfig(version=11)`).
+
+The same math as `_sparse_decode_attention_kernel` (read that module's docstring first: channel
+halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written in Gluon so that
+the layouts the Triton kernel could not choose are ours (kernels-notes.md, "Profile"):
+
+* one CTA of two warpgroups takes all 64 heads of a token (the MMAs' M) over a contiguous run of
+  that token's key tiles and writes split-KV partials, merged by `_combine_splits_kernel`;
+* each thread decodes 16 contiguous channels of a key (16 record bytes, one 16-byte load) and
+  stores them to shared memory as two 16-byte vectors in the NVMMA-swizzled layout that `wgmma`
+  reads (the Triton kernel staged decoded keys with 16-bit stores);
+* `S = Q . K^T` and `acc += P . K` are asynchronous warpgroup MMAs reading Q, K and P from shared
+  memory; K is double-buffered, so a tile's loads and decode overlap the previous tile's `P . K`;
+* the two warpgroups split the keys of `S` (32 each) and the value channels of `acc` (128 of each
+  256-channel half each: 128 fp32 registers per thread for the accumulators).
+
+Hopper only (sm_90, 8 warps, 64 heads, D = 512, 16-byte aligned records): `sparse_attention`
+falls back to the Triton kernel for anything else, and the CPU interpreter cannot run Gluon, so
+this kernel is tested on the GPU only (tests/kernels/test_sparse_attention.py, CUDA tier).
+"""
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _gl_slot_rows(slot_row_ptr, j, end, num_slots, offset, spb, slot_stride, block_stride):
+    """(int64 record byte offsets, valid) of the slots `slot_row_ptr[j]` for `j < end` (the
+    arithmetic of `_jit_codecs._slot_address`, in whatever layout `j` has)."""
+    slot = gl.load(slot_row_ptr + j, mask=j < end, other=-1)
+    valid = (slot >= 0) & (slot < num_slots) & (j < end)
+    slot = gl.where(valid, slot, 0).to(gl.int32)
+    block = slot // spb
+    entry = slot - block * spb
+    rec = offset + block.to(gl.int64) * block_stride + entry.to(gl.int64) * slot_stride
+    return gl.multiple_of(rec, 16), valid
+
+
+@gluon.jit
+def _gl_main_rows(main_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
+                  SUB: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr):
+    """Decode `SUB` main-KV records (FP4 pairs + E4M3 scales per 16 channels) of slots
+    `slot_row[j0:]` and store their even / odd channels (bf16 [SUB, D / 2]) to `k_lo_dst` /
+    `k_hi_dst`. A thread loads 16 contiguous code bytes (one 16-byte load) = 2 scale blocks."""
+    rows = j0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, LK))
+    rec, ok = _gl_slot_rows(slot_row, rows, end, num_slots, offset, spb, slot_stride, block_stride)
+    col = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LK))
+    codes = gl.load(main_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
+    codes = gl.convert_layout(gl.reshape(codes, [SUB, D // 16, 8]), L3)  # [key, scale block, byte]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    rec2 = gl.convert_layout(rec, gl.SliceLayout(1, L2))
+    ok2 = gl.convert_layout(ok, gl.SliceLayout(1, L2))
+    blk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, L2))
+    scales = gl.load(main_ptr + gl.expand_dims(rec2, 1) + D // 2 + gl.expand_dims(blk, 0),
+                     mask=gl.expand_dims(ok2, 1), other=0x38)  # [BLOCK_N, D / 16] E4M3 (1.0 where masked)
+    # E2M1 nibble `s e1 e0 m` -> E4M3 byte `s 0000 e1 e0 m 00` = value * 2**-6 (see the Triton kernel)
+    lo8 = ((codes & 7) << 2) | ((codes & 8) << 4)
+    hi8 = ((codes >> 2) & 0x1C) | (codes & 0x80)
+    scale = gl.expand_dims(scales.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0, 2)
+    lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
+    hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
+    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [SUB, D // 2]), LK))
+    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [SUB, D // 2]), LK))
+
+
+@gluon.jit
+def _gl_swa_rows(swa_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
+                 SUB: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr, L3S: gl.constexpr,
+                 LK: gl.constexpr):
+    """`_gl_main_rows` for SWA records (E4M3 bytes + UE8M0 scales per 32 channels). A thread
+    loads the 32 bytes of one scale block (two 16-byte loads)."""
+    rows = j0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, LS))
+    rec, ok = _gl_slot_rows(slot_row, rows, end, num_slots, offset, spb, slot_stride, block_stride)
+    col = gl.arange(0, D, layout=gl.SliceLayout(0, LS))
+    values = gl.load(swa_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
+    values = gl.convert_layout(gl.reshape(values, [SUB, D // 32, 16, 2]), L4)
+    lo8, hi8 = gl.split(values)  # even / odd channels [BLOCK_N, D / 32, 16]
+    lo8 = gl.convert_layout(lo8, L3S)
+    hi8 = gl.convert_layout(hi8, L3S)
+    L2: gl.constexpr = gl.SliceLayout(2, L3S)
+    rec2 = gl.convert_layout(rec, gl.SliceLayout(1, L2))
+    ok2 = gl.convert_layout(ok, gl.SliceLayout(1, L2))
+    blk = gl.arange(0, D // 32, layout=gl.SliceLayout(0, L2))
+    scales = gl.load(swa_ptr + gl.expand_dims(rec2, 1) + D + gl.expand_dims(blk, 0), mask=gl.expand_dims(ok2, 1),
+                     other=127)
+    scale = gl.expand_dims((scales.to(gl.int32) << 23).to(gl.float32, bitcast=True), 2)  # 2**(b - 127)
+    lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+    hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [SUB, D // 2]), LK))
+    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [SUB, D // 2]), LK))
+
+
+@gluon.jit
+def _gl_fill(t, main_tiles, k_lo, k_hi, main_ptr, topk_row, num_topk, main_num_slots, main_offset, main_spb,
+             main_slot_stride, main_block_stride, swa_ptr, win_row, num_win, swa_num_slots, swa_offset, swa_spb,
+             swa_slot_stride, swa_block_stride,
+             BLOCK_N: gl.constexpr, SUB: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LS: gl.constexpr,
+             L4: gl.constexpr, L3S: gl.constexpr, LK: gl.constexpr):
+    """Decode key tile `t` (main list tiles first, then the window's) into `k_lo` / `k_hi`."""
+    if t < main_tiles:  # (no main list: num_topk = 0; no window: every tile is main)
+        for h in gl.static_range(BLOCK_N // SUB):
+            _gl_main_rows(main_ptr, topk_row, t * BLOCK_N + h * SUB, num_topk, main_num_slots, main_offset,
+                          main_spb, main_slot_stride, main_block_stride, k_lo.slice(h * SUB, SUB),
+                          k_hi.slice(h * SUB, SUB), SUB, D, L3, LK)
+    else:
+        for h in gl.static_range(BLOCK_N // SUB):
+            _gl_swa_rows(swa_ptr, win_row, (t - main_tiles) * BLOCK_N + h * SUB, num_win, swa_num_slots, swa_offset,
+                         swa_spb, swa_slot_stride, swa_block_stride, k_lo.slice(h * SUB, SUB),
+                         k_hi.slice(h * SUB, SUB), SUB, D, LS, L4, L3S, LK)
+
+
+@gluon.jit
+def _gl_sparse_attention_kernel(
+    q_ptr, q_stride_n, q_stride_h,
+    main_ptr, topk_ptr, topk_stride, num_topk,
+    main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
+    swa_ptr, win_ptr, win_stride, num_win,
+    swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
+    part_acc_ptr, part_ml_ptr, sm_scale_log2,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr, NUM_SPLITS: gl.constexpr,
+):
+    """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
+    tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
+    natural channel order) and `part_ml [N, NUM_SPLITS, H, 2]` (base-2 max, sum), no sink."""
+    HALF: gl.constexpr = D // 2
+    # layouts (8 warps): record loads, decoded keys, and the two MMAs (warps [4, 2]: the second
+    # warpgroup takes the upper half of S's keys and of each accumulator's channels)
+    L3: gl.constexpr = gl.BlockedLayout([1, 2, 8], [2, 16, 1], [8, 1, 1], [2, 1, 0])
+    LS: gl.constexpr = gl.BlockedLayout([1, 32], [2, 16], [8, 1], [1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [2, 16, 1, 1], [8, 1, 1, 1], [3, 2, 1, 0])
+    L3S: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [8, 1, 1], [2, 1, 0])
+    LK: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0])
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    LQ3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, BLOCK_N // 2, 16])
+    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
+    SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+    SH_Q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, HALF], gl.bfloat16)
+    SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
+
+    n = gl.program_id(0)
+    split = gl.program_id(1)
+
+    # Q -> shared memory as its even / odd channel halves
+    hq = gl.arange(0, H, layout=gl.SliceLayout(1, LQ))
+    cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+    q = gl.load(q_ptr + n.to(gl.int64) * q_stride_n + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
+                + gl.expand_dims(cq, 0))
+    q_lo, q_hi = gl.split(gl.convert_layout(gl.reshape(q, [H, HALF, 2]), LQ3))
+    q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
+    q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, HALF], SH_K)  # (buffer, half) pairs
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], SH_P)
+
+    acc_lo = gl.zeros([H, HALF], gl.float32, layout=MMA_O)
+    acc_hi = gl.zeros([H, HALF], gl.float32, layout=MMA_O)
+    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=MMA_S)
+    m_i = gl.full([H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, MMA_S))
+    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, MMA_S))
+
+    main_tiles = gl.cdiv(num_topk, BLOCK_N)
+    total_tiles = main_tiles + gl.cdiv(num_win, BLOCK_N)
+    t0 = split * total_tiles // NUM_SPLITS
+    t1 = (split + 1) * total_tiles // NUM_SPLITS
+    topk_row = topk_ptr + n.to(gl.int64) * topk_stride
+    win_row = win_ptr + n.to(gl.int64) * win_stride
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # rotated pipeline: tile t + 1 is loaded and decoded into the other buffer while tile t's
+    # P . K runs, and that MMA is waited for inside the same iteration. An asynchronous MMA left
+    # in flight across the loop's back edge makes ptxas serialise every wgmma of the kernel
+    # (C7515, "non wgmma instructions defining accumulator registers"): 40 waits instead of 5.
+    if t0 < t1:
+        _gl_fill(t0, main_tiles, k_s.index(0), k_s.index(1), main_ptr, topk_row, num_topk, main_num_slots,
+                 main_offset, main_spb, main_slot_stride, main_block_stride, swa_ptr, win_row, num_win,
+                 swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
+                 BLOCK_N, SUB, D, L3, LS, L4, L3S, LK)
+        fence_async_shared()
+        gl.thread_barrier()
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA_S))
+    for t in range(t0, t1):
+        buf = (t - t0) % 2
+        k_lo = k_s.index(2 * buf)
+        k_hi = k_s.index(2 * buf + 1)
+        s = warpgroup_mma(q_lo_s, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_hi_s, k_hi.permute((1, 0)), s, is_async=True)
+        if t < main_tiles:
+            _, ok = _gl_slot_rows(topk_row, t * BLOCK_N + cols, num_topk, main_num_slots, main_offset, main_spb,
+                                  main_slot_stride, main_block_stride)
+        else:
+            _, ok = _gl_slot_rows(win_row, (t - main_tiles) * BLOCK_N + cols, num_win, swa_num_slots, swa_offset,
+                                  swa_spb, swa_slot_stride, swa_block_stride)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        s = gl.where(gl.expand_dims(ok, 0), s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_s.store(p.to(gl.bfloat16))  # (the previous P . K, which read p_s, was waited for)
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O)), 1)
+        acc_lo = acc_lo * alpha_o  # both rescaled before either MMA is issued (C7515)
+        acc_hi = acc_hi * alpha_o
+        acc_lo = warpgroup_mma(p_s, k_lo, acc_lo, is_async=True)
+        acc_hi = warpgroup_mma(p_s, k_hi, acc_hi, is_async=True)
+        if t + 1 < t1:  # the other buffer was last read by tile t - 1's MMAs, waited for
+            _gl_fill(t + 1, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf), main_ptr, topk_row,
+                     num_topk, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride, swa_ptr,
+                     win_row, num_win, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
+                     BLOCK_N, SUB, D, L3, LS, L4, L3S, LK)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    part = (n.to(gl.int64) * NUM_SPLITS + split) * H
+    # interleave the halves back to channel order in registers: a thread's two adjacent columns of
+    # each half become 4 adjacent channels, one 16-byte store
+    acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
+    LO: gl.constexpr = acc.type.layout
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
+    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
+    gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+    hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
+    gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+    gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
