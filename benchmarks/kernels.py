@@ -503,6 +503,7 @@ def decode_attention(b: Bench) -> None:
             (64, 64, 2, 8, 2, 2, False), (64, 32, 2, 4, 1, 2, False))]
     if dev.type == "cuda":  # v11, the Gluon kernel (Hopper only; elsewhere its row reports why not)
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
+        configs += [AttentionConfig(kernel="gluon", word_decode=False)]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -514,7 +515,7 @@ def decode_attention(b: Bench) -> None:
                  f"st{resolved.num_stages} dv{resolved.dv_split} pf{int(bool(resolved.prefetch))}"
                  f"{'' if resolved.hw_cvt else ' alu'}")
         if resolved.kernel == "gluon":
-            label = f"gluon v11 h64 n64 s{resolved.num_splits} w8"
+            label = f"gluon v11 h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode else " bytes")
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
                        impl="triton")
         try:
@@ -548,9 +549,10 @@ def decode_attention(b: Bench) -> None:
     if not b.smoke:  # the key-split rows read 78 us in run 9 and 200-213 us in runs 6-7: interleave
         # the default and the key split 4 times in one run to see whether that is noise or state
         repeats: dict[str, list[float]] = {}
-        rivals = {"default": AttentionConfig(), "dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
+        rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
             rivals["gluon v11"] = AttentionConfig(kernel="gluon")
+            rivals["gluon v11 bytes"] = AttentionConfig(kernel="gluon", word_decode=False)
         for _ in range(4):
             for name, cfg in rivals.items():
                 try:

@@ -45,6 +45,77 @@ def _gl_slot_rows(slot_row_ptr, j, end, num_slots, offset, spb, slot_stride, blo
     rec = offset + block.to(gl.int64) * block_stride + entry.to(gl.int64) * slot_stride
     return gl.multiple_of(rec, 16), valid
 
+# One record code word (8 E2M1 channels: bytes 4j..4j+3, low nibble = even channel) and its block's
+# E4M3 scale byte -> 4 words of bf16 pairs: even channels 0-1, 2-3, odd channels 0-1, 2-3. Each
+# nibble is turned into the E4M3 byte of its value * 2**-6 (as in the Triton kernel), pairs are
+# converted by the hardware (F2FP.F16.E4M3), multiplied by scale * 64 in fp16 (exact: at most 6
+# significant bits, within 2**-10..2688) and packed to bf16 (exact).
+_FP4_WORD_ASM = gl.constexpr("""{
+.reg .b32 lo, hi, t, sc, c64;
+.reg .b16 a0, a1, x0, x1;
+.reg .f32 f0, f1;
+prmt.b32 t, $5, 0, 0x4400;
+mov.b32 {a0, a1}, t;
+cvt.rn.f16x2.e4m3x2 sc, a0;
+mov.b32 c64, 0x54005400;
+mul.rn.f16x2 sc, sc, c64;
+and.b32 lo, $4, 0x07070707;
+shl.b32 lo, lo, 2;
+and.b32 t, $4, 0x08080808;
+shl.b32 t, t, 4;
+or.b32 lo, lo, t;
+shr.b32 hi, $4, 2;
+and.b32 hi, hi, 0x1C1C1C1C;
+and.b32 t, $4, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {a0, a1}, lo;
+cvt.rn.f16x2.e4m3x2 t, a0;
+mul.rn.f16x2 t, t, sc;
+mov.b32 {x0, x1}, t;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.f16x2.e4m3x2 t, a1;
+mul.rn.f16x2 t, t, sc;
+mov.b32 {x0, x1}, t;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.rn.bf16x2.f32 $1, f1, f0;
+mov.b32 {a0, a1}, hi;
+cvt.rn.f16x2.e4m3x2 t, a0;
+mul.rn.f16x2 t, t, sc;
+mov.b32 {x0, x1}, t;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.rn.bf16x2.f32 $2, f1, f0;
+cvt.rn.f16x2.e4m3x2 t, a1;
+mul.rn.f16x2 t, t, sc;
+mov.b32 {x0, x1}, t;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.rn.bf16x2.f32 $3, f1, f0;
+}""")
+
+
+@gluon.jit
+def _gl_main_rows_words(main_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
+                        SUB: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr):
+    """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
+    destination rows viewed as int32 bf16 pairs `[SUB, D / 4]`. A thread takes 4 code words (one
+    16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
+    rows = j0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, LW))
+    rec, ok = _gl_slot_rows(slot_row, rows, end, num_slots, offset, spb, slot_stride, block_stride)
+    word = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LW))
+    row = main_ptr + gl.expand_dims(rec, 1)
+    ok2 = gl.expand_dims(ok, 1)
+    codes = gl.load((row + gl.expand_dims(word * 4, 0)).to(gl.pointer_type(gl.int32)), mask=ok2, other=0)
+    scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
+    lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+        _FP4_WORD_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+        is_pure=True, pack=1)
+    kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [SUB, D // 4]), LW2))
+    kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [SUB, D // 4]), LW2))
+
 
 @gluon.jit
 def _gl_main_rows(main_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
@@ -101,17 +172,25 @@ def _gl_swa_rows(swa_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride
 
 
 @gluon.jit
-def _gl_fill(t, main_tiles, k_lo, k_hi, main_ptr, topk_row, num_topk, main_num_slots, main_offset, main_spb,
-             main_slot_stride, main_block_stride, swa_ptr, win_row, num_win, swa_num_slots, swa_offset, swa_spb,
-             swa_slot_stride, swa_block_stride,
+def _gl_fill(t, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, topk_row, num_topk, main_num_slots, main_offset,
+             main_spb, main_slot_stride, main_block_stride, swa_ptr, win_row, num_win, swa_num_slots, swa_offset,
+             swa_spb, swa_slot_stride, swa_block_stride,
              BLOCK_N: gl.constexpr, SUB: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LS: gl.constexpr,
-             L4: gl.constexpr, L3S: gl.constexpr, LK: gl.constexpr):
-    """Decode key tile `t` (main list tiles first, then the window's) into `k_lo` / `k_hi`."""
+             L4: gl.constexpr, L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
+             FAST_DECODE: gl.constexpr):
+    """Decode key tile `t` (main list tiles first, then the window's) into `k_lo` / `k_hi`
+    (`kw_lo` / `kw_hi`: the same buffers as int32 pairs, for `FAST_DECODE`)."""
     if t < main_tiles:  # (no main list: num_topk = 0; no window: every tile is main)
-        for h in gl.static_range(BLOCK_N // SUB):
-            _gl_main_rows(main_ptr, topk_row, t * BLOCK_N + h * SUB, num_topk, main_num_slots, main_offset,
-                          main_spb, main_slot_stride, main_block_stride, k_lo.slice(h * SUB, SUB),
-                          k_hi.slice(h * SUB, SUB), SUB, D, L3, LK)
+        if FAST_DECODE:
+            for h in gl.static_range(BLOCK_N // SUB):
+                _gl_main_rows_words(main_ptr, topk_row, t * BLOCK_N + h * SUB, num_topk, main_num_slots,
+                                    main_offset, main_spb, main_slot_stride, main_block_stride,
+                                    kw_lo.slice(h * SUB, SUB), kw_hi.slice(h * SUB, SUB), SUB, D, LW, LW2)
+        else:
+            for h in gl.static_range(BLOCK_N // SUB):
+                _gl_main_rows(main_ptr, topk_row, t * BLOCK_N + h * SUB, num_topk, main_num_slots, main_offset,
+                              main_spb, main_slot_stride, main_block_stride, k_lo.slice(h * SUB, SUB),
+                              k_hi.slice(h * SUB, SUB), SUB, D, L3, LK)
     else:
         for h in gl.static_range(BLOCK_N // SUB):
             _gl_swa_rows(swa_ptr, win_row, (t - main_tiles) * BLOCK_N + h * SUB, num_win, swa_num_slots, swa_offset,
@@ -128,6 +207,7 @@ def _gl_sparse_attention_kernel(
     swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
     part_acc_ptr, part_ml_ptr, sm_scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    FAST_DECODE: gl.constexpr,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -140,6 +220,8 @@ def _gl_sparse_attention_kernel(
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [2, 16, 1, 1], [8, 1, 1, 1], [3, 2, 1, 0])
     L3S: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [8, 1, 1], [2, 1, 0])
     LK: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])  # code words of main records
+    LW2: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # bf16 pairs of one half
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     LQ3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -161,6 +243,9 @@ def _gl_sparse_attention_kernel(
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, HALF], SH_K)  # (buffer, half) pairs
+    # the same bytes as int32 bf16 pairs (the 128-byte swizzle acts on bytes, so it is the same map)
+    kw_s = k_s._reinterpret(gl.int32, [4, BLOCK_N, HALF // 2],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     p_s = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], SH_P)
 
     acc_lo = gl.zeros([H, HALF], gl.float32, layout=MMA_O)
@@ -183,10 +268,10 @@ def _gl_sparse_attention_kernel(
     # in flight across the loop's back edge makes ptxas serialise every wgmma of the kernel
     # (C7515, "non wgmma instructions defining accumulator registers"): 40 waits instead of 5.
     if t0 < t1:
-        _gl_fill(t0, main_tiles, k_s.index(0), k_s.index(1), main_ptr, topk_row, num_topk, main_num_slots,
-                 main_offset, main_spb, main_slot_stride, main_block_stride, swa_ptr, win_row, num_win,
-                 swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
-                 BLOCK_N, SUB, D, L3, LS, L4, L3S, LK)
+        _gl_fill(t0, main_tiles, k_s.index(0), k_s.index(1), kw_s.index(0), kw_s.index(1), main_ptr, topk_row,
+                 num_topk, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride, swa_ptr,
+                 win_row, num_win, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
+                 BLOCK_N, SUB, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
         fence_async_shared()
         gl.thread_barrier()
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA_S))
@@ -218,10 +303,11 @@ def _gl_sparse_attention_kernel(
         acc_lo = warpgroup_mma(p_s, k_lo, acc_lo, is_async=True)
         acc_hi = warpgroup_mma(p_s, k_hi, acc_hi, is_async=True)
         if t + 1 < t1:  # the other buffer was last read by tile t - 1's MMAs, waited for
-            _gl_fill(t + 1, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf), main_ptr, topk_row,
-                     num_topk, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride, swa_ptr,
-                     win_row, num_win, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
-                     BLOCK_N, SUB, D, L3, LS, L4, L3S, LK)
+            _gl_fill(t + 1, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf), kw_s.index(2 - 2 * buf),
+                     kw_s.index(3 - 2 * buf), main_ptr, topk_row, num_topk, main_num_slots, main_offset, main_spb,
+                     main_slot_stride, main_block_stride, swa_ptr, win_row, num_win, swa_num_slots, swa_offset,
+                     swa_spb, swa_slot_stride, swa_block_stride,
+                     BLOCK_N, SUB, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         fence_async_shared()
         gl.thread_barrier()

@@ -22,7 +22,9 @@ are the same call. Slot lists are built by the caller from its block tables
 (:func:`cedserve.kernels.paged.entries_to_slots`) and the window ring.
 
 Layers: `_sparse_decode_attention_kernel` (+ `_combine_splits_kernel` when one token's keys are
-split over several programs) in `_sparse_attention_kernels.py`; :func:`sparse_attention` here;
+split over several programs) in `_sparse_attention_kernels.py`, and on Hopper (sm_90, 64 heads x
+512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v11, with
+the same combine); :func:`sparse_attention` here;
 :func:`sparse_attention_reference` (float32 math on the decoded records).
 
 Precision: keys are exact in bf16; logits and the accumulator are fp32; probabilities are rounded
@@ -33,6 +35,7 @@ The reference keeps everything in fp32, so expect differences of a few bf16 ulps
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,7 @@ from cedserve.kernels.triton_support import (
 )
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
+_GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon kernel fails to build here
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,12 @@ class AttentionConfig:
     """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v11,
     `_sparse_attention_gluon.py`: Hopper warpgroup MMAs with our own shared-memory layout; sm_90,
     64 heads, head_dim 512, 16-byte aligned records, always split-KV partials + the combine pass).
-    The other fields except `num_splits` are fixed for "gluon" (64 heads, 64-key tiles, 8 warps)."""
+    The other fields except `num_splits` and `word_decode` are fixed for "gluon" (64 heads, 64-key
+    tiles, 8 warps)."""
+    word_decode: bool | None = None
+    """"gluon" only (default True): decode main-KV records a 32-bit code word at a time in one
+    inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
+    instead of elementwise byte operations (kernels-notes.md, v11)."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -96,7 +105,8 @@ class AttentionConfig:
             raise ValueError(f"sparse_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
             num_splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), cdiv(keys, 256)))
-            return AttentionConfig(64, 64, num_splits, 8, 1, 1, False, True, "gluon")
+            word_decode = True if self.word_decode is None else self.word_decode
+            return AttentionConfig(64, 64, num_splits, 8, 1, 1, False, True, "gluon", word_decode)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -223,6 +233,18 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
     if config is not None:
         launch.run(cfg)
         return out
+    if _GLUON_DEFAULT["usable"] and launch.gluon_unsupported() is None:
+        # v11 is the default where it runs (H200: 48 us against 91 us at batch 64, kernels-notes.md);
+        # should it fail to build (a Triton without Gluon's Hopper API), say so once and stay on Triton
+        from triton.compiler.errors import CompilationError
+
+        try:
+            launch.run(AttentionConfig(kernel="gluon").resolve(tokens, heads, max(num_topk, num_win), q.device, dim))
+            return out
+        except (ImportError, AttributeError, CompilationError) as exc:
+            _GLUON_DEFAULT["usable"] = False
+            warnings.warn(f"sparse_attention: the gluon kernel failed ({type(exc).__name__}: {exc}); using the "
+                          "Triton kernel from now on", RuntimeWarning, stacklevel=2)
     from triton.runtime.errors import OutOfResources
 
     try:
@@ -285,7 +307,8 @@ class _Launch:
             swa.storage, self.win, self.win.stride(0), self.num_win,
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             part_acc, part_ml, self.scale * math.log2(math.e),
-            H=heads, D=dim, BLOCK_N=64, SUB=32, NUM_SPLITS=splits, num_warps=8,
+            H=heads, D=dim, BLOCK_N=64, SUB=32, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
+            num_warps=8,
         )
         k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
