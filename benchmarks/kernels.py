@@ -503,7 +503,8 @@ def decode_attention(b: Bench) -> None:
             (64, 64, 2, 8, 2, 2, False), (64, 32, 2, 4, 1, 2, False))]
     if dev.type == "cuda":  # v11, the Gluon kernel (Hopper only; elsewhere its row reports why not)
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
-        configs += [AttentionConfig(kernel="gluon", word_decode=False)]
+        configs += [AttentionConfig(kernel="gluon", word_decode=False), AttentionConfig(kernel="gluon",
+                                                                                         fused_combine=False)]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -516,6 +517,7 @@ def decode_attention(b: Bench) -> None:
                  f"{'' if resolved.hw_cvt else ' alu'}")
         if resolved.kernel == "gluon":
             label = f"gluon v11 h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode else " bytes")
+            label += "" if resolved.fused_combine else " combine-pass"
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
                        impl="triton")
         try:
@@ -553,6 +555,7 @@ def decode_attention(b: Bench) -> None:
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
             rivals["gluon v11"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11 bytes"] = AttentionConfig(kernel="gluon", word_decode=False)
+            rivals["gluon v11 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
         for _ in range(4):
             for name, cfg in rivals.items():
                 try:

@@ -199,6 +199,54 @@ def _gl_fill(t, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, topk_row, num_to
 
 
 @gluon.jit
+def _gl_merge_and_store(acc_lo, acc_hi, m_own, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr,
+                        cs_stride, out_ptr, out_stride_n, out_stride_h,
+                        H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                        MMA_O: gl.constexpr, LO: gl.constexpr, l_own):
+    """`_combine_splits_kernel` inside the last split's CTA: merge its registers with the other
+    splits' partials, add the sink, divide, rotate the RoPE pairs back, store bf16 `out[n]`."""
+    HALF: gl.constexpr = D // 2
+    RM: gl.constexpr = gl.SliceLayout(1, MMA_O)
+    h = gl.arange(0, H, layout=RM)
+    m_own = gl.convert_layout(m_own, RM)
+    l_own = gl.convert_layout(l_own, RM)
+    sink = gl.load(sink_ptr + h).to(gl.float32) * LOG2E
+    m = gl.maximum(sink, m_own)
+    for j in gl.static_range(NUM_SPLITS):
+        if j != split:
+            part_j = (n.to(gl.int64) * NUM_SPLITS + j) * H
+            m = gl.maximum(m, gl.load(part_ml_ptr + (part_j + h) * 2, cache_modifier=".cg"))
+    w_own = gl.exp2(m_own - m)
+    total = gl.exp2(sink - m) + w_own * l_own
+    o_lo = acc_lo * gl.expand_dims(w_own, 1)
+    o_hi = acc_hi * gl.expand_dims(w_own, 1)
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
+    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
+    for j in gl.static_range(NUM_SPLITS):
+        if j != split:
+            part_j = (n.to(gl.int64) * NUM_SPLITS + j) * H
+            w = gl.exp2(gl.load(part_ml_ptr + (part_j + h) * 2, cache_modifier=".cg") - m)
+            total += w * gl.load(part_ml_ptr + (part_j + h) * 2 + 1, cache_modifier=".cg")
+            other = gl.load(part_acc_ptr + (part_j + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0),
+                            cache_modifier=".cg")
+            other_lo, other_hi = gl.split(gl.reshape(other, [H, HALF, 2]))
+            o_lo += gl.convert_layout(other_lo, MMA_O) * gl.expand_dims(w, 1)
+            o_hi += gl.convert_layout(other_hi, MMA_O) * gl.expand_dims(w, 1)
+    inv = gl.expand_dims(1.0 / total, 1)
+    o_lo = o_lo * inv
+    o_hi = o_hi * inv
+    pair = gl.arange(0, HALF, layout=gl.SliceLayout(0, MMA_O)) - (HALF - ROPE_PAIRS)
+    is_rope = pair >= 0
+    cos = gl.expand_dims(gl.load(cos_ptr + n.to(gl.int64) * cs_stride + pair, mask=is_rope, other=1.0), 0)
+    sin = gl.expand_dims(gl.load(sin_ptr + n.to(gl.int64) * cs_stride + pair, mask=is_rope, other=0.0), 0)
+    r_lo = o_lo * cos + o_hi * sin
+    r_hi = o_hi * cos - o_lo * sin
+    o = gl.reshape(gl.join(r_lo, r_hi), [H, D]).to(gl.bfloat16)
+    gl.store(out_ptr + n.to(gl.int64) * out_stride_n + gl.expand_dims(ho, 1).to(gl.int64) * out_stride_h
+             + gl.expand_dims(co, 0), o)
+
+
+@gluon.jit
 def _gl_sparse_attention_kernel(
     q_ptr, q_stride_n, q_stride_h,
     main_ptr, topk_ptr, topk_stride, num_topk,
@@ -206,8 +254,9 @@ def _gl_sparse_attention_kernel(
     swa_ptr, win_ptr, win_stride, num_win,
     swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
     part_acc_ptr, part_ml_ptr, sm_scale_log2,
+    counter_ptr, sink_ptr, cos_ptr, sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    FAST_DECODE: gl.constexpr,
+    FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -319,7 +368,19 @@ def _gl_sparse_attention_kernel(
     LO: gl.constexpr = acc.type.layout
     ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
     co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
-    gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
     hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
-    gl.store(part_ml_ptr + (part + hm) * 2, m_i)
-    gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+    if not FUSED_COMBINE or NUM_SPLITS > 1:
+        gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+        gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+        gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+    if FUSED_COMBINE:
+        # the last split of a token to finish merges the others' partials (stream-K style): every
+        # thread's partial stores, a CTA barrier, then one release / acquire add on the token's
+        # counter; the CTA that reads NUM_SPLITS - 1 reads the other partials from L2 (.cg)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(counter_ptr + n, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            gl.store(counter_ptr + n, 0)  # ready for the next launch that reuses the counters
+            _gl_merge_and_store(acc_lo, acc_hi, m_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr,
+                                cs_stride, out_ptr, out_stride_n, out_stride_h,
+                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, l_i)

@@ -93,6 +93,9 @@ class AttentionConfig:
     """"gluon" only (default True): decode main-KV records a 32-bit code word at a time in one
     inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
     instead of elementwise byte operations (kernels-notes.md, v11)."""
+    fused_combine: bool | None = None
+    """"gluon" only (default True): the last key split of a token to finish merges the splits
+    (acquire / release counter per token) instead of a separate `_combine_splits_kernel` pass."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -106,7 +109,8 @@ class AttentionConfig:
         if kernel == "gluon":
             num_splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), cdiv(keys, 256)))
             word_decode = True if self.word_decode is None else self.word_decode
-            return AttentionConfig(64, 64, num_splits, 8, 1, 1, False, True, "gluon", word_decode)
+            fused = True if self.fused_combine is None else self.fused_combine
+            return AttentionConfig(64, 64, num_splits, 8, 1, 1, False, True, "gluon", word_decode, fused)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -298,8 +302,10 @@ class _Launch:
         q, out, main, swa = self.q, self.out, self.main, self.swa
         tokens, heads, dim = q.shape
         splits = cfg.num_splits or 1
+        fused = cfg.fused_combine is not False
         part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
+        counters = torch.zeros(tokens if fused else 1, dtype=torch.int32, device=q.device)
         g._gl_sparse_attention_kernel[(tokens, splits)](
             q, q.stride(0), q.stride(1),
             main.storage, self.topk, self.topk.stride(0), self.num_topk,
@@ -307,9 +313,12 @@ class _Launch:
             swa.storage, self.win, self.win.stride(0), self.num_win,
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             part_acc, part_ml, self.scale * math.log2(math.e),
+            counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
             H=heads, D=dim, BLOCK_N=64, SUB=32, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
-            num_warps=8,
+            FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], num_warps=8,
         )
+        if fused:
+            return
         k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
             out.stride(1), heads,
