@@ -35,10 +35,28 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 @gluon.jit
 def _gl_slot_rows(slot_row_ptr, j, end, num_slots, offset, spb, slot_stride, block_stride):
-    """(int64 record byte offsets, valid) of the slots `slot_row_ptr[j]` for `j < end` (the
-    arithmetic of `_jit_codecs._slot_address`, in whatever layout `j` has)."""
+    """(int64 record byte offsets, valid) of the slots `slot_row_ptr[j]` for `j < end`."""
     slot = gl.load(slot_row_ptr + j, mask=j < end, other=-1)
-    valid = (slot >= 0) & (slot < num_slots) & (j < end)
+    return _gl_slot_address(slot, num_slots, offset, spb, slot_stride, block_stride)
+
+
+@gluon.jit
+def _gl_tile_slots(t, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N: gl.constexpr, LR: gl.constexpr):
+    """Slots of key tile `t` (main list tiles first, then the window's) in layout LR, -1 past a
+    list's end: loaded a tile ahead, so their latency hides behind the current tile's MMAs."""
+    j = gl.arange(0, BLOCK_N, layout=LR)
+    jm = t * BLOCK_N + j
+    jw = (t - main_tiles) * BLOCK_N + j
+    from_main = gl.load(topk_row + jm, mask=(jm < num_topk) & (t < main_tiles), other=-1)
+    from_win = gl.load(win_row + jw, mask=(jw >= 0) & (jw < num_win) & (t >= main_tiles), other=-1)
+    return gl.where(t < main_tiles, from_main.to(gl.int64), from_win.to(gl.int64))
+
+
+@gluon.jit
+def _gl_slot_address(slot, num_slots, offset, spb, slot_stride, block_stride):
+    """(int64 record byte offsets, valid) of slots (-1 or out of range: invalid): the arithmetic
+    of `_jit_codecs._slot_address`, in whatever layout `slot` has."""
+    valid = (slot >= 0) & (slot < num_slots)
     slot = gl.where(valid, slot, 0).to(gl.int32)
     block = slot // spb
     entry = slot - block * spb
@@ -98,13 +116,13 @@ cvt.rn.bf16x2.f32 $3, f1, f0;
 
 
 @gluon.jit
-def _gl_main_rows_words(main_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
+def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
                         SUB: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr):
     """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
     destination rows viewed as int32 bf16 pairs `[SUB, D / 4]`. A thread takes 4 code words (one
     16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
-    rows = j0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, LW))
-    rec, ok = _gl_slot_rows(slot_row, rows, end, num_slots, offset, spb, slot_stride, block_stride)
+    rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
+                               block_stride)
     word = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LW))
     row = main_ptr + gl.expand_dims(rec, 1)
     ok2 = gl.expand_dims(ok, 1)
@@ -118,13 +136,12 @@ def _gl_main_rows_words(main_ptr, slot_row, j0, end, num_slots, offset, spb, slo
 
 
 @gluon.jit
-def _gl_main_rows(main_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
+def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
                   SUB: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr):
-    """Decode `SUB` main-KV records (FP4 pairs + E4M3 scales per 16 channels) of slots
-    `slot_row[j0:]` and store their even / odd channels (bf16 [SUB, D / 2]) to `k_lo_dst` /
+    """Decode the `SUB` main-KV records (FP4 pairs + E4M3 scales per 16 channels) at `slot` and store their even / odd channels (bf16 [SUB, D / 2]) to `k_lo_dst` /
     `k_hi_dst`. A thread loads 16 contiguous code bytes (one 16-byte load) = 2 scale blocks."""
-    rows = j0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, LK))
-    rec, ok = _gl_slot_rows(slot_row, rows, end, num_slots, offset, spb, slot_stride, block_stride)
+    rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LK)), num_slots, offset, spb, slot_stride,
+                               block_stride)
     col = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LK))
     codes = gl.load(main_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
     codes = gl.convert_layout(gl.reshape(codes, [SUB, D // 16, 8]), L3)  # [key, scale block, byte]
@@ -145,13 +162,13 @@ def _gl_main_rows(main_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stri
 
 
 @gluon.jit
-def _gl_swa_rows(swa_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
+def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
                  SUB: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr, L3S: gl.constexpr,
                  LK: gl.constexpr):
     """`_gl_main_rows` for SWA records (E4M3 bytes + UE8M0 scales per 32 channels). A thread
     loads the 32 bytes of one scale block (two 16-byte loads)."""
-    rows = j0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, LS))
-    rec, ok = _gl_slot_rows(slot_row, rows, end, num_slots, offset, spb, slot_stride, block_stride)
+    rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LS)), num_slots, offset, spb, slot_stride,
+                               block_stride)
     col = gl.arange(0, D, layout=gl.SliceLayout(0, LS))
     values = gl.load(swa_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
     values = gl.convert_layout(gl.reshape(values, [SUB, D // 32, 16, 2]), L4)
@@ -172,30 +189,23 @@ def _gl_swa_rows(swa_ptr, slot_row, j0, end, num_slots, offset, spb, slot_stride
 
 
 @gluon.jit
-def _gl_fill(t, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, topk_row, num_topk, main_num_slots, main_offset,
-             main_spb, main_slot_stride, main_block_stride, swa_ptr, win_row, num_win, swa_num_slots, swa_offset,
-             swa_spb, swa_slot_stride, swa_block_stride,
-             BLOCK_N: gl.constexpr, SUB: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LS: gl.constexpr,
-             L4: gl.constexpr, L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
-             FAST_DECODE: gl.constexpr):
-    """Decode key tile `t` (main list tiles first, then the window's) into `k_lo` / `k_hi`
-    (`kw_lo` / `kw_hi`: the same buffers as int32 pairs, for `FAST_DECODE`)."""
+def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_slots, main_offset, main_spb,
+             main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb, swa_slot_stride,
+             swa_block_stride,
+             BLOCK_N: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr,
+             L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr, FAST_DECODE: gl.constexpr):
+    """Decode key tile `t` (its `slot`s from `_gl_tile_slots`) into `k_lo` / `k_hi` (`kw_lo` /
+    `kw_hi`: the same buffers as int32 pairs, for `FAST_DECODE`)."""
     if t < main_tiles:  # (no main list: num_topk = 0; no window: every tile is main)
         if FAST_DECODE:
-            for h in gl.static_range(BLOCK_N // SUB):
-                _gl_main_rows_words(main_ptr, topk_row, t * BLOCK_N + h * SUB, num_topk, main_num_slots,
-                                    main_offset, main_spb, main_slot_stride, main_block_stride,
-                                    kw_lo.slice(h * SUB, SUB), kw_hi.slice(h * SUB, SUB), SUB, D, LW, LW2)
+            _gl_main_rows_words(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride,
+                                main_block_stride, kw_lo, kw_hi, BLOCK_N, D, LW, LW2)
         else:
-            for h in gl.static_range(BLOCK_N // SUB):
-                _gl_main_rows(main_ptr, topk_row, t * BLOCK_N + h * SUB, num_topk, main_num_slots, main_offset,
-                              main_spb, main_slot_stride, main_block_stride, k_lo.slice(h * SUB, SUB),
-                              k_hi.slice(h * SUB, SUB), SUB, D, L3, LK)
+            _gl_main_rows(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
+                          k_lo, k_hi, BLOCK_N, D, L3, LK)
     else:
-        for h in gl.static_range(BLOCK_N // SUB):
-            _gl_swa_rows(swa_ptr, win_row, (t - main_tiles) * BLOCK_N + h * SUB, num_win, swa_num_slots, swa_offset,
-                         swa_spb, swa_slot_stride, swa_block_stride, k_lo.slice(h * SUB, SUB),
-                         k_hi.slice(h * SUB, SUB), SUB, D, LS, L4, L3S, LK)
+        _gl_swa_rows(swa_ptr, slot, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride, k_lo, k_hi,
+                     BLOCK_N, D, LS, L4, L3S, LK)
 
 
 @gluon.jit
@@ -255,7 +265,7 @@ def _gl_sparse_attention_kernel(
     swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
     part_acc_ptr, part_ml_ptr, sm_scale_log2,
     counter_ptr, sink_ptr, cos_ptr, sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
@@ -316,11 +326,12 @@ def _gl_sparse_attention_kernel(
     # P . K runs, and that MMA is waited for inside the same iteration. An asynchronous MMA left
     # in flight across the loop's back edge makes ptxas serialise every wgmma of the kernel
     # (C7515, "non wgmma instructions defining accumulator registers"): 40 waits instead of 5.
+    LR: gl.constexpr = gl.SliceLayout(1, LW)
     if t0 < t1:
-        _gl_fill(t0, main_tiles, k_s.index(0), k_s.index(1), kw_s.index(0), kw_s.index(1), main_ptr, topk_row,
-                 num_topk, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride, swa_ptr,
-                 win_row, num_win, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
-                 BLOCK_N, SUB, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
+        _gl_fill(t0, _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR), main_tiles,
+                 k_s.index(0), k_s.index(1), kw_s.index(0), kw_s.index(1), main_ptr, main_num_slots, main_offset,
+                 main_spb, main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
+                 swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
         fence_async_shared()
         gl.thread_barrier()
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA_S))
@@ -330,6 +341,7 @@ def _gl_sparse_attention_kernel(
         k_hi = k_s.index(2 * buf + 1)
         s = warpgroup_mma(q_lo_s, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_hi_s, k_hi.permute((1, 0)), s, is_async=True)
+        slot_next = _gl_tile_slots(t + 1, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
         if t < main_tiles:
             _, ok = _gl_slot_rows(topk_row, t * BLOCK_N + cols, num_topk, main_num_slots, main_offset, main_spb,
                                   main_slot_stride, main_block_stride)
@@ -352,11 +364,10 @@ def _gl_sparse_attention_kernel(
         acc_lo = warpgroup_mma(p_s, k_lo, acc_lo, is_async=True)
         acc_hi = warpgroup_mma(p_s, k_hi, acc_hi, is_async=True)
         if t + 1 < t1:  # the other buffer was last read by tile t - 1's MMAs, waited for
-            _gl_fill(t + 1, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf), kw_s.index(2 - 2 * buf),
-                     kw_s.index(3 - 2 * buf), main_ptr, topk_row, num_topk, main_num_slots, main_offset, main_spb,
-                     main_slot_stride, main_block_stride, swa_ptr, win_row, num_win, swa_num_slots, swa_offset,
-                     swa_spb, swa_slot_stride, swa_block_stride,
-                     BLOCK_N, SUB, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
+            _gl_fill(t + 1, slot_next, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf),
+                     kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset, main_spb,
+                     main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
+                     swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         fence_async_shared()
         gl.thread_barrier()

@@ -314,7 +314,7 @@ class _Launch:
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             part_acc, part_ml, self.scale * math.log2(math.e),
             counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
-            H=heads, D=dim, BLOCK_N=64, SUB=32, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
+            H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
             FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], num_warps=8,
         )
         if fused:
