@@ -394,9 +394,10 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     moved = tokens * (2 * dim + record_bytes + 8)
     # launch configs (rows per program, warps, 32-bit word stores, version): the launcher's default
     # first; E2M1 kinds also time v3's arithmetic (the correctly rounded quotient) beside v4's
-    # the launcher's default version first (v5 for main since run 5, v4 for SWA, v3 for the index keys), then
-    # the other versions of the E2M1 kinds
-    default_version = {"main": 5, "index": 3}.get(kind, 4)
+    # the launcher's default version first (v5 for main since run 5, v4 for SWA, v12 for the index
+    # keys on sm_90, else v3), then the other versions of the E2M1 kinds
+    gluon_ok = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+    default_version = {"main": 5, "index": 12 if gluon_ok else 3}.get(kind, 4)
     # v5 (E2M1 kinds): `_write_words_v5_kernel` at its defaults and a tiles / rows sweep (tiles last)
     sweep: list[tuple[int | None, int | None, bool | None, int, int | None]] = [
         (None, None, None, default_version, None)]
@@ -406,10 +407,18 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
         sweep += {"main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
                   "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],
                   "swa": [(16, 4, False, 4, None)]}[kind]
+    if kind == "index" and gluon_ok:  # v12, the Gluon writer (16 lanes per row): rows / tiles / warps
+        sweep += [(16, 4, None, 12, 4), (32, 4, None, 12, 8), (32, 4, None, 12, 2), (32, 8, None, 12, 4)]
     best: Row | None = None
     for block_t, warps, words, version, tiles in sweep:
-        t = b.time_s(partial(rec_ops.write_records, kind, x, slots, dest, block_t=block_t, num_warps=warps,
-                             word_stores=words, version=version, tiles=tiles, impl="triton"))
+        try:
+            t = b.time_s(partial(rec_ops.write_records, kind, x, slots, dest, block_t=block_t, num_warps=warps,
+                                 word_stores=words, version=version, tiles=tiles, impl="triton"))
+        except Exception as exc:  # a failing variant is reported, the default's failure is fatal
+            if best is None:
+                raise
+            print(f"  write_records[{kind}] v{version} t{block_t}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
         label = "default" if block_t is None else f"t{block_t} w{warps} {'words' if words in (True, None) else 'bytes'}"
         label += f" x{tiles}" if tiles else ""
         row = b.record(f"write_records[{kind}]", f"{tokens}x{dim} bf16 -> {record_bytes} B", t, moved,

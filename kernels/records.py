@@ -43,6 +43,7 @@ from cedserve.kernels.triton_support import (
     cdiv,
     check_tensor,
     hardware_fp8,
+    interpreting,
     next_power_of_2,
     resolve_impl,
 )
@@ -135,20 +136,25 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     defaults (the benchmark sweeps them). `version=3` selects the v3 arithmetic for E2M1 records
     (correctly rounded quotient per element); 4 uses the cheaper `_e2m1_code_fast` for bf16 / fp16
     inputs (`kernels-notes.md`); both are bit-exact. Default (None): what the H200 runs measured
-    fastest, 5 for the main KV (run 5: 72% of copy), 4 for SWA, 3 for the 128-wide index keys.
+    fastest, 5 for the main KV (run 5: 72% of copy), 4 for SWA, and for the 128-wide index keys 12
+    where it runs (bf16 / fp16 rows on sm_90: 63 %), else 3 (60 %).
 
     `version=5` (E2M1 formats; SWA runs as 4): `_write_words_v5_kernel`, v4's arithmetic with the
     main-KV 1 / scale from one approximate reciprocal, and `tiles` tiles of `block_t` rows per
     program with the next tile's rows loaded before the current tile is quantized (`num_stages`
     1 by default: the prefetch is by hand, the compiler's pipeliner would stage it through shared
     memory). `rcp_nudge` (interpreter tests only) moves the v5 reciprocal by that many float32
-    ulps to show the rounding does not depend on it being correctly rounded."""
+    ulps to show the rounding does not depend on it being correctly rounded.
+
+    `version=12` (index keys of 128 channels from bf16 / fp16, sm_90 GPUs, 4-byte aligned records):
+    `_gl_write_index_kernel` (Gluon, `_records_gluon.py`), v4's arithmetic with 16 lanes per row
+    so a record's words are stored by neighbouring lanes (`kernels-notes.md`, v12)."""
     if version is None:
-        version = {"main": 5, "index": 3}.get(kind, 4)
-    if version not in (3, 4, 5):
-        raise ValueError(f"write_records: version must be 3, 4 or 5, got {version}")
-    if tiles is not None and (tiles < 1 or version != 5):
-        raise ValueError(f"write_records: tiles must be >= 1 and needs version=5, got tiles={tiles} version={version}")
+        version = {"main": 5, "index": 12 if _v12_unsupported(kind, x, dest) is None else 3}.get(kind, 4)
+    if version not in (3, 4, 5, 12):
+        raise ValueError(f"write_records: version must be 3, 4, 5 or 12, got {version}")
+    if tiles is not None and (tiles < 1 or version not in (5, 12)):
+        raise ValueError(f"write_records: tiles must be >= 1 and needs version 5 or 12, got tiles={tiles} version={version}")
     fmt = record_format(kind)
     op = f"write_records({kind!r})"
     check_tensor(x, f"{op}: x", dtypes=_FLOAT_DTYPES, dim=2)
@@ -164,6 +170,9 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
         return
     from cedserve.kernels import _records_kernels as k
 
+    if version == 12:
+        _launch_v12(kind, x, slot_mapping, dest, block_t=block_t, tiles=tiles, num_warps=num_warps)
+        return
     nb = dim // fmt.scale_block
     fast = version >= 4 and fmt.elem_bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
     if version == 5 and fmt.elem_bits == 4:
@@ -190,6 +199,40 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
         *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
         NB=nb, NB_P2=next_power_of_2(nb), CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
         ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4,
+    )
+
+
+def _v12_unsupported(kind: RecordKind, x: Tensor, dest: PagedRecords) -> str | None:
+    """Why the Gluon index-key writer (v12) cannot take this call, or None (then it is the default:
+    63 % of copy against v3's 60 % on the H200, run 18)."""
+    if kind != "index" or x.ndim != 2 or x.shape[1] != 128:
+        return f"it writes 128-channel index keys, got {kind!r} x {list(x.shape)[1:]}"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"it takes bf16 / fp16 rows (its E2M1 rounding needs <= 11 significant bits), got {x.dtype}"
+    if x.device.type != "cuda" or interpreting() or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "it needs an sm_90 GPU (Gluon; the interpreter cannot run it)"
+    if dest.alignment < 4 or x.stride(1) != 1:
+        return "records must be 4-byte aligned and rows contiguous"
+    return None
+
+
+def _launch_v12(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, block_t: int | None,
+                tiles: int | None, num_warps: int | None) -> None:
+    """`_gl_write_index_kernel` (Gluon, v12): refuses, with the reason, what it cannot take."""
+    why = _v12_unsupported(kind, x, dest)
+    if why is not None:
+        raise ValueError(f"write_records: version 12 cannot run here: {why}")
+    from cedserve.kernels import _records_gluon as g
+
+    block_t = block_t or 32
+    tiles = tiles or 4
+    num_warps = num_warps or 4
+    if block_t & (block_t - 1) or block_t < 2 * num_warps:
+        raise ValueError(f"write_records: version 12 needs block_t a power of two >= {2 * num_warps}, got {block_t}")
+    g._gl_write_index_kernel[(cdiv(x.shape[0], block_t * tiles),)](
+        x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
+        dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes,
+        BLOCK_T=block_t, TILES=tiles, num_warps=num_warps,
     )
 
 

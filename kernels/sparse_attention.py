@@ -107,10 +107,10 @@ class AttentionConfig:
         if kernel not in ("triton", "gluon"):
             raise ValueError(f"sparse_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
-            num_splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), cdiv(keys, 256)))
+            splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), cdiv(keys, 256)))
             word_decode = True if self.word_decode is None else self.word_decode
             fused = True if self.fused_combine is None else self.fused_combine
-            return AttentionConfig(64, 64, num_splits, 8, 1, 1, False, True, "gluon", word_decode, fused)
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)

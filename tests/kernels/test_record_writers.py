@@ -255,3 +255,33 @@ def test_gpu_v5_ties(kind: RecordKind, gen: torch.Generator, device: torch.devic
     x = torch.cat([_inputs(8192, 512 if kind == "main" else 128, torch.bfloat16, gen, device),
                    edge_rows(512 if kind == "main" else 128, 16, device).bfloat16()])
     _check_write(kind, x, "region", gen, device, version=5)
+
+
+def test_write_v12_refuses_what_it_cannot_run(gen: torch.Generator, device: torch.device) -> None:
+    # the Gluon index-key writer (v12) runs on sm_90 only, for 128-wide bf16 / fp16 rows
+    x = _inputs(4, 128, torch.float32, gen, device)
+    dest = _make_dest("region", record_format("index").record_bytes(128), 8, gen, device)
+    with pytest.raises(ValueError, match=r"version 12 cannot run here: .*bf16"):
+        write_records("index", x, torch.arange(4, device=device), dest, version=12, impl="triton")
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match=r"version 12 cannot run here: .*sm_90"):
+            write_records("index", x.bfloat16(), torch.arange(4, device=device), dest, version=12, impl="triton")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v12 is Gluon for sm_90")
+@pytest.mark.parametrize(("block_t", "tiles", "num_warps"), [(None, None, None), (16, 3, 4), (64, 1, 8)])
+def test_gpu_v12_index_writer(block_t: int | None, tiles: int | None, num_warps: int | None, gen: torch.Generator,
+                              device: torch.device) -> None:
+    # bit-exact on every byte of poisoned storage: random rows over 40 binades, edge rows, every
+    # E2M1 tie and its neighbours for every power-of-two scale, a skipped row, ragged tile ends
+    launch = {k: v for k, v in (("block_t", block_t), ("tiles", tiles), ("num_warps", num_warps)) if v is not None}
+    for dtype in (torch.bfloat16, torch.float16):
+        _check_write("index", _tie_rows("index", dtype, 128, gen, device), "region", gen, device, version=12,
+                     **launch)
+    x = torch.cat([_inputs(8195, 128, torch.bfloat16, gen, device), edge_rows(128, 16, device).bfloat16()])
+    _check_write("index", x, "region", gen, device, version=12, **launch)
+    _check_write("index", _inputs(37, 128, torch.float16, gen, device), "region", gen, device, version=12, **launch)
+    if block_t is None:  # the launcher's default picks v12 on this GPU
+        _check_write("index", x, "region", gen, device)
