@@ -580,6 +580,25 @@ def decode_attention(b: Bench) -> None:
         b.curves["attention_repeats_us"] = repeats
         print("  interleaved repeats (us, CUDA graph replays): " + "; ".join(f"{k} {', '.join(f'{v:.1f}' for v in vs)}"
                                                         for k, vs in repeats.items()))
+    if dev.type == "cuda" and not b.smoke:  # small batches (decode latency): the defaults, GPU time
+        small: dict[str, dict[str, float]] = {}
+        for batch in (1, 8, 16):
+            sub = (q[:batch], sink, main, topk_slots[:batch], swa, win_slots[:batch], cos[:batch], sin[:batch])
+            out_b = out[:batch]
+            for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
+                              ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2))):
+                try:
+                    t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
+                                      f"{name} batch {batch}")
+                except Exception as exc:
+                    print(f"  {name} batch {batch}: {type(exc).__name__}: {str(exc)[:160]}")
+                    continue
+                if math.isfinite(t):
+                    splits = cfg.resolve(batch, heads, topk, dev, dim).num_splits
+                    b.record("sparse_attention decode (graph)", f"{batch}x{heads}x{dim} top{topk}+{window}", t,
+                             must_read * batch // n, flops * batch / n, f"{name} s{splits}", "small batch")
+                    small.setdefault(str(batch), {})[name] = t * 1e6
+        b.curves["attention_small_batch_us"] = small
     b.curves["attention_best"] = asdict(best)
     b.target("sparse attention >= 50% copy on bytes read", best.frac_copy, ">= 0.50", best.frac_copy >= 0.5)
     roofline_us = flops / 989e12 * 1e6

@@ -107,7 +107,9 @@ class AttentionConfig:
         if kernel not in ("triton", "gluon"):
             raise ValueError(f"sparse_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
-            splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), cdiv(keys, 256)))
+            # one wave of CTAs (205 KB of shared memory: one per SM), at least 2 key tiles each
+            tiles = cdiv(keys, 64) + 2  # (the window's tiles: `keys` is the longer of the two lists)
+            splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), tiles // 2))
             word_decode = True if self.word_decode is None else self.word_decode
             fused = True if self.fused_combine is None else self.fused_combine
             return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused)
