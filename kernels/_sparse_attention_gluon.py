@@ -30,6 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cedserve.kernels._records_gluon import _gl_slot_address
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -52,67 +54,28 @@ def _gl_tile_slots(t, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N:
     return gl.where(t < main_tiles, from_main.to(gl.int64), from_win.to(gl.int64))
 
 
-@gluon.jit
-def _gl_slot_address(slot, num_slots, offset, spb, slot_stride, block_stride):
-    """(int64 record byte offsets, valid) of slots (-1 or out of range: invalid): the arithmetic
-    of `_jit_codecs._slot_address`, in whatever layout `slot` has."""
-    valid = (slot >= 0) & (slot < num_slots)
-    slot = gl.where(valid, slot, 0).to(gl.int32)
-    block = slot // spb
-    entry = slot - block * spb
-    rec = offset + block.to(gl.int64) * block_stride + entry.to(gl.int64) * slot_stride
-    return gl.multiple_of(rec, 16), valid
-
 # One record code word (8 E2M1 channels: bytes 4j..4j+3, low nibble = even channel) and its block's
 # E4M3 scale byte -> 4 words of bf16 pairs: even channels 0-1, 2-3, odd channels 0-1, 2-3. Each
 # nibble is turned into the E4M3 byte of its value * 2**-6 (as in the Triton kernel), pairs are
 # converted by the hardware (F2FP.F16.E4M3), multiplied by scale * 64 in fp16 (exact: at most 6
 # significant bits, within 2**-10..2688) and packed to bf16 (exact).
-_FP4_WORD_ASM = gl.constexpr("""{
-.reg .b32 lo, hi, t, sc, c64;
-.reg .b16 a0, a1, x0, x1;
-.reg .f32 f0, f1;
-prmt.b32 t, $5, 0, 0x4400;
-mov.b32 {a0, a1}, t;
-cvt.rn.f16x2.e4m3x2 sc, a0;
-mov.b32 c64, 0x54005400;
-mul.rn.f16x2 sc, sc, c64;
-and.b32 lo, $4, 0x07070707;
-shl.b32 lo, lo, 2;
-and.b32 t, $4, 0x08080808;
-shl.b32 t, t, 4;
-or.b32 lo, lo, t;
-shr.b32 hi, $4, 2;
-and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 t, $4, 0x80808080;
-or.b32 hi, hi, t;
-mov.b32 {a0, a1}, lo;
-cvt.rn.f16x2.e4m3x2 t, a0;
-mul.rn.f16x2 t, t, sc;
-mov.b32 {x0, x1}, t;
-cvt.f32.f16 f0, x0;
-cvt.f32.f16 f1, x1;
-cvt.rn.bf16x2.f32 $0, f1, f0;
-cvt.rn.f16x2.e4m3x2 t, a1;
-mul.rn.f16x2 t, t, sc;
-mov.b32 {x0, x1}, t;
-cvt.f32.f16 f0, x0;
-cvt.f32.f16 f1, x1;
-cvt.rn.bf16x2.f32 $1, f1, f0;
-mov.b32 {a0, a1}, hi;
-cvt.rn.f16x2.e4m3x2 t, a0;
-mul.rn.f16x2 t, t, sc;
-mov.b32 {x0, x1}, t;
-cvt.f32.f16 f0, x0;
-cvt.f32.f16 f1, x1;
-cvt.rn.bf16x2.f32 $2, f1, f0;
-cvt.rn.f16x2.e4m3x2 t, a1;
-mul.rn.f16x2 t, t, sc;
-mov.b32 {x0, x1}, t;
-cvt.f32.f16 f0, x0;
-cvt.f32.f16 f1, x1;
-cvt.rn.bf16x2.f32 $3, f1, f0;
-}""")
+def _e4m3_pair_to_bf16(src: str, dst: str) -> str:
+    """PTX: the E4M3 pair in 16-bit register `src` (values * 2**-6) -> bf16 pair `dst`, scaled by `sc`."""
+    return (f"cvt.rn.f16x2.e4m3x2 t, {src};\nmul.rn.f16x2 t, t, sc;\nmov.b32 {{x0, x1}}, t;\n"
+            f"cvt.f32.f16 f0, x0;\ncvt.f32.f16 f1, x1;\ncvt.rn.bf16x2.f32 {dst}, f1, f0;\n")
+
+
+_FP4_WORD_ASM = gl.constexpr(
+    "{\n.reg .b32 lo, hi, t, sc, c64;\n.reg .b16 a0, a1, x0, x1;\n.reg .f32 f0, f1;\n"
+    # scale byte -> (scale, scale) * 64 in fp16
+    "prmt.b32 t, $5, 0, 0x4400;\nmov.b32 {a0, a1}, t;\ncvt.rn.f16x2.e4m3x2 sc, a0;\n"
+    "mov.b32 c64, 0x54005400;\nmul.rn.f16x2 sc, sc, c64;\n"
+    # low nibbles (even channels) and high nibbles (odd) -> E4M3 bytes of value * 2**-6
+    "and.b32 lo, $4, 0x07070707;\nshl.b32 lo, lo, 2;\nand.b32 t, $4, 0x08080808;\nshl.b32 t, t, 4;\n"
+    "or.b32 lo, lo, t;\nshr.b32 hi, $4, 2;\nand.b32 hi, hi, 0x1C1C1C1C;\nand.b32 t, $4, 0x80808080;\n"
+    "or.b32 hi, hi, t;\n"
+    "mov.b32 {a0, a1}, lo;\n" + _e4m3_pair_to_bf16("a0", "$0") + _e4m3_pair_to_bf16("a1", "$1")
+    + "mov.b32 {a0, a1}, hi;\n" + _e4m3_pair_to_bf16("a0", "$2") + _e4m3_pair_to_bf16("a1", "$3") + "}")
 
 
 @gluon.jit
@@ -123,6 +86,7 @@ def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
     16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
                                block_stride)
+    rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     word = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LW))
     row = main_ptr + gl.expand_dims(rec, 1)
     ok2 = gl.expand_dims(ok, 1)
@@ -142,6 +106,7 @@ def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_str
     `k_hi_dst`. A thread loads 16 contiguous code bytes (one 16-byte load) = 2 scale blocks."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LK)), num_slots, offset, spb, slot_stride,
                                block_stride)
+    rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     col = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LK))
     codes = gl.load(main_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
     codes = gl.convert_layout(gl.reshape(codes, [SUB, D // 16, 8]), L3)  # [key, scale block, byte]
@@ -169,6 +134,7 @@ def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_strid
     loads the 32 bytes of one scale block (two 16-byte loads)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LS)), num_slots, offset, spb, slot_stride,
                                block_stride)
+    rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     col = gl.arange(0, D, layout=gl.SliceLayout(0, LS))
     values = gl.load(swa_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
     values = gl.convert_layout(gl.reshape(values, [SUB, D // 32, 16, 2]), L4)
