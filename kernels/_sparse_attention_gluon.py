@@ -1,16 +1,21 @@
-"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (v11, `AttentionConfig(version=11)`).
+"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (v11, `AttentionConfig(kernel="gluon")`,
+the default on sm_90).
 
 The same math as `_sparse_decode_attention_kernel` (read that module's docstring first: channel
 halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written in Gluon so that
 the layouts the Triton kernel could not choose are ours (kernels-notes.md, "Profile"):
 
 * one CTA of two warpgroups takes all 64 heads of a token (the MMAs' M) over a contiguous run of
-  that token's key tiles and writes split-KV partials, merged by `_combine_splits_kernel`;
-* each thread decodes 16 contiguous channels of a key (16 record bytes, one 16-byte load) and
-  stores them to shared memory as two 16-byte vectors in the NVMMA-swizzled layout that `wgmma`
-  reads (the Triton kernel staged decoded keys with 16-bit stores);
+  that token's key tiles and writes split-KV partials; the last split of the token to finish
+  merges them (`FUSED_COMBINE`, an acquire / release counter per token), or
+  `_combine_splits_kernel` does;
+* a thread decodes 4 code words of a main-KV record (one 16-byte load; one inline-PTX block per
+  word, `FAST_DECODE`) and stores the bf16 pairs to shared memory as 16-byte vectors in the
+  NVMMA-swizzled layout that `wgmma` reads (the Triton kernel staged decoded keys with 16-bit
+  stores);
 * `S = Q . K^T` and `acc += P . K` are asynchronous warpgroup MMAs reading Q, K and P from shared
-  memory; K is double-buffered, so a tile's loads and decode overlap the previous tile's `P . K`;
+  memory; K is double-buffered, and tile t + 1 is loaded and decoded while tile t's `P . K` runs
+  (its slot ids loaded before tile t's `S`);
 * the two warpgroups split the keys of `S` (32 each) and the value channels of `acc` (128 of each
   256-channel half each: 128 fp32 registers per thread for the accumulators).
 

@@ -23,8 +23,8 @@ are the same call. Slot lists are built by the caller from its block tables
 
 Layers: `_sparse_decode_attention_kernel` (+ `_combine_splits_kernel` when one token's keys are
 split over several programs) in `_sparse_attention_kernels.py`, and on Hopper (sm_90, 64 heads x
-512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v11, with
-the same combine); :func:`sparse_attention` here;
+512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v11, which
+merges its key splits itself); :func:`sparse_attention` here;
 :func:`sparse_attention_reference` (float32 math on the decoded records).
 
 Precision: keys are exact in bf16; logits and the accumulator are fp32; probabilities are rounded
@@ -86,7 +86,7 @@ class AttentionConfig:
     kernel: str | None = None
     """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v11,
     `_sparse_attention_gluon.py`: Hopper warpgroup MMAs with our own shared-memory layout; sm_90,
-    64 heads, head_dim 512, 16-byte aligned records, always split-KV partials + the combine pass).
+    64 heads, head_dim 512, 16-byte aligned records).
     The other fields except `num_splits` and `word_decode` are fixed for "gluon" (64 heads, 64-key
     tiles, 8 warps)."""
     word_decode: bool | None = None
@@ -240,7 +240,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         launch.run(cfg)
         return out
     if _GLUON_DEFAULT["usable"] and launch.gluon_unsupported() is None:
-        # v11 is the default where it runs (H200: 48 us against 91 us at batch 64, kernels-notes.md);
+        # v11 is the default where it runs (H200: 44.6 us against 91 us at batch 64, kernels-notes.md);
         # should it fail to build (a Triton without Gluon's Hopper API), say so once and stay on Triton
         from triton.compiler.errors import CompilationError
 
