@@ -393,9 +393,8 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     slots = _block_slots(tokens, entries, dest.num_blocks, dev)
     moved = tokens * (2 * dim + record_bytes + 8)
     # launch configs (rows per program, warps, 32-bit word stores, version): the launcher's default
-    # first; E2M1 kinds also time v3's arithmetic (the correctly rounded quotient) beside v4's
-    # the launcher's default version first (v5 for main since run 5, v4 for SWA, v12 for the index
-    # keys on sm_90, else v3), then the other versions of the E2M1 kinds
+    # first (v5 for main since run 5, v4 for SWA, v12 for the index keys on sm_90, else v3), then the
+    # other versions of the E2M1 kinds
     gluon_ok = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
     default_version = {"main": 5, "index": 12 if gluon_ok else 3}.get(kind, 4)
     # v5 (E2M1 kinds): `_write_words_v5_kernel` at its defaults and a tiles / rows sweep (tiles last)
@@ -557,8 +556,8 @@ def decode_attention(b: Bench) -> None:
             best = row
     if best is None:
         raise RuntimeError("no attention config ran")
-    if not b.smoke:  # the key-split rows read 78 us in run 9 and 200-213 us in runs 6-7: interleave
-        # the default and the key split 4 times in one run to see whether that is noise or state
+    if not b.smoke:  # single rows moved by up to 2x between runs (runs 6-9): interleave the rivals 4
+        # times in one run, as CUDA-graph replays (GPU time; do_bench where capture fails)
         repeats: dict[str, list[float]] = {}
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
@@ -567,12 +566,12 @@ def decode_attention(b: Bench) -> None:
             rivals["gluon v11 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
         for _ in range(4):
             for name, cfg in rivals.items():
+                call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
+                               config=cfg, impl="triton")
                 try:
-                    t = _graph_time_s(b, [partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos,
-                                                  sin, out=out, config=cfg, impl="triton")], name)
+                    t = _graph_time_s(b, [call], name)
                     if not math.isfinite(t):
-                        t = b.time_s(partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin,
-                                             out=out, config=cfg, impl="triton"))
+                        t = b.time_s(call)
                 except Exception as exc:
                     print(f"  {name}: {type(exc).__name__}: {str(exc)[:160]}")
                     continue

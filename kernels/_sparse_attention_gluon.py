@@ -85,9 +85,9 @@ _FP4_WORD_ASM = gl.constexpr(
 
 @gluon.jit
 def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
-                        SUB: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr):
+                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr):
     """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
-    destination rows viewed as int32 bf16 pairs `[SUB, D / 4]`. A thread takes 4 code words (one
+    destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`. A thread takes 4 code words (one
     16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
                                block_stride)
@@ -100,21 +100,21 @@ def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
     lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
         _FP4_WORD_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
         is_pure=True, pack=1)
-    kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [SUB, D // 4]), LW2))
-    kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [SUB, D // 4]), LW2))
+    kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [ROWS, D // 4]), LW2))
+    kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [ROWS, D // 4]), LW2))
 
 
 @gluon.jit
 def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
-                  SUB: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr):
-    """Decode the `SUB` main-KV records (FP4 pairs + E4M3 scales per 16 channels) at `slot` and store their even / odd channels (bf16 [SUB, D / 2]) to `k_lo_dst` /
+                  ROWS: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr):
+    """Decode the `ROWS` main-KV records (FP4 pairs + E4M3 scales per 16 channels) at `slot` and store their even / odd channels (bf16 [ROWS, D / 2]) to `k_lo_dst` /
     `k_hi_dst`. A thread loads 16 contiguous code bytes (one 16-byte load) = 2 scale blocks."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LK)), num_slots, offset, spb, slot_stride,
                                block_stride)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     col = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LK))
     codes = gl.load(main_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
-    codes = gl.convert_layout(gl.reshape(codes, [SUB, D // 16, 8]), L3)  # [key, scale block, byte]
+    codes = gl.convert_layout(gl.reshape(codes, [ROWS, D // 16, 8]), L3)  # [key, scale block, byte]
     L2: gl.constexpr = gl.SliceLayout(2, L3)
     rec2 = gl.convert_layout(rec, gl.SliceLayout(1, L2))
     ok2 = gl.convert_layout(ok, gl.SliceLayout(1, L2))
@@ -127,13 +127,13 @@ def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_str
     scale = gl.expand_dims(scales.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0, 2)
     lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
     hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
-    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [SUB, D // 2]), LK))
-    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [SUB, D // 2]), LK))
+    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [ROWS, D // 2]), LK))
+    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [ROWS, D // 2]), LK))
 
 
 @gluon.jit
 def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
-                 SUB: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr, L3S: gl.constexpr,
+                 ROWS: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr, L3S: gl.constexpr,
                  LK: gl.constexpr):
     """`_gl_main_rows` for SWA records (E4M3 bytes + UE8M0 scales per 32 channels). A thread
     loads the 32 bytes of one scale block (two 16-byte loads)."""
@@ -142,7 +142,7 @@ def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_strid
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     col = gl.arange(0, D, layout=gl.SliceLayout(0, LS))
     values = gl.load(swa_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
-    values = gl.convert_layout(gl.reshape(values, [SUB, D // 32, 16, 2]), L4)
+    values = gl.convert_layout(gl.reshape(values, [ROWS, D // 32, 16, 2]), L4)
     lo8, hi8 = gl.split(values)  # even / odd channels [BLOCK_N, D / 32, 16]
     lo8 = gl.convert_layout(lo8, L3S)
     hi8 = gl.convert_layout(hi8, L3S)
@@ -155,8 +155,8 @@ def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_strid
     scale = gl.expand_dims((scales.to(gl.int32) << 23).to(gl.float32, bitcast=True), 2)  # 2**(b - 127)
     lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
     hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
-    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [SUB, D // 2]), LK))
-    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [SUB, D // 2]), LK))
+    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [ROWS, D // 2]), LK))
+    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [ROWS, D // 2]), LK))
 
 
 @gluon.jit
@@ -180,10 +180,10 @@ def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_s
 
 
 @gluon.jit
-def _gl_merge_and_store(acc_lo, acc_hi, m_own, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr,
-                        cs_stride, out_ptr, out_stride_n, out_stride_h,
+def _gl_merge_and_store(acc_lo, acc_hi, m_own, l_own, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                        sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
                         H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                        MMA_O: gl.constexpr, LO: gl.constexpr, l_own):
+                        MMA_O: gl.constexpr, LO: gl.constexpr):
     """`_combine_splits_kernel` inside the last split's CTA: merge its registers with the other
     splits' partials, add the sink, divide, rotate the RoPE pairs back, store bf16 `out[n]`."""
     HALF: gl.constexpr = D // 2
@@ -363,6 +363,6 @@ def _gl_sparse_attention_kernel(
         arrived = gl.atomic_add(counter_ptr + n, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             gl.store(counter_ptr + n, 0)  # ready for the next launch that reuses the counters
-            _gl_merge_and_store(acc_lo, acc_hi, m_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr,
-                                cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, l_i)
+            _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                                sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
+                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
