@@ -1,7 +1,7 @@
 """One launch each of the decode hot kernels at the released shapes, for a profiler to attach to:
 sparse decode attention (batch 64, top-512 + 128 window, 64 heads x 512, default launch), the
 index scan (64 tokens x 262K index keys, block maxima, default launch) and the index-key record
-writer (1M rows, v3, v4 and the Gluon v12). Each kernel runs a few
+writer (1M rows, v3, v4 and the Gluon v13). Each kernel runs a few
 untimed times first (compile, warm), then `--launches` times inside NVTX ranges.
 
     ncu --nvtx --nvtx-include "profile/" --section WarpStateStats --section SchedulerStats \\
@@ -66,7 +66,7 @@ def main() -> int:
         dest = _pool("index", dim, tokens, 64, dev)
         x = torch.randn(tokens, dim, device=dev).bfloat16()
         slots = _block_slots(tokens, 64, dest.num_blocks, dev)
-        for version in (3, 4, 12):
+        for version in (3, 4, 13):
             runs.append((f"writer v{version}", lambda v=version: rec_ops.write_records("index", x, slots, dest,
                                                                                       version=v, impl="triton")))
     for name, fn in runs:

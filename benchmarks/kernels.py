@@ -393,10 +393,10 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     slots = _block_slots(tokens, entries, dest.num_blocks, dev)
     moved = tokens * (2 * dim + record_bytes + 8)
     # launch configs (rows per program, warps, 32-bit word stores, version): the launcher's default
-    # first (v5 for main since run 5, v4 for SWA, v12 for the index keys on sm_90, else v3), then the
+    # first (v5 for main since run 5, v4 for SWA, v13 for the index keys on sm_90, else v3), then the
     # other versions of the E2M1 kinds
     gluon_ok = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
-    default_version = {"main": 5, "index": 12 if gluon_ok else 3}.get(kind, 4)
+    default_version = {"main": 5, "index": 13 if gluon_ok else 3}.get(kind, 4)
     # v5 (E2M1 kinds): `_write_words_v5_kernel` at its defaults and a tiles / rows sweep (tiles last)
     sweep: list[tuple[int | None, int | None, bool | None, int, int | None]] = [
         (None, None, None, default_version, None)]
@@ -406,8 +406,9 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
         sweep += {"main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
                   "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],
                   "swa": [(16, 4, False, 4, None)]}[kind]
-    if kind == "index" and gluon_ok:  # v12, the Gluon writer (16 lanes per row): rows / tiles / warps
-        sweep += [(16, 4, None, 12, 4), (32, 4, None, 12, 8), (32, 4, None, 12, 2), (32, 8, None, 12, 4)]
+    if kind == "index" and gluon_ok:  # v13, the Gluon writer (16 lanes per row): rows / tiles / warps
+        sweep += [(16, 4, None, 13, 4), (64, 4, None, 13, 4), (64, 4, None, 13, 2),
+                  (32, 4, None, 13, 8), (32, 4, None, 13, 2), (32, 8, None, 13, 4), (64, 8, None, 13, 4)]
     best: Row | None = None
     for block_t, warps, words, version, tiles in sweep:
         try:

@@ -136,8 +136,8 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     defaults (the benchmark sweeps them). `version=3` selects the v3 arithmetic for E2M1 records
     (correctly rounded quotient per element); 4 uses the cheaper `_e2m1_code_fast` for bf16 / fp16
     inputs (`kernels-notes.md`); both are bit-exact. Default (None): what the H200 runs measured
-    fastest, 5 for the main KV (run 5: 72% of copy), 4 for SWA, and for the 128-wide index keys 12
-    where it runs (bf16 / fp16 rows on sm_90: 63 %), else 3 (60 %).
+    fastest, 5 for the main KV (run 5: 72% of copy), 4 for SWA, and for the 128-wide index keys 13
+    where it runs (bf16 / fp16 rows on sm_90: 76 %), else 3 (60 %).
 
     `version=5` (E2M1 formats; SWA runs as 4): `_write_words_v5_kernel`, v4's arithmetic with the
     main-KV 1 / scale from one approximate reciprocal, and `tiles` tiles of `block_t` rows per
@@ -146,15 +146,16 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     memory). `rcp_nudge` (interpreter tests only) moves the v5 reciprocal by that many float32
     ulps to show the rounding does not depend on it being correctly rounded.
 
-    `version=12` (index keys of 128 channels from bf16 / fp16, sm_90 GPUs, 4-byte aligned records):
-    `_gl_write_index_kernel` (Gluon, `_records_gluon.py`), v4's arithmetic with 16 lanes per row
-    so a record's words are stored by neighbouring lanes (`kernels-notes.md`, v12)."""
+    `version=13` (index keys of 128 channels from bf16 / fp16, sm_90 GPUs, 4-byte aligned records):
+    `_gl_write_index_kernel` (Gluon, `_records_gluon.py`), v4's arithmetic trimmed to what finite
+    bf16 / fp16 rows need, with 16 lanes per row so a record's words are stored by neighbouring
+    lanes (`kernels-notes.md`, v12 and v13; v12, the same layout with v4's codec, was removed)."""
     if version is None:
-        version = {"main": 5, "index": 12 if _v12_unsupported(kind, x, dest) is None else 3}.get(kind, 4)
-    if version not in (3, 4, 5, 12):
-        raise ValueError(f"write_records: version must be 3, 4, 5 or 12, got {version}")
-    if tiles is not None and (tiles < 1 or version not in (5, 12)):
-        raise ValueError(f"write_records: tiles must be >= 1 and needs version 5 or 12, got tiles={tiles} version={version}")
+        version = {"main": 5, "index": 13 if _v13_unsupported(kind, x, dest) is None else 3}.get(kind, 4)
+    if version not in (3, 4, 5, 13):
+        raise ValueError(f"write_records: version must be 3, 4, 5 or 13, got {version}")
+    if tiles is not None and (tiles < 1 or version not in (5, 13)):
+        raise ValueError(f"write_records: tiles must be >= 1 and needs version 5 or 13, got tiles={tiles} version={version}")
     fmt = record_format(kind)
     op = f"write_records({kind!r})"
     check_tensor(x, f"{op}: x", dtypes=_FLOAT_DTYPES, dim=2)
@@ -170,8 +171,8 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
         return
     from cedserve.kernels import _records_kernels as k
 
-    if version == 12:
-        _launch_v12(kind, x, slot_mapping, dest, block_t=block_t, tiles=tiles, num_warps=num_warps)
+    if version == 13:
+        _launch_v13(kind, x, slot_mapping, dest, block_t=block_t, tiles=tiles, num_warps=num_warps)
         return
     nb = dim // fmt.scale_block
     fast = version >= 4 and fmt.elem_bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
@@ -202,9 +203,9 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
     )
 
 
-def _v12_unsupported(kind: RecordKind, x: Tensor, dest: PagedRecords) -> str | None:
-    """Why the Gluon index-key writer (v12) cannot take this call, or None (then it is the default:
-    63 % of copy against v3's 60 % on the H200, run 18)."""
+def _v13_unsupported(kind: RecordKind, x: Tensor, dest: PagedRecords) -> str | None:
+    """Why the Gluon index-key writer (v13) cannot take this call, or None (then it is the default:
+    76 % of copy against v3's 60 % on the H200, run 20)."""
     if kind != "index" or x.ndim != 2 or x.shape[1] != 128:
         return f"it writes 128-channel index keys, got {kind!r} x {list(x.shape)[1:]}"
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -216,24 +217,29 @@ def _v12_unsupported(kind: RecordKind, x: Tensor, dest: PagedRecords) -> str | N
     return None
 
 
-def _launch_v12(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, block_t: int | None,
+def _launch_v13(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, *, block_t: int | None,
                 tiles: int | None, num_warps: int | None) -> None:
-    """`_gl_write_index_kernel` (Gluon, v12): refuses, with the reason, what it cannot take."""
-    why = _v12_unsupported(kind, x, dest)
+    """`_gl_write_index_kernel` (Gluon, v13): refuses, with the reason, what it cannot take."""
+    why = _v13_unsupported(kind, x, dest)
     if why is not None:
-        raise ValueError(f"write_records: version 12 cannot run here: {why}")
+        raise ValueError(f"write_records: version 13 cannot run here: {why}")
     from cedserve.kernels import _records_gluon as g
 
     block_t = block_t or 32
     tiles = tiles or 4
     num_warps = num_warps or 4
     if block_t & (block_t - 1) or block_t < 2 * num_warps:
-        raise ValueError(f"write_records: version 12 needs block_t a power of two >= {2 * num_warps}, got {block_t}")
+        raise ValueError(f"write_records: version 13 needs block_t a power of two >= {2 * num_warps}, got {block_t}")
     g._gl_write_index_kernel[(cdiv(x.shape[0], block_t * tiles),)](
         x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
         dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes,
-        BLOCK_T=block_t, TILES=tiles, num_warps=num_warps,
+        BLOCK_T=block_t, TILES=tiles, SPB_LOG2=_log2_or_minus1(dest.slots_per_block), num_warps=num_warps,
     )
+
+
+def _log2_or_minus1(n: int) -> int:
+    """log2(n) for a power of two, else -1 (kernels then divide instead of shifting)."""
+    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
 
 
 def _launch_v5(k: ModuleType, fmt: RecordFormat, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, nb: int,

@@ -43,10 +43,11 @@ def _make_dest(layout: str, record_bytes: int, slots_wanted: int, gen: torch.Gen
     if layout == "flat":  # rows wider than a record, at an odd byte offset: byte stores
         table = _poisoned((slots_wanted, record_bytes + 11), gen, device)
         return PagedRecords.flat(table[:, 3 : 3 + record_bytes + 5], record_bytes)
-    # a pool of blocks holding a region of 8 records at a 16-aligned offset: word stores
-    blocks = -(-slots_wanted // 8)
-    pool = _poisoned((blocks, 8 * record_bytes + 48), gen, device)
-    return PagedRecords.region(pool, 32, 8, record_bytes)
+    # a pool of blocks holding a region of 8 (or, "region6", 6) records at a 16-aligned offset: word stores
+    per_block = 6 if layout == "region6" else 8
+    blocks = -(-slots_wanted // per_block)
+    pool = _poisoned((blocks, per_block * record_bytes + 48), gen, device)
+    return PagedRecords.region(pool, 32, per_block, record_bytes)
 
 
 def _inputs(tokens: int, dim: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> Tensor:
@@ -257,32 +258,35 @@ def test_gpu_v5_ties(kind: RecordKind, gen: torch.Generator, device: torch.devic
     _check_write(kind, x, "region", gen, device, version=5)
 
 
-def test_write_v12_refuses_what_it_cannot_run(gen: torch.Generator, device: torch.device) -> None:
-    # the Gluon index-key writer (v12) runs on sm_90 only, for 128-wide bf16 / fp16 rows
+def test_write_v13_refuses_what_it_cannot_run(gen: torch.Generator, device: torch.device) -> None:
+    # the Gluon index-key writer (v13) runs on sm_90 only, for 128-wide bf16 / fp16 rows
     x = _inputs(4, 128, torch.float32, gen, device)
     dest = _make_dest("region", record_format("index").record_bytes(128), 8, gen, device)
-    with pytest.raises(ValueError, match=r"version 12 cannot run here: .*bf16"):
-        write_records("index", x, torch.arange(4, device=device), dest, version=12, impl="triton")
+    with pytest.raises(ValueError, match=r"version 13 cannot run here: .*bf16"):
+        write_records("index", x, torch.arange(4, device=device), dest, version=13, impl="triton")
     if device.type != "cuda":
-        with pytest.raises(ValueError, match=r"version 12 cannot run here: .*sm_90"):
-            write_records("index", x.bfloat16(), torch.arange(4, device=device), dest, version=12, impl="triton")
+        with pytest.raises(ValueError, match=r"version 13 cannot run here: .*sm_90"):
+            write_records("index", x.bfloat16(), torch.arange(4, device=device), dest, version=13, impl="triton")
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v12 is Gluon for sm_90")
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="v13 is Gluon for sm_90")
 @pytest.mark.parametrize(("block_t", "tiles", "num_warps"), [(None, None, None), (16, 3, 4), (64, 1, 8)])
-def test_gpu_v12_index_writer(block_t: int | None, tiles: int | None, num_warps: int | None, gen: torch.Generator,
-                              device: torch.device) -> None:
+def test_gpu_v13_index_writer(block_t: int | None, tiles: int | None, num_warps: int | None,
+                              gen: torch.Generator, device: torch.device) -> None:
     # bit-exact on every byte of poisoned storage: random rows over 40 binades, edge rows, every
-    # E2M1 tie and its neighbours for every power-of-two scale, a skipped row, ragged tile ends
+    # E2M1 tie and its neighbours for every power-of-two scale, a skipped row, ragged tile ends;
+    # blocks of 8 records (slot -> block by a shift) and of 6 (by a division)
     launch = {k: v for k, v in (("block_t", block_t), ("tiles", tiles), ("num_warps", num_warps)) if v is not None}
     for dtype in (torch.bfloat16, torch.float16):
-        _check_write("index", _tie_rows("index", dtype, 128, gen, device), "region", gen, device, version=12,
+        _check_write("index", _tie_rows("index", dtype, 128, gen, device), "region", gen, device, version=13,
                      **launch)
     x = torch.cat([_inputs(8195, 128, torch.bfloat16, gen, device), edge_rows(128, 16, device).bfloat16()])
-    _check_write("index", x, "region", gen, device, version=12, **launch)
+    _check_write("index", x, "region", gen, device, version=13, **launch)
+    _check_write("index", x, "region6", gen, device, version=13, **launch)
     x16 = (torch.randn(37, 128, generator=gen, device=device) * 300).half()  # fp16 rows (within its range)
-    _check_write("index", x16, "region", gen, device, version=12, **launch)
-    if block_t is None:  # the launcher's default picks v12 on this GPU
+    _check_write("index", x16, "region", gen, device, version=13, **launch)
+    _check_write("index", x16, "region6", gen, device, version=13, **launch)
+    if block_t is None:  # the launcher's default picks v13 on this GPU
         _check_write("index", x, "region", gen, device)
