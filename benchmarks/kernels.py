@@ -654,9 +654,9 @@ def decode_step_curve(b: Bench) -> None:
     wi = torch.randn(n, 32, device=dev) * 32**-0.5
     attn_us = b.curves.get("attention_best", {}).get("time_us")
     pool_blocks, topk = (16, 32) if b.smoke else (2048, 512)
-    # the default scan (v4 x32 with the slot prefetch since run 12) and the run-11 default (x16, no
-    # prefetch), for the full scans and the list scoring alike
-    for label, cfg in (("", None), (" v4 x16 pf0", IndexConfig(tiles=16, version=4, prefetch=0))):
+    # the default scan (the Gluon v14 on sm_90 since run 21) and the Triton default (v4 x32 with
+    # the slot prefetch, run 12), for the full scans and the list scoring alike
+    for label, cfg in (("", None), (" triton v4", IndexConfig(kernel="triton"))):
         steps: dict[str, dict[str, float]] = {}
         for ctx in contexts:
             if b.late and ctx > 65536:
@@ -733,11 +733,15 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
     keys = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
     maxima = torch.empty(n, ctx // 8, device=dev)
-    # the v4 default (x32 tiles, slot prefetch: run 12), the run-11 default (x16, no prefetch), v3
+    # the default (Gluon v14 on sm_90), the Triton v4 default (x32 tiles, slot prefetch: run 12), v3
     # and neighbours, timed in 3 interleaved rounds (runs 9-10 moved some rows by 2x between runs:
     # only side-by-side rounds compare)
-    configs = [IndexConfig(), IndexConfig(tiles=16, prefetch=0), IndexConfig(version=3)] + ([] if b.smoke else [
-        IndexConfig(tiles=16), IndexConfig(prefetch=0), IndexConfig(tiles=64)])
+    gluon = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+    configs = [IndexConfig(), IndexConfig(kernel="triton"), IndexConfig(version=3)] + ([] if b.smoke else [
+        IndexConfig(tiles=16, kernel="triton")])
+    if gluon and not b.smoke:
+        configs += [IndexConfig(kernel="gluon", tiles=tiles, num_stages=stages)
+                    for tiles, stages in ((16, 3), (64, 3), (32, 4), (32, 6), (32, 2))]
     rounds = 1 if b.smoke else 3
     repeats: dict[str, list[float]] = {}
     for rnd in range(rounds):
@@ -747,6 +751,8 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
             r = cfg.resolve(8)
             label = (f"v{r.version} t{r.block_t} x{r.tiles} w{r.num_warps} st{r.num_stages}"
                      + (f" pf{r.prefetch}" if r.prefetch else ""))
+            if cfg.kernel == "gluon" or (cfg == IndexConfig() and gluon):
+                label = f"gluon v14 t64 x{cfg.tiles or 32} st{cfg.num_stages or 3}"
             repeats.setdefault(label, []).append(t * 1e6)
             b.record("index scan (block maxima)", f"{n} tok x ctx {ctx}", t, n * ctx * 68, 2.0 * n * 32 * 128 * ctx,
                      label, f"round {rnd + 1}")
@@ -755,7 +761,7 @@ def index_scan_sweep(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch
     print("  index scan medians of the rounds (us): " + "; ".join(f"{k} {m:.0f}" for m, k in medians))
     group = 4 if not b.smoke else 2
     grouped = IndexKeys(idx, table, torch.arange(n, device=dev).int() // group, visible)
-    for cfg in (IndexConfig(), IndexConfig(tiles=16, prefetch=0)):
+    for cfg in (IndexConfig(), IndexConfig(tiles=16, prefetch=0)):  # (a group of tokens: Triton)
         t = b.time_s(partial(index_scores, qi, wi, grouped, width=ctx, block_max=8, write_scores=False,
                              maxima_out=maxima, tokens_per_request=group, config=cfg, impl="triton"))
         b.record("index scan (block maxima)", f"{n} tok ({group}/request) x ctx {ctx}", t, n // group * ctx * 68,

@@ -30,6 +30,7 @@ model's selection rules).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ from cedserve.kernels.triton_support import (
 )
 
 _INTS = (torch.int32, torch.int64)
+_GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon scan fails to build here
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,11 @@ class IndexConfig:
     """1 (the v4 default): the next tile's slots (list entries, block ids) are loaded a tile ahead,
     so a tile waits for one dependent load instead of two; 0: each tile loads its slots, then its
     records (v3 always: through the prefetch its byte loads lose their vectors)."""
+    kernel: str | None = None
+    """"triton" (`_indexer_kernels.py`) or "gluon" (v14, `_indexer_gluon.py`: a ring of cp.async
+    stages and register-operand warpgroup MMAs; sm_90, range mode, one token per request, d = 128,
+    <= 32 heads). None: "gluon" where it can run, else "triton". For "gluon" `tiles` (of 64 entries)
+    and `num_stages` (the ring's depth) apply; the other fields are Triton's."""
 
     def resolve(self, cand_block: int, dim: int = 128) -> IndexConfig:
         block_t = max(cand_block, self.block_t or (64 if interpreting() else 128))
@@ -125,7 +132,7 @@ class IndexConfig:
         # the prefetch 0.887 ms, x16 0.941, x32 without 0.946, x16 without 0.996); `index_scores`
         # halves it while the grid would have under two programs per SM
         return IndexConfig(block_t, self.tiles or (8 if version == 3 else 32), self.num_warps or 4, stages, version,
-                           prefetch)
+                           prefetch, self.kernel)
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,31 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     maxima = maxima_out if maxima_out is not None else torch.empty(tokens, 1, dtype=torch.float32, device=device)
     if tokens == 0 or num == 0:
         return out, maxima_out
+    why_not = _gluon_scan_unsupported(q, keys, entries, cand, tokens_per_request)
+    kernel = config.kernel if config is not None else None
+    if kernel is None:  # Gluon where it runs, unless Triton-only launch fields were given
+        triton_fields = config is not None and any(
+            f is not None for f in (config.block_t, config.num_warps, config.version, config.prefetch))
+        kernel = "gluon" if why_not is None and _GLUON_DEFAULT["usable"] and not triton_fields else "triton"
+    if kernel not in ("triton", "gluon"):
+        raise ValueError(f"index_scores: IndexConfig.kernel must be 'triton' or 'gluon', got {kernel!r}")
+    if kernel == "gluon":
+        if why_not is not None:
+            raise ValueError(f"index_scores: the gluon kernel cannot run here: {why_not}")
+        from triton.compiler.errors import CompilationError
+
+        try:
+            _launch_gluon(q, weights, keys, num, cand, write, block_max is not None, scores, maxima, softmax_scale,
+                          config)
+            return out, maxima_out
+        except (ImportError, AttributeError, CompilationError) as exc:
+            if kernel == (config.kernel if config is not None else None):  # asked for by name
+                raise
+            # the default where it runs (kernels-notes.md, v14); should it fail to build (a Triton
+            # without Gluon's Hopper API), say so once and stay on Triton
+            _GLUON_DEFAULT["usable"] = False
+            warnings.warn(f"index_scores: the gluon kernel failed ({type(exc).__name__}: {exc}); using the Triton "
+                          "kernel from now on", RuntimeWarning, stacklevel=2)
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
@@ -252,6 +284,56 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, maxima_out
+
+
+def _gluon_scan_unsupported(q: Tensor, keys: IndexKeys, entries: Tensor | None, cand: int,
+                            tokens_per_request: int) -> str | None:
+    """Why the Gluon scan (v14) cannot take this call, or None."""
+    if q.device.type != "cuda" or interpreting():
+        return "it needs a CUDA device (the interpreter cannot run Gluon)"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "it needs sm_90 (Hopper warpgroup MMAs)"
+    if entries is not None or tokens_per_request != 1:
+        return "it scores ranges (not entry lists) for one token per request"
+    if q.shape[2] != 128 or q.shape[1] > 32:
+        return f"it takes d = 128 and at most 32 heads, got d = {q.shape[2]}, {q.shape[1]} heads"
+    if q.stride(2) != 1:
+        return "q must have contiguous channels"
+    if keys.records.alignment < 4:
+        return "records must be 4-byte aligned (4-byte cp.async)"
+    if 64 % cand:
+        return f"block maxima of {cand} entries do not divide its 64-entry tiles"
+    return None
+
+
+def _launch_gluon(q: Tensor, weights: Tensor, keys: IndexKeys, num: int, cand: int, write_scores: bool,
+                  write_block_max: bool, scores: Tensor, maxima: Tensor, softmax_scale: float | None,
+                  config: IndexConfig | None) -> None:
+    from cedserve.kernels import _indexer_gluon as g
+
+    tokens, heads, dim = q.shape
+    tiles = (config.tiles if config is not None else None) or 32
+    stages = (config.num_stages if config is not None else None) or 3  # run 21: 3 ~ 2 < 4 < 6 (within 3 %)
+    if stages < 2 or tiles < 1:
+        raise ValueError(f"index_scores: the gluon kernel needs num_stages >= 2 and tiles >= 1, got {stages}, {tiles}")
+    tiles = min(tiles, cdiv(num, 64))
+    if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows
+        while tiles > 4 and tokens * cdiv(num, 64 * tiles) < 2 * num_sms(q.device):
+            tiles //= 2
+    rec = keys.records
+    spb = rec.slots_per_block
+    g._gl_index_scan_kernel[(tokens, cdiv(num, 64 * tiles))](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0),
+        rec.storage, rec.num_blocks, rec.offset_bytes, spb, rec.slot_stride_bytes, rec.block_stride_bytes,
+        keys.block_table, keys.block_table.stride(0), keys.block_table.shape[1], keys.token_req, keys.visible, num,
+        scores, scores.stride(0), maxima, maxima.stride(0),
+        heads, dim**-0.5 if softmax_scale is None else softmax_scale,
+        H=max(16, next_power_of_2(heads)), TILES=tiles, STAGES=stages, CAND_BLOCK=cand, WRITE_SCORES=write_scores,
+        WRITE_BLOCK_MAX=write_block_max, SPB_LOG2=spb.bit_length() - 1 if spb & (spb - 1) == 0 else -1,
+        # blocks of >= 32 records back to back (the cache's index regions): two block ids per tile
+        FAST_ROWS=spb >= 32 and spb & (spb - 1) == 0 and rec.slot_stride_bytes == rec.record_bytes == 68, QSHIFT=64,
+        num_warps=4,
+    )
 
 
 def _output(t: Tensor | None, shape: tuple[int, int], what: str, device: torch.device) -> Tensor:

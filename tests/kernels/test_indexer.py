@@ -183,7 +183,10 @@ def test_gpu_realistic(gen: torch.Generator, device: torch.device) -> None:
     sel = index_topk(q, w, keys, topk=512, width=width, candidate_blocks=2048, impl="triton")
     ref, dense = index_topk_reference(q, w, keys, topk=512, width=width, candidate_blocks=2048)
     _assert_selection(sel.entries, ref.entries, dense)
-    scores, _ = index_scores(q, w, keys, width=width, impl="triton")
+    scores, _ = index_scores(q, w, keys, width=width, impl="triton")  # v14 (Gluon) on sm_90
+    assert scores is not None
+    _assert_scores(scores, dense)
+    scores, _ = index_scores(q, w, keys, width=width, config=IndexConfig(kernel="triton"), impl="triton")
     assert scores is not None
     _assert_scores(scores, dense)
     # the same keys read once per group of 4 tokens of one request
@@ -193,3 +196,60 @@ def test_gpu_realistic(gen: torch.Generator, device: torch.device) -> None:
     assert scores is not None and ref is not None
     _assert_scores(scores, ref)
 
+
+
+def test_gluon_scan_refuses_what_it_cannot_run(gen: torch.Generator, device: torch.device) -> None:
+    # v14 (Gluon) runs range scans of one token per request, d = 128, <= 32 heads, on sm_90 only
+    keys = _keys(requests=2, tokens=3, dim=64, entries_per_block=16, blocks_per_req=4, max_visible=60, gen=gen,
+                 device=device)
+    q, w = _queries(3, 8, 64, gen, device)
+    with pytest.raises(ValueError, match=r"gluon kernel cannot run here: .*(d = 128|CUDA|sm_90)"):
+        index_scores(q, w, keys, width=60, config=IndexConfig(kernel="gluon"), impl="triton")
+    with pytest.raises(ValueError, match="must be 'triton' or 'gluon'"):
+        index_scores(q, w, keys, width=60, config=IndexConfig(kernel="cuda"), impl="triton")
+    if device.type != "cuda":  # the default quietly takes the Triton kernel where Gluon cannot run
+        scores, _ = index_scores(q, w, keys, width=60, impl="triton")
+        ref, _ = index_scores(q, w, keys, width=60, impl="torch")
+        assert scores is not None and ref is not None
+        _assert_scores(scores, ref)
+
+
+SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(not SM90, reason="v14 is Gluon for sm_90")
+@pytest.mark.parametrize(("heads", "per_block", "tiles", "stages"),
+                         [(32, 64, None, None), (32, 32, 4, 2), (20, 16, 1, 3), (16, 24, 32, 4), (32, 64, 3, 5)])
+def test_gpu_gluon_scan(heads: int, per_block: int, tiles: int | None, stages: int | None, gen: torch.Generator,
+                        device: torch.device) -> None:
+    # the Gluon scan against the reference: ragged widths (tiles and programs cut short), blocks of
+    # 64 / 32 / 16 entries (slot -> block by a shift) and of 24 (a division), an unmapped block,
+    # visible counts from 0 to all, padded heads, keys of magnitudes 2**-60..2**60, scores and maxima
+    # NaN-poisoned; each config launched twice in a row (the second reuses the compiled kernel)
+    tokens, dim = 9, 128
+    for width in (1000, 4099):
+        keys = _keys(requests=3, tokens=tokens, dim=dim, entries_per_block=per_block,
+                     blocks_per_req=-(-width // per_block) + 1, max_visible=width, gen=gen, device=device)
+        n = keys.records.num_slots
+        x = torch.randn(n, dim, generator=gen, device=device)
+        x = x * torch.exp2(torch.randint(-60, 61, (n, 1), generator=gen, device=device).float())
+        write_records_reference("index", x, torch.arange(n, device=device), keys.records)
+        q, w = _queries(tokens, heads, dim, gen, device)
+        ref, ref_max = index_scores(q, w, keys, width=width, block_max=8, impl="torch")
+        magnitude, _ = index_scores(q, w.abs(), keys, width=width, impl="torch")
+        assert ref is not None and ref_max is not None and magnitude is not None
+        config = IndexConfig(kernel="gluon", tiles=tiles, num_stages=stages)
+        for _ in range(2):
+            scores = torch.full((tokens, width), float("nan"), device=device)
+            maxima = torch.full((tokens, -(-width // 8)), float("nan"), device=device)
+            index_scores(q, w, keys, width=width, block_max=8, out=scores, maxima_out=maxima, config=config,
+                         impl="triton")
+            _assert_scores(scores, ref, magnitude)
+            mag_max = torch.nn.functional.pad(magnitude, (0, -width % 8)).view(tokens, -1, 8).amax(-1)
+            _assert_scores(maxima, ref_max, mag_max)
+            only_max = torch.full((tokens, -(-width // 8)), float("nan"), device=device)
+            index_scores(q, w, keys, width=width, block_max=8, write_scores=False, maxima_out=only_max, config=config,
+                         impl="triton")
+            assert torch.equal(only_max, maxima)
