@@ -313,7 +313,10 @@ def _launch_gluon(q: Tensor, weights: Tensor, keys: IndexKeys, num: int, cand: i
 
     tokens, heads, dim = q.shape
     tiles = (config.tiles if config is not None else None) or 32
-    stages = (config.num_stages if config is not None else None) or 3  # run 21: 3 ~ 2 < 4 < 6 (within 3 %)
+    # the ring's depth: 2 (runs 22-23, 3 interleaved rounds each: 2 stages 633-638 us, 3 647-652, 4
+    # 646-651, 6 669-675; a register cap of 80 or 72 for more CTAs per SM: 640-670 / 709): the kernel
+    # is bound by its instruction issue, not by loads in flight (kernels-notes.md, v14)
+    stages = (config.num_stages if config is not None else None) or 2
     if stages < 2 or tiles < 1:
         raise ValueError(f"index_scores: the gluon kernel needs num_stages >= 2 and tiles >= 1, got {stages}, {tiles}")
     tiles = min(tiles, cdiv(num, 64))
