@@ -56,6 +56,25 @@ from cedserve.kernels.triton_support import (
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 _GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon kernel fails to build here
+_COUNTERS: dict[tuple[int, int], Tensor] = {}
+
+
+def _split_counters(device: torch.device, tokens: int) -> Tensor:
+    """int32 zeros `[>= tokens]` for the fused merge's per-token arrival counters. The kernel leaves
+    them zero (the last split of a token resets its counter), so one buffer per (device, stream)
+    serves every call without a memset kernel per call; inside a CUDA-graph capture a missing or
+    short buffer is made for that graph alone (the graph's memory pool must not leak into the cache)."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index or 0, stream.cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= tokens:
+        return buf
+    fresh = torch.zeros(max(tokens, 256), dtype=torch.int32, device=device)
+    with torch.cuda.device(device):
+        capturing = torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _COUNTERS[key] = fresh
+    return fresh
 
 
 @dataclass(frozen=True)
@@ -231,9 +250,13 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
     if main_rec is None or swa_rec is None:  # no keys at all: every row is the sink alone
         out.copy_(sparse_attention_reference(q, sink, None, None, None, None, cos, sin, softmax_scale))
         return out
-    dummy_slots = torch.full((tokens, 1), -1, dtype=torch.int32, device=q.device)
-    launch = _Launch(q, sink, main_rec, topk_slots if topk_slots is not None else dummy_slots, num_topk,
-                     swa_rec, window_slots if window_slots is not None else dummy_slots, num_win, cos, sin, out,
+    # a missing slot list becomes one the kernel never reads (its count is 0), made only then:
+    # every tensor made here is one more kernel in the call
+    def no_slots() -> Tensor:
+        return torch.full((tokens, 1), -1, dtype=torch.int32, device=q.device)
+
+    launch = _Launch(q, sink, main_rec, topk_slots if topk_slots is not None else no_slots(), num_topk,
+                     swa_rec, window_slots if window_slots is not None else no_slots(), num_win, cos, sin, out,
                      dim**-0.5 if softmax_scale is None else softmax_scale)
     cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device, dim)
     if config is not None:
@@ -307,7 +330,7 @@ class _Launch:
         fused = cfg.fused_combine is not False
         part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-        counters = torch.zeros(tokens if fused else 1, dtype=torch.int32, device=q.device)
+        counters = _split_counters(q.device, tokens) if fused else part_ml  # (unused without the fused merge)
         g._gl_sparse_attention_kernel[(tokens, splits)](
             q, q.stride(0), q.stride(1),
             main.storage, self.topk, self.topk.stride(0), self.num_topk,
