@@ -694,11 +694,17 @@ def decode_step_curve(b: Bench) -> None:
         first, last = str(contexts[0]), max(steps, key=int)
         if first in steps and last != first:
             ratio = steps[last]["step_us"] / steps[first]["step_us"]
-            b.target(f"decode step attention+indexer at {last} / at {first}{label}", ratio, "<= 1.5", ratio <= 1.5)
             graph_ratio = steps[last]["step_graph_us"] / steps[first]["step_graph_us"]
-            if math.isfinite(graph_ratio):
+            if math.isfinite(graph_ratio):  # the GPU's figure is the target; launched call by call, the
+                # short contexts are host-bound (run 22: ~5 ms of launch work at 4K flattered the ratio)
                 b.target(f"decode step, index calls as a CUDA graph, at {last} / at {first}{label}", graph_ratio,
                          "<= 1.5", graph_ratio <= 1.5)
+                b.curves["decode_step_eager_ratio" + label.replace(" ", "_")] = ratio
+                print(f"  (info) decode step launched call by call, {last} / {first}{label}: {ratio:.3g} "
+                      "(host launch work included: not a GPU figure)", flush=True)
+            else:
+                b.target(f"decode step attention+indexer at {last} / at {first}{label}", ratio, "<= 1.5",
+                         ratio <= 1.5)
             layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
             b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}{label}", layer, "<= 1.5",
                      layer <= 1.5)
