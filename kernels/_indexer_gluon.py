@@ -32,6 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
+from cedserve.kernels._records_gluon import _gl_block_entry
+
 # One code word (nibble n = channel 8w + n) and its block's multiplier (the bf16 2**(b - 1 - QSHIFT),
 # twice) -> 4 bf16 pairs: pair j = (nibble j, nibble j + 4) = channels (8w + j, 8w + 4 + j). Per pair
 # (`_indexer_kernels._pairs_bf16`): keep the two nibbles, a multiply moves each one's sign to bit 15
@@ -84,12 +86,7 @@ def _gl_tile_rows(tile, req, block_table_ptr, bt_stride, max_blocks, num_blocks,
     """(int64 record byte offsets, readable) of the 64 entries of `tile`, in layout LR."""
     e = tile * 64 + gl.arange(0, 64, layout=LR)
     ok = e < num_entries
-    if SPB_LOG2 >= 0:
-        bi = e >> SPB_LOG2
-        entry = e & ((1 << SPB_LOG2) - 1)
-    else:
-        bi = e // spb
-        entry = e - bi * spb
+    bi, entry = _gl_block_entry(e, spb, SPB_LOG2)
     ok = ok & (bi < max_blocks)
     block = gl.load(block_table_ptr + req * bt_stride + bi, mask=ok, other=-1).to(gl.int64)
     ok = ok & (block >= 0) & (block < num_blocks)

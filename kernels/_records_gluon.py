@@ -36,18 +36,23 @@ _ceil_log2 = gluon.jit(_jit_codecs._ceil_log2.fn)
 
 
 @gluon.jit
+def _gl_block_entry(i, spb, SPB_LOG2: gl.constexpr):
+    """(block, entry) = divmod(i, spb) for non-negative int32 `i`: a shift and a mask when `SPB_LOG2`
+    >= 0 says `spb == 2 ** SPB_LOG2`, else a (~17-instruction signed) division."""
+    if SPB_LOG2 >= 0:
+        return i >> SPB_LOG2, i & ((1 << SPB_LOG2) - 1)
+    else:
+        block = i // spb
+        return block, i - block * spb
+
+
+@gluon.jit
 def _gl_slot_address(slot, num_slots, offset, spb, slot_stride, block_stride, SPB_LOG2: gl.constexpr = -1):
     """(int64 record byte offsets, valid) of slots (-1 or out of range: invalid): the arithmetic
     of `_jit_codecs._slot_address`, in whatever layout `slot` has. `SPB_LOG2` >= 0 says
     `spb == 2 ** SPB_LOG2` (a shift and a mask instead of a ~17-instruction signed division)."""
     valid = (slot >= 0) & (slot < num_slots)
-    slot = gl.where(valid, slot, 0).to(gl.int32)
-    if SPB_LOG2 >= 0:
-        block = slot >> SPB_LOG2
-        entry = slot & ((1 << SPB_LOG2) - 1)
-    else:
-        block = slot // spb
-        entry = slot - block * spb
+    block, entry = _gl_block_entry(gl.where(valid, slot, 0).to(gl.int32), spb, SPB_LOG2)
     rec = offset + block.to(gl.int64) * block_stride + entry.to(gl.int64) * slot_stride
     return rec, valid
 
