@@ -45,6 +45,7 @@ from cedserve.kernels.triton_support import (
     check_tensor,
     hardware_fp8,
     interpreting,
+    log2_if_power_of_2,
     next_power_of_2,
     num_sms,
     resolve_impl,
@@ -309,6 +310,8 @@ def _gluon_scan_unsupported(q: Tensor, keys: IndexKeys, entries: Tensor | None, 
 def _launch_gluon(q: Tensor, weights: Tensor, keys: IndexKeys, num: int, cand: int, write_scores: bool,
                   write_block_max: bool, scores: Tensor, maxima: Tensor, softmax_scale: float | None,
                   config: IndexConfig | None) -> None:
+    """`_gl_index_scan_kernel` (v14) over entries `[0, num)` of every token (checked by the caller:
+    `_gluon_scan_unsupported`)."""
     from cedserve.kernels import _indexer_gluon as g
 
     tokens, heads, dim = q.shape
@@ -332,9 +335,9 @@ def _launch_gluon(q: Tensor, weights: Tensor, keys: IndexKeys, num: int, cand: i
         scores, scores.stride(0), maxima, maxima.stride(0),
         heads, dim**-0.5 if softmax_scale is None else softmax_scale,
         H=max(16, next_power_of_2(heads)), TILES=tiles, STAGES=stages, CAND_BLOCK=cand, WRITE_SCORES=write_scores,
-        WRITE_BLOCK_MAX=write_block_max, SPB_LOG2=spb.bit_length() - 1 if spb & (spb - 1) == 0 else -1,
+        WRITE_BLOCK_MAX=write_block_max, SPB_LOG2=log2_if_power_of_2(spb),
         # blocks of >= 32 records back to back (the cache's index regions): two block ids per tile
-        FAST_ROWS=spb >= 32 and spb & (spb - 1) == 0 and rec.slot_stride_bytes == rec.record_bytes == 68, QSHIFT=64,
+        FAST_ROWS=log2_if_power_of_2(spb) >= 5 and rec.slot_stride_bytes == rec.record_bytes == 68, QSHIFT=64,
         num_warps=4,
     )
 

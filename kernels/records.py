@@ -44,6 +44,7 @@ from cedserve.kernels.triton_support import (
     check_tensor,
     hardware_fp8,
     interpreting,
+    log2_if_power_of_2,
     next_power_of_2,
     resolve_impl,
 )
@@ -233,13 +234,9 @@ def _launch_v13(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRe
     g._gl_write_index_kernel[(cdiv(x.shape[0], block_t * tiles),)](
         x, x.stride(0), slot_mapping, dest.storage, x.shape[0], dest.num_slots, dest.offset_bytes,
         dest.slots_per_block, dest.slot_stride_bytes, dest.block_stride_bytes,
-        BLOCK_T=block_t, TILES=tiles, SPB_LOG2=_log2_or_minus1(dest.slots_per_block), num_warps=num_warps,
+        BLOCK_T=block_t, TILES=tiles, SPB_LOG2=log2_if_power_of_2(dest.slots_per_block), num_warps=num_warps,
     )
 
-
-def _log2_or_minus1(n: int) -> int:
-    """log2(n) for a power of two, else -1 (kernels then divide instead of shifting)."""
-    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
 
 
 def _launch_v5(k: ModuleType, fmt: RecordFormat, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, nb: int,

@@ -95,6 +95,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def log2_if_power_of_2(n: int) -> int:
+    """log2(n) when n is a power of two, else -1 (Gluon kernels then divide instead of shifting)."""
+    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints (`triton.cdiv` without importing triton)."""
     return -(-a // b)

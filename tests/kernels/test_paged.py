@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cedserve.kernels.paged import PagedRecords, entries_to_slots
+from cedserve.kernels.triton_support import log2_if_power_of_2
 
 pytestmark = pytest.mark.kernels
 
@@ -48,3 +49,9 @@ def test_entries_to_slots() -> None:
     entries = torch.tensor([[0, 5, 6, -1], [3, 4, 0, 2]])
     slots = entries_to_slots(entries, table, slots_per_block=4)
     assert slots.tolist() == [[28, 9, 10, -1], [7, 0, 4, 6]]
+
+
+def test_log2_if_power_of_2() -> None:
+    # the Gluon kernels shift slot -> block when blocks hold a power of two of records, else divide
+    assert [log2_if_power_of_2(n) for n in (1, 2, 32, 64, 1 << 20)] == [0, 1, 5, 6, 20]
+    assert [log2_if_power_of_2(n) for n in (0, 3, 6, 24, 96, -4)] == [-1] * 6
