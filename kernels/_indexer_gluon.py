@@ -9,8 +9,9 @@ warp ready, each tile waiting on its own record loads. Here
 
 * a CTA (one warpgroup) streams `TILES` tiles of 64 entries of one token's request through a
   ring of `STAGES` shared-memory stages filled by `cp.async` (4-byte copies: records are 68 bytes,
-  4-byte aligned), so `STAGES - 1` tiles are in flight while one is decoded; the block ids of the
-  tile to be issued next are loaded a tile earlier;
+  4-byte aligned), so `STAGES - 1` tiles are in flight while one is decoded (2 by default: the
+  kernel is bound by instruction issue, not by loads in flight); blocks of >= 32 records stored
+  back to back (the cache's index regions) take two block-table loads per tile, not one per row;
 * a thread reads from shared memory exactly the code words it needs as the wgmma's register A
   operand (`DotOperandLayout`, 32-bit elements: rows `l / 4` and `l / 4 + 8` of its warp's 16,
   words `l % 4 + 4 i`, so word `i` is in scale block `i`), decodes each into four bf16 pairs with
