@@ -63,7 +63,9 @@ def _split_counters(device: torch.device, tokens: int) -> Tensor:
     """int32 zeros `[>= tokens]` for the fused merge's per-token arrival counters. The kernel leaves
     them zero (the last split of a token resets its counter), so one buffer per (device, stream)
     serves every call without a memset kernel per call; inside a CUDA-graph capture a missing or
-    short buffer is made for that graph alone (the graph's memory pool must not leak into the cache)."""
+    short buffer is made for that graph alone (the graph's memory pool must not leak into the cache).
+    Calls share a buffer only when they were launched (or captured) on one stream: graphs captured
+    on one stream must not be replayed concurrently on several streams."""
     stream = torch.cuda.current_stream(device)
     key = (device.index or 0, stream.cuda_stream)
     buf = _COUNTERS.get(key)
