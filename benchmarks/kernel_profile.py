@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
     parser.add_argument("--attention", default="default",
                         help="attention launch: default, gluon (v11) or keysplit (Triton, keys in 2, whole value rows)")
+    parser.add_argument("--tokens", type=int, default=64, help="attention batch (the first N of the 64 tokens)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -46,6 +47,8 @@ def main() -> int:
     runs: list[tuple[str, object]] = []
     if args.only in (None, "attention"):
         p = AttentionProblem.make(dev)
+        k = max(1, min(args.tokens, p.q.shape[0]))
+        p = AttentionProblem(p.main, p.swa, p.topk_slots[:k], p.win_slots[:k], p.q[:k], p.sink, p.cos[:k], p.sin[:k])
         out = torch.empty_like(p.q)
         cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"),
                "keysplit": AttentionConfig(64, 32, 2, 8, 1, 1, False)}[args.attention]
