@@ -238,7 +238,6 @@ def _launch_v13(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: PagedRe
     )
 
 
-
 def _launch_v5(k: ModuleType, fmt: RecordFormat, x: Tensor, slot_mapping: Tensor, dest: PagedRecords, nb: int,
                fast: bool, *, block_t: int | None, tiles: int | None, num_warps: int | None, num_stages: int | None,
                rcp_nudge: int) -> None:
