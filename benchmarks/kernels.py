@@ -489,6 +489,10 @@ class AttentionProblem:
                    torch.randn(heads, device=dev), ang.cos(), ang.sin())
 
 
+# the Gluon kernel as v11 ran it: the two v16 changes off (kernels-notes.md, v16)
+_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, last_unstored=False)
+
+
 def decode_attention(b: Bench) -> None:
     dev = b.device
     prob = AttentionProblem.make(dev, b.smoke)
@@ -513,7 +517,8 @@ def decode_attention(b: Bench) -> None:
     if dev.type == "cuda":  # v11, the Gluon kernel (Hopper only; elsewhere its row reports why not)
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
         configs += [AttentionConfig(kernel="gluon", word_decode=False), AttentionConfig(kernel="gluon",
-                                                                                         fused_combine=False)]
+                                                                                         fused_combine=False),
+                    _GLUON_V11]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -525,7 +530,9 @@ def decode_attention(b: Bench) -> None:
                  f"st{resolved.num_stages} dv{resolved.dv_split} pf{int(bool(resolved.prefetch))}"
                  f"{'' if resolved.hw_cvt else ' alu'}")
         if resolved.kernel == "gluon":
-            label = f"gluon v11 h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode else " bytes")
+            v16 = resolved.direct_bf16 and resolved.last_unstored
+            label = f"gluon v{16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
+                                                                                       else " bytes")
             label += "" if resolved.fused_combine else " combine-pass"
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
                        impl="triton")
@@ -562,9 +569,12 @@ def decode_attention(b: Bench) -> None:
         repeats: dict[str, list[float]] = {}
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            rivals["gluon v11"] = AttentionConfig(kernel="gluon")
-            rivals["gluon v11 bytes"] = AttentionConfig(kernel="gluon", word_decode=False)
-            rivals["gluon v11 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
+            # v16 (the default) and v11 (its two changes off), and v16 less each change in turn
+            rivals["gluon v16"] = AttentionConfig(kernel="gluon")
+            rivals["gluon v11"] = _GLUON_V11
+            rivals["gluon v16 no direct bf16"] = AttentionConfig(kernel="gluon", direct_bf16=False)
+            rivals["gluon v16 no last unstored"] = AttentionConfig(kernel="gluon", last_unstored=False)
+            rivals["gluon v16 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
         for _ in range(4):
             for name, cfg in rivals.items():
                 call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
@@ -586,7 +596,7 @@ def decode_attention(b: Bench) -> None:
             sub = (q[:batch], sink, main, topk_slots[:batch], swa, win_slots[:batch], cos[:batch], sin[:batch])
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
-                              ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2))):
+                              ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

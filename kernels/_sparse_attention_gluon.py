@@ -1,5 +1,5 @@
-"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (v11, `AttentionConfig(kernel="gluon")`,
-the default on sm_90).
+"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (v11 / v16, `AttentionConfig(kernel="gluon")`,
+the default on sm_90; v16 = v11 with `DIRECT_BF16` and `LAST_UNSTORED`, kernels-notes.md).
 
 The same math as `_sparse_decode_attention_kernel` (read that module's docstring first: channel
 halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written in Gluon so that
@@ -41,10 +41,22 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _gl_slot_rows(slot_row_ptr, j, end, num_slots, offset, spb, slot_stride, block_stride):
-    """(int64 record byte offsets, valid) of the slots `slot_row_ptr[j]` for `j < end`."""
+def _gl_slot_valid(slot_row_ptr, j, end, num_slots):
+    """Whether the slots `slot_row_ptr[j]` (for `j < end`, else none) name records (S's key mask)."""
     slot = gl.load(slot_row_ptr + j, mask=j < end, other=-1)
-    return _gl_slot_address(slot, num_slots, offset, spb, slot_stride, block_stride)
+    return (slot >= 0) & (slot < num_slots)
+
+
+@gluon.jit
+def _gl_tile_valid(t, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots, swa_num_slots,
+                   BLOCK_N: gl.constexpr, LC: gl.constexpr):
+    """S's key mask of tile `t` (main list tiles first, then the window's) in S's column layout `LC`."""
+    cols = gl.arange(0, BLOCK_N, layout=LC)
+    if t < main_tiles:
+        ok = _gl_slot_valid(topk_row, t * BLOCK_N + cols, num_topk, main_num_slots)
+    else:
+        ok = _gl_slot_valid(win_row, (t - main_tiles) * BLOCK_N + cols, num_win, swa_num_slots)
+    return ok
 
 
 @gluon.jit
@@ -83,34 +95,67 @@ _FP4_WORD_ASM = gl.constexpr(
     + "mov.b32 {a0, a1}, hi;\n" + _e4m3_pair_to_bf16("a0", "$2") + _e4m3_pair_to_bf16("a1", "$3") + "}")
 
 
+# `DIRECT_BF16` (v16, the default): the same word straight to bf16 pairs, no fp8 -> f16 ->
+# f32 -> bf16 chain. The scan's pair trick (`_indexer_gluon`): two nibbles 16 bits apart, masked,
+# `* 0x1040` (or `* 0x104` for the high nibbles in place) puts each one's sign at bit 15 and
+# magnitude at bits 8..6 of its half (E2M1 * 2**-126 as a bf16), then one bf16x2 multiply by the
+# block's E4M3 scale * 2**118 (a bf16, exact: 4 significant bits, 2**109..2**127). The keys come
+# out times 2**-8 (exact: at most 6 significant bits, >= 2**-18), which the kernel undoes on Q
+# (times 2**8) and on the accumulators (times 2**8 after the loop); the other decoders scale by
+# 2**-8 to match.
+def _nibble_pair(src: str, mask: str, mul: str, dst: str) -> str:
+    """PTX: the two nibbles of `src` under `mask` (16 bits apart) -> bf16 pair `dst`, times `m`."""
+    return f"and.b32 t, {src}, {mask};\nmul.lo.u32 t, t, {mul};\nand.b32 t, t, 0x81C081C0;\nmul.rn.bf16x2 {dst}, t, m;\n"
+
+
+_FP4_WORD_BF16_ASM = gl.constexpr(
+    "{\n.reg .b32 x, t, m;\n.reg .b16 a0, a1;\n.reg .f32 f;\n"
+    # scale byte -> (scale, scale) * 2**118 as a bf16 pair
+    "prmt.b32 t, $5, 0, 0x4400;\nmov.b32 {a0, a1}, t;\ncvt.rn.f16x2.e4m3x2 t, a0;\nmov.b32 {a0, a1}, t;\n"
+    "cvt.f32.f16 f, a0;\nmul.f32 f, f, 0f7A800000;\ncvt.rn.bf16x2.f32 m, f, f;\n"
+    # code bytes 0, 1 -> bits 0-7, 16-23: even channels (low nibbles), odd channels (high nibbles)
+    "prmt.b32 x, $4, 0, 0x4140;\n" + _nibble_pair("x", "0x000F000F", "0x1040", "$0")
+    + _nibble_pair("x", "0x00F000F0", "0x104", "$2")
+    + "prmt.b32 x, $4, 0, 0x4342;\n" + _nibble_pair("x", "0x000F000F", "0x1040", "$1")
+    + _nibble_pair("x", "0x00F000F0", "0x104", "$3") + "}")
+KSHIFT_BF16 = gl.constexpr(8)  # DIRECT_BF16's keys are K * 2**-KSHIFT_BF16
+
+
 @gluon.jit
 def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
-                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr):
+                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
+                        DIRECT_BF16: gl.constexpr, SPB_LOG2: gl.constexpr):
     """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
     destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`. A thread takes 4 code words (one
     16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
-                               block_stride)
+                               block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     word = gl.arange(0, D // 8, layout=gl.SliceLayout(0, LW))
     row = main_ptr + gl.expand_dims(rec, 1)
     ok2 = gl.expand_dims(ok, 1)
     codes = gl.load((row + gl.expand_dims(word * 4, 0)).to(gl.pointer_type(gl.int32)), mask=ok2, other=0)
     scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
-    lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
-        _FP4_WORD_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-        is_pure=True, pack=1)
+    if DIRECT_BF16:
+        lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+            _FP4_WORD_BF16_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True, pack=1)
+    else:
+        lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+            _FP4_WORD_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True, pack=1)
     kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [ROWS, D // 4]), LW2))
     kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [ROWS, D // 4]), LW2))
 
 
 @gluon.jit
 def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
-                  ROWS: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr):
+                  ROWS: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr, KSHIFT: gl.constexpr,
+                  SPB_LOG2: gl.constexpr):
     """Decode the `ROWS` main-KV records (FP4 pairs + E4M3 scales per 16 channels) at `slot` and store their even / odd channels (bf16 [ROWS, D / 2]) to `k_lo_dst` /
     `k_hi_dst`. A thread loads 16 contiguous code bytes (one 16-byte load) = 2 scale blocks."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LK)), num_slots, offset, spb, slot_stride,
-                               block_stride)
+                               block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     col = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LK))
     codes = gl.load(main_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
@@ -124,7 +169,7 @@ def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_str
     # E2M1 nibble `s e1 e0 m` -> E4M3 byte `s 0000 e1 e0 m 00` = value * 2**-6 (see the Triton kernel)
     lo8 = ((codes & 7) << 2) | ((codes & 8) << 4)
     hi8 = ((codes >> 2) & 0x1C) | (codes & 0x80)
-    scale = gl.expand_dims(scales.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0, 2)
+    scale = gl.expand_dims(scales.to(gl.float8e4nv, bitcast=True).to(gl.float16) * (64.0 * 2.0**-KSHIFT), 2)
     lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
     hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
     k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [ROWS, D // 2]), LK))
@@ -134,11 +179,11 @@ def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_str
 @gluon.jit
 def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
                  ROWS: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr, L3S: gl.constexpr,
-                 LK: gl.constexpr):
+                 LK: gl.constexpr, KSHIFT: gl.constexpr, SPB_LOG2: gl.constexpr):
     """`_gl_main_rows` for SWA records (E4M3 bytes + UE8M0 scales per 32 channels). A thread
     loads the 32 bytes of one scale block (two 16-byte loads)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LS)), num_slots, offset, spb, slot_stride,
-                               block_stride)
+                               block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
     col = gl.arange(0, D, layout=gl.SliceLayout(0, LS))
     values = gl.load(swa_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
@@ -152,7 +197,7 @@ def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_strid
     blk = gl.arange(0, D // 32, layout=gl.SliceLayout(0, L2))
     scales = gl.load(swa_ptr + gl.expand_dims(rec2, 1) + D + gl.expand_dims(blk, 0), mask=gl.expand_dims(ok2, 1),
                      other=127)
-    scale = gl.expand_dims((scales.to(gl.int32) << 23).to(gl.float32, bitcast=True), 2)  # 2**(b - 127)
+    scale = gl.expand_dims((scales.to(gl.int32) << 23).to(gl.float32, bitcast=True) * 2.0**-KSHIFT, 2)  # 2**(b - 127)
     lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
     hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
     k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [ROWS, D // 2]), LK))
@@ -164,19 +209,21 @@ def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_s
              main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb, swa_slot_stride,
              swa_block_stride,
              BLOCK_N: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr,
-             L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr, FAST_DECODE: gl.constexpr):
+             L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr, FAST_DECODE: gl.constexpr,
+             DIRECT_BF16: gl.constexpr, KSHIFT: gl.constexpr, MAIN_SPB_LOG2: gl.constexpr,
+             SWA_SPB_LOG2: gl.constexpr):
     """Decode key tile `t` (its `slot`s from `_gl_tile_slots`) into `k_lo` / `k_hi` (`kw_lo` /
-    `kw_hi`: the same buffers as int32 pairs, for `FAST_DECODE`)."""
+    `kw_hi`: the same buffers as int32 pairs, for `FAST_DECODE`), times 2**-KSHIFT."""
     if t < main_tiles:  # (no main list: num_topk = 0; no window: every tile is main)
         if FAST_DECODE:
             _gl_main_rows_words(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride,
-                                main_block_stride, kw_lo, kw_hi, BLOCK_N, D, LW, LW2)
+                                main_block_stride, kw_lo, kw_hi, BLOCK_N, D, LW, LW2, DIRECT_BF16, MAIN_SPB_LOG2)
         else:
             _gl_main_rows(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
-                          k_lo, k_hi, BLOCK_N, D, L3, LK)
+                          k_lo, k_hi, BLOCK_N, D, L3, LK, KSHIFT, MAIN_SPB_LOG2)
     else:
         _gl_swa_rows(swa_ptr, slot, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride, k_lo, k_hi,
-                     BLOCK_N, D, LS, L4, L3S, LK)
+                     BLOCK_N, D, LS, L4, L3S, LK, KSHIFT, SWA_SPB_LOG2)
 
 
 @gluon.jit
@@ -238,6 +285,8 @@ def _gl_sparse_attention_kernel(
     counter_ptr, sink_ptr, cos_ptr, sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
+    DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
+    LAST_UNSTORED: gl.constexpr = False,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -269,6 +318,11 @@ def _gl_sparse_attention_kernel(
     cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
     q = gl.load(q_ptr + n.to(gl.int64) * q_stride_n + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
                 + gl.expand_dims(cq, 0))
+    # keys are decoded times 2**-KSHIFT (DIRECT_BF16's bf16 pairs), so Q goes in times 2**KSHIFT (exact)
+    DIRECT: gl.constexpr = DIRECT_BF16 and FAST_DECODE
+    KSHIFT: gl.constexpr = KSHIFT_BF16 if DIRECT else 0
+    if KSHIFT != 0:
+        q = (q.to(gl.float32) * 2.0**KSHIFT).to(gl.bfloat16)
     q_lo, q_hi = gl.split(gl.convert_layout(gl.reshape(q, [H, HALF, 2]), LQ3))
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
@@ -302,10 +356,11 @@ def _gl_sparse_attention_kernel(
         _gl_fill(t0, _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR), main_tiles,
                  k_s.index(0), k_s.index(1), kw_s.index(0), kw_s.index(1), main_ptr, main_num_slots, main_offset,
                  main_spb, main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
-                 swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
+                 swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
+                 KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
         fence_async_shared()
         gl.thread_barrier()
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA_S))
+    LC: gl.constexpr = gl.SliceLayout(0, MMA_S)
     for t in range(t0, t1):
         buf = (t - t0) % 2
         k_lo = k_s.index(2 * buf)
@@ -313,12 +368,9 @@ def _gl_sparse_attention_kernel(
         s = warpgroup_mma(q_lo_s, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_hi_s, k_hi.permute((1, 0)), s, is_async=True)
         slot_next = _gl_tile_slots(t + 1, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
-        if t < main_tiles:
-            _, ok = _gl_slot_rows(topk_row, t * BLOCK_N + cols, num_topk, main_num_slots, main_offset, main_spb,
-                                  main_slot_stride, main_block_stride)
-        else:
-            _, ok = _gl_slot_rows(win_row, (t - main_tiles) * BLOCK_N + cols, num_win, swa_num_slots, swa_offset,
-                                  swa_spb, swa_slot_stride, swa_block_stride)
+        # (loading this mask in the previous iteration instead was slower: v16, run 30)
+        ok = _gl_tile_valid(t, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots, swa_num_slots,
+                            BLOCK_N, LC)
         s = warpgroup_mma_wait(0, deps=(s,))
         s = gl.where(gl.expand_dims(ok, 0), s * sm_scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -338,11 +390,15 @@ def _gl_sparse_attention_kernel(
             _gl_fill(t + 1, slot_next, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf),
                      kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset, main_spb,
                      main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
-                     swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE)
+                     swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
+                 KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         fence_async_shared()
         gl.thread_barrier()
 
+    if KSHIFT != 0:  # the values were decoded times 2**-KSHIFT (exact in fp32)
+        acc_lo = acc_lo * 2.0**KSHIFT
+        acc_hi = acc_hi * 2.0**KSHIFT
     part = (n.to(gl.int64) * NUM_SPLITS + split) * H
     # interleave the halves back to channel order in registers: a thread's two adjacent columns of
     # each half become 4 adjacent channels, one 16-byte store
@@ -351,18 +407,44 @@ def _gl_sparse_attention_kernel(
     ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
     co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
     hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
-    if not FUSED_COMBINE or NUM_SPLITS > 1:
-        gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
-        gl.store(part_ml_ptr + (part + hm) * 2, m_i)
-        gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
-    if FUSED_COMBINE:
-        # the last split of a token to finish merges the others' partials (stream-K style): every
-        # thread's partial stores, a CTA barrier, then one release / acquire add on the token's
-        # counter; the CTA that reads NUM_SPLITS - 1 reads the other partials from L2 (.cg)
-        gl.thread_barrier()
-        arrived = gl.atomic_add(counter_ptr + n, 1, sem="acq_rel", scope="gpu")
+    if FUSED_COMBINE and NUM_SPLITS == 1:  # nothing to merge
+        _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                            sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
+                            H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+    elif FUSED_COMBINE and LAST_UNSTORED:
+        # the last split of a token to arrive merges without storing its own partial: a split
+        # arrives (acq_rel add on the token's first counter) before it stores; the others store
+        # theirs, then count them on the second counter (CTA barrier, release add), which the last
+        # one waits for. Every split it waits for has arrived, so is running: no deadlock whatever
+        # order the CTAs are scheduled in.
+        arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
-            gl.store(counter_ptr + n, 0)  # ready for the next launch that reuses the counters
+            gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
+            stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
+            while stored < NUM_SPLITS - 1:
+                stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
+            gl.store(counter_ptr + 2 * n + 1, 0)
             _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
                                 sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
                                 H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+        else:
+            gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+            gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+            gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+            gl.thread_barrier()
+            gl.atomic_add(counter_ptr + 2 * n + 1, 1, sem="release", scope="gpu")
+    else:
+        gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+        gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+        gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+        if FUSED_COMBINE:
+            # the last split of a token to finish merges the others' partials (stream-K style): every
+            # thread's partial stores, a CTA barrier, then one release / acquire add on the token's
+            # counter; the CTA that reads NUM_SPLITS - 1 reads the other partials from L2 (.cg)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
+                _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                                    sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
+                                    H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)

@@ -49,6 +49,7 @@ from cedserve.kernels.triton_support import (
     check_tensor,
     hardware_fp8,
     interpreting,
+    log2_if_power_of_2,
     next_power_of_2,
     num_sms,
     resolve_impl,
@@ -60,7 +61,7 @@ _COUNTERS: dict[tuple[int, int], Tensor] = {}
 
 
 def _split_counters(device: torch.device, tokens: int) -> Tensor:
-    """int32 zeros `[>= tokens]` for the fused merge's per-token arrival counters. The kernel leaves
+    """int32 zeros `[>= tokens]` for the fused merge's per-token counters. The kernel leaves
     them zero (the last split of a token resets its counter), so one buffer per (device, stream)
     serves every call without a memset kernel per call; inside a CUDA-graph capture a missing or
     short buffer is made for that graph alone (the graph's memory pool must not leak into the cache).
@@ -117,6 +118,15 @@ class AttentionConfig:
     fused_combine: bool | None = None
     """"gluon" only (default True): the last key split of a token to finish merges the splits
     (acquire / release counter per token) instead of a separate `_combine_splits_kernel` pass."""
+    direct_bf16: bool | None = None
+    """"gluon" only (default True; with `word_decode`): main-KV code words straight to bf16 pairs
+    (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
+    times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
+    -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
+    last_unstored: bool | None = None
+    """"gluon" only (default True; with `fused_combine`): the last key split of a token to arrive
+    merges without storing its own fp32 partial; it waits for the others' partials on a second
+    per-token counter (kernels-notes.md, v16)."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -133,7 +143,9 @@ class AttentionConfig:
             splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), tiles // 2))
             word_decode = True if self.word_decode is None else self.word_decode
             fused = True if self.fused_combine is None else self.fused_combine
-            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused)
+            direct = True if self.direct_bf16 is None else self.direct_bf16
+            unstored = True if self.last_unstored is None else self.last_unstored
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -332,7 +344,8 @@ class _Launch:
         fused = cfg.fused_combine is not False
         part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-        counters = _split_counters(q.device, tokens) if fused else part_ml  # (unused without the fused merge)
+        # two per token: arrivals, and (`last_unstored`) partials stored
+        counters = _split_counters(q.device, 2 * tokens) if fused else part_ml  # (unused without the fused merge)
         g._gl_sparse_attention_kernel[(tokens, splits)](
             q, q.stride(0), q.stride(1),
             main.storage, self.topk, self.topk.stride(0), self.num_topk,
@@ -342,7 +355,9 @@ class _Launch:
             part_acc, part_ml, self.scale * math.log2(math.e),
             counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
             H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
-            FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], num_warps=8,
+            FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
+            MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
+            LAST_UNSTORED=cfg.last_unstored is not False, num_warps=8,
         )
         if fused:
             return
