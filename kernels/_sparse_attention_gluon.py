@@ -275,6 +275,82 @@ def _gl_merge_and_store(acc_lo, acc_hi, m_own, l_own, split, n, part_acc_ptr, pa
 
 
 @gluon.jit
+def _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H: gl.constexpr, D: gl.constexpr, KSHIFT: gl.constexpr,
+                 LQ: gl.constexpr, LQ3: gl.constexpr):
+    """Token n's Q as its even / odd channel halves (bf16 [H, D / 2] each, layout `LQ3`), times
+    2**KSHIFT (exact): the keys are decoded times 2**-KSHIFT (`DIRECT_BF16`'s bf16 pairs)."""
+    hq = gl.arange(0, H, layout=gl.SliceLayout(1, LQ))
+    cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+    q = gl.load(q_ptr + n.to(gl.int64) * q_stride_n + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
+                + gl.expand_dims(cq, 0))
+    if KSHIFT != 0:
+        q = (q.to(gl.float32) * 2.0**KSHIFT).to(gl.bfloat16)
+    return gl.split(gl.convert_layout(gl.reshape(q, [H, D // 2, 2]), LQ3))
+
+
+@gluon.jit
+def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr, sin_ptr,
+               cs_stride, out_ptr, out_stride_n, out_stride_h,
+               H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
+               FUSED_COMBINE: gl.constexpr, LAST_UNSTORED: gl.constexpr, KSHIFT: gl.constexpr, MMA_S: gl.constexpr,
+               MMA_O: gl.constexpr):
+    """After a CTA's last key tile: store its split-KV partial, or (`FUSED_COMBINE`) merge the
+    token's splits when it is the last of them (`LAST_UNSTORED`: without storing its own)."""
+    if KSHIFT != 0:  # the values were decoded times 2**-KSHIFT (exact in fp32)
+        acc_lo = acc_lo * 2.0**KSHIFT
+        acc_hi = acc_hi * 2.0**KSHIFT
+    part = (n.to(gl.int64) * NUM_SPLITS + split) * H
+    # interleave the halves back to channel order in registers: a thread's two adjacent columns of
+    # each half become 4 adjacent channels, one 16-byte store
+    acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
+    LO: gl.constexpr = acc.type.layout
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
+    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
+    hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
+    if FUSED_COMBINE and NUM_SPLITS == 1:  # nothing to merge
+        _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                            sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
+                            H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+    elif FUSED_COMBINE and LAST_UNSTORED:
+        # the last split of a token to arrive merges without storing its own partial: a split
+        # arrives (acq_rel add on the token's first counter) before it stores; the others store
+        # theirs, then count them on the second counter (CTA barrier, release add), which the last
+        # one waits for. Every split it waits for has arrived, so is running: no deadlock whatever
+        # order the CTAs are scheduled in.
+        arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
+            stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
+            while stored < NUM_SPLITS - 1:
+                stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
+            gl.store(counter_ptr + 2 * n + 1, 0)
+            _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                                sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
+                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+        else:
+            gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+            gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+            gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+            gl.thread_barrier()
+            gl.atomic_add(counter_ptr + 2 * n + 1, 1, sem="release", scope="gpu")
+    else:
+        gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+        gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+        gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+        if FUSED_COMBINE:
+            # the last split of a token to finish merges the others' partials (stream-K style): every
+            # thread's partial stores, a CTA barrier, then one release / acquire add on the token's
+            # counter; the CTA that reads NUM_SPLITS - 1 reads the other partials from L2 (.cg)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
+                _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
+                                    sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
+                                    H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+
+
+@gluon.jit
 def _gl_sparse_attention_kernel(
     q_ptr, q_stride_n, q_stride_h,
     main_ptr, topk_ptr, topk_stride, num_topk,
@@ -314,16 +390,9 @@ def _gl_sparse_attention_kernel(
     split = gl.program_id(1)
 
     # Q -> shared memory as its even / odd channel halves
-    hq = gl.arange(0, H, layout=gl.SliceLayout(1, LQ))
-    cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
-    q = gl.load(q_ptr + n.to(gl.int64) * q_stride_n + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
-                + gl.expand_dims(cq, 0))
-    # keys are decoded times 2**-KSHIFT (DIRECT_BF16's bf16 pairs), so Q goes in times 2**KSHIFT (exact)
     DIRECT: gl.constexpr = DIRECT_BF16 and FAST_DECODE
     KSHIFT: gl.constexpr = KSHIFT_BF16 if DIRECT else 0
-    if KSHIFT != 0:
-        q = (q.to(gl.float32) * 2.0**KSHIFT).to(gl.bfloat16)
-    q_lo, q_hi = gl.split(gl.convert_layout(gl.reshape(q, [H, HALF, 2]), LQ3))
+    q_lo, q_hi = _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H, D, KSHIFT, LQ, LQ3)
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, HALF], SH_K)  # (buffer, half) pairs
@@ -396,55 +465,6 @@ def _gl_sparse_attention_kernel(
         fence_async_shared()
         gl.thread_barrier()
 
-    if KSHIFT != 0:  # the values were decoded times 2**-KSHIFT (exact in fp32)
-        acc_lo = acc_lo * 2.0**KSHIFT
-        acc_hi = acc_hi * 2.0**KSHIFT
-    part = (n.to(gl.int64) * NUM_SPLITS + split) * H
-    # interleave the halves back to channel order in registers: a thread's two adjacent columns of
-    # each half become 4 adjacent channels, one 16-byte store
-    acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
-    LO: gl.constexpr = acc.type.layout
-    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
-    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
-    hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
-    if FUSED_COMBINE and NUM_SPLITS == 1:  # nothing to merge
-        _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                            sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                            H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
-    elif FUSED_COMBINE and LAST_UNSTORED:
-        # the last split of a token to arrive merges without storing its own partial: a split
-        # arrives (acq_rel add on the token's first counter) before it stores; the others store
-        # theirs, then count them on the second counter (CTA barrier, release add), which the last
-        # one waits for. Every split it waits for has arrived, so is running: no deadlock whatever
-        # order the CTAs are scheduled in.
-        arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
-            stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
-            while stored < NUM_SPLITS - 1:
-                stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
-            gl.store(counter_ptr + 2 * n + 1, 0)
-            _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                                sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
-        else:
-            gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
-            gl.store(part_ml_ptr + (part + hm) * 2, m_i)
-            gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
-            gl.thread_barrier()
-            gl.atomic_add(counter_ptr + 2 * n + 1, 1, sem="release", scope="gpu")
-    else:
-        gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
-        gl.store(part_ml_ptr + (part + hm) * 2, m_i)
-        gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
-        if FUSED_COMBINE:
-            # the last split of a token to finish merges the others' partials (stream-K style): every
-            # thread's partial stores, a CTA barrier, then one release / acquire add on the token's
-            # counter; the CTA that reads NUM_SPLITS - 1 reads the other partials from L2 (.cg)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
-                _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                                    sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                    H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+    _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr,
+               sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h, H, D, ROPE_PAIRS, NUM_SPLITS, FUSED_COMBINE,
+               LAST_UNSTORED, KSHIFT, MMA_S, MMA_O)

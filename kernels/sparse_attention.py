@@ -123,6 +123,10 @@ class AttentionConfig:
     (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
     times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
     -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
+    warp_specialized: bool | None = None
+    """"gluon" only (default False): v17, `_sparse_attention_ws.py`: a producer partition of 4 more
+    warps decodes the key tiles into a ring of 2 buffers while the 8 MMA / softmax warps work
+    (needs `word_decode` and `direct_bf16`; kernels-notes.md, v17)."""
     last_unstored: bool | None = None
     """"gluon" only (default True; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
@@ -145,7 +149,9 @@ class AttentionConfig:
             fused = True if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
             unstored = True if self.last_unstored is None else self.last_unstored
-            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, unstored)
+            ws = False if self.warp_specialized is None else self.warp_specialized
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, ws,
+                                   unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -332,7 +338,6 @@ class _Launch:
         return None
 
     def run_gluon(self, cfg: AttentionConfig) -> None:
-        from cedserve.kernels import _sparse_attention_gluon as g
         from cedserve.kernels import _sparse_attention_kernels as k
 
         why = self.gluon_unsupported()
@@ -346,19 +351,30 @@ class _Launch:
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         # two per token: arrivals, and (`last_unstored`) partials stored
         counters = _split_counters(q.device, 2 * tokens) if fused else part_ml  # (unused without the fused merge)
-        g._gl_sparse_attention_kernel[(tokens, splits)](
-            q, q.stride(0), q.stride(1),
-            main.storage, self.topk, self.topk.stride(0), self.num_topk,
-            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
-            swa.storage, self.win, self.win.stride(0), self.num_win,
-            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
-            part_acc, part_ml, self.scale * math.log2(math.e),
-            counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
-            H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
-            FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
-            MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
-            LAST_UNSTORED=cfg.last_unstored is not False, num_warps=8,
-        )
+        args = (q, q.stride(0), q.stride(1),
+                main.storage, self.topk, self.topk.stride(0), self.num_topk,
+                main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
+                swa.storage, self.win, self.win.stride(0), self.num_win,
+                swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
+                part_acc, part_ml, self.scale * math.log2(math.e),
+                counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1))
+        common = dict(H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1],
+                      LAST_UNSTORED=cfg.last_unstored is not False,
+                      MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block),
+                      SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block), num_warps=8)
+        if cfg.warp_specialized:
+            if cfg.word_decode is False or cfg.direct_bf16 is False:
+                raise ValueError("sparse_attention: the warp-specialized gluon kernel decodes words to bf16 only "
+                                 "(word_decode and direct_bf16 must not be False)")
+            from cedserve.kernels import _sparse_attention_ws as ws
+
+            ws._gl_sparse_attention_ws_kernel[(tokens, splits)](*args, **common, PRODUCER_REGS=96, ROWS=32,
+                                                                maxnreg=ws.MAXNREG)
+        else:
+            from cedserve.kernels import _sparse_attention_gluon as g
+
+            g._gl_sparse_attention_kernel[(tokens, splits)](*args, **common, FAST_DECODE=cfg.word_decode is not False,
+                                                            DIRECT_BF16=cfg.direct_bf16 is not False)
         if fused:
             return
         k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
