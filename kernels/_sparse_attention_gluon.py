@@ -122,12 +122,10 @@ KSHIFT_BF16 = gl.constexpr(8)  # DIRECT_BF16's keys are K * 2**-KSHIFT_BF16
 
 
 @gluon.jit
-def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
-                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
-                        DIRECT_BF16: gl.constexpr, SPB_LOG2: gl.constexpr):
-    """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
-    destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`. A thread takes 4 code words (one
-    16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
+def _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D: gl.constexpr,
+                        LW: gl.constexpr, SPB_LOG2: gl.constexpr):
+    """The code words `[ROWS, D / 8]` (int32, layout `LW`) and their E4M3 scale bytes (as int32,
+    one per word) of the main records at `slot`: a thread's 4 words are one 16-byte load."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
                                block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
@@ -136,6 +134,15 @@ def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
     ok2 = gl.expand_dims(ok, 1)
     codes = gl.load((row + gl.expand_dims(word * 4, 0)).to(gl.pointer_type(gl.int32)), mask=ok2, other=0)
     scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
+    return codes, scales
+
+
+@gluon.jit
+def _gl_main_words_store(codes, scales, kw_lo, kw_hi, ROWS: gl.constexpr, D: gl.constexpr, LW2: gl.constexpr,
+                         DIRECT_BF16: gl.constexpr):
+    """Decode `_gl_main_words_load`'s words (one inline-PTX block per word) and store the bf16
+    pairs of the even / odd channels to `kw_lo` / `kw_hi` (int32 `[ROWS, D / 4]`): 8 words per
+    half per thread, two 16-byte stores."""
     if DIRECT_BF16:
         lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
             _FP4_WORD_BF16_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
@@ -146,6 +153,17 @@ def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
             is_pure=True, pack=1)
     kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [ROWS, D // 4]), LW2))
     kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [ROWS, D // 4]), LW2))
+
+
+@gluon.jit
+def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
+                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
+                        DIRECT_BF16: gl.constexpr, SPB_LOG2: gl.constexpr):
+    """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
+    destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`."""
+    codes, scales = _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D, LW,
+                                        SPB_LOG2)
+    _gl_main_words_store(codes, scales, kw_lo, kw_hi, ROWS, D, LW2, DIRECT_BF16)
 
 
 @gluon.jit

@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cedserve.kernels._sparse_attention_gluon import (
     KSHIFT_BF16,
     _gl_finish,
-    _gl_main_rows_words,
+    _gl_main_words_load,
+    _gl_main_words_store,
     _gl_q_halves,
     _gl_swa_rows,
     _gl_tile_valid,
@@ -82,11 +83,22 @@ def _gl_ws_producer(k_s, kw_s, bias_s, ready, empty, t0, t1, main_tiles, topk_ro
                             BLOCK_N, LB)
         bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
         if t < main_tiles:
+            # software-pipelined by row chunks: chunk r + 1's loads are issued before chunk r is decoded
+            slot = _gl_ws_slots(t, 0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS, LR)
+            codes, scales = _gl_main_words_load(main_ptr, slot, main_num_slots, main_offset, main_spb,
+                                                main_slot_stride, main_block_stride, D, LW, MAIN_SPB_LOG2)
             for r in gl.static_range(0, BLOCK_N, ROWS):
-                slot = _gl_ws_slots(t, r, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS, LR)
-                _gl_main_rows_words(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride,
-                                    main_block_stride, kw_s.index(2 * buf).slice(r, ROWS),
-                                    kw_s.index(2 * buf + 1).slice(r, ROWS), ROWS, D, LW, LW2, True, MAIN_SPB_LOG2)
+                if r + ROWS < BLOCK_N:
+                    slot = _gl_ws_slots(t, r + ROWS, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS,
+                                        LR)
+                    codes_next, scales_next = _gl_main_words_load(main_ptr, slot, main_num_slots, main_offset,
+                                                                  main_spb, main_slot_stride, main_block_stride, D,
+                                                                  LW, MAIN_SPB_LOG2)
+                _gl_main_words_store(codes, scales, kw_s.index(2 * buf).slice(r, ROWS),
+                                     kw_s.index(2 * buf + 1).slice(r, ROWS), ROWS, D, LW2, True)
+                if r + ROWS < BLOCK_N:
+                    codes = codes_next
+                    scales = scales_next
         else:
             for rw in gl.static_range(0, BLOCK_N, ROWS // 2):
                 slot_w = _gl_ws_slots(t, rw, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS // 2,
