@@ -123,9 +123,9 @@ KSHIFT_BF16 = gl.constexpr(8)  # DIRECT_BF16's keys are K * 2**-KSHIFT_BF16
 
 @gluon.jit
 def _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D: gl.constexpr,
-                        LW: gl.constexpr, SPB_LOG2: gl.constexpr):
-    """The code words `[ROWS, D / 8]` (int32, layout `LW`) and their E4M3 scale bytes (as int32,
-    one per word) of the main records at `slot`: a thread's 4 words are one 16-byte load."""
+                        LW: gl.constexpr, SPB_LOG2: gl.constexpr, SCALES: gl.constexpr = True):
+    """The code words `[ROWS, D / 8]` (int32, layout `LW`) and (`SCALES`) their E4M3 scale bytes
+    (as int32, one per word) of the main records at `slot`: a thread's 4 words are one 16-byte load."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
                                block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
@@ -133,7 +133,9 @@ def _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
     row = main_ptr + gl.expand_dims(rec, 1)
     ok2 = gl.expand_dims(ok, 1)
     codes = gl.load((row + gl.expand_dims(word * 4, 0)).to(gl.pointer_type(gl.int32)), mask=ok2, other=0)
-    scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
+    scales = codes
+    if SCALES:
+        scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
     return codes, scales
 
 

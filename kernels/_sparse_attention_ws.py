@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cedserve.kernels._records_gluon import _gl_slot_address
 from cedserve.kernels._sparse_attention_gluon import (
     KSHIFT_BF16,
     _gl_finish,
@@ -42,6 +43,8 @@ from cedserve.kernels._sparse_attention_gluon import (
 )
 
 MAXNREG = 168  # 12 warps x 32 threads x 168 <= 65,536 registers
+PRODUCER_REGS = 104  # the default partition then gets (168 x 384 - 104 x 128) / 256 = 200
+ROWS = 32  # rows of a main tile decoded per chunk
 
 
 @gluon.jit
@@ -58,15 +61,52 @@ def _gl_ws_slots(t, r0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_
 
 
 @gluon.jit
+def _gl_ws_main_slots(t, r0, tm1, topk_row, num_topk, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, LR: gl.constexpr):
+    """Main-list slots of rows `r0 .. r0 + ROWS` of tile `t`, -1 past the list's end and for
+    `t >= tm1` (its loads are then masked off)."""
+    j = t * BLOCK_N + r0 + gl.arange(0, ROWS, layout=LR)
+    return gl.load(topk_row + j, mask=(j < num_topk) & (t < tm1), other=-1)
+
+
+@gluon.jit
+def _gl_ws_main_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D: gl.constexpr,
+                     LW: gl.constexpr, LSC: gl.constexpr, SPB_LOG2: gl.constexpr):
+    """`_gl_main_words_load` with the scale bytes loaded once per pair of words (`[ROWS, D / 16]`
+    int8 in `LSC`: a thread's 4 words share 2 scale bytes): half the registers a chunk in flight
+    holds for its scales."""
+    codes, _ = _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D, LW,
+                                   SPB_LOG2, False)
+    rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LSC)), num_slots, offset, spb, slot_stride,
+                               block_stride, SPB_LOG2)
+    blk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, LSC))
+    scales = gl.load(main_ptr + gl.expand_dims(rec, 1) + D // 2 + gl.expand_dims(blk, 0), mask=gl.expand_dims(ok, 1),
+                     other=0x38)
+    return codes, scales
+
+
+@gluon.jit
+def _gl_ws_main_store(codes, scales, kw_lo, kw_hi, ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr,
+                      LW2: gl.constexpr):
+    """Decode and store a chunk of `_gl_ws_main_load`: each scale byte widened to its two words."""
+    per_word = gl.convert_layout(gl.reshape(gl.join(scales, scales), [ROWS, D // 8]), LW).to(gl.int32)
+    _gl_main_words_store(codes, per_word, kw_lo, kw_hi, ROWS, D, LW2, True)
+
+
+@gluon.jit
 def _gl_ws_producer(k_s, kw_s, bias_s, ready, empty, t0, t1, main_tiles, topk_row, num_topk, win_row, num_win,
                     main_ptr, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
                     swa_ptr, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, KSHIFT: gl.constexpr, MAIN_SPB_LOG2: gl.constexpr,
                     SWA_SPB_LOG2: gl.constexpr, ROWS: gl.constexpr):
-    """Worker partition (4 warps): decode tiles t0 .. t1 into the key ring, `ROWS` rows at a time."""
-    # the v16 layouts for 4 warps: code words of main records, bf16 pairs of one half, SWA bytes
+    """Worker partition (4 warps): decode tiles t0 .. t1 into the key ring, the main list's tiles
+    in two chunks of `ROWS` (= BLOCK_N / 2) rows, software-pipelined across tiles: a chunk's
+    records are loaded before the previous chunk is decoded, its slots a tile ahead; then the
+    window's tiles, `ROWS / 2` rows at a time."""
+    # the v16 layouts for 4 warps: code words of main records, bf16 pairs of one half, scale bytes,
+    # SWA bytes, the bias
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
     LW2: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    LSC: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 32], [2, 16], [4, 1], [1, 0])
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [2, 16, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
     L3S: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])
@@ -74,39 +114,48 @@ def _gl_ws_producer(k_s, kw_s, bias_s, ready, empty, t0, t1, main_tiles, topk_ro
     LB: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     LRS: gl.constexpr = gl.SliceLayout(1, LS)
-    for t in range(t0, t1):
+    gl.static_assert(2 * ROWS == BLOCK_N, "the main tiles are decoded in two chunks")
+    tm1 = gl.minimum(t1, main_tiles)
+    slot1 = _gl_ws_main_slots(t0, ROWS, tm1, topk_row, num_topk, BLOCK_N, ROWS, LR)
+    codes0, scales0 = _gl_ws_main_load(main_ptr, _gl_ws_main_slots(t0, 0, tm1, topk_row, num_topk, BLOCK_N, ROWS, LR),
+                                       main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride, D,
+                                       LW, LSC, MAIN_SPB_LOG2)
+    for t in range(t0, tm1):
         i = t - t0
         buf = i % 2
+        next0 = _gl_ws_main_slots(t + 1, 0, tm1, topk_row, num_topk, BLOCK_N, ROWS, LR)
+        next1 = _gl_ws_main_slots(t + 1, ROWS, tm1, topk_row, num_topk, BLOCK_N, ROWS, LR)
+        codes1, scales1 = _gl_ws_main_load(main_ptr, slot1, main_num_slots, main_offset, main_spb, main_slot_stride,
+                                           main_block_stride, D, LW, LSC, MAIN_SPB_LOG2)
         mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes phase 1)
         fence_async_shared()  # the MMAs that read this buffer are done: order our writes after them
         ok = _gl_tile_valid(t, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots, swa_num_slots,
                             BLOCK_N, LB)
         bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
-        if t < main_tiles:
-            # software-pipelined by row chunks: chunk r + 1's loads are issued before chunk r is decoded
-            slot = _gl_ws_slots(t, 0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS, LR)
-            codes, scales = _gl_main_words_load(main_ptr, slot, main_num_slots, main_offset, main_spb,
-                                                main_slot_stride, main_block_stride, D, LW, MAIN_SPB_LOG2)
-            for r in gl.static_range(0, BLOCK_N, ROWS):
-                if r + ROWS < BLOCK_N:
-                    slot = _gl_ws_slots(t, r + ROWS, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS,
-                                        LR)
-                    codes_next, scales_next = _gl_main_words_load(main_ptr, slot, main_num_slots, main_offset,
-                                                                  main_spb, main_slot_stride, main_block_stride, D,
-                                                                  LW, MAIN_SPB_LOG2)
-                _gl_main_words_store(codes, scales, kw_s.index(2 * buf).slice(r, ROWS),
-                                     kw_s.index(2 * buf + 1).slice(r, ROWS), ROWS, D, LW2, True)
-                if r + ROWS < BLOCK_N:
-                    codes = codes_next
-                    scales = scales_next
-        else:
-            for rw in gl.static_range(0, BLOCK_N, ROWS // 2):
-                slot_w = _gl_ws_slots(t, rw, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS // 2,
-                                      LRS)
-                _gl_swa_rows(swa_ptr, slot_w, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
-                             k_s.index(2 * buf).slice(rw, ROWS // 2), k_s.index(2 * buf + 1).slice(rw, ROWS // 2),
-                             ROWS // 2, D, LS, L4, L3S, LK, KSHIFT, SWA_SPB_LOG2)
+        _gl_ws_main_store(codes0, scales0, kw_s.index(2 * buf).slice(0, ROWS), kw_s.index(2 * buf + 1).slice(0, ROWS),
+                          ROWS, D, LW, LW2)
+        codes0, scales0 = _gl_ws_main_load(main_ptr, next0, main_num_slots, main_offset, main_spb, main_slot_stride,
+                                           main_block_stride, D, LW, LSC, MAIN_SPB_LOG2)
+        _gl_ws_main_store(codes1, scales1, kw_s.index(2 * buf).slice(ROWS, ROWS),
+                          kw_s.index(2 * buf + 1).slice(ROWS, ROWS), ROWS, D, LW, LW2)
+        slot1 = next1
         fence_async_shared()  # our generic-proxy stores before the consumer's wgmma reads
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(buf), count=1)
+    for t in range(gl.maximum(t0, main_tiles), t1):
+        i = t - t0
+        buf = i % 2
+        mbarrier.wait(empty.index(buf), ((i // 2) & 1) ^ 1)
+        fence_async_shared()
+        ok = _gl_tile_valid(t, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots, swa_num_slots,
+                            BLOCK_N, LB)
+        bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
+        for rw in gl.static_range(0, BLOCK_N, ROWS // 2):
+            slot_w = _gl_ws_slots(t, rw, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, ROWS // 2, LRS)
+            _gl_swa_rows(swa_ptr, slot_w, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
+                         k_s.index(2 * buf).slice(rw, ROWS // 2), k_s.index(2 * buf + 1).slice(rw, ROWS // 2),
+                         ROWS // 2, D, LS, L4, L3S, LK, KSHIFT, SWA_SPB_LOG2)
+        fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(buf), count=1)
 

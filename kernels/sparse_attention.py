@@ -368,8 +368,8 @@ class _Launch:
                                  "(word_decode and direct_bf16 must not be False)")
             from cedserve.kernels import _sparse_attention_ws as ws
 
-            ws._gl_sparse_attention_ws_kernel[(tokens, splits)](*args, **common, PRODUCER_REGS=96, ROWS=32,
-                                                                maxnreg=ws.MAXNREG)
+            ws._gl_sparse_attention_ws_kernel[(tokens, splits)](*args, **common, PRODUCER_REGS=ws.PRODUCER_REGS,
+                                                                ROWS=ws.ROWS, maxnreg=ws.MAXNREG)
         else:
             from cedserve.kernels import _sparse_attention_gluon as g
 
