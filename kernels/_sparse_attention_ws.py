@@ -8,15 +8,15 @@ the softmax, with only the `P . K` MMA overlapping the next decode; at 2 warps p
 (205 KB of shared memory: one CTA per SM) every stall is exposed (ncu: 8 cycles per issued
 instruction). Here:
 
-* a producer partition of 4 extra warps loads each tile's slots and records, decodes them into a
+* a producer partition of 8 extra warps loads each tile's slots and records, decodes them into a
   ring of 2 key buffers (the same NVMMA-swizzled bf16 halves as v16), writes the tile's key mask
   as an additive bias (0 or -inf), and signals the buffer's `ready` mbarrier;
 * the default partition (8 warps, two warpgroups: the MMAs, the online softmax, the merge) waits
   for `ready`, runs the tile, and signals `empty` once its `P . K` MMAs have finished reading it;
 * Q goes to shared memory in the default partition while the producer decodes the first tile.
 
-Registers: 12 warps share the SM's 64K registers (`maxnreg` 168); the producer runs with
-`PRODUCER_REGS` and the default partition gets the rest.
+Registers: the 16 warps share the SM's 64K registers (`maxnreg` 128); the producer runs with
+`PRODUCER_REGS` and the default partition gets the rest (200).
 """
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 
@@ -42,8 +42,9 @@ from cedserve.kernels._sparse_attention_gluon import (
     _gl_tile_valid,
 )
 
-MAXNREG = 168  # 12 warps x 32 threads x 168 <= 65,536 registers
-PRODUCER_REGS = 104  # the default partition then gets (168 x 384 - 104 x 128) / 256 = 200
+PRODUCER_WARPS = 8  # 4 decoded too slowly: the MMA warps waited on `ready` ~30 % of the time (run 33)
+MAXNREG = 128  # 16 warps x 32 threads x 128 = 65,536 registers
+PRODUCER_REGS = 56  # the default partition then gets (128 x 512 - 56 x 256) / 256 = 200
 ROWS = 32  # rows of a main tile decoded per chunk
 
 
@@ -97,21 +98,21 @@ def _gl_ws_producer(k_s, kw_s, bias_s, ready, empty, t0, t1, main_tiles, topk_ro
                     main_ptr, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
                     swa_ptr, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, KSHIFT: gl.constexpr, MAIN_SPB_LOG2: gl.constexpr,
-                    SWA_SPB_LOG2: gl.constexpr, ROWS: gl.constexpr):
-    """Worker partition (4 warps): decode tiles t0 .. t1 into the key ring, the main list's tiles
+                    SWA_SPB_LOG2: gl.constexpr, ROWS: gl.constexpr, PW: gl.constexpr):
+    """Worker partition (`PW` warps): decode tiles t0 .. t1 into the key ring, the main list's tiles
     in two chunks of `ROWS` (= BLOCK_N / 2) rows, software-pipelined across tiles: a chunk's
     records are loaded before the previous chunk is decoded, its slots a tile ahead; then the
     window's tiles, `ROWS / 2` rows at a time."""
     # the v16 layouts for 4 warps: code words of main records, bf16 pairs of one half, scale bytes,
     # SWA bytes, the bias
-    LW: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-    LW2: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    LSC: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])
-    LS: gl.constexpr = gl.BlockedLayout([1, 32], [2, 16], [4, 1], [1, 0])
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [2, 16, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
-    L3S: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [4, 1, 1], [2, 1, 0])
-    LK: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
-    LB: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [PW, 1], [1, 0])
+    LW2: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [PW, 1], [1, 0])
+    LSC: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [PW, 1], [1, 0])
+    LS: gl.constexpr = gl.BlockedLayout([1, 32], [2, 16], [PW, 1], [1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [2, 16, 1, 1], [PW, 1, 1, 1], [3, 2, 1, 0])
+    L3S: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [PW, 1, 1], [2, 1, 0])
+    LK: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [PW, 1], [1, 0])
+    LB: gl.constexpr = gl.BlockedLayout([1], [32], [PW], [0])
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     LRS: gl.constexpr = gl.SliceLayout(1, LS)
     gl.static_assert(2 * ROWS == BLOCK_N, "the main tiles are decoded in two chunks")
@@ -231,6 +232,7 @@ def _gl_sparse_attention_ws_kernel(
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr, LAST_UNSTORED: gl.constexpr,
     MAIN_SPB_LOG2: gl.constexpr, SWA_SPB_LOG2: gl.constexpr, PRODUCER_REGS: gl.constexpr, ROWS: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr = 4,
 ):
     """CTA (token n, split): `_gl_sparse_attention_kernel`'s result (its partial or, for the last
     split, the token's output) from a producer / consumer pair of partitions (module docstring).
@@ -269,5 +271,5 @@ def _gl_sparse_attention_ws_kernel(
         (_gl_ws_producer, (k_s, kw_s, bias_s, ready, empty, t0, t1, main_tiles, topk_row, num_topk, win_row, num_win,
                            main_ptr, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
                            swa_ptr, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
-                           BLOCK_N, D, KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2, ROWS)),
-    ], [4], [PRODUCER_REGS])
+                           BLOCK_N, D, KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2, ROWS, PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -124,7 +124,7 @@ class AttentionConfig:
     times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
     -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
     warp_specialized: bool | None = None
-    """"gluon" only (default False): v17, `_sparse_attention_ws.py`: a producer partition of 4 more
+    """"gluon" only (default False): v17, `_sparse_attention_ws.py`: a producer partition of 8 more
     warps decodes the key tiles into a ring of 2 buffers while the 8 MMA / softmax warps work
     (needs `word_decode` and `direct_bf16`; kernels-notes.md, v17)."""
     last_unstored: bool | None = None
@@ -369,7 +369,8 @@ class _Launch:
             from cedserve.kernels import _sparse_attention_ws as ws
 
             ws._gl_sparse_attention_ws_kernel[(tokens, splits)](*args, **common, PRODUCER_REGS=ws.PRODUCER_REGS,
-                                                                ROWS=ws.ROWS, maxnreg=ws.MAXNREG)
+                                                                ROWS=ws.ROWS, PRODUCER_WARPS=ws.PRODUCER_WARPS,
+                                                                maxnreg=ws.MAXNREG)
         else:
             from cedserve.kernels import _sparse_attention_gluon as g
 
