@@ -36,8 +36,8 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
     parser.add_argument("--attention", default="default",
-                        help="attention launch: default, gluon (v16), v11, ws (v17, warp-specialised) or keysplit (Triton, "
-                             "keys in 2, whole value rows)")
+                        help="attention launch: default, gluon (v16), v11 or keysplit (Triton, keys in 2, whole value "
+                             "rows)")
     parser.add_argument("--tokens", type=int, default=64, help="attention batch (the first N of the 64 tokens)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -53,7 +53,6 @@ def main() -> int:
         out = torch.empty_like(p.q)
         cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"),
                "v11": AttentionConfig(kernel="gluon", direct_bf16=False, last_unstored=False),
-               "ws": AttentionConfig(kernel="gluon", warp_specialized=True),
                "keysplit": AttentionConfig(64, 32, 2, 8, 1, 1, False)}[args.attention]
         runs.append(("attention", lambda: sparse_attention(p.q, p.sink, p.main, p.topk_slots, p.swa, p.win_slots,
                                                             p.cos, p.sin, out=out, config=cfg, impl="triton")))

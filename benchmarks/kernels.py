@@ -518,7 +518,7 @@ def decode_attention(b: Bench) -> None:
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
         configs += [AttentionConfig(kernel="gluon", word_decode=False), AttentionConfig(kernel="gluon",
                                                                                          fused_combine=False),
-                    _GLUON_V11, AttentionConfig(kernel="gluon", warp_specialized=True)]
+                    _GLUON_V11]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -531,7 +531,7 @@ def decode_attention(b: Bench) -> None:
                  f"{'' if resolved.hw_cvt else ' alu'}")
         if resolved.kernel == "gluon":
             v16 = resolved.direct_bf16 and resolved.last_unstored
-            label = f"gluon v{17 if resolved.warp_specialized else 16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
+            label = f"gluon v{16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
                                                                                        else " bytes")
             label += "" if resolved.fused_combine else " combine-pass"
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
@@ -575,7 +575,6 @@ def decode_attention(b: Bench) -> None:
             rivals["gluon v16 no direct bf16"] = AttentionConfig(kernel="gluon", direct_bf16=False)
             rivals["gluon v16 no last unstored"] = AttentionConfig(kernel="gluon", last_unstored=False)
             rivals["gluon v16 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
-            rivals["gluon v17 warp-specialized"] = AttentionConfig(kernel="gluon", warp_specialized=True)
         for _ in range(4):
             for name, cfg in rivals.items():
                 call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
@@ -597,8 +596,7 @@ def decode_attention(b: Bench) -> None:
             sub = (q[:batch], sink, main, topk_slots[:batch], swa, win_slots[:batch], cos[:batch], sin[:batch])
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
-                              ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
-                              ("gluon v17", AttentionConfig(kernel="gluon", warp_specialized=True))):
+                              ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

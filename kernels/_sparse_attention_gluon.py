@@ -122,10 +122,12 @@ KSHIFT_BF16 = gl.constexpr(8)  # DIRECT_BF16's keys are K * 2**-KSHIFT_BF16
 
 
 @gluon.jit
-def _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D: gl.constexpr,
-                        LW: gl.constexpr, SPB_LOG2: gl.constexpr, SCALES: gl.constexpr = True):
-    """The code words `[ROWS, D / 8]` (int32, layout `LW`) and (`SCALES`) their E4M3 scale bytes
-    (as int32, one per word) of the main records at `slot`: a thread's 4 words are one 16-byte load."""
+def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
+                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
+                        DIRECT_BF16: gl.constexpr, SPB_LOG2: gl.constexpr):
+    """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
+    destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`. A thread takes 4 code words (one
+    16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
                                block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
@@ -133,18 +135,7 @@ def _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
     row = main_ptr + gl.expand_dims(rec, 1)
     ok2 = gl.expand_dims(ok, 1)
     codes = gl.load((row + gl.expand_dims(word * 4, 0)).to(gl.pointer_type(gl.int32)), mask=ok2, other=0)
-    scales = codes
-    if SCALES:
-        scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
-    return codes, scales
-
-
-@gluon.jit
-def _gl_main_words_store(codes, scales, kw_lo, kw_hi, ROWS: gl.constexpr, D: gl.constexpr, LW2: gl.constexpr,
-                         DIRECT_BF16: gl.constexpr):
-    """Decode `_gl_main_words_load`'s words (one inline-PTX block per word) and store the bf16
-    pairs of the even / odd channels to `kw_lo` / `kw_hi` (int32 `[ROWS, D / 4]`): 8 words per
-    half per thread, two 16-byte stores."""
+    scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
     if DIRECT_BF16:
         lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
             _FP4_WORD_BF16_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
@@ -155,17 +146,6 @@ def _gl_main_words_store(codes, scales, kw_lo, kw_hi, ROWS: gl.constexpr, D: gl.
             is_pure=True, pack=1)
     kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [ROWS, D // 4]), LW2))
     kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [ROWS, D // 4]), LW2))
-
-
-@gluon.jit
-def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
-                        ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
-                        DIRECT_BF16: gl.constexpr, SPB_LOG2: gl.constexpr):
-    """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
-    destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`."""
-    codes, scales = _gl_main_words_load(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, D, LW,
-                                        SPB_LOG2)
-    _gl_main_words_store(codes, scales, kw_lo, kw_hi, ROWS, D, LW2, DIRECT_BF16)
 
 
 @gluon.jit
@@ -309,6 +289,20 @@ def _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H: gl.constexpr, D: gl.conste
 
 
 @gluon.jit
+def _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H: gl.constexpr, D: gl.constexpr,
+                      MMA_S: gl.constexpr):
+    """A split's partial: `acc [H, D]` (fp32, channel order) at row `part` of `part_acc`, and its
+    base-2 row maxima / sums at `part_ml`."""
+    LO: gl.constexpr = acc.type.layout
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
+    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
+    hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
+    gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
+    gl.store(part_ml_ptr + (part + hm) * 2, m_i)
+    gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+
+
+@gluon.jit
 def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr, sin_ptr,
                cs_stride, out_ptr, out_stride_n, out_stride_h,
                H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
@@ -324,9 +318,6 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
     # each half become 4 adjacent channels, one 16-byte store
     acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
     LO: gl.constexpr = acc.type.layout
-    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
-    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
-    hm = gl.arange(0, H, layout=gl.SliceLayout(1, MMA_S))
     if FUSED_COMBINE and NUM_SPLITS == 1:  # nothing to merge
         _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
                             sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
@@ -348,15 +339,11 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
                                 sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
                                 H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
         else:
-            gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
-            gl.store(part_ml_ptr + (part + hm) * 2, m_i)
-            gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+            _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
             gl.thread_barrier()
             gl.atomic_add(counter_ptr + 2 * n + 1, 1, sem="release", scope="gpu")
     else:
-        gl.store(part_acc_ptr + (part + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0), acc)
-        gl.store(part_ml_ptr + (part + hm) * 2, m_i)
-        gl.store(part_ml_ptr + (part + hm) * 2 + 1, l_i)
+        _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
         if FUSED_COMBINE:
             # the last split of a token to finish merges the others' partials (stream-K style): every
             # thread's partial stores, a CTA barrier, then one release / acquire add on the token's

@@ -123,10 +123,6 @@ class AttentionConfig:
     (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
     times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
     -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
-    warp_specialized: bool | None = None
-    """"gluon" only (default False): v17, `_sparse_attention_ws.py`: a producer partition of 8 more
-    warps decodes the key tiles into a ring of 2 buffers while the 8 MMA / softmax warps work
-    (needs `word_decode` and `direct_bf16`; kernels-notes.md, v17)."""
     last_unstored: bool | None = None
     """"gluon" only (default True; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
@@ -149,9 +145,7 @@ class AttentionConfig:
             fused = True if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
             unstored = True if self.last_unstored is None else self.last_unstored
-            ws = False if self.warp_specialized is None else self.warp_specialized
-            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, ws,
-                                   unstored)
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -362,20 +356,10 @@ class _Launch:
                       LAST_UNSTORED=cfg.last_unstored is not False,
                       MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block),
                       SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block), num_warps=8)
-        if cfg.warp_specialized:
-            if cfg.word_decode is False or cfg.direct_bf16 is False:
-                raise ValueError("sparse_attention: the warp-specialized gluon kernel decodes words to bf16 only "
-                                 "(word_decode and direct_bf16 must not be False)")
-            from cedserve.kernels import _sparse_attention_ws as ws
+        from cedserve.kernels import _sparse_attention_gluon as g
 
-            ws._gl_sparse_attention_ws_kernel[(tokens, splits)](*args, **common, PRODUCER_REGS=ws.PRODUCER_REGS,
-                                                                ROWS=ws.ROWS, PRODUCER_WARPS=ws.PRODUCER_WARPS,
-                                                                maxnreg=ws.MAXNREG)
-        else:
-            from cedserve.kernels import _sparse_attention_gluon as g
-
-            g._gl_sparse_attention_kernel[(tokens, splits)](*args, **common, FAST_DECODE=cfg.word_decode is not False,
-                                                            DIRECT_BF16=cfg.direct_bf16 is not False)
+        g._gl_sparse_attention_kernel[(tokens, splits)](*args, **common, FAST_DECODE=cfg.word_decode is not False,
+                                                        DIRECT_BF16=cfg.direct_bf16 is not False)
         if fused:
             return
         k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
