@@ -530,7 +530,7 @@ def decode_attention(b: Bench) -> None:
                  f"st{resolved.num_stages} dv{resolved.dv_split} pf{int(bool(resolved.prefetch))}"
                  f"{'' if resolved.hw_cvt else ' alu'}")
         if resolved.kernel == "gluon":
-            v16 = resolved.direct_bf16 and resolved.last_unstored
+            v16 = resolved.direct_bf16
             label = f"gluon v{16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
                                                                                        else " bytes")
             label += "" if resolved.fused_combine else " combine-pass"
@@ -569,11 +569,10 @@ def decode_attention(b: Bench) -> None:
         repeats: dict[str, list[float]] = {}
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            # v16 (the default) and v11 (its two changes off), and v16 less each change in turn
+            # v16 (the default: direct bf16 decode) and v11 (without it), and the merge variants
             rivals["gluon v16"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11"] = _GLUON_V11
-            rivals["gluon v16 no direct bf16"] = AttentionConfig(kernel="gluon", direct_bf16=False)
-            rivals["gluon v16 no last unstored"] = AttentionConfig(kernel="gluon", last_unstored=False)
+            rivals["gluon v16 last unstored"] = AttentionConfig(kernel="gluon", last_unstored=True)
             rivals["gluon v16 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
         for _ in range(4):
             for name, cfg in rivals.items():
@@ -596,7 +595,9 @@ def decode_attention(b: Bench) -> None:
             sub = (q[:batch], sink, main, topk_slots[:batch], swa, win_slots[:batch], cos[:batch], sin[:batch])
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
-                              ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2))):
+                              ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
+                              ("gluon last unstored", AttentionConfig(kernel="gluon", last_unstored=True)),
+                              ("gluon combine pass", AttentionConfig(kernel="gluon", fused_combine=False))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

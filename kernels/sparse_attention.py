@@ -124,9 +124,10 @@ class AttentionConfig:
     times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
     -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
     last_unstored: bool | None = None
-    """"gluon" only (default True; with `fused_combine`): the last key split of a token to arrive
+    """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
-    per-token counter (kernels-notes.md, v16)."""
+    per-token counter. 0.2-0.3 us faster at batch 64 (2 splits), slower at batches 1-16 (5 splits:
+    the others arrive, then store; kernels-notes.md, v16)."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -144,7 +145,7 @@ class AttentionConfig:
             word_decode = True if self.word_decode is None else self.word_decode
             fused = True if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
-            unstored = True if self.last_unstored is None else self.last_unstored
+            unstored = False if self.last_unstored is None else self.last_unstored
             return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64

@@ -88,7 +88,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
                              fused_combine=fused_combine, direct_bf16=gluon != "v11",
-                             last_unstored=gluon != "v11")
+                             last_unstored=gluon == "v16 last unstored")
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
         out.fill_(float("nan"))
@@ -214,18 +214,20 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
                           (9, 4, True, False, torch.int32, None, None, "v16", 16),
                           (9, 4, True, False, torch.int32, False, False, "v16", 16),
                           (3, 2, False, True, torch.int32, None, None, "v16", 16),
-                          (33, 7, True, True, torch.int32, None, None, "v16", 16),
+                          (33, 7, True, True, torch.int32, None, None, "v16 last unstored", 16),
                           (64, 2, True, True, torch.int32, False, False, "v16", 16),
                           (64, 1, True, True, torch.int32, None, False, "v16", 16),
                           (130, 3, True, True, torch.int32, None, None, "v16", 16),
+                          (130, 3, True, True, torch.int32, None, None, "v16 last unstored", 16),
+                          (9, 5, True, True, torch.int64, None, None, "v16 last unstored", 12),
                           (64, None, True, True, torch.int32, None, None, "v16", 12),
                           (17, 5, True, True, torch.int64, None, None, "v11", 12),
                           (130, 3, True, True, torch.int32, None, None, "v11", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
-    # the Gluon kernel (v16 by default, v11 with its changes off; kernels-notes.md) at the released
-    # shape: ragged top-k lengths, partial windows, a token with
+    # the Gluon kernel (v16 by default, with the last-unstored merge, and v11; kernels-notes.md) at
+    # the released shape: ragged top-k lengths, partial windows, a token with
     # no key, one source only, more splits than some tokens have tiles (empty splits), 390 CTAs in
     # three waves (the last split of a token waits for the others' partials), blocks of 12 records
     # (slot -> block by division)
