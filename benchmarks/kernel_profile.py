@@ -52,7 +52,7 @@ def main() -> int:
         p = AttentionProblem(p.main, p.swa, p.topk_slots[:k], p.win_slots[:k], p.q[:k], p.sink, p.cos[:k], p.sin[:k])
         out = torch.empty_like(p.q)
         cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"),
-               "v11": AttentionConfig(kernel="gluon", direct_bf16=False, last_unstored=False),
+               "v11": AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False),
                "keysplit": AttentionConfig(64, 32, 2, 8, 1, 1, False)}[args.attention]
         runs.append(("attention", lambda: sparse_attention(p.q, p.sink, p.main, p.topk_slots, p.swa, p.win_slots,
                                                             p.cos, p.sin, out=out, config=cfg, impl="triton")))

@@ -490,7 +490,7 @@ class AttentionProblem:
 
 
 # the Gluon kernel as v11 ran it: the two v16 changes off (kernels-notes.md, v16)
-_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, last_unstored=False)
+_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False)
 
 
 def decode_attention(b: Bench) -> None:
@@ -517,7 +517,7 @@ def decode_attention(b: Bench) -> None:
     if dev.type == "cuda":  # v11, the Gluon kernel (Hopper only; elsewhere its row reports why not)
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
         configs += [AttentionConfig(kernel="gluon", word_decode=False), AttentionConfig(kernel="gluon",
-                                                                                         fused_combine=False),
+                                                                                         fused_combine=True),
                     _GLUON_V11]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
@@ -533,7 +533,7 @@ def decode_attention(b: Bench) -> None:
             v16 = resolved.direct_bf16
             label = f"gluon v{16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
                                                                                        else " bytes")
-            label += "" if resolved.fused_combine else " combine-pass"
+            label += " fused-merge" if resolved.fused_combine else ""
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
                        impl="triton")
         try:
@@ -569,11 +569,12 @@ def decode_attention(b: Bench) -> None:
         repeats: dict[str, list[float]] = {}
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            # v16 (the default: direct bf16 decode) and v11 (without it), and the merge variants
+            # v16 (the default: direct bf16 decode, merge pass) and v11 (neither), and the fused merges
             rivals["gluon v16"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11"] = _GLUON_V11
-            rivals["gluon v16 last unstored"] = AttentionConfig(kernel="gluon", last_unstored=True)
-            rivals["gluon v16 combine pass"] = AttentionConfig(kernel="gluon", fused_combine=False)
+            rivals["gluon v16 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
+            rivals["gluon v16 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
+                                                                       last_unstored=True)
         for _ in range(4):
             for name, cfg in rivals.items():
                 call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
@@ -596,8 +597,7 @@ def decode_attention(b: Bench) -> None:
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
                               ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
-                              ("gluon last unstored", AttentionConfig(kernel="gluon", last_unstored=True)),
-                              ("gluon combine pass", AttentionConfig(kernel="gluon", fused_combine=False))):
+                              ("gluon fused merge", AttentionConfig(kernel="gluon", fused_combine=True))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

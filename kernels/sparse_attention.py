@@ -116,8 +116,10 @@ class AttentionConfig:
     inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
     instead of elementwise byte operations (kernels-notes.md, v11)."""
     fused_combine: bool | None = None
-    """"gluon" only (default True): the last key split of a token to finish merges the splits
-    (acquire / release counter per token) instead of a separate `_combine_splits_kernel` pass."""
+    """"gluon" only (default False): the last key split of a token to finish merges the splits
+    (acquire / release counter per token) instead of a separate `_combine_splits_kernel` pass.
+    One launch fewer, but slower on the GPU: the pass is 0.9 us faster at batch 64 and 5.5-7.6 us
+    (20-24 %) at batches 1-16, where one CTA would merge 5 partials alone (kernels-notes.md, v16)."""
     direct_bf16: bool | None = None
     """"gluon" only (default True; with `word_decode`): main-KV code words straight to bf16 pairs
     (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
@@ -143,7 +145,7 @@ class AttentionConfig:
             tiles = cdiv(keys, 64) + 2  # (the window's tiles: `keys` is the longer of the two lists)
             splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), tiles // 2))
             word_decode = True if self.word_decode is None else self.word_decode
-            fused = True if self.fused_combine is None else self.fused_combine
+            fused = False if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
             unstored = False if self.last_unstored is None else self.last_unstored
             return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, unstored)
@@ -341,7 +343,7 @@ class _Launch:
         q, out, main, swa = self.q, self.out, self.main, self.swa
         tokens, heads, dim = q.shape
         splits = cfg.num_splits or 1
-        fused = cfg.fused_combine is not False
+        fused = bool(cfg.fused_combine)
         part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         # two per token: arrivals, and (`last_unstored`) partials stored

@@ -209,25 +209,25 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel needs sm_90")
 @pytest.mark.parametrize(("tokens", "splits", "use_main", "use_swa", "slot_dtype", "word_decode", "fused", "variant", "epb"),
                          [(64, None, True, True, torch.int32, None, None, "v16", 16),
-                          (5, 1, True, True, torch.int64, True, None, "v16", 16),
-                          (7, 3, True, True, torch.int32, False, None, "v16", 16),
+                          (5, 1, True, True, torch.int64, True, True, "v16", 16),
+                          (7, 3, True, True, torch.int32, False, True, "v16", 16),
                           (9, 4, True, False, torch.int32, None, None, "v16", 16),
                           (9, 4, True, False, torch.int32, False, False, "v16", 16),
-                          (3, 2, False, True, torch.int32, None, None, "v16", 16),
-                          (33, 7, True, True, torch.int32, None, None, "v16 last unstored", 16),
+                          (3, 2, False, True, torch.int32, None, True, "v16", 16),
+                          (33, 7, True, True, torch.int32, None, True, "v16 last unstored", 16),
                           (64, 2, True, True, torch.int32, False, False, "v16", 16),
                           (64, 1, True, True, torch.int32, None, False, "v16", 16),
                           (130, 3, True, True, torch.int32, None, None, "v16", 16),
-                          (130, 3, True, True, torch.int32, None, None, "v16 last unstored", 16),
-                          (9, 5, True, True, torch.int64, None, None, "v16 last unstored", 12),
+                          (130, 3, True, True, torch.int32, None, True, "v16 last unstored", 16),
+                          (9, 5, True, True, torch.int64, None, True, "v16 last unstored", 12),
                           (64, None, True, True, torch.int32, None, None, "v16", 12),
-                          (17, 5, True, True, torch.int64, None, None, "v11", 12),
-                          (130, 3, True, True, torch.int32, None, None, "v11", 16)])
+                          (17, 5, True, True, torch.int64, None, True, "v11", 12),
+                          (130, 3, True, True, torch.int32, None, True, "v11", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
-    # the Gluon kernel (v16 by default, with the last-unstored merge, and v11; kernels-notes.md) at
-    # the released shape: ragged top-k lengths, partial windows, a token with
+    # the Gluon kernel (v16 by default with the merge pass; fused merges, last-unstored, v11;
+    # kernels-notes.md) at the released shape: ragged top-k lengths, partial windows, a token with
     # no key, one source only, more splits than some tokens have tiles (empty splits), 390 CTAs in
     # three waves (the last split of a token waits for the others' partials), blocks of 12 records
     # (slot -> block by division)
