@@ -23,8 +23,9 @@ are the same call. Slot lists are built by the caller from its block tables
 
 Layers: `_sparse_decode_attention_kernel` (+ `_combine_splits_kernel` when one token's keys are
 split over several programs) in `_sparse_attention_kernels.py`, and on Hopper (sm_90, 64 heads x
-512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v11, which
-merges its key splits itself); :func:`sparse_attention` here;
+512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v16; its
+key splits are merged by `_combine_splits_kernel`, or with `fused_combine` by the last split's
+CTA); :func:`sparse_attention` here;
 :func:`sparse_attention_reference` (float32 math on the decoded records).
 
 Precision: keys are exact in bf16; logits and the accumulator are fp32; probabilities are rounded
@@ -280,7 +281,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         launch.run(cfg)
         return out
     if _GLUON_DEFAULT["usable"] and launch.gluon_unsupported() is None:
-        # v11 is the default where it runs (H200: 44.6 us against 91 us at batch 64, kernels-notes.md);
+        # v16 is the default where it runs (H200: 40.0-40.3 us against 89.6 us at batch 64, run 37);
         # should it fail to build (a Triton without Gluon's Hopper API), say so once and stay on Triton
         from triton.compiler.errors import CompilationError
 
