@@ -7,9 +7,10 @@ halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written 
 the layouts the Triton kernel could not choose are ours (kernels-notes.md, "Profile"):
 
 * one CTA of two warpgroups takes all 64 heads of a token (the MMAs' M) over a contiguous run of
-  that token's key tiles and writes split-KV partials; the last split of the token to finish
-  merges them (`FUSED_COMBINE`, an acquire / release counter per token), or
-  `_combine_splits_kernel` does;
+  that token's key tiles and writes split-KV partials, which `_combine_splits_kernel` merges (the
+  launcher's default: faster on the GPU, run 36), or the last split of the token to finish does
+  (`FUSED_COMBINE`, an acquire / release counter per token; `LAST_UNSTORED`: without storing its
+  own partial);
 * a thread decodes 4 code words of a main-KV record (one 16-byte load; one inline-PTX block per
   word, `FAST_DECODE`) and stores the bf16 pairs to shared memory as 16-byte vectors in the
   NVMMA-swizzled layout that `wgmma` reads (the Triton kernel staged decoded keys with 16-bit
