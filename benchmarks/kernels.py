@@ -40,7 +40,7 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -230,7 +230,8 @@ def _block_slots(tokens: int, entries: int, num_blocks: int, device: torch.devic
 
 def _index_queries(tokens: int, dev: torch.device) -> torch.Tensor:
     """Indexer queries as the model passes them: FP4 (E2M1, a UE8M0 scale per 32 channels) in bf16."""
-    return fake_quant_fp4(torch.randn(tokens, 32, 128, device=dev), 32, "ue8m0").bfloat16()
+    queries: torch.Tensor = fake_quant_fp4(torch.randn(tokens, 32, 128, device=dev), 32, "ue8m0").bfloat16()
+    return queries
 
 
 def copy_bandwidth(b: Bench) -> None:
@@ -403,9 +404,11 @@ def _bench_records(b: Bench, kind: rec_ops.RecordKind, dim: int) -> None:
     if kind != "swa":
         sweep += [(None, None, None, v, None) for v in (3, 4, 5) if v != default_version]
     if not b.smoke:
-        sweep += {"main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
-                  "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],
-                  "swa": [(16, 4, False, 4, None)]}[kind]
+        extra: dict[str, list[tuple[int | None, int | None, bool | None, int, int | None]]] = {
+            "main": [(4, 4, True, 4, None), (8, 4, None, 5, 2), (8, 4, None, 5, 8), (4, 4, None, 5, 8)],
+            "index": [(32, 4, True, 4, None), (32, 4, None, 5, 2), (32, 4, None, 5, 8), (64, 4, None, 5, 4)],
+            "swa": [(16, 4, False, 4, None)]}
+        sweep += extra[kind]
     if kind == "index" and gluon_ok:  # v13, the Gluon writer (16 lanes per row): rows / tiles / warps
         sweep += [(16, 4, None, 13, 4), (64, 4, None, 13, 4), (64, 4, None, 13, 2),
                   (32, 4, None, 13, 8), (32, 4, None, 13, 2), (32, 8, None, 13, 4), (64, 8, None, 13, 4)]
@@ -730,7 +733,7 @@ def decode_step_curve(b: Bench) -> None:
     index_scan_sweep(b, idx, table, qi, wi, max_ctx)
 
 
-def _graph_time_s(b: Bench, calls: list[Callable[[], object]], what: str) -> float:
+def _graph_time_s(b: Bench, calls: Sequence[Callable[[], object]], what: str) -> float:
     """Seconds per replay of `calls` captured as one CUDA graph (NaN off the GPU or when capture fails)."""
     if b.device.type != "cuda":
         return float("nan")
