@@ -600,7 +600,10 @@ def decode_attention(b: Bench) -> None:
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
                               ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
-                              ("gluon fused merge", AttentionConfig(kernel="gluon", fused_combine=True))):
+                              ("gluon fused merge", AttentionConfig(kernel="gluon", fused_combine=True)),
+                              # one tile per CTA: with the merge pass cheaper than the fused merge
+                              # (run 36), more splits may now pay at small batches
+                              ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")
