@@ -336,6 +336,7 @@ class _Launch:
         return None
 
     def run_gluon(self, cfg: AttentionConfig) -> None:
+        from cedserve.kernels import _sparse_attention_gluon as g
         from cedserve.kernels import _sparse_attention_kernels as k
 
         why = self.gluon_unsupported()
@@ -349,21 +350,19 @@ class _Launch:
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         # two per token: arrivals, and (`last_unstored`) partials stored
         counters = _split_counters(q.device, 2 * tokens) if fused else part_ml  # (unused without the fused merge)
-        args = (q, q.stride(0), q.stride(1),
-                main.storage, self.topk, self.topk.stride(0), self.num_topk,
-                main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
-                swa.storage, self.win, self.win.stride(0), self.num_win,
-                swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
-                part_acc, part_ml, self.scale * math.log2(math.e),
-                counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1))
-        common = dict(H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1],
-                      LAST_UNSTORED=cfg.last_unstored is not False,
-                      MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block),
-                      SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block), num_warps=8)
-        from cedserve.kernels import _sparse_attention_gluon as g
-
-        g._gl_sparse_attention_kernel[(tokens, splits)](*args, **common, FAST_DECODE=cfg.word_decode is not False,
-                                                        DIRECT_BF16=cfg.direct_bf16 is not False)
+        g._gl_sparse_attention_kernel[(tokens, splits)](
+            q, q.stride(0), q.stride(1),
+            main.storage, self.topk, self.topk.stride(0), self.num_topk,
+            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
+            swa.storage, self.win, self.win.stride(0), self.num_win,
+            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
+            part_acc, part_ml, self.scale * math.log2(math.e),
+            counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
+            H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
+            FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
+            MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
+            LAST_UNSTORED=bool(cfg.last_unstored), num_warps=8,
+        )
         if fused:
             return
         k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
