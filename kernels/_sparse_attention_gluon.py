@@ -469,7 +469,7 @@ def _gl_sparse_attention_kernel(
                      kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset, main_spb,
                      main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
                      swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
-                 KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
+                     KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         fence_async_shared()
         gl.thread_barrier()
