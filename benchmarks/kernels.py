@@ -492,7 +492,8 @@ class AttentionProblem:
                    torch.randn(heads, device=dev), ang.cos(), ang.sin())
 
 
-# the Gluon kernel as v11 ran it: the two v16 changes off (kernels-notes.md, v16)
+# the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain, fused merge), less
+# the slot -> block shift, which is always on now (kernels-notes.md, v16)
 _GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False)
 
 
