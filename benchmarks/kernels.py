@@ -575,6 +575,7 @@ def decode_attention(b: Bench) -> None:
             # v16 (the default: direct bf16 decode, merge pass) and v11 (neither), and the fused merges
             rivals["gluon v16"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11"] = _GLUON_V11
+            rivals["gluon v16 early fill"] = AttentionConfig(kernel="gluon", early_fill=True)
             rivals["gluon v16 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
             rivals["gluon v16 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
                                                                        last_unstored=True)
@@ -603,7 +604,8 @@ def decode_attention(b: Bench) -> None:
                               ("gluon fused merge", AttentionConfig(kernel="gluon", fused_combine=True)),
                               # one tile per CTA: with the merge pass cheaper than the fused merge
                               # (run 36), more splits may now pay at small batches
-                              ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10))):
+                              ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
+                              ("gluon early fill", AttentionConfig(kernel="gluon", early_fill=True))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")
