@@ -576,6 +576,9 @@ def decode_attention(b: Bench) -> None:
             # v16 (the default: direct bf16 decode, merge pass) and v11 (neither), and the fused merges
             rivals["gluon v16"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11"] = _GLUON_V11
+            rivals["gluon v16 early fill"] = AttentionConfig(kernel="gluon", early_fill=True)
+            rivals["gluon v19 full S"] = AttentionConfig(kernel="gluon", full_s=True)
+            rivals["gluon v19 full S, early fill"] = AttentionConfig(kernel="gluon", full_s=True, early_fill=True)
             rivals["gluon v16 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
             rivals["gluon v16 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
                                                                        last_unstored=True)
@@ -604,7 +607,11 @@ def decode_attention(b: Bench) -> None:
                               ("gluon fused merge", AttentionConfig(kernel="gluon", fused_combine=True)),
                               # one tile per CTA: with the merge pass cheaper than the fused merge
                               # (run 36), more splits may now pay at small batches
-                              ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10))):
+                              ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
+                              ("gluon early fill", AttentionConfig(kernel="gluon", early_fill=True)),
+                              ("gluon full S", AttentionConfig(kernel="gluon", full_s=True)),
+                              ("gluon full S, early fill", AttentionConfig(kernel="gluon", full_s=True,
+                                                                           early_fill=True))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")
@@ -734,7 +741,52 @@ def decode_step_curve(b: Bench) -> None:
                 layer = steps[last]["reindex_layer_us"] / steps[first]["reindex_layer_us"]
             b.target(f"per Reindex layer (attention + pool scoring) {last} / {first}{label}", layer, "<= 1.5",
                      layer <= 1.5)
+    step_small_batches(b, idx, table, qi, wi, contexts, pool_blocks, topk)
     index_scan_sweep(b, idx, table, qi, wi, max_ctx)
+
+
+def step_small_batches(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor,
+                       contexts: Sequence[int], pool_blocks: int, topk: int) -> None:
+    """The decode step's curve at batches 1 and 8 (one request per token, the default kernels):
+    the 8 index calls as one CUDA graph plus 40 attention layers at that batch (the small-batch
+    attention rows). Long-context agents decode at small batches, where the attention's fixed
+    cost per CTA, not the Full-layer scans, sets the step."""
+    small = b.curves.get("attention_small_batch_us", {})
+    dev = b.device
+    if dev.type != "cuda" or b.smoke:
+        return
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for batch in (1, 8):
+        attn_us = small.get(str(batch), {}).get("gluon default") or small.get(str(batch), {}).get("triton default")
+        if attn_us is None:
+            continue
+        steps: dict[str, dict[str, float]] = {}
+        for ctx in contexts:
+            if b.late and ctx > 65536:
+                break
+            visible = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+            seqs = torch.arange(batch, device=dev).int()
+            keys_m1 = IndexKeys(idx, table[:batch], seqs, visible)
+            keys_m2 = IndexKeys(idx, table[:batch], seqs, visible // 2)
+            q, w = qi[:batch], wi[:batch]
+            cand_call = partial(index_topk, q, w, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
+                                impl="triton")
+            full_call = partial(index_topk, q, w, keys_m2, topk=topk, width=ctx // 2, impl="triton")
+            pool = cand_call().candidates
+            assert pool is not None
+            reindex_call = partial(index_topk, q, w, keys_m1, topk=topk, width=ctx, candidates=pool, impl="triton")
+            graph_s = _graph_time_s(b, [cand_call] + 3 * [full_call] + 4 * [reindex_call], f"batch {batch} ctx {ctx}")
+            steps[str(ctx)] = {"attention_layer_us": attn_us, "index_graph_us": graph_s * 1e6,
+                               "step_graph_us": 40 * attn_us + graph_s * 1e6}
+            print(f"  batch {batch} ctx {ctx:>8}: index calls as one CUDA graph {graph_s * 1e6:.1f} us + 40 x attention "
+                  f"{attn_us:.1f} us -> step {40 * attn_us + graph_s * 1e6:.1f} us", flush=True)
+        if len(steps) > 1:
+            first, last = str(contexts[0]), max(steps, key=int)
+            ratio = steps[last]["step_graph_us"] / steps[first]["step_graph_us"]
+            print(f"  (info) decode step at batch {batch}, {last} / {first}: {ratio:.3g}", flush=True)
+            steps["ratio"] = {"last_over_first": ratio}
+        out[str(batch)] = steps
+    b.curves["decode_step_small_batch"] = out
 
 
 def _graph_time_s(b: Bench, calls: Sequence[Callable[[], object]], what: str) -> float:

@@ -371,7 +371,7 @@ def _gl_sparse_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
     DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
-    LAST_UNSTORED: gl.constexpr = False,
+    LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False, FULL_S: gl.constexpr = False,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -388,8 +388,11 @@ def _gl_sparse_attention_kernel(
     LW2: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # bf16 pairs of one half
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     LQ3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
-    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                    instr_shape=[16, BLOCK_N // 2, 16])
+    # S: the second warpgroup takes the upper half of the keys, or (`FULL_S`, v19) both compute all
+    # of them (the layout's second warp column repeats the first), so the softmax's row reductions
+    # need no shared-memory exchange between the warpgroups
+    S_N: gl.constexpr = BLOCK_N if FULL_S else BLOCK_N // 2
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, S_N, 16])
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
     SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
     SH_Q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, HALF], gl.bfloat16)
@@ -398,12 +401,27 @@ def _gl_sparse_attention_kernel(
     n = gl.program_id(0)
     split = gl.program_id(1)
 
-    # Q -> shared memory as its even / odd channel halves
     DIRECT: gl.constexpr = DIRECT_BF16 and FAST_DECODE
     KSHIFT: gl.constexpr = KSHIFT_BF16 if DIRECT else 0
+    main_tiles = gl.cdiv(num_topk, BLOCK_N)
+    total_tiles = main_tiles + gl.cdiv(num_win, BLOCK_N)
+    t0 = split * total_tiles // NUM_SPLITS
+    t1 = (split + 1) * total_tiles // NUM_SPLITS
+    topk_row = topk_ptr + n.to(gl.int64) * topk_stride
+    win_row = win_ptr + n.to(gl.int64) * win_stride
+    LR: gl.constexpr = gl.SliceLayout(1, LW)
+    # the first tile's slots, then Q's loads, then the first tile's records: the three latencies
+    # overlap instead of Q's load, Q's shared-memory store, then the slots, then the records
+    # (v18: EARLY_FILL, not yet run)
+    if EARLY_FILL:
+        slot0 = _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
     q_lo, q_hi = _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H, D, KSHIFT, LQ, LQ3)
-    q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
-    q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
+    if EARLY_FILL:
+        q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q)
+        q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q)
+    else:  # Q -> shared memory as its even / odd channel halves first
+        q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
+        q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, HALF], SH_K)  # (buffer, half) pairs
     # the same bytes as int32 bf16 pairs (the 128-byte swizzle acts on bytes, so it is the same map)
     kw_s = k_s._reinterpret(gl.int32, [4, BLOCK_N, HALF // 2],
@@ -415,27 +433,28 @@ def _gl_sparse_attention_kernel(
     s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=MMA_S)
     m_i = gl.full([H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, MMA_S))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, MMA_S))
-
-    main_tiles = gl.cdiv(num_topk, BLOCK_N)
-    total_tiles = main_tiles + gl.cdiv(num_win, BLOCK_N)
-    t0 = split * total_tiles // NUM_SPLITS
-    t1 = (split + 1) * total_tiles // NUM_SPLITS
-    topk_row = topk_ptr + n.to(gl.int64) * topk_stride
-    win_row = win_ptr + n.to(gl.int64) * win_stride
-    fence_async_shared()
-    gl.thread_barrier()
+    if not EARLY_FILL:
+        fence_async_shared()
+        gl.thread_barrier()
 
     # rotated pipeline: tile t + 1 is loaded and decoded into the other buffer while tile t's
     # P . K runs, and that MMA is waited for inside the same iteration. An asynchronous MMA left
     # in flight across the loop's back edge makes ptxas serialise every wgmma of the kernel
     # (C7515, "non wgmma instructions defining accumulator registers"): 40 waits instead of 5.
-    LR: gl.constexpr = gl.SliceLayout(1, LW)
+    if not EARLY_FILL:
+        slot0 = _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
     if t0 < t1:
-        _gl_fill(t0, _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR), main_tiles,
+        _gl_fill(t0, slot0, main_tiles,
                  k_s.index(0), k_s.index(1), kw_s.index(0), kw_s.index(1), main_ptr, main_num_slots, main_offset,
                  main_spb, main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
                  swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
                  KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
+    if EARLY_FILL:
+        q_lo_s.store(q_lo)
+        q_hi_s.store(q_hi)
+        fence_async_shared()
+        gl.thread_barrier()
+    elif t0 < t1:
         fence_async_shared()
         gl.thread_barrier()
     LC: gl.constexpr = gl.SliceLayout(0, MMA_S)

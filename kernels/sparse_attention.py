@@ -126,6 +126,14 @@ class AttentionConfig:
     (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
     times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
     -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
+    early_fill: bool | None = None
+    """"gluon" only (default False; v18 candidate, not yet run): load the first key tile's slots
+    before Q and decode that tile before Q is stored to shared memory, so the latencies overlap."""
+    full_s: bool | None = None
+    """"gluon" only (default False; v19 candidate, not yet run): each warpgroup computes the logits
+    of all 64 keys of a tile (the S MMA done twice, 1.5x the MMA work) instead of 32 each, so the
+    softmax's row maxima and sums stay inside a warp: 1 CTA barrier per tile's softmax instead of
+    6 (SASS, Triton 3.6)."""
     last_unstored: bool | None = None
     """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
@@ -149,7 +157,10 @@ class AttentionConfig:
             fused = False if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
             unstored = False if self.last_unstored is None else self.last_unstored
-            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, unstored)
+            early = False if self.early_fill is None else self.early_fill
+            full_s = False if self.full_s is None else self.full_s
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, early,
+                                   full_s, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -361,7 +372,8 @@ class _Launch:
             H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
             FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
             MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
-            LAST_UNSTORED=bool(cfg.last_unstored), num_warps=8,
+            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), FULL_S=bool(cfg.full_s),
+            num_warps=8,
         )
         if fused:
             return

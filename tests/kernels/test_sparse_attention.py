@@ -88,7 +88,8 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
                              fused_combine=fused_combine, direct_bf16=gluon != "v11",
-                             last_unstored=gluon == "v16 last unstored")
+                             last_unstored=gluon == "v16 last unstored", early_fill=gluon in ("v18 early fill", "v19 full S, early fill"),
+                             full_s=gluon.startswith("v19"))
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
         out.fill_(float("nan"))
@@ -222,7 +223,14 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
                           (9, 5, True, True, torch.int64, None, True, "v16 last unstored", 12),
                           (64, None, True, True, torch.int32, None, None, "v16", 12),
                           (17, 5, True, True, torch.int64, None, True, "v11", 12),
-                          (130, 3, True, True, torch.int32, None, True, "v11", 16)])
+                          (130, 3, True, True, torch.int32, None, True, "v11", 16),
+                          (64, None, True, True, torch.int32, None, None, "v18 early fill", 16),
+                          (9, 5, True, True, torch.int64, None, None, "v18 early fill", 12),
+                          (3, 2, False, True, torch.int32, None, None, "v18 early fill", 16),
+                          (64, None, True, True, torch.int32, None, None, "v19 full S", 16),
+                          (130, 3, True, True, torch.int32, None, True, "v19 full S", 16),
+                          (9, 5, True, True, torch.int64, None, None, "v19 full S, early fill", 12),
+                          (3, 2, False, True, torch.int32, None, None, "v19 full S", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
