@@ -494,7 +494,7 @@ class AttentionProblem:
 
 # the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain, fused merge), less
 # the slot -> block shift, which is always on now (kernels-notes.md, v16)
-_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False)
+_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False, early_fill=False)
 
 
 def decode_attention(b: Bench) -> None:
@@ -573,12 +573,11 @@ def decode_attention(b: Bench) -> None:
         repeats: dict[str, list[float]] = {}
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            # v16 (the default: direct bf16 decode, merge pass) and v11 (neither), and the fused merges
-            rivals["gluon v16"] = AttentionConfig(kernel="gluon")
+            # v18 (the default: v16, direct bf16 decode and merge pass, with the early fill), v16, v11
+            # (neither), and the fused merges
+            rivals["gluon v18 (default)"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11"] = _GLUON_V11
-            rivals["gluon v16 early fill"] = AttentionConfig(kernel="gluon", early_fill=True)
-            rivals["gluon v19 full S"] = AttentionConfig(kernel="gluon", full_s=True)
-            rivals["gluon v19 full S, early fill"] = AttentionConfig(kernel="gluon", full_s=True, early_fill=True)
+            rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False)
             rivals["gluon v16 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
             rivals["gluon v16 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
                                                                        last_unstored=True)
@@ -608,10 +607,8 @@ def decode_attention(b: Bench) -> None:
                               # one tile per CTA: with the merge pass cheaper than the fused merge
                               # (run 36), more splits may now pay at small batches
                               ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
-                              ("gluon early fill", AttentionConfig(kernel="gluon", early_fill=True)),
-                              ("gluon full S", AttentionConfig(kernel="gluon", full_s=True)),
-                              ("gluon full S, early fill", AttentionConfig(kernel="gluon", full_s=True,
-                                                                           early_fill=True))):
+                              ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
+                              ("gluon v16 (no early fill)", AttentionConfig(kernel="gluon", early_fill=False))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

@@ -371,7 +371,7 @@ def _gl_sparse_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
     DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
-    LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False, FULL_S: gl.constexpr = False,
+    LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -388,11 +388,8 @@ def _gl_sparse_attention_kernel(
     LW2: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # bf16 pairs of one half
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     LQ3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 32, 1], [8, 1, 1], [2, 1, 0])
-    # S: the second warpgroup takes the upper half of the keys, or (`FULL_S`, v19) both compute all
-    # of them (the layout's second warp column repeats the first), so the softmax's row reductions
-    # need no shared-memory exchange between the warpgroups
-    S_N: gl.constexpr = BLOCK_N if FULL_S else BLOCK_N // 2
-    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, S_N, 16])
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, BLOCK_N // 2, 16])
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
     SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
     SH_Q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, HALF], gl.bfloat16)
@@ -412,7 +409,7 @@ def _gl_sparse_attention_kernel(
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     # the first tile's slots, then Q's loads, then the first tile's records: the three latencies
     # overlap instead of Q's load, Q's shared-memory store, then the slots, then the records
-    # (v18: EARLY_FILL, not yet run)
+    # (v18: EARLY_FILL, the default since run 38)
     if EARLY_FILL:
         slot0 = _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
     q_lo, q_hi = _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H, D, KSHIFT, LQ, LQ3)

@@ -127,13 +127,9 @@ class AttentionConfig:
     times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
     -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
     early_fill: bool | None = None
-    """"gluon" only (default False; v18 candidate, not yet run): load the first key tile's slots
-    before Q and decode that tile before Q is stored to shared memory, so the latencies overlap."""
-    full_s: bool | None = None
-    """"gluon" only (default False; v19 candidate, not yet run): each warpgroup computes the logits
-    of all 64 keys of a tile (the S MMA done twice, 1.5x the MMA work) instead of 32 each, so the
-    softmax's row maxima and sums stay inside a warp: 1 CTA barrier per tile's softmax instead of
-    6 (SASS, Triton 3.6)."""
+    """"gluon" only (default True, v18): load the first key tile's slots before Q and decode that
+    tile before Q is stored to shared memory, so the latencies overlap (run 38: -0.2 to -0.5 us at
+    batches 1-16, a tie at batch 64)."""
     last_unstored: bool | None = None
     """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
@@ -150,17 +146,19 @@ class AttentionConfig:
         if kernel not in ("triton", "gluon"):
             raise ValueError(f"sparse_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
         if kernel == "gluon":
-            # one wave of CTAs (205 KB of shared memory: one per SM), at least 2 key tiles each
+            # one wave of CTAs (205 KB of shared memory: one per SM), as few key tiles per CTA as
+            # that allows, spread evenly: at batches 1 and 8 one tile each (10 splits; run 38: 20.1
+            # and 21.8 us against 22.8 and 23.8 at 5 splits), at 16 two (5), at 64 five (2)
             tiles = cdiv(keys, 64) + 2  # (the window's tiles: `keys` is the longer of the two lists)
-            splits = self.num_splits or max(1, min(num_sms(device) // max(tokens, 1), tiles // 2))
+            per_cta = cdiv(tiles, max(1, min(num_sms(device) // max(tokens, 1), tiles)))
+            splits = self.num_splits or cdiv(tiles, per_cta)
             word_decode = True if self.word_decode is None else self.word_decode
             fused = False if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
             unstored = False if self.last_unstored is None else self.last_unstored
-            early = False if self.early_fill is None else self.early_fill
-            full_s = False if self.full_s is None else self.full_s
+            early = True if self.early_fill is None else self.early_fill
             return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, early,
-                                   full_s, unstored)
+                                   unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -372,8 +370,7 @@ class _Launch:
             H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
             FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
             MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
-            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), FULL_S=bool(cfg.full_s),
-            num_warps=8,
+            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), num_warps=8,
         )
         if fused:
             return

@@ -88,8 +88,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
                              fused_combine=fused_combine, direct_bf16=gluon != "v11",
-                             last_unstored=gluon == "v16 last unstored", early_fill=gluon in ("v18 early fill", "v19 full S, early fill"),
-                             full_s=gluon.startswith("v19"))
+                             last_unstored=gluon == "v16 last unstored", early_fill=None if gluon == "v18" else False)
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
         out.fill_(float("nan"))
@@ -224,17 +223,16 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
                           (64, None, True, True, torch.int32, None, None, "v16", 12),
                           (17, 5, True, True, torch.int64, None, True, "v11", 12),
                           (130, 3, True, True, torch.int32, None, True, "v11", 16),
-                          (64, None, True, True, torch.int32, None, None, "v18 early fill", 16),
-                          (9, 5, True, True, torch.int64, None, None, "v18 early fill", 12),
-                          (3, 2, False, True, torch.int32, None, None, "v18 early fill", 16),
-                          (64, None, True, True, torch.int32, None, None, "v19 full S", 16),
-                          (130, 3, True, True, torch.int32, None, True, "v19 full S", 16),
-                          (9, 5, True, True, torch.int64, None, None, "v19 full S, early fill", 12),
-                          (3, 2, False, True, torch.int32, None, None, "v19 full S", 16)])
+                          (64, None, True, True, torch.int32, None, None, "v18", 16),
+                          (9, 5, True, True, torch.int64, None, None, "v18", 12),
+                          (3, 2, False, True, torch.int32, None, None, "v18", 16),
+                          (1, None, True, True, torch.int32, None, None, "v18", 16),
+                          (8, None, True, True, torch.int64, None, None, "v18", 12)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
-    # the Gluon kernel (v16 by default with the merge pass; fused merges, last-unstored, v11;
+    # the Gluon kernel (v18, the default, with the merge pass; v16 = v18 without the early fill;
+    # fused merges, last-unstored, v11;
     # kernels-notes.md) at the released shape: ragged top-k lengths, partial windows, a token with
     # no key, one source only, more splits than some tokens have tiles (empty splits), 390 CTAs in
     # three waves (the last split of a token waits for the others' partials), blocks of 12 records
@@ -242,3 +240,20 @@ def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_s
     _case(tokens=tokens, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
           device=device, use_main=use_main, use_swa=use_swa, kernel="gluon", slot_dtype=slot_dtype,
           word_decode=word_decode, fused_combine=fused, repeat=5, gluon=variant, entries_per_block=epb)
+
+
+@pytest.mark.parametrize(("tokens", "splits", "per_cta"), [(1, 10, 1), (8, 10, 1), (13, 10, 1), (14, 5, 2), (16, 5, 2),
+                                                          (33, 4, 3), (64, 2, 5), (66, 2, 5), (67, 1, 10), (500, 1, 10)])
+def test_gluon_split_heuristic(tokens: int, splits: int, per_cta: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Gluon kernel's key splits on a 132-SM H200, top-512 + a 128-key window (10 tiles): one wave
+    # of CTAs with as few tiles each as it allows, the tiles spread evenly (run 38: one tile per CTA
+    # at batches 1 and 8 is 8-12 % faster than two; a second wave at batch 16 is 29 % slower)
+    import cedserve.kernels.sparse_attention as sa
+
+    monkeypatch.setattr(sa, "num_sms", lambda device: 132)
+    cfg = AttentionConfig(kernel="gluon").resolve(tokens, 64, 512, torch.device("cpu"))
+    assert cfg.num_splits == splits
+    assert tokens * splits <= 132 or splits == 1
+    tiles = 10
+    assert max((s + 1) * tiles // splits - s * tiles // splits for s in range(splits)) == per_cta
+    assert AttentionConfig(kernel="gluon", num_splits=7).resolve(tokens, 64, 512, torch.device("cpu")).num_splits == 7
