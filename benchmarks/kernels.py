@@ -578,6 +578,7 @@ def decode_attention(b: Bench) -> None:
             rivals["gluon v18 (default)"] = AttentionConfig(kernel="gluon")
             rivals["gluon v11"] = _GLUON_V11
             rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False)
+            rivals["gluon v20 half partials"] = AttentionConfig(kernel="gluon", half_partials=True)
             rivals["gluon v16 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
             rivals["gluon v16 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
                                                                        last_unstored=True)
@@ -608,7 +609,8 @@ def decode_attention(b: Bench) -> None:
                               # (run 36), more splits may now pay at small batches
                               ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
                               ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
-                              ("gluon v16 (no early fill)", AttentionConfig(kernel="gluon", early_fill=False))):
+                              ("gluon v16 (no early fill)", AttentionConfig(kernel="gluon", early_fill=False)),
+                              ("gluon half partials", AttentionConfig(kernel="gluon", half_partials=True))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")
@@ -661,6 +663,28 @@ def decode_attention(b: Bench) -> None:
                  len(wins) == len(longer))
 
 
+def step_index_calls(idx: PagedRecords, table: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor, batch: int, ctx: int,
+                     pool_blocks: int, topk: int, config: IndexConfig | None = None
+                     ) -> tuple[Callable[[], object], Callable[[], object], Callable[[], object], torch.Tensor]:
+    """The index calls of one decode step for the first `batch` tokens (one request each) at
+    context `ctx`: (candidate source at m = 1, Full source at m = 2, Reindex inside the pool, the
+    pool). A step makes 1 + 3 + 4 of them (the released layer plan)."""
+    dev = qi.device
+    visible = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    seqs = torch.arange(batch, device=dev).int()
+    keys_m1 = IndexKeys(idx, table[:batch], seqs, visible)
+    keys_m2 = IndexKeys(idx, table[:batch], seqs, visible // 2)
+    q, w = qi[:batch], wi[:batch]
+    cand_call = partial(index_topk, q, w, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks, config=config,
+                        impl="triton")
+    full_call = partial(index_topk, q, w, keys_m2, topk=topk, width=ctx // 2, config=config, impl="triton")
+    pool = cand_call().candidates
+    assert pool is not None
+    reindex_call = partial(index_topk, q, w, keys_m1, topk=topk, width=ctx, candidates=pool, config=config,
+                           impl="triton")
+    return cand_call, full_call, reindex_call, pool
+
+
 def decode_step_curve(b: Bench) -> None:
     """Index sources + attention per decode step of batch 64 at 4K..1M tokens of context."""
     dev = b.device
@@ -683,16 +707,8 @@ def decode_step_curve(b: Bench) -> None:
         for ctx in contexts:
             if b.late and ctx > 65536:
                 break
-            visible = torch.full((n,), ctx, device=dev, dtype=torch.int32)
-            keys_m1 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible)
-            keys_m2 = IndexKeys(idx, table, torch.arange(n, device=dev).int(), visible // 2)
-            cand_call = partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                                config=cfg, impl="triton")
-            full_call = partial(index_topk, qi, wi, keys_m2, topk=topk, width=ctx // 2, config=cfg, impl="triton")
-            pool = cand_call().candidates
-            assert pool is not None
-            reindex_call = partial(index_topk, qi, wi, keys_m1, topk=topk, width=ctx, candidates=pool, config=cfg,
-                                   impl="triton")
+            cand_call, full_call, reindex_call, pool = step_index_calls(idx, table, qi, wi, n, ctx, pool_blocks, topk,
+                                                                        cfg)
             cand, full2, reindex = b.time_s(cand_call), b.time_s(full_call), b.time_s(reindex_call)
             b.record(f"index_topk candidate (m=1){label}", f"{n} tok x ctx {ctx}", cand, n * ctx * 68,
                      4.0 * n * 32 * 128 * ctx)
@@ -761,17 +777,7 @@ def step_small_batches(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: tor
         for ctx in contexts:
             if b.late and ctx > 65536:
                 break
-            visible = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-            seqs = torch.arange(batch, device=dev).int()
-            keys_m1 = IndexKeys(idx, table[:batch], seqs, visible)
-            keys_m2 = IndexKeys(idx, table[:batch], seqs, visible // 2)
-            q, w = qi[:batch], wi[:batch]
-            cand_call = partial(index_topk, q, w, keys_m1, topk=topk, width=ctx, candidate_blocks=pool_blocks,
-                                impl="triton")
-            full_call = partial(index_topk, q, w, keys_m2, topk=topk, width=ctx // 2, impl="triton")
-            pool = cand_call().candidates
-            assert pool is not None
-            reindex_call = partial(index_topk, q, w, keys_m1, topk=topk, width=ctx, candidates=pool, impl="triton")
+            cand_call, full_call, reindex_call, _ = step_index_calls(idx, table, qi, wi, batch, ctx, pool_blocks, topk)
             graph_s = _graph_time_s(b, [cand_call] + 3 * [full_call] + 4 * [reindex_call], f"batch {batch} ctx {ctx}")
             steps[str(ctx)] = {"attention_layer_us": attn_us, "index_graph_us": graph_s * 1e6,
                                "step_graph_us": 40 * attn_us + graph_s * 1e6}

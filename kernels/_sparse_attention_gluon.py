@@ -232,7 +232,7 @@ def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_s
 def _gl_merge_and_store(acc_lo, acc_hi, m_own, l_own, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
                         sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
                         H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                        MMA_O: gl.constexpr, LO: gl.constexpr):
+                        MMA_O: gl.constexpr, LO: gl.constexpr, PARTIAL_F16: gl.constexpr):
     """`_combine_splits_kernel` inside the last split's CTA: merge its registers with the other
     splits' partials, add the sink, divide, rotate the RoPE pairs back, store bf16 `out[n]`."""
     HALF: gl.constexpr = D // 2
@@ -256,9 +256,13 @@ def _gl_merge_and_store(acc_lo, acc_hi, m_own, l_own, split, n, part_acc_ptr, pa
         if j != split:
             part_j = (n.to(gl.int64) * NUM_SPLITS + j) * H
             w = gl.exp2(gl.load(part_ml_ptr + (part_j + h) * 2, cache_modifier=".cg") - m)
-            total += w * gl.load(part_ml_ptr + (part_j + h) * 2 + 1, cache_modifier=".cg")
+            w_l = w * gl.load(part_ml_ptr + (part_j + h) * 2 + 1, cache_modifier=".cg")
+            total += w_l
             other = gl.load(part_acc_ptr + (part_j + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0),
                             cache_modifier=".cg")
+            if PARTIAL_F16:  # normalised partials: weighted by their sums
+                other = other.to(gl.float32)
+                w = w_l
             other_lo, other_hi = gl.split(gl.reshape(other, [H, HALF, 2]))
             o_lo += gl.convert_layout(other_lo, MMA_O) * gl.expand_dims(w, 1)
             o_hi += gl.convert_layout(other_hi, MMA_O) * gl.expand_dims(w, 1)
@@ -293,8 +297,8 @@ def _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H: gl.constexpr, D: gl.conste
 @gluon.jit
 def _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H: gl.constexpr, D: gl.constexpr,
                       MMA_S: gl.constexpr):
-    """A split's partial: `acc [H, D]` (fp32, channel order) at row `part` of `part_acc`, and its
-    base-2 row maxima / sums at `part_ml`."""
+    """A split's partial: `acc [H, D]` (fp32, or fp16 divided by its row sums: `PARTIAL_F16`;
+    channel order) at row `part` of `part_acc`, and its base-2 row maxima / sums at `part_ml`."""
     LO: gl.constexpr = acc.type.layout
     ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
     co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
@@ -309,7 +313,7 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
                cs_stride, out_ptr, out_stride_n, out_stride_h,
                H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
                FUSED_COMBINE: gl.constexpr, LAST_UNSTORED: gl.constexpr, KSHIFT: gl.constexpr, MMA_S: gl.constexpr,
-               MMA_O: gl.constexpr):
+               MMA_O: gl.constexpr, PARTIAL_F16: gl.constexpr):
     """After a CTA's last key tile: store its split-KV partial, or (`FUSED_COMBINE`) merge the
     token's splits when it is the last of them (`LAST_UNSTORED`: without storing its own)."""
     if KSHIFT != 0:  # the values were decoded times 2**-KSHIFT (exact in fp32)
@@ -318,12 +322,16 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
     part = (n.to(gl.int64) * NUM_SPLITS + split) * H
     # interleave the halves back to channel order in registers: a thread's two adjacent columns of
     # each half become 4 adjacent channels, one 16-byte store
-    acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
+    if PARTIAL_F16:  # the partial divided by its row sums (a convex mix of values: |x| <= 2688) in fp16
+        inv_l = gl.expand_dims(gl.convert_layout(gl.where(l_i > 0, 1.0 / l_i, 0.0), gl.SliceLayout(1, MMA_O)), 1)
+        acc = gl.reshape(gl.join(acc_lo * inv_l, acc_hi * inv_l), [H, D]).to(gl.float16)
+    else:
+        acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
     LO: gl.constexpr = acc.type.layout
     if FUSED_COMBINE and NUM_SPLITS == 1:  # nothing to merge
         _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
                             sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                            H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+                            H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, PARTIAL_F16)
     elif FUSED_COMBINE and LAST_UNSTORED:
         # the last split of a token to arrive merges without storing its own partial: a split
         # arrives (acq_rel add on the token's first counter) before it stores; the others store
@@ -339,7 +347,7 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
             gl.store(counter_ptr + 2 * n + 1, 0)
             _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
                                 sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, PARTIAL_F16)
         else:
             _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
             gl.thread_barrier()
@@ -356,7 +364,7 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
                 gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
                 _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
                                     sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                    H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO)
+                                    H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, PARTIAL_F16)
 
 
 @gluon.jit
@@ -371,7 +379,7 @@ def _gl_sparse_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
     DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
-    LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False,
+    LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False, PARTIAL_F16: gl.constexpr = False,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -492,4 +500,4 @@ def _gl_sparse_attention_kernel(
 
     _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr,
                sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h, H, D, ROPE_PAIRS, NUM_SPLITS, FUSED_COMBINE,
-               LAST_UNSTORED, KSHIFT, MMA_S, MMA_O)
+               LAST_UNSTORED, KSHIFT, MMA_S, MMA_O, PARTIAL_F16)

@@ -317,8 +317,10 @@ def _combine_splits_kernel(
     part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
     num_heads,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NORMALIZED: tl.constexpr = False,
 ):
-    """Merge the splits of one (token, head block) with the sink, then store like the main kernel."""
+    """Merge the splits of one (token, head block) with the sink, then store like the main kernel.
+    `NORMALIZED`: the partials are divided by their row sums (the Gluon kernel's fp16 partials)."""
     n = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
@@ -334,8 +336,11 @@ def _combine_splits_kernel(
     for s in range(NUM_SPLITS):
         part = (n.to(tl.int64) * NUM_SPLITS + s) * num_heads + h.to(tl.int64)
         weight = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=h_ok, other=-1.0e30) - m)
-        total += weight * tl.load(part_ml_ptr + part * 2 + 1, mask=h_ok, other=0.0)
-        acc = tl.load(part_acc_ptr + part[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0)
+        weight_l = weight * tl.load(part_ml_ptr + part * 2 + 1, mask=h_ok, other=0.0)
+        total += weight_l
+        acc = tl.load(part_acc_ptr + part[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        if NORMALIZED:
+            weight = weight_l
         acc_lo, acc_hi = tl.split(tl.reshape(acc, [BLOCK_H, D // 2, 2]))
         o_lo += weight[:, None] * acc_lo
         o_hi += weight[:, None] * acc_hi

@@ -130,6 +130,11 @@ class AttentionConfig:
     """"gluon" only (default True, v18): load the first key tile's slots before Q and decode that
     tile before Q is stored to shared memory, so the latencies overlap (run 38: -0.2 to -0.5 us at
     batches 1-16, a tie at batch 64)."""
+    half_partials: bool | None = None
+    """"gluon" only (default False; v20 candidate, not yet run): key splits store their partial
+    accumulators divided by their row sums in fp16 (a convex mix of values, |x| <= 2688: 11
+    significant bits against the bf16 output's 8) instead of fp32: half the partials' bytes, written
+    once and read once by the merge (16.8 MB each way at batch 64 in fp32)."""
     last_unstored: bool | None = None
     """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
@@ -157,8 +162,9 @@ class AttentionConfig:
             direct = True if self.direct_bf16 is None else self.direct_bf16
             unstored = False if self.last_unstored is None else self.last_unstored
             early = True if self.early_fill is None else self.early_fill
+            half = False if self.half_partials is None else self.half_partials
             return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, early,
-                                   unstored)
+                                   half, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -355,7 +361,9 @@ class _Launch:
         tokens, heads, dim = q.shape
         splits = cfg.num_splits or 1
         fused = bool(cfg.fused_combine)
-        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
+        half = bool(cfg.half_partials)
+        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float16 if half else torch.float32,
+                               device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         # two per token: arrivals, and (`last_unstored`) partials stored
         counters = _split_counters(q.device, 2 * tokens) if fused else part_ml  # (unused without the fused merge)
@@ -370,14 +378,14 @@ class _Launch:
             H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
             FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
             MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
-            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), num_warps=8,
+            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half, num_warps=8,
         )
         if fused:
             return
         k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
             out.stride(1), heads,
-            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=16, NUM_SPLITS=splits, num_warps=4,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=16, NUM_SPLITS=splits, NORMALIZED=half, num_warps=4,
         )
 
     def run(self, cfg: AttentionConfig) -> None:

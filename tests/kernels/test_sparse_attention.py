@@ -88,7 +88,8 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
                              fused_combine=fused_combine, direct_bf16=gluon != "v11",
-                             last_unstored=gluon == "v16 last unstored", early_fill=None if gluon == "v18" else False)
+                             last_unstored=gluon == "v16 last unstored", early_fill=None if gluon.startswith(("v18", "v20")) else False,
+                             half_partials=gluon.startswith("v20"))
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
         out.fill_(float("nan"))
@@ -227,7 +228,11 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
                           (9, 5, True, True, torch.int64, None, None, "v18", 12),
                           (3, 2, False, True, torch.int32, None, None, "v18", 16),
                           (1, None, True, True, torch.int32, None, None, "v18", 16),
-                          (8, None, True, True, torch.int64, None, None, "v18", 12)])
+                          (8, None, True, True, torch.int64, None, None, "v18", 12),
+                          (64, None, True, True, torch.int32, None, None, "v20 half partials", 16),
+                          (8, None, True, True, torch.int64, None, None, "v20 half partials", 12),
+                          (9, 5, True, True, torch.int32, None, True, "v20 half partials", 16),
+                          (130, 3, True, False, torch.int32, None, None, "v20 half partials", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
@@ -257,3 +262,45 @@ def test_gluon_split_heuristic(tokens: int, splits: int, per_cta: int, monkeypat
     tiles = 10
     assert max((s + 1) * tiles // splits - s * tiles // splits for s in range(splits)) == per_cta
     assert AttentionConfig(kernel="gluon", num_splits=7).resolve(tokens, 64, 512, torch.device("cpu")).num_splits == 7
+
+
+def test_combine_normalized_fp16_partials(gen: torch.Generator, device: torch.device) -> None:
+    # the merge pass over fp16 partials divided by their row sums (the Gluon kernel's
+    # `half_partials`) against the same merge over the fp32 partials, and both against a float64
+    # merge: empty splits (sum 0, max -1e30) included, values up to the format's 2688
+    from cedserve.kernels import _sparse_attention_kernels as k
+
+    tokens, splits, heads, dim, pairs = 3, 4, 16, 64, 8
+    m = torch.rand(tokens, splits, heads, generator=gen, device=device) * 20 - 10
+    l_sum = torch.rand(tokens, splits, heads, generator=gen, device=device) * 50 + 0.5
+    m[1, 2], l_sum[1, 2] = -1.0e30, 0.0  # an empty split
+    mean = (torch.rand(tokens, splits, heads, dim, generator=gen, device=device) * 2 - 1) * 2688
+    acc = mean * l_sum.unsqueeze(-1)  # unnormalised accumulators
+    ml = torch.stack([m, l_sum], dim=-1).contiguous()
+    sink = torch.randn(heads, generator=gen, device=device)
+    cos, sin = _rope_tables(tokens, pairs, gen, device)
+    outs = []
+    for normalized in (False, True):
+        part = (acc / l_sum.clamp_min(1e-30).unsqueeze(-1)).half() if normalized else acc.contiguous()
+        out = torch.full((tokens, heads, dim), float("nan"), device=device, dtype=torch.bfloat16)
+        k._combine_splits_kernel[(tokens, heads // 16)](part, ml, sink, cos, sin, cos.stride(0), out, out.stride(0),
+                                                        out.stride(1), heads, D=dim, ROPE_PAIRS=pairs, BLOCK_H=16,
+                                                        NUM_SPLITS=splits, NORMALIZED=normalized)
+        outs.append(out.float())
+    # float64 merge, then the inverse rotation of the last `pairs` (even, odd) channel pairs
+    mx = torch.maximum(m.double().amax(1), sink.double().mul(1.4426950408889634).unsqueeze(0))
+    w = torch.exp2(m.double() - mx.unsqueeze(1))
+    total = torch.exp2(sink.double() * 1.4426950408889634 - mx) + (w * l_sum.double()).sum(1)
+    o = (w.unsqueeze(-1) * acc.double()).sum(1) / total.unsqueeze(-1)
+    lo, hi = o[..., 0::2].clone(), o[..., 1::2].clone()
+    c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    r_lo = lo[..., -pairs:] * c + hi[..., -pairs:] * s
+    r_hi = hi[..., -pairs:] * c - lo[..., -pairs:] * s
+    lo[..., -pairs:], hi[..., -pairs:] = r_lo, r_hi
+    ref = torch.stack([lo, hi], dim=-1).flatten(-2)
+    for out in outs:
+        err = (out.double() - ref).abs()
+        assert bool((err <= 4e-3 * ref.abs() + 2e-3 * ref.abs().amax()).all()), err.max().item()
+    # the two merges agree to one bf16 step (2**-7 relative) beside fp16's rounding of the partials
+    excess = (outs[1] - outs[0]).abs() - 2.0**-7 * outs[0].abs() - 1e-3 * outs[0].abs().amax()
+    assert bool((excess <= 0).all()), excess.max().item()
