@@ -494,7 +494,8 @@ class AttentionProblem:
 
 # the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain, fused merge), less
 # the slot -> block shift, which is always on now (kernels-notes.md, v16)
-_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False, early_fill=False)
+_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False, early_fill=False,
+                             half_partials=False)
 
 
 def decode_attention(b: Bench) -> None:
@@ -573,14 +574,15 @@ def decode_attention(b: Bench) -> None:
         repeats: dict[str, list[float]] = {}
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            # v18 (the default: v16, direct bf16 decode and merge pass, with the early fill), v16, v11
-            # (neither), and the fused merges
-            rivals["gluon v18 (default)"] = AttentionConfig(kernel="gluon")
+            # v20 (the default: v16's direct bf16 decode and merge pass, v18's early fill, fp16
+            # partials), v18, v16, v11 (fp8-chain decode, fused merge), and the fused merges
+            rivals["gluon v20 (default)"] = AttentionConfig(kernel="gluon")
+            rivals["gluon v18 (fp32 partials)"] = AttentionConfig(kernel="gluon", half_partials=False)
             rivals["gluon v11"] = _GLUON_V11
-            rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False)
-            rivals["gluon v20 half partials"] = AttentionConfig(kernel="gluon", half_partials=True)
-            rivals["gluon v16 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
-            rivals["gluon v16 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
+            rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False,
+                                                                  half_partials=False)
+            rivals["gluon v20 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
+            rivals["gluon v20 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
                                                                        last_unstored=True)
         for _ in range(4):
             for name, cfg in rivals.items():
@@ -609,8 +611,7 @@ def decode_attention(b: Bench) -> None:
                               # (run 36), more splits may now pay at small batches
                               ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
                               ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
-                              ("gluon v16 (no early fill)", AttentionConfig(kernel="gluon", early_fill=False)),
-                              ("gluon half partials", AttentionConfig(kernel="gluon", half_partials=True))):
+                              ("gluon v18 (fp32 partials)", AttentionConfig(kernel="gluon", half_partials=False))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

@@ -1,6 +1,7 @@
-"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (v11 / v16, `AttentionConfig(kernel="gluon")`,
-the default on sm_90; v16 = v11 with `DIRECT_BF16` and slot -> block by shift, kernels-notes.md;
-`LAST_UNSTORED` is an option).
+"""Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (`AttentionConfig(kernel="gluon")`,
+the default on sm_90). v20, the default: v11 with `DIRECT_BF16` and slot -> block by shift (v16),
+the first tile's loads before Q's (`EARLY_FILL`, v18) and fp16 partials divided by their sums
+(`PARTIAL_F16`, v20); kernels-notes.md. `LAST_UNSTORED` is an option.
 
 The same math as `_sparse_decode_attention_kernel` (read that module's docstring first: channel
 halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written in Gluon so that

@@ -88,8 +88,9 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
                              fused_combine=fused_combine, direct_bf16=gluon != "v11",
-                             last_unstored=gluon == "v16 last unstored", early_fill=None if gluon.startswith(("v18", "v20")) else False,
-                             half_partials=gluon.startswith("v20"))
+                             last_unstored=gluon == "v16 last unstored",
+                             early_fill=None if gluon.startswith(("v18", "v20")) else False,
+                             half_partials=None if gluon.startswith("v20") else False)
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
         out.fill_(float("nan"))
@@ -229,14 +230,15 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
                           (3, 2, False, True, torch.int32, None, None, "v18", 16),
                           (1, None, True, True, torch.int32, None, None, "v18", 16),
                           (8, None, True, True, torch.int64, None, None, "v18", 12),
-                          (64, None, True, True, torch.int32, None, None, "v20 half partials", 16),
-                          (8, None, True, True, torch.int64, None, None, "v20 half partials", 12),
-                          (9, 5, True, True, torch.int32, None, True, "v20 half partials", 16),
-                          (130, 3, True, False, torch.int32, None, None, "v20 half partials", 16)])
+                          (64, None, True, True, torch.int32, None, None, "v20", 16),
+                          (8, None, True, True, torch.int64, None, None, "v20", 12),
+                          (9, 5, True, True, torch.int32, None, True, "v20", 16),
+                          (130, 3, True, False, torch.int32, None, None, "v20", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
-    # the Gluon kernel (v18, the default, with the merge pass; v16 = v18 without the early fill;
+    # the Gluon kernel (v20, the default: fp16 partials, the merge pass; v18 = v20 with fp32
+    # partials, v16 = v18 without the early fill;
     # fused merges, last-unstored, v11;
     # kernels-notes.md) at the released shape: ragged top-k lengths, partial windows, a token with
     # no key, one source only, more splits than some tokens have tiles (empty splits), 390 CTAs in
