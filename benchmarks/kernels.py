@@ -71,6 +71,7 @@ def _ensure_importable() -> None:
 
 _ensure_importable()
 
+from cedserve.kernels import indexer as indexer_mod  # noqa: E402
 from cedserve.kernels import records as rec_ops  # noqa: E402
 from cedserve.kernels.compressor import (  # noqa: E402
     compress_error_bound,
@@ -780,12 +781,24 @@ def step_small_batches(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: tor
         for ctx in contexts:
             if b.late and ctx > 65536:
                 break
-            cand_call, full_call, reindex_call, _ = step_index_calls(idx, table, qi, wi, batch, ctx, pool_blocks, topk)
-            graph_s = _graph_time_s(b, [cand_call] + 3 * [full_call] + 4 * [reindex_call], f"batch {batch} ctx {ctx}")
-            steps[str(ctx)] = {"attention_layer_us": attn_us, "index_graph_us": graph_s * 1e6,
-                               "step_graph_us": 40 * attn_us + graph_s * 1e6}
-            print(f"  batch {batch} ctx {ctx:>8}: index calls as one CUDA graph {graph_s * 1e6:.1f} us + 40 x attention "
-                  f"{attn_us:.1f} us -> step {40 * attn_us + graph_s * 1e6:.1f} us", flush=True)
+            row: dict[str, float] = {"attention_layer_us": attn_us}
+            # the top-k of rows up to 16K by `_topk_select_kernel` (the default) and by torch.topk,
+            # side by side
+            for label, widest in (("", indexer_mod.TOPK_KERNEL_MAX_WIDTH), ("torch_topk_", 0)):
+                saved, indexer_mod.TOPK_KERNEL_MAX_WIDTH = indexer_mod.TOPK_KERNEL_MAX_WIDTH, widest
+                try:
+                    cand_call, full_call, reindex_call, _ = step_index_calls(idx, table, qi, wi, batch, ctx,
+                                                                             pool_blocks, topk)
+                    graph_s = _graph_time_s(b, [cand_call] + 3 * [full_call] + 4 * [reindex_call],
+                                            f"batch {batch} ctx {ctx} {label}")
+                finally:
+                    indexer_mod.TOPK_KERNEL_MAX_WIDTH = saved
+                row[label + "index_graph_us"] = graph_s * 1e6
+                row[label + "step_graph_us"] = 40 * attn_us + graph_s * 1e6
+                print(f"  batch {batch} ctx {ctx:>8}{' (torch.topk)' if label else ''}: index calls as one CUDA graph "
+                      f"{graph_s * 1e6:.1f} us + 40 x attention {attn_us:.1f} us -> step "
+                      f"{40 * attn_us + graph_s * 1e6:.1f} us", flush=True)
+            steps[str(ctx)] = row
         if len(steps) > 1:
             first, last = str(contexts[0]), max(steps, key=int)
             ratio = steps[last]["step_graph_us"] / steps[first]["step_graph_us"]

@@ -232,3 +232,44 @@ def _index_scores_kernel(
             b = (tl.program_id(1) * TILES + tile) * (BLOCK_T // CAND_BLOCK) + tl.arange(0, BLOCK_T // CAND_BLOCK)
             tl.store(block_score_ptr + g[None, :] * block_score_stride + b[:, None], block_max,
                      mask=(b * CAND_BLOCK < num_entries)[:, None] & g_ok[None, :])
+
+
+@triton.jit
+def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, out_ptr, out_stride, width, k,
+                        BLOCK_T: tl.constexpr, HAS_ENTRIES: tl.constexpr):
+    """One row: the ids of its `k` best scores (`k <= width`; ties at the k-th value taken in
+    column order), unsorted, -1 where the score is -inf: the top-k of `topk_entries` in one
+    program. The row is held in registers as order-preserving uint32 keys; a radix select (4
+    passes of 8 bits, each a 256-bin histogram of the keys still matching the prefix) finds the
+    k-th key, then a prefix sum gives each kept column its output position."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK_T)
+    valid = col < width
+    x = tl.load(scores_ptr + row * scores_stride + col, mask=valid, other=float("-inf"))
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)  # unsigned order == float order
+    prefix = tl.zeros([], dtype=tl.uint32)
+    remaining = k
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        if p == 0:
+            active = valid
+        else:
+            active = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = ((key >> shift) & 255).to(tl.int32)
+        hist = tl.histogram(digit, 256, mask=active)
+        at_least = tl.cumsum(hist, 0, reverse=True)  # keys with this digit or a higher one
+        d = tl.sum((at_least >= remaining).to(tl.int32), 0) - 1  # the k-th key's digit
+        bins = tl.arange(0, 256)
+        remaining -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # the higher ones are kept
+        prefix = prefix | (d.to(tl.uint32) << shift)
+    # `prefix` is the k-th key: every key above it is kept, and the first `remaining` equal to it
+    equal = valid & (key == prefix)
+    take = (valid & (key > prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= remaining))
+    pos = tl.cumsum(take.to(tl.int32), 0) - 1
+    if HAS_ENTRIES:
+        ids = tl.load(entries_ptr + row * entries_stride + col, mask=take, other=-1).to(tl.int32)
+    else:
+        ids = col
+    ids = tl.where(key > 0x007FFFFF, ids, -1)  # (0x007FFFFF: -inf's key)
+    tl.store(out_ptr + row * out_stride + pos, ids, mask=take)

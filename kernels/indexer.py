@@ -265,8 +265,9 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     assert cfg.block_t and cfg.tiles and cfg.num_warps and cfg.num_stages
     block_t = cfg.block_t
     tiles = min(cfg.tiles, cdiv(num, block_t))  # tiles per program: the group's queries are loaded once per span
-    if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows
-        while tiles > 4 and (tokens // group) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
+    if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows (at
+        # batch 1, a 4,096-entry list: 32 programs of one tile instead of 8 of 4)
+        while tiles > 1 and (tokens // group) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
             tiles //= 2
     entries_arg = entries if entries is not None else keys.visible
     rec = keys.records
@@ -354,15 +355,55 @@ def _output(t: Tensor | None, shape: tuple[int, int], what: str, device: torch.d
 # ------------------------------------------------------------------------------ selection
 
 
+TOPK_KERNEL_MAX_WIDTH = 16384
+"""Rows up to this width take `_topk_select_kernel` on the GPU (one program a row, the row in
+registers); wider ones `torch.topk` (its multi-block radix select)."""
+
+
 def topk_entries(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
     """int32 `[N, min(k, T)]`: the k best of `scores [N, T]` (-1 where the score is -inf), as
-    entry ids (`entries [N, T]` maps columns to ids; default the column index)."""
+    entry ids (`entries [N, T]` maps columns to ids; default the column index), in no particular
+    order. On the GPU, rows of up to `TOPK_KERNEL_MAX_WIDTH` take one Triton program each
+    (`topk_entries_triton`); elsewhere `torch.topk`."""
     k = min(k, scores.shape[1])
     if k == 0:
         return torch.empty(scores.shape[0], 0, dtype=torch.int32, device=scores.device)
+    if scores.is_cuda and not interpreting() and scores.shape[1] <= TOPK_KERNEL_MAX_WIDTH:
+        return topk_entries_triton(scores, k, entries)
     top = scores.topk(k, dim=-1, sorted=False)
     ids = top.indices if entries is None else torch.gather(entries.long(), 1, top.indices)
     return torch.where(top.values > float("-inf"), ids, torch.full_like(ids, -1)).to(torch.int32)
+
+
+def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
+    """`topk_entries` by `_topk_select_kernel` (any device Triton runs on, the interpreter
+    included): fp32 `scores [N, T]` with T <= `TOPK_KERNEL_MAX_WIDTH`; ties at the k-th score are
+    taken in column order (torch.topk's choice among ties is unspecified)."""
+    from cedserve.kernels import _indexer_kernels as kern
+
+    tokens, width = scores.shape
+    k = min(k, width)
+    if width > TOPK_KERNEL_MAX_WIDTH:
+        raise ValueError(f"topk_entries_triton: rows of at most {TOPK_KERNEL_MAX_WIDTH} scores, got {width}")
+    check_tensor(scores, "topk_entries_triton: scores", dtypes=(torch.float32,), dim=2, last_contiguous=False)
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    if entries is not None:
+        if entries.shape != scores.shape or entries.dtype not in _INTS:
+            raise ValueError(f"topk_entries_triton: entries must be int32/int64 {tuple(scores.shape)}, got "
+                             f"{entries.dtype} {tuple(entries.shape)}")
+        if entries.stride(1) != 1:
+            entries = entries.contiguous()
+    out = torch.empty(tokens, k, dtype=torch.int32, device=scores.device)
+    if tokens == 0 or k == 0:
+        return out
+    src = entries if entries is not None else scores
+    block_t = max(16, next_power_of_2(width))
+    # 16 keys a thread (ptxas, sm_90: no spills up to 8K, 44 bytes at 16K with 32 warps)
+    kern._topk_select_kernel[(tokens,)](scores, scores.stride(0), src, src.stride(0), out, out.stride(0), width, k,
+                                         BLOCK_T=block_t, HAS_ENTRIES=entries is not None,
+                                         num_warps=min(32, max(4, block_t // 512)))
+    return out
 
 
 def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:

@@ -22,6 +22,8 @@ from cedserve.kernels.indexer import (
     index_topk,
     index_topk_reference,
     pool_mask,
+    topk_entries,
+    topk_entries_triton,
 )
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import record_format, write_records_reference
@@ -253,3 +255,75 @@ def test_gpu_gluon_scan(heads: int, per_block: int, tiles: int | None, stages: i
             index_scores(q, w, keys, width=width, block_max=8, write_scores=False, maxima_out=only_max, config=config,
                          impl="triton")
             assert torch.equal(only_max, maxima)
+
+
+def _check_topk(ids: Tensor, scores: Tensor, k: int, entries: Tensor | None) -> None:
+    """ids hold the k best scores of each row (as a multiset: ties may pick any), each column
+    at most once, mapped through `entries`, -1 exactly where the picked score is -inf."""
+    kk = min(k, scores.shape[1])
+    assert ids.shape == (scores.shape[0], kk) and ids.dtype == torch.int32
+    scores, ids = scores.cpu(), ids.cpu()
+    want = scores.topk(kk, dim=-1).values.sort(-1).values
+    for n in range(scores.shape[0]):
+        column_of = {int(e): c for c, e in enumerate(entries[n].tolist())} if entries is not None else None
+        cols = []
+        for i in ids[n].tolist():  # back to columns
+            if i < 0:
+                continue
+            assert column_of is None or i in column_of, f"id {i} is not one of the row's entries"
+            cols.append(column_of[i] if column_of is not None else i)
+        assert len(set(cols)) == len(cols), "a column picked twice"
+        finite = want[n][want[n] > float("-inf")]
+        assert len(cols) == finite.numel(), (len(cols), finite.numel())
+        assert torch.equal(scores[n, torch.tensor(cols, dtype=torch.long)].sort().values, finite)
+
+
+@pytest.mark.parametrize(("tokens", "width", "k"), [(3, 700, 64), (2, 50, 64), (2, 2048, 512), (1, 16384, 512),
+                                                    (4, 33, 1)])
+def test_topk_kernel(tokens: int, width: int, k: int, gen: torch.Generator, device: torch.device) -> None:
+    # the one-program radix select against torch.topk: random scores with ties at and around the
+    # k-th, rows partly or wholly -inf, negative and positive zeros, an id map (int64) or none
+    scores = torch.randn(tokens, width, generator=gen, device=device)
+    scores[0, : width // 3] = float("-inf")
+    if tokens > 1:
+        kth = scores[1].sort(descending=True).values[min(k, width) - 1]
+        scores[1, torch.randperm(width, generator=gen, device=device)[: max(1, width // 4)]] = kth  # many ties
+        scores[-1] = float("-inf") if width < k else scores[-1]
+    if tokens > 2:
+        scores[2, ::2] = 0.0
+        scores[2, 1::4] = -0.0
+    entries = torch.randperm(10 * width, generator=gen, device=device)[:width].repeat(tokens, 1)
+    for ids_map in (None, entries):
+        ids = topk_entries_triton(scores, k, ids_map)
+        _check_topk(ids, scores, k, ids_map)
+    # non-contiguous scores (a column slice) and the dispatching front door
+    wide = torch.randn(tokens, width + 3, generator=gen, device=device)
+    _check_topk(topk_entries_triton(wide[:, 3:], k), wide[:, 3:].contiguous(), k, None)
+    _check_topk(topk_entries(scores, k), scores, k, None)
+    # ties at the k-th score are taken in column order
+    flat = torch.zeros(1, 40, device=device)
+    assert sorted(topk_entries_triton(flat, 10)[0].tolist()) == list(range(10))
+
+
+def test_topk_kernel_refuses_what_it_cannot_take(device: torch.device) -> None:
+    with pytest.raises(ValueError, match="at most 16384"):
+        topk_entries_triton(torch.zeros(1, 16385, device=device), 4)
+    with pytest.raises(TypeError, match="dtype"):
+        topk_entries_triton(torch.zeros(1, 8, device=device, dtype=torch.float16), 4)
+    with pytest.raises(ValueError, match="entries"):
+        topk_entries_triton(torch.zeros(2, 8, device=device), 4, torch.zeros(2, 7, dtype=torch.int32, device=device))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(("tokens", "width"), [(1, 4096), (64, 16384), (8, 16384), (64, 4096), (3, 9000)])
+def test_gpu_topk_kernel(tokens: int, width: int, gen: torch.Generator, device: torch.device) -> None:
+    # the GPU path of topk_entries at the index shapes (top-512 of a 4,096-entry candidate list,
+    # of a 16,384-entry pool) against torch.topk, with -inf tails and ties
+    scores = torch.randn(tokens, width, generator=gen, device=device)
+    scores[0, width // 2 :] = float("-inf")
+    scores[-1, ::7] = scores[-1, 3]
+    _check_topk(topk_entries(scores, 512), scores, 512, None)
+    entries = torch.argsort(torch.rand(tokens, width, generator=gen, device=device), dim=1) + 1000
+    ids = topk_entries(scores, 512, entries)
+    _check_topk(ids, scores, 512, entries)
