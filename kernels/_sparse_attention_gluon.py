@@ -381,7 +381,6 @@ def _gl_sparse_attention_kernel(
     FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
     DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
     LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False, PARTIAL_F16: gl.constexpr = False,
-    S_AHEAD: gl.constexpr = False,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
@@ -465,84 +464,40 @@ def _gl_sparse_attention_kernel(
         fence_async_shared()
         gl.thread_barrier()
     LC: gl.constexpr = gl.SliceLayout(0, MMA_S)
-    if S_AHEAD:
-        # v21: tile t + 1's S is issued right after its decode, before tile t's P . K is waited
-        # for, so the two MMAs run back to back and the next iteration starts at its softmax. Both
-        # are waited for inside the iteration (no MMA in flight across the back edge: C7515).
-        s = warpgroup_mma(q_lo_s, k_s.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_hi_s, k_s.index(1).permute((1, 0)), s, is_async=True)
-        ok = _gl_tile_valid(t0, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots, swa_num_slots,
+    for t in range(t0, t1):
+        buf = (t - t0) % 2
+        k_lo = k_s.index(2 * buf)
+        k_hi = k_s.index(2 * buf + 1)
+        s = warpgroup_mma(q_lo_s, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_hi_s, k_hi.permute((1, 0)), s, is_async=True)
+        slot_next = _gl_tile_slots(t + 1, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
+        # (loading this mask in the previous iteration instead was slower: v16, run 30)
+        ok = _gl_tile_valid(t, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots, swa_num_slots,
                             BLOCK_N, LC)
         s = warpgroup_mma_wait(0, deps=(s,))
-        for t in range(t0, t1):
-            buf = (t - t0) % 2
-            k_lo = k_s.index(2 * buf)
-            k_hi = k_s.index(2 * buf + 1)
-            slot_next = _gl_tile_slots(t + 1, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
-            s = gl.where(gl.expand_dims(ok, 0), s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p_s.store(p.to(gl.bfloat16))  # (the previous P . K, which read p_s, was waited for)
-            fence_async_shared()
-            gl.thread_barrier()
-            alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O)), 1)
-            acc_lo = acc_lo * alpha_o  # both rescaled before either MMA is issued (C7515)
-            acc_hi = acc_hi * alpha_o
-            acc_lo = warpgroup_mma(p_s, k_lo, acc_lo, is_async=True)
-            acc_hi = warpgroup_mma(p_s, k_hi, acc_hi, is_async=True)
-            if t + 1 < t1:  # the other buffer was last read by tile t - 1's MMAs, waited for
-                _gl_fill(t + 1, slot_next, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf),
-                         kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset,
-                         main_spb, main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
-                         swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE,
-                         DIRECT_BF16, KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
-                fence_async_shared()
-                gl.thread_barrier()
-            # (on the last tile this S reads the other buffer's stale keys and is discarded)
-            s = warpgroup_mma(q_lo_s, k_s.index(2 - 2 * buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_hi_s, k_s.index(3 - 2 * buf).permute((1, 0)), s, is_async=True)
-            ok = _gl_tile_valid(t + 1, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots,
-                                swa_num_slots, BLOCK_N, LC)
-            acc_lo, acc_hi, s = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, s))
-            gl.thread_barrier()
-    else:
-        for t in range(t0, t1):
-            buf = (t - t0) % 2
-            k_lo = k_s.index(2 * buf)
-            k_hi = k_s.index(2 * buf + 1)
-            s = warpgroup_mma(q_lo_s, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_hi_s, k_hi.permute((1, 0)), s, is_async=True)
-            slot_next = _gl_tile_slots(t + 1, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
-            # (loading this mask in the previous iteration instead was slower: v16, run 30)
-            ok = _gl_tile_valid(t, main_tiles, topk_row, num_topk, win_row, num_win, main_num_slots,
-                                swa_num_slots, BLOCK_N, LC)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            s = gl.where(gl.expand_dims(ok, 0), s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p_s.store(p.to(gl.bfloat16))  # (the previous P . K, which read p_s, was waited for)
-            fence_async_shared()
-            gl.thread_barrier()
-            alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O)), 1)
-            acc_lo = acc_lo * alpha_o  # both rescaled before either MMA is issued (C7515)
-            acc_hi = acc_hi * alpha_o
-            acc_lo = warpgroup_mma(p_s, k_lo, acc_lo, is_async=True)
-            acc_hi = warpgroup_mma(p_s, k_hi, acc_hi, is_async=True)
-            if t + 1 < t1:  # the other buffer was last read by tile t - 1's MMAs, waited for
-                _gl_fill(t + 1, slot_next, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf),
-                         kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset,
-                         main_spb, main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
-                         swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE,
-                         DIRECT_BF16, KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
-            acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
-            fence_async_shared()
-            gl.thread_barrier()
+        s = gl.where(gl.expand_dims(ok, 0), s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_s.store(p.to(gl.bfloat16))  # (the previous P . K, which read p_s, was waited for)
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O)), 1)
+        acc_lo = acc_lo * alpha_o  # both rescaled before either MMA is issued (C7515)
+        acc_hi = acc_hi * alpha_o
+        acc_lo = warpgroup_mma(p_s, k_lo, acc_lo, is_async=True)
+        acc_hi = warpgroup_mma(p_s, k_hi, acc_hi, is_async=True)
+        if t + 1 < t1:  # the other buffer was last read by tile t - 1's MMAs, waited for
+            _gl_fill(t + 1, slot_next, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf),
+                     kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset, main_spb,
+                     main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
+                     swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
+                     KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
+        fence_async_shared()
+        gl.thread_barrier()
 
     _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr,
                sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h, H, D, ROPE_PAIRS, NUM_SPLITS, FUSED_COMBINE,

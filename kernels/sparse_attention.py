@@ -136,10 +136,6 @@ class AttentionConfig:
     bf16 output's 8) instead of fp32: half the partials' bytes, written once and read once by the
     merge (16.8 MB each way at batch 64 in fp32). Run 39: 38.1-38.3 us at batch 64 against 40.0-40.3,
     -1.3 us at batches 1-16."""
-    s_ahead: bool | None = None
-    """"gluon" only (default False; v21 candidate, not yet run): issue tile t + 1's logit MMA right
-    after its decode, before tile t's P . K is waited for, so the two run back to back and the next
-    iteration starts at its softmax (both waited for inside the iteration)."""
     last_unstored: bool | None = None
     """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
     merges without storing its own fp32 partial; it waits for the others' partials on a second
@@ -168,9 +164,8 @@ class AttentionConfig:
             unstored = False if self.last_unstored is None else self.last_unstored
             early = True if self.early_fill is None else self.early_fill
             half = True if self.half_partials is None else self.half_partials
-            ahead = False if self.s_ahead is None else self.s_ahead
             return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, early,
-                                   half, ahead, unstored)
+                                   half, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -384,8 +379,7 @@ class _Launch:
             H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
             FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
             MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
-            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half,
-            S_AHEAD=bool(cfg.s_ahead), num_warps=8,
+            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half, num_warps=8,
         )
         if fused:
             return

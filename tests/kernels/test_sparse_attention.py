@@ -89,9 +89,8 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
                              fused_combine=fused_combine, direct_bf16=gluon != "v11",
                              last_unstored=gluon == "v16 last unstored",
-                             early_fill=None if gluon.startswith(("v18", "v20", "v21")) else False,
-                             half_partials=None if gluon.startswith(("v20", "v21")) else False,
-                             s_ahead=gluon.startswith("v21"))
+                             early_fill=None if gluon.startswith(("v18", "v20")) else False,
+                             half_partials=None if gluon.startswith("v20") else False)
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
         out.fill_(float("nan"))
@@ -234,12 +233,7 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
                           (64, None, True, True, torch.int32, None, None, "v20", 16),
                           (8, None, True, True, torch.int64, None, None, "v20", 12),
                           (9, 5, True, True, torch.int32, None, True, "v20", 16),
-                          (130, 3, True, False, torch.int32, None, None, "v20", 16),
-                          (64, None, True, True, torch.int32, None, None, "v21", 16),
-                          (8, None, True, True, torch.int64, None, None, "v21", 12),
-                          (9, 5, True, True, torch.int32, None, True, "v21", 16),
-                          (3, 2, False, True, torch.int32, None, None, "v21", 16),
-                          (130, 3, True, False, torch.int32, None, None, "v21", 16)])
+                          (130, 3, True, False, torch.int32, None, None, "v20", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
                           word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
