@@ -1,8 +1,10 @@
 """Where a small-batch decode step's index time goes: the 8 index calls of one step (1 candidate
 source, 3 Full sources, 4 Reindex layers; `benchmarks/kernels.py`'s step section) at a given batch
-and contexts, under torch.profiler, summed per GPU kernel over `--steps` steps.
+and contexts, under torch.profiler, summed per GPU kernel over `--steps` steps. `--attention`
+profiles one sparse attention layer at that batch instead (the default launch and 32-key tiles).
 
     python -P benchmarks/index_step_profile.py --batch 1 --contexts 4096,1048576 --out /tmp/p.json
+    python -P benchmarks/index_step_profile.py --batch 1 --attention
 
 Prints, per context, the step's GPU time by kernel (sorted, with launch counts and share) and
 the step's wall time launched call by call; writes the same as JSON. Needs a CUDA device."""
@@ -16,14 +18,50 @@ import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cedserve.kernels.sparse_attention import AttentionConfig, sparse_attention
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _index_queries, _pool, step_index_calls
+from kernels import AttentionProblem, _index_queries, _pool, step_index_calls
+
+
+def kernel_table(calls: list[Any], steps: int) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(GPU kernel us per step, wall us per step launched call by call, [(kernel, us, launches)])."""
+    for _ in range(3):  # compile and warm
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) / steps * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for c in calls:
+                c()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for ev in prof.events():
+        if str(ev.device_type).endswith("CUDA"):  # (DeviceType.CUDA)
+            per_kernel[ev.name][0] += ev.device_time / steps  # us per step
+            per_kernel[ev.name][1] += 1 / steps
+    rows = sorted(((name, us, count) for name, (us, count) in per_kernel.items()), key=lambda r: -r[1])
+    return sum(r[1] for r in rows), wall_us, rows
+
+
+def print_table(title: str, total: float, wall_us: float, rows: list[tuple[str, float, float]]) -> None:
+    print(f"{title}: GPU kernel time {total:.1f} us per step, {sum(r[2] for r in rows):.0f} kernels; launched call "
+          f"by call {wall_us:.1f} us per step (wall)")
+    for name, us, count in rows[:25]:
+        print(f"  {us:8.1f} us {100 * us / max(total, 1e-9):5.1f} %  x{count:4.0f}  {name[:110]}")
 
 
 def main() -> int:
@@ -32,55 +70,44 @@ def main() -> int:
     parser.add_argument("--contexts", default="4096,1048576")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--attention", action="store_true", help="profile one sparse attention layer instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 2
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    entries, n = 64, args.batch
-    max_ctx = max(contexts)
-    idx = _pool("index", 128, n * max_ctx, entries, dev, fill=True)
-    table = torch.arange(n * (max_ctx // entries), device=dev).view(n, -1).int()
-    qi = _index_queries(n, dev)
-    wi = torch.randn(n, 32, device=dev) * 32**-0.5
     report: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "machine": {"host": platform.node(), "gpu": torch.cuda.get_device_name(dev)},
-                              "command": "python3 " + " ".join(sys.argv), "batch": n, "contexts": {}}
-    for ctx in contexts:
-        cand, full, reindex, _ = step_index_calls(idx, table, qi, wi, n, ctx, 2048, 512)
-        calls = [cand] + 3 * [full] + 4 * [reindex]
-
-        def step(calls: list[Any] = calls) -> None:
-            for c in calls:
-                c()
-
-        for _ in range(3):  # compile and warm
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) / args.steps * 1e6
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                step()
-            torch.cuda.synchronize()
-        per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for ev in prof.events():
-            if str(ev.device_type).endswith("CUDA"):  # (DeviceType.CUDA)
-                per_kernel[ev.name][0] += ev.device_time / args.steps  # us per step
-                per_kernel[ev.name][1] += 1 / args.steps
-        total = sum(v[0] for v in per_kernel.values())
-        rows = sorted(((name, us, count) for name, (us, count) in per_kernel.items()), key=lambda r: -r[1])
-        print(f"batch {n}, ctx {ctx}: GPU kernel time {total:.1f} us per step, {sum(r[2] for r in rows):.0f} "
-              f"kernels; launched call by call {wall_us:.1f} us per step (wall)")
-        for name, us, count in rows[:25]:
-            print(f"  {us:8.1f} us {100 * us / total:5.1f} %  x{count:4.0f}  {name[:110]}")
-        report["contexts"][str(ctx)] = {"gpu_us": total, "wall_us": wall_us,
-                                        "kernels": [{"name": r[0], "us": r[1], "launches": r[2]} for r in rows]}
+                              "command": "python3 " + " ".join(sys.argv), "batch": args.batch}
+    if args.attention:
+        p = AttentionProblem.make(dev)
+        n = max(1, min(args.batch, p.q.shape[0]))
+        out = torch.empty_like(p.q[:n])
+        report["attention"] = {}
+        for label, cfg in (("default", AttentionConfig(kernel="gluon")),
+                           ("32-key tiles", AttentionConfig(kernel="gluon", block_n=32))):
+            call = partial(sparse_attention, p.q[:n], p.sink, p.main, p.topk_slots[:n], p.swa, p.win_slots[:n],
+                           p.cos[:n], p.sin[:n], out=out, config=cfg, impl="triton")
+            total, wall_us, rows = kernel_table([call], args.steps)
+            print_table(f"attention batch {n}, {label}", total, wall_us, rows)
+            report["attention"][label] = {"gpu_us": total, "wall_us": wall_us,
+                                          "kernels": [{"name": r[0], "us": r[1], "launches": r[2]} for r in rows]}
+    else:
+        report["contexts"] = {}
+        contexts = [int(c) for c in args.contexts.split(",")]
+        entries, n = 64, args.batch
+        max_ctx = max(contexts)
+        idx = _pool("index", 128, n * max_ctx, entries, dev, fill=True)
+        table = torch.arange(n * (max_ctx // entries), device=dev).view(n, -1).int()
+        qi = _index_queries(n, dev)
+        wi = torch.randn(n, 32, device=dev) * 32**-0.5
+        for ctx in contexts:
+            cand, full, reindex, _ = step_index_calls(idx, table, qi, wi, n, ctx, 2048, 512)
+            total, wall_us, rows = kernel_table([cand] + 3 * [full] + 4 * [reindex], args.steps)
+            print_table(f"batch {n}, ctx {ctx}", total, wall_us, rows)
+            report["contexts"][str(ctx)] = {"gpu_us": total, "wall_us": wall_us,
+                                            "kernels": [{"name": r[0], "us": r[1], "launches": r[2]} for r in rows]}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
