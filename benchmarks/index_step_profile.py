@@ -1,7 +1,7 @@
 """Where a small-batch decode step's index time goes: the 8 index calls of one step (1 candidate
 source, 3 Full sources, 4 Reindex layers; `benchmarks/kernels.py`'s step section) at a given batch
 and contexts, under torch.profiler, summed per GPU kernel over `--steps` steps. `--attention`
-profiles one sparse attention layer at that batch instead (the default launch and 32-key tiles).
+profiles one sparse attention layer at that batch instead (the default launch and fp32 partials).
 
     python -P benchmarks/index_step_profile.py --batch 1 --contexts 4096,1048576 --out /tmp/p.json
     python -P benchmarks/index_step_profile.py --batch 1 --attention
@@ -86,7 +86,7 @@ def main() -> int:
         out = torch.empty_like(p.q[:n])
         report["attention"] = {}
         for label, cfg in (("default", AttentionConfig(kernel="gluon")),
-                           ("32-key tiles", AttentionConfig(kernel="gluon", block_n=32))):
+                           ("fp32 partials", AttentionConfig(kernel="gluon", half_partials=False))):
             call = partial(sparse_attention, p.q[:n], p.sink, p.main, p.topk_slots[:n], p.swa, p.win_slots[:n],
                            p.cos[:n], p.sin[:n], out=out, config=cfg, impl="triton")
             total, wall_us, rows = kernel_table([call], args.steps)

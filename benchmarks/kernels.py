@@ -579,7 +579,6 @@ def decode_attention(b: Bench) -> None:
             # partials), v18, v16, v11 (fp8-chain decode, fused merge), and the fused merges
             rivals["gluon v20 (default)"] = AttentionConfig(kernel="gluon")
             rivals["gluon v18 (fp32 partials)"] = AttentionConfig(kernel="gluon", half_partials=False)
-            rivals["gluon v20 n32"] = AttentionConfig(kernel="gluon", block_n=32)
             rivals["gluon v11"] = _GLUON_V11
             rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False,
                                                                   half_partials=False)
@@ -613,8 +612,7 @@ def decode_attention(b: Bench) -> None:
                               # (run 36), more splits may now pay at small batches
                               ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
                               ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
-                              ("gluon v18 (fp32 partials)", AttentionConfig(kernel="gluon", half_partials=False)),
-                              ("gluon n32", AttentionConfig(kernel="gluon", block_n=32))):
+                              ("gluon v18 (fp32 partials)", AttentionConfig(kernel="gluon", half_partials=False))):
                 try:
                     t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
                                       f"{name} batch {batch}")

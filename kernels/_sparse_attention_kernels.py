@@ -327,13 +327,15 @@ def _combine_splits_kernel(
     c = tl.arange(0, D)
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     m = sink
-    for s in range(NUM_SPLITS):
+    # (unrolled: the splits' loads are independent, and a loop of dependent latencies made the
+    # merge 5.3 us of a 13 us batch-1 call, run 42)
+    for s in tl.static_range(NUM_SPLITS):
         part = (n.to(tl.int64) * NUM_SPLITS + s) * num_heads + h.to(tl.int64)
         m = tl.maximum(m, tl.load(part_ml_ptr + part * 2, mask=h_ok, other=-1.0e30))
     total = tl.exp2(sink - m)
     o_lo = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
     o_hi = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in tl.static_range(NUM_SPLITS):
         part = (n.to(tl.int64) * NUM_SPLITS + s) * num_heads + h.to(tl.int64)
         weight = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=h_ok, other=-1.0e30) - m)
         weight_l = weight * tl.load(part_ml_ptr + part * 2 + 1, mask=h_ok, other=0.0)

@@ -61,6 +61,14 @@ _GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon kerne
 _COUNTERS: dict[tuple[int, int], Tensor] = {}
 
 
+def _merge_heads(splits: int, dim: int, cap: int = 16) -> int:
+    """Heads per `_combine_splits_kernel` program: its split loops are unrolled (the partials'
+    loads in flight together), so a thread holds splits x heads x dim / 128 values; at most ~160
+    (ptxas, sm_90, 4 warps: no spills from 1 x 40 to 16 x 2 splits at dim 512)."""
+    heads = max(1, min(cap, 20480 // max(1, splits * dim)))
+    return 1 << (heads.bit_length() - 1)
+
+
 def _split_counters(device: torch.device, tokens: int) -> Tensor:
     """int32 zeros `[>= tokens]` for the fused merge's per-token counters. The kernel leaves
     them zero (the last split of a token resets its counter), so one buffer per (device, stream)
@@ -110,8 +118,8 @@ class AttentionConfig:
     """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v11,
     `_sparse_attention_gluon.py`: Hopper warpgroup MMAs with our own shared-memory layout; sm_90,
     64 heads, head_dim 512, 16-byte aligned records).
-    The other fields except `num_splits`, `block_n` (64 or 32 keys a tile) and the "gluon" flags
-    below are fixed for "gluon" (64 heads, 8 warps)."""
+    The other fields except `num_splits` and `word_decode` are fixed for "gluon" (64 heads, 64-key
+    tiles, 8 warps)."""
     word_decode: bool | None = None
     """"gluon" only (default True): decode main-KV records a 32-bit code word at a time in one
     inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
@@ -155,11 +163,7 @@ class AttentionConfig:
             # one wave of CTAs (205 KB of shared memory: one per SM), as few key tiles per CTA as
             # that allows, spread evenly: at batches 1 and 8 one tile each (10 splits; run 38: 20.1
             # and 21.8 us against 22.8 and 23.8 at 5 splits), at 16 two (5), at 64 five (2)
-            block_n = self.block_n or 64
-            if block_n not in (32, 64):
-                raise ValueError(f"sparse_attention: the gluon kernel takes key tiles of 32 or 64, got {block_n}")
-            # (the window's tiles: `keys` is the longer of the two lists, the window <= 128)
-            tiles = cdiv(keys, block_n) + 128 // block_n
+            tiles = cdiv(keys, 64) + 2  # (the window's tiles: `keys` is the longer of the two lists)
             per_cta = cdiv(tiles, max(1, min(num_sms(device) // max(tokens, 1), tiles)))
             splits = self.num_splits or cdiv(tiles, per_cta)
             word_decode = True if self.word_decode is None else self.word_decode
@@ -168,8 +172,8 @@ class AttentionConfig:
             unstored = False if self.last_unstored is None else self.last_unstored
             early = True if self.early_fill is None else self.early_fill
             half = True if self.half_partials is None else self.half_partials
-            return AttentionConfig(64, block_n, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct,
-                                   early, half, unstored)
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, early,
+                                   half, unstored)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -380,17 +384,18 @@ class _Launch:
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             part_acc, part_ml, self.scale * math.log2(math.e),
             counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
-            H=heads, D=dim, BLOCK_N=cfg.block_n or 64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
+            H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
             FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
             MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
             LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half, num_warps=8,
         )
         if fused:
             return
-        k._combine_splits_kernel[(tokens, cdiv(heads, 16))](
+        merge_h = _merge_heads(splits, dim)
+        k._combine_splits_kernel[(tokens, cdiv(heads, merge_h))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
             out.stride(1), heads,
-            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=16, NUM_SPLITS=splits, NORMALIZED=half, num_warps=4,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=merge_h, NUM_SPLITS=splits, NORMALIZED=half, num_warps=4,
         )
 
     def run(self, cfg: AttentionConfig) -> None:
@@ -428,7 +433,7 @@ class _Launch:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
-            combine_h = min(16, cfg.block_h)  # 16 heads x D fp32 per program: no spills
+            combine_h = _merge_heads(splits, dim, min(16, cfg.block_h))
             k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
                 part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
                 out.stride(1), heads,
