@@ -146,7 +146,7 @@ class AttentionConfig:
     -1.3 us at batches 1-16."""
     last_unstored: bool | None = None
     """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
-    merges without storing its own fp32 partial; it waits for the others' partials on a second
+    merges without storing its own partial; it waits for the others' partials on a second
     per-token counter. 0.2-0.3 us faster at batch 64 (2 splits), slower at batches 1-16 (5 splits:
     the others arrive, then store; kernels-notes.md, v16)."""
 
