@@ -18,21 +18,19 @@ import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cedserve.kernels.sparse_attention import AttentionConfig, sparse_attention
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import AttentionProblem, _index_queries, _pool, step_index_calls
+from kernels import AttentionProblem, profiling_device, step_index_calls, step_index_inputs
 
 
-def kernel_table(calls: list[Any], steps: int) -> tuple[float, float, list[tuple[str, float, float]]]:
-    """(GPU kernel us per step, wall us per step launched call by call, [(kernel, us, launches)])."""
+def kernel_table(title: str, calls: list[Any], steps: int) -> dict[str, Any]:
+    """Time and profile `calls` (one step), print the table under `title` and return it: GPU kernel
+    us per step, wall us per step launched call by call, and each kernel's us and launches."""
     for _ in range(3):  # compile and warm
         for c in calls:
             c()
@@ -54,17 +52,18 @@ def kernel_table(calls: list[Any], steps: int) -> tuple[float, float, list[tuple
             per_kernel[ev.name][0] += ev.device_time / steps  # us per step
             per_kernel[ev.name][1] += 1 / steps
     rows = sorted(((name, us, count) for name, (us, count) in per_kernel.items()), key=lambda r: -r[1])
-    return sum(r[1] for r in rows), wall_us, rows
-
-
-def print_table(title: str, total: float, wall_us: float, rows: list[tuple[str, float, float]]) -> None:
+    total = sum(r[1] for r in rows)
     print(f"{title}: GPU kernel time {total:.1f} us per step, {sum(r[2] for r in rows):.0f} kernels; launched call "
           f"by call {wall_us:.1f} us per step (wall)")
     for name, us, count in rows[:25]:
         print(f"  {us:8.1f} us {100 * us / max(total, 1e-9):5.1f} %  x{count:4.0f}  {name[:110]}")
+    return {"gpu_us": total, "wall_us": wall_us, "kernels": [{"name": r[0], "us": r[1], "launches": r[2]} for r in rows]}
 
 
 def main() -> int:
+    # (after `kernels`, which makes `cedserve.kernels` importable from a plain checkout)
+    from cedserve.kernels.sparse_attention import AttentionConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--contexts", default="4096,1048576")
@@ -72,42 +71,27 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--attention", action="store_true", help="profile one sparse attention layer instead")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
+    dev = profiling_device()
+    if dev is None:
         return 2
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
     report: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "machine": {"host": platform.node(), "gpu": torch.cuda.get_device_name(dev)},
                               "command": "python3 " + " ".join(sys.argv), "batch": args.batch}
     if args.attention:
-        p = AttentionProblem.make(dev)
-        n = max(1, min(args.batch, p.q.shape[0]))
-        out = torch.empty_like(p.q[:n])
-        report["attention"] = {}
-        for label, cfg in (("default", AttentionConfig(kernel="gluon")),
-                           ("fp32 partials", AttentionConfig(kernel="gluon", half_partials=False))):
-            call = partial(sparse_attention, p.q[:n], p.sink, p.main, p.topk_slots[:n], p.swa, p.win_slots[:n],
-                           p.cos[:n], p.sin[:n], out=out, config=cfg, impl="triton")
-            total, wall_us, rows = kernel_table([call], args.steps)
-            print_table(f"attention batch {n}, {label}", total, wall_us, rows)
-            report["attention"][label] = {"gpu_us": total, "wall_us": wall_us,
-                                          "kernels": [{"name": r[0], "us": r[1], "launches": r[2]} for r in rows]}
+        p = AttentionProblem.make(dev).first(args.batch)
+        out = torch.empty_like(p.q)
+        report["attention"] = {
+            label: kernel_table(f"attention batch {p.q.shape[0]}, {label}", [p.call(out, cfg)], args.steps)
+            for label, cfg in (("default", AttentionConfig(kernel="gluon")),
+                               ("fp32 partials", AttentionConfig(kernel="gluon", half_partials=False)))}
     else:
-        report["contexts"] = {}
         contexts = [int(c) for c in args.contexts.split(",")]
-        entries, n = 64, args.batch
-        max_ctx = max(contexts)
-        idx = _pool("index", 128, n * max_ctx, entries, dev, fill=True)
-        table = torch.arange(n * (max_ctx // entries), device=dev).view(n, -1).int()
-        qi = _index_queries(n, dev)
-        wi = torch.randn(n, 32, device=dev) * 32**-0.5
+        idx, table, qi, wi = step_index_inputs(args.batch, max(contexts), dev)
+        report["contexts"] = {}
         for ctx in contexts:
-            cand, full, reindex, _ = step_index_calls(idx, table, qi, wi, n, ctx, 2048, 512)
-            total, wall_us, rows = kernel_table([cand] + 3 * [full] + 4 * [reindex], args.steps)
-            print_table(f"batch {n}, ctx {ctx}", total, wall_us, rows)
-            report["contexts"][str(ctx)] = {"gpu_us": total, "wall_us": wall_us,
-                                            "kernels": [{"name": r[0], "us": r[1], "launches": r[2]} for r in rows]}
+            cand, full, reindex, _ = step_index_calls(idx, table, qi, wi, args.batch, ctx, 2048, 512)
+            report["contexts"][str(ctx)] = kernel_table(f"batch {args.batch}, ctx {ctx}",
+                                                        [cand] + 3 * [full] + 4 * [reindex], args.steps)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

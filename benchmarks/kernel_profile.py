@@ -18,44 +18,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import (
-    AttentionConfig,
-    AttentionProblem,
-    IndexKeys,
-    _block_slots,
-    _index_queries,
-    _pool,
-    index_scores,
-    rec_ops,
-    sparse_attention,
-)
+from kernels import _GLUON_V11, AttentionProblem, _block_slots, _index_queries, _pool, profiling_device
 
 
 def main() -> int:
+    # (after `kernels`, which makes `cedserve.kernels` importable from a plain checkout)
+    from cedserve.kernels import records as rec_ops
+    from cedserve.kernels.indexer import IndexKeys, index_scores
+    from cedserve.kernels.sparse_attention import AttentionConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
     parser.add_argument("--attention", default="default",
-                        help="attention launch: default, gluon (v16), v11 or keysplit (Triton, keys in 2, whole value "
+                        help="attention launch: default, gluon (the sm_90 default), v11 (as run 26 shipped it) or keysplit (Triton, keys in 2, whole value "
                              "rows)")
     parser.add_argument("--tokens", type=int, default=64, help="attention batch (the first N of the 64 tokens)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
+    dev = profiling_device()
+    if dev is None:
         return 2
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
     runs: list[tuple[str, object]] = []
     if args.only in (None, "attention"):
-        p = AttentionProblem.make(dev)
-        k = max(1, min(args.tokens, p.q.shape[0]))
-        p = AttentionProblem(p.main, p.swa, p.topk_slots[:k], p.win_slots[:k], p.q[:k], p.sink, p.cos[:k], p.sin[:k])
-        out = torch.empty_like(p.q)
-        cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"),
-               "v11": AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False),
+        p = AttentionProblem.make(dev).first(args.tokens)
+        cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"), "v11": _GLUON_V11,
                "keysplit": AttentionConfig(64, 32, 2, 8, 1, 1, False)}[args.attention]
-        runs.append(("attention", lambda: sparse_attention(p.q, p.sink, p.main, p.topk_slots, p.swa, p.win_slots,
-                                                            p.cos, p.sin, out=out, config=cfg, impl="triton")))
+        runs.append(("attention", p.call(torch.empty_like(p.q), cfg)))
     if args.only in (None, "index"):
         n, ctx, entries = 64, 1 << 18, 64
         idx = _pool("index", 128, n * ctx, entries, dev, fill=True)
@@ -78,14 +66,14 @@ def main() -> int:
         for _ in range(3):
             fn()  # type: ignore[operator]
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.nvtx.range_push(f"profile/{name}")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        torch.cuda.nvtx.range_push(f"profile/{name}")  # type: ignore[no-untyped-call]
         start.record()
         for _ in range(args.launches):
             fn()  # type: ignore[operator]
         end.record()
         torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
         print(f"{name}: {start.elapsed_time(end) * 1e3 / args.launches:.1f} us per launch")
     return 0
 

@@ -492,6 +492,37 @@ class AttentionProblem:
         return cls(main, swa, topk_slots, win_slots, (torch.randn(n, heads, dim, device=dev) * 0.05).bfloat16(),
                    torch.randn(heads, device=dev), ang.cos(), ang.sin())
 
+    def first(self, n: int) -> AttentionProblem:
+        """The same problem for its first `n` tokens (1 <= n <= its batch)."""
+        n = max(1, min(n, self.q.shape[0]))
+        return AttentionProblem(self.main, self.swa, self.topk_slots[:n], self.win_slots[:n], self.q[:n], self.sink,
+                                self.cos[:n], self.sin[:n])
+
+    def call(self, out: torch.Tensor, config: AttentionConfig) -> Callable[[], object]:
+        """`sparse_attention` over this problem into `out` with `config`, as a no-argument call."""
+        return partial(sparse_attention, self.q, self.sink, self.main, self.topk_slots, self.swa, self.win_slots,
+                       self.cos, self.sin, out=out, config=config, impl="triton")
+
+
+def profiling_device() -> torch.device | None:
+    """The CUDA device a profiling script runs on (torch seeded), or None after saying why not."""
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return None
+    torch.manual_seed(0)
+    return torch.device("cuda")
+
+
+def step_index_inputs(n: int, max_ctx: int, dev: torch.device
+                      ) -> tuple[PagedRecords, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index keys for `n` requests of `max_ctx` entries each (blocks of 64, m = 1, every request's
+    own blocks), their block table, the tokens' queries and head weights: `step_index_calls`' inputs."""
+    entries = 64
+    per_req = max_ctx // entries
+    idx = _pool("index", 128, n * max_ctx, entries, dev, fill=True)
+    table = torch.arange(n * per_req, device=dev).view(n, per_req).int()
+    return idx, table, _index_queries(n, dev), torch.randn(n, 32, device=dev) * 32**-0.5
+
 
 # the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain, fused merge), less
 # the slot -> block shift, which is always on now (kernels-notes.md, v16)
@@ -603,7 +634,7 @@ def decode_attention(b: Bench) -> None:
     if dev.type == "cuda" and not b.smoke:  # small batches (decode latency): the defaults, GPU time
         small: dict[str, dict[str, float]] = {}
         for batch in (1, 8, 16):
-            sub = (q[:batch], sink, main, topk_slots[:batch], swa, win_slots[:batch], cos[:batch], sin[:batch])
+            sub = prob.first(batch)
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
                               ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
@@ -614,8 +645,7 @@ def decode_attention(b: Bench) -> None:
                               ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
                               ("gluon v18 (fp32 partials)", AttentionConfig(kernel="gluon", half_partials=False))):
                 try:
-                    t = _graph_time_s(b, [partial(sparse_attention, *sub, out=out_b, config=cfg, impl="triton")],
-                                      f"{name} batch {batch}")
+                    t = _graph_time_s(b, [sub.call(out_b, cfg)], f"{name} batch {batch}")
                 except Exception as exc:
                     print(f"  {name} batch {batch}: {type(exc).__name__}: {str(exc)[:160]}")
                     continue
@@ -693,13 +723,8 @@ def decode_step_curve(b: Bench) -> None:
     n = 4 if b.smoke else 64
     contexts = [1024, 4096] if b.smoke else ([4096, 65536, 1 << 20] if b.quick else [4096, 16384, 65536, 262144,
                                                                                        1 << 20])
-    entries = 64
     max_ctx = contexts[-1]
-    per_req = max_ctx // entries
-    idx = _pool("index", 128, n * max_ctx, entries, dev, fill=True)  # m = 1 keys of every request
-    table = torch.arange(n * per_req, device=dev).view(n, per_req).int()
-    qi = _index_queries(n, dev)
-    wi = torch.randn(n, 32, device=dev) * 32**-0.5
+    idx, table, qi, wi = step_index_inputs(n, max_ctx, dev)  # m = 1 keys of every request
     attn_us = b.curves.get("attention_best", {}).get("time_us")
     pool_blocks, topk = (16, 32) if b.smoke else (2048, 512)
     # the default scan (the Gluon v14 on sm_90 since run 21) and the Triton default (v4 x32 with
