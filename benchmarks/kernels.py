@@ -32,6 +32,7 @@ Timing is triton.testing.do_bench's median (L2 flushed before every run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -40,7 +41,7 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -87,6 +88,7 @@ from cedserve.kernels.indexer import (  # noqa: E402
     index_scores,
     index_topk,
     index_topk_reference,
+    topk_entries_triton,
 )
 from cedserve.kernels.moe import ExpertWeights, MoeConfig, moe_experts, moe_experts_reference  # noqa: E402
 from cedserve.kernels.paged import PagedRecords  # noqa: E402
@@ -785,6 +787,70 @@ def decode_step_curve(b: Bench) -> None:
     index_scan_sweep(b, idx, table, qi, wi, max_ctx)
 
 
+@contextlib.contextmanager
+def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits: int | None = None
+                   ) -> Iterator[None]:
+    """`topk_entries` with other dispatch settings for the duration (the benchmark's variants)."""
+    saved = (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS)
+    if max_width is not None:
+        indexer_mod.TOPK_KERNEL_MAX_WIDTH = max_width
+    if not chunks:
+        indexer_mod.topk_chunk = lambda rows, width, k, sms: 0  # type: ignore[assignment]
+    if radix_bits is not None:
+        indexer_mod.TOPK_RADIX_BITS = radix_bits
+    try:
+        yield
+    finally:
+        indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS = saved
+
+
+TOPK_VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "": _topk_settings,
+    "one_program_topk_": partial(_topk_settings, max_width=indexer_mod.TOPK_PROGRAM_MAX_WIDTH, chunks=False),
+    "torch_topk_": partial(_topk_settings, max_width=0),
+}
+"""Step rows' top-k variants: the default; one program a row up to 16K and `torch.topk` beyond
+(the default of runs 43-44); `torch.topk` alone."""
+
+
+def topk_sweep(b: Bench) -> None:
+    """`topk_entries` at the decode step's shapes (rows x width, k), each call as a CUDA graph:
+    `torch.topk`, the default, and the kernel with explicit part widths and radix digits."""
+    dev = b.device
+    shapes = [(2, 300, 16), (1, 3000, 64)] if b.smoke else [
+        (1, 4096, 512), (64, 4096, 512), (1, 16384, 512), (8, 16384, 512), (64, 16384, 512), (1, 65536, 512),
+        (1, 131072, 512), (1, 131072, 2048), (8, 131072, 512), (64, 65536, 512), (64, 131072, 2048)]
+    chunks = [0, 64, 128] if b.smoke else [0, 2048, 4096, 8192]
+    table: dict[str, dict[str, float]] = {}
+    for rows, width, k in shapes:
+        scores = torch.randn(rows, width, device=dev)
+        scores[:, width // 2 :: 3] = float("-inf")  # invisible entries, as the scans leave them
+        shape = f"{rows} x {width}, k {k}"
+        times: dict[str, float] = {}
+        calls: dict[str, Callable[[], object]] = {
+            "torch.topk": partial(torch.topk, scores, k, dim=-1, sorted=False),
+            "default": partial(indexer_mod.topk_entries, scores, k)}
+        for chunk in chunks:
+            if (chunk and (chunk < 2 * k or chunk >= width)) or (not chunk and width > 16384):
+                continue
+            for bits in ((8,) if b.smoke else (8, 5)):
+                for per_thread in ((16,) if b.smoke else (16, 8, 4)):
+                    calls[f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread"] = partial(
+                        topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread)
+        want = scores.topk(k, dim=-1).values.sort(-1).values
+        for name, call in calls.items():
+            if name not in ("torch.topk",):
+                ids = call()
+                assert isinstance(ids, torch.Tensor)
+                got = torch.where(ids >= 0, scores.gather(1, ids.long().clamp(min=0)), float("-inf")).sort(-1).values
+                b.check(f"topk_entries {name} {shape}", torch.equal(got, want))
+            t = _graph_time_s(b, [call], f"topk {name} {shape}") if dev.type == "cuda" else b.time_s(call)
+            times[name] = t * 1e6
+            b.record("topk_entries", shape, t, rows * width * 4, config=name)
+        table[shape] = times
+    b.curves["topk"] = table
+
+
 def step_small_batches(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: torch.Tensor, wi: torch.Tensor,
                        contexts: Sequence[int], pool_blocks: int, topk: int) -> None:
     """The decode step's curve at batches 1 and 8 (one request per token, the default kernels):
@@ -805,20 +871,17 @@ def step_small_batches(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: tor
             if b.late and ctx > 65536:
                 break
             row: dict[str, float] = {"attention_layer_us": attn_us}
-            # the top-k of rows up to 16K by `_topk_select_kernel` (the default) and by torch.topk,
-            # side by side
-            for label, widest in (("", indexer_mod.TOPK_KERNEL_MAX_WIDTH), ("torch_topk_", 0)):
-                saved, indexer_mod.TOPK_KERNEL_MAX_WIDTH = indexer_mod.TOPK_KERNEL_MAX_WIDTH, widest
-                try:
+            # the default top-k (the kernel, rows cut into parts), one program a row up to 16K
+            # (torch.topk beyond: runs 43-44's default), and torch.topk alone, side by side
+            for label, patch in TOPK_VARIANTS.items():
+                with patch():
                     cand_call, full_call, reindex_call, _ = step_index_calls(idx, table, qi, wi, batch, ctx,
                                                                              pool_blocks, topk)
                     graph_s = _graph_time_s(b, [cand_call] + 3 * [full_call] + 4 * [reindex_call],
                                             f"batch {batch} ctx {ctx} {label}")
-                finally:
-                    indexer_mod.TOPK_KERNEL_MAX_WIDTH = saved
                 row[label + "index_graph_us"] = graph_s * 1e6
                 row[label + "step_graph_us"] = 40 * attn_us + graph_s * 1e6
-                print(f"  batch {batch} ctx {ctx:>8}{' (torch.topk)' if label else ''}: index calls as one CUDA graph "
+                print(f"  batch {batch} ctx {ctx:>8} {label or 'default top-k':<18}: index calls as one CUDA graph "
                       f"{graph_s * 1e6:.1f} us + 40 x attention {attn_us:.1f} us -> step "
                       f"{40 * attn_us + graph_s * 1e6:.1f} us", flush=True)
             steps[str(ctx)] = row
@@ -976,6 +1039,7 @@ def main() -> int:
         ("correctness", "correctness at realistic shapes", lambda: correctness(b)),
         ("writers", "record writers, readers, compressor", lambda: record_writers(b)),
         ("attention", "sparse decode attention vs dense SDPA", lambda: decode_attention(b)),
+        ("topk", "top-k selection at the index shapes", lambda: topk_sweep(b)),
         ("step", "decode step: indexer + attention, 4K..1M", lambda: decode_step_curve(b)),
         ("moe", "MoE experts", lambda: moe(b))]
     unknown = chosen - {key for key, _, _ in sections}

@@ -235,34 +235,56 @@ def _index_scores_kernel(
 
 
 @triton.jit
-def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, out_ptr, out_stride, width, k,
-                        BLOCK_T: tl.constexpr, HAS_ENTRIES: tl.constexpr):
-    """One row: the ids of its `k` best scores (`k <= width`; ties at the k-th value taken in
-    column order), unsorted, -1 where the score is -inf: the top-k of `topk_entries` in one
-    program. The row is held in registers as order-preserving uint32 keys; a radix select (4
-    passes of 8 bits, each a 256-bin histogram of the keys still matching the prefix) finds the
-    k-th key, then a prefix sum gives each kept column its output position."""
+def _radix_digit(key, active, remaining, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """One radix pass of `_topk_select_kernel`: among the `active` keys, the digit (`BITS` bits
+    from `SHIFT`) of the `remaining`-th largest, and how many active keys have a higher digit."""
+    digit = ((key >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
+    hist = tl.histogram(digit, 1 << BITS, mask=active)
+    at_least = tl.cumsum(hist, 0, reverse=True)  # keys with this digit or a higher one
+    d = tl.sum((at_least >= remaining).to(tl.int32), 0) - 1
+    above = tl.sum(tl.where(tl.arange(0, 1 << BITS) == d, at_least - hist, 0), 0)
+    return d, above
+
+
+@triton.jit
+def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, out_ptr, out_stride, values_ptr,
+                        values_stride, width, k, chunk, BLOCK_T: tl.constexpr, HAS_ENTRIES: tl.constexpr,
+                        CHUNKED: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """One row, or one `chunk`-wide part of it (program axis 1): the ids of its `k` best scores
+    (ties at the k-th value taken in column order), unsorted. The part is held in registers as
+    order-preserving uint32 keys; a radix select (passes of `RADIX_BITS` bits, each a histogram
+    of the keys still matching the prefix found so far) finds the k-th key, then a prefix sum
+    gives each kept column its output position.
+
+    Whole rows (`CHUNKED=False`, `chunk >= width`): `out[row, :k]`, -1 where the score is -inf.
+    Parts (`CHUNKED=True`): part `c` writes its `k` best as (score, id) to columns
+    `[c * k, (c + 1) * k)` of `values` / `out`, padded with (-inf, -1) when it has fewer, in
+    column order of the kept ones, so that a select over the concatenation keeps the row's
+    order (score, then column) and with it the same top-k as one program over the row."""
     row = tl.program_id(0).to(tl.int64)
-    col = tl.arange(0, BLOCK_T)
-    valid = col < width
+    part = tl.program_id(1)
+    start = part * chunk
+    col = start + tl.arange(0, BLOCK_T)
+    valid = (tl.arange(0, BLOCK_T) < chunk) & (col < width)
+    kk = tl.minimum(k, tl.minimum(chunk, width - start))
     x = tl.load(scores_ptr + row * scores_stride + col, mask=valid, other=float("-inf"))
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)  # unsigned order == float order
     prefix = tl.zeros([], dtype=tl.uint32)
-    remaining = k
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
+    remaining = kk
+    NPASS: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
+    for p in tl.static_range(NPASS):
         if p == 0:
             active = valid
+        else:  # the keys that match the digits decided so far
+            active = valid & ((key >> (32 - RADIX_BITS * p)) == (prefix >> (32 - RADIX_BITS * p)))
+        if p == NPASS - 1:  # the last digit: the bits left
+            d, above = _radix_digit(key, active, remaining, 0, 32 - RADIX_BITS * p)
+            prefix = prefix | d.to(tl.uint32)
         else:
-            active = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = ((key >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=active)
-        at_least = tl.cumsum(hist, 0, reverse=True)  # keys with this digit or a higher one
-        d = tl.sum((at_least >= remaining).to(tl.int32), 0) - 1  # the k-th key's digit
-        bins = tl.arange(0, 256)
-        remaining -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # the higher ones are kept
-        prefix = prefix | (d.to(tl.uint32) << shift)
+            d, above = _radix_digit(key, active, remaining, 32 - RADIX_BITS * (p + 1), RADIX_BITS)
+            prefix = prefix | (d.to(tl.uint32) << (32 - RADIX_BITS * (p + 1)))
+        remaining -= above  # the keys above the k-th one's digit are kept
     # `prefix` is the k-th key: every key above it is kept, and the first `remaining` equal to it
     equal = valid & (key == prefix)
     take = (valid & (key > prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= remaining))
@@ -271,5 +293,14 @@ def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, 
         ids = tl.load(entries_ptr + row * entries_stride + col, mask=take, other=-1).to(tl.int32)
     else:
         ids = col
-    ids = tl.where(key > 0x007FFFFF, ids, -1)  # (0x007FFFFF: -inf's key)
-    tl.store(out_ptr + row * out_stride + pos, ids, mask=take)
+    if CHUNKED:
+        base = part * k
+        tl.store(out_ptr + row * out_stride + base + pos, ids, mask=take)
+        tl.store(values_ptr + row * values_stride + base + pos, x, mask=take)
+        pad = tl.arange(0, BLOCK_T)
+        tl.store(out_ptr + row * out_stride + base + pad, tl.full([BLOCK_T], -1, tl.int32), mask=(pad >= kk) & (pad < k))
+        tl.store(values_ptr + row * values_stride + base + pad, tl.full([BLOCK_T], float("-inf"), tl.float32),
+                 mask=(pad >= kk) & (pad < k))
+    else:
+        ids = tl.where(key > 0x007FFFFF, ids, -1)  # (0x007FFFFF: -inf's key)
+        tl.store(out_ptr + row * out_stride + pos, ids, mask=take)

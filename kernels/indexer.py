@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -355,55 +356,108 @@ def _output(t: Tensor | None, shape: tuple[int, int], what: str, device: torch.d
 # ------------------------------------------------------------------------------ selection
 
 
-TOPK_KERNEL_MAX_WIDTH = 16384
-"""Rows up to this width take `_topk_select_kernel` on the GPU (one program a row, the row in
-registers); wider ones `torch.topk` (its multi-block radix select)."""
+TOPK_PROGRAM_MAX_WIDTH = 16384
+"""The widest row (or part of a row) that one `_topk_select_kernel` program holds in registers."""
+
+TOPK_KERNEL_MAX_WIDTH = 1 << 30
+"""Rows up to this width take `topk_entries_triton` on the GPU, wider ones `torch.topk` (its
+multi-block radix select). The benchmark sets it to 0 to time `torch.topk` side by side."""
+
+TOPK_RADIX_BITS = 8
+"""Bits a radix pass of the top-k kernel decides (a histogram of 2**bits bins per pass)."""
+
+TOPK_KEYS_PER_THREAD = 16
+"""Keys each thread of a top-k program holds (its warps: width / 32 / this, 4 to 32)."""
 
 
 def topk_entries(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
     """int32 `[N, min(k, T)]`: the k best of `scores [N, T]` (-1 where the score is -inf), as
     entry ids (`entries [N, T]` maps columns to ids; default the column index), in no particular
-    order. On the GPU, rows of up to `TOPK_KERNEL_MAX_WIDTH` take one Triton program each
-    (`topk_entries_triton`); elsewhere `torch.topk`."""
+    order. On the GPU, rows of up to `TOPK_KERNEL_MAX_WIDTH` take `topk_entries_triton`;
+    elsewhere `torch.topk`."""
     k = min(k, scores.shape[1])
     if k == 0:
         return torch.empty(scores.shape[0], 0, dtype=torch.int32, device=scores.device)
-    if scores.is_cuda and not interpreting() and scores.shape[1] <= TOPK_KERNEL_MAX_WIDTH:
+    rows, width = scores.shape
+    if (scores.is_cuda and not interpreting() and width <= TOPK_KERNEL_MAX_WIDTH
+            and (width <= TOPK_PROGRAM_MAX_WIDTH or topk_chunk(rows, width, k, num_sms(scores.device)))):
         return topk_entries_triton(scores, k, entries)
     top = scores.topk(k, dim=-1, sorted=False)
     ids = top.indices if entries is None else torch.gather(entries.long(), 1, top.indices)
     return torch.where(top.values > float("-inf"), ids, torch.full_like(ids, -1)).to(torch.int32)
 
 
-def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
+def topk_chunk(rows: int, width: int, k: int, sms: int) -> int:
+    """The part width `topk_entries_triton` cuts rows into by default (0: one program a row).
+    One program's time grows with its width (a histogram pass over all of it), so rows are cut
+    when they do not fit one program, or when there are fewer rows than the GPU's `sms`: parts
+    of `max(4096, 4k)` keep at most a quarter of their width each."""
+    chunk = max(4096, next_power_of_2(4 * k))
+    if width <= chunk or chunk > TOPK_PROGRAM_MAX_WIDTH:
+        return 0
+    if width > TOPK_PROGRAM_MAX_WIDTH or rows < sms:
+        return chunk
+    return 0
+
+
+def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None, *, chunk: int | None = None,
+                        radix_bits: int | None = None, keys_per_thread: int | None = None) -> Tensor:
     """`topk_entries` by `_topk_select_kernel` (any device Triton runs on, the interpreter
-    included): fp32 `scores [N, T]` with T <= `TOPK_KERNEL_MAX_WIDTH`; ties at the k-th score are
-    taken in column order (torch.topk's choice among ties is unspecified)."""
+    included): fp32 `scores [N, T]`; ties at the k-th score are taken in column order
+    (torch.topk's choice among ties is unspecified). Rows wider than `chunk` (default
+    :func:`topk_chunk`; 0 = one program a row, which holds at most `TOPK_PROGRAM_MAX_WIDTH`)
+    are cut into parts of `chunk` columns, one program each; each part keeps its k best as
+    (score, id), and the concatenation, `k` per part, is selected again the same way until it
+    fits one program. The result is the same set as one program's (the same order decides)."""
     from cedserve.kernels import _indexer_kernels as kern
 
     tokens, width = scores.shape
     k = min(k, width)
-    if width > TOPK_KERNEL_MAX_WIDTH:
-        raise ValueError(f"topk_entries_triton: rows of at most {TOPK_KERNEL_MAX_WIDTH} scores, got {width}")
     check_tensor(scores, "topk_entries_triton: scores", dtypes=(torch.float32,), dim=2, last_contiguous=False)
+    if entries is not None and (entries.shape != scores.shape or entries.dtype not in _INTS):
+        raise ValueError(f"topk_entries_triton: entries must be int32/int64 {tuple(scores.shape)}, got "
+                         f"{entries.dtype} {tuple(entries.shape)}")
+    bits = TOPK_RADIX_BITS if radix_bits is None else radix_bits
+    if not 1 <= bits <= 16:
+        raise ValueError(f"topk_entries_triton: radix_bits must be in 1..16, got {bits}")
+    per_thread = TOPK_KEYS_PER_THREAD if keys_per_thread is None else keys_per_thread
+    if per_thread < 1:
+        raise ValueError(f"topk_entries_triton: keys_per_thread must be positive, got {per_thread}")
+    if chunk is None:
+        chunk = topk_chunk(tokens, width, k, num_sms(scores.device))
+    if chunk and (chunk < 2 * k or chunk > TOPK_PROGRAM_MAX_WIDTH or chunk & (chunk - 1)):
+        raise ValueError(f"topk_entries_triton: chunk must be a power of two from 2k = {2 * k} to "
+                         f"{TOPK_PROGRAM_MAX_WIDTH}, got {chunk}")
+    if not chunk and width > TOPK_PROGRAM_MAX_WIDTH:
+        raise ValueError(f"topk_entries_triton: one program takes rows of at most {TOPK_PROGRAM_MAX_WIDTH} "
+                         f"scores, got {width} (pass chunk=)")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    if entries is not None:
-        if entries.shape != scores.shape or entries.dtype not in _INTS:
-            raise ValueError(f"topk_entries_triton: entries must be int32/int64 {tuple(scores.shape)}, got "
-                             f"{entries.dtype} {tuple(entries.shape)}")
-        if entries.stride(1) != 1:
-            entries = entries.contiguous()
+    if entries is not None and entries.stride(1) != 1:
+        entries = entries.contiguous()
     out = torch.empty(tokens, k, dtype=torch.int32, device=scores.device)
     if tokens == 0 or k == 0:
         return out
     src = entries if entries is not None else scores
-    block_t = max(16, next_power_of_2(width))
-    # 16 keys a thread (ptxas, sm_90: no spills up to 8K, 44 bytes at 16K with 32 warps)
-    kern._topk_select_kernel[(tokens,)](scores, scores.stride(0), src, src.stride(0), out, out.stride(0), width, k,
-                                         BLOCK_T=block_t, HAS_ENTRIES=entries is not None,
-                                         num_warps=min(32, max(4, block_t // 512)))
+    while chunk and width > chunk:  # cut, keep k a part, select again
+        parts = cdiv(width, chunk)
+        values = torch.empty(tokens, parts * k, dtype=torch.float32, device=scores.device)
+        ids = torch.empty(tokens, parts * k, dtype=torch.int32, device=scores.device)
+        _launch_topk(kern, scores, src, entries is not None, ids, values, width, k, chunk, parts, bits, per_thread)
+        scores, src, width = values, ids, parts * k
+        entries = ids
+    _launch_topk(kern, scores, src, entries is not None, out, out, width, k, width, 1, bits, per_thread)
     return out
+
+
+def _launch_topk(kern: Any, scores: Tensor, src: Tensor, has_entries: bool, out: Tensor, values: Tensor, width: int,
+                 k: int, chunk: int, parts: int, bits: int, per_thread: int) -> None:
+    block_t = max(16, next_power_of_2(min(chunk, width)))
+    # ptxas, sm_90, 16 keys a thread: no spills up to 8K (8-bit digits), 108 bytes at 16K with 32 warps
+    kern._topk_select_kernel[(scores.shape[0], parts)](
+        scores, scores.stride(0), src, src.stride(0), out, out.stride(0), values, values.stride(0), width, k, chunk,
+        BLOCK_T=block_t, HAS_ENTRIES=has_entries, CHUNKED=parts > 1, RADIX_BITS=bits,
+        num_warps=min(32, max(4, block_t // (32 * per_thread))))
 
 
 def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:

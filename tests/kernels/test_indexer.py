@@ -22,6 +22,7 @@ from cedserve.kernels.indexer import (
     index_topk,
     index_topk_reference,
     pool_mask,
+    topk_chunk,
     topk_entries,
     topk_entries_triton,
 )
@@ -307,23 +308,73 @@ def test_topk_kernel(tokens: int, width: int, k: int, gen: torch.Generator, devi
 
 def test_topk_kernel_refuses_what_it_cannot_take(device: torch.device) -> None:
     with pytest.raises(ValueError, match="at most 16384"):
-        topk_entries_triton(torch.zeros(1, 16385, device=device), 4)
+        topk_entries_triton(torch.zeros(1, 16385, device=device), 4, chunk=0)
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        topk_entries_triton(torch.zeros(1, 100, device=device), 8, chunk=12)
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        topk_entries_triton(torch.zeros(1, 100, device=device), 8, chunk=8)  # keeps as many as it reads
+    with pytest.raises(ValueError, match="radix_bits"):
+        topk_entries_triton(torch.zeros(1, 100, device=device), 8, radix_bits=0)
+    with pytest.raises(ValueError, match="keys_per_thread"):
+        topk_entries_triton(torch.zeros(1, 100, device=device), 8, keys_per_thread=0)
     with pytest.raises(TypeError, match="dtype"):
         topk_entries_triton(torch.zeros(1, 8, device=device, dtype=torch.float16), 4)
     with pytest.raises(ValueError, match="entries"):
         topk_entries_triton(torch.zeros(2, 8, device=device), 4, torch.zeros(2, 7, dtype=torch.int32, device=device))
 
 
+@pytest.mark.parametrize(("tokens", "width", "k", "chunk", "bits"),
+                         [(3, 1000, 16, 64, 8), (2, 777, 40, 128, 5), (2, 300, 64, 128, 4), (1, 2500, 8, 16, 6),
+                          (4, 70, 33, 128, 8)])
+def test_topk_kernel_parts(tokens: int, width: int, k: int, chunk: int, bits: int, gen: torch.Generator,
+                           device: torch.device) -> None:
+    # rows cut into parts (a last part narrower than k, several rounds of selection) and radix
+    # passes of other widths pick exactly the set one program with 8-bit passes picks: the same
+    # order (score, then column) decides, ties at the k-th included
+    scores = torch.randn(tokens, width, generator=gen, device=device).mul(4).round()  # many ties
+    scores[0, : width // 2] = float("-inf")
+    if tokens > 1:
+        scores[1, width // 3 :] = float("-inf")  # fewer finite scores than some parts need
+    if tokens > 2:
+        scores[2, ::3] = -0.0
+    entries = torch.randperm(10 * width, generator=gen, device=device)[:width].repeat(tokens, 1)
+    for ids_map in (None, entries):
+        parts = topk_entries_triton(scores, k, ids_map, chunk=chunk, radix_bits=bits)
+        _check_topk(parts, scores, k, ids_map)
+        if width <= 16384:
+            whole = topk_entries_triton(scores, k, ids_map, chunk=0, radix_bits=8)
+            assert torch.equal(parts.sort(-1).values, whole.sort(-1).values)
+    flat = torch.zeros(1, 40, device=device)  # ties across parts: still column order
+    assert sorted(topk_entries_triton(flat, 10, chunk=32, radix_bits=bits)[0].tolist()) == list(range(10))
+
+
+def test_topk_chunk_rule() -> None:
+    assert topk_chunk(1, 4096, 512, 132) == 0  # one program's width already
+    assert topk_chunk(1, 16384, 512, 132) == 4096  # too few rows for the GPU
+    assert topk_chunk(132, 16384, 512, 132) == 0  # enough rows
+    assert topk_chunk(1, 131072, 2048, 132) == 8192
+    assert topk_chunk(1, 1 << 20, 8192, 132) == 0  # parts would exceed a program: torch.topk's job
+    assert topk_chunk(10**6, 65536, 512, 132) == 4096  # wider than a program: cut however many rows
+
+
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize(("tokens", "width"), [(1, 4096), (64, 16384), (8, 16384), (64, 4096), (3, 9000)])
-def test_gpu_topk_kernel(tokens: int, width: int, gen: torch.Generator, device: torch.device) -> None:
+@pytest.mark.parametrize(("tokens", "width", "k"), [(1, 4096, 512), (64, 16384, 512), (8, 16384, 512),
+                                                    (64, 4096, 512), (3, 9000, 512), (1, 131072, 512),
+                                                    (1, 131072, 2048), (2, 65536, 512), (140, 20000, 512)])
+def test_gpu_topk_kernel(tokens: int, width: int, k: int, gen: torch.Generator, device: torch.device) -> None:
     # the GPU path of topk_entries at the index shapes (top-512 of a 4,096-entry candidate list,
-    # of a 16,384-entry pool) against torch.topk, with -inf tails and ties
+    # of a 16,384-entry pool, of the block maxima at 512K / 1M; the top-2048 blocks of the pool)
+    # against torch.topk, with -inf tails and ties; rows in parts and other radix digits too
     scores = torch.randn(tokens, width, generator=gen, device=device)
     scores[0, width // 2 :] = float("-inf")
     scores[-1, ::7] = scores[-1, 3]
-    _check_topk(topk_entries(scores, 512), scores, 512, None)
+    _check_topk(topk_entries(scores, k), scores, k, None)
     entries = torch.argsort(torch.rand(tokens, width, generator=gen, device=device), dim=1) + 1000
-    ids = topk_entries(scores, 512, entries)
-    _check_topk(ids, scores, 512, entries)
+    ids = topk_entries(scores, k, entries)
+    _check_topk(ids, scores, k, entries)
+    chunk = max(4096, 4 * k)
+    if width > chunk:
+        for bits, per_thread in ((8, 16), (5, 8), (4, 4)):
+            ids = topk_entries_triton(scores, k, entries, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread)
+            _check_topk(ids, scores, k, entries)
