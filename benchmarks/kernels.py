@@ -526,10 +526,10 @@ def step_index_inputs(n: int, max_ctx: int, dev: torch.device
     return idx, table, _index_queries(n, dev), torch.randn(n, 32, device=dev) * 32**-0.5
 
 
-# the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain, fused merge), less
-# the slot -> block shift, which is always on now (kernels-notes.md, v16)
-_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, fused_combine=True, last_unstored=False, early_fill=False,
-                             half_partials=False)
+# the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain), less the slot ->
+# block shift, which is always on now (kernels-notes.md, v16), and less its fused merge (removed
+# after run 45: the merge pass has been faster at every batch since run 36)
+_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, early_fill=False, half_partials=False)
 
 
 def decode_attention(b: Bench) -> None:
@@ -555,9 +555,7 @@ def decode_attention(b: Bench) -> None:
             (64, 64, 2, 8, 2, 2, False), (64, 32, 2, 4, 1, 2, False))]
     if dev.type == "cuda":  # v11, the Gluon kernel (Hopper only; elsewhere its row reports why not)
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
-        configs += [AttentionConfig(kernel="gluon", word_decode=False), AttentionConfig(kernel="gluon",
-                                                                                         fused_combine=True),
-                    _GLUON_V11]
+        configs += [AttentionConfig(kernel="gluon", word_decode=False), _GLUON_V11]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -572,7 +570,6 @@ def decode_attention(b: Bench) -> None:
             v16 = resolved.direct_bf16
             label = f"gluon v{16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
                                                                                        else " bytes")
-            label += " fused-merge" if resolved.fused_combine else ""
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
                        impl="triton")
         try:
@@ -609,15 +606,12 @@ def decode_attention(b: Bench) -> None:
         rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
             # v20 (the default: v16's direct bf16 decode and merge pass, v18's early fill, fp16
-            # partials), v18, v16, v11 (fp8-chain decode, fused merge), and the fused merges
+            # partials), v18, v16, v11 (fp8-chain decode)
             rivals["gluon v20 (default)"] = AttentionConfig(kernel="gluon")
             rivals["gluon v18 (fp32 partials)"] = AttentionConfig(kernel="gluon", half_partials=False)
             rivals["gluon v11"] = _GLUON_V11
             rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False,
                                                                   half_partials=False)
-            rivals["gluon v20 fused merge"] = AttentionConfig(kernel="gluon", fused_combine=True)
-            rivals["gluon v20 fused, last unstored"] = AttentionConfig(kernel="gluon", fused_combine=True,
-                                                                       last_unstored=True)
         for _ in range(4):
             for name, cfg in rivals.items():
                 call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
@@ -640,9 +634,7 @@ def decode_attention(b: Bench) -> None:
             out_b = out[:batch]
             for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
                               ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
-                              ("gluon fused merge", AttentionConfig(kernel="gluon", fused_combine=True)),
-                              # one tile per CTA: with the merge pass cheaper than the fused merge
-                              # (run 36), more splits may now pay at small batches
+                              # forced splits against the heuristic's
                               ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
                               ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
                               ("gluon v18 (fp32 partials)", AttentionConfig(kernel="gluon", half_partials=False))):
@@ -788,29 +780,34 @@ def decode_step_curve(b: Bench) -> None:
 
 
 @contextlib.contextmanager
-def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits: int | None = None
-                   ) -> Iterator[None]:
+def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits: int | None = None,
+                   keys_per_thread: int | None = None) -> Iterator[None]:
     """`topk_entries` with other dispatch settings for the duration (the benchmark's variants)."""
-    saved = (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS)
+    saved = (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS,
+             indexer_mod.TOPK_KEYS_PER_THREAD)
     if max_width is not None:
         indexer_mod.TOPK_KERNEL_MAX_WIDTH = max_width
     if not chunks:
-        indexer_mod.topk_chunk = lambda rows, width, k, sms: 0  # type: ignore[assignment]
+        indexer_mod.topk_chunk = lambda width, k: 0  # type: ignore[assignment]
     if radix_bits is not None:
         indexer_mod.TOPK_RADIX_BITS = radix_bits
+    if keys_per_thread is not None:
+        indexer_mod.TOPK_KEYS_PER_THREAD = keys_per_thread
     try:
         yield
     finally:
-        indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS = saved
+        (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS,
+         indexer_mod.TOPK_KEYS_PER_THREAD) = saved
 
 
 TOPK_VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "": _topk_settings,
-    "one_program_topk_": partial(_topk_settings, max_width=indexer_mod.TOPK_PROGRAM_MAX_WIDTH, chunks=False),
+    "run44_topk_": partial(_topk_settings, max_width=indexer_mod.TOPK_PROGRAM_MAX_WIDTH, chunks=False, radix_bits=8,
+                           keys_per_thread=16),
     "torch_topk_": partial(_topk_settings, max_width=0),
 }
-"""Step rows' top-k variants: the default; one program a row up to 16K and `torch.topk` beyond
-(the default of runs 43-44); `torch.topk` alone."""
+"""Step rows' top-k variants: the default; runs 43-44's (one program a row up to 16K, 8-bit
+digits, 16 keys a thread, `torch.topk` beyond); `torch.topk` alone."""
 
 
 def topk_sweep(b: Bench) -> None:
@@ -821,6 +818,11 @@ def topk_sweep(b: Bench) -> None:
         (1, 4096, 512), (64, 4096, 512), (1, 16384, 512), (8, 16384, 512), (64, 16384, 512), (1, 65536, 512),
         (1, 131072, 512), (1, 131072, 2048), (8, 131072, 512), (64, 65536, 512), (64, 131072, 2048)]
     chunks = [0, 64, 128] if b.smoke else [0, 2048, 4096, 8192]
+    # (radix bits, keys a thread): run 45 swept these; --quick times the default against runs
+    # 43-44's one program a row (8 bits, 16 keys a thread) and torch.topk
+    digits = [(8, 16)] if b.smoke else [(8, 16), (8, 8), (8, 4), (5, 16), (5, 8), (5, 4)]
+    if b.quick:
+        chunks, digits = [0], [(8, 16)]
     table: dict[str, dict[str, float]] = {}
     for rows, width, k in shapes:
         scores = torch.randn(rows, width, device=dev)
@@ -833,10 +835,9 @@ def topk_sweep(b: Bench) -> None:
         for chunk in chunks:
             if (chunk and (chunk < 2 * k or chunk >= width)) or (not chunk and width > 16384):
                 continue
-            for bits in ((8,) if b.smoke else (8, 5)):
-                for per_thread in ((16,) if b.smoke else (16, 8, 4)):
-                    calls[f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread"] = partial(
-                        topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread)
+            for bits, per_thread in digits:
+                calls[f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread"] = partial(
+                    topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread)
         want = scores.topk(k, dim=-1).values.sort(-1).values
         for name, call in calls.items():
             if name not in ("torch.topk",):
@@ -871,8 +872,7 @@ def step_small_batches(b: Bench, idx: PagedRecords, table: torch.Tensor, qi: tor
             if b.late and ctx > 65536:
                 break
             row: dict[str, float] = {"attention_layer_us": attn_us}
-            # the default top-k (the kernel, rows cut into parts), one program a row up to 16K
-            # (torch.topk beyond: runs 43-44's default), and torch.topk alone, side by side
+            # the default top-k, runs 43-44's and torch.topk alone, side by side
             for label, patch in TOPK_VARIANTS.items():
                 with patch():
                     cand_call, full_call, reindex_call, _ = step_index_calls(idx, table, qi, wi, batch, ctx,

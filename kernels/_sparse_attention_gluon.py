@@ -1,17 +1,16 @@
 """Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (`AttentionConfig(kernel="gluon")`,
 the default on sm_90). v20, the default: v11 with `DIRECT_BF16` and slot -> block by shift (v16),
 the first tile's loads before Q's (`EARLY_FILL`, v18) and fp16 partials divided by their sums
-(`PARTIAL_F16`, v20); kernels-notes.md. `LAST_UNSTORED` is an option.
+(`PARTIAL_F16`, v20); kernels-notes.md.
 
 The same math as `_sparse_decode_attention_kernel` (read that module's docstring first: channel
 halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written in Gluon so that
 the layouts the Triton kernel could not choose are ours (kernels-notes.md, "Profile"):
 
 * one CTA of two warpgroups takes all 64 heads of a token (the MMAs' M) over a contiguous run of
-  that token's key tiles and writes split-KV partials, which `_combine_splits_kernel` merges (the
-  launcher's default: faster on the GPU, run 36), or the last split of the token to finish does
-  (`FUSED_COMBINE`, an acquire / release counter per token; `LAST_UNSTORED`: without storing its
-  own partial);
+  that token's key tiles and writes split-KV partials, which `_combine_splits_kernel` merges (a
+  merge inside the last split's CTA, behind a per-token counter, lost at every batch from run 36
+  on and was removed after run 45; kernels-notes.md, v16 and run 45);
 * a thread decodes 4 code words of a main-KV record (one 16-byte load; one inline-PTX block per
   word, `FAST_DECODE`) and stores the bf16 pairs to shared memory as 16-byte vectors in the
   NVMMA-swizzled layout that `wgmma` reads (the Triton kernel staged decoded keys with 16-bit
@@ -39,8 +38,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cedserve.kernels._records_gluon import _gl_slot_address
-
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -230,58 +227,6 @@ def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_s
 
 
 @gluon.jit
-def _gl_merge_and_store(acc_lo, acc_hi, m_own, l_own, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                        sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                        H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                        MMA_O: gl.constexpr, LO: gl.constexpr, PARTIAL_F16: gl.constexpr):
-    """`_combine_splits_kernel` inside the last split's CTA: merge its registers with the other
-    splits' partials, add the sink, divide, rotate the RoPE pairs back, store bf16 `out[n]`."""
-    HALF: gl.constexpr = D // 2
-    RM: gl.constexpr = gl.SliceLayout(1, MMA_O)
-    h = gl.arange(0, H, layout=RM)
-    m_own = gl.convert_layout(m_own, RM)
-    l_own = gl.convert_layout(l_own, RM)
-    sink = gl.load(sink_ptr + h).to(gl.float32) * LOG2E
-    m = gl.maximum(sink, m_own)
-    for j in gl.static_range(NUM_SPLITS):
-        if j != split:
-            part_j = (n.to(gl.int64) * NUM_SPLITS + j) * H
-            m = gl.maximum(m, gl.load(part_ml_ptr + (part_j + h) * 2, cache_modifier=".cg"))
-    w_own = gl.exp2(m_own - m)
-    total = gl.exp2(sink - m) + w_own * l_own
-    o_lo = acc_lo * gl.expand_dims(w_own, 1)
-    o_hi = acc_hi * gl.expand_dims(w_own, 1)
-    ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
-    co = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
-    for j in gl.static_range(NUM_SPLITS):
-        if j != split:
-            part_j = (n.to(gl.int64) * NUM_SPLITS + j) * H
-            w = gl.exp2(gl.load(part_ml_ptr + (part_j + h) * 2, cache_modifier=".cg") - m)
-            w_l = w * gl.load(part_ml_ptr + (part_j + h) * 2 + 1, cache_modifier=".cg")
-            total += w_l
-            other = gl.load(part_acc_ptr + (part_j + gl.expand_dims(ho, 1).to(gl.int64)) * D + gl.expand_dims(co, 0),
-                            cache_modifier=".cg")
-            if PARTIAL_F16:  # normalised partials: weighted by their sums
-                other = other.to(gl.float32)
-                w = w_l
-            other_lo, other_hi = gl.split(gl.reshape(other, [H, HALF, 2]))
-            o_lo += gl.convert_layout(other_lo, MMA_O) * gl.expand_dims(w, 1)
-            o_hi += gl.convert_layout(other_hi, MMA_O) * gl.expand_dims(w, 1)
-    inv = gl.expand_dims(1.0 / total, 1)
-    o_lo = o_lo * inv
-    o_hi = o_hi * inv
-    pair = gl.arange(0, HALF, layout=gl.SliceLayout(0, MMA_O)) - (HALF - ROPE_PAIRS)
-    is_rope = pair >= 0
-    cos = gl.expand_dims(gl.load(cos_ptr + n.to(gl.int64) * cs_stride + pair, mask=is_rope, other=1.0), 0)
-    sin = gl.expand_dims(gl.load(sin_ptr + n.to(gl.int64) * cs_stride + pair, mask=is_rope, other=0.0), 0)
-    r_lo = o_lo * cos + o_hi * sin
-    r_hi = o_hi * cos - o_lo * sin
-    o = gl.reshape(gl.join(r_lo, r_hi), [H, D]).to(gl.bfloat16)
-    gl.store(out_ptr + n.to(gl.int64) * out_stride_n + gl.expand_dims(ho, 1).to(gl.int64) * out_stride_h
-             + gl.expand_dims(co, 0), o)
-
-
-@gluon.jit
 def _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H: gl.constexpr, D: gl.constexpr, KSHIFT: gl.constexpr,
                  LQ: gl.constexpr, LQ3: gl.constexpr):
     """Token n's Q as its even / odd channel halves (bf16 [H, D / 2] each, layout `LQ3`), times
@@ -310,13 +255,10 @@ def _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H: gl.cons
 
 
 @gluon.jit
-def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr, sin_ptr,
-               cs_stride, out_ptr, out_stride_n, out_stride_h,
-               H: gl.constexpr, D: gl.constexpr, ROPE_PAIRS: gl.constexpr, NUM_SPLITS: gl.constexpr,
-               FUSED_COMBINE: gl.constexpr, LAST_UNSTORED: gl.constexpr, KSHIFT: gl.constexpr, MMA_S: gl.constexpr,
-               MMA_O: gl.constexpr, PARTIAL_F16: gl.constexpr):
-    """After a CTA's last key tile: store its split-KV partial, or (`FUSED_COMBINE`) merge the
-    token's splits when it is the last of them (`LAST_UNSTORED`: without storing its own)."""
+def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, H: gl.constexpr, D: gl.constexpr,
+               NUM_SPLITS: gl.constexpr, KSHIFT: gl.constexpr, MMA_S: gl.constexpr, MMA_O: gl.constexpr,
+               PARTIAL_F16: gl.constexpr):
+    """After a CTA's last key tile: store its split-KV partial."""
     if KSHIFT != 0:  # the values were decoded times 2**-KSHIFT (exact in fp32)
         acc_lo = acc_lo * 2.0**KSHIFT
         acc_hi = acc_hi * 2.0**KSHIFT
@@ -328,44 +270,7 @@ def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, co
         acc = gl.reshape(gl.join(acc_lo * inv_l, acc_hi * inv_l), [H, D]).to(gl.float16)
     else:
         acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
-    LO: gl.constexpr = acc.type.layout
-    if FUSED_COMBINE and NUM_SPLITS == 1:  # nothing to merge
-        _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                            sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                            H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, PARTIAL_F16)
-    elif FUSED_COMBINE and LAST_UNSTORED:
-        # the last split of a token to arrive merges without storing its own partial: a split
-        # arrives (acq_rel add on the token's first counter) before it stores; the others store
-        # theirs, then count them on the second counter (CTA barrier, release add), which the last
-        # one waits for. Every split it waits for has arrived, so is running: no deadlock whatever
-        # order the CTAs are scheduled in.
-        arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
-            stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
-            while stored < NUM_SPLITS - 1:
-                stored = gl.atomic_add(counter_ptr + 2 * n + 1, 0, sem="acquire", scope="gpu")
-            gl.store(counter_ptr + 2 * n + 1, 0)
-            _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                                sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, PARTIAL_F16)
-        else:
-            _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
-            gl.thread_barrier()
-            gl.atomic_add(counter_ptr + 2 * n + 1, 1, sem="release", scope="gpu")
-    else:
-        _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
-        if FUSED_COMBINE:
-            # the last split of a token to finish merges the others' partials (stream-K style): every
-            # thread's partial stores, a CTA barrier, then one release / acquire add on the token's
-            # counter; the CTA that reads NUM_SPLITS - 1 reads the other partials from L2 (.cg)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(counter_ptr + 2 * n, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                gl.store(counter_ptr + 2 * n, 0)  # ready for the next launch that reuses the counters
-                _gl_merge_and_store(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, sink_ptr, cos_ptr,
-                                    sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-                                    H, D, ROPE_PAIRS, NUM_SPLITS, MMA_O, LO, PARTIAL_F16)
+    _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
 
 
 @gluon.jit
@@ -376,15 +281,14 @@ def _gl_sparse_attention_kernel(
     swa_ptr, win_ptr, win_stride, num_win,
     swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
     part_acc_ptr, part_ml_ptr, sm_scale_log2,
-    counter_ptr, sink_ptr, cos_ptr, sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h,
-    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    FAST_DECODE: gl.constexpr, FUSED_COMBINE: gl.constexpr, ROPE_PAIRS: gl.constexpr,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, FAST_DECODE: gl.constexpr,
     DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
-    LAST_UNSTORED: gl.constexpr = False, EARLY_FILL: gl.constexpr = False, PARTIAL_F16: gl.constexpr = False,
+    EARLY_FILL: gl.constexpr = False, PARTIAL_F16: gl.constexpr = False,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
-    tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (unnormalised,
-    natural channel order) and `part_ml [N, NUM_SPLITS, H, 2]` (base-2 max, sum), no sink."""
+    tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (natural channel
+    order; fp32 unnormalised, or fp16 divided by the row sums: `PARTIAL_F16`) and
+    `part_ml [N, NUM_SPLITS, H, 2]` (base-2 max, sum), no sink."""
     HALF: gl.constexpr = D // 2
     # layouts (8 warps): record loads, decoded keys, and the two MMAs (warps [4, 2]: the second
     # warpgroup takes the upper half of S's keys and of each accumulator's channels)
@@ -499,6 +403,5 @@ def _gl_sparse_attention_kernel(
         fence_async_shared()
         gl.thread_barrier()
 
-    _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, counter_ptr, sink_ptr, cos_ptr,
-               sin_ptr, cs_stride, out_ptr, out_stride_n, out_stride_h, H, D, ROPE_PAIRS, NUM_SPLITS, FUSED_COMBINE,
-               LAST_UNSTORED, KSHIFT, MMA_S, MMA_O, PARTIAL_F16)
+    _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, H, D, NUM_SPLITS, KSHIFT, MMA_S, MMA_O,
+               PARTIAL_F16)

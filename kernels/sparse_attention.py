@@ -23,9 +23,8 @@ are the same call. Slot lists are built by the caller from its block tables
 
 Layers: `_sparse_decode_attention_kernel` (+ `_combine_splits_kernel` when one token's keys are
 split over several programs) in `_sparse_attention_kernels.py`, and on Hopper (sm_90, 64 heads x
-512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v16; its
-key splits are merged by `_combine_splits_kernel`, or with `fused_combine` by the last split's
-CTA); :func:`sparse_attention` here;
+512, the default there) `_gl_sparse_attention_kernel` in `_sparse_attention_gluon.py` (v20; its
+key splits are merged by `_combine_splits_kernel`); :func:`sparse_attention` here;
 :func:`sparse_attention_reference` (float32 math on the decoded records).
 
 Precision: keys are exact in bf16; logits and the accumulator are fp32; probabilities are rounded
@@ -58,7 +57,6 @@ from cedserve.kernels.triton_support import (
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 _GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon kernel fails to build here
-_COUNTERS: dict[tuple[int, int], Tensor] = {}
 
 
 def _merge_heads(splits: int, dim: int, cap: int = 16) -> int:
@@ -67,26 +65,6 @@ def _merge_heads(splits: int, dim: int, cap: int = 16) -> int:
     (ptxas, sm_90, 4 warps: no spills from 1 x 40 to 16 x 2 splits at dim 512)."""
     heads = max(1, min(cap, 20480 // max(1, splits * dim)))
     return 1 << (heads.bit_length() - 1)
-
-
-def _split_counters(device: torch.device, tokens: int) -> Tensor:
-    """int32 zeros `[>= tokens]` for the fused merge's per-token counters. The kernel leaves
-    them zero (the last split of a token resets its counter), so one buffer per (device, stream)
-    serves every call without a memset kernel per call; inside a CUDA-graph capture a missing or
-    short buffer is made for that graph alone (the graph's memory pool must not leak into the cache).
-    Calls share a buffer only when they were launched (or captured) on one stream: graphs captured
-    on one stream must not be replayed concurrently on several streams."""
-    stream = torch.cuda.current_stream(device)
-    key = (device.index or 0, stream.cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= tokens:
-        return buf
-    fresh = torch.zeros(max(tokens, 256), dtype=torch.int32, device=device)
-    with torch.cuda.device(device):
-        capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        _COUNTERS[key] = fresh
-    return fresh
 
 
 @dataclass(frozen=True)
@@ -124,11 +102,6 @@ class AttentionConfig:
     """"gluon" only (default True): decode main-KV records a 32-bit code word at a time in one
     inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
     instead of elementwise byte operations (kernels-notes.md, v11)."""
-    fused_combine: bool | None = None
-    """"gluon" only (default False): the last key split of a token to finish merges the splits
-    (acquire / release counter per token) instead of a separate `_combine_splits_kernel` pass.
-    One launch fewer, but slower on the GPU: the pass is 0.9 us faster at batch 64 and 5.5-7.6 us
-    (20-24 %) at batches 1-16, where one CTA would merge 5 partials alone (kernels-notes.md, v16)."""
     direct_bf16: bool | None = None
     """"gluon" only (default True; with `word_decode`): main-KV code words straight to bf16 pairs
     (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
@@ -144,11 +117,6 @@ class AttentionConfig:
     bf16 output's 8) instead of fp32: half the partials' bytes, written once and read once by the
     merge (16.8 MB each way at batch 64 in fp32). Run 39: 38.1-38.3 us at batch 64 against 40.0-40.3,
     -1.3 us at batches 1-16."""
-    last_unstored: bool | None = None
-    """"gluon" only (default False; with `fused_combine`): the last key split of a token to arrive
-    merges without storing its own partial; it waits for the others' partials on a second
-    per-token counter. 0.2-0.3 us faster at batch 64 (2 splits), slower at batches 1-16 (5 splits:
-    the others arrive, then store; kernels-notes.md, v16)."""
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -167,13 +135,10 @@ class AttentionConfig:
             per_cta = cdiv(tiles, max(1, min(num_sms(device) // max(tokens, 1), tiles)))
             splits = self.num_splits or cdiv(tiles, per_cta)
             word_decode = True if self.word_decode is None else self.word_decode
-            fused = False if self.fused_combine is None else self.fused_combine
             direct = True if self.direct_bf16 is None else self.direct_bf16
-            unstored = False if self.last_unstored is None else self.last_unstored
             early = True if self.early_fill is None else self.early_fill
             half = True if self.half_partials is None else self.half_partials
-            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, fused, direct, early,
-                                   half, unstored)
+            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, direct, early, half)
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -369,13 +334,10 @@ class _Launch:
         q, out, main, swa = self.q, self.out, self.main, self.swa
         tokens, heads, dim = q.shape
         splits = cfg.num_splits or 1
-        fused = bool(cfg.fused_combine)
         half = bool(cfg.half_partials)
         part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float16 if half else torch.float32,
                                device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-        # two per token: arrivals, and (`last_unstored`) partials stored
-        counters = _split_counters(q.device, 2 * tokens) if fused else part_ml  # (unused without the fused merge)
         g._gl_sparse_attention_kernel[(tokens, splits)](
             q, q.stride(0), q.stride(1),
             main.storage, self.topk, self.topk.stride(0), self.num_topk,
@@ -383,14 +345,11 @@ class _Launch:
             swa.storage, self.win, self.win.stride(0), self.num_win,
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             part_acc, part_ml, self.scale * math.log2(math.e),
-            counters, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0), out.stride(1),
             H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
-            FUSED_COMBINE=fused, ROPE_PAIRS=self.cos.shape[1], DIRECT_BF16=cfg.direct_bf16 is not False,
-            MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block), SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block),
-            LAST_UNSTORED=bool(cfg.last_unstored), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half, num_warps=8,
+            DIRECT_BF16=cfg.direct_bf16 is not False, MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block),
+            SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half,
+            num_warps=8,
         )
-        if fused:
-            return
         merge_h = _merge_heads(splits, dim)
         k._combine_splits_kernel[(tokens, cdiv(heads, merge_h))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),

@@ -66,7 +66,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
           use_swa: bool = True, block_h: int | None = None, dv_split: int | None = None,
           prefetch: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
           kernel: str | None = None, slot_dtype: torch.dtype = torch.int32, word_decode: bool | None = None,
-          fused_combine: bool | None = None, repeat: int = 1, gluon: str = "v16",
+          repeat: int = 1, gluon: str = "v16",
           entries_per_block: int = 16) -> None:
     main = _records("main", 3 * topk + 5, dim, gen, device, entries_per_block) if use_main else None
     swa = _records("swa", 2 * window + 3, dim, gen, device, entries_per_block) if use_swa else None
@@ -87,12 +87,10 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     out = torch.full_like(q, float("nan"))
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
                              num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
-                             fused_combine=fused_combine, direct_bf16=gluon != "v11",
-                             last_unstored=gluon == "v16 last unstored",
-                             early_fill=None if gluon.startswith(("v18", "v20")) else False,
+                             direct_bf16=gluon != "v11", early_fill=None if gluon.startswith(("v18", "v20")) else False,
                              half_partials=None if gluon.startswith("v20") else False)
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
-    for _ in range(repeat):  # (repeats: the fused combine's counters and ordering, launch after launch)
+    for _ in range(repeat):  # (repeats: reused buffers, launch after launch)
         out.fill_(float("nan"))
         sparse_attention(q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=config, impl="triton")
         _check(out, ref)
@@ -209,44 +207,43 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel needs sm_90")
-@pytest.mark.parametrize(("tokens", "splits", "use_main", "use_swa", "slot_dtype", "word_decode", "fused", "variant", "epb"),
-                         [(64, None, True, True, torch.int32, None, None, "v16", 16),
-                          (5, 1, True, True, torch.int64, True, True, "v16", 16),
-                          (7, 3, True, True, torch.int32, False, True, "v16", 16),
-                          (9, 4, True, False, torch.int32, None, None, "v16", 16),
-                          (9, 4, True, False, torch.int32, False, False, "v16", 16),
-                          (3, 2, False, True, torch.int32, None, True, "v16", 16),
-                          (33, 7, True, True, torch.int32, None, True, "v16 last unstored", 16),
-                          (64, 2, True, True, torch.int32, False, False, "v16", 16),
-                          (64, 1, True, True, torch.int32, None, False, "v16", 16),
-                          (130, 3, True, True, torch.int32, None, None, "v16", 16),
-                          (130, 3, True, True, torch.int32, None, True, "v16 last unstored", 16),
-                          (9, 5, True, True, torch.int64, None, True, "v16 last unstored", 12),
-                          (64, None, True, True, torch.int32, None, None, "v16", 12),
-                          (17, 5, True, True, torch.int64, None, True, "v11", 12),
-                          (130, 3, True, True, torch.int32, None, True, "v11", 16),
-                          (64, None, True, True, torch.int32, None, None, "v18", 16),
-                          (9, 5, True, True, torch.int64, None, None, "v18", 12),
-                          (3, 2, False, True, torch.int32, None, None, "v18", 16),
-                          (1, None, True, True, torch.int32, None, None, "v18", 16),
-                          (8, None, True, True, torch.int64, None, None, "v18", 12),
-                          (64, None, True, True, torch.int32, None, None, "v20", 16),
-                          (8, None, True, True, torch.int64, None, None, "v20", 12),
-                          (9, 5, True, True, torch.int32, None, True, "v20", 16),
-                          (130, 3, True, False, torch.int32, None, None, "v20", 16)])
+@pytest.mark.parametrize(("tokens", "splits", "use_main", "use_swa", "slot_dtype", "word_decode", "variant", "epb"),
+                         [(64, None, True, True, torch.int32, None, "v16", 16),
+                          (5, 1, True, True, torch.int64, True, "v16", 16),
+                          (7, 3, True, True, torch.int32, False, "v16", 16),
+                          (9, 4, True, False, torch.int32, None, "v16", 16),
+                          (9, 4, True, False, torch.int32, False, "v16", 16),
+                          (3, 2, False, True, torch.int32, None, "v16", 16),
+                          (33, 7, True, True, torch.int32, None, "v16", 16),
+                          (64, 2, True, True, torch.int32, False, "v16", 16),
+                          (64, 1, True, True, torch.int32, None, "v16", 16),
+                          (130, 3, True, True, torch.int32, None, "v16", 16),
+                          (9, 5, True, True, torch.int64, None, "v16", 12),
+                          (64, None, True, True, torch.int32, None, "v16", 12),
+                          (17, 5, True, True, torch.int64, None, "v11", 12),
+                          (130, 3, True, True, torch.int32, None, "v11", 16),
+                          (64, None, True, True, torch.int32, None, "v18", 16),
+                          (9, 5, True, True, torch.int64, None, "v18", 12),
+                          (3, 2, False, True, torch.int32, None, "v18", 16),
+                          (1, None, True, True, torch.int32, None, "v18", 16),
+                          (8, None, True, True, torch.int64, None, "v18", 12),
+                          (64, None, True, True, torch.int32, None, "v20", 16),
+                          (8, None, True, True, torch.int64, None, "v20", 12),
+                          (9, 5, True, True, torch.int32, None, "v20", 16),
+                          (5, 1, True, True, torch.int64, True, "v20", 16),
+                          (33, 7, True, True, torch.int32, None, "v20", 16),
+                          (130, 3, True, False, torch.int32, None, "v20", 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
-                          word_decode: bool | None, fused: bool | None, variant: str, epb: int, gen: torch.Generator,
+                          word_decode: bool | None, variant: str, epb: int, gen: torch.Generator,
                           device: torch.device) -> None:
-    # the Gluon kernel (v20, the default: fp16 partials, the merge pass; v18 = v20 with fp32
-    # partials, v16 = v18 without the early fill;
-    # fused merges, last-unstored, v11;
-    # kernels-notes.md) at the released shape: ragged top-k lengths, partial windows, a token with
-    # no key, one source only, more splits than some tokens have tiles (empty splits), 390 CTAs in
-    # three waves (the last split of a token waits for the others' partials), blocks of 12 records
-    # (slot -> block by division)
+    # the Gluon kernel (v20, the default: fp16 partials; v18 = v20 with fp32 partials, v16 = v18
+    # without the early fill; v11: the fp8 -> fp16 -> fp32 -> bf16 decode chain; kernels-notes.md)
+    # at the released shape: ragged top-k lengths, partial windows, a token with no key, one
+    # source only, more splits than some tokens have tiles (empty splits), 390 CTAs in three
+    # waves, blocks of 12 records (slot -> block by division)
     _case(tokens=tokens, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
           device=device, use_main=use_main, use_swa=use_swa, kernel="gluon", slot_dtype=slot_dtype,
-          word_decode=word_decode, fused_combine=fused, repeat=5, gluon=variant, entries_per_block=epb)
+          word_decode=word_decode, repeat=5, gluon=variant, entries_per_block=epb)
 
 
 @pytest.mark.parametrize(("tokens", "splits", "per_cta"), [(1, 10, 1), (8, 10, 1), (13, 10, 1), (14, 5, 2), (16, 5, 2),
