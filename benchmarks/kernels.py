@@ -807,10 +807,10 @@ def decode_step_curve(b: Bench) -> None:
 
 @contextlib.contextmanager
 def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits: int | None = None,
-                   keys_per_thread: int | None = None) -> Iterator[None]:
+                   keys_per_thread: int | None = None, early_exit: bool | None = None) -> Iterator[None]:
     """`topk_entries` with other dispatch settings for the duration (the benchmark's variants)."""
     saved = (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS,
-             indexer_mod.TOPK_KEYS_PER_THREAD)
+             indexer_mod.TOPK_KEYS_PER_THREAD, indexer_mod.TOPK_EARLY_EXIT)
     if max_width is not None:
         indexer_mod.TOPK_KERNEL_MAX_WIDTH = max_width
     if not chunks:
@@ -819,21 +819,25 @@ def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits
         indexer_mod.TOPK_RADIX_BITS = radix_bits
     if keys_per_thread is not None:
         indexer_mod.TOPK_KEYS_PER_THREAD = keys_per_thread
+    if early_exit is not None:
+        indexer_mod.TOPK_EARLY_EXIT = early_exit
     try:
         yield
     finally:
         (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS,
-         indexer_mod.TOPK_KEYS_PER_THREAD) = saved
+         indexer_mod.TOPK_KEYS_PER_THREAD, indexer_mod.TOPK_EARLY_EXIT) = saved
 
 
 TOPK_VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "": _topk_settings,
+    "no_early_exit_": partial(_topk_settings, early_exit=False),
     "run44_topk_": partial(_topk_settings, max_width=indexer_mod.TOPK_PROGRAM_MAX_WIDTH, chunks=False, radix_bits=8,
-                           keys_per_thread=16),
+                           keys_per_thread=16, early_exit=False),
     "torch_topk_": partial(_topk_settings, max_width=0),
 }
-"""Step rows' top-k variants: the default; runs 43-44's (one program a row up to 16K, 8-bit
-digits, 16 keys a thread, `torch.topk` beyond); `torch.topk` alone."""
+"""Step rows' top-k variants: the default; without the early exit (run 46's default); runs 43-44's
+(one program a row up to 16K, 8-bit digits, 16 keys a thread, `torch.topk` beyond); `torch.topk`
+alone."""
 
 
 def topk_sweep(b: Bench) -> None:
@@ -846,9 +850,10 @@ def topk_sweep(b: Bench) -> None:
     chunks = [0, 64, 128] if b.smoke else [0, 2048, 4096, 8192]
     # (radix bits, keys a thread): run 45 swept these; --quick times the default against runs
     # 43-44's one program a row (8 bits, 16 keys a thread) and torch.topk
-    digits = [(8, 16)] if b.smoke else [(8, 16), (8, 8), (8, 4), (5, 16), (5, 8), (5, 4)]
-    if b.quick:
-        chunks, digits = [0], [(8, 16)]
+    digits = [(8, 16, False)] if b.smoke else [(8, 16, False), (8, 8, False), (8, 4, False), (5, 16, False),
+                                              (5, 8, False), (5, 4, False), (5, 8, True)]
+    if b.quick:  # runs 43-44's one program a row; the default's parts without the early exit
+        chunks, digits = [0, 4096], [(8, 16, False), (5, 8, False)]
     table: dict[str, dict[str, float]] = {}
     for rows, width, k in shapes:
         scores = torch.randn(rows, width, device=dev)
@@ -861,9 +866,12 @@ def topk_sweep(b: Bench) -> None:
         for chunk in chunks:
             if (chunk and (chunk < 2 * k or chunk >= width)) or (not chunk and width > 16384):
                 continue
-            for bits, per_thread in digits:
-                calls[f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread"] = partial(
-                    topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread)
+            for bits, per_thread, early in digits:
+                if b.quick and ((chunk and bits == 8) or (not chunk and bits == 5 and width > 4096)):
+                    continue
+                calls[f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread{', early exit' if early else ''}"] = partial(
+                    topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread,
+                    early_exit=early)
         want = scores.topk(k, dim=-1).values.sort(-1).values
         for name, call in calls.items():
             if name not in ("torch.topk",):

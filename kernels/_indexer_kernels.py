@@ -237,24 +237,44 @@ def _index_scores_kernel(
 @triton.jit
 def _radix_digit(key, active, remaining, SHIFT: tl.constexpr, BITS: tl.constexpr):
     """One radix pass of `_topk_select_kernel`: among the `active` keys, the digit (`BITS` bits
-    from `SHIFT`) of the `remaining`-th largest, and how many active keys have a higher digit."""
+    from `SHIFT`) of the `remaining`-th largest, how many active keys have a higher digit, and
+    how many have that digit."""
     digit = ((key >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
     hist = tl.histogram(digit, 1 << BITS, mask=active)
     at_least = tl.cumsum(hist, 0, reverse=True)  # keys with this digit or a higher one
     d = tl.sum((at_least >= remaining).to(tl.int32), 0) - 1
-    above = tl.sum(tl.where(tl.arange(0, 1 << BITS) == d, at_least - hist, 0), 0)
-    return d, above
+    bins = tl.arange(0, 1 << BITS)
+    above = tl.sum(tl.where(bins == d, at_least - hist, 0), 0)
+    return d, above, tl.sum(tl.where(bins == d, hist, 0), 0)
+
+
+@triton.jit
+def _radix_pass(key, valid, prefix, remaining, P: tl.constexpr, RADIX_BITS: tl.constexpr, NPASS: tl.constexpr):
+    """Pass `P` of `_topk_select_kernel`'s select: (prefix with this pass's digit of the k-th key,
+    keys still to take among those matching it, how many keys match it)."""
+    if P == 0:
+        active = valid
+    else:  # the keys that match the digits decided so far
+        active = valid & ((key >> (32 - RADIX_BITS * P)) == (prefix >> (32 - RADIX_BITS * P)))
+    if P == NPASS - 1:  # the last digit: the bits left
+        d, above, count = _radix_digit(key, active, remaining, 0, 32 - RADIX_BITS * P)
+        prefix = prefix | d.to(tl.uint32)
+    else:
+        d, above, count = _radix_digit(key, active, remaining, 32 - RADIX_BITS * (P + 1), RADIX_BITS)
+        prefix = prefix | (d.to(tl.uint32) << (32 - RADIX_BITS * (P + 1)))
+    return prefix, remaining - above, count  # (the keys above the k-th one's digit are kept)
 
 
 @triton.jit
 def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, out_ptr, out_stride, values_ptr,
                         values_stride, width, k, chunk, BLOCK_T: tl.constexpr, HAS_ENTRIES: tl.constexpr,
-                        CHUNKED: tl.constexpr, RADIX_BITS: tl.constexpr):
+                        CHUNKED: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
     """One row, or one `chunk`-wide part of it (program axis 1): the ids of its `k` best scores
     (ties at the k-th value taken in column order), unsorted. The part is held in registers as
     order-preserving uint32 keys; a radix select (passes of `RADIX_BITS` bits, each a histogram
     of the keys still matching the prefix found so far) finds the k-th key, then a prefix sum
-    gives each kept column its output position.
+    gives each kept column its output position. `EARLY_EXIT`: passes stop once the keys that share
+    the k-th key's digits so far are exactly the ones still to take (all of them are kept).
 
     Whole rows (`CHUNKED=False`, `chunk >= width`): `out[row, :k]`, -1 where the score is -inf.
     Parts (`CHUNKED=True`): part `c` writes its `k` best as (score, id) to columns
@@ -273,21 +293,20 @@ def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, 
     prefix = tl.zeros([], dtype=tl.uint32)
     remaining = kk
     NPASS: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
+    done = tl.zeros([], dtype=tl.int32)
     for p in tl.static_range(NPASS):
-        if p == 0:
-            active = valid
-        else:  # the keys that match the digits decided so far
-            active = valid & ((key >> (32 - RADIX_BITS * p)) == (prefix >> (32 - RADIX_BITS * p)))
-        if p == NPASS - 1:  # the last digit: the bits left
-            d, above = _radix_digit(key, active, remaining, 0, 32 - RADIX_BITS * p)
-            prefix = prefix | d.to(tl.uint32)
+        if EARLY_EXIT:
+            if done == 0:  # (a runtime branch: the passes after the k-th key's digits are decided)
+                prefix, remaining, count = _radix_pass(key, valid, prefix, remaining, p, RADIX_BITS, NPASS)
+                done = (count == remaining).to(tl.int32)  # the keys sharing its digits are all kept
         else:
-            d, above = _radix_digit(key, active, remaining, 32 - RADIX_BITS * (p + 1), RADIX_BITS)
-            prefix = prefix | (d.to(tl.uint32) << (32 - RADIX_BITS * (p + 1)))
-        remaining -= above  # the keys above the k-th one's digit are kept
-    # `prefix` is the k-th key: every key above it is kept, and the first `remaining` equal to it
+            prefix, remaining, count = _radix_pass(key, valid, prefix, remaining, p, RADIX_BITS, NPASS)
+    # `prefix` is the k-th key: every key above it is kept, and the first `remaining` equal to it;
+    # or (`done`) its digits so far, the rest zero: every key from it up is kept
     equal = valid & (key == prefix)
     take = (valid & (key > prefix)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= remaining))
+    if EARLY_EXIT:
+        take = tl.where(done != 0, valid & (key >= prefix), take)
     pos = tl.cumsum(take.to(tl.int32), 0) - 1
     if HAS_ENTRIES:
         ids = tl.load(entries_ptr + row * entries_stride + col, mask=take, other=-1).to(tl.int32)

@@ -371,6 +371,9 @@ TOPK_RADIX_BITS = 5
 TOPK_KEYS_PER_THREAD = 8
 """Keys each thread of a top-k program holds (its warps: width / 32 / this, 4 to 32)."""
 
+TOPK_EARLY_EXIT = True
+"""Whether the top-k kernel's radix passes stop once the k-th key's bin is kept whole."""
+
 TOPK_CHUNK = 4096
 """The part width rows are cut into (see :func:`topk_chunk`)."""
 
@@ -404,7 +407,8 @@ def topk_chunk(width: int, k: int) -> int:
 
 
 def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None, *, chunk: int | None = None,
-                        radix_bits: int | None = None, keys_per_thread: int | None = None) -> Tensor:
+                        radix_bits: int | None = None, keys_per_thread: int | None = None,
+                        early_exit: bool | None = None) -> Tensor:
     """`topk_entries` by `_topk_select_kernel` (any device Triton runs on, the interpreter
     included): fp32 `scores [N, T]`; ties at the k-th score are taken in column order
     (torch.topk's choice among ties is unspecified). Rows wider than `chunk` (default
@@ -434,6 +438,7 @@ def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None, *
     if not chunk and width > TOPK_PROGRAM_MAX_WIDTH:
         raise ValueError(f"topk_entries_triton: one program takes rows of at most {TOPK_PROGRAM_MAX_WIDTH} "
                          f"scores, got {width} (pass chunk=)")
+    early = TOPK_EARLY_EXIT if early_exit is None else early_exit
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     if entries is not None and entries.stride(1) != 1:
@@ -446,20 +451,21 @@ def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None, *
         parts = cdiv(width, chunk)
         values = torch.empty(tokens, parts * k, dtype=torch.float32, device=scores.device)
         ids = torch.empty(tokens, parts * k, dtype=torch.int32, device=scores.device)
-        _launch_topk(kern, scores, src, entries is not None, ids, values, width, k, chunk, parts, bits, per_thread)
+        _launch_topk(kern, scores, src, entries is not None, ids, values, width, k, chunk, parts, bits, per_thread,
+                     early)
         scores, src, width = values, ids, parts * k
         entries = ids
-    _launch_topk(kern, scores, src, entries is not None, out, out, width, k, width, 1, bits, per_thread)
+    _launch_topk(kern, scores, src, entries is not None, out, out, width, k, width, 1, bits, per_thread, early)
     return out
 
 
 def _launch_topk(kern: Any, scores: Tensor, src: Tensor, has_entries: bool, out: Tensor, values: Tensor, width: int,
-                 k: int, chunk: int, parts: int, bits: int, per_thread: int) -> None:
+                 k: int, chunk: int, parts: int, bits: int, per_thread: int, early: bool) -> None:
     block_t = max(16, next_power_of_2(min(chunk, width)))
     # ptxas, sm_90, 16 keys a thread: no spills up to 8K (8-bit digits), 108 bytes at 16K with 32 warps
     kern._topk_select_kernel[(scores.shape[0], parts)](
         scores, scores.stride(0), src, src.stride(0), out, out.stride(0), values, values.stride(0), width, k, chunk,
-        BLOCK_T=block_t, HAS_ENTRIES=has_entries, CHUNKED=parts > 1, RADIX_BITS=bits,
+        BLOCK_T=block_t, HAS_ENTRIES=has_entries, CHUNKED=parts > 1, RADIX_BITS=bits, EARLY_EXIT=early,
         num_warps=min(32, max(4, block_t // (32 * per_thread))))
 
 

@@ -338,11 +338,11 @@ def test_topk_kernel_parts(tokens: int, width: int, k: int, chunk: int, bits: in
     if tokens > 2:
         scores[2, ::3] = -0.0
     entries = torch.randperm(10 * width, generator=gen, device=device)[:width].repeat(tokens, 1)
-    for ids_map in (None, entries):
-        parts = topk_entries_triton(scores, k, ids_map, chunk=chunk, radix_bits=bits)
+    for ids_map, early in ((None, True), (entries, False)):
+        parts = topk_entries_triton(scores, k, ids_map, chunk=chunk, radix_bits=bits, early_exit=early)
         _check_topk(parts, scores, k, ids_map)
         if width <= 16384:
-            whole = topk_entries_triton(scores, k, ids_map, chunk=0, radix_bits=8)
+            whole = topk_entries_triton(scores, k, ids_map, chunk=0, radix_bits=8, early_exit=not early)
             assert torch.equal(parts.sort(-1).values, whole.sort(-1).values)
     flat = torch.zeros(1, 40, device=device)  # ties across parts: still column order
     assert sorted(topk_entries_triton(flat, 10, chunk=32, radix_bits=bits)[0].tolist()) == list(range(10))
@@ -373,6 +373,7 @@ def test_gpu_topk_kernel(tokens: int, width: int, k: int, gen: torch.Generator, 
     _check_topk(ids, scores, k, entries)
     chunk = max(4096, 4 * k)
     if width > chunk:
-        for bits, per_thread in ((8, 16), (5, 8), (4, 4)):
-            ids = topk_entries_triton(scores, k, entries, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread)
+        for bits, per_thread, early in ((8, 16, False), (5, 8, False), (4, 4, True)):
+            ids = topk_entries_triton(scores, k, entries, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread,
+                                      early_exit=early)
             _check_topk(ids, scores, k, entries)
