@@ -430,8 +430,8 @@ def topk_entries_triton(scores: Tensor, k: int, entries: Tensor | None = None, *
         raise ValueError(f"topk_entries_triton: entries must be int32/int64 {tuple(scores.shape)}, got "
                          f"{entries.dtype} {tuple(entries.shape)}")
     bits = TOPK_RADIX_BITS if radix_bits is None else radix_bits
-    if not 1 <= bits <= 16:
-        raise ValueError(f"topk_entries_triton: radix_bits must be in 1..16, got {bits}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"topk_entries_triton: radix_bits must be in 2..8, got {bits}")
     per_thread = TOPK_KEYS_PER_THREAD if keys_per_thread is None else keys_per_thread
     if per_thread < 1:
         raise ValueError(f"topk_entries_triton: keys_per_thread must be positive, got {per_thread}")
@@ -469,7 +469,8 @@ def _launch_topk(kern: Any, scores: Tensor, src: Tensor, has_entries: bool, out:
     block_t = max(16, next_power_of_2(min(chunk, width)))
     early = early_exit if early_exit is not None else (
         TOPK_EARLY_EXIT and scores.shape[0] * parts <= num_sms(scores.device))
-    # ptxas, sm_90, 16 keys a thread: no spills up to 8K (8-bit digits), 108 bytes at 16K with 32 warps
+    # ptxas, sm_90, 5-bit digits: no spills at 8 keys a thread up to 4K (64-101 registers); a whole
+    # 16K row (32 warps, 16 keys a thread) spills 116-676 bytes and still beat 8-bit digits (run 45)
     kern._topk_select_kernel[(scores.shape[0], parts)](
         scores, scores.stride(0), src, src.stride(0), out, out.stride(0), values, values.stride(0), width, k, chunk,
         BLOCK_T=block_t, HAS_ENTRIES=has_entries, CHUNKED=parts > 1, RADIX_BITS=bits, EARLY_EXIT=early,
