@@ -807,10 +807,11 @@ def decode_step_curve(b: Bench) -> None:
 
 @contextlib.contextmanager
 def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits: int | None = None,
-                   keys_per_thread: int | None = None, early_exit: bool | None = None) -> Iterator[None]:
+                   keys_per_thread: int | None = None, early_exit: bool | None = None,
+                   blocks_from_pool: bool | None = None) -> Iterator[None]:
     """`topk_entries` with other dispatch settings for the duration (the benchmark's variants)."""
     saved = (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS,
-             indexer_mod.TOPK_KEYS_PER_THREAD, indexer_mod.TOPK_EARLY_EXIT)
+             indexer_mod.TOPK_KEYS_PER_THREAD, indexer_mod.TOPK_EARLY_EXIT, indexer_mod.BLOCKS_FROM_POOL)
     if max_width is not None:
         indexer_mod.TOPK_KERNEL_MAX_WIDTH = max_width
     if not chunks:
@@ -821,23 +822,27 @@ def _topk_settings(max_width: int | None = None, chunks: bool = True, radix_bits
         indexer_mod.TOPK_KEYS_PER_THREAD = keys_per_thread
     if early_exit is not None:
         indexer_mod.TOPK_EARLY_EXIT = early_exit
+    if blocks_from_pool is not None:
+        indexer_mod.BLOCKS_FROM_POOL = blocks_from_pool
     try:
         yield
     finally:
         (indexer_mod.TOPK_KERNEL_MAX_WIDTH, indexer_mod.topk_chunk, indexer_mod.TOPK_RADIX_BITS,
-         indexer_mod.TOPK_KEYS_PER_THREAD, indexer_mod.TOPK_EARLY_EXIT) = saved
+         indexer_mod.TOPK_KEYS_PER_THREAD, indexer_mod.TOPK_EARLY_EXIT, indexer_mod.BLOCKS_FROM_POOL) = saved
 
 
 TOPK_VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "": _topk_settings,
-    "no_early_exit_": partial(_topk_settings, early_exit=False),
+    "wide_block_select_": partial(_topk_settings, blocks_from_pool=False),
+    "no_early_exit_": partial(_topk_settings, early_exit=False, blocks_from_pool=False),
     "run44_topk_": partial(_topk_settings, max_width=indexer_mod.TOPK_PROGRAM_MAX_WIDTH, chunks=False, radix_bits=8,
-                           keys_per_thread=16, early_exit=False),
-    "torch_topk_": partial(_topk_settings, max_width=0),
+                           keys_per_thread=16, early_exit=False, blocks_from_pool=False),
+    "torch_topk_": partial(_topk_settings, max_width=0, blocks_from_pool=False),
 }
-"""Step rows' top-k variants: the default; without the early exit (run 46's default); runs 43-44's
-(one program a row up to 16K, 8-bit digits, 16 keys a thread, `torch.topk` beyond); `torch.topk`
-alone."""
+"""Step rows' top-k variants: the default; the candidate source's top-k blocks among all block
+maxima (run 49's default); without the early exit either (run 46's); runs 43-44's (one program a
+row up to 16K, 8-bit digits, 16 keys a thread, `torch.topk` beyond); `torch.topk` alone (with
+the wide block select, as before)."""
 
 
 def topk_sweep(b: Bench) -> None:

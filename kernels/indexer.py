@@ -13,7 +13,8 @@ Selection (`index_topk`), three modes matching the reference's layer roles:
 
 * candidate source (`candidate_blocks=B`): blocks of `candidate_block_size` entries score their
   maximum; the block holding the newest visible entry is pinned in; the top `B` blocks form the
-  token's candidate pool (returned); the layer's own top-k is over every visible entry;
+  token's candidate pool (returned); the layer's own top-k is over every visible entry (its
+  top-k blocks are among the pool's best `B - 1`, so with `B > k` they are picked there);
 * Reindex layer (`candidates=` a pool): top-k of the scores inside the pool;
 * Full layer without a pool (neither): top-k over every visible entry.
 
@@ -380,6 +381,11 @@ and branches cost more than the passes it skips (64 rows of 16,384: 34.3 against
 TOPK_CHUNK = 4096
 """The part width rows are cut into (see :func:`topk_chunk`)."""
 
+BLOCKS_FROM_POOL = True
+"""Candidate source: pick the layer's own top-k blocks among the pool's blocks (a select over
+`candidate_blocks` columns) rather than among all block maxima (131K columns at 1M), when the
+pool is larger than k. The benchmark clears it to time the wide select side by side."""
+
 
 def topk_entries(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
     """int32 `[N, min(k, T)]`: the k best of `scores [N, T]` (-1 where the score is -inf), as
@@ -481,11 +487,20 @@ def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, bloc
     """Level one: entry ids `[N, min(topk_blocks, nb) * block_size]` (-1 = none) of each token's
     best `topk_blocks` blocks by block maximum, the block of its newest visible entry pinned in,
     blocks without a visible entry never kept."""
+    return _pool_entries(_pool_blocks(block_scores, visible, topk_blocks, block_size), visible, block_size)
+
+
+def _pool_blocks(block_scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
+    """int64 block ids `[N, min(topk_blocks, nb)]` of :func:`candidate_pool` (-1 = none)."""
     num_blocks = block_scores.shape[1]
     newest = (visible.long() - 1).div(block_size, rounding_mode="floor").unsqueeze(-1)
     ids = torch.arange(num_blocks, device=block_scores.device).unsqueeze(0)
     pinned = block_scores.masked_fill((ids == newest) & (block_scores > float("-inf")), float("inf"))
-    blocks = topk_entries(pinned, topk_blocks).long()  # [N, B], -1 for empty picks
+    return topk_entries(pinned, topk_blocks).long()  # [N, B], -1 for empty picks
+
+
+def _pool_entries(blocks: Tensor, visible: Tensor, block_size: int) -> Tensor:
+    """The visible entry ids of `blocks [N, B]` (-1 = none), `[N, B * block_size]` int32."""
     offsets = torch.arange(block_size, device=blocks.device)
     entries = (blocks.unsqueeze(-1) * block_size + offsets).flatten(1)
     keep = (blocks >= 0).repeat_interleave(block_size, dim=1) & (entries < visible.long().unsqueeze(-1))
@@ -510,14 +525,23 @@ def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width:
                              impl=impl)
     assert maxima is not None
     # exact top-k through the top-k blocks (unpinned: this list is not the published pool)
-    blocks = topk_entries(maxima, topk).long()
+    pool = None
+    if candidate_blocks is not None and candidate_blocks > topk and BLOCKS_FROM_POOL:
+        # the pool (pinned) holds the best candidate_blocks - 1 blocks, so the best topk: select
+        # them among its blocks rather than among all nb (one narrow select instead of a wide one)
+        pool_blocks = _pool_blocks(maxima, keys.visible, candidate_blocks, candidate_block_size)
+        inside = torch.where(pool_blocks >= 0, maxima.gather(1, pool_blocks.clamp(min=0)),
+                             torch.full_like(pool_blocks, float("-inf"), dtype=maxima.dtype))
+        blocks = topk_entries(inside, topk, pool_blocks).long()
+        pool = _pool_entries(pool_blocks, keys.visible, candidate_block_size)
+    else:
+        blocks = topk_entries(maxima, topk).long()
     offsets = torch.arange(candidate_block_size, device=blocks.device)
     near = (blocks.unsqueeze(-1) * candidate_block_size + offsets).flatten(1)
     near = torch.where((blocks >= 0).repeat_interleave(candidate_block_size, dim=1), near, torch.full_like(near, -1))
     scores, _ = index_scores(q, weights, keys, entries=near, softmax_scale=softmax_scale, config=config, impl=impl)
     assert scores is not None
-    pool = None
-    if candidate_blocks is not None:
+    if candidate_blocks is not None and pool is None:
         pool = candidate_pool(maxima, keys.visible, candidate_blocks, candidate_block_size)
     return IndexSelection(topk_entries(scores, topk, near), pool)
 

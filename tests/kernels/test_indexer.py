@@ -145,16 +145,18 @@ def test_scores_tokens_per_request(group: int, heads: int, gen: torch.Generator,
     _assert_scores(maxima, ref_maxima)
 
 
-@pytest.mark.parametrize("mode", ["full", "candidate", "reindex"])
+@pytest.mark.parametrize("mode", ["full", "candidate", "candidate wide pool", "reindex"])
 def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device) -> None:
+    # ("candidate wide pool": a pool of more blocks than top-k, where the top-k blocks are picked
+    # among the pool's)
     tokens, heads, dim, width = 6, 32, 64, 200
     keys = _keys(requests=2, tokens=tokens, dim=dim, entries_per_block=32, blocks_per_req=7, max_visible=width,
                  gen=gen, device=device)
     q, w = _queries(tokens, heads, dim, gen, device)
     kwargs: dict[str, object] = {"topk": 12, "width": width}
     pool = None
-    if mode == "candidate":
-        kwargs["candidate_blocks"] = 5
+    if mode.startswith("candidate"):
+        kwargs["candidate_blocks"] = 5 if mode == "candidate" else 20
     if mode == "reindex":
         pool = index_topk_reference(q, w, keys, topk=12, width=width, candidate_blocks=5)[0].candidates
         kwargs["candidates"] = pool
@@ -164,7 +166,7 @@ def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device) -
         assert isinstance(pool, Tensor)
         dense = dense.masked_fill(~pool_mask(pool, width), float("-inf"))
     _assert_selection(sel.entries, ref.entries, dense)
-    if mode == "candidate":
+    if mode.startswith("candidate"):
         assert sel.candidates is not None and ref.candidates is not None
         for n in range(tokens):  # the pool: same blocks (block maxima have no ties here)
             assert set(sel.candidates[n].tolist()) == set(ref.candidates[n].tolist())
