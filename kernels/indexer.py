@@ -383,8 +383,10 @@ TOPK_CHUNK = 4096
 
 BLOCKS_FROM_POOL = True
 """Candidate source: pick the layer's own top-k blocks among the pool's blocks (a select over
-`candidate_blocks` columns) rather than among all block maxima (131K columns at 1M), when the
-pool is larger than k. The benchmark clears it to time the wide select side by side."""
+`candidate_blocks` columns) rather than among all block maxima, when the pool is larger than k
+and the maxima are wider than `TOPK_CHUNK` (a select in parts). Run 50, batch 1: -11 us at 1M
+(131K maxima), a tie at 64K, +9 us at 4K (512 maxima: one program either way, and the narrow
+select has to wait for the pool's). The benchmark clears it to time the wide select beside it."""
 
 
 def topk_entries(scores: Tensor, k: int, entries: Tensor | None = None) -> Tensor:
@@ -526,7 +528,7 @@ def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width:
     assert maxima is not None
     # exact top-k through the top-k blocks (unpinned: this list is not the published pool)
     pool = None
-    if candidate_blocks is not None and candidate_blocks > topk and BLOCKS_FROM_POOL:
+    if candidate_blocks is not None and candidate_blocks > topk and maxima.shape[1] > TOPK_CHUNK and BLOCKS_FROM_POOL:
         # the pool (pinned) holds the best candidate_blocks - 1 blocks, so the best topk: select
         # them among its blocks rather than among all nb (one narrow select instead of a wide one)
         pool_blocks = _pool_blocks(maxima, keys.visible, candidate_blocks, candidate_block_size)

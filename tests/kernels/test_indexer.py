@@ -146,9 +146,13 @@ def test_scores_tokens_per_request(group: int, heads: int, gen: torch.Generator,
 
 
 @pytest.mark.parametrize("mode", ["full", "candidate", "candidate wide pool", "reindex"])
-def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device) -> None:
+def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
     # ("candidate wide pool": a pool of more blocks than top-k, where the top-k blocks are picked
-    # among the pool's)
+    # among the pool's, here from 25 block maxima: the rule's width lowered to take that path)
+    import cedserve.kernels.indexer as ix
+
+    monkeypatch.setattr(ix, "TOPK_CHUNK", 16 if mode == "candidate wide pool" else ix.TOPK_CHUNK)
     tokens, heads, dim, width = 6, 32, 64, 200
     keys = _keys(requests=2, tokens=tokens, dim=dim, entries_per_block=32, blocks_per_req=7, max_visible=width,
                  gen=gen, device=device)
