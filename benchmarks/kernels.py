@@ -763,8 +763,8 @@ def decode_step_curve(b: Bench) -> None:
             # the whole step (index calls and 40 attention layers over their own records) as one graph
             whole = (_step_graph_us(b, layers, n, {"candidate": cand_call, "full": full_call, "reindex": reindex_call},
                                     f"step ctx {ctx}{label}") if layers and not label else float("nan"))
-            steps[str(ctx)] = {"whole_step_graph_us": whole, "step_us": step * 1e6, "attention_layer_us": attn * 1e6, "candidate_us": cand * 1e6,
-                               "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
+            steps[str(ctx)] = {"whole_step_graph_us": whole, "step_us": step * 1e6, "attention_layer_us": attn * 1e6,
+                               "candidate_us": cand * 1e6, "full_m2_us": full2 * 1e6, "reindex_us": reindex * 1e6,
                                "reindex_graph_us": reindex_graph * 1e6,
                                "reuse_layer_us": attn * 1e6, "reindex_layer_us": (attn + reindex) * 1e6,
                                "reindex_layer_graph_us": (attn + reindex_graph) * 1e6,
@@ -780,7 +780,7 @@ def decode_step_curve(b: Bench) -> None:
             ratio = steps[last]["step_us"] / steps[first]["step_us"]
             graph_ratio = steps[last]["step_graph_us"] / steps[first]["step_graph_us"]
             whole_ratio = steps[last]["whole_step_graph_us"] / steps[first]["whole_step_graph_us"]
-            if math.isfinite(whole_ratio):  # the step's GPU time as a serving step replays it (from run 46)
+            if math.isfinite(whole_ratio):  # the step's GPU time as a serving step replays it (from run 47)
                 b.target(f"decode step (attention + index calls, one CUDA graph) at {last} / at {first}",
                          whole_ratio, "<= 1.5", whole_ratio <= 1.5)
                 print(f"  (info) index calls as a graph + 40 x one cold attention layer, {last} / {first}{label}: "
@@ -874,12 +874,12 @@ def topk_sweep(b: Bench) -> None:
             for bits, per_thread, early in digits:
                 if b.quick and ((chunk and bits == 8) or (not chunk and bits == 5 and width > 4096)):
                     continue
-                calls[f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread{', early exit' if early else ''}"] = partial(
-                    topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits, keys_per_thread=per_thread,
-                    early_exit=early)
+                name = f"chunk {chunk or 'row'}, {bits}-bit, {per_thread}/thread" + (", early exit" if early else "")
+                calls[name] = partial(topk_entries_triton, scores, k, chunk=chunk, radix_bits=bits,
+                                      keys_per_thread=per_thread, early_exit=early)
         want = scores.topk(k, dim=-1).values.sort(-1).values
         for name, call in calls.items():
-            if name not in ("torch.topk",):
+            if name != "torch.topk":
                 ids = call()
                 assert isinstance(ids, torch.Tensor)
                 got = torch.where(ids >= 0, scores.gather(1, ids.long().clamp(min=0)), float("-inf")).sort(-1).values
@@ -896,8 +896,8 @@ STEP_PLAN = {2: "full", 8: "full", 14: "full", 20: "candidate", 24: "reindex", 2
 """The released layer plan's index sources (the other layers attend with their source's picks)."""
 
 
-def _step_graph_us(b: Bench, layers: Sequence[AttentionProblem], batch: int, index_calls: dict[str, Callable[[], object]],
-                   what: str) -> float:
+def _step_graph_us(b: Bench, layers: Sequence[AttentionProblem], batch: int,
+                   index_calls: dict[str, Callable[[], object]], what: str) -> float:
     """GPU microseconds of one decode step's attention and index calls captured as one CUDA graph,
     in layer order: each index source's call, then every layer's attention over its own records
     (`layers`, cut to `batch` tokens). The L2 is flushed before each replay, not between layers."""

@@ -317,9 +317,10 @@ def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, 
         tl.store(out_ptr + row * out_stride + base + pos, ids, mask=take)
         tl.store(values_ptr + row * values_stride + base + pos, x, mask=take)
         pad = tl.arange(0, BLOCK_T)
-        tl.store(out_ptr + row * out_stride + base + pad, tl.full([BLOCK_T], -1, tl.int32), mask=(pad >= kk) & (pad < k))
+        short = (pad >= kk) & (pad < k)  # a part with fewer than k columns: (-inf, -1) after its own
+        tl.store(out_ptr + row * out_stride + base + pad, tl.full([BLOCK_T], -1, tl.int32), mask=short)
         tl.store(values_ptr + row * values_stride + base + pad, tl.full([BLOCK_T], float("-inf"), tl.float32),
-                 mask=(pad >= kk) & (pad < k))
+                 mask=short)
     else:
         ids = tl.where(key > 0x007FFFFF, ids, -1)  # (0x007FFFFF: -inf's key)
         tl.store(out_ptr + row * out_stride + pos, ids, mask=take)
