@@ -93,11 +93,11 @@ class AttentionConfig:
     """Decode keys with the GPU's fp8 -> fp16 conversions (sm89+; default there) instead of integer
     and fp32 arithmetic (the interpreter's path). Both give the same, exact keys."""
     kernel: str | None = None
-    """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v11,
+    """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v20,
     `_sparse_attention_gluon.py`: Hopper warpgroup MMAs with our own shared-memory layout; sm_90,
     64 heads, head_dim 512, 16-byte aligned records).
-    The other fields except `num_splits` and `word_decode` are fixed for "gluon" (64 heads, 64-key
-    tiles, 8 warps)."""
+    For "gluon" only `num_splits` and the "gluon"-only fields below apply; the others are fixed
+    (64 heads, 64-key tiles, 8 warps)."""
     word_decode: bool | None = None
     """"gluon" only (default True): decode main-KV records a 32-bit code word at a time in one
     inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
@@ -270,7 +270,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         launch.run(cfg)
         return out
     if _GLUON_DEFAULT["usable"] and launch.gluon_unsupported() is None:
-        # v16 is the default where it runs (H200: 40.0-40.3 us against 89.6 us at batch 64, run 37);
+        # v20 is the default where it runs (H200: 37.2-37.7 us against 89.8 us at batch 64, runs 46-51);
         # should it fail to build (a Triton without Gluon's Hopper API), say so once and stay on Triton
         from triton.compiler.errors import CompilationError
 
@@ -310,7 +310,7 @@ class _Launch:
     scale: float
 
     def gluon_unsupported(self) -> str | None:
-        """Why the Gluon kernel (v11) cannot take this call, or None."""
+        """Why the Gluon kernel cannot take this call, or None."""
         q = self.q
         if q.device.type != "cuda" or interpreting():
             return "it needs a CUDA device (the interpreter cannot run Gluon)"
