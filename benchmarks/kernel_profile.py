@@ -31,8 +31,8 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
     parser.add_argument("--attention", default="default",
-                        help="attention launch: default, gluon (the sm_90 default), v11 (as run 26 shipped it) or keysplit (Triton, keys in 2, whole value "
-                             "rows)")
+                        help="attention launch: default, gluon (the sm_90 default), v11 (as run 26 shipped it) or "
+                             "keysplit (Triton, keys in 2, whole value rows)")
     parser.add_argument("--tokens", type=int, default=64, help="attention batch (the first N of the 64 tokens)")
     args = parser.parse_args()
     dev = profiling_device()
