@@ -108,13 +108,16 @@ class Prefilled:
     seconds: float
 
 
-def build(preset_name: str, seed: int, device: str, max_context: int) -> tuple[CEDModel, Drafter]:
+def build(preset_name: str, seed: int, device: str, max_context: int,
+          released_attention: bool = False) -> tuple[CEDModel, Drafter]:
     """The preset with random weights, stretched to `max_context` positions. Its vocabulary is cut to
     the shipped tokenizer's (512): Engram looks tokens up through the tokenizer's map, so a generated id
     beyond it has no Engram row."""
     config = fit_config_to_tokenizer(preset(preset_name), tiny_tokenizer_path())
     vocab = min(config.vocab_size, TOKENIZER_VOCAB)
     config = config.replace(vocab_size=vocab, dspark_noise_token_id=min(config.dspark_noise_token_id, vocab - 1))
+    if released_attention:  # the released checkpoint's attention and index geometry
+        config = config.replace(num_attention_heads=64, index_n_heads=32, index_topk=512, candidate_topk_blocks=2048)
     config = stretch_context(config, max_context + 64)  # room for the decoded tokens too
     model, drafter = random_model(config, tiny_tokenizer_path(), seed)
     return model.to(device), drafter.to(device)
@@ -140,7 +143,7 @@ def prefill_contexts(model: CEDModel, contexts: list[int], seed: int, chunk: int
 
 
 def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, dspark: bool, steps: int,
-             device: str, draft_tokens: int, group: Group | None = None) -> dict[str, Any]:
+             device: str, draft_tokens: int, group: Group | None = None, attention: str = "auto") -> dict[str, Any]:
     """`batch` requests on this rank (of the group's): warm-up, then `steps` timed steps."""
     ep: ExpertParallel | None = group.ep if group is not None else None
     world = ep.world_size if ep is not None else 1
@@ -148,7 +151,8 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "bench", device)
     config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
-                          adaptive_verify=False, draft_tokens=draft_tokens, device=device)
+                          adaptive_verify=False, draft_tokens=draft_tokens, device=device,
+                          paged_attention=attention)
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
     for i in range(batch):
@@ -175,7 +179,8 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     per_request_step = emitted / (total * steps)
     step_s = statistics.median(times)  # a shared machine's load spikes hit single steps: the median resists
     cache.close()
-    return {"context": len(prompt.tokens), "batch": total, "ep": world, "dspark": dspark, "steps": steps,
+    return {"context": len(prompt.tokens), "batch": total, "ep": world, "dspark": dspark,
+            "attention": engine.paged_attention, "steps": steps,
             "tokens": emitted, "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
             "tokens_per_step": per_request_step, "drafted": drafted, "accepted": accepted,
@@ -218,7 +223,7 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
     """Every cell this process takes part in (all ranks of a group call it with the same arguments;
     `control` is the group's gloo group, None alone)."""
     started = time.monotonic()
-    model, drafter = build(args.preset, args.seed, device, max(args.contexts))
+    model, drafter = build(args.preset, args.seed, device, max(args.contexts), args.released_attention)
     warm = prefill_contexts(model, [16], args.seed, 16, device)[16]  # first calls allocate and dispatch slowly
     prompts = prefill_contexts(model, args.contexts, args.seed, args.prefill_chunk, device)
     group, rank, ep_world = None, 0, 1
@@ -237,15 +242,24 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
                 rows.append({"context": context, "batch": batch, "ep": ep_world,
                              "skipped": f"time budget of {args.time_budget_s} s spent"})
                 continue
-            pair = [run_cell(model, drafter, prompts[context], batch // ep_world, dspark, args.steps, device,
-                             args.draft_tokens, group) for dspark in (False, True)]
-            compare(*pair)
-            rows += pair
-            if rank == 0:
-                for r in pair:
-                    print(f"ctx {r['context']:>6} batch {r['batch']:>3} ep {r['ep']} dspark {r['dspark']!s:>5}: "
-                          f"{r['tokens_per_s']:8.2f} tok/s  tpot {r['tpot_ms']:9.1f} ms  "
-                          f"tokens/step {r['tokens_per_step']:.2f}  peak {r['peak_memory_gb']} GB", flush=True)
+            dense: dict[bool, dict[str, Any]] = {}
+            for attention in args.attention:
+                pair = [run_cell(model, drafter, prompts[context], batch // ep_world, dspark, args.steps, device,
+                                 args.draft_tokens, group, attention) for dspark in (False, True)]
+                compare(*pair)
+                for r in pair:  # the same cell on the dense path, measured just before in this run
+                    if r["attention"] == "off":
+                        dense[r["dspark"]] = r
+                    elif r["dspark"] in dense:
+                        r["speedup_over_dense"] = dense[r["dspark"]]["step_ms"] / r["step_ms"]
+                rows += pair
+                if rank == 0:
+                    for r in pair:
+                        over = f"  x{r['speedup_over_dense']:.2f} vs dense" if "speedup_over_dense" in r else ""
+                        print(f"ctx {r['context']:>6} batch {r['batch']:>3} ep {r['ep']} dspark {r['dspark']!s:>5} "
+                              f"attention {r['attention']:>9}: {r['tokens_per_s']:8.2f} tok/s  "
+                              f"tpot {r['tpot_ms']:9.1f} ms  tokens/step {r['tokens_per_step']:.2f}  "
+                              f"peak {r['peak_memory_gb']} GB{over}", flush=True)
     return rows, {c: p.seconds for c, p in prompts.items()}
 
 
@@ -303,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="requests per cell (the group's total)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per cell (after the warm-up)")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
+    p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "off", "kernels", "reference"],
+                   help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
+                        "off = dense masks, kernels = the compact-cache kernels over paged records); a path "
+                        "after `off` reports its speedup over it")
+    p.add_argument("--released-attention", action="store_true",
+                   help="the released attention geometry on the preset (64 heads x 512, 32 index heads, top-512 "
+                        "in a pool of 2,048 blocks): the Gluon kernels' shapes")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill call")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (one process and device each)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="start no new cell after this many "
@@ -323,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, prefills = run_all(args, device)
     info["load_average_1m_at_end"] = os.getloadavg()[0]
     report = {"benchmark": "decode", "date": started, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "machine": info, "preset": args.preset, "device": args.device, "ep": args.ep,
+              "machine": info, "preset": args.preset, "released_attention": args.released_attention,
+              "device": args.device, "ep": args.ep,
               "draft_tokens": args.draft_tokens or preset(args.preset).dspark_block_size, "note": args.note,
               "prefill_s_by_context": prefills, "reported_acceptance": REPORTED_ACCEPTANCE, "results": rows}
     if args.out is not None:

@@ -21,6 +21,9 @@ class PreemptionPolicy(str, Enum):
     """Drop everything; resume by recomputing the prompt and the tokens generated so far."""
 
 
+PAGED_ATTENTION = ("auto", "kernels", "reference", "off")
+
+
 def _fail(name: str, message: str) -> None:
     raise ValueError(f"config field `decode.{name}`: {message}")
 
@@ -74,6 +77,12 @@ class DecodeConfig:
     """Default lease: a reservation whose Decode call has not arrived by then is freed."""
     max_output_tokens: int = 32_768
     """Token budget at effort 100; effort e allows `max_output_tokens * e / 100` (at least 1)."""
+    paged_attention: str = "auto"
+    """How decode and verify chunks attend (`cedserve.model.paged_decode`): "kernels" through the
+    compact-cache kernels over a paged copy of the records (no per-step work over the whole context
+    but the index scan), "reference" the same path on the kernels' torch references, "off" the dense
+    path (every compressed entry dequantized and masked each step). "auto": "kernels" on a CUDA
+    device when the model's widths suit them, else "off"."""
     idle_wait_s: float = 0.01
     """How long the engine loop waits for a command when idle (bounds how late it notices a finished
     transfer, an expired lease or a drain; a command wakes it at once)."""
@@ -93,6 +102,8 @@ class DecodeConfig:
         for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
+        if self.paged_attention not in PAGED_ATTENTION:
+            _fail("paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
         if self.reserve_headroom_blocks >= self.num_blocks:
             _fail("reserve_headroom_blocks", f"{self.reserve_headroom_blocks} leaves no block of {self.num_blocks}")
 

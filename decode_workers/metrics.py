@@ -38,4 +38,10 @@ class DecodeMetrics:
                                      registry=r)
         self.transfer_failures = Counter("cedserve_decode_transfer_failures", "KV transfers that failed",
                                          ["cause"], registry=r)
+        self.paged_blocks = Gauge("cedserve_decode_paged_attention_blocks",
+                                  "Blocks of the paged decode attention's record copy held by sequences "
+                                  "(0 on the dense path)", registry=r)
+        self.paged_copied = Gauge("cedserve_decode_paged_attention_copied_entries",
+                                  "Compressed entries copied into the paged decode attention's blocks so far",
+                                  registry=r)
         self.rejected = Counter("cedserve_decode_rejected", "Commands refused", ["code"], registry=r)

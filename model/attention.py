@@ -166,6 +166,8 @@ class Attention(nn.Module):
         """The padded group's attention, its rows `[rows, H, D]` in item order: state updates item
         by item (windows, partial groups; completed groups encoded together), then one attention."""
         records = self._update_padded(x, kv, batch)
+        if batch.paged is not None:
+            return self._attend_paged(x, q_residual, q, records, batch)
         keys, bias = batch.window(records, self.config.sliding_window)  # [B, K, D], [B, S_max, K]
         if self.spec.compress_ratio:
             assert self.spec.kv_layer is not None and self.spec.index_layer is not None
@@ -179,6 +181,27 @@ class Attention(nn.Module):
                 bias = torch.cat([bias, compressed_bias], dim=-1)
         out = sink_attention(batch.pad(q), keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
         return batch.unpad(out)
+
+    def _attend_paged(self, x: Tensor, q_residual: Tensor, q: Tensor, records: list[Tensor], batch: BatchPass) -> Tensor:
+        """`_attend_padded`'s attention on the paged path (`cedserve.model.paged_decode`): the
+        records of this pass's appends are copied to the arena, index sources pick with the
+        two-level top-k kernel, and one sparse-attention call covers the group's rows."""
+        paged = batch.paged
+        assert paged is not None
+        spec = self.spec
+        kv_layer = index_layer = None
+        if spec.compress_ratio:
+            kv_layer, index_layer = spec.kv_layer, spec.index_layer
+            assert kv_layer is not None and index_layer is not None
+            if self.compressor is not None:
+                paged.sync(spec.layer_id)  # the entries this pass appended
+            if self.indexer is not None:
+                cos, sin = batch.rope["compress"]
+                index_q = self.indexer.query(paged.take(q_residual), paged.take(cos), paged.take(sin))
+                paged.select(spec.layer_id, kv_layer, spec.compress_ratio, index_q,
+                             self.indexer.head_weights(paged.take(x)))
+        return paged.attend(paged.take(q), self.attn_sink, records, self.config.sliding_window, kv_layer,
+                            index_layer, self.config.head_dim**-0.5)
 
     def _update_padded(self, x: Tensor, kv: Tensor, batch: BatchPass) -> list[Tensor]:
         """Windows and (at a KV source) partial groups of the padded group's items, in item order;

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -28,6 +29,9 @@ from torch import Tensor
 from cedserve.model.context import ForwardContext
 from cedserve.model.kv_format import KVFormat, decode_index_key, decode_main, decode_window
 from cedserve.model.state import SequenceState
+
+if TYPE_CHECKING:
+    from cedserve.model.paged_decode import PagedPass
 
 PADDED_ROWS_LIMIT = 32
 """Items of at most this many rows (decode, carry and verify chunks) join the padded group."""
@@ -93,6 +97,9 @@ class BatchPass:
     """Index source -> bool `[B, S_max, T_max]` picks of the padded group (None: none visible)."""
     candidates: Tensor | None = None
     """bool `[B, S_max, T_max]`: the candidate-source layer's pool for the padded group."""
+    paged: PagedPass | None = None
+    """Set when the model decodes on the paged path (`cedserve.model.paged_decode`): the padded
+    group's attention and picks go through the kernels instead of dense masks."""
     _window_index: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict)
     _kv: dict[int, PaddedKV] = field(default_factory=dict)
 

@@ -44,6 +44,7 @@ from cedserve.model.engram_store import EngramStore
 from cedserve.model.kv_format import KVFormat
 from cedserve.model.mhc import hc_collapse
 from cedserve.model.norm import RMSNorm
+from cedserve.model.paged_decode import Backend, DecodeArena, PagedPass
 from cedserve.model.rope import RopeTable
 from cedserve.model.state import SequenceState, StateSnapshot
 
@@ -185,6 +186,15 @@ class CEDModel(nn.Module):
         if config.engram_layer_ids and self.hasher is None:
             raise ValueError("this config has Engram layers: pass engram_token_map (see load_compressed_token_map)")
         self.engram_store = engram_store
+        self.decode_arena: DecodeArena | None = None
+        """Set by `use_paged_decode`: decode and verify chunks attend through the kernels."""
+
+    def use_paged_decode(self, backend: Backend | None = "kernels") -> DecodeArena | None:
+        """Route the padded group's attention (decode and verify chunks of `forward_batch`) through
+        the compact-cache kernels over a paged copy of the records (`cedserve.model.paged_decode`);
+        None goes back to the dense path. `ValueError` when the kernels cannot run this model."""
+        self.decode_arena = None if backend is None else DecodeArena(self.config, self.embed.weight.device, backend)
+        return self.decode_arena
 
     def close(self) -> None:
         """Release host resources: the Engram store's thread and memory maps, if any."""
@@ -489,7 +499,13 @@ class CEDModel(nn.Module):
         hash_ids = [h for h in hashes if h is not None]
         rows_future = self._engram_rows(torch.cat(hash_ids)) if hash_ids else None
         replay = [item.replay for item in items]
-        return BatchPass.build(ctxs, sizes, starts, replay, rope, rows_future, device), tokens
+        batch = BatchPass.build(ctxs, sizes, starts, replay, rope, rows_future, device)
+        if self.decode_arena is not None and batch.padded and batch.kv_format is KVFormat.RECORDS:
+            p = batch.padded
+            batch.paged = PagedPass.build(self.decode_arena, [ctxs[i].state for i in p], [sizes[i] for i in p],
+                                          [starts[i] for i in p], [batch.offsets[i] for i in p], batch.num_rows,
+                                          device)
+        return batch, tokens
 
     def _begin_replay(
         self, token_ids: Tensor | Sequence[int], state: SequenceState

@@ -12,8 +12,16 @@ What one sequence owns (bytes per entry for the released shapes, D = head_dim = 
 
 Reuse and Reindex layers store nothing: they read the KV source's records.
 
-Every update replaces a tensor (`torch.cat`, slicing, reassignment) and never writes into one, so
-a `StateSnapshot` that holds the old references is an exact copy that costs no bytes.
+Updates never change a row a snapshot can see, so a `StateSnapshot` that holds the old references
+is an exact copy that costs no bytes. Windows and partial groups are replaced (`torch.cat`,
+slicing). Global KV grows in place: `GlobalKV.main` / `index_keys` are prefix views of a buffer with
+spare rows (amortized doubling), and an append writes only past the view's end, so appending costs
+the new rows, not the whole history. The one rule that keeps snapshots exact: after `restore`,
+snapshots taken later than the restored one are stale (their rows past its end get overwritten).
+Every caller restores to the snapshot taken before a speculative chunk and drops the later ones.
+
+`paged` is the sequence's place in a `cedserve.model.paged_decode.DecodeArena` (the paged copy of
+the records that the decode kernels read), None until a paged decode pass first meets the state.
 
 `kv_format` (`KVFormat.RECORDS` by default) may be `KVFormat.BF16`: the same rows hold bf16 values
 instead of records, to measure what the records cost; such a state is never stored in blocks.
@@ -22,6 +30,7 @@ instead of records, to measure what the records cost; such a state is never stor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -52,6 +61,8 @@ class GlobalKV:
     index_keys: Tensor  # uint8 [T, index_key_record_bytes(index_head_dim)]
     pending: PendingGroup
     kv_format: KVFormat = KVFormat.RECORDS
+    _main_buf: Tensor | None = field(default=None, repr=False, compare=False)
+    _keys_buf: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_entries(self) -> int:
@@ -67,9 +78,10 @@ class GlobalKV:
         self.append_records(encode_main(main_values, self.kv_format), encode_index_key(key_values, self.kv_format))
 
     def append_records(self, main: Tensor, index_keys: Tensor) -> None:
-        """Append already encoded rows (`encode_main`, `encode_index_key` of this format)."""
-        self.main = torch.cat([self.main, main])
-        self.index_keys = torch.cat([self.index_keys, index_keys])
+        """Append already encoded rows (`encode_main`, `encode_index_key` of this format), in place
+        past the current views' end when the buffers have room (module docstring)."""
+        self._main_buf, self.main = _grow(self._main_buf, self.main, main)
+        self._keys_buf, self.index_keys = _grow(self._keys_buf, self.index_keys, index_keys)
 
     def main_values(self) -> Tensor:
         """Dequantized main KV, float32 `[T, D]`."""
@@ -78,6 +90,30 @@ class GlobalKV:
     def key_values(self) -> Tensor:
         """Dequantized index keys, float32 `[T, d]`."""
         return decode_index_key(self.index_keys, self.kv_format)
+
+
+def _grow(buf: Tensor | None, view: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(buffer, view) after appending `rows` to `view`: written into `buf` past the view's end when
+    the view is a prefix of `buf` and the rows fit, else into a new buffer of about twice the rows."""
+    n, extra = int(view.shape[0]), int(rows.shape[0])
+    if extra == 0:
+        return (buf if buf is not None else view), view
+    owned = (buf is not None and buf.device == rows.device and buf.dtype == rows.dtype
+             and buf.shape[1:] == rows.shape[1:] and n + extra <= buf.shape[0]
+             and (n == 0 or view.data_ptr() == buf.data_ptr()) and view.stride() == buf.stride())
+    if not owned:
+        capacity = max(n + extra, 2 * n, 16)
+        buf = torch.empty(capacity, *rows.shape[1:], dtype=rows.dtype, device=rows.device)
+        buf[:n] = view
+    assert buf is not None
+    buf[n : n + extra] = rows
+    return buf, buf[: n + extra]
+
+
+class PagedPlace(Protocol):
+    """What `SequenceState.restore` tells a paged copy of the records (`paged_decode.SequencePages`)."""
+
+    def rewind(self, global_kv: dict[int, GlobalKV]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -100,6 +136,7 @@ class SequenceState:
     engram_tail: Tensor  # int64 [<= engram_max_ngram_size - 1]
     window_keep: int = field(default=0)  # records kept per layer: sliding_window - 1
     kv_format: KVFormat = KVFormat.RECORDS
+    paged: PagedPlace | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def new(config: ModelConfig, device: torch.device | None = None,
@@ -150,6 +187,8 @@ class SequenceState:
         for layer, (main, index_keys, pending) in snapshot.global_kv.items():
             source = self.global_kv[layer]
             source.main, source.index_keys, source.pending = main, index_keys, pending
+        if self.paged is not None:  # entries past the restored ends will be written again
+            self.paged.rewind(self.global_kv)
 
     def global_kv_bytes(self) -> int:
         """Bytes of global KV records held (main KV + index keys), all sources."""

@@ -1,0 +1,272 @@
+"""The paged decode path (`cedserve.model.paged_decode`): decode and verify chunks attending through
+the kernels' paged addressing give what the dense path gives.
+
+The "reference" backend runs the kernels' torch references in float32 through the same arena,
+block tables, slot lists and two-level top-k, so against the dense path only summation order
+differs: logits must agree to float noise, step after step, through rollbacks. The "kernels"
+backend runs the Triton kernels under the interpreter (bf16 queries and probabilities: looser).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+from decode_support import tiny
+
+from cedserve.kernels.triton_support import triton_available
+from cedserve.model.dspark import Drafter
+from cedserve.model.kv_format import KVFormat
+from cedserve.model.network import BatchItem, CEDModel
+from cedserve.model.paged_decode import DecodeArena, PagedPass, arena_block_size
+from cedserve.model.state import SequenceState
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[CEDModel, Drafter]]:
+    """The shared tiny model (`decode_support.tiny` is cached across tests): put back on the dense
+    path afterwards, whatever a test switched on."""
+    model, drafter = tiny()
+    yield model, drafter
+    model.use_paged_decode(None)
+
+REFERENCE_ATOL = 2e-4
+"""Dense vs paged reference logits (float32; seen ~1e-6: the same values summed in another order)."""
+KERNEL_ATOL = 0.15
+"""Dense float32 vs the interpreted kernels (bf16 queries, bf16 probabilities, bf16 output; logits of
+the tiny model are O(1..10), seen ~3e-2)."""
+
+
+def prefilled(model: CEDModel, length: int, gen: torch.Generator, chunk: int = 2048) -> SequenceState:
+    state = model.new_state()
+    tokens = torch.randint(3, 500, (length,), generator=gen).tolist()
+    for at in range(0, length, chunk):
+        model.prefill(tokens[at : at + chunk], state)
+    return state
+
+
+def run_both(model: CEDModel, backend: str, lengths: list[int], steps: int, atol: float,
+             seed: int = 5, of_max: float = 0.0) -> tuple[DecodeArena, list[SequenceState], int]:
+    """Decode `steps` passes of every sequence on the dense and the paged path from equal states;
+    with verify chunks rolled back every other step. Returns the arena, the paged states and how
+    many compressed picks differed from all-visible (so the test knows the top-k mattered)."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = [prefilled(model, n, gen) for n in lengths]
+    paged = [copy.deepcopy(s) for s in dense]
+    arena = DecodeArena(model.config, model.embed.weight.device, backend)  # type: ignore[arg-type]
+    narrowed = 0
+    for step in range(steps):
+        plans = []
+        for i in range(len(lengths)):
+            if (step + i) % 2:
+                plans.append((torch.randint(3, 500, (4,), generator=gen).tolist(), True))
+            else:
+                plans.append((torch.randint(3, 500, (1,), generator=gen).tolist(), False))
+        results = []
+        for states, use in ((dense, None), (paged, arena)):
+            model.decode_arena = use
+            items = [BatchItem(chunk, s, snapshot=verify) for (chunk, verify), s in zip(plans, states)]
+            results.append(model.forward_batch(items))
+        model.decode_arena = None
+        for i, (want, got) in enumerate(zip(*results)):
+            tol = max(atol, of_max * float(want.logits.abs().max()))
+            worst = float((got.logits - want.logits).abs().max())
+            print(f"step {step} seq {i}: worst logit difference {worst:.3g} (allowed {tol:.3g})")
+            torch.testing.assert_close(got.logits, want.logits, atol=tol, rtol=0, msg=f"step {step}, seq {i}")
+            if plans[i][1]:  # reject the drafts: roll both back, then keep one token by a plain decode
+                assert want.snapshot is not None and got.snapshot is not None
+                dense[i].restore(want.snapshot)
+                paged[i].restore(got.snapshot)
+        for d, p in zip(dense, paged):
+            assert d.position == p.position
+            for layer, kv in d.global_kv.items():
+                assert kv.num_entries == p.global_kv[layer].num_entries, layer
+                if backend == "reference":  # the kernels' bf16 rounding may flip an FP4 code later on
+                    assert torch.equal(kv.main, p.global_kv[layer].main), layer
+    for s in paged:
+        pages = s.paged
+        assert pages is not None and len(pages.blocks) * arena.layout.block_size >= s.position
+        for layer, kv in s.global_kv.items():  # the arena holds exactly the state's records
+            region = arena.layout.pool_view(arena.storage, layer, "main")
+            per_block = region.shape[1]
+            entries = torch.arange(kv.num_entries)
+            rows = torch.as_tensor(pages.blocks)[entries // per_block]
+            assert torch.equal(region[rows, entries % per_block], kv.main), layer
+    for s in paged:
+        narrowed += sum(int(kv.num_entries > model.config.index_topk) for kv in s.global_kv.values())
+    return arena, paged, narrowed
+
+
+def test_reference_backend_equals_dense_path(pair: tuple[CEDModel, Drafter]) -> None:
+    model, _ = pair
+    # tiny: window 8, index_topk 8 inside a pool of 4 blocks x 2; m = 2 and m = 1 sources
+    arena, states, narrowed = run_both(model, "reference", [5, 20, 47, 90], steps=6, atol=REFERENCE_ATOL)
+    assert narrowed > 0  # some sources hold more entries than the top-k: the picks decided
+    assert arena.copied_entries > 0
+    used = arena.num_blocks - arena.num_free
+    assert used == sum(len(s.paged.blocks) for s in states if s.paged is not None)
+    del states
+    gc.collect()
+    assert arena.num_free == arena.num_blocks  # every block came back with its state
+
+
+def test_arena_grows_and_rewinds(pair: tuple[CEDModel, Drafter]) -> None:
+    model, _ = pair
+    config = model.config
+    arena = DecodeArena(config, torch.device("cpu"), "reference", initial_blocks=1)
+    block = arena_block_size(config)
+    assert block % 2 == 0 and block >= 64
+    gen = torch.Generator().manual_seed(3)
+    state = prefilled(model, 3 * block + 3, gen)
+    model.prefill([7, 8], state)  # the records buffer now has spare rows: appends stay in place
+    arena.reserve(state, state.position)
+    assert arena.num_blocks >= 4 and len(state.paged.blocks) == 4  # type: ignore[union-attr]
+    layer = next(iter(state.global_kv))
+    arena.sync([state], layer)
+    first = arena.copied_entries
+    assert first == state.global_kv[layer].num_entries
+    arena.sync([state], layer)
+    assert arena.copied_entries == first  # nothing new: nothing copied
+    snap = state.snapshot()
+    model.prefill(torch.randint(3, 500, (6,), generator=gen).tolist(), state)
+    arena.reserve(state, state.position)
+    arena.sync([state], layer)
+    grown = arena.copied_entries - first
+    assert grown == state.global_kv[layer].num_entries - snap.global_kv[layer][0].shape[0] > 0
+    state.restore(snap)  # the rolled-back entries must be copied again once rewritten
+    model.prefill(torch.randint(3, 500, (6,), generator=gen).tolist(), state)
+    arena.sync([state], layer)
+    assert arena.copied_entries - first == 2 * grown
+
+
+def test_arena_refuses_what_the_kernels_cannot_run(pair: tuple[CEDModel, Drafter]) -> None:
+    model, _ = pair
+    with pytest.raises(ValueError, match="backend"):
+        DecodeArena(model.config, torch.device("cpu"), "fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="head_dim"):
+        DecodeArena(model.config.replace(head_dim=48), torch.device("cpu"))
+    bf16_state = model.new_state(KVFormat.BF16)
+    arena = DecodeArena(model.config, torch.device("cpu"), "reference")
+    with pytest.raises(ValueError, match="record states"):
+        arena.pages(bf16_state)
+
+
+def test_bf16_states_stay_on_the_dense_path(pair: tuple[CEDModel, Drafter],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = pair
+    model.use_paged_decode("reference")
+    state = model.new_state(KVFormat.BF16)
+    model.prefill([5, 6, 7], state)
+    seen: list[PagedPass | None] = []
+    begin = model._begin_batch
+
+    def spy(items: list[BatchItem]) -> object:
+        batch, tokens = begin(items)
+        seen.append(batch.paged)
+        return batch, tokens
+
+    monkeypatch.setattr(model, "_begin_batch", spy)
+    model.forward_batch([BatchItem([8], state)])
+    assert seen == [None] and state.paged is None
+
+
+def test_global_kv_appends_in_place_and_snapshots_stay_exact(pair: tuple[CEDModel, Drafter]) -> None:
+    model, _ = pair
+    gen = torch.Generator().manual_seed(9)
+    state = prefilled(model, 40, gen)
+    model.prefill([7, 8], state)  # the first append after a prefill moves the rows to a roomier buffer
+    layer = next(iter(state.global_kv))
+    kv = state.global_kv[layer]
+    snap = state.snapshot()
+    kept = snap.global_kv[layer][0].clone()
+    base = kv.main.data_ptr()
+    model.prefill(torch.randint(3, 500, (2,), generator=gen).tolist(), state)
+    assert kv.num_entries > kept.shape[0]
+    assert kv.main.data_ptr() == base  # written past the view's end, no copy of the history
+    assert torch.equal(snap.global_kv[layer][0], kept)
+    state.restore(snap)
+    model.prefill(torch.randint(3, 500, (2,), generator=gen).tolist(), state)
+    assert torch.equal(kv.main[: kept.shape[0]], kept)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_kernels_backend_under_the_interpreter(pair: tuple[CEDModel, Drafter],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, _ = pair
+    run_both(model, "kernels", [9, 70], steps=2, atol=KERNEL_ATOL)
+
+
+@pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
+def test_decode_engine_on_the_paged_path(dspark: bool, pair: tuple[CEDModel, Drafter]) -> None:
+    """The engine with `paged_attention = "reference"`: the same tokens as the dense engine (joins by
+    replay, continuous batching, DSpark verify chunks and their rollbacks), and every arena block
+    back once the requests finish."""
+    from decode_support import Rig, greedy_rounds, prompt
+
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(90, 3)]
+    outputs = {}
+    model, drafter = pair
+    for mode in ("off", "reference"):
+        rig = Rig(model, drafter, dspark=dspark, paged_attention=mode)
+        assert rig.engine.paged_attention == mode
+        outputs[mode] = list(greedy_rounds(rig, prompts, 12).values())
+        rig.assert_all_free()
+        arena = model.decode_arena
+        if mode == "reference":
+            assert arena is not None and arena.copied_entries > 0
+            text = rig.engine.metrics.registry.get_sample_value("cedserve_decode_paged_attention_copied_entries")
+            assert text == arena.copied_entries
+            gc.collect()
+            assert arena.num_free == arena.num_blocks
+        else:
+            assert arena is None
+    assert outputs["reference"] == outputs["off"]
+
+
+def test_engine_refuses_a_paged_path_the_model_cannot_take(pair: tuple[CEDModel, Drafter]) -> None:
+    from decode_support import Rig
+
+    from cedserve.decode_workers.config import DecodeConfig
+
+    with pytest.raises(ValueError, match=r"decode\.paged_attention"):
+        DecodeConfig(paged_attention="fast")
+    model, _ = pair
+    model.use_paged_decode("reference")
+    rig = Rig(model, None, paged_attention="auto")
+    assert rig.engine.paged_attention == "off"  # auto on a CPU: the dense path
+
+
+GPU_OF_MAX = 0.03
+"""GPU: the kernels (bf16 queries, probabilities and output) against the dense float32 path, as a
+fraction of the step's largest |logit|."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("released", [False, True], ids=["tiny", "mini40-released-attention"])
+def test_gpu_kernels_backend_equals_dense_path(released: bool, pair: tuple[CEDModel, Drafter]) -> None:
+    """On the GPU the paged path runs the real kernels: the tiny model (4 heads x 64: the Triton
+    attention kernel) and mini-40 with the released attention geometry (64 heads x 512, 32 index heads,
+    top-512 in a 2048-block pool: the Gluon attention and index kernels on sm_90), contexts past the
+    top-k so the picks decide, verify chunks and rollbacks."""
+    from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+    from cedserve.model.presets import preset
+    from cedserve.model.tokenizer import tiny_tokenizer_path
+
+    if released:
+        config = fit_config_to_tokenizer(preset("mini-40"), tiny_tokenizer_path())
+        config = config.replace(num_attention_heads=64, index_n_heads=32, index_topk=512, candidate_topk_blocks=2048,
+                                vocab_size=min(config.vocab_size, 512))
+        model, _ = random_model(config, tiny_tokenizer_path(), seed=3)
+        lengths = [130, 2600]  # m = 2: 1,300 entries > top-512
+    else:
+        model = copy.deepcopy(pair[0])  # the shared CPU model stays on the CPU
+        lengths = [9, 300, 1500]
+    model = model.cuda()
+    run_both(model, "kernels", lengths, steps=3, atol=1e-3, of_max=GPU_OF_MAX)
