@@ -143,7 +143,8 @@ def prefill_contexts(model: CEDModel, contexts: list[int], seed: int, chunk: int
 
 
 def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, dspark: bool, steps: int,
-             device: str, draft_tokens: int, group: Group | None = None, attention: str = "auto") -> dict[str, Any]:
+             device: str, draft_tokens: int, group: Group | None = None, attention: str = "auto",
+             warmup_steps: int = 1) -> dict[str, Any]:
     """`batch` requests on this rank (of the group's): warm-up, then `steps` timed steps."""
     ep: ExpertParallel | None = group.ep if group is not None else None
     world = ep.world_size if ep is not None else 1
@@ -159,8 +160,13 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
         cmd = AttachCommand(0, f"r{i}", f"l{i}", tuple(prompt.tokens), prompt.first, 100,
                             Sampling(max_tokens=100_000, ignore_eos=True))
         engine.attach_state(f"r{i}", prompt.tokens, copy.deepcopy(prompt.state), prompt.first, cmd)
-    for _ in range(2 if dspark else 1):  # joins; the drafter's memory fills from the first pass's taps
+    warmup_times = []
+    for _ in range(max(warmup_steps, 2 if dspark else 1)):  # joins; the drafter's memory fills from the first
+        _sync(device)  # pass's taps; the first launches of each kernel variant compile it (JIT)
+        start = time.perf_counter()
         engine.step()
+        _sync(device)
+        warmup_times.append(time.perf_counter() - start)
     drafted0, accepted0 = engine.drafted_tokens, engine.accepted_drafts
     _peak_memory_gb(device)
     emitted, times = 0, []
@@ -181,7 +187,8 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     cache.close()
     return {"context": len(prompt.tokens), "batch": total, "ep": world, "dspark": dspark,
             "attention": engine.paged_attention, "steps": steps,
-            "tokens": emitted, "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
+            "tokens": emitted, "warmup_ms_each": [round(1000 * t, 1) for t in warmup_times],
+            "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
             "tokens_per_step": per_request_step, "drafted": drafted, "accepted": accepted,
             "peak_memory_gb": _peak_memory_gb(device)}
@@ -245,7 +252,7 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
             dense: dict[bool, dict[str, Any]] = {}
             for attention in args.attention:
                 pair = [run_cell(model, drafter, prompts[context], batch // ep_world, dspark, args.steps, device,
-                                 args.draft_tokens, group, attention) for dspark in (False, True)]
+                                 args.draft_tokens, group, attention, args.warmup_steps) for dspark in (False, True)]
                 compare(*pair)
                 for r in pair:  # the same cell on the dense path, measured just before in this run
                     if r["attention"] == "off":
@@ -321,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
                         "off = dense masks, kernels = the compact-cache kernels over paged records); a path "
                         "after `off` reports its speedup over it")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="untimed steps per cell first (their times are reported as warmup_ms_each: a kernel "
+                        "variant's first launch compiles it)")
     p.add_argument("--released-attention", action="store_true",
                    help="the released attention geometry on the preset (64 heads x 512, 32 index heads, top-512 "
                         "in a pool of 2,048 blocks): the Gluon kernels' shapes")

@@ -82,7 +82,8 @@ def offload(seq: DecodeSequence, storage: torch.Tensor, block_ids: list[int]) ->
     rows = gather_rows(storage, block_ids).cpu()
     state = seq.state
     for kv in state.global_kv.values():  # the records are in `rows`; keep the partial groups
-        kv.main, kv.index_keys = kv.main[:0], kv.index_keys[:0]
+        kv.set_records(kv.main[:0].clone(), kv.index_keys[:0].clone())
+    state.release_paged()  # the paged attention's copy too: it is made again on onload
     return Offloaded(rows, state, seq.draft)
 
 

@@ -266,7 +266,9 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         raise ValueError(f"index_scores: tokens_per_request x heads must be <= 256, got {group} x {heads_p2}")
     assert cfg.block_t and cfg.tiles and cfg.num_warps and cfg.num_stages
     block_t = cfg.block_t
-    tiles = min(cfg.tiles, cdiv(num, block_t))  # tiles per program: the group's queries are loaded once per span
+    # tiles per program (the group's queries are loaded once per span), a power of two: TILES is a
+    # compile-time constant and a decode step's width grows an entry at a time (see `_launch_gluon`)
+    tiles = min(cfg.tiles, 1 << (cdiv(num, block_t).bit_length() - 1)) if num else 1
     if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows (at
         # batch 1, a 4,096-entry list: 32 programs of one tile instead of 8 of 4)
         while tiles > 1 and (tokens // group) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
@@ -325,7 +327,9 @@ def _launch_gluon(q: Tensor, weights: Tensor, keys: IndexKeys, num: int, cand: i
     stages = (config.num_stages if config is not None else None) or 2
     if stages < 2 or tiles < 1:
         raise ValueError(f"index_scores: the gluon kernel needs num_stages >= 2 and tiles >= 1, got {stages}, {tiles}")
-    tiles = min(tiles, cdiv(num, 64))
+    # a power of two: TILES is a compile-time constant, and a decode step's width grows one entry at
+    # a time, so min(tiles, cdiv(num, 64)) would compile a new variant every 64 entries up to 2,048
+    tiles = min(tiles, 1 << (cdiv(num, 64).bit_length() - 1)) if num else 1
     if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows
         while tiles > 4 and tokens * cdiv(num, 64 * tiles) < 2 * num_sms(q.device):
             tiles //= 2

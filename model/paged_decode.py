@@ -81,10 +81,16 @@ class SequencePages:
     """KV source -> entries copied (entries `[0, synced)` of its records are in the blocks)."""
     sources: dict[int, int] = field(default_factory=dict)
     """KV source -> address of the records buffer they were copied from (a new buffer: copy again)."""
+    _release: weakref.finalize | None = field(default=None, repr=False)
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
         """A copied state owns no blocks (these stay with the original): it pages itself at first use."""
         return None
+
+    def release(self) -> None:
+        """Return the blocks to the arena now (else when the state is freed)."""
+        if self._release is not None:
+            self._release()
 
     def rewind(self, global_kv: dict[int, GlobalKV]) -> None:
         for layer, kv in global_kv.items():
@@ -127,7 +133,7 @@ class DecodeArena:
             raise ValueError(f"paged decode needs record states, got {state.kv_format}")
         pages = SequencePages([], {})
         state.paged = pages
-        weakref.finalize(state, self._release, pages.blocks)
+        pages._release = weakref.finalize(state, self._release, pages.blocks)
         return pages
 
     def _release(self, blocks: list[int]) -> None:
@@ -282,7 +288,11 @@ class PagedPass:
         """The window records of the pass (`records[b]`: item b's stored records, then its chunk's)
         as one table, and each row's slots in it `[rows, window]` (-1 where out of its window)."""
         lengths = tuple(int(r.shape[0]) for r in records)
-        table = torch.cat(records)
+        # the table's row count is a power of two: the kernels specialise on slots per block, so
+        # this keeps the variants compiled (once each) to a handful instead of one per batch shape
+        rows = sum(lengths)
+        pad = (1 << max(rows - 1, 0).bit_length()) - rows
+        table = torch.cat([*records, records[0].new_zeros(pad, records[0].shape[1])] if pad else records)
         if lengths not in self._window_rows:
             offsets = [sum(lengths[:b]) for b in range(len(lengths))]
             firsts = [end - n for end, n in zip(self.item_ends, lengths)]

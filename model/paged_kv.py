@@ -74,8 +74,9 @@ def load_state(layout: BlockLayout, storage: Tensor, block_ids: Sequence[int], n
     for layer_id, kv in state.global_kv.items():
         count = num_tokens // kv.ratio
         rows, slots = _entry_slots(layout, layer_id, block_ids, 0, count)
-        kv.main = layout.pool_view(storage, layer_id, "main")[rows, slots].to(kv.main.device).clone()
-        kv.index_keys = layout.pool_view(storage, layer_id, "index")[rows, slots].to(kv.main.device).clone()
+        device = kv.main.device
+        kv.set_records(layout.pool_view(storage, layer_id, "main")[rows, slots].to(device).clone(),
+                       layout.pool_view(storage, layer_id, "index")[rows, slots].to(device).clone())
 
 
 def store_bytes(storage: Tensor, block_ids: Sequence[int], data: bytes) -> None:

@@ -83,6 +83,12 @@ class GlobalKV:
         self._main_buf, self.main = _grow(self._main_buf, self.main, main)
         self._keys_buf, self.index_keys = _grow(self._keys_buf, self.index_keys, index_keys)
 
+    def set_records(self, main: Tensor, index_keys: Tensor) -> None:
+        """Replace the records (loaded from blocks, or emptied on offload), dropping the buffers the
+        old ones grew in, so their memory goes with them."""
+        self.main, self.index_keys = main, index_keys
+        self._main_buf = self._keys_buf = None
+
     def main_values(self) -> Tensor:
         """Dequantized main KV, float32 `[T, D]`."""
         return decode_main(self.main, self.kv_format)
@@ -114,6 +120,8 @@ class PagedPlace(Protocol):
     """What `SequenceState.restore` tells a paged copy of the records (`paged_decode.SequencePages`)."""
 
     def rewind(self, global_kv: dict[int, GlobalKV]) -> None: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,13 @@ class SequenceState:
             source.main, source.index_keys, source.pending = main, index_keys, pending
         if self.paged is not None:  # entries past the restored ends will be written again
             self.paged.rewind(self.global_kv)
+
+    def release_paged(self) -> None:
+        """Give the paged copy's blocks back now (an offloaded or finished sequence); a later paged
+        pass copies the records again."""
+        if self.paged is not None:
+            self.paged.release()
+            self.paged = None
 
     def global_kv_bytes(self) -> int:
         """Bytes of global KV records held (main KV + index keys), all sources."""
