@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -81,7 +82,7 @@ class SequencePages:
     """KV source -> entries copied (entries `[0, synced)` of its records are in the blocks)."""
     sources: dict[int, int] = field(default_factory=dict)
     """KV source -> address of the records buffer they were copied from (a new buffer: copy again)."""
-    _release: weakref.finalize | None = field(default=None, repr=False)
+    _release: Callable[[], object] | None = field(default=None, repr=False)
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
         """A copied state owns no blocks (these stay with the original): it pages itself at first use."""
