@@ -305,9 +305,10 @@ class PagedPass:
             self._window_rows[lengths] = slots
         return PagedRecords.flat(table, int(table.shape[1])), self._window_rows[lengths]
 
-    def attend(self, q: Tensor, sink: Tensor, records: list[Tensor], window: int, kv_layer: int | None,
-               index_layer: int | None, scale: float) -> Tensor:
-        """Attention `[rows, H, D]` (in `q`'s dtype) of the group's queries `q [rows, H, D]`."""
+    def attention_keys(self, records: list[Tensor], window: int, kv_layer: int | None, index_layer: int | None
+                       ) -> tuple[PagedRecords | None, Tensor | None, PagedRecords, Tensor]:
+        """What a layer's rows attend to: (main-KV records, their slots `[rows, k]` from the picks,
+        window records, their slots `[rows, window]`); no main KV before any pick exists."""
         swa, window_slots = self.window_slots(records, window)
         main, topk_slots = None, None
         picked = self.selections.get(index_layer) if index_layer is not None else None
@@ -315,6 +316,12 @@ class PagedPass:
             self.ensure_synced(kv_layer)
             main = self.arena.records(kv_layer, "main")
             topk_slots = entries_to_slots(picked, self.block_table[self.row_item], main.slots_per_block)
+        return main, topk_slots, swa, window_slots
+
+    def attend(self, q: Tensor, sink: Tensor, records: list[Tensor], window: int, kv_layer: int | None,
+               index_layer: int | None, scale: float) -> Tensor:
+        """Attention `[rows, H, D]` (in `q`'s dtype) of the group's queries `q [rows, H, D]`."""
+        main, topk_slots, swa, window_slots = self.attention_keys(records, window, kv_layer, index_layer)
         no_rope = torch.zeros(q.shape[0], 0, device=q.device)
         if self.arena.backend == "reference":
             return sparse_attention_reference(q, sink, main, topk_slots, swa, window_slots, no_rope, no_rope, scale)

@@ -51,7 +51,7 @@ def prefilled(model: CEDModel, length: int, gen: torch.Generator, chunk: int = 2
 
 
 def run_both(model: CEDModel, backend: str, lengths: list[int], steps: int, atol: float,
-             seed: int = 5, of_max: float = 0.0) -> tuple[DecodeArena, list[SequenceState], int]:
+             seed: int = 5, rel_norm: float = 0.0) -> tuple[DecodeArena, list[SequenceState], int]:
     """Decode `steps` passes of every sequence on the dense and the paged path from equal states;
     with verify chunks rolled back every other step. Returns the arena, the paged states and how
     many compressed picks differed from all-visible (so the test knows the top-k mattered)."""
@@ -74,10 +74,13 @@ def run_both(model: CEDModel, backend: str, lengths: list[int], steps: int, atol
             results.append(model.forward_batch(items))
         model.decode_arena = None
         for i, (want, got) in enumerate(zip(*results)):
-            tol = max(atol, of_max * float(want.logits.abs().max()))
             worst = float((got.logits - want.logits).abs().max())
-            print(f"step {step} seq {i}: worst logit difference {worst:.3g} (allowed {tol:.3g})")
-            torch.testing.assert_close(got.logits, want.logits, atol=tol, rtol=0, msg=f"step {step}, seq {i}")
+            rel = float(torch.linalg.norm(got.logits - want.logits) / torch.linalg.norm(want.logits))
+            print(f"step {step} seq {i}: worst logit difference {worst:.3g}, relative norm {rel:.3g}")
+            if rel_norm:
+                assert rel <= rel_norm, f"step {step}, seq {i}: relative error {rel:.3g} > {rel_norm}"
+            else:
+                torch.testing.assert_close(got.logits, want.logits, atol=atol, rtol=0, msg=f"step {step}, seq {i}")
             if plans[i][1]:  # reject the drafts: roll both back, then keep one token by a plain decode
                 assert want.snapshot is not None and got.snapshot is not None
                 dense[i].restore(want.snapshot)
@@ -244,72 +247,78 @@ def test_engine_refuses_a_paged_path_the_model_cannot_take(pair: tuple[CEDModel,
     assert rig.engine.paged_attention == "off"  # auto on a CPU: the dense path
 
 
-GPU_OF_MAX = 0.03
-"""GPU: the kernels (bf16 queries, probabilities and output) against the dense float32 path, as a
-fraction of the step's largest |logit|."""
+GPU_ATTENTION_REL = 1e-2
+"""GPU: ||kernel - reference|| / ||reference|| of every layer's attention output, the reference being
+`sparse_attention_reference` on the same bf16 queries and the same slots (the kernel also rounds the
+probabilities to bf16 for P.V: a few bf16 ulps)."""
+GPU_PICKS_AGREE = 0.99
+"""GPU: fraction of picked entries the index kernels share with `index_topk_reference` (scores summed in
+another order may swap two entries whose scores differ in the last fp32 bits)."""
+GPU_LOGITS_REL = 0.5
+"""GPU: ||paged - dense|| / ||dense|| of a step's logits. Only a sanity bound: the paged path rounds to
+bf16 in each of 40 (12) layers where the dense path stays float32, and a random-weight model
+amplifies such differences from layer to layer (on the CPU with the torch references and bf16
+queries: up to 0.23 within three steps). It catches gross errors only; the per-call checks are the test."""
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("released", [False, True], ids=["tiny", "mini40-released-attention"])
-def test_gpu_kernels_backend_equals_dense_path(released: bool, pair: tuple[CEDModel, Drafter]) -> None:
+@pytest.mark.parametrize("released", [False, True], ids=["tiny-32-index-heads", "mini40-released-attention"])
+def test_gpu_kernels_on_the_model_path(released: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU the paged path runs the real kernels: the tiny model (4 heads x 64: the Triton
-    attention kernel) and mini-40 with the released attention geometry (64 heads x 512, 32 index heads,
-    top-512 in a 2048-block pool: the Gluon attention and index kernels on sm_90), contexts past the
-    top-k so the picks decide, verify chunks and rollbacks."""
+    attention kernel; d = 32 index keys: the Triton scan) and mini-40 with the released attention
+    geometry (64 heads x 512, 32 index heads x 128, top-512 in a 2048-block pool: the Gluon attention
+    and scan on sm_90), contexts past the top-k so the picks decide, verify chunks and rollbacks.
+    Every index and attention call of every layer is checked against the kernels' references on its
+    own inputs (the model's real queries, tables and slots); the logits only against a loose bound.
+    Both models have 32 index heads: with the presets' 4, an entry scores exactly 0 whenever its four
+    ReLUs are (1 in 16), and ties at the k-th score resolve differently in `torch.topk` and the
+    top-k kernel (column order), which is allowed."""
+    from cedserve.kernels.indexer import index_topk_reference
+    from cedserve.kernels.sparse_attention import sparse_attention_reference
+    from cedserve.model import paged_decode
     from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
     from cedserve.model.presets import preset
     from cedserve.model.tokenizer import tiny_tokenizer_path
 
+    picks = {"same": 0, "all": 0}
+    attention_errors: list[float] = []
+    index_topk = paged_decode.index_topk
+
+    def checked_topk(q: torch.Tensor, weights: torch.Tensor, keys: object, **kw: object) -> object:
+        got = index_topk(q, weights, keys, **kw)  # type: ignore[arg-type]
+        ref_kw = {name: value for name, value in kw.items() if name != "impl"}
+        want, _ = index_topk_reference(q, weights, keys, **ref_kw)  # type: ignore[arg-type]
+        for g, w in zip(got.entries.tolist(), want.entries.tolist()):
+            g_set, w_set = {e for e in g if e >= 0}, {e for e in w if e >= 0}
+            picks["same"] += len(g_set & w_set)
+            picks["all"] += len(w_set)
+        return got
+
+    attend = paged_decode.PagedPass.attend
+
+    def checked_attend(self: PagedPass, q: torch.Tensor, sink: torch.Tensor, records: list[torch.Tensor],
+                       window: int, kv_layer: int | None, index_layer: int | None, scale: float) -> torch.Tensor:
+        out = attend(self, q, sink, records, window, kv_layer, index_layer, scale)
+        main, topk_slots, swa, window_slots = self.attention_keys(records, window, kv_layer, index_layer)
+        none = torch.zeros(q.shape[0], 0, device=q.device)
+        want = sparse_attention_reference(q.bfloat16(), sink, main, topk_slots, swa, window_slots, none, none, scale)
+        attention_errors.append(float(torch.linalg.norm(out.float() - want.float()) / torch.linalg.norm(want.float())))
+        return out
+
+    monkeypatch.setattr(paged_decode, "index_topk", checked_topk)
+    monkeypatch.setattr(paged_decode.PagedPass, "attend", checked_attend)
     if released:
         config = fit_config_to_tokenizer(preset("mini-40"), tiny_tokenizer_path())
         config = config.replace(num_attention_heads=64, index_n_heads=32, index_topk=512, candidate_topk_blocks=2048,
                                 vocab_size=min(config.vocab_size, 512))
-        model, _ = random_model(config, tiny_tokenizer_path(), seed=3)
         lengths = [130, 2600]  # m = 2: 1,300 entries > top-512
     else:
-        model = copy.deepcopy(pair[0])  # the shared CPU model stays on the CPU
+        config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path()).replace(index_n_heads=32)
         lengths = [9, 300, 1500]
-    model = model.cuda()
-    run_both(model, "kernels", lengths, steps=3, atol=1e-3, of_max=GPU_OF_MAX)
-
-
-def test_release_returns_blocks_and_set_records_drops_buffers(pair: tuple[CEDModel, Drafter]) -> None:
-    """What an offload does (`state_io.offload`): the records' buffers and the arena's blocks go at
-    once, not when the (kept) state object is freed; a later pass pages the state again."""
-    model, _ = pair
-    gen = torch.Generator().manual_seed(4)
-    state = prefilled(model, 150, gen)
-    model.prefill([9, 10], state)  # grown in place: the records live in a buffer with spare rows
-    arena = DecodeArena(model.config, torch.device("cpu"), "reference", initial_blocks=4)
-    arena.reserve(state, state.position)
-    assert arena.num_free < arena.num_blocks
-    state.release_paged()
-    assert arena.num_free == arena.num_blocks and state.paged is None
-    kv = next(iter(state.global_kv.values()))
-    assert kv._main_buf is not None
-    kv.set_records(kv.main[:0].clone(), kv.index_keys[:0].clone())
-    assert kv._main_buf is None and kv._keys_buf is None and kv.num_entries == 0
-    arena.reserve(state, state.position)  # paged again from scratch
-    assert state.paged is not None and arena.num_free < arena.num_blocks
-
-
-@pytest.mark.parametrize("policy", ["offload", "recompute"])
-def test_preemption_on_the_paged_path(policy: str, pair: tuple[CEDModel, Drafter]) -> None:
-    """A pool too small for both requests: one is preempted (offloaded to host or dropped) and comes
-    back; the tokens equal the dense engine's under the same pressure, and the arena ends empty."""
-    from decode_support import Rig, greedy_rounds, prompt
-
-    model, drafter = pair
-    prompts = [prompt(30, 11), prompt(30, 12)]
-    got = {}
-    for mode in ("off", "reference"):
-        rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy, paged_attention=mode)
-        got[mode] = list(greedy_rounds(rig, prompts, 7).values())
-        assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
-        rig.assert_all_free()
-    assert got["reference"] == got["off"]
-    arena = model.decode_arena
-    assert arena is not None
-    gc.collect()
-    assert arena.num_free == arena.num_blocks
+    model, _ = random_model(config, tiny_tokenizer_path(), seed=3)
+    run_both(model.cuda(), "kernels", lengths, steps=3, atol=0.0, rel_norm=GPU_LOGITS_REL)
+    print(f"attention: worst relative error {max(attention_errors):.3g} over {len(attention_errors)} calls; "
+          f"picks: {picks['same']} of {picks['all']} shared")
+    assert attention_errors and max(attention_errors) <= GPU_ATTENTION_REL
+    assert picks["all"] > 0 and picks["same"] >= GPU_PICKS_AGREE * picks["all"]
