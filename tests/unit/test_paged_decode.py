@@ -322,3 +322,44 @@ def test_gpu_kernels_on_the_model_path(released: bool, monkeypatch: pytest.Monke
           f"picks: {picks['same']} of {picks['all']} shared")
     assert attention_errors and max(attention_errors) <= GPU_ATTENTION_REL
     assert picks["all"] > 0 and picks["same"] >= GPU_PICKS_AGREE * picks["all"]
+
+
+def test_release_returns_blocks_and_set_records_drops_buffers(pair: tuple[CEDModel, Drafter]) -> None:
+    """What an offload does (`state_io.offload`): the records' buffers and the arena's blocks go at
+    once, not when the (kept) state object is freed; a later pass pages the state again."""
+    model, _ = pair
+    gen = torch.Generator().manual_seed(4)
+    state = prefilled(model, 150, gen)
+    model.prefill([9, 10], state)  # grown in place: the records live in a buffer with spare rows
+    arena = DecodeArena(model.config, torch.device("cpu"), "reference", initial_blocks=4)
+    arena.reserve(state, state.position)
+    assert arena.num_free < arena.num_blocks
+    state.release_paged()
+    assert arena.num_free == arena.num_blocks and state.paged is None
+    kv = next(iter(state.global_kv.values()))
+    assert kv._main_buf is not None
+    kv.set_records(kv.main[:0].clone(), kv.index_keys[:0].clone())
+    assert kv._main_buf is None and kv._keys_buf is None and kv.num_entries == 0
+    arena.reserve(state, state.position)  # paged again from scratch
+    assert state.paged is not None and arena.num_free < arena.num_blocks
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_preemption_on_the_paged_path(policy: str, pair: tuple[CEDModel, Drafter]) -> None:
+    """A pool too small for both requests: one is preempted (offloaded to host or dropped) and comes
+    back; the tokens equal the dense engine's under the same pressure, and the arena ends empty."""
+    from decode_support import Rig, greedy_rounds, prompt
+
+    model, drafter = pair
+    prompts = [prompt(30, 11), prompt(30, 12)]
+    got = {}
+    for mode in ("off", "reference"):
+        rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy, paged_attention=mode)
+        got[mode] = list(greedy_rounds(rig, prompts, 7).values())
+        assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
+        rig.assert_all_free()
+    assert got["reference"] == got["off"]
+    arena = model.decode_arena
+    assert arena is not None
+    gc.collect()
+    assert arena.num_free == arena.num_blocks
