@@ -31,17 +31,28 @@ mini-40: 117 MB of global KV per request (as state and as blocks), and the prefi
 temporaries (`[heads, chunk, context / m]` float32). `--time-budget-s` starts no new cell after that
 many seconds (the rest are recorded as skipped), so a run's length is bounded.
 
+Decode attention (`--attention`, `DecodeConfig.paged_attention`): `off` is the dense path (every
+layer dequantizes each sequence's window and whole global KV into a padded batch), `kernels` the
+compact-cache kernels over a paged copy of the records (`model/paged_decode.py`; the CUDA default,
+`auto`). Several values time each cell once per path, in order, and a path after `off` reports
+`speedup_over_dense`. `--warmup-steps` untimed steps come first (a kernel variant compiles on its
+first launch; their times are `warmup_ms_each`); `--released-attention` puts the released attention
+geometry (64 heads x 512, 32 index heads, top-512 in 2,048 blocks) on the preset.
+
     python benchmarks/decode.py --preset mini-40 --contexts 64 256 --batches 1 4 \\
         --out docs/benchmarks/decode-cpu.json
     python benchmarks/decode.py --contexts 64 --batches 2 --steps 2 --ep 2      # two CPU ranks, gloo
     python benchmarks/decode.py --device cuda --contexts 4096 16384 --batches 1 8 32 --time-budget-s 200 \\
         --out docs/benchmarks/decode-cuda.json
+    python benchmarks/decode.py --device cuda --contexts 65536 --batches 8 32 --warmup-steps 4 \\
+        --attention off kernels --out docs/benchmarks/decode-paged-h200-mini40.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -146,6 +157,9 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
              device: str, draft_tokens: int, group: Group | None = None, attention: str = "auto",
              warmup_steps: int = 1) -> dict[str, Any]:
     """`batch` requests on this rank (of the group's): warm-up, then `steps` timed steps."""
+    gc.collect()  # the previous cell's engine and states (cycles) before this cell's peak memory
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     ep: ExpertParallel | None = group.ep if group is not None else None
     world = ep.world_size if ep is not None else 1
     num_blocks = batch * (len(prompt.tokens) // BLOCK + 8) + 8

@@ -29,11 +29,14 @@ if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
 fi
 export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
-NOTE="mini-40 layer plan, random weights, vocabulary 512; torch reference ops (no Triton kernels on this path)"
+NOTE="mini-40 layer plan, random weights, vocabulary 512; torch ops but the mHC kernel and (decode) the paged attention"
 decode() {  # decode <mode> <args...>
   local mode=$1; shift
+  # decode attention: ATTENTION="off kernels" times both paths side by side (default: auto, the
+  # kernels on CUDA); the rest of the step is torch ops as in prefill
   timeout "$LIMIT_S" "$PY" benchmarks/decode.py --device cuda --preset mini-40 --steps 4 --time-budget-s "$BUDGET_S" \
-    --note "$NOTE; $mode" --out "$OUT/$mode.json" "$@" 2>&1 | grep -v NIXL | tee "$OUT/$mode.log"
+    --attention ${ATTENTION:-auto} --note "$NOTE; decode attention ${ATTENTION:-auto}; $mode" --out "$OUT/$mode.json" \
+    "$@" 2>&1 | grep -v NIXL | tee "$OUT/$mode.log"
 }
 case "$MODE" in
   prefill)

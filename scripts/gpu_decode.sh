@@ -27,7 +27,8 @@ export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
   | tee "$OUT/env.txt"
 timeout "${BENCH_S:-330}" "$PY" benchmarks/decode.py --device cuda --preset mini-40 \
   --contexts ${CONTEXTS:-256 2048} --batches ${BATCHES:-1 8 32} --steps 4 \
-  --note "one H200; mini-40 layer plan, random weights, vocabulary cut to 512; torch reference ops (no Triton kernels on this path), attention per sequence" \
+  --attention ${ATTENTION:-off kernels} --warmup-steps 4 \
+  --note "one H200; mini-40 layer plan, random weights, vocabulary cut to 512; decode attention dense (off) and paged kernels" \
   --out "$OUT/decode-cuda.json" 2>&1 | grep -v NIXL | tee "$OUT/bench.log"
 timeout 200 "$PY" -P -m pytest tests/unit/test_decode_expert_parallel.py -m gpu -q -p no:cacheprovider 2>&1 \
   | tail -20 | tee "$OUT/ep.log"
