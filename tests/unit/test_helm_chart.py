@@ -406,6 +406,11 @@ def test_pool_pods_request_devices_and_drain(renders: dict[str, dict[str, str]],
         shm = next(vol for vol in pod["volumes"] if vol["name"] == "shm")
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": v["shm"]["sizeLimit"]}
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        # compiled Triton kernels go to a volume of their own, so a restarted container keeps them
+        cache = next(vol for vol in pod["volumes"] if vol["name"] == "kernel-cache")
+        assert cache["emptyDir"] == {"sizeLimit": v["kernelCache"]["sizeLimit"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {"name": "kernel-cache", "mountPath": env["TRITON_CACHE_DIR"]} in container["volumeMounts"]
         # With TLS on the gRPC port, probes and the drain go to the plaintext health listener.
         probe_port = v["ports"]["health" if _merged(name)["tls"]["internal"]["enabled"] else "grpc"]
         for probe, service in (("startupProbe", ""), ("readinessProbe", ""), ("livenessProbe", "liveness")):

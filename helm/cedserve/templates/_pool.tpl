@@ -117,6 +117,8 @@ spec:
         {{- include "cedserve.podEnv" $root | nindent 8 }}
         - name: UCX_TCP_PORT_RANGE
           value: {{ $v.ucxPortRange | quote }}
+        - name: TRITON_CACHE_DIR
+          value: /var/cache/cedserve/triton
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -153,6 +155,8 @@ spec:
           readOnly: true
         - name: shm
           mountPath: /dev/shm
+        - name: kernel-cache
+          mountPath: /var/cache/cedserve/triton
         - name: kv-transfer-token
           mountPath: /var/run/secrets/cedserve/kv-transfer
           readOnly: true
@@ -170,6 +174,9 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.shm.sizeLimit }}
+    - name: kernel-cache
+      emptyDir:
+        sizeLimit: {{ $v.kernelCache.sizeLimit }}
     - name: kv-transfer-token
       secret:
         secretName: {{ printf "%s-kv-transfer" (include "cedserve.fullname" $root) }}
