@@ -42,6 +42,27 @@ def _greedy_decode(ref: ReferenceA, prompt: list[int]) -> tuple[torch.Tensor, li
     return torch.cat(rows[:DECODE_STEPS]), tokens
 
 
+def _greedy_decode_paged(ref: ReferenceA, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """`_greedy_decode` with each step a `forward_batch` decode chunk on the paged attention path
+    (`cedserve.model.paged_decode`, its torch-reference backend: the CPU form of the kernels' path)."""
+    from cedserve.model.network import BatchItem
+
+    model = ref.model
+    state = model.new_state()
+    last = model.prefill(prompt, state)[-1:]
+    rows, tokens = [last], []
+    model.use_paged_decode("reference")
+    try:
+        for _ in range(DECODE_STEPS):
+            tokens.append(int(last[0].argmax()))
+            (out,) = model.forward_batch([BatchItem([tokens[-1]], state)])
+            last = out.logits[-1:]
+            rows.append(last)
+    finally:
+        model.use_paged_decode(None)
+    return torch.cat(rows[:DECODE_STEPS]), tokens
+
+
 def _check_close(got: torch.Tensor, want: torch.Tensor, prompt_index: int, what: str) -> None:
     per_row = (got - want).abs().amax(dim=-1)
     worst = int(per_row.argmax())
@@ -67,5 +88,16 @@ def test_full_forward_logits(reference_a: ReferenceA, prompt_index: int) -> None
 def test_cached_greedy_decode(reference_a: ReferenceA, prompt_index: int) -> None:
     got, tokens = _greedy_decode(reference_a, reference_a.prompts[prompt_index])
     _check_close(got, reference_a.tensor(f"decode_logits_{prompt_index}"), prompt_index, "decode")
+    if prompt_index in (0, 1):
+        assert tokens == reference_a.results[prompt_index]["greedy_new_tokens"]
+
+
+@pytest.mark.parametrize("prompt_index", [0, 1, 2])
+def test_paged_decode_reproduces_the_reference(reference_a: ReferenceA, prompt_index: int) -> None:
+    """Decode steps through the paged arena, the two-level top-k over paged index keys and sparse
+    attention over picked slots (the kernels' addressing, on their torch references) give the
+    reference's cached-decode logits as the dense path does."""
+    got, tokens = _greedy_decode_paged(reference_a, reference_a.prompts[prompt_index])
+    _check_close(got, reference_a.tensor(f"decode_logits_{prompt_index}"), prompt_index, "paged decode")
     if prompt_index in (0, 1):
         assert tokens == reference_a.results[prompt_index]["greedy_new_tokens"]
