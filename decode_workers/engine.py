@@ -78,9 +78,9 @@ log = logging.getLogger(__name__)
 def enable_paged_attention(model: CEDModel, mode: str) -> str:
     """Set the model's decode attention path for `DecodeConfig.paged_attention`; returns the path
     taken ("kernels", "reference" or "off"). An explicit path the model cannot take is an error."""
-    if mode == "auto":
-        usable = model.embed.weight.device.type == "cuda" and paged_unsupported(model.config) is None
-        mode = "kernels" if usable else "off"
+    if mode == "auto":  # the kernels on a GPU, their references on a CPU (2-4x faster than dense at 8K)
+        cuda = model.embed.weight.device.type == "cuda"
+        mode = "off" if paged_unsupported(model.config) is not None else "kernels" if cuda else "reference"
     if mode == "off":
         model.use_paged_decode(None)
         return mode

@@ -151,8 +151,8 @@ def test_arena_refuses_what_the_kernels_cannot_run(pair: tuple[CEDModel, Drafter
     model, _ = pair
     with pytest.raises(ValueError, match="backend"):
         DecodeArena(model.config, torch.device("cpu"), "fast")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="head_dim"):
-        DecodeArena(model.config.replace(head_dim=48), torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernels cannot run this model: head_dim"):
+        DecodeArena(model.config.replace(head_dim=96), torch.device("cpu"))
     bf16_state = model.new_state(KVFormat.BF16)
     arena = DecodeArena(model.config, torch.device("cpu"), "reference")
     with pytest.raises(ValueError, match="record states"):
@@ -242,9 +242,13 @@ def test_engine_refuses_a_paged_path_the_model_cannot_take(pair: tuple[CEDModel,
     with pytest.raises(ValueError, match=r"decode\.paged_attention"):
         DecodeConfig(paged_attention="fast")
     model, _ = pair
-    model.use_paged_decode("reference")
     rig = Rig(model, None, paged_attention="auto")
-    assert rig.engine.paged_attention == "off"  # auto on a CPU: the dense path
+    assert rig.engine.paged_attention == "reference"  # auto on a CPU: the kernels' torch references
+    unsuited = copy.deepcopy(model)
+    unsuited.config = unsuited.config.replace(head_dim=96)
+    assert Rig(unsuited, None, paged_attention="auto").engine.paged_attention == "off"
+    with pytest.raises(ValueError, match=r"decode\.paged_attention.*head_dim"):
+        Rig(unsuited, None, paged_attention="kernels")
 
 
 GPU_ATTENTION_REL = 1e-2
