@@ -33,8 +33,8 @@ many seconds (the rest are recorded as skipped), so a run's length is bounded.
 
 Decode attention (`--attention`, `DecodeConfig.paged_attention`): `off` is the dense path (every
 layer dequantizes each sequence's window and whole global KV into a padded batch), `kernels` the
-compact-cache kernels over a paged copy of the records (`model/paged_decode.py`; the CUDA default,
-`auto`). Several values time each cell once per path, in order, and a path after `off` reports
+compact-cache kernels over a paged copy of the records (`model/paged_decode.py`; `auto` takes them
+on CUDA), `reference` the same path on the kernels' torch references (`auto` on a CPU). Several values time each cell once per path, in order, and a path after `off` reports
 `speedup_over_dense`. `--warmup-steps` untimed steps come first (a kernel variant compiles on its
 first launch; their times are `warmup_ms_each`); `--released-attention` puts the released attention
 geometry (64 heads x 512, 32 index heads, top-512 in 2,048 blocks) on the preset.
