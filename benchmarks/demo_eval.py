@@ -108,7 +108,7 @@ def decode_side_state(model: CEDModel, encoded: SequenceState) -> SequenceState:
     with `encoded`: states replace tensors, never write into them)."""
     state = model.new_state()
     for layer, kv in encoded.global_kv.items():
-        state.global_kv[layer].main, state.global_kv[layer].index_keys = kv.main, kv.index_keys
+        state.global_kv[layer].set_records(kv.main, kv.index_keys)
     state.position = encoded.position
     return state
 

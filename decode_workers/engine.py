@@ -635,6 +635,8 @@ class DecodeEngine:
         self.metrics.free_blocks.set(self.leases.available_blocks())
         arena = self.model.decode_arena
         if arena is not None:
+            if not self.sequences:
+                arena.trim()  # idle: give back what the largest batch grew it to
             self.metrics.paged_blocks.set(arena.num_blocks - arena.num_free)
             self.metrics.paged_copied.set(arena.copied_entries)
 

@@ -81,7 +81,7 @@ class SequencePages:
     synced: dict[int, int]
     """KV source -> entries copied (entries `[0, synced)` of its records are in the blocks)."""
     sources: dict[int, int] = field(default_factory=dict)
-    """KV source -> address of the records buffer they were copied from (a new buffer: copy again)."""
+    """KV source -> `GlobalKV.generation` of the records copied (records replaced since: copy again)."""
     _release: Callable[[], object] | None = field(default=None, repr=False)
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
@@ -110,7 +110,8 @@ class DecodeArena:
             raise ValueError(f"paged decode: the kernels cannot run this model: {reason}")
         self.config, self.device, self.backend = config, device, backend
         self.layout = BlockLayout.from_config(config, arena_block_size(config))
-        self.storage = torch.zeros(max(1, initial_blocks), self.layout.block_bytes, dtype=torch.uint8, device=device)
+        self._initial_blocks = max(1, initial_blocks)
+        self.storage = torch.zeros(self._initial_blocks, self.layout.block_bytes, dtype=torch.uint8, device=device)
         self._free = list(range(self.storage.shape[0] - 1, -1, -1))
         self.copied_entries = 0
         """Entries copied into the arena so far (both record kinds of a source count once)."""
@@ -141,6 +142,16 @@ class DecodeArena:
         self._free.extend(reversed(blocks))
         blocks.clear()
 
+    def trim(self) -> bool:
+        """Shrink the storage back to its first size once no sequence holds a block (it grows by
+        doubling for the largest batch x context seen and would otherwise keep that peak)."""
+        if self.num_free != self.num_blocks or self.num_blocks <= self._initial_blocks:
+            return False
+        self.storage = torch.zeros(self._initial_blocks, self.layout.block_bytes, dtype=torch.uint8,
+                                   device=self.device)
+        self._free = list(range(self._initial_blocks - 1, -1, -1))
+        return True
+
     def reserve(self, state: SequenceState, tokens: int) -> SequencePages:
         """Make the state's blocks cover its first `tokens` tokens (growing the arena if needed)."""
         pages = self.pages(state)
@@ -166,10 +177,9 @@ class DecodeArena:
         for state in states:
             kv = state.global_kv[layer_id]
             pages = self.pages(state)
-            address = kv.main.data_ptr() if kv.num_entries else 0
-            first = pages.synced.get(layer_id, 0) if pages.sources.get(layer_id) in (address, 0) else 0
+            first = pages.synced.get(layer_id, 0) if pages.sources.get(layer_id) == kv.generation else 0
             count = kv.num_entries
-            pages.sources[layer_id] = address
+            pages.sources[layer_id] = kv.generation
             pages.synced[layer_id] = count
             if first >= count:
                 continue

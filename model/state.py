@@ -63,6 +63,8 @@ class GlobalKV:
     kv_format: KVFormat = KVFormat.RECORDS
     _main_buf: Tensor | None = field(default=None, repr=False, compare=False)
     _keys_buf: Tensor | None = field(default=None, repr=False, compare=False)
+    generation: int = field(default=0, repr=False, compare=False)
+    """Bumped by `set_records`: a paged copy of older records (`paged_decode`) is stale."""
 
     @property
     def num_entries(self) -> int:
@@ -85,9 +87,11 @@ class GlobalKV:
 
     def set_records(self, main: Tensor, index_keys: Tensor) -> None:
         """Replace the records (loaded from blocks, or emptied on offload), dropping the buffers the
-        old ones grew in, so their memory goes with them."""
+        old ones grew in, so their memory goes with them. Records are replaced only through here
+        (appends and `SequenceState.restore` aside), so a paged copy knows to copy them again."""
         self.main, self.index_keys = main, index_keys
         self._main_buf = self._keys_buf = None
+        self.generation += 1
 
     def main_values(self) -> Tensor:
         """Dequantized main KV, float32 `[T, D]`."""

@@ -145,6 +145,15 @@ def test_arena_grows_and_rewinds(pair: tuple[CEDModel, Drafter]) -> None:
     model.prefill(torch.randint(3, 500, (6,), generator=gen).tolist(), state)
     arena.sync([state], layer)
     assert arena.copied_entries - first == 2 * grown
+    kv = state.global_kv[layer]
+    before = arena.copied_entries
+    kv.set_records(kv.main.clone(), kv.index_keys.clone())  # replaced (as a load from blocks does)
+    arena.sync([state], layer)
+    assert arena.copied_entries - before == kv.num_entries  # all copied again
+    assert not arena.trim()  # blocks held: nothing to give back
+    del state, kv, snap
+    gc.collect()
+    assert arena.trim() and arena.num_blocks == arena.num_free == 1  # idle: back to its first size
 
 
 def test_arena_refuses_what_the_kernels_cannot_run(pair: tuple[CEDModel, Drafter]) -> None:

@@ -77,7 +77,7 @@ def test_a_full_state_takes_exactly_the_bound_and_installs_to_the_same_logits() 
     assert data[:8] == b"CEDSTATE" and struct.unpack_from("<H", data, 8)[0] == STATE_FORMAT_VERSION
     fresh = model.new_state()
     for layer, kv in state.global_kv.items():  # the global KV the blocks would deliver
-        fresh.global_kv[layer].main, fresh.global_kv[layer].index_keys = kv.main, kv.index_keys
+        fresh.global_kv[layer].set_records(kv.main, kv.index_keys)
     decode_state(data, config, torch.float32).install(fresh)
     token = prompt(1, 99)
     assert torch.equal(model.prefill(token, fresh), model.prefill(token, state))
