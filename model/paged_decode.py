@@ -48,6 +48,8 @@ from cedserve.model.state import GlobalKV, SequenceState
 Backend = Literal["kernels", "reference"]
 BACKENDS: tuple[Backend, ...] = ("kernels", "reference")
 MIN_BLOCK_TOKENS = 64
+WINDOW_TABLE_BLOCK = 64
+"""Rows per block of a pass's window table (its row count is padded to a multiple)."""
 
 
 def arena_block_size(config: ModelConfig) -> int:
@@ -299,11 +301,13 @@ class PagedPass:
         """The window records of the pass (`records[b]`: item b's stored records, then its chunk's)
         as one table, and each row's slots in it `[rows, window]` (-1 where out of its window)."""
         lengths = tuple(int(r.shape[0]) for r in records)
-        # the table's row count is a power of two: the kernels specialise on slots per block, so
-        # this keeps the variants compiled (once each) to a handful instead of one per batch shape
+        # addressed as blocks of WINDOW_TABLE_BLOCK rows (slot = row): the kernels specialise on
+        # slots per block, and a flat table's would be its row count, a new variant (a compile) for
+        # most batch shapes; a fixed power of two is one variant, and its shift path
         rows = sum(lengths)
-        pad = (1 << max(rows - 1, 0).bit_length()) - rows
+        pad = -rows % WINDOW_TABLE_BLOCK if rows else WINDOW_TABLE_BLOCK
         table = torch.cat([*records, records[0].new_zeros(pad, records[0].shape[1])] if pad else records)
+        record_bytes = int(table.shape[1])
         if lengths not in self._window_rows:
             offsets = [sum(lengths[:b]) for b in range(len(lengths))]
             firsts = [end - n for end, n in zip(self.item_ends, lengths)]
@@ -313,7 +317,9 @@ class PagedPass:
             inside = (key_pos >= first.unsqueeze(-1)) & (key_pos < (first + length).unsqueeze(-1))
             slots = torch.where(inside, off.unsqueeze(-1) + key_pos - first.unsqueeze(-1), -1).to(torch.int32)
             self._window_rows[lengths] = slots
-        return PagedRecords.flat(table, int(table.shape[1])), self._window_rows[lengths]
+        swa = PagedRecords(table, record_bytes, slots_per_block=WINDOW_TABLE_BLOCK, slot_stride_bytes=record_bytes,
+                           block_stride_bytes=WINDOW_TABLE_BLOCK * record_bytes)
+        return swa, self._window_rows[lengths]
 
     def attention_keys(self, records: list[Tensor], window: int, kv_layer: int | None, index_layer: int | None
                        ) -> tuple[PagedRecords | None, Tensor | None, PagedRecords, Tensor]:
