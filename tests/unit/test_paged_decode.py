@@ -37,9 +37,10 @@ def pair() -> Iterator[tuple[CEDModel, Drafter]]:
 
 REFERENCE_ATOL = 2e-4
 """Dense vs paged reference logits (float32; seen ~1e-6: the same values summed in another order)."""
-KERNEL_ATOL = 0.15
-"""Dense float32 vs the interpreted kernels (bf16 queries, bf16 probabilities, bf16 output; logits of
-the tiny model are O(1..10), seen ~3e-2)."""
+KERNEL_ATOL = 0.25
+"""Dense float32 vs the interpreted kernels (bf16 queries, bf16 probabilities, bf16 output), on logits
+of O(1..10): seen up to 0.11, the bf16 rounding carried through 12 layers of a random-weight model.
+A bound against gross errors; the GPU test checks each kernel call on its own inputs."""
 
 
 def prefilled(model: CEDModel, length: int, gen: torch.Generator, chunk: int = 2048) -> SequenceState:
