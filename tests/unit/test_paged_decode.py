@@ -272,7 +272,8 @@ GPU_LOGITS_REL = 0.5
 """GPU: ||paged - dense|| / ||dense|| of a step's logits. Only a sanity bound: the paged path rounds to
 bf16 in each of 40 (12) layers where the dense path stays float32, and a random-weight model
 amplifies such differences from layer to layer (on the CPU with the torch references and bf16
-queries: up to 0.23 within three steps). It catches gross errors only; the per-call checks are the test."""
+queries: up to 0.23 within three steps; on the H200, runs 3-5: up to 0.34, the same each run). It
+catches gross errors only; the per-call checks are the test."""
 
 
 @pytest.mark.gpu
