@@ -225,6 +225,7 @@ class PagedPass:
     _synced: set[int] = field(default_factory=set)
     _window_rows: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
     _positions: Tensor | None = None
+    _row_tables: Tensor | None = None
 
     @staticmethod
     def build(arena: DecodeArena, states: list[SequenceState], sizes: list[int], starts: list[int],
@@ -244,13 +245,16 @@ class PagedPass:
             (group_rows,) = device_ints([rows], device)
         return PagedPass(arena, states, item, positions, ends, flat.view(len(states), width).int(), group_rows)
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_positions)
-
     def take(self, rows: Tensor) -> Tensor:
         """The group's rows of a pass-wide `[N, ...]` tensor, in item order."""
         return rows if self.group_rows is None else rows[self.group_rows]
+
+    def row_tables(self) -> Tensor:
+        """Each group row's block table `[rows, max_blocks]`, gathered once per pass (every
+        compressed layer turns its picks into slots through it)."""
+        if self._row_tables is None:
+            self._row_tables = self.block_table[self.row_item]
+        return self._row_tables
 
     def positions(self) -> Tensor:
         if self._positions is None:
@@ -331,7 +335,7 @@ class PagedPass:
         if kv_layer is not None and picked is not None:
             self.ensure_synced(kv_layer)
             main = self.arena.records(kv_layer, "main")
-            topk_slots = entries_to_slots(picked, self.block_table[self.row_item], main.slots_per_block)
+            topk_slots = entries_to_slots(picked, self.row_tables(), main.slots_per_block)
         return main, topk_slots, swa, window_slots
 
     def attend(self, q: Tensor, sink: Tensor, records: list[Tensor], window: int, kv_layer: int | None,

@@ -102,12 +102,12 @@ class GlobalKV:
         return decode_index_key(self.index_keys, self.kv_format)
 
 
-def _grow(buf: Tensor | None, view: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+def _grow(buf: Tensor | None, view: Tensor, rows: Tensor) -> tuple[Tensor | None, Tensor]:
     """(buffer, view) after appending `rows` to `view`: written into `buf` past the view's end when
     the view is a prefix of `buf` and the rows fit, else into a new buffer of about twice the rows."""
     n, extra = int(view.shape[0]), int(rows.shape[0])
     if extra == 0:
-        return (buf if buf is not None else view), view
+        return buf, view
     owned = (buf is not None and buf.device == rows.device and buf.dtype == rows.dtype
              and buf.shape[1:] == rows.shape[1:] and n + extra <= buf.shape[0]
              and (n == 0 or view.data_ptr() == buf.data_ptr()) and view.stride() == buf.stride())
