@@ -33,7 +33,7 @@ many seconds (the rest are recorded as skipped), so a run's length is bounded.
 
 Decode attention (`--attention`, `DecodeConfig.paged_attention`): `off` is the dense path (every
 layer dequantizes each sequence's window and whole global KV into a padded batch), `kernels` the
-compact-cache kernels over a paged copy of the records (`model/paged_decode.py`; `auto` takes them
+compact-cache kernels over a paged copy of the records (`model/paged_attention.py`; `auto` takes them
 on CUDA), `reference` the same path on the kernels' torch references (`auto` on a CPU). Several values time each cell once per path, in order, and a path after `off` reports
 `speedup_over_dense`. `--warmup-steps` untimed steps come first (a kernel variant compiles on its
 first launch; their times are `warmup_ms_each`); `--released-attention` puts the released attention
@@ -74,6 +74,7 @@ from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.expert_parallel import ExpertParallel, TorchDistributedEP, shard_experts
 from cedserve.decode_workers.messages import AttachCommand, Sampling, Tokens
+from cedserve.model import presets
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
@@ -128,7 +129,7 @@ def build(preset_name: str, seed: int, device: str, max_context: int,
     vocab = min(config.vocab_size, TOKENIZER_VOCAB)
     config = config.replace(vocab_size=vocab, dspark_noise_token_id=min(config.dspark_noise_token_id, vocab - 1))
     if released_attention:  # the released checkpoint's attention and index geometry
-        config = config.replace(num_attention_heads=64, index_n_heads=32, index_topk=512, candidate_topk_blocks=2048)
+        config = presets.released_attention(config)
     config = stretch_context(config, max_context + 64)  # room for the decoded tokens too
     model, drafter = random_model(config, tiny_tokenizer_path(), seed)
     return model.to(device), drafter.to(device)

@@ -78,7 +78,7 @@ class DecodeConfig:
     max_output_tokens: int = 32_768
     """Token budget at effort 100; effort e allows `max_output_tokens * e / 100` (at least 1)."""
     paged_attention: str = "auto"
-    """How decode and verify chunks attend (`cedserve.model.paged_decode`): "kernels" through the
+    """How decode and verify chunks attend (`cedserve.model.paged_attention`): "kernels" through the
     compact-cache kernels over a paged copy of the records (no per-step work over the whole context
     but the index scan), "reference" the same path on the kernels' torch references, "off" the dense
     path (every compressed entry dequantized and masked each step). "auto": "kernels" on a CUDA

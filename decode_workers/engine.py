@@ -59,7 +59,7 @@ from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Draft, DraftState
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
-from cedserve.model.paged_decode import unsupported as paged_unsupported
+from cedserve.model.paged_attention import enable_paged_attention
 from cedserve.model.paged_kv import load_bytes
 from cedserve.model.sampling import make_generator
 from cedserve.model.state import SequenceState
@@ -75,23 +75,6 @@ from cedserve.proto import worker_pb2 as wpb
 log = logging.getLogger(__name__)
 
 
-def enable_paged_attention(model: CEDModel, mode: str) -> str:
-    """Set the model's decode attention path for `DecodeConfig.paged_attention`; returns the path
-    taken ("kernels", "reference" or "off"). An explicit path the model cannot take is an error."""
-    if mode == "auto":  # the kernels on a GPU, their references on a CPU (2-4x faster than dense at 8K)
-        cuda = model.embed.weight.device.type == "cuda"
-        mode = "off" if paged_unsupported(model.config) is not None else "kernels" if cuda else "reference"
-    if mode == "off":
-        model.use_paged_decode(None)
-        return mode
-    try:
-        model.use_paged_decode("kernels" if mode == "kernels" else "reference")
-    except ValueError as exc:
-        raise ValueError(f"config field `decode.paged_attention`: {exc}") from exc
-    log.info("decode attention: paged (%s)", mode)
-    return mode
-
-
 class DecodeEngine:
     def __init__(self, config: DecodeConfig, model: CEDModel, cache: KVCacheManager, *,
                  proposer: Proposer | None = None, ep: ExpertParallel | None = None,
@@ -102,7 +85,8 @@ class DecodeEngine:
             raise ValueError(f"config field `decode.block_size`: {config.block_size} != the cache's {cache.block_size}")
         self.config = config
         self.model = model
-        self.paged_attention = enable_paged_attention(model, config.paged_attention)
+        self.paged_attention = enable_paged_attention(model, config.paged_attention, "decode.paged_attention",
+                                                      cpu_auto="reference")
         self.cache = cache
         self.layout: BlockLayout = cache.layout
         self.proposer = proposer if config.dspark else None
@@ -633,7 +617,7 @@ class DecodeEngine:
         self.metrics.waiting.set(len(self.scheduler.waiting) + self.leases.num_open - len(self.scheduler.running))
         self.metrics.preempted.set(len(self.scheduler.preempted))
         self.metrics.free_blocks.set(self.leases.available_blocks())
-        arena = self.model.decode_arena
+        arena = self.model.paged_arena
         if arena is not None:
             if not self.sequences:
                 arena.trim()  # idle: give back what the largest batch grew it to

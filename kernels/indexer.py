@@ -163,6 +163,30 @@ def index_scores_reference(q: Tensor, weights: Tensor, keys: IndexKeys, entries:
     return scores.masked_fill(slots < 0, float("-inf"))
 
 
+def range_scores_reference(q: Tensor, weights: Tensor, keys: IndexKeys, width: int,
+                           softmax_scale: float | None = None) -> Tensor:
+    """`index_scores_reference` of entries `[0, width)` for every token, `[N, width]`, with each
+    request's keys read once and scored against all its tokens at once (a per-token gather of the
+    same keys costs N times the memory: a prefill chunk's 2,048 tokens share one request)."""
+    tokens, _, dim = q.shape
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    out = torch.full((tokens, width), float("-inf"), device=q.device)
+    if tokens == 0 or width == 0:
+        return out
+    entries = torch.arange(width, device=q.device)
+    req, visible = keys.token_req.long(), keys.visible.long()
+    for r in torch.unique(req).tolist():
+        rows = (req == r).nonzero().flatten()
+        seen = visible[rows].max().view(1)
+        slots = IndexKeys(keys.records, keys.block_table, req[rows[:1]], seen).slots(entries.unsqueeze(0))[0]
+        k = read_records_reference("index", keys.records, slots)  # [width, d]
+        per_head = torch.einsum("nhd,td->nht", q[rows].float(), k).relu() * scale
+        scores = (per_head * weights[rows].float().unsqueeze(-1)).sum(dim=1)
+        hidden = (entries.unsqueeze(0) >= visible[rows].unsqueeze(-1)) | (slots < 0).unsqueeze(0)
+        out[rows] = scores.masked_fill(hidden, float("-inf"))
+    return out
+
+
 def _check_scores(q: Tensor, weights: Tensor, keys: IndexKeys) -> None:
     op = "index_scores"
     check_tensor(q, f"{op}: q", dtypes=(torch.bfloat16,), dim=3)
@@ -567,8 +591,7 @@ def index_topk_reference(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: i
     candidate source's own top-k is over all visible entries, its pool its top blocks (pinned
     newest); a Reindex layer's top-k is inside the given pool."""
     tokens = q.shape[0]
-    dense = index_scores_reference(q, weights, keys, torch.arange(width, device=q.device).expand(tokens, width),
-                                   softmax_scale)
+    dense = range_scores_reference(q, weights, keys, width, softmax_scale)
     if candidates is not None:
         return IndexSelection(topk_entries(dense.masked_fill(~pool_mask(candidates, width), float("-inf")), topk),
                               None), dense

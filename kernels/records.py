@@ -112,8 +112,13 @@ def write_records_reference(kind: RecordKind, x: Tensor, slot_mapping: Tensor, d
 def read_records_reference(kind: RecordKind, src: PagedRecords, slots: Tensor,
                            dtype: torch.dtype = torch.float32) -> Tensor:
     """Torch reference of :func:`read_records`: gather the records, `unpack_*` them, zero the
-    rows whose slot is -1."""
-    values = _UNPACK[kind](src.gather(slots))
+    rows whose slot is -1. Each distinct slot is unpacked once (the attention and index references
+    list the same records for many tokens: a prefill chunk's rows share most of their slots)."""
+    distinct, inverse = torch.unique(slots, return_inverse=True)
+    if distinct.numel() < slots.numel():
+        values = _UNPACK[kind](src.gather(distinct))[inverse]
+    else:
+        values = _UNPACK[kind](src.gather(slots))
     return values.masked_fill((slots < 0).unsqueeze(-1), 0.0).to(dtype)
 
 

@@ -11,6 +11,8 @@ of heads, `wo_b` across groups) maps it to the hidden size.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -35,6 +37,9 @@ from cedserve.model.kv_format import (
 )
 from cedserve.model.norm import RMSNorm
 from cedserve.model.rope import RopeTable, apply_rope
+
+if TYPE_CHECKING:
+    from cedserve.model.paged_attention import PagedPass
 
 
 def sink_attention(q: Tensor, keys: Tensor, bias: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -151,6 +156,8 @@ class Attention(nn.Module):
         """One chunk's attention `[S, H, D]` from its projections; updates its state first (and
         records the layer in the chunk's boundary snapshot when it asks for one)."""
         snapshot_layer(ctx, self.spec.layer_id, ctx.state)
+        if ctx.paged is not None:
+            return self._attend_one_paged(x, q_residual, q, kv, ctx)
         keys, bias = self._window_keys(kv, ctx)
         if self.spec.compress_ratio:
             if self.compressor is not None and ctx.write_global_kv:
@@ -162,12 +169,26 @@ class Attention(nn.Module):
             keys, bias = self._add_compressed(keys, bias, ctx)
         return sink_attention(q, keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
 
+    def _attend_one_paged(self, x: Tensor, q_residual: Tensor, q: Tensor, kv: Tensor, ctx: ForwardContext) -> Tensor:
+        """`attend_one` through the kernels (`ctx.paged`, one item): the same state updates, then
+        the chunk's picks and attention over slots instead of dense masks."""
+        assert ctx.paged is not None
+        layer = self.spec.layer_id
+        records = torch.cat([ctx.state.swa[layer], ctx.state.encode_window(kv)])
+        ctx.state.keep_window(layer, records)
+        if self.spec.compress_ratio and self.compressor is not None:
+            if ctx.write_global_kv:
+                self.write_global_kv(x, ctx)
+            else:
+                self._restore_pending(x, ctx)
+        return self._attend_paged(ctx.paged, x, q_residual, q, [records], ctx.rope["compress"])
+
     def _attend_padded(self, x: Tensor, q_residual: Tensor, q: Tensor, kv: Tensor, batch: BatchPass) -> Tensor:
         """The padded group's attention, its rows `[rows, H, D]` in item order: state updates item
         by item (windows, partial groups; completed groups encoded together), then one attention."""
         records = self._update_padded(x, kv, batch)
         if batch.paged is not None:
-            return self._attend_paged(x, q_residual, q, records, batch)
+            return self._attend_paged(batch.paged, x, q_residual, q, records, batch.rope["compress"])
         keys, bias = batch.window(records, self.config.sliding_window)  # [B, K, D], [B, S_max, K]
         if self.spec.compress_ratio:
             assert self.spec.kv_layer is not None and self.spec.index_layer is not None
@@ -182,12 +203,12 @@ class Attention(nn.Module):
         out = sink_attention(batch.pad(q), keys.to(q.dtype), bias, self.attn_sink, self.config.head_dim**-0.5)
         return batch.unpad(out)
 
-    def _attend_paged(self, x: Tensor, q_residual: Tensor, q: Tensor, records: list[Tensor], batch: BatchPass) -> Tensor:
-        """`_attend_padded`'s attention on the paged path (`cedserve.model.paged_decode`): the
+    def _attend_paged(self, paged: PagedPass, x: Tensor, q_residual: Tensor, q: Tensor, records: list[Tensor],
+                      compress_rope: tuple[Tensor, Tensor]) -> Tensor:
+        """Attention of `paged`'s rows on the paged path (`cedserve.model.paged_attention`), after
+        the state updates (`records[b]`: item b's window records as its attention sees them): the
         records of this pass's appends are copied to the arena, index sources pick with the
-        two-level top-k kernel, and one sparse-attention call covers the group's rows."""
-        paged = batch.paged
-        assert paged is not None
+        two-level top-k kernel, and one sparse-attention call covers the rows."""
         spec = self.spec
         kv_layer = index_layer = None
         if spec.compress_ratio:
@@ -196,7 +217,7 @@ class Attention(nn.Module):
             if self.compressor is not None:
                 paged.sync(spec.layer_id)  # the entries this pass appended
             if self.indexer is not None:
-                cos, sin = batch.rope["compress"]
+                cos, sin = compress_rope
                 index_q = self.indexer.query(paged.take(q_residual), paged.take(cos), paged.take(sin))
                 paged.select(spec.layer_id, kv_layer, spec.compress_ratio, index_q,
                              self.indexer.head_weights(paged.take(x)))

@@ -31,7 +31,7 @@ from cedserve.model.kv_format import KVFormat, decode_index_key, decode_main, de
 from cedserve.model.state import SequenceState
 
 if TYPE_CHECKING:
-    from cedserve.model.paged_decode import PagedPass
+    from cedserve.model.paged_attention import PagedPass
 
 PADDED_ROWS_LIMIT = 32
 """Items of at most this many rows (decode, carry and verify chunks) join the padded group."""
@@ -98,7 +98,7 @@ class BatchPass:
     candidates: Tensor | None = None
     """bool `[B, S_max, T_max]`: the candidate-source layer's pool for the padded group."""
     paged: PagedPass | None = None
-    """Set when the model decodes on the paged path (`cedserve.model.paged_decode`): the padded
+    """Set when the model decodes on the paged path (`cedserve.model.paged_attention`): the padded
     group's attention and picks go through the kernels instead of dense masks."""
     _window_index: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict)
     _kv: dict[int, PaddedKV] = field(default_factory=dict)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from cedserve.model.kv_format import KVFormat
 from cedserve.model.state import SequenceState, StateSnapshot
+
+if TYPE_CHECKING:
+    from cedserve.model.paged_attention import PagedPass
 
 
 @dataclass
@@ -40,6 +44,9 @@ class ForwardContext:
     """Index-source layer -> bool [S, T] picked entries (None: no entry visible yet)."""
     candidates: Tensor | None = None
     """bool [S, T] candidate pool of the candidate-source layer, once it ran."""
+    paged: PagedPass | None = None
+    """Set when the model attends through the kernels (`cedserve.model.paged_attention`): the
+    chunk's picks and attention go through a paged copy of its records instead of dense masks."""
     _main_kv: dict[int, Tensor] = field(default_factory=dict)
     _index_keys: dict[int, Tensor] = field(default_factory=dict)
 

@@ -44,7 +44,7 @@ from cedserve.model.engram_store import EngramStore
 from cedserve.model.kv_format import KVFormat
 from cedserve.model.mhc import hc_collapse
 from cedserve.model.norm import RMSNorm
-from cedserve.model.paged_decode import Backend, DecodeArena, PagedPass
+from cedserve.model.paged_attention import Backend, PagedArena, PagedPass
 from cedserve.model.rope import RopeTable
 from cedserve.model.state import SequenceState, StateSnapshot
 
@@ -186,15 +186,20 @@ class CEDModel(nn.Module):
         if config.engram_layer_ids and self.hasher is None:
             raise ValueError("this config has Engram layers: pass engram_token_map (see load_compressed_token_map)")
         self.engram_store = engram_store
-        self.decode_arena: DecodeArena | None = None
-        """Set by `use_paged_decode`: decode and verify chunks attend through the kernels."""
+        self.paged_arena: PagedArena | None = None
+        """Set by `use_paged_attention`: record states attend through the kernels."""
+        self.paged_chunks = True
+        """With `paged_arena`: chunks outside the padded group take the paged path too."""
 
-    def use_paged_decode(self, backend: Backend | None = "kernels") -> DecodeArena | None:
-        """Route the padded group's attention (decode and verify chunks of `forward_batch`) through
-        the compact-cache kernels over a paged copy of the records (`cedserve.model.paged_decode`);
-        None goes back to the dense path. `ValueError` when the kernels cannot run this model."""
-        self.decode_arena = None if backend is None else DecodeArena(self.config, self.embed.weight.device, backend)
-        return self.decode_arena
+    def use_paged_attention(self, backend: Backend | None = "kernels", *, chunks: bool = True) -> PagedArena | None:
+        """Route attention through the compact-cache kernels over a paged copy of the records
+        (`cedserve.model.paged_attention`): the padded group of `forward_batch` (decode and verify
+        chunks) in one pass and, with `chunks`, every other chunk (prefill, `encode_chunk`, replays)
+        on its own. None goes back to the dense path. `ValueError` when the kernels cannot run this
+        model."""
+        self.paged_arena = None if backend is None else PagedArena(self.config, self.embed.weight.device, backend)
+        self.paged_chunks = chunks
+        return self.paged_arena
 
     def close(self) -> None:
         """Release host resources: the Engram store's thread and memory maps, if any."""
@@ -363,7 +368,7 @@ class CEDModel(nn.Module):
         first = self._decoder_source()
         for layer in range(first, self.config.num_hidden_layers):
             state.swa[layer] = state.swa[layer][:0]
-        ctx = self._context(span.positions, state, False, span.hash_ids)
+        ctx = self._context(span.positions, end - int(span.positions.shape[0]), state, False, span.hash_ids)
         ctx.taps = taps
         layers = range(first, self.config.num_hidden_layers)
         streams, pre_mix = self._run(layers, span.streams, span.pre_mix, ctx)
@@ -405,12 +410,21 @@ class CEDModel(nn.Module):
         return tokens
 
     def _context(
-        self, positions: Tensor, state: SequenceState, write_global_kv: bool, hash_ids: Tensor | None
+        self, positions: Tensor, start: int, state: SequenceState, write_global_kv: bool, hash_ids: Tensor | None
     ) -> ForwardContext:
         """The pass's shared values; starts the Engram row lookup (before any layer runs)."""
         rows = self._engram_rows(hash_ids)
         rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
-        return ForwardContext(positions, rope, state, write_global_kv=write_global_kv, engram_rows=rows)
+        ctx = ForwardContext(positions, rope, state, write_global_kv=write_global_kv, engram_rows=rows)
+        ctx.paged = self._paged_chunk(state, start, int(positions.shape[0]))
+        return ctx
+
+    def _paged_chunk(self, state: SequenceState, start: int, size: int) -> PagedPass | None:
+        """A one-item paged pass for a chunk at positions `start .. start + size` when the model
+        attends through the kernels (`use_paged_attention`); None on the dense path."""
+        if self.paged_arena is None or not self.paged_chunks or state.kv_format is not KVFormat.RECORDS:
+            return None
+        return PagedPass.build(self.paged_arena, [state], [size], [start], [0], size, self.embed.weight.device)
 
     def _engram_rows(self, hash_ids: Tensor | None) -> Future[Tensor] | None:
         """Rows `[S, engram layers, columns, head_dim]` for `hash_ids [S, engram layers, columns]`:
@@ -446,7 +460,7 @@ class CEDModel(nn.Module):
         tokens = self._token_tensor(token_ids)
         positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
         hash_ids = self._hash_ids(tokens, state)
-        ctx = self._context(positions, state, write_global_kv, hash_ids)
+        ctx = self._context(positions, state.position, state, write_global_kv, hash_ids)
         streams, pre_mix = self._embed(tokens)
         return streams, pre_mix, hash_ids, ctx
 
@@ -500,9 +514,11 @@ class CEDModel(nn.Module):
         rows_future = self._engram_rows(torch.cat(hash_ids)) if hash_ids else None
         replay = [item.replay for item in items]
         batch = BatchPass.build(ctxs, sizes, starts, replay, rope, rows_future, device)
-        if self.decode_arena is not None and batch.padded and batch.kv_format is KVFormat.RECORDS:
+        for i in batch.alone:  # replays and long chunks: one paged pass each (`attend_one`)
+            ctxs[i].paged = self._paged_chunk(ctxs[i].state, starts[i], sizes[i])
+        if self.paged_arena is not None and batch.padded and batch.kv_format is KVFormat.RECORDS:
             p = batch.padded
-            batch.paged = PagedPass.build(self.decode_arena, [ctxs[i].state for i in p], [sizes[i] for i in p],
+            batch.paged = PagedPass.build(self.paged_arena, [ctxs[i].state for i in p], [sizes[i] for i in p],
                                           [starts[i] for i in p], [batch.offsets[i] for i in p], batch.num_rows,
                                           device)
         return batch, tokens
@@ -521,7 +537,7 @@ class CEDModel(nn.Module):
         state.position = start  # the Engram history restarts at the span (n-grams cut at its start)
         hash_ids = self._hash_ids(tokens, state)
         state.position += int(tokens.shape[0])
-        ctx = self._context(torch.arange(start, state.position, device=tokens.device), state, False, hash_ids)
+        ctx = self._context(torch.arange(start, state.position, device=tokens.device), start, state, False, hash_ids)
         streams, pre_mix = self._embed(tokens)
         return streams, pre_mix, hash_ids, ctx
 

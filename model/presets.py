@@ -139,3 +139,10 @@ def stretch_context(config: ModelConfig, num_tokens: int) -> ModelConfig:
     factor = 1 << max(0, (-(-num_tokens // original) - 1).bit_length())
     scaling.update(rope_type=scaling.get("rope_type", "yarn"), factor=factor, original_max_position_embeddings=original)
     return config.replace(max_position_embeddings=original * factor, rope_scaling=scaling, rope_parameters=None)
+
+
+def released_attention(config: ModelConfig) -> ModelConfig:
+    """`config` with the released checkpoint's attention and index geometry (64 heads x 512, 32 index
+    heads, top-512 inside a pool of 2,048 candidate blocks) on its narrow residual stream: a small
+    preset that runs the kernels at the released shapes (benchmarks and GPU tests)."""
+    return config.replace(num_attention_heads=64, index_n_heads=32, index_topk=512, candidate_topk_blocks=2048)

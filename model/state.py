@@ -20,7 +20,7 @@ the new rows, not the whole history. The one rule that keeps snapshots exact: af
 snapshots taken later than the restored one are stale (their rows past its end get overwritten).
 Every caller restores to the snapshot taken before a speculative chunk and drops the later ones.
 
-`paged` is the sequence's place in a `cedserve.model.paged_decode.DecodeArena` (the paged copy of
+`paged` is the sequence's place in a `cedserve.model.paged_attention.PagedArena` (the paged copy of
 the records that the decode kernels read), None until a paged decode pass first meets the state.
 
 `kv_format` (`KVFormat.RECORDS` by default) may be `KVFormat.BF16`: the same rows hold bf16 values
@@ -64,7 +64,7 @@ class GlobalKV:
     _main_buf: Tensor | None = field(default=None, repr=False, compare=False)
     _keys_buf: Tensor | None = field(default=None, repr=False, compare=False)
     generation: int = field(default=0, repr=False, compare=False)
-    """Bumped by `set_records`: a paged copy of older records (`paged_decode`) is stale."""
+    """Bumped by `set_records`: a paged copy of older records (`paged_attention`) is stale."""
 
     @property
     def num_entries(self) -> int:
@@ -121,7 +121,7 @@ def _grow(buf: Tensor | None, view: Tensor, rows: Tensor) -> tuple[Tensor | None
 
 
 class PagedPlace(Protocol):
-    """What `SequenceState.restore` tells a paged copy of the records (`paged_decode.SequencePages`)."""
+    """What `SequenceState.restore` tells a paged copy of the records (`paged_attention.SequencePages`)."""
 
     def rewind(self, global_kv: dict[int, GlobalKV]) -> None: ...
 

@@ -16,6 +16,10 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"config field `prefill.{name}`: {message}")
 
 
+PAGED_ATTENTION = ("auto", "kernels", "reference", "off")
+"""`paged_attention`'s values (`cedserve.model.paged_attention.MODES`)."""
+
+
 @dataclass(frozen=True)
 class PrefillWorkerConfig:
     """The prefill engine, its scheduler, and its request limits."""
@@ -63,6 +67,13 @@ class PrefillWorkerConfig:
     """Window of the measured prefill rate in load reports."""
     device: str = "cpu"
     """Where the model, the block pool and the states live (`cuda:0` on a GPU host)."""
+    paged_attention: str = "auto"
+    """How prompt chunks attend (`cedserve.model.paged_attention`): "kernels" through the
+    compact-cache kernels (each token's window and top-k picks over a paged copy of the records:
+    the attention no longer grows with the context, only the index scan does), "reference" the
+    same path on the kernels' torch references (a CPU check, slower than dense), "off" the dense
+    path (every compressed entry dequantized and masked for every token of a chunk). "auto":
+    "kernels" on a CUDA device, "off" elsewhere or when the model's widths do not suit the kernels."""
     idle_poll_s: float = 0.02
     """Engine loop wait when it has nothing to compute."""
 
@@ -75,6 +86,8 @@ class PrefillWorkerConfig:
         for name in ("prefix_replay_span", "max_prompt_tokens", "retry_after_ms", "transfer_timeout_s"):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.paged_attention not in PAGED_ATTENTION:
+            _fail("paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
         if self.step_token_budget < self.chunk_tokens:
             _fail("step_token_budget", f"{self.step_token_budget} is below chunk_tokens {self.chunk_tokens}")
 

@@ -43,6 +43,7 @@ from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
+from cedserve.model.paged_attention import enable_paged_attention
 from cedserve.model.paged_kv import load_state, store_bytes, store_records
 from cedserve.model.sampling import make_generator, sample
 from cedserve.model.state import SequenceState
@@ -88,6 +89,8 @@ class PrefillEngine:
                  config: PrefillWorkerConfig, metrics: PrefillMetrics | None = None) -> None:
         config.check_block_size(cache.block_size)
         self.model = model
+        self.paged_attention = enable_paged_attention(model, config.paged_attention, "prefill.paged_attention",
+                                                      cpu_auto="off")
         self.cache = cache
         self.sender = sender
         self.config = config
@@ -471,6 +474,8 @@ class PrefillEngine:
         if job.state_blocks:
             self.cache.free(state_owner(job.request_id))
             job.state_blocks = []
+        if job.state is not None:
+            job.state.release_paged()  # the paged attention's copy of its records, at once
         with self._lock:
             if self._jobs.get(job.request_id) is job:
                 del self._jobs[job.request_id]
@@ -495,6 +500,12 @@ class PrefillEngine:
         m.running_requests.set(len(self._jobs))
         m.free_blocks.set(self._stats.free_blocks)
         m.tokens_per_s.set(self._stats.tokens_per_s)
+        arena = self.model.paged_arena
+        if arena is not None:
+            if not self._jobs:
+                arena.trim()  # idle: give back what the longest prompts grew it to
+            m.paged_blocks.set(arena.num_blocks - arena.num_free)
+            m.paged_copied.set(arena.copied_entries)
 
 
 def state_owner(request_id: str) -> str:

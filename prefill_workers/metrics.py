@@ -31,6 +31,11 @@ class PrefillMetrics:
         self.tokens_per_s = Gauge("cedserve_prefill_tokens_per_second", "Measured prefill rate over the load "
                                   "window (tokens per busy second)", registry=r)
         self.draining = Gauge("cedserve_prefill_draining", "1 while draining", registry=r)
+        self.paged_blocks = Gauge("cedserve_prefill_paged_attention_blocks",
+                                  "Blocks of the paged attention's record copy held by prompts in flight "
+                                  "(0 on the dense path)", registry=r)
+        self.paged_copied = Gauge("cedserve_prefill_paged_attention_copied_entries",
+                                  "Compressed entries copied into the paged attention's blocks so far", registry=r)
         self.link_probes = Counter("cedserve_prefill_link_probes", "Link probes (ProbeLink) ended, by outcome: "
                                    "ok, mismatch (bytes differed) or the error code name", ["outcome"], registry=r)
         self.link_probe_gbps = Gauge("cedserve_prefill_link_probe_gbps", "GB/s of the last link probe to a decode "

@@ -5,6 +5,9 @@
 #
 #   prefill          benchmarks/prefill.py, mini-40, 4K 16K 64K 128K prompts: the prefill engine
 #                    (encoder + decoder KV source + replay) against all 40 layers in the same run
+#   prefill-paged    the same engine on the dense path and through the kernels (`prefill.paged_attention`)
+#                    side by side at 4K 32K 128K (engine twice per cell, the second reported; no
+#                    all-layer pass); prefill-paged-released: with the released attention geometry
 #   decode-short     benchmarks/decode.py, one GPU, contexts 4K and 16K, batches 1 8 32, +-DSpark
 #   decode-64k       the same at 64K
 #   decode-128k      the same at 128K
@@ -17,7 +20,7 @@
 # into build/gpu_site first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE=${1:?usage: scripts/gpu_bench.sh prefill|decode-short|decode-64k|decode-128k|decode-ep2}
+MODE=${1:?usage: scripts/gpu_bench.sh prefill|prefill-paged|prefill-paged-released|decode-short|decode-64k|decode-128k|decode-ep2}
 OUT=${OUT:-build/gpu_bench}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-190}
@@ -43,6 +46,12 @@ case "$MODE" in
     timeout "$LIMIT_S" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 \
       --tokens 4096 16384 65536 131072 --chunk-tokens 2048 --time-budget-s "$BUDGET_S" \
       --note "$NOTE; one GPU" --out "$OUT/prefill.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill.log" ;;
+  prefill-paged|prefill-paged-released)
+    released=(); [ "$MODE" = prefill-paged-released ] && released=(--released-attention)
+    timeout "$LIMIT_S" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 "${released[@]}" \
+      --tokens ${TOKENS:-4096 32768 131072} --chunk-tokens 2048 --attention off kernels --repeats 2 --skip-all-layers \
+      --time-budget-s "$BUDGET_S" --note "$NOTE; prefill attention dense vs kernels; one GPU" \
+      --out "$OUT/$MODE.json" 2>&1 | grep -v NIXL | tee "$OUT/$MODE.log" ;;
   decode-short) decode "$MODE" --contexts 4096 16384 --batches 1 8 32 ;;
   decode-64k)   decode "$MODE" --contexts 65536 --batches 1 8 32 ;;
   decode-128k)  decode "$MODE" --contexts 131072 --batches 1 8 32 ;;

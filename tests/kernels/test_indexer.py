@@ -19,9 +19,11 @@ from cedserve.kernels.indexer import (
     IndexConfig,
     IndexKeys,
     index_scores,
+    index_scores_reference,
     index_topk,
     index_topk_reference,
     pool_mask,
+    range_scores_reference,
     topk_chunk,
     topk_entries,
     topk_entries_triton,
@@ -103,6 +105,20 @@ def test_scores_range_and_list(heads: int, dim: int, version: int, prefetch: int
     ref_listed, _ = index_scores(q, w, keys, entries=entries, impl="torch")
     assert ref_listed is not None
     _assert_scores(listed, ref_listed)
+
+
+def test_range_scores_reference_reads_each_request_once(gen: torch.Generator) -> None:
+    """The per-request form of the reference (what the model's CPU path and `index_topk_reference`
+    use) against the per-token gather, on three requests with ragged visibility and an unmapped block."""
+    cpu = torch.device("cpu")
+    keys = _keys(requests=3, tokens=40, dim=32, entries_per_block=16, blocks_per_req=12, max_visible=190,
+                 gen=gen, device=cpu)
+    q, w = _queries(40, 8, 32, gen, cpu)
+    for width in (190, 150, 1):
+        got = range_scores_reference(q, w, keys, width)
+        want = index_scores_reference(q, w, keys, torch.arange(width).expand(40, width))
+        _assert_scores(got, want)
+        assert bool(got.isneginf().any()) and bool(got.isfinite().any())
 
 
 @pytest.mark.parametrize("version", [3, 4])

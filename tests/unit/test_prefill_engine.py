@@ -81,6 +81,10 @@ class Rig:
 
 @pytest.fixture()
 def rig(loaded: LoadedModel) -> Iterator[Rig]:
+    yield from make_rig(loaded)
+
+
+def make_rig(loaded: LoadedModel, paged_attention: str = "auto") -> Iterator[Rig]:
     model = loaded.model
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=POOL), "p0")
@@ -90,12 +94,14 @@ def rig(loaded: LoadedModel) -> Iterator[Rig]:
     decode_pool = torch.zeros(64, layout.block_bytes, dtype=torch.uint8)
     decode = LoopbackAgent(hub, KVRegion(decode_pool, layout.block_bytes), kv_layout, "d0")
     decode.handshake("p0")
-    config = PrefillWorkerConfig(worker_id="p0", chunk_tokens=64, step_token_budget=128)
+    config = PrefillWorkerConfig(worker_id="p0", chunk_tokens=64, step_token_budget=128,
+                                 paged_attention=paged_attention)
     engine = PrefillEngine(model, cache, sender.sender(), config)
     limits = RequestLimits(model.config.vocab_size, 4096, BLOCK, config.replay_span, "p0", layout.block_bytes,
                            *state_limits(model.config, model.embed.weight.dtype, config.ship_state))
     yield Rig(model, layout, cache, engine, hub, decode, decode_pool, limits)
     cache.close()
+    model.use_paged_attention(None)  # the model is shared by the module's tests
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -140,6 +146,48 @@ def test_prefill_then_decode_matches_monolithic(rig: Rig) -> None:
     blocks = list(rig.decode.receiver().wait("lease-a", 1).block_ids)
     assert greedy_from_blocks(rig, tokens, blocks, 6) == expected
     rig.assert_all_free()
+
+
+def test_prefill_on_the_paged_path(loaded: LoadedModel) -> None:
+    """`paged_attention = "reference"`: prompt chunks, the prefix replay and the decoder replay attend
+    through the paged path (the kernels' addressing on their torch references); the decode side gets
+    what the dense monolithic model decodes, and the arena's blocks come back with each request."""
+    import gc
+
+    rig = next(make_rig(loaded, "reference"))
+    assert rig.engine.paged_attention == "reference"
+    arena = rig.model.paged_arena
+    assert arena is not None and rig.model.paged_chunks
+    first = prompt(200, seed=1)
+    second = first[:128] + prompt(136, seed=3)  # a prefix hit: the encoder's replay runs too
+    for rid, tokens in (("a", first), ("b", second)):
+        events = rig.run(rig.submit(rid, tokens))
+        assert kinds(events) == ["first_token", "done"]
+        expected = greedy_monolithic(rig.model, tokens, 4)  # on the paged path too: a check of both
+        rig.model.use_paged_attention(None)
+        assert greedy_monolithic(rig.model, tokens, 4) == expected  # the dense model agrees
+        rig.model.paged_arena = arena
+        assert events[0].first_token.token_id == expected[0]
+        blocks = list(rig.decode.receiver().wait(f"lease-{rid}", 1).block_ids)
+        assert greedy_from_blocks(rig, tokens, blocks, 4) == expected
+    assert events[0].first_token.cached_tokens == 128
+    rig.assert_all_free()
+    copied = rig.engine.metrics.registry.get_sample_value("cedserve_prefill_paged_attention_copied_entries")
+    assert copied is not None and copied > 0
+    gc.collect()
+    rig.engine.step()  # idle: the arena gives back what it grew to
+    assert arena.num_free == arena.num_blocks
+    assert rig.engine.metrics.registry.get_sample_value("cedserve_prefill_paged_attention_blocks") == 0
+    rig.cache.close()
+    rig.model.use_paged_attention(None)
+
+
+def test_prefill_paged_attention_setting(loaded: LoadedModel) -> None:
+    with pytest.raises(ValueError, match=r"prefill\.paged_attention"):
+        PrefillWorkerConfig(paged_attention="fast")
+    rig = next(make_rig(loaded))  # auto on a CPU: the dense path (a chunk's per-row gathers cost more)
+    assert rig.engine.paged_attention == "off" and rig.model.paged_arena is None
+    rig.cache.close()
 
 
 def test_repeated_prefix_reports_cached_tokens_and_computes_the_rest(rig: Rig) -> None:

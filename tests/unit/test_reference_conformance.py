@@ -43,23 +43,24 @@ def _greedy_decode(ref: ReferenceA, prompt: list[int]) -> tuple[torch.Tensor, li
 
 
 def _greedy_decode_paged(ref: ReferenceA, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """`_greedy_decode` with each step a `forward_batch` decode chunk on the paged attention path
-    (`cedserve.model.paged_decode`, its torch-reference backend: the CPU form of the kernels' path)."""
+    """`_greedy_decode` on the paged attention path (`cedserve.model.paged_attention`, its
+    torch-reference backend: the CPU form of the kernels' path): the prompt as one chunk on its own,
+    then each step a `forward_batch` decode chunk (the padded group)."""
     from cedserve.model.network import BatchItem
 
     model = ref.model
     state = model.new_state()
-    last = model.prefill(prompt, state)[-1:]
-    rows, tokens = [last], []
-    model.use_paged_decode("reference")
+    model.use_paged_attention("reference")
     try:
+        last = model.prefill(prompt, state)[-1:]
+        rows, tokens = [last], []
         for _ in range(DECODE_STEPS):
             tokens.append(int(last[0].argmax()))
             (out,) = model.forward_batch([BatchItem([tokens[-1]], state)])
             last = out.logits[-1:]
             rows.append(last)
     finally:
-        model.use_paged_decode(None)
+        model.use_paged_attention(None)
     return torch.cat(rows[:DECODE_STEPS]), tokens
 
 
@@ -82,6 +83,19 @@ def test_full_forward_logits(reference_a: ReferenceA, prompt_index: int) -> None
     want = reference_a.tensor(f"logits_{prompt_index}")
     assert got.shape == want.shape
     _check_close(got, want, prompt_index, "full forward")
+
+
+@pytest.mark.parametrize("prompt_index", [0, 1, 2])
+def test_paged_full_forward_logits(reference_a: ReferenceA, prompt_index: int) -> None:
+    """The prompt as one chunk through the paged path (window slots, two-level top-k over paged index
+    keys, sparse attention over picked slots) gives the reference's full-forward logits."""
+    model = reference_a.model
+    model.use_paged_attention("reference")
+    try:
+        got = model.prefill(reference_a.prompts[prompt_index], model.new_state())
+    finally:
+        model.use_paged_attention(None)
+    _check_close(got, reference_a.tensor(f"logits_{prompt_index}"), prompt_index, "paged full forward")
 
 
 @pytest.mark.parametrize("prompt_index", [0, 1, 2])

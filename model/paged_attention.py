@@ -5,7 +5,7 @@ the padded group at each KV source, scores and attends over all of them with boo
 work and memory per token and layer. This path gives the same attention (same picks, same softmax
 over the union of window, picks and sink) the way `cedserve.kernels` expect it:
 
-* a `DecodeArena` holds a paged copy of each sequence's global KV records (main KV and index keys)
+* a `PagedArena` holds a paged copy of each sequence's global KV records (main KV and index keys)
   in `BlockLayout` blocks, the layout the cache and the transfers use, one device tensor that the
   kernels address by slot. A sequence owns whole blocks (`SequencePages`), allocated as it grows
   and returned when its state is freed. Each pass copies only the entries appended since the last
@@ -26,11 +26,12 @@ path), so a sequence's global KV is held twice while it decodes here: 890 B per 
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -45,9 +46,18 @@ from cedserve.model.config import AttentionMode, ModelConfig
 from cedserve.model.kv_format import KVFormat
 from cedserve.model.state import GlobalKV, SequenceState
 
+if TYPE_CHECKING:
+    from cedserve.model.network import CEDModel
+
+log = logging.getLogger(__name__)
+
 Backend = Literal["kernels", "reference"]
 BACKENDS: tuple[Backend, ...] = ("kernels", "reference")
+MODES = ("auto", "kernels", "reference", "off")
+"""A worker's `paged_attention` setting (`enable_paged_attention`)."""
 MIN_BLOCK_TOKENS = 64
+REFERENCE_ROWS = 256
+"""Rows per call of the reference backend's attention (a prefill chunk's gathered keys, bounded)."""
 WINDOW_TABLE_BLOCK = 64
 """Rows per block of a pass's window table (its row count is padded to a multiple)."""
 
@@ -75,6 +85,35 @@ def unsupported(config: ModelConfig) -> str | None:
     return None
 
 
+def enable_paged_attention(model: CEDModel, mode: str, field_name: str, cpu_auto: Literal["reference", "off"]) -> str:
+    """Set `model`'s attention path for a worker's `paged_attention` config field (`field_name`, named
+    in errors); returns the path taken: "kernels", "reference" or "off". "auto": the kernels for every
+    chunk on a CUDA device; on a CPU `cpu_auto`, for decode and verify groups only (the torch
+    references beat the dense path there from a few thousand tokens of context, but a long chunk's
+    per-row key gathers are slower than the dense path's shared keys: 4-6x on mini-40 at 4K);
+    "off" when the model's widths do not suit the kernels. An explicit path the model cannot take is
+    an error."""
+    if mode not in MODES:
+        raise ValueError(f"config field `{field_name}`: must be one of {list(MODES)}, got {mode!r}")
+    chunks = True
+    if mode == "auto":
+        if unsupported(model.config) is not None:
+            mode = "off"
+        elif model.embed.weight.device.type == "cuda":
+            mode = "kernels"
+        else:
+            mode, chunks = cpu_auto, False
+    if mode == "off":
+        model.use_paged_attention(None)
+        return mode
+    try:
+        model.use_paged_attention("kernels" if mode == "kernels" else "reference", chunks=chunks)
+    except ValueError as exc:
+        raise ValueError(f"config field `{field_name}`: {exc}") from exc
+    log.info("attention: paged (%s%s)", mode, "" if chunks else ", decode groups only")
+    return mode
+
+
 @dataclass
 class SequencePages:
     """One sequence's blocks in the arena and how many entries of each KV source are copied there."""
@@ -100,7 +139,7 @@ class SequencePages:
             self.synced[layer] = min(self.synced.get(layer, 0), kv.num_entries)
 
 
-class DecodeArena:
+class PagedArena:
     """Paged device copy of the decoding sequences' global KV records (module docstring)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, backend: Backend = "kernels",
@@ -211,7 +250,7 @@ class DecodeArena:
 class PagedPass:
     """The padded group of one pass on the paged path: per-row tables, then per-layer picks."""
 
-    arena: DecodeArena
+    arena: PagedArena
     states: list[SequenceState]  # one per padded item, item order
     row_item: Tensor  # long [rows]: each group row's item (row of the block table)
     row_positions: list[int]  # host: each group row's position
@@ -228,7 +267,7 @@ class PagedPass:
     _row_tables: Tensor | None = None
 
     @staticmethod
-    def build(arena: DecodeArena, states: list[SequenceState], sizes: list[int], starts: list[int],
+    def build(arena: PagedArena, states: list[SequenceState], sizes: list[int], starts: list[int],
               offsets: list[int], total_rows: int, device: torch.device) -> PagedPass:
         ends = [start + size for start, size in zip(starts, sizes)]
         for state, end in zip(states, ends):
@@ -343,8 +382,14 @@ class PagedPass:
         """Attention `[rows, H, D]` (in `q`'s dtype) of the group's queries `q [rows, H, D]`."""
         main, topk_slots, swa, window_slots = self.attention_keys(records, window, kv_layer, index_layer)
         no_rope = torch.zeros(q.shape[0], 0, device=q.device)
-        if self.arena.backend == "reference":
-            return sparse_attention_reference(q, sink, main, topk_slots, swa, window_slots, no_rope, no_rope, scale)
+        if self.arena.backend == "reference":  # row blocks: its keys are [rows, k + window, D] float32
+            parts = []
+            for at in range(0, q.shape[0], REFERENCE_ROWS):
+                rows = slice(at, at + REFERENCE_ROWS)
+                parts.append(sparse_attention_reference(
+                    q[rows], sink, main, None if topk_slots is None else topk_slots[rows], swa, window_slots[rows],
+                    no_rope[rows], no_rope[rows], scale))
+            return torch.cat(parts) if parts else q.new_zeros(q.shape)
         out = sparse_attention(q.to(torch.bfloat16), sink, main, topk_slots, swa, window_slots, no_rope, no_rope,
                                softmax_scale=scale)
         return out.to(q.dtype)

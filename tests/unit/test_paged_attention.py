@@ -1,4 +1,4 @@
-"""The paged decode path (`cedserve.model.paged_decode`): decode and verify chunks attending through
+"""The paged decode path (`cedserve.model.paged_attention`): decode and verify chunks attending through
 the kernels' paged addressing give what the dense path gives.
 
 The "reference" backend runs the kernels' torch references in float32 through the same arena,
@@ -18,10 +18,11 @@ import torch
 from decode_support import tiny
 
 from cedserve.kernels.triton_support import triton_available
+from cedserve.model.context import ForwardContext
 from cedserve.model.dspark import Drafter
 from cedserve.model.kv_format import KVFormat
 from cedserve.model.network import BatchItem, CEDModel
-from cedserve.model.paged_decode import DecodeArena, PagedPass, arena_block_size
+from cedserve.model.paged_attention import PagedArena, PagedPass, arena_block_size
 from cedserve.model.state import SequenceState
 
 pytestmark = pytest.mark.unit
@@ -33,7 +34,7 @@ def pair() -> Iterator[tuple[CEDModel, Drafter]]:
     path afterwards, whatever a test switched on."""
     model, drafter = tiny()
     yield model, drafter
-    model.use_paged_decode(None)
+    model.use_paged_attention(None)
 
 REFERENCE_ATOL = 2e-4
 """Dense vs paged reference logits (float32; seen ~1e-6: the same values summed in another order)."""
@@ -52,14 +53,14 @@ def prefilled(model: CEDModel, length: int, gen: torch.Generator, chunk: int = 2
 
 
 def run_both(model: CEDModel, backend: str, lengths: list[int], steps: int, atol: float,
-             seed: int = 5, rel_norm: float = 0.0) -> tuple[DecodeArena, list[SequenceState], int]:
+             seed: int = 5, rel_norm: float = 0.0) -> tuple[PagedArena, list[SequenceState], int]:
     """Decode `steps` passes of every sequence on the dense and the paged path from equal states;
     with verify chunks rolled back every other step. Returns the arena, the paged states and how
     many compressed picks differed from all-visible (so the test knows the top-k mattered)."""
     gen = torch.Generator().manual_seed(seed)
     dense = [prefilled(model, n, gen) for n in lengths]
     paged = [copy.deepcopy(s) for s in dense]
-    arena = DecodeArena(model.config, model.embed.weight.device, backend)  # type: ignore[arg-type]
+    arena = PagedArena(model.config, model.embed.weight.device, backend)  # type: ignore[arg-type]
     narrowed = 0
     for step in range(steps):
         plans = []
@@ -70,10 +71,10 @@ def run_both(model: CEDModel, backend: str, lengths: list[int], steps: int, atol
                 plans.append((torch.randint(3, 500, (1,), generator=gen).tolist(), False))
         results = []
         for states, use in ((dense, None), (paged, arena)):
-            model.decode_arena = use
+            model.paged_arena = use
             items = [BatchItem(chunk, s, snapshot=verify) for (chunk, verify), s in zip(plans, states)]
             results.append(model.forward_batch(items))
-        model.decode_arena = None
+        model.paged_arena = None
         for i, (want, got) in enumerate(zip(*results)):
             worst = float((got.logits - want.logits).abs().max())
             rel = float(torch.linalg.norm(got.logits - want.logits) / torch.linalg.norm(want.logits))
@@ -122,7 +123,7 @@ def test_reference_backend_equals_dense_path(pair: tuple[CEDModel, Drafter]) -> 
 def test_arena_grows_and_rewinds(pair: tuple[CEDModel, Drafter]) -> None:
     model, _ = pair
     config = model.config
-    arena = DecodeArena(config, torch.device("cpu"), "reference", initial_blocks=1)
+    arena = PagedArena(config, torch.device("cpu"), "reference", initial_blocks=1)
     block = arena_block_size(config)
     assert block % 2 == 0 and block >= 64
     gen = torch.Generator().manual_seed(3)
@@ -160,11 +161,11 @@ def test_arena_grows_and_rewinds(pair: tuple[CEDModel, Drafter]) -> None:
 def test_arena_refuses_what_the_kernels_cannot_run(pair: tuple[CEDModel, Drafter]) -> None:
     model, _ = pair
     with pytest.raises(ValueError, match="backend"):
-        DecodeArena(model.config, torch.device("cpu"), "fast")  # type: ignore[arg-type]
+        PagedArena(model.config, torch.device("cpu"), "fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kernels cannot run this model: head_dim"):
-        DecodeArena(model.config.replace(head_dim=96), torch.device("cpu"))
+        PagedArena(model.config.replace(head_dim=96), torch.device("cpu"))
     bf16_state = model.new_state(KVFormat.BF16)
-    arena = DecodeArena(model.config, torch.device("cpu"), "reference")
+    arena = PagedArena(model.config, torch.device("cpu"), "reference")
     with pytest.raises(ValueError, match="record states"):
         arena.pages(bf16_state)
 
@@ -172,7 +173,7 @@ def test_arena_refuses_what_the_kernels_cannot_run(pair: tuple[CEDModel, Drafter
 def test_bf16_states_stay_on_the_dense_path(pair: tuple[CEDModel, Drafter],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = pair
-    model.use_paged_decode("reference")
+    model.use_paged_attention("reference")
     state = model.new_state(KVFormat.BF16)
     model.prefill([5, 6, 7], state)
     seen: list[PagedPass | None] = []
@@ -232,7 +233,7 @@ def test_decode_engine_on_the_paged_path(dspark: bool, pair: tuple[CEDModel, Dra
         assert rig.engine.paged_attention == mode
         outputs[mode] = list(greedy_rounds(rig, prompts, 12).values())
         rig.assert_all_free()
-        arena = model.decode_arena
+        arena = model.paged_arena
         if mode == "reference":
             assert arena is not None and arena.copied_entries > 0
             text = rig.engine.metrics.registry.get_sample_value("cedserve_decode_paged_attention_copied_entries")
@@ -289,54 +290,107 @@ def test_gpu_kernels_on_the_model_path(released: bool, monkeypatch: pytest.Monke
     Both models have 32 index heads: with the presets' 4, an entry scores exactly 0 whenever its four
     ReLUs are (1 in 16), and ties at the k-th score resolve differently in `torch.topk` and the
     top-k kernel (column order), which is allowed."""
-    from cedserve.kernels.indexer import index_topk_reference
-    from cedserve.kernels.sparse_attention import sparse_attention_reference
-    from cedserve.model import paged_decode
     from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
-    from cedserve.model.presets import preset
+    from cedserve.model.presets import preset, released_attention
     from cedserve.model.tokenizer import tiny_tokenizer_path
 
-    picks = {"same": 0, "all": 0}
-    attention_errors: list[float] = []
-    index_topk = paged_decode.index_topk
-
-    def checked_topk(q: torch.Tensor, weights: torch.Tensor, keys: object, **kw: object) -> object:
-        got = index_topk(q, weights, keys, **kw)  # type: ignore[arg-type]
-        ref_kw = {name: value for name, value in kw.items() if name != "impl"}
-        want, _ = index_topk_reference(q, weights, keys, **ref_kw)  # type: ignore[arg-type]
-        for g, w in zip(got.entries.tolist(), want.entries.tolist()):
-            g_set, w_set = {e for e in g if e >= 0}, {e for e in w if e >= 0}
-            picks["same"] += len(g_set & w_set)
-            picks["all"] += len(w_set)
-        return got
-
-    attend = paged_decode.PagedPass.attend
-
-    def checked_attend(self: PagedPass, q: torch.Tensor, sink: torch.Tensor, records: list[torch.Tensor],
-                       window: int, kv_layer: int | None, index_layer: int | None, scale: float) -> torch.Tensor:
-        out = attend(self, q, sink, records, window, kv_layer, index_layer, scale)
-        main, topk_slots, swa, window_slots = self.attention_keys(records, window, kv_layer, index_layer)
-        none = torch.zeros(q.shape[0], 0, device=q.device)
-        want = sparse_attention_reference(q.bfloat16(), sink, main, topk_slots, swa, window_slots, none, none, scale)
-        attention_errors.append(float(torch.linalg.norm(out.float() - want.float()) / torch.linalg.norm(want.float())))
-        return out
-
-    monkeypatch.setattr(paged_decode, "index_topk", checked_topk)
-    monkeypatch.setattr(paged_decode.PagedPass, "attend", checked_attend)
+    calls = KernelCalls(monkeypatch)
     if released:
         config = fit_config_to_tokenizer(preset("mini-40"), tiny_tokenizer_path())
-        config = config.replace(num_attention_heads=64, index_n_heads=32, index_topk=512, candidate_topk_blocks=2048,
-                                vocab_size=min(config.vocab_size, 512))
+        config = released_attention(config).replace(vocab_size=min(config.vocab_size, 512))
         lengths = [130, 2600]  # m = 2: 1,300 entries > top-512
     else:
         config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path()).replace(index_n_heads=32)
         lengths = [9, 300, 1500]
     model, _ = random_model(config, tiny_tokenizer_path(), seed=3)
     run_both(model.cuda(), "kernels", lengths, steps=3, atol=0.0, rel_norm=GPU_LOGITS_REL)
-    print(f"attention: worst relative error {max(attention_errors):.3g} over {len(attention_errors)} calls; "
-          f"picks: {picks['same']} of {picks['all']} shared")
-    assert attention_errors and max(attention_errors) <= GPU_ATTENTION_REL
-    assert picks["all"] > 0 and picks["same"] >= GPU_PICKS_AGREE * picks["all"]
+    calls.check()
+
+
+class KernelCalls:
+    """Checks every index and attention call of the paged path against the kernels' references on
+    the call's own inputs (the model's real queries, tables and slots)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from cedserve.kernels.indexer import index_topk_reference
+        from cedserve.kernels.sparse_attention import sparse_attention_reference
+        from cedserve.model import paged_attention
+
+        self.picks = {"same": 0, "all": 0}
+        self.attention_errors: list[float] = []
+        self.rows: list[int] = []
+        index_topk = paged_attention.index_topk
+        attend = paged_attention.PagedPass.attend
+
+        def checked_topk(q: torch.Tensor, weights: torch.Tensor, keys: object, **kw: object) -> object:
+            got = index_topk(q, weights, keys, **kw)  # type: ignore[arg-type]
+            ref_kw = {name: value for name, value in kw.items() if name != "impl"}
+            want, _ = index_topk_reference(q, weights, keys, **ref_kw)  # type: ignore[arg-type]
+            for g, w in zip(got.entries.tolist(), want.entries.tolist()):
+                g_set, w_set = {e for e in g if e >= 0}, {e for e in w if e >= 0}
+                self.picks["same"] += len(g_set & w_set)
+                self.picks["all"] += len(w_set)
+            return got
+
+        def checked_attend(pass_: PagedPass, q: torch.Tensor, sink: torch.Tensor, records: list[torch.Tensor],
+                           window: int, kv_layer: int | None, index_layer: int | None, scale: float) -> torch.Tensor:
+            out = attend(pass_, q, sink, records, window, kv_layer, index_layer, scale)
+            main, topk_slots, swa, window_slots = pass_.attention_keys(records, window, kv_layer, index_layer)
+            none = torch.zeros(q.shape[0], 0, device=q.device)
+            want = sparse_attention_reference(q.bfloat16(), sink, main, topk_slots, swa, window_slots, none, none,
+                                              scale)
+            error = torch.linalg.norm(out.float() - want.float()) / torch.linalg.norm(want.float())
+            self.attention_errors.append(float(error))
+            self.rows.append(int(q.shape[0]))
+            return out
+
+        monkeypatch.setattr(paged_attention, "index_topk", checked_topk)
+        monkeypatch.setattr(paged_attention.PagedPass, "attend", checked_attend)
+
+    def check(self) -> None:
+        errors, picks = self.attention_errors, self.picks
+        print(f"attention: worst relative error {max(errors):.3g} over {len(errors)} calls (rows up to "
+              f"{max(self.rows)}); picks: {picks['same']} of {picks['all']} shared")
+        assert errors and max(errors) <= GPU_ATTENTION_REL
+        assert picks["all"] > 0 and picks["same"] >= GPU_PICKS_AGREE * picks["all"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_chunks_through_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill chunks of 2,048 and ragged rows, `encode_chunk` + `replay_decoder` and a replay run the
+    real kernels on mini-40 with the released attention geometry (Gluon attention and scan on sm_90):
+    every call checked against the references on its own inputs; the last logits against the dense
+    path's only loosely (GPU_LOGITS_REL)."""
+    from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+    from cedserve.model.presets import preset, released_attention
+    from cedserve.model.tokenizer import tiny_tokenizer_path
+
+    config = fit_config_to_tokenizer(preset("mini-40"), tiny_tokenizer_path())
+    config = released_attention(config).replace(vocab_size=min(config.vocab_size, 512))
+    model, _ = random_model(config, tiny_tokenizer_path(), seed=4)
+    model = model.cuda()
+    tokens = torch.randint(3, 500, (5000,), generator=torch.Generator().manual_seed(8)).tolist()
+    dense = model.new_state()
+    chunks = [(0, 2048), (2048, 4096), (4096, 4999)]
+    want = [model.prefill(tokens[a:b], dense) for a, b in chunks]
+    calls = KernelCalls(monkeypatch)
+    model.use_paged_attention("kernels")
+    try:
+        paged = model.new_state()
+        got = [model.prefill(tokens[a:b], paged) for a, b in chunks]
+        encoded = model.new_state()
+        boundary = [model.encode_chunk(tokens[a:b], encoded).boundary for a, b in chunks]
+        model.replay_decoder(boundary[-1].last(300), encoded)
+        model.replay(tokens[4999 - 600 : 4999], paged)
+    finally:
+        model.use_paged_attention(None)
+    for g, w in zip(got, want):
+        rel = float(torch.linalg.norm(g - w) / torch.linalg.norm(w))
+        print(f"prefill chunk of {g.shape[0]} rows: logits relative difference {rel:.3g}")
+        assert rel <= GPU_LOGITS_REL
+    calls.check()
+    assert max(calls.rows) == 2048
 
 
 def test_release_returns_blocks_and_set_records_drops_buffers(pair: tuple[CEDModel, Drafter]) -> None:
@@ -346,7 +400,7 @@ def test_release_returns_blocks_and_set_records_drops_buffers(pair: tuple[CEDMod
     gen = torch.Generator().manual_seed(4)
     state = prefilled(model, 150, gen)
     model.prefill([9, 10], state)  # grown in place: the records live in a buffer with spare rows
-    arena = DecodeArena(model.config, torch.device("cpu"), "reference", initial_blocks=4)
+    arena = PagedArena(model.config, torch.device("cpu"), "reference", initial_blocks=4)
     arena.reserve(state, state.position)
     assert arena.num_free < arena.num_blocks
     state.release_paged()
@@ -374,7 +428,100 @@ def test_preemption_on_the_paged_path(policy: str, pair: tuple[CEDModel, Drafter
         assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
         rig.assert_all_free()
     assert got["reference"] == got["off"]
-    arena = model.decode_arena
+    arena = model.paged_arena
     assert arena is not None
     gc.collect()
     assert arena.num_free == arena.num_blocks
+
+
+# ---------------------------------------------------------------- chunks on their own (`attend_one`)
+
+CHUNK_ATOL = 2e-5
+"""Dense vs paged reference attention of one layer from the same inputs (float32, values of O(1);
+seen ~1e-6: the same terms summed in another order)."""
+
+
+class LayerTwins:
+    """Runs every dense `Attention.attend_one` call a second time on the paged path, from the same
+    inputs and the same layer state: a twin of the chunk's state is given the dense state's window and
+    records before each layer. Layer by layer, so the FP4 rounding of records written from slightly
+    different activations (which end-to-end comparisons of long chunks would amplify) cannot hide a
+    wrong window slot, pick or row behind a loose bound."""
+
+    def __init__(self, model: CEDModel, monkeypatch: pytest.MonkeyPatch) -> None:
+        from cedserve.model.attention import Attention
+
+        self.arena = PagedArena(model.config, torch.device("cpu"), "reference")
+        self.twins: dict[int, tuple[object, SequenceState, PagedPass]] = {}
+        self.calls: list[tuple[int, int, float]] = []  # (layer, rows, worst difference)
+        dense = Attention.attend_one
+
+        def checked(attn: Attention, x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor,
+                    kv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+            if ctx.paged is not None:  # a paged pass of the model itself
+                return dense(attn, x, q_residual, q, kv, ctx)
+            twin_ctx = self._twin(attn.spec.layer_id, ctx)
+            want = dense(attn, x, q_residual, q, kv, ctx)
+            got = dense(attn, x, q_residual, q, kv, twin_ctx)
+            self._compare(attn.spec.layer_id, ctx.state, twin_ctx.state, want, got)
+            return want
+
+        monkeypatch.setattr(Attention, "attend_one", checked)
+
+    def _twin(self, layer: int, ctx: ForwardContext) -> ForwardContext:
+        known = self.twins.get(id(ctx))
+        if known is None or known[0] is not ctx:
+            twin = copy.deepcopy(ctx.state)
+            rows = int(ctx.positions.shape[0])
+            pass_ = PagedPass.build(self.arena, [twin], [rows], [ctx.start], [0], rows, torch.device("cpu"))
+            known = self.twins[id(ctx)] = (ctx, twin, pass_)
+        _, twin, pass_ = known
+        dense = ctx.state
+        twin.swa[layer] = dense.swa[layer]
+        for source, kv in dense.global_kv.items():  # the dense state's records, copied to the arena again
+            twin.global_kv[source].set_records(kv.main.clone(), kv.index_keys.clone())
+            twin.global_kv[source].pending = kv.pending
+            self.arena.sync([twin], source)
+        return ForwardContext(ctx.positions, ctx.rope, twin, write_global_kv=ctx.write_global_kv, paged=pass_)
+
+    def _compare(self, layer: int, dense: SequenceState, twin: SequenceState, want: torch.Tensor,
+                 got: torch.Tensor) -> None:
+        worst = float((got - want).abs().max()) if want.numel() else 0.0
+        self.calls.append((layer, int(want.shape[0]), worst))
+        torch.testing.assert_close(got, want, atol=CHUNK_ATOL, rtol=0, msg=f"layer {layer}, {want.shape[0]} rows")
+        assert torch.equal(twin.swa[layer], dense.swa[layer]), layer
+        kv = dense.global_kv.get(layer)
+        if kv is not None:  # a KV source: appended (or, on a replay, its partial group rebuilt) alike
+            mine = twin.global_kv[layer]
+            assert torch.equal(mine.main, kv.main) and torch.equal(mine.index_keys, kv.index_keys), layer
+            assert mine.pending.kv.shape == kv.pending.kv.shape, layer
+            torch.testing.assert_close(mine.pending.kv, kv.pending.kv, atol=0, rtol=0)
+
+
+def test_chunks_on_the_paged_path_attend_as_the_dense_path(pair: tuple[CEDModel, Drafter],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill chunks of many lengths (across the window of 8, m = 2 groups, 64-token arena blocks,
+    the candidate blocks and top-8), `encode_chunk` + `replay_decoder` (the prefill worker), a replay
+    (a decode worker's join) and the long chunk of a `forward_batch` (an alone item): each layer's
+    paged attention equals the dense one from the same inputs."""
+    model, _ = pair
+    twins = LayerTwins(model, monkeypatch)
+    gen = torch.Generator().manual_seed(21)
+    tokens = torch.randint(3, 500, (700,), generator=gen).tolist()
+    state = model.new_state()
+    at = 0
+    for n in (1, 7, 33, 100, 300):
+        model.prefill(tokens[at : at + n], state)
+        at += n
+    encoded = model.new_state()
+    boundary = [model.encode_chunk(tokens[i : i + 150], encoded).boundary for i in (0, 150)]
+    model.replay_decoder(boundary[1], encoded)
+    model.replay(tokens[at - 40 : at], state)
+    other = model.new_state()
+    model.prefill(tokens[:5], other)
+    model.forward_batch([BatchItem(tokens[at : at + 45], state), BatchItem([9], other)])
+    layers = {layer for layer, _, _ in twins.calls}
+    assert layers == set(range(model.config.num_hidden_layers))
+    assert {rows for _, rows, _ in twins.calls} >= {1, 7, 33, 100, 300, 150, 40, 45}
+    assert twins.arena.copied_entries > 0
+    print(f"{len(twins.calls)} layer calls, worst difference {max(w for _, _, w in twins.calls):.3g}")
