@@ -57,6 +57,7 @@ from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Draft, DraftState
+from cedserve.model.kernel_warmup import WarmupReport, warm_up_decode
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
 from cedserve.model.paged_attention import enable_paged_attention
@@ -110,6 +111,7 @@ class DecodeEngine:
         self._probe_digests = ProbeDigests()  # checks whose bytes are hashed off this thread
         self._stop = StopCheck(detokenize) if detokenize is not None else None
         self._arrivals = 0
+        self.warmup = self._warm_up(lookahead)
         self._offloaded_bytes = 0
         self._eos = self._eos_ids()
         self.draining = False
@@ -348,6 +350,20 @@ class DecodeEngine:
         lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows),
                                         torch.tensor(limits))
         return [int(j) for j in lengths]
+
+    def _warm_up(self, lookahead: int) -> WarmupReport | None:
+        """Compile the kernels' variants before serving (`cedserve.model.kernel_warmup`): on CUDA with
+        the kernels on and `decode.kernel_warmup` set; every rank runs the same passes in step."""
+        if not self.config.kernel_warmup or self.paged_attention != "kernels":
+            return None
+        if self.model.embed.weight.device.type != "cuda":
+            return None
+        max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
+        moe: Callable[[MoE, torch.Tensor], torch.Tensor] = lambda ffn, x: ep_moe(self.ep, ffn, x)  # noqa: E731
+        report = warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead, moe)
+        log.info("kernel warm-up: %d passes in %.1f s (contexts %s, up to %d rows)", report.passes, report.seconds,
+                 report.contexts, max(report.rows))
+        return report
 
     def _plan(self, running: list[DecodeSequence], drafts: list[Draft | None]) -> tuple[list[SeqPlan], list[BatchItem]]:
         plans: list[SeqPlan] = []

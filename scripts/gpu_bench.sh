@@ -49,7 +49,7 @@ case "$MODE" in
   prefill-paged|prefill-paged-released)
     released=(); [ "$MODE" = prefill-paged-released ] && released=(--released-attention)
     timeout "$LIMIT_S" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 "${released[@]}" \
-      --tokens ${TOKENS:-4096 32768 131072} --chunk-tokens 2048 --attention off kernels --repeats 2 --skip-all-layers \
+      --tokens ${TOKENS:-4096 32768 131072} --chunk-tokens 2048 --attention ${ATTENTION:-off kernels} --repeats 2 --skip-all-layers \
       --time-budget-s "$BUDGET_S" --note "$NOTE; prefill attention dense vs kernels; one GPU" \
       --out "$OUT/$MODE.json" 2>&1 | grep -v NIXL | tee "$OUT/$MODE.log" ;;
   decode-short) decode "$MODE" --contexts 4096 16384 --batches 1 8 32 ;;

@@ -525,3 +525,47 @@ def test_chunks_on_the_paged_path_attend_as_the_dense_path(pair: tuple[CEDModel,
     assert {rows for _, rows, _ in twins.calls} >= {1, 7, 33, 100, 300, 150, 40, 45}
     assert twins.arena.copied_entries > 0
     print(f"{len(twins.calls)} layer calls, worst difference {max(w for _, _, w in twins.calls):.3g}")
+
+
+# ---------------------------------------------------------------- kernel warm-up
+
+def test_kernel_warmup_runs_the_paged_path_and_gives_everything_back(pair: tuple[CEDModel, Drafter]) -> None:
+    """`warm_up_decode` / `warm_up_prefill` over synthetic sequences (zero records at each context):
+    the paged path runs (entries copied into the arena), the reported grid is what was asked, and
+    every arena block comes back. The compile savings are measured on the GPU
+    (`benchmarks/kernel_warmup.py`); here the reference backend stands in for the kernels."""
+    from cedserve.model.kernel_warmup import contexts_to_visit, rows_to_visit, synthetic_state, warm_up_decode, \
+        warm_up_prefill
+
+    model, _ = pair
+    unit = arena_block_size(model.config)
+    assert contexts_to_visit(model, 1000, first=256) == [256, 512, 1000 // unit * unit]
+    assert rows_to_visit(3) == [1, 2, 3] and rows_to_visit(500)[-3:] == [68, 80, 81]
+    state = synthetic_state(model, 512)
+    assert state.position == 512 and all(kv.num_entries == 512 // kv.ratio for kv in state.global_kv.values())
+    assert all(w.shape[0] == model.config.sliding_window - 1 for w in state.swa.values())
+    with pytest.raises(ValueError, match="not on the paged attention path"):
+        warm_up_decode(model, 1000, 2)
+    arena = model.use_paged_attention("reference")
+    assert arena is not None
+    lines: list[str] = []
+    report = warm_up_decode(model, 1000, 3, report=lines.append, first_context=256)
+    assert report.passes == 3 + 3 == len(lines) and report.rows == [1, 2, 3]
+    assert "6/6 passes" in lines[-1]
+    copied = arena.copied_entries
+    assert copied > 0
+    report = warm_up_prefill(model, 1000, 128, 32, report=lines.append, first_context=256)
+    assert report.contexts[0] == 0 and report.contexts[-1] + 128 <= 1000
+    assert arena.copied_entries > copied
+    gc.collect()
+    assert arena.num_free == arena.num_blocks  # the synthetic sequences are gone, their blocks back
+    with pytest.raises(ValueError, match="multiple of every ratio"):
+        synthetic_state(model, 513)
+
+
+def test_engines_warm_up_only_the_kernels_on_cuda(pair: tuple[CEDModel, Drafter]) -> None:
+    """On a CPU (the reference backend or dense) there is nothing to compile: no warm-up runs."""
+    from decode_support import Rig
+
+    model, _ = pair
+    assert Rig(model, None, paged_attention="reference").engine.warmup is None

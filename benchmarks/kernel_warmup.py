@@ -1,0 +1,102 @@
+"""Kernel warm-up: what a worker's first passes cost with and without compiling the variants first.
+
+Triton compiles a kernel variant on its first launch, so without a warm-up the first pass at a new
+batch size or power of two of the context stalls (`cedserve.model.kernel_warmup`). This script builds
+the preset on the paged kernels path, optionally runs `warm_up_decode` (timed), then runs decode
+passes over synthetic sequences at the `--probe` cells (context:rows, chosen off the warm-up's
+grid), each twice: the first pass's excess over the second is the stall a request would have met.
+Run it in a process with an empty Triton cache (`TRITON_CACHE_DIR`), once with `--warmup` and once
+without, to compare:
+
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/kernel_warmup.py --device cuda --warmup --out a.json
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/kernel_warmup.py --device cuda --out b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cedserve.model import presets
+from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+from cedserve.model.kernel_warmup import synthetic_state, warm_up_decode
+from cedserve.model.network import BatchItem, CEDModel
+from cedserve.model.paged_attention import arena_block_size
+from cedserve.model.tokenizer import tiny_tokenizer_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_pass(model: CEDModel, states: list[Any], device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    model.forward_batch([BatchItem([3], s) for s in states])
+    sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini-40")
+    p.add_argument("--released-attention", action="store_true")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default="kernels", choices=["kernels", "reference"])
+    p.add_argument("--max-context", type=int, default=131072)
+    p.add_argument("--max-rows", type=int, default=68)
+    p.add_argument("--warmup", action="store_true", help="run warm_up_decode first (timed)")
+    p.add_argument("--probe", nargs="+", default=["6000:3", "20000:23", "50000:45", "100000:7", "9000:61"],
+                   help="context:rows cells to time (off the warm-up's powers of two)")
+    p.add_argument("--note", default="")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    config = fit_config_to_tokenizer(presets.preset(args.preset), tiny_tokenizer_path())
+    config = presets.released_attention(config) if args.released_attention else config
+    config = presets.stretch_context(config, args.max_context + 64)
+    model, _ = random_model(config, tiny_tokenizer_path(), 0)
+    model = model.to(args.device)
+    model.use_paged_attention(args.backend)
+    unit = arena_block_size(config)
+    result: dict[str, Any] = {
+        "benchmark": "kernel_warmup", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *(argv or sys.argv[1:])]),
+        "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "preset": args.preset, "released_attention": args.released_attention,
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"), "warmup": None, "note": args.note, "probes": []}
+    if args.warmup:
+        report = warm_up_decode(model, args.max_context, args.max_rows, report=print)
+        result["warmup"] = {"passes": report.passes, "seconds": round(report.seconds, 2),
+                            "contexts": report.contexts, "rows": [report.rows[0], report.rows[-1]]}
+    print(f"{'context':>8} {'rows':>5} {'first ms':>9} {'second ms':>10} {'stall ms':>9}")
+    for cell in args.probe:
+        context, rows = (int(v) for v in cell.split(":"))
+        context = context // unit * unit
+        states = [synthetic_state(model, context) for _ in range(rows)]
+        first = timed_pass(model, states, args.device)
+        second = timed_pass(model, states, args.device)
+        row = {"context": context, "rows": rows, "first_ms": round(first, 1), "second_ms": round(second, 1),
+               "stall_ms": round(first - second, 1)}
+        result["probes"].append(row)
+        print(f"{context:>8} {rows:>5} {first:>9.1f} {second:>10.1f} {first - second:>9.1f}", flush=True)
+        del states
+    result["total_stall_ms"] = round(sum(r["stall_ms"] for r in result["probes"]), 1)
+    print(f"total stall: {result['total_stall_ms']} ms")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
