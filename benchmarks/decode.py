@@ -168,7 +168,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "bench", device)
     config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
                           adaptive_verify=False, draft_tokens=draft_tokens, device=device,
-                          paged_attention=attention)
+                          paged_attention=attention, kernel_warmup=False)  # per cell: --warmup-steps instead
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
     for i in range(batch):

@@ -251,7 +251,8 @@ def new_cell(model: CEDModel, drafter: Drafter, prompts: list[Tensor], mode: str
     cache = KVCacheManager(layout, KVCacheConfig(block_size=block, num_blocks=num_blocks), "demo-eval", device)
     adaptive = mode == "batched+cost-check"
     config = DecodeConfig(block_size=block, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
-                          adaptive_verify=adaptive, draft_tokens=draft_tokens, device=device)
+                          adaptive_verify=adaptive, draft_tokens=draft_tokens, device=device,
+                          kernel_warmup=False)  # an engine per cell; its warm-up rounds compile the kernels
     kind = PerSequenceProposer if mode == "per-sequence" else DSparkProposer
     timed = TimedProposer(kind(drafter, model, draft_tokens), device, cost_check=adaptive) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=timed)

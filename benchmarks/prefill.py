@@ -104,7 +104,8 @@ def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, devic
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=len(tokens) // BLOCK + 4),
                            "bench", device)
     config = PrefillWorkerConfig(worker_id="bench", chunk_tokens=chunk, step_token_budget=chunk, replay_span=span,
-                                 device=device, paged_attention=attention)
+                                 device=device, paged_attention=attention,
+                                 kernel_warmup=False)  # an engine per run: --repeats shows the first run's compiles
     engine = PrefillEngine(model, cache, None, config)
     limits = RequestLimits(model.config.vocab_size, len(tokens), BLOCK, span, "bench")
     spec = validate_prefill(wpb.PrefillRequest(request_id="bench", token_ids=tokens), limits)

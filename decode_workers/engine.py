@@ -353,15 +353,15 @@ class DecodeEngine:
 
     def _warm_up(self, lookahead: int) -> WarmupReport | None:
         """Compile the kernels' variants before serving (`cedserve.model.kernel_warmup`): on CUDA with
-        the kernels on and `decode.kernel_warmup` set; every rank runs the same passes in step."""
+        the kernels on and `decode.kernel_warmup` set (attention calls only: no collective, so each
+        expert-parallel rank warms up on its own)."""
         if not self.config.kernel_warmup or self.paged_attention != "kernels":
             return None
         if self.model.embed.weight.device.type != "cuda":
             return None
         max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
-        moe: Callable[[MoE, torch.Tensor], torch.Tensor] = lambda ffn, x: ep_moe(self.ep, ffn, x)  # noqa: E731
-        report = warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead, moe)
-        log.info("kernel warm-up: %d passes in %.1f s (contexts %s, up to %d rows)", report.passes, report.seconds,
+        report = warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead)
+        log.info("kernel warm-up: %d cells in %.1f s (contexts %s, up to %d rows)", report.passes, report.seconds,
                  report.contexts, max(report.rows))
         return report
 

@@ -1,15 +1,18 @@
 """Compile the kernels' variants before a worker serves, instead of on a request's first launch.
 
 Triton compiles a kernel variant the first time it is launched: the sparse attention has one per
-split count (which follows the rows of a pass), the index scan and the top-k one per power of two of
-the context, and integer arguments are specialised on divisibility by 16. On the H200 each compile
-stalls the engine for 0.5-5 s, and a decode worker meets them one by one as its batches and contexts
-grow (`docs/benchmarks/decode-paged-*.json`, `warmup_ms_each`: up to 11 s in one step).
+split count (which follows the rows of a call), the index scan's tiles and the top-k's early exit
+follow rows x context, the top-k's block width the power of two of the context, and integer
+arguments are specialised on divisibility by 16. On the H200 each compile stalls the engine for
+0.5-5 s, and a worker meets them one by one as its batches and contexts grow (without a warm-up,
+five decode cells stalled 48.5 s in all: `docs/benchmarks/kernel-warmup-h200-cold.json`).
 
-A warm-up runs the model's real paged path, so it meets the variants serving will, over synthetic
-sequences whose records are zeros: no prompt has to be prefilled to reach a long context, and the
-outputs are thrown away. Compiled kernels land in Triton's cache (`TRITON_CACHE_DIR`; the Helm chart
-keeps it in a volume of its own), so a restarted worker's warm-up mostly loads them.
+The warm-up makes the paged path's own kernel calls (`PagedPass.select` for every index source in
+layer order, `PagedPass.attend` for every layer) over synthetic sequences whose records are zeros,
+for a grid of cells (context x rows): no prompt is prefilled to reach a long context, no projection
+or MoE runs, and a cell whose kernels are already compiled costs milliseconds. Compiled kernels land
+in Triton's cache (`TRITON_CACHE_DIR`; the Helm chart keeps it in a volume of its own), so a
+restarted worker's warm-up mostly loads them.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cedserve.model.block import MoEFn, local_moe
-from cedserve.model.network import BatchItem, CEDModel
-from cedserve.model.paged_attention import arena_block_size
+from cedserve.model.config import AttentionMode
+from cedserve.model.network import CEDModel
+from cedserve.model.paged_attention import PagedPass, arena_block_size
 from cedserve.model.state import SequenceState
 
 log = logging.getLogger(__name__)
@@ -77,67 +80,95 @@ class _Progress:
     def __init__(self, what: str, total: int, report: Callable[[str], None] | None) -> None:
         self.what, self.total, self.done, self.started = what, total, 0, time.monotonic()
         self.report = report or log.info
+        self.every = max(1, total // 20)
 
     def step(self, detail: str) -> None:
         self.done += 1
-        self.report(f"kernel warm-up ({self.what}): {self.done}/{self.total} passes, {detail}, "
-                    f"{time.monotonic() - self.started:.1f} s")
+        if self.done % self.every == 0 or self.done == self.total:
+            self.report(f"kernel warm-up ({self.what}): {self.done}/{self.total} cells, {detail}, "
+                        f"{time.monotonic() - self.started:.1f} s")
 
 
-def rows_to_visit(max_rows: int) -> list[int]:
-    """Pass sizes whose attention may compile a variant of its own: every count up to 68 (past 66 rows
-    one wave of programs needs no key splits at the released or mini-40 widths, so the split count
-    stops changing), then one multiple of 16 and one other (integer arguments are specialised on
-    divisibility by 16)."""
-    return [n for n in (*range(1, 69), 80, 81) if n <= max_rows]
+@dataclass(frozen=True)
+class Cell:
+    """One warm-up call set: `items` sequences at `context` tokens, each adding `rows` rows."""
+
+    context: int
+    items: int
+    rows: int
 
 
-def warm_up_decode(model: CEDModel, max_context: int, max_rows: int, moe: MoEFn = local_moe,
-                   report: Callable[[str], None] | None = None, first_context: int = FIRST_CONTEXT) -> WarmupReport:
-    """Decode passes through `forward_batch` (one token per sequence; `moe` as the engine passes it, so
-    expert-parallel ranks warm up in step): one row at each of `contexts_to_visit`, then each of
-    `rows_to_visit(max_rows)` rows at the first context. Needs the paged path on."""
+def run_cell(model: CEDModel, cell: Cell, state: SequenceState) -> None:
+    """The paged path's kernel calls for one pass of `cell` (every item a view of `state`), layer by
+    layer as the model makes them: an index source's picks, then the layer's attention; zero queries."""
+    arena = model.paged_arena
+    assert arena is not None
+    config, device, dtype = model.config, model.embed.weight.device, model.embed.weight.dtype
+    states = [state] * cell.items
+    sizes, starts = [cell.rows] * cell.items, [cell.context] * cell.items
+    offsets = [i * cell.rows for i in range(cell.items)]
+    total = cell.items * cell.rows
+    pass_ = PagedPass.build(arena, states, sizes, starts, offsets, total, device)
+    window = [torch.cat([state.swa[0], state.swa[0].new_zeros(cell.rows, state.swa[0].shape[1])])] * cell.items
+    index_q = torch.zeros(total, config.index_n_heads, config.index_head_dim, device=device, dtype=dtype)
+    weights = torch.zeros(total, config.index_n_heads, device=device)
+    q = torch.zeros(total, config.num_attention_heads, config.head_dim, device=device, dtype=dtype)
+    scale = config.head_dim**-0.5
+    for spec in config.layer_plan:  # in layer order, as the model: the candidate pool before Reindex layers
+        if spec.mode in (AttentionMode.FULL, AttentionMode.REINDEX) and spec.kv_layer is not None:
+            pass_.select(spec.layer_id, spec.kv_layer, spec.compress_ratio, index_q, weights)
+        sink = model.layers[spec.layer_id].attn.attn_sink  # type: ignore[union-attr]
+        kv_layer = spec.kv_layer if spec.compress_ratio else None
+        index_layer = spec.index_layer if spec.compress_ratio else None
+        pass_.attend(q, sink, window, config.sliding_window, kv_layer, index_layer, scale)
+
+
+def warm_up(model: CEDModel, cells: list[Cell], what: str,
+            report: Callable[[str], None] | None = None) -> WarmupReport:
+    """Run `cells` (one synthetic sequence per context, shared by the cell's items). Needs the paged
+    path on (`use_paged_attention`)."""
     if model.paged_arena is None:
         raise ValueError("kernel warm-up: the model is not on the paged attention path")
     started = time.monotonic()
-    contexts = contexts_to_visit(model, max_context, first_context)
-    rows = rows_to_visit(max_rows)
-    progress = _Progress("decode", len(contexts) + len(rows), report)
-    for context in contexts:
-        state = synthetic_state(model, context)
-        model.forward_batch([BatchItem([WARMUP_TOKEN], state)], moe)
-        del state
-        progress.step(f"context {context:,}")
-    states = [synthetic_state(model, contexts[0]) for _ in range(max_rows)]
-    for n in rows:
-        model.forward_batch([BatchItem([WARMUP_TOKEN], s) for s in states[:n]], moe)
-        progress.step(f"{n} rows")
-    del states
+    progress = _Progress(what, len(cells), report)
+    with torch.no_grad():
+        for context in sorted({c.context for c in cells}):
+            state = synthetic_state(model, context)
+            for cell in (c for c in cells if c.context == context):
+                run_cell(model, cell, state)
+                progress.step(f"context {context:,}, {cell.items} x {cell.rows} rows")
+            del state
     _settle(model)
-    return WarmupReport(progress.done, time.monotonic() - started, contexts, rows)
+    contexts = sorted({c.context for c in cells})
+    rows = sorted({c.items * c.rows for c in cells})
+    return WarmupReport(len(cells), time.monotonic() - started, contexts, rows)
+
+
+def rows_to_visit(max_rows: int) -> list[int]:
+    """Pass sizes whose calls may compile variants of their own: every count up to 68 (past 66 rows
+    one wave of attention programs needs no key splits at the released or mini-40 widths), then one
+    multiple of 16 and one other (integer arguments are specialised on divisibility by 16)."""
+    return [n for n in (*range(1, 69), 80, 81) if n <= max_rows]
+
+
+def warm_up_decode(model: CEDModel, max_context: int, max_rows: int,
+                   report: Callable[[str], None] | None = None, first_context: int = FIRST_CONTEXT) -> WarmupReport:
+    """Decode passes: every pass size of `rows_to_visit(max_rows)` (one row per sequence) at every
+    context of `contexts_to_visit` (the index scan's tiles and the top-k's early exit follow rows x
+    context)."""
+    cells = [Cell(c, n, 1) for c in contexts_to_visit(model, max_context, first_context)
+             for n in rows_to_visit(max_rows)]
+    return warm_up(model, cells, "decode", report)
 
 
 def warm_up_prefill(model: CEDModel, max_context: int, chunk_tokens: int, replay_span: int,
                     report: Callable[[str], None] | None = None, first_context: int = FIRST_CONTEXT) -> WarmupReport:
-    """What a prefill worker runs for a prompt, at each context of `contexts_to_visit`: one
-    `encode_chunk` of `chunk_tokens` (the encoder's variants at that context), then the decoder replay
-    over its last `replay_span` tokens. Needs the paged path on (chunks included)."""
-    if model.paged_arena is None or not model.paged_chunks:
-        raise ValueError("kernel warm-up: the model's chunks are not on the paged attention path")
-    started = time.monotonic()
+    """A prompt's calls at each context of `contexts_to_visit` (from an empty sequence): a chunk of
+    `chunk_tokens` rows, and the decoder replay's `replay_span`."""
     room = max_context - chunk_tokens  # the longest context a whole chunk still fits after
     longer = contexts_to_visit(model, room, first_context) if room > arena_block_size(model.config) else []
-    contexts = [0, *longer]
-    progress = _Progress("prefill", len(contexts), report)
-    tokens = [WARMUP_TOKEN] * chunk_tokens
-    for context in contexts:
-        state = synthetic_state(model, context)
-        encoded = model.encode_chunk(tokens, state)
-        model.replay_decoder(encoded.boundary.last(replay_span), state)
-        del state, encoded
-        progress.step(f"context {context:,} + {chunk_tokens:,}")
-    _settle(model)
-    return WarmupReport(progress.done, time.monotonic() - started, contexts, [chunk_tokens, replay_span])
+    cells = [Cell(c, 1, n) for c in (0, *longer) for n in sorted({chunk_tokens, replay_span})]
+    return warm_up(model, cells, "prefill", report)
 
 
 def _settle(model: CEDModel) -> None:

@@ -534,8 +534,13 @@ def test_kernel_warmup_runs_the_paged_path_and_gives_everything_back(pair: tuple
     the paged path runs (entries copied into the arena), the reported grid is what was asked, and
     every arena block comes back. The compile savings are measured on the GPU
     (`benchmarks/kernel_warmup.py`); here the reference backend stands in for the kernels."""
-    from cedserve.model.kernel_warmup import contexts_to_visit, rows_to_visit, synthetic_state, warm_up_decode, \
-        warm_up_prefill
+    from cedserve.model.kernel_warmup import (
+        contexts_to_visit,
+        rows_to_visit,
+        synthetic_state,
+        warm_up_decode,
+        warm_up_prefill,
+    )
 
     model, _ = pair
     unit = arena_block_size(model.config)
@@ -550,8 +555,8 @@ def test_kernel_warmup_runs_the_paged_path_and_gives_everything_back(pair: tuple
     assert arena is not None
     lines: list[str] = []
     report = warm_up_decode(model, 1000, 3, report=lines.append, first_context=256)
-    assert report.passes == 3 + 3 == len(lines) and report.rows == [1, 2, 3]
-    assert "6/6 passes" in lines[-1]
+    assert report.passes == 3 * 3 == len(lines) and report.rows == [1, 2, 3]  # contexts x pass sizes
+    assert "9/9 cells" in lines[-1]
     copied = arena.copied_entries
     assert copied > 0
     report = warm_up_prefill(model, 1000, 128, 32, report=lines.append, first_context=256)
@@ -569,3 +574,36 @@ def test_engines_warm_up_only_the_kernels_on_cuda(pair: tuple[CEDModel, Drafter]
 
     model, _ = pair
     assert Rig(model, None, paged_attention="reference").engine.warmup is None
+
+
+def test_warmup_cell_makes_the_calls_of_a_real_pass(pair: tuple[CEDModel, Drafter],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up cell must launch what the model's pass of the same shape launches, or it compiles the
+    wrong variants: the same index and attention calls, in order, with the same shapes and dtypes."""
+    from cedserve.model import paged_attention
+    from cedserve.model.kernel_warmup import Cell, run_cell, synthetic_state
+
+    model, _ = pair
+    model.use_paged_attention("reference")
+    calls: list[tuple[object, ...]] = []
+    select, attend = paged_attention.PagedPass.select, paged_attention.PagedPass.attend
+
+    def seen_select(pass_: PagedPass, layer: int, kv_layer: int, ratio: int, q: torch.Tensor,
+                    weights: torch.Tensor) -> None:
+        calls.append(("select", layer, kv_layer, ratio, tuple(q.shape), q.dtype, tuple(weights.shape)))
+        select(pass_, layer, kv_layer, ratio, q, weights)
+
+    def seen_attend(pass_: PagedPass, q: torch.Tensor, sink: torch.Tensor, records: list[torch.Tensor], window: int,
+                    kv_layer: int | None, index_layer: int | None, scale: float) -> torch.Tensor:
+        calls.append(("attend", kv_layer, index_layer, tuple(q.shape), q.dtype, [tuple(r.shape) for r in records],
+                      window, scale))
+        return attend(pass_, q, sink, records, window, kv_layer, index_layer, scale)
+
+    monkeypatch.setattr(paged_attention.PagedPass, "select", seen_select)
+    monkeypatch.setattr(paged_attention.PagedPass, "attend", seen_attend)
+    for items, rows in ((3, 1), (1, 40)):  # a decode pass; a prefill chunk on its own
+        model.forward_batch([BatchItem([5] * rows, synthetic_state(model, 512)) for _ in range(items)])
+        real, calls[:] = list(calls), []
+        run_cell(model, Cell(512, items, rows), synthetic_state(model, 512))
+        assert calls == real and len(real) > model.config.num_hidden_layers
+        calls.clear()
