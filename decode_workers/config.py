@@ -85,11 +85,11 @@ class DecodeConfig:
     device, "reference" elsewhere (on a 2-core CPU 2.2-4x the dense path's tokens/s at 8K, x0.85-1.1
     at 2K), "off" when the model's widths do not suit the kernels."""
     kernel_warmup: bool = True
-    """With the kernels on CUDA (`paged_attention`), compile their variants before serving: decode
-    passes over synthetic sequences at each power of two of the context up to the block pool's and
-    each pass size that picks its own attention variant (`cedserve.model.kernel_warmup`). Readiness
-    waits for it; a first compile can take a minute, a restart with the Helm chart's kernel cache
-    mostly loads. False: each variant compiles on its first launch, stalling that step (0.5-5 s)."""
+    """With the kernels on CUDA (`paged_attention`), compile their variants before serving: the
+    paged path's kernel calls over synthetic sequences for every context (each power of two up to
+    the block pool's) x pass size (`cedserve.model.kernel_warmup`). Readiness waits for it: on an
+    H200 ~100 s with an empty Triton cache, ~10 s on a restart that kept it (the Helm chart's kernel
+    cache). False: each variant compiles on its first launch, stalling that step (0.5-15 s)."""
     idle_wait_s: float = 0.01
     """How long the engine loop waits for a command when idle (bounds how late it notices a finished
     transfer, an expired lease or a drain; a command wakes it at once)."""

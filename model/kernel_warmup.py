@@ -5,7 +5,8 @@ split count (which follows the rows of a call), the index scan's tiles and the t
 follow rows x context, the top-k's block width the power of two of the context, and integer
 arguments are specialised on divisibility by 16. On the H200 each compile stalls the engine for
 0.5-5 s, and a worker meets them one by one as its batches and contexts grow (without a warm-up,
-five decode cells stalled 48.5 s in all: `docs/benchmarks/kernel-warmup-h200-cold.json`).
+five decode cells stalled 40.5 s in all: `docs/benchmarks/kernel-warmup-h200-cold.json`; after this
+warm-up 0.34 s).
 
 The warm-up makes the paged path's own kernel calls (`PagedPass.select` for every index source in
 layer order, `PagedPass.attend` for every layer) over synthetic sequences whose records are zeros,

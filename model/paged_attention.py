@@ -90,7 +90,7 @@ def enable_paged_attention(model: CEDModel, mode: str, field_name: str, cpu_auto
     in errors); returns the path taken: "kernels", "reference" or "off". "auto": the kernels for every
     chunk on a CUDA device; on a CPU `cpu_auto`, for decode and verify groups only (the torch
     references beat the dense path there from a few thousand tokens of context, but a long chunk's
-    per-row key gathers are slower than the dense path's shared keys: 4-6x on mini-40 at 4K);
+    per-row key gathers are slower than the dense path's shared keys: 2.0-2.7x on mini-40 at 2K-4K);
     "off" when the model's widths do not suit the kernels. An explicit path the model cannot take is
     an error."""
     if mode not in MODES:

@@ -75,10 +75,11 @@ class PrefillWorkerConfig:
     path (every compressed entry dequantized and masked for every token of a chunk). "auto":
     "kernels" on a CUDA device, "off" elsewhere or when the model's widths do not suit the kernels."""
     kernel_warmup: bool = True
-    """With the kernels on CUDA (`paged_attention`), compile their variants before serving: one chunk
-    and one decoder replay over synthetic sequences at each power of two of the context up to the
-    prompt limit (`cedserve.model.kernel_warmup`). Readiness waits for it. False: each variant
-    compiles on its first launch, stalling that chunk (0.5-5 s)."""
+    """With the kernels on CUDA (`paged_attention`), compile their variants before serving: the
+    paged path's kernel calls of a chunk and of the decoder replay over synthetic sequences at each
+    power of two of the context up to the prompt limit (`cedserve.model.kernel_warmup`). Readiness
+    waits for it. False: each variant compiles on its first launch, stalling that chunk (up to 5 s
+    on an H200)."""
     idle_poll_s: float = 0.02
     """Engine loop wait when it has nothing to compute."""
 
