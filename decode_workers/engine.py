@@ -54,10 +54,10 @@ from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, St
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
 from cedserve.kv_transfer.protocol import TransferEndpoint
+from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Draft, DraftState
-from cedserve.model.kernel_warmup import WarmupReport, warm_up_decode
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
 from cedserve.model.paged_attention import enable_paged_attention
@@ -351,16 +351,14 @@ class DecodeEngine:
                                         torch.tensor(limits))
         return [int(j) for j in lengths]
 
-    def _warm_up(self, lookahead: int) -> WarmupReport | None:
+    def _warm_up(self, lookahead: int) -> kernel_warmup.WarmupReport | None:
         """Compile the kernels' variants before serving (`cedserve.model.kernel_warmup`): on CUDA with
         the kernels on and `decode.kernel_warmup` set (attention calls only: no collective, so each
         expert-parallel rank warms up on its own)."""
-        if not self.config.kernel_warmup or self.paged_attention != "kernels":
-            return None
-        if self.model.embed.weight.device.type != "cuda":
+        if not self.config.kernel_warmup or not kernel_warmup.wanted(self.model, self.paged_attention):
             return None
         max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
-        report = warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead)
+        report = kernel_warmup.warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead)
         log.info("kernel warm-up: %d cells in %.1f s (contexts %s, up to %d rows)", report.passes, report.seconds,
                  report.contexts, max(report.rows))
         return report

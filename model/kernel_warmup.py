@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cedserve.model.attention import Attention
 from cedserve.model.config import AttentionMode
 from cedserve.model.network import CEDModel
 from cedserve.model.paged_attention import PagedPass, arena_block_size
@@ -43,6 +44,12 @@ class WarmupReport:
     seconds: float
     contexts: list[int]
     rows: list[int]
+
+
+def wanted(model: CEDModel, paged_attention: str) -> bool:
+    """Whether a worker on this path has kernels to compile: the Triton kernels on a CUDA device (the
+    references and the dense path compile nothing; the interpreter compiles nothing either)."""
+    return paged_attention == "kernels" and model.embed.weight.device.type == "cuda"
 
 
 def contexts_to_visit(model: CEDModel, max_context: int, first: int = FIRST_CONTEXT) -> list[int]:
@@ -118,7 +125,9 @@ def run_cell(model: CEDModel, cell: Cell, state: SequenceState) -> None:
     for spec in config.layer_plan:  # in layer order, as the model: the candidate pool before Reindex layers
         if spec.mode in (AttentionMode.FULL, AttentionMode.REINDEX) and spec.kv_layer is not None:
             pass_.select(spec.layer_id, spec.kv_layer, spec.compress_ratio, index_q, weights)
-        sink = model.layers[spec.layer_id].attn.attn_sink  # type: ignore[union-attr]
+        attn = model.layers[spec.layer_id].attn
+        assert isinstance(attn, Attention)
+        sink = attn.attn_sink
         kv_layer = spec.kv_layer if spec.compress_ratio else None
         index_layer = spec.index_layer if spec.compress_ratio else None
         pass_.attend(q, sink, window, config.sliding_window, kv_layer, index_layer, scale)

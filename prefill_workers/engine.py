@@ -40,9 +40,9 @@ import torch
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.kv_transfer.protocol import KVSender
 from cedserve.kv_transfer.state import TransferResult, TransferState
+from cedserve.model import kernel_warmup
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager
-from cedserve.model.kernel_warmup import WarmupReport, warm_up_prefill
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
 from cedserve.model.paged_attention import enable_paged_attention
 from cedserve.model.paged_kv import load_state, store_bytes, store_records
@@ -109,16 +109,14 @@ class PrefillEngine:
         self.warmup = self._warm_up()
         self._publish_stats()
 
-    def _warm_up(self) -> WarmupReport | None:
+    def _warm_up(self) -> kernel_warmup.WarmupReport | None:
         """Compile the kernels' variants before serving (`cedserve.model.kernel_warmup`), on CUDA with
         the kernels on and `prefill.kernel_warmup` set."""
-        if not self.config.kernel_warmup or self.paged_attention != "kernels":
-            return None
-        if self.model.embed.weight.device.type != "cuda":
+        if not self.config.kernel_warmup or not kernel_warmup.wanted(self.model, self.paged_attention):
             return None
         config = self.config
         limit = config.prompt_limit(self.model.config.max_position_embeddings)
-        report = warm_up_prefill(self.model, limit, config.chunk_tokens, config.replay_span)
+        report = kernel_warmup.warm_up_prefill(self.model, limit, config.chunk_tokens, config.replay_span)
         log.info("kernel warm-up: %d cells in %.1f s (contexts %s)", report.passes, report.seconds, report.contexts)
         return report
 

@@ -568,12 +568,31 @@ def test_kernel_warmup_runs_the_paged_path_and_gives_everything_back(pair: tuple
         synthetic_state(model, 513)
 
 
-def test_engines_warm_up_only_the_kernels_on_cuda(pair: tuple[CEDModel, Drafter]) -> None:
-    """On a CPU (the reference backend or dense) there is nothing to compile: no warm-up runs."""
+def test_engines_warm_up_before_serving(pair: tuple[CEDModel, Drafter], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU there is nothing to compile, so no warm-up runs; where there is (here pretended, on
+    the reference backend), the decode engine warms up every pass size it can run at the contexts its
+    pool holds, the prefill engine its chunk and replay, both before taking work, and both give
+    every arena block back."""
     from decode_support import Rig
+    from test_prefill_engine import make_rig
+
+    from cedserve.model import kernel_warmup
+    from cedserve.serving import LoadedModel
 
     model, _ = pair
     assert Rig(model, None, paged_attention="reference").engine.warmup is None
+    monkeypatch.setattr(kernel_warmup, "wanted", lambda model, mode: mode != "off")
+    rig = Rig(model, None, paged_attention="reference", num_blocks=24)
+    report = rig.engine.warmup
+    assert report is not None and report.rows[0] == 1 and max(report.rows) == min(81, rig.engine.config.max_running_requests)
+    assert report.contexts[-1] < rig.engine.config.num_blocks * rig.engine.config.block_size
+    assert Rig(model, None, paged_attention="off").engine.warmup is None  # nothing to compile on the dense path
+    assert Rig(model, None, paged_attention="reference", kernel_warmup=False).engine.warmup is None
+    prefill = next(make_rig(LoadedModel(model, "tiny", "test"), "reference"))
+    assert prefill.engine.warmup is not None and prefill.engine.warmup.contexts[0] == 0
+    prefill.cache.close()
+    arena = model.paged_arena
+    assert arena is not None and arena.num_free == arena.num_blocks
 
 
 def test_warmup_cell_makes_the_calls_of_a_real_pass(pair: tuple[CEDModel, Drafter],
