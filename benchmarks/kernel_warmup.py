@@ -10,6 +10,10 @@ without, to compare:
 
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/kernel_warmup.py --device cuda --warmup --out a.json
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/kernel_warmup.py --device cuda --out b.json
+
+`--engines` instead builds a `PrefillEngine` (prompt limit `--max-context`) and a `DecodeEngine` (a
+pool of `--max-context` tokens, `--max-rows` requests) with their default `kernel_warmup` and
+reports what their warm-ups did and took: the workers' start-up path.
 """
 
 from __future__ import annotations
@@ -48,6 +52,44 @@ def timed_pass(model: CEDModel, states: list[Any], device: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def engines(model: CEDModel, args: argparse.Namespace) -> dict[str, Any]:
+    """Both workers' engines as their processes build them; their warm-ups run inside."""
+    from cedserve.decode_workers.config import DecodeConfig
+    from cedserve.decode_workers.engine import DecodeEngine
+    from cedserve.model.cache.config import KVCacheConfig
+    from cedserve.model.cache.layout import BlockLayout
+    from cedserve.model.cache.manager import KVCacheManager
+    from cedserve.prefill_workers.config import PrefillWorkerConfig
+    from cedserve.prefill_workers.engine import PrefillEngine
+
+    block = 64
+    blocks = -(-args.max_context // block)
+
+    def cache() -> KVCacheManager:
+        return KVCacheManager(BlockLayout.from_config(model.config, block),
+                              KVCacheConfig(block_size=block, num_blocks=blocks), "warmup", args.device)
+
+    out: dict[str, Any] = {}
+    start = time.monotonic()
+    prefill = PrefillEngine(model, cache(), None, PrefillWorkerConfig(worker_id="warmup", device=args.device,
+                                                                      max_prompt_tokens=args.max_context))
+    out["prefill"] = {"paged_attention": prefill.paged_attention, "seconds": round(time.monotonic() - start, 1),
+                      "warmup": None if prefill.warmup is None else vars(prefill.warmup)}
+    start = time.monotonic()
+    decode = DecodeEngine(DecodeConfig(block_size=block, num_blocks=blocks, max_running_requests=args.max_rows,
+                                       device=args.device), model, cache())
+    out["decode"] = {"paged_attention": decode.paged_attention, "seconds": round(time.monotonic() - start, 1),
+                     "warmup": None if decode.warmup is None else vars(decode.warmup)}
+    arena = model.paged_arena
+    out["arena_blocks_free_after"] = None if arena is None else [arena.num_free, arena.num_blocks]
+    if args.device.startswith("cuda"):
+        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    for name in ("prefill", "decode"):
+        print(f"{name}: {out[name]['paged_attention']}, engine built in {out[name]['seconds']} s, warm-up "
+              f"{out[name]['warmup']}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini-40")
@@ -59,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", action="store_true", help="run warm_up_decode first (timed)")
     p.add_argument("--probe", nargs="+", default=["6000:3", "20000:23", "50000:45", "100000:7", "9000:61"],
                    help="context:rows cells to time (off the warm-up's powers of two)")
+    p.add_argument("--engines", action="store_true", help="build both workers' engines (their warm-ups inside)")
     p.add_argument("--note", default="")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -67,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     config = presets.stretch_context(config, args.max_context + 64)
     model, _ = random_model(config, tiny_tokenizer_path(), 0)
     model = model.to(args.device)
-    model.use_paged_attention(args.backend)
+    if not args.engines:  # the engines choose their own path
+        model.use_paged_attention(args.backend)
     unit = arena_block_size(config)
     result: dict[str, Any] = {
         "benchmark": "kernel_warmup", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -75,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "preset": args.preset, "released_attention": args.released_attention,
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"), "warmup": None, "note": args.note, "probes": []}
+    if args.engines:
+        result["engines"] = engines(model, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.warmup:
         report = warm_up_decode(model, args.max_context, args.max_rows, report=print)
         result["warmup"] = {"passes": report.passes, "seconds": round(report.seconds, 2),
