@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.warmup:
         report = warm_up_decode(model, args.max_context, args.max_rows, report=print)
-        result["warmup"] = {"passes": report.passes, "seconds": round(report.seconds, 2),
+        result["warmup"] = {"cells": report.cells, "seconds": round(report.seconds, 2),
                             "contexts": report.contexts, "rows": [report.rows[0], report.rows[-1]]}
     print(f"{'context':>8} {'rows':>5} {'first ms':>9} {'second ms':>10} {'stall ms':>9}")
     for cell in args.probe:

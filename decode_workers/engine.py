@@ -359,7 +359,7 @@ class DecodeEngine:
             return None
         max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
         report = kernel_warmup.warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead)
-        log.info("kernel warm-up: %d cells in %.1f s (contexts %s, up to %d rows)", report.passes, report.seconds,
+        log.info("kernel warm-up: %d cells in %.1f s (contexts %s, up to %d rows)", report.cells, report.seconds,
                  report.contexts, max(report.rows))
         return report
 

@@ -18,6 +18,7 @@ restarted worker's warm-up mostly loads them.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -35,12 +36,13 @@ log = logging.getLogger(__name__)
 
 FIRST_CONTEXT = 4096
 """The shortest context visited: below it the picks are not yet top-k wide."""
-WARMUP_TOKEN = 3
 
 
 @dataclass
 class WarmupReport:
-    passes: int
+    """What a warm-up ran: how many cells, how long, which contexts and pass sizes (rows)."""
+
+    cells: int
     seconds: float
     contexts: list[int]
     rows: list[int]
@@ -183,8 +185,6 @@ def warm_up_prefill(model: CEDModel, max_context: int, chunk_tokens: int, replay
 
 def _settle(model: CEDModel) -> None:
     """Give back what the synthetic sequences took: their arena blocks and the memory they grew."""
-    import gc
-
     gc.collect()
     if model.paged_arena is not None:
         model.paged_arena.trim()

@@ -117,7 +117,7 @@ class PrefillEngine:
         config = self.config
         limit = config.prompt_limit(self.model.config.max_position_embeddings)
         report = kernel_warmup.warm_up_prefill(self.model, limit, config.chunk_tokens, config.replay_span)
-        log.info("kernel warm-up: %d cells in %.1f s (contexts %s)", report.passes, report.seconds, report.contexts)
+        log.info("kernel warm-up: %d cells in %.1f s (contexts %s)", report.cells, report.seconds, report.contexts)
         return report
 
     # ------------------------------------------------------------------ any thread

@@ -555,7 +555,7 @@ def test_kernel_warmup_runs_the_paged_path_and_gives_everything_back(pair: tuple
     assert arena is not None
     lines: list[str] = []
     report = warm_up_decode(model, 1000, 3, report=lines.append, first_context=256)
-    assert report.passes == 3 * 3 == len(lines) and report.rows == [1, 2, 3]  # contexts x pass sizes
+    assert report.cells == 3 * 3 == len(lines) and report.rows == [1, 2, 3]  # contexts x pass sizes
     assert "9/9 cells" in lines[-1]
     copied = arena.copied_entries
     assert copied > 0
