@@ -183,6 +183,11 @@ def test_prefill_on_the_paged_path(loaded: LoadedModel) -> None:
 
 
 def test_prefill_paged_attention_setting(loaded: LoadedModel) -> None:
+    from cedserve.decode_workers import config as decode_config
+    from cedserve.model.paged_attention import MODES
+    from cedserve.prefill_workers import config as prefill_config
+
+    assert prefill_config.PAGED_ATTENTION == decode_config.PAGED_ATTENTION == MODES  # the configs stay light
     with pytest.raises(ValueError, match=r"prefill\.paged_attention"):
         PrefillWorkerConfig(paged_attention="fast")
     rig = next(make_rig(loaded))  # auto on a CPU: the dense path (a chunk's per-row gathers cost more)
