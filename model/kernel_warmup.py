@@ -87,6 +87,8 @@ def synthetic_state(model: CEDModel, tokens: int) -> SequenceState:
 
 
 class _Progress:
+    """Log lines for a long warm-up: about every 5 % of its cells, with the time so far."""
+
     def __init__(self, what: str, total: int, report: Callable[[str], None] | None) -> None:
         self.what, self.total, self.done, self.started = what, total, 0, time.monotonic()
         self.report = report or log.info
@@ -143,15 +145,15 @@ def warm_up(model: CEDModel, cells: list[Cell], what: str,
         raise ValueError("kernel warm-up: the model is not on the paged attention path")
     started = time.monotonic()
     progress = _Progress(what, len(cells), report)
+    contexts = sorted({c.context for c in cells})
     with torch.no_grad():
-        for context in sorted({c.context for c in cells}):
+        for context in contexts:
             state = synthetic_state(model, context)
             for cell in (c for c in cells if c.context == context):
                 run_cell(model, cell, state)
                 progress.step(f"context {context:,}, {cell.items} x {cell.rows} rows")
             del state
     _settle(model)
-    contexts = sorted({c.context for c in cells})
     rows = sorted({c.items * c.rows for c in cells})
     return WarmupReport(len(cells), time.monotonic() - started, contexts, rows)
 

@@ -1,9 +1,11 @@
-"""Decode attention through the compact-cache kernels: the padded group's records in paged blocks.
+"""Attention through the compact-cache kernels, over a paged copy of the records.
 
-The dense path (`cedserve.model.batch`) dequantizes every compressed entry of every sequence of
-the padded group at each KV source, scores and attends over all of them with bool masks: O(context)
-work and memory per token and layer. This path gives the same attention (same picks, same softmax
-over the union of window, picks and sink) the way `cedserve.kernels` expect it:
+The dense paths (`cedserve.model.batch` for the padded group of decode and verify chunks,
+`Attention.attend_one` for every other chunk) dequantize every compressed entry of a sequence at
+each KV source, score and attend over all of them with bool masks: O(context) work and memory per
+token and layer. This path gives the same attention (same picks, same softmax over the union of
+window, picks and sink) the way `cedserve.kernels` expect it, for a `PagedPass` of one or more
+items: the padded group in one pass, or one chunk (prefill, `encode_chunk`, a replay) on its own:
 
 * a `PagedArena` holds a paged copy of each sequence's global KV records (main KV and index keys)
   in `BlockLayout` blocks, the layout the cache and the transfers use, one device tensor that the
@@ -76,7 +78,7 @@ def arena_block_size(config: ModelConfig) -> int:
 
 
 def unsupported(config: ModelConfig) -> str | None:
-    """Why the kernels cannot run this model's decode attention (None when they can)."""
+    """Why the kernels cannot run this model's attention (None when they can)."""
     half, index_half = config.head_dim // 2, config.index_head_dim // 2
     if config.head_dim % 32 or half & (half - 1):
         return f"head_dim {config.head_dim} is not 2 x a power of two and a multiple of 32"
