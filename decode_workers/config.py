@@ -90,6 +90,11 @@ class DecodeConfig:
     the block pool's) x pass size (`cedserve.model.kernel_warmup`). Readiness waits for it: on an
     H200 ~100 s with an empty Triton cache, ~10 s on a restart that kept it (the Helm chart's kernel
     cache). False: each variant compiles on its first launch, stalling that step (0.5-15 s)."""
+    effort_queue_slack_s: float = 2.0
+    """Queue order by effort: a request falls due at its Decode call's arrival plus this many seconds
+    times effort / 100 (`cedserve.model.effort.queue_due_s`); joins take the earliest due first and
+    preemption the latest. With 2 s a `max` (100) request yields its batch slot to `low` (50) ones
+    that arrive up to 1 s after it, never longer. 0: arrival order."""
     idle_wait_s: float = 0.01
     """How long the engine loop waits for a command when idle (bounds how late it notices a finished
     transfer, an expired lease or a drain; a command wakes it at once)."""
@@ -103,7 +108,7 @@ class DecodeConfig:
                      "max_pass_tokens", "lease_ms", "max_output_tokens", "max_offload_bytes"):
             if getattr(self, name) <= 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("reserve_headroom_blocks", "replay_span", "draft_tokens"):
+        for name in ("reserve_headroom_blocks", "replay_span", "draft_tokens", "effort_queue_slack_s"):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)}")
         for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):

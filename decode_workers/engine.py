@@ -58,6 +58,7 @@ from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Draft, DraftState
+from cedserve.model.effort import DEFAULT_EFFORT, effort_class, queue_due_s
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
 from cedserve.model.paged_attention import enable_paged_attention
@@ -186,6 +187,7 @@ class DecodeEngine:
         self.leases.leases[lease.lease_id] = lease
         self.leases.by_request[request_id] = lease.lease_id
         self.sequences[request_id] = seq
+        seq.ready_s = self.clock()
         self.scheduler.add(seq)
 
     def check_probe(self, cmd: ProbeCheckCommand) -> list[Output]:
@@ -453,6 +455,7 @@ class DecodeEngine:
                 return [Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED,
                                f"request {seq.request_id!r}: the shipped decode state was rejected: {exc}")]
             seq.join = JoinKind.SHIPPED
+        seq.ready_s = self.clock()
         self.scheduler.add(seq)
         return []
 
@@ -465,6 +468,10 @@ class DecodeEngine:
 
     def _prepare_join(self, seq: DecodeSequence) -> None:
         self.metrics.joins.labels(seq.join.value).inc()
+        if seq.ready_s >= 0:  # a first join, not a return from preemption
+            self.metrics.queue_seconds.labels(effort_class(seq.effort or DEFAULT_EFFORT)).observe(
+                self.clock() - seq.ready_s)
+            seq.ready_s = -1.0
         kind = seq.join
         if kind is JoinKind.SHIPPED and seq.shipped is not None:
             self._install_shipped(seq, seq.shipped)
@@ -602,6 +609,8 @@ class DecodeEngine:
         seq = DecodeSequence(cmd.request_id, lease, tokens, len(cmd.token_ids), params, make_generator(params),
                              frozenset(stop), cmd.sampling.stop, join, span, self._arrivals)
         seq.max_drafts = self.config.draft_limit(cmd.effort, self.proposer.max_tokens if self.proposer else 0)
+        seq.effort = cmd.effort
+        seq.due_s = queue_due_s(self.clock(), cmd.effort, self.config.effort_queue_slack_s)
         if cmd.deadline_unix_ms:
             seq.deadline_s = self.clock() + (cmd.deadline_unix_ms / 1000 - time.time())
         if cmd.first_token is not None and seq.request_id in self.cache:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class DecodeMetrics:
@@ -31,6 +32,9 @@ class DecodeMetrics:
         self.offload_fallbacks = Counter("cedserve_decode_offload_fallbacks",
                                          "Preemptions that recomputed because the host budget was spent",
                                          registry=r)
+        self.queue_seconds = Histogram("cedserve_decode_queue_seconds", "KV in place to the first join of the "
+                                       "batch, by effort class (low < 60, high 60-89, max >= 90)", ["effort_class"],
+                                       buckets=_QUEUE_BUCKETS, registry=r)
         self.joins = Counter("cedserve_decode_joins", "Requests joining the batch", ["kind"], registry=r)
         self.finished = Counter("cedserve_decode_finished", "Requests finished", ["reason"], registry=r)
         self.leases = Counter("cedserve_decode_leases", "Leases granted", registry=r)

@@ -4,12 +4,17 @@ Each step (`schedule`):
 
 1. Growth: every running request may emit up to `lookahead` tokens (drafts + 1), so it needs blocks
    for `len(tokens) + lookahead` tokens. When the pool (free plus evictable cached blocks) cannot
-   cover everyone, the latest admitted requests are preempted until it can: OFFLOAD copies their
-   blocks to host memory, RECOMPUTE drops them (the engine does either before the pass).
-2. Joins: preempted requests come back first (earliest first), then new ones whose KV is in place,
-   while the batch has room, the pool covers their growth (a returning request needs all its blocks
-   again) and the pass stays within `max_pass_tokens` rows (one oversized join may run alone).
+   cover everyone, the latest-due requests are preempted until it can: OFFLOAD copies their blocks
+   to host memory, RECOMPUTE drops them (the engine does either before the pass).
+2. Joins: preempted requests come back first, then new ones whose KV is in place, each group
+   earliest due first, while the batch has room, the pool covers their growth (a returning request
+   needs all its blocks again) and the pass stays within `max_pass_tokens` rows (one oversized join
+   may run alone).
 3. Requests that finish or are cancelled leave through `remove` at any time between steps.
+
+A request falls due at its arrival plus a slack that grows with its effort
+(`DecodeSequence.due_s`, `cedserve.model.effort.queue_due_s`): cheap requests go first, and equal
+due times keep arrival order, so equal slack is FIFO.
 
 The scheduler only decides; it never touches model state or blocks.
 """
@@ -81,7 +86,7 @@ class DecodeScheduler:
             self.preempted.append(victim)
         available -= sum(need.values())
         joins, available = self._joins(available, frozenset(p.request_id for p in preemptions))
-        self.running.sort(key=lambda s: s.arrival)
+        self.running.sort(key=lambda s: s.queue_key)
         out = SchedulerOutput(step=self._step, running=tuple(s.request_id for s in self.running),
                               joins=tuple(joins), preemptions=tuple(preemptions), lookahead_tokens=self.lookahead,
                               num_join_rows=sum(j.num_rows for j in joins), num_free_blocks=available)
@@ -91,7 +96,8 @@ class DecodeScheduler:
     def _joins(self, available: int, just_preempted: frozenset[RequestId]) -> tuple[list[JoinPlan], int]:
         joins: list[JoinPlan] = []
         rows = 0
-        candidates = sorted(self.preempted, key=lambda s: s.arrival) + self.waiting
+        candidates = (sorted(self.preempted, key=lambda s: s.queue_key)
+                      + sorted(self.waiting, key=lambda s: s.queue_key))
         for seq in candidates:
             if seq.request_id in just_preempted:
                 continue

@@ -103,7 +103,15 @@ class DecodeSequence:
     join: JoinKind
     replay_span: int
     arrival: int
-    """Admission order (preemption takes the latest first, resumption the earliest)."""
+    """Admission order: breaks ties between equal due times."""
+    due_s: float = 0.0
+    """When the request falls due on the engine's clock: its Decode call's arrival plus its effort's
+    queue slack (`cedserve.model.effort.queue_due_s`). Joins take the earliest due first, preemption
+    the latest."""
+    effort: int = 0
+    """1-100; 0: unset (the default level)."""
+    ready_s: float = -1.0
+    """When its KV was in place and it began waiting for a batch slot (-1: not yet; reset at the join)."""
     status: Status = Status.LEASED
     max_drafts: int = 0
     """Most drafts verified per pass (the effort's `DecodeConfig.draft_limit`)."""
@@ -120,6 +128,11 @@ class DecodeSequence:
     accepted_drafts: int = 0
     finish_reason: str = ""
     deadline_s: float = float("inf")
+
+    @property
+    def queue_key(self) -> tuple[float, int]:
+        """The scheduler's order: earliest due first, then arrival."""
+        return self.due_s, self.arrival
 
     @property
     def pending(self) -> list[int]:

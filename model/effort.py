@@ -42,6 +42,29 @@ def parse_effort(value: int | str | None) -> int:
     return value
 
 
+def effort_class(effort: int) -> str:
+    """The admission and reporting class of an effort level: low (< 60), high (60-89), max (>= 90)."""
+    if effort >= 90:
+        return "max"
+    return "high" if effort >= 60 else "low"
+
+
+def queue_due_s(arrival_s: float, effort: int, slack_at_max_s: float) -> float:
+    """When a waiting request falls due: its arrival plus a slack that grows with its effort.
+
+    Workers serve waiting requests earliest-due first. Effort scales the token budget linearly
+    (`DecodeConfig.token_budget`), so a request's expected service time grows with it; letting it
+    wait proportionally longer behind cheaper requests is shortest-expected-job-first, and the slack
+    is bounded, so nothing starves: a request waits only for those due before it, and every later
+    arrival falls due after `arrival_s + slack_at_max_s`. Effort 0 (unset) counts as the default.
+    `slack_at_max_s = 0` gives arrival order (FIFO).
+    """
+    if slack_at_max_s < 0:
+        raise ValueError(f"queue slack must be >= 0 seconds, got {slack_at_max_s}")
+    level = parse_effort(effort or None)
+    return arrival_s + slack_at_max_s * level / MAX_EFFORT
+
+
 def effort_line(effort: int) -> str:
     """The line the chat template puts first in the system prompt."""
     return f"Reasoning Effort: {parse_effort(effort)}"

@@ -80,6 +80,11 @@ class PrefillWorkerConfig:
     power of two of the context up to the prompt limit (`cedserve.model.kernel_warmup`). Readiness
     waits for it. False: each variant compiles on its first launch, stalling that chunk (up to 5 s
     on an H200)."""
+    effort_queue_slack_s: float = 2.0
+    """Queue order by effort: a waiting request falls due at its arrival plus this many seconds times
+    effort / 100 (`cedserve.model.effort.queue_due_s`), and requests are admitted and given chunk
+    budget earliest-due first. With 2 s a `max` (100) request yields to `low` (50) ones that arrive
+    up to 1 s after it, never longer. 0: arrival order."""
     idle_poll_s: float = 0.02
     """Engine loop wait when it has nothing to compute."""
 
@@ -89,7 +94,8 @@ class PrefillWorkerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("prefix_replay_span", "max_prompt_tokens", "retry_after_ms", "transfer_timeout_s"):
+        for name in ("prefix_replay_span", "max_prompt_tokens", "retry_after_ms", "transfer_timeout_s",
+                     "effort_queue_slack_s"):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)}")
         if self.paged_attention not in PAGED_ATTENTION:

@@ -3,7 +3,8 @@
 One engine thread owns the model, the cache manager and every job's state; other threads talk to it
 through a queue of closures (`submit`, `cancel`, transfer completions, `call`). One step:
 
-1. admit waiting requests (FIFO, `PrefillScheduler.admit_waiting`): allocate blocks with prefix-cache
+1. admit waiting requests (earliest due first: arrival plus a slack that grows with the effort,
+   `PrefillScheduler.admit_waiting`): allocate blocks with prefix-cache
    hits (`KVCacheManager.admit`), open the transfer into the decode worker's reservation, rebuild
    the encoder's bounded state after a hit (`load_state` + `CEDModel.replay` over
    `prefix_replay_span` tokens) and queue the cached blocks for sending;
@@ -43,6 +44,7 @@ from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.effort import DEFAULT_EFFORT, effort_class, queue_due_s
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
 from cedserve.model.paged_attention import enable_paged_attention
 from cedserve.model.paged_kv import load_state, store_bytes, store_records
@@ -87,9 +89,12 @@ class PrefillEngine:
     """See the module docstring. `sender` is None for a worker that only warms its cache."""
 
     def __init__(self, model: CEDModel, cache: KVCacheManager, sender: KVSender | None,
-                 config: PrefillWorkerConfig, metrics: PrefillMetrics | None = None) -> None:
+                 config: PrefillWorkerConfig, metrics: PrefillMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         config.check_block_size(cache.block_size)
         self.model = model
+        self.clock = clock
+        """Seconds for arrivals, queue order and latencies (a benchmark may run the engine on its own)."""
         self.paged_attention = enable_paged_attention(model, config.paged_attention, "prefill.paged_attention",
                                                       cpu_auto="off")
         self.cache = cache
@@ -136,7 +141,7 @@ class PrefillEngine:
         """Queue a checked request; its events arrive on the returned job's `events`. Raises
         `UnavailableError` (draining), `InvalidArgumentError` (request id in flight) or
         `ResourceExhaustedError` (queue full)."""
-        job = PrefillJob(spec)
+        job = PrefillJob(spec, arrived_s=self.clock())
         with self._lock:
             self._check_admissible(spec)
             self._jobs[spec.request_id] = job
@@ -253,7 +258,8 @@ class PrefillEngine:
 
     def _on_submit(self, job: PrefillJob) -> None:
         if job.phase is Phase.WAITING and job.request_id in self._jobs:
-            self.scheduler.add(job.request_id, job.spec.prompt_len)
+            due = queue_due_s(job.arrived_s, job.spec.effort, self.config.effort_queue_slack_s)
+            self.scheduler.add(job.request_id, job.spec.prompt_len, due)
 
     def _expire(self) -> None:
         now = time.time()
@@ -276,6 +282,8 @@ class PrefillEngine:
             self._fail(job, exc, FailureCause.CANCELLED)
             return None
         job.admitted = True
+        self.metrics.queue_seconds.labels(effort_class(job.spec.effort or DEFAULT_EFFORT)).observe(
+            self.clock() - job.arrived_s)
         job.shared_tokens = self.cache.finish_onload(request_id)
         job.block_ids = self.cache.block_table(request_id)
         if not self._open_transfer(job):
@@ -366,7 +374,7 @@ class PrefillEngine:
         job.compute_s += time.perf_counter() - start
         job.state, job.boundary = None, None
         job.phase = Phase.CLOSING
-        job.first_token_s = time.monotonic()
+        job.first_token_s = self.clock()
         self.metrics.first_token_seconds.observe(job.first_token_s - job.arrived_s)
         job.emit(wpb.PrefillEvent(first_token=job.first_token))
         if not job.transfer_open:
@@ -439,7 +447,7 @@ class PrefillEngine:
         job.phase = Phase.ENDED
         done = self._done_message(job)
         self.metrics.requests.labels("ok").inc()
-        self.metrics.request_seconds.observe(time.monotonic() - job.arrived_s)
+        self.metrics.request_seconds.observe(self.clock() - job.arrived_s)
         for kind, n in (("prompt", job.spec.prompt_len), ("cached", job.cached_tokens),
                         ("computed", job.computed_tokens), ("replayed", job.replayed_tokens)):
             self.metrics.tokens.labels(kind).inc(n)

@@ -22,6 +22,9 @@ class PrefillMetrics:
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("cedserve_prefill_request_seconds", "Arrival to transfer closed",
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("cedserve_prefill_queue_seconds", "Arrival to admission (blocks given), by "
+                                       "effort class (low < 60, high 60-89, max >= 90)", ["effort_class"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.step_seconds = Histogram("cedserve_prefill_step_seconds", "One engine step (all its chunks)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.queued_tokens = Gauge("cedserve_prefill_queued_tokens", "Uncomputed prompt tokens accepted",

@@ -1,21 +1,25 @@
 """Chunked-prefill scheduling by token budget. Pure bookkeeping: no model, no cache, no threads.
 
 Each engine step gets a `StepPlan`: at most `step_token_budget` tokens, at most `chunk_tokens` of them
-for any one request, taken in arrival order over the running requests. A 128K-token prompt therefore
+for any one request, taken in due order over the running requests. A 128K-token prompt therefore
 takes one chunk per step and a short prompt that arrives behind it runs in the same step: long
 prompts never block short ones, and every running request progresses every step the budget allows.
 A chunk ends on a block boundary unless it ends the prompt, so its blocks are final and can ship.
 
-Waiting requests become running in FIFO order while there is room (`max_running_requests`) and the
+Waiting requests become running in due order while there is room (`max_running_requests`) and the
 engine's `admit` callback can give them blocks; a request that cannot get blocks yet stays at the
 head of the queue (no overtaking, so a large prompt is not starved by small ones).
+
+A request's due time is its arrival plus a slack that grows with its effort
+(`cedserve.model.effort.queue_due_s`): cheaper requests go first, and a request is overtaken only by
+those that fall due before it. Equal due times keep arrival order, so equal slack is FIFO.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import bisect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RequestId = str
 
@@ -26,8 +30,16 @@ class SchedEntry:
 
     request_id: RequestId
     prompt_len: int
+    due: float = 0.0
+    """When the request falls due (seconds on the engine's clock): the queue's order."""
+    order: int = 0
+    """Arrival number: breaks ties between equal due times."""
     next_pos: int = 0
     """First prompt token not computed yet (the cached prefix is skipped at admission)."""
+    key: tuple[float, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.due, self.order)
 
     @property
     def remaining(self) -> int:
@@ -56,7 +68,8 @@ failed must be removed by the caller (`remove`) before returning None."""
 
 
 class PrefillScheduler:
-    """Waiting FIFO + running set; `schedule` plans one step and advances the plan's positions."""
+    """Waiting queue + running set, both by due time; `schedule` plans one step and advances the plan's
+    positions."""
 
     def __init__(self, chunk_tokens: int, step_token_budget: int, block_size: int, max_running: int) -> None:
         if chunk_tokens % block_size or chunk_tokens <= 0:
@@ -65,23 +78,28 @@ class PrefillScheduler:
         self.step_token_budget = step_token_budget
         self.block_size = block_size
         self.max_running = max_running
-        self._waiting: deque[SchedEntry] = deque()
-        self._running: OrderedDict[RequestId, SchedEntry] = OrderedDict()
+        self._waiting: list[SchedEntry] = []
+        """Sorted by `SchedEntry.key`."""
+        self._running: dict[RequestId, SchedEntry] = {}
+        self._arrivals = 0
 
     # ------------------------------------------------------------------ membership
 
-    def add(self, request_id: RequestId, prompt_len: int) -> None:
+    def add(self, request_id: RequestId, prompt_len: int, due: float = 0.0) -> None:
+        """Queue a request; `due` orders the queue (equal values: arrival order)."""
         if request_id in self:
             raise ValueError(f"request {request_id!r} is already scheduled")
-        self._waiting.append(SchedEntry(request_id, prompt_len))
+        self._arrivals += 1
+        entry = SchedEntry(request_id, prompt_len, due, self._arrivals)
+        bisect.insort(self._waiting, entry, key=lambda e: e.key)
 
     def remove(self, request_id: RequestId) -> bool:
         """Forget a request (finished, failed, cancelled); False if it was not here."""
         if self._running.pop(request_id, None) is not None:
             return True
-        for entry in self._waiting:
+        for i, entry in enumerate(self._waiting):
             if entry.request_id == request_id:
-                self._waiting.remove(entry)
+                del self._waiting[i]
                 return True
         return False
 
@@ -111,7 +129,7 @@ class PrefillScheduler:
                 continue
             if start is None:
                 return
-            self._waiting.popleft()
+            del self._waiting[0]
             head.next_pos = start
             self._running[head.request_id] = head
 
@@ -120,7 +138,7 @@ class PrefillScheduler:
         fails is removed by the engine)."""
         budget = self.step_token_budget
         plan: list[ScheduledChunk] = []
-        for entry in self._running.values():
+        for entry in sorted(self._running.values(), key=lambda e: e.key):
             take = self._chunk_size(entry, budget)
             if take <= 0:
                 continue

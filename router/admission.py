@@ -16,13 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from cedserve.model.effort import effort_class
 from cedserve.router.errors import RequestError
-
-
-def effort_class(effort: int) -> str:
-    if effort >= 90:
-        return "max"
-    return "high" if effort >= 60 else "low"
 
 
 @dataclass(frozen=True)

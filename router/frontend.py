@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from cedserve.model.cache.events import Tier
+from cedserve.model.effort import effort_class
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
-from cedserve.router.admission import Admission, effort_class
+from cedserve.router.admission import Admission
 from cedserve.router.errors import RequestError, invalid
 from cedserve.router.index import PrefixHit
 from cedserve.router.metrics import RouterMetrics

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cedserve.bench_serve.driver import RequestResult, RunOutput
-from cedserve.router.admission import effort_class
+from cedserve.model.effort import effort_class
 
 PERCENTILES = (50, 90, 99)
 EFFORT_CLASSES = ("low", "high", "max")

@@ -234,3 +234,27 @@ def test_effort_sets_the_draft_length(reference: list[list[int]]) -> None:
         assert rig.engine.drafted_tokens == 2 * limit
         assert [reference[0][0], *rig.tokens(reserved.request_id)] == reference[0][: 2 + 2 * (limit + 1)]
         rig.assert_all_free()
+
+
+@pytest.mark.parametrize("slack_s", [0.0, 2.0])
+def test_effort_sets_the_join_order(slack_s: float) -> None:
+    """One batch slot, three requests attached together (max, high, low): with slack the cheapest effort
+    runs first, without it arrival order; every class's wait for its slot is measured."""
+    model, _ = tiny()
+    rig = Rig(model, None, max_running_requests=1, effort_queue_slack_s=slack_s)
+    ids = {}
+    for i, (name, effort) in enumerate([("max", 100), ("high", 75), ("low", 50)]):
+        tokens = prompt(20, 30 + i)
+        reserved = rig.reserve(tokens, request_id=name)
+        assert isinstance(reserved, Reserved), reserved
+        rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 3, effort=effort)
+        ids[name] = reserved.request_id
+    rig.run()
+    finished = [o.request_id for o in rig.outputs if isinstance(o, Finished)]
+    assert finished == (["low", "high", "max"] if slack_s else ["max", "high", "low"])
+    registry = rig.engine.metrics.registry
+    assert all(registry.get_sample_value("cedserve_decode_queue_seconds_count", {"effort_class": k}) == 1
+               for k in ids)
+    waits = {k: registry.get_sample_value("cedserve_decode_queue_seconds_sum", {"effort_class": k}) for k in ids}
+    assert waits[finished[0]] < waits[finished[-1]]  # type: ignore[operator]
+    rig.assert_all_free()

@@ -116,3 +116,39 @@ def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match=r"decode\.max_running_requests"):
         DecodeConfig(max_running_requests=0)
     assert DecodeConfig(max_output_tokens=1000).token_budget(50) == 500
+
+
+def test_joins_take_the_earliest_due_first() -> None:
+    pool = Pool(100)
+    sched = scheduler(pool, max_running_requests=2)
+    for i, (rid, due) in enumerate([("max", 2.0), ("high", 1.5), ("low", 1.0)]):  # arrival order
+        s = seq(rid, 10, i)
+        s.due_s = due
+        pool.hold(s)
+        sched.add(s)
+    out = sched.schedule()
+    assert [j.request_id for j in out.joins] == ["low", "high"] and out.running == ("low", "high")
+
+
+def test_preemption_takes_the_latest_due_and_it_still_returns_before_new_joins() -> None:
+    pool = Pool(4)
+    sched = scheduler(pool, lookahead=2)
+    early_max, late_low = seq("early-max", 15, 0), seq("late-low", 15, 1)
+    early_max.due_s, late_low.due_s = 2.0, 1.0
+    for s in (early_max, late_low):
+        pool.hold(s)
+        sched.add(s)
+    assert sched.schedule().running == ("late-low", "early-max")
+    for s in (early_max, late_low):
+        s.tokens += [3] * 16
+        pool.hold(s)  # two blocks each, the pool is full; a third each is needed
+    out = sched.schedule()
+    assert [p.request_id for p in out.preemptions] == ["early-max"] and out.running == ("late-low",)
+    del pool.tables["early-max"]  # offloaded: its blocks are free
+    newcomer = seq("new", 5, 2)
+    newcomer.due_s = 0.0
+    pool.hold(newcomer)
+    sched.add(newcomer)
+    sched.remove("late-low")
+    del pool.tables["late-low"]
+    assert [j.request_id for j in sched.schedule().joins] == ["early-max", "new"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cedserve.model.effort import BOS, ChatMessage, parse_effort, render_chat
+from cedserve.model.effort import BOS, ChatMessage, effort_class, parse_effort, queue_due_s, render_chat
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -37,3 +37,20 @@ def test_effort_partitions_the_prefix() -> None:
 def test_unknown_role() -> None:
     with pytest.raises(ValueError, match=r"messages\.role"):
         render_chat([ChatMessage("tool", "x")])
+
+
+@pytest.mark.parametrize(("effort", "klass"), [(1, "low"), (59, "low"), (60, "high"), (89, "high"), (90, "max"),
+                                               (100, "max")])
+def test_effort_class_bounds(effort: int, klass: str) -> None:
+    assert effort_class(effort) == klass
+
+
+def test_queue_due_grows_with_effort_and_is_bounded() -> None:
+    assert queue_due_s(10.0, 50, 2.0) == 11.0 and queue_due_s(10.0, 100, 2.0) == 12.0
+    assert queue_due_s(10.0, 1, 2.0) == pytest.approx(10.02)
+    assert queue_due_s(10.0, 0, 2.0) == queue_due_s(10.0, 75, 2.0)  # unset: the default level
+    assert queue_due_s(10.0, 100, 0.0) == 10.0  # no slack: arrival order
+    with pytest.raises(ValueError, match="slack"):
+        queue_due_s(0.0, 50, -1.0)
+    with pytest.raises(ValueError, match="effort"):
+        queue_due_s(0.0, 101, 2.0)

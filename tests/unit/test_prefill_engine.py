@@ -84,7 +84,7 @@ def rig(loaded: LoadedModel) -> Iterator[Rig]:
     yield from make_rig(loaded)
 
 
-def make_rig(loaded: LoadedModel, paged_attention: str = "auto") -> Iterator[Rig]:
+def make_rig(loaded: LoadedModel, paged_attention: str = "auto", **config_fields: object) -> Iterator[Rig]:
     model = loaded.model
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=POOL), "p0")
@@ -95,7 +95,7 @@ def make_rig(loaded: LoadedModel, paged_attention: str = "auto") -> Iterator[Rig
     decode = LoopbackAgent(hub, KVRegion(decode_pool, layout.block_bytes), kv_layout, "d0")
     decode.handshake("p0")
     config = PrefillWorkerConfig(worker_id="p0", chunk_tokens=64, step_token_budget=128,
-                                 paged_attention=paged_attention)
+                                 paged_attention=paged_attention, **config_fields)  # type: ignore[arg-type]
     engine = PrefillEngine(model, cache, sender.sender(), config)
     limits = RequestLimits(model.config.vocab_size, 4096, BLOCK, config.replay_span, "p0", layout.block_bytes,
                            *state_limits(model.config, model.embed.weight.dtype, config.ship_state))
@@ -271,6 +271,34 @@ def test_prefill_only_request_warms_the_cache_and_publishes_events(rig: Rig) -> 
     assert sum(len(e.block_hashes) for e in stored) == 2  # two whole blocks of 130 tokens
     assert rig.engine.stats().cached_blocks == 2
     rig.assert_all_free()
+
+
+@pytest.mark.parametrize("slack_s", [0.0, 2.0])
+def test_effort_sets_the_queue_order(loaded: LoadedModel, slack_s: float) -> None:
+    """One running slot, three requests queued together: with slack the cheapest effort is served first
+    (due = arrival + slack x effort / 100), without it arrival order; every class's wait is measured."""
+    rig = next(gen := make_rig(loaded, max_running_requests=1, effort_queue_slack_s=slack_s))
+    jobs = {name: rig.submit(name, prompt(130, seed=20 + i), with_target=False, effort=effort)
+            for i, (name, effort) in enumerate([("max", 100), ("high", 75), ("low", 50)])}
+    firsts: list[str] = []
+    for _ in range(60):
+        rig.engine.step()
+        for name, job in jobs.items():
+            while not job.events.empty():
+                if job.events.get().WhichOneof("event") == "first_token":
+                    firsts.append(name)
+        if len(firsts) == 3:
+            break
+    assert firsts == (["low", "high", "max"] if slack_s else ["max", "high", "low"])
+    registry = rig.engine.metrics.registry
+    waits = {k: registry.get_sample_value("cedserve_prefill_queue_seconds_sum", {"effort_class": k}) for k in jobs}
+    assert all(registry.get_sample_value("cedserve_prefill_queue_seconds_count", {"effort_class": k}) == 1
+               for k in jobs)
+    first, last = firsts[0], firsts[-1]
+    assert waits[first] is not None and waits[last] is not None and waits[first] < waits[last]
+    rig.engine.step()
+    rig.assert_all_free()
+    next(gen, None)
 
 
 def test_draining_engine_refuses_and_hands_back(rig: Rig) -> None:

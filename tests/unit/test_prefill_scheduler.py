@@ -100,3 +100,34 @@ def test_rejects_unaligned_chunks_and_duplicates() -> None:
     s.add("a", 10)
     with pytest.raises(ValueError, match="already scheduled"):
         s.add("a", 10)
+
+
+def test_waiting_requests_are_admitted_earliest_due_first_and_ties_keep_arrival_order() -> None:
+    s = make(running=1)
+    for rid, due in [("a", 5.0), ("b", 1.0), ("c", 5.0), ("d", 3.0)]:
+        s.add(rid, 64, due)
+    order = []
+    while s.num_waiting or s.num_running:
+        admit_all(s)
+        for c in s.schedule():
+            order.append(c.request_id)
+            s.finish(c.request_id)
+    assert order == ["b", "d", "a", "c"]
+
+
+def test_a_blocked_head_is_not_overtaken_by_later_due_requests() -> None:
+    s = make(running=4)
+    s.add("big", 4096, due=1.0)
+    s.add("small", 64, due=2.0)
+    asked = []
+    s.admit_waiting(lambda rid: asked.append(rid) or None)  # no blocks for the head yet
+    assert asked == ["big"] and s.num_waiting == 2 and s.num_running == 0
+
+
+def test_running_requests_take_the_step_budget_in_due_order() -> None:
+    s = make(chunk=128, budget=128)
+    s.add("late", 1000, due=9.0)
+    admit_all(s)
+    s.add("early", 1000, due=1.0)  # admitted second, due first
+    admit_all(s)
+    assert [c.request_id for c in s.schedule()] == ["early"]
