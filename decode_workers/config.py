@@ -6,8 +6,13 @@ the command line; tests build it directly. Nothing here reads the environment.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
+
+import msgspec
 
 from cedserve.model.effort import MAX_EFFORT, parse_effort
 
@@ -118,6 +123,19 @@ class DecodeConfig:
             _fail("paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
         if self.reserve_headroom_blocks >= self.num_blocks:
             _fail("reserve_headroom_blocks", f"{self.reserve_headroom_blocks} leaves no block of {self.num_blocks}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DecodeConfig:
+        """From the `[decode]` TOML/JSON table; `ValueError` names an unknown or mistyped field (a
+        misspelt key would otherwise leave its default in force without a word)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            _fail(unknown[0], f"unknown field (known: {', '.join(sorted(known))})")
+        try:
+            return msgspec.convert(dict(values), type=cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"config field `decode`: {exc}") from None
 
     def token_budget(self, effort: int) -> int:
         """Most output tokens a request of this effort (1-100) may produce."""

@@ -87,10 +87,7 @@ class DecodeSettings:
 def load_settings(opts: WorkerOptions) -> DecodeSettings:
     serve, extra = read_serve_file(opts.config, ("decode", "kv_transfer"))
     serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
-    try:
-        decode = msgspec.convert(dict(extra.get("decode", {})), type=DecodeConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"config field `decode`: {exc}") from None
+    decode = DecodeConfig.from_mapping(extra.get("decode", {}))
     worker_id = opts.worker_id or extra.get("decode", {}).get("worker_id") or f"decode-{socket.gethostname()}-{os.getpid()}"
     decode = replace(decode, worker_id=worker_id, block_size=serve.cache.block_size, num_blocks=serve.cache.num_blocks)
     kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port,

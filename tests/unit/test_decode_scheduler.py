@@ -118,6 +118,18 @@ def test_config_is_validated() -> None:
     assert DecodeConfig(max_output_tokens=1000).token_budget(50) == 500
 
 
+
+def test_config_table_refuses_unknown_and_mistyped_fields() -> None:
+    with pytest.raises(ValueError, match=r"decode\.max_runing_requests.*unknown field"):
+        DecodeConfig.from_mapping({"max_runing_requests": 8})
+    with pytest.raises(ValueError, match=r"decode"):
+        DecodeConfig.from_mapping({"max_running_requests": "eight"})
+    with pytest.raises(ValueError, match=r"decode\.effort_queue_slack_s"):
+        DecodeConfig.from_mapping({"effort_queue_slack_s": -1})
+    config = DecodeConfig.from_mapping({"preemption": "recompute", "effort_queue_slack_s": 1, "device": "cuda:0"})
+    assert config.preemption is PreemptionPolicy.RECOMPUTE and config.effort_queue_slack_s == 1.0
+
+
 def test_joins_take_the_earliest_due_first() -> None:
     pool = Pool(100)
     sched = scheduler(pool, max_running_requests=2)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import importlib.util
+import json
 import os
 import re
 import shlex
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,6 +27,8 @@ import pytest
 import yaml
 
 from cedserve.config import ServeConfig
+from cedserve.decode_workers.config import DecodeConfig
+from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.serving import read_serve_file
 
 pytestmark = pytest.mark.unit
@@ -243,6 +247,15 @@ def test_examples_cover_every_checkpoint_source_and_workload() -> None:
                  id="unknown-metric-type"),
     pytest.param({"prefill": {"pdb": {"maxUnavailable": "half"}}}, "/prefill/pdb/maxUnavailable",
                  id="bad-percentage"),
+    pytest.param({"decode": {"gpusPerPod": 8}}, "/decode/gpusPerPod", id="several-gpus-a-pod"),
+    pytest.param({"decode": {"engine": {"max_runing_requests": 8}}}, "invalid propertyName 'max_runing_requests'",
+                 id="typo-in-engine"),
+    pytest.param({"prefill": {"engine": {"worker_id": "p0"}}}, "invalid propertyName 'worker_id'", id="engine-worker-id"),
+    pytest.param({"decode": {"engine": {"num_blocks": 8}}}, "invalid propertyName 'num_blocks'", id="engine-blocks-not-cache"),
+    pytest.param({"prefill": {"engine": {"max_waiting_requests": 8}}}, "invalid propertyName 'max_waiting_requests'",
+                 id="decode-field-on-prefill"),
+    pytest.param({"prefill": {"engine": {"chunk_tokens": [2048]}}}, "/prefill/engine/chunk_tokens",
+                 id="engine-value-not-scalar"),
 ])
 def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm.HelmValuesError) as info:
@@ -251,6 +264,30 @@ def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: st
     # The same values stop a render too (install and template validate before rendering).
     with pytest.raises(helm.HelmValuesError):
         chart.render(values, name=golden.RELEASE, namespace=golden.NAMESPACE)
+
+
+def test_engine_schema_names_exactly_the_config_fields(chart: Any) -> None:
+    """The chart's `<pool>.engine` keys are the worker config's fields, less those the chart sets itself."""
+    schema = json.loads((golden.CHART_DIR / "values.schema.json").read_text())["definitions"]
+    by_pod = {"worker_id"}  # --worker-id=$(POD_NAME)
+    assert schema["prefillEngine"]["propertyNames"]["enum"] == [
+        f.name for f in dataclasses.fields(PrefillWorkerConfig) if f.name not in by_pod]
+    assert schema["decodeEngine"]["propertyNames"]["enum"] == [
+        f.name for f in dataclasses.fields(DecodeConfig) if f.name not in by_pod | {"block_size", "num_blocks"}]
+
+
+def test_engine_tables_follow_the_pods_devices_and_the_values(tmp_path: Path) -> None:
+    values = {"prefill": {"gpusPerPod": 0, "engine": {"effort_queue_slack_s": 0.5, "paged_attention": "off"}},
+              "decode": {"engine": {"device": "cuda:0", "preemption": "recompute", "dspark": False}}}
+    (config_map,) = [o for o in _render_objects(values) if o["kind"] == "ConfigMap"]
+    tables = {}
+    for role in ("prefill", "decode"):
+        (tmp_path / f"{role}.toml").write_text(config_map["data"][f"{role}.toml"])
+        tables[role] = read_serve_file(tmp_path / f"{role}.toml", (role, "kv_transfer"))[1][role]
+    prefill = PrefillWorkerConfig.from_mapping(tables["prefill"])
+    assert (prefill.device, prefill.effort_queue_slack_s, prefill.paged_attention) == ("cpu", 0.5, "off")
+    decode = DecodeConfig.from_mapping(tables["decode"])
+    assert (decode.device, decode.preemption.value, decode.dspark) == ("cuda:0", "recompute", False)
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -426,6 +463,10 @@ def _merged(name: str) -> dict[str, Any]:
         return loaded.merge_values(VALUE_SETS[name])  # type: ignore[no-any-return]
 
 
+_ENGINE_CONFIG: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "prefill": PrefillWorkerConfig.from_mapping, "decode": DecodeConfig.from_mapping}
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_config_map_files_load_as_serve_config(renders: dict[str, dict[str, str]], name: str,
                                                tmp_path: Path) -> None:
@@ -440,6 +481,10 @@ def test_config_map_files_load_as_serve_config(renders: dict[str, dict[str, str]
         else:  # what the worker processes read: ServeConfig plus their own tables
             loaded, extra = read_serve_file(tmp_path / filename, (role, "kv_transfer"))
             assert extra["kv_transfer"]["auth_token_file"] == "/var/run/secrets/cedserve/kv-transfer/token"
+            engine = _ENGINE_CONFIG[role](extra[role])  # the workers' own decoders: unknown fields fail
+            expected = {"device": "cuda:0" if merged[role]["gpusPerPod"] else "cpu", **merged[role]["engine"]}
+            assert extra[role] == expected
+            assert all(getattr(engine, key) == value for key, value in expected.items() if key != "preemption")
         cache = {**merged["config"]["cache"], **(merged[role]["cache"] if role != "router" else {})}
         assert loaded.cache.num_blocks == cache["numBlocks"]
         assert loaded.cache.block_size == cache["blockSize"]
@@ -547,7 +592,7 @@ def test_lws_workers_take_group_identity_from_lws_env(renders: dict[str, dict[st
         assert f"--config=/etc/cedserve/{role}.toml" in args
         assert "--checkpoint=/models/checkpoint" in args
     decode = _one(objs, "LeaderWorkerSet", _pool_name("decode"))
-    assert decode["spec"]["leaderWorkerTemplate"]["size"] == 4
+    assert decode["spec"]["leaderWorkerTemplate"]["size"] == 32  # four 8-GPU nodes, one GPU a pod
     assert decode["metadata"]["annotations"] == {
         "leaderworkerset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
     hpa = _one(objs, "HorizontalPodAutoscaler", _pool_name("prefill"))
@@ -557,12 +602,13 @@ def test_lws_workers_take_group_identity_from_lws_env(renders: dict[str, dict[st
 
 
 @pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs /bin/sh to run the rank derivation")
-@pytest.mark.parametrize(("ordinal", "rank", "leader_ordinal"), [(0, 0, 0), (1, 1, 0), (2, 0, 2), (3, 1, 2)])
+@pytest.mark.parametrize(("ordinal", "rank", "leader_ordinal"), [(0, 0, 0), (1, 1, 0), (15, 15, 0), (16, 0, 16),
+                                                                  (31, 15, 16)])
 def test_statefulset_rank_and_leader_come_from_the_ordinal(renders: dict[str, dict[str, str]], tmp_path: Path,
                                                            ordinal: int, rank: int, leader_ordinal: int) -> None:
     """Run the rendered shell preamble with a stand-in `cedserve` that prints its argv."""
     sts = _one(_objects(renders, "multi-node-statefulset"), "StatefulSet", _pool_name("decode"))
-    assert sts["spec"]["replicas"] == 4  # 2 groups x 2 pods
+    assert sts["spec"]["replicas"] == 32  # 2 groups x 16 pods
     container = _container(sts)
     fake = tmp_path / "cedserve"
     fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
@@ -574,7 +620,7 @@ def test_statefulset_rank_and_leader_come_from_the_ordinal(renders: dict[str, di
     assert out[: len(container["args"])] == container["args"], shlex.join(out)
     headless = sts["spec"]["serviceName"]
     assert out[len(container["args"]):] == [
-        "--group-size=2", f"--rank={rank}",
+        "--group-size=16", f"--rank={rank}",
         f"--leader-address={_pool_name('decode')}-{leader_ordinal}.{headless}.{golden.NAMESPACE}.svc.cluster.local"]
 
 

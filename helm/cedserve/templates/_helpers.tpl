@@ -206,6 +206,22 @@ disk_dir = {{ . | toJson }}
 {{- end }}
 
 {{/*
+A worker's engine table: `[<role>]` with `<role>.engine`'s keys in order, values as TOML scalars
+(JSON strings are TOML basic strings). `device` defaults to the pod's one GPU, else the CPU.
+Context: (dict "role" "prefill"|"decode" "pool" <the pool's values>).
+*/}}
+{{- define "cedserve.engineToml" -}}
+{{- $engine := deepCopy (default dict .pool.engine) -}}
+{{- if not (hasKey $engine "device") }}
+{{- $_ := set $engine "device" (ternary "cuda:0" "cpu" (gt (int .pool.gpusPerPod) 0)) }}
+{{- end -}}
+[{{ .role }}]
+{{- range $key := keys $engine | sortAlpha }}
+{{ $key }} = {{ index $engine $key | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
 Native gRPC probe. Context: (dict "port" N "service" NAME "probe" {periodSeconds, failureThreshold, timeoutSeconds}).
 */}}
 {{- define "cedserve.grpcProbe" -}}
