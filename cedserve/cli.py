@@ -168,20 +168,46 @@ def _endpoints(specs: list[str], role: str) -> tuple[object, ...]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
-    from cedserve.launcher import EmbeddedOptions, serve_embedded
+    from cedserve.launcher import EmbeddedOptions, read_serve_config, serve_embedded
 
-    opts = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, host=args.host,
+    config = read_serve_config(Path(args.config)) if args.config else {}
+    model = config.get("model", {})
+    checkpoint = args.checkpoint or (None if args.preset else model.get("checkpoint"))
+    preset = args.preset or (None if args.checkpoint else model.get("preset")) or "demo"
+    gpus = tuple(int(g) for g in args.gpus.split(",")) if args.gpus else ()
+    opts = EmbeddedOptions(checkpoint=Path(checkpoint) if checkpoint else None, preset=preset, host=args.host,
                            port=args.port, log_dir=Path(args.log_dir) if args.log_dir else None,
-                           default_max_tokens=args.default_max_tokens)
+                           default_max_tokens=args.default_max_tokens, num_prefill=args.prefill_workers,
+                           num_decode=args.decode_workers, decode_group_size=args.decode_group_size,
+                           policy=args.policy, gpus=gpus, config=config)
     if args.ray:
         from cedserve.ray_launcher import RayOptions, serve_ray
 
         return serve_ray(opts, RayOptions(address=args.ray, device=args.ray_device,
                                           cpus_per_worker=args.ray_cpus_per_worker,
                                           max_restarts=args.ray_max_restarts))
-    return serve_embedded(opts)
+    device, why = embedded_device(args.device, opts.num_ranks, gpus)
+    print(f"workers on {device} ({why})", flush=True)
+    return serve_embedded(replace(opts, device=device))
+
+
+def embedded_device(wanted: str, ranks: int, gpus: tuple[int, ...]) -> tuple[str, str]:
+    """`cedserve serve --device`: (cpu or cuda, why). auto takes cuda when torch sees a GPU for every
+    worker rank (or the `--gpus` given); an explicit cuda without them is an error."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = max(gpus) + 1 if gpus else ranks
+    if wanted == "cpu":
+        return "cpu", "--device cpu"
+    if have >= need:
+        return "cuda", f"{ranks} ranks on {have} GPUs"
+    if wanted == "cuda":
+        raise SystemExit(f"cedserve serve: --device cuda needs {need} GPUs for {ranks} worker ranks, torch sees {have}")
+    return "cpu", f"auto: {have} GPUs for {ranks} worker ranks" if have else "auto: no GPU"
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -273,8 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve = verbs.add_parser("serve", help="start router + prefill + decode workers",
                              description="Start the whole system on this machine (the embedded default) "
                                          "or place pools on a Ray cluster.")
-    serve.add_argument("--checkpoint", help="checkpoint folder (config.json, tokenizer.json, safetensors)")
-    serve.add_argument("--config", help="serve config file (.toml or .json)")
+    serve.add_argument("--checkpoint", help="checkpoint folder (config.json, tokenizer.json, safetensors); "
+                       "default: the config's [model], else the shipped demo checkpoint")
+    serve.add_argument("--preset", help="without a checkpoint: random weights of a preset (tiny, mini-40)")
+    serve.add_argument("--config", help="serve config file (.toml or .json): [model], [cache], [tls], "
+                       "[internal_tls] for every process, [prefill] / [decode] / [kv_transfer] for the workers "
+                       "(docs/deploy.md)")
+    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="workers' device (auto: cuda when this machine has a GPU for every worker rank)")
+    serve.add_argument("--gpus", help="with cuda: GPU ids for the ranks in start order, e.g. 0,1,2 (default 0, 1, ...)")
+    serve.add_argument("--prefill-workers", type=int, default=1, help="0: colocated (decode workers prefill)")
+    serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument("--decode-group-size", type=int, default=1, help="expert-parallel ranks per decode worker")
+    serve.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"],
+                       help="the router's placement policy")
     serve.add_argument("--ray", metavar="ADDRESS",
                        help="place router and pools as Ray actors: a cluster address, 'auto' (the running "
                             "cluster) or 'local' (start one here); docs/deploy.md")

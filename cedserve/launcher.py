@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -196,6 +196,9 @@ class EmbeddedOptions:
     gpus: tuple[int, ...] = ()
     """GPU ids handed to the ranks in start order (prefill workers, then decode ranks) through
     CUDA_VISIBLE_DEVICES; empty with `cuda`: 0, 1, 2, ..."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """A `--config` file's contents (`read_serve_config`): its ServeConfig part goes to every process,
+    its `[prefill]` / `[decode]` / `[kv_transfer]` tables to the workers (`write_worker_config`)."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1 or self.decode_group_size < 1:
@@ -234,17 +237,76 @@ def write_token_file(run_dir: Path, token: str | None = None) -> Path:
     return token_file
 
 
-def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = None) -> dict[str, Path]:
-    """Worker configs by role, whose KV-transfer control plane and internal RPCs both require `token`
-    (see `write_token_file`; the router gets it through `--worker-token-file`), and whose `[prefill]` /
-    `[decode]` table sets the device (each role reads only its own). Every worker of one system must
-    share the token."""
+WORKER_TABLES = ("prefill", "decode", "kv_transfer")
+"""Tables of a `cedserve serve --config` file that only workers read; the rest is the ServeConfig
+every process reads."""
+
+
+def read_serve_config(path: Path) -> dict[str, Any]:
+    """A `cedserve serve --config` file (.toml or .json) as plain data, checked the way the processes
+    will decode it: its ServeConfig part (`[model]`, `[cache]`, `[tls]`, `[internal_tls]`, ...) and
+    the workers' `[prefill]`, `[decode]` and `[kv_transfer]` tables. `ValueError` names a bad field,
+    before any process starts."""
+    import json
+
+    import tomllib
+
+    from cedserve.config import ServeConfig
+    from cedserve.decode_workers.config import DecodeConfig
+    from cedserve.kv_transfer.config import kv_transfer_config_from_table
+    from cedserve.prefill_workers.config import PrefillWorkerConfig
+
+    _, tables = ServeConfig.load_with_sections(path, WORKER_TABLES)
+    PrefillWorkerConfig.from_mapping(tables.get("prefill", {}))
+    DecodeConfig.from_mapping(tables.get("decode", {}))
+    kv_transfer_config_from_table({k: v for k, v in tables.get("kv_transfer", {}).items() if k != "auth_token_file"},
+                                  "127.0.0.1", 0)
+    raw = path.read_bytes().decode()
+    data: dict[str, Any] = tomllib.loads(raw) if path.suffix == ".toml" else json.loads(raw)
+    return data
+
+
+def toml_text(data: Mapping[str, Any], prefix: str = "") -> str:
+    """`data` as TOML: scalars and lists of scalars as `key = value` (strings in JSON's escaping,
+    which TOML's basic strings share), nested mappings as `[a.b]` tables; None is left out."""
+    import json
+
+    lines, tables = [], []
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, Mapping):
+            tables.append((key, value))
+        elif isinstance(value, bool | int | float | str | list | tuple):
+            lines.append(f"{key} = {json.dumps(value)}")
+        else:
+            raise ValueError(f"config field `{prefix}{key}`: {type(value).__name__} has no TOML form here")
+    text = "".join(line + "\n" for line in lines)
+    for key, value in tables:
+        text += f"[{prefix}{key}]\n" + toml_text(value, f"{prefix}{key}.")
+    return text
+
+
+def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = None,
+                        config: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """Every process's config file, by role ("prefill", "decode", "router"): the KV-transfer control
+    plane and internal RPCs both require `token` (see `write_token_file`; the router sends it), and
+    each worker's own table sets its device (each role reads only its own). `config` (a `cedserve
+    serve --config` file, `read_serve_config`) adds its ServeConfig part to every file and its
+    `[prefill]` / `[decode]` / `[kv_transfer]` tables to the workers' (a table's own `device` wins).
+    Every process of one system must share the token."""
     token_file = write_token_file(run_dir, token)
+    data = dict(config or {})
+    tables = {name: dict(data.pop(name, None) or {}) for name in WORKER_TABLES}
+    common = {**data, "internal_token_file": str(token_file)}
     configs = {}
     for role in ("prefill", "decode"):
+        body = {**common, "kv_transfer": {**tables["kv_transfer"], "auth_token_file": str(token_file)},
+                role: {"device": device, **tables[role]}}
         configs[role] = run_dir / f"{role}.toml"
-        configs[role].write_text(f'internal_token_file = "{token_file}"\n[kv_transfer]\nauth_token_file = "{token_file}"\n'
-                                 f'[{role}]\ndevice = "{device}"\n')
+        configs[role].write_text(toml_text(body))
+    configs["router"] = run_dir / "router.toml"
+    configs["router"].write_text(toml_text(common))
     return configs
 
 
@@ -314,7 +376,7 @@ def plan_workers(opts: EmbeddedOptions, rendezvous: Callable[[int], tuple[str, i
 
 
 def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[str, str, str]],
-                token_file: str) -> list[str]:
+                token_file: str, config_file: str | None = None) -> list[str]:
     """`cedserve router` in front of `leaders` (role, worker id, address), sending the workers' token
     from `token_file`; `checkpoint` may be the `{checkpoint}` placeholder (read for the context length
     only when it is a real path), `token_file` one under `{run_dir}`."""
@@ -325,22 +387,24 @@ def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[
 
         limit = ModelConfig.from_hf_json(resolve_checkpoint(opts)).max_position_embeddings
         colocated = ["--decode-only-max-tokens", str(limit)]
+    config = ["--config", config_file] if config_file else []
     return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), *workers,
             "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens),
-            "--worker-token-file", token_file, *colocated]
+            "--worker-token-file", token_file, *config, *colocated]
 
 
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:
     """Start the prefill workers and decode groups (together), then the router; returns its ready info."""
     checkpoint = resolve_checkpoint(opts)
     run_dir = launcher.log_dir / "run"
-    write_worker_config(run_dir, opts.device)
+    configs = write_worker_config(run_dir, opts.device, config=opts.config)
     specs = plan_workers(opts, lambda group: (opts.host, _free_port(opts.host)))
     parts = [launcher.spawn(s.name, s.argv(checkpoint, str(run_dir)), dict(s.env)) for s in specs]
     for part in parts:  # every rank, followers included
         part.wait_ready(600.0 if opts.device == "cuda" else 180.0)
     leaders = [(s.role, s.worker_id, str(p.ready["address"])) for s, p in zip(specs, parts) if s.rank == 0]
-    return launcher.start("router", router_args(opts, checkpoint, leaders, str(run_dir / TOKEN_FILE_NAME)))
+    return launcher.start("router", router_args(opts, checkpoint, leaders, str(run_dir / TOKEN_FILE_NAME),
+                                                str(configs["router"])))
 
 
 def serve_embedded(opts: EmbeddedOptions) -> int:

@@ -47,7 +47,6 @@ from cedserve.launcher import (
     plan_workers,
     resolve_checkpoint,
     router_args,
-    write_token_file,
     write_worker_config,
 )
 
@@ -102,6 +101,8 @@ class ActorSetup:
     """The system's shared secret: the KV-transfer control plane's and the worker plane's."""
     run_dir: str
     log_dir: str
+    config: dict[str, Any] = field(default_factory=dict)
+    """The `cedserve serve --config` file's contents (`launcher.write_worker_config`)."""
 
 
 class ProcessActor:
@@ -116,10 +117,7 @@ class ProcessActor:
         self._stopping = False
         checkpoint = setup.checkpoint or resolve_checkpoint(EmbeddedOptions(preset=setup.preset))
         run_dir = Path(setup.run_dir) / spec.name  # one folder per process: restarts rewrite only their own
-        if spec.role == "router":  # it sends the token on every call to a worker
-            write_token_file(run_dir, setup.token)
-        else:
-            write_worker_config(run_dir, setup.device, setup.token)
+        write_worker_config(run_dir, setup.device, setup.token, setup.config)  # the router sends the token
         args = spec.argv(checkpoint, str(run_dir))
         if spec.role != "router" and "0.0.0.0" in args:  # peers and the router dial this node's address
             args += ["--advertise-host", self.node_ip]
@@ -245,7 +243,7 @@ class RaySystem:
         setup = ActorSetup(str(self.opts.checkpoint) if self.opts.checkpoint else None, self.opts.preset, device,
                            uuid.uuid4().hex + uuid.uuid4().hex,
                            self.ray_opts.run_dir or str(Path(tempfile.gettempdir()) / f"cedserve-ray-{os.getpid()}"),
-                           str((self.opts.log_dir or cache_home() / "logs") / "ray"))
+                           str((self.opts.log_dir or cache_home() / "logs") / "ray"), dict(self.opts.config))
         self._place(device)
         specs = plan_workers(self.opts, self._rendezvous, assign_gpus=False)
         for spec in specs:
@@ -253,7 +251,8 @@ class RaySystem:
         for tracked in self.workers.values():
             self._wait_ready(tracked)
         leaders = [(t.spec.role, t.spec.worker_id, t.address) for t in self.workers.values() if t.spec.rank == 0]
-        args = router_args(self.opts, "{checkpoint}", leaders, f"{{run_dir}}/{TOKEN_FILE_NAME}")
+        args = router_args(self.opts, "{checkpoint}", leaders, f"{{run_dir}}/{TOKEN_FILE_NAME}",
+                           "{run_dir}/router.toml")
         spec = ProcessSpec("router", "router", "", 0, 0, tuple(args))
         self.router = _Tracked(spec, self._actor(spec, setup))
         return self._wait_ready(self.router)

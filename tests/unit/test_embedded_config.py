@@ -1,0 +1,95 @@
+"""`cedserve serve`'s own configuration: the --config file checked before anything starts, every
+process's file written from it (and read back by the processes' own decoders), the device choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+from cedserve.cli import embedded_device
+from cedserve.config import ServeConfig
+from cedserve.decode_workers.config import DecodeConfig
+from cedserve.launcher import read_serve_config, toml_text, write_worker_config
+from cedserve.prefill_workers.config import PrefillWorkerConfig
+from cedserve.serving import read_serve_file
+
+pytestmark = pytest.mark.unit
+
+CONFIG = """\
+[model]
+preset = "tiny"
+[cache]
+num_blocks = 96
+block_size = 64
+[internal_tls]
+server_name = "cedserve-internal"
+[prefill]
+effort_queue_slack_s = 0.5
+[decode]
+max_running_requests = 3
+device = "cuda:1"
+[kv_transfer]
+backends = ["UCX"]
+"""
+
+
+def test_every_process_reads_its_part_of_the_serve_config(tmp_path: Path) -> None:
+    (tmp_path / "serve.toml").write_text(CONFIG)
+    configs = write_worker_config(tmp_path / "run", "cpu", "s3cret", read_serve_config(tmp_path / "serve.toml"))
+    token_file = str(tmp_path / "run" / "kv_transfer.token")
+    for role, cls in (("prefill", PrefillWorkerConfig.from_mapping), ("decode", DecodeConfig.from_mapping)):
+        serve, tables = read_serve_file(configs[role], (role, "kv_transfer"))
+        assert serve.cache.num_blocks == 96 and serve.model.preset == "tiny"
+        assert serve.internal_tls.server_name == "cedserve-internal" and serve.internal_token_file == token_file
+        assert tables["kv_transfer"] == {"backends": ["UCX"], "auth_token_file": token_file}
+        engine = cls(tables[role])
+        if role == "prefill":
+            assert (engine.device, engine.effort_queue_slack_s) == ("cpu", 0.5)  # the launcher's device
+        else:
+            assert (engine.device, engine.max_running_requests) == ("cuda:1", 3)  # the table's own wins
+    router = ServeConfig.load(configs["router"])  # the router's decoder: no worker table may be left in
+    assert router.cache.num_blocks == 96 and router.internal_token_file == token_file
+    assert Path(token_file).read_text() == "s3cret"
+
+
+def test_without_a_config_the_files_hold_only_token_and_device(tmp_path: Path) -> None:
+    configs = write_worker_config(tmp_path, "cuda")
+    assert tomllib.loads(configs["decode"].read_text()) == {
+        "internal_token_file": str(tmp_path / "kv_transfer.token"),
+        "kv_transfer": {"auth_token_file": str(tmp_path / "kv_transfer.token")}, "decode": {"device": "cuda"}}
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("[decode]\nmax_runing_requests = 4\n", "decode.max_runing_requests"),
+    ("[prefill]\nchunk_tokens = \"big\"\n", "chunk_tokens"),
+    ("[kv_transfer]\nbogus = 1\n", "bogus"),
+    ("[cache]\nnum_blocks = 0\n", "num_blocks"),
+    ("[router]\npolicy = \"x\"\n", "router"),
+])
+def test_a_bad_field_is_named_before_anything_starts(tmp_path: Path, text: str, field: str) -> None:
+    (tmp_path / "serve.toml").write_text(text)
+    with pytest.raises(ValueError, match=field):
+        read_serve_config(tmp_path / "serve.toml")
+
+
+def test_toml_text_round_trips_nested_tables_and_escapes() -> None:
+    data = {"a": 1, "s": 'quote " and \\ back', "flag": True, "x": 0.25, "l": [1, 2], "none": None,
+            "t": {"k": "v", "u": {"deep": 3}}}
+    expected = {k: v for k, v in data.items() if k != "none"}
+    assert tomllib.loads(toml_text(data)) == expected
+
+
+def test_device_auto_takes_the_gpus_only_when_every_rank_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    for have, wanted, ranks, gpus, expected in [
+        (0, "auto", 2, (), "cpu"), (1, "auto", 2, (), "cpu"), (2, "auto", 2, (), "cuda"),
+        (4, "cpu", 2, (), "cpu"), (4, "auto", 2, (2, 3), "cuda"), (3, "auto", 2, (2, 3), "cpu")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda have=have: have > 0)  # the hardware boundary
+        monkeypatch.setattr(torch.cuda, "device_count", lambda have=have: have)
+        device, why = embedded_device(wanted, ranks, gpus)
+        assert device == expected, (have, wanted, ranks, gpus, why)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="needs 2 GPUs"):
+        embedded_device("cuda", 2, ())
