@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cedserve.bench_serve.agentic import parse_effort_mix
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.messages import AttachCommand, Finished, Sampling, Tokens
@@ -81,15 +82,6 @@ def arrivals(n: int, rate: float, mix: Sequence[tuple[int, float]], lengths: tup
         at += rng.expovariate(rate)
         out.append(Arrival(at, rng.choices(levels, weights)[0], rng.randint(*lengths)))
     return out
-
-
-def parse_mix(text: str) -> list[tuple[int, float]]:
-    names = {"low": 50, "high": 75, "max": 100}
-    mix = []
-    for item in text.split(","):
-        level, _, weight = item.partition(":")
-        mix.append((names[level] if level in names else int(level), float(weight)))
-    return mix
 
 
 class VirtualClock:
@@ -284,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    mix = parse_mix(args.effort_mix)
+    mix = parse_effort_mix(args.effort_mix)
     model = load_worker_model(None, args.preset, seed=args.seed).model
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(3, min(model.config.vocab_size, 512), (args.prompt_tokens,), generator=gen).tolist()
