@@ -69,6 +69,9 @@ def _add_worker_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     w.add_argument("--group-size", type=int, default=1)
     w.add_argument("--rank", type=int, default=0)
     w.add_argument("--leader-address")
+    w.add_argument("--local-ranks", type=int, default=1,
+                   help="decode: run this many ranks here, one GPU each (the group has --group-size x N ranks; "
+                        "cedserve/local_ranks.py)")
     w.add_argument("--worker-id", help="unique worker name (also the NIXL agent name)")
     w.add_argument("--health-port", type=int, default=-1,
                    help="plaintext gRPC health + Drain listener for probes when TLS is on (-1: off, 0: any)")
@@ -107,6 +110,12 @@ def _worker(args: argparse.Namespace) -> int:
 
     fields = {k: v for k, v in vars(args).items() if k in WorkerOptions.__dataclass_fields__}
     opts = WorkerOptions(**fields)
+    if args.local_ranks < 1:
+        raise ValueError(f"--local-ranks: must be >= 1, got {args.local_ranks}")
+    if args.local_ranks > 1:
+        from cedserve.local_ranks import run_local_ranks
+
+        return run_local_ranks(opts, args.local_ranks)
     module = importlib.import_module(f"cedserve.{args.role}_workers.main")
     code: int = module.run(opts)
     return code

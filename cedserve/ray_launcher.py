@@ -49,18 +49,10 @@ from cedserve.launcher import (
     router_args,
     write_worker_config,
 )
+from cedserve.local_ranks import CHILD_TRAMPOLINE  # the child dies with the actor that started it
 
 log = logging.getLogger(__name__)
 _DEAD_FOR_GOOD_S = 10.0
-
-# Runs in the child before `cedserve`: die with the actor (PR_SET_PDEATHSIG = 1), and not outlive a
-# parent that died before the call. PDEATHSIG survives execve.
-_TRAMPOLINE = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))\n"
-    "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
-    "os.execv(sys.executable, [sys.executable, '-m', 'cedserve.cli', *sys.argv[2:]])\n"
-)
 
 
 @dataclass(frozen=True)
@@ -133,7 +125,7 @@ class ProcessActor:
         started.wait()
 
     def _own(self, args: list[str], env: dict[str, str], started: threading.Event) -> None:
-        argv = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *args]
+        argv = [sys.executable, "-c", CHILD_TRAMPOLINE, str(os.getpid()), *args]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True)
         self.part = Part(self.spec.name, proc, self.log_path)

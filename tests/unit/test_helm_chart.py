@@ -247,7 +247,7 @@ def test_examples_cover_every_checkpoint_source_and_workload() -> None:
                  id="unknown-metric-type"),
     pytest.param({"prefill": {"pdb": {"maxUnavailable": "half"}}}, "/prefill/pdb/maxUnavailable",
                  id="bad-percentage"),
-    pytest.param({"decode": {"gpusPerPod": 8}}, "/decode/gpusPerPod", id="several-gpus-a-pod"),
+    pytest.param({"prefill": {"gpusPerPod": 2}}, "/prefill/gpusPerPod", id="several-gpus-a-prefill-pod"),
     pytest.param({"decode": {"engine": {"max_runing_requests": 8}}}, "invalid propertyName 'max_runing_requests'",
                  id="typo-in-engine"),
     pytest.param({"prefill": {"engine": {"worker_id": "p0"}}}, "invalid propertyName 'worker_id'", id="engine-worker-id"),
@@ -592,7 +592,7 @@ def test_lws_workers_take_group_identity_from_lws_env(renders: dict[str, dict[st
         assert f"--config=/etc/cedserve/{role}.toml" in args
         assert "--checkpoint=/models/checkpoint" in args
     decode = _one(objs, "LeaderWorkerSet", _pool_name("decode"))
-    assert decode["spec"]["leaderWorkerTemplate"]["size"] == 32  # four 8-GPU nodes, one GPU a pod
+    assert decode["spec"]["leaderWorkerTemplate"]["size"] == 4  # four 8-GPU pods, 32 ranks
     assert decode["metadata"]["annotations"] == {
         "leaderworkerset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
     hpa = _one(objs, "HorizontalPodAutoscaler", _pool_name("prefill"))
@@ -602,13 +602,12 @@ def test_lws_workers_take_group_identity_from_lws_env(renders: dict[str, dict[st
 
 
 @pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs /bin/sh to run the rank derivation")
-@pytest.mark.parametrize(("ordinal", "rank", "leader_ordinal"), [(0, 0, 0), (1, 1, 0), (15, 15, 0), (16, 0, 16),
-                                                                  (31, 15, 16)])
+@pytest.mark.parametrize(("ordinal", "rank", "leader_ordinal"), [(0, 0, 0), (1, 1, 0), (2, 0, 2), (3, 1, 2)])
 def test_statefulset_rank_and_leader_come_from_the_ordinal(renders: dict[str, dict[str, str]], tmp_path: Path,
                                                            ordinal: int, rank: int, leader_ordinal: int) -> None:
     """Run the rendered shell preamble with a stand-in `cedserve` that prints its argv."""
     sts = _one(_objects(renders, "multi-node-statefulset"), "StatefulSet", _pool_name("decode"))
-    assert sts["spec"]["replicas"] == 32  # 2 groups x 16 pods
+    assert sts["spec"]["replicas"] == 4  # 2 groups x 2 pods
     container = _container(sts)
     fake = tmp_path / "cedserve"
     fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
@@ -620,8 +619,27 @@ def test_statefulset_rank_and_leader_come_from_the_ordinal(renders: dict[str, di
     assert out[: len(container["args"])] == container["args"], shlex.join(out)
     headless = sts["spec"]["serviceName"]
     assert out[len(container["args"]):] == [
-        "--group-size=16", f"--rank={rank}",
+        "--group-size=2", f"--rank={rank}",
         f"--leader-address={_pool_name('decode')}-{leader_ordinal}.{headless}.{golden.NAMESPACE}.svc.cluster.local"]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_decode_pods_run_a_rank_per_gpu_and_open_their_agents_ports(renders: dict[str, dict[str, str]],
+                                                                     name: str) -> None:
+    objs = _objects(renders, name)
+    for role in ("prefill", "decode"):
+        v = _merged(name)[role]
+        workload = next(o for o in objs if o["kind"] in {"StatefulSet", "LeaderWorkerSet"}
+                        and o["metadata"]["name"] == _pool_name(role))
+        args = _container(workload)["args"]
+        local = [a for a in args if a.startswith("--local-ranks")]
+        assert local == ([f"--local-ranks={v['gpusPerPod']}"] if v["gpusPerPod"] > 1 else [])
+        policy = _one(objs, "NetworkPolicy", _pool_name(role)) if v["gpusPerPod"] else None
+        if policy is not None:
+            nixl = next(p for p in policy["spec"]["ingress"][0]["ports"] if p["port"] == v["ports"]["nixl"])
+            assert nixl.get("endPort", nixl["port"]) == v["ports"]["nixl"] + max(v["gpusPerPod"], 1) - 1
+    if name == "multi-node-lws":  # the case the test is for is among the value sets
+        assert _merged(name)["decode"]["gpusPerPod"] == 8
 
 
 def test_router_discovers_pools_through_headless_services(renders: dict[str, dict[str, str]]) -> None:

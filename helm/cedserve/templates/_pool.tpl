@@ -19,6 +19,9 @@ pools cannot drift apart. The contract of the command lines is docs/deploy.md.
 - --dist-port={{ $v.ports.dist }}
 - --advertise-host=$(POD_IP)
 - --worker-id=$(POD_NAME)
+{{- if gt (int $v.gpusPerPod) 1 }}
+- --local-ranks={{ $v.gpusPerPod }}
+{{- end }}
 {{- if .root.Values.tls.internal.enabled }}
 - --health-port={{ $v.ports.health }}
 {{- end }}
@@ -393,6 +396,9 @@ spec:
         - port: {{ $v.ports.grpc }}
           protocol: TCP
         - port: {{ $v.ports.nixl }}
+          {{- if gt (int $v.gpusPerPod) 1 }}
+          endPort: {{ add $v.ports.nixl $v.gpusPerPod -1 }}
+          {{- end }}
           protocol: TCP
         - port: {{ index $ucx 0 | int }}
           endPort: {{ index $ucx 1 | int }}
