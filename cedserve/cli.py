@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # Heavy modules (torch, the model, workers, the router) are imported inside the verbs that need them:
 # `cedserve drain` runs in a pod's preStop hook and must start fast (tests/unit/test_serving.py).
@@ -140,19 +140,23 @@ def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     r.add_argument("--decode", action="append", default=[], metavar="ID=HOST:PORT", help="a decode worker")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
-    r.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"])
+    r.add_argument("--policy", choices=["cache_aware", "least_loaded", "round_robin"],
+                   help="placement policy (default: the --config file's [router] policy, else cache_aware)")
     r.add_argument("--block-size", type=int, help="tokens per KV block (default: the --config file's "
                                                    "[cache] block_size, else 64); must equal the workers'")
     r.add_argument("--api-key-file", help="file with one accepted API key per line")
     r.add_argument("--worker-token-file", help="file with the worker plane's shared token, sent to workers as "
                                                "`x-cedserve-token` (default: the --config file's internal_token_file)")
     r.add_argument("--metrics-port", type=int)
-    r.add_argument("--max-retries", type=int, default=2)
-    r.add_argument("--default-max-tokens", type=int, default=0)
-    r.add_argument("--decode-only-max-tokens", type=int, default=256,
-                   help="uncached suffixes up to this many tokens may be prefilled by a decode worker "
-                        "(with no --prefill worker: set it to the context length for colocated serving)")
-    r.add_argument("--config", help="serve config file: its [tls] and [internal_tls] tables")
+    r.add_argument("--max-retries", type=int, help="re-placements after a worker failure (default 2)")
+    r.add_argument("--default-max-tokens", type=int, help="output budget of requests that give none "
+                                                          "(default 0: the effort level's)")
+    r.add_argument("--decode-only-max-tokens", type=int,
+                   help="uncached suffixes up to this many tokens may be prefilled by a decode worker (default "
+                        "256; with no --prefill worker: set it to the context length for colocated serving)")
+    r.add_argument("--config", help="serve config file: its [model], [cache], [tls], [internal_tls] and [router] "
+                                    "tables ([router]: admission limits per effort class and the settings below; "
+                                    "a flag given wins; docs/routing.md)")
     r.add_argument("--health-port", type=int, default=-1,
                    help="plaintext gRPC health listener for probes when TLS is on (-1: off, 0: any)")
     _add_tls_flags(r, "", "public port (overrides the config's [tls])", server=True)
@@ -162,8 +166,8 @@ def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     k.add_argument("--namespace", help="watch this namespace's EndpointSlices (the chart: $(POD_NAMESPACE))")
     k.add_argument("--prefill-service", help="headless Service whose EndpointSlices list the prefill pods")
     k.add_argument("--decode-service", help="headless Service whose EndpointSlices list the decode pods")
-    r.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM without a prior `cedserve drain`: how long open streams may finish")
+    r.add_argument("--drain-timeout-s", type=float,
+                   help="on SIGTERM without a prior `cedserve drain`: how long open streams may finish (default 30)")
 
 
 def _endpoints(specs: list[str], role: str) -> tuple[object, ...]:
@@ -183,15 +187,16 @@ def _serve(args: argparse.Namespace) -> int:
     from cedserve.launcher import EmbeddedOptions, read_serve_config, serve_embedded
 
     config = read_serve_config(Path(args.config)) if args.config else {}
-    model = config.get("model", {})
+    model, router = config.get("model", {}), config.get("router", {})
     checkpoint = args.checkpoint or (None if args.preset else model.get("checkpoint"))
     preset = args.preset or (None if args.checkpoint else model.get("preset")) or "demo"
     gpus = tuple(int(g) for g in args.gpus.split(",")) if args.gpus else ()
     opts = EmbeddedOptions(checkpoint=Path(checkpoint) if checkpoint else None, preset=preset, host=args.host,
                            port=args.port, log_dir=Path(args.log_dir) if args.log_dir else None,
-                           default_max_tokens=args.default_max_tokens, num_prefill=args.prefill_workers,
-                           num_decode=args.decode_workers, decode_group_size=args.decode_group_size,
-                           policy=args.policy, gpus=gpus, config=config)
+                           default_max_tokens=_first(args.default_max_tokens, router.get("default_max_tokens"), 64),
+                           num_prefill=args.prefill_workers, num_decode=args.decode_workers,
+                           decode_group_size=args.decode_group_size,
+                           policy=_first(args.policy, router.get("policy"), "cache_aware"), gpus=gpus, config=config)
     if args.ray:
         from cedserve.ray_launcher import RayOptions, serve_ray
 
@@ -201,6 +206,11 @@ def _serve(args: argparse.Namespace) -> int:
     device, why = embedded_device(args.device, opts.num_ranks, gpus)
     print(f"workers on {device} ({why})", flush=True)
     return serve_embedded(replace(opts, device=device))
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (a flag, then the config file, then the default)."""
+    return next(v for v in values if v is not None)
 
 
 def embedded_device(wanted: str, ranks: int, gpus: tuple[int, ...]) -> tuple[str, str]:
@@ -219,6 +229,20 @@ def embedded_device(wanted: str, ranks: int, gpus: tuple[int, ...]) -> tuple[str
     return "cpu", f"auto: {have} GPUs for {ranks} worker ranks" if have else "auto: no GPU"
 
 
+ROUTER_FLAGS = ("policy", "max_retries", "default_max_tokens", "decode_only_max_tokens", "drain_timeout_s")
+"""`cedserve router` flags that may also come from the config file's `[router]` table (a flag wins)."""
+
+
+def router_settings(args: argparse.Namespace, table: dict[str, Any]) -> dict[str, Any]:
+    """`RouterConfig` settings from the config file's `[router]` table (checked), with the flags given
+    on top."""
+    from cedserve.router.config import router_table
+
+    settings = router_table(table)
+    settings.update({name: getattr(args, name) for name in ROUTER_FLAGS if getattr(args, name) is not None})
+    return settings
+
+
 def _router(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
@@ -229,19 +253,18 @@ def _router(args: argparse.Namespace) -> int:
 
     keys = tuple(k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()) \
         if args.api_key_file else ()
-    serve = ServeConfig.load(args.config) if args.config else ServeConfig()
+    serve, tables = ServeConfig.load_with_sections(args.config, ("router",)) if args.config else (ServeConfig(), {})
+    settings = router_settings(args, tables.get("router", {}))
     if args.tls_client_ca:
         args.tls_ca, args.tls_require_client_cert = args.tls_client_ca, True
     model = _router_model(args, serve)
     config = RouterConfig(checkpoint=model[0], preset=model[1], prefill=_endpoints(args.prefill, "prefill"),  # type: ignore[arg-type]
                           decode=_endpoints(args.decode, "decode"), host=args.host, port=args.port,  # type: ignore[arg-type]
-                          policy=args.policy, decode_only_max_tokens=args.decode_only_max_tokens,
                           block_size=args.block_size or serve.cache.block_size, api_keys=keys,
-                          discovery=_discovery(args), drain_timeout_s=args.drain_timeout_s,
-                          metrics_port=args.metrics_port, max_retries=args.max_retries,
-                          default_max_tokens=args.default_max_tokens, tls=_tls(args, "", serve.tls),
-                          internal_tls=_tls(args, "internal_", serve.internal_tls),
-                          health_port=args.health_port, worker_token=_worker_token(args, serve))
+                          discovery=_discovery(args), metrics_port=args.metrics_port,
+                          tls=_tls(args, "", serve.tls), internal_tls=_tls(args, "internal_", serve.internal_tls),
+                          health_port=args.health_port, worker_token=_worker_token(args, serve),
+                          **settings)
     asyncio.run(serve_forever(config))
     return 0
 
@@ -320,8 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-workers", type=int, default=1, help="0: colocated (decode workers prefill)")
     serve.add_argument("--decode-workers", type=int, default=1)
     serve.add_argument("--decode-group-size", type=int, default=1, help="expert-parallel ranks per decode worker")
-    serve.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"],
-                       help="the router's placement policy")
+    serve.add_argument("--policy", choices=["cache_aware", "least_loaded", "round_robin"],
+                       help="the router's placement policy (default: the config's [router] policy, else cache_aware)")
     serve.add_argument("--ray", metavar="ADDRESS",
                        help="place router and pools as Ray actors: a cluster address, 'auto' (the running "
                             "cluster) or 'local' (start one here); docs/deploy.md")
@@ -332,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     serve.add_argument("--port", type=int, default=50051, help="public gRPC port of the router")
     serve.add_argument("--log-dir", help="where each process's log goes (default: ~/.cache/cedserve/logs)")
-    serve.add_argument("--default-max-tokens", type=int, default=64,
-                       help="output budget of requests that give none")
+    serve.add_argument("--default-max-tokens", type=int,
+                       help="output budget of requests that give none (default: the config's [router] "
+                            "default_max_tokens, else 64)")
 
     gen = verbs.add_parser("generate", help="stream an answer from a running server",
                            description="Send a prompt to a running cedserve over gRPC and stream tokens.")

@@ -244,9 +244,9 @@ every process reads."""
 
 def read_serve_config(path: Path) -> dict[str, Any]:
     """A `cedserve serve --config` file (.toml or .json) as plain data, checked the way the processes
-    will decode it: its ServeConfig part (`[model]`, `[cache]`, `[tls]`, `[internal_tls]`, ...) and
-    the workers' `[prefill]`, `[decode]` and `[kv_transfer]` tables. `ValueError` names a bad field,
-    before any process starts."""
+    will decode it: its ServeConfig part (`[model]`, `[cache]`, `[tls]`, `[internal_tls]`, ...), the
+    router's `[router]` table and the workers' `[prefill]`, `[decode]` and `[kv_transfer]` tables.
+    `ValueError` names a bad field, before any process starts."""
     import json
 
     import tomllib
@@ -255,8 +255,10 @@ def read_serve_config(path: Path) -> dict[str, Any]:
     from cedserve.decode_workers.config import DecodeConfig
     from cedserve.kv_transfer.config import kv_transfer_config_from_table
     from cedserve.prefill_workers.config import PrefillWorkerConfig
+    from cedserve.router.config import router_table
 
-    _, tables = ServeConfig.load_with_sections(path, WORKER_TABLES)
+    _, tables = ServeConfig.load_with_sections(path, (*WORKER_TABLES, "router"))
+    router_table(tables.get("router", {}))
     PrefillWorkerConfig.from_mapping(tables.get("prefill", {}))
     DecodeConfig.from_mapping(tables.get("decode", {}))
     kv_transfer_config_from_table({k: v for k, v in tables.get("kv_transfer", {}).items() if k != "auth_token_file"},
@@ -292,12 +294,13 @@ def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = 
     """Every process's config file, by role ("prefill", "decode", "router"): the KV-transfer control
     plane and internal RPCs both require `token` (see `write_token_file`; the router sends it), and
     each worker's own table sets its device (each role reads only its own). `config` (a `cedserve
-    serve --config` file, `read_serve_config`) adds its ServeConfig part to every file and its
-    `[prefill]` / `[decode]` / `[kv_transfer]` tables to the workers' (a table's own `device` wins).
+    serve --config` file, `read_serve_config`) adds its ServeConfig part to every file, its `[router]`
+    table to the router's and its `[prefill]` / `[decode]` / `[kv_transfer]` tables to the workers'
+    (a table's own `device` wins).
     Every process of one system must share the token."""
     token_file = write_token_file(run_dir, token)
     data = dict(config or {})
-    tables = {name: dict(data.pop(name, None) or {}) for name in WORKER_TABLES}
+    tables = {name: dict(data.pop(name, None) or {}) for name in (*WORKER_TABLES, "router")}
     common = {**data, "internal_token_file": str(token_file)}
     configs = {}
     for role in ("prefill", "decode"):
@@ -306,7 +309,7 @@ def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = 
         configs[role] = run_dir / f"{role}.toml"
         configs[role].write_text(toml_text(body))
     configs["router"] = run_dir / "router.toml"
-    configs["router"].write_text(toml_text(common))
+    configs["router"].write_text(toml_text({**common, **({"router": tables["router"]} if tables["router"] else {})}))
     return configs
 
 

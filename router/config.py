@@ -122,3 +122,49 @@ class RouterConfig:
         ids = [w.worker_id for w in (*self.prefill, *self.decode)]
         if len(ids) != len(set(ids)):
             raise ValueError(f"router field `workers`: duplicate worker ids in {ids}")
+
+
+TABLE_FIELDS = ("model_id", "policy", "decode_only_max_tokens", "max_retries", "load_poll_s", "lease_ms",
+                "default_max_tokens", "max_message_bytes", "default_link_bytes_per_s", "link_rate_alpha",
+                "drain_timeout_s", "limits")
+"""`RouterConfig` fields a config file's `[router]` table may set (the rest come from flags)."""
+EFFORT_CLASSES = ("low", "high", "max")
+
+
+def router_table(values: Mapping[str, object]) -> dict[str, object]:
+    """A config file's `[router]` table as `RouterConfig` keyword arguments; `ValueError` names an
+    unknown or mistyped field. `limits` is a table per effort class (`[router.limits.max]`) of
+    `max_running` and `max_queued`."""
+    unknown = sorted(set(values) - set(TABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"router field `{unknown[0]}`: unknown field (known: {', '.join(TABLE_FIELDS)})")
+    out: dict[str, object] = {}
+    defaults = RouterConfig(checkpoint="-")
+    for name, value in values.items():
+        if name == "limits":
+            out[name] = _limits(value)
+            continue
+        expected = type(getattr(defaults, name))
+        if isinstance(value, bool) or not (isinstance(value, expected) or (expected is float and isinstance(value, int))):
+            raise ValueError(f"router field `{name}`: expected {expected.__name__}, got {value!r}")
+        out[name] = float(value) if expected is float else value
+    if "policy" in out:
+        from cedserve.router.policy import make_policy
+
+        make_policy(str(out["policy"]), 0)  # names the choices
+    return out
+
+
+def _limits(value: object) -> dict[str, ClassLimits]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"router field `limits`: expected a table per effort class, got {value!r}")
+    out = {}
+    for klass, limits in value.items():
+        if klass not in EFFORT_CLASSES or not isinstance(limits, Mapping):
+            raise ValueError(f"router field `limits.{klass}`: expected a table under one of {list(EFFORT_CLASSES)}")
+        bad = sorted(set(limits) - {"max_running", "max_queued"})
+        if bad or not all(isinstance(v, int) and not isinstance(v, bool) for v in limits.values()):
+            raise ValueError(f"router field `limits.{klass}`: integers `max_running` and `max_queued` only, "
+                             f"got {dict(limits)}")
+        out[klass] = ClassLimits(**limits)
+    return out

@@ -29,6 +29,11 @@ num_blocks = 96
 max_output_tokens = 5
 [prefill]
 effort_queue_slack_s = 0.5
+[router]
+default_max_tokens = 3
+[router.limits.max]
+max_running = 4
+max_queued = 8
 """
 
 
@@ -58,6 +63,8 @@ def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -
             done = client.generate(list(range(10, 50)), max_tokens=30, effort="max")
         # [decode] max_output_tokens reached the decode worker: effort 100's budget is 5 tokens
         assert done.finish_reason == "length" and len(done.token_ids) == 5, done
+        with Client(str(system["address"]), timeout_s=120) as client:  # [router] default_max_tokens
+            assert len(client.generate(list(range(10, 50)), effort="max").token_ids) == 3
         # [cache] num_blocks reached it too
         decode = _ready(logs / "decode0.log", 10.0)
         token = (logs / "run" / TOKEN_FILE_NAME).read_text().strip()

@@ -9,11 +9,12 @@ import pytest
 import tomllib
 import torch
 
-from cedserve.cli import embedded_device
+from cedserve.cli import build_parser, embedded_device, router_settings
 from cedserve.config import ServeConfig
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.launcher import read_serve_config, toml_text, write_worker_config
 from cedserve.prefill_workers.config import PrefillWorkerConfig
+from cedserve.router.admission import ClassLimits
 from cedserve.serving import read_serve_file
 
 pytestmark = pytest.mark.unit
@@ -33,6 +34,11 @@ max_running_requests = 3
 device = "cuda:1"
 [kv_transfer]
 backends = ["UCX"]
+[router]
+policy = "least_loaded"
+[router.limits.max]
+max_running = 2
+max_queued = 0
 """
 
 
@@ -50,8 +56,12 @@ def test_every_process_reads_its_part_of_the_serve_config(tmp_path: Path) -> Non
             assert (engine.device, engine.effort_queue_slack_s) == ("cpu", 0.5)  # the launcher's device
         else:
             assert (engine.device, engine.max_running_requests) == ("cuda:1", 3)  # the table's own wins
-    router = ServeConfig.load(configs["router"])  # the router's decoder: no worker table may be left in
+    router, tables = ServeConfig.load_with_sections(configs["router"], ("router",))  # as `cedserve router`
     assert router.cache.num_blocks == 96 and router.internal_token_file == token_file
+    settings = router_settings(build_parser().parse_args(["router", "--max-retries", "5"]), tables["router"])
+    assert settings == {"policy": "least_loaded", "limits": {"max": ClassLimits(2, 0)}, "max_retries": 5}
+    settings = router_settings(build_parser().parse_args(["router", "--policy", "round_robin"]), tables["router"])
+    assert settings["policy"] == "round_robin"  # a flag given wins over the table
     assert Path(token_file).read_text() == "s3cret"
 
 
@@ -67,7 +77,11 @@ def test_without_a_config_the_files_hold_only_token_and_device(tmp_path: Path) -
     ("[prefill]\nchunk_tokens = \"big\"\n", "chunk_tokens"),
     ("[kv_transfer]\nbogus = 1\n", "bogus"),
     ("[cache]\nnum_blocks = 0\n", "num_blocks"),
-    ("[router]\npolicy = \"x\"\n", "router"),
+    ("[router]\npolicy = \"x\"\n", "router field `policy`"),
+    ("[router]\nlease = 5\n", "router field `lease`"),
+    ("[router.limits.max]\nmax_running = 0\n", "max_running >= 1"),
+    ("[router.limits.urgent]\nmax_running = 1\n", "limits.urgent"),
+    ("[routr]\npolicy = \"x\"\n", "routr"),
 ])
 def test_a_bad_field_is_named_before_anything_starts(tmp_path: Path, text: str, field: str) -> None:
     (tmp_path / "serve.toml").write_text(text)

@@ -29,6 +29,8 @@ import yaml
 from cedserve.config import ServeConfig
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.prefill_workers.config import PrefillWorkerConfig
+from cedserve.router.admission import ClassLimits
+from cedserve.router.config import TABLE_FIELDS, router_table
 from cedserve.serving import read_serve_file
 
 pytestmark = pytest.mark.unit
@@ -248,6 +250,12 @@ def test_examples_cover_every_checkpoint_source_and_workload() -> None:
     pytest.param({"prefill": {"pdb": {"maxUnavailable": "half"}}}, "/prefill/pdb/maxUnavailable",
                  id="bad-percentage"),
     pytest.param({"prefill": {"gpusPerPod": 2}}, "/prefill/gpusPerPod", id="several-gpus-a-prefill-pod"),
+    pytest.param({"router": {"settings": {"max_retry": 3}}}, "invalid propertyName 'max_retry'",
+                 id="typo-in-router-settings"),
+    pytest.param({"router": {"settings": {"limits": {"urgent": {"max_running": 1}}}}}, "invalid propertyName 'urgent'",
+                 id="unknown-effort-class"),
+    pytest.param({"router": {"settings": {"limits": {"max": {"max_running": 0}}}}},
+                 "/router/settings/limits/max/max_running", id="no-running-slot"),
     pytest.param({"decode": {"engine": {"max_runing_requests": 8}}}, "invalid propertyName 'max_runing_requests'",
                  id="typo-in-engine"),
     pytest.param({"prefill": {"engine": {"worker_id": "p0"}}}, "invalid propertyName 'worker_id'", id="engine-worker-id"),
@@ -267,11 +275,14 @@ def test_schema_rejects_bad_values(chart: Any, values: dict[str, Any], where: st
 
 
 def test_engine_schema_names_exactly_the_config_fields(chart: Any) -> None:
-    """The chart's `<pool>.engine` keys are the worker config's fields, less those the chart sets itself."""
-    schema = json.loads((golden.CHART_DIR / "values.schema.json").read_text())["definitions"]
+    """The chart's `<pool>.engine` keys are the worker config's fields, less those the chart sets itself,
+    and `router.settings` keys the `[router]` table's."""
+    schema_all = json.loads((golden.CHART_DIR / "values.schema.json").read_text())
+    schema = schema_all["definitions"]
     by_pod = {"worker_id"}  # --worker-id=$(POD_NAME)
     assert schema["prefillEngine"]["propertyNames"]["enum"] == [
         f.name for f in dataclasses.fields(PrefillWorkerConfig) if f.name not in by_pod]
+    assert schema_all["properties"]["router"]["properties"]["settings"]["propertyNames"]["enum"] == list(TABLE_FIELDS)
     assert schema["decodeEngine"]["propertyNames"]["enum"] == [
         f.name for f in dataclasses.fields(DecodeConfig) if f.name not in by_pod | {"block_size", "num_blocks"}]
 
@@ -476,8 +487,12 @@ def test_config_map_files_load_as_serve_config(renders: dict[str, dict[str, str]
     for filename, text in config_map["data"].items():
         (tmp_path / filename).write_text(text)
         role = filename.removesuffix(".toml")
-        if role == "router":
-            loaded = ServeConfig.load(tmp_path / filename)  # the real decoder: unknown fields fail
+        if role == "router":  # the real decoders (`cedserve router`'s): unknown fields fail
+            loaded, tables = ServeConfig.load_with_sections(tmp_path / filename, ("router",))
+            settings = router_table(tables.get("router", {}))
+            expected = dict(merged["router"]["settings"])
+            expected_limits = {k: ClassLimits(**v) for k, v in expected.pop("limits", {}).items()}
+            assert settings == {**expected, **({"limits": expected_limits} if expected_limits else {})}
         else:  # what the worker processes read: ServeConfig plus their own tables
             loaded, extra = read_serve_file(tmp_path / filename, (role, "kv_transfer"))
             assert extra["kv_transfer"]["auth_token_file"] == "/var/run/secrets/cedserve/kv-transfer/token"
@@ -732,7 +747,7 @@ def test_deploy_doc_lists_every_flag_the_chart_passes(renders: dict[str, dict[st
 def test_cli_accepts_what_the_chart_runs(renders: dict[str, dict[str, str]], name: str, tmp_path: Path) -> None:
     """Every command line the chart runs parses with `cedserve`'s own parser, and the router's
     resolves to a discovery config and a served model (from the rendered router.toml)."""
-    from cedserve.cli import _discovery, _router_model, build_parser
+    from cedserve.cli import _discovery, _router_model, build_parser, router_settings
 
     parser = build_parser()
     env = {"POD_NAMESPACE": golden.NAMESPACE, "POD_IP": "10.0.0.7", "POD_NAME": "pod-0", "LWS_GROUP_SIZE": "2",
@@ -763,8 +778,10 @@ def test_cli_accepts_what_the_chart_runs(renders: dict[str, dict[str, str]], nam
         assert discovery is not None and discovery.namespace == golden.NAMESPACE
         assert discovery.services == {"prefill": f"{_pool_name('prefill')}-headless",
                                       "decode": f"{_pool_name('decode')}-headless"}
-        checkpoint, preset = _router_model(parsed, ServeConfig.load(config))
+        serve, tables = ServeConfig.load_with_sections(config, ("router",))  # as `cedserve router` reads it
+        checkpoint, preset = _router_model(parsed, serve)
         assert checkpoint or preset
+        router_settings(parsed, tables.get("router", {}))  # its [router] table passes the router's checks
 
 
 _CLAIM = {"source": "existingClaim", "existingClaim": "weights"}

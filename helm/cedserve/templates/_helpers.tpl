@@ -206,19 +206,37 @@ disk_dir = {{ . | toJson }}
 {{- end }}
 
 {{/*
-A worker's engine table: `[<role>]` with `<role>.engine`'s keys in order, values as TOML scalars
-(JSON strings are TOML basic strings). `device` defaults to the pod's one GPU, else the CPU.
-Context: (dict "role" "prefill"|"decode" "pool" <the pool's values>).
+A TOML table `[<name>]` from a map: its scalar keys in order, values as TOML scalars (JSON strings
+are TOML basic strings), then each map-valued key as the table `[<name>.<key>]`, recursively.
+Context: (dict "name" NAME "table" MAP).
+*/}}
+{{- define "cedserve.tomlTable" -}}
+[{{ .name }}]
+{{- $t := .table }}
+{{- range $key := keys $t | sortAlpha }}
+{{- $v := index $t $key }}
+{{- if not (kindIs "map" $v) }}
+{{ $key }} = {{ $v | toJson }}
+{{- end }}
+{{- end }}
+{{- range $key := keys $t | sortAlpha }}
+{{- $v := index $t $key }}
+{{- if kindIs "map" $v }}
+{{ include "cedserve.tomlTable" (dict "name" (printf "%s.%s" $.name $key) "table" $v) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A worker's engine table: `[<role>]` from `<role>.engine`. `device` defaults to the pod's GPU (each
+rank sees its one GPU as device 0), else the CPU. Context: (dict "role" "prefill"|"decode" "pool" <the pool's values>).
 */}}
 {{- define "cedserve.engineToml" -}}
 {{- $engine := deepCopy (default dict .pool.engine) -}}
 {{- if not (hasKey $engine "device") }}
 {{- $_ := set $engine "device" (ternary "cuda:0" "cpu" (gt (int .pool.gpusPerPod) 0)) }}
 {{- end -}}
-[{{ .role }}]
-{{- range $key := keys $engine | sortAlpha }}
-{{ $key }} = {{ index $engine $key | toJson }}
-{{- end }}
+{{ include "cedserve.tomlTable" (dict "name" .role "table" $engine) }}
 {{- end }}
 
 {{/*
