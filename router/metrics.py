@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -19,6 +19,12 @@ class RouterMetrics:
                                 ["effort_class"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_s = Histogram("cedserve_router_queue_seconds", "Admission wait", ["effort_class"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_prefill_tokens = Gauge("cedserve_router_queue_prefill_tokens", "Uncomputed prompt tokens "
+                                          "the healthy prefill workers hold (the prefill autoscaler's metric)",
+                                          registry=r)
+        self.queue_decode_requests = Gauge("cedserve_router_queue_decode_requests", "Requests the healthy decode "
+                                           "workers hold without a batch slot (the decode autoscaler's metric)",
+                                           registry=r)
         self.placements = Counter("cedserve_router_placements_total", "Placement decisions",
                                   ["policy", "kind"], registry=r)
         self.retries = Counter("cedserve_router_retries_total", "Re-placements after a worker failure",

@@ -94,6 +94,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()
+    metrics.queue_prefill_tokens.set_function(pool.queued_prefill_tokens)  # read at each scrape
+    metrics.queue_decode_requests.set_function(pool.queued_decode_requests)
     service = GenerationService(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
                                 Admission(config.limits), metrics, config.max_retries, config.lease_ms,
                                 block_bytes, metadata, links=MeasuredLinks(

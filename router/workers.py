@@ -188,6 +188,16 @@ class WorkerPool:
         silent = [w for w, h in self.workers.items() if not h.healthy]
         raise TimeoutError(f"workers did not answer within {timeout_s:.0f} s: {silent}")
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens accepted by the healthy prefill workers and not computed yet (their loads)."""
+        return sum(int(h.load.queued_tokens) for h in self.healthy("prefill") if h.load is not None)
+
+    def queued_decode_requests(self) -> int:
+        """Requests the healthy decode workers hold without a batch slot: leased or waiting for their KV
+        or a slot, and preempted ones (their loads)."""
+        return sum(int(h.load.queued_requests + h.load.preempted_requests)
+                   for h in self.healthy("decode") if h.load is not None)
+
     def healthy(self, role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if h.role == role and h.healthy and h.worker_id not in exclude]
 

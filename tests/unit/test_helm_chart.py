@@ -616,6 +616,33 @@ def test_lws_workers_take_group_identity_from_lws_env(renders: dict[str, dict[st
     assert "replicas" not in _one(objs, "LeaderWorkerSet", _pool_name("prefill"))["spec"]
 
 
+def _exported_metrics() -> dict[str, set[str]]:
+    """Metric names by exporter: the router's registry, and the prefill and decode workers' own."""
+    from cedserve.decode_workers.metrics import DecodeMetrics
+    from cedserve.prefill_workers.metrics import PrefillMetrics
+    from cedserve.router.metrics import RouterMetrics
+
+    return {kind: {m.name for m in metrics.registry.collect()} | {s.name for m in metrics.registry.collect()
+                                                                  for s in m.samples}
+            for kind, metrics in (("router", RouterMetrics()), ("prefill", PrefillMetrics()),
+                                  ("decode", DecodeMetrics()))}
+
+
+def test_every_autoscaler_metric_is_exported(renders: dict[str, dict[str, str]]) -> None:
+    """An HPA scales on a router metric (External) or on its own pool's pods' metric (Pods): each must
+    be a series the code exports, under that name, or the HPA never gets a value."""
+    exported, seen = _exported_metrics(), []
+    for name in renders:
+        for hpa in (o for o in _objects(renders, name) if o["kind"] == "HorizontalPodAutoscaler"):
+            role = hpa["metadata"]["labels"]["app.kubernetes.io/component"]
+            for metric in hpa["spec"]["metrics"]:
+                kind = metric["type"]
+                metric_name = metric[kind[0].lower() + kind[1:]]["metric"]["name"]
+                assert metric_name in exported["router" if kind == "External" else role], (name, metric_name)
+                seen.append((kind, metric_name))
+    assert {"External", "Pods"} <= {kind for kind, _ in seen}  # the examples cover both kinds
+
+
 @pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs /bin/sh to run the rank derivation")
 @pytest.mark.parametrize(("ordinal", "rank", "leader_ordinal"), [(0, 0, 0), (1, 1, 0), (2, 0, 2), (3, 1, 2)])
 def test_statefulset_rank_and_leader_come_from_the_ordinal(renders: dict[str, dict[str, str]], tmp_path: Path,

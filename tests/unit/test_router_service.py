@@ -48,6 +48,10 @@ class Script:
     bytes_sent: int = 0
     """What PrefillDone reports of the KV transfer (bytes, seconds)."""
     transfer_s: float = 0.0
+    queued_tokens: int = 0
+    """What GetLoad reports: a prefill worker's uncomputed tokens, a decode worker's waiting requests."""
+    queued_requests: int = 0
+    preempted_requests: int = 0
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -72,7 +76,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:
         return worker_pb2.LoadReport(worker_id=self.worker_id, role="prefill", prefill_tokens_per_s=1e4,
-                                     free_blocks=100, total_blocks=100)
+                                     free_blocks=100, total_blocks=100, queued_tokens=self.script.queued_tokens)
 
     async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:
         batch = KVEventBatch(self.worker_id, 0, [BlockStored(list(self.script.cached_hashes), Tier.DEVICE)], epoch=1)
@@ -125,7 +129,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         used = sum(self.leases.values())
         return worker_pb2.LoadReport(worker_id=self.worker_id, role="decode", free_blocks=self.total_blocks - used,
                                      total_blocks=self.total_blocks, step_s=[0.01, 0.01, 0.011],
-                                     prefill_tokens_per_s=1e3)
+                                     prefill_tokens_per_s=1e3, queued_requests=self.script.queued_requests,
+                                     preempted_requests=self.script.preempted_requests)
 
     async def StreamKVEvents(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.KVEventBatch]:
         await asyncio.sleep(3600)
@@ -392,3 +397,18 @@ def test_tls_public_port_and_plaintext_health_listener(checkpoint: Path, tls_fil
             assert info.value.code == grpc.StatusCode.UNIMPLEMENTED  # the API is never served in plaintext
     finally:
         c.close()
+
+
+def test_autoscaler_metrics_sum_the_healthy_workers_queues(cluster: Cluster) -> None:
+    """The gauges the Helm chart's HPAs scale on, read as a scrape reads them."""
+    cluster.prefill[0].script.queued_tokens, cluster.prefill[1].script.queued_tokens = 3000, 1000
+    cluster.decode[0].script.queued_requests, cluster.decode[1].script.preempted_requests = 2, 3
+    registry = cluster.router.metrics.registry
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the next load poll brings the new figures
+        prefill = registry.get_sample_value("cedserve_router_queue_prefill_tokens")
+        decode = registry.get_sample_value("cedserve_router_queue_decode_requests")
+        if (prefill, decode) == (4000, 5):
+            break
+        time.sleep(0.05)
+    assert (prefill, decode) == (4000, 5)
