@@ -198,7 +198,8 @@ class EmbeddedOptions:
     CUDA_VISIBLE_DEVICES; empty with `cuda`: 0, 1, 2, ..."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """A `--config` file's contents (`read_serve_config`): its ServeConfig part goes to every process,
-    its `[prefill]` / `[decode]` / `[kv_transfer]` tables to the workers (`write_worker_config`)."""
+    its `[router]` table to the router, its `[prefill]` / `[decode]` / `[kv_transfer]` tables to the
+    workers (`write_worker_config`)."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1 or self.decode_group_size < 1:
@@ -238,8 +239,8 @@ def write_token_file(run_dir: Path, token: str | None = None) -> Path:
 
 
 WORKER_TABLES = ("prefill", "decode", "kv_transfer")
-"""Tables of a `cedserve serve --config` file that only workers read; the rest is the ServeConfig
-every process reads."""
+"""Tables of a `cedserve serve --config` file that only workers read; besides them only the router
+reads `[router]`, and the rest is the ServeConfig every process reads."""
 
 
 def read_serve_config(path: Path) -> dict[str, Any]:
@@ -381,8 +382,9 @@ def plan_workers(opts: EmbeddedOptions, rendezvous: Callable[[int], tuple[str, i
 def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[str, str, str]],
                 token_file: str, config_file: str | None = None) -> list[str]:
     """`cedserve router` in front of `leaders` (role, worker id, address), sending the workers' token
-    from `token_file`; `checkpoint` may be the `{checkpoint}` placeholder (read for the context length
-    only when it is a real path), `token_file` one under `{run_dir}`."""
+    from `token_file` and reading `config_file` (`write_worker_config`'s router file) when given;
+    `checkpoint` may be the `{checkpoint}` placeholder (read for the context length only when it is a
+    real path), `token_file` and `config_file` paths under `{run_dir}`."""
     workers = [f"--{role}={worker_id}={address}" for role, worker_id, address in leaders]
     colocated = []
     if opts.num_prefill == 0:  # every prompt the model accepts may be prefilled by a decode worker
