@@ -91,9 +91,12 @@ class FakeKubeAPI:
             self._record("DELETED", obj)
 
     def compact(self) -> None:
-        """Forget the history: watches from any version before now get 410 Gone."""
+        """Forget the history, up to and including the newest version: a watch from any version a
+        client has seen gets 410 Gone, even one fully up to date (else whether the client must
+        relist would depend on whether it had seen the last event: a race in the tests)."""
         with self._cond:
             self._history.clear()
+            self._version += 1
             self._oldest = self._version + 1
 
     def drop_watches(self) -> None:
