@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from cedserve.bench_serve.agentic import parse_effort_mix
+from cedserve.bench_serve.metrics import percentile
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.messages import AttachCommand, Finished, Sampling, Tokens
@@ -226,16 +227,12 @@ def run_prefill(model: CEDModel, schedule: list[Arrival], running: int, slack_s:
 
 # ---------------------------------------------------------------------------------------------- report
 
-def p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
-
-
 def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
     out = {}
     for klass in ("all", *CLASSES):
         vals = [r[key] for r in rows if klass in ("all", r["class"])]
         if vals:
-            out[klass] = {"n": len(vals), "mean": statistics.fmean(vals), "p90": p90(vals)}
+            out[klass] = {"n": len(vals), "mean": statistics.fmean(vals), "p90": percentile(vals, 90)}
     return out
 
 

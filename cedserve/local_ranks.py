@@ -15,7 +15,7 @@ use NVLink between them. This supervisor turns one pod (or host) into N ranks: i
 
 Children die with the supervisor (PR_SET_PDEATHSIG). SIGTERM and SIGINT are passed on to every
 child (each drains as a worker does; the leader ends the group). When one child exits, the others
-get SIGTERM, then SIGKILL after `--drain`'s grace; the supervisor exits with the first non-zero code,
+get SIGTERM, then SIGKILL after `STOP_GRACE_S`; the supervisor exits with the first non-zero code,
 so the pod restarts and the group forms again.
 """
 
