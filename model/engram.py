@@ -10,6 +10,7 @@ value in proportion to a sigmoid gate on its (normalised) agreement with its key
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,6 +145,33 @@ class EngramHasher:
 
     def compress(self, token_ids: Tensor) -> Tensor:
         return self.token_map.to(token_ids.device)[token_ids.long()]
+
+    def to(self, device: torch.device) -> EngramHasher:
+        """This hasher with its tables on `device` (a graph-captured step reads them there: a copy
+        from host memory cannot be captured)."""
+        moved = copy.copy(self)
+        for name in ("primes", "offsets", "multipliers", "token_map"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
+
+    def hash_rows(self, history: Tensor, history_len: Tensor, compressed: Tensor) -> Tensor:
+        """`hash_ids` for one new token per row, with each row's own history length (no host
+        values, so a captured decode step can run it): `history [B, N-1]` right-aligned compressed
+        ids of the tokens before, of which the last `history_len [B]` are known; `compressed [B]`
+        -> `[B, layers, (N-1)*heads]`. Equals `hash_ids(history[b, N-1-len:], compressed[b:b+1],
+        start)` of each row when its start >= len (unknown history reads the pad id)."""
+        keep = self.max_ngram - 1
+        grams = [compressed]
+        for shift in range(1, self.max_ngram):
+            source = history[:, keep - shift]
+            grams.append(torch.where(history_len >= shift, source, torch.full_like(source, self.pad_id)))
+        tokens = torch.stack(grams, dim=-1)  # [B, N]
+        products = tokens.unsqueeze(-2) * self.multipliers  # [B, L, N]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, self.max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
+        return torch.cat(hashes, dim=-1) + self.offsets
 
     def hash_ids(self, history: Tensor, compressed: Tensor, start: int) -> Tensor:
         """Row ids `[S, layers, (N-1)*heads]` for compressed ids `[S]` at positions

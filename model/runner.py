@@ -1,0 +1,275 @@
+"""The model runner: static buffers, batch buckets and captured CUDA graphs of the decode step.
+
+The seam between a decode engine (which schedules) and the model (which computes). The engine
+loads each running request's state into a slot of the runner's `SlotPools` once, then asks for
+steps: `step(slots, token_ids, sampling)` returns one sampled token per slot. Per step the host:
+
+1. fills a pinned staging tensor (token ids, slots, sampling parameters, noise counters) for the
+   rows, padded to the smallest bucket that holds them (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ...);
+2. issues one host-to-device copy of it;
+3. replays the bucket's CUDA graph (on a CPU, or with graphs off: runs `SlotStep` eagerly), which
+   runs every layer, writes the new records and windows into the pools, and samples on the device;
+4. copies the sampled tokens back (the step's one device-to-host copy) and waits for them.
+
+Graphs are captured by `capture` (the worker's warm-up), largest bucket first so that every graph
+shares one memory pool; warm-up runs and captures address only the scratch slot.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cedserve.model.device_sampling import sample_rows
+from cedserve.model.network import CEDModel
+from cedserve.model.sampling import SamplingParams
+from cedserve.model.slot_step import MoeMode, SlotStep
+from cedserve.model.slots import SlotPools, SlotShape
+from cedserve.model.state import SequenceState
+
+_ROWS = 7  # staging rows: tokens, slots, top_k, temperature, top_p (float64 bits), seeds, counters
+_TOKENS, _SLOTS, _TOP_K, _TEMPERATURE, _TOP_P, _SEEDS, _COUNTERS = range(_ROWS)
+GREEDY = SamplingParams()
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, then steps of a quarter of the next power of two (24, 32, 48, 64, 96, 128, 192,
+    256, ...) up to `max_batch`
+    (always included)."""
+    if max_batch < 1:
+        raise ValueError(f"runner: max batch must be >= 1, got {max_batch}")
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size = size * 2 if size < 16 else size + max(8, 1 << (size.bit_length() - 2))
+    sizes.append(max_batch)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the runner sizes its pools and which path it takes."""
+
+    max_slots: int = 64
+    """Sequences decoding at once (slots in the pools; the largest bucket)."""
+    max_context: int = 8192
+    """Tokens one slot holds: prompt plus output."""
+    buckets: tuple[int, ...] = ()
+    """Batch sizes with a graph each; empty: `batch_buckets(max_slots)`."""
+    cuda_graphs: bool = True
+    """Replay captured graphs on CUDA (False: run the same step eagerly)."""
+    moe: MoeMode = "auto"
+    """The step's MoE (`cedserve.model.slot_step`)."""
+
+    def __post_init__(self) -> None:
+        SlotShape(self.max_slots, self.max_context)
+        if self.buckets and (sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1):
+            raise ValueError(f"runner field `buckets`: must be increasing positive sizes, got {list(self.buckets)}")
+        if self.buckets and self.buckets[-1] < self.max_slots:
+            raise ValueError(f"runner field `buckets`: the largest ({self.buckets[-1]}) must hold max_slots "
+                             f"({self.max_slots})")
+        if self.moe not in ("auto", "dense", "grouped"):
+            raise ValueError(f"runner field `moe`: must be auto, dense or grouped, got {self.moe!r}")
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        return self.buckets or batch_buckets(self.max_slots)
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    buckets: tuple[int, ...]
+    seconds: float
+    graph_pool_bytes: int
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    tokens: Tensor  # long [bucket]: the sampled tokens, written by each replay
+    logits: Tensor  # float32 [bucket, vocab]
+
+
+@dataclass
+class ModelRunner:
+    """Decode steps over slots (module docstring)."""
+
+    model: CEDModel
+    config: RunnerConfig = field(default_factory=RunnerConfig)
+
+    def __post_init__(self) -> None:
+        self.device = self.model.embed.weight.device
+        self.pools = SlotPools(self.model.config, SlotShape(self.config.max_slots, self.config.max_context),
+                               self.device)
+        self.slot_step = SlotStep(self.model, self.pools, self.config.moe)
+        self.buckets = self.config.bucket_sizes
+        width = self.buckets[-1]
+        pin = self.device.type == "cuda"
+        self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
+        self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
+        self._tokens_host = torch.zeros(width, dtype=torch.long, pin_memory=pin)
+        self._positions = [0] * self.config.max_slots  # host mirror: no step reads the device's
+        self._graphs: dict[int, _Graph] = {}
+        self._seeds = random.Random()
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        """Recorded after each staging copy: the host waits for it before refilling the staging."""
+        self.steps = 0
+
+    @property
+    def graphs_captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    # ------------------------------------------------------------------ slots
+
+    def load(self, slot: int, state: SequenceState) -> None:
+        """Put a sequence's state into `slot` (a join, a re-admission after preemption)."""
+        self.pools.load(slot, state)
+        self._positions[slot] = state.position
+
+    def export(self, slot: int) -> SequenceState:
+        """The slot's state as a `SequenceState` (preemption, offload, a path the runner lacks)."""
+        return self.pools.export(slot)
+
+    def position(self, slot: int) -> int:
+        self.pools.check_slot(slot)
+        return self._positions[slot]
+
+    def bucket_for(self, rows: int) -> int:
+        for size in self.buckets:
+            if size >= rows:
+                return size
+        raise ValueError(f"runner: {rows} rows exceed the largest bucket ({self.buckets[-1]})")
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, slots: Sequence[int], token_ids: Sequence[int],
+             sampling: Sequence[SamplingParams] | None = None) -> list[int]:
+        """One token for each slot after `token_ids` (the slot's next input token); every slot
+        advances by one. `ValueError` for unknown or repeated slots, ids outside the vocabulary or a
+        slot at its capacity, checked on the host before anything runs."""
+        rows = len(slots)
+        if rows != len(token_ids) or (sampling is not None and len(sampling) != rows):
+            raise ValueError(f"runner.step: {rows} slots, {len(token_ids)} tokens"
+                             + ("" if sampling is None else f", {len(sampling)} sampling parameters"))
+        if rows == 0:
+            return []
+        self._check(slots, token_ids)
+        bucket = self.bucket_for(rows)
+        self._stage(slots, token_ids, sampling or [GREEDY] * rows, bucket)
+        self._upload()
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.graph.replay()
+            tokens = graph.tokens
+        else:
+            tokens, _ = self._forward(bucket)
+        host = self._tokens_host[:rows]
+        host.copy_(tokens[:rows], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for slot in slots:
+            self._positions[slot] += 1
+        self.steps += 1
+        return host.tolist()
+
+    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int]) -> Tensor:
+        """`step` with greedy tokens, returning the logits `[rows, vocab]` (tests, benchmarks)."""
+        rows = len(slots)
+        self._check(slots, token_ids)
+        bucket = self.bucket_for(rows)
+        self._stage(slots, token_ids, [GREEDY] * rows, bucket)
+        self._upload()
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.graph.replay()
+            logits = graph.logits
+        else:
+            _, logits = self._forward(bucket)
+        for slot in slots:
+            self._positions[slot] += 1
+        self.steps += 1
+        return logits[:rows].clone()
+
+    def _upload(self) -> None:
+        self._inputs.copy_(self._staging, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _check(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"runner.step: repeated slots in {list(slots)}")
+        vocab = self.model.config.vocab_size
+        for slot, token in zip(slots, token_ids):
+            self.pools.check_slot(slot)
+            if not 0 <= token < vocab:
+                raise ValueError(f"runner.step: token id {token} outside [0, {vocab})")
+            if self._positions[slot] + 1 >= self.config.max_context:
+                raise ValueError(f"runner.step: slot {slot} is full ({self.config.max_context} tokens)")
+
+    def _stage(self, slots: Sequence[int], token_ids: Sequence[int], sampling: Sequence[SamplingParams],
+               bucket: int) -> None:
+        staging, rows = self._staging, len(slots)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging
+        staging[:, rows:bucket] = 0
+        staging[_SLOTS, rows:bucket] = self.pools.scratch_slot
+        staging[_TOKENS, :rows] = torch.tensor(list(token_ids), dtype=torch.long)
+        staging[_SLOTS, :rows] = torch.tensor(list(slots), dtype=torch.long)
+        staging[_TOP_K, :rows] = torch.tensor([p.top_k for p in sampling], dtype=torch.long)
+        staging[_TEMPERATURE, :rows] = torch.tensor([p.temperature for p in sampling],
+                                                    dtype=torch.float64).view(torch.long)
+        staging[_TOP_P, :bucket] = torch.ones(bucket, dtype=torch.float64).view(torch.long)
+        staging[_TOP_P, :rows] = torch.tensor([p.top_p for p in sampling], dtype=torch.float64).view(torch.long)
+        seeds = [p.seed if p.seed is not None else self._seeds.getrandbits(63) for p in sampling]
+        staging[_SEEDS, :rows] = torch.tensor(seeds, dtype=torch.long)
+        staging[_COUNTERS, :rows] = torch.tensor([self._positions[s] for s in slots], dtype=torch.long)
+
+    def _forward(self, bucket: int) -> tuple[Tensor, Tensor]:
+        """The step over the first `bucket` staged rows: (sampled tokens `[bucket]`, logits)."""
+        inputs = self._inputs[:, :bucket]
+        logits = self.slot_step.forward(inputs[_TOKENS], inputs[_SLOTS])
+        temperature = inputs[_TEMPERATURE].view(torch.float64).float()
+        top_p = inputs[_TOP_P].view(torch.float64).float()
+        tokens = sample_rows(logits, temperature, inputs[_TOP_K], top_p, inputs[_SEEDS], inputs[_COUNTERS])
+        return tokens, logits
+
+    # ------------------------------------------------------------------ graphs
+
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureReport:
+        """Capture one graph per bucket (CUDA with `cuda_graphs` only; else nothing to do).
+        `progress(done, total)` is called after each bucket."""
+        start = time.perf_counter()
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
+            return CaptureReport((), 0.0, 0)
+        pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)
+        ordered = sorted(self.buckets, reverse=True)
+        for done, bucket in enumerate(ordered, 1):
+            self._stage_scratch(bucket)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles the kernels' variants, fills the allocator
+                    self._forward(bucket)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                tokens, logits = self._forward(bucket)
+            self._graphs[bucket] = _Graph(graph, tokens, logits)
+            if progress is not None:
+                progress(done, len(ordered))
+        torch.cuda.synchronize(self.device)
+        return CaptureReport(tuple(sorted(self._graphs)), time.perf_counter() - start,
+                             torch.cuda.memory_reserved(self.device) - before)
+
+    def _stage_scratch(self, bucket: int) -> None:
+        """Inputs whose every row is padding: warm-ups and captures touch only the scratch slot."""
+        self._staging.zero_()
+        self._staging[_SLOTS] = self.pools.scratch_slot
+        self._staging[_TOP_P] = torch.ones(self._staging.shape[1], dtype=torch.float64).view(torch.long)
+        self._inputs.copy_(self._staging)

@@ -1,0 +1,280 @@
+"""One decode token for each of B slots, with fixed shapes and no host synchronisation.
+
+`SlotStep.forward(token_ids [B], slots [B])` runs every layer of the CED backbone for one new token
+per row over the state in `SlotPools`, updates that state in place, and returns the logits
+`[B, vocab]`. Nothing in it reads a device value on the host or copies host memory to the device, and
+every shape depends only on B and the pools, so `cedserve.model.runner` captures it as one CUDA graph
+per batch bucket and replays it; on a CPU it runs as is (the runner's eager path).
+
+What differs from `CEDModel.forward_batch` (which it equals up to float rounding, tests/unit/
+test_runner.py), and why:
+
+* windows are rings (`SlotPools.swa`): the new record is written at `p % W` before attention, and
+  the row attends to ring slots of positions `p - W + 1 .. p` at or after the ring's first position;
+* a ratio-m compressor writes each token's projection at row `p % m` of the slot's pending group
+  and pools the m rows every step; the pooled entry is written only where `p % m == m - 1` (the
+  group completes), through a slot mapping of -1 elsewhere, so no step branches on the host;
+* index sources pick over a fixed width (a slot's whole capacity): entries past a row's visible
+  count are never scored (`IndexKeys.visible`), so the picks equal the dynamic width's;
+* the MoE runs on the device without counting rows per expert on the host: "dense" runs every
+  expert over every row and weights unrouted pairs by zero (exact, and cheap while experts are few
+  and rows many), "grouped" sorts pairs into fixed tiles (`kernels.moe.moe_experts`, bf16);
+* rows of a padded bucket carry `SlotPools.scratch_slot`: their writes land in scratch memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cedserve.kernels.indexer import IndexKeys, IndexSelection, index_topk
+from cedserve.kernels.moe import ExpertWeights, moe_experts
+from cedserve.kernels.paged import PagedRecords, entries_to_slots
+from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
+from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from cedserve.model.attention import Attention
+from cedserve.model.block import Block
+from cedserve.model.mhc import hc_collapse, hc_expand
+from cedserve.model.moe import MoE
+from cedserve.model.network import CEDModel
+from cedserve.model.rope import RopeTable, apply_rope
+from cedserve.model.slots import SlotPools
+
+MoeMode = Literal["auto", "dense", "grouped"]
+DENSE_MAX_EXPERTS = 16
+"""`moe = "auto"` runs every expert over every row up to this many routed experts."""
+
+
+@dataclass
+class _Pass:
+    """Values the layers of one step share."""
+
+    slots: Tensor  # long [B]
+    positions: Tensor  # long [B]
+    rope: dict[str, tuple[Tensor, Tensor]]  # kind -> cos, sin [B, rope_dim / 2]
+    block_table: Tensor  # int32 [B, blocks_per_slot]: each row's slot's blocks
+    engram_rows: Tensor | None  # [B, engram layers, columns, head_dim]
+    selections: dict[int, Tensor] = field(default_factory=dict)  # index source -> int32 [B, topk]
+    pool: Tensor | None = None  # int32 [B, C]: the candidate source's pool
+
+
+def _device_rope(table: RopeTable, device: torch.device) -> RopeTable:
+    moved = copy.copy(table)
+    moved.inv_freq = table.inv_freq.to(device)
+    return moved
+
+
+class SlotStep:
+    """The captured decode step's computation (module docstring)."""
+
+    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto") -> None:
+        config = model.config
+        if model.engram_store is not None:
+            raise ValueError("the slot step reads Engram tables from the model; a memory-mapped EngramStore "
+                             "is not supported on this path yet")
+        self.model, self.pools, self.config = model, pools, config
+        self.device = pools.device
+        self.kernels = self.device.type == "cuda"
+        self.ropes = {kind: _device_rope(table, self.device) for kind, table in model.ropes.items()}
+        self.hasher = model.hasher.to(self.device) if model.hasher is not None else None
+        if moe == "auto":
+            moe = "dense" if config.n_routed_experts <= DENSE_MAX_EXPERTS or not self.kernels else "grouped"
+        self.moe_mode = moe
+        self._stacked: dict[int, tuple[ExpertWeights, ExpertWeights] | tuple[Tensor, Tensor, Tensor]] = {}
+        for layer_id in range(config.num_hidden_layers):
+            self._stacked[layer_id] = self._stack_experts(self._block(layer_id).ffn)
+
+    def _block(self, layer_id: int) -> Block:
+        block = self.model.layers[layer_id]
+        assert isinstance(block, Block)
+        return block
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def forward(self, token_ids: Tensor, slots: Tensor) -> Tensor:
+        """Logits float32 `[B, vocab]` of one new token per row (`token_ids`, `slots`: long `[B]`,
+        padding rows at the scratch slot); every row's slot advances by one token."""
+        pools = self.pools
+        positions = pools.position[slots]
+        rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+        step = _Pass(slots, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots))
+        streams, pre = self.model._embed(token_ids)
+        for layer_id in range(self.config.num_hidden_layers):
+            streams, pre = self._layer(layer_id, streams, pre, step)
+        logits = self.model._logits(streams, pre)
+        self._advance(token_ids, slots, positions)
+        return logits
+
+    def _advance(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> None:
+        pools = self.pools
+        scratch = slots == pools.scratch_slot
+        pools.position[slots] = torch.where(scratch, torch.zeros_like(positions), positions + 1)
+        if self.hasher is not None and pools.engram_keep:
+            tail = torch.cat([pools.engram_tail[slots, 1:], self.hasher.compress(token_ids).unsqueeze(-1)], dim=1)
+            pools.engram_tail[slots] = tail
+            pools.engram_len[slots] = (pools.engram_len[slots] + 1).clamp_max(pools.engram_keep)
+
+    def _engram_rows(self, token_ids: Tensor, slots: Tensor) -> Tensor | None:
+        if self.hasher is None:
+            return None
+        pools = self.pools
+        compressed = self.hasher.compress(token_ids)
+        history = pools.engram_tail[slots]
+        hash_ids = self.hasher.hash_rows(history, pools.engram_len[slots], compressed)
+        tables = [self.model._engram(layer_id) for layer_id in self.config.engram_layer_ids]
+        return torch.stack([t.lookup(hash_ids[:, i]) for i, t in enumerate(tables)], dim=1)
+
+    def _layer(self, layer_id: int, streams: Tensor, pre: Tensor, step: _Pass) -> tuple[Tensor, Tensor]:
+        """`Block.forward` with the slot attention and the device MoE."""
+        block = self._block(layer_id)
+        if block.engram is not None and block.engram_index is not None:
+            assert step.engram_rows is not None
+            streams = block.engram(streams, step.engram_rows[:, block.engram_index])
+        attn_mix = block._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
+        attn_out = self._attention(block.attn, block.attention_input(streams, pre), step)
+        streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
+        ffn_mix = block._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
+        ffn_out = self._moe(layer_id, block.ffn, block.ffn_norm(hc_collapse(streams, attn_mix.pre)))
+        streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
+        return streams, ffn_mix.pre
+
+    # ------------------------------------------------------------------ attention
+
+    def _attention(self, attn: Attention, x: Tensor, step: _Pass) -> Tensor:
+        spec = attn.spec
+        cos, sin = step.rope[attn.rope_kind]
+        q_residual, q, kv = attn._project(x, cos, sin)
+        window = self._write_window(spec.layer_id, kv, step)
+        kv_layer = index_layer = None
+        if spec.compress_ratio:
+            kv_layer, index_layer = spec.kv_layer, spec.index_layer
+            assert kv_layer is not None and index_layer is not None
+            if attn.compressor is not None:
+                self._write_global_kv(attn, x, step)
+            if attn.indexer is not None:
+                c_cos, c_sin = step.rope["compress"]
+                index_q = attn.indexer.query(q_residual, c_cos, c_sin)
+                self._select(spec.layer_id, kv_layer, spec.compress_ratio, index_q, attn.indexer.head_weights(x), step)
+        out = self._attend(spec.layer_id, q, attn.attn_sink, window, kv_layer, index_layer, step)
+        return attn._output(out, cos, sin)
+
+    def _write_window(self, layer_id: int, kv: Tensor, step: _Pass) -> Tensor:
+        """Write the rows' window records into their rings; each row's window slots `[B, W]`."""
+        pools, w = self.pools, self.pools.window
+        base = step.slots * w
+        self._write("swa", kv, base + step.positions % w, pools.window_records(layer_id))
+        keys = step.positions.unsqueeze(-1) - (w - 1) + torch.arange(w, device=self.device)  # [B, W]
+        first = pools.swa_first[layer_id][step.slots].unsqueeze(-1)
+        inside = (keys >= 0) & (keys >= first)
+        return torch.where(inside, base.unsqueeze(-1) + keys.remainder(w), -1).to(torch.int32)
+
+    def _write_global_kv(self, attn: Attention, x: Tensor, step: _Pass) -> None:
+        """The compressor's step: the row's projection into its pending group, the group's entry
+        (written only where it completes) as main KV and index keys."""
+        compressor, indexer = attn.compressor, attn.indexer
+        assert compressor is not None and indexer is not None
+        layer, ratio, pools = attn.spec.layer_id, attn.spec.compress_ratio, self.pools
+        if ratio == 1:
+            latent = compressor.norm(compressor.wkv(x))
+            entry, complete = step.positions, None
+        else:
+            projected = compressor.project(x)
+            row = step.positions % ratio
+            pools.pending_kv[layer][step.slots, row] = projected.kv
+            pools.pending_gate[layer][step.slots, row] = projected.gate
+            latent = compressor.pool(pools.pending_kv[layer][step.slots], pools.pending_gate[layer][step.slots],
+                                     x.dtype).squeeze(1)
+            entry, complete = step.positions // ratio, row == ratio - 1
+        cos, sin = self.ropes["compress"].cos_sin(entry * ratio)
+        slot_map = entries_to_slots(entry.unsqueeze(-1), step.block_table,
+                                    pools.entries_per_block(layer)).squeeze(-1)
+        if complete is not None:
+            slot_map = torch.where(complete, slot_map, -1)
+        self._write("main", apply_rope(latent, cos, sin), slot_map, pools.records(layer, "main"))
+        self._write("index", indexer.keys(latent, cos, sin), slot_map, pools.records(layer, "index"))
+
+    def _write(self, kind: str, x: Tensor, slot_map: Tensor, dest: PagedRecords) -> None:
+        writer = {"swa": write_swa, "main": write_main_kv, "index": write_index_key}[kind]
+        writer(x, slot_map, dest, impl="auto" if self.kernels else "torch")
+
+    def _select(self, layer_id: int, kv_layer: int, ratio: int, q: Tensor, weights: Tensor, step: _Pass) -> None:
+        """`PagedPass.select` over the slots: the two-level top-k at a fixed width."""
+        config, pools = self.config, self.pools
+        visible = (step.positions + 1) // ratio
+        keys = IndexKeys(pools.records(kv_layer, "index"), pools.block_table, step.slots, visible)
+        width = pools.max_entries(kv_layer)
+        impl = "auto" if self.kernels else "torch"
+        q = q.to(torch.bfloat16)  # FP4-quantized queries: exact in bf16
+        cand = config.candidate_source_layer_id
+        selection: IndexSelection
+        if layer_id == cand and config.has_candidate_pool:
+            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width,
+                                   candidate_blocks=config.candidate_topk_blocks,
+                                   candidate_block_size=config.candidate_block_size, impl=impl)
+            step.pool = selection.candidates
+        elif cand is not None and 0 <= cand < layer_id and step.pool is not None:
+            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width, candidates=step.pool,
+                                   impl=impl)
+        else:
+            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width, impl=impl)
+        step.selections[layer_id] = selection.entries
+
+    def _attend(self, layer_id: int, q: Tensor, sink: Tensor, window_slots: Tensor, kv_layer: int | None,
+                index_layer: int | None, step: _Pass) -> Tensor:
+        """`PagedPass.attend` over the slots: the picks' main-KV records and the ring's window."""
+        pools = self.pools
+        swa = pools.window_records(layer_id)
+        main = topk_slots = None
+        picked = step.selections.get(index_layer) if index_layer is not None else None
+        if kv_layer is not None and picked is not None:
+            main = pools.records(kv_layer, "main")
+            topk_slots = entries_to_slots(picked, step.block_table, main.slots_per_block)
+        no_rope = torch.zeros(q.shape[0], 0, device=q.device)
+        scale = self.config.head_dim**-0.5
+        if not self.kernels:
+            return sparse_attention_reference(q, sink, main, topk_slots, swa, window_slots, no_rope, no_rope, scale)
+        out = sparse_attention(q.to(torch.bfloat16), sink, main, topk_slots, swa, window_slots, no_rope, no_rope,
+                               softmax_scale=scale)
+        return out.to(q.dtype)
+
+    # ------------------------------------------------------------------ MoE
+
+    def _stack_experts(self, ffn: MoE) -> tuple[ExpertWeights, ExpertWeights] | tuple[Tensor, Tensor, Tensor]:
+        w1 = torch.stack([e.w1.weight for e in ffn.experts])  # [E, I, D]
+        w3 = torch.stack([e.w3.weight for e in ffn.experts])
+        w2 = torch.stack([e.w2.weight for e in ffn.experts])  # [E, D, I]
+        if self.moe_mode == "dense":
+            return w1, w3, w2
+        w13 = ExpertWeights(torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous())
+        return w13, ExpertWeights(w2.to(torch.bfloat16).contiguous())
+
+    def _moe(self, layer_id: int, ffn: MoE, x: Tensor) -> Tensor:
+        """`MoE.forward` without a host sync: routed experts (module docstring) plus the shared one."""
+        weights, indices = ffn.gate(x)  # [B, k] float32, long
+        stacked = self._stacked[layer_id]
+        if self.moe_mode == "dense":
+            w1, w3, w2 = stacked
+            assert isinstance(w1, Tensor) and isinstance(w3, Tensor) and isinstance(w2, Tensor)
+            routing = torch.zeros(x.shape[0], w1.shape[0], device=x.device).scatter_(1, indices, weights)  # [B, E]
+            xe = x.unsqueeze(0).expand(w1.shape[0], -1, -1)  # [E, B, D]
+            gate = torch.bmm(xe, w1.transpose(1, 2)).float()
+            up = torch.bmm(xe, w3.transpose(1, 2)).float()
+            limit = self.config.swiglu_limit
+            if limit > 0:
+                up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+            y = routing.t().unsqueeze(-1) * (F.silu(gate) * up)  # [E, B, I]
+            down = torch.bmm(y.to(x.dtype), w2.transpose(1, 2)).float()  # [E, B, D]
+            routed = down.sum(dim=0)
+        else:
+            w13, w2e = stacked
+            assert isinstance(w13, ExpertWeights) and isinstance(w2e, ExpertWeights)
+            routed = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2e,
+                                 swiglu_limit=self.config.swiglu_limit).float()
+        out = routed + ffn.shared_experts(x).float()
+        return out.to(x.dtype)

@@ -1,0 +1,198 @@
+"""Decode state in preallocated, slot-indexed device pools: what a captured decode step addresses.
+
+A `SequenceState` holds one sequence's state as tensors of its own, which grow and are replaced as
+it decodes; a step over such states is a host loop over sequences, and its shapes change every
+step. `SlotPools` holds the same state for up to `max_slots` sequences at fixed addresses, so one
+step over any set of slots is the same kernels on the same buffers (`cedserve.model.runner`
+captures it as a CUDA graph):
+
+* `position [slots + 1]`: tokens consumed (the next token's position).
+* `swa [layers, slots + 1, W, 528]`: each layer's window as a ring of `W = sliding_window` records;
+  position p lives at ring row `p % W`. `swa_first [layers, slots + 1]`: the first position the ring
+  holds (rows before it are stale: a replay or a load starts the window there).
+* `pending_kv`, `pending_gate [slots + 1, m, D]` per KV source with ratio m > 1: the compressor's
+  projected tokens of the current group, token p at row `p % m` (float32, as `PendingGroup`).
+* `storage [1 + slots x blocks_per_slot, block_bytes]`: global KV records in `BlockLayout` blocks,
+  the cache's and the transfers' layout. Slot s owns blocks `1 + s x blocks_per_slot ..`
+  (`block_table [slots + 1, blocks_per_slot]`); block 0 and the last slot are the scratch that
+  padding rows of a bucket write to, so a padded step never touches a real slot.
+* `engram_tail [slots + 1, N-1]` (right-aligned compressed ids) and `engram_len`: how many are known.
+
+`load` copies a `SequenceState` into a slot, `export` gives one back (the engine's other paths, an
+offload or a shipped state read it); both are whole-state copies off the step's path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cedserve.kernels.paged import PagedRecords
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.compressor import PendingGroup
+from cedserve.model.config import AttentionMode, ModelConfig
+from cedserve.model.kv_format import KVFormat, index_key_row_bytes, main_row_bytes, window_row_bytes
+from cedserve.model.paged_attention import arena_block_size
+from cedserve.model.state import GlobalKV, SequenceState
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """How many sequences and tokens the pools hold."""
+
+    max_slots: int
+    max_context: int
+    """Tokens a slot can hold (its prompt and every decoded token)."""
+
+    def __post_init__(self) -> None:
+        if self.max_slots < 1:
+            raise ValueError(f"runner field `max_slots`: must be >= 1, got {self.max_slots}")
+        if self.max_context < 1:
+            raise ValueError(f"runner field `max_context`: must be >= 1, got {self.max_context}")
+
+
+class SlotPools:
+    """Every slot's decode state at fixed device addresses (module docstring)."""
+
+    def __init__(self, config: ModelConfig, shape: SlotShape, device: torch.device) -> None:
+        self.config, self.shape, self.device = config, shape, torch.device(device)
+        slots = shape.max_slots + 1  # the last one is the padding rows' scratch
+        self.scratch_slot = shape.max_slots
+        self.window = config.sliding_window
+        layers, dim = config.num_hidden_layers, config.head_dim
+        self.swa_record_bytes = window_row_bytes(KVFormat.RECORDS, dim)
+        self.position = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.swa = torch.zeros(layers, slots, self.window, self.swa_record_bytes, dtype=torch.uint8,
+                               device=self.device)
+        self.swa_first = torch.zeros(layers, slots, dtype=torch.long, device=self.device)
+        self.layout = BlockLayout.from_config(config, arena_block_size(config))
+        self.blocks_per_slot = -(-shape.max_context // self.layout.block_size)
+        self.storage = torch.zeros(1 + shape.max_slots * self.blocks_per_slot, self.layout.block_bytes,
+                                   dtype=torch.uint8, device=self.device)
+        owned = 1 + torch.arange(shape.max_slots * self.blocks_per_slot, dtype=torch.int32, device=self.device)
+        scratch = torch.zeros(1, self.blocks_per_slot, dtype=torch.int32, device=self.device)
+        self.block_table = torch.cat([owned.view(shape.max_slots, self.blocks_per_slot), scratch])
+        self.sources = [spec for spec in config.layer_plan if spec.mode is AttentionMode.FULL]
+        self.pending_kv: dict[int, Tensor] = {}
+        self.pending_gate: dict[int, Tensor] = {}
+        for spec in self.sources:
+            if spec.compress_ratio > 1:
+                self.pending_kv[spec.layer_id] = torch.zeros(slots, spec.compress_ratio, dim, device=self.device)
+                self.pending_gate[spec.layer_id] = torch.zeros(slots, spec.compress_ratio, dim, device=self.device)
+        self.engram_keep = max(0, config.engram_max_ngram_size - 1) if config.engram_layer_ids else 0
+        self.engram_tail = torch.zeros(slots, max(1, self.engram_keep), dtype=torch.long, device=self.device)
+        self.engram_len = torch.zeros(slots, dtype=torch.long, device=self.device)
+
+    # ------------------------------------------------------------------ addressing
+
+    def records(self, layer_id: int, kind: str) -> PagedRecords:
+        """KV source `layer_id`'s `kind` ("main" / "index") records over every block."""
+        region = self.layout.region(layer_id, kind)
+        return PagedRecords.region(self.storage, region.offset, region.entries, region.record_bytes)
+
+    def window_records(self, layer_id: int) -> PagedRecords:
+        """Layer `layer_id`'s rings as one table: slot `s x W + p % W` holds position p of slot s."""
+        table = self.swa[layer_id].view(-1, self.swa_record_bytes)
+        rec = self.swa_record_bytes
+        return PagedRecords(table, rec, slots_per_block=self.window, slot_stride_bytes=rec,
+                            block_stride_bytes=self.window * rec)
+
+    def entries_per_block(self, layer_id: int) -> int:
+        return self.layout.region(layer_id, "main").entries
+
+    def max_entries(self, layer_id: int) -> int:
+        """Entries of KV source `layer_id` a slot can hold."""
+        return self.blocks_per_slot * self.entries_per_block(layer_id)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.position, self.swa, self.swa_first, self.storage, self.block_table, self.engram_tail,
+                   self.engram_len, *self.pending_kv.values(), *self.pending_gate.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------ load / export
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.shape.max_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.shape.max_slots})")
+
+    def load(self, slot: int, state: SequenceState) -> None:
+        """Copy `state` into `slot` (whatever the slot held is forgotten). `ValueError` when the
+        state is not in the record format or holds more tokens than a slot."""
+        self.check_slot(slot)
+        if state.kv_format is not KVFormat.RECORDS:
+            raise ValueError(f"slot pools hold record states, got {state.kv_format}")
+        pos = state.position
+        if pos >= self.shape.max_context:
+            raise ValueError(f"a state at position {pos} does not fit a slot of {self.shape.max_context} tokens "
+                             "(raise the runner's max_context)")
+        self.position[slot] = pos
+        for layer, records in state.swa.items():
+            n = int(records.shape[0])
+            self.swa_first[layer, slot] = pos - n
+            if n:
+                rows = torch.arange(pos - n, pos, device=self.device) % self.window
+                self.swa[layer, slot, rows] = records.to(self.device)
+        for spec in self.sources:
+            kv = state.global_kv[spec.layer_id]
+            self._load_records(slot, spec.layer_id, kv)
+            if spec.compress_ratio > 1:
+                pending = kv.pending
+                n = int(pending.kv.shape[0])
+                if n:
+                    rows = torch.arange(kv.next_group_position, kv.next_group_position + n,
+                                        device=self.device) % spec.compress_ratio
+                    self.pending_kv[spec.layer_id][slot, rows] = pending.kv.to(self.device)
+                    self.pending_gate[spec.layer_id][slot, rows] = pending.gate.to(self.device)
+        tail = state.engram_tail[-self.engram_keep:] if self.engram_keep else state.engram_tail[:0]
+        n = int(tail.shape[0])
+        self.engram_len[slot] = n
+        if n:
+            self.engram_tail[slot, self.engram_keep - n:] = tail.to(self.device)
+
+    def _load_records(self, slot: int, layer_id: int, kv: GlobalKV) -> None:
+        count = kv.num_entries
+        if count == 0:
+            return
+        per_block = self.entries_per_block(layer_id)
+        entries = torch.arange(count, device=self.device)
+        blocks = self.block_table[slot].long()[entries // per_block]
+        for kind, rows in (("main", kv.main), ("index", kv.index_keys)):
+            self.layout.pool_view(self.storage, layer_id, kind)[blocks, entries % per_block] = rows.to(self.device)
+
+    def export(self, slot: int) -> SequenceState:
+        """The slot's state as a `SequenceState` (copies), which `load` takes back unchanged."""
+        self.check_slot(slot)
+        config = self.config
+        state = SequenceState.new(config, self.device)
+        pos = int(self.position[slot])
+        state.position = pos
+        for layer in range(config.num_hidden_layers):
+            first = max(int(self.swa_first[layer, slot]), pos - (self.window - 1), 0)
+            rows = torch.arange(first, pos, device=self.device) % self.window
+            state.swa[layer] = self.swa[layer, slot, rows].clone()
+        for spec in self.sources:
+            layer, ratio = spec.layer_id, spec.compress_ratio
+            count = pos // ratio
+            per_block = self.entries_per_block(layer)
+            entries = torch.arange(count, device=self.device)
+            blocks = self.block_table[slot].long()[entries // per_block]
+            main = self.layout.pool_view(self.storage, layer, "main")[blocks, entries % per_block].clone()
+            keys = self.layout.pool_view(self.storage, layer, "index")[blocks, entries % per_block].clone()
+            kv = state.global_kv[layer]
+            kv.set_records(main, keys)
+            if ratio > 1:
+                rows = torch.arange(count * ratio, pos, device=self.device) % ratio
+                kv.pending = PendingGroup(self.pending_kv[layer][slot, rows].clone(),
+                                          self.pending_gate[layer][slot, rows].clone())
+        n = int(self.engram_len[slot])
+        state.engram_tail = self.engram_tail[slot, self.engram_keep - n:].clone() if n else state.engram_tail
+        return state
+
+    def main_row_bytes(self) -> int:
+        return main_row_bytes(KVFormat.RECORDS, self.config.head_dim)
+
+    def index_row_bytes(self) -> int:
+        return index_key_row_bytes(KVFormat.RECORDS, self.config.index_head_dim)
