@@ -1,0 +1,284 @@
+"""One decode step, three ways side by side: the model's `forward_batch` over per-sequence states (the
+path the decode engine takes today, paged kernels on), the model runner's static slot step run
+eagerly, and the same step replayed as a captured CUDA graph (`cedserve.model.runner`).
+
+Per cell (preset, context, batch, path), on one device:
+
+* `step_ms`: median wall time of `--steps` steps (host clock around a synchronised step; each
+  step ends with the tokens on the host: `forward_batch`'s argmax `.tolist()`, the runner's one copy);
+* `gpu_kernel_ms`, `kernels_per_step`: device kernel time and count per step (torch profiler over
+  `--profile-steps` steps; graph replays show their kernels);
+* `host_syncs_per_step`: device-to-host copies plus explicit synchronise calls per step (profiler);
+  the runner's step has exactly one of each kind by design (its sampled tokens);
+* `memory_floor_ms`: bytes the step must read (every weight but the embedding tables, and per row
+  each layer's window, its top-k main-KV records and its index scan) over the copy bandwidth
+  measured in the same run.
+
+States are synthetic: records of random values at the cell's context (what a prefill would leave,
+at the shapes that matter; the weights are random anyway), so a 64K x 32 cell costs no prefill.
+
+    python benchmarks/step.py --contexts 4096 --batches 1 --steps 5      # any CUDA host
+    python benchmarks/step.py --contexts 4096 65536 --batches 1 32 --released-attention both \\
+        --out docs/benchmarks/decode-step-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cedserve.model import presets
+from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+from cedserve.model.config import AttentionMode
+from cedserve.model.kv_format import KVFormat, encode_index_key, encode_main, encode_window
+from cedserve.model.network import BatchItem, CEDModel
+from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.state import SequenceState
+from cedserve.model.tokenizer import tiny_tokenizer_path
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+TOKENIZER_VOCAB = 512
+
+
+def build_model(preset_name: str, released: bool, max_context: int, device: str, seed: int = 0) -> CEDModel:
+    config = fit_config_to_tokenizer(presets.preset(preset_name), tiny_tokenizer_path())
+    vocab = min(config.vocab_size, TOKENIZER_VOCAB)
+    config = config.replace(vocab_size=vocab, dspark_noise_token_id=min(config.dspark_noise_token_id, vocab - 1))
+    if released:
+        config = presets.released_attention(config)
+    config = presets.stretch_context(config, max_context)
+    model, _ = random_model(config, tiny_tokenizer_path(), seed)
+    return model.to(device)
+
+
+def synthetic_state(model: CEDModel, context: int, gen: torch.Generator) -> SequenceState:
+    """A record state at position `context`: random window, global KV and pending values."""
+    config, device = model.config, model.embed.weight.device
+    state = model.new_state()
+    state.position = context
+
+    def rand(n: int, dim: int) -> torch.Tensor:
+        return torch.randn(n, dim, generator=gen).to(device)
+
+    keep = min(context, config.sliding_window - 1)
+    for layer in state.swa:
+        state.swa[layer] = encode_window(rand(keep, config.head_dim), KVFormat.RECORDS)
+    for kv in state.global_kv.values():
+        entries = context // kv.ratio
+        kv.set_records(encode_main(rand(entries, config.head_dim), KVFormat.RECORDS),
+                       encode_index_key(rand(entries, config.index_head_dim), KVFormat.RECORDS))
+        rest = context - entries * kv.ratio
+        kv.pending = type(kv.pending)(rand(rest, config.head_dim), rand(rest, config.head_dim))
+    if model.hasher is not None:
+        tokens = torch.randint(3, config.vocab_size, (config.engram_max_ngram_size - 1,), generator=gen).to(device)
+        state.engram_tail = model.hasher.compress(tokens)
+    return state
+
+
+def floor_bytes(model: CEDModel, context: int, batch: int) -> int:
+    """Bytes one step must read: weights (no embedding tables) + each row's attention reads."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if not name.endswith("embed.weight") and ".embed." not in name)
+    per_row = 0
+    for spec in config.layer_plan:
+        per_row += config.sliding_window * (config.head_dim + config.head_dim // 32)
+        if spec.compress_ratio:
+            per_row += config.index_topk * (config.head_dim // 2 + config.head_dim // 16)
+        if spec.mode in (AttentionMode.FULL, AttentionMode.REINDEX):
+            scanned = context // spec.compress_ratio
+            if spec.mode is AttentionMode.REINDEX and config.has_candidate_pool:
+                scanned = min(scanned, config.candidate_topk_blocks * config.candidate_block_size)
+            per_row += scanned * (config.index_head_dim // 2 + config.index_head_dim // 32)
+    return weights + batch * per_row
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a 1 GiB device copy (64 MiB on a CPU), read + write."""
+    src = torch.randn((256 if device == "cuda" else 16) * 1024 * 1024, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def profile(run: Callable[[], None], steps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        sync()
+    kernels = kernel_us = d2h = syncs = 0.0
+    for event in prof.events():
+        name = event.name
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if name.startswith("Memcpy"):
+                d2h += "DtoH" in name
+            elif not name.startswith("Memset"):
+                kernels += 1
+                kernel_us += event.time_range.elapsed_us()
+        elif name in SYNC_CALLS:
+            syncs += 1
+    # the profiler's own closing synchronise is not a step's
+    return {"gpu_kernel_ms": kernel_us / 1000 / steps, "kernels_per_step": kernels / steps,
+            "host_syncs_per_step": (d2h + max(0, syncs - 1)) / steps}
+
+
+def timed(run: Callable[[], None], steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: Callable[[str], None]
+              ) -> list[dict[str, Any]]:
+    cells: list[dict[str, Any]] = []
+    max_context = max(args.contexts) + args.warmup + args.steps + args.profile_steps + 64
+    model = build_model(args.preset, released, max_context, args.device)
+    model.use_paged_attention("kernels" if args.device == "cuda" else "reference")
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    name = args.preset + (" released-attention" if released else "")
+    for context in args.contexts:
+        base = synthetic_state(model, context, gen)
+        slots_needed = max(args.batches)
+        runner = ModelRunner(model, RunnerConfig(max_slots=slots_needed, max_context=max_context,
+                                                 buckets=tuple(sorted(set(args.batches)))))
+        for batch in args.batches:
+            floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
+            states = [copy.deepcopy(base) for _ in range(batch)]
+            tokens = [int(t) for t in torch.randint(3, vocab, (batch,), generator=gen)]
+
+            def eager() -> None:
+                items = [BatchItem([t], s) for t, s in zip(tokens, states)]
+                logits = torch.cat([out.logits for out in model.forward_batch(items)])
+                tokens[:] = logits.argmax(-1).tolist()
+
+            for slot in range(batch):
+                runner.load(slot, base)
+            slots = list(range(batch))
+
+            def slot_step() -> None:
+                tokens[:] = runner.step(slots, tokens)
+
+            paths: list[tuple[str, Callable[[], None]]] = [("eager", eager), ("runner-eager", slot_step)]
+            for path, run in paths:
+                for _ in range(args.warmup):
+                    run()
+                cells.append(cell(name, context, batch, path, timed(run, args.steps),
+                                  profile(run, args.profile_steps), floor_ms))
+                log(row(cells[-1]))
+            del states
+            gc.collect()
+        capture_start = time.perf_counter()
+        report = runner.capture()
+        log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s, "
+            f"pool {report.graph_pool_bytes / 1e6:.0f} MB")
+        for batch in args.batches:
+            floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
+            for slot in range(batch):
+                runner.load(slot, base)
+            slots = list(range(batch))
+            tokens = [int(t) for t in torch.randint(3, vocab, (batch,), generator=gen)]
+
+            def graph_step() -> None:
+                tokens[:] = runner.step(slots, tokens)
+
+            for _ in range(args.warmup):
+                graph_step()
+            cells.append(cell(name, context, batch, "graph", timed(graph_step, args.steps),
+                              profile(graph_step, args.profile_steps), floor_ms))
+            cells[-1]["capture_s"] = round(report.seconds, 2)
+            log(row(cells[-1]))
+        del runner
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return cells
+
+
+def cell(preset: str, context: int, batch: int, path: str, step_ms: float, prof: dict[str, float],
+         floor_ms: float) -> dict[str, Any]:
+    return {"preset": preset, "context": context, "batch": batch, "rows": 1, "path": path,
+            "step_ms": round(step_ms, 3), "gpu_kernel_ms": round(prof["gpu_kernel_ms"], 3),
+            "gpu_busy": round(prof["gpu_kernel_ms"] / step_ms, 3) if step_ms else 0.0,
+            "kernels_per_step": prof["kernels_per_step"], "host_syncs_per_step": prof["host_syncs_per_step"],
+            "memory_floor_ms": round(floor_ms, 4)}
+
+
+def row(c: dict[str, Any]) -> str:
+    return (f"{c['preset']:<28} {c['context']:>7} {c['batch']:>5} {c['path']:<13} {c['step_ms']:>9.2f} "
+            f"{c['gpu_kernel_ms']:>8.2f} {c['gpu_busy']:>5.0%} {c['kernels_per_step']:>8.0f} "
+            f"{c['host_syncs_per_step']:>6.0f} {c['memory_floor_ms']:>8.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="mini-40")
+    parser.add_argument("--released-attention", choices=("no", "yes", "both"), default="no")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke run of the same code (no graphs; times mean nothing)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/step.py times CUDA steps: no CUDA device here (--device cpu for a smoke run)",
+              file=sys.stderr)
+        return 2
+    bandwidth = copy_bandwidth(args.device)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    header = (f"{'preset':<28} {'context':>7} {'batch':>5} {'path':<13} {'step ms':>9} {'gpu ms':>8} "
+              f"{'busy':>5} {'kernels':>8} {'syncs':>6} {'floor ms':>8}")
+    print(header, flush=True)
+    cells: list[dict[str, Any]] = []
+    variants = {"no": [False], "yes": [True], "both": [False, True]}[args.released_attention]
+    for released in variants:
+        cells += run_cells(args, released, bandwidth, lambda line: print(line, flush=True))
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.node()} " + (torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"), "torch": torch.__version__,
+              "command": "python benchmarks/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The model runner on a GPU: graph replays equal the eager slot step (every bucket, full and
+padded, with rows joining and leaving, sampled with seeds), and the slot step equals
+`forward_batch` on the paged kernels. Skipped without CUDA (scripts/gpu_runner.sh runs them)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from decode_support import tiny
+
+from cedserve.model.network import BatchItem, CEDModel
+from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.sampling import SamplingParams
+from cedserve.model.state import SequenceState
+
+pytestmark = [pytest.mark.unit, pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GRAPH_ATOL = 1e-5
+"""Graph replay vs the same step run eagerly: the same kernels on the same values (seen: 0)."""
+KERNEL_ATOL = 0.25
+"""Slot step vs `forward_batch`, both on the kernels (bf16 attention): as the paged path's CPU bound."""
+
+
+def cuda_model() -> CEDModel:
+    model, _ = tiny()
+    model = copy.deepcopy(model).cuda()
+    model.use_paged_attention("kernels")
+    return model
+
+
+def states(model: CEDModel, lengths: list[int], seed: int) -> list[tuple[SequenceState, int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for length in lengths:
+        state = model.new_state()
+        tokens = torch.randint(3, 500, (length,), generator=gen).tolist()
+        out.append((state, int(model.prefill(tokens, state)[-1].argmax())))
+    return out
+
+
+def test_graph_replay_equals_eager_every_bucket() -> None:
+    model = cuda_model()
+    config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8))
+    graphs, eager = ModelRunner(model, config), ModelRunner(model, RunnerConfig(**{**config.__dict__,
+                                                                                   "cuda_graphs": False}))
+    assert graphs.capture().buckets == (1, 2, 4, 8)
+    seqs = states(model, [5, 30, 64, 100, 7, 250, 33, 90], seed=1)
+    for slot, (state, _) in enumerate(seqs):
+        graphs.load(slot, state)
+        eager.load(slot, state)
+    tokens = {slot: token for slot, (_, token) in enumerate(seqs)}
+    for rows in (1, 2, 3, 4, 5, 8, 7, 6):  # full and padded buckets; rows join and leave between steps
+        slots = list(range(rows))
+        got = graphs.step_logits(slots, [tokens[s] for s in slots])
+        want = eager.step_logits(slots, [tokens[s] for s in slots])
+        torch.testing.assert_close(got, want, atol=GRAPH_ATOL, rtol=0)
+        for s, t in zip(slots, want.argmax(-1).tolist()):
+            tokens[s] = t
+    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + s) for s in range(4)]
+    slots = [0, 2, 4, 6]
+    assert graphs.step(slots, [tokens[s] for s in slots], sampling) == \
+        eager.step(slots, [tokens[s] for s in slots], sampling)
+
+
+def test_slot_step_equals_forward_batch_on_kernels() -> None:
+    model = cuda_model()
+    runner = ModelRunner(model, RunnerConfig(max_slots=4, max_context=512, buckets=(4,)))
+    runner.capture()
+    seqs = [list(pair) for pair in states(model, [9, 40, 130], seed=2)]
+    for slot, (state, _) in enumerate(seqs):
+        runner.load(slot, copy.deepcopy(state))
+    for _ in range(4):
+        items = [BatchItem([token], state) for state, token in seqs]
+        want = torch.cat([out.logits for out in model.forward_batch(items)])
+        got = runner.step_logits([0, 1, 2], [token for _, token in seqs])
+        torch.testing.assert_close(got, want, atol=KERNEL_ATOL, rtol=0)
+        for pair, token in zip(seqs, want.argmax(-1).tolist()):
+            pair[1] = token
