@@ -151,6 +151,35 @@ def profile(run: Callable[[], None], steps: int) -> dict[str, float]:
             "host_syncs_per_step": (d2h + max(0, syncs - 1)) / steps}
 
 
+def sync_sites(run: Callable[[], None]) -> list[str]:
+    """Where `run` makes the host wait for the device: the project's frame under each synchronising
+    call that torch's sync debug mode reports (one eager step)."""
+    import traceback
+    import warnings
+
+    sites: list[str] = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            original = warnings.showwarning
+
+            def record(*args: Any, **kwargs: Any) -> None:
+                frames = [f for f in traceback.extract_stack() if "cedserve" in f.filename or "benchmarks" in f.filename]
+                sites.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-4:][::-1]))
+
+            warnings.showwarning = record
+            run()
+            sync()
+            warnings.showwarning = original
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                sites.append(f"{Path(w.filename).name}:{w.lineno}")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sorted(set(sites))
+
+
 def timed(run: Callable[[], None], steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -181,7 +210,7 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
             states = [copy.deepcopy(base) for _ in range(batch)]
             tokens = [int(t) for t in torch.randint(3, vocab, (batch,), generator=gen)]
 
-            def eager() -> None:
+            def eager(tokens: list[int] = tokens, states: list[SequenceState] = states) -> None:
                 items = [BatchItem([t], s) for t, s in zip(tokens, states)]
                 logits = torch.cat([out.logits for out in model.forward_batch(items)])
                 tokens[:] = logits.argmax(-1).tolist()
@@ -190,7 +219,7 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                 runner.load(slot, base)
             slots = list(range(batch))
 
-            def slot_step() -> None:
+            def slot_step(tokens: list[int] = tokens, slots: list[int] = slots, runner: ModelRunner = runner) -> None:
                 tokens[:] = runner.step(slots, tokens)
 
             paths: list[tuple[str, Callable[[], None]]] = [("eager", eager), ("runner-eager", slot_step)]
@@ -200,8 +229,16 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                 cells.append(cell(name, context, batch, path, timed(run, args.steps),
                                   profile(run, args.profile_steps), floor_ms))
                 log(row(cells[-1]))
-            del states
             gc.collect()
+        if args.device == "cuda":
+            for slot in range(max(args.batches)):
+                runner.load(slot, base)
+            batch_slots = list(range(max(args.batches)))
+            def one_step(runner: ModelRunner = runner, slots: list[int] = batch_slots) -> None:
+                runner.step(slots, [5] * len(slots))
+
+            sites = sync_sites(one_step)
+            log(f"runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
         capture_start = time.perf_counter()
         report = runner.capture()
         log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s, "
@@ -213,7 +250,7 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
             slots = list(range(batch))
             tokens = [int(t) for t in torch.randint(3, vocab, (batch,), generator=gen)]
 
-            def graph_step() -> None:
+            def graph_step(tokens: list[int] = tokens, slots: list[int] = slots, runner: ModelRunner = runner) -> None:
                 tokens[:] = runner.step(slots, tokens)
 
             for _ in range(args.warmup):
@@ -222,7 +259,6 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                               profile(graph_step, args.profile_steps), floor_ms))
             cells[-1]["capture_s"] = round(report.seconds, 2)
             log(row(cells[-1]))
-        del runner
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -202,10 +202,13 @@ def e2m1_encode(q: Tensor) -> Tensor:
 def e2m1_decode(codes: Tensor) -> Tensor:
     """Decode E2M1 codes (uint8, low 4 bits used) to float32; ``0x8`` decodes to
     ``+0.0`` exactly as the reference's value table does."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
-    table = torch.cat([grid, -grid])
-    table[8] = 0.0  # the reference maps the negative-zero code to +0.0
-    return table[torch.bitwise_and(codes, 0xF).long()]
+    # computed, not looked up in a table built from host values: a captured CUDA graph cannot copy one
+    magnitude_code = torch.bitwise_and(codes, 0x7).to(torch.int32)
+    exponent, mantissa = magnitude_code >> 1, (magnitude_code & 1).float()
+    scaled = (1.0 + 0.5 * mantissa) * torch.exp2((exponent - 1).float())
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, scaled)
+    negative = torch.bitwise_and(codes, 0x8) != 0
+    return torch.where(negative, -magnitude, magnitude) + 0.0  # -0.0 + 0.0 = +0.0, as the reference's table
 
 
 def _fp8_quantize(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -116,7 +116,8 @@ class ModelRunner:
         self._positions = [0] * self.config.max_slots  # host mirror: no step reads the device's
         self._graphs: dict[int, _Graph] = {}
         self._seeds = random.Random()
-        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
         """Recorded after each staging copy: the host waits for it before refilling the staging."""
         self.steps = 0
 
@@ -248,7 +249,7 @@ class ModelRunner:
             return CaptureReport((), 0.0, 0)
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         ordered = sorted(self.buckets, reverse=True)
         for done, bucket in enumerate(ordered, 1):
             self._stage_scratch(bucket)

@@ -37,10 +37,11 @@ from cedserve.kernels.moe import ExpertWeights, moe_experts
 from cedserve.kernels.paged import PagedRecords, entries_to_slots
 from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
 from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from cedserve.kernels.triton_support import Impl
 from cedserve.model.attention import Attention
 from cedserve.model.block import Block
 from cedserve.model.mhc import hc_collapse, hc_expand
-from cedserve.model.moe import MoE
+from cedserve.model.moe import Expert, MoE
 from cedserve.model.network import CEDModel
 from cedserve.model.rope import RopeTable, apply_rope
 from cedserve.model.slots import SlotPools
@@ -85,9 +86,10 @@ class SlotStep:
         if moe == "auto":
             moe = "dense" if config.n_routed_experts <= DENSE_MAX_EXPERTS or not self.kernels else "grouped"
         self.moe_mode = moe
-        self._stacked: dict[int, tuple[ExpertWeights, ExpertWeights] | tuple[Tensor, Tensor, Tensor]] = {}
+        self._dense: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # layer -> w1, w3 [E, I, D], w2 [E, D, I]
+        self._grouped: dict[int, tuple[ExpertWeights, ExpertWeights]] = {}  # layer -> w13, w2 (bf16)
         for layer_id in range(config.num_hidden_layers):
-            self._stacked[layer_id] = self._stack_experts(self._block(layer_id).ffn)
+            self._stack_experts(layer_id, self._block(layer_id).ffn)
 
     def _block(self, layer_id: int) -> Block:
         block = self.model.layers[layer_id]
@@ -209,7 +211,7 @@ class SlotStep:
         visible = (step.positions + 1) // ratio
         keys = IndexKeys(pools.records(kv_layer, "index"), pools.block_table, step.slots, visible)
         width = pools.max_entries(kv_layer)
-        impl = "auto" if self.kernels else "torch"
+        impl: Impl = "auto" if self.kernels else "torch"
         q = q.to(torch.bfloat16)  # FP4-quantized queries: exact in bf16
         cand = config.candidate_source_layer_id
         selection: IndexSelection
@@ -245,22 +247,22 @@ class SlotStep:
 
     # ------------------------------------------------------------------ MoE
 
-    def _stack_experts(self, ffn: MoE) -> tuple[ExpertWeights, ExpertWeights] | tuple[Tensor, Tensor, Tensor]:
-        w1 = torch.stack([e.w1.weight for e in ffn.experts])  # [E, I, D]
-        w3 = torch.stack([e.w3.weight for e in ffn.experts])
-        w2 = torch.stack([e.w2.weight for e in ffn.experts])  # [E, D, I]
+    def _stack_experts(self, layer_id: int, ffn: MoE) -> None:
+        experts = [e for e in ffn.experts if isinstance(e, Expert)]
+        w1 = torch.stack([e.w1.weight for e in experts])  # [E, I, D]
+        w3 = torch.stack([e.w3.weight for e in experts])
+        w2 = torch.stack([e.w2.weight for e in experts])  # [E, D, I]
         if self.moe_mode == "dense":
-            return w1, w3, w2
-        w13 = ExpertWeights(torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous())
-        return w13, ExpertWeights(w2.to(torch.bfloat16).contiguous())
+            self._dense[layer_id] = (w1, w3, w2)
+        else:
+            w13 = ExpertWeights(torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous())
+            self._grouped[layer_id] = (w13, ExpertWeights(w2.to(torch.bfloat16).contiguous()))
 
     def _moe(self, layer_id: int, ffn: MoE, x: Tensor) -> Tensor:
         """`MoE.forward` without a host sync: routed experts (module docstring) plus the shared one."""
         weights, indices = ffn.gate(x)  # [B, k] float32, long
-        stacked = self._stacked[layer_id]
         if self.moe_mode == "dense":
-            w1, w3, w2 = stacked
-            assert isinstance(w1, Tensor) and isinstance(w3, Tensor) and isinstance(w2, Tensor)
+            w1, w3, w2 = self._dense[layer_id]
             routing = torch.zeros(x.shape[0], w1.shape[0], device=x.device).scatter_(1, indices, weights)  # [B, E]
             xe = x.unsqueeze(0).expand(w1.shape[0], -1, -1)  # [E, B, D]
             gate = torch.bmm(xe, w1.transpose(1, 2)).float()
@@ -272,9 +274,8 @@ class SlotStep:
             down = torch.bmm(y.to(x.dtype), w2.transpose(1, 2)).float()  # [E, B, D]
             routed = down.sum(dim=0)
         else:
-            w13, w2e = stacked
-            assert isinstance(w13, ExpertWeights) and isinstance(w2e, ExpertWeights)
+            w13, w2e = self._grouped[layer_id]
             routed = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2e,
                                  swiglu_limit=self.config.swiglu_limit).float()
-        out = routed + ffn.shared_experts(x).float()
-        return out.to(x.dtype)
+        out: Tensor = (routed + ffn.shared_experts(x).float()).to(x.dtype)
+        return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU run of the model runner (issue 28): its GPU tests, then benchmarks/step.py beside the eager
 # path. Run from the repo root on a CUDA host (carry build/gpu_pydeps for pytest:
-# `bash scripts/gpu_kernels.sh --prepare-deps` here first):
+# `bash scripts/gpu_kernels.sh --prepare-deps` here first; carry build/gpu_wheels with a msgspec
+# wheel for the host's Python, which its image lacks):
 #
 #     OUT=/some/dir bash scripts/gpu_runner.sh
 #     PART=bench CONTEXTS="4096 65536" BATCHES="1 32" bash scripts/gpu_runner.sh
@@ -14,7 +15,10 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 tree=build/gpu_tree
 source scripts/gpu_tree.sh && make_gpu_tree "$tree"
-export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_pydeps${PYTHONPATH:+:$PYTHONPATH}"
+if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then  # msgspec: not in the GPU host's image
+  "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
+fi
+export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site:$PWD/build/gpu_pydeps${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"
 if [ "${PART:-all}" != "bench" ]; then
