@@ -126,7 +126,7 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
-def profile(run: Callable[[], None], steps: int) -> dict[str, float]:
+def profile(run: Callable[[], None], steps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -136,6 +136,7 @@ def profile(run: Callable[[], None], steps: int) -> dict[str, float]:
             run()
         sync()
     kernels = kernel_us = d2h = syncs = 0.0
+    by_name: dict[str, list[float]] = {}
     for event in prof.events():
         name = event.name
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -144,11 +145,16 @@ def profile(run: Callable[[], None], steps: int) -> dict[str, float]:
             elif not name.startswith("Memset"):
                 kernels += 1
                 kernel_us += event.time_range.elapsed_us()
+                entry = by_name.setdefault(name[:80], [0.0, 0.0])
+                entry[0] += 1 / steps
+                entry[1] += event.time_range.elapsed_us() / 1000 / steps
         elif name in SYNC_CALLS:
             syncs += 1
     # the profiler's own closing synchronise is not a step's
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
     return {"gpu_kernel_ms": kernel_us / 1000 / steps, "kernels_per_step": kernels / steps,
-            "host_syncs_per_step": (d2h + max(0, syncs - 1)) / steps}
+            "host_syncs_per_step": (d2h + max(0, syncs - 1)) / steps,
+            "top_kernels": [{"name": n, "per_step": round(c, 1), "ms": round(ms, 3)} for n, (c, ms) in top]}
 
 
 def sync_sites(run: Callable[[], None]) -> list[str]:
@@ -191,9 +197,9 @@ def timed(run: Callable[[], None], steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: Callable[[str], None]
-              ) -> list[dict[str, Any]]:
-    cells: list[dict[str, Any]] = []
+def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: Callable[[str], None],
+              cells: list[dict[str, Any]]) -> None:
+    """Append the variant's cells to `cells` as each is measured (`log` writes the JSON after each)."""
     max_context = max(args.contexts) + args.warmup + args.steps + args.profile_steps + 64
     model = build_model(args.preset, released, max_context, args.device)
     model.use_paged_attention("kernels" if args.device == "cuda" else "reference")
@@ -224,6 +230,8 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
 
             paths: list[tuple[str, Callable[[], None]]] = [("eager", eager), ("runner-eager", slot_step)]
             for path, run in paths:
+                if path not in args.paths:
+                    continue
                 for _ in range(args.warmup):
                     run()
                 cells.append(cell(name, context, batch, path, timed(run, args.steps),
@@ -241,8 +249,8 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
             log(f"runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
         capture_start = time.perf_counter()
         report = runner.capture()
-        log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s, "
-            f"pool {report.graph_pool_bytes / 1e6:.0f} MB")
+        log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "
+            f"(Inductor compiles included), {torch.cuda.memory_reserved() / 1e9:.1f} GB reserved")
         for batch in args.batches:
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             for slot in range(batch):
@@ -259,19 +267,20 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                               profile(graph_step, args.profile_steps), floor_ms))
             cells[-1]["capture_s"] = round(report.seconds, 2)
             log(row(cells[-1]))
+            log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
+                                             for k in cells[-1]["top_kernels"][:8]))
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    return cells
 
 
-def cell(preset: str, context: int, batch: int, path: str, step_ms: float, prof: dict[str, float],
+def cell(preset: str, context: int, batch: int, path: str, step_ms: float, prof: dict[str, Any],
          floor_ms: float) -> dict[str, Any]:
     return {"preset": preset, "context": context, "batch": batch, "rows": 1, "path": path,
             "step_ms": round(step_ms, 3), "gpu_kernel_ms": round(prof["gpu_kernel_ms"], 3),
             "gpu_busy": round(prof["gpu_kernel_ms"] / step_ms, 3) if step_ms else 0.0,
             "kernels_per_step": prof["kernels_per_step"], "host_syncs_per_step": prof["host_syncs_per_step"],
-            "memory_floor_ms": round(floor_ms, 4)}
+            "memory_floor_ms": round(floor_ms, 4), "top_kernels": prof["top_kernels"]}
 
 
 def row(c: dict[str, Any]) -> str:
@@ -289,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--paths", nargs="+", default=["eager", "runner-eager", "graph"],
+                        help="eager (forward_batch), runner-eager (the slot step uncaptured), graph")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the same code (no graphs; times mean nothing)")
     parser.add_argument("--out", type=Path)
@@ -304,15 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     cells: list[dict[str, Any]] = []
     variants = {"no": [False], "yes": [True], "both": [False, True]}[args.released_attention]
-    for released in variants:
-        cells += run_cells(args, released, bandwidth, lambda line: print(line, flush=True))
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    def write() -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        write()  # after every cell: a run cut short keeps what it measured
+
+    result: dict[str, Any] = {}
+    result.update({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} " + (torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"), "torch": torch.__version__,
               "command": "python benchmarks/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells})
+    for released in variants:
+        run_cells(args, released, bandwidth, log, cells)
+    write()
     return 0
 
 

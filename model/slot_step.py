@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from cedserve.kernels.indexer import IndexKeys, IndexSelection, index_topk
+from cedserve.kernels.mhc import hc_mix_tail
 from cedserve.kernels.moe import ExpertWeights, moe_experts
 from cedserve.kernels.paged import PagedRecords, entries_to_slots
 from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
@@ -40,7 +40,9 @@ from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention
 from cedserve.kernels.triton_support import Impl
 from cedserve.model.attention import Attention
 from cedserve.model.block import Block
-from cedserve.model.mhc import hc_collapse, hc_expand
+from cedserve.model.fused import FusedOps
+from cedserve.model.indexer import INDEX_QUANT_BLOCK
+from cedserve.model.mhc import HcMix
 from cedserve.model.moe import Expert, MoE
 from cedserve.model.network import CEDModel
 from cedserve.model.rope import RopeTable, apply_rope
@@ -73,7 +75,7 @@ def _device_rope(table: RopeTable, device: torch.device) -> RopeTable:
 class SlotStep:
     """The captured decode step's computation (module docstring)."""
 
-    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto") -> None:
+    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True) -> None:
         config = model.config
         if model.engram_store is not None:
             raise ValueError("the slot step reads Engram tables from the model; a memory-mapped EngramStore "
@@ -86,6 +88,7 @@ class SlotStep:
         if moe == "auto":
             moe = "dense" if config.n_routed_experts <= DENSE_MAX_EXPERTS or not self.kernels else "grouped"
         self.moe_mode = moe
+        self.ops = FusedOps(compiled=self.kernels and fused)
         self._dense: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # layer -> w1, w3 [E, I, D], w2 [E, D, I]
         self._grouped: dict[int, tuple[ExpertWeights, ExpertWeights]] = {}  # layer -> w13, w2 (bf16)
         for layer_id in range(config.num_hidden_layers):
@@ -133,25 +136,37 @@ class SlotStep:
         return torch.stack([t.lookup(hash_ids[:, i]) for i, t in enumerate(tables)], dim=1)
 
     def _layer(self, layer_id: int, streams: Tensor, pre: Tensor, step: _Pass) -> tuple[Tensor, Tensor]:
-        """`Block.forward` with the slot attention and the device MoE."""
-        block = self._block(layer_id)
+        """`Block.forward` with the slot attention, the device MoE and the fused chains."""
+        block, ops, eps = self._block(layer_id), self.ops, self.config.rms_norm_eps
         if block.engram is not None and block.engram_index is not None:
             assert step.engram_rows is not None
             streams = block.engram(streams, step.engram_rows[:, block.engram_index])
-        attn_mix = block._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
-        attn_out = self._attention(block.attn, block.attention_input(streams, pre), step)
-        streams = hc_expand(attn_out, streams, attn_mix.post, attn_mix.comb)
-        ffn_mix = block._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
-        ffn_out = self._moe(layer_id, block.ffn, block.ffn_norm(hc_collapse(streams, attn_mix.pre)))
-        streams = hc_expand(ffn_out, streams, ffn_mix.post, ffn_mix.comb)
+        attn_mix = self._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
+        x = ops.collapse_norm(streams, pre, block.attn_norm.weight, eps)
+        streams = ops.expand(self._attention(block.attn, x, step), streams, attn_mix.post, attn_mix.comb)
+        ffn_mix = self._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
+        x = ops.collapse_norm(streams, attn_mix.pre, block.ffn_norm.weight, eps)
+        streams = ops.expand(self._moe(layer_id, block.ffn, x), streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
+
+    def _mix(self, streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> HcMix:
+        """`hc_mixes`: the fused projection, then the mHC tail kernel."""
+        c = self.config
+        mixes = self.ops.mix_logits(streams, fn, c.rms_norm_eps)
+        impl: Impl = "triton" if self.kernels else "torch"
+        pre, post, comb = hc_mix_tail(mixes, scale.float().contiguous(), base.float().contiguous(),
+                                      c.hc_sinkhorn_iters, c.hc_eps, impl=impl)
+        return HcMix(pre, post, comb)
 
     # ------------------------------------------------------------------ attention
 
     def _attention(self, attn: Attention, x: Tensor, step: _Pass) -> Tensor:
         spec = attn.spec
         cos, sin = step.rope[attn.rope_kind]
-        q_residual, q, kv = attn._project(x, cos, sin)
+        eps = self.config.rms_norm_eps
+        q_residual, q, kv = self.ops.project(x, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight,
+                                             attn.wkv.weight, attn.kv_norm.weight, cos, sin,
+                                             self.config.num_attention_heads, eps)
         window = self._write_window(spec.layer_id, kv, step)
         kv_layer = index_layer = None
         if spec.compress_ratio:
@@ -161,20 +176,21 @@ class SlotStep:
                 self._write_global_kv(attn, x, step)
             if attn.indexer is not None:
                 c_cos, c_sin = step.rope["compress"]
-                index_q = attn.indexer.query(q_residual, c_cos, c_sin)
+                index_q = self.ops.index_query(q_residual, attn.indexer.wq_b.weight, c_cos, c_sin,
+                                               attn.indexer.num_heads, INDEX_QUANT_BLOCK)
                 self._select(spec.layer_id, kv_layer, spec.compress_ratio, index_q, attn.indexer.head_weights(x), step)
         out = self._attend(spec.layer_id, q, attn.attn_sink, window, kv_layer, index_layer, step)
-        return attn._output(out, cos, sin)
+        projected: Tensor = self.ops.output(out, cos, sin, attn.wo_a.weight, self.config.o_groups, attn.wo_b.weight)
+        return projected
 
     def _write_window(self, layer_id: int, kv: Tensor, step: _Pass) -> Tensor:
         """Write the rows' window records into their rings; each row's window slots `[B, W]`."""
-        pools, w = self.pools, self.pools.window
-        base = step.slots * w
-        self._write("swa", kv, base + step.positions % w, pools.window_records(layer_id))
-        keys = step.positions.unsqueeze(-1) - (w - 1) + torch.arange(w, device=self.device)  # [B, W]
-        first = pools.swa_first[layer_id][step.slots].unsqueeze(-1)
-        inside = (keys >= 0) & (keys >= first)
-        return torch.where(inside, base.unsqueeze(-1) + keys.remainder(w), -1).to(torch.int32)
+        pools = self.pools
+        ring_slot, window = self.ops.window_slots(step.positions, step.slots, pools.swa_first[layer_id][step.slots],
+                                                  pools.window)
+        self._write("swa", kv, ring_slot, pools.window_records(layer_id))
+        table: Tensor = window
+        return table
 
     def _write_global_kv(self, attn: Attention, x: Tensor, step: _Pass) -> None:
         """The compressor's step: the row's projection into its pending group, the group's entry
@@ -260,22 +276,18 @@ class SlotStep:
 
     def _moe(self, layer_id: int, ffn: MoE, x: Tensor) -> Tensor:
         """`MoE.forward` without a host sync: routed experts (module docstring) plus the shared one."""
-        weights, indices = ffn.gate(x)  # [B, k] float32, long
         if self.moe_mode == "dense":
+            c = self.config
             w1, w3, w2 = self._dense[layer_id]
-            routing = torch.zeros(x.shape[0], w1.shape[0], device=x.device).scatter_(1, indices, weights)  # [B, E]
-            xe = x.unsqueeze(0).expand(w1.shape[0], -1, -1)  # [E, B, D]
-            gate = torch.bmm(xe, w1.transpose(1, 2)).float()
-            up = torch.bmm(xe, w3.transpose(1, 2)).float()
-            limit = self.config.swiglu_limit
-            if limit > 0:
-                up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-            y = routing.t().unsqueeze(-1) * (F.silu(gate) * up)  # [E, B, I]
-            down = torch.bmm(y.to(x.dtype), w2.transpose(1, 2)).float()  # [E, B, D]
-            routed = down.sum(dim=0)
-        else:
-            w13, w2e = self._grouped[layer_id]
-            routed = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2e,
-                                 swiglu_limit=self.config.swiglu_limit).float()
+            shared = ffn.shared_experts
+            dense: Tensor = self.ops.dense_moe(x, ffn.gate.weight, ffn.gate.bias, w1, w3, w2, shared.w1.weight,
+                                               shared.w3.weight, shared.w2.weight, c.scoring_func, c.gate_temp,
+                                               c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
+                                               c.swiglu_limit)
+            return dense
+        weights, indices = ffn.gate(x)  # [B, k] float32, long
+        w13, w2e = self._grouped[layer_id]
+        routed = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2e,
+                             swiglu_limit=self.config.swiglu_limit).float()
         out: Tensor = (routed + ffn.shared_experts(x).float()).to(x.dtype)
         return out

@@ -22,11 +22,12 @@ export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site:$PWD/build/gpu_pydeps${PYTHONP
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"
 if [ "${PART:-all}" != "bench" ]; then
-  timeout "${TESTS_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider \
-    tests/unit/test_runner_gpu.py tests/unit/test_runner.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+  timeout "${TESTS_S:-150}" "$PY" -P -m pytest -q -p no:cacheprovider \
+    tests/unit/test_runner_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
 fi
 if [ "${PART:-all}" != "tests" ]; then
-  timeout "${BENCH_S:-360}" "$PY" -P benchmarks/step.py --contexts ${CONTEXTS:-4096 65536} \
+  timeout "${BENCH_S:-400}" "$PY" -P benchmarks/step.py --contexts ${CONTEXTS:-4096 65536} \
     --batches ${BATCHES:-1 32} --released-attention ${RELEASED:-both} --steps ${STEPS:-5} \
+    --paths ${PATHS:-eager graph} \
     --out "$OUT/decode-step-h200.json" 2>&1 | tee "$OUT/step.log"
 fi
