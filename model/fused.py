@@ -58,7 +58,7 @@ def output(out: Tensor, cos: Tensor, sin: Tensor, wo_a: Tensor, groups: int, wo_
 
 def index_query(q_residual: Tensor, wq_b: Tensor, cos: Tensor, sin: Tensor, heads: int, block: int) -> Tensor:
     """`Indexer.query` (no autograd): RoPE'd, FP4 fake-quantized index queries `[B, H, d]`."""
-    q = F.linear(q_residual, wq_b).unflatten(-1, (heads, -1))
+    q = F.linear(q_residual, wq_b).view(q_residual.shape[0], heads, -1)
     q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
     return fake_quant_fp4(q, block, "ue8m0")
 
