@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.device_sampling import sample_rows
 from cedserve.model.network import CEDModel
 from cedserve.model.sampling import SamplingParams
@@ -89,10 +90,18 @@ class CaptureReport:
 
 
 @dataclass
+class _Outputs:
+    """What one step leaves on the device (a graph's static outputs)."""
+
+    tokens: Tensor  # long [bucket]: the sampled tokens
+    logits: Tensor  # float32 [bucket, vocab]
+    taps: Tensor  # [bucket, n_taps, hc, hidden]
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    tokens: Tensor  # long [bucket]: the sampled tokens, written by each replay
-    logits: Tensor  # float32 [bucket, vocab]
+    outputs: _Outputs
 
 
 @dataclass
@@ -101,11 +110,14 @@ class ModelRunner:
 
     model: CEDModel
     config: RunnerConfig = field(default_factory=RunnerConfig)
+    storage: Tensor | None = None
+    """A block pool to keep the global KV in (the decode worker's cache), with its `layout`."""
+    layout: BlockLayout | None = None
 
     def __post_init__(self) -> None:
         self.device = self.model.embed.weight.device
         self.pools = SlotPools(self.model.config, SlotShape(self.config.max_slots, self.config.max_context),
-                               self.device)
+                               self.device, self.storage, self.layout)
         self.slot_step = SlotStep(self.model, self.pools, self.config.moe)
         self.buckets = self.config.bucket_sizes
         width = self.buckets[-1]
@@ -127,10 +139,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ slots
 
-    def load(self, slot: int, state: SequenceState) -> None:
-        """Put a sequence's state into `slot` (a join, a re-admission after preemption)."""
-        self.pools.load(slot, state)
+    def load(self, slot: int, state: SequenceState, block_ids: list[int] | None = None) -> None:
+        """Put a sequence's state into `slot` (a join, a re-admission after preemption); with a
+        shared block pool, `block_ids` are the request's blocks (holding its records)."""
+        self.pools.load(slot, state, block_ids)
         self._positions[slot] = state.position
+
+    def set_blocks(self, slot: int, block_ids: list[int]) -> None:
+        """A shared-pool slot's blocks after its request grew."""
+        self.pools.set_blocks(slot, block_ids)
 
     def export(self, slot: int) -> SequenceState:
         """The slot's state as a `SequenceState` (preemption, offload, a path the runner lacks)."""
@@ -150,15 +167,42 @@ class ModelRunner:
 
     def step(self, slots: Sequence[int], token_ids: Sequence[int],
              sampling: Sequence[SamplingParams] | None = None) -> list[int]:
-        """One token for each slot after `token_ids` (the slot's next input token); every slot
-        advances by one. `ValueError` for unknown or repeated slots, ids outside the vocabulary or a
-        slot at its capacity, checked on the host before anything runs."""
-        rows = len(slots)
-        if rows != len(token_ids) or (sampling is not None and len(sampling) != rows):
-            raise ValueError(f"runner.step: {rows} slots, {len(token_ids)} tokens"
-                             + ("" if sampling is None else f", {len(sampling)} sampling parameters"))
-        if rows == 0:
+        """One token for each slot after `token_ids` (the slot's next input token), sampled on the
+        device; every slot advances by one. `ValueError` for unknown or repeated slots, ids outside
+        the vocabulary or a slot at its capacity, checked on the host before anything runs."""
+        if sampling is not None and len(sampling) != len(slots):
+            raise ValueError(f"runner.step: {len(slots)} slots, {len(sampling)} sampling parameters")
+        outputs = self._run(slots, token_ids, sampling)
+        if outputs is None:
             return []
+        rows = len(slots)
+        host = self._tokens_host[:rows]
+        host.copy_(outputs.tokens[:rows], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return host.tolist()
+
+    def step_outputs(self, slots: Sequence[int], token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """`step` for a caller that samples itself: the rows' logits `[rows, vocab]` and DSpark taps
+        `[rows, n_taps, hc, hidden]` (views of the step's outputs, valid until the next step)."""
+        outputs = self._run(slots, token_ids, None)
+        if outputs is None:
+            vocab = self.model.config.vocab_size
+            return torch.zeros(0, vocab, device=self.device), torch.zeros(0, 0, device=self.device)
+        rows = len(slots)
+        return outputs.logits[:rows], outputs.taps[:rows]
+
+    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int]) -> Tensor:
+        """The rows' logits of a step, copied (tests, benchmarks)."""
+        return self.step_outputs(slots, token_ids)[0].clone()
+
+    def _run(self, slots: Sequence[int], token_ids: Sequence[int],
+             sampling: Sequence[SamplingParams] | None) -> _Outputs | None:
+        rows = len(slots)
+        if rows != len(token_ids):
+            raise ValueError(f"runner.step: {rows} slots, {len(token_ids)} tokens")
+        if rows == 0:
+            return None
         self._check(slots, token_ids)
         bucket = self.bucket_for(rows)
         self._stage(slots, token_ids, sampling or [GREEDY] * rows, bucket)
@@ -166,35 +210,13 @@ class ModelRunner:
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.graph.replay()
-            tokens = graph.tokens
+            outputs = graph.outputs
         else:
-            tokens, _ = self._forward(bucket)
-        host = self._tokens_host[:rows]
-        host.copy_(tokens[:rows], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            outputs = self._forward(bucket)
         for slot in slots:
             self._positions[slot] += 1
         self.steps += 1
-        return host.tolist()
-
-    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int]) -> Tensor:
-        """`step` with greedy tokens, returning the logits `[rows, vocab]` (tests, benchmarks)."""
-        rows = len(slots)
-        self._check(slots, token_ids)
-        bucket = self.bucket_for(rows)
-        self._stage(slots, token_ids, [GREEDY] * rows, bucket)
-        self._upload()
-        graph = self._graphs.get(bucket)
-        if graph is not None:
-            graph.graph.replay()
-            logits = graph.logits
-        else:
-            _, logits = self._forward(bucket)
-        for slot in slots:
-            self._positions[slot] += 1
-        self.steps += 1
-        return logits[:rows].clone()
+        return outputs
 
     def _upload(self) -> None:
         self._inputs.copy_(self._staging, non_blocking=True)
@@ -230,14 +252,14 @@ class ModelRunner:
         staging[_SEEDS, :rows] = torch.tensor(seeds, dtype=torch.long)
         staging[_COUNTERS, :rows] = torch.tensor([self._positions[s] for s in slots], dtype=torch.long)
 
-    def _forward(self, bucket: int) -> tuple[Tensor, Tensor]:
-        """The step over the first `bucket` staged rows: (sampled tokens `[bucket]`, logits)."""
+    def _forward(self, bucket: int) -> _Outputs:
+        """The step over the first `bucket` staged rows."""
         inputs = self._inputs[:, :bucket]
-        logits = self.slot_step.forward(inputs[_TOKENS], inputs[_SLOTS])
+        logits, taps = self.slot_step.forward(inputs[_TOKENS], inputs[_SLOTS])
         temperature = inputs[_TEMPERATURE].view(torch.float64).float()
         top_p = inputs[_TOP_P].view(torch.float64).float()
         tokens = sample_rows(logits, temperature, inputs[_TOP_K], top_p, inputs[_SEEDS], inputs[_COUNTERS])
-        return tokens, logits
+        return _Outputs(tokens, logits, taps)
 
     # ------------------------------------------------------------------ graphs
 
@@ -260,8 +282,8 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                tokens, logits = self._forward(bucket)
-            self._graphs[bucket] = _Graph(graph, tokens, logits)
+                outputs = self._forward(bucket)
+            self._graphs[bucket] = _Graph(graph, outputs)
             if progress is not None:
                 progress(done, len(ordered))
         torch.cuda.synchronize(self.device)

@@ -64,6 +64,7 @@ class _Pass:
     engram_rows: Tensor | None  # [B, engram layers, columns, head_dim]
     selections: dict[int, Tensor] = field(default_factory=dict)  # index source -> int32 [B, topk]
     pool: Tensor | None = None  # int32 [B, C]: the candidate source's pool
+    taps: dict[int, Tensor] = field(default_factory=dict)  # DSpark target layer -> streams [B, hc, D]
 
 
 def _device_rope(table: RopeTable, device: torch.device) -> RopeTable:
@@ -102,9 +103,11 @@ class SlotStep:
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def forward(self, token_ids: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, token_ids: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Logits float32 `[B, vocab]` of one new token per row (`token_ids`, `slots`: long `[B]`,
-        padding rows at the scratch slot); every row's slot advances by one token."""
+        padding rows at the scratch slot) and the rows' DSpark taps `[B, n_taps, hc, hidden]` (the
+        streams entering each `dspark_target_layer_ids` attention, as `prefill_with_taps`; `[B, 0]`
+        without DSpark layers); every row's slot advances by one token."""
         pools = self.pools
         positions = pools.position[slots]
         rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
@@ -114,7 +117,9 @@ class SlotStep:
             streams, pre = self._layer(layer_id, streams, pre, step)
         logits = self.model._logits(streams, pre)
         self._advance(token_ids, slots, positions)
-        return logits
+        tapped = self.config.dspark_target_layer_ids
+        taps = torch.stack([step.taps[i] for i in tapped], dim=1) if tapped else logits[:, :0]
+        return logits, taps
 
     def _advance(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> None:
         pools = self.pools
@@ -141,6 +146,8 @@ class SlotStep:
         if block.engram is not None and block.engram_index is not None:
             assert step.engram_rows is not None
             streams = block.engram(streams, step.engram_rows[:, block.engram_index])
+        if block.tapped:
+            step.taps[layer_id] = streams
         attn_mix = self._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
         x = ops.collapse_norm(streams, pre, block.attn_norm.weight, eps)
         streams = ops.expand(self._attention(block.attn, x, step), streams, attn_mix.post, attn_mix.comb)
@@ -212,8 +219,10 @@ class SlotStep:
         cos, sin = self.ropes["compress"].cos_sin(entry * ratio)
         slot_map = entries_to_slots(entry.unsqueeze(-1), step.block_table,
                                     pools.entries_per_block(layer)).squeeze(-1)
+        keep = step.slots != pools.scratch_slot  # padding rows write no record (shared pools: real blocks)
         if complete is not None:
-            slot_map = torch.where(complete, slot_map, -1)
+            keep = keep & complete
+        slot_map = torch.where(keep, slot_map, -1)
         self._write("main", apply_rope(latent, cos, sin), slot_map, pools.records(layer, "main"))
         self._write("index", indexer.keys(latent, cos, sin), slot_map, pools.records(layer, "index"))
 

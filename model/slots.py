@@ -33,7 +33,7 @@ from cedserve.kernels.paged import PagedRecords
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.compressor import PendingGroup
 from cedserve.model.config import AttentionMode, ModelConfig
-from cedserve.model.kv_format import KVFormat, index_key_row_bytes, main_row_bytes, window_row_bytes
+from cedserve.model.kv_format import KVFormat, window_row_bytes
 from cedserve.model.paged_attention import arena_block_size
 from cedserve.model.state import GlobalKV, SequenceState
 
@@ -56,7 +56,11 @@ class SlotShape:
 class SlotPools:
     """Every slot's decode state at fixed device addresses (module docstring)."""
 
-    def __init__(self, config: ModelConfig, shape: SlotShape, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, shape: SlotShape, device: torch.device,
+                 storage: Tensor | None = None, layout: BlockLayout | None = None) -> None:
+        """With `storage` (and its `layout`): the global KV lives in that pool (the decode worker's
+        cache blocks), each slot's block table is set by `load` / `set_blocks`, and nothing is
+        copied: the step writes each new record into the request's own block."""
         self.config, self.shape, self.device = config, shape, torch.device(device)
         slots = shape.max_slots + 1  # the last one is the padding rows' scratch
         self.scratch_slot = shape.max_slots
@@ -67,13 +71,24 @@ class SlotPools:
         self.swa = torch.zeros(layers, slots, self.window, self.swa_record_bytes, dtype=torch.uint8,
                                device=self.device)
         self.swa_first = torch.zeros(layers, slots, dtype=torch.long, device=self.device)
-        self.layout = BlockLayout.from_config(config, arena_block_size(config))
-        self.blocks_per_slot = -(-shape.max_context // self.layout.block_size)
-        self.storage = torch.zeros(1 + shape.max_slots * self.blocks_per_slot, self.layout.block_bytes,
-                                   dtype=torch.uint8, device=self.device)
-        owned = 1 + torch.arange(shape.max_slots * self.blocks_per_slot, dtype=torch.int32, device=self.device)
-        scratch = torch.zeros(1, self.blocks_per_slot, dtype=torch.int32, device=self.device)
-        self.block_table = torch.cat([owned.view(shape.max_slots, self.blocks_per_slot), scratch])
+        self.shared = storage is not None
+        if storage is not None:
+            if layout is None or storage.dim() != 2 or storage.shape[1] != layout.block_bytes:
+                raise ValueError("slot pools over a shared block pool need its layout and a [blocks, block_bytes] "
+                                 "storage")
+            if storage.device != self.device:
+                raise ValueError(f"the block pool is on {storage.device}, the model on {self.device}")
+            self.layout, self.storage = layout, storage
+            self.blocks_per_slot = -(-shape.max_context // layout.block_size)
+            self.block_table = torch.zeros(slots, self.blocks_per_slot, dtype=torch.int32, device=self.device)
+        else:
+            self.layout = BlockLayout.from_config(config, arena_block_size(config))
+            self.blocks_per_slot = -(-shape.max_context // self.layout.block_size)
+            self.storage = torch.zeros(1 + shape.max_slots * self.blocks_per_slot, self.layout.block_bytes,
+                                       dtype=torch.uint8, device=self.device)
+            owned = 1 + torch.arange(shape.max_slots * self.blocks_per_slot, dtype=torch.int32, device=self.device)
+            scratch = torch.zeros(1, self.blocks_per_slot, dtype=torch.int32, device=self.device)
+            self.block_table = torch.cat([owned.view(shape.max_slots, self.blocks_per_slot), scratch])
         self.sources = [spec for spec in config.layer_plan if spec.mode is AttentionMode.FULL]
         self.pending_kv: dict[int, Tensor] = {}
         self.pending_gate: dict[int, Tensor] = {}
@@ -118,10 +133,25 @@ class SlotPools:
         if not 0 <= slot < self.shape.max_slots:
             raise ValueError(f"slot {slot} outside [0, {self.shape.max_slots})")
 
-    def load(self, slot: int, state: SequenceState) -> None:
-        """Copy `state` into `slot` (whatever the slot held is forgotten). `ValueError` when the
-        state is not in the record format or holds more tokens than a slot."""
+    def set_blocks(self, slot: int, block_ids: list[int]) -> None:
+        """Shared pools: the slot's block table row (the request's blocks, in order)."""
         self.check_slot(slot)
+        if not self.shared:
+            raise ValueError("set_blocks: these pools own their blocks")
+        if len(block_ids) > self.blocks_per_slot:
+            raise ValueError(f"{len(block_ids)} blocks exceed a slot's {self.blocks_per_slot}")
+        row = torch.zeros(self.blocks_per_slot, dtype=torch.int32)
+        row[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.block_table[slot].copy_(row, non_blocking=False)
+
+    def load(self, slot: int, state: SequenceState, block_ids: list[int] | None = None) -> None:
+        """Copy `state` into `slot` (whatever the slot held is forgotten). Shared pools take the
+        request's `block_ids`, whose blocks must already hold the state's records (they are not
+        copied). `ValueError` when the state is not in the record format or holds more tokens than
+        a slot."""
+        self.check_slot(slot)
+        if self.shared != (block_ids is not None):
+            raise ValueError("load: give block_ids exactly when the pools share a block pool")
         if state.kv_format is not KVFormat.RECORDS:
             raise ValueError(f"slot pools hold record states, got {state.kv_format}")
         pos = state.position
@@ -135,9 +165,12 @@ class SlotPools:
             if n:
                 rows = torch.arange(pos - n, pos, device=self.device) % self.window
                 self.swa[layer, slot, rows] = records.to(self.device)
+        if block_ids is not None:
+            self.set_blocks(slot, block_ids)
         for spec in self.sources:
             kv = state.global_kv[spec.layer_id]
-            self._load_records(slot, spec.layer_id, kv)
+            if block_ids is None:
+                self._load_records(slot, spec.layer_id, kv)
             if spec.compress_ratio > 1:
                 pending = kv.pending
                 n = int(pending.kv.shape[0])
@@ -190,9 +223,3 @@ class SlotPools:
         n = int(self.engram_len[slot])
         state.engram_tail = self.engram_tail[slot, self.engram_keep - n:].clone() if n else state.engram_tail
         return state
-
-    def main_row_bytes(self) -> int:
-        return main_row_bytes(KVFormat.RECORDS, self.config.head_dim)
-
-    def index_row_bytes(self) -> int:
-        return index_key_row_bytes(KVFormat.RECORDS, self.config.index_head_dim)

@@ -89,11 +89,13 @@ def test_step_equals_forward_batch(model: CEDModel) -> None:
             runner.load(5, copy.deepcopy(joiner[0]))
             seqs[5] = list(joiner)
         slots = sorted(seqs)
-        items = [BatchItem([seqs[s][1]], seqs[s][0]) for s in slots]
-        expected = torch.cat([out.logits for out in model.forward_batch(items)])
-        got = runner.step_logits(slots, [seqs[s][1] for s in slots])
+        items = [BatchItem([seqs[s][1]], seqs[s][0], taps=True) for s in slots]
+        outs = model.forward_batch(items)
+        expected = torch.cat([out.logits for out in outs])
+        got, taps = runner.step_outputs(slots, [seqs[s][1] for s in slots])
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(taps, torch.cat([out.taps for out in outs]), atol=ATOL, rtol=0)
         tokens = expected.argmax(-1).tolist()
         assert got.argmax(-1).tolist() == tokens
         for s, t in zip(slots, tokens):
