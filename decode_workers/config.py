@@ -27,6 +27,7 @@ class PreemptionPolicy(str, Enum):
 
 
 PAGED_ATTENTION = ("auto", "kernels", "reference", "off")
+RUNNER_MODES = ("auto", "on", "off")
 
 
 def _fail(name: str, message: str) -> None:
@@ -95,6 +96,15 @@ class DecodeConfig:
     the block pool's) x pass size (`cedserve.model.kernel_warmup`). Readiness waits for it: on an
     H200 ~100 s with an empty Triton cache, ~10 s on a restart that kept it (the Helm chart's kernel
     cache). False: each variant compiles on its first launch, stalling that step (0.5-15 s)."""
+    runner: str = "auto"
+    """Plain decode rows (one token, no drafts) through the model runner (`cedserve.model.runner`):
+    each such request's state in a slot of preallocated pools, its records written straight into its
+    blocks, the whole step one CUDA graph replay per batch bucket. "auto": on a CUDA device with one
+    rank (expert parallelism keeps `forward_batch`) and in-memory Engram tables; "on" wherever the
+    runner can run (a CPU runs its step eagerly: tests); "off": every row through `forward_batch`.
+    Rows with drafts, joins and replays take `forward_batch` in the same step."""
+    cuda_graphs: bool = True
+    """With the runner on CUDA: capture its step per batch bucket at start-up (False: run it eagerly)."""
     effort_queue_slack_s: float = 2.0
     """Queue order by effort: a request falls due at its Decode call's arrival plus this many seconds
     times effort / 100 (`cedserve.model.effort.queue_due_s`); joins take the earliest due first and
@@ -119,6 +129,8 @@ class DecodeConfig:
         for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 _fail(name, f"must be positive, got {getattr(self, name)}")
+        if self.runner not in RUNNER_MODES:
+            _fail("runner", f"must be one of {list(RUNNER_MODES)}, got {self.runner!r}")
         if self.paged_attention not in PAGED_ATTENTION:
             _fail("paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
         if self.reserve_headroom_blocks >= self.num_blocks:

@@ -51,6 +51,7 @@ from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sched_output import SchedulerOutput
 from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
+from cedserve.decode_workers.slot_book import SlotBook, runner_unavailable
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
 from cedserve.kv_transfer.protocol import TransferEndpoint
@@ -113,6 +114,7 @@ class DecodeEngine:
         self._stop = StopCheck(detokenize) if detokenize is not None else None
         self._arrivals = 0
         self.warmup = self._warm_up(lookahead)
+        self.slots = self._slot_book()
         self._offloaded_bytes = 0
         self._eos = self._eos_ids()
         self.draining = False
@@ -301,7 +303,9 @@ class DecodeEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[Output]:
-        """One decode step (an empty pass when this rank has nothing, so group peers stay in step)."""
+        """One decode step (an empty pass when this rank has nothing, so group peers stay in step):
+        plain rows through the model runner when it is on (`slot_book`), every other row through
+        `forward_batch`."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs: list[Output] = []
@@ -311,12 +315,18 @@ class DecodeEngine:
             self._prepare_join(self.sequences[join.request_id])
         running = [self.sequences[rid] for rid in sched.running]
         drafts = self._drafts(running, sched)
-        plans, items = self._plan(running, drafts)
+        fast = self._runner_rows(running, drafts)
+        slow = [i for i in range(len(running)) if i not in fast]
+        plans, items = self._plan([running[i] for i in slow], [drafts[i] for i in slow])
         results = self._run(items)
+        fast_plans, fast_results = self._run_slots([running[i] for i in fast])
         observations: list[Observation] = []
         verified: list[tuple[Tensor, int]] = []  # (the drafts' confidences, how many were accepted)
-        for plan in plans:
-            outputs.extend(self._conclude(plan, results, observations, verified))
+        by_seq = {id(plan.seq): (plan, results) for plan in plans}
+        by_seq.update({id(plan.seq): (plan, fast_results) for plan in fast_plans})
+        for seq in running:  # in the scheduler's order, whichever path ran it
+            plan, rows = by_seq[id(seq)]
+            outputs.extend(self._conclude(plan, rows, observations, verified))
         self._calibrate(verified)
         if observations and self.proposer is not None:
             self.proposer.observe_many(observations)  # one batched drafter call for the whole step
@@ -375,6 +385,52 @@ class DecodeEngine:
             plans.append(plan)
             items.extend(seq_items)
         return plans, items
+
+    def _slot_book(self) -> SlotBook | None:
+        """The model runner over this worker's block pool, its graphs captured (`decode.runner`)."""
+        reason = runner_unavailable(self.model, self.config.runner, self.ep.world_size, self.proposer is not None)
+        if reason is None:
+            max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
+            try:
+                book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
+                                       self.config.max_running_requests, max_context, self.config.cuda_graphs)
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            if self.config.runner == "on":
+                raise ValueError(f"config field `decode.runner`: on, but the runner cannot run: {reason}")
+            log.info("model runner off: %s", reason)
+            return None
+        book.capture()
+        return book
+
+    def _runner_rows(self, running: list[DecodeSequence], drafts: list[Draft | None]) -> set[int]:
+        """Indexes of the running requests whose row goes through the runner this step; requests
+        that need `forward_batch` leave their slot first."""
+        if self.slots is None:
+            return set()
+        fast: set[int] = set()
+        for i, (seq, draft) in enumerate(zip(running, drafts)):
+            if draft is None and self.slots.plain(seq):
+                fast.add(i)
+                if not self.slots.holds(seq):
+                    self.slots.slot_in(seq, self.cache.block_table(seq.request_id))
+            elif self.slots.holds(seq):
+                self.slots.slot_out(seq)
+        return fast
+
+    def _run_slots(self, seqs: list[DecodeSequence]) -> tuple[list[SeqPlan], list[BatchOutput]]:
+        """The runner's step over plain rows: a plan and an output per request, as `_plan` / `_run`."""
+        if not seqs or self.slots is None:
+            return [], []
+        start = time.perf_counter()
+        positions = [seq.state.position if seq.state is not None else 0 for seq in seqs]
+        results = self.slots.step(seqs, [self.cache.block_table(seq.request_id) for seq in seqs])
+        self.profile.record_pass(len(seqs), time.perf_counter() - start)
+        self.metrics.pass_rows.observe(len(seqs))
+        self.passes += 1
+        return [SeqPlan(seq, i, 1, position, None, verify=True)
+                for i, (seq, position) in enumerate(zip(seqs, positions))], results
 
     def _run(self, items: list[BatchItem]) -> list[BatchOutput]:
         """The pass (every rank runs one when any has work: the caller decided that)."""
@@ -530,6 +586,8 @@ class DecodeEngine:
         self.metrics.preemptions.labels(policy.value).inc()
         if policy is not self.config.preemption:
             self.metrics.offload_fallbacks.inc()
+        if self.slots is not None and self.slots.holds(seq):
+            self.slots.slot_out(seq)
         table = self.cache.block_table(seq.request_id)
         if policy is PreemptionPolicy.OFFLOAD and seq.state is not None:
             seq.offloaded = state_io.offload(seq, self.cache.pool.storage, table)
@@ -553,7 +611,10 @@ class DecodeEngine:
         """Write the records the step added into the blocks; offer whole blocks to the prefix cache."""
         assert seq.state is not None
         table = self.cache.block_table(seq.request_id)
-        state_io.store_new_records(seq, self.layout, self.cache.pool.storage, table)
+        if self.slots is not None and self.slots.holds(seq):  # the runner wrote them into the blocks
+            seq.stored_entries = self.slots.stored_entries(seq)
+        else:
+            state_io.store_new_records(seq, self.layout, self.cache.pool.storage, table)
         if seq.lease.cacheable:
             self.cache.commit(seq.request_id, seq.state.position)
 
@@ -562,6 +623,8 @@ class DecodeEngine:
         self.scheduler.remove(seq.request_id)
         self.sequences.pop(seq.request_id, None)
         seq.status = Status.FINISHED
+        if self.slots is not None:
+            self.slots.release(seq)
         seq.state, seq.draft = None, None
         if seq.offloaded is not None:
             self._offloaded_bytes -= seq.offloaded.nbytes

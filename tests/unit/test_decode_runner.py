@@ -1,0 +1,67 @@
+"""The decode engine with the model runner on (`decode.runner`): plain rows decode through slots
+over the worker's own block pool and give `forward_batch`'s tokens, with requests joining,
+finishing, preempted (offloaded or recomputed) and drafting beside them; every block and slot is
+free at the end. On a CPU the runner runs its step eagerly (`runner = "on"`)."""
+
+from __future__ import annotations
+
+import pytest
+from decode_support import Rig, greedy_rounds, greedy_ties, prompt, tiny
+
+from cedserve.decode_workers.config import DecodeConfig
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+
+
+def test_runner_rows_give_forward_batch_tokens() -> None:
+    model, _ = tiny()
+    off = Rig(model, None, dspark=False, runner="off")
+    want = list(greedy_rounds(off, PROMPTS, 12).values())
+    on = Rig(model, None, dspark=False, runner="on")
+    got = list(greedy_rounds(on, PROMPTS, 12).values())
+    # prompt 1's step 6 is a numerical tie (margin 0.005, test_decode_engine.py): there the two paths
+    # may pick differently and go on from different tokens; every other step must agree, and every
+    # token of the runner's must be what some computation of the model picks (`greedy_ties`)
+    assert [got[0], got[2]] == [want[0], want[2]] and got[1][:6] == want[1][:6]
+    assert sum(len(greedy_ties(model, p, out)) for p, out in zip(PROMPTS, got)) <= 1
+    assert on.engine.slots is not None and on.engine.slots.runner.steps >= 10
+    assert on.engine.slots.num_free == on.config.max_running_requests
+    on.assert_all_free()
+    assert off.engine.slots is None
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_preemption_takes_the_state_out_of_its_slot(policy: str) -> None:
+    model, _ = tiny()
+    prompts = [prompt(30, 11), prompt(30, 12)]
+    outs = []
+    for runner in ("off", "on"):
+        rig = Rig(model, None, num_blocks=3, dspark=False, preemption=policy, runner=runner)
+        outs.append(list(greedy_rounds(rig, prompts, 7).values()))
+        assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
+        rig.assert_all_free()
+    assert outs[0] == outs[1]
+
+
+def test_dspark_beside_the_runner() -> None:
+    """DSpark on (the random drafter, so most drafts are rejected and the proposer often declines to
+    draft): requests move between the runner (steps without a draft) and `forward_batch` (verify
+    steps), their state exported and loaded at each move, and keep the tokens of the engine without
+    the runner."""
+    outs, steps = [], 0
+    for runner in ("off", "on"):
+        model, drafter = tiny()
+        rig = Rig(model, drafter, runner=runner)
+        outs.append(list(greedy_rounds(rig, PROMPTS[:2], 14).values()))
+        rig.assert_all_free()
+        if rig.engine.slots is not None:
+            steps = rig.engine.slots.runner.steps
+    assert outs[0][0] == outs[1][0] and outs[0][1][:6] == outs[1][1][:6]  # (prompt 1's step 6: a tie)
+    assert steps > 0
+
+
+def test_runner_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="decode.runner|runner"):
+        DecodeConfig(runner="sometimes")
