@@ -127,11 +127,12 @@ class Rig:
     """A decode engine whose transfer agent is a loopback fake, and a prefill side that sends to it."""
 
     def __init__(self, model: CEDModel, drafter: Drafter | None, proposer: Proposer | None = None,
-                 num_blocks: int = 128, **config: Any) -> None:
+                 num_blocks: int = 128, device: str = "cpu", **config: Any) -> None:
         self.model = model
         layout, kv_layout = layouts(model)
         self.hub = LoopbackHub()
-        self.cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "decode-test")
+        self.cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "decode-test",
+                                    device=device)
         region = KVRegion(self.cache.pool.storage, layout.block_bytes)
         self.agent = LoopbackAgent(self.hub, region, kv_layout, "decode")
         self.config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, **config)

@@ -79,3 +79,30 @@ def test_slot_step_equals_forward_batch_on_kernels() -> None:
         torch.testing.assert_close(got, want, atol=KERNEL_ATOL, rtol=0)
         for pair, token in zip(seqs, want.argmax(-1).tolist()):
             pair[1] = token
+
+
+def test_decode_engine_runner_on_cuda() -> None:
+    """The decode engine on CUDA with `runner = "auto"` (graphs captured at start) against `off`:
+    decode-only requests (prefilled by the engine itself), greedy tokens that the model picks
+    (ties aside), every block and slot free at the end."""
+    from decode_support import Rig, greedy_ties, prompt
+
+    model = cuda_model()
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+    outs = []
+    for runner in ("off", "auto"):
+        rig = Rig(model, None, dspark=False, runner=runner, device="cuda", max_running_requests=4)
+        rids = []
+        for tokens in prompts:
+            reserved = rig.reserve(tokens, sender=False)
+            rig.attach(reserved, tokens, None, 12)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        rig.assert_all_free()
+        if runner == "auto":
+            assert rig.engine.slots is not None and rig.engine.slots.runner.graphs_captured == (1, 2, 4)
+            assert rig.engine.slots.runner.steps >= 10
+    assert [len(o) for o in outs[1]] == [len(o) for o in outs[0]] == [12] * 3
+    # bf16 attention on both paths, rounded differently: a few numerical ties, each one checked
+    assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
