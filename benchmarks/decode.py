@@ -156,7 +156,7 @@ def prefill_contexts(model: CEDModel, contexts: list[int], seed: int, chunk: int
 
 def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, dspark: bool, steps: int,
              device: str, draft_tokens: int, group: Group | None = None, attention: str = "auto",
-             warmup_steps: int = 1) -> dict[str, Any]:
+             warmup_steps: int = 1, runner: str = "off") -> dict[str, Any]:
     """`batch` requests on this rank (of the group's): warm-up, then `steps` timed steps."""
     gc.collect()  # the previous cell's engine and states (cycles) before this cell's peak memory
     if device.startswith("cuda"):
@@ -168,7 +168,8 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "bench", device)
     config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
                           adaptive_verify=False, draft_tokens=draft_tokens, device=device,
-                          paged_attention=attention, kernel_warmup=False)  # per cell: --warmup-steps instead
+                          paged_attention=attention, kernel_warmup=False,  # per cell: --warmup-steps instead
+                          runner=runner)
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
     for i in range(batch):
@@ -201,7 +202,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     step_s = statistics.median(times)  # a shared machine's load spikes hit single steps: the median resists
     cache.close()
     return {"context": len(prompt.tokens), "batch": total, "ep": world, "dspark": dspark,
-            "attention": engine.paged_attention, "steps": steps,
+            "attention": engine.paged_attention, "runner": engine.slots is not None, "steps": steps,
             "tokens": emitted, "warmup_ms_each": [round(1000 * t, 1) for t in warmup_times],
             "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
@@ -265,9 +266,10 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
                              "skipped": f"time budget of {args.time_budget_s} s spent"})
                 continue
             dense: dict[bool, dict[str, Any]] = {}
-            for attention in args.attention:
+            for attention, runner in [(a, r) for r in args.runner for a in args.attention]:
                 pair = [run_cell(model, drafter, prompts[context], batch // ep_world, dspark, args.steps, device,
-                                 args.draft_tokens, group, attention, args.warmup_steps) for dspark in (False, True)]
+                                 args.draft_tokens, group, attention, args.warmup_steps, runner)
+                        for dspark in (False, True)]
                 compare(*pair)
                 for r in pair:  # the same cell on the dense path, measured just before in this run
                     if r["attention"] == "off":
@@ -279,7 +281,8 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
                     for r in pair:
                         over = f"  x{r['speedup_over_dense']:.2f} vs dense" if "speedup_over_dense" in r else ""
                         print(f"ctx {r['context']:>6} batch {r['batch']:>3} ep {r['ep']} dspark {r['dspark']!s:>5} "
-                              f"attention {r['attention']:>9}: {r['tokens_per_s']:8.2f} tok/s  "
+                              f"attention {r['attention']:>9} runner {r['runner']!s:>5}: "
+                              f"{r['tokens_per_s']:8.2f} tok/s  "
                               f"tpot {r['tpot_ms']:9.1f} ms  tokens/step {r['tokens_per_step']:.2f}  "
                               f"peak {r['peak_memory_gb']} GB{over}", flush=True)
     return rows, {c: p.seconds for c, p in prompts.items()}
@@ -339,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="requests per cell (the group's total)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per cell (after the warm-up)")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
+    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on"],
+                   help="`decode.runner` values to time, each cell once per value (auto: the model runner's "
+                        "CUDA graphs for plain rows on one CUDA rank without drafts)")
     p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "off", "kernels", "reference"],
                    help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
                         "off = dense masks, kernels = the compact-cache kernels over paged records); a path "
