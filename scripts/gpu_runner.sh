@@ -1,33 +1,44 @@
 #!/usr/bin/env bash
-# GPU run of the model runner (issue 28): its GPU tests, then benchmarks/step.py beside the eager
-# path. Run from the repo root on a CUDA host (carry build/gpu_pydeps for pytest:
-# `bash scripts/gpu_kernels.sh --prepare-deps` here first; carry build/gpu_wheels with a msgspec
-# wheel for the host's Python, which its image lacks):
+# GPU run of the model runner (issue 28), within one 10-minute device call: its GPU tests, then
+# benchmarks/step.py (the step as forward_batch and as a graph replay, side by side) for mini-40 at
+# 4K / 64K x batch 1 / 32 and the released attention geometry at 64K x 32, then benchmarks/decode.py
+# (the real decode engine, runner off and auto). Run from the repo root on a CUDA host, carrying
+# build/gpu_wheels (msgspec and a grpcio new enough for the generated code: the image lacks them):
 #
 #     OUT=/some/dir bash scripts/gpu_runner.sh
-#     PART=bench CONTEXTS="4096 65536" BATCHES="1 32" bash scripts/gpu_runner.sh
+#     PART=bench bash scripts/gpu_runner.sh        # PART=tests | step | engine | bench (step + engine)
 #
-# Outputs in $OUT: env.txt, gpu-tests.log, decode-step-h200.json, step.log.
+# Outputs in $OUT: env.txt, gpu-tests.log, decode-step-h200.json (+ -released.json), step.log,
+# decode-engine-h200.json, engine.log. Each part has its own timeout (TESTS_S, STEP_S, RELEASED_S,
+# ENGINE_S) so the whole stays under 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu_runner}
 PY=${PYTHON:-python3}
+PART=${PART:-all}
 mkdir -p "$OUT"
 tree=build/gpu_tree
 source scripts/gpu_tree.sh && make_gpu_tree "$tree"
-if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then  # msgspec: not in the GPU host's image
+if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
 fi
-export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site:$PWD/build/gpu_pydeps${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"
-if [ "${PART:-all}" != "bench" ]; then
-  timeout "${TESTS_S:-150}" "$PY" -P -m pytest -q -p no:cacheprovider \
-    tests/unit/test_runner_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+quiet() { grep -v "USDT\|profiler_st\|_warn_once\|UserWarning\|sync_debug"; }
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider tests/unit/test_runner_gpu.py 2>&1 \
+    | tail -30 | tee "$OUT/gpu-tests.log"
 fi
-if [ "${PART:-all}" != "tests" ]; then
-  timeout "${BENCH_S:-400}" "$PY" -P benchmarks/step.py --contexts ${CONTEXTS:-4096 65536} \
-    --batches ${BATCHES:-1 32} --released-attention ${RELEASED:-both} --steps ${STEPS:-5} \
-    --paths ${PATHS:-eager graph} \
-    --out "$OUT/decode-step-h200.json" 2>&1 | tee "$OUT/step.log"
+if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = step ]; then
+  timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py --contexts 4096 65536 --batches 1 32 --steps 5 \
+    --warmup 3 --paths eager graph --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
+  timeout "${RELEASED_S:-110}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
+    --batches 32 --steps 5 --warmup 3 --paths eager graph --out "$OUT/decode-step-h200-released.json" 2>&1 \
+    | quiet | tee -a "$OUT/step.log"
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = engine ]; then
+  timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
+    --batches 1 32 --steps 5 --warmup-steps 3 --runner off auto --out "$OUT/decode-engine-h200.json" 2>&1 \
+    | quiet | tee "$OUT/engine.log"
 fi
