@@ -83,7 +83,12 @@ class SlotBook:
             return False
         if len(seq.pending) != 1:
             return False
-        return self.holds(seq) or bool(self._free)
+        if self.holds(seq):
+            return True
+        # a slot reads the records from the request's blocks: they must all be there (a state handed
+        # over in process has none stored until its first `forward_batch` step persists them)
+        stored = all(seq.stored_entries.get(layer, 0) == kv.num_entries for layer, kv in seq.state.global_kv.items())
+        return stored and bool(self._free)
 
     def slot_in(self, seq: DecodeSequence, block_ids: list[int]) -> None:
         """Load `seq`'s state into a free slot; its state object keeps only the position."""
