@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
+from cedserve.model.device_sampling import sample_rows
 from cedserve.model.mhc import hc_collapse, hc_expand
 from cedserve.model.moe import score_logits
 from cedserve.model.norm import rms_normalize
@@ -113,3 +115,5 @@ class FusedOps:
         self.window_slots = wrap(window_slots)
         self.dense_moe = wrap(dense_moe)
         self.expand = wrap(hc_expand)
+        self.entries_to_slots = wrap(entries_to_slots)
+        self.sample_rows = wrap(sample_rows)

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from cedserve.model.cache.layout import BlockLayout
-from cedserve.model.device_sampling import sample_rows
 from cedserve.model.network import CEDModel
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.slot_step import MoeMode, SlotStep
@@ -258,7 +257,8 @@ class ModelRunner:
         logits, taps = self.slot_step.forward(inputs[_TOKENS], inputs[_SLOTS])
         temperature = inputs[_TEMPERATURE].view(torch.float64).float()
         top_p = inputs[_TOP_P].view(torch.float64).float()
-        tokens = sample_rows(logits, temperature, inputs[_TOP_K], top_p, inputs[_SEEDS], inputs[_COUNTERS])
+        tokens = self.slot_step.ops.sample_rows(logits, temperature, inputs[_TOP_K], top_p, inputs[_SEEDS],
+                                                inputs[_COUNTERS])
         return _Outputs(tokens, logits, taps)
 
     # ------------------------------------------------------------------ graphs

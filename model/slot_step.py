@@ -34,7 +34,7 @@ from torch import Tensor
 from cedserve.kernels.indexer import IndexKeys, IndexSelection, index_topk
 from cedserve.kernels.mhc import hc_mix_tail
 from cedserve.kernels.moe import ExpertWeights, moe_experts
-from cedserve.kernels.paged import PagedRecords, entries_to_slots
+from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
 from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention_reference
 from cedserve.kernels.triton_support import Impl
@@ -217,7 +217,7 @@ class SlotStep:
                                      x.dtype).squeeze(1)
             entry, complete = step.positions // ratio, row == ratio - 1
         cos, sin = self.ropes["compress"].cos_sin(entry * ratio)
-        slot_map = entries_to_slots(entry.unsqueeze(-1), step.block_table,
+        slot_map = self.ops.entries_to_slots(entry.unsqueeze(-1), step.block_table,
                                     pools.entries_per_block(layer)).squeeze(-1)
         keep = step.slots != pools.scratch_slot  # padding rows write no record (shared pools: real blocks)
         if complete is not None:
@@ -261,7 +261,7 @@ class SlotStep:
         picked = step.selections.get(index_layer) if index_layer is not None else None
         if kv_layer is not None and picked is not None:
             main = pools.records(kv_layer, "main")
-            topk_slots = entries_to_slots(picked, step.block_table, main.slots_per_block)
+            topk_slots = self.ops.entries_to_slots(picked, step.block_table, main.slots_per_block)
         no_rope = torch.zeros(q.shape[0], 0, device=q.device)
         scale = self.config.head_dim**-0.5
         if not self.kernels:
