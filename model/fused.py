@@ -6,7 +6,7 @@ five to twenty elementwise kernels of a few microseconds. Each function here is 
 written as the modules compute it (`RMSNorm`, `apply_rope`, `hc_collapse` / `hc_expand`,
 `Attention._project` / `_output`, `MoE.forward` with every expert dense), taking its weights as
 arguments so that one compiled graph serves every layer. `FusedOps(compiled=True)` wraps each in
-`torch.compile(dynamic=True, fullgraph=True)`; with `compiled=False` they run as written (the CPU
+`torch.compile(fullgraph=True)`; with `compiled=False` they run as written (the CPU
 path, which the tests compare with the modules).
 """
 
@@ -105,7 +105,10 @@ class FusedOps:
 
     def __init__(self, compiled: bool) -> None:
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            return torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn
+            # dynamic=None: a second batch size makes the batch dimension symbolic; widths and head
+            # counts stay constants (dynamic=True made them symbols too, and Inductor's Triton codegen
+            # then failed to split `view(B, heads, -1)` into FP4 blocks: "CantSplit", torch 2.11)
+            return torch.compile(fn, fullgraph=True) if compiled else fn
 
         self.collapse_norm = wrap(collapse_norm)
         self.mix_logits = wrap(mix_logits)
