@@ -96,13 +96,14 @@ class DecodeConfig:
     the block pool's) x pass size (`cedserve.model.kernel_warmup`). Readiness waits for it: on an
     H200 ~100 s with an empty Triton cache, ~10 s on a restart that kept it (the Helm chart's kernel
     cache). False: each variant compiles on its first launch, stalling that step (0.5-15 s)."""
-    runner: str = "auto"
+    runner: str = "off"
     """Plain decode rows (one token, no drafts) through the model runner (`cedserve.model.runner`):
     each such request's state in a slot of preallocated pools, its records written straight into its
     blocks, the whole step one CUDA graph replay per batch bucket. "auto": on a CUDA device with one
-    rank (expert parallelism keeps `forward_batch`) and in-memory Engram tables; "on" wherever the
-    runner can run (a CPU runs its step eagerly: tests); "off": every row through `forward_batch`.
-    Rows with drafts, joins and replays take `forward_batch` in the same step."""
+    rank (expert parallelism keeps `forward_batch`), in-memory Engram tables and no DSpark drafting;
+    "on" wherever the runner can run (a CPU runs its step eagerly: tests); "off" (the default until
+    the engine's GPU test has passed on a GPU: docs/decode.md, *The model runner*): every row through
+    `forward_batch`. Rows with drafts, joins and replays take `forward_batch` in the same step."""
     cuda_graphs: bool = True
     """With the runner on CUDA: capture its step per batch bucket at start-up (False: run it eagerly)."""
     effort_queue_slack_s: float = 2.0

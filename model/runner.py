@@ -65,6 +65,10 @@ class RunnerConfig:
     """Replay captured graphs on CUDA (False: run the same step eagerly)."""
     moe: MoeMode = "auto"
     """The step's MoE (`cedserve.model.slot_step`)."""
+    compile_fused: bool = False
+    """On CUDA, compile the step's chains of small ops with Inductor (`cedserve.model.fused`) to cut
+    its kernels. Off by default: its one H200 run (run 2) failed in Inductor with dynamic=True, and
+    the fix (automatic dynamic shapes) has not run on a GPU yet."""
 
     def __post_init__(self) -> None:
         SlotShape(self.max_slots, self.max_context)
@@ -117,7 +121,7 @@ class ModelRunner:
         self.device = self.model.embed.weight.device
         self.pools = SlotPools(self.model.config, SlotShape(self.config.max_slots, self.config.max_context),
                                self.device, self.storage, self.layout)
-        self.slot_step = SlotStep(self.model, self.pools, self.config.moe)
+        self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused)
         self.buckets = self.config.bucket_sizes
         width = self.buckets[-1]
         pin = self.device.type == "cuda"

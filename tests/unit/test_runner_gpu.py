@@ -41,9 +41,10 @@ def states(model: CEDModel, lengths: list[int], seed: int) -> list[tuple[Sequenc
     return out
 
 
-def test_graph_replay_equals_eager_every_bucket() -> None:
+@pytest.mark.parametrize("compile_fused", [False, True], ids=["plain", "inductor"])
+def test_graph_replay_equals_eager_every_bucket(compile_fused: bool) -> None:
     model = cuda_model()
-    config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8))
+    config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8), compile_fused=compile_fused)
     graphs, eager = ModelRunner(model, config), ModelRunner(model, RunnerConfig(**{**config.__dict__,
                                                                                    "cuda_graphs": False}))
     assert graphs.capture().buckets == (1, 2, 4, 8)
