@@ -65,14 +65,15 @@ def index_query(q_residual: Tensor, wq_b: Tensor, cos: Tensor, sin: Tensor, head
     return fake_quant_fp4(q, block, "ue8m0")
 
 
-def window_slots(positions: Tensor, slots: Tensor, first: Tensor, window: int) -> tuple[Tensor, Tensor]:
+def window_slots(positions: Tensor, slots: Tensor, first: Tensor, window: int, ring: int) -> tuple[Tensor, Tensor]:
     """(each row's ring slot for its new record `[B]`, its window's ring slots `[B, W]`, -1 where
-    the position is before 0 or before the ring's first position `first [B]`)."""
-    base = slots * window
+    the position is before 0 or before the ring's first position `first [B]`): the rings of `ring`
+    rows per slot hold position p at row `p % ring`."""
+    base = slots * ring
     keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)
     inside = (keys >= 0) & (keys >= first.unsqueeze(-1))
-    table = torch.where(inside, base.unsqueeze(-1) + keys.remainder(window), -1).to(torch.int32)
-    return base + positions % window, table
+    table = torch.where(inside, base.unsqueeze(-1) + keys.remainder(ring), -1).to(torch.int32)
+    return base + positions % ring, table
 
 
 def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, s1: Tensor, s3: Tensor,

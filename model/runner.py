@@ -32,8 +32,8 @@ from cedserve.model.slot_step import MoeMode, SlotStep
 from cedserve.model.slots import SlotPools, SlotShape
 from cedserve.model.state import SequenceState
 
-_ROWS = 7  # staging rows: tokens, slots, top_k, temperature, top_p (float64 bits), seeds, counters
-_TOKENS, _SLOTS, _TOP_K, _TEMPERATURE, _TOP_P, _SEEDS, _COUNTERS = range(_ROWS)
+_ROWS = 8  # staging rows: tokens, slots, offsets, top_k, temperature, top_p (float64 bits), seeds, counters
+_TOKENS, _SLOTS, _OFFSETS, _TOP_K, _TEMPERATURE, _TOP_P, _SEEDS, _COUNTERS = range(_ROWS)
 GREEDY = SamplingParams()
 
 
@@ -59,8 +59,11 @@ class RunnerConfig:
     """Sequences decoding at once (slots in the pools; the largest bucket)."""
     max_context: int = 8192
     """Tokens one slot holds: prompt plus output."""
+    max_rows_per_slot: int = 1
+    """Rows one slot may feed in one step: 1 for plain decode, 1 + drafts (+ carried tokens) for
+    DSpark verification."""
     buckets: tuple[int, ...] = ()
-    """Batch sizes with a graph each; empty: `batch_buckets(max_slots)`."""
+    """Row counts with a graph each; empty: `batch_buckets(max_slots x max_rows_per_slot)`."""
     cuda_graphs: bool = True
     """Replay captured graphs on CUDA (False: run the same step eagerly)."""
     moe: MoeMode = "auto"
@@ -71,7 +74,7 @@ class RunnerConfig:
     the fix (automatic dynamic shapes) has not run on a GPU yet."""
 
     def __post_init__(self) -> None:
-        SlotShape(self.max_slots, self.max_context)
+        SlotShape(self.max_slots, self.max_context, self.max_rows_per_slot)
         if self.buckets and (sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1):
             raise ValueError(f"runner field `buckets`: must be increasing positive sizes, got {list(self.buckets)}")
         if self.buckets and self.buckets[-1] < self.max_slots:
@@ -82,7 +85,7 @@ class RunnerConfig:
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
-        return self.buckets or batch_buckets(self.max_slots)
+        return self.buckets or batch_buckets(self.max_slots * self.max_rows_per_slot)
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,8 @@ class ModelRunner:
 
     def __post_init__(self) -> None:
         self.device = self.model.embed.weight.device
-        self.pools = SlotPools(self.model.config, SlotShape(self.config.max_slots, self.config.max_context),
-                               self.device, self.storage, self.layout)
+        shape = SlotShape(self.config.max_slots, self.config.max_context, self.config.max_rows_per_slot)
+        self.pools = SlotPools(self.model.config, shape, self.device, self.storage, self.layout)
         self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused)
         self.buckets = self.config.bucket_sizes
         width = self.buckets[-1]
@@ -155,6 +158,14 @@ class ModelRunner:
     def export(self, slot: int) -> SequenceState:
         """The slot's state as a `SequenceState` (preemption, offload, a path the runner lacks)."""
         return self.pools.export(slot)
+
+    def rewind(self, slot: int, position: int) -> None:
+        """Forget the slot's tokens from `position` on (its rejected drafts): only the position moves
+        (the rings are long enough, `SlotPools`); `ValueError` past its current position."""
+        if not 0 <= position <= self.position(slot):
+            raise ValueError(f"runner.rewind: slot {slot} is at {self._positions[slot]}, cannot go to {position}")
+        self.pools.rewind(slot, position)
+        self._positions[slot] = position
 
     def position(self, slot: int) -> int:
         self.pools.check_slot(slot)
@@ -216,7 +227,7 @@ class ModelRunner:
             outputs = graph.outputs
         else:
             outputs = self._forward(bucket)
-        for slot in slots:
+        for slot in slots:  # a slot's rows each advance it by one
             self._positions[slot] += 1
         self.steps += 1
         return outputs
@@ -227,14 +238,24 @@ class ModelRunner:
             self._copied.record()
 
     def _check(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"runner.step: repeated slots in {list(slots)}")
+        """A slot's rows must be adjacent (its consecutive tokens), at most `max_rows_per_slot`."""
+        counts: dict[int, int] = {}
+        previous = None
+        for slot in slots:
+            if slot != previous and slot in counts:
+                raise ValueError(f"runner.step: the rows of slot {slot} are not adjacent in {list(slots)}")
+            counts[slot] = counts.get(slot, 0) + 1
+            previous = slot
         vocab = self.model.config.vocab_size
-        for slot, token in zip(slots, token_ids):
-            self.pools.check_slot(slot)
+        for token in token_ids:
             if not 0 <= token < vocab:
                 raise ValueError(f"runner.step: token id {token} outside [0, {vocab})")
-            if self._positions[slot] + 1 >= self.config.max_context:
+        for slot, count in counts.items():
+            self.pools.check_slot(slot)
+            if count > self.config.max_rows_per_slot:
+                raise ValueError(f"runner.step: {count} rows for slot {slot}, more than max_rows_per_slot "
+                                 f"({self.config.max_rows_per_slot})")
+            if self._positions[slot] + count >= self.config.max_context:
                 raise ValueError(f"runner.step: slot {slot} is full ({self.config.max_context} tokens)")
 
     def _stage(self, slots: Sequence[int], token_ids: Sequence[int], sampling: Sequence[SamplingParams],
@@ -246,6 +267,12 @@ class ModelRunner:
         staging[_SLOTS, rows:bucket] = self.pools.scratch_slot
         staging[_TOKENS, :rows] = torch.tensor(list(token_ids), dtype=torch.long)
         staging[_SLOTS, :rows] = torch.tensor(list(slots), dtype=torch.long)
+        offsets: list[int] = []
+        seen: dict[int, int] = {}
+        for slot in slots:
+            offsets.append(seen.get(slot, 0))
+            seen[slot] = offsets[-1] + 1
+        staging[_OFFSETS, :rows] = torch.tensor(offsets, dtype=torch.long)
         staging[_TOP_K, :rows] = torch.tensor([p.top_k for p in sampling], dtype=torch.long)
         staging[_TEMPERATURE, :rows] = torch.tensor([p.temperature for p in sampling],
                                                     dtype=torch.float64).view(torch.long)
@@ -253,12 +280,13 @@ class ModelRunner:
         staging[_TOP_P, :rows] = torch.tensor([p.top_p for p in sampling], dtype=torch.float64).view(torch.long)
         seeds = [p.seed if p.seed is not None else self._seeds.getrandbits(63) for p in sampling]
         staging[_SEEDS, :rows] = torch.tensor(seeds, dtype=torch.long)
-        staging[_COUNTERS, :rows] = torch.tensor([self._positions[s] for s in slots], dtype=torch.long)
+        staging[_COUNTERS, :rows] = torch.tensor([self._positions[s] + o for s, o in zip(slots, offsets)],
+                                                 dtype=torch.long)
 
     def _forward(self, bucket: int) -> _Outputs:
         """The step over the first `bucket` staged rows."""
         inputs = self._inputs[:, :bucket]
-        logits, taps = self.slot_step.forward(inputs[_TOKENS], inputs[_SLOTS])
+        logits, taps = self.slot_step.forward(inputs[_TOKENS], inputs[_SLOTS], inputs[_OFFSETS])
         temperature = inputs[_TEMPERATURE].view(torch.float64).float()
         top_p = inputs[_TOP_P].view(torch.float64).float()
         tokens = self.slot_step.ops.sample_rows(logits, temperature, inputs[_TOP_K], top_p, inputs[_SEEDS],

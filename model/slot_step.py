@@ -103,40 +103,39 @@ class SlotStep:
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def forward(self, token_ids: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits float32 `[B, vocab]` of one new token per row (`token_ids`, `slots`: long `[B]`,
-        padding rows at the scratch slot) and the rows' DSpark taps `[B, n_taps, hc, hidden]` (the
-        streams entering each `dspark_target_layer_ids` attention, as `prefill_with_taps`; `[B, 0]`
-        without DSpark layers); every row's slot advances by one token."""
+    def forward(self, token_ids: Tensor, slots: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits float32 `[B, vocab]` of the rows (`token_ids`, `slots`, `offsets`: long `[B]`; row
+        b is token `token_ids[b]` at position `position[slots[b]] + offsets[b]`: a slot's rows are
+        consecutive tokens, offsets 0, 1, ...; padding rows at the scratch slot) and the rows' DSpark
+        taps `[B, n_taps, hc, hidden]` (the streams entering each `dspark_target_layer_ids`
+        attention, as `prefill_with_taps`; `[B, 0]` without DSpark layers). Each slot advances past
+        its last row."""
         pools = self.pools
-        positions = pools.position[slots]
+        positions = pools.position[slots] + offsets
         rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
-        step = _Pass(slots, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots))
+        step = _Pass(slots, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots, positions))
         streams, pre = self.model._embed(token_ids)
         for layer_id in range(self.config.num_hidden_layers):
             streams, pre = self._layer(layer_id, streams, pre, step)
         logits = self.model._logits(streams, pre)
-        self._advance(token_ids, slots, positions)
+        pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
+        pools.position[pools.scratch_slot] = 0
         tapped = self.config.dspark_target_layer_ids
         taps = torch.stack([step.taps[i] for i in tapped], dim=1) if tapped else logits[:, :0]
         return logits, taps
 
-    def _advance(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> None:
-        pools = self.pools
-        scratch = slots == pools.scratch_slot
-        pools.position[slots] = torch.where(scratch, torch.zeros_like(positions), positions + 1)
-        if self.hasher is not None and pools.engram_keep:
-            tail = torch.cat([pools.engram_tail[slots, 1:], self.hasher.compress(token_ids).unsqueeze(-1)], dim=1)
-            pools.engram_tail[slots] = tail
-            pools.engram_len[slots] = (pools.engram_len[slots] + 1).clamp_max(pools.engram_keep)
-
-    def _engram_rows(self, token_ids: Tensor, slots: Tensor) -> Tensor | None:
+    def _engram_rows(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> Tensor | None:
+        """Write the rows' compressed ids into the slots' rings, then hash each row's n-grams."""
         if self.hasher is None:
             return None
         pools = self.pools
+        ring, keep = pools.engram_ring, pools.engram_keep
         compressed = self.hasher.compress(token_ids)
-        history = pools.engram_tail[slots]
-        hash_ids = self.hasher.hash_rows(history, pools.engram_len[slots], compressed)
+        pools.engram_ids[slots, positions % ring] = compressed
+        before = positions.unsqueeze(-1) - keep + torch.arange(keep, device=positions.device)  # [B, N-1]
+        history = pools.engram_ids[slots.unsqueeze(-1), before.remainder(ring)]
+        known = (positions - pools.engram_first[slots].clamp_min(0)).clamp(0, keep)
+        hash_ids = self.hasher.hash_rows(history, known, compressed)
         tables = [self.model._engram(layer_id) for layer_id in self.config.engram_layer_ids]
         return torch.stack([t.lookup(hash_ids[:, i]) for i, t in enumerate(tables)], dim=1)
 
@@ -194,7 +193,7 @@ class SlotStep:
         """Write the rows' window records into their rings; each row's window slots `[B, W]`."""
         pools = self.pools
         ring_slot, window = self.ops.window_slots(step.positions, step.slots, pools.swa_first[layer_id][step.slots],
-                                                  pools.window)
+                                                  pools.window, pools.ring)
         self._write("swa", kv, ring_slot, pools.window_records(layer_id))
         table: Tensor = window
         return table
@@ -210,12 +209,15 @@ class SlotStep:
             entry, complete = step.positions, None
         else:
             projected = compressor.project(x)
-            row = step.positions % ratio
-            pools.pending_kv[layer][step.slots, row] = projected.kv
-            pools.pending_gate[layer][step.slots, row] = projected.gate
-            latent = compressor.pool(pools.pending_kv[layer][step.slots], pools.pending_gate[layer][step.slots],
+            ring = pools.pending_ring[layer]
+            pools.pending_kv[layer][step.slots, step.positions % ring] = projected.kv
+            pools.pending_gate[layer][step.slots, step.positions % ring] = projected.gate
+            entry = step.positions // ratio
+            group = ((entry * ratio).unsqueeze(-1) + torch.arange(ratio, device=self.device)) % ring  # [B, m]
+            slots = step.slots.unsqueeze(-1)
+            latent = compressor.pool(pools.pending_kv[layer][slots, group], pools.pending_gate[layer][slots, group],
                                      x.dtype).squeeze(1)
-            entry, complete = step.positions // ratio, row == ratio - 1
+            complete = step.positions % ratio == ratio - 1
         cos, sin = self.ropes["compress"].cos_sin(entry * ratio)
         slot_map = self.ops.entries_to_slots(entry.unsqueeze(-1), step.block_table,
                                     pools.entries_per_block(layer)).squeeze(-1)

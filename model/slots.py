@@ -7,16 +7,22 @@ step over any set of slots is the same kernels on the same buffers (`cedserve.mo
 captures it as a CUDA graph):
 
 * `position [slots + 1]`: tokens consumed (the next token's position).
-* `swa [layers, slots + 1, W, 528]`: each layer's window as a ring of `W = sliding_window` records;
-  position p lives at ring row `p % W`. `swa_first [layers, slots + 1]`: the first position the ring
-  holds (rows before it are stale: a replay or a load starts the window there).
-* `pending_kv`, `pending_gate [slots + 1, m, D]` per KV source with ratio m > 1: the compressor's
-  projected tokens of the current group, token p at row `p % m` (float32, as `PendingGroup`).
+* `swa [layers, slots + 1, W + R - 1, 528]`: each layer's window as a ring of records, position p
+  at ring row `p % (W + R - 1)` (`W = sliding_window`, R = rows a slot may feed in one step: the
+  first row's window and the last row's record both fit). `swa_first [layers, slots + 1]`: the
+  first position the ring holds (rows before it are stale: a replay or a load starts the window).
+* `pending_kv`, `pending_gate [slots + 1, m + R - 1, D]` per KV source with ratio m > 1: the
+  compressor's projected tokens, token p at row `p % (m + R - 1)` (float32, as `PendingGroup`).
 * `storage [1 + slots x blocks_per_slot, block_bytes]`: global KV records in `BlockLayout` blocks,
   the cache's and the transfers' layout. Slot s owns blocks `1 + s x blocks_per_slot ..`
   (`block_table [slots + 1, blocks_per_slot]`); block 0 and the last slot are the scratch that
   padding rows of a bucket write to, so a padded step never touches a real slot.
-* `engram_tail [slots + 1, N-1]` (right-aligned compressed ids) and `engram_len`: how many are known.
+* `engram_ids [slots + 1, N - 1 + R]`: a ring of Engram-compressed token ids (position p at row
+  `p % (N - 1 + R)`), `engram_first`: the first position whose id is known (n-grams before it read
+  the pad id, as after a replay).
+
+Rolling a slot back (rejected drafts) is only a smaller `position`: every ring is long enough that
+the rows a step wrote past the kept tokens never overwrote one the next step reads.
 
 `load` copies a `SequenceState` into a slot, `export` gives one back (the engine's other paths, an
 offload or a shipped state read it); both are whole-state copies off the step's path.
@@ -45,8 +51,12 @@ class SlotShape:
     max_slots: int
     max_context: int
     """Tokens a slot can hold (its prompt and every decoded token)."""
+    max_rows_per_slot: int = 1
+    """Rows one slot may feed in one step (1 + drafts for a DSpark verify, plus carried tokens)."""
 
     def __post_init__(self) -> None:
+        if self.max_rows_per_slot < 1:
+            raise ValueError(f"runner field `max_rows_per_slot`: must be >= 1, got {self.max_rows_per_slot}")
         if self.max_slots < 1:
             raise ValueError(f"runner field `max_slots`: must be >= 1, got {self.max_slots}")
         if self.max_context < 1:
@@ -65,10 +75,12 @@ class SlotPools:
         slots = shape.max_slots + 1  # the last one is the padding rows' scratch
         self.scratch_slot = shape.max_slots
         self.window = config.sliding_window
+        extra = shape.max_rows_per_slot - 1
+        self.ring = self.window + extra
         layers, dim = config.num_hidden_layers, config.head_dim
         self.swa_record_bytes = window_row_bytes(KVFormat.RECORDS, dim)
         self.position = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self.swa = torch.zeros(layers, slots, self.window, self.swa_record_bytes, dtype=torch.uint8,
+        self.swa = torch.zeros(layers, slots, self.ring, self.swa_record_bytes, dtype=torch.uint8,
                                device=self.device)
         self.swa_first = torch.zeros(layers, slots, dtype=torch.long, device=self.device)
         self.shared = storage is not None
@@ -92,13 +104,16 @@ class SlotPools:
         self.sources = [spec for spec in config.layer_plan if spec.mode is AttentionMode.FULL]
         self.pending_kv: dict[int, Tensor] = {}
         self.pending_gate: dict[int, Tensor] = {}
+        self.pending_ring: dict[int, int] = {}
         for spec in self.sources:
             if spec.compress_ratio > 1:
-                self.pending_kv[spec.layer_id] = torch.zeros(slots, spec.compress_ratio, dim, device=self.device)
-                self.pending_gate[spec.layer_id] = torch.zeros(slots, spec.compress_ratio, dim, device=self.device)
+                rows = self.pending_ring[spec.layer_id] = spec.compress_ratio + extra
+                self.pending_kv[spec.layer_id] = torch.zeros(slots, rows, dim, device=self.device)
+                self.pending_gate[spec.layer_id] = torch.zeros(slots, rows, dim, device=self.device)
         self.engram_keep = max(0, config.engram_max_ngram_size - 1) if config.engram_layer_ids else 0
-        self.engram_tail = torch.zeros(slots, max(1, self.engram_keep), dtype=torch.long, device=self.device)
-        self.engram_len = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.engram_ring = self.engram_keep + shape.max_rows_per_slot
+        self.engram_ids = torch.zeros(slots, self.engram_ring, dtype=torch.long, device=self.device)
+        self.engram_first = torch.zeros(slots, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ addressing
 
@@ -108,11 +123,11 @@ class SlotPools:
         return PagedRecords.region(self.storage, region.offset, region.entries, region.record_bytes)
 
     def window_records(self, layer_id: int) -> PagedRecords:
-        """Layer `layer_id`'s rings as one table: slot `s x W + p % W` holds position p of slot s."""
+        """Layer `layer_id`'s rings as one table: slot `s x ring + p % ring` holds position p of slot s."""
         table = self.swa[layer_id].view(-1, self.swa_record_bytes)
         rec = self.swa_record_bytes
-        return PagedRecords(table, rec, slots_per_block=self.window, slot_stride_bytes=rec,
-                            block_stride_bytes=self.window * rec)
+        return PagedRecords(table, rec, slots_per_block=self.ring, slot_stride_bytes=rec,
+                            block_stride_bytes=self.ring * rec)
 
     def entries_per_block(self, layer_id: int) -> int:
         return self.layout.region(layer_id, "main").entries
@@ -123,8 +138,8 @@ class SlotPools:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.position, self.swa, self.swa_first, self.storage, self.block_table, self.engram_tail,
-                   self.engram_len, *self.pending_kv.values(), *self.pending_gate.values()]
+        tensors = [self.position, self.swa, self.swa_first, self.storage, self.block_table, self.engram_ids,
+                   self.engram_first, *self.pending_kv.values(), *self.pending_gate.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ load / export
@@ -143,6 +158,11 @@ class SlotPools:
         row = torch.zeros(self.blocks_per_slot, dtype=torch.int32)
         row[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         self.block_table[slot].copy_(row, non_blocking=False)
+
+    def rewind(self, slot: int, position: int) -> None:
+        """Forget the slot's tokens from `position` on (rejected drafts): only the position moves."""
+        self.check_slot(slot)
+        self.position[slot] = position
 
     def load(self, slot: int, state: SequenceState, block_ids: list[int] | None = None) -> None:
         """Copy `state` into `slot` (whatever the slot held is forgotten). Shared pools take the
@@ -163,7 +183,7 @@ class SlotPools:
             n = int(records.shape[0])
             self.swa_first[layer, slot] = pos - n
             if n:
-                rows = torch.arange(pos - n, pos, device=self.device) % self.window
+                rows = torch.arange(pos - n, pos, device=self.device) % self.ring
                 self.swa[layer, slot, rows] = records.to(self.device)
         if block_ids is not None:
             self.set_blocks(slot, block_ids)
@@ -176,14 +196,15 @@ class SlotPools:
                 n = int(pending.kv.shape[0])
                 if n:
                     rows = torch.arange(kv.next_group_position, kv.next_group_position + n,
-                                        device=self.device) % spec.compress_ratio
+                                        device=self.device) % self.pending_ring[spec.layer_id]
                     self.pending_kv[spec.layer_id][slot, rows] = pending.kv.to(self.device)
                     self.pending_gate[spec.layer_id][slot, rows] = pending.gate.to(self.device)
         tail = state.engram_tail[-self.engram_keep:] if self.engram_keep else state.engram_tail[:0]
         n = int(tail.shape[0])
-        self.engram_len[slot] = n
+        self.engram_first[slot] = pos - n
         if n:
-            self.engram_tail[slot, self.engram_keep - n:] = tail.to(self.device)
+            self.engram_ids[slot, torch.arange(pos - n, pos, device=self.device) % self.engram_ring] = \
+                tail.to(self.device)
 
     def _load_records(self, slot: int, layer_id: int, kv: GlobalKV) -> None:
         count = kv.num_entries
@@ -204,7 +225,7 @@ class SlotPools:
         state.position = pos
         for layer in range(config.num_hidden_layers):
             first = max(int(self.swa_first[layer, slot]), pos - (self.window - 1), 0)
-            rows = torch.arange(first, pos, device=self.device) % self.window
+            rows = torch.arange(first, pos, device=self.device) % self.ring
             state.swa[layer] = self.swa[layer, slot, rows].clone()
         for spec in self.sources:
             layer, ratio = spec.layer_id, spec.compress_ratio
@@ -217,9 +238,11 @@ class SlotPools:
             kv = state.global_kv[layer]
             kv.set_records(main, keys)
             if ratio > 1:
-                rows = torch.arange(count * ratio, pos, device=self.device) % ratio
+                rows = torch.arange(count * ratio, pos, device=self.device) % self.pending_ring[layer]
                 kv.pending = PendingGroup(self.pending_kv[layer][slot, rows].clone(),
                                           self.pending_gate[layer][slot, rows].clone())
-        n = int(self.engram_len[slot])
-        state.engram_tail = self.engram_tail[slot, self.engram_keep - n:].clone() if n else state.engram_tail
+        first = max(int(self.engram_first[slot]), pos - self.engram_keep, 0)
+        if pos > first:
+            rows = torch.arange(first, pos, device=self.device) % self.engram_ring
+            state.engram_tail = self.engram_ids[slot, rows].clone()
         return state

@@ -124,8 +124,13 @@ def test_padding_leaves_other_slots_alone(model: CEDModel) -> None:
 
 def test_step_checks_input(model: CEDModel) -> None:
     runner = ModelRunner(model, RunnerConfig(max_slots=2, max_context=32))
-    with pytest.raises(ValueError, match="repeated"):
+    with pytest.raises(ValueError, match="max_rows_per_slot"):
         runner.step([0, 0], [1, 2])
+    wide = ModelRunner(model, RunnerConfig(max_slots=2, max_context=32, max_rows_per_slot=3))
+    with pytest.raises(ValueError, match="not adjacent"):
+        wide.step([0, 1, 0], [1, 2, 3])
+    with pytest.raises(ValueError, match="cannot go"):
+        wide.rewind(0, 5)
     with pytest.raises(ValueError, match="token id"):
         runner.step([0], [100_000])
     with pytest.raises(ValueError, match="slot 5"):
@@ -155,3 +160,31 @@ def test_device_sampling_distribution() -> None:
     noise = uniform_noise(torch.tensor([7, 7, 8]), torch.tensor([1, 1, 1]), 64)
     assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
     assert bool((noise > 0).all() and (noise < 1).all())
+
+
+def test_verify_rows_and_rollback_equal_forward_batch(model: CEDModel) -> None:
+    """Chunks of 1-4 rows per slot (an anchor and drafts, or carried tokens) in one step, and half
+    of them rolled back afterwards (the engine restores the state from before the chunk; the runner
+    only rewinds the position): logits and taps within ATOL of `forward_batch` over eight steps."""
+    gen = torch.Generator().manual_seed(6)
+    runner = ModelRunner(model, RunnerConfig(max_slots=4, max_context=256, max_rows_per_slot=4))
+    seqs = {}
+    for slot, length in enumerate([6, 33, 64, 90]):
+        state, _ = prefilled(model, length, gen)
+        runner.load(slot, copy.deepcopy(state))
+        seqs[slot] = state
+    for _ in range(8):
+        chunks = {s: torch.randint(3, 500, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+                  for s in seqs}
+        starts = {s: seqs[s].position for s in seqs}
+        outs = model.forward_batch([BatchItem(chunks[s], seqs[s], taps=True, snapshot=True) for s in seqs])
+        rows = [s for s in seqs for _ in chunks[s]]
+        got, taps = runner.step_outputs(rows, [t for s in seqs for t in chunks[s]])
+        torch.testing.assert_close(got, torch.cat([o.logits for o in outs]), atol=ATOL, rtol=0)
+        torch.testing.assert_close(taps, torch.cat([o.taps for o in outs]), atol=ATOL, rtol=0)
+        for s, out in zip(seqs, outs):
+            if bool(torch.rand(1, generator=gen) < 0.5):  # rejected: back to before the chunk
+                assert out.snapshot is not None
+                seqs[s].restore(out.snapshot)
+                runner.rewind(s, starts[s])
+            assert runner.position(s) == seqs[s].position
