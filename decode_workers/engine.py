@@ -319,7 +319,8 @@ class DecodeEngine:
         slow = [i for i in range(len(running)) if i not in fast]
         plans, items = self._plan([running[i] for i in slow], [drafts[i] for i in slow])
         results = self._run(items)
-        fast_plans, fast_results = self._run_slots([running[i] for i in fast])
+        fast_plans, fast_results = self._run_slots([running[i] for i in sorted(fast)],
+                                                   [drafts[i] for i in sorted(fast)])
         observations: list[Observation] = []
         verified: list[tuple[Tensor, int]] = []  # (the drafts' confidences, how many were accepted)
         by_seq = {id(plan.seq): (plan, results) for plan in plans}
@@ -388,12 +389,14 @@ class DecodeEngine:
 
     def _slot_book(self) -> SlotBook | None:
         """The model runner over this worker's block pool, its graphs captured (`decode.runner`)."""
-        reason = runner_unavailable(self.model, self.config.runner, self.ep.world_size, self.proposer is not None)
+        reason = runner_unavailable(self.model, self.config.runner, self.ep.world_size)
         if reason is None:
             max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
             try:
+                max_drafts = self.proposer.max_tokens if self.proposer is not None else 0
                 book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
-                                       self.config.max_running_requests, max_context, self.config.cuda_graphs)
+                                       self.config.max_running_requests, max_context, max_drafts,
+                                       self.config.cuda_graphs)
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:
@@ -411,26 +414,24 @@ class DecodeEngine:
             return set()
         fast: set[int] = set()
         for i, (seq, draft) in enumerate(zip(running, drafts)):
-            if draft is None and self.slots.plain(seq):
+            if self.slots.fits(seq, draft, self.cache.block_table(seq.request_id)):
                 fast.add(i)
-                if not self.slots.holds(seq):
-                    self.slots.slot_in(seq, self.cache.block_table(seq.request_id))
             elif self.slots.holds(seq):
                 self.slots.slot_out(seq)
         return fast
 
-    def _run_slots(self, seqs: list[DecodeSequence]) -> tuple[list[SeqPlan], list[BatchOutput]]:
-        """The runner's step over plain rows: a plan and an output per request, as `_plan` / `_run`."""
+    def _run_slots(self, seqs: list[DecodeSequence], drafts: list[Draft | None]
+                   ) -> tuple[list[SeqPlan], list[BatchOutput]]:
+        """The runner's step over its requests' rows: plans and outputs as `_plan` / `_run` give."""
         if not seqs or self.slots is None:
             return [], []
         start = time.perf_counter()
-        positions = [seq.state.position if seq.state is not None else 0 for seq in seqs]
-        results = self.slots.step(seqs, [self.cache.block_table(seq.request_id) for seq in seqs])
-        self.profile.record_pass(len(seqs), time.perf_counter() - start)
-        self.metrics.pass_rows.observe(len(seqs))
+        plans, results = self.slots.step(seqs, [self.cache.block_table(seq.request_id) for seq in seqs], drafts)
+        rows = sum(int(r.logits.shape[0]) for r in results)
+        self.profile.record_pass(rows, time.perf_counter() - start)
+        self.metrics.pass_rows.observe(rows)
         self.passes += 1
-        return [SeqPlan(seq, i, 1, position, None, verify=True)
-                for i, (seq, position) in enumerate(zip(seqs, positions))], results
+        return plans, results
 
     def _run(self, items: list[BatchItem]) -> list[BatchOutput]:
         """The pass (every rank runs one when any has work: the caller decided that)."""

@@ -18,23 +18,21 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind
+from cedserve.decode_workers.step import SeqPlan
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.config import AttentionMode
+from cedserve.model.dspark import Draft
 from cedserve.model.network import BatchOutput, CEDModel
 from cedserve.model.runner import CaptureReport, ModelRunner, RunnerConfig
-from cedserve.model.state import SequenceState
+from cedserve.model.state import SequenceState, StateSnapshot
 
 log = logging.getLogger(__name__)
 
 
-def runner_unavailable(model: CEDModel, mode: str, world_size: int, drafting: bool) -> str | None:
+def runner_unavailable(model: CEDModel, mode: str, world_size: int) -> str | None:
     """Why `DecodeConfig.runner = mode` leaves the runner off (None: it runs)."""
     if mode == "off":
         return "decode.runner = off"
-    if mode == "auto" and drafting:
-        return ("DSpark drafts: verify rows are not on the runner yet, and a request moving between the "
-                "runner and forward_batch at every draft would copy its state each time (decode.runner = on "
-                "forces it)")
     if world_size > 1:
         return "expert parallelism (the runner's MoE is one rank's)"
     if model.engram_store is not None:
@@ -60,8 +58,11 @@ class SlotBook:
 
     @staticmethod
     def create(model: CEDModel, storage: Tensor, layout: BlockLayout, max_slots: int, max_context: int,
-               cuda_graphs: bool) -> SlotBook:
-        config = RunnerConfig(max_slots=max_slots, max_context=max_context, cuda_graphs=cuda_graphs)
+               max_drafts: int, cuda_graphs: bool) -> SlotBook:
+        """A runner whose slots take a step's carried tokens (up to `max_drafts` accepted last step),
+        the anchor and `max_drafts` drafts: `2 x max_drafts + 1` rows."""
+        config = RunnerConfig(max_slots=max_slots, max_context=max_context, max_rows_per_slot=2 * max_drafts + 1,
+                              cuda_graphs=cuda_graphs)
         return SlotBook(ModelRunner(model, config, storage=storage, layout=layout))
 
     def capture(self) -> CaptureReport:
@@ -77,11 +78,19 @@ class SlotBook:
     def num_free(self) -> int:
         return len(self._free)
 
-    def plain(self, seq: DecodeSequence) -> bool:
-        """Whether `seq`'s next row can go through the runner (a draft is the caller's to rule out)."""
+    def fits(self, seq: DecodeSequence, draft: Draft | None, table: list[int]) -> bool:
+        """Whether `seq`'s rows this step (carried tokens, its anchor and `draft`'s tokens) can go
+        through the runner: its state is ready (no join or replay pass), the rows fit a slot's
+        `max_rows_per_slot` and its blocks (`table`: the step writes every row's record into them;
+        drafts past the last block, which the cache allocates only for accepted tokens, take
+        `forward_batch` for that step), and it holds a slot or one is free with its records all in
+        its blocks."""
         if seq.state is None or seq.join in (JoinKind.REPLAY, JoinKind.PREFILL) or seq.needs_pass_to_join():
             return False
-        if len(seq.pending) != 1:
+        rows = len(seq.pending) + (0 if draft is None else len(draft.tokens))
+        if rows > self.runner.config.max_rows_per_slot:
+            return False
+        if seq.state.position + rows > len(table) * self.runner.pools.layout.block_size:
             return False
         if self.holds(seq):
             return True
@@ -105,6 +114,9 @@ class SlotBook:
         """Take `seq`'s full state back from its slot (records read from its blocks)."""
         slot = self._slot.pop(seq.request_id)
         self._blocks.pop(seq.request_id, None)
+        assert seq.state is not None
+        if self.runner.position(slot) != seq.state.position:  # drafts rejected by the last step
+            self.runner.rewind(slot, seq.state.position)
         state = self.runner.export(slot)
         self._free.append(slot)
         seq.state = state
@@ -122,23 +134,42 @@ class SlotBook:
         assert seq.state is not None
         return {layer: seq.state.position // ratio for layer, ratio in self._ratios.items()}
 
-    def step(self, seqs: list[DecodeSequence], tables: list[list[int]]) -> list[BatchOutput]:
-        """One runner step over `seqs` (each plain, `tables` its block ids): one `BatchOutput` each
-        (logits `[1, vocab]`, taps `[1, n_taps, hc, hidden]`, copies), states advanced."""
-        for seq, table in zip(seqs, tables):
+    def step(self, seqs: list[DecodeSequence], tables: list[list[int]], drafts: list[Draft | None]
+             ) -> tuple[list[SeqPlan], list[BatchOutput]]:
+        """One runner step over `seqs` (each `fits`; `tables` their block ids): the plans and outputs
+        `forward_batch` would give (`step.plan_rows`: a carried chunk, then the anchor and its drafts
+        with a snapshot of the position before them, which `decide` restores on a rejection and the
+        next step turns into a rewind of the slot). Logits and taps are copies."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        for seq, table, draft in zip(seqs, tables, drafts):
+            assert seq.state is not None
             if not self.holds(seq):
                 self.slot_in(seq, table)
-            elif len(table) != self._blocks[seq.request_id]:
-                self.runner.set_blocks(self._slot[seq.request_id], table)
+            slot = self._slot[seq.request_id]
+            if len(table) != self._blocks[seq.request_id]:
+                self.runner.set_blocks(slot, table)
                 self._blocks[seq.request_id] = len(table)
-        slots = [self._slot[seq.request_id] for seq in seqs]
-        logits, taps = self.runner.step_outputs(slots, [seq.pending[-1] for seq in seqs])
+            if self.runner.position(slot) != seq.state.position:  # drafts rejected last step
+                self.runner.rewind(slot, seq.state.position)
+            feed = [*seq.pending, *([] if draft is None else draft.tokens)]
+            rows += [slot] * len(feed)
+            tokens += feed
+        logits, taps = self.runner.step_outputs(rows, tokens)
         logits, taps = logits.clone(), taps.clone()  # the graph's outputs are rewritten by the next step
-        out = []
-        for i, seq in enumerate(seqs):
+        plans: list[SeqPlan] = []
+        outputs: list[BatchOutput] = []
+        at = 0
+        for seq, draft in zip(seqs, drafts):
             assert seq.state is not None
-            seq.state.position += 1
-            out.append(BatchOutput(logits[i : i + 1], taps[i : i + 1] if taps.dim() > 2 else logits[i : i + 1, :0],
-                                   None))
-        return out
-
+            start, carried = seq.state.position, len(seq.pending) - 1
+            chunks = ([carried] if carried else []) + [1 + (0 if draft is None else len(draft.tokens))]
+            plans.append(SeqPlan(seq, len(outputs), len(chunks), start, draft, verify=True))
+            for i, n in enumerate(chunks):
+                last = i == len(chunks) - 1
+                snapshot = StateSnapshot(start + carried, {}, {}, seq.state.engram_tail) if last and draft else None
+                row_taps = taps[at : at + n] if taps.dim() > 2 else logits[at : at + n, :0]
+                outputs.append(BatchOutput(logits[at : at + n], row_taps, snapshot))
+                at += n
+            seq.state.position = start + sum(chunks)
+        return plans, outputs
