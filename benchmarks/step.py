@@ -18,6 +18,7 @@ States are synthetic: records of random values at the cell's context (what a pre
 at the shapes that matter; the weights are random anyway), so a 64K x 32 cell costs no prefill.
 
     python benchmarks/step.py --contexts 4096 --batches 1 --steps 5      # any CUDA host
+    python benchmarks/step.py --contexts 4096 --batches 1 32 --rows 1 6  # + DSpark verify steps (1 + 5 rows)
     python benchmarks/step.py --contexts 4096 65536 --batches 1 32 --released-attention both \\
         --out docs/benchmarks/decode-step-h200.json
 """
@@ -208,75 +209,72 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
     name = args.preset + (" released-attention" if released else "")
     for context in args.contexts:
         base = synthetic_state(model, context, gen)
-        slots_needed = max(args.batches)
-        runner = ModelRunner(model, RunnerConfig(max_slots=slots_needed, max_context=max_context,
-                                                 buckets=tuple(sorted(set(args.batches)))))
-        for batch in args.batches:
+        cases = [(batch, rows) for batch in args.batches for rows in args.rows]
+        runner = ModelRunner(model, RunnerConfig(max_slots=max(args.batches), max_context=max_context,
+                                                 max_rows_per_slot=max(args.rows),
+                                                 buckets=tuple(sorted({b * r for b, r in cases}))))
+        for batch, rows in cases:
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             states = [copy.deepcopy(base) for _ in range(batch)]
-            tokens = [int(t) for t in torch.randint(3, vocab, (batch,), generator=gen)]
+            feed = [int(t) for t in torch.randint(3, vocab, (batch * rows,), generator=gen)]
 
-            def eager(tokens: list[int] = tokens, states: list[SequenceState] = states) -> None:
-                items = [BatchItem([t], s) for t, s in zip(tokens, states)]
-                logits = torch.cat([out.logits for out in model.forward_batch(items)])
-                tokens[:] = logits.argmax(-1).tolist()
+            def eager(feed: list[int] = feed, states: list[SequenceState] = states, rows: int = rows) -> None:
+                # rows > 1: a verify chunk (anchor + drafts), every draft rejected: the state goes back
+                items = [BatchItem(feed[i * rows:(i + 1) * rows], s, snapshot=rows > 1) for i, s in enumerate(states)]
+                outs = model.forward_batch(items)
+                torch.cat([out.logits for out in outs]).argmax(-1).tolist()
+                for state, out in zip(states, outs):
+                    if out.snapshot is not None:
+                        state.restore(out.snapshot)
+
+            slot_rows = [slot for slot in range(batch) for _ in range(rows)]
+
+            def slot_step(feed: list[int] = feed, slot_rows: list[int] = slot_rows, rows: int = rows,
+                          runner: ModelRunner = runner) -> None:
+                start = {slot: runner.position(slot) for slot in set(slot_rows)}
+                runner.step(slot_rows, feed)
+                if rows > 1:
+                    for slot, position in start.items():
+                        runner.rewind(slot, position)
 
             for slot in range(batch):
                 runner.load(slot, base)
-            slots = list(range(batch))
-
-            def slot_step(tokens: list[int] = tokens, slots: list[int] = slots, runner: ModelRunner = runner) -> None:
-                tokens[:] = runner.step(slots, tokens)
-
             paths: list[tuple[str, Callable[[], None]]] = [("eager", eager), ("runner-eager", slot_step)]
             for path, run in paths:
                 if path not in args.paths:
                     continue
                 for _ in range(args.warmup):
                     run()
-                cells.append(cell(name, context, batch, path, timed(run, args.steps),
+                cells.append(cell(name, context, batch, rows, path, timed(run, args.steps),
                                   profile(run, args.profile_steps), floor_ms))
                 log(row(cells[-1]))
+            if "graph" in args.paths and args.device == "cuda":
+                if not runner.graphs_captured:
+                    sites = sync_sites(slot_step)
+                    log(f"runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
+                    capture_start = time.perf_counter()
+                    report = runner.capture()
+                    log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "
+                        f"(Inductor compiles included), {torch.cuda.memory_reserved() / 1e9:.1f} GB reserved")
+                for slot in range(batch):
+                    runner.load(slot, base)
+                for _ in range(args.warmup):
+                    slot_step()
+                cells.append(cell(name, context, batch, rows, "graph", timed(slot_step, args.steps),
+                                  profile(slot_step, args.profile_steps), floor_ms))
+                cells[-1]["capture_s"] = round(report.seconds, 2)
+                log(row(cells[-1]))
+                log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
+                                                 for k in cells[-1]["top_kernels"][:8]))
+            del states
             gc.collect()
-        if args.device == "cuda":
-            for slot in range(max(args.batches)):
-                runner.load(slot, base)
-            batch_slots = list(range(max(args.batches)))
-            def one_step(runner: ModelRunner = runner, slots: list[int] = batch_slots) -> None:
-                runner.step(slots, [5] * len(slots))
-
-            sites = sync_sites(one_step)
-            log(f"runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
-        capture_start = time.perf_counter()
-        report = runner.capture()
-        log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "
-            f"(Inductor compiles included), {torch.cuda.memory_reserved() / 1e9:.1f} GB reserved")
-        for batch in args.batches:
-            floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
-            for slot in range(batch):
-                runner.load(slot, base)
-            slots = list(range(batch))
-            tokens = [int(t) for t in torch.randint(3, vocab, (batch,), generator=gen)]
-
-            def graph_step(tokens: list[int] = tokens, slots: list[int] = slots, runner: ModelRunner = runner) -> None:
-                tokens[:] = runner.step(slots, tokens)
-
-            for _ in range(args.warmup):
-                graph_step()
-            cells.append(cell(name, context, batch, "graph", timed(graph_step, args.steps),
-                              profile(graph_step, args.profile_steps), floor_ms))
-            cells[-1]["capture_s"] = round(report.seconds, 2)
-            log(row(cells[-1]))
-            log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
-                                             for k in cells[-1]["top_kernels"][:8]))
-        gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
 
-def cell(preset: str, context: int, batch: int, path: str, step_ms: float, prof: dict[str, Any],
+def cell(preset: str, context: int, batch: int, rows: int, path: str, step_ms: float, prof: dict[str, Any],
          floor_ms: float) -> dict[str, Any]:
-    return {"preset": preset, "context": context, "batch": batch, "rows": 1, "path": path,
+    return {"preset": preset, "context": context, "batch": batch, "rows": rows, "path": path,
             "step_ms": round(step_ms, 3), "gpu_kernel_ms": round(prof["gpu_kernel_ms"], 3),
             "gpu_busy": round(prof["gpu_kernel_ms"] / step_ms, 3) if step_ms else 0.0,
             "kernels_per_step": prof["kernels_per_step"], "host_syncs_per_step": prof["host_syncs_per_step"],
@@ -284,7 +282,7 @@ def cell(preset: str, context: int, batch: int, path: str, step_ms: float, prof:
 
 
 def row(c: dict[str, Any]) -> str:
-    return (f"{c['preset']:<28} {c['context']:>7} {c['batch']:>5} {c['path']:<13} {c['step_ms']:>9.2f} "
+    return (f"{c['preset']:<28} {c['context']:>7} {c['batch']:>5} {c['rows']:>4} {c['path']:<13} {c['step_ms']:>9.2f} "
             f"{c['gpu_kernel_ms']:>8.2f} {c['gpu_busy']:>5.0%} {c['kernels_per_step']:>8.0f} "
             f"{c['host_syncs_per_step']:>6.0f} {c['memory_floor_ms']:>8.3f}")
 
@@ -295,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--released-attention", choices=("no", "yes", "both"), default="no")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1],
+                        help="rows per request: 1 (decode) or 1 + drafts (a DSpark verify, every draft rejected)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bandwidth = copy_bandwidth(args.device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    header = (f"{'preset':<28} {'context':>7} {'batch':>5} {'path':<13} {'step ms':>9} {'gpu ms':>8} "
+    header = (f"{'preset':<28} {'context':>7} {'batch':>5} {'rows':>4} {'path':<13} {'step ms':>9} {'gpu ms':>8} "
               f"{'busy':>5} {'kernels':>8} {'syncs':>6} {'floor ms':>8}")
     print(header, flush=True)
     cells: list[dict[str, Any]] = []
