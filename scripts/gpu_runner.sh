@@ -11,8 +11,19 @@
 # Outputs in $OUT: env.txt, gpu-tests.log, decode-step-h200.json (+ -released.json), step.log,
 # decode-engine-h200.json, engine.log. Each part has its own timeout (TESTS_S, STEP_S, RELEASED_S,
 # ENGINE_S) so the whole stays under 10 minutes.
+#
+#     bash scripts/gpu_runner.sh --prepare-wheels  # here first: the wheels into build/gpu_wheels
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--prepare-wheels" ]; then
+  mkdir -p build/gpu_wheels
+  for req in msgspec "grpcio>=1.85.1"; do
+    .venv/bin/python -m pip download -q "$req" --no-deps --only-binary=:all: --python-version 3.12 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d build/gpu_wheels
+  done
+  ls -la build/gpu_wheels
+  exit 0
+fi
 OUT=${OUT:-build/gpu_runner}
 PY=${PYTHON:-python3}
 PART=${PART:-all}
