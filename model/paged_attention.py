@@ -116,6 +116,23 @@ def enable_paged_attention(model: CEDModel, mode: str, field_name: str, cpu_auto
     return mode
 
 
+def layer_topk(config: ModelConfig, layer_id: int, q: Tensor, weights: Tensor, keys: IndexKeys, width: int,
+               pool: Tensor | None, impl: Impl) -> IndexSelection:
+    """Index source `layer_id`'s picks by the two-level rules: the candidate source picks over every
+    visible entry and publishes its pool (`IndexSelection.candidates`), later sources pick inside
+    `pool` (when one exists), others over every visible entry. `q` is cast to bf16 (FP4-quantized
+    queries are exact in it)."""
+    q = q.to(torch.bfloat16)
+    cand = config.candidate_source_layer_id
+    if layer_id == cand and config.has_candidate_pool:
+        return index_topk(q, weights, keys, topk=config.index_topk, width=width,
+                          candidate_blocks=config.candidate_topk_blocks,
+                          candidate_block_size=config.candidate_block_size, impl=impl)
+    if cand is not None and 0 <= cand < layer_id and pool is not None:
+        return index_topk(q, weights, keys, topk=config.index_topk, width=width, candidates=pool, impl=impl)
+    return index_topk(q, weights, keys, topk=config.index_topk, width=width, impl=impl)
+
+
 @dataclass
 class SequencePages:
     """One sequence's blocks in the arena and how many entries of each KV source are copied there."""
@@ -325,19 +342,9 @@ class PagedPass:
         (visible,) = device_ints([visible_host], q.device)
         keys = IndexKeys(self.arena.records(kv_layer, "index"), self.block_table, self.row_item, visible)
         impl: Impl = "auto" if self.arena.backend == "kernels" else "torch"
-        q = q.to(torch.bfloat16)  # FP4-quantized queries: exact in bf16
-        cand = config.candidate_source_layer_id
-        selection: IndexSelection
-        if layer_id == cand and config.has_candidate_pool:
-            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width,
-                                   candidate_blocks=config.candidate_topk_blocks,
-                                   candidate_block_size=config.candidate_block_size, impl=impl)
+        selection = layer_topk(config, layer_id, q, weights, keys, width, self.pool, impl)
+        if selection.candidates is not None:
             self.pool = selection.candidates
-        elif cand is not None and 0 <= cand < layer_id and self.pool is not None:
-            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width, candidates=self.pool,
-                                   impl=impl)
-        else:
-            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width, impl=impl)
         self.selections[layer_id] = selection.entries
 
     # ------------------------------------------------------------------ attention

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from cedserve.kernels.indexer import IndexKeys, IndexSelection, index_topk
+from cedserve.kernels.indexer import IndexKeys
 from cedserve.kernels.mhc import hc_mix_tail
 from cedserve.kernels.moe import ExpertWeights, moe_experts
 from cedserve.kernels.paged import PagedRecords
@@ -45,6 +45,7 @@ from cedserve.model.indexer import INDEX_QUANT_BLOCK
 from cedserve.model.mhc import HcMix
 from cedserve.model.moe import Expert, MoE
 from cedserve.model.network import CEDModel
+from cedserve.model.paged_attention import layer_topk
 from cedserve.model.rope import RopeTable, apply_rope
 from cedserve.model.slots import SlotPools
 
@@ -239,19 +240,9 @@ class SlotStep:
         keys = IndexKeys(pools.records(kv_layer, "index"), pools.block_table, step.slots, visible)
         width = pools.max_entries(kv_layer)
         impl: Impl = "auto" if self.kernels else "torch"
-        q = q.to(torch.bfloat16)  # FP4-quantized queries: exact in bf16
-        cand = config.candidate_source_layer_id
-        selection: IndexSelection
-        if layer_id == cand and config.has_candidate_pool:
-            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width,
-                                   candidate_blocks=config.candidate_topk_blocks,
-                                   candidate_block_size=config.candidate_block_size, impl=impl)
+        selection = layer_topk(config, layer_id, q, weights, keys, width, step.pool, impl)
+        if selection.candidates is not None:
             step.pool = selection.candidates
-        elif cand is not None and 0 <= cand < layer_id and step.pool is not None:
-            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width, candidates=step.pool,
-                                   impl=impl)
-        else:
-            selection = index_topk(q, weights, keys, topk=config.index_topk, width=width, impl=impl)
         step.selections[layer_id] = selection.entries
 
     def _attend(self, layer_id: int, q: Tensor, sink: Tensor, window_slots: Tensor, kv_layer: int | None,
