@@ -49,3 +49,8 @@ class DecodeMetrics:
                                   "Compressed entries copied into the paged decode attention's blocks so far",
                                   registry=r)
         self.rejected = Counter("cedserve_decode_rejected", "Commands refused", ["code"], registry=r)
+        self.runner_rows = Counter("cedserve_decode_runner_rows", "Rows run through the model runner (the rest "
+                                   "through forward_batch: cedserve_decode_pass_rows counts both)", registry=r)
+        self.runner_slots = Gauge("cedserve_decode_runner_slots", "Requests holding a model-runner slot", registry=r)
+        self.runner_moves = Counter("cedserve_decode_runner_moves", "States moved into (in) or out of (out) a "
+                                    "model-runner slot", ["direction"], registry=r)

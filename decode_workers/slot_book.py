@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind
 from cedserve.decode_workers.step import SeqPlan
 from cedserve.model.cache.layout import BlockLayout
@@ -47,6 +48,7 @@ class SlotBook:
     """The runner and the requests in its slots (module docstring)."""
 
     runner: ModelRunner
+    metrics: DecodeMetrics | None = None
     _free: list[int] = field(default_factory=list)
     _slot: dict[str, int] = field(default_factory=dict)  # request id -> slot
     _blocks: dict[str, int] = field(default_factory=dict)  # request id -> blocks in the slot's table
@@ -58,12 +60,12 @@ class SlotBook:
 
     @staticmethod
     def create(model: CEDModel, storage: Tensor, layout: BlockLayout, max_slots: int, max_context: int,
-               max_drafts: int, cuda_graphs: bool) -> SlotBook:
+               max_drafts: int, cuda_graphs: bool, metrics: DecodeMetrics | None = None) -> SlotBook:
         """A runner whose slots take a step's carried tokens (up to `max_drafts` accepted last step),
         the anchor and `max_drafts` drafts: `2 x max_drafts + 1` rows."""
         config = RunnerConfig(max_slots=max_slots, max_context=max_context, max_rows_per_slot=2 * max_drafts + 1,
                               cuda_graphs=cuda_graphs)
-        return SlotBook(ModelRunner(model, config, storage=storage, layout=layout))
+        return SlotBook(ModelRunner(model, config, storage=storage, layout=layout), metrics)
 
     def capture(self) -> CaptureReport:
         report = self.runner.capture(lambda done, total: log.info("runner: captured %d of %d buckets", done, total))
@@ -106,6 +108,7 @@ class SlotBook:
         self.runner.load(slot, seq.state, block_ids)
         self._slot[seq.request_id] = slot
         self._blocks[seq.request_id] = len(block_ids)
+        self._moved("in")
         seq.state.release_paged()
         seq.state = SequenceState(seq.state.position, {}, {}, seq.state.engram_tail[:0],
                                   window_keep=seq.state.window_keep)
@@ -119,6 +122,7 @@ class SlotBook:
             self.runner.rewind(slot, seq.state.position)
         state = self.runner.export(slot)
         self._free.append(slot)
+        self._moved("out")
         seq.state = state
         seq.stored_entries = {layer: kv.num_entries for layer, kv in state.global_kv.items()}
 
@@ -128,6 +132,13 @@ class SlotBook:
         self._blocks.pop(seq.request_id, None)
         if slot is not None:
             self._free.append(slot)
+            self._moved(None)
+
+    def _moved(self, direction: str | None) -> None:
+        if self.metrics is not None:
+            if direction is not None:
+                self.metrics.runner_moves.labels(direction).inc()
+            self.metrics.runner_slots.set(len(self._slot))
 
     def stored_entries(self, seq: DecodeSequence) -> dict[int, int]:
         """Entries in the blocks of a slotted request (the step wrote them there)."""
@@ -156,6 +167,8 @@ class SlotBook:
             rows += [slot] * len(feed)
             tokens += feed
         logits, taps = self.runner.step_outputs(rows, tokens)
+        if self.metrics is not None:
+            self.metrics.runner_rows.inc(len(rows))
         logits, taps = logits.clone(), taps.clone()  # the graph's outputs are rewritten by the next step
         plans: list[SeqPlan] = []
         outputs: list[BatchOutput] = []

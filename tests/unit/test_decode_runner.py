@@ -33,6 +33,9 @@ def test_runner_rows_give_forward_batch_tokens() -> None:
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(PROMPTS, got)) <= 1
     assert on.engine.slots is not None and on.engine.slots.runner.steps >= 10
     assert on.engine.slots.num_free == on.config.max_running_requests
+    metrics = on.engine.metrics
+    assert metrics.runner_rows._value.get() == 3 * 11  # every step after the joins' replays
+    assert metrics.runner_moves.labels("in")._value.get() == 3 and metrics.runner_slots._value.get() == 0
     on.assert_all_free()
     assert off.engine.slots is None
 
