@@ -1,7 +1,9 @@
 """The router's view of its workers: channels, measured loads, and KV event streams.
 
 For every worker one task polls `GetLoad` (a worker that fails three polls in a row is taken out of
-placement and its index entries dropped), and one task follows `StreamKVEvents` into the global
+placement and its index entries dropped; a poll that only times out while the worker's
+`grpc.health.v1` "liveness" check answers SERVING is late, not failed: busy is not dead, so a worker
+under load keeps its place and its index entries), and one task follows `StreamKVEvents` into the global
 prefix index, resuming from the last applied sequence number after a gap or a reconnect (the worker
 replays, or sends a snapshot when its replay buffer no longer reaches back).
 
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cedserve.model.cache.events import decode_batch
 from cedserve.proto import worker_pb2, worker_pb2_grpc
@@ -33,6 +36,10 @@ from cedserve.tls import PLAINTEXT, TLSConfig, open_aio_channel
 
 log = logging.getLogger(__name__)
 _MISSED_POLLS_DOWN = 3
+"""Failed load polls in a row (refused, reset, or late with the liveness check failing too) that take
+a worker out of placement."""
+_LIVENESS_TIMEOUT_S = 1.0
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass
@@ -44,6 +51,8 @@ class WorkerHandle:
     decode: worker_pb2_grpc.DecodeWorkerStub | None = None
     load: worker_pb2.LoadReport | None = None
     missed_polls: int = 0
+    late_polls: int = 0
+    """Load polls that timed out while the worker's liveness check answered (busy, not dead)."""
     last_seen_s: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     source: str = "static"
@@ -224,11 +233,28 @@ class WorkerPool:
                         if task is not asyncio.current_task():
                             task.cancel()
                     return
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await self._alive(handle):
+                    # busy, not dead: its load report is late under load; keep placing on it (its last
+                    # report stands) and keep its prefix-index entries
+                    handle.late_polls += 1
+                    log.debug("load poll of %s late; its liveness check answered", handle.worker_id)
+                    await asyncio.sleep(self.poll_s)
+                    continue
                 handle.missed_polls += 1
                 if handle.missed_polls == _MISSED_POLLS_DOWN:
                     log.warning("worker %s is down (%s); taking it out of placement", handle.worker_id, exc.code())
                     self.index.forget(handle.worker_id)
             await asyncio.sleep(self.poll_s)
+
+    async def _alive(self, handle: WorkerHandle) -> bool:
+        """The worker's `grpc.health.v1` "liveness" service answers SERVING (served by its gRPC server
+        itself, not its engine, so a busy engine does not slow it)."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(handle.channel).Check(
+                health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=_LIVENESS_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def _follow_events(self, handle: WorkerHandle) -> None:
         stub = handle.prefill or handle.decode

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tls_pki import TLSFiles
 
 from cedserve.client import CedserveError, Client
@@ -52,6 +53,8 @@ class Script:
     """What GetLoad reports: a prefill worker's uncomputed tokens, a decode worker's waiting requests."""
     queued_requests: int = 0
     preempted_requests: int = 0
+    load_delay_s: float = 0.0
+    """How long GetLoad takes (a busy worker's engine answers late)."""
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -126,6 +129,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.CancelReply(found=found)
 
     async def GetLoad(self, request: Any, context: Any) -> worker_pb2.LoadReport:
+        await asyncio.sleep(self.script.load_delay_s)
         used = sum(self.leases.values())
         return worker_pb2.LoadReport(worker_id=self.worker_id, role="decode", free_blocks=self.total_blocks - used,
                                      total_blocks=self.total_blocks, step_s=[0.01, 0.01, 0.011],
@@ -147,6 +151,7 @@ class Cluster:
         self.prefill = [FakePrefill("p0"), FakePrefill("p1")]
         self.decode = [FakeDecode("d0"), FakeDecode("d1")]
         self.servers: list[grpc.aio.Server] = []
+        self.healths: dict[str, health.HealthServicer] = {}
         endpoints = self.call(self._start_workers())
         config = RouterConfig(checkpoint=str(checkpoint), prefill=endpoints[:2], decode=endpoints[2:],
                               load_poll_s=0.05, **router_kwargs)
@@ -166,11 +171,18 @@ class Cluster:
                 worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
             else:
                 worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health(servicer.worker_id), server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             self.servers.append(server)
             out.append(WorkerEndpoint(servicer.worker_id, f"127.0.0.1:{port}"))
         return tuple(out)
+
+    def health(self, worker_id: str) -> health.HealthServicer:
+        """The worker's `grpc.health.v1` service, its "liveness" SERVING (as a running worker's)."""
+        servicer = self.healths[worker_id] = health.HealthServicer(experimental_non_blocking=True)
+        servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        return servicer
 
     def close(self) -> None:
         self.call(self.router.stop(0.5))
@@ -412,3 +424,26 @@ def test_autoscaler_metrics_sum_the_healthy_workers_queues(cluster: Cluster) -> 
             break
         time.sleep(0.05)
     assert (prefill, decode) == (4000, 5)
+
+
+def test_a_busy_worker_is_not_a_dead_one(cluster: Cluster) -> None:
+    """Load polls that time out (GetLoad takes 1.5 s against the router's 1 s deadline) while the
+    worker's liveness check answers: the worker stays in placement and serves; once its liveness
+    check fails too, it is taken out after three such polls."""
+    d0 = cluster.decode[0]
+    cluster.decode[1].script.load_delay_s = d0.script.load_delay_s = 1.5
+    try:
+        time.sleep(5.0)  # three polls' worth of timeouts
+        handles = cluster.router.pool.workers
+        assert handles["d0"].late_polls >= 3 and handles["d0"].missed_polls == 0
+        assert handles["d0"].healthy and handles["d1"].healthy
+        with _client(cluster) as client:
+            assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+        cluster.healths["d0"].set("liveness", health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + 15
+        while handles["d0"].healthy and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not handles["d0"].healthy and handles["d1"].healthy
+    finally:
+        for worker in cluster.decode:
+            worker.script.load_delay_s = 0.0
