@@ -20,6 +20,12 @@ _EFFORT_NAMES = {generation_pb2.EFFORT_NAME_LOW: "low", generation_pb2.EFFORT_NA
                  generation_pb2.EFFORT_NAME_MAX: "max"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_ID_LEN = 256
+"""Characters of a request id, session id, cache salt or model name (an id is echoed in every
+streamed message and logged: a megabyte one would be copied into each)."""
+BYTES_PER_TOKEN_BOUND = 16
+"""A text prompt of more than this many UTF-8 bytes per token of the context cannot fit it (a token
+of the shipped tokenizers covers a few bytes): refused before it is tokenized."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,30 @@ def resolve_effort(effort: generation_pb2.Effort) -> int:
         raise invalid("effort", str(exc).replace("field `effort`: ", "")) from None
 
 
+def _check_sizes(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> None:
+    """Bounds checked before any work: id lengths, and the prompt's size against the context (in
+    bytes for text, which is not tokenized when it cannot fit; in ids for token ids)."""
+    for name in ("request_id", "session_id", "cache_salt", "model"):
+        value = getattr(request, name)
+        if len(value) > MAX_ID_LEN:
+            raise invalid(name, f"at most {MAX_ID_LEN} characters, got {len(value)}")
+    max_bytes = limits.max_context_tokens * BYTES_PER_TOKEN_BOUND
+    kind = request.prompt.WhichOneof("kind")
+    if kind == "text":
+        size = len(request.prompt.text.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise invalid("prompt.text", f"{size} bytes cannot fit the {limits.max_context_tokens}-token context "
+                                         f"(at most {max_bytes} bytes are tokenized)")
+    elif kind == "chat":
+        size = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.prompt.chat.messages)
+        if size > max_bytes:
+            raise invalid("prompt.chat.messages", f"{size} bytes cannot fit the {limits.max_context_tokens}-token "
+                                                  f"context (at most {max_bytes} bytes are tokenized)")
+    elif kind == "token_ids" and len(request.prompt.token_ids.ids) >= limits.max_context_tokens:
+        raise invalid("prompt.token_ids", f"{len(request.prompt.token_ids.ids)} ids leave no room in the "
+                                          f"{limits.max_context_tokens}-token context")
+
+
 def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCodec, vocab: int) -> list[int]:
     kind = request.prompt.WhichOneof("kind")
     if kind == "text":
@@ -92,6 +122,7 @@ def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCod
 
 def prepare(request: generation_pb2.GenerateRequest, codec: TextCodec, limits: ModelLimits) -> PreparedRequest:
     """Validate and tokenize; `RequestError` (INVALID_ARGUMENT, field named) on bad input."""
+    _check_sizes(request, limits)
     if request.model and request.model != limits.model_id:
         raise invalid("model", f"unknown model {request.model!r}; this server serves {limits.model_id!r}")
     effort = resolve_effort(request.effort)
