@@ -27,6 +27,7 @@ from cedserve.proto import generation_pb2, generation_pb2_grpc
 from cedserve.router.admission import Admission
 from cedserve.router.auth import ApiKeyInterceptor
 from cedserve.router.config import RouterConfig
+from cedserve.router.decoding import DecodeErrorInterceptor
 from cedserve.router.frontend import GenerationService
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
@@ -103,8 +104,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     options = [("grpc.max_receive_message_length", config.max_message_bytes)]
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain)],
-                             options=options)
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),
+                                           DecodeErrorInterceptor()], options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     add_control_services(server, drain, pool)
     pool.on_remove.append(service.links.forget)

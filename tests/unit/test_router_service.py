@@ -447,3 +447,17 @@ def test_a_busy_worker_is_not_a_dead_one(cluster: Cluster) -> None:
     finally:
         for worker in cluster.decode:
             worker.script.load_delay_s = 0.0
+
+
+def test_undecodable_request_bytes_are_invalid_argument(cluster: Cluster) -> None:
+    """Bytes that are not the method's message end the call with INVALID_ARGUMENT naming the method
+    (gRPC's own answer is UNKNOWN with a Python exception class), streaming and unary alike."""
+    metadata = (("x-api-key", "sekrit"),)
+    with grpc.insecure_channel(cluster.address) as channel:
+        for method, call in (("Generate", channel.unary_stream), ("CountTokens", channel.unary_unary)):
+            rpc = call(f"/cedserve.v1.Generation/{method}", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as info:
+                result = rpc(b"\xff\xff\xff\xff", metadata=metadata, timeout=10)
+                list(result) if method == "Generate" else result
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert f"not a valid {method} request" in info.value.details()
