@@ -104,6 +104,7 @@ class ProcessActor:
         import ray
 
         self.spec = spec
+        self.token = setup.token  # the router's registry requires it
         self.incarnation = uuid.uuid4().hex[:12]
         self.node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
         self._stopping = False
@@ -152,14 +153,14 @@ class ProcessActor:
         from cedserve.router.lifecycle import register_workers
 
         assert self.part is not None and self.part.ready, "the router is not ready yet"
-        return register_workers(f"127.0.0.1:{self.part.ready['port']}", workers)
+        return register_workers(f"127.0.0.1:{self.part.ready['port']}", workers, token=self.token)
 
     def list_workers(self) -> list[dict[str, Any]]:
         """Router actor only: the router's pool."""
         from cedserve.router.lifecycle import list_workers
 
         assert self.part is not None and self.part.ready, "the router is not ready yet"
-        return list_workers(f"127.0.0.1:{self.part.ready['port']}")
+        return list_workers(f"127.0.0.1:{self.part.ready['port']}", token=self.token)
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM (the process drains), SIGKILL after `grace_s`; the exit code."""

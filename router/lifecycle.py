@@ -14,13 +14,17 @@ same with `RouterConfig.drain_timeout_s`):
 Both services here (`cedserve.v1.Lifecycle`, `cedserve.v1.WorkerRegistry`) accept loopback peers
 only (PERMISSION_DENIED otherwise) and therefore need no API key. `WorkerRegistry` adds, moves and
 removes workers at runtime (source `registry`): the Ray launcher calls it from the actor that owns
-the router process when a worker actor restarts at a new address.
+the router process when a worker actor restarts at a new address. When the router has an internal
+token (`worker_token`, which it sends to every worker it calls), the registry also requires that
+token in `x-cedserve-token` (UNAUTHENTICATED otherwise): any local process could otherwise register
+an address of its own and receive the token with the router's first call to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from cedserve.config import TOKEN_METADATA_KEY, token_metadata
 from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc, registry_pb2, registry_pb2_grpc
 from cedserve.router.config import WorkerEndpoint
 from cedserve.router.workers import WorkerPool
@@ -170,8 +175,9 @@ class LifecycleService(lifecycle_pb2_grpc.LifecycleServicer):
 class RegistryService(registry_pb2_grpc.WorkerRegistryServicer):
     """`cedserve.v1.WorkerRegistry`: runtime add/move/remove of workers in the router's pool."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, token: str = "") -> None:
         self._pool = pool
+        self._token = token
 
     async def Register(self, request: registry_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> registry_pb2.RegisterReply:
@@ -207,28 +213,37 @@ class RegistryService(registry_pb2_grpc.WorkerRegistryServicer):
         refusal = _loopback_only(context)
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"WorkerRegistry is {refusal}")
+        if self._token:
+            presented = dict(context.invocation_metadata() or ()).get(TOKEN_METADATA_KEY, "")
+            text = presented.decode() if isinstance(presented, bytes) else str(presented)
+            if not hmac.compare_digest(text.encode(), self._token.encode()):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "WorkerRegistry needs the internal token in "
+                                    f"`{TOKEN_METADATA_KEY}` metadata (internal_token_file)")
 
 
-def add_control_services(server: grpc.aio.Server, drain: RouterDrain, pool: WorkerPool) -> None:
+def add_control_services(server: grpc.aio.Server, drain: RouterDrain, pool: WorkerPool, token: str = "") -> None:
     lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleService(drain), server)  # type: ignore[no-untyped-call]
-    registry_pb2_grpc.add_WorkerRegistryServicer_to_server(RegistryService(pool), server)  # type: ignore[no-untyped-call]
+    registry_pb2_grpc.add_WorkerRegistryServicer_to_server(  # type: ignore[no-untyped-call]
+        RegistryService(pool, token), server)
 
 
-def register_workers(address: str, workers: list[tuple[str, str, str]], timeout_s: float = 10.0) -> list[str]:
-    """Client of `WorkerRegistry.Register` (from the router's host): (worker id, role, address)
-    each; returns the ids that were added or moved."""
+def register_workers(address: str, workers: list[tuple[str, str, str]], timeout_s: float = 10.0,
+                     token: str = "") -> list[str]:
+    """Client of `WorkerRegistry.Register` (from the router's host, with the router's internal
+    `token` when it has one): (worker id, role, address) each; returns the ids added or moved."""
     request = registry_pb2.RegisterRequest(workers=[
         registry_pb2.WorkerRegistration(worker_id=w, role=role, address=addr) for w, role, addr in workers])
     with grpc.insecure_channel(address) as channel:
         stub = registry_pb2_grpc.WorkerRegistryStub(channel)  # type: ignore[no-untyped-call]
-        reply: registry_pb2.RegisterReply = stub.Register(request, timeout=timeout_s)
+        reply: registry_pb2.RegisterReply = stub.Register(request, timeout=timeout_s, metadata=token_metadata(token))
     return list(reply.changed)
 
 
-def list_workers(address: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def list_workers(address: str, timeout_s: float = 10.0, token: str = "") -> list[dict[str, Any]]:
     """Client of `WorkerRegistry.ListWorkers`: the router's pool, one dict per worker."""
     with grpc.insecure_channel(address) as channel:
         stub = registry_pb2_grpc.WorkerRegistryStub(channel)  # type: ignore[no-untyped-call]
-        reply: registry_pb2.ListWorkersReply = stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s)
+        reply: registry_pb2.ListWorkersReply = stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s,
+                                                                metadata=token_metadata(token))
     return [{"worker_id": w.worker_id, "role": w.role, "address": w.address, "source": w.source,
              "healthy": w.healthy} for w in reply.workers]

@@ -77,7 +77,7 @@ async def _health_listener(config: RouterConfig, servicer: health.aio.HealthServ
         return None
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    add_control_services(server, drain, pool)
+    add_control_services(server, drain, pool, config.worker_token)
     address = f"{config.host}:{config.health_port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"router health listener could not bind {address}")
@@ -107,7 +107,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),
                                            DecodeErrorInterceptor()], options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    add_control_services(server, drain, pool)
+    add_control_services(server, drain, pool, config.worker_token)
     pool.on_remove.append(service.links.forget)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)

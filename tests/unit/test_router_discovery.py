@@ -222,3 +222,35 @@ def test_registry_moves_and_removes_workers_on_a_running_router(tmp_path: Path) 
             await new.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_registry_needs_the_internal_token(tmp_path: Path) -> None:
+    """With an internal token the registry refuses callers without it (UNAUTHENTICATED), so a local
+    process cannot register an address of its own and be sent the token; with it, it registers."""
+    from cedserve.router.lifecycle import list_workers, register_workers
+
+    (tmp_path / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
+    shutil.copyfile(tiny_tokenizer_path(), tmp_path / "tokenizer.json")
+
+    async def scenario() -> None:
+        worker, port = await _serve("d0", "127.0.0.1")
+        router = await start_router(RouterConfig(checkpoint=str(tmp_path), load_poll_s=0.05, worker_token="t0k3n"))
+        address = f"127.0.0.1:{router.port}"
+        try:
+            for token in ("", "wrong"):
+                with pytest.raises(grpc.RpcError) as info:
+                    await asyncio.to_thread(register_workers, address, [("d0", "decode", f"127.0.0.1:{port}")],
+                                            token=token)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError):
+                    await asyncio.to_thread(list_workers, address, token=token)
+            assert router.pool.workers == {}
+            changed = await asyncio.to_thread(register_workers, address, [("d0", "decode", f"127.0.0.1:{port}")],
+                                              token="t0k3n")
+            assert changed == ["d0"]
+            assert [w["worker_id"] for w in await asyncio.to_thread(list_workers, address, token="t0k3n")] == ["d0"]
+        finally:
+            await router.stop(0.1)
+            await worker.stop(0)
+
+    asyncio.run(scenario())
