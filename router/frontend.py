@@ -310,7 +310,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 sender_agent=sender.agent_name if sender else "",
                 sender_control_address=sender.control_address if sender else "", token_ids=list(prompt)),
                 timeout=timeout, metadata=self.metadata)
+        except asyncio.CancelledError:
+            # the client left while the worker may already hold a lease the reply never brought back:
+            # cancel it by request id now rather than let it hold blocks until it expires
+            await asyncio.shield(self._cancel(decode, req.request_id, ""))
+            raise
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                await self._cancel(decode, req.request_id, "")  # as above: a lease may exist
             raise self._from_rpc(decode.worker_id, exc) from exc
         return reply
 

@@ -53,6 +53,8 @@ class Script:
     """What GetLoad reports: a prefill worker's uncomputed tokens, a decode worker's waiting requests."""
     queued_requests: int = 0
     preempted_requests: int = 0
+    reserve_delay_s: float = 0.0
+    """How long Reserve takes after leasing (a busy worker's reply arrives late)."""
     load_delay_s: float = 0.0
     """How long GetLoad takes (a busy worker's engine answers late)."""
 
@@ -103,6 +105,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         blocks = -(-request.prompt_tokens // 64)
         lease = f"{self.worker_id}-{request.request_id}-{len(self.leases)}"
         self.leases[lease] = blocks
+        await asyncio.sleep(self.script.reserve_delay_s)  # leased, but the reply is late
         return worker_pb2.ReserveReply(lease_id=lease, agent_name=f"agent-{self.worker_id}",
                                        block_ids=list(range(blocks)))
 
@@ -461,3 +464,21 @@ def test_undecodable_request_bytes_are_invalid_argument(cluster: Cluster) -> Non
                 list(result) if method == "Generate" else result
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
             assert f"not a valid {method} request" in info.value.details()
+
+
+def test_a_client_gone_during_reserve_frees_the_lease_at_once(cluster: Cluster) -> None:
+    """The client's deadline passes while the decode worker's Reserve reply is late (the worker has
+    leased blocks): the router cancels the request by id on that worker at once, so the blocks do
+    not wait for the lease to expire."""
+    for worker in cluster.decode:
+        worker.script.reserve_delay_s = 3.0
+    try:
+        with Client(cluster.address, api_key="sekrit", timeout_s=0.5) as client, pytest.raises(CedserveError):
+            client.generate([5, 6, 7], max_tokens=3, request_id="gone-early")
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline and not any("gone-early" in w.cancelled for w in cluster.decode):
+            time.sleep(0.05)
+        assert any("gone-early" in w.cancelled for w in cluster.decode)
+    finally:
+        for worker in cluster.decode:
+            worker.script.reserve_delay_s = 0.0
