@@ -359,7 +359,7 @@ def plan_workers(opts: EmbeddedOptions, rendezvous: Callable[[int], tuple[str, i
     """Every worker rank: prefill workers, then each decode group's ranks. `rendezvous(group)` gives
     a decode group's torch.distributed leader host and port (groups of more than one rank only);
     `assign_gpus` hands ranks GPUs through CUDA_VISIBLE_DEVICES (Ray assigns them itself)."""
-    common = ("--checkpoint", "{checkpoint}", "--host", opts.host, "--port", "0")
+    common = ("--checkpoint", "{checkpoint}", "--host", opts.host, "--port", "0", "--metrics-port", "0")
     specs = []
     for i in range(opts.num_prefill):
         specs.append(ProcessSpec(f"prefill{i}", "prefill", f"prefill{i}", i, 0, (
@@ -393,7 +393,8 @@ def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[
         limit = ModelConfig.from_hf_json(resolve_checkpoint(opts)).max_position_embeddings
         colocated = ["--decode-only-max-tokens", str(limit)]
     config = ["--config", config_file] if config_file else []
-    return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), *workers,
+    return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), "--metrics-port", "0",
+            *workers,
             "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens),
             "--worker-token-file", token_file, *config, *colocated]
 
@@ -408,8 +409,12 @@ def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, 
     for part in parts:  # every rank, followers included
         part.wait_ready(600.0 if opts.device == "cuda" else 180.0)
     leaders = [(s.role, s.worker_id, str(p.ready["address"])) for s, p in zip(specs, parts) if s.rank == 0]
-    return launcher.start("router", router_args(opts, checkpoint, leaders, str(run_dir / TOKEN_FILE_NAME),
-                                                str(configs["router"])))
+    router = launcher.start("router", router_args(opts, checkpoint, leaders, str(run_dir / TOKEN_FILE_NAME),
+                                                  str(configs["router"])))
+    metrics = {"router": router.get("metrics_port", -1)}
+    metrics.update({s.name: p.ready.get("metrics_port", -1) for s, p in zip(specs, parts)})
+    return {**router, "metrics": {name: f"http://{opts.host}:{port}/metrics" for name, port in metrics.items()
+                                  if isinstance(port, int) and port > 0}}
 
 
 def serve_embedded(opts: EmbeddedOptions) -> int:
@@ -423,6 +428,8 @@ def serve_embedded(opts: EmbeddedOptions) -> int:
         address = router["address"]
         print(f"cedserve is serving on {address} (logs: {launcher.log_dir})", flush=True)
         print(f'try: cedserve generate "def fibonacci(" --address {address}', flush=True)
+        for name, url in router.get("metrics", {}).items():
+            print(f"metrics of {name}: {url}", flush=True)
         print(f"CEDSERVE_READY {{\"role\": \"system\", \"address\": \"{address}\"}}", flush=True)
         while not stop.wait(0.5):
             dead = launcher.first_exit()

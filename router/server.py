@@ -58,6 +58,8 @@ class RunningRouter:
     """`KubernetesDiscovery` when `RouterConfig.discovery` is set."""
     links: MeasuredLinks | None = None
     """Per-pair KV link rates learned from completed transfers (placement reads them)."""
+    metrics_port: int = -1
+    """Where `/metrics` is served (-1: off)."""
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.discovery is not None:
@@ -122,11 +124,14 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     if config.discovery is not None:
         discovery = _start_discovery(config, pool)
     await drain.set_serving()
-    if config.metrics_port is not None:
+    metrics_port = -1
+    if config.metrics_port is not None and config.metrics_port >= 0:
         from prometheus_client import start_http_server
 
-        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
-    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, service.links)
+        http, _thread = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        metrics_port = int(http.server_port)
+    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, service.links,
+                         metrics_port)
 
 
 def _served_model(config: RouterConfig) -> tuple[ModelConfig, TextCodec]:
@@ -175,7 +180,8 @@ async def serve_forever(config: RouterConfig, ready_file: str | None = None, wor
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    ready = {"role": "router", "address": f"{config.host}:{router.port}", "port": router.port}
+    ready = {"role": "router", "address": f"{config.host}:{router.port}", "port": router.port,
+             "metrics_port": router.metrics_port}
     print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps(ready))

@@ -35,6 +35,7 @@ class System:
         router = start_embedded(EmbeddedOptions(checkpoint=self.checkpoint, port=0, log_dir=root / "logs"),
                                 self.launcher)
         self.address = router["address"]
+        self.metrics = router["metrics"]
         self.parts = {p.name: p for p in self.launcher.parts}
         token = (root / "logs" / "run" / TOKEN_FILE_NAME).read_text().strip()
         self.metadata = token_metadata(token)
@@ -178,3 +179,17 @@ def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: Syst
             break
         time.sleep(0.2)
     assert load.held_blocks == 0 and load.running_requests == 0  # nothing held for the dead request
+
+
+def test_every_process_serves_its_metrics(system: System) -> None:
+    """`cedserve serve` starts every process with a Prometheus endpoint (any free port) and reports
+    where: the router's counts the requests served, each worker's its own families."""
+    import urllib.request
+
+    assert set(system.metrics) == {"router", "prefill0", "decode0"}
+    with Client(system.address, timeout_s=60) as client:
+        client.generate(list(range(3, 40)), max_tokens=2)
+    pages = {name: urllib.request.urlopen(url, timeout=10).read().decode() for name, url in system.metrics.items()}
+    assert "cedserve_router_ttft_seconds_count" in pages["router"]
+    assert "cedserve_decode_output_tokens_total" in pages["decode0"]
+    assert "cedserve_prefill" in pages["prefill0"]
