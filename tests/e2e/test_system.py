@@ -157,6 +157,21 @@ def test_workers_refuse_calls_without_the_worker_token(system: System) -> None:
             assert stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=system.metadata).total_blocks > 0
 
 
+def test_every_process_serves_its_metrics(system: System) -> None:
+    """`cedserve serve` starts every process with a Prometheus endpoint (any free port) and reports
+    where: the router's counts the requests served, each worker's its own families. (Before the
+    test that kills the decode worker: tests of this module share one system, in file order.)"""
+    import urllib.request
+
+    assert set(system.metrics) == {"router", "prefill0", "decode0"}
+    with Client(system.address, timeout_s=60) as client:
+        client.generate(list(range(3, 40)), max_tokens=2)
+    pages = {name: urllib.request.urlopen(url, timeout=10).read().decode() for name, url in system.metrics.items()}
+    assert "cedserve_router_ttft_seconds_count" in pages["router"]
+    assert "cedserve_decode_output_tokens_total" in pages["decode0"]
+    assert "cedserve_prefill" in pages["prefill0"]
+
+
 def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: System) -> None:
     """Runs last in this module: it kills the only decode worker."""
     prompt = list(range(3, 303))
@@ -180,16 +195,3 @@ def test_killed_decode_worker_gives_a_clean_error_and_leaks_nothing(system: Syst
         time.sleep(0.2)
     assert load.held_blocks == 0 and load.running_requests == 0  # nothing held for the dead request
 
-
-def test_every_process_serves_its_metrics(system: System) -> None:
-    """`cedserve serve` starts every process with a Prometheus endpoint (any free port) and reports
-    where: the router's counts the requests served, each worker's its own families."""
-    import urllib.request
-
-    assert set(system.metrics) == {"router", "prefill0", "decode0"}
-    with Client(system.address, timeout_s=60) as client:
-        client.generate(list(range(3, 40)), max_tokens=2)
-    pages = {name: urllib.request.urlopen(url, timeout=10).read().decode() for name, url in system.metrics.items()}
-    assert "cedserve_router_ttft_seconds_count" in pages["router"]
-    assert "cedserve_decode_output_tokens_total" in pages["decode0"]
-    assert "cedserve_prefill" in pages["prefill0"]
