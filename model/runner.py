@@ -127,14 +127,13 @@ class ModelRunner:
         self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused)
         self.buckets = self.config.bucket_sizes
         width = self.buckets[-1]
-        pin = self.device.type == "cuda"
+        cuda = pin = self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
         self._tokens_host = torch.zeros(width, dtype=torch.long, pin_memory=pin)
         self._positions = [0] * self.config.max_slots  # host mirror: no step reads the device's
         self._graphs: dict[int, _Graph] = {}
         self._seeds = random.Random()
-        cuda = self.device.type == "cuda"
         self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
         """Recorded after each staging copy: the host waits for it before refilling the staging."""
         self.steps = 0
@@ -181,9 +180,11 @@ class ModelRunner:
 
     def step(self, slots: Sequence[int], token_ids: Sequence[int],
              sampling: Sequence[SamplingParams] | None = None) -> list[int]:
-        """One token for each slot after `token_ids` (the slot's next input token), sampled on the
-        device; every slot advances by one. `ValueError` for unknown or repeated slots, ids outside
-        the vocabulary or a slot at its capacity, checked on the host before anything runs."""
+        """One sampled token per row (sampled on the device): row i feeds `token_ids[i]` to slot
+        `slots[i]`; a slot's rows are adjacent and take its next positions in order, and it advances
+        past its last row. `ValueError` for unknown slots, a slot's rows not adjacent or more than
+        `max_rows_per_slot`, ids outside the vocabulary or a slot at its capacity, checked on the host
+        before anything runs."""
         if sampling is not None and len(sampling) != len(slots):
             raise ValueError(f"runner.step: {len(slots)} slots, {len(sampling)} sampling parameters")
         outputs = self._run(slots, token_ids, sampling)

@@ -1,25 +1,28 @@
-"""One decode token for each of B slots, with fixed shapes and no host synchronisation.
+"""The decode step over slots, with fixed shapes and no host synchronisation.
 
-`SlotStep.forward(token_ids [B], slots [B])` runs every layer of the CED backbone for one new token
-per row over the state in `SlotPools`, updates that state in place, and returns the logits
-`[B, vocab]`. Nothing in it reads a device value on the host or copies host memory to the device, and
-every shape depends only on B and the pools, so `cedserve.model.runner` captures it as one CUDA graph
-per batch bucket and replays it; on a CPU it runs as is (the runner's eager path).
+`SlotStep.forward(token_ids [B], slots [B], offsets [B])` runs every layer of the CED backbone for B
+rows over the state in `SlotPools` (a slot may feed several consecutive rows: carried tokens, an
+anchor and its drafts), updates that state in place, and returns the logits `[B, vocab]` and DSpark
+taps. Nothing in it reads a device value on the host or copies host memory to the device, and every
+shape depends only on B and the pools, so `cedserve.model.runner` captures it as one CUDA graph per
+row bucket and replays it; on a CPU it runs as is (the runner's eager path).
 
 What differs from `CEDModel.forward_batch` (which it equals up to float rounding, tests/unit/
 test_runner.py), and why:
 
-* windows are rings (`SlotPools.swa`): the new record is written at `p % W` before attention, and
-  the row attends to ring slots of positions `p - W + 1 .. p` at or after the ring's first position;
-* a ratio-m compressor writes each token's projection at row `p % m` of the slot's pending group
-  and pools the m rows every step; the pooled entry is written only where `p % m == m - 1` (the
-  group completes), through a slot mapping of -1 elsewhere, so no step branches on the host;
+* windows are rings (`SlotPools.swa`, `ring` rows per slot): each row's record is written at
+  `p % ring` before attention, and the row attends to ring slots of positions `p - W + 1 .. p` at or
+  after the ring's first position;
+* a ratio-m compressor writes each row's projection into the slot's pending ring and pools the m
+  positions of the row's group; the pooled entry is written only where `p % m == m - 1` (the group
+  completes), through a slot mapping of -1 elsewhere, so no step branches on the host;
 * index sources pick over a fixed width (a slot's whole capacity): entries past a row's visible
   count are never scored (`IndexKeys.visible`), so the picks equal the dynamic width's;
 * the MoE runs on the device without counting rows per expert on the host: "dense" runs every
   expert over every row and weights unrouted pairs by zero (exact, and cheap while experts are few
   and rows many), "grouped" sorts pairs into fixed tiles (`kernels.moe.moe_experts`, bf16);
-* rows of a padded bucket carry `SlotPools.scratch_slot`: their writes land in scratch memory.
+* rows of a padded bucket carry `SlotPools.scratch_slot`: their window writes land in scratch
+  memory and they write no global-KV record.
 """
 
 from __future__ import annotations
@@ -196,8 +199,7 @@ class SlotStep:
         ring_slot, window = self.ops.window_slots(step.positions, step.slots, pools.swa_first[layer_id][step.slots],
                                                   pools.window, pools.ring)
         self._write("swa", kv, ring_slot, pools.window_records(layer_id))
-        table: Tensor = window
-        return table
+        return window  # type: ignore[no-any-return]
 
     def _write_global_kv(self, attn: Attention, x: Tensor, step: _Pass) -> None:
         """The compressor's step: the row's projection into its pending group, the group's entry
@@ -221,7 +223,7 @@ class SlotStep:
             complete = step.positions % ratio == ratio - 1
         cos, sin = self.ropes["compress"].cos_sin(entry * ratio)
         slot_map = self.ops.entries_to_slots(entry.unsqueeze(-1), step.block_table,
-                                    pools.entries_per_block(layer)).squeeze(-1)
+                                             pools.entries_per_block(layer)).squeeze(-1)
         keep = step.slots != pools.scratch_slot  # padding rows write no record (shared pools: real blocks)
         if complete is not None:
             keep = keep & complete

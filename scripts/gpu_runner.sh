@@ -29,10 +29,7 @@ PY=${PYTHON:-python3}
 PART=${PART:-all}
 mkdir -p "$OUT"
 tree=build/gpu_tree
-source scripts/gpu_tree.sh && make_gpu_tree "$tree"
-if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
-fi
+source scripts/gpu_tree.sh && make_gpu_tree "$tree" && install_gpu_wheels "$PY"
 export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"

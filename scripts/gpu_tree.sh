@@ -11,3 +11,9 @@ make_gpu_tree() {  # $1: tree folder (replaced)
   done
   return 0
 }
+
+install_gpu_wheels() {  # $1: python; carried wheels (build/gpu_wheels) into build/gpu_site, if any
+  if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
+    "$1" -m pip install --quiet --upgrade --no-deps --no-index --target build/gpu_site build/gpu_wheels/*.whl
+  fi
+}
