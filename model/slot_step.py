@@ -123,7 +123,7 @@ class SlotStep:
             streams, pre = self._layer(layer_id, streams, pre, step)
         logits = self.model._logits(streams, pre)
         pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
-        pools.position[pools.scratch_slot] = 0
+        pools.position.narrow(0, pools.scratch_slot, 1).zero_()  # a kernel: no host value in a graph
         tapped = self.config.dspark_target_layer_ids
         taps = torch.stack([step.taps[i] for i in tapped], dim=1) if tapped else logits[:, :0]
         return logits, taps

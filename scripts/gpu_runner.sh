@@ -35,8 +35,8 @@ export PYTHONPATH="$PWD/$tree:$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"
 quiet() { grep -v "USDT\|profiler_st\|_warn_once\|UserWarning\|sync_debug"; }
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider tests/unit/test_runner_gpu.py 2>&1 \
-    | tail -30 | tee "$OUT/gpu-tests.log"
+  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py 2>&1 \
+    | tail -120 | tee "$OUT/gpu-tests.log"
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = step ]; then
   timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py --contexts 4096 65536 --batches 1 32 --rows 1 6 --steps 5 \
