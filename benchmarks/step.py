@@ -210,9 +210,12 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
     for context in args.contexts:
         base = synthetic_state(model, context, gen)
         cases = [(batch, rows) for batch in args.batches for rows in args.rows]
-        runner = ModelRunner(model, RunnerConfig(max_slots=max(args.batches), max_context=max_context,
-                                                 max_rows_per_slot=max(args.rows),
-                                                 buckets=tuple(sorted({b * r for b, r in cases}))))
+        config = RunnerConfig(max_slots=max(args.batches), max_context=max_context, max_rows_per_slot=max(args.rows),
+                              buckets=tuple(sorted({b * r for b, r in cases})))
+        runner = ModelRunner(model, config)
+        graph_runners = {"graph": runner}
+        if "graph-fused" in args.paths and args.device == "cuda":
+            graph_runners["graph-fused"] = ModelRunner(model, RunnerConfig(**{**config.__dict__, "compile_fused": True}))
         for batch, rows in cases:
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             states = [copy.deepcopy(base) for _ in range(batch)]
@@ -248,28 +251,39 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                 cells.append(cell(name, context, batch, rows, path, timed(run, args.steps),
                                   profile(run, args.profile_steps), floor_ms))
                 log(row(cells[-1]))
-            if "graph" in args.paths and args.device == "cuda":
-                if not runner.graphs_captured:
-                    sites = sync_sites(slot_step)
-                    log(f"runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
-                    capture_start = time.perf_counter()
-                    report = runner.capture()
-                    log(f"captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "
-                        f"(Inductor compiles included), {torch.cuda.memory_reserved() / 1e9:.1f} GB reserved")
-                for slot in range(batch):
-                    runner.load(slot, base)
-                for _ in range(args.warmup):
-                    slot_step()
-                cells.append(cell(name, context, batch, rows, "graph", timed(slot_step, args.steps),
-                                  profile(slot_step, args.profile_steps), floor_ms))
-                cells[-1]["capture_s"] = round(report.seconds, 2)
-                log(row(cells[-1]))
-                log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
-                                                 for k in cells[-1]["top_kernels"][:8]))
+            for path, graph_runner in graph_runners.items():
+                if path in args.paths and args.device == "cuda":
+                    run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args, log, cells)
             del states
             gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
+              slot_step: Callable[..., None], name: str, context: int, rows: int, floor_ms: float,
+              args: argparse.Namespace, log: Callable[[str], None], cells: list[dict[str, Any]]) -> None:
+    """Time `slot_step` on `runner` replaying its CUDA graphs (captured at its first cell)."""
+    if not runner.graphs_captured:
+        sites = sync_sites(lambda: slot_step(runner=runner))
+        log(f"{path}: runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
+        capture_start = time.perf_counter()
+        report = runner.capture()
+        log(f"{path}: captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "
+            f"(Inductor compiles included), {torch.cuda.memory_reserved() / 1e9:.1f} GB reserved")
+    for slot in range(batch):
+        runner.load(slot, base)
+
+    def step() -> None:
+        slot_step(runner=runner)
+
+    for _ in range(args.warmup):
+        step()
+    cells.append(cell(name, context, batch, rows, path, timed(step, args.steps), profile(step, args.profile_steps),
+                      floor_ms))
+    log(row(cells[-1]))
+    log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
+                                     for k in cells[-1]["top_kernels"][:8]))
 
 
 def cell(preset: str, context: int, batch: int, rows: int, path: str, step_ms: float, prof: dict[str, Any],
@@ -298,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--paths", nargs="+", default=["eager", "runner-eager", "graph"],
-                        help="eager (forward_batch), runner-eager (the slot step uncaptured), graph")
+    parser.add_argument("--paths", nargs="+", default=["eager", "runner-eager", "graph", "graph-fused"],
+                        help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
+                        "graphs), graph-fused (the same with compile_fused)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the same code (no graphs; times mean nothing)")
     parser.add_argument("--out", type=Path)

@@ -96,16 +96,20 @@ class DecodeConfig:
     the block pool's) x pass size (`cedserve.model.kernel_warmup`). Readiness waits for it: on an
     H200 ~100 s with an empty Triton cache, ~10 s on a restart that kept it (the Helm chart's kernel
     cache). False: each variant compiles on its first launch, stalling that step (0.5-15 s)."""
-    runner: str = "off"
-    """Plain decode rows (one token, no drafts) through the model runner (`cedserve.model.runner`):
-    each such request's state in a slot of preallocated pools, its records written straight into its
-    blocks, the whole step one CUDA graph replay per batch bucket. "auto": on a CUDA device with one
-    rank (expert parallelism keeps `forward_batch`), in-memory Engram tables and no DSpark drafting;
-    "on" wherever the runner can run (a CPU runs its step eagerly: tests); "off" (the default until
-    the engine's GPU test has passed on a GPU: docs/decode.md, *The model runner*): every row through
-    `forward_batch`. Rows with drafts, joins and replays take `forward_batch` in the same step."""
+    runner: str = "auto"
+    """Decode rows through the model runner (`cedserve.model.runner`): each running request's state
+    in a slot of preallocated pools, its records written straight into its blocks, the whole step one
+    CUDA graph replay per batch bucket (DSpark verify rows included: a slot takes up to `2 K + 1`
+    rows). "auto" (default): on a CUDA device with one rank (expert parallelism keeps
+    `forward_batch`) and in-memory Engram tables; "on" wherever the runner can run (a CPU runs its
+    step eagerly: tests); "off": every row through `forward_batch`. Joins, replays and drafts past a
+    request's allocated blocks take `forward_batch` in the same step (docs/decode.md)."""
     cuda_graphs: bool = True
     """With the runner on CUDA: capture its step per batch bucket at start-up (False: run it eagerly)."""
+    compile_fused: bool = True
+    """With the runner on CUDA: its chains of small ops (norms, RoPE, mHC mixing, window slots, the
+    dense MoE, sampling) compiled by Inductor (`cedserve.model.fused`) before capture, fewer kernels
+    per step for a longer start-up (the compiles land in Inductor's cache)."""
     effort_queue_slack_s: float = 2.0
     """Queue order by effort: a request falls due at its Decode call's arrival plus this many seconds
     times effort / 100 (`cedserve.model.effort.queue_due_s`); joins take the earliest due first and

@@ -396,7 +396,7 @@ class DecodeEngine:
                 max_drafts = self.proposer.max_tokens if self.proposer is not None else 0
                 book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
                                        self.config.max_running_requests, max_context, max_drafts,
-                                       self.config.cuda_graphs, self.metrics)
+                                       self.config.cuda_graphs, self.config.compile_fused, self.metrics)
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:

@@ -60,11 +60,12 @@ class SlotBook:
 
     @staticmethod
     def create(model: CEDModel, storage: Tensor, layout: BlockLayout, max_slots: int, max_context: int,
-               max_drafts: int, cuda_graphs: bool, metrics: DecodeMetrics | None = None) -> SlotBook:
+               max_drafts: int, cuda_graphs: bool, compile_fused: bool = False,
+               metrics: DecodeMetrics | None = None) -> SlotBook:
         """A runner whose slots take a step's carried tokens (up to `max_drafts` accepted last step),
         the anchor and `max_drafts` drafts: `2 x max_drafts + 1` rows."""
         config = RunnerConfig(max_slots=max_slots, max_context=max_context, max_rows_per_slot=2 * max_drafts + 1,
-                              cuda_graphs=cuda_graphs)
+                              cuda_graphs=cuda_graphs, compile_fused=compile_fused and storage.is_cuda)
         return SlotBook(ModelRunner(model, config, storage=storage, layout=layout), metrics)
 
     def capture(self) -> CaptureReport:

@@ -40,9 +40,9 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = step ]; then
   timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py --contexts 4096 65536 --batches 1 32 --rows 1 6 --steps 5 \
-    --warmup 3 --paths eager graph --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
+    --warmup 3 --paths eager graph graph-fused --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
   timeout "${RELEASED_S:-110}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
-    --batches 32 --steps 5 --warmup 3 --paths eager graph --out "$OUT/decode-step-h200-released.json" 2>&1 \
+    --batches 32 --steps 5 --warmup 3 --paths eager graph graph-fused --out "$OUT/decode-step-h200-released.json" 2>&1 \
     | quiet | tee -a "$OUT/step.log"
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = engine ]; then
