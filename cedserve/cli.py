@@ -168,6 +168,9 @@ def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     k.add_argument("--decode-service", help="headless Service whose EndpointSlices list the decode pods")
     r.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM without a prior `cedserve drain`: how long open streams may finish (default 30)")
+    r.add_argument("--exit-when-drained", action="store_true",
+                   help="exit (code 0) once a `cedserve drain` has finished, instead of refusing requests until "
+                        "SIGTERM: what `cedserve serve` starts its router with, so a drain stops the whole system")
 
 
 def _endpoints(specs: list[str], role: str) -> tuple[object, ...]:
@@ -184,7 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from cedserve.launcher import EmbeddedOptions, read_serve_config, serve_embedded
+    from cedserve.launcher import EmbeddedOptions, read_serve_config
+    from cedserve.supervise import serve_supervised
 
     config = read_serve_config(Path(args.config)) if args.config else {}
     model, router = config.get("model", {}), config.get("router", {})
@@ -205,7 +209,10 @@ def _serve(args: argparse.Namespace) -> int:
                                           max_restarts=args.ray_max_restarts))
     device, why = embedded_device(args.device, opts.num_ranks, gpus)
     print(f"workers on {device} ({why})", flush=True)
-    return serve_embedded(replace(opts, device=device))
+    from cedserve.supervise import RestartPolicy
+
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
+    return serve_supervised(replace(opts, device=device), policy)
 
 
 def _first(*values: Any) -> Any:
@@ -265,7 +272,7 @@ def _router(args: argparse.Namespace) -> int:
                           tls=_tls(args, "", serve.tls), internal_tls=_tls(args, "internal_", serve.internal_tls),
                           health_port=args.health_port, worker_token=_worker_token(args, serve),
                           **settings)
-    asyncio.run(serve_forever(config))
+    asyncio.run(serve_forever(config, exit_when_drained=args.exit_when_drained))
     return 0
 
 
@@ -355,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     serve.add_argument("--port", type=int, default=50051, help="public gRPC port of the router")
     serve.add_argument("--log-dir", help="where each process's log goes (default: ~/.cache/cedserve/logs)")
+    serve.add_argument("--max-restarts", type=int, default=5,
+                       help="restarts of one process (worker or router) within --restart-window-s before the "
+                            "system stops (0: stop at the first death)")
+    serve.add_argument("--restart-window-s", type=float, default=600.0)
     serve.add_argument("--default-max-tokens", type=int,
                        help="output budget of requests that give none (default: the config's [router] "
                             "default_max_tokens, else 64)")

@@ -122,8 +122,16 @@ class Part:
                 self._ready_event.set()
         self._ready_event.set()  # exited: wake the waiter
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        if not self._ready_event.wait(timeout_s) or not self.ready:
+    def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> dict[str, Any]:
+        """The ready line's info; `LaunchError` (with the log's last lines) when the process exits
+        first, `timeout_s` passes, or `cancel` is set."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready_event.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if cancel is not None and cancel.is_set():
+                raise LaunchError(f"{self.name}: start cancelled")
+            if time.monotonic() >= deadline:
+                break
+        if not self.ready:
             code = self.proc.poll()
             state = f"exited with {code}" if code is not None else f"not ready after {timeout_s:.0f} s"
             raise LaunchError(f"{self.name} {state}; its log {self.log_path} ends with:\n" + "\n".join(self.tail))
@@ -314,7 +322,7 @@ def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = 
     return configs
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     import socket
 
     with socket.socket() as s:
@@ -400,47 +408,8 @@ def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[
 
 
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:
-    """Start the prefill workers and decode groups (together), then the router; returns its ready info."""
-    checkpoint = resolve_checkpoint(opts)
-    run_dir = launcher.log_dir / "run"
-    configs = write_worker_config(run_dir, opts.device, config=opts.config)
-    specs = plan_workers(opts, lambda group: (opts.host, _free_port(opts.host)))
-    parts = [launcher.spawn(s.name, s.argv(checkpoint, str(run_dir)), dict(s.env)) for s in specs]
-    for part in parts:  # every rank, followers included
-        part.wait_ready(600.0 if opts.device == "cuda" else 180.0)
-    leaders = [(s.role, s.worker_id, str(p.ready["address"])) for s, p in zip(specs, parts) if s.rank == 0]
-    router = launcher.start("router", router_args(opts, checkpoint, leaders, str(run_dir / TOKEN_FILE_NAME),
-                                                  str(configs["router"])))
-    metrics = {"router": router.get("metrics_port", -1)}
-    metrics.update({s.name: p.ready.get("metrics_port", -1) for s, p in zip(specs, parts)})
-    return {**router, "metrics": {name: f"http://{opts.host}:{port}/metrics" for name, port in metrics.items()
-                                  if isinstance(port, int) and port > 0}}
+    """Start the prefill workers and decode groups (together), then the router; returns its ready
+    info. Nothing restarts them: `cedserve serve` supervises (cedserve/supervise.py)."""
+    from cedserve.supervise import EmbeddedSystem
 
-
-def serve_embedded(opts: EmbeddedOptions) -> int:
-    """`cedserve serve`: run everything here until Ctrl-C/SIGTERM or a part dies."""
-    launcher = LocalLauncher(opts.log_dir or cache_home() / "logs")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        router = start_embedded(opts, launcher)
-        address = router["address"]
-        print(f"cedserve is serving on {address} (logs: {launcher.log_dir})", flush=True)
-        print(f'try: cedserve generate "def fibonacci(" --address {address}', flush=True)
-        for name, url in router.get("metrics", {}).items():
-            print(f"metrics of {name}: {url}", flush=True)
-        print(f"CEDSERVE_READY {{\"role\": \"system\", \"address\": \"{address}\"}}", flush=True)
-        while not stop.wait(0.5):
-            dead = launcher.first_exit()
-            if dead is not None:
-                print(f"{dead.name} exited with {dead.proc.returncode}; shutting down. Last log lines:\n"
-                      + "\n".join(dead.tail), file=sys.stderr, flush=True)
-                return 1
-        print("shutting down", flush=True)
-        return 0
-    except LaunchError as exc:
-        print(f"cedserve serve: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        launcher.stop_all()
+    return EmbeddedSystem(opts, launcher).start()

@@ -101,10 +101,19 @@ def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w1: Tensor, w3: Tensor, w2:
     return (routed + shared).to(x.dtype)
 
 
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-function recompile limit while fused ops are compiled (`FusedOps`)."""
+
+
 class FusedOps:
     """The functions above, compiled (`compiled=True`, CUDA) or as written."""
 
     def __init__(self, compiled: bool) -> None:
+        if compiled:
+            # One compiled function serves every layer and batch bucket, with two index dtypes
+            # (`entries_to_slots`: long entries and int32 picks): the engine's bucket set recompiled
+            # it past Dynamo's default limit of 8, a hard failure under fullgraph (H200 run 4).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
             # dynamic=None: a second batch size makes the batch dimension symbolic; widths and head
             # counts stay constants (dynamic=True made them symbols too, and Inductor's Triton codegen

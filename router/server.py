@@ -162,8 +162,10 @@ def _start_discovery(config: RouterConfig, pool: WorkerPool) -> Any:
         return None
 
 
-async def serve_forever(config: RouterConfig, ready_file: str | None = None, worker_wait_s: float = 30.0) -> None:
-    """Run until SIGTERM/SIGINT; print the ready line once listening."""
+async def serve_forever(config: RouterConfig, ready_file: str | None = None, worker_wait_s: float = 30.0,
+                        exit_when_drained: bool = False) -> None:
+    """Run until SIGTERM/SIGINT (or, with `exit_when_drained`, until a `Drain` call has finished);
+    print the ready line once listening."""
     router = await start_router(config)
     try:  # serve as soon as the workers answer, so the first request finds them healthy
         await router.pool.wait_ready(worker_wait_s)
@@ -185,7 +187,13 @@ async def serve_forever(config: RouterConfig, ready_file: str | None = None, wor
     print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps(ready))
-    await stop.wait()
+    assert router.drain is not None
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
+    if exit_when_drained:
+        waits.append(asyncio.ensure_future(router.drain.wait_finished(None)))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
     await drain_and_stop(router, force)
 
 

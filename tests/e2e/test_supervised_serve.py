@@ -1,0 +1,195 @@
+"""`cedserve serve` supervises its processes (cedserve/supervise.py), tested as an operator sees it:
+the real command, kill -9 of a worker and of the router while a client streams, `cedserve drain`.
+
+- a killed decode worker: the open stream fails with a status at once; the worker is started again,
+  registered with the router at its new address, and serves the same greedy answer; its blocks are
+  all free; the restart is printed;
+- a killed router is started again on the same port, in front of the workers' current addresses;
+- `cedserve drain` stops the whole system with exit code 0 and no process left behind;
+- past `--max-restarts` the system stops with exit code 1 and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cedserve.client import CedserveError, Client
+from cedserve.config import token_metadata
+from cedserve.launcher import TOKEN_FILE_NAME
+from cedserve.model.checkpoint_writer import write_random_checkpoint
+from cedserve.model.presets import preset
+from cedserve.proto import worker_pb2, worker_pb2_grpc
+from cedserve.router.lifecycle import list_workers
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPT = list(range(5, 45))
+BACK_WITHIN_S = 30.0
+"""The issue's bound for serving again without manual action after a process dies."""
+
+
+class Serve:
+    """A `cedserve serve` process and the files its output goes to."""
+
+    def __init__(self, root: Path, checkpoint: Path, *extra: str) -> None:
+        self.root = root
+        self.log_dir = root / "logs"
+        self.out, self.err = root / "serve.out", root / "serve.err"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cedserve.cli", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                 "--device", "cpu", "--log-dir", str(self.log_dir), "--restart-window-s", "600", *extra],
+                stdout=out, stderr=err, start_new_session=True)
+        self.address = self._wait_address(180.0)
+        token = (self.log_dir / "run" / TOKEN_FILE_NAME).read_text().strip()
+        self.token = token
+
+    def _wait_address(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.out.read_text().splitlines():
+                if line.startswith("cedserve is serving on "):
+                    return line.split()[4]
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"cedserve serve did not start: {self.err.read_text()[-3000:]}")
+
+    def pid(self, needle: str) -> int:
+        """The pid of this system's process whose command line holds `needle`."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(self.log_dir) in cmdline and needle in cmdline and "cedserve.cli" in cmdline:
+                return int(entry.name)
+        raise AssertionError(f"no process with {needle!r} under {self.log_dir}")
+
+    def processes(self) -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and str(self.log_dir) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def wait_serving(self, timeout_s: float) -> tuple[list[int], float]:
+        """Greedy tokens of PROMPT once a request succeeds again, and how long that took."""
+        start = time.monotonic()
+        while True:
+            try:
+                with Client(self.address, timeout_s=10) as client:
+                    return client.generate(PROMPT, max_tokens=6).token_ids, time.monotonic() - start
+            except CedserveError:
+                if time.monotonic() - start > timeout_s:
+                    raise
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    write_random_checkpoint(preset("tiny"), path, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[Serve]:
+    s = Serve(tmp_path_factory.mktemp("supervised"), checkpoint, "--max-restarts", "3")
+    yield s
+    s.stop()
+
+
+def _stream_until_error(address: str, errors: list[BaseException], started: threading.Event) -> None:
+    try:
+        with Client(address, timeout_s=60) as client:
+            for _ in client.stream(PROMPT, max_tokens=1000):
+                started.set()
+    except CedserveError as exc:
+        errors.append(exc)
+    finally:
+        started.set()
+
+
+def test_killed_decode_worker_restarts_rejoins_and_serves(serve: Serve) -> None:
+    before, _ = serve.wait_serving(60)
+    errors: list[BaseException] = []
+    started = threading.Event()
+    reader = threading.Thread(target=_stream_until_error, args=(serve.address, errors, started))
+    reader.start()
+    assert started.wait(30)
+    os.kill(serve.pid("--worker-id decode0"), signal.SIGKILL)
+    killed = time.monotonic()
+    reader.join(10)
+    assert not reader.is_alive() and errors, "the open stream neither failed nor ended"
+    assert time.monotonic() - killed < 5.0
+    after, took = serve.wait_serving(BACK_WITHIN_S)
+    assert after == before  # the restarted worker serves the same model
+    assert "decode0 is serving again" in serve.err.read_text()
+    workers = {w["worker_id"]: w for w in list_workers(serve.address, token=serve.token)}
+    assert workers["decode0"]["healthy"]
+    with grpc.insecure_channel(workers["decode0"]["address"]) as channel:  # a fresh pool: nothing held
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)  # type: ignore[no-untyped-call]
+        load = stub.GetLoad(worker_pb2.LoadRequest(), timeout=10, metadata=token_metadata(serve.token))
+    assert load.free_blocks == load.total_blocks
+    print(f"decode worker killed: serving again after {took:.1f} s")
+
+
+def test_killed_router_restarts_on_its_port(serve: Serve) -> None:
+    before, _ = serve.wait_serving(60)
+    os.kill(serve.pid(" router "), signal.SIGKILL)
+    after, took = serve.wait_serving(BACK_WITHIN_S)
+    assert after == before
+    assert "router is serving again" in serve.err.read_text()
+    print(f"router killed: serving again after {took:.1f} s")
+
+
+def test_drain_stops_the_whole_system_cleanly(serve: Serve) -> None:
+    serve.wait_serving(60)
+    drain = subprocess.run([sys.executable, "-m", "cedserve.cli", "drain", "--address", serve.address,
+                            "--timeout-s", "20"], capture_output=True, text=True, timeout=60)
+    assert '"drained": true' in drain.stdout, drain.stdout + drain.stderr
+    assert serve.proc.wait(30) == 0
+    assert "the router has drained" in serve.err.read_text()
+    deadline = time.monotonic() + 10
+    while serve.processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert serve.processes() == []
+
+
+def test_past_the_restart_limit_the_system_stops(tmp_path: Path, checkpoint: Path) -> None:
+    serve = Serve(tmp_path, checkpoint, "--max-restarts", "0")
+    try:
+        os.kill(serve.pid("--worker-id prefill0"), signal.SIGKILL)
+        assert serve.proc.wait(30) == 1
+        assert "prefill0 exited with -9" in serve.err.read_text()
+        deadline = time.monotonic() + 10
+        while serve.processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert serve.processes() == []
+    finally:
+        serve.stop()
