@@ -395,10 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="load-test a running server",
                              description="Drive a running server over its public gRPC API.")
-    bench.add_argument("what", nargs="?", default="serve", choices=["serve", "kv-transfer"],
+    bench.add_argument("what", nargs="?", default="serve", choices=["serve", "kv-transfer", "held"],
                        help="serve: the serving benchmark; kv-transfer: the KV transfer load test, or with "
                             "--prefill-address/--decode-address the link between two running workers "
-                            "(`cedserve bench kv-transfer --help`)")
+                            "(`cedserve bench kv-transfer --help`); held: the load, abuse and loss a system holds "
+                            "(`cedserve bench held --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     _add_worker_parser(verbs)
     _add_router_parser(verbs)
@@ -421,6 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.verb == "router":
             return _router(args)
+        if args.verb == "bench" and args.what == "held":
+            from cedserve.bench_serve.held import main as held_bench
+
+            return held_bench(args.bench_args)
         if args.verb == "bench" and args.what == "kv-transfer":
             from cedserve.kv_transfer.loadtest import main as kv_transfer_bench
 

@@ -1,9 +1,11 @@
 """The router's view of its workers: channels, measured loads, and KV event streams.
 
 For every worker one task polls `GetLoad` (a worker that fails three polls in a row is taken out of
-placement and its index entries dropped; a poll that only times out while the worker's
-`grpc.health.v1` "liveness" check answers SERVING is late, not failed: busy is not dead, so a worker
-under load keeps its place and its index entries), and one task follows `StreamKVEvents` into the global
+placement and its index entries dropped; a poll that only times out is late, not failed, while the
+worker's `grpc.health.v1` "liveness" check answers SERVING or, itself late, the worker answered
+anything within `SILENT_DOWN_S`: busy is not dead, so a worker under load keeps its place and its
+index entries, while a refused connection or a worker silent for that long counts as missed), and one
+task follows `StreamKVEvents` into the global
 prefix index, resuming from the last applied sequence number after a gap or a reconnect (the worker
 replays, or sends a snapshot when its replay buffer no longer reaches back).
 
@@ -40,6 +42,20 @@ _MISSED_POLLS_DOWN = 3
 a worker out of placement."""
 _LIVENESS_TIMEOUT_S = 1.0
 LIVENESS_SERVICE = "liveness"
+SILENT_DOWN_S = 30.0
+"""A worker whose load polls and liveness checks both time out stays in placement (busy: 1,000
+concurrent requests on one CPU decode worker made both late) until it has answered nothing for this
+long (hung)."""
+
+
+def poll_missed(code: grpc.StatusCode, liveness: bool | None, silent_s: float) -> bool:
+    """Whether a failed load poll counts toward taking the worker out (`_MISSED_POLLS_DOWN` in a
+    row): not when it only timed out and the liveness check answered SERVING (`liveness` True) or
+    did not answer in time either (None) while the worker answered something `silent_s` ago, less
+    than `SILENT_DOWN_S`."""
+    if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    return not (liveness or (liveness is None and silent_s < SILENT_DOWN_S))
 
 
 @dataclass
@@ -233,11 +249,14 @@ class WorkerPool:
                         if task is not asyncio.current_task():
                             task.cancel()
                     return
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await self._alive(handle):
+                liveness = await self._liveness(handle) if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+                if liveness:
+                    handle.last_seen_s = time.monotonic()
+                if not poll_missed(exc.code(), liveness, time.monotonic() - handle.last_seen_s):
                     # busy, not dead: its load report is late under load; keep placing on it (its last
                     # report stands) and keep its prefix-index entries
                     handle.late_polls += 1
-                    log.debug("load poll of %s late; its liveness check answered", handle.worker_id)
+                    log.debug("load poll of %s late (liveness %s)", handle.worker_id, liveness)
                     await asyncio.sleep(self.poll_s)
                     continue
                 handle.missed_polls += 1
@@ -246,14 +265,14 @@ class WorkerPool:
                     self.index.forget(handle.worker_id)
             await asyncio.sleep(self.poll_s)
 
-    async def _alive(self, handle: WorkerHandle) -> bool:
-        """The worker's `grpc.health.v1` "liveness" service answers SERVING (served by its gRPC server
-        itself, not its engine, so a busy engine does not slow it)."""
+    async def _liveness(self, handle: WorkerHandle) -> bool | None:
+        """Whether the worker's `grpc.health.v1` "liveness" service answers SERVING (served by its
+        gRPC server itself, not its engine); None when it did not answer in time."""
         try:
             reply = await health_pb2_grpc.HealthStub(handle.channel).Check(
                 health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=_LIVENESS_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as exc:
+            return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def _follow_events(self, handle: WorkerHandle) -> None:

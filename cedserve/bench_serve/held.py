@@ -1,0 +1,280 @@
+"""`cedserve bench held`: the load, abuse and loss a system holds (issue 32's figures).
+
+    cedserve bench held                                  # starts the embedded default (demo, CPU), every scenario
+    cedserve bench held --scenarios burst --bursts 200   # one scenario
+    cedserve bench held --address 127.0.0.1:50051 --token-file run/kv_transfer.token
+
+Scenarios, each against one system, in this order:
+
+- `burst`: N concurrent short requests for each N in `--bursts`. Every request must either complete
+  or be refused with RESOURCE_EXHAUSTED and a retry delay; UNAVAILABLE is a failure while workers
+  live. Reports the count per status, the share completed and the latency percentiles.
+- `deadlines`: `--flood` requests with a 10 ms deadline from 8 threads (abandoned work), then a
+  normal request (its time to success) and the decode workers' held blocks (the time until they are
+  back to what they were before).
+- `huge`: three concurrent prompts of 15 MB beside a normal request: each refusal's latency, the
+  normal request's time to first token against the same request on the idle system, and the
+  router's resident memory before and after (needs the router's pid: known when this command
+  started the system).
+
+Prints a table and writes JSON (`--out`) with the date, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from cedserve.client import AsyncClient, CedserveError, Client
+from cedserve.config import token_metadata
+from cedserve.machine import describe_machine
+from cedserve.proto import worker_pb2, worker_pb2_grpc
+
+SCENARIOS = ("burst", "deadlines", "huge")
+SHORT_PROMPT = "def fibonacci(n):\n    "
+"""A normal request's prompt; every request asks for `--max-tokens` tokens of it."""
+
+
+@dataclass
+class Outcome:
+    """One request's end: its status ("OK" or a gRPC code name), latency and first-token time."""
+
+    status: str
+    seconds: float
+    ttft_s: float | None = None
+    retry_after: bool = False
+
+
+@dataclass
+class Target:
+    """The system under test: the router's address, and what reaches inside it when known."""
+
+    address: str
+    token: str = ""
+    router_pid: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def decode_blocks(self) -> dict[str, tuple[int, int]]:
+        """(free, total) blocks of each decode worker the router knows (needs the internal token)."""
+        from cedserve.router.lifecycle import list_workers
+
+        out = {}
+        for w in list_workers(self.address, token=self.token):
+            if w["role"] != "decode" or not w["healthy"]:
+                continue
+            with grpc.insecure_channel(w["address"]) as channel:
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)  # type: ignore[no-untyped-call]
+                load = stub.GetLoad(worker_pb2.LoadRequest(), timeout=5, metadata=token_metadata(self.token))
+            out[w["worker_id"]] = (int(load.free_blocks), int(load.total_blocks))
+        return out
+
+    def router_rss_mb(self) -> float | None:
+        if self.router_pid is None:
+            return None
+        for line in Path(f"/proc/{self.router_pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return None
+
+
+async def _one(client: AsyncClient, prompt: str, max_tokens: int, timeout_s: float | None = None) -> Outcome:
+    start = time.monotonic()
+    first: list[float] = []
+
+    def on_piece(_: object) -> None:
+        if not first:
+            first.append(time.monotonic() - start)
+
+    try:
+        await asyncio.wait_for(client.generate(prompt, on_piece=on_piece, max_tokens=max_tokens), timeout_s)
+    except CedserveError as exc:
+        return Outcome(exc.code.name, time.monotonic() - start, retry_after=exc.retry_after_s > 0)
+    except asyncio.TimeoutError:
+        return Outcome("CLIENT_TIMEOUT", time.monotonic() - start)
+    return Outcome("OK", time.monotonic() - start, first[0] if first else None)
+
+
+async def burst(target: Target, n: int, max_tokens: int, channels: int = 16) -> list[Outcome]:
+    """`n` requests at once over `channels` connections."""
+    clients = [AsyncClient(target.address, timeout_s=300) for _ in range(channels)]
+    try:
+        return list(await asyncio.gather(*(_one(clients[i % channels], SHORT_PROMPT, max_tokens) for i in range(n))))
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    times = sorted(o.seconds for o in outcomes)
+    codes = Counter(o.status for o in outcomes)
+    refused = [o for o in outcomes if o.status == "RESOURCE_EXHAUSTED"]
+    return {"requests": len(outcomes), "status": dict(codes), "completed_share": codes["OK"] / max(1, len(outcomes)),
+            "unavailable": codes["UNAVAILABLE"], "refusals_with_retry_delay": sum(o.retry_after for o in refused),
+            "p50_s": _pct(times, 0.5), "p99_s": _pct(times, 0.99)}
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def deadline_flood(target: Target, n: int, max_tokens: int, threads: int = 8) -> dict[str, Any]:
+    """`n` requests with a 10 ms deadline, then how soon the system is whole again."""
+    baseline = target.decode_blocks() if target.token else {}
+    codes: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def flood(count: int) -> None:
+        with Client(target.address, timeout_s=0.01) as client:
+            for _ in range(count):
+                try:
+                    client.generate(SHORT_PROMPT, max_tokens=max_tokens)
+                    code = "OK"
+                except CedserveError as exc:
+                    code = exc.code.name
+                with lock:
+                    codes[code] += 1
+
+    start = time.monotonic()
+    workers = [threading.Thread(target=flood, args=(n // threads + (i < n % threads),)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    flood_s = time.monotonic() - start
+    after = time.monotonic()
+    normal = _normal_request(target, max_tokens, give_up_s=60)
+    out: dict[str, Any] = {"requests": n, "deadline_ms": 10, "status": dict(codes), "flood_s": round(flood_s, 2),
+                           "normal_request_ok_after_s": normal, "blocks_before": baseline}
+    if target.token:
+        out["blocks_back_after_s"] = _blocks_back(target, baseline, after, give_up_s=60)
+    return out
+
+
+def _normal_request(target: Target, max_tokens: int, give_up_s: float) -> float | None:
+    """Seconds until a normal request succeeds (None: not within `give_up_s`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < give_up_s:
+        try:
+            with Client(target.address, timeout_s=30) as client:
+                client.generate(SHORT_PROMPT, max_tokens=max_tokens)
+            return round(time.monotonic() - start, 3)
+        except CedserveError:
+            time.sleep(0.05)
+    return None
+
+
+def _blocks_back(target: Target, baseline: dict[str, tuple[int, int]], since: float, give_up_s: float) -> float | None:
+    while time.monotonic() - since < give_up_s:
+        if target.decode_blocks() == baseline:
+            return round(time.monotonic() - since, 3)
+        time.sleep(0.05)
+    return None
+
+
+async def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict[str, Any]:
+    """`count` prompts of `mb` MB at once beside a normal request."""
+    rss_before = target.router_rss_mb()
+    client = AsyncClient(target.address, timeout_s=120)
+    try:
+        idle = await _one(client, SHORT_PROMPT, max_tokens)
+        big = "x" * int(mb * 1e6)
+        outcomes = await asyncio.gather(*(_one(client, big, max_tokens) for _ in range(count)),
+                                        _one(client, SHORT_PROMPT, max_tokens))
+    finally:
+        await client.close()
+    await asyncio.sleep(2.0)  # let the router's allocator settle before reading its memory
+    refusals, normal = outcomes[:-1], outcomes[-1]
+    return {"prompts": count, "mb": mb, "refusal_status": [o.status for o in refusals],
+            "refusal_s": [round(o.seconds, 4) for o in refusals], "idle_ttft_s": idle.ttft_s,
+            "loaded_ttft_s": normal.ttft_s, "normal_status": normal.status,
+            "ttft_ratio": (normal.ttft_s / idle.ttft_s) if normal.ttft_s and idle.ttft_s else None,
+            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb()}
+
+
+def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    if "burst" in args.scenarios:
+        results["burst"] = {}
+        for n in args.bursts:
+            summary = summarize(asyncio.run(burst(target, n, args.max_tokens)))
+            results["burst"][str(n)] = summary
+            log(f"burst {n:>5}: {summary['completed_share']:.0%} completed, status {summary['status']}, "
+                f"p50 {summary['p50_s']:.2f} s, p99 {summary['p99_s']:.2f} s")
+    if "deadlines" in args.scenarios:
+        flood = deadline_flood(target, args.flood, args.max_tokens)
+        results["deadlines"] = flood
+        log(f"deadlines {args.flood}: status {flood['status']} in {flood['flood_s']} s; a normal request ok after "
+            f"{flood['normal_request_ok_after_s']} s; blocks back after {flood.get('blocks_back_after_s')} s")
+    if "huge" in args.scenarios:
+        huge = asyncio.run(huge_prompts(target, args.huge_mb, 3, args.max_tokens))
+        results["huge"] = huge
+        log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
+            f"{huge['loaded_ttft_s']} s vs idle {huge['idle_ttft_s']} s; router RSS {huge['router_rss_mb_before']} "
+            f"-> {huge['router_rss_mb_after']} MB")
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cedserve bench held", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", help="a running router (default: start the embedded default here)")
+    p.add_argument("--token-file", help="the system's internal token (to read the decode workers' blocks)")
+    p.add_argument("--router-pid", type=int, help="the router's pid (to read its memory)")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    p.add_argument("--bursts", type=int, nargs="+", default=[200, 1000])
+    p.add_argument("--flood", type=int, default=4000)
+    p.add_argument("--huge-mb", type=float, default=15.0)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--checkpoint", help="with no --address: the checkpoint to serve (default: the demo)")
+    p.add_argument("--log-dir", help="with no --address: the started system's logs")
+    p.add_argument("--out", help="JSON report")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = print
+    report: dict[str, Any] = {"benchmark": "held", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                              "machine": describe_machine("cpu"), "command": "cedserve bench held " + " ".join(
+                                  sys.argv[3:] if argv is None else argv)}
+    if args.address:
+        token = Path(args.token_file).read_text().strip() if args.token_file else ""
+        report["results"] = run(Target(args.address, token, args.router_pid), args, log)
+    else:
+        report["results"] = _run_embedded(args, log)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        log(f"wrote {args.out}")
+    return 0
+
+
+def _run_embedded(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    from cedserve.launcher import TOKEN_FILE_NAME, EmbeddedOptions, LocalLauncher, cache_home
+    from cedserve.supervise import EmbeddedSystem
+
+    log_dir = Path(args.log_dir) if args.log_dir else cache_home() / "logs" / "bench-held"
+    launcher = LocalLauncher(log_dir)
+    opts = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, port=0, log_dir=log_dir)
+    try:
+        system = EmbeddedSystem(opts, launcher)
+        ready = system.start()
+        token = (system.run_dir / TOKEN_FILE_NAME).read_text().strip()
+        target = Target(str(ready["address"]), token, system.parts["router"].proc.pid)
+        log(f"started the embedded system at {target.address} (logs: {log_dir})")
+        return run(target, args, log)
+    finally:
+        launcher.stop_all()
