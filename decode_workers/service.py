@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 30.0
 STREAM_POLL_S = 0.2
+EARLY_CANCEL_TTL_S = 60.0
+"""How long a Cancel for a request this worker does not know yet is remembered: under load the
+router's Cancel (its client gone) can run before the same request's Reserve, which must then not
+lease blocks that nothing would ever take or cancel."""
+MAX_EARLY_CANCELS = 65_536
 
 
 class OutputRouter:
@@ -60,6 +65,7 @@ class OutputRouter:
         self._reserves: dict[str, Future[Output]] = {}
         self._streams: dict[str, queue.SimpleQueue[Output]] = {}
         self._rank_of: dict[str, int] = {}  # request id -> rank holding it
+        self._early_cancels: dict[str, float] = {}  # request id -> when a Cancel came before its Reserve
         self.loads = [RankLoad(rank=r) for r in range(num_ranks)]
         self.last_report_s = time.monotonic()
 
@@ -88,6 +94,22 @@ class OutputRouter:
             self._reserves[request_id] = future
             self._rank_of[request_id] = rank
         return future
+
+    def note_early_cancel(self, request_id: str) -> None:
+        """A Cancel for `request_id` arrived before its Reserve (see `EARLY_CANCEL_TTL_S`)."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._early_cancels) >= MAX_EARLY_CANCELS:  # oldest first: dicts keep insertion order
+                for rid in [r for r, t in self._early_cancels.items() if now - t > EARLY_CANCEL_TTL_S] or \
+                        list(self._early_cancels)[:MAX_EARLY_CANCELS // 8]:
+                    del self._early_cancels[rid]
+            self._early_cancels[request_id] = now
+
+    def cancelled_early(self, request_id: str) -> bool:
+        """Whether a Cancel for `request_id` came before its Reserve (and is still remembered)."""
+        with self._lock:
+            when = self._early_cancels.pop(request_id, None)
+        return when is not None and time.monotonic() - when <= EARLY_CANCEL_TTL_S
 
     def forget(self, request_id: str) -> None:
         with self._lock:
@@ -139,6 +161,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         if self.drain.draining:
             abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_UNAVAILABLE, message="draining: no new leases",
                                            request_id=request.request_id))
+        if not context.is_active() or self.router.cancelled_early(request.request_id):
+            # the caller is gone (its deadline passed while this call queued) or already cancelled it
+            context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was cancelled before its "
+                          "Reserve ran")
         rank = self.router.pick_rank()
         cmd = ReserveCommand(rank, request.request_id, new_lease_id(), request.prompt_tokens,
                              tuple(request.token_ids), request.lease_ms or self.lease_ms, request.cache_salt,
@@ -157,6 +183,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self.router.forget(request.request_id)
             abort(context, _detail(out))
         assert isinstance(out, Reserved)
+        if not context.is_active():  # the reply would reach no one: nothing would take or cancel the lease
+            self.inbox.put(CancelCommand(rank, request.request_id, cmd.lease_id, "caller gone before its lease"))
+            context.abort(grpc.StatusCode.CANCELLED, "the caller left before the lease was granted")
         return _reserve_reply(out)
 
     # ------------------------------------------------------------------ Decode
@@ -215,6 +244,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelReply:
         rank = self.router.rank_of(request.request_id)
         if rank is None:
+            if request.request_id:
+                self.router.note_early_cancel(request.request_id)
             return wpb.CancelReply(found=False)
         self.inbox.put(CancelCommand(rank, request.request_id, request.lease_id, "cancelled by the router"))
         return wpb.CancelReply(found=True)

@@ -1,0 +1,107 @@
+"""Abandoned work on the decode worker (issue 32): a Reserve whose caller is already gone, or whose
+Cancel ran first (under load the router's Cancel can overtake the Reserve it cancels), leases
+nothing; a lease granted after its caller left is cancelled at once instead of held until it
+expires. `DecodeService` over a fake inbox and a fake call context; the engine's answer is fed
+through `OutputRouter` as the engine's reports would."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from cedserve.decode_workers import service as service_module
+from cedserve.decode_workers.messages import CancelCommand, ReserveCommand, Reserved
+from cedserve.decode_workers.service import EARLY_CANCEL_TTL_S, DecodeService, OutputRouter
+from cedserve.proto import worker_pb2 as wpb
+from cedserve.serving import DrainController
+
+pytestmark = pytest.mark.unit
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+        self.code: grpc.StatusCode | None = None
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        raise Aborted(details)
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.commands: list[Any] = []
+
+    def put(self, command: Any) -> None:
+        self.commands.append(command)
+
+
+def make_service() -> tuple[DecodeService, Inbox, OutputRouter]:
+    inbox, router = Inbox(), OutputRouter(1)
+    return DecodeService("d0", inbox, router, None, lambda: None, DrainController(), 30_000), inbox, router  # type: ignore[arg-type]
+
+
+def test_a_reserve_whose_caller_is_gone_leases_nothing() -> None:
+    service, inbox, _ = make_service()
+    context = Context(active=False)
+    with pytest.raises(Aborted):
+        service.Reserve(wpb.ReserveRequest(request_id="r1", prompt_tokens=10), context)  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.CANCELLED and inbox.commands == []
+
+
+def test_a_cancel_that_overtakes_its_reserve_is_remembered() -> None:
+    service, inbox, router = make_service()
+    assert not service.Cancel(wpb.CancelRequest(request_id="r2"), Context()).found  # type: ignore[arg-type]
+    context = Context()
+    with pytest.raises(Aborted):
+        service.Reserve(wpb.ReserveRequest(request_id="r2", prompt_tokens=10), context)  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.CANCELLED and inbox.commands == []
+    assert not router.cancelled_early("r2")  # consumed: a later request with that id is not refused
+
+
+def test_early_cancels_are_forgotten_after_their_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
+    router = OutputRouter(1)
+    router.note_early_cancel("old")
+    now = time.monotonic()
+    monkeypatch.setattr(service_module.time, "monotonic", lambda: now + EARLY_CANCEL_TTL_S + 1)
+    assert not router.cancelled_early("old")
+
+
+def test_a_lease_granted_after_its_caller_left_is_cancelled_at_once() -> None:
+    service, inbox, router = make_service()
+    context = Context()
+    result: list[BaseException] = []
+
+    def reserve() -> None:
+        try:
+            service.Reserve(wpb.ReserveRequest(request_id="r3", prompt_tokens=10), context)  # type: ignore[arg-type]
+        except Aborted as exc:
+            result.append(exc)
+
+    caller = threading.Thread(target=reserve)
+    caller.start()
+    deadline = time.monotonic() + 5
+    while not inbox.commands and time.monotonic() < deadline:
+        time.sleep(0.01)
+    command = inbox.commands[0]
+    assert isinstance(command, ReserveCommand)
+    context.active = False  # the router's deadline passes while the engine works on the Reserve
+    router._route(Reserved("r3", command.lease_id, "agent", "127.0.0.1:1", (1, 2), 0, 0))
+    caller.join(5)
+    assert result and context.code == grpc.StatusCode.CANCELLED
+    cancel = inbox.commands[-1]
+    assert isinstance(cancel, CancelCommand) and cancel.request_id == "r3" and cancel.lease_id == command.lease_id
