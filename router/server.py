@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cedserve.config import token_metadata
+from cedserve.model.chat_format import ChatFormat
 from cedserve.model.config import ModelConfig
 from cedserve.model.kv_accounting import KVAccounting
 from cedserve.model.tokenizer import TextCodec
@@ -28,7 +29,7 @@ from cedserve.router.admission import Admission
 from cedserve.router.auth import ApiKeyInterceptor
 from cedserve.router.config import RouterConfig
 from cedserve.router.decoding import DecodeErrorInterceptor
-from cedserve.router.frontend import GenerationService
+from cedserve.router.frontend import GenerationCore, GenerationService
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
 from cedserve.router.metrics import RouterMetrics
@@ -92,25 +93,25 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     model, codec = _served_model(config)
     block_bytes = KVAccounting.from_config(model).block_bytes(config.block_size)
     limits = ModelLimits(config.model_id, model.vocab_size, model.max_position_embeddings, config.block_size,
-                         config.default_max_tokens)
+                         config.default_max_tokens, ChatFormat.of(codec))
     metadata = token_metadata(config.worker_token)
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()
     metrics.queue_prefill_tokens.set_function(pool.queued_prefill_tokens)  # read at each scrape
     metrics.queue_decode_requests.set_function(pool.queued_decode_requests)
-    service = GenerationService(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
-                                Admission(config.limits), metrics, config.max_retries, config.lease_ms,
-                                block_bytes, metadata, links=MeasuredLinks(
-                                    config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
+    core = GenerationCore(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
+                          Admission(config.limits), metrics, config.max_retries, config.lease_ms,
+                          block_bytes, metadata, links=MeasuredLinks(
+                              config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
     options = [("grpc.max_receive_message_length", config.max_message_bytes)]
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),
                                            DecodeErrorInterceptor()], options=options)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(core), server)  # type: ignore[no-untyped-call]
     add_control_services(server, drain, pool, config.worker_token)
-    pool.on_remove.append(service.links.forget)
+    pool.on_remove.append(core.links.forget)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
@@ -130,7 +131,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 
         http, _thread = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
         metrics_port = int(http.server_port)
-    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, service.links,
+    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, core.links,
                          metrics_port)
 
 
