@@ -15,6 +15,7 @@ owns the process on another node (cedserve/ray_launcher.py, `cedserve serve --ra
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -180,6 +181,10 @@ class EmbeddedOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     """Public gRPC port of the router."""
+    http_port: int = -1
+    """The router's OpenAI-compatible HTTP API (-1: off, 0: any free port); `cedserve serve` turns it on."""
+    api_key_file: Path | None = None
+    """One accepted API key per line, for the router's public APIs; None: open (loopback use)."""
     log_dir: Path | None = None
     """None: `<cache home>/logs`."""
     default_max_tokens: int = 64
@@ -393,10 +398,12 @@ def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[
         limit = ModelConfig.from_hf_json(resolve_checkpoint(opts)).max_position_embeddings
         colocated = ["--decode-only-max-tokens", str(limit)]
     config = ["--config", config_file] if config_file else []
+    keys = ["--api-key-file", str(opts.api_key_file)] if opts.api_key_file else []
     return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), "--metrics-port", "0",
+            "--http-port", str(opts.http_port),
             *workers,
             "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens),
-            "--worker-token-file", token_file, *config, *colocated]
+            "--worker-token-file", token_file, *config, *keys, *colocated]
 
 
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:
@@ -428,9 +435,13 @@ def serve_embedded(opts: EmbeddedOptions) -> int:
         address = router["address"]
         print(f"cedserve is serving on {address} (logs: {launcher.log_dir})", flush=True)
         print(f'try: cedserve generate "def fibonacci(" --address {address}', flush=True)
+        http_port = router.get("http_port", -1)
+        if isinstance(http_port, int) and http_port > 0:
+            print(f"OpenAI-compatible HTTP API: http://{opts.host}:{http_port}/v1", flush=True)
         for name, url in router.get("metrics", {}).items():
             print(f"metrics of {name}: {url}", flush=True)
-        print(f"CEDSERVE_READY {{\"role\": \"system\", \"address\": \"{address}\"}}", flush=True)
+        ready = {"role": "system", "address": address, "http_port": router.get("http_port", -1)}
+        print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
         while not stop.wait(0.5):
             dead = launcher.first_exit()
             if dead is not None:

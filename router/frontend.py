@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,7 +28,7 @@ from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission
 from cedserve.router.deadline import Deadline
-from cedserve.router.errors import RequestError, invalid
+from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
 from cedserve.router.index import PrefixHit
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
@@ -121,7 +121,7 @@ class GenerationCore:
             raise
 
     async def generate(self, prepared: PreparedRequest,
-                       deadline: Deadline) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       deadline: Deadline) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Admit, place and run one request: chunks, then one `complete`.
 
         Raises `RequestError` (counted in `cedserve_router_errors_total`) whether or not responses
@@ -132,8 +132,10 @@ class GenerationCore:
         try:
             async with self.admission.admit(prepared.effort, prepared.request_id):
                 self.metrics.queue_s.labels(effort_class(prepared.effort)).observe(time.monotonic() - start)
-                async for response in self._run(prepared, deadline, start):
-                    yield response
+                # closed explicitly, so an abandoned stream ends its worker calls now, not at collection
+                async with contextlib.aclosing(self._run(prepared, deadline, start)) as responses:
+                    async for response in responses:
+                        yield response
         except RequestError as exc:
             self.metrics.errors.labels(code=exc.code.name).inc()
             raise
@@ -146,14 +148,16 @@ class GenerationCore:
     # ------------------------------------------------------------------ orchestration
 
     async def _run(self, req: PreparedRequest, deadline: Deadline,
-                   start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                   start: float) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         progress = _Progress(text=StreamingText(self.codec, req.stop))
         excluded: set[str] = set()
         attempt = 0
         while True:
             try:
-                async for response in self._attempt(req, deadline, start, progress, frozenset(excluded)):
-                    yield response
+                async with contextlib.aclosing(
+                        self._attempt(req, deadline, start, progress, frozenset(excluded))) as responses:
+                    async for response in responses:
+                        yield response
                 break
             except WorkerFailed as exc:
                 attempt += 1
@@ -193,7 +197,8 @@ class GenerationCore:
         try:
             choice = self.policy.choose(shape, pl, dl, self.links)
         except NoCapacityError as exc:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0) from exc
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0,
+                               reason=NO_CAPACITY) from exc
         except NoWorkerError as exc:
             tried = f" (excluded after failures: {sorted(excluded)})" if excluded else ""
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}{tried}", retry_after_s=1.0) from exc
@@ -218,7 +223,7 @@ class GenerationCore:
                           queued_tokens=int(load.queued_tokens), cached_blocks=hit.total_blocks if hit else 0)
 
     async def _attempt(self, req: PreparedRequest, deadline: Deadline, start: float,
-                       progress: _Progress, excluded: frozenset[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       progress: _Progress, excluded: frozenset[str]) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         # After a migration the prompt is the original plus what was already streamed.
         prompt = (*req.token_ids, *progress.output_ids)
         remaining_tokens = req.max_tokens - len(progress.output_ids)
@@ -243,7 +248,8 @@ class GenerationCore:
             async for response in self._decode(decode, lease, req, prompt, first, remaining_tokens, deadline,
                                                progress, start):
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # the client left: its task was cancelled, or its stream closed between two responses
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
         except WorkerFailed:

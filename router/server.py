@@ -1,4 +1,5 @@
-"""Build and run the router process: the public gRPC API in front of the worker pools.
+"""Build and run the router process: the public gRPC API (and, with `http_port`, the OpenAI-compatible
+HTTP API of router/http_api.py, in the same event loop) in front of the worker pools.
 
 Shutdown: SIGTERM (or a `Drain` call first, the pod's preStop) drains (router/lifecycle.py): new
 Generate calls get UNAVAILABLE, health turns NOT_SERVING, open streams finish within the drain
@@ -30,9 +31,11 @@ from cedserve.router.auth import ApiKeyInterceptor
 from cedserve.router.config import RouterConfig
 from cedserve.router.decoding import DecodeErrorInterceptor
 from cedserve.router.frontend import GenerationCore, GenerationService
+from cedserve.router.http_api import HttpApi, HttpServer, start_http_server
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
 from cedserve.router.metrics import RouterMetrics
+from cedserve.router.openai_api import ApiSettings
 from cedserve.router.placement import MeasuredLinks
 from cedserve.router.policy import make_policy
 from cedserve.router.requests import ModelLimits
@@ -61,11 +64,20 @@ class RunningRouter:
     """Per-pair KV link rates learned from completed transfers (placement reads them)."""
     metrics_port: int = -1
     """Where `/metrics` is served (-1: off)."""
+    http: HttpServer | None = None
+    """The OpenAI-compatible HTTP API (`RouterConfig.http_port`); None: off."""
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP API's bound port (-1: off)."""
+        return -1 if self.http is None else self.http.port
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.discovery is not None:
             await asyncio.to_thread(self.discovery.stop)
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace_s)
         if self.health_only is not None:
             await self.health_only.stop(0)
@@ -120,6 +132,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         raise OSError(f"router could not bind {address}")
     health_only = await _health_listener(config, health_servicer, drain, pool)
     await server.start()
+    http_api = await _http_api(config, core, drain)
     pool.start()
     discovery = None
     if config.discovery is not None:
@@ -132,7 +145,16 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         http, _thread = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
         metrics_port = int(http.server_port)
     return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, core.links,
-                         metrics_port)
+                         metrics_port, http_api)
+
+
+async def _http_api(config: RouterConfig, core: GenerationCore, drain: RouterDrain) -> HttpServer | None:
+    """The OpenAI-compatible API on `config.http_port`, sharing the core, keys, TLS and drain; None when off."""
+    if config.http_port < 0:
+        return None
+    api = HttpApi(core, drain, ApiSettings(config.model_id, config.user_cache_salt), config.api_keys,
+                  config.max_message_bytes)
+    return await start_http_server(api.app(), config.host, config.http_port, config.tls)
 
 
 def _served_model(config: RouterConfig) -> tuple[ModelConfig, TextCodec]:
@@ -182,7 +204,7 @@ async def serve_forever(config: RouterConfig, ready_file: str | None = None, wor
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     ready = {"role": "router", "address": f"{config.host}:{router.port}", "port": router.port,
-             "metrics_port": router.metrics_port}
+             "metrics_port": router.metrics_port, "http_port": router.http_port}
     print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps(ready))
