@@ -124,7 +124,8 @@ class EventStream:
                 gone.cancel()
                 if not pump.done():
                     pump.cancel()  # the client left: cancel the request where it waits
-                with contextlib.suppress(asyncio.CancelledError):
+                # OSError: a send to a client already gone (the request's stream was closed, so ended)
+                with contextlib.suppress(asyncio.CancelledError, OSError):
                     await pump
         finally:
             self.on_close()

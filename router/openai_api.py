@@ -330,9 +330,14 @@ def api_error(exc: RequestError, call: ApiCall | None) -> ApiError:
 
 
 def usage_json(usage: generation_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's usage, and under `cedserve` what the gRPC API's `Usage` adds (the server's own TTFT and
+    total seconds, KV moved, DSpark drafts); clients ignore fields they do not know."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "cedserve": {"ttft_s": usage.ttft_s, "total_s": usage.total_s, "kv_transfer_bytes": usage.kv_transfer_bytes,
+                         "kv_transfer_s": usage.kv_transfer_s, "decode_only": float(usage.decode_only),
+                         "draft_tokens": usage.draft_tokens, "accepted_draft_tokens": usage.accepted_draft_tokens}}
 
 
 def finish_reason(complete: generation_pb2.Complete) -> str:
