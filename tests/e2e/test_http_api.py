@@ -25,7 +25,8 @@ import grpc
 import openai
 import pytest
 
-from cedserve.client import Client
+from cedserve.bench_serve.http_client import HttpClient
+from cedserve.client import CedserveError, Client, Completion, Piece
 from cedserve.config import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
@@ -219,6 +220,31 @@ def test_a_disconnect_mid_stream_frees_every_block(system: System) -> None:
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=MODEL, prompt=_long_text(40, seed=4), max_tokens=400)
     system.wait_decode_idle(8)
+
+
+def test_the_bench_http_client_reads_what_the_openai_client_reads(system: System) -> None:
+    """`cedserve bench serve --api http`'s thin client: same text, the usage with the router's own time,
+    the connection reused, and a refusal as the gRPC client's error."""
+    prompt = list(range(100, 140))
+    expected = system.client().completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+
+    async def run() -> tuple[list[Completion], list[Piece], CedserveError]:
+        client = HttpClient(system.base_url.removeprefix("http://").removesuffix("/v1"), MODEL, KEY, 60.0)
+        pieces: list[Piece] = []
+        try:
+            done = [await client.generate(prompt, pieces.append, max_tokens=6, cache_salt="bench") for _ in range(2)]
+            with pytest.raises(CedserveError) as info:
+                await client.generate(prompt, max_tokens=100_000)
+            return done, pieces, info.value
+        finally:
+            await client.close()
+
+    done, pieces, refused = asyncio.run(run())
+    assert [d.text for d in done] == [expected.choices[0].text] * 2 and done[0].finish_reason == "length"
+    assert "".join(p.text for p in pieces) == expected.choices[0].text * 2
+    usage = done[0].usage
+    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == 40 and 0 < usage["total_s"] < 60
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and refused.field == "max_tokens"
 
 
 def _error(exc: openai.APIStatusError) -> dict[str, object]:
