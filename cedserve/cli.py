@@ -140,6 +140,9 @@ def _add_router_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     r.add_argument("--decode", action="append", default=[], metavar="ID=HOST:PORT", help="a decode worker")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--http-port", type=int, default=-1,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) beside gRPC, with "
+                        "the same API keys and TLS (-1: off, the default; 0: any free port)")
     r.add_argument("--policy", choices=["cache_aware", "least_loaded", "round_robin"],
                    help="placement policy (default: the --config file's [router] policy, else cache_aware)")
     r.add_argument("--block-size", type=int, help="tokens per KV block (default: the --config file's "
@@ -196,7 +199,9 @@ def _serve(args: argparse.Namespace) -> int:
     preset = args.preset or (None if args.checkpoint else model.get("preset")) or "demo"
     gpus = tuple(int(g) for g in args.gpus.split(",")) if args.gpus else ()
     opts = EmbeddedOptions(checkpoint=Path(checkpoint) if checkpoint else None, preset=preset, host=args.host,
-                           port=args.port, log_dir=Path(args.log_dir) if args.log_dir else None,
+                           port=args.port, http_port=args.http_port,
+                           api_key_file=Path(args.api_key_file).resolve() if args.api_key_file else None,
+                           log_dir=Path(args.log_dir) if args.log_dir else None,
                            default_max_tokens=_first(args.default_max_tokens, router.get("default_max_tokens"), 64),
                            num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                            decode_group_size=args.decode_group_size,
@@ -267,6 +272,7 @@ def _router(args: argparse.Namespace) -> int:
     model = _router_model(args, serve)
     config = RouterConfig(checkpoint=model[0], preset=model[1], prefill=_endpoints(args.prefill, "prefill"),  # type: ignore[arg-type]
                           decode=_endpoints(args.decode, "decode"), host=args.host, port=args.port,  # type: ignore[arg-type]
+                          http_port=args.http_port,
                           block_size=args.block_size or serve.cache.block_size, api_keys=keys,
                           discovery=_discovery(args), metrics_port=args.metrics_port,
                           tls=_tls(args, "", serve.tls), internal_tls=_tls(args, "internal_", serve.internal_tls),
@@ -361,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-max-restarts", type=int, default=3, help="with --ray: restarts of a failed actor")
     serve.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     serve.add_argument("--port", type=int, default=50051, help="public gRPC port of the router")
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="the router's OpenAI-compatible HTTP API (default 8000; 0: any free port; -1: off)")
+    serve.add_argument("--api-key-file", help="file with one accepted API key per line: the router's gRPC and HTTP "
+                                              "APIs then require one (default: open, for loopback use)")
     serve.add_argument("--log-dir", help="where each process's log goes (default: ~/.cache/cedserve/logs)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restarts of one process (worker or router) within --restart-window-s before the "

@@ -15,6 +15,7 @@ owns the process on another node (cedserve/ray_launcher.py, `cedserve serve --ra
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -188,6 +189,10 @@ class EmbeddedOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     """Public gRPC port of the router."""
+    http_port: int = -1
+    """The router's OpenAI-compatible HTTP API (-1: off, 0: any free port); `cedserve serve` turns it on."""
+    api_key_file: Path | None = None
+    """One accepted API key per line, for the router's public APIs; None: open (loopback use)."""
     log_dir: Path | None = None
     """None: `<cache home>/logs`."""
     default_max_tokens: int = 64
@@ -256,7 +261,6 @@ def read_serve_config(path: Path) -> dict[str, Any]:
     will decode it: its ServeConfig part (`[model]`, `[cache]`, `[tls]`, `[internal_tls]`, ...), the
     router's `[router]` table and the workers' `[prefill]`, `[decode]` and `[kv_transfer]` tables.
     `ValueError` names a bad field, before any process starts."""
-    import json
 
     import tomllib
 
@@ -280,7 +284,6 @@ def read_serve_config(path: Path) -> dict[str, Any]:
 def toml_text(data: Mapping[str, Any], prefix: str = "") -> str:
     """`data` as TOML: scalars and lists of scalars as `key = value` (strings in JSON's escaping,
     which TOML's basic strings share), nested mappings as `[a.b]` tables; None is left out."""
-    import json
 
     lines, tables = [], []
     for key, value in data.items():
@@ -401,10 +404,12 @@ def router_args(opts: EmbeddedOptions, checkpoint: str, leaders: Sequence[tuple[
         limit = ModelConfig.from_hf_json(resolve_checkpoint(opts)).max_position_embeddings
         colocated = ["--decode-only-max-tokens", str(limit)]
     config = ["--config", config_file] if config_file else []
+    keys = ["--api-key-file", str(opts.api_key_file)] if opts.api_key_file else []
     return ["router", "--checkpoint", checkpoint, "--host", opts.host, "--port", str(opts.port), "--metrics-port", "0",
+            "--http-port", str(opts.http_port),
             *workers,
             "--policy", opts.policy, "--default-max-tokens", str(opts.default_max_tokens),
-            "--worker-token-file", token_file, *config, *colocated]
+            "--worker-token-file", token_file, *config, *keys, *colocated]
 
 
 def start_embedded(opts: EmbeddedOptions, launcher: LocalLauncher) -> dict[str, Any]:

@@ -453,6 +453,9 @@ def serve_ray(opts: EmbeddedOptions, ray_opts: RayOptions, poll_s: float = 1.0) 
         print(f"cedserve is serving on {address} (Ray; {len(system.workers)} worker ranks as actors, "
               f"device {system.opts.device})", flush=True)
         print(f'try: cedserve generate "def fibonacci(" --address {address}', flush=True)
+        http_port = router.get("http_port", -1)
+        if isinstance(http_port, int) and http_port > 0:  # on the router actor's node, like the gRPC port
+            print(f"OpenAI-compatible HTTP API: http://{address.rsplit(':', 1)[0]}:{http_port}/v1", flush=True)
         print(f"CEDSERVE_READY {{\"role\": \"system\", \"address\": \"{address}\"}}", flush=True)
         while not stop.wait(poll_s):
             for event in system.supervise():

@@ -19,6 +19,7 @@ the time it took to serve again.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -104,6 +105,7 @@ class EmbeddedSystem:
         self.parts: dict[str, Part] = {}
         self.addresses: dict[str, tuple[str, str]] = {}  # worker id -> (role, address) of its leader
         self.router_port = opts.port
+        self.http_port = opts.http_port
         self.metrics: dict[str, str] = {}
         self.restarts = 0
         self.stop = threading.Event()
@@ -136,13 +138,16 @@ class EmbeddedSystem:
 
     def _start_router(self) -> dict[str, Any]:
         leaders = [(role, worker_id, address) for worker_id, (role, address) in self.addresses.items()]
-        opts = replace(self.opts, port=self.router_port)
+        opts = replace(self.opts, port=self.router_port, http_port=self.http_port)
         args = [*router_args(opts, self.checkpoint, leaders, str(self.run_dir / TOKEN_FILE_NAME),
                              str(self.configs["router"])), "--exit-when-drained"]
         part = self.launcher.spawn(ROUTER, args)
         self.parts[ROUTER] = part
         ready = part.wait_ready(180.0, self.stop)
         self.router_port = int(ready["port"])  # port 0 asked: the restarted router takes the same one
+        http_port = ready.get("http_port", -1)
+        if isinstance(http_port, int) and http_port > 0:
+            self.http_port = http_port
         self.address = str(ready["address"])
         self._note_metrics(ROUTER, ready)
         return ready
@@ -260,9 +265,13 @@ def serve_supervised(opts: EmbeddedOptions, policy: RestartPolicy | None = None,
         address = router["address"]
         print(f"cedserve is serving on {address} (logs: {launcher.log_dir})", flush=True)
         print(f'try: cedserve generate "def fibonacci(" --address {address}', flush=True)
+        http_port = router.get("http_port", -1)
+        if isinstance(http_port, int) and http_port > 0:
+            print(f"OpenAI-compatible HTTP API: http://{opts.host}:{http_port}/v1", flush=True)
         for name, url in router.get("metrics", {}).items():
             print(f"metrics of {name}: {url}", flush=True)
-        print(f"CEDSERVE_READY {{\"role\": \"system\", \"address\": \"{address}\"}}", flush=True)
+        ready = {"role": "system", "address": address, "http_port": http_port}
+        print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
         code = system.supervise()
         print("shutting down", flush=True)
         return code

@@ -12,6 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 EFFORT_NAMES: Mapping[str, int] = {"low": 50, "high": 75, "max": 100}
+OPENAI_EFFORT_NAMES: Mapping[str, int] = {"none": 1, "minimal": 25, "low": 50, "medium": 62, "high": 75,
+                                          "xhigh": 90, "max": 100}
+"""`reasoning_effort` names of the OpenAI API on this scale: low and high keep DeepSeek's values,
+medium falls between them, minimal and none below low (none: the scale's floor, as little reasoning
+as the model knows), xhigh between high and max; DeepSeek's `max` is accepted too."""
 DEFAULT_EFFORT = 75
 MIN_EFFORT, MAX_EFFORT = 1, 100
 
@@ -97,3 +102,16 @@ def render_chat(messages: Sequence[ChatMessage], effort: int | str | None = None
             raise ValueError(f"field `messages.role`: unknown role {m.role!r} (system, user, assistant)")
     parts.append(ASSISTANT)
     return "".join(parts)
+
+
+def parse_openai_effort(value: object) -> int:
+    """An effort level from an OpenAI `reasoning_effort`: a name of `OPENAI_EFFORT_NAMES`, or the
+    numeric extension, an integer 1-100 (or its decimal string). `ValueError` otherwise."""
+    if isinstance(value, str) and value.strip().lower() in OPENAI_EFFORT_NAMES:
+        return OPENAI_EFFORT_NAMES[value.strip().lower()]
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return parse_effort(value)
+        except ValueError:
+            pass
+    raise ValueError(f"expected one of {', '.join(OPENAI_EFFORT_NAMES)} or an integer 1-100, got {value!r}")

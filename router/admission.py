@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from cedserve.model.effort import effort_class
-from cedserve.router.errors import RequestError
+from cedserve.router.errors import ADMISSION, RequestError
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Admission:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"effort class {effort_class(effort)!r} is full ({gate.limits.max_running} running, "
                                f"{gate.waiting} queued); retry later", retry_after_s=gate.retry_after_s(),
-                               request_id=request_id)
+                               request_id=request_id, reason=ADMISSION)
         gate.waiting += 1
         try:
             await gate.slots.acquire()

@@ -1,4 +1,5 @@
-"""API-key authentication for the public port: a server interceptor on call metadata.
+"""API-key authentication for the public ports: a server interceptor on gRPC call metadata, and the
+same check on the HTTP API's headers (router/http_api.py).
 
 Keys arrive as `authorization: Bearer <key>` or `x-api-key: <key>` and are compared in constant
 time against every configured key. With no keys configured the port is open (the embedded default
@@ -19,7 +20,8 @@ import grpc
 _OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/cedserve.v1.Lifecycle/", "/cedserve.v1.WorkerRegistry/")
 
 
-def _presented_key(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+def presented_key(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+    """The key in gRPC metadata or HTTP headers (lower-case names); None when none is sent."""
     for key, value in metadata:
         text = value.decode() if isinstance(value, bytes) else value
         if key == "x-api-key":
@@ -50,7 +52,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = handler_call_details.method or ""
         if not self._keys or method.startswith(_OPEN_PREFIXES):
             return await continuation(handler_call_details)
-        if key_matches(_presented_key(handler_call_details.invocation_metadata or ()), self._keys):
+        if key_matches(presented_key(handler_call_details.invocation_metadata or ()), self._keys):
             return await continuation(handler_call_details)
         return _deny(await continuation(handler_call_details))
 

@@ -88,6 +88,12 @@ class RouterConfig:
     """Largest request accepted (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
     metrics_port: int | None = None
     """Prometheus endpoint; None: off."""
+    http_port: int = -1
+    """OpenAI-compatible HTTP API (router/http_api.py) beside the gRPC port, with its TLS and API
+    keys; -1: off, 0: pick a free port and report it."""
+    user_cache_salt: bool = True
+    """The HTTP API's `user` field salts the request's prefix-cache blocks (tenants never share them);
+    off: `user` is ignored."""
     tls: TLSConfig = field(default_factory=TLSConfig)
     """The public port (`[tls]`): TLS with `cert`/`key`; mTLS with `ca` and `require_client_cert`."""
     internal_tls: TLSConfig = field(default_factory=TLSConfig)
@@ -111,6 +117,8 @@ class RouterConfig:
             raise ValueError(f"router field `drain_timeout_s`: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"router field `port`: must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"router field `http_port`: must be -1 (off) or in [0, 65535], got {self.http_port}")
         if self.max_retries < 0:
             raise ValueError(f"router field `max_retries`: must be >= 0, got {self.max_retries}")
         if self.tls.enabled and self.tls.cert is None:
@@ -126,7 +134,7 @@ class RouterConfig:
 
 TABLE_FIELDS = ("model_id", "policy", "decode_only_max_tokens", "max_retries", "load_poll_s", "lease_ms",
                 "default_max_tokens", "max_message_bytes", "default_link_bytes_per_s", "link_rate_alpha",
-                "drain_timeout_s", "limits")
+                "drain_timeout_s", "limits", "user_cache_salt")
 """`RouterConfig` fields a config file's `[router]` table may set (the rest come from flags)."""
 EFFORT_CLASSES = ("low", "high", "max")
 
@@ -145,7 +153,8 @@ def router_table(values: Mapping[str, object]) -> dict[str, object]:
             out[name] = _limits(value)
             continue
         expected = type(getattr(defaults, name))
-        if isinstance(value, bool) or not (isinstance(value, expected) or (expected is float and isinstance(value, int))):
+        if (isinstance(value, bool) and expected is not bool) or not (
+                isinstance(value, expected) or (expected is float and isinstance(value, int))):
             raise ValueError(f"router field `{name}`: expected {expected.__name__}, got {value!r}")
         out[name] = float(value) if expected is float else value
     if "policy" in out:

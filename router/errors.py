@@ -12,13 +12,21 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+ADMISSION = "admission"
+"""`RequestError.reason`: the request's effort class is full (admission control)."""
+NO_CAPACITY = "no_capacity"
+"""`RequestError.reason`: no worker has room for the request (placement)."""
+
 
 class RequestError(Exception):
-    """A request the router refuses or cannot finish; `code` is the gRPC status to return."""
+    """A request the router refuses or cannot finish; `code` is the gRPC status to return, `reason`
+    (`ADMISSION`, `NO_CAPACITY` or "") tells apart causes that share a code, for APIs whose statuses
+    do (HTTP: 429 for a full class, 503 when no worker can take the request)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, field: str = "", retry_after_s: float = 0.0,
-                 request_id: str = "") -> None:
+                 request_id: str = "", reason: str = "") -> None:
         super().__init__(message)
+        self.reason = reason
         self.code = code
         self.message = message
         self.field = field

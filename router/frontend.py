@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,7 +27,8 @@ from cedserve.model.effort import effort_class
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission
-from cedserve.router.errors import RequestError, invalid
+from cedserve.router.deadline import Deadline
+from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
 from cedserve.router.index import PrefixHit
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
@@ -84,13 +85,6 @@ class _Progress:
     decode_only: bool = False
 
 
-def _deadline_ms(context: grpc.aio.ServicerContext) -> tuple[float | None, int]:
-    remaining = context.time_remaining()
-    if remaining is None:
-        return None, 0
-    return remaining, int((time.time() + remaining) * 1000)
-
-
 def _worker_error(worker_id: str, detail: worker_pb2.ErrorDetail) -> Exception:
     code = _WORKER_CODES.get(detail.code, grpc.StatusCode.INTERNAL)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
@@ -98,7 +92,16 @@ def _worker_error(worker_id: str, detail: worker_pb2.ErrorDetail) -> Exception:
     return WorkerFailed(worker_id, code, detail.message)
 
 
-class GenerationService(generation_pb2_grpc.GenerationServicer):
+class GenerationCore:
+    """One request from a prepared prompt to its last response, whatever API carried it.
+
+    The gRPC `Generation` service (`GenerationService` below) and the OpenAI-compatible HTTP API
+    (router/http_api.py) both call `prepare` and then `generate`; neither this class nor anything
+    it calls touches a transport's call object. Client cancellation arrives as the cancellation
+    of the task iterating `generate`, which cancels the worker calls and sends `Cancel` to both
+    workers; the deadline arrives as a `Deadline`.
+    """
+
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, codec: TextCodec, limits: ModelLimits,
                  admission: Admission, metrics: RouterMetrics, max_retries: int, lease_ms: int,
                  block_bytes: int, metadata: tuple[tuple[str, str], ...] = (), *, links: MeasuredLinks) -> None:
@@ -109,62 +112,52 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
 
-    # ------------------------------------------------------------------ public RPCs
+    def prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
+        """Validate and tokenize (`router/requests.py`); a refusal is counted and raised as `RequestError`."""
+        try:
+            return prepare(request, self.codec, self.limits)
+        except RequestError as exc:
+            self.metrics.errors.labels(code=exc.code.name).inc()
+            raise
 
-    async def Generate(self, request: generation_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def generate(self, prepared: PreparedRequest,
+                       deadline: Deadline) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        """Admit, place and run one request: chunks, then one `complete`.
+
+        Raises `RequestError` (counted in `cedserve_router_errors_total`) whether or not responses
+        were already yielded; the caller turns it into its API's error, a status before the first
+        response and an in-stream error after it. Every worker lease is ended before it propagates.
+        """
         start = time.monotonic()
-        started_stream = False
         try:
-            prepared = prepare(request, self.codec, self.limits)
-        except RequestError as exc:
-            self.metrics.errors.labels(code=exc.code.name).inc()
-            await context.abort_with_status(exc.to_status())
-            return
-        rid = prepared.request_id
-        try:
-            async with self.admission.admit(prepared.effort, rid):
+            async with self.admission.admit(prepared.effort, prepared.request_id):
                 self.metrics.queue_s.labels(effort_class(prepared.effort)).observe(time.monotonic() - start)
-                async for response in self._run(prepared, context, start):
-                    started_stream = True
-                    yield response
+                # closed explicitly, so an abandoned stream ends its worker calls now, not at collection
+                async with contextlib.aclosing(self._run(prepared, deadline, start)) as responses:
+                    async for response in responses:
+                        yield response
         except RequestError as exc:
             self.metrics.errors.labels(code=exc.code.name).inc()
-            if started_stream:
-                yield generation_pb2.GenerateResponse(request_id=rid, error=generation_pb2.StreamError(
-                    grpc_code=exc.code.value[0], message=exc.message, field=exc.field,
-                    retry_after_ms=int(exc.retry_after_s * 1000)))
-                return
-            await context.abort_with_status(exc.to_status())
+            raise
 
-    async def CountTokens(self, request: generation_pb2.CountTokensRequest,
-                          context: grpc.aio.ServicerContext) -> generation_pb2.CountTokensResponse:
-        shim = generation_pb2.GenerateRequest(model=request.model, prompt=request.prompt, effort=request.effort)
-        try:
-            prepared = prepare(shim, self.codec, self.limits)
-        except RequestError as exc:
-            await context.abort_with_status(exc.to_status())
-            raise AssertionError("unreachable") from exc
-        return generation_pb2.CountTokensResponse(num_tokens=len(prepared.token_ids), token_ids=prepared.token_ids)
-
-    async def ListModels(self, request: generation_pb2.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:
-        card = generation_pb2.ModelCard(id=self.limits.model_id, max_context_tokens=self.limits.max_context_tokens,
+    def model_card(self) -> generation_pb2.ModelCard:
+        return generation_pb2.ModelCard(id=self.limits.model_id, max_context_tokens=self.limits.max_context_tokens,
                                         vocab_size=self.limits.vocab_size,
                                         global_kv_bytes_per_token=self.block_bytes / self.limits.block_size)
-        return generation_pb2.ListModelsResponse(models=[card])
 
     # ------------------------------------------------------------------ orchestration
 
-    async def _run(self, req: PreparedRequest, context: grpc.aio.ServicerContext,
-                   start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _run(self, req: PreparedRequest, deadline: Deadline,
+                   start: float) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         progress = _Progress(text=StreamingText(self.codec, req.stop))
         excluded: set[str] = set()
         attempt = 0
         while True:
             try:
-                async for response in self._attempt(req, context, start, progress, frozenset(excluded)):
-                    yield response
+                async with contextlib.aclosing(
+                        self._attempt(req, deadline, start, progress, frozenset(excluded))) as responses:
+                    async for response in responses:
+                        yield response
                 break
             except WorkerFailed as exc:
                 attempt += 1
@@ -204,7 +197,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             choice = self.policy.choose(shape, pl, dl, self.links)
         except NoCapacityError as exc:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0) from exc
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0,
+                               reason=NO_CAPACITY) from exc
         except NoWorkerError as exc:
             tried = f" (excluded after failures: {sorted(excluded)})" if excluded else ""
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}{tried}", retry_after_s=1.0) from exc
@@ -228,15 +222,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                           prefill_tokens_per_s=max(1.0, load.prefill_tokens_per_s),
                           queued_tokens=int(load.queued_tokens), cached_blocks=hit.total_blocks if hit else 0)
 
-    async def _attempt(self, req: PreparedRequest, context: grpc.aio.ServicerContext, start: float,
-                       progress: _Progress, excluded: frozenset[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _attempt(self, req: PreparedRequest, deadline: Deadline, start: float,
+                       progress: _Progress, excluded: frozenset[str]) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         # After a migration the prompt is the original plus what was already streamed.
         prompt = (*req.token_ids, *progress.output_ids)
         remaining_tokens = req.max_tokens - len(progress.output_ids)
         choice = self._placement(req, len(prompt), excluded)
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
-        lease = await self._reserve(decode, prefill, req, prompt, remaining_tokens, context)
+        lease = await self._reserve(decode, prefill, req, prompt, remaining_tokens, deadline)
         progress.decode_only = prefill is None
         if prefill is None:  # the decode worker reuses the leading blocks it holds
             progress.cached_tokens = max(progress.cached_tokens,
@@ -244,17 +238,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             first: int | None = None
             if prefill is not None:
-                first = await self._prefill(prefill, decode, lease, req, prompt, context, progress)
+                first, first_logprob = await self._prefill(prefill, decode, lease, req, prompt, deadline, progress)
                 self._note_first(progress, start)
-                async for response in self._emit(req, progress, [first], [], context):
-                    yield response
+                # the prefill worker reports the first token's own logprob, not its alternatives
+                yield self._emit(req, progress, [first], [first_logprob], [])
                 if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
                     await self._cancel(decode, req.request_id, lease.lease_id)  # end the unused lease
                     return
-            async for response in self._decode(decode, lease, req, prompt, first, remaining_tokens, context,
+            async for response in self._decode(decode, lease, req, prompt, first, remaining_tokens, deadline,
                                                progress, start):
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # the client left: its task was cancelled, or its stream closed between two responses
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
         except WorkerFailed:
@@ -279,8 +274,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         eos = self.codec.token_id("<|eos|>")
         return -1 if eos is None else eos
 
-    async def _emit(self, req: PreparedRequest, progress: _Progress, token_ids: list[int], logprobs: list[float],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def _emit(self, req: PreparedRequest, progress: _Progress, token_ids: list[int], logprobs: list[float],
+              top_logprobs: list[worker_pb2.TokenTopLogprobs]) -> generation_pb2.GenerateResponse:
+        """The chunk of `token_ids` that still fits the request (its budget, stop tokens and strings);
+        sets `progress.finish` when the request ends inside it."""
         assert progress.text is not None
         kept: list[int] = []
         for t in token_ids:
@@ -293,15 +290,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         text = progress.text.push(kept)
         if progress.text.stopped:
             progress.finish = generation_pb2.FINISH_REASON_STOP
-        chunk = generation_pb2.Chunk(token_ids=kept, text=text, logprobs=logprobs[: len(kept)])
-        yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
+        chunk = generation_pb2.Chunk(token_ids=kept, text=text)
+        if req.logprobs:  # only when asked for: the workers may report them regardless
+            chunk.logprobs.extend(logprobs[: len(kept)])
+            for row in top_logprobs[: len(kept)]:
+                chunk.top_logprobs.add().entries.extend(
+                    generation_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in zip(row.token_ids, row.logprobs))
+        return generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
 
     async def _reserve(self, decode: WorkerHandle, prefill: WorkerHandle | None, req: PreparedRequest,
                        prompt: tuple[int, ...], max_tokens: int,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.ReserveReply:
+                       deadline: Deadline) -> worker_pb2.ReserveReply:
         """Decode-first: lease blocks on the decode worker for the prefill worker that will WRITE them."""
         assert decode.decode is not None
-        timeout, _ = _deadline_ms(context)
+        timeout, _ = deadline.for_call()
         sender = prefill.load if prefill is not None else None
         try:
             reply: worker_pb2.ReserveReply = await decode.decode.Reserve(worker_pb2.ReserveRequest(
@@ -322,10 +324,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return reply
 
     async def _prefill(self, prefill: WorkerHandle, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
-                       req: PreparedRequest, prompt: tuple[int, ...], context: grpc.aio.ServicerContext,
-                       progress: _Progress) -> int:
+                       req: PreparedRequest, prompt: tuple[int, ...], deadline: Deadline,
+                       progress: _Progress) -> tuple[int, float]:
+        """Run the prefill; (first token, its logprob) once the KV transfer has closed."""
         assert prefill.prefill is not None
-        timeout, deadline_ms = _deadline_ms(context)
+        timeout, deadline_ms = deadline.for_call()
         target = worker_pb2.DecodeTarget(worker_id=decode.worker_id, agent_name=lease.agent_name,
                                          control_address=lease.control_address, lease_id=lease.lease_id,
                                          block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks,
@@ -337,11 +340,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             target=target, deadline_unix_ms=deadline_ms, sampling=self._sampling(req)),
             timeout=timeout, metadata=self.metadata)
         first: int | None = None
+        first_logprob = 0.0
         try:
             async for event in call:
                 kind = event.WhichOneof("event")
                 if kind == "first_token":
-                    first = int(event.first_token.token_id)
+                    first, first_logprob = int(event.first_token.token_id), float(event.first_token.logprob)
                     progress.cached_tokens = max(progress.cached_tokens, int(event.first_token.cached_tokens))
                 elif kind == "error":
                     raise _worker_error(prefill.worker_id, event.error)
@@ -355,14 +359,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise self._from_rpc(prefill.worker_id, exc) from exc
         if first is None:
             raise WorkerFailed(prefill.worker_id, grpc.StatusCode.INTERNAL, "prefill ended without a first token")
-        return first
+        return first, first_logprob
 
     async def _decode(self, decode: WorkerHandle, lease: worker_pb2.ReserveReply, req: PreparedRequest,
                       prompt: tuple[int, ...], first: int | None, max_tokens: int,
-                      context: grpc.aio.ServicerContext, progress: _Progress,
+                      deadline: Deadline, progress: _Progress,
                       start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
         assert decode.decode is not None
-        timeout, deadline_ms = _deadline_ms(context)
+        timeout, deadline_ms = deadline.for_call()
         call = decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=req.request_id, lease_id=lease.lease_id, token_ids=list(prompt),
             first_token=first if first is not None else 0, effort=req.effort, sampling=self._sampling(req, max_tokens),
@@ -374,9 +378,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self._note_first(progress, start)
                     progress.accepted += int(event.tokens.accepted_drafts)
                     progress.drafts += int(event.tokens.draft_tokens)
-                    async for response in self._emit(req, progress, list(event.tokens.token_ids),
-                                                     list(event.tokens.logprobs), context):
-                        yield response
+                    yield self._emit(req, progress, list(event.tokens.token_ids), list(event.tokens.logprobs),
+                                     list(event.tokens.top_logprobs))
                     if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
                         call.cancel()
                         await self._cancel(decode, req.request_id, lease.lease_id)
@@ -425,3 +428,43 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if prefill is not None:
             tasks.append(self._cancel(prefill, request_id, lease_id))
         await asyncio.shield(asyncio.gather(*tasks))
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    """The public gRPC API: a thin adapter from the call's context to `GenerationCore`."""
+
+    def __init__(self, core: GenerationCore) -> None:
+        self.core = core
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            prepared = self.core.prepare(request)
+        except RequestError as exc:
+            await context.abort_with_status(exc.to_status())
+            return
+        started_stream = False
+        try:
+            async for response in self.core.generate(prepared, Deadline.after(context.time_remaining())):
+                started_stream = True
+                yield response
+        except RequestError as exc:
+            if not started_stream:
+                await context.abort_with_status(exc.to_status())  # raises: the call ends with the status
+            yield generation_pb2.GenerateResponse(request_id=prepared.request_id, error=generation_pb2.StreamError(
+                grpc_code=exc.code.value[0], message=exc.message, field=exc.field,
+                retry_after_ms=int(exc.retry_after_s * 1000)))
+
+    async def CountTokens(self, request: generation_pb2.CountTokensRequest,
+                          context: grpc.aio.ServicerContext) -> generation_pb2.CountTokensResponse:
+        shim = generation_pb2.GenerateRequest(model=request.model, prompt=request.prompt, effort=request.effort)
+        try:
+            prepared = prepare(shim, self.core.codec, self.core.limits)
+        except RequestError as exc:
+            await context.abort_with_status(exc.to_status())
+            raise AssertionError("unreachable") from exc
+        return generation_pb2.CountTokensResponse(num_tokens=len(prepared.token_ids), token_ids=prepared.token_ids)
+
+    async def ListModels(self, request: generation_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:
+        return generation_pb2.ListModelsResponse(models=[self.core.model_card()])

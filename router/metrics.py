@@ -34,3 +34,6 @@ class RouterMetrics:
         self.prompt_tokens = Counter("cedserve_router_prompt_tokens_total", "Prompt tokens admitted", registry=r)
         self.cached_tokens = Counter("cedserve_router_cached_tokens_total",
                                      "Prompt tokens served from a prefix cache", registry=r)
+        self.http_requests = Counter("cedserve_router_http_requests_total", "OpenAI-compatible HTTP API requests "
+                                     "by endpoint and HTTP status (499: the client left first)",
+                                     ["endpoint", "status"], registry=r)

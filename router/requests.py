@@ -10,7 +10,8 @@ import uuid
 from dataclasses import dataclass
 
 from cedserve.model.cache.hashing import hash_blocks
-from cedserve.model.effort import ChatMessage, parse_effort, render_chat
+from cedserve.model.chat_format import ChatFormat
+from cedserve.model.effort import ChatMessage, parse_effort
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2
 from cedserve.router.errors import invalid
@@ -36,6 +37,8 @@ class ModelLimits:
     block_size: int
     default_max_tokens: int
     """0: the effort level's budget."""
+    chat_format: ChatFormat | None = None
+    """How the checkpoint encodes a conversation (model/chat_format.py); None: chat prompts are refused."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def _check_sizes(request: generation_pb2.GenerateRequest, limits: ModelLimits) -
                                           f"{limits.max_context_tokens}-token context")
 
 
-def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCodec, vocab: int) -> list[int]:
+def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCodec, limits: ModelLimits) -> list[int]:
     kind = request.prompt.WhichOneof("kind")
     if kind == "text":
         return codec.encode(request.prompt.text)
@@ -107,15 +110,20 @@ def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCod
         messages = [ChatMessage(m.role, m.content) for m in request.prompt.chat.messages]
         if not messages:
             raise invalid("prompt.chat.messages", "must not be empty")
+        if limits.chat_format is None:
+            raise invalid("prompt.chat.messages", f"model {limits.model_id!r} has no chat format (its tokenizer "
+                                                  "lacks the chat markers and it has no template): send a text "
+                                                  "prompt or token ids")
         try:
-            return codec.encode(render_chat(messages, effort))
+            return limits.chat_format.encode(messages, effort)
         except ValueError as exc:
             raise invalid("prompt.chat.messages", str(exc)) from None
     if kind == "token_ids":
         ids = list(request.prompt.token_ids.ids)
         for i, t in enumerate(ids):
-            if t >= vocab:
-                raise invalid(f"prompt.token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+            if t >= limits.vocab_size:
+                raise invalid(f"prompt.token_ids[{i}]", f"token id {t} is outside the vocabulary "
+                                                    f"[0, {limits.vocab_size})")
         return ids
     raise invalid("prompt", "set one of text, token_ids or chat")
 
@@ -126,7 +134,7 @@ def prepare(request: generation_pb2.GenerateRequest, codec: TextCodec, limits: M
     if request.model and request.model != limits.model_id:
         raise invalid("model", f"unknown model {request.model!r}; this server serves {limits.model_id!r}")
     effort = resolve_effort(request.effort)
-    tokens = _tokens(request, effort, codec, limits.vocab_size)
+    tokens = _tokens(request, effort, codec, limits)
     if not tokens:
         raise invalid("prompt", "is empty")
     s = request.sampling

@@ -1,4 +1,5 @@
-"""Build and run the router process: the public gRPC API in front of the worker pools.
+"""Build and run the router process: the public gRPC API (and, with `http_port`, the OpenAI-compatible
+HTTP API of router/http_api.py, in the same event loop) in front of the worker pools.
 
 Shutdown: SIGTERM (or a `Drain` call first, the pod's preStop) drains (router/lifecycle.py): new
 Generate calls get UNAVAILABLE, health turns NOT_SERVING, open streams finish within the drain
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cedserve.config import token_metadata
+from cedserve.model.chat_format import ChatFormat
 from cedserve.model.config import ModelConfig
 from cedserve.model.kv_accounting import KVAccounting
 from cedserve.model.tokenizer import TextCodec
@@ -28,10 +30,12 @@ from cedserve.router.admission import Admission
 from cedserve.router.auth import ApiKeyInterceptor
 from cedserve.router.config import RouterConfig
 from cedserve.router.decoding import DecodeErrorInterceptor
-from cedserve.router.frontend import GenerationService
+from cedserve.router.frontend import GenerationCore, GenerationService
+from cedserve.router.http_api import HttpApi, HttpServer, start_http_server
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
 from cedserve.router.metrics import RouterMetrics
+from cedserve.router.openai_api import ApiSettings
 from cedserve.router.placement import MeasuredLinks
 from cedserve.router.policy import make_policy
 from cedserve.router.requests import ModelLimits
@@ -60,11 +64,20 @@ class RunningRouter:
     """Per-pair KV link rates learned from completed transfers (placement reads them)."""
     metrics_port: int = -1
     """Where `/metrics` is served (-1: off)."""
+    http: HttpServer | None = None
+    """The OpenAI-compatible HTTP API (`RouterConfig.http_port`); None: off."""
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP API's bound port (-1: off)."""
+        return -1 if self.http is None else self.http.port
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.discovery is not None:
             await asyncio.to_thread(self.discovery.stop)
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace_s)
         if self.health_only is not None:
             await self.health_only.stop(0)
@@ -92,25 +105,25 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     model, codec = _served_model(config)
     block_bytes = KVAccounting.from_config(model).block_bytes(config.block_size)
     limits = ModelLimits(config.model_id, model.vocab_size, model.max_position_embeddings, config.block_size,
-                         config.default_max_tokens)
+                         config.default_max_tokens, ChatFormat.of(codec))
     metadata = token_metadata(config.worker_token)
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()
     metrics.queue_prefill_tokens.set_function(pool.queued_prefill_tokens)  # read at each scrape
     metrics.queue_decode_requests.set_function(pool.queued_decode_requests)
-    service = GenerationService(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
-                                Admission(config.limits), metrics, config.max_retries, config.lease_ms,
-                                block_bytes, metadata, links=MeasuredLinks(
-                                    config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
+    core = GenerationCore(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
+                          Admission(config.limits), metrics, config.max_retries, config.lease_ms,
+                          block_bytes, metadata, links=MeasuredLinks(
+                              config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
     options = [("grpc.max_receive_message_length", config.max_message_bytes)]
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),
                                            DecodeErrorInterceptor()], options=options)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(core), server)  # type: ignore[no-untyped-call]
     add_control_services(server, drain, pool, config.worker_token)
-    pool.on_remove.append(service.links.forget)
+    pool.on_remove.append(core.links.forget)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
@@ -119,6 +132,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         raise OSError(f"router could not bind {address}")
     health_only = await _health_listener(config, health_servicer, drain, pool)
     await server.start()
+    http_api = await _http_api(config, core, drain)
     pool.start()
     discovery = None
     if config.discovery is not None:
@@ -130,8 +144,17 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 
         http, _thread = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
         metrics_port = int(http.server_port)
-    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, service.links,
-                         metrics_port)
+    return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, core.links,
+                         metrics_port, http_api)
+
+
+async def _http_api(config: RouterConfig, core: GenerationCore, drain: RouterDrain) -> HttpServer | None:
+    """The OpenAI-compatible API on `config.http_port`, sharing the core, keys, TLS and drain; None when off."""
+    if config.http_port < 0:
+        return None
+    api = HttpApi(core, drain, ApiSettings(config.model_id, config.user_cache_salt), config.api_keys,
+                  config.max_message_bytes)
+    return await start_http_server(api.app(), config.host, config.http_port, config.tls)
 
 
 def _served_model(config: RouterConfig) -> tuple[ModelConfig, TextCodec]:
@@ -183,7 +206,7 @@ async def serve_forever(config: RouterConfig, ready_file: str | None = None, wor
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     ready = {"role": "router", "address": f"{config.host}:{router.port}", "port": router.port,
-             "metrics_port": router.metrics_port}
+             "metrics_port": router.metrics_port, "http_port": router.http_port}
     print(f"CEDSERVE_READY {json.dumps(ready)}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps(ready))

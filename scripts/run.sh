@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
 port=${CEDSERVE_PORT:-50051}
+http_port=${CEDSERVE_HTTP_PORT:-8000}
 log=$(mktemp -t cedserve-serve.XXXXXX)
-cedserve serve --port "$port" "$@" > >(tee "$log") 2>&1 &
+cedserve serve --port "$port" --http-port "$http_port" "$@" > >(tee "$log") 2>&1 &
 serve_pid=$!
 trap 'kill -INT $serve_pid 2>/dev/null; wait $serve_pid' INT TERM
 for _ in $(seq 600); do
@@ -18,5 +19,5 @@ for _ in $(seq 600); do
 done
 echo '$ cedserve generate "def fibonacci(" --max-tokens 32'
 cedserve generate "def fibonacci(" --address "127.0.0.1:$port" --max-tokens 32 -v
-echo "Serving on 127.0.0.1:$port; Ctrl-C stops everything."
+echo "Serving on 127.0.0.1:$port (gRPC) and http://127.0.0.1:$http_port/v1 (OpenAI-compatible HTTP); Ctrl-C stops everything."
 wait $serve_pid

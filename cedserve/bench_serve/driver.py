@@ -1,4 +1,5 @@
-"""Send a trace to a running system over the public gRPC API and time every request.
+"""Send a trace to a running system over its public gRPC API (or its OpenAI-compatible HTTP API) and
+time every request.
 
 A trace is a list of sessions (records sharing a `session_id`, or one record alone). A load point
 says when sessions start:
@@ -13,7 +14,10 @@ cached blocks, and the session id, so placement can keep a session together.
 
 TTFT is measured here, from the call to the first chunk that carries a token; TPOT is the time
 after it divided by the output tokens after the first. `cached_tokens`, KV transfer bytes and
-seconds, and decode-only placement come from the `complete` message's usage.
+seconds, and decode-only placement come from the `complete` message's usage, and so does the
+server's own time for the request (`total_s`, from admission to the last token): the client's time
+minus it is what the API around the generation core costs per request (`api_overhead_s`), the figure
+that tells the HTTP API from the gRPC one.
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cedserve.bench_serve.trace import PrefixOracle, TokenSynth, TraceRecord
-from cedserve.client import AsyncClient, CedserveError, Piece
+from cedserve.client import CedserveError, Completion, Piece
 
 if TYPE_CHECKING:
     from tqdm import tqdm
+
+
+class GenerateClient(Protocol):
+    """What the driver needs of a client: the gRPC `AsyncClient` and the HTTP API's `HttpClient`."""
+
+    async def generate(self, prompt: list[int], on_piece: Callable[[Piece], None] | None = None, *,
+                       effort: int | None = None, max_tokens: int = 0, cache_salt: str = "",
+                       session_id: str = "") -> Completion: ...
 
 
 @dataclass(frozen=True)
@@ -71,12 +83,21 @@ class RequestResult:
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
     decode_only: bool = False
+    server_s: float | None = None
+    """The router's own time for the request (`Usage.total_s`): admission to the last token."""
     error: str | None = None
     """gRPC status name of a failed request."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def api_overhead_s(self) -> float | None:
+        """Client-seen end to end minus the router's own time: the API layers and transport, both ways."""
+        if self.e2e_s is None or self.server_s is None:
+            return None
+        return self.e2e_s - self.server_s
 
     @property
     def tpot_s(self) -> float | None:
@@ -122,7 +143,7 @@ class RunOutput:
 class Driver:
     """Runs one load point of a trace against one system."""
 
-    client: AsyncClient
+    client: GenerateClient
     records: Sequence[TraceRecord]
     synth: TokenSynth
     oracle: PrefixOracle
@@ -189,7 +210,7 @@ class Driver:
         first: list[float] = []
 
         def on_piece(piece: Piece) -> None:
-            if piece.token_ids and not first:
+            if (piece.token_ids or piece.text) and not first:
                 first.append(time.monotonic())
 
         start = time.monotonic()
@@ -205,9 +226,10 @@ class Driver:
         u = done.usage
         result.e2e_s = end - start
         result.ttft_s = (first[0] if first else end) - start
-        result.output_tokens = len(done.token_ids)
+        result.output_tokens = int(u["completion_tokens"])
         result.cached_tokens = int(u["cached_tokens"])
         result.kv_transfer_bytes = int(u.get("kv_transfer_bytes", 0))
         result.kv_transfer_s = float(u.get("kv_transfer_s", 0.0))
         result.decode_only = bool(u.get("decode_only", 0.0))
+        result.server_s = float(u["total_s"]) if "total_s" in u else None
         return result

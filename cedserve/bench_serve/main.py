@@ -4,12 +4,18 @@
     cedserve bench serve --rates 0.2,0.4 --out r.json     # an open-loop rate sweep
     cedserve bench serve --trace mooncake_trace.jsonl --concurrency 8 --address 127.0.0.1:50051
     cedserve bench serve --write-trace agent.jsonl        # write the synthetic sessions and stop
+    cedserve bench serve --api grpc,http --policies cache_aware --no-colocated   # the HTTP API's cost
 
 Without `--address` every arm (a routing policy on the disaggregated topology, then colocated
 serving on the same devices) is started fresh by the embedded launcher, driven through every load
 point, and stopped. The report goes to the terminal (a table), to `--out` (JSON) and to PNG plots
 beside it. Exit status 1 when a report invariant fails (requests sent != completed + errored,
 a hit rate outside [0, oracle], effort classes not adding up to the totals).
+
+`--api http` drives the router's OpenAI-compatible HTTP API instead of gRPC (`--api grpc,http`: each
+load point through both, one after the other, against the same system). Every run reports
+`api_overhead_s`, the client's time minus the router's own per request, and with both APIs each arm
+reports `http_vs_grpc`: the difference of their medians, what the HTTP layer adds per request.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from cedserve.bench_serve.agentic import (
     parse_range,
     trace_stats,
 )
-from cedserve.bench_serve.driver import Driver, LoadPoint
+from cedserve.bench_serve.driver import Driver, GenerateClient, LoadPoint
+from cedserve.bench_serve.http_client import HttpClient
 from cedserve.bench_serve.metrics import Slo, summarize_run
 from cedserve.bench_serve.report import render_table, request_rows, write_plots
 from cedserve.bench_serve.systems import POLICIES, Arm, embedded_arm, plan_arms
@@ -81,6 +88,8 @@ class BenchPlan:
     progress: bool = True
     max_run_s: float = 0.0
     """Per load point: no new request after this many seconds (the rest is reported unsent); 0: none."""
+    apis: tuple[str, ...] = ("grpc",)
+    """The public APIs to drive each load point through, in order: `grpc`, `http`."""
 
 
 def assign_efforts(records: Sequence[TraceRecord], mix: Sequence[tuple[int, float]], seed: int) -> list[int]:
@@ -108,9 +117,12 @@ def check_fits(records: Sequence[TraceRecord], max_context_tokens: int, vocab_si
                              f"model's context of {max_context_tokens}")
 
 
-async def bench_address(address: str, name: str, plan: BenchPlan) -> list[dict[str, Any]]:
-    """Every load point of the plan against the system at `address`; one run report per point."""
+async def bench_address(address: str, name: str, plan: BenchPlan,
+                        http_address: str | None = None) -> list[dict[str, Any]]:
+    """Every load point of the plan, through each of its APIs, against the system at `address` (its
+    HTTP API at `http_address`); one run report per point and API."""
     client = AsyncClient(address, api_key=plan.api_key, timeout_s=plan.request_timeout_s)
+    http: HttpClient | None = None
     try:
         try:
             reply = await client.stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30,
@@ -121,23 +133,60 @@ async def bench_address(address: str, name: str, plan: BenchPlan) -> list[dict[s
         low = 3  # below: the special tokens (bos, eos, pad) of the shipped tokenizers
         check_fits(plan.records, card.max_context_tokens, card.vocab_size, low)
         synth = TokenSynth(plan.trace_block_size, card.vocab_size, plan.seed, low)
-        await _warm_up(client, plan, synth)
+        clients: dict[str, GenerateClient] = {"grpc": client}
+        if "http" in plan.apis:
+            if http_address is None:
+                raise ValueError("--api http: give --http-address HOST:PORT of the router's HTTP API")
+            http = clients["http"] = HttpClient(http_address, card.id, plan.api_key, plan.request_timeout_s)
+        for api in plan.apis:
+            await _warm_up(clients[api], plan, synth)
         runs = []
         for load in plan.loads:
-            salt = f"bench-{uuid.uuid4().hex[:12]}"  # a fresh prefix-cache namespace per run
-            oracle = PrefixOracle(plan.trace_block_size, plan.system_block_size)
-            bar = _progress_bar(len(plan.records), f"{name} {load.label}", plan.progress)
-            driver = Driver(client, plan.records, synth, oracle, plan.efforts, salt, bar, plan.max_run_s)
-            try:
-                out = await driver.run(load, plan.seed)
-            finally:
-                if bar is not None:
-                    bar.close()
-            runs.append({"load": {"kind": load.kind, "value": load.value, "label": load.label},
-                         **summarize_run(out, plan.slo), "requests": request_rows(out.results)})
+            for api in plan.apis:
+                runs.append(await _run_point(clients[api], api, load, name, plan, synth))
         return runs
     finally:
         await client.close()
+        if http is not None:
+            await http.close()
+
+
+async def _run_point(client: GenerateClient, api: str, load: LoadPoint, name: str, plan: BenchPlan,
+                     synth: TokenSynth) -> dict[str, Any]:
+    salt = f"bench-{uuid.uuid4().hex[:12]}"  # a fresh prefix-cache namespace per run
+    oracle = PrefixOracle(plan.trace_block_size, plan.system_block_size)
+    label = load.label if plan.apis == ("grpc",) else f"{load.label} {api}"
+    bar = _progress_bar(len(plan.records), f"{name} {label}", plan.progress)
+    driver = Driver(client, plan.records, synth, oracle, plan.efforts, salt, bar, plan.max_run_s)
+    try:
+        out = await driver.run(load, plan.seed)
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"load": {"kind": load.kind, "value": load.value, "label": label}, "api": api,
+            **summarize_run(out, plan.slo), "requests": request_rows(out.results)}
+
+
+def http_vs_grpc(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per load point driven through both APIs: the medians of their per-request API overhead (client
+    time minus the router's own) and of their end-to-end times, in ms, and the HTTP API's excess."""
+    by_point: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_point.setdefault((run["load"]["kind"], run["load"]["value"]), {})[run["api"]] = run["summary"]
+    out = {}
+    for (kind, value), apis in by_point.items():
+        if {"grpc", "http"} <= set(apis):
+            figures = {f"{api}_{what}_p50_ms": _ms(apis[api][what]["p50"]) for api in ("grpc", "http")
+                       for what in ("api_overhead_s", "e2e_s")}
+            for what in ("api_overhead_s", "e2e_s"):
+                g, h = figures[f"grpc_{what}_p50_ms"], figures[f"http_{what}_p50_ms"]
+                figures[f"http_minus_grpc_{what}_p50_ms"] = None if g is None or h is None else h - g
+            out[LoadPoint(kind, value).label] = figures
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 def _progress_bar(total: int, label: str, enabled: bool) -> tqdm[Any] | None:
@@ -151,7 +200,7 @@ def _progress_bar(total: int, label: str, enabled: bool) -> tqdm[Any] | None:
     return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False)
 
 
-async def _warm_up(client: AsyncClient, plan: BenchPlan, synth: TokenSynth) -> None:
+async def _warm_up(client: GenerateClient, plan: BenchPlan, synth: TokenSynth) -> None:
     """A few requests outside the measurement (first passes compile and allocate)."""
     for k in range(plan.warmup):
         record = plan.records[k % len(plan.records)]
@@ -169,10 +218,18 @@ def run_arms(arms: Sequence[Arm], base: EmbeddedOptions, log_root: Path, plan: B
         print(f"# arm {arm.name}: {arm.num_prefill} prefill, {arm.num_decode} decode "
               f"(x{arm.decode_group_size} ranks), policy {arm.policy} (logs: {log_root / arm.name})",
               file=sys.stderr, flush=True)
-        with embedded_arm(arm, base, log_root / arm.name) as address:
-            runs = asyncio.run(bench_address(address, arm.name, plan))
-        out.append({"arm": arm.describe(), "runs": runs})
+        with embedded_arm(arm, base, log_root / arm.name) as (address, http_address):
+            runs = asyncio.run(bench_address(address, arm.name, plan, http_address))
+        out.append(_arm_report(arm.describe(), runs))
     return out
+
+
+def _arm_report(arm: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    report = {"arm": arm, "runs": runs}
+    comparison = http_vs_grpc(runs)
+    if comparison:
+        report["http_vs_grpc"] = comparison
+    return report
 
 
 def build_report(plan: BenchPlan, arms: list[dict[str, Any]], command: str, machine_info: dict[str, Any],
@@ -235,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("systems (started here unless --address)")
     s.add_argument("--address", help="drive a running system at HOST:PORT (one arm)")
     s.add_argument("--api-key", help="API key for --address")
+    s.add_argument("--api", default="grpc", help="the public API(s) to drive: grpc, http, or grpc,http (each load "
+                                                 "point through both, to see what the HTTP layer adds)")
+    s.add_argument("--http-address", help="with --address and --api http: the router's HTTP API at HOST:PORT")
     s.add_argument("--policies", default=",".join(POLICIES), help="disaggregated arms, one per routing policy")
     s.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                    help="also run colocated serving (no prefill worker) on the same devices")
@@ -298,7 +358,15 @@ def make_plan(args: argparse.Namespace) -> BenchPlan:
     return BenchPlan(records, assign_efforts(records, parse_effort_mix(args.effort_mix), args.seed), block,
                      args.block_size, load_points(args),
                      Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000, args.slo_e2e_s), workload, args.seed,
-                     args.warmup, args.request_timeout_s, args.api_key, not args.no_progress, args.max_run_s)
+                     args.warmup, args.request_timeout_s, args.api_key, not args.no_progress, args.max_run_s,
+                     parse_apis(args.api))
+
+
+def parse_apis(text: str) -> tuple[str, ...]:
+    apis = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not apis or any(a not in ("grpc", "http") for a in apis) or len(set(apis)) != len(apis):
+        raise ValueError(f"--api: grpc, http or both (comma-separated), got {text!r}")
+    return apis
 
 
 @contextlib.contextmanager
@@ -325,12 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = make_plan(args)
         if args.address:
             system: dict[str, Any] = {"address": args.address}
-            arms = [{"arm": {"name": "external", "address": args.address},
-                     "runs": asyncio.run(bench_address(args.address, "external", plan))}]
+            if args.http_address:
+                system["http_address"] = args.http_address
+            arms = [_arm_report({"name": "external", "address": args.address},
+                                asyncio.run(bench_address(args.address, "external", plan, args.http_address)))]
         else:
             gpus = tuple(int(g) for g in args.gpus.split(",") if g.strip())
             base = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, preset=args.preset,
-                                   device=args.device, gpus=gpus)
+                                   device=args.device, gpus=gpus, http_port=0 if "http" in plan.apis else -1)
             plan_list = plan_arms([p for p in args.policies.split(",") if p], args.prefill_workers,
                                   args.decode_workers, args.decode_ep, args.colocated)
             system = {"preset": args.preset, "checkpoint": args.checkpoint, "device": args.device, "gpus": list(gpus)}

@@ -71,6 +71,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float, slo: Slo, sent: i
         "ttft_s": _dist([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": _dist([t for r in ok if (t := r.tpot_s) is not None]),
         "e2e_s": _dist([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "api_overhead_s": _dist([o for r in ok if (o := r.api_overhead_s) is not None]),
         "slo_met": met,
         "slo_attainment": met / len(results) if results else 0.0,
         "goodput_rps": met / wall,

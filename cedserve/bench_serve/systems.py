@@ -53,13 +53,16 @@ def plan_arms(policies: Sequence[str], num_prefill: int, num_decode: int, decode
 
 
 @contextlib.contextmanager
-def embedded_arm(arm: Arm, base: EmbeddedOptions, log_dir: Path) -> Iterator[str]:
-    """Start the arm's processes on loopback, yield the router's address, stop them all."""
+def embedded_arm(arm: Arm, base: EmbeddedOptions, log_dir: Path) -> Iterator[tuple[str, str | None]]:
+    """Start the arm's processes on loopback, yield the router's gRPC address and its HTTP API's
+    (None unless `base.http_port` turns it on), stop them all."""
     opts = replace(base, num_prefill=arm.num_prefill, num_decode=arm.num_decode,
-                   decode_group_size=arm.decode_group_size, policy=arm.policy, port=0, log_dir=log_dir)
+                   decode_group_size=arm.decode_group_size, policy=arm.policy, port=0, log_dir=log_dir,
+                   http_port=0 if base.http_port >= 0 else -1)
     launcher = LocalLauncher(log_dir)
     try:
         router = start_embedded(opts, launcher)
-        yield str(router["address"])
+        http_port = int(router.get("http_port", -1))
+        yield str(router["address"]), f"{opts.host}:{http_port}" if http_port > 0 else None
     finally:
         launcher.stop_all()

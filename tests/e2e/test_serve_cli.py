@@ -53,7 +53,7 @@ def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -
     config.write_text(CONFIG)
     out = tmp_path / "serve.out"
     with out.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "cedserve.cli", "serve", "--config", str(config), "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "cedserve.cli", "serve", "--config", str(config), "--port", "0", "--http-port", "0",
                                  "--device", "auto", "--log-dir", str(logs)], stdout=sink, stderr=subprocess.STDOUT)
     try:
         system = _ready(out, 300.0)
@@ -80,7 +80,7 @@ def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -
 def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
     config = tmp_path / "serve.toml"
     config.write_text('[model]\npreset = "tiny"\n[decode]\nmax_runing_requests = 4\n')
-    run = subprocess.run([sys.executable, "-m", "cedserve.cli", "serve", "--config", str(config), "--port", "0",
+    run = subprocess.run([sys.executable, "-m", "cedserve.cli", "serve", "--config", str(config), "--port", "0", "--http-port", "0",
                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "decode.max_runing_requests" in run.stderr, run.stderr
     assert not (tmp_path / "logs").exists()

@@ -4,7 +4,8 @@ the real command, kill -9 of a worker and of the router while a client streams, 
 - a killed decode worker: the open stream fails with a status at once; the worker is started again,
   registered with the router at its new address, and serves the same greedy answer; its blocks are
   all free; the restart is printed;
-- a killed router is started again on the same port, in front of the workers' current addresses;
+- a killed router is started again on the same ports (gRPC and HTTP), in front of the workers'
+  current addresses;
 - `cedserve drain` stops the whole system with exit code 0 and no process left behind;
 - past `--max-restarts` the system stops with exit code 1 and says why.
 """
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,11 +50,19 @@ class Serve:
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cedserve.cli", "serve", "--checkpoint", str(checkpoint), "--port", "0",
-                 "--device", "cpu", "--log-dir", str(self.log_dir), "--restart-window-s", "600", *extra],
+                 "--http-port", "0", "--device", "cpu", "--log-dir", str(self.log_dir), "--restart-window-s", "600",
+                 *extra],
                 stdout=out, stderr=err, start_new_session=True)
         self.address = self._wait_address(180.0)
         token = (self.log_dir / "run" / TOKEN_FILE_NAME).read_text().strip()
         self.token = token
+
+    def http_port(self) -> int:
+        """The OpenAI-compatible HTTP API's port, from the start-up lines."""
+        for line in self.out.read_text().splitlines():
+            if line.startswith("OpenAI-compatible HTTP API: "):
+                return int(line.rsplit(":", 1)[1].split("/")[0])
+        raise AssertionError("no HTTP API line")
 
     def _wait_address(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -165,6 +175,8 @@ def test_killed_router_restarts_on_its_port(serve: Serve) -> None:
     after, took = serve.wait_serving(BACK_WITHIN_S)
     assert after == before
     assert "router is serving again" in serve.err.read_text()
+    with urllib.request.urlopen(f"http://127.0.0.1:{serve.http_port()}/health", timeout=10) as reply:
+        assert reply.status == 200  # the HTTP API came back on its port too
     print(f"router killed: serving again after {took:.1f} s")
 
 

@@ -120,8 +120,8 @@ def test_cancel_and_deadline_free_every_block(system: System) -> None:
 
 def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     env = {**os.environ, "CEDSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "cedserve.cli", "serve", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "cedserve.cli", "serve", "--port", "0", "--http-port", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         address = None
         assert proc.stdout is not None

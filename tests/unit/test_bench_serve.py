@@ -13,7 +13,7 @@ import pytest
 
 from cedserve.bench_serve.agentic import AgentWorkload, generate_sessions, parse_effort_mix, parse_range
 from cedserve.bench_serve.driver import LoadPoint, RequestResult, RunOutput, Sessions
-from cedserve.bench_serve.main import assign_efforts
+from cedserve.bench_serve.main import assign_efforts, http_vs_grpc, parse_apis
 from cedserve.bench_serve.metrics import Slo, percentile, summarize, summarize_run
 from cedserve.bench_serve.trace import (
     PrefixOracle,
@@ -255,3 +255,26 @@ def test_machine_description_names_the_host_and_its_software() -> None:
     assert "gpus" not in info and info["nixl"].startswith(("nixl", "none"))
     assert len(info["loadavg_at_start"]) == len(loadavg()) == 3 and float(info["mem_gib"]) > 0
     json.dumps(info)  # it goes into the JSON report as it is
+
+
+def test_api_overhead_is_client_time_minus_the_routers_and_http_is_compared_with_grpc() -> None:
+    def run(api: str, overheads_s: list[float]) -> dict[str, object]:
+        results = []
+        for o in overheads_s:
+            r = _result(75, 0.1, 1.0, 4)
+            assert r.e2e_s is not None
+            r.server_s = r.e2e_s - o
+            results.append(r)
+        summary = summarize(results, wall_s=4.0, slo=Slo(ttft_s=1.0, tpot_s=0.15))
+        return {"load": {"kind": "closed", "value": 1.0, "label": f"closed x1 {api}"}, "api": api, "summary": summary}
+
+    grpc_run, http_run = run("grpc", [0.003, 0.002, 0.004]), run("http", [0.0025, 0.0015, 0.0035])
+    assert grpc_run["summary"]["api_overhead_s"]["p50"] == pytest.approx(0.003)  # type: ignore[index]
+    figures = http_vs_grpc([grpc_run, http_run])["closed x1"]
+    assert figures["grpc_api_overhead_s_p50_ms"] == pytest.approx(3.0)
+    assert figures["http_minus_grpc_api_overhead_s_p50_ms"] == pytest.approx(-0.5)
+    assert http_vs_grpc([grpc_run]) == {}  # one API alone: nothing to compare
+    assert parse_apis("grpc,http") == ("grpc", "http")
+    for bad in ("", "rest", "http,http"):
+        with pytest.raises(ValueError, match="--api"):
+            parse_apis(bad)

@@ -430,7 +430,9 @@ def test_network_policies_fence_internal_ports(renders: dict[str, dict[str, str]
 
     router = policies[f"{golden.RELEASE}-cedserve-router"]
     public = router["spec"]["ingress"][0]
-    assert public["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    http = values.get("router", {}).get("http", {})
+    http_ports = [{"port": http.get("port", 8000), "protocol": "TCP"}] if http.get("enabled") else []
+    assert public["ports"] == [{"port": 50051, "protocol": "TCP"}, *http_ports]  # the HTTP API only when on
     assert public.get("from") == (values.get("networkPolicy", {}).get("clientsFrom") or None)
 
 
@@ -693,6 +695,21 @@ def test_router_discovers_pools_through_headless_services(renders: dict[str, dic
         assert f"--{role}-service={service['metadata']['name']}" in router["args"]
         assert {p["name"] for p in service["spec"]["ports"]} >= {"grpc", "nixl", "metrics"}
     assert "--api-key-file=/var/run/secrets/cedserve/api-key" in router["args"]
+
+
+@pytest.mark.parametrize("name", ["default", "single-node"])
+def test_the_http_api_is_off_by_default_and_public_when_on(renders: dict[str, dict[str, str]], name: str) -> None:
+    """`router.http.enabled` (on in the single-node example) adds `--http-port`, the container port and
+    the public Service's port; the default render has none of them."""
+    objs = _objects(renders, name)
+    enabled = bool(_merged(name)["router"]["http"]["enabled"])
+    assert enabled == (name == "single-node")
+    router = _container(_one(objs, "Deployment", f"{golden.RELEASE}-cedserve-router"))
+    service = _one(objs, "Service", f"{golden.RELEASE}-cedserve-router")
+    expected = [8000] if enabled else []
+    assert [a for a in router["args"] if a.startswith("--http-port")] == [f"--http-port={p}" for p in expected]
+    assert [p["containerPort"] for p in router["ports"] if p["name"] == "http"] == expected
+    assert [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"] == expected
 
 
 def test_existing_api_key_secret_is_used_not_generated(renders: dict[str, dict[str, str]]) -> None:

@@ -397,10 +397,11 @@ def test_tls_public_port_and_plaintext_health_listener(checkpoint: Path, tls_fil
         s.bind(("127.0.0.1", 0))
         health_port = s.getsockname()[1]
     server_tls = TLSConfig(cert=tls_files.server_cert, key=tls_files.server_key)
-    c = Cluster(checkpoint, tls=server_tls, health_port=health_port)
+    c = Cluster(checkpoint, tls=server_tls, health_port=health_port, http_port=0)
     try:
         with Client(c.address, timeout_s=20, tls=TLSConfig(ca=tls_files.ca)) as client:
             assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+        _https_api_serves_with_the_same_certificate(c.router.http_port, tls_files)
         with Client(c.address, timeout_s=5) as client, pytest.raises(CedserveError) as info:
             client.generate([5, 6, 7], max_tokens=3)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
@@ -412,6 +413,22 @@ def test_tls_public_port_and_plaintext_health_listener(checkpoint: Path, tls_fil
             assert info.value.code == grpc.StatusCode.UNIMPLEMENTED  # the API is never served in plaintext
     finally:
         c.close()
+
+
+def _https_api_serves_with_the_same_certificate(port: int, tls_files: TLSFiles) -> None:
+    """The HTTP API on a TLS router serves HTTPS with the public port's certificate, and nothing in plaintext."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    trusted = ssl.create_default_context(cafile=tls_files.ca)
+    body = json.dumps({"model": "cedserve", "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+    request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/completions", body,
+                                     {"content-type": "application/json"})
+    answer = json.loads(urllib.request.urlopen(request, timeout=20, context=trusted).read())
+    assert answer["usage"]["completion_tokens"] == 3
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
 def test_autoscaler_metrics_sum_the_healthy_workers_queues(cluster: Cluster) -> None:
