@@ -85,7 +85,9 @@ class RouterConfig:
     limits: dict[str, ClassLimits] = field(default_factory=dict)
     """Admission limits by effort class (low, high, max)."""
     max_message_bytes: int = 16 << 20
-    """Largest request accepted (gRPC refuses bigger ones with RESOURCE_EXHAUSTED)."""
+    """Largest request accepted (gRPC refuses bigger ones with RESOURCE_EXHAUSTED, HTTP with 413), and
+    never more than what the model's context can use (`router.requests.message_limit`): bigger
+    requests are refused from their length prefix, before their bytes are read or parsed."""
     metrics_port: int | None = None
     """Prometheus endpoint; None: off."""
     http_port: int = -1

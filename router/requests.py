@@ -41,6 +41,18 @@ class ModelLimits:
     """How the checkpoint encodes a conversation (model/chat_format.py); None: chat prompts are refused."""
 
 
+MESSAGE_SLACK_BYTES = 64 << 10
+"""What a request carries besides its prompt (ids, sampling, stop strings, chat roles) at most."""
+
+
+def message_limit(limits: ModelLimits, configured: int) -> int:
+    """The largest request worth reading: `configured`, but no more than a prompt that can fit the
+    context (`BYTES_PER_TOKEN_BOUND` bytes per token) plus `MESSAGE_SLACK_BYTES`. Three concurrent
+    15 MB prompts against a 4K-token demo model were read, parsed and held whole before the prompt's
+    own check refused them (0.26-0.32 s each, the router's memory 255 -> 366 MB)."""
+    return min(configured, limits.max_context_tokens * BYTES_PER_TOKEN_BOUND + MESSAGE_SLACK_BYTES)
+
+
 @dataclass(frozen=True)
 class PreparedRequest:
     request_id: str

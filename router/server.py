@@ -38,7 +38,7 @@ from cedserve.router.metrics import RouterMetrics
 from cedserve.router.openai_api import ApiSettings
 from cedserve.router.placement import MeasuredLinks
 from cedserve.router.policy import make_policy
-from cedserve.router.requests import ModelLimits
+from cedserve.router.requests import ModelLimits, message_limit
 from cedserve.router.workers import WorkerPool
 from cedserve.tls import add_port
 
@@ -116,7 +116,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                           Admission(config.limits), metrics, config.max_retries, config.lease_ms,
                           block_bytes, metadata, links=MeasuredLinks(
                               config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
-    options = [("grpc.max_receive_message_length", config.max_message_bytes)]
+    options = [("grpc.max_receive_message_length", message_limit(limits, config.max_message_bytes))]
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),
@@ -153,7 +153,7 @@ async def _http_api(config: RouterConfig, core: GenerationCore, drain: RouterDra
     if config.http_port < 0:
         return None
     api = HttpApi(core, drain, ApiSettings(config.model_id, config.user_cache_salt), config.api_keys,
-                  config.max_message_bytes)
+                  message_limit(core.limits, config.max_message_bytes))
     return await start_http_server(api.app(), config.host, config.http_port, config.tls)
 
 

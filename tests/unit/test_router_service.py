@@ -499,3 +499,15 @@ def test_a_client_gone_during_reserve_frees_the_lease_at_once(cluster: Cluster) 
     finally:
         for worker in cluster.decode:
             worker.script.reserve_delay_s = 0.0
+
+
+def test_a_request_bigger_than_the_context_can_use_is_refused_unread(cluster: Cluster) -> None:
+    """A 2 MB prompt against the tiny checkpoint's context: gRPC refuses it from its length prefix
+    (RESOURCE_EXHAUSTED, `router.requests.message_limit`), before the router reads or parses it; the
+    router keeps serving."""
+    with _client(cluster) as client:
+        with pytest.raises(CedserveError) as info:
+            client.generate("ab" * 1_000_000, max_tokens=2)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in info.value.message
+        assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
