@@ -255,6 +255,8 @@ class DecodeEngine:
         for lease in self.leases.expired():
             if lease.request_id not in self.sequences:
                 self.metrics.lease_expired.inc()
+                log.warning("lease %s of request %s expired unattached (neither its Decode call nor a Cancel "
+                            "came): its blocks held until now", lease.lease_id, lease.request_id)
                 self._drop_lease(lease, "lease expired")
                 out.append(Failed(lease.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED,
                                   f"lease {lease.lease_id!r} expired before its Decode call", lease_id=lease.lease_id))

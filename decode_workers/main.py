@@ -84,6 +84,19 @@ class DecodeSettings:
     kv_transfer: KVTransferConfig
 
 
+CONTROL_RPC_THREADS = 32
+"""Threads beyond the Decode streams' for the calls that must not wait behind them: health and
+liveness checks, GetLoad, Cancel, Reserve."""
+
+
+def rpc_threads(cfg: DecodeConfig) -> int:
+    """The worker's gRPC threads. Each open Decode stream holds one until its request ends, so with
+    16 (the old default) 16 running requests left none for the liveness check or a Cancel: under
+    load the router took the worker for dead and cancels waited until leases expired. Room for
+    twice the batch's streams (the batch and as many waiting for a slot) plus the control calls."""
+    return 2 * cfg.max_running_requests + CONTROL_RPC_THREADS
+
+
 def load_settings(opts: WorkerOptions) -> DecodeSettings:
     serve, extra = read_serve_file(opts.config, ("decode", "kv_transfer"))
     serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
@@ -180,8 +193,8 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     router = OutputRouter(opts.group_size) if leader else None
     inbox = CommandInbox()
     loop = EngineLoop(engine, channel, inbox, router.on_report if router is not None else None)
-    server = GrpcServer(opts.host, opts.grpc_port, tls=serve.internal_tls, health_port=opts.health_port,
-                        token=serve.internal_token())
+    server = GrpcServer(opts.host, opts.grpc_port, max_workers=rpc_threads(cfg), tls=serve.internal_tls,
+                        health_port=opts.health_port, token=serve.internal_token())
     drain = DrainController(server.health, cfg.drain_timeout_s)
     add_lifecycle(server, drain)
     worker = DecodeWorker(opts, settings, cache, agent, engine, loop, router, server, drain, feed)

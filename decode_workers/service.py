@@ -154,6 +154,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.drain = drain
         self.lease_ms = lease_ms
         self._seq = SeqCounter()
+        self._order = threading.Lock()
+        """Held while a Reserve or a Cancel decides and queues its command, so a Cancel either finds
+        the request (and its command follows the Reserve's in the inbox) or is remembered before the
+        Reserve looks (`OutputRouter.note_early_cancel`): never a lease that both missed."""
 
     # ------------------------------------------------------------------ Reserve
 
@@ -161,17 +165,19 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         if self.drain.draining:
             abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_UNAVAILABLE, message="draining: no new leases",
                                            request_id=request.request_id))
-        if not context.is_active() or self.router.cancelled_early(request.request_id):
-            # the caller is gone (its deadline passed while this call queued) or already cancelled it
-            context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was cancelled before its "
-                          "Reserve ran")
         rank = self.router.pick_rank()
         cmd = ReserveCommand(rank, request.request_id, new_lease_id(), request.prompt_tokens,
                              tuple(request.token_ids), request.lease_ms or self.lease_ms, request.cache_salt,
                              request.sender_agent, request.sender_control_address,
                              request.ship_state if request.HasField("ship_state") else None)
-        future = self.router.expect_reserve(request.request_id, rank)
-        self.inbox.put(cmd)
+        with self._order:
+            gone = not context.is_active() or self.router.cancelled_early(request.request_id)
+            if not gone:
+                future = self.router.expect_reserve(request.request_id, rank)
+                self.inbox.put(cmd)
+        if gone:  # the caller left (its deadline passed while this call queued) or cancelled it already
+            context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was cancelled before its "
+                          "Reserve ran")
         try:
             out = future.result(timeout=RESERVE_TIMEOUT_S)
         except TimeoutError:
@@ -242,12 +248,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     # ------------------------------------------------------------------ the rest
 
     def Cancel(self, request: wpb.CancelRequest, context: grpc.ServicerContext) -> wpb.CancelReply:
-        rank = self.router.rank_of(request.request_id)
-        if rank is None:
-            if request.request_id:
-                self.router.note_early_cancel(request.request_id)
-            return wpb.CancelReply(found=False)
-        self.inbox.put(CancelCommand(rank, request.request_id, request.lease_id, "cancelled by the router"))
+        with self._order:
+            rank = self.router.rank_of(request.request_id)
+            if rank is None:
+                if request.request_id:
+                    self.router.note_early_cancel(request.request_id)
+                return wpb.CancelReply(found=False)
+            self.inbox.put(CancelCommand(rank, request.request_id, request.lease_id, "cancelled by the router"))
         return wpb.CancelReply(found=True)
 
     def GetLoad(self, request: wpb.LoadRequest, context: grpc.ServicerContext) -> wpb.LoadReport:

@@ -252,7 +252,9 @@ class GenerationCore:
             # the client left: its task was cancelled, or its stream closed between two responses
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
-        except WorkerFailed:
+        except Exception:
+            # a worker failed, or the request did (its deadline passed during prefill, a worker
+            # refused it): the lease and any prefill job go now, not when the lease expires
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
 
@@ -319,7 +321,9 @@ class GenerationCore:
             raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                await self._cancel(decode, req.request_id, "")  # as above: a lease may exist
+                # as above: a lease may exist; shielded, since the deadline that ended this call cancels
+                # the request's task too, which would take the Cancel call down with it
+                await asyncio.shield(self._cancel(decode, req.request_id, ""))
             raise self._from_rpc(decode.worker_id, exc) from exc
         return reply
 
@@ -417,9 +421,12 @@ class GenerationCore:
     async def _cancel(self, worker: WorkerHandle, request_id: str, lease_id: str) -> None:
         stub = worker.prefill or worker.decode
         assert stub is not None
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        try:
             await stub.Cancel(worker_pb2.CancelRequest(request_id=request_id, lease_id=lease_id), timeout=2.0,
                               metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:  # the worker's lease expiry is the backstop
+            log.warning("cancel of request %s on %s failed (%s): what it holds waits for its lease to expire",
+                        request_id, worker.worker_id, exc.code().name)
 
     async def _cancel_everywhere(self, request_id: str, lease_id: str, prefill: WorkerHandle | None,
                                  decode: WorkerHandle) -> None:
