@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cedserve.bench_serve.held import Target, deadline_flood
 from cedserve.client import CedserveError, Client
 from cedserve.config import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
@@ -178,6 +179,18 @@ def test_killed_router_restarts_on_its_port(serve: Serve) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{serve.http_port()}/health", timeout=10) as reply:
         assert reply.status == 200  # the HTTP API came back on its port too
     print(f"router killed: serving again after {took:.1f} s")
+
+
+def test_abandoned_requests_free_their_blocks(serve: Serve) -> None:
+    """800 requests with a 10 ms deadline from 8 threads (their clients gone before they finish):
+    every decode block is back, and a normal request served, well before the 30 s lease would have
+    freed them (it took 28 s before the cancel paths were fixed; docs/benchmarks/held-cpu.json)."""
+    serve.wait_serving(60)
+    target = Target(serve.address, serve.token)
+    report = deadline_flood(target, 800, max_tokens=6)
+    assert report["status"].get("OK", 0) + report["status"].get("DEADLINE_EXCEEDED", 0) == 800, report
+    assert report["blocks_back_after_s"] is not None and report["blocks_back_after_s"] < 10.0, report
+    assert all(free == total for free, total in target.decode_blocks().values())
 
 
 def test_drain_stops_the_whole_system_cleanly(serve: Serve) -> None:
