@@ -7,15 +7,22 @@ from the last applied sequence number, or for a snapshot when its replay buffer 
 back. The index is exact: a worker is credited only for blocks it said it stored and has not said
 it removed.
 
-Besides the per-worker mirror (which orders and checks batches), an inverted map `hash -> {worker:
-tiers}` answers "how long a prefix of this prompt does every worker hold" in one walk over the
-prompt's blocks, touching only workers that hold them: O(matching holders), not O(workers x blocks).
+Besides the per-worker mirror (which orders and checks batches), an inverted map `hash -> holders`
+answers "how long a prefix of this prompt does every worker hold" in one walk over the prompt's
+blocks. A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
+same workers in the same tiers points to one `_Holders` object. Along a prompt's chain consecutive
+blocks usually share it, so the walk compares objects by identity and does per-worker work only
+where the holder set changes (a worker's run ends, or its fastest tier changes), and the change
+between two holder sets is computed once and memoised on the (immutable) pair. A query costs
+O(blocks + holders of the first block + changes), not O(blocks x holders); an update of one hash
+costs O(its holders), as it builds the new interned set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from cedserve.model.cache.events import (
     AllBlocksCleared,
@@ -52,12 +59,43 @@ def _empty(worker_id: str) -> PrefixHit:
     return PrefixHit(worker_id, {t: 0 for t in TIER_ORDER})
 
 
+_MAX_MEMOISED_CHANGES = 8
+"""Holder-set changes remembered per holder set (a chain reaches a set from few others)."""
+
+
+class _Holders:
+    """The workers holding a block hash, `masks[worker] = tier bitmask`: immutable and interned, so
+    equal holder sets are the same object. `refs` counts the hashes pointing at it."""
+
+    __slots__ = ("_changes", "key", "masks", "refs")
+
+    def __init__(self, masks: dict[str, int], key: frozenset[tuple[str, int]]) -> None:
+        self.masks = masks
+        self.key = key
+        self.refs = 0
+        self._changes: dict[_Holders, tuple[tuple[str, int], ...]] = {}
+
+    def changes_to(self, other: _Holders) -> tuple[tuple[str, int], ...]:
+        """(worker, its mask in `other`, 0 when absent) for each worker of this set whose mask differs
+        there. Both sets are immutable, so the answer is memoised (a few per set)."""
+        changes = self._changes.get(other)
+        if changes is None:
+            if len(self._changes) >= _MAX_MEMOISED_CHANGES:
+                self._changes.clear()
+            theirs = other.masks
+            changes = tuple((w, theirs.get(w, 0)) for w, m in self.masks.items() if theirs.get(w, 0) != m)
+            self._changes[other] = changes
+        return changes
+
+
 class GlobalPrefixIndex:
     """Exact mirror of every worker's cache, with longest-prefix queries."""
 
     def __init__(self) -> None:
         self._mirror = KVIndexMirror()
-        self._holders: dict[bytes, dict[str, int]] = {}  # hash -> worker -> tier bitmask
+        self._holders: dict[bytes, _Holders] = {}
+        self._interned: dict[frozenset[tuple[str, int]], _Holders] = {}
+        self._num_entries = 0
         self._by_worker: dict[str, set[bytes]] = {}
         self._out_of_step: set[str] = set()
 
@@ -84,7 +122,7 @@ class GlobalPrefixIndex:
     @property
     def num_entries(self) -> int:
         """(block hash, worker) pairs indexed."""
-        return sum(len(w) for w in self._holders.values())
+        return self._num_entries
 
     def forget(self, worker_id: str) -> None:
         """Drop a worker (it left or died): no prefix credit until its next snapshot."""
@@ -101,18 +139,58 @@ class GlobalPrefixIndex:
 
     def prefix_hits(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:
         """Every worker holding at least the first block, with its longest run by tier."""
-        first = self._holders.get(block_hashes[0]) if block_hashes else None
-        if not first:
+        return {w: PrefixHit(w, dict(zip(TIER_ORDER, c))) for w, c in self.prefix_runs(block_hashes).items()}
+
+    def prefix_runs(self, block_hashes: Sequence[bytes]) -> dict[str, list[int]]:
+        """Every worker holding at least the first block -> its longest leading run of `block_hashes`
+        as `[device, host, disk]` block counts (each block in its fastest tier). One walk over the
+        chain, stopping at the first block nobody holds or once every worker's run has ended."""
+        holders = self._holders
+        prev = holders.get(block_hashes[0]) if block_hashes else None
+        if prev is None:
             return {}
-        counts = {w: [0, 0, 0] for w in first}
-        alive = list(first)
+        tier = {w: _FASTEST[m] for w, m in prev.masks.items()}  # alive workers -> fastest tier now
+        since = dict.fromkeys(tier, 0)  # alive workers -> block where their current tier began
+        counts = {w: [0, 0, 0] for w in tier}
+        end = len(block_hashes)
+        for k, h in enumerate(islice(block_hashes, 1, None), 1):
+            cur = holders.get(h)
+            if cur is prev:
+                continue
+            if cur is None:
+                end = k
+                break
+            for w, mask in prev.changes_to(cur):
+                t = tier.get(w)
+                if t is None:
+                    continue  # its run ended at an earlier block
+                counts[w][t] += k - since[w]
+                if mask:
+                    tier[w], since[w] = _FASTEST[mask], k
+                else:
+                    del tier[w]
+            if not tier:
+                break
+            prev = cur
+        for w, t in tier.items():
+            counts[w][t] += end - since[w]
+        return counts
+
+    def prefix_hits_reference(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:
+        """`prefix_hits` the straightforward way: every block, every worker still in its run. The
+        oracle of the fast walk's tests and the old path of benchmarks/router.py."""
+        first = self._holders.get(block_hashes[0]) if block_hashes else None
+        if first is None:
+            return {}
+        counts = {w: [0, 0, 0] for w in first.masks}
+        alive = list(first.masks)
         for h in block_hashes:
             holders = self._holders.get(h)
-            if not holders:
+            if holders is None:
                 break
             still = []
             for w in alive:
-                mask = holders.get(w)
+                mask = holders.masks.get(w)
                 if mask:
                     counts[w][_FASTEST[mask]] += 1
                     still.append(w)
@@ -141,18 +219,39 @@ class GlobalPrefixIndex:
                 self._add(h, worker_id, event.dst)
 
     def _add(self, h: bytes, worker_id: str, tier: Tier) -> None:
-        workers = self._holders.setdefault(h, {})
-        workers[worker_id] = workers.get(worker_id, 0) | _BIT[tier]
+        old = self._holders.get(h)
+        self._set(h, old, worker_id, (old.masks.get(worker_id, 0) if old else 0) | _BIT[tier])
         self._by_worker.setdefault(worker_id, set()).add(h)
 
     def _drop(self, h: bytes, worker_id: str, tier: Tier | None) -> None:
-        workers = self._holders.get(h)
-        if workers is None or worker_id not in workers:
+        old = self._holders.get(h)
+        mask = old.masks.get(worker_id, 0) if old else 0
+        if not mask:
             return
-        if tier is not None:
-            workers[worker_id] &= ~_BIT[tier]
-        if tier is None or not workers[worker_id]:
-            del workers[worker_id]
+        mask = 0 if tier is None else mask & ~_BIT[tier]
+        self._set(h, old, worker_id, mask)
+        if not mask:
             self._by_worker.get(worker_id, set()).discard(h)
-        if not workers:
-            del self._holders[h]
+
+    def _set(self, h: bytes, old: _Holders | None, worker_id: str, mask: int) -> None:
+        """Point `h` at the interned holder set `old` with `worker_id`'s mask replaced (0: removed)."""
+        masks = dict(old.masks) if old else {}
+        before = len(masks)
+        if mask:
+            masks[worker_id] = mask
+        else:
+            masks.pop(worker_id, None)
+        self._num_entries += len(masks) - before
+        if old is not None:
+            old.refs -= 1
+            if not old.refs:
+                del self._interned[old.key]
+        if not masks:
+            self._holders.pop(h, None)
+            return
+        key = frozenset(masks.items())
+        new = self._interned.get(key)
+        if new is None:
+            new = self._interned[key] = _Holders(masks, key)
+        new.refs += 1
+        self._holders[h] = new

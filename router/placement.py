@@ -28,7 +28,7 @@ reported in load reports; nothing here is a tuned weight.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,6 +113,9 @@ class LinkRates:
     tier_bytes_per_s: Mapping[str, float]
     default_transfer_bytes_per_s: float = 1e9
 
+    def measured_decode_ids(self) -> Collection[str]:
+        return {d for _, d in self.transfer_bytes_per_s}
+
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
         """`[P, D]` link rates."""
         rates = np.full((len(prefill_ids), len(decode_ids)), self.default_transfer_bytes_per_s)
@@ -149,12 +152,21 @@ class MeasuredLinks:
         self._bytes = np.zeros((1, 1))   # [rows, cols] EWMA of bytes; 0 where unmeasured
         self._seconds = np.zeros((1, 1))
         self._rates = np.full((1, 1), default_bytes_per_s)
+        self._measured_cols: set[str] = set()
+
+    @property
+    def default_transfer_bytes_per_s(self) -> float:
+        return self.default_bytes_per_s
+
+    def measured_decode_ids(self) -> Collection[str]:
+        return self._measured_cols
 
     def observe(self, prefill_id: str, decode_id: str, num_bytes: int, seconds: float) -> None:
         """One completed transfer P->D. Nothing sent (a fully cached prompt) measures nothing."""
         if num_bytes <= 0 or seconds <= 0:
             return
         i, j = self._index(self._rows, prefill_id, 0), self._index(self._cols, decode_id, 1)
+        self._measured_cols.add(decode_id)
         a = self.alpha if self._seconds[i, j] > 0 else 1.0
         self._bytes[i, j] = a * num_bytes + (1 - a) * self._bytes[i, j]
         self._seconds[i, j] = a * seconds + (1 - a) * self._seconds[i, j]
@@ -172,6 +184,7 @@ class MeasuredLinks:
 
     def forget(self, worker_id: str) -> None:
         """Drop a departed worker's measurements (one that comes back starts from the default)."""
+        self._measured_cols.discard(worker_id)  # as a prefill worker its column flags stay: harmless
         for index, axis in ((self._rows, 0), (self._cols, 1)):
             k = index.get(worker_id)
             if k is not None:
@@ -196,6 +209,15 @@ class LinkModel(Protocol):
 
     @property
     def tier_bytes_per_s(self) -> Mapping[str, float]: ...
+
+    @property
+    def default_transfer_bytes_per_s(self) -> float:
+        """The rate of every pair not listed by `measured_decode_ids`."""
+        ...
+
+    def measured_decode_ids(self) -> Collection[str]:
+        """Decode workers with at least one pair whose rate may differ from the default."""
+        ...
 
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]: ...
 

@@ -1,0 +1,250 @@
+"""Placement inputs kept per worker in dense arrays, updated on load reports; placement in O(workers).
+
+`placement.place` is the cost formula as written: it takes one `PrefillLoad` / `DecodeLoad` object
+per worker, built for every request, and scores all P x D pairs. `LoadTable` keeps what does not
+depend on the request in per-worker arrays (slot = worker), written once per load report
+(`set_prefill`, `set_decode`, `drop`), so a request costs a few vector operations over the workers:
+
+    A[P]        = wait[P] + compute[P]           wait precomputed; compute = prompt_len / rate[P],
+                                                 except the few prefix holders (scalar, exact terms)
+    pressure[D] = E(effort) x added[D] x running[D] + step_next[D]   added, step_next precomputed
+    cost(P, D)  = (A[P] + missing[D] / link_rate(P, D)) + pressure[D]
+
+Every pair whose link runs at the default rate (`LinkModel.measured_decode_ids` names the decode
+workers with any other) costs `(A[P] + missing[D] / default) + pressure[D]`, which grows with A[P]:
+the best such pair of decode worker D is the one with the least A (an argmin, no P x D matrix).
+Decode workers with measured links get their column scored exactly (a P x |measured| gather).
+Ties are resolved by rescoring the tied columns exactly, so the choice (smallest prefill id, then
+decode id, among the cheapest) is `place`'s, bit for bit: the sums are taken in `place`'s order.
+
+The table is not thread-safe: it lives on the router's event loop, like `WorkerPool`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from cedserve.router.placement import (
+    DecodeLoad,
+    LinkModel,
+    NoCapacityError,
+    NoWorkerError,
+    Placement,
+    PrefillLoad,
+    RequestShape,
+    expected_output_tokens,
+)
+
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+TierRun = Sequence[int]
+"""A worker's longest leading run of the prompt's blocks, `[device, host, disk]` block counts
+(`GlobalPrefixIndex.prefix_runs`)."""
+
+
+class _Slots:
+    """Worker id <-> dense slot, reusing freed slots; `active[slot]` is False for a free one."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.ids: list[str] = []
+        self._free: list[int] = []
+        self.active = np.zeros(0, dtype=bool)
+
+    def claim(self, worker_id: str) -> int:
+        """The worker's slot, a new one if needed; True in `active`. The caller's arrays must then
+        be at least `capacity` long (`_grown`)."""
+        k = self.index.get(worker_id)
+        if k is None:
+            k = self._free.pop() if self._free else len(self.ids)
+            if k == len(self.ids):
+                self.ids.append(worker_id)
+            self.index[worker_id], self.ids[k] = k, worker_id
+            if k >= len(self.active):
+                self.active = _grown(self.active, k)
+        self.active[k] = True
+        return k
+
+    def release(self, worker_id: str) -> int | None:
+        """The freed slot, None when the worker has none."""
+        k = self.index.pop(worker_id, None)
+        if k is not None:
+            self.active[k], self.ids[k] = False, ""
+            self._free.append(k)
+        return k
+
+    def usable(self, excluded: Collection[str]) -> npt.NDArray[np.bool_]:
+        """`[slots]` active and not excluded (a copy)."""
+        mask = self.active[: len(self.ids)].copy()
+        for w in excluded:
+            k = self.index.get(w)
+            if k is not None:
+                mask[k] = False
+        return mask
+
+
+def _grown(a: npt.NDArray[np.generic], k: int) -> npt.NDArray[np.generic]:
+    """`a` padded with zeros to hold index `k`: doubling, so amortised O(1) per new worker."""
+    return np.concatenate([a, np.zeros(max(k + 1, 2 * len(a), 8) - len(a), dtype=a.dtype)])
+
+
+class LoadTable:
+    """The router's healthy workers as placement sees them. `set_*` on every load report, `drop`
+    when a worker leaves placement; `place` per request."""
+
+    def __init__(self) -> None:
+        self._p = _Slots()
+        self._p_wait: Floats = np.zeros(0)  # [P] queued_tokens / prefill_tokens_per_s
+        self._p_rate: Floats = np.zeros(0)  # [P] prefill_tokens_per_s
+        self._p_load: list[PrefillLoad | None] = []
+        self._d = _Slots()
+        self._d_running: Ints = np.zeros(0, dtype=np.int64)  # [D] running requests (the batch)
+        self._d_free: Ints = np.zeros(0, dtype=np.int64)  # [D] free blocks
+        self._d_added: Floats = np.zeros(0)  # [D] step_s(batch + 1) - step_s(batch)
+        self._d_step_next: Floats = np.zeros(0)  # [D] step_s(batch + 1)
+        self._d_wait: Floats = np.zeros(0)  # [D] queued_tokens / prefill_tokens_per_s
+        self._d_rate: Floats = np.zeros(0)  # [D] prefill_tokens_per_s
+        self._d_load: list[DecodeLoad | None] = []
+
+    # ------------------------------------------------------------------ load reports
+
+    def set_prefill(self, load: PrefillLoad) -> None:
+        """A prefill worker's report (its `cached_blocks` are ignored: they are per request)."""
+        if load.worker_id in self._d.index:  # a worker has one role: a report of the other replaces it
+            self.drop(load.worker_id)
+        k = self._p.claim(load.worker_id)
+        if k >= len(self._p_wait):
+            self._p_wait, self._p_rate = _grown(self._p_wait, k), _grown(self._p_rate, k)
+            self._p_load.extend([None] * (len(self._p_wait) - len(self._p_load)))
+        self._p_wait[k] = load.queued_tokens / load.prefill_tokens_per_s
+        self._p_rate[k] = load.prefill_tokens_per_s
+        self._p_load[k] = load
+
+    def set_decode(self, load: DecodeLoad) -> None:
+        """A decode worker's report (its `cached_blocks` are ignored: they are per request)."""
+        if load.worker_id in self._p.index:
+            self.drop(load.worker_id)
+        k = self._d.claim(load.worker_id)
+        if k >= len(self._d_wait):
+            self._d_running, self._d_free = _grown(self._d_running, k), _grown(self._d_free, k)
+            self._d_added, self._d_step_next = _grown(self._d_added, k), _grown(self._d_step_next, k)
+            self._d_wait, self._d_rate = _grown(self._d_wait, k), _grown(self._d_rate, k)
+            self._d_load.extend([None] * (len(self._d_wait) - len(self._d_load)))
+        batch = load.running_requests
+        self._d_running[k], self._d_free[k] = batch, load.free_blocks
+        self._d_added[k] = load.step_at(batch + 1) - load.step_at(batch)
+        self._d_step_next[k] = load.step_at(batch + 1)
+        self._d_wait[k] = load.queued_tokens / load.prefill_tokens_per_s
+        self._d_rate[k] = load.prefill_tokens_per_s
+        self._d_load[k] = load
+
+    def drop(self, worker_id: str) -> None:
+        """Out of placement (left, down, or a follower rank) until its next `set_*`."""
+        if (k := self._p.release(worker_id)) is not None:
+            self._p_load[k] = None
+        if (k := self._d.release(worker_id)) is not None:
+            self._d_load[k] = None
+
+    def num_workers(self, role: str, excluded: Collection[str] = ()) -> int:
+        slots = self._p if role == "prefill" else self._d
+        return int(slots.usable(excluded).sum())
+
+    def loads(self, runs: Mapping[str, TierRun], excluded: Collection[str] = ()
+              ) -> tuple[list[PrefillLoad], list[DecodeLoad]]:
+        """The table as `place` and the baseline policies take it: one object per usable worker,
+        with this request's prefix credit (`runs`). O(workers): the slow path."""
+        prefill = []
+        for k in np.flatnonzero(self._p.usable(excluded)):
+            p = self._p_load[k]
+            assert p is not None
+            run = runs.get(p.worker_id, (0, 0, 0))
+            prefill.append(PrefillLoad(p.worker_id, p.queued_tokens, p.prefill_tokens_per_s, cached_blocks=run[0],
+                                       offloaded_blocks={"host": run[1], "disk": run[2]}))
+        decode = []
+        for k in np.flatnonzero(self._d.usable(excluded)):
+            d = self._d_load[k]
+            assert d is not None
+            decode.append(DecodeLoad(d.worker_id, d.running_requests, d.free_blocks, d.step_s, d.prefill_tokens_per_s,
+                                     d.queued_tokens, cached_blocks=sum(runs.get(d.worker_id, ()))))
+        return prefill, decode
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, req: RequestShape, runs: Mapping[str, TierRun], links: LinkModel, decode_only_max_tokens: int,
+              excluded: Collection[str] = ()) -> Placement:
+        """`placement.place` over the table's usable workers, with prefix credit from `runs`: the same
+        choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`."""
+        d_ok = self._d.usable(excluded)
+        nd = len(d_ok)
+        cached = np.zeros(nd, dtype=np.int64)  # [D] leading blocks held, any tier
+        for w, run in runs.items():
+            k = self._d.index.get(w)
+            if k is not None:
+                cached[k] = sum(run)
+        fits = d_ok & (self._d_free[:nd] >= req.num_blocks - cached)
+        if not fits.any():
+            raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
+        pressure = expected_output_tokens(req.effort) * self._d_added[:nd] * self._d_running[:nd] + self._d_step_next[:nd]
+        missing = (np.maximum(0, req.num_blocks - cached) * req.block_bytes).astype(np.float64)  # [D] bytes
+        best = self._best_pair(req, runs, links, fits, pressure, missing, excluded)
+        uncached = req.prompt_len - cached * req.block_size  # [D] tokens a decode-only placement prefills
+        alone = fits & (uncached <= decode_only_max_tokens)
+        if alone.any():
+            compute = np.maximum(0, uncached) / self._d_rate[:nd]
+            cost = np.where(alone, (self._d_wait[:nd] + compute) + pressure, np.inf)
+            low = cost.min()
+            j = min(np.flatnonzero(cost == low), key=lambda k: self._d.ids[k])
+            parts = {"prefill_wait": float(self._d_wait[j]), "compute": float(compute[j]), "transfer": 0.0,
+                     "decode_pressure": float(pressure[j])}
+            if best is None or (float(low), "") <= (best.cost_s, best.prefill_id or ""):
+                best = Placement(None, self._d.ids[j], float(low), parts)
+        if best is None:
+            raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
+        return best
+
+    def _best_pair(self, req: RequestShape, runs: Mapping[str, TierRun], links: LinkModel,
+                   fits: npt.NDArray[np.bool_], pressure: Floats, missing: Floats,
+                   excluded: Collection[str]) -> Placement | None:
+        """The cheapest (prefill, decode) pair, None without a usable prefill worker."""
+        p_ok = self._p.usable(excluded)
+        if not p_ok.any():
+            return None
+        np_ = len(p_ok)
+        compute = req.prompt_len / self._p_rate[:np_]  # [P] seconds, no prefix credit
+        for w, run in runs.items():
+            k = self._p.index.get(w)
+            if k is not None:
+                compute[k] = self._credited_compute(req, run, float(self._p_rate[k]), links)
+        a = np.where(p_ok, self._p_wait[:np_] + compute, np.inf)  # [P] wait + compute
+        measured = [k for w in links.measured_decode_ids() if (k := self._d.index.get(w)) is not None and fits[k]]
+        default_transfer = missing / links.default_transfer_bytes_per_s  # [D]
+        column_best = np.where(fits, (a.min() + default_transfer) + pressure, np.inf)  # [D]
+        column_best[measured] = np.inf
+        exact: Floats | None = None  # [P, measured] cost of the measured columns
+        if measured:
+            rates = links.matrix(self._p.ids, [self._d.ids[k] for k in measured])
+            exact = (a[:, None] + missing[measured] / rates) + pressure[measured]
+        low = float(min(column_best.min(), exact.min() if exact is not None else np.inf))
+        tied = [(i, j) for j in np.flatnonzero(column_best == low)
+                for i in np.flatnonzero((a + default_transfer[j]) + pressure[j] == low)]
+        if exact is not None:
+            tied += [(i, measured[c]) for i, c in zip(*np.nonzero(exact == low), strict=True)]
+        i, j = min(tied, key=lambda ij: (self._p.ids[ij[0]], self._d.ids[ij[1]]))
+        rate = links.default_transfer_bytes_per_s if j not in measured else float(
+            links.matrix([self._p.ids[i]], [self._d.ids[j]])[0, 0])
+        parts = {"prefill_wait": float(self._p_wait[i]), "compute": float(compute[i]),
+                 "transfer": float(missing[j] / rate), "decode_pressure": float(pressure[j])}
+        return Placement(self._p.ids[i], self._d.ids[j], low, parts)
+
+    @staticmethod
+    def _credited_compute(req: RequestShape, run: TierRun, rate: float, links: LinkModel) -> float:
+        """compute(P) of a prefix holder, summed as `placement._prefill_terms` sums it."""
+        device, host, disk = run
+        cached = min(device * req.block_size, req.prompt_len)
+        tiers = links.tier_bytes_per_s
+        onload = sum(blocks * req.block_bytes / tiers[tier] for tier, blocks in (("host", host), ("disk", disk)))
+        uncached = max(0, req.prompt_len - cached - (host + disk) * req.block_size)
+        return uncached / rate + onload
