@@ -23,6 +23,7 @@ The table is not thread-safe: it lives on the router's event loop, like `WorkerP
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +39,7 @@ from cedserve.router.placement import (
     expected_output_tokens,
 )
 
+_Scalar = TypeVar("_Scalar", bound=np.generic)
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
 TierRun = Sequence[int]
@@ -86,7 +88,7 @@ class _Slots:
         return mask
 
 
-def _grown(a: npt.NDArray[np.generic], k: int) -> npt.NDArray[np.generic]:
+def _grown(a: npt.NDArray[_Scalar], k: int) -> npt.NDArray[_Scalar]:
     """`a` padded with zeros to hold index `k`: doubling, so amortised O(1) per new worker."""
     return np.concatenate([a, np.zeros(max(k + 1, 2 * len(a), 8) - len(a), dtype=a.dtype)])
 
