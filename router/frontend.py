@@ -22,22 +22,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cedserve.model.cache.events import Tier
 from cedserve.model.effort import effort_class
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission
 from cedserve.router.deadline import Deadline
 from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
-from cedserve.router.index import PrefixHit
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
-    DecodeLoad,
     MeasuredLinks,
     NoCapacityError,
     NoWorkerError,
     Placement,
-    PrefillLoad,
     RequestShape,
 )
 from cedserve.router.policy import RoutingPolicy
@@ -186,16 +182,12 @@ class GenerationCore:
             finish_reason=progress.finish, usage=usage))
 
     def _placement(self, req: PreparedRequest, prompt_len: int, excluded: frozenset[str]) -> Placement:
-        prefill = self.pool.healthy("prefill", excluded)
-        decode = self.pool.healthy("decode", excluded)
-        if not decode:
+        if not self.pool.loads.num_workers("decode", excluded):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker", retry_after_s=1.0)
-        hits = self.pool.index.prefix_hits(list(req.block_hashes)) if req.block_hashes else {}
+        runs = self.pool.index.prefix_runs(req.block_hashes)
         shape = RequestShape(prompt_len, req.effort, self.limits.block_size, self.block_bytes)
-        pl = [self._prefill_load(h, hits.get(h.worker_id)) for h in prefill]
-        dl = [self._decode_load(h, hits.get(h.worker_id)) for h in decode]
         try:
-            choice = self.policy.choose(shape, pl, dl, self.links)
+            choice = self.policy.choose_from(shape, self.pool.loads, runs, self.links, excluded)
         except NoCapacityError as exc:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0,
                                reason=NO_CAPACITY) from exc
@@ -205,22 +197,6 @@ class GenerationCore:
         self.metrics.placements.labels(policy=self.policy.name,
                                        kind="decode_only" if choice.prefill_id is None else "disaggregated").inc()
         return choice
-
-    def _prefill_load(self, h: WorkerHandle, hit: PrefixHit | None) -> PrefillLoad:
-        load = h.load
-        assert load is not None
-        tiers = hit.blocks_by_tier if hit else {}
-        return PrefillLoad(h.worker_id, int(load.queued_tokens), max(1.0, load.prefill_tokens_per_s),
-                           cached_blocks=tiers.get(Tier.DEVICE, 0),
-                           offloaded_blocks={"host": tiers.get(Tier.HOST, 0), "disk": tiers.get(Tier.DISK, 0)})
-
-    def _decode_load(self, h: WorkerHandle, hit: PrefixHit | None) -> DecodeLoad:
-        load = h.load
-        assert load is not None
-        steps = list(load.step_s) or [0.05, 0.05]
-        return DecodeLoad(h.worker_id, int(load.running_requests), int(load.free_blocks), steps,
-                          prefill_tokens_per_s=max(1.0, load.prefill_tokens_per_s),
-                          queued_tokens=int(load.queued_tokens), cached_blocks=hit.total_blocks if hit else 0)
 
     async def _attempt(self, req: PreparedRequest, deadline: Deadline, start: float,
                        progress: _Progress, excluded: frozenset[str]) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:

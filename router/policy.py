@@ -3,14 +3,20 @@
 Every policy sees the same facts (worker loads, the request's shape, prefix hits from the global
 index, measured link rates) and returns a `Placement`. `cache_aware` is the default: it applies the
 cost formula of `placement.py`; the others ignore parts of it on purpose.
+
+The router calls `choose_from` with its `LoadTable` (kept current by load reports): `cache_aware`
+places from the table's arrays in O(workers); the baselines build the per-worker objects `choose`
+takes.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
+from cedserve.router.load_table import LoadTable, TierRun
 from cedserve.router.placement import (
     DecodeLoad,
     LinkModel,
@@ -33,6 +39,25 @@ class RoutingPolicy(Protocol):
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
                links: LinkModel) -> Placement: ...
 
+    def choose_from(self, req: RequestShape, loads: LoadTable, runs: Mapping[str, TierRun], links: LinkModel,
+                    excluded: Collection[str]) -> Placement:
+        """`choose` over the table's workers but `excluded`, with prefix credit from `runs`
+        (`GlobalPrefixIndex.prefix_runs`)."""
+        ...
+
+
+class _FromObjects(ABC):
+    """`choose_from` for a policy that reads per-worker objects."""
+
+    @abstractmethod
+    def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
+               links: LinkModel) -> Placement: ...
+
+    def choose_from(self, req: RequestShape, loads: LoadTable, runs: Mapping[str, TierRun], links: LinkModel,
+                    excluded: Collection[str]) -> Placement:
+        prefill, decode = loads.loads(runs, excluded)
+        return self.choose(req, prefill, decode, links)
+
 
 def _decode_only(req: RequestShape, d: DecodeLoad, decode_only_max_tokens: int) -> Placement:
     """With no prefill worker (colocated serving, or the pool is down) the baselines fall back to the
@@ -49,7 +74,7 @@ def _fitting(req: RequestShape, decode: Sequence[DecodeLoad]) -> list[DecodeLoad
     return fits
 
 
-class RoundRobin:
+class RoundRobin(_FromObjects):
     """Cycles through prefill and decode workers, ignoring load and cache."""
 
     name = "round_robin"
@@ -67,7 +92,7 @@ class RoundRobin:
         return Placement(prefill[n % len(prefill)].worker_id, fits[n % len(fits)].worker_id, 0.0, {})
 
 
-class LeastLoaded:
+class LeastLoaded(_FromObjects):
     """Shortest prefill queue and lightest decode batch, ignoring cache locality."""
 
     name = "least_loaded"
@@ -96,6 +121,10 @@ class CacheAware:
     def choose(self, req: RequestShape, prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad],
                links: LinkModel) -> Placement:
         return place(req, prefill, decode, links, self.decode_only_max_tokens)
+
+    def choose_from(self, req: RequestShape, loads: LoadTable, runs: Mapping[str, TierRun], links: LinkModel,
+                    excluded: Collection[str]) -> Placement:
+        return loads.place(req, runs, links, self.decode_only_max_tokens, excluded)
 
 
 def make_policy(name: str, decode_only_max_tokens: int) -> RoutingPolicy:

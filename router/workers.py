@@ -34,6 +34,8 @@ from cedserve.model.cache.events import decode_batch
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.config import WorkerEndpoint
 from cedserve.router.index import GlobalPrefixIndex
+from cedserve.router.load_table import LoadTable
+from cedserve.router.placement import DecodeLoad, PrefillLoad
 from cedserve.tls import PLAINTEXT, TLSConfig, open_aio_channel
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ class WorkerPool:
         self.on_remove: list[Callable[[str], None]] = []
         """Called with the id of every removed worker (e.g. to forget its measured link rates)."""
         self.workers: dict[str, WorkerHandle] = {}
+        self.loads = LoadTable()
+        """The healthy workers' placement inputs, written here on every load report and health change."""
         self._started = False
         self._retiring: set[asyncio.Task[None]] = set()
         for role, endpoints in (("prefill", prefill), ("decode", decode)):
@@ -151,6 +155,7 @@ class WorkerPool:
         for task in handle.tasks:
             task.cancel()
         self.index.forget(worker_id)
+        self.loads.drop(worker_id)
         for callback in self.on_remove:
             callback(worker_id)
         retire = asyncio.get_running_loop().create_task(self._retire(handle, self.retire_grace_s))
@@ -239,12 +244,14 @@ class WorkerPool:
                 handle.load = load
                 handle.missed_polls = 0
                 handle.last_seen_s = time.monotonic()
+                self._report(handle)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("worker %s at %s does not serve the %s worker service (a group's follower rank, "
                              "or a worker of the other role); not placing on it", handle.worker_id,
                              handle.endpoint.address, handle.role)
                     handle.follower = True
+                    self.loads.drop(handle.worker_id)
                     for task in handle.tasks:
                         if task is not asyncio.current_task():
                             task.cancel()
@@ -263,7 +270,21 @@ class WorkerPool:
                 if handle.missed_polls == _MISSED_POLLS_DOWN:
                     log.warning("worker %s is down (%s); taking it out of placement", handle.worker_id, exc.code())
                     self.index.forget(handle.worker_id)
+                    self.loads.drop(handle.worker_id)
             await asyncio.sleep(self.poll_s)
+
+    def _report(self, handle: WorkerHandle) -> None:
+        """Write a healthy worker's load report into `loads` (rates floored at one token/s; a decode
+        worker that reports no step profile is taken to need 50 ms per step)."""
+        load = handle.load
+        if load is None or not handle.healthy or self.workers.get(handle.worker_id) is not handle:
+            return  # not placeable, or already replaced by a newer handle of the same id
+        rate = max(1.0, load.prefill_tokens_per_s)
+        if handle.role == "prefill":
+            self.loads.set_prefill(PrefillLoad(handle.worker_id, int(load.queued_tokens), rate))
+        else:
+            self.loads.set_decode(DecodeLoad(handle.worker_id, int(load.running_requests), int(load.free_blocks),
+                                             list(load.step_s) or [0.05, 0.05], rate, int(load.queued_tokens)))
 
     async def _liveness(self, handle: WorkerHandle) -> bool | None:
         """Whether the worker's `grpc.health.v1` "liveness" service answers SERVING (served by its

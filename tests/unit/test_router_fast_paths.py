@@ -224,3 +224,30 @@ def test_load_table_ties_go_to_the_smallest_ids() -> None:
     assert table.place(req, {"d1": [10, 0, 0]}, links, 10_000).prefill_id is None
     with pytest.raises(NoCapacityError):
         table.place(RequestShape(640_000, 50, 64, 56_960), {}, links, 0)
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "least_loaded", "round_robin"])
+def test_policies_choose_from_the_table_as_from_objects(name: str) -> None:
+    from cedserve.router.policy import make_policy
+
+    rng = random.Random(7)
+    table, prefill, decode = LoadTable(), [], []
+    for i in range(6):
+        prefill.append(PrefillLoad(f"p{i}", rng.randrange(0, 30_000), 1e4))
+        table.set_prefill(prefill[-1])
+        decode.append(DecodeLoad(f"d{i}", rng.randrange(0, 9), 1_000, [0.02, 0.021, 0.023], 5e3))
+        table.set_decode(decode[-1])
+    req = RequestShape(640, 50, 64, 56_960)
+    links = LinkRates({}, {"host": 1e10, "disk": 1e9})
+    runs = {"p4": [8, 0, 0], "d2": [3, 1, 0]}
+    from_table, from_objects = make_policy(name, 256), make_policy(name, 256)
+    credited_p = [PrefillLoad(p.worker_id, p.queued_tokens, p.prefill_tokens_per_s, cached_blocks=runs.get(
+        p.worker_id, [0, 0, 0])[0], offloaded_blocks={"host": runs.get(p.worker_id, [0, 0, 0])[1], "disk": 0})
+        for p in prefill if p.worker_id != "p1"]
+    credited_d = [DecodeLoad(d.worker_id, d.running_requests, d.free_blocks, d.step_s, d.prefill_tokens_per_s,
+                             cached_blocks=sum(runs.get(d.worker_id, []))) for d in decode if d.worker_id != "p1"]
+    for _ in range(4):
+        got = from_table.choose_from(req, table, runs, links, {"p1"})
+        expected = from_objects.choose(req, credited_p, credited_d, links)
+        assert (got.prefill_id, got.decode_id) == (expected.prefill_id, expected.decode_id)
+        assert got.prefill_id != "p1"
