@@ -2,8 +2,15 @@
 
 1. Placement: 1,000 workers (500 prefill, 500 decode), a global index of >= 1M (block, worker)
    entries fed through real KV event batches, a 64K-token prompt (1,000 block hashes). Each decision
-   is what the router does per request: hash-chain walk over the index for every holder, the loads,
-   and the cost formula over all 250,000 pairs. p50/p99 over many decisions.
+   is what the router does per request, timed on two paths side by side over the same requests:
+   - old: the straightforward walk over every holder of every block (`prefix_hits_reference`), a
+     `PrefillLoad` / `DecodeLoad` per worker, and `placement.place` over all 250,000 pairs;
+   - new: the identity walk over interned holder sets (`prefix_runs`) and `LoadTable.place`, whose
+     per-worker arrays the load reports keep current (their cost is timed apart, per report);
+   - new, measured links: the same with a measured link rate on every (prefill, decode) pair, the
+     worst case of `LoadTable` (every decode column scored exactly, a P x D gather).
+   Both paths must choose the same pair; the run stops if they do not. Decisions per second on one
+   core = 1 / mean decision time (the router's event loop is one thread).
 2. Overhead: the same streamed request through the router and directly against the workers
    (scripted in-process fake workers on loopback gRPC, so only the router's own work differs).
 
@@ -25,7 +32,8 @@ from pathlib import Path
 from cedserve.model.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, Tier
 from cedserve.model.cache.hashing import hash_blocks
 from cedserve.router.index import GlobalPrefixIndex
-from cedserve.router.placement import DecodeLoad, LinkRates, PrefillLoad, RequestShape, place
+from cedserve.router.load_table import LoadTable
+from cedserve.router.placement import DecodeLoad, LinkRates, MeasuredLinks, PrefillLoad, RequestShape, place
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -33,7 +41,13 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, decisions: int) -> dict[str, float]:
+def _summary(times: list[float]) -> dict[str, float]:
+    mean = statistics.fmean(times)
+    return {"p50_ms": 1e3 * _pct(times, 0.5), "p99_ms": 1e3 * _pct(times, 0.99), "mean_ms": 1e3 * mean,
+            "decisions_per_s": 1.0 / mean}
+
+
+def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, decisions: int) -> dict[str, object]:
     rng = random.Random(0)
     index = GlobalPrefixIndex()
     prefill_ids = [f"p{i}" for i in range(num_workers // 2)]
@@ -42,6 +56,7 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
     families = [hash_blocks(list(range(f * 7, f * 7 + 64 * prompt_blocks)), f"tenant{f % 10}", 64)
                 for f in range(8)]
     per_worker = max(1, index_entries // num_workers)
+    start = time.perf_counter()
     for w in prefill_ids + decode_ids:
         fam = families[rng.randrange(len(families))]
         held = fam[: rng.randrange(1, prompt_blocks)]
@@ -49,25 +64,68 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
         tier = rng.choice([Tier.DEVICE, Tier.HOST, Tier.DISK])
         index.apply(KVEventBatch(w, 0, [AllBlocksCleared(), BlockStored(held, tier), BlockStored(filler, Tier.DEVICE)],
                                  epoch=1))
+    build_s = time.perf_counter() - start
     req = RequestShape(prompt_blocks * 64, 75, 64, 56_960)
-    links = LinkRates({}, {"host": 2e10, "disk": 2e9}, default_transfer_bytes_per_s=5e10)
-    times = []
+    tiers = {"host": 2e10, "disk": 2e9}
+    links = LinkRates({}, tiers, default_transfer_bytes_per_s=5e10)
+    measured = MeasuredLinks(5e10, 0.3, tiers)
+    for p in prefill_ids:  # every pair measured, at rates around the default
+        for d in decode_ids:
+            measured.observe(p, d, rng.randrange(10**9, 10**11), 1.0)
+    table = LoadTable()
+    old_times: list[float] = []
+    new_times: list[float] = []
+    walk_times: list[float] = []  # the index walk, part of new_times
+    measured_times: list[float] = []
+    report_times: list[float] = []
     for k in range(decisions):
         hashes = families[k % len(families)]
-        start = time.perf_counter()
-        hits = index.prefix_hits(hashes)
-        pl = [PrefillLoad(w, rng.randrange(0, 50_000), 2e4,
+        # This decision's loads: the old path builds them per request; the new one got them as reports.
+        queued = [rng.randrange(0, 50_000) for _ in prefill_ids]
+        running = [rng.randrange(0, 64) for _ in decode_ids]
+        for w, q in zip(prefill_ids, queued, strict=True):
+            t = time.perf_counter()
+            table.set_prefill(PrefillLoad(w, q, 2e4))
+            report_times.append(time.perf_counter() - t)
+        for w, r in zip(decode_ids, running, strict=True):
+            t = time.perf_counter()
+            table.set_decode(DecodeLoad(w, r, 20_000, [0.02, 0.02, 0.021, 0.022], 5e3))
+            report_times.append(time.perf_counter() - t)
+
+        t = time.perf_counter()
+        hits = index.prefix_hits_reference(hashes)
+        pl = [PrefillLoad(w, q, 2e4,
                           cached_blocks=hits[w].blocks_by_tier[Tier.DEVICE] if w in hits else 0,
                           offloaded_blocks={"host": hits[w].blocks_by_tier[Tier.HOST] if w in hits else 0,
                                             "disk": hits[w].blocks_by_tier[Tier.DISK] if w in hits else 0})
-              for w in prefill_ids]
-        dl = [DecodeLoad(w, rng.randrange(0, 64), 20_000, [0.02, 0.02, 0.021, 0.022], 5e3,
-                         cached_blocks=hits[w].total_blocks if w in hits else 0) for w in decode_ids]
-        place(req, pl, dl, links, decode_only_max_tokens=256)
-        times.append(time.perf_counter() - start)
+              for w, q in zip(prefill_ids, queued, strict=True)]
+        dl = [DecodeLoad(w, r, 20_000, [0.02, 0.02, 0.021, 0.022], 5e3,
+                         cached_blocks=hits[w].total_blocks if w in hits else 0)
+              for w, r in zip(decode_ids, running, strict=True)]
+        old = place(req, pl, dl, links, decode_only_max_tokens=256)
+        old_times.append(time.perf_counter() - t)
+
+        t = time.perf_counter()
+        runs = index.prefix_runs(hashes)
+        walked = time.perf_counter()
+        new = table.place(req, runs, links, 256)
+        new_times.append(time.perf_counter() - t)
+        walk_times.append(walked - t)
+
+        t = time.perf_counter()
+        new_measured = table.place(req, index.prefix_runs(hashes), measured, 256)
+        measured_times.append(time.perf_counter() - t)
+        if (new.prefill_id, new.decode_id, new.cost_s) != (old.prefill_id, old.decode_id, old.cost_s):
+            raise AssertionError(f"decision {k}: old path chose {old}, new path {new}")
+        if k < 20:  # the old path with every pair measured is slow; check its choice on a few
+            old_measured = place(req, pl, dl, measured, decode_only_max_tokens=256)
+            if (old_measured.prefill_id, old_measured.decode_id) != (new_measured.prefill_id, new_measured.decode_id):
+                raise AssertionError(f"decision {k}, measured links: old chose {old_measured}, new {new_measured}")
     return {"workers": num_workers, "index_entries": index.num_entries, "prompt_blocks": prompt_blocks,
-            "decisions": decisions, "p50_ms": 1e3 * _pct(times, 0.5), "p99_ms": 1e3 * _pct(times, 0.99),
-            "mean_ms": 1e3 * statistics.fmean(times)}
+            "decisions": decisions, "index_build_s": build_s,
+            "old": _summary(old_times), "new": _summary(new_times),
+            "new_index_walk_p50_ms": 1e3 * _pct(walk_times, 0.5), "new_index_walk_p99_ms": 1e3 * _pct(walk_times, 0.99), "new_measured_links": _summary(measured_times),
+            "load_report_p50_us": 1e6 * _pct(report_times, 0.5), "load_report_p99_us": 1e6 * _pct(report_times, 0.99)}
 
 
 def bench_overhead(requests: int) -> dict[str, float]:
@@ -124,10 +182,21 @@ def main() -> None:
     args = parser.parse_args()
     placement = bench_placement(args.workers, args.index_entries, args.prompt_blocks, args.decisions)
     print(f"placement: {placement['workers']} workers, {placement['index_entries']:,} index entries, "
-          f"{placement['prompt_blocks']}-block prompt: p50 {placement['p50_ms']:.2f} ms, p99 {placement['p99_ms']:.2f} ms")
-    overhead = bench_overhead(args.requests)
-    print(f"overhead: routed p50 {overhead['routed_p50_ms']:.2f} ms vs direct {overhead['direct_p50_ms']:.2f} ms "
-          f"(+{overhead['overhead_p50_ms']:.2f} ms per 16-token request)")
+          f"{placement['prompt_blocks']}-block prompt, {placement['decisions']} decisions (same choice on both paths)")
+    print(f"{'path':<24}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'decisions/s':>14}")
+    for name in ("old", "new", "new_measured_links"):
+        row = placement[name]
+        assert isinstance(row, dict)
+        print(f"{name:<24}{row['p50_ms']:>10.3f}{row['p99_ms']:>10.3f}{row['mean_ms']:>10.3f}"
+              f"{row['decisions_per_s']:>14,.0f}")
+    print(f"new path's index walk: p50 {placement['new_index_walk_p50_ms']:.3f} ms, "
+          f"p99 {placement['new_index_walk_p99_ms']:.3f} ms")
+    print(f"load report into the table: p50 {placement['load_report_p50_us']:.1f} us, "
+          f"p99 {placement['load_report_p99_us']:.1f} us")
+    overhead = bench_overhead(args.requests) if args.requests else {}
+    if overhead:
+        print(f"overhead: routed p50 {overhead['routed_p50_ms']:.2f} ms vs direct {overhead['direct_p50_ms']:.2f} ms "
+              f"(+{overhead['overhead_p50_ms']:.2f} ms per 16-token request)")
     report = {"benchmark": "router", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} CPU, Python {platform.python_version()}",
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import compress, count
+from operator import is_not
 
 from cedserve.model.cache.events import (
     AllBlocksCleared,
@@ -145,21 +146,19 @@ class GlobalPrefixIndex:
         """Every worker holding at least the first block -> its longest leading run of `block_hashes`
         as `[device, host, disk]` block counts (each block in its fastest tier). One walk over the
         chain, stopping at the first block nobody holds or once every worker's run has ended."""
-        holders = self._holders
-        prev = holders.get(block_hashes[0]) if block_hashes else None
-        if prev is None:
+        states = list(map(self._holders.get, block_hashes))  # [blocks] holder sets, None where nobody holds
+        first = states[0] if states else None
+        if first is None:
             return {}
-        tier = {w: _FASTEST[m] for w, m in prev.masks.items()}  # alive workers -> fastest tier now
+        end = states.index(None) if None in states else len(states)
+        tier = {w: _FASTEST[m] for w, m in first.masks.items()}  # alive workers -> fastest tier now
         since = dict.fromkeys(tier, 0)  # alive workers -> block where their current tier began
         counts = {w: [0, 0, 0] for w in tier}
-        end = len(block_hashes)
-        for k, h in enumerate(islice(block_hashes, 1, None), 1):
-            cur = holders.get(h)
-            if cur is prev:
-                continue
-            if cur is None:
-                end = k
-                break
+        # Blocks where the holder set changes (found in C); runs of one interned set cost nothing.
+        prev = first
+        for k in compress(count(1), map(is_not, states[: end - 1], states[1:end])):
+            cur = states[k]
+            assert cur is not None
             for w, mask in prev.changes_to(cur):
                 t = tier.get(w)
                 if t is None:

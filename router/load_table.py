@@ -10,12 +10,15 @@ depend on the request in per-worker arrays (slot = worker), written once per loa
     pressure[D] = E(effort) x added[D] x running[D] + step_next[D]   added, step_next precomputed
     cost(P, D)  = (A[P] + missing[D] / link_rate(P, D)) + pressure[D]
 
-Every pair whose link runs at the default rate (`LinkModel.measured_decode_ids` names the decode
-workers with any other) costs `(A[P] + missing[D] / default) + pressure[D]`, which grows with A[P]:
-the best such pair of decode worker D is the one with the least A (an argmin, no P x D matrix).
-Decode workers with measured links get their column scored exactly (a P x |measured| gather).
-Ties are resolved by rescoring the tied columns exactly, so the choice (smallest prefill id, then
-decode id, among the cheapest) is `place`'s, bit for bit: the sums are taken in `place`'s order.
+cost(P, D) grows with A[P] and falls with the link rate. So with p* = argmin A, no pair into D costs
+less than its floor `(A[p*] + missing[D] / fastest_rate_into(D)) + pressure[D]`
+(`LinkModel.max_rates`), and the pair (p*, D) is D's cheapest wherever p* has D's fastest link (every
+unmeasured pair runs at the default rate). Only the decode workers where another prefill worker
+might win (p* is not on their fastest link) and whose floor is not above the best (p*, D) cost get
+their column scored exactly, a `[P, open]` gather: usually none or a few, not P x D. Ties are resolved
+by rescoring just the tied columns, trying prefill workers in id order, so the choice (smallest
+prefill id, then decode id, among the cheapest) is `place`'s, bit for bit: every sum is taken in
+`place`'s order, and rounding is monotone, so the bounds hold for the rounded costs too.
 
 The table is not thread-safe: it lives on the router's event loop, like `WorkerPool`.
 """
@@ -181,17 +184,25 @@ class LoadTable:
         choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`."""
         d_ok = self._d.usable(excluded)
         nd = len(d_ok)
-        cached = np.zeros(nd, dtype=np.int64)  # [D] leading blocks held, any tier
+        p_slots: list[int] = []  # prefix holders among the prefill workers ...
+        p_runs: list[int] = []  # ... and their runs, flattened [device, host, disk, device, ...]
+        d_slots: list[int] = []
+        d_blocks: list[int] = []
         for w, run in runs.items():
-            k = self._d.index.get(w)
-            if k is not None:
-                cached[k] = sum(run)
+            if (k := self._p.index.get(w)) is not None:
+                p_slots.append(k)
+                p_runs.extend(run)
+            elif (k := self._d.index.get(w)) is not None:
+                d_slots.append(k)
+                d_blocks.append(sum(run))
+        cached = np.zeros(nd, dtype=np.int64)  # [D] leading blocks held, any tier
+        cached[d_slots] = d_blocks
         fits = d_ok & (self._d_free[:nd] >= req.num_blocks - cached)
         if not fits.any():
             raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
         pressure = expected_output_tokens(req.effort) * self._d_added[:nd] * self._d_running[:nd] + self._d_step_next[:nd]
         missing = (np.maximum(0, req.num_blocks - cached) * req.block_bytes).astype(np.float64)  # [D] bytes
-        best = self._best_pair(req, runs, links, fits, pressure, missing, excluded)
+        best = self._best_pair(req, (p_slots, p_runs), links, fits, pressure, missing, excluded)
         uncached = req.prompt_len - cached * req.block_size  # [D] tokens a decode-only placement prefills
         alone = fits & (uncached <= decode_only_max_tokens)
         if alone.any():
@@ -207,46 +218,66 @@ class LoadTable:
             raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
         return best
 
-    def _best_pair(self, req: RequestShape, runs: Mapping[str, TierRun], links: LinkModel,
+    def _best_pair(self, req: RequestShape, held: tuple[list[int], list[int]], links: LinkModel,
                    fits: npt.NDArray[np.bool_], pressure: Floats, missing: Floats,
                    excluded: Collection[str]) -> Placement | None:
         """The cheapest (prefill, decode) pair, None without a usable prefill worker."""
         p_ok = self._p.usable(excluded)
         if not p_ok.any():
             return None
-        np_ = len(p_ok)
-        compute = req.prompt_len / self._p_rate[:np_]  # [P] seconds, no prefix credit
-        for w, run in runs.items():
-            k = self._p.index.get(w)
-            if k is not None:
-                compute[k] = self._credited_compute(req, run, float(self._p_rate[k]), links)
-        a = np.where(p_ok, self._p_wait[:np_] + compute, np.inf)  # [P] wait + compute
-        measured = [k for w in links.measured_decode_ids() if (k := self._d.index.get(w)) is not None and fits[k]]
-        default_transfer = missing / links.default_transfer_bytes_per_s  # [D]
-        column_best = np.where(fits, (a.min() + default_transfer) + pressure, np.inf)  # [D]
-        column_best[measured] = np.inf
-        exact: Floats | None = None  # [P, measured] cost of the measured columns
-        if measured:
-            rates = links.matrix(self._p.ids, [self._d.ids[k] for k in measured])
-            exact = (a[:, None] + missing[measured] / rates) + pressure[measured]
-        low = float(min(column_best.min(), exact.min() if exact is not None else np.inf))
-        tied = [(i, j) for j in np.flatnonzero(column_best == low)
-                for i in np.flatnonzero((a + default_transfer[j]) + pressure[j] == low)]
-        if exact is not None:
-            tied += [(i, measured[c]) for i, c in zip(*np.nonzero(exact == low), strict=True)]
-        i, j = min(tied, key=lambda ij: (self._p.ids[ij[0]], self._d.ids[ij[1]]))
-        rate = links.default_transfer_bytes_per_s if j not in measured else float(
-            links.matrix([self._p.ids[i]], [self._d.ids[j]])[0, 0])
+        compute = self._compute(req, held, links, len(p_ok))
+        a = np.where(p_ok, self._p_wait[: len(p_ok)] + compute, np.inf)  # [P] wait + compute
+        p_ids, d_ids = self._p.ids, self._d.ids
+        best_p = int(np.argmin(a))
+        # cost(P, D) = (a[P] + missing[D] / rate(P, D)) + pressure[D] grows with a[P] and falls with the
+        # rate, so no pair into D costs less than `floor[D]` (the least a, D's fastest link), and pairs
+        # with best_p cost `via_best[D]`: where best_p has D's fastest link, that is D's cheapest pair.
+        row = links.matrix([p_ids[best_p]], d_ids)[0]  # [D] best_p's link rates
+        fastest = links.max_rates(d_ids)  # [D]
+        via_best = np.where(fits, (a[best_p] + missing / row) + pressure, np.inf)
+        floor = np.where(fits, (a[best_p] + missing / fastest) + pressure, np.inf)
+        column_min = via_best.copy()  # [D] cheapest pair into each decode worker
+        open_ = np.flatnonzero((floor <= via_best.min()) & (row < fastest))  # where another P may win
+        if open_.size:
+            rates = links.matrix(p_ids, [d_ids[j] for j in open_])  # [P, open]
+            column_min[open_] = ((a[:, None] + missing[open_] / rates) + pressure[open_]).min(axis=0)
+        low = float(column_min.min())
+        i, j = self._first_tied(low, a, np.flatnonzero(column_min == low), links, pressure, missing, fastest)
+        rate = float(links.matrix([p_ids[i]], [d_ids[j]])[0, 0])
         parts = {"prefill_wait": float(self._p_wait[i]), "compute": float(compute[i]),
                  "transfer": float(missing[j] / rate), "decode_pressure": float(pressure[j])}
-        return Placement(self._p.ids[i], self._d.ids[j], low, parts)
+        return Placement(p_ids[i], d_ids[j], low, parts)
 
-    @staticmethod
-    def _credited_compute(req: RequestShape, run: TierRun, rate: float, links: LinkModel) -> float:
-        """compute(P) of a prefix holder, summed as `placement._prefill_terms` sums it."""
-        device, host, disk = run
-        cached = min(device * req.block_size, req.prompt_len)
-        tiers = links.tier_bytes_per_s
-        onload = sum(blocks * req.block_bytes / tiers[tier] for tier, blocks in (("host", host), ("disk", disk)))
-        uncached = max(0, req.prompt_len - cached - (host + disk) * req.block_size)
-        return uncached / rate + onload
+    def _first_tied(self, low: float, a: Floats, columns: Ints, links: LinkModel, pressure: Floats,
+                    missing: Floats, fastest: Floats) -> tuple[int, int]:
+        """The pair of cost `low` with the smallest prefill id, then decode id, among `columns` (the
+        decode workers whose cheapest pair costs `low`). Prefill workers are tried in id order, only
+        those whose floor in some tied column reaches `low`: usually one."""
+        p_ids, d_ids = self._p.ids, self._d.ids
+        maybe = np.zeros(len(a), dtype=bool)
+        for t, pr in set(zip((missing[columns] / fastest[columns]).tolist(), pressure[columns].tolist(), strict=True)):
+            maybe |= (a + t) + pr <= low
+        tied_ids = [d_ids[j] for j in columns]
+        for i in sorted(np.flatnonzero(maybe).tolist(), key=lambda k: p_ids[k]):
+            costs = (a[i] + missing[columns] / links.matrix([p_ids[i]], tied_ids)[0]) + pressure[columns]
+            hits = columns[costs == low]
+            if hits.size:
+                return i, min(hits.tolist(), key=lambda k: d_ids[k])
+        raise AssertionError(f"no pair costs the minimum {low}")
+
+    def _compute(self, req: RequestShape, held: tuple[list[int], list[int]], links: LinkModel,
+                 num_slots: int) -> Floats:
+        """`[P]` compute(P) seconds: the prompt at each worker's rate, less the prefix it holds (`held`:
+        the holders' slots and flattened runs), summed as `placement._prefill_terms` sums it, so the
+        values are the same to the bit."""
+        rate = self._p_rate[:num_slots]
+        compute = req.prompt_len / rate
+        slots, runs = held
+        if slots:
+            device, host, disk = np.array(runs, dtype=np.int64).reshape(-1, 3).T
+            tiers = links.tier_bytes_per_s
+            onload = host * req.block_bytes / tiers["host"] + disk * req.block_bytes / tiers["disk"]
+            cached = np.minimum(device * req.block_size, req.prompt_len)
+            uncached = np.maximum(0, req.prompt_len - cached - (host + disk) * req.block_size)
+            compute[slots] = uncached / rate[slots] + onload
+        return compute

@@ -28,7 +28,7 @@ reported in load reports; nothing here is a tuned weight.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,8 +113,16 @@ class LinkRates:
     tier_bytes_per_s: Mapping[str, float]
     default_transfer_bytes_per_s: float = 1e9
 
-    def measured_decode_ids(self) -> Collection[str]:
-        return {d for _, d in self.transfer_bytes_per_s}
+    def max_rates(self, decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
+        """`[D]` each decode worker's fastest listed link, at least the default."""
+        rates = np.full(len(decode_ids), self.default_transfer_bytes_per_s)
+        if not self.transfer_bytes_per_s:
+            return rates
+        d_index = {w: j for j, w in enumerate(decode_ids)}
+        for (_, d), rate in self.transfer_bytes_per_s.items():
+            if (j := d_index.get(d)) is not None:
+                rates[j] = max(rates[j], rate)
+        return rates
 
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
         """`[P, D]` link rates."""
@@ -152,25 +160,21 @@ class MeasuredLinks:
         self._bytes = np.zeros((1, 1))   # [rows, cols] EWMA of bytes; 0 where unmeasured
         self._seconds = np.zeros((1, 1))
         self._rates = np.full((1, 1), default_bytes_per_s)
-        self._measured_cols: set[str] = set()
-
-    @property
-    def default_transfer_bytes_per_s(self) -> float:
-        return self.default_bytes_per_s
-
-    def measured_decode_ids(self) -> Collection[str]:
-        return self._measured_cols
+        self._column_max = np.full(1, default_bytes_per_s)  # [cols] fastest rate into each decode worker
+        # Row / column numbers of id lists asked for again and again (a placement's full worker lists):
+        # a tuple hash in C instead of a dict lookup per id. Cleared when a new worker gets a number.
+        self._positions: dict[tuple[int, tuple[str, ...]], npt.NDArray[np.intp]] = {}
 
     def observe(self, prefill_id: str, decode_id: str, num_bytes: int, seconds: float) -> None:
         """One completed transfer P->D. Nothing sent (a fully cached prompt) measures nothing."""
         if num_bytes <= 0 or seconds <= 0:
             return
         i, j = self._index(self._rows, prefill_id, 0), self._index(self._cols, decode_id, 1)
-        self._measured_cols.add(decode_id)
         a = self.alpha if self._seconds[i, j] > 0 else 1.0
         self._bytes[i, j] = a * num_bytes + (1 - a) * self._bytes[i, j]
         self._seconds[i, j] = a * seconds + (1 - a) * self._seconds[i, j]
         self._rates[i, j] = self._bytes[i, j] / self._seconds[i, j]
+        self._column_max[j] = self._rates[:, j].max()  # row 0 (never measured) keeps it >= the default
 
     def rate(self, prefill_id: str, decode_id: str) -> float:
         """Measured bytes/s of the pair, or the default."""
@@ -178,29 +182,48 @@ class MeasuredLinks:
 
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
         """`[P, D]` link rates."""
-        rows = np.fromiter((self._rows.get(w, 0) for w in prefill_ids), dtype=np.intp, count=len(prefill_ids))
-        cols = np.fromiter((self._cols.get(w, 0) for w in decode_ids), dtype=np.intp, count=len(decode_ids))
-        return self._rates[np.ix_(rows, cols)]
+        return self._rates[np.ix_(self._numbers(0, prefill_ids), self._numbers(1, decode_ids))]
 
     def forget(self, worker_id: str) -> None:
         """Drop a departed worker's measurements (one that comes back starts from the default)."""
-        self._measured_cols.discard(worker_id)  # as a prefill worker its column flags stay: harmless
         for index, axis in ((self._rows, 0), (self._cols, 1)):
             k = index.get(worker_id)
             if k is not None:
                 cut = (k, slice(None)) if axis == 0 else (slice(None), k)
                 self._bytes[cut], self._seconds[cut], self._rates[cut] = 0.0, 0.0, self.default_bytes_per_s
+        self._column_max = self._rates.max(axis=0)
+
+    def max_rates(self, decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
+        """`[D]` the fastest measured rate into each decode worker, at least the default."""
+        return self._column_max[self._numbers(1, decode_ids)]
+
+    def _numbers(self, axis: int, worker_ids: Sequence[str]) -> npt.NDArray[np.intp]:
+        """Rows (axis 0) or columns (axis 1) of `worker_ids`; 0 for a worker never measured."""
+        if len(worker_ids) < 8:
+            index = self._rows if axis == 0 else self._cols
+            return np.array([index.get(w, 0) for w in worker_ids], dtype=np.intp)
+        key = (axis, tuple(worker_ids))
+        numbers = self._positions.get(key)
+        if numbers is None:
+            index = self._rows if axis == 0 else self._cols
+            numbers = np.fromiter((index.get(w, 0) for w in worker_ids), dtype=np.intp, count=len(worker_ids))
+            if len(self._positions) >= 8:
+                self._positions.clear()
+            self._positions[key] = numbers
+        return numbers
 
     def _index(self, index: dict[str, int], worker_id: str, axis: int) -> int:
         k = index.get(worker_id)
         if k is None:
             k = index[worker_id] = len(index) + 1
+            self._positions.clear()
             if k >= self._rates.shape[axis]:  # grow by doubling: amortised O(1) per new worker
                 grow = [(0, 0), (0, 0)]
                 grow[axis] = (0, self._rates.shape[axis])
                 self._bytes = np.pad(self._bytes, grow)
                 self._seconds = np.pad(self._seconds, grow)
                 self._rates = np.pad(self._rates, grow, constant_values=self.default_bytes_per_s)
+                self._column_max = self._rates.max(axis=0)
         return k
 
 
@@ -210,13 +233,8 @@ class LinkModel(Protocol):
     @property
     def tier_bytes_per_s(self) -> Mapping[str, float]: ...
 
-    @property
-    def default_transfer_bytes_per_s(self) -> float:
-        """The rate of every pair not listed by `measured_decode_ids`."""
-        ...
-
-    def measured_decode_ids(self) -> Collection[str]:
-        """Decode workers with at least one pair whose rate may differ from the default."""
+    def max_rates(self, decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
+        """`[D]` no pair into decode worker D runs faster than this (its fastest link, or the default)."""
         ...
 
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]: ...
