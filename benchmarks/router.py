@@ -142,7 +142,8 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
 
 
 def bench_overhead(requests: int) -> dict[str, float]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path[:0] = [str(tests / "unit"), str(tests)]  # the fake workers, and the test PKI they import
     import grpc
     from test_router_service import Cluster  # the scripted fake workers of the router tests
 

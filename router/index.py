@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, count
 from operator import is_not
+from typing import cast
 
 from cedserve.model.cache.events import (
     AllBlocksCleared,
@@ -60,6 +61,8 @@ def _empty(worker_id: str) -> PrefixHit:
     return PrefixHit(worker_id, {t: 0 for t in TIER_ORDER})
 
 
+_LOOKUP_CHUNK = 64
+"""Block hashes looked up at a time by the prefix walk."""
 _MAX_MEMOISED_CHANGES = 8
 """Holder-set changes remembered per holder set (a chain reaches a set from few others)."""
 
@@ -146,11 +149,11 @@ class GlobalPrefixIndex:
         """Every worker holding at least the first block -> its longest leading run of `block_hashes`
         as `[device, host, disk]` block counts (each block in its fastest tier). One walk over the
         chain, stopping at the first block nobody holds or once every worker's run has ended."""
-        states = list(map(self._holders.get, block_hashes))  # [blocks] holder sets, None where nobody holds
+        states = self._holder_sets(block_hashes)
         first = states[0] if states else None
         if first is None:
             return {}
-        end = states.index(None) if None in states else len(states)
+        end = len(states)
         tier = {w: _FASTEST[m] for w, m in first.masks.items()}  # alive workers -> fastest tier now
         since = dict.fromkeys(tier, 0)  # alive workers -> block where their current tier began
         counts = {w: [0, 0, 0] for w in tier}
@@ -158,7 +161,6 @@ class GlobalPrefixIndex:
         prev = first
         for k in compress(count(1), map(is_not, states[: end - 1], states[1:end])):
             cur = states[k]
-            assert cur is not None
             for w, mask in prev.changes_to(cur):
                 t = tier.get(w)
                 if t is None:
@@ -174,6 +176,20 @@ class GlobalPrefixIndex:
         for w, t in tier.items():
             counts[w][t] += end - since[w]
         return counts
+
+    def _holder_sets(self, block_hashes: Sequence[bytes]) -> list[_Holders]:
+        """The holder sets of the leading blocks anybody holds, up to the first block nobody does.
+        Looked up in C, a chunk at a time, so a prompt whose cached prefix is short costs little
+        more than that prefix (a cold lookup in a 1M-entry index is a few cache misses)."""
+        get = self._holders.get
+        states: list[_Holders] = []
+        for lo in range(0, len(block_hashes), _LOOKUP_CHUNK):
+            chunk = list(map(get, block_hashes[lo: lo + _LOOKUP_CHUNK]))
+            held = chunk.index(None) if None in chunk else len(chunk)
+            states += cast("list[_Holders]", chunk[:held])
+            if held < len(chunk):
+                break
+        return states
 
     def prefix_hits_reference(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:
         """`prefix_hits` the straightforward way: every block, every worker still in its run. The
