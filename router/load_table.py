@@ -82,8 +82,10 @@ class _Slots:
         return k
 
     def usable(self, excluded: Collection[str]) -> npt.NDArray[np.bool_]:
-        """`[slots]` active and not excluded (a copy)."""
-        mask = self.active[: len(self.ids)].copy()
+        """`[slots]` active and not excluded (read only: a view of `active` when nothing is excluded)."""
+        mask = self.active[: len(self.ids)]
+        if excluded:
+            mask = mask.copy()
         for w in excluded:
             k = self.index.get(w)
             if k is not None:
@@ -257,8 +259,11 @@ class LoadTable:
         maybe = np.zeros(len(a), dtype=bool)
         for t, pr in set(zip((missing[columns] / fastest[columns]).tolist(), pressure[columns].tolist(), strict=True)):
             maybe |= (a + t) + pr <= low
+        candidates = np.flatnonzero(maybe).tolist()
+        if len(candidates) == 1 and columns.size == 1:  # the column's minimum is reached, only it can
+            return candidates[0], int(columns[0])
         tied_ids = [d_ids[j] for j in columns]
-        for i in sorted(np.flatnonzero(maybe).tolist(), key=lambda k: p_ids[k]):
+        for i in sorted(candidates, key=lambda k: p_ids[k]):
             costs = (a[i] + missing[columns] / links.matrix([p_ids[i]], tied_ids)[0]) + pressure[columns]
             hits = columns[costs == low]
             if hits.size:
