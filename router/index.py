@@ -71,10 +71,11 @@ class _Holders:
     """The workers holding a block hash, `masks[worker] = tier bitmask`: immutable and interned, so
     equal holder sets are the same object. `refs` counts the hashes pointing at it."""
 
-    __slots__ = ("_changes", "key", "masks", "refs")
+    __slots__ = ("_changes", "fastest", "key", "masks", "refs")
 
     def __init__(self, masks: dict[str, int], key: frozenset[tuple[str, int]]) -> None:
         self.masks = masks
+        self.fastest = {w: _FASTEST[m] for w, m in masks.items()}  # worker -> its fastest tier's index
         self.key = key
         self.refs = 0
         self._changes: dict[_Holders, tuple[tuple[str, int], ...]] = {}
@@ -154,7 +155,7 @@ class GlobalPrefixIndex:
         if first is None:
             return {}
         end = len(states)
-        tier = {w: _FASTEST[m] for w, m in first.masks.items()}  # alive workers -> fastest tier now
+        tier = first.fastest.copy()  # alive workers -> fastest tier now
         since = dict.fromkeys(tier, 0)  # alive workers -> block where their current tier began
         counts = {w: [0, 0, 0] for w in tier}
         # Blocks where the holder set changes (found in C); runs of one interned set cost nothing.
