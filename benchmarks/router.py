@@ -57,7 +57,8 @@ def _lap(times: tuple[list[float], list[float]], wall_start: float, cpu_start: f
     times[1].append(time.thread_time() - cpu_start)
 
 
-def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, decisions: int) -> dict[str, object]:
+def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, decisions: int,
+                    reports_per_decision: int) -> dict[str, object]:
     rng = random.Random(0)
     index = GlobalPrefixIndex()
     prefill_ids = [f"p{i}" for i in range(num_workers // 2)]
@@ -82,10 +83,24 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
     for p in prefill_ids:  # every pair measured, at rates around the default
         for d in decode_ids:
             measured.observe(p, d, rng.randrange(10**9, 10**11), 1.0)
-    # Each decision's loads, drawn once: the old path builds objects from them per request, the new
-    # path receives them as load reports before the decision (as the router's pool does between requests).
-    loads = [([rng.randrange(0, 50_000) for _ in prefill_ids], [rng.randrange(0, 64) for _ in decode_ids])
-             for _ in range(decisions)]
+    # Loads evolve by load reports: before each decision `reports_per_decision` workers (all of them:
+    # fresh loads for every decision, as in the first version of this benchmark) report new values.
+    # The old path builds its objects from the current loads per request; the new path receives
+    # just those reports, as the router's pool does between requests.
+    queued = [rng.randrange(0, 50_000) for _ in prefill_ids]
+    running = [rng.randrange(0, 64) for _ in decode_ids]
+    initial = (list(queued), list(running))
+    reports: list[list[int]] = []  # per decision: the reporting workers (prefill i, decode num_prefill + i)
+    loads: list[tuple[list[int], list[int]]] = []
+    for _ in range(decisions):
+        reporting = rng.sample(range(2 * len(prefill_ids)), min(reports_per_decision, 2 * len(prefill_ids)))
+        for w in reporting:
+            if w < len(prefill_ids):
+                queued[w] = rng.randrange(0, 50_000)
+            else:
+                running[w - len(prefill_ids)] = rng.randrange(0, 64)
+        reports.append(reporting)
+        loads.append((list(queued), list(running)))
     old_times: tuple[list[float], list[float]] = ([], [])  # (wall, thread CPU) seconds per decision
     old_choices = []
     for k, (queued, running) in enumerate(loads):
@@ -110,15 +125,19 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
     measured_times: tuple[list[float], list[float]] = ([], [])
     walk_times: list[float] = []  # the index walk, part of new_times
     report_times: list[float] = []
+    for w, q in zip(prefill_ids, initial[0], strict=True):
+        table.set_prefill(PrefillLoad(w, q, 2e4))
+    for w, r in zip(decode_ids, initial[1], strict=True):
+        table.set_decode(DecodeLoad(w, r, 20_000, [0.02, 0.02, 0.021, 0.022], 5e3))
     for k, (queued, running) in enumerate(loads):
         hashes = families[k % len(families)]
-        for w, q in zip(prefill_ids, queued, strict=True):
+        for i in reports[k]:
             t = time.perf_counter()
-            table.set_prefill(PrefillLoad(w, q, 2e4))
-            report_times.append(time.perf_counter() - t)
-        for w, r in zip(decode_ids, running, strict=True):
-            t = time.perf_counter()
-            table.set_decode(DecodeLoad(w, r, 20_000, [0.02, 0.02, 0.021, 0.022], 5e3))
+            if i < len(prefill_ids):
+                table.set_prefill(PrefillLoad(prefill_ids[i], queued[i], 2e4))
+            else:
+                j = i - len(prefill_ids)
+                table.set_decode(DecodeLoad(decode_ids[j], running[j], 20_000, [0.02, 0.02, 0.021, 0.022], 5e3))
             report_times.append(time.perf_counter() - t)
         t, c = time.perf_counter(), time.thread_time()
         runs = index.prefix_runs(hashes)
@@ -135,7 +154,7 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
                 new_measured.prefill_id, new_measured.decode_id):
             raise AssertionError(f"decision {k}, measured links: old chose {old_measured}, new {new_measured}")
     return {"workers": num_workers, "index_entries": index.num_entries, "prompt_blocks": prompt_blocks,
-            "decisions": decisions, "index_build_s": build_s,
+            "decisions": decisions, "reports_per_decision": reports_per_decision, "index_build_s": build_s,
             "old": _summary(*old_times), "new": _summary(*new_times), "new_measured_links": _summary(*measured_times),
             "new_index_walk_p50_ms": 1e3 * _pct(walk_times, 0.5), "new_index_walk_p99_ms": 1e3 * _pct(walk_times, 0.99),
             "load_report_p50_us": 1e6 * _pct(report_times, 0.5), "load_report_p99_us": 1e6 * _pct(report_times, 0.99)}
@@ -191,12 +210,16 @@ def main() -> None:
     parser.add_argument("--index-entries", type=int, default=1_000_000)
     parser.add_argument("--prompt-blocks", type=int, default=1000)
     parser.add_argument("--decisions", type=int, default=200)
+    parser.add_argument("--reports-per-decision", type=int, default=None,
+                        help="load reports between two decisions (default: every worker, fresh loads each time)")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/router-cpu.json"))
     args = parser.parse_args()
-    placement = bench_placement(args.workers, args.index_entries, args.prompt_blocks, args.decisions)
+    reports = args.workers if args.reports_per_decision is None else args.reports_per_decision
+    placement = bench_placement(args.workers, args.index_entries, args.prompt_blocks, args.decisions, reports)
     print(f"placement: {placement['workers']} workers, {placement['index_entries']:,} index entries, "
-          f"{placement['prompt_blocks']}-block prompt, {placement['decisions']} decisions (same choice on both paths)")
+          f"{placement['prompt_blocks']}-block prompt, {placement['decisions']} decisions, "
+          f"{placement['reports_per_decision']} load reports between decisions (same choice on both paths)")
     print(f"{'path':<22}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'decisions/s':>13}{'cpu p50':>9}{'cpu p99':>9}")
     for name in ("old", "new", "new_measured_links"):
         row = placement[name]
