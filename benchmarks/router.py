@@ -160,7 +160,7 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
             "load_report_p50_us": 1e6 * _pct(report_times, 0.5), "load_report_p99_us": 1e6 * _pct(report_times, 0.99)}
 
 
-def bench_overhead(requests: int) -> dict[str, float]:
+def bench_overhead(requests: int, max_tokens: int) -> dict[str, float]:
     tests = Path(__file__).resolve().parents[1] / "tests"
     sys.path[:0] = [str(tests / "unit"), str(tests)]  # the fake workers, and the test PKI they import
     import grpc
@@ -186,7 +186,7 @@ def bench_overhead(requests: int) -> dict[str, float]:
             dstub, pstub = worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
             for _ in range(requests):
                 t = time.perf_counter()
-                client.generate(prompt, max_tokens=16)
+                client.generate(prompt, max_tokens=max_tokens)
                 routed.append(time.perf_counter() - t)
                 t = time.perf_counter()  # the same calls, made directly
                 lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt)))
@@ -194,12 +194,12 @@ def bench_overhead(requests: int) -> dict[str, float]:
                 for _ in dstub.Decode(worker_pb2.DecodeRequest(
                         request_id="x", lease_id=lease.lease_id, token_ids=prompt,
                         first_token=first.first_token.token_id,
-                        sampling=worker_pb2.SamplingParams(max_tokens=16))):
+                        sampling=worker_pb2.SamplingParams(max_tokens=max_tokens))):
                     pass
                 direct.append(time.perf_counter() - t)
     finally:
         cluster.close()
-    return {"requests": requests, "routed_p50_ms": 1e3 * _pct(routed, 0.5), "direct_p50_ms": 1e3 * _pct(direct, 0.5),
+    return {"requests": requests, "max_tokens": max_tokens, "routed_p50_ms": 1e3 * _pct(routed, 0.5), "direct_p50_ms": 1e3 * _pct(direct, 0.5),
             "overhead_p50_ms": 1e3 * (_pct(routed, 0.5) - _pct(direct, 0.5)),
             "routed_p99_ms": 1e3 * _pct(routed, 0.99), "direct_p99_ms": 1e3 * _pct(direct, 0.99)}
 
@@ -212,7 +212,8 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=200)
     parser.add_argument("--reports-per-decision", type=int, default=None,
                         help="load reports between two decisions (default: every worker, fresh loads each time)")
-    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=100, help="overhead mode's requests (0: skip it)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per overhead-mode request")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/router-cpu.json"))
     args = parser.parse_args()
     reports = args.workers if args.reports_per_decision is None else args.reports_per_decision
@@ -230,10 +231,10 @@ def main() -> None:
           f"p99 {placement['new_index_walk_p99_ms']:.3f} ms")
     print(f"load report into the table: p50 {placement['load_report_p50_us']:.1f} us, "
           f"p99 {placement['load_report_p99_us']:.1f} us")
-    overhead = bench_overhead(args.requests) if args.requests else {}
+    overhead = bench_overhead(args.requests, args.max_tokens) if args.requests else {}
     if overhead:
         print(f"overhead: routed p50 {overhead['routed_p50_ms']:.2f} ms vs direct {overhead['direct_p50_ms']:.2f} ms "
-              f"(+{overhead['overhead_p50_ms']:.2f} ms per 16-token request)")
+              f"(+{overhead['overhead_p50_ms']:.2f} ms per {args.max_tokens}-token request)")
     report = {"benchmark": "router", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} CPU, Python {platform.python_version()}",
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),

@@ -102,6 +102,7 @@ class GlobalPrefixIndex:
         self._mirror = KVIndexMirror()
         self._holders: dict[bytes, _Holders] = {}
         self._interned: dict[frozenset[tuple[str, int]], _Holders] = {}
+        self._items: dict[tuple[str, int], tuple[str, int]] = {}  # at most workers x 7 tier masks
         self._num_entries = 0
         self._by_worker: dict[str, set[bytes]] = {}
         self._out_of_step: set[str] = set()
@@ -139,6 +140,8 @@ class GlobalPrefixIndex:
         self._mirror._tiers.pop(worker_id, None)
         self._mirror._last.pop(worker_id, None)
         self._out_of_step.discard(worker_id)
+        for mask in range(1, 1 << len(TIER_ORDER)):
+            self._items.pop((worker_id, mask), None)
 
     def longest_prefix(self, worker_id: str, block_hashes: Sequence[bytes]) -> PrefixHit:
         """How many leading blocks of `block_hashes` the worker holds, split by fastest tier."""
@@ -267,7 +270,9 @@ class GlobalPrefixIndex:
         if not masks:
             self._holders.pop(h, None)
             return
-        key = frozenset(masks.items())
+        items = list(masks.items())
+        # One tuple object per (worker, mask), so comparing two keys finds equal items by identity.
+        key = frozenset(map(self._items.setdefault, items, items))
         new = self._interned.get(key)
         if new is None:
             new = self._interned[key] = _Holders(masks, key)
