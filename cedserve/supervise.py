@@ -93,7 +93,8 @@ def say(message: str) -> None:
 class EmbeddedSystem:
     """The embedded system's processes, started and kept running (module docstring)."""
 
-    def __init__(self, opts: EmbeddedOptions, launcher: LocalLauncher, policy: RestartPolicy | None = None) -> None:
+    def __init__(self, opts: EmbeddedOptions, launcher: LocalLauncher, policy: RestartPolicy | None = None,
+                 stop: threading.Event | None = None) -> None:
         self.opts = opts
         self.launcher = launcher
         self.ledger = RestartLedger(policy or RestartPolicy())
@@ -107,8 +108,8 @@ class EmbeddedSystem:
         self.router_port = opts.port
         self.http_port = opts.http_port
         self.metrics: dict[str, str] = {}
-        self.restarts = 0
-        self.stop = threading.Event()
+        self.address = ""  # the router's, once started
+        self.stop = stop or threading.Event()
         """Set to stop: supervision ends and a start in progress is abandoned (Ctrl-C, SIGTERM)."""
 
     def _rendezvous(self, group: int) -> tuple[str, int]:
@@ -200,7 +201,6 @@ class EmbeddedSystem:
             say(f"restarting {name} failed: {exc}")
             self._kill(name)  # dead or hung: the next poll starts it again, or gives up
             return True
-        self.restarts += 1
         where = f"; metrics at {self.metrics[name]}" if name in self.metrics else ""
         say(f"{name} is serving again ({time.monotonic() - start:.1f} s after its restart began{where})")
         return True
@@ -248,19 +248,11 @@ def serve_supervised(opts: EmbeddedOptions, policy: RestartPolicy | None = None,
     from cedserve.launcher import cache_home
 
     launcher = LocalLauncher(log_dir or opts.log_dir or cache_home() / "logs")
-    system: EmbeddedSystem | None = None
     stop = threading.Event()
-
-    def on_signal(*_: object) -> None:
-        stop.set()
-        if system is not None:
-            system.stop.set()
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        system = EmbeddedSystem(opts, launcher, policy)
-        system.stop = stop
+        system = EmbeddedSystem(opts, launcher, policy, stop)
         router = system.start()
         address = router["address"]
         print(f"cedserve is serving on {address} (logs: {launcher.log_dir})", flush=True)

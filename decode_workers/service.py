@@ -99,11 +99,13 @@ class OutputRouter:
         """A Cancel for `request_id` arrived before its Reserve (see `EARLY_CANCEL_TTL_S`)."""
         now = time.monotonic()
         with self._lock:
-            if len(self._early_cancels) >= MAX_EARLY_CANCELS:  # oldest first: dicts keep insertion order
-                for rid in [r for r, t in self._early_cancels.items() if now - t > EARLY_CANCEL_TTL_S] or \
-                        list(self._early_cancels)[:MAX_EARLY_CANCELS // 8]:
-                    del self._early_cancels[rid]
-            self._early_cancels[request_id] = now
+            self._early_cancels.pop(request_id, None)
+            self._early_cancels[request_id] = now  # dicts keep insertion order: the oldest come first
+            while True:
+                oldest, when = next(iter(self._early_cancels.items()))
+                if now - when <= EARLY_CANCEL_TTL_S and len(self._early_cancels) <= MAX_EARLY_CANCELS:
+                    break
+                del self._early_cancels[oldest]
 
     def cancelled_early(self, request_id: str) -> bool:
         """Whether a Cancel for `request_id` came before its Reserve (and is still remembered)."""

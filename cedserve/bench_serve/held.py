@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,6 @@ class Target:
     address: str
     token: str = ""
     router_pid: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def decode_blocks(self) -> dict[str, tuple[int, int]]:
         """(free, total) blocks of each decode worker the router knows (needs the internal token)."""

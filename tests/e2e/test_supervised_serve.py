@@ -76,28 +76,30 @@ class Serve:
             time.sleep(0.2)
         raise AssertionError(f"cedserve serve did not start: {self.err.read_text()[-3000:]}")
 
-    def pid(self, needle: str) -> int:
-        """The pid of this system's process whose command line holds `needle`."""
+    def processes(self) -> dict[int, str]:
+        """This system's processes (their command lines name its log folder): pid -> command line."""
+        found = {}
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
             try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, ValueError):
                 continue
-            if str(self.log_dir) in cmdline and needle in cmdline and "cedserve.cli" in cmdline:
-                return int(entry.name)
+            if entry.name.isdigit() and str(self.log_dir) in cmdline:
+                found[int(entry.name)] = cmdline
+        return found
+
+    def pid(self, needle: str) -> int:
+        """The pid of this system's cedserve process whose command line holds `needle`."""
+        for pid, cmdline in self.processes().items():
+            if needle in cmdline and "cedserve.cli" in cmdline:
+                return pid
         raise AssertionError(f"no process with {needle!r} under {self.log_dir}")
 
-    def processes(self) -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and str(self.log_dir) in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-        return found
+    def wait_all_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.processes() == {}
 
     def wait_serving(self, timeout_s: float) -> tuple[list[int], float]:
         """Greedy tokens of PROMPT once a request succeeds again, and how long that took."""
@@ -200,10 +202,7 @@ def test_drain_stops_the_whole_system_cleanly(serve: Serve) -> None:
     assert '"drained": true' in drain.stdout, drain.stdout + drain.stderr
     assert serve.proc.wait(30) == 0
     assert "the router has drained" in serve.err.read_text()
-    deadline = time.monotonic() + 10
-    while serve.processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert serve.processes() == []
+    serve.wait_all_gone(10)
 
 
 def test_past_the_restart_limit_the_system_stops(tmp_path: Path, checkpoint: Path) -> None:
@@ -212,9 +211,6 @@ def test_past_the_restart_limit_the_system_stops(tmp_path: Path, checkpoint: Pat
         os.kill(serve.pid("--worker-id prefill0"), signal.SIGKILL)
         assert serve.proc.wait(30) == 1
         assert "prefill0 exited with -9" in serve.err.read_text()
-        deadline = time.monotonic() + 10
-        while serve.processes() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert serve.processes() == []
+        serve.wait_all_gone(10)
     finally:
         serve.stop()

@@ -105,3 +105,12 @@ def test_a_lease_granted_after_its_caller_left_is_cancelled_at_once() -> None:
     assert result and context.code == grpc.StatusCode.CANCELLED
     cancel = inbox.commands[-1]
     assert isinstance(cancel, CancelCommand) and cancel.request_id == "r3" and cancel.lease_id == command.lease_id
+
+
+def test_early_cancels_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "MAX_EARLY_CANCELS", 3)
+    router = OutputRouter(1)
+    for rid in ("a", "b", "c", "d"):
+        router.note_early_cancel(rid)
+    assert not router.cancelled_early("a")  # evicted: the oldest past the bound
+    assert all(router.cancelled_early(rid) for rid in ("b", "c", "d"))
