@@ -169,7 +169,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
                           adaptive_verify=False, draft_tokens=draft_tokens, device=device,
                           paged_attention=attention, kernel_warmup=False,  # per cell: --warmup-steps instead
-                          runner=runner)
+                          runner=runner.removesuffix("-fused"), compile_fused=runner.endswith("-fused"))
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
     for i in range(batch):
@@ -202,7 +202,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     step_s = statistics.median(times)  # a shared machine's load spikes hit single steps: the median resists
     cache.close()
     return {"context": len(prompt.tokens), "batch": total, "ep": world, "dspark": dspark,
-            "attention": engine.paged_attention, "runner": engine.slots is not None, "steps": steps,
+            "attention": engine.paged_attention, "runner": engine.slots is not None, "runner_mode": runner, "steps": steps,
             "tokens": emitted, "warmup_ms_each": [round(1000 * t, 1) for t in warmup_times],
             "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
@@ -342,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="requests per cell (the group's total)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per cell (after the warm-up)")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
-    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on"],
+    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused"],
                    help="`decode.runner` values to time, each cell once per value (auto: the model runner's "
-                        "CUDA graphs for plain rows on one CUDA rank without drafts)")
+                        "CUDA graphs for plain rows on one CUDA rank without drafts; auto-fused: the same with "
+                        "`decode.compile_fused`)")
     p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "off", "kernels", "reference"],
                    help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
                         "off = dense masks, kernels = the compact-cache kernels over paged records); a path "

@@ -158,6 +158,43 @@ def profile(run: Callable[[], None], steps: int) -> dict[str, Any]:
             "top_kernels": [{"name": n, "per_step": round(c, 1), "ms": round(ms, 3)} for n, (c, ms) in top]}
 
 
+def part_profile(runner: ModelRunner, run: Callable[[], None]) -> list[dict[str, Any]]:
+    """Kernels launched and device ms per part of a layer (`SlotStep.annotate`'s ranges, summed over the
+    layers) in one eager step of `runner`: which chains a fusion would pay for. A kernel is paired with
+    its launch by order (one stream, eager), so device ms are given only when the counts agree."""
+    import bisect
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    runner.slot_step.annotate = True
+    try:
+        run()
+        sync()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            sync()
+    finally:
+        runner.slot_step.annotate = False
+    events = prof.events()
+    parts = sorted((e.time_range.start, e.time_range.end, e.name[5:]) for e in events if e.name.startswith("slot:"))
+    launches = sorted(e.time_range.start for e in events
+                      if e.device_type == torch.autograd.DeviceType.CPU and "LaunchKernel" in e.name)
+    kernels = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+    paired = len(kernels) == len(launches)
+    starts = [p[0] for p in parts]
+    table: dict[str, list[float]] = {}
+    for i, at in enumerate(launches):
+        k = bisect.bisect_right(starts, at) - 1
+        name = parts[k][2] if k >= 0 and at <= parts[k][1] else "(outside)"
+        entry = table.setdefault(name, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += kernels[i][1] / 1000 if paired else 0.0
+    return [{"part": n, "kernels": int(c), "ms": round(ms, 3) if paired else None}
+            for n, (c, ms) in sorted(table.items(), key=lambda kv: -kv[1][0])]
+
+
 def sync_sites(run: Callable[[], None]) -> list[str]:
     """Where `run` makes the host wait for the device: the project's frame under each synchronising
     call that torch's sync debug mode reports (one eager step)."""
@@ -267,6 +304,10 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
     if not runner.graphs_captured:
         sites = sync_sites(lambda: slot_step(runner=runner))
         log(f"{path}: runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
+        parts = part_profile(runner, lambda: slot_step(runner=runner))
+        log(f"{path}: kernels per part (eager step, all layers): " + "; ".join(
+            f"{p['part']} {p['kernels']}" + (f" ({p['ms']:.2f} ms)" if p["ms"] is not None else "") for p in parts))
+        PARTS[f"{name} {context}x{batch}x{rows} {path}"] = parts
         capture_start = time.perf_counter()
         report = runner.capture()
         log(f"{path}: captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "
@@ -284,6 +325,10 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
     log(row(cells[-1]))
     log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
                                      for k in cells[-1]["top_kernels"][:8]))
+
+
+PARTS: dict[str, list[dict[str, Any]]] = {}
+"""`part_profile` per runner (its first cell), written beside the cells."""
 
 
 def cell(preset: str, context: int, batch: int, rows: int, path: str, step_ms: float, prof: dict[str, Any],
@@ -343,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} " + (torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"), "torch": torch.__version__,
               "command": "python benchmarks/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells})
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells, "parts": PARTS})
     for released in variants:
         run_cells(args, released, bandwidth, log, cells)
     write()

@@ -320,7 +320,9 @@ class DecodeEngine:
         fast = self._runner_rows(running, drafts)
         slow = [i for i in range(len(running)) if i not in fast]
         plans, items = self._plan([running[i] for i in slow], [drafts[i] for i in slow])
-        results = self._run(items)
+        # an empty pass only keeps expert-parallel peers in step: alone, it would be a whole
+        # forward_batch of launches over no rows beside the runner's step
+        results = self._run(items) if items or self.ep.world_size > 1 else []
         fast_plans, fast_results = self._run_slots([running[i] for i in sorted(fast)],
                                                    [drafts[i] for i in sorted(fast)])
         observations: list[Observation] = []

@@ -171,6 +171,7 @@ class SlotBook:
         if self.metrics is not None:
             self.metrics.runner_rows.inc(len(rows))
         logits, taps = logits.clone(), taps.clone()  # the graph's outputs are rewritten by the next step
+        argmax = logits.argmax(dim=-1).tolist()  # every row's, in one copy: greedy requests need no sync of their own
         plans: list[SeqPlan] = []
         outputs: list[BatchOutput] = []
         at = 0
@@ -183,7 +184,7 @@ class SlotBook:
                 last = i == len(chunks) - 1
                 snapshot = StateSnapshot(start + carried, {}, {}, seq.state.engram_tail) if last and draft else None
                 row_taps = taps[at : at + n] if taps.dim() > 2 else logits[at : at + n, :0]
-                outputs.append(BatchOutput(logits[at : at + n], row_taps, snapshot))
+                outputs.append(BatchOutput(logits[at : at + n], row_taps, snapshot, argmax[at : at + n]))
                 at += n
             seq.state.position = start + sum(chunks)
         return plans, outputs

@@ -37,15 +37,19 @@ class Verdict:
     """Tokens to append: the accepted drafts plus one corrected or bonus token."""
 
 
-def accept_greedy(draft_tokens: Sequence[int], target_logits: Tensor) -> Verdict:
+def accept_greedy(draft_tokens: Sequence[int], target_logits: Tensor, argmax: Sequence[int] | None = None) -> Verdict:
     """Keep drafts while each equals the target argmax; then emit the target's own token.
 
-    `target_logits`: `[K + 1, vocab]`, row k scoring the position of draft k (row K: the bonus).
+    `target_logits`: `[K + 1, vocab]`, row k scoring the position of draft k (row K: the bonus);
+    `argmax`: its rows' argmax when the caller has them on the host already (no device sync here).
     """
     k = len(draft_tokens)
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {k} drafts (need {k + 1})")
-    argmax = target_logits.argmax(dim=-1).tolist()
+    if argmax is None:
+        argmax = target_logits.argmax(dim=-1).tolist()
+    elif len(argmax) != k + 1:
+        raise ValueError(f"argmax has {len(argmax)} rows for {k} drafts (need {k + 1})")
     n = 0
     while n < k and draft_tokens[n] == argmax[n]:
         n += 1

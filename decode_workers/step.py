@@ -70,9 +70,10 @@ def decide(plan: SeqPlan, outputs: list[BatchOutput]) -> tuple[Verdict, Tensor]:
     Rolls the state back to before the verify chunk when a draft was rejected."""
     seq, last = plan.seq, outputs[plan.first_item + plan.num_items - 1]
     rows = last.logits if plan.verify else last.logits[-1:]
+    argmax = None if last.argmax is None else last.argmax if plan.verify else last.argmax[-1:]
     drafts = [] if plan.draft is None else plan.draft.tokens
     if seq.params.greedy:
-        verdict = accept_greedy(drafts, rows)
+        verdict = accept_greedy(drafts, rows, argmax)
     else:
         q = plan.draft.probs if plan.draft is not None else rows.new_zeros(0, rows.shape[-1])
         verdict = accept_rejection(drafts, q, probabilities(rows, seq.params), seq.generator)

@@ -148,6 +148,7 @@ class BatchOutput:
     logits: Tensor  # float32 [S, vocab]
     taps: Tensor  # [S, n_taps, hc, hidden] when asked for, else [0]
     snapshot: StateSnapshot | None  # the state before the chunk, when asked for
+    argmax: list[int] | None = None  # each row's argmax, when the pass copied them to the host at once
 
 
 @dataclass(frozen=True)

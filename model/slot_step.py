@@ -27,7 +27,9 @@ test_runner.py), and why:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,6 +96,9 @@ class SlotStep:
             moe = "dense" if config.n_routed_experts <= DENSE_MAX_EXPERTS or not self.kernels else "grouped"
         self.moe_mode = moe
         self.ops = FusedOps(compiled=self.kernels and fused)
+        self.annotate = False
+        """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
+        kernels each part launches; off in serving: a range costs host time)."""
         self._dense: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # layer -> w1, w3 [E, I, D], w2 [E, D, I]
         self._grouped: dict[int, tuple[ExpertWeights, ExpertWeights]] = {}  # layer -> w13, w2 (bf16)
         for layer_id in range(config.num_hidden_layers):
@@ -103,6 +108,14 @@ class SlotStep:
         block = self.model.layers[layer_id]
         assert isinstance(block, Block)
         return block
+
+    @contextlib.contextmanager
+    def _part(self, name: str) -> Iterator[None]:
+        if not self.annotate:
+            yield
+            return
+        with torch.profiler.record_function(f"slot:{name}"):
+            yield
 
     # ------------------------------------------------------------------ the step
 
@@ -115,15 +128,18 @@ class SlotStep:
         attention, as `prefill_with_taps`; `[B, 0]` without DSpark layers). Each slot advances past
         its last row."""
         pools = self.pools
-        positions = pools.position[slots] + offsets
-        rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
-        step = _Pass(slots, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots, positions))
-        streams, pre = self.model._embed(token_ids)
+        with self._part("embed"):
+            positions = pools.position[slots] + offsets
+            rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+            step = _Pass(slots, positions, rope, pools.block_table[slots],
+                         self._engram_rows(token_ids, slots, positions))
+            streams, pre = self.model._embed(token_ids)
         for layer_id in range(self.config.num_hidden_layers):
             streams, pre = self._layer(layer_id, streams, pre, step)
-        logits = self.model._logits(streams, pre)
-        pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
-        pools.position.narrow(0, pools.scratch_slot, 1).zero_()  # a kernel: no host value in a graph
+        with self._part("logits"):
+            logits = self.model._logits(streams, pre)
+            pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
+            pools.position.narrow(0, pools.scratch_slot, 1).zero_()  # a kernel: no host value in a graph
         tapped = self.config.dspark_target_layer_ids
         taps = torch.stack([step.taps[i] for i in tapped], dim=1) if tapped else logits[:, :0]
         return logits, taps
@@ -148,15 +164,22 @@ class SlotStep:
         block, ops, eps = self._block(layer_id), self.ops, self.config.rms_norm_eps
         if block.engram is not None and block.engram_index is not None:
             assert step.engram_rows is not None
-            streams = block.engram(streams, step.engram_rows[:, block.engram_index])
+            with self._part("engram"):
+                streams = block.engram(streams, step.engram_rows[:, block.engram_index])
         if block.tapped:
             step.taps[layer_id] = streams
-        attn_mix = self._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
-        x = ops.collapse_norm(streams, pre, block.attn_norm.weight, eps)
-        streams = ops.expand(self._attention(block.attn, x, step), streams, attn_mix.post, attn_mix.comb)
-        ffn_mix = self._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
-        x = ops.collapse_norm(streams, attn_mix.pre, block.ffn_norm.weight, eps)
-        streams = ops.expand(self._moe(layer_id, block.ffn, x), streams, ffn_mix.post, ffn_mix.comb)
+        with self._part("mix"):
+            attn_mix = self._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
+            x = ops.collapse_norm(streams, pre, block.attn_norm.weight, eps)
+        attended = self._attention(block.attn, x, step)
+        with self._part("mix"):
+            streams = ops.expand(attended, streams, attn_mix.post, attn_mix.comb)
+            ffn_mix = self._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
+            x = ops.collapse_norm(streams, attn_mix.pre, block.ffn_norm.weight, eps)
+        with self._part("moe"):
+            moe_out = self._moe(layer_id, block.ffn, x)
+        with self._part("mix"):
+            streams = ops.expand(moe_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
 
     def _mix(self, streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> HcMix:
@@ -174,23 +197,31 @@ class SlotStep:
         spec = attn.spec
         cos, sin = step.rope[attn.rope_kind]
         eps = self.config.rms_norm_eps
-        q_residual, q, kv = self.ops.project(x, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight,
-                                             attn.wkv.weight, attn.kv_norm.weight, cos, sin,
-                                             self.config.num_attention_heads, eps)
-        window = self._write_window(spec.layer_id, kv, step)
+        with self._part("project"):
+            q_residual, q, kv = self.ops.project(x, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight,
+                                                 attn.wkv.weight, attn.kv_norm.weight, cos, sin,
+                                                 self.config.num_attention_heads, eps)
+        with self._part("window"):
+            window = self._write_window(spec.layer_id, kv, step)
         kv_layer = index_layer = None
         if spec.compress_ratio:
             kv_layer, index_layer = spec.kv_layer, spec.index_layer
             assert kv_layer is not None and index_layer is not None
             if attn.compressor is not None:
-                self._write_global_kv(attn, x, step)
+                with self._part("compressor"):
+                    self._write_global_kv(attn, x, step)
             if attn.indexer is not None:
                 c_cos, c_sin = step.rope["compress"]
-                index_q = self.ops.index_query(q_residual, attn.indexer.wq_b.weight, c_cos, c_sin,
-                                               attn.indexer.num_heads, INDEX_QUANT_BLOCK)
-                self._select(spec.layer_id, kv_layer, spec.compress_ratio, index_q, attn.indexer.head_weights(x), step)
-        out = self._attend(spec.layer_id, q, attn.attn_sink, window, kv_layer, index_layer, step)
-        projected: Tensor = self.ops.output(out, cos, sin, attn.wo_a.weight, self.config.o_groups, attn.wo_b.weight)
+                with self._part("select"):
+                    index_q = self.ops.index_query(q_residual, attn.indexer.wq_b.weight, c_cos, c_sin,
+                                                   attn.indexer.num_heads, INDEX_QUANT_BLOCK)
+                    self._select(spec.layer_id, kv_layer, spec.compress_ratio, index_q,
+                                 attn.indexer.head_weights(x), step)
+        with self._part("attend"):
+            out = self._attend(spec.layer_id, q, attn.attn_sink, window, kv_layer, index_layer, step)
+        with self._part("output"):
+            projected: Tensor = self.ops.output(out, cos, sin, attn.wo_a.weight, self.config.o_groups,
+                                                attn.wo_b.weight)
         return projected
 
     def _write_window(self, layer_id: int, kv: Tensor, step: _Pass) -> Tensor:

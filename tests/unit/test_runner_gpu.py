@@ -82,7 +82,8 @@ def test_slot_step_equals_forward_batch_on_kernels() -> None:
             pair[1] = token
 
 
-def test_decode_engine_runner_on_cuda() -> None:
+@pytest.mark.parametrize("compile_fused", [False, True], ids=["plain", "inductor"])
+def test_decode_engine_runner_on_cuda(compile_fused: bool) -> None:
     """The decode engine on CUDA with `runner = "auto"` (graphs captured at start) against `off`:
     decode-only requests (prefilled by the engine itself), greedy tokens that the model picks
     (ties aside), every block and slot free at the end."""
@@ -92,7 +93,8 @@ def test_decode_engine_runner_on_cuda() -> None:
     prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
     outs = []
     for runner in ("off", "auto"):
-        rig = Rig(model, None, dspark=False, runner=runner, device="cuda", max_running_requests=4)
+        rig = Rig(model, None, dspark=False, runner=runner, device="cuda", max_running_requests=4,
+                  compile_fused=compile_fused)
         rids = []
         for tokens in prompts:
             reserved = rig.reserve(tokens, sender=False)
