@@ -1,7 +1,7 @@
-"""Evaluate the trained demo checkpoint (`cedserve/assets/demo`, `scripts/train_demo.py`) on held-out code.
+"""Evaluate the trained demo checkpoint (`cedserve/assets/demo`, `cedserve.training.demo`) on held-out code.
 
 Held-out text: the files of the running interpreter's standard library that the trainer's fixed
-split holds out (`crc32(path) % 50 == 0`, `model/train_data.py`), tokenized with the checkpoint's
+split holds out (`crc32(path) % 50 == 0`, `training/data.py`), tokenized with the checkpoint's
 tokenizer. Four measurements, all through the serving entry points:
 
 1. KV format: perplexity of held-out windows (`prefill` of each) with the FP4/FP8 record cache
@@ -68,7 +68,7 @@ from cedserve.model.kv_format import KVFormat
 from cedserve.model.network import CEDModel
 from cedserve.model.state import SequenceState
 from cedserve.model.tokenizer import TextCodec
-from cedserve.model.train_data import code_files, consecutive_rows, load_corpus, spread_rows, token_stream
+from cedserve.training.data import code_files, consecutive_rows, load_corpus, spread_rows, token_stream
 
 
 def default_checkpoint() -> Path:

@@ -46,7 +46,7 @@ def cache_home() -> Path:
 
 
 def shipped_demo_checkpoint() -> Path:
-    """The trained demo checkpoint shipped in the package (`scripts/train_demo.py`, docs/training.md)."""
+    """The trained demo checkpoint shipped in the package (`cedserve.training.demo`, docs/training.md)."""
     from importlib import resources
 
     return Path(str(resources.files("cedserve") / "assets" / "demo"))

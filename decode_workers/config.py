@@ -110,7 +110,7 @@ class DecodeConfig:
     """With the runner on CUDA: its chains of small ops (norms, RoPE, mHC mixing, window slots, the
     dense MoE, sampling) compiled by Inductor (`cedserve.model.fused`) before capture: on an H200
     2,485 instead of 6,790 kernels and 8.0 instead of 17.1 ms per mini-40 step (64K x 1,
-    docs/benchmarks/decode-step-h200-run4.json), for a longer start-up (about 25 s of compiles on the
+    docs/benchmarks/decode-step-h200.json), for a longer start-up (about 25 s of compiles on the
     first bucket, Inductor's cache helps later starts). The engine's GPU test passes with it
     (test_decode_engine_runner_on_cuda[inductor]); False: the plain ops, captured as they are."""
     effort_queue_slack_s: float = 2.0

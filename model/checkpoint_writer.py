@@ -1,6 +1,6 @@
 """Write checkpoints in the released layout (config.json, tokenizer.json, safetensors with FP8 and
 FP4 weights): tiny random ones for tests, and trained ones (`write_checkpoint`, used by the demo
-trainer, `model/training.py`).
+trainer, `training/trainer.py`).
 
 Formats written (what `checkpoint.load_checkpoint` reads back):
 

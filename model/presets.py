@@ -6,7 +6,7 @@
 - `tiny`: the same mode pattern (SWA, m=2 encoder group, m=1 decoder group, Reindex and Reuse
   layers, a candidate pool, Engram, one draft layer) in 12 layers, fast enough for CPU tests.
 - `demo`: the tiny layer plan at the width of the shipped trained checkpoint
-  (`cedserve/assets/demo`, `scripts/train_demo.py`): a 4,096-token code tokenizer, a 32-token window
+  (`cedserve/assets/demo`, `python -m cedserve.training.demo`): a 4,096-token code tokenizer, a 32-token window
   (so bounded replay of 128 or 256 tokens is an approximation: the exact span is 375), top-32 sparse
   attention inside a 64-entry candidate pool.
 """

@@ -17,7 +17,7 @@ from cedserve.model.checkpoint_writer import load_drafter, snap_to_stored_format
 from cedserve.model.dspark import Drafter, DraftRequest, DraftState
 from cedserve.model.network import CEDModel
 from cedserve.model.tokenizer import tiny_tokenizer_path
-from cedserve.model.training import (
+from cedserve.training.trainer import (
     DistillSet,
     PhaseConfig,
     backbone_identical,
@@ -161,15 +161,13 @@ def test_drafter_only_checkpoint_keeps_the_backbone_bytes(tmp_path: Path) -> Non
 
 
 def test_drafter_only_trainer_writes_a_bigger_drafter_beside_the_same_backbone(tmp_path: Path) -> None:
-    """`scripts/train_demo.py --init --drafter-only` end to end on the micro model: cache, training,
-    replay, checkpoint; exit 0 needs the backbone byte-identical and the drafter loaded back exactly."""
-    import importlib.util
+    """`python -m cedserve.training.demo --init --drafter-only` end to end on the micro model: cache,
+    training, replay, checkpoint; exit 0 needs the backbone byte-identical and the drafter loaded back
+    exactly."""
     import json
 
-    spec = importlib.util.spec_from_file_location("train_demo", Path(__file__).parents[2] / "scripts" / "train_demo.py")
-    assert spec is not None and spec.loader is not None
-    train_demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_demo)
+    from cedserve.training import demo as train_demo
+
     model, drafter = micro_models()
     snap_to_stored_formats(model)
     snap_to_stored_formats(drafter)
@@ -191,7 +189,7 @@ def test_drafter_only_trainer_writes_a_bigger_drafter_beside_the_same_backbone(t
 
 
 def test_confidence_loss_counts_a_position_only_after_a_matched_prefix() -> None:
-    from cedserve.model.training import confidence_loss
+    from cedserve.training.trainer import confidence_loss
 
     match = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
     good = torch.tensor([[0.9, 0.1, 0.5, 0.5], [0.1, 0.5, 0.5, 0.5]]).unsqueeze(-1)

@@ -20,7 +20,7 @@ def test_wheel_holds_only_the_cedserve_namespace(tmp_path: Path) -> None:
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"cedserve", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     names = zipfile.ZipFile(wheel).namelist()
-    for pkg in ("model", "kernels", "kv_transfer", "prefill_workers", "decode_workers", "router", "proto"):
+    for pkg in ("model", "kernels", "kv_transfer", "prefill_workers", "decode_workers", "router", "proto", "training"):
         assert f"cedserve/{pkg}/__init__.py" in names, pkg
     for asset in ("config.json", "tokenizer.json", "generation_config.json", "model.safetensors"):
         assert f"cedserve/assets/demo/{asset}" in names, asset  # the embedded default's trained checkpoint

@@ -1,6 +1,6 @@
 """The model runner on a GPU: graph replays equal the eager slot step (every bucket, full and
 padded, with rows joining and leaving, sampled with seeds), and the slot step equals
-`forward_batch` on the paged kernels. Skipped without CUDA (scripts/gpu_runner.sh runs them)."""
+`forward_batch` on the paged kernels. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
 
 from __future__ import annotations
 

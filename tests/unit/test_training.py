@@ -38,7 +38,7 @@ from cedserve.model.kv_format import KVFormat, index_key_values, main_values, wi
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
 from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
-from cedserve.model.train_data import (
+from cedserve.training.data import (
     SPECIAL_TOKENS,
     SourceFile,
     code_files,
@@ -48,7 +48,7 @@ from cedserve.model.train_data import (
     token_stream,
     train_tokenizer,
 )
-from cedserve.model.training import (
+from cedserve.training.trainer import (
     PhaseConfig,
     draft_batch,
     draft_loss,

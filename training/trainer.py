@@ -56,7 +56,7 @@ from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter, DraftRequest, DraftState
 from cedserve.model.moe import Router
 from cedserve.model.network import BatchItem, CEDModel
-from cedserve.model.train_data import consecutive_rows, random_rows
+from cedserve.training.data import consecutive_rows, random_rows
 
 LogFn = Callable[[dict[str, Any]], None]
 

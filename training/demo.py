@@ -1,15 +1,15 @@
 """Train the demo checkpoint: a small CED model of the real layer plan (preset `demo`) and its DSpark
 drafter, on the Python standard library of the running interpreter.
 
-Steps (all seeded): corpus and held-out split by file (`model/train_data.py`), a byte-level BPE
+Steps (all seeded): corpus and held-out split by file (`training/data.py`), a byte-level BPE
 tokenizer, the backbone (next-token prediction with FP4/FP8 KV records in the forward pass and, at
 the end, FP8/FP4 weights, straight-through), the drafter (distillation from the frozen backbone),
-rounding to the stored formats, and a real-format checkpoint (`model/training.py` says how). The
+rounding to the stored formats, and a real-format checkpoint (`training/trainer.py` says how). The
 written checkpoint is loaded back through the normal loader and must give the in-memory model's
 logits; the JSON report records losses, timings and that check.
 
-    python scripts/train_demo.py --device cuda --out build/demo            # the shipped checkpoint (H200)
-    python scripts/train_demo.py --device cpu --max-files 60 --vocab-size 1024 --backbone-steps 20 \\
+    python -m cedserve.training.demo --device cuda --out build/demo            # the shipped checkpoint (H200)
+    python -m cedserve.training.demo --device cpu --max-files 60 --vocab-size 1024 --backbone-steps 20 \\
         --drafter-steps 10 --batch-size 4 --seq-len 128 --out build/demo-cpu   # a quick CPU run
 
 Drafter only (`--init CHECKPOINT --drafter-only`): the backbone is loaded from a checkpoint and
@@ -19,7 +19,7 @@ training prompts, and corpus rows), evaluated by replaying greedy speculative de
 prompts, and written into a copy of the checkpoint whose backbone tensors are the input's, byte for
 byte (checked, and recorded in the report):
 
-    python scripts/train_demo.py --init cedserve/assets/demo --drafter-only --drafter-seconds 240 \\
+    python -m cedserve.training.demo --init cedserve/assets/demo --drafter-only --drafter-seconds 240 \\
         --out build/demo-drafter/demo
 """
 
@@ -50,7 +50,7 @@ from cedserve.model.dspark import Drafter
 from cedserve.model.engram import build_compressed_token_map
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
-from cedserve.model.train_data import (
+from cedserve.training.data import (
     code_files,
     consecutive_rows,
     load_corpus,
@@ -60,7 +60,7 @@ from cedserve.model.train_data import (
     token_stream,
     train_tokenizer,
 )
-from cedserve.model.training import (
+from cedserve.training.trainer import (
     DistillSet,
     DraftLossConfig,
     PhaseConfig,
@@ -259,7 +259,7 @@ def drafter_only(args: argparse.Namespace) -> int:
     snap_to_stored_formats(drafter)
     after = speculative_acceptance(model, drafter, held, args.eval_verifications)
     write_drafter_checkpoint(args.init, drafter, args.out,
-                             {"trainer": "scripts/train_demo.py --drafter-only", "seed": str(args.seed)})
+                             {"trainer": "cedserve.training.demo --drafter-only", "seed": str(args.seed)})
     identical = backbone_identical(args.init, args.out)
     loaded = load_drafter(args.out, ModelConfig.from_hf_json(args.out)).to(args.device)
     drafter_gap = max(float((a - b).abs().max()) for a, b in zip(drafter.state_dict().values(),
@@ -282,7 +282,7 @@ def drafter_only(args: argparse.Namespace) -> int:
         "loss": {"soft": weights.soft, "argmax": weights.argmax, "prefix": weights.prefix,
                  "greedy_share": args.greedy_share},
         "heldout_replay": {"prompts": held.num_rows, "prompt_len": args.eval_prompt_len,
-                           "where": "spread evenly over the held-out code (train_data.spread_rows, code_files)",
+                           "where": "spread evenly over the held-out code (training.data.spread_rows, code_files)",
                            "verifications_per_prompt": args.eval_verifications,
                            "new_tokens": held.seq_len - args.eval_prompt_len},
         "drafter": {"steps": run.steps, "seconds": round(run.seconds, 1), "anchors": run.tokens, "step_s": run.step_s,
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     snap_to_stored_formats(drafter)
     final_loss = heldout_loss(model, heldout, args.seq_len, args.eval_rows)
     acceptance = heldout_acceptance(model, drafter, heldout, args.seq_len, args.eval_rows, 64, args.seed)
-    write_checkpoint(model, drafter, args.out, tokenizer_json, {"trainer": "scripts/train_demo.py", "seed": str(args.seed)},
+    write_checkpoint(model, drafter, args.out, tokenizer_json, {"trainer": "cedserve.training.demo", "seed": str(args.seed)},
                      half_floats=True)
     rows = consecutive_rows(heldout, args.seq_len, 4)
     gap = logit_gap(model, args.out, rows, args.device)

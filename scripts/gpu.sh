@@ -1,0 +1,416 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the project, one recipe. Run from the repo root on a CUDA host:
+#
+#     OUT=/some/dir bash scripts/gpu.sh                      # PART=runner (the default)
+#     OUT=/some/dir PART="kernels step" bash scripts/gpu.sh  # several parts, one after the other
+#
+# Parts (outputs in $OUT; each step has its own timeout, in seconds, in the variable named):
+#
+#   runner          runner-tests, then step, then engine
+#   runner-tests    tests/unit/test_runner_gpu.py                      gpu-tests.log            TESTS_S=130
+#   step            benchmarks/step.py, mini-40 at 4K / 64K x batch 1 / 32 (eager, graph, graph-fused),
+#                   then the released attention geometry at 64K x 32
+#                                   decode-step-h200.json, decode-step-h200-released.json, step.log
+#                                                                                 STEP_S=220 RELEASED_S=110
+#   engine          benchmarks/decode.py, the decode engine with the runner off and auto
+#                                   decode-engine-h200.json, engine.log                       ENGINE_S=120
+#   kernels         kernel-tests, then kernel-bench
+#   kernel-tests    tests/kernels -m "$MARK" (default gpu)  kernel-tests.log, kernel-tests.xml
+#                                                                     KERNEL_TESTS_S=200 (QUICK=1: 130)
+#   kernel-bench    benchmarks/kernels.py (QUICK=1: --quick; ATTN_SDPA=1 adds dense SDPA)
+#                                   kernels-h200.json, kernels.log    KERNEL_BENCH_S=380 (QUICK=1: 200)
+#   prefill         benchmarks/prefill.py, mini-40, 4K-128K prompts, engine and all 40 layers
+#   prefill-paged   the prefill engine dense and through the kernels at $TOKENS (4K 32K 128K);
+#   prefill-paged-released  the same with the released attention geometry
+#   decode-short    benchmarks/decode.py, 4K and 16K x batches 1 8 32, with and without DSpark
+#   decode-64k      the same at 64K;  decode-128k: at 128K
+#   decode-ep2      expert parallel over two GPUs (NCCL), 4K and 64K x batches 8 32
+#                   (these seven: <part>.json, <part>.log; BUDGET_S=190: no new cell after it,
+#                   LIMIT_S=235: the hard timeout; ATTENTION picks the decode / prefill attention)
+#   decode-cuda     benchmarks/decode.py at $CONTEXTS (256 2048) x $BATCHES (1 8 32), attention
+#                   $ATTENTION (off kernels)        decode-cuda.json, decode-cuda.log   DECODE_S=330
+#   ep-tests        tests/unit/test_decode_expert_parallel.py -m gpu (two GPUs)  ep-tests.log
+#                                                                                     EP_TESTS_S=200
+#   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
+#                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
+#                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
+#                   full-topology-h200x$GPUS.json, logs/}         TOPOLOGY_S=340, MAX_RUN_S=60 per arm
+#   train-demo      python -m cedserve.training.demo, then benchmarks/demo_eval.py on its checkpoint
+#                   (BACKBONE_S=200, DRAFTER_S=80 budgets)      train-demo/{demo/, train.log,
+#                   train-demo.json, eval.log, demo-eval.json}  TRAIN_TIMEOUT_S=430 EVAL_TIMEOUT_S=150
+#   train-drafter   the drafter only, over the frozen backbone of $INIT (cedserve/assets/demo), then
+#                   the evaluation's decode cells (EVAL_ARGS, default --parts speed); GREEDY_S=60,
+#                   DRAFTER_S=240          train-drafter/{..., train-drafter.json}  TRAIN_TIMEOUT_S=420
+#                   (both: TRAIN_ARGS / EVAL_ARGS add flags, DEVICE=cpu for a rehearsal, SKIP_EVAL=1)
+#   demo-eval       benchmarks/demo_eval.py --parts speed on the shipped demo checkpoint
+#                                   demo-eval.json, demo-eval.log                  EVAL_TIMEOUT_S=200
+#   transfer        KV transfer on 2+ GPUs: benchmarks/kv_transfer_host.py, kv_transfer_requests.py,
+#                   the `cedserve bench kv-transfer` matrix, then the core cells on the new path (with
+#                   and without ChunkPosted notices) and the old one from build/kv_before, if made
+#                   (--prepare-before)      transfer/{bench.log, host.json, requests.json,
+#                   kv-transfer-$DEVICE.json, core-new.json, core-new-noannounce.json, core-old.json}
+#                   (DEVICE=cpu QUICK=1: a smoke test on this machine)
+#
+# Every call writes $OUT/env.txt (torch, the GPU and its clocks). Two calls may run at once on
+# different GPUs (CUDA_VISIBLE_DEVICES) with different OUT: each PART list has its own tree.
+#
+# The project need not be installed: a folder of symlinks (build/gpu_tree/<parts>) puts `cedserve.*`
+# on PYTHONPATH as installed, and python runs with -P (or PYTHONSAFEPATH=1) so the checkout's own
+# cedserve/ folder does not shadow it. Wheels the CUDA image lacks are carried in build/gpu_wheels
+# (or .whl/) and installed into build/gpu_site first; SITE adds a further folder (e.g. nixl) after it.
+# Prepare here, then carry the folders named (all git-ignored):
+#
+#     bash scripts/gpu.sh --prepare-wheels       # msgspec and grpcio into build/gpu_wheels; WHEELS
+#                                                # names others, e.g. for transfer / full-topology:
+#     WHEELS="msgspec==0.23.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1
+#             grpcio-reflection==1.85.1 grpcio-status==1.85.3 googleapis-common-protos nixl-cu13" \
+#       bash scripts/gpu.sh --prepare-wheels
+#     bash scripts/gpu.sh --prepare-deps         # pytest, hypothesis into build/gpu_pydeps (for hosts
+#                                                # without them)
+#     bash scripts/gpu.sh --prepare-before REF   # kv_transfer of commit REF into build/kv_before
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+
+prepare_wheels() {
+  mkdir -p build/gpu_wheels
+  local req
+  for req in ${WHEELS:-msgspec grpcio>=1.85.1}; do
+    .venv/bin/python -m pip download -q "$req" --no-deps --only-binary=:all: --python-version 3.12 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d build/gpu_wheels
+  done
+  ls -la build/gpu_wheels
+}
+
+prepare_deps() {  # the pure-Python test dependencies, for a host without pytest or hypothesis
+  local site name dist
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  rm -rf build/gpu_pydeps && mkdir -p build/gpu_pydeps
+  for name in pytest _pytest py.py pluggy iniconfig packaging hypothesis _hypothesis_pytestplugin.py \
+              _hypothesis_globals.py _hypothesis_ftz_detector.py sortedcontainers attr attrs pytest_timeout.py; do
+    [ -e "$site/$name" ] && cp -r "$site/$name" build/gpu_pydeps/
+  done
+  for dist in "$site"/{pytest,pluggy,iniconfig,packaging,hypothesis,sortedcontainers,attrs,pytest_timeout}-*.dist-info; do
+    [ -e "$dist" ] && cp -r "$dist" build/gpu_pydeps/
+  done
+  find build/gpu_pydeps -name __pycache__ -prune -exec rm -rf {} +
+  du -sh build/gpu_pydeps
+}
+
+prepare_before() {  # $1: git ref whose kv_transfer/ the transfer part times as the old path
+  local ref=${1:?usage: scripts/gpu.sh --prepare-before GIT_REF} f
+  rm -rf build/kv_before && mkdir -p build/kv_before
+  for f in $(git ls-tree --name-only "$ref" kv_transfer/); do
+    git show "$ref:$f" > "build/kv_before/$(basename "$f")"
+  done
+  echo "$ref $(git rev-parse "$ref")" > build/kv_before/REF
+  ls build/kv_before
+}
+
+case "${1:-}" in
+  --prepare-wheels) prepare_wheels; exit 0 ;;
+  --prepare-deps) prepare_deps; exit 0 ;;
+  --prepare-before) prepare_before "${2:-}"; exit 0 ;;
+  "") ;;
+  *) echo "unknown argument $1 (parts are chosen with PART=...)" >&2; exit 2 ;;
+esac
+
+# setuptools' package-dir mapping (router/ -> cedserve.router, ...) does not exist on a host where
+# the project is not installed: a folder of symlinks in which `cedserve.*` imports as installed.
+make_gpu_tree() {  # $1: tree folder (replaced); $2: the kv_transfer folder to map (default ours)
+  rm -rf "$1" && mkdir -p "$1/cedserve"
+  local f pkg
+  for f in cedserve/*; do ln -s "$ROOT/$f" "$1/cedserve/$(basename "$f")"; done
+  for pkg in model kernels prefill_workers decode_workers router proto training; do
+    [ -d "$pkg" ] && ln -s "$ROOT/$pkg" "$1/cedserve/$pkg"
+  done
+  ln -s "${2:-$ROOT/kv_transfer}" "$1/cedserve/kv_transfer"
+}
+
+install_gpu_wheels() {  # carried wheels into build/gpu_site, one call at a time
+  local wheels=()
+  compgen -G "build/gpu_wheels/*.whl" > /dev/null && wheels+=(build/gpu_wheels/*.whl)
+  compgen -G ".whl/*.whl" > /dev/null && wheels+=(.whl/*.whl)
+  [ ${#wheels[@]} -eq 0 ] && return 0
+  mkdir -p build
+  # one pip call for all of them: protobuf, googleapis-common-protos and grpcio-status share `google/`
+  local lock=(); command -v flock > /dev/null && lock=(flock build/.gpu_site.lock)
+  "${lock[@]}" "$PY" -m pip install --quiet --upgrade --no-deps --no-index --no-compile \
+    --target build/gpu_site "${wheels[@]}"
+}
+
+OUT=${OUT:-build/gpu}
+PART=${PART:-runner}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+tree=build/gpu_tree/$(echo "$PART" | tr ' ' '_')
+make_gpu_tree "$tree" && install_gpu_wheels
+export PYTHONPATH="$ROOT/$tree:$ROOT/build/gpu_site${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
+[ -d build/gpu_pydeps ] && export PYTHONPATH="$PYTHONPATH:$ROOT/build/gpu_pydeps"  # after the host's own
+"$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"
+quiet() { grep -v "USDT\|profiler_st\|_warn_once\|UserWarning\|sync_debug"; }
+NOTE="mini-40 layer plan, random weights, vocabulary 512; torch ops but the mHC kernel and (decode) the paged attention"
+
+# ---------------------------------------------------------------- the model runner (docs/decode.md)
+part_runner_tests() {
+  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py 2>&1 \
+    | tail -120 | tee "$OUT/gpu-tests.log"
+}
+
+part_step() {
+  timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py --contexts 4096 65536 --batches 1 32 --rows 1 6 --steps 5 \
+    --warmup 3 --paths eager graph graph-fused --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
+  timeout "${RELEASED_S:-110}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
+    --batches 32 --steps 5 --warmup 3 --paths eager graph graph-fused --out "$OUT/decode-step-h200-released.json" 2>&1 \
+    | quiet | tee -a "$OUT/step.log"
+}
+
+part_engine() {
+  timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
+    --batches 1 32 --steps 5 --warmup-steps 3 --runner off auto --out "$OUT/decode-engine-h200.json" 2>&1 \
+    | quiet | tee "$OUT/engine.log"
+}
+
+# ---------------------------------------------------------------- kernels (docs/kernels.md)
+part_kernel_tests() (
+  unset TRITON_INTERPRET
+  local limit=${KERNEL_TESTS_S:-$([ "${QUICK:-0}" = 1 ] && echo 130 || echo 200)} ignore=() rc
+  "$PY" -P -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "triton", triton.__version__, "device", torch.cuda.get_device_name())' 2>&1 | tee -a "$OUT/env.txt"
+  if ! "$PY" -c 'import pytest' 2>/dev/null; then
+    echo "pytest is not importable here: see --prepare-deps" | tee "$OUT/kernel-tests.log"
+    return 3
+  fi
+  # without an importable hypothesis (a copy built for another Python lacks its native part) skip
+  # the property tests and its pytest plugin, which would crash the run's summary
+  "$PY" -c 'import hypothesis' 2>/dev/null || ignore=(--ignore=tests/kernels/test_records.py -p no:hypothesispytest)
+  echo "== pytest tests/kernels -m ${MARK:-gpu} ${ignore[*]}"
+  timeout "$limit" "$PY" -P -m pytest tests/kernels -m "${MARK:-gpu}" -q -p no:cacheprovider -o addopts="" -rA \
+    --junitxml="$OUT/kernel-tests.xml" "${ignore[@]}" 2>&1 | tee "$OUT/kernel-tests.log"
+  rc=${PIPESTATUS[0]}
+  # pytest exits 5 when it collected nothing: that is a failed run here, not a pass
+  grep -qE "[0-9]+ passed" "$OUT/kernel-tests.log" || { echo "no GPU test passed"; [ "$rc" -eq 0 ] && rc=4; }
+  return "$rc"
+)
+
+part_kernel_bench() (
+  unset TRITON_INTERPRET
+  local limit=${KERNEL_BENCH_S:-$([ "${QUICK:-0}" = 1 ] && echo 200 || echo 380)} quick=()
+  [ "${QUICK:-0}" = 1 ] && quick=(--quick)
+  echo "== benchmarks/kernels.py ${quick[*]}"
+  timeout "$limit" "$PY" -P benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels-h200.json" 2>&1 \
+    | tee "$OUT/kernels.log"
+  return "${PIPESTATUS[0]}"
+)
+
+# ---------------------------------------------------------------- prefill and decode engines
+part_prefill() {
+  timeout "${LIMIT_S:-235}" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 \
+    --tokens 4096 16384 65536 131072 --chunk-tokens 2048 --time-budget-s "${BUDGET_S:-190}" \
+    --note "$NOTE; one GPU" --out "$OUT/prefill.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill.log"
+}
+
+part_prefill_paged() {  # $1: prefill-paged or prefill-paged-released
+  local released=()
+  [ "$1" = prefill-paged-released ] && released=(--released-attention)
+  # shellcheck disable=SC2086
+  timeout "${LIMIT_S:-235}" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 "${released[@]}" \
+    --tokens ${TOKENS:-4096 32768 131072} --chunk-tokens 2048 --attention ${ATTENTION:-off kernels} --repeats 2 \
+    --skip-all-layers --time-budget-s "${BUDGET_S:-190}" --note "$NOTE; prefill attention dense vs kernels; one GPU" \
+    --out "$OUT/$1.json" 2>&1 | grep -v NIXL | tee "$OUT/$1.log"
+}
+
+part_decode_mode() {  # $1: the part's name; rest: benchmarks/decode.py arguments
+  local mode=$1; shift
+  # ATTENTION="off kernels" times both decode attention paths side by side (default auto: the kernels on CUDA)
+  # shellcheck disable=SC2086
+  timeout "${LIMIT_S:-235}" "$PY" benchmarks/decode.py --device cuda --preset mini-40 --steps 4 \
+    --time-budget-s "${BUDGET_S:-190}" --attention ${ATTENTION:-auto} \
+    --note "$NOTE; decode attention ${ATTENTION:-auto}; $mode" --out "$OUT/$mode.json" "$@" 2>&1 \
+    | grep -v NIXL | tee "$OUT/$mode.log"
+}
+
+part_decode_cuda() {
+  # shellcheck disable=SC2086
+  timeout "${DECODE_S:-330}" "$PY" benchmarks/decode.py --device cuda --preset mini-40 \
+    --contexts ${CONTEXTS:-256 2048} --batches ${BATCHES:-1 8 32} --steps 4 \
+    --attention ${ATTENTION:-off kernels} --warmup-steps 4 \
+    --note "one H200; mini-40 layer plan, random weights, vocabulary cut to 512; decode attention dense (off) and paged kernels" \
+    --out "$OUT/decode-cuda.json" 2>&1 | grep -v NIXL | tee "$OUT/decode-cuda.log"
+}
+
+part_ep_tests() {
+  timeout "${EP_TESTS_S:-200}" "$PY" -P -m pytest tests/unit/test_decode_expert_parallel.py -m gpu -q -p no:cacheprovider 2>&1 \
+    | tail -20 | tee "$OUT/ep-tests.log"
+}
+
+# ---------------------------------------------------------------- serving end to end (docs/bench-serve.md)
+part_full_topology() (
+  local out=$OUT/full-topology gpus=${GPUS:-2}
+  mkdir -p "$out"
+  # the worker processes start as `python -m cedserve.cli` in this folder: keep the checkout's
+  # cedserve/ off their sys.path too
+  export PYTHONSAFEPATH=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
+  "$PY" -c "import torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" \
+    | tee "$out/env.txt"
+  "$PY" -c "
+import importlib
+for m in ('grpc', 'msgspec', 'tokenizers', 'safetensors', 'prometheus_client', 'grpc_health', 'grpc_reflection',
+          'nixl_cu13', 'nixl_cu12', 'tqdm', 'matplotlib'):
+    try:
+        importlib.import_module(m); print('have', m)
+    except ImportError as exc:
+        print('MISSING', m, exc)
+" | tee -a "$out/env.txt"
+  # shellcheck disable=SC2086
+  timeout "${TOPOLOGY_S:-340}" "$PY" benchmarks/full_topology.py --gpus "$gpus" --max-run-s "${MAX_RUN_S:-60}" \
+    --no-progress --out "$out/full-topology-h200x$gpus.json" --log-dir "$out/logs" ${TOPOLOGY_ARGS:-} 2>&1 \
+    | grep -v NIXL | tee "$out/bench.log"
+  local rc=${PIPESTATUS[0]}
+  echo "exit $rc" | tee -a "$out/bench.log"
+  return "$rc"
+)
+
+# ---------------------------------------------------------------- the demo checkpoint (docs/training.md)
+part_train() (  # $1: train-demo or train-drafter
+  local out=$OUT/$1 device=${DEVICE:-cuda} rc_train rc_eval=-1 limit note
+  local init=${INIT:-cedserve/assets/demo}
+  mkdir -p "$out"
+  export PYTHONUNBUFFERED=1
+  {
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
+    "$PY" -P -c 'import sys, sysconfig, torch, tokenizers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"tokenizers", tokenizers.__version__, "stdlib", sysconfig.get_paths()["stdlib"])'
+  } 2>&1 | tee "$out/train.log"
+  if [ "$1" = train-drafter ]; then
+    local drafter_s=${DRAFTER_S:-240} greedy_s=${GREEDY_S:-60}
+    limit=${TRAIN_TIMEOUT_S:-$((drafter_s + greedy_s + 120))}
+    # --deadline-seconds: if loading, generation and caching ran long, training gives up the
+    # difference rather than the timeout killing the run before it writes the checkpoint
+    # shellcheck disable=SC2086
+    timeout "$limit" "$PY" -P -m cedserve.training.demo --device "$device" --init "$init" --drafter-only \
+      --out "$out/demo" --report "$out/train-drafter.json" --drafter-seconds "$drafter_s" \
+      --greedy-seconds "$greedy_s" --deadline-seconds "$((limit - 15))" ${TRAIN_ARGS:-} 2>&1 | tee -a "$out/train.log"
+    rc_train=${PIPESTATUS[0]}
+    local eval_args=${EVAL_ARGS:---parts speed}
+    note=${NOTE_EVAL:-one GPU; the backbone of $init with the drafter just trained by cedserve.training.demo --drafter-only}
+  else
+    # shellcheck disable=SC2086
+    timeout "${TRAIN_TIMEOUT_S:-430}" "$PY" -P -m cedserve.training.demo --device "$device" --out "$out/demo" \
+      --report "$out/train-demo.json" --backbone-seconds "${BACKBONE_S:-200}" --drafter-seconds "${DRAFTER_S:-80}" \
+      ${TRAIN_ARGS:-} 2>&1 | tee -a "$out/train.log"
+    rc_train=${PIPESTATUS[0]}
+    local eval_args=${EVAL_ARGS:-}
+    note=${NOTE_EVAL:-one GPU; the checkpoint just trained by cedserve.training.demo}
+  fi
+  if [ "$rc_train" -eq 0 ] && [ "${SKIP_EVAL:-0}" != 1 ]; then  # SKIP_EVAL=1: the caller evaluates
+    # shellcheck disable=SC2086
+    timeout "${EVAL_TIMEOUT_S:-150}" "$PY" -P benchmarks/demo_eval.py --device "$device" --checkpoint "$out/demo" \
+      --out "$out/demo-eval.json" --note "$note" $eval_args 2>&1 | grep -v NIXL | tee "$out/eval.log"
+    rc_eval=${PIPESTATUS[0]}
+  fi
+  echo "train rc=$rc_train eval rc=$rc_eval (results in $out; copy demo/ to cedserve/assets/demo)"
+  [ "$rc_train" -eq 0 ] && { [ "$rc_eval" -eq 0 ] || [ "${SKIP_EVAL:-0}" = 1 ]; }
+)
+
+part_demo_eval() {
+  # shellcheck disable=SC2086
+  timeout "${EVAL_TIMEOUT_S:-200}" "$PY" -P benchmarks/demo_eval.py --device cuda --parts speed \
+    --out "$OUT/demo-eval.json" --note "one GPU; the shipped cedserve/assets/demo" ${EVAL_ARGS:-} 2>&1 \
+    | grep -v NIXL | tee "$OUT/demo-eval.log"
+}
+
+# ---------------------------------------------------------------- KV transfer (docs/kv_transfer.md)
+part_transfer() (
+  # runs from /tmp so the checkout's own cedserve/ folder does not shadow the tree in worker processes
+  local out=$OUT/transfer device=${DEVICE:-cuda} log size=128K sizes=32K,128K,1M big=128K,1M blocks=2048
+  local new=$ROOT/$tree old=$ROOT/build/gpu_tree_before
+  mkdir -p "$out"
+  log=$out/bench.log
+  : > "$log"
+  [ "${QUICK:-0}" = 1 ] && { size=4K; sizes=4K; big=4K; blocks=256; }
+  [ -f build/kv_before/agent.py ] && make_gpu_tree "$old" "$ROOT/build/kv_before"
+  export PYTHONUNBUFFERED=1
+  filter() { grep -v "NIXL INFO\|^\[" | tee -a "$log"; }
+  {
+    date -u +"%Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
+    nvidia-smi topo -m 2>/dev/null | head -4
+    cd /tmp && "$PY" -P -c 'import torch, cedserve.kv_transfer.loadtest as lt
+from cedserve.kv_transfer.nixl_backend import import_nixl
+print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nixl", import_nixl().__name__)'
+  } 2>&1 | tee -a "$log"
+  bench() {  # $1: tree, $2: json name, $3: timeout s, rest: `cedserve bench kv-transfer` arguments
+    local root=$1 name=$2 limit=$3; shift 3
+    echo "== [$name] bench kv-transfer $*" | tee -a "$log"
+    (cd /tmp && PYTHONPATH="${PYTHONPATH/$new/$root}" timeout "$limit" "$PY" -P -m cedserve.kv_transfer.loadtest \
+       --device "$device" --json "$out/$name.json" "$@") 2>&1 | filter
+  }
+  echo "== [host] benchmarks/kv_transfer_host.py" | tee -a "$log"
+  (cd /tmp && timeout 60 "$PY" -P "$ROOT/benchmarks/kv_transfer_host.py" --blocks $blocks --reps 50 --engine-reps 15 \
+     --json "$out/host.json") 2>&1 | filter
+  echo "== [requests] benchmarks/kv_transfer_requests.py" | tee -a "$log"
+  (cd /tmp && timeout 40 "$PY" -P "$ROOT/benchmarks/kv_transfer_requests.py" --device "$device" --sizes "$sizes" \
+     --pieces 1,2,4,16 --reps 3 --json "$out/requests.json") 2>&1 | filter
+  bench "$new" "kv-transfer-$device" 100 --sizes $sizes --batch 1,4,8 --fan-in 1 --reps 3
+  local core=(--sizes $big --batch 1,4,8 --modes write --fan-in 1 --reps 3 --only cross_layer,auto)
+  bench "$new" core-new 60 "${core[@]}"
+  bench "$new" core-new-noannounce 45 --sizes $size --batch 1,8 --modes write --fan-in 1 --reps 3 \
+    --only cross_layer,auto --set announce_posts=false
+  if [ -d "$old" ]; then
+    echo "== old path: $(cat build/kv_before/REF)" | tee -a "$log"
+    bench "$old" core-old 60 "${core[@]}"
+  fi
+  echo "== summary (GB/s; ratio to raw one-descriptor NIXL; p50 ms)" | tee -a "$log"
+  (cd /tmp && "$PY" - "$out" "$([ "${QUICK:-0}" = 1 ] && echo 4096 || echo 131072)" <<'EOF'
+import glob
+import json
+import os
+import sys
+
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = json.load(open(path))
+    for c in d.get("cells", []):
+        if c["layout"] != "cross_layer" or c["mode"] != "write" or c["tokens"] < int(sys.argv[2]):
+            continue
+        print(f"{os.path.basename(path)[:-5]:<17} {c['alloc']:<10} {c['pack']:<4} {c['tokens'] >> 10:>5}K b{c['batch']} "
+              f"{c['gbps']:7.1f} GB/s  raw1 {c['raw_gbps']:6.1f}  ratio {c['ratio_to_raw']:4.2f}  "
+              f"p50 {c['p50_ms']:6.2f} ms  desc {c['descriptors_per_request']:6.0f} "
+              f"{'FAIL' if c['failures'] else ('v' if c['verified'] else '-')}")
+EOF
+  ) 2>&1 | tee -a "$log"
+)
+
+run_part() {  # $1: part name
+  case "$1" in
+    runner) part_runner_tests; part_step; part_engine ;;
+    runner-tests) part_runner_tests ;;
+    step) part_step ;;
+    engine) part_engine ;;
+    kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;
+    kernel-tests) part_kernel_tests ;;
+    kernel-bench) part_kernel_bench ;;
+    prefill) part_prefill ;;
+    prefill-paged|prefill-paged-released) part_prefill_paged "$1" ;;
+    decode-short) part_decode_mode "$1" --contexts 4096 16384 --batches 1 8 32 ;;
+    decode-64k) part_decode_mode "$1" --contexts 65536 --batches 1 8 32 ;;
+    decode-128k) part_decode_mode "$1" --contexts 131072 --batches 1 8 32 ;;
+    decode-ep2) part_decode_mode "$1" --ep 2 --contexts 4096 65536 --batches 8 32 ;;
+    decode-cuda) part_decode_cuda ;;
+    ep-tests) part_ep_tests ;;
+    full-topology) part_full_topology ;;
+    train-demo|train-drafter) part_train "$1" ;;
+    demo-eval) part_demo_eval ;;
+    transfer) part_transfer ;;
+    *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
+  esac
+}
+
+failed=()
+for part in $PART; do
+  echo "== part $part"
+  run_part "$part" || failed+=("$part")
+done
+[ ${#failed[@]} -eq 0 ] || { echo "failed parts: ${failed[*]} (results in $OUT)"; exit 1; }
