@@ -26,6 +26,7 @@ at the shapes that matter; the weights are random anyway), so a 64K x 32 cell co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -33,7 +34,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -251,8 +252,9 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                               buckets=tuple(sorted({b * r for b, r in cases})))
         runner = ModelRunner(model, config)
         graph_runners = {"graph": runner}
-        if "graph-fused" in args.paths and args.device == "cuda":
-            graph_runners["graph-fused"] = ModelRunner(model, RunnerConfig(**{**config.__dict__, "compile_fused": True}))
+        for path in ("graph-fused", "graph-fused-tf32"):
+            if path in args.paths and args.device == "cuda":
+                graph_runners[path] = ModelRunner(model, RunnerConfig(**{**config.__dict__, "compile_fused": True}))
         for batch, rows in cases:
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             states = [copy.deepcopy(base) for _ in range(batch)]
@@ -290,11 +292,25 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                 log(row(cells[-1]))
             for path, graph_runner in graph_runners.items():
                 if path in args.paths and args.device == "cuda":
-                    run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args, log, cells)
+                    with tf32(path.endswith("-tf32")):
+                        run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args,
+                                  log, cells)
             del states
             gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def tf32(on: bool) -> Iterator[None]:
+    """float32 matmuls on TF32 tensor cores while `on` (the runner's graphs keep the kernels captured
+    under it: capture and replay both run inside)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
@@ -359,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--paths", nargs="+", default=["eager", "runner-eager", "graph", "graph-fused"],
                         help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
-                        "graphs), graph-fused (the same with compile_fused)")
+                        "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
+                        "float32 matmuls on TF32 tensor cores)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the same code (no graphs; times mean nothing)")
     parser.add_argument("--out", type=Path)

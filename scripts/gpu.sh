@@ -14,6 +14,8 @@
 #                                                                                 STEP_S=220 RELEASED_S=110
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
 #                                   decode-engine-h200.json, engine.log                       ENGINE_S=120
+#                   Narrowed by TESTS_K (a pytest -k filter), STEP_PATHS / RELEASED_PATHS (step.py --paths)
+#                   and ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused).
 #   kernels         kernel-tests, then kernel-bench
 #   kernel-tests    tests/kernels -m "$MARK" (default gpu)  kernel-tests.log, kernel-tests.xml
 #                                                                     KERNEL_TESTS_S=200 (QUICK=1: 130)
@@ -155,21 +157,22 @@ NOTE="mini-40 layer plan, random weights, vocabulary 512; torch ops but the mHC 
 
 # ---------------------------------------------------------------- the model runner (docs/decode.md)
 part_runner_tests() {
-  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py 2>&1 \
+  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | tail -120 | tee "$OUT/gpu-tests.log"
 }
 
 part_step() {
   timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py --contexts 4096 65536 --batches 1 32 --rows 1 6 --steps 5 \
-    --warmup 3 --paths eager graph graph-fused --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
+    --warmup 3 --paths ${STEP_PATHS:-eager graph graph-fused} --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
   timeout "${RELEASED_S:-110}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
-    --batches 32 --steps 5 --warmup 3 --paths eager graph graph-fused --out "$OUT/decode-step-h200-released.json" 2>&1 \
+    --batches 32 --steps 5 --warmup 3 --paths ${RELEASED_PATHS:-${STEP_PATHS:-eager graph graph-fused}} \
+    --out "$OUT/decode-step-h200-released.json" 2>&1 \
     | quiet | tee -a "$OUT/step.log"
 }
 
 part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
-    --batches 1 32 --steps 5 --warmup-steps 3 --runner off auto --out "$OUT/decode-engine-h200.json" 2>&1 \
+    --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-h200.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
 }
 
