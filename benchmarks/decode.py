@@ -169,7 +169,8 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
                           adaptive_verify=False, draft_tokens=draft_tokens, device=device,
                           paged_attention=attention, kernel_warmup=False,  # per cell: --warmup-steps instead
-                          runner=runner.removesuffix("-fused"), compile_fused=runner.endswith("-fused"))
+                          runner=runner.split("-")[0], compile_fused="-fused" in runner,
+                          matmul_tf32=runner.endswith("-tf32"))
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
     for i in range(batch):
@@ -342,10 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="requests per cell (the group's total)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per cell (after the warm-up)")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
-    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused"],
+    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused", "auto-fused-tf32", "off-tf32"],
                    help="`decode.runner` values to time, each cell once per value (auto: the model runner's "
-                        "CUDA graphs for plain rows on one CUDA rank without drafts; auto-fused: the same with "
-                        "`decode.compile_fused`)")
+                        "CUDA graphs for plain rows on one CUDA rank without drafts; -fused: with "
+                        "`decode.compile_fused`; -tf32: with `decode.matmul_tf32`)")
     p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "off", "kernels", "reference"],
                    help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
                         "off = dense masks, kernels = the compact-cache kernels over paged records); a path "

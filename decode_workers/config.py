@@ -113,6 +113,12 @@ class DecodeConfig:
     docs/benchmarks/decode-step-h200.json), for a longer start-up (about 25 s of compiles on the
     first bucket, Inductor's cache helps later starts). The engine's GPU test passes with it
     (test_decode_engine_runner_on_cuda[inductor]); False: the plain ops, captured as they are."""
+    matmul_tf32: bool = False
+    """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
+    set for the worker process when the engine starts): a model held in float32 (as every checkpoint
+    loads today) then multiplies at tensor-core speed with a 10-bit mantissa instead of in fp32 FMA
+    kernels. Off by default: its effect on the released geometry's step is measured in
+    benchmarks/step.py's graph-fused-tf32 path, its effect on outputs not yet."""
     effort_queue_slack_s: float = 2.0
     """Queue order by effort: a request falls due at its Decode call's arrival plus this many seconds
     times effort / 100 (`cedserve.model.effort.queue_due_s`); joins take the earliest due first and

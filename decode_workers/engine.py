@@ -113,6 +113,8 @@ class DecodeEngine:
         self._probe_digests = ProbeDigests()  # checks whose bytes are hashed off this thread
         self._stop = StopCheck(detokenize) if detokenize is not None else None
         self._arrivals = 0
+        if model.embed.weight.device.type == "cuda":  # before any kernel is picked or captured
+            torch.backends.cuda.matmul.allow_tf32 = config.matmul_tf32
         self.warmup = self._warm_up(lookahead)
         self.slots = self._slot_book()
         self._offloaded_bytes = 0

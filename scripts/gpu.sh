@@ -14,7 +14,8 @@
 #                                                                                 STEP_S=220 RELEASED_S=110
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
 #                                   decode-engine-h200.json, engine.log                       ENGINE_S=120
-#                   Narrowed by TESTS_K (a pytest -k filter), STEP_PATHS / RELEASED_PATHS (step.py --paths)
+#                   Narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's --contexts, --batches,
+#                   --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths)
 #                   and ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused).
 #   kernels         kernel-tests, then kernel-bench
 #   kernel-tests    tests/kernels -m "$MARK" (default gpu)  kernel-tests.log, kernel-tests.xml
@@ -162,7 +163,7 @@ part_runner_tests() {
 }
 
 part_step() {
-  timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py --contexts 4096 65536 --batches 1 32 --rows 1 6 --steps 5 \
+  timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py ${STEP_CELLS:---contexts 4096 65536 --batches 1 32 --rows 1 6} --steps 5 \
     --warmup 3 --paths ${STEP_PATHS:-eager graph graph-fused} --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
   timeout "${RELEASED_S:-110}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
     --batches 32 --steps 5 --warmup 3 --paths ${RELEASED_PATHS:-${STEP_PATHS:-eager graph graph-fused}} \
