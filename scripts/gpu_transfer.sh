@@ -71,7 +71,7 @@ export PYTHONUNBUFFERED=1
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
   nvidia-smi topo -m 2>/dev/null | head -4
-  cd /tmp && PYTHONPATH="$SITE:/tmp/kvx_new" "$PY" -P -c 'import torch, cedserve.kv_transfer.loadtest as lt
+  cd /tmp && PYTHONPATH="$SITE:/tmp/kvx_new" "$PY" -P -c 'import torch, cedserve.bench.kv_transfer.loadtest as lt
 from cedserve.kv_transfer.nixl_backend import import_nixl
 print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nixl", import_nixl().__name__)'
 } 2>&1 | tee -a "$LOG"
@@ -79,7 +79,7 @@ print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nixl", imp
 bench() {  # $1: tree, $2: json name, $3: timeout s, rest: bench arguments
   local tree=$1 name=$2 limit=$3; shift 3
   echo "== [$name] bench kv-transfer $*" | tee -a "$LOG"
-  (cd /tmp && PYTHONPATH="$SITE:$tree" timeout "$limit" "$PY" -P -m cedserve.kv_transfer.loadtest \
+  (cd /tmp && PYTHONPATH="$SITE:$tree" timeout "$limit" "$PY" -P -m cedserve.bench.kv_transfer.loadtest \
      --device "$DEVICE" --json "$OUT/$name.json" "$@") 2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$LOG"
 }
 
