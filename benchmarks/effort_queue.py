@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cedserve.bench_serve.agentic import parse_effort_mix
-from cedserve.bench_serve.metrics import percentile
+from cedserve.bench.serve.agentic import parse_effort_mix
+from cedserve.bench.serve.metrics import percentile
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.messages import AttachCommand, Finished, Sampling, Tokens

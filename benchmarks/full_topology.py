@@ -28,9 +28,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from cedserve.bench_serve.agentic import AgentWorkload, generate_sessions, trace_stats
-from cedserve.bench_serve.driver import LoadPoint
-from cedserve.bench_serve.main import (
+from cedserve.bench.serve.agentic import AgentWorkload, generate_sessions, trace_stats
+from cedserve.bench.serve.driver import LoadPoint
+from cedserve.bench.serve.main import (
     BenchPlan,
     assign_efforts,
     build_report,
@@ -39,9 +39,9 @@ from cedserve.bench_serve.main import (
     violations,
     write_outputs,
 )
-from cedserve.bench_serve.metrics import Slo
-from cedserve.bench_serve.systems import POLICIES, Arm
-from cedserve.bench_serve.trace import oracle_cached_tokens
+from cedserve.bench.serve.metrics import Slo
+from cedserve.bench.serve.systems import POLICIES, Arm
+from cedserve.bench.serve.trace import oracle_cached_tokens
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
 from cedserve.machine import describe_machine
 

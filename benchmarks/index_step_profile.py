@@ -82,8 +82,7 @@ def main() -> int:
         out = torch.empty_like(p.q)
         report["attention"] = {
             label: kernel_table(f"attention batch {p.q.shape[0]}, {label}", [p.call(out, cfg)], args.steps)
-            for label, cfg in (("default", AttentionConfig(kernel="gluon")),
-                               ("fp32 partials", AttentionConfig(kernel="gluon", half_partials=False)))}
+            for label, cfg in (("default", AttentionConfig(kernel="gluon")),)}
     else:
         contexts = [int(c) for c in args.contexts.split(",")]
         idx, table, qi, wi = step_index_inputs(args.batch, max(contexts), dev)

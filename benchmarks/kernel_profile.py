@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import _GLUON_V11, AttentionProblem, _block_slots, _index_queries, _pool, profiling_device
+from kernels import TRITON, AttentionProblem, _block_slots, _index_queries, _pool, _triton, profiling_device
 
 
 def main() -> int:
@@ -31,8 +31,8 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--only", choices=["attention", "index", "writer"], default=None)
     parser.add_argument("--attention", default="default",
-                        help="attention launch: default, gluon (the sm_90 default), v11 (as run 26 shipped it) or "
-                             "keysplit (Triton, keys in 2, whole value rows)")
+                        help="attention launch: default (what the model runs: gluon on sm_90), triton (the Triton "
+                             "kernel's defaults), gluon, or keysplit (Triton, keys in 2, whole value rows)")
     parser.add_argument("--tokens", type=int, default=64, help="attention batch (the first N of the 64 tokens)")
     args = parser.parse_args()
     dev = profiling_device()
@@ -41,8 +41,8 @@ def main() -> int:
     runs: list[tuple[str, object]] = []
     if args.only in (None, "attention"):
         p = AttentionProblem.make(dev).first(args.tokens)
-        cfg = {"default": AttentionConfig(), "gluon": AttentionConfig(kernel="gluon"), "v11": _GLUON_V11,
-               "keysplit": AttentionConfig(64, 32, 2, 8, 1, 1, False)}[args.attention]
+        cfg = {"default": AttentionConfig(), "triton": TRITON, "gluon": AttentionConfig(kernel="gluon"),
+               "keysplit": _triton(64, 32, 2, 8, 1, 1, False)}[args.attention]
         runs.append(("attention", p.call(torch.empty_like(p.q), cfg)))
     if args.only in (None, "index"):
         n, ctx, entries = 64, 1 << 18, 64

@@ -540,10 +540,13 @@ def step_index_inputs(n: int, max_ctx: int, dev: torch.device
     return idx, table, _index_queries(n, dev), torch.randn(n, 32, device=dev) * 32**-0.5
 
 
-# the Gluon kernel as run 26 shipped v11 (fp8 -> f16 -> f32 -> bf16 decode chain), less the slot ->
-# block shift, which is always on now (kernels-notes.md, v16), and less its fused merge (removed
-# after run 45: the merge pass has been faster at every batch since run 36)
-_GLUON_V11 = AttentionConfig(kernel="gluon", direct_bf16=False, early_fill=False, half_partials=False)
+TRITON = AttentionConfig(kernel="triton")  # the Triton kernel's defaults (AttentionConfig() picks Gluon on sm_90)
+
+
+def _triton(block_h: int, block_n: int, splits: int, warps: int, stages: int, dv_split: int, prefetch: bool,
+            hw_cvt: bool | None = None) -> AttentionConfig:
+    return AttentionConfig(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages,
+                           dv_split=dv_split, prefetch=prefetch, hw_cvt=hw_cvt, kernel="triton")
 
 
 def decode_attention(b: Bench) -> None:
@@ -556,9 +559,9 @@ def decode_attention(b: Bench) -> None:
     keys = topk + window
     must_read = n * (topk * 288 + window * 528) + 2 * q.numel() * 2 + n * keys * 4
     flops = 4.0 * n * heads * keys * dim
-    configs = [AttentionConfig()]
+    configs = [TRITON]
     if not b.smoke:  # (block_h, block_n, splits, warps, stages, dv_split, prefetch[, hw_cvt])
-        configs += [AttentionConfig(*c) for c in (
+        configs += [_triton(*c) for c in (
             (64, 32, 1, 8, 1, 2, False), (64, 32, 1, 8, 3, 2, False), (64, 32, 1, 8, 1, 2, True),
             (64, 64, 1, 8, 2, 2, False), (64, 16, 1, 8, 3, 2, False), (64, 32, 2, 8, 2, 2, False),
             (64, 32, 1, 8, 2, 2, False, False),
@@ -567,9 +570,8 @@ def decode_attention(b: Bench) -> None:
             # waves of one program per SM); value halves at 4 warps (two programs per SM)
             (64, 32, 2, 8, 1, 1, False), (64, 32, 2, 8, 2, 1, False), (64, 32, 3, 8, 1, 1, False),
             (64, 64, 2, 8, 2, 2, False), (64, 32, 2, 4, 1, 2, False))]
-    if dev.type == "cuda":  # v11, the Gluon kernel (Hopper only; elsewhere its row reports why not)
+    if dev.type == "cuda":  # v20, the Gluon kernel (Hopper only; elsewhere its row reports why not)
         configs += [AttentionConfig(kernel="gluon", num_splits=s) for s in (None, 1, 3, 4)]
-        configs += [AttentionConfig(kernel="gluon", word_decode=False), _GLUON_V11]
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin).float()
     bound = 2e-2 * ref.abs().max() + 1e-2 * ref.abs()
     best: Row | None = None
@@ -581,9 +583,7 @@ def decode_attention(b: Bench) -> None:
                  f"st{resolved.num_stages} dv{resolved.dv_split} pf{int(bool(resolved.prefetch))}"
                  f"{'' if resolved.hw_cvt else ' alu'}")
         if resolved.kernel == "gluon":
-            v16 = resolved.direct_bf16
-            label = f"gluon v{16 if v16 else 11} h64 n64 s{resolved.num_splits} w8" + ("" if resolved.word_decode
-                                                                                       else " bytes")
+            label = f"gluon v20 h64 n64 s{resolved.num_splits} w8"
         call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out, config=cfg,
                        impl="triton")
         try:
@@ -617,15 +617,11 @@ def decode_attention(b: Bench) -> None:
     if not b.smoke:  # single rows moved by up to 2x between runs (runs 6-9): interleave the rivals 4
         # times in one run, as CUDA-graph replays (GPU time; do_bench where capture fails)
         repeats: dict[str, list[float]] = {}
-        rivals = {"triton default": AttentionConfig(), "triton dv1 s2": AttentionConfig(64, 32, 2, 8, 1, 1, False)}
+        rivals = {"triton default": TRITON, "triton dv1 s2": _triton(64, 32, 2, 8, 1, 1, False)}
         if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            # v20 (the default: v16's direct bf16 decode and merge pass, v18's early fill, fp16
-            # partials), v18, v16, v11 (fp8-chain decode)
+            # v20 (the default: direct bf16 decode, merge pass, early fill, fp16 partials); its
+            # earlier variants were removed (docs/kernels.md)
             rivals["gluon v20 (default)"] = AttentionConfig(kernel="gluon")
-            rivals["gluon v18 (fp32 partials)"] = AttentionConfig(kernel="gluon", half_partials=False)
-            rivals["gluon v11"] = _GLUON_V11
-            rivals["gluon v16 (no early fill)"] = AttentionConfig(kernel="gluon", early_fill=False,
-                                                                  half_partials=False)
         for _ in range(4):
             for name, cfg in rivals.items():
                 call = partial(sparse_attention, q, sink, main, topk_slots, swa, win_slots, cos, sin, out=out,
@@ -646,12 +642,11 @@ def decode_attention(b: Bench) -> None:
         for batch in (1, 8, 16):
             sub = prob.first(batch)
             out_b = out[:batch]
-            for name, cfg in (("triton default", AttentionConfig()), ("gluon default", AttentionConfig(kernel="gluon")),
-                              ("gluon v11", _GLUON_V11), ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
+            for name, cfg in (("triton default", TRITON), ("gluon default", AttentionConfig(kernel="gluon")),
+                              ("gluon s2", AttentionConfig(kernel="gluon", num_splits=2)),
                               # forced splits against the heuristic's
                               ("gluon s10", AttentionConfig(kernel="gluon", num_splits=10)),
-                              ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5)),
-                              ("gluon v18 (fp32 partials)", AttentionConfig(kernel="gluon", half_partials=False))):
+                              ("gluon s5", AttentionConfig(kernel="gluon", num_splits=5))):
                 try:
                     t = _graph_time_s(b, [sub.call(out_b, cfg)], f"{name} batch {batch}")
                 except Exception as exc:

@@ -17,8 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from cedserve.kv_transfer.harness import LayoutSpec, PeerProcess, WorkerSpec
-from cedserve.kv_transfer.loadtest import _gpu_count, parse_tokens
+from cedserve.bench.kv_transfer.harness import LayoutSpec, PeerProcess, WorkerSpec
+from cedserve.bench.kv_transfer.loadtest import _gpu_count, parse_tokens
 from cedserve.machine import describe_machine
 
 

@@ -433,15 +433,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "router":
             return _router(args)
         if args.verb == "bench" and args.what == "held":
-            from cedserve.bench_serve.held import main as held_bench
+            from cedserve.bench.serve.held import main as held_bench
 
             return held_bench(args.bench_args)
         if args.verb == "bench" and args.what == "kv-transfer":
-            from cedserve.kv_transfer.loadtest import main as kv_transfer_bench
+            from cedserve.bench.kv_transfer.loadtest import main as kv_transfer_bench
 
             return kv_transfer_bench(args.bench_args)
         if args.verb == "bench":
-            from cedserve.bench_serve.main import main as serve_bench
+            from cedserve.bench.serve.main import main as serve_bench
 
             return serve_bench(args.bench_args)
     except ValueError as exc:

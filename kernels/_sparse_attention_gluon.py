@@ -1,7 +1,7 @@
 """Gluon kernel behind `cedserve.kernels.sparse_attention` on Hopper (`AttentionConfig(kernel="gluon")`,
-the default on sm_90). v20, the default: v11 with `DIRECT_BF16` and slot -> block by shift (v16),
-the first tile's loads before Q's (`EARLY_FILL`, v18) and fp16 partials divided by their sums
-(`PARTIAL_F16`, v20); kernels-notes.md.
+the default on sm_90). v20: v11 with main-KV code words decoded straight to bf16 pairs and slot ->
+block by shift (v16), the first tile's loads before Q's (v18) and fp16 partials divided by their
+sums (v20); kernels-notes.md. The earlier sides of those switches were removed (docs/kernels.md).
 
 The same math as `_sparse_decode_attention_kernel` (read that module's docstring first: channel
 halves, E2M1 -> E4M3 decode, base-2 online softmax, split-KV partials), written in Gluon so that
@@ -12,7 +12,7 @@ the layouts the Triton kernel could not choose are ours (kernels-notes.md, "Prof
   merge inside the last split's CTA, behind a per-token counter, lost at every batch from run 36
   on and was removed after run 45; kernels-notes.md, v16 and run 45);
 * a thread decodes 4 code words of a main-KV record (one 16-byte load; one inline-PTX block per
-  word, `FAST_DECODE`) and stores the bf16 pairs to shared memory as 16-byte vectors in the
+  word) and stores the bf16 pairs to shared memory as 16-byte vectors in the
   NVMMA-swizzled layout that `wgmma` reads (the Triton kernel staged decoded keys with 16-bit
   stores);
 * `S = Q . K^T` and `acc += P . K` are asynchronous warpgroup MMAs reading Q, K and P from shared
@@ -72,31 +72,8 @@ def _gl_tile_slots(t, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N:
 
 
 # One record code word (8 E2M1 channels: bytes 4j..4j+3, low nibble = even channel) and its block's
-# E4M3 scale byte -> 4 words of bf16 pairs: even channels 0-1, 2-3, odd channels 0-1, 2-3. Each
-# nibble is turned into the E4M3 byte of its value * 2**-6 (as in the Triton kernel), pairs are
-# converted by the hardware (F2FP.F16.E4M3), multiplied by scale * 64 in fp16 (exact: at most 6
-# significant bits, within 2**-10..2688) and packed to bf16 (exact).
-def _e4m3_pair_to_bf16(src: str, dst: str) -> str:
-    """PTX: the E4M3 pair in 16-bit register `src` (values * 2**-6) -> bf16 pair `dst`, scaled by `sc`."""
-    return (f"cvt.rn.f16x2.e4m3x2 t, {src};\nmul.rn.f16x2 t, t, sc;\nmov.b32 {{x0, x1}}, t;\n"
-            f"cvt.f32.f16 f0, x0;\ncvt.f32.f16 f1, x1;\ncvt.rn.bf16x2.f32 {dst}, f1, f0;\n")
-
-
-_FP4_WORD_ASM = gl.constexpr(
-    "{\n.reg .b32 lo, hi, t, sc, c64;\n.reg .b16 a0, a1, x0, x1;\n.reg .f32 f0, f1;\n"
-    # scale byte -> (scale, scale) * 64 in fp16
-    "prmt.b32 t, $5, 0, 0x4400;\nmov.b32 {a0, a1}, t;\ncvt.rn.f16x2.e4m3x2 sc, a0;\n"
-    "mov.b32 c64, 0x54005400;\nmul.rn.f16x2 sc, sc, c64;\n"
-    # low nibbles (even channels) and high nibbles (odd) -> E4M3 bytes of value * 2**-6
-    "and.b32 lo, $4, 0x07070707;\nshl.b32 lo, lo, 2;\nand.b32 t, $4, 0x08080808;\nshl.b32 t, t, 4;\n"
-    "or.b32 lo, lo, t;\nshr.b32 hi, $4, 2;\nand.b32 hi, hi, 0x1C1C1C1C;\nand.b32 t, $4, 0x80808080;\n"
-    "or.b32 hi, hi, t;\n"
-    "mov.b32 {a0, a1}, lo;\n" + _e4m3_pair_to_bf16("a0", "$0") + _e4m3_pair_to_bf16("a1", "$1")
-    + "mov.b32 {a0, a1}, hi;\n" + _e4m3_pair_to_bf16("a0", "$2") + _e4m3_pair_to_bf16("a1", "$3") + "}")
-
-
-# `DIRECT_BF16` (v16, the default): the same word straight to bf16 pairs, no fp8 -> f16 ->
-# f32 -> bf16 chain. The scan's pair trick (`_indexer_gluon`): two nibbles 16 bits apart, masked,
+# E4M3 scale byte -> 4 words of bf16 pairs (even channels 0-1, 2-3, odd channels 0-1, 2-3), with no
+# fp8 -> f16 -> f32 -> bf16 chain (v16). The scan's pair trick (`_indexer_gluon`): two nibbles 16 bits apart, masked,
 # `* 0x1040` (or `* 0x104` for the high nibbles in place) puts each one's sign at bit 15 and
 # magnitude at bits 8..6 of its half (E2M1 * 2**-126 as a bf16), then one bf16x2 multiply by the
 # block's E4M3 scale * 2**118 (a bf16, exact: 4 significant bits, 2**109..2**127). The keys come
@@ -118,15 +95,16 @@ _FP4_WORD_BF16_ASM = gl.constexpr(
     + _nibble_pair("x", "0x00F000F0", "0x104", "$2")
     + "prmt.b32 x, $4, 0, 0x4342;\n" + _nibble_pair("x", "0x000F000F", "0x1040", "$1")
     + _nibble_pair("x", "0x00F000F0", "0x104", "$3") + "}")
-KSHIFT_BF16 = gl.constexpr(8)  # DIRECT_BF16's keys are K * 2**-KSHIFT_BF16
+KSHIFT_BF16 = gl.constexpr(8)  # decoded keys are K * 2**-KSHIFT_BF16 (exact), undone on Q and the accumulators
 
 
 @gluon.jit
 def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, kw_lo, kw_hi,
                         ROWS: gl.constexpr, D: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr,
-                        DIRECT_BF16: gl.constexpr, SPB_LOG2: gl.constexpr):
-    """`_gl_main_rows` a 32-bit code word at a time (`FAST_DECODE`): `kw_lo` / `kw_hi` are the
-    destination rows viewed as int32 bf16 pairs `[ROWS, D / 4]`. A thread takes 4 code words (one
+                        SPB_LOG2: gl.constexpr):
+    """Decode the `ROWS` main-KV records (FP4 pairs + E4M3 scales per 16 channels) at `slot`, times
+    2**-KSHIFT, a 32-bit code word at a time, into their even / odd channels: `kw_lo` / `kw_hi` are
+    the destination rows (bf16 [ROWS, D / 2]) viewed as int32 bf16 pairs `[ROWS, D / 4]`. A thread takes 4 code words (one
     16-byte load) and their 2 scale bytes, and stores 8 words per half (two 16-byte stores)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LW)), num_slots, offset, spb, slot_stride,
                                block_stride, SPB_LOG2)
@@ -136,52 +114,20 @@ def _gl_main_rows_words(main_ptr, slot, num_slots, offset, spb, slot_stride, blo
     ok2 = gl.expand_dims(ok, 1)
     codes = gl.load((row + gl.expand_dims(word * 4, 0)).to(gl.pointer_type(gl.int32)), mask=ok2, other=0)
     scales = gl.load(row + D // 2 + gl.expand_dims(word // 2, 0), mask=ok2, other=0x38).to(gl.int32)
-    if DIRECT_BF16:
-        lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
-            _FP4_WORD_BF16_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True, pack=1)
-    else:
-        lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
-            _FP4_WORD_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True, pack=1)
+    lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+        _FP4_WORD_BF16_ASM, "=r,=r,=r,=r,r,r", [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+        is_pure=True, pack=1)
     kw_lo.store(gl.convert_layout(gl.reshape(gl.join(lo01, lo23), [ROWS, D // 4]), LW2))
     kw_hi.store(gl.convert_layout(gl.reshape(gl.join(hi01, hi23), [ROWS, D // 4]), LW2))
-
-
-@gluon.jit
-def _gl_main_rows(main_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
-                  ROWS: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LK: gl.constexpr, KSHIFT: gl.constexpr,
-                  SPB_LOG2: gl.constexpr):
-    """Decode the `ROWS` main-KV records (FP4 pairs + E4M3 scales per 16 channels) at `slot` and store their even / odd channels (bf16 [ROWS, D / 2]) to `k_lo_dst` /
-    `k_hi_dst`. A thread loads 16 contiguous code bytes (one 16-byte load) = 2 scale blocks."""
-    rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LK)), num_slots, offset, spb, slot_stride,
-                               block_stride, SPB_LOG2)
-    rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
-    col = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LK))
-    codes = gl.load(main_ptr + gl.expand_dims(rec, 1) + gl.expand_dims(col, 0), mask=gl.expand_dims(ok, 1), other=0)
-    codes = gl.convert_layout(gl.reshape(codes, [ROWS, D // 16, 8]), L3)  # [key, scale block, byte]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
-    rec2 = gl.convert_layout(rec, gl.SliceLayout(1, L2))
-    ok2 = gl.convert_layout(ok, gl.SliceLayout(1, L2))
-    blk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, L2))
-    scales = gl.load(main_ptr + gl.expand_dims(rec2, 1) + D // 2 + gl.expand_dims(blk, 0),
-                     mask=gl.expand_dims(ok2, 1), other=0x38)  # [BLOCK_N, D / 16] E4M3 (1.0 where masked)
-    # E2M1 nibble `s e1 e0 m` -> E4M3 byte `s 0000 e1 e0 m 00` = value * 2**-6 (see the Triton kernel)
-    lo8 = ((codes & 7) << 2) | ((codes & 8) << 4)
-    hi8 = ((codes >> 2) & 0x1C) | (codes & 0x80)
-    scale = gl.expand_dims(scales.to(gl.float8e4nv, bitcast=True).to(gl.float16) * (64.0 * 2.0**-KSHIFT), 2)
-    lo = (lo8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
-    hi = (hi8.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale).to(gl.bfloat16)
-    k_lo_dst.store(gl.convert_layout(gl.reshape(lo, [ROWS, D // 2]), LK))
-    k_hi_dst.store(gl.convert_layout(gl.reshape(hi, [ROWS, D // 2]), LK))
 
 
 @gluon.jit
 def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_stride, k_lo_dst, k_hi_dst,
                  ROWS: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr, L3S: gl.constexpr,
                  LK: gl.constexpr, KSHIFT: gl.constexpr, SPB_LOG2: gl.constexpr):
-    """`_gl_main_rows` for SWA records (E4M3 bytes + UE8M0 scales per 32 channels). A thread
-    loads the 32 bytes of one scale block (two 16-byte loads)."""
+    """Decode the `ROWS` SWA records (E4M3 bytes + UE8M0 scales per 32 channels) at `slot`, times
+    2**-KSHIFT, and store their even / odd channels (bf16 [ROWS, D / 2]) to `k_lo_dst` / `k_hi_dst`.
+    A thread loads the 32 bytes of one scale block (two 16-byte loads)."""
     rec, ok = _gl_slot_address(gl.convert_layout(slot, gl.SliceLayout(1, LS)), num_slots, offset, spb, slot_stride,
                                block_stride, SPB_LOG2)
     rec = gl.multiple_of(rec, 16)  # records are 16-byte aligned (the launcher checks)
@@ -208,19 +154,14 @@ def _gl_swa_rows(swa_ptr, slot, num_slots, offset, spb, slot_stride, block_strid
 def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_slots, main_offset, main_spb,
              main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb, swa_slot_stride,
              swa_block_stride,
-             BLOCK_N: gl.constexpr, D: gl.constexpr, L3: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr,
-             L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr, FAST_DECODE: gl.constexpr,
-             DIRECT_BF16: gl.constexpr, KSHIFT: gl.constexpr, MAIN_SPB_LOG2: gl.constexpr,
-             SWA_SPB_LOG2: gl.constexpr):
+             BLOCK_N: gl.constexpr, D: gl.constexpr, LS: gl.constexpr, L4: gl.constexpr,
+             L3S: gl.constexpr, LK: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr, KSHIFT: gl.constexpr,
+             MAIN_SPB_LOG2: gl.constexpr, SWA_SPB_LOG2: gl.constexpr):
     """Decode key tile `t` (its `slot`s from `_gl_tile_slots`) into `k_lo` / `k_hi` (`kw_lo` /
-    `kw_hi`: the same buffers as int32 pairs, for `FAST_DECODE`), times 2**-KSHIFT."""
+    `kw_hi`: the same buffers as int32 pairs, for the main-KV word decoder), times 2**-KSHIFT."""
     if t < main_tiles:  # (no main list: num_topk = 0; no window: every tile is main)
-        if FAST_DECODE:
-            _gl_main_rows_words(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride,
-                                main_block_stride, kw_lo, kw_hi, BLOCK_N, D, LW, LW2, DIRECT_BF16, MAIN_SPB_LOG2)
-        else:
-            _gl_main_rows(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
-                          k_lo, k_hi, BLOCK_N, D, L3, LK, KSHIFT, MAIN_SPB_LOG2)
+        _gl_main_rows_words(main_ptr, slot, main_num_slots, main_offset, main_spb, main_slot_stride,
+                            main_block_stride, kw_lo, kw_hi, BLOCK_N, D, LW, LW2, MAIN_SPB_LOG2)
     else:
         _gl_swa_rows(swa_ptr, slot, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride, k_lo, k_hi,
                      BLOCK_N, D, LS, L4, L3S, LK, KSHIFT, SWA_SPB_LOG2)
@@ -230,7 +171,7 @@ def _gl_fill(t, slot, main_tiles, k_lo, k_hi, kw_lo, kw_hi, main_ptr, main_num_s
 def _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H: gl.constexpr, D: gl.constexpr, KSHIFT: gl.constexpr,
                  LQ: gl.constexpr, LQ3: gl.constexpr):
     """Token n's Q as its even / odd channel halves (bf16 [H, D / 2] each, layout `LQ3`), times
-    2**KSHIFT (exact): the keys are decoded times 2**-KSHIFT (`DIRECT_BF16`'s bf16 pairs)."""
+    2**KSHIFT (exact): the keys are decoded times 2**-KSHIFT (the word decoder's bf16 pairs)."""
     hq = gl.arange(0, H, layout=gl.SliceLayout(1, LQ))
     cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
     q = gl.load(q_ptr + n.to(gl.int64) * q_stride_n + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
@@ -243,7 +184,7 @@ def _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H: gl.constexpr, D: gl.conste
 @gluon.jit
 def _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H: gl.constexpr, D: gl.constexpr,
                       MMA_S: gl.constexpr):
-    """A split's partial: `acc [H, D]` (fp32, or fp16 divided by its row sums: `PARTIAL_F16`;
+    """A split's partial: `acc [H, D]` (fp16, divided by its row sums;
     channel order) at row `part` of `part_acc`, and its base-2 row maxima / sums at `part_ml`."""
     LO: gl.constexpr = acc.type.layout
     ho = gl.arange(0, H, layout=gl.SliceLayout(1, LO))
@@ -256,20 +197,17 @@ def _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H: gl.cons
 
 @gluon.jit
 def _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, H: gl.constexpr, D: gl.constexpr,
-               NUM_SPLITS: gl.constexpr, KSHIFT: gl.constexpr, MMA_S: gl.constexpr, MMA_O: gl.constexpr,
-               PARTIAL_F16: gl.constexpr):
-    """After a CTA's last key tile: store its split-KV partial."""
+               NUM_SPLITS: gl.constexpr, KSHIFT: gl.constexpr, MMA_S: gl.constexpr, MMA_O: gl.constexpr):
+    """After a CTA's last key tile: store its split-KV partial, divided by its row sums (a convex mix
+    of values: |x| <= 2688) in fp16 (v20)."""
     if KSHIFT != 0:  # the values were decoded times 2**-KSHIFT (exact in fp32)
         acc_lo = acc_lo * 2.0**KSHIFT
         acc_hi = acc_hi * 2.0**KSHIFT
     part = (n.to(gl.int64) * NUM_SPLITS + split) * H
     # interleave the halves back to channel order in registers: a thread's two adjacent columns of
     # each half become 4 adjacent channels, one 16-byte store
-    if PARTIAL_F16:  # the partial divided by its row sums (a convex mix of values: |x| <= 2688) in fp16
-        inv_l = gl.expand_dims(gl.convert_layout(gl.where(l_i > 0, 1.0 / l_i, 0.0), gl.SliceLayout(1, MMA_O)), 1)
-        acc = gl.reshape(gl.join(acc_lo * inv_l, acc_hi * inv_l), [H, D]).to(gl.float16)
-    else:
-        acc = gl.reshape(gl.join(acc_lo, acc_hi), [H, D])
+    inv_l = gl.expand_dims(gl.convert_layout(gl.where(l_i > 0, 1.0 / l_i, 0.0), gl.SliceLayout(1, MMA_O)), 1)
+    acc = gl.reshape(gl.join(acc_lo * inv_l, acc_hi * inv_l), [H, D]).to(gl.float16)
     _gl_store_partial(acc, m_i, l_i, part, part_acc_ptr, part_ml_ptr, H, D, MMA_S)
 
 
@@ -281,18 +219,16 @@ def _gl_sparse_attention_kernel(
     swa_ptr, win_ptr, win_stride, num_win,
     swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
     part_acc_ptr, part_ml_ptr, sm_scale_log2,
-    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, FAST_DECODE: gl.constexpr,
-    DIRECT_BF16: gl.constexpr = False, MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
-    EARLY_FILL: gl.constexpr = False, PARTIAL_F16: gl.constexpr = False,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    MAIN_SPB_LOG2: gl.constexpr = -1, SWA_SPB_LOG2: gl.constexpr = -1,
 ):
     """CTA (token n, split): partial attention of the token's 64 heads over its split of the key
     tiles (main list, then window), written as `part_acc [N, NUM_SPLITS, H, D]` (natural channel
-    order; fp32 unnormalised, or fp16 divided by the row sums: `PARTIAL_F16`) and
+    order; fp16, divided by the row sums) and
     `part_ml [N, NUM_SPLITS, H, 2]` (base-2 max, sum), no sink."""
     HALF: gl.constexpr = D // 2
     # layouts (8 warps): record loads, decoded keys, and the two MMAs (warps [4, 2]: the second
     # warpgroup takes the upper half of S's keys and of each accumulator's channels)
-    L3: gl.constexpr = gl.BlockedLayout([1, 2, 8], [2, 16, 1], [8, 1, 1], [2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 32], [2, 16], [8, 1], [1, 0])
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [2, 16, 1, 1], [8, 1, 1, 1], [3, 2, 1, 0])
     L3S: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [8, 1, 1], [2, 1, 0])
@@ -311,8 +247,7 @@ def _gl_sparse_attention_kernel(
     n = gl.program_id(0)
     split = gl.program_id(1)
 
-    DIRECT: gl.constexpr = DIRECT_BF16 and FAST_DECODE
-    KSHIFT: gl.constexpr = KSHIFT_BF16 if DIRECT else 0
+    KSHIFT: gl.constexpr = KSHIFT_BF16
     main_tiles = gl.cdiv(num_topk, BLOCK_N)
     total_tiles = main_tiles + gl.cdiv(num_win, BLOCK_N)
     t0 = split * total_tiles // NUM_SPLITS
@@ -322,16 +257,11 @@ def _gl_sparse_attention_kernel(
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     # the first tile's slots, then Q's loads, then the first tile's records: the three latencies
     # overlap instead of Q's load, Q's shared-memory store, then the slots, then the records
-    # (v18: EARLY_FILL, the default since run 38)
-    if EARLY_FILL:
-        slot0 = _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
+    # (v18, the default since run 38)
+    slot0 = _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
     q_lo, q_hi = _gl_q_halves(q_ptr, n, q_stride_n, q_stride_h, H, D, KSHIFT, LQ, LQ3)
-    if EARLY_FILL:
-        q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q)
-        q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q)
-    else:  # Q -> shared memory as its even / odd channel halves first
-        q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_lo)
-        q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q, q_hi)
+    q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q)
+    q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [H, HALF], SH_Q)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, HALF], SH_K)  # (buffer, half) pairs
     # the same bytes as int32 bf16 pairs (the 128-byte swizzle acts on bytes, so it is the same map)
     kw_s = k_s._reinterpret(gl.int32, [4, BLOCK_N, HALF // 2],
@@ -343,30 +273,21 @@ def _gl_sparse_attention_kernel(
     s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=MMA_S)
     m_i = gl.full([H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, MMA_S))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, MMA_S))
-    if not EARLY_FILL:
-        fence_async_shared()
-        gl.thread_barrier()
 
     # rotated pipeline: tile t + 1 is loaded and decoded into the other buffer while tile t's
     # P . K runs, and that MMA is waited for inside the same iteration. An asynchronous MMA left
     # in flight across the loop's back edge makes ptxas serialise every wgmma of the kernel
     # (C7515, "non wgmma instructions defining accumulator registers"): 40 waits instead of 5.
-    if not EARLY_FILL:
-        slot0 = _gl_tile_slots(t0, main_tiles, topk_row, num_topk, win_row, num_win, BLOCK_N, LR)
     if t0 < t1:
         _gl_fill(t0, slot0, main_tiles,
                  k_s.index(0), k_s.index(1), kw_s.index(0), kw_s.index(1), main_ptr, main_num_slots, main_offset,
                  main_spb, main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
-                 swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
-                 KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
-    if EARLY_FILL:
-        q_lo_s.store(q_lo)
-        q_hi_s.store(q_hi)
-        fence_async_shared()
-        gl.thread_barrier()
-    elif t0 < t1:
-        fence_async_shared()
-        gl.thread_barrier()
+                 swa_slot_stride, swa_block_stride, BLOCK_N, D, LS, L4, L3S, LK, LW, LW2, KSHIFT,
+                 MAIN_SPB_LOG2, SWA_SPB_LOG2)
+    q_lo_s.store(q_lo)
+    q_hi_s.store(q_hi)
+    fence_async_shared()
+    gl.thread_barrier()
     LC: gl.constexpr = gl.SliceLayout(0, MMA_S)
     for t in range(t0, t1):
         buf = (t - t0) % 2
@@ -397,11 +318,11 @@ def _gl_sparse_attention_kernel(
             _gl_fill(t + 1, slot_next, main_tiles, k_s.index(2 - 2 * buf), k_s.index(3 - 2 * buf),
                      kw_s.index(2 - 2 * buf), kw_s.index(3 - 2 * buf), main_ptr, main_num_slots, main_offset, main_spb,
                      main_slot_stride, main_block_stride, swa_ptr, swa_num_slots, swa_offset, swa_spb,
-                     swa_slot_stride, swa_block_stride, BLOCK_N, D, L3, LS, L4, L3S, LK, LW, LW2, FAST_DECODE, DIRECT_BF16,
-                     KSHIFT, MAIN_SPB_LOG2, SWA_SPB_LOG2)
+                     swa_slot_stride, swa_block_stride, BLOCK_N, D, LS, L4, L3S, LK, LW, LW2, KSHIFT,
+                     MAIN_SPB_LOG2, SWA_SPB_LOG2)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         fence_async_shared()
         gl.thread_barrier()
 
     _gl_finish(acc_lo, acc_hi, m_i, l_i, split, n, part_acc_ptr, part_ml_ptr, H, D, NUM_SPLITS, KSHIFT, MMA_S, MMA_O,
-               PARTIAL_F16)
+)

@@ -31,7 +31,6 @@ model's selection rules).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +44,7 @@ from cedserve.kernels.triton_support import (
     Impl,
     cdiv,
     check_tensor,
+    gluon_hopper_available,
     hardware_fp8,
     interpreting,
     log2_if_power_of_2,
@@ -54,7 +54,6 @@ from cedserve.kernels.triton_support import (
 )
 
 _INTS = (torch.int32, torch.int64)
-_GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon scan fails to build here
 
 
 @dataclass(frozen=True)
@@ -263,26 +262,15 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     if kernel is None:  # Gluon where it runs, unless Triton-only launch fields were given
         triton_fields = config is not None and any(
             f is not None for f in (config.block_t, config.num_warps, config.version, config.prefetch))
-        kernel = "gluon" if why_not is None and _GLUON_DEFAULT["usable"] and not triton_fields else "triton"
+        # (the default where it runs: kernels-notes.md, v14)
+        kernel = "gluon" if why_not is None and gluon_hopper_available() and not triton_fields else "triton"
     if kernel not in ("triton", "gluon"):
         raise ValueError(f"index_scores: IndexConfig.kernel must be 'triton' or 'gluon', got {kernel!r}")
     if kernel == "gluon":
         if why_not is not None:
             raise ValueError(f"index_scores: the gluon kernel cannot run here: {why_not}")
-        from triton.compiler.errors import CompilationError
-
-        try:
-            _launch_gluon(q, weights, keys, num, cand, write, block_max is not None, scores, maxima, softmax_scale,
-                          config)
-            return out, maxima_out
-        except (ImportError, AttributeError, CompilationError) as exc:
-            if kernel == (config.kernel if config is not None else None):  # asked for by name
-                raise
-            # the default where it runs (kernels-notes.md, v14); should it fail to build (a Triton
-            # without Gluon's Hopper API), say so once and stay on Triton
-            _GLUON_DEFAULT["usable"] = False
-            warnings.warn(f"index_scores: the gluon kernel failed ({type(exc).__name__}: {exc}); using the Triton "
-                          "kernel from now on", RuntimeWarning, stacklevel=2)
+        _launch_gluon(q, weights, keys, num, cand, write, block_max is not None, scores, maxima, softmax_scale, config)
+        return out, maxima_out
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
     group = tokens_per_request
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))

@@ -35,8 +35,7 @@ The reference keeps everything in fp32, so expect differences of a few bf16 ulps
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -47,6 +46,7 @@ from cedserve.kernels.triton_support import (
     Impl,
     cdiv,
     check_tensor,
+    gluon_hopper_available,
     hardware_fp8,
     interpreting,
     log2_if_power_of_2,
@@ -56,7 +56,6 @@ from cedserve.kernels.triton_support import (
 )
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
-_GLUON_DEFAULT = {"usable": True}  # cleared, with a warning, if the Gluon kernel fails to build here
 
 
 def _merge_heads(splits: int, dim: int, cap: int = 16) -> int:
@@ -95,28 +94,16 @@ class AttentionConfig:
     kernel: str | None = None
     """"triton" (`_sparse_attention_kernels.py`, every GPU and the interpreter) or "gluon" (v20,
     `_sparse_attention_gluon.py`: Hopper warpgroup MMAs with our own shared-memory layout; sm_90,
-    64 heads, head_dim 512, 16-byte aligned records).
-    For "gluon" only `num_splits` and the "gluon"-only fields below apply; the others are fixed
-    (64 heads, 64-key tiles, 8 warps)."""
-    word_decode: bool | None = None
-    """"gluon" only (default True): decode main-KV records a 32-bit code word at a time in one
-    inline-PTX block (8 channels: E2M1 -> E4M3 bytes, hardware fp8 -> fp16 pairs, scale, bf16 pairs)
-    instead of elementwise byte operations (kernels-notes.md, v11)."""
-    direct_bf16: bool | None = None
-    """"gluon" only (default True; with `word_decode`): main-KV code words straight to bf16 pairs
-    (nibbles masked and multiplied into place, one bf16x2 multiply by the block's scale: keys
-    times 2**-8, exact, undone on Q and on the accumulators) instead of through hardware fp8 -> fp16
-    -> fp32 -> bf16 conversions (kernels-notes.md, v16)."""
-    early_fill: bool | None = None
-    """"gluon" only (default True, v18): load the first key tile's slots before Q and decode that
-    tile before Q is stored to shared memory, so the latencies overlap (run 38: -0.2 to -0.5 us at
-    batches 1-16, a tie at batch 64)."""
-    half_partials: bool | None = None
-    """"gluon" only (default True, v20): key splits store their partial accumulators divided by
-    their row sums in fp16 (a convex mix of values, |x| <= 2688: 11 significant bits against the
-    bf16 output's 8) instead of fp32: half the partials' bytes, written once and read once by the
-    merge (16.8 MB each way at batch 64 in fp32). Run 39: 38.1-38.3 us at batch 64 against 40.0-40.3,
-    -1.3 us at batches 1-16."""
+    64 heads, head_dim 512, 16-byte aligned records). None: "gluon" where it can run and no
+    Triton-only field is set (`auto`), else "triton".
+    For "gluon" only `num_splits` applies; the others are fixed (64 heads, 64-key tiles, 8 warps)."""
+
+    @property
+    def auto(self) -> bool:
+        """No kernel and no Triton launch field chosen: `sparse_attention` picks the kernel."""
+        return self.kernel is None and all(
+            f is None for f in (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
+                                self.prefetch, self.hw_cvt))
 
     def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
         """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
@@ -134,11 +121,8 @@ class AttentionConfig:
             tiles = cdiv(keys, 64) + 2  # (the window's tiles: `keys` is the longer of the two lists)
             per_cta = cdiv(tiles, max(1, min(num_sms(device) // max(tokens, 1), tiles)))
             splits = self.num_splits or cdiv(tiles, per_cta)
-            word_decode = True if self.word_decode is None else self.word_decode
-            direct = True if self.direct_bf16 is None else self.direct_bf16
-            early = True if self.early_fill is None else self.early_fill
-            half = True if self.half_partials is None else self.half_partials
-            return AttentionConfig(64, 64, splits, 8, 1, 1, False, True, "gluon", word_decode, direct, early, half)
+            return AttentionConfig(block_h=64, block_n=64, num_splits=splits, num_warps=8, num_stages=1, dv_split=1,
+                                   prefetch=False, hw_cvt=True, kernel="gluon")
         block_h = self.block_h or min(64, max(16, next_power_of_2(heads)))
         block_n = self.block_n or 64
         dv_split = self.dv_split or (2 if gpu and block_h * dim > 16384 else 1)
@@ -153,7 +137,9 @@ class AttentionConfig:
         num_stages = self.num_stages or (2 if gpu else 1)
         prefetch = False if self.prefetch is None else self.prefetch
         hw_cvt = hardware_fp8(device) if self.hw_cvt is None else self.hw_cvt and hardware_fp8(device)
-        return AttentionConfig(block_h, block_n, num_splits, num_warps, num_stages, dv_split, prefetch, hw_cvt, "triton")
+        return AttentionConfig(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                               num_stages=num_stages, dv_split=dv_split, prefetch=prefetch, hw_cvt=hw_cvt,
+                               kernel="triton")
 
 
 def _rotate_back(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -265,23 +251,18 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
     launch = _Launch(q, sink, main_rec, topk_slots if topk_slots is not None else no_slots(), num_topk,
                      swa_rec, window_slots if window_slots is not None else no_slots(), num_win, cos, sin, out,
                      dim**-0.5 if softmax_scale is None else softmax_scale)
-    cfg = (config or AttentionConfig()).resolve(tokens, heads, max(num_topk, num_win), q.device, dim)
-    if config is not None:
-        launch.run(cfg)
+    config = config or AttentionConfig()
+    keys = max(num_topk, num_win)
+    if not config.auto:
+        launch.run(config.resolve(tokens, heads, keys, q.device, dim))
         return out
-    if _GLUON_DEFAULT["usable"] and launch.gluon_unsupported() is None:
-        # v20 is the default where it runs (H200: 37.2-37.7 us against 89.8 us at batch 64, runs 46-51);
-        # should it fail to build (a Triton without Gluon's Hopper API), say so once and stay on Triton
-        from triton.compiler.errors import CompilationError
-
-        try:
-            launch.run(AttentionConfig(kernel="gluon").resolve(tokens, heads, max(num_topk, num_win), q.device, dim))
-            return out
-        except (ImportError, AttributeError, CompilationError) as exc:
-            _GLUON_DEFAULT["usable"] = False
-            warnings.warn(f"sparse_attention: the gluon kernel failed ({type(exc).__name__}: {exc}); using the "
-                          "Triton kernel from now on", RuntimeWarning, stacklevel=2)
+    if gluon_hopper_available() and launch.gluon_unsupported() is None:
+        # v20 is the default where it runs (H200: 37.2-37.7 us against 89.8 us at batch 64, runs 46-51)
+        launch.run(replace(config, kernel="gluon").resolve(tokens, heads, keys, q.device, dim))
+        return out
     from triton.runtime.errors import OutOfResources
+
+    cfg = config.resolve(tokens, heads, keys, q.device, dim)
 
     try:
         launch.run(cfg)
@@ -334,9 +315,7 @@ class _Launch:
         q, out, main, swa = self.q, self.out, self.main, self.swa
         tokens, heads, dim = q.shape
         splits = cfg.num_splits or 1
-        half = bool(cfg.half_partials)
-        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float16 if half else torch.float32,
-                               device=q.device)
+        part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float16, device=q.device)
         part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
         g._gl_sparse_attention_kernel[(tokens, splits)](
             q, q.stride(0), q.stride(1),
@@ -345,16 +324,14 @@ class _Launch:
             swa.storage, self.win, self.win.stride(0), self.num_win,
             swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
             part_acc, part_ml, self.scale * math.log2(math.e),
-            H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, FAST_DECODE=cfg.word_decode is not False,
-            DIRECT_BF16=cfg.direct_bf16 is not False, MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block),
-            SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block), EARLY_FILL=bool(cfg.early_fill), PARTIAL_F16=half,
-            num_warps=8,
+            H=heads, D=dim, BLOCK_N=64, NUM_SPLITS=splits, MAIN_SPB_LOG2=log2_if_power_of_2(main.slots_per_block),
+            SWA_SPB_LOG2=log2_if_power_of_2(swa.slots_per_block), num_warps=8,
         )
         merge_h = _merge_heads(splits, dim)
         k._combine_splits_kernel[(tokens, cdiv(heads, merge_h))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
             out.stride(1), heads,
-            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=merge_h, NUM_SPLITS=splits, NORMALIZED=half, num_warps=4,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=merge_h, NUM_SPLITS=splits, NORMALIZED=True, num_warps=4,
         )
 
     def run(self, cfg: AttentionConfig) -> None:

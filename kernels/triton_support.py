@@ -36,6 +36,18 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
+def gluon_hopper_available() -> bool:
+    """Whether this Triton has Gluon's Hopper API (warpgroup MMAs, async copies), which the Gluon
+    kernels are written in; the Triton kernels run without it. A fact of the installed Triton."""
+    try:
+        importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
+        importlib.import_module("triton.experimental.gluon.language.nvidia.ampere")
+    except ImportError:
+        return False
+    return True
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run in the CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -10,10 +10,14 @@ Reading order (docs/kv_transfer.md has the full picture):
 6. `staging`     packed staging slots: gather on the sender, scatter on the receiver
 7. `config`      `KVTransferConfig`
 8. `control`     the token-authenticated gRPC control plane (Handshake, Heartbeat, Abort, Claim)
-9. `agent`       `NixlTransferAgent`: the engine (progress loop, heartbeats, leases, failure handling)
-10. `loopback`   `LoopbackAgent`: the in-process fake with the same interface
-11. `metrics`, `wire`, `nixl_backend`, `transfers`: metrics, protobuf conversions, the NIXL wrapper, bookkeeping
-12. `harness`, `loadtest`: multi-process runner (loopback, network namespaces, hosts) and `cedserve bench kv-transfer`
+9. `registration` `LocalMemory`: registered pool and staging buffer, prepared block list, posting
+10. `handshake`  `AgentInfo` both ways, loading a peer into NIXL, the sender's claim
+11. `engine`     `NixlEngine`: transfers, notifications, heartbeats, leases, failure handling, progress loop
+12. `agent`      `NixlTransferAgent`: the three above and the control service, what a worker holds
+13. `loopback`   `LoopbackAgent`: the in-process fake with the same interface
+14. `metrics`, `wire`, `nixl_backend`, `transfers`: metrics, protobuf conversions, the NIXL wrapper, bookkeeping
+
+The load test and its references (`cedserve bench kv-transfer`) live in `cedserve.bench.kv_transfer`.
 
 Nothing here imports NIXL at import time; `NixlTransferAgent` imports it when constructed.
 """

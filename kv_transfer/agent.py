@@ -1,87 +1,50 @@
 """`NixlTransferAgent`: one NIXL agent per worker, moving KV blocks between workers.
 
+It puts three parts together, each in its own module:
+
+- `registration.LocalMemory`: the NIXL agent's registered memory (block pool, staging buffer, the
+  pool's prepared descriptor list) and the requests posted over it;
+- `handshake`: our `AgentInfo`, the handshake both ways over the control service, loading a
+  peer into NIXL, and the claim a sender makes before its first write;
+- `engine.NixlEngine`: transfers, notifications, heartbeats, deadlines and the progress loop.
+
 Lifecycle
 ---------
 1. Start: `NixlTransferAgent(config, region, layout, name)` creates the NIXL agent with the
    configured backends (UCX, error handling `peer`), registers the whole block pool and the staging
-   buffer once, starts the KVTransferControl gRPC service (token-authenticated) and a progress
-   thread that drives UCX, notifications, heartbeats, deadlines and chunk posting.
+   buffer once, starts the KVTransferControl gRPC service (token-authenticated) and the engine's
+   progress thread.
 2. Handshake: `handshake(address)` sends our `AgentInfo` (NIXL metadata, region addresses,
    protocol version, compatibility hash) to the peer's control service and loads its reply; both
    sides check version and hash and refuse, naming both values, on a mismatch.
-3. Transfers (decode-first, see `protocol.py`): the receiver reserves blocks; the sender opens the
-   reservation and streams `write_blocks` chunks. WRITE mode: each chunk is one NIXL WRITE whose
-   notification (`ChunkDone`) lands after the bytes. READ mode: the sender announces `ChunkReady`
-   and the receiver READs, notifying `ChunkConsumed`. A chunk whose descriptors would be small is
-   packed through staging slots (gather, one descriptor, scatter; credits via `SlotFree`).
-4. Failure: heartbeats every `heartbeat_interval_s` on the data path; a peer silent for
-   `peer_timeout_s`, or one UCX reports disconnected, is declared dead: it is disconnected and every
-   transfer with it fails at once. Deadlines (leases) fail transfers; `abort` (or the control
-   plane's Abort) cancels them. Both sides then release their blocks (`on_finish`), the initiator
-   after quiescing its requests, the target after the initiator's word (see `transfers.py`).
+3. Transfers (decode-first, see `protocol.py` and `engine.py`): the receiver reserves blocks; the
+   sender claims the reservation at the receiver's control service, opens it and streams
+   `write_blocks` chunks.
+4. Failure: see `engine.py` (heartbeats, dead peers, deadlines, aborts).
 5. Close: every live transfer is aborted (SHUTDOWN), the service stops, memory is deregistered.
+
+Link measurement (raw NIXL requests, probe notifications) is benchmark code:
+`cedserve.bench.kv_transfer.link_meter` drives an agent's `engine` and `memory` for it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import sys
-import threading
-import time
-from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Literal
-
-import grpc
-import numpy as np
+from typing import TYPE_CHECKING
 
 from cedserve.kv_transfer.config import KVTransferConfig
-from cedserve.kv_transfer.control import ControlClient, ControlServer, check_compatible
-from cedserve.kv_transfer.descriptors import (
-    RegionAddress,
-    as_block_ids,
-    block_descs,
-    count_runs,
-    should_pack,
-    single_desc,
-    split_positions,
-)
-from cedserve.kv_transfer.errors import FailureCause, KVTransferError, RequestId
+from cedserve.kv_transfer.control import ControlServer
+from cedserve.kv_transfer.engine import NixlEngine
+from cedserve.kv_transfer.errors import FailureCause, RequestId
+from cedserve.kv_transfer.handshake import PeerConnector, agent_info
 from cedserve.kv_transfer.metrics import TransferMetrics
-from cedserve.kv_transfer.nixl_backend import MemType, NixlBackend, NixlCallError, mem_type
+from cedserve.kv_transfer.nixl_backend import NixlBackend
 from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
-from cedserve.kv_transfer.region import Compatibility, KVLayout, KVRegion, LayoutKind
+from cedserve.kv_transfer.region import Compatibility, KVLayout, KVRegion
+from cedserve.kv_transfer.registration import LocalMemory
 from cedserve.kv_transfer.roles import ReceiverRole, SenderRole
-from cedserve.kv_transfer.staging import StagingPool, gather_blocks, scatter_blocks
-from cedserve.kv_transfer.state import (
-    FinishCallback,
-    Role,
-    TransferRecord,
-    TransferResult,
-    TransferState,
-)
-from cedserve.kv_transfer.transfers import (
-    Chunk,
-    Inflight,
-    PeerState,
-    PostJob,
-    RecvTransfer,
-    SendTransfer,
-    Transfer,
-)
-from cedserve.kv_transfer.wire import (
-    cause_from_pb,
-    cause_to_pb,
-    compat_from_pb,
-    compat_to_pb,
-    decode_notice,
-    encode_notice,
-)
+from cedserve.kv_transfer.staging import StagingPool
+from cedserve.kv_transfer.state import FinishCallback, Role, TransferResult, TransferState
 from cedserve.proto import kv_transfer_pb2 as pb
-
-log = logging.getLogger(__name__)
-
-_FORGET_AFTER = 4096  # finished results kept for wait()/state() after the fact
 
 
 class NixlTransferAgent:
@@ -95,51 +58,16 @@ class NixlTransferAgent:
                              "access to the block pool")
         config = config.resolved(region.device_memory)
         self.config = config
-        self.region = region
-        self.layout = layout
         self.metrics = metrics if metrics is not None else TransferMetrics()
-        self._compat = layout.compatibility()
         self._name = name
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._peers: dict[str, PeerState] = {}
-        self._sends: dict[RequestId, SendTransfer] = {}
-        self._recvs: dict[RequestId, RecvTransfer] = {}
-        self._results: OrderedDict[tuple[Role, RequestId], TransferRecord] = OrderedDict()
-        self._callbacks: list[tuple[TransferRecord, FinishCallback | None]] = []
-        self._zombies: list[tuple[object, str]] = []
-        self._probes: OrderedDict[int, float] = OrderedDict()  # probe id -> arrival (monotonic)
-        self._awaited_probes: set[int] = set()
-        self._claim_clients: dict[str, ControlClient] = {}  # receiver agent -> its control service
-        self._next_heartbeat_s = 0.0
-        self._pack_threshold = config.pack_threshold(region.device_memory)
-
-        self._hot_poll_s, self._target_poll_s = _filled(config.poll_interval_s), _filled(config.target_poll_s)
-        self._chunk_blocks = int(_filled(config.chunk_blocks))
-        self._slots_per_request = int(_filled(config.staging_slots_per_request))
-
+        self._compat = layout.compatibility()
         self._backend = NixlBackend(name, config)
-        self._backend.register(region.tensor)
-        # Cross-layer blocks are posted by index into lists prepared once (ours here, a peer's at its
-        # handshake); the per-layer baseline builds its unmerged descriptors per transfer.
-        self._blocks_list: int | None = None
-        if layout.kind is LayoutKind.CROSS_LAYER:
-            try:
-                self._blocks_list = self._backend.prep_blocks(None, region.base_address, region.block_bytes,
-                                                              region.num_blocks, region.device_id,
-                                                              mem_type(region.tensor))
-            except NixlCallError as exc:  # still correct, only slower: descriptors built per transfer
-                log.warning("%s; building descriptor lists per transfer instead", exc)
-        self.staging: StagingPool | None = None
-        if _filled(config.staging_slots) > 0 and self._pack_threshold > 0:
-            self.staging = StagingPool.allocate(int(_filled(config.staging_slots)),
-                                                int(_filled(config.staging_slot_bytes)), region.tensor.device)
-            self._backend.register(self.staging.tensor)
+        self.memory = LocalMemory(self._backend, config, region, layout)
+        self.engine = NixlEngine(config, self.memory, name, self.metrics)
+        self._connector = PeerConnector(name, config, self._compat)
         self._server = ControlServer(self, config.control_host, config.control_port, config.auth_token,
                                      tls=config.tls)
-        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
-        self._thread.start()
+        self.engine.start()
 
     # ------------------------------------------------------------------ identity, roles
 
@@ -150,6 +78,18 @@ class NixlTransferAgent:
     @property
     def control_address(self) -> str:
         return self._server.address
+
+    @property
+    def region(self) -> KVRegion:
+        return self.memory.region
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.memory.layout
+
+    @property
+    def staging(self) -> StagingPool | None:
+        return self.memory.staging
 
     def compatibility(self) -> Compatibility:
         return self._compat
@@ -162,1015 +102,72 @@ class NixlTransferAgent:
 
     def info(self) -> pb.AgentInfo:
         """What peers need to know about us (sent in the handshake)."""
-        r = self.region
-        staging = pb.MemoryRegion()
-        if self.staging is not None:
-            staging = pb.MemoryRegion(base_address=self.staging.base_address,
-                                      length_bytes=self.staging.tensor.numel(), device_id=r.device_id,
-                                      kind=pb.MEMORY_KIND_VRAM if r.device_memory else pb.MEMORY_KIND_DRAM)
-        return pb.AgentInfo(
-            agent_name=self._name, nixl_metadata=self._backend.metadata(), compat=compat_to_pb(self._compat),
-            kv_region=pb.MemoryRegion(base_address=r.base_address, length_bytes=r.nbytes, device_id=r.device_id,
-                                      kind=pb.MEMORY_KIND_VRAM if r.device_memory else pb.MEMORY_KIND_DRAM),
-            block_bytes=r.block_bytes, num_blocks=r.num_blocks, staging_region=staging,
-            staging_slot_bytes=self.staging.slot_bytes if self.staging else 0,
-            num_staging_slots=self.staging.num_slots if self.staging else 0,
-            control_address=self.control_address)
+        return agent_info(self._name, self._compat, self.memory, self.control_address)
 
     def active_transfers(self) -> int:
-        with self._lock:
-            return len(self._sends) + len(self._recvs)
+        return self.engine.active_transfers()
 
     def peers(self) -> dict[str, bool]:
         """Handshaken peers and whether each is alive."""
-        with self._lock:
-            return {name: p.alive for name, p in self._peers.items()}
+        return self.engine.peers()
 
-    # ------------------------------------------------------------------ handshake
+    # ------------------------------------------------------------------ handshake (control plane)
 
     def handshake(self, address: str, timeout_s: float = 5.0) -> str:
-        client = ControlClient(address, self.config.auth_token, self.config.tls)
-        try:
-            responder = client.handshake(self.info(), self._compat, timeout_s)
-        finally:
-            client.close()
-        self._add_peer(responder)
+        responder = self._connector.initiate(address, self.info(), timeout_s)
+        self.engine.add_peer(responder)
         return responder.agent_name
 
     def accept_handshake(self, initiator: pb.AgentInfo) -> pb.AgentInfo:
         """Control-plane side of `handshake` (called by the gRPC service)."""
-        check_compatible(self._compat, compat_from_pb(initiator.compat), initiator.agent_name or "?")
-        self._add_peer(initiator)
+        self._connector.accept(initiator)
+        self.engine.add_peer(initiator)
         return self.info()
-
-    def _add_peer(self, info: pb.AgentInfo) -> None:
-        if not info.agent_name or info.agent_name == self._name:
-            raise ValueError(f"handshake: bad peer agent name {info.agent_name!r}")
-        if info.block_bytes != self.region.block_bytes:
-            raise ValueError(f"handshake with {info.agent_name!r}: block_bytes {info.block_bytes} != "
-                             f"ours {self.region.block_bytes}")
-        if info.kv_region.length_bytes < info.num_blocks * info.block_bytes:
-            raise ValueError(f"handshake with {info.agent_name!r}: region shorter than its blocks")
-        with self._lock:
-            old = self._peers.get(info.agent_name)
-            if old is not None:
-                # A re-handshake means the peer restarted (or lost us): its old transfers are gone.
-                self._peer_dead(old, FailureCause.PEER_DISCONNECTED, "peer handshaked again (restarted)")
-            loaded = self._backend.add_peer(info.nixl_metadata)
-            if loaded != info.agent_name:
-                self._backend.remove_peer(loaded)
-                raise ValueError(f"handshake: NIXL metadata names {loaded!r}, AgentInfo names {info.agent_name!r}")
-            kv_mem: MemType = "VRAM" if info.kv_region.kind == pb.MEMORY_KIND_VRAM else "DRAM"
-            st_mem: MemType = "VRAM" if info.staging_region.kind == pb.MEMORY_KIND_VRAM else "DRAM"
-            blocks_list: int | None = None
-            if self._blocks_list is not None:
-                try:
-                    blocks_list = self._backend.prep_blocks(info.agent_name, info.kv_region.base_address,
-                                                            info.block_bytes, info.num_blocks,
-                                                            info.kv_region.device_id, kv_mem)
-                except NixlCallError as exc:  # still correct, only slower
-                    log.warning("%s; building descriptor lists per transfer to %s", exc, info.agent_name)
-            self._peers[info.agent_name] = PeerState(
-                name=info.agent_name,
-                kv=RegionAddress(info.kv_region.base_address, info.num_blocks, info.kv_region.device_id),
-                kv_mem=kv_mem, block_bytes=info.block_bytes,
-                staging_base=info.staging_region.base_address, staging_slot_bytes=info.staging_slot_bytes,
-                staging_slots=info.num_staging_slots, staging_device=info.staging_region.device_id,
-                staging_mem=st_mem, control_address=info.control_address, last_seen_s=time.monotonic(),
-                blocks_list=blocks_list)
-        self._wake.set()
-
-    def _live_peer(self, name: str) -> PeerState:
-        peer = self._peers.get(name)
-        if peer is None or not peer.alive:
-            raise ValueError(f"KV transfer peer {name!r} is not connected (handshake first)")
-        return peer
-
-    # ------------------------------------------------------------------ API used by the roles
-
-    def _register(self, t: Transfer, table: dict[RequestId, SendTransfer] | dict[RequestId, RecvTransfer]) -> None:
-        if t.request_id in table:
-            raise KVTransferError(t.request_id, FailureCause.INVALID, "request id already in use")
-        table[t.request_id] = t  # type: ignore[assignment]
-        self._results.pop((t.record.role, t.request_id), None)
-
-    def reserve(self, request_id: RequestId, block_ids: BlockIds, sender: str, mode: TransferMode | None,
-                lease_s: float | None, on_finish: FinishCallback | None) -> Reservation:
-        ids = as_block_ids(block_ids)
-        self.region.check_block_ids(ids, f"reserve {request_id!r}")
-        mode = mode or TransferMode(self.config.mode)
-        lease = self.config.lease_s if lease_s is None else lease_s
-        now = time.monotonic()
-        with self._lock:
-            self._live_peer(sender)
-            slots: tuple[int, ...] = ()
-            if (mode is TransferMode.WRITE and self.staging is not None and ids.size
-                    and self.layout.kind is LayoutKind.CROSS_LAYER
-                    and should_pack(count_runs(ids, ids), ids.size * self.region.block_bytes, self._pack_threshold)):
-                slots = tuple(self.staging.acquire_up_to(self._slots_per_request))
-            record = TransferRecord(request_id, Role.RECEIVER, sender, tuple(ids.tolist()), now + lease, on_finish, now)
-            t = RecvTransfer(record=record, mode=mode, initiator=mode is TransferMode.READ, dst_ids=ids,
-                             granted_slots=slots)
-            try:
-                self._register(t, self._recvs)
-            except KVTransferError:
-                self._release_slots(slots)
-                raise
-        self._wake.set()
-        return Reservation(request_id=request_id, receiver=self._name, sender=sender,
-                           block_ids=tuple(ids.tolist()), mode=mode, staging_slots=slots, lease_s=lease,
-                           compat_hash=self._compat.compat_hash)
-
-    def open(self, reservation: Reservation, timeout_s: float | None, on_finish: FinishCallback | None) -> None:
-        if reservation.compat_hash and reservation.compat_hash != self._compat.compat_hash:
-            raise ValueError(f"reservation {reservation.request_id!r}: compatibility hash "
-                             f"{reservation.compat_hash} != ours {self._compat.compat_hash}")
-        if reservation.sender and reservation.sender != self._name:
-            raise ValueError(f"reservation {reservation.request_id!r} is for sender {reservation.sender!r}, "
-                             f"not {self._name!r}")
-        dst = as_block_ids(reservation.block_ids)
-        self._claim(reservation)
-        now = time.monotonic()
-        timeout = reservation.lease_s if timeout_s is None else timeout_s
-        with self._lock:
-            peer = self._live_peer(reservation.receiver)
-            if dst.size and int(dst.max()) >= peer.kv.num_blocks:
-                raise ValueError(f"reservation {reservation.request_id!r}: receiver block ids beyond its pool")
-            if any(not 0 <= s < peer.staging_slots for s in reservation.staging_slots):
-                raise ValueError(f"reservation {reservation.request_id!r}: staging slots beyond the receiver's")
-            record = TransferRecord(reservation.request_id, Role.SENDER, reservation.receiver, (),
-                                    now + timeout, on_finish, now)
-            t = SendTransfer(record=record, mode=reservation.mode, initiator=reservation.mode is TransferMode.WRITE,
-                             dst_ids=dst, reservation=reservation, credits=deque(reservation.staging_slots))
-            self._register(t, self._sends)
-        self._wake.set()
-
-    def _claim(self, reservation: Reservation) -> None:
-        """Ask the receiver's control plane whether it holds `reservation` for us, before any write:
-        `KVTransferError` INVALID naming its answer when not (an unknown or ended lease), or
-        PEER_DISCONNECTED when it cannot be asked within `peer_timeout_s`."""
-        rid = reservation.request_id
-        with self._lock:
-            peer = self._live_peer(reservation.receiver)
-            client = self._claim_clients.get(peer.name)
-            if client is None or client.address != peer.control_address:
-                client = ControlClient(peer.control_address, self.config.auth_token, self.config.tls)
-                self._claim_clients[peer.name] = client
-        try:
-            problem = client.claim(rid, self._name, self.config.peer_timeout_s)
-        except grpc.RpcError as exc:
-            raise KVTransferError(rid, FailureCause.PEER_DISCONNECTED, f"receiver {reservation.receiver!r} "
-                                  f"did not answer the claim: {exc.code().name}") from None
-        if problem:
-            raise KVTransferError(rid, FailureCause.INVALID, f"receiver {reservation.receiver!r}: {problem}")
 
     def claim(self, request_id: RequestId, sender_agent: str) -> str:
         """Control plane (`Claim`): "" when a reservation `request_id` for `sender_agent` is held here
         and has not ended, else why not."""
-        with self._lock:
-            t = self._recvs.get(request_id)
-            ended = self._results.get((Role.RECEIVER, request_id))
-            if t is None and ended is not None:
-                return f"reservation {request_id!r} already ended here ({ended.state.value})"
-            if t is None:
-                return f"agent {self._name!r} holds no reservation {request_id!r}"
-            if t.peer != sender_agent:
-                return f"reservation {request_id!r} is for sender {t.peer!r}, not {sender_agent!r}"
-            if t.record.state.terminal:
-                return f"reservation {request_id!r} already ended here ({t.record.state.value})"
-        return ""
+        return self.engine.claim(request_id, sender_agent)
+
+    # ------------------------------------------------------------------ API used by the roles
+
+    def reserve(self, request_id: RequestId, block_ids: BlockIds, sender: str, mode: TransferMode | None,
+                lease_s: float | None, on_finish: FinishCallback | None) -> Reservation:
+        return self.engine.reserve(request_id, block_ids, sender, mode, lease_s, on_finish)
+
+    def open(self, reservation: Reservation, timeout_s: float | None, on_finish: FinishCallback | None) -> None:
+        """Claim `reservation` at its receiver, then start sending into it."""
+        self.engine.check_reservation(reservation)
+        receiver = self.engine.live_peer(reservation.receiver)
+        self._connector.claim(reservation, receiver.control_address)
+        self.engine.open(reservation, timeout_s, on_finish)
 
     def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, last: bool) -> None:
-        src = as_block_ids(local_block_ids)
-        self.region.check_block_ids(src, f"write_blocks {request_id!r}")
-        with self._lock:
-            t = self._sends.get(request_id)
-            if t is None:
-                ended = self._results.get((Role.SENDER, request_id))
-                if ended is not None and ended.error is not None:
-                    raise ended.error
-                raise KVTransferError(request_id, FailureCause.INVALID, "write_blocks on a transfer never opened "
-                                      "or already finished")
-            if t.record.state.terminal:
-                assert t.record.error is not None
-                raise t.record.error
-            if t.closed:
-                raise ValueError(f"write_blocks {request_id!r}: the transfer was already closed with last=True")
-            end = t.next_pos + src.size
-            if end > t.dst_ids.size:
-                raise ValueError(f"write_blocks {request_id!r}: {end} blocks exceed the {t.dst_ids.size} reserved")
-            if last and end != t.dst_ids.size:
-                raise ValueError(f"write_blocks {request_id!r}: last=True at {end} of {t.dst_ids.size} reserved blocks")
-            self._enqueue_chunks(t, src, last)
-            t.record.start_transferring(time.monotonic())
-        self._wake.set()
-
-    def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
-        """Queue one `write_blocks` call as chunks of at most `chunk_blocks`. Whether a chunk is packed
-        is decided later, once per NIXL request, on the chunks merged for it (`_next_chunk`): the
-        caller's thread does no per-call run counting (it holds the GIL while a prefill queues)."""
-        dst = t.dst_ids[t.next_pos: t.next_pos + src.size]
-        packable: bool | None = False
-        if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and src.size > 1:
-            packable = None if self._slot_blocks(t) >= 2 else False
-        pieces = split_positions(src.size, self._chunk_blocks) or ([(0, 0)] if last else [])
-        for i, (a, b) in enumerate(pieces):
-            t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b],
-                                 packed=packable if b - a > 1 else False, last=last and i == len(pieces) - 1))
-        t.next_pos += src.size
-        t.written.append(src)
-        t.closed = last
-
-    def _slot_blocks(self, t: SendTransfer) -> int:
-        """Blocks one packed chunk of `t` may hold (0 when it may not pack: no receiver slot)."""
-        if self.staging is None:
-            return 0
-        peer = self._peers[t.peer]
-        assert t.reservation is not None
-        remote_slots = len(t.reservation.staging_slots) if t.mode is TransferMode.WRITE else peer.staging_slots
-        if not remote_slots:
-            return 0
-        return min(self.staging.slot_bytes, peer.staging_slot_bytes) // self.region.block_bytes
-
-    def _next_chunk(self, t: SendTransfer) -> Chunk:
-        """Pop the head chunk, absorbing the chunks of the same kind queued behind it, up to
-        `chunk_blocks` (direct) or one staging slot (packed). While the link is the bottleneck,
-        prefill pieces pile up and leave as fewer, larger NIXL requests (each costs a flush and a
-        notification); an idle link gets each piece at once. Undecided chunks (`packed` None) merge up
-        to `chunk_blocks` and are then decided as one: direct, or cut into packed slot-sized chunks."""
-        head = t.queue.popleft()
-        limit = self._chunk_blocks
-        if head.packed:  # packed chunks merge up to one staging slot
-            limit = self._slot_blocks(t)
-        parts = [head]
-        size = head.src.size
-        while t.queue and t.queue[0].packed == head.packed and size + t.queue[0].src.size <= limit:
-            nxt = t.queue.popleft()
-            parts.append(nxt)
-            size += nxt.src.size
-        chunk = head if len(parts) == 1 else Chunk(
-            first=head.first, src=np.concatenate([p.src for p in parts]),
-            dst=np.concatenate([p.dst for p in parts]), packed=head.packed, last=parts[-1].last)
-        if chunk.packed is not None:
-            return chunk
-        slot_blocks = self._slot_blocks(t)
-        if slot_blocks < 2 or not should_pack(count_runs(chunk.src, chunk.dst),
-                                              chunk.src.size * self.region.block_bytes, self._pack_threshold):
-            chunk.packed = False
-            return chunk
-        pieces = split_positions(chunk.src.size, slot_blocks)
-        for i, (a, b) in reversed(list(enumerate(pieces))[1:]):
-            t.queue.appendleft(Chunk(first=chunk.first + a, src=chunk.src[a:b], dst=chunk.dst[a:b],
-                                     packed=b - a > 1, last=chunk.last and i == len(pieces) - 1))
-        a, b = pieces[0]
-        return Chunk(first=chunk.first, src=chunk.src[a:b], dst=chunk.dst[a:b], packed=True,
-                     last=chunk.last and len(pieces) == 1)
+        self.engine.write_blocks(request_id, local_block_ids, last)
 
     def abort(self, request_id: RequestId, cause: FailureCause = FailureCause.CANCELLED, detail: str = "") -> bool:
         """Abort the request in whichever role holds it; True if a live transfer was found."""
-        found = False
-        with self._lock:
-            for t in (self._sends.get(request_id), self._recvs.get(request_id)):
-                if t is not None and not t.record.state.terminal:
-                    self._fail(t, TransferState.ABORTED, cause, detail or "aborted locally", tell_peer=True)
-                    found = True
-        self._wake.set()
-        return found
+        return self.engine.abort(request_id, cause, detail)
 
     def wait(self, role: Role, request_id: RequestId, timeout_s: float) -> TransferResult:
-        record = self._record(role, request_id)
-        if not record.finished.wait(timeout_s):
-            raise TimeoutError(f"KV transfer {request_id!r} ({role.value}) still {record.state.value} "
-                               f"after {timeout_s} s")
-        assert record.result is not None
-        return record.result.raise_for_state()
+        return self.engine.wait(role, request_id, timeout_s)
 
     def state(self, role: Role, request_id: RequestId) -> TransferState:
-        return self._record(role, request_id).state
-
-    def _record(self, role: Role, request_id: RequestId) -> TransferRecord:
-        with self._lock:
-            table: dict[RequestId, SendTransfer] | dict[RequestId, RecvTransfer] = (
-                self._sends if role is Role.SENDER else self._recvs)
-            t = table.get(request_id)
-            if t is not None:
-                return t.record
-            done = self._results.get((role, request_id))
-            if done is None:
-                raise KeyError(f"no KV transfer {request_id!r} on the {role.value} side of {self._name!r}")
-            return done
-
-    def measure_raw(self, peer_name: str, nbytes: int, op: Literal["WRITE", "READ"] = "WRITE",
-                    probe_id: int = 0, blocks: tuple[np.ndarray, np.ndarray] | None = None,
-                    timeout_s: float = 60.0) -> tuple[float, float]:
-        """One NIXL request, straight to NIXL (no chunks, no engine): ONE descriptor of `nbytes`
-        between the starts of our region and the peer's, or, with `blocks=(local_ids, peer_ids)`,
-        the descriptors this layout would use for those blocks. The benchmark's references. Returns
-        `(posted_s, done_s)` on this host's monotonic clock; a WRITE carries a `Probe(probe_id)`
-        notification whose arrival the peer records (`probe_arrival`), so the rate can be taken where
-        the bytes land. Polled without sleeping (NIXL sends the notification when a poll sees the
-        request complete), as the peer polls for the probe: NIXL's own rate, not our poll interval.
-        Overwrites those bytes: benchmark only."""
-        with self._lock:
-            peer = self._live_peer(peer_name)
-        if blocks is not None:
-            descs = block_descs(self.layout, self._local_address(), peer.kv, blocks[0], blocks[1])
-        elif nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
-            raise ValueError(f"measure_raw: {nbytes} bytes exceed a region")
-        else:
-            descs = single_desc(self.region.base_address, self.region.device_id, peer.kv.base_address,
-                                peer.kv.device_id, nbytes)
-        notif = encode_notice("", probe=pb.Probe(probe_id=probe_id)) if op == "WRITE" else b""
-        start = time.monotonic()
-        handle, status = self._backend.post(op, descs, mem_type(self.region.tensor), peer.kv_mem, peer_name, notif)
-        while status == "PROC":
-            if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"measure_raw: {nbytes} B not done after {timeout_s} s")
-            time.sleep(0)
-            status = self._backend.status(handle, peer_name)
-        done = time.monotonic()
-        self._backend.release(handle, peer_name)
-        if status != "DONE":
-            raise RuntimeError(f"measure_raw: NIXL {op} ended {status}")
-        return start, done
-
-    def measure_requests(self, peer_name: str, nbytes: int, pieces: int, probe_base: int,
-                         timeout_s: float = 60.0) -> dict[str, float]:
-        """`nbytes` from the start of our region to the start of the peer's as `pieces` NIXL WRITE
-        requests of one descriptor each, posted back to back, each with its `Probe(probe_base + i)`
-        notification, then polled without sleeping: what a transfer of that many chunks costs in
-        NIXL itself. Returns the first post, the time spent inside the posts, and when the sender
-        saw the last one complete (monotonic). Overwrites those bytes: benchmark only."""
-        with self._lock:
-            peer = self._live_peer(peer_name)
-        if pieces < 1 or nbytes % pieces or nbytes > min(self.region.nbytes, peer.kv.num_blocks * peer.block_bytes):
-            raise ValueError(f"measure_requests: {nbytes} bytes in {pieces} pieces do not fit the regions")
-        size = nbytes // pieces
-        handles = []
-        in_post = 0.0
-        start = time.monotonic()
-        for i in range(pieces):
-            descs = single_desc(self.region.base_address + i * size, self.region.device_id,
-                                peer.kv.base_address + i * size, peer.kv.device_id, size)
-            t0 = time.monotonic()
-            handle, status = self._backend.post("WRITE", descs, mem_type(self.region.tensor), peer.kv_mem, peer_name,
-                                                encode_notice("", probe=pb.Probe(probe_id=probe_base + i)))
-            in_post += time.monotonic() - t0
-            handles.append([handle, status])
-        while any(h[1] == "PROC" for h in handles):
-            if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"measure_requests: not done after {timeout_s} s")
-            for h in handles:
-                if h[1] == "PROC":
-                    h[1] = self._backend.status(h[0], peer_name)
-        done = time.monotonic()
-        for handle, status in handles:
-            self._backend.release(handle, peer_name)
-            if status != "DONE":
-                raise RuntimeError(f"measure_requests: NIXL WRITE ended {status}")
-        return {"posted_s": start, "in_post_s": in_post, "done_s": done}
-
-    def expect_probe(self, probe_id: int) -> None:
-        """Poll as during a transfer until `Probe(probe_id)` arrives, so its arrival time is as sharp
-        as a chunk's."""
-        with self._lock:
-            self._awaited_probes.add(probe_id)
-        self._wake.set()
-
-    def probe_arrival(self, probe_id: int, timeout_s: float = 10.0) -> float:
-        """When `Probe(probe_id)` arrived here (monotonic), waiting up to `timeout_s` for it."""
-        end = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                if probe_id in self._probes:
-                    return self._probes[probe_id]
-            if time.monotonic() > end:
-                raise TimeoutError(f"probe {probe_id} did not arrive within {timeout_s} s")
-            time.sleep(0.001)
+        return self.engine.state(role, request_id)
 
     def close(self) -> None:
         """Abort every transfer (SHUTDOWN), wait for them to release, stop, deregister."""
-        if self._stop.is_set():
+        if self.engine.closed:
             return
-        with self._lock:
-            for t in [*self._sends.values(), *self._recvs.values()]:
-                if not t.record.state.terminal:
-                    self._fail(t, TransferState.ABORTED, FailureCause.SHUTDOWN, f"agent {self._name} closing",
-                               tell_peer=True)
-        deadline = time.monotonic() + self.config.abort_drain_s + 0.5
-        while self.active_transfers() and time.monotonic() < deadline:
-            self._wake.set()
-            time.sleep(0.01)
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=5.0)
+        self.engine.close()
         self._server.stop()
-        with self._lock:
-            for t in [*self._sends.values(), *self._recvs.values()]:
-                self._drop_inflight(t)
-                self._finalize(t)
-        self._run_callbacks()
-        for client in self._claim_clients.values():
-            client.close()
+        self._connector.close()
         self._backend.close()
-
-    # ------------------------------------------------------------------ progress loop
-
-    def _run(self) -> None:
-        _tight_timer_slack()
-        while not self._stop.is_set():
-            try:
-                sleep_s = self._step()
-            except Exception as exc:  # a bug here must not hang every transfer silently
-                log.exception("KV transfer progress loop of %s failed", self._name)
-                self._fail_everything(f"progress loop error: {type(exc).__name__}: {exc}")
-                sleep_s = self.config.idle_poll_s
-            self._run_callbacks()
-            self._wake.wait(sleep_s)
-            self._wake.clear()
-
-    def _fail_everything(self, detail: str) -> None:
-        with self._lock:
-            for t in [*self._sends.values(), *self._recvs.values()]:
-                if not t.record.state.terminal:
-                    self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, detail, tell_peer=True)
-                self._drop_inflight(t)
-                self._finalize(t)
-
-    def _step(self) -> float:
-        """One round of progress; returns how long to sleep before the next: short while this side
-        has NIXL requests or chunks waiting (or a reference probe is awaited), longer while it only
-        waits for the peer's notifications (UCX moves incoming bytes on its own thread; a spinning
-        target would steal the core the sender needs), longest when idle."""
-        # Liveness first: after this process was stopped or starved for longer than the peer timeout,
-        # its peers have declared it dead and freed their blocks; it must not drain stale heartbeats
-        # and then keep writing into them.
-        with self._lock:
-            self._check_liveness(time.monotonic())
-        notices = self._backend.drain_notifs()
-        now = time.monotonic()
-        jobs: list[PostJob] = []
-        with self._lock:
-            for peer_name, messages in notices.items():
-                for message in messages:
-                    self._on_notice(peer_name, message, now)
-            for s in list(self._sends.values()):
-                self._pump_send(s, jobs)
-            for r in list(self._recvs.values()):
-                self._pump_recv(r, jobs)
-            # A WRITE's receiver hears of it before the bytes land (ChunkPosted), so it is on its short
-            # poll when the ChunkDone arrives instead of waiting out its reservation poll.
-            for job in jobs if self.config.announce_posts else ():
-                if job.op == "WRITE":
-                    self._notify(job.transfer.peer, encode_notice(job.transfer.request_id,
-                                                                  chunk_posted=pb.ChunkPosted(seq=job.seq)))
-        # Posting copies synchronously on some transports (TCP: tens of ms for a large chunk); the
-        # agent lock stays free meanwhile, so prefill threads keep queueing chunks (which then merge).
-        posted = [(job, *self._post(job)) for job in jobs]
-        now = time.monotonic()
-        with self._lock:
-            for job, handle, status, error in posted:
-                self._commit(job, handle, status, error)
-            for s in list(self._sends.values()):
-                self._advance_send(s, now)
-            for r in list(self._recvs.values()):
-                self._advance_recv(r, now)
-            self._timers(now)
-            self._retry_zombies()
-            transfers = [*self._sends.values(), *self._recvs.values()]
-            if self._awaited_probes or any(t.has_local_work() for t in transfers):
-                return self._hot_poll_s
-            return self._target_poll_s if transfers else self.config.idle_poll_s
-
-    def _run_callbacks(self) -> None:
-        with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
-        for record, callback in callbacks:
-            assert record.result is not None
-            if callback is not None:
-                try:
-                    callback(record.result)
-                except Exception:  # the owner's bug; the transfer itself is over either way
-                    log.exception("on_finish callback of KV transfer %r raised", record.request_id)
-            record.finished.set()
-
-    # ------------------------------------------------------------------ sender side
-
-    def _pump_send(self, t: SendTransfer, jobs: list[PostJob]) -> None:
-        while t.queue and not t.record.state.terminal:
-            chunk = self._next_chunk(t)
-            outcome = self._prepare_chunk(t, chunk, t.next_seq)
-            if outcome is False:
-                t.queue.appendleft(chunk)  # waits for a staging slot or a credit
-                break
-            if isinstance(outcome, PostJob):
-                jobs.append(outcome)
-            t.next_seq += 1
-
-    def _advance_send(self, t: SendTransfer, now: float) -> None:
-        self._poll_inflight(t)
-        if t.record.state.terminal:
-            self._settle(t, now)
-        elif t.closed and not t.queue and not t.inflight and not t.posting:
-            t.record.advance(TransferState.DONE)
-            self._finalize(t)
-
-    def _prepare_chunk(self, t: SendTransfer, c: Chunk, seq: int) -> PostJob | bool:
-        """Announce a READ chunk (True), or build the WRITE of one (a `PostJob`); False when it must
-        wait for a staging slot or a receiver credit."""
-        peer = self._peers[t.peer]
-        if not self._peer_fresh(peer):
-            return True  # the transfer failed with the peer
-        bb = self.region.block_bytes
-        n = int(c.src.size)
-        total = seq + 1 if c.last else 0
-        slot: int | None = None
-        remote_slot = -1
-        if c.packed:
-            assert self.staging is not None
-            if t.mode is TransferMode.WRITE and not t.credits:
-                return False
-            slot = self.staging.acquire()
-            if slot is None:
-                return False
-            gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb))
-            if t.mode is TransferMode.WRITE:
-                remote_slot = t.credits.popleft()
-                t.slots_in_use.add(remote_slot)
-        t.record.num_chunks += 1
-        if t.mode is TransferMode.READ:
-            notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
-                seq=seq, first_index=c.first, num_blocks=n, block_ids=[] if c.packed else c.src.tolist(),
-                staging_slot=-1 if slot is None else slot, last=c.last, total_chunks=total))
-            if self._notify(t.peer, notice):  # on False the peer is dead and the transfer failed
-                t.inflight[seq] = Inflight(seq=seq, nbytes=n * bb, descriptors=0, local_slot=slot)
-            elif slot is not None and self.staging is not None:
-                self.staging.release(slot)
-            return True
-        notice = encode_notice(t.request_id, chunk_done=pb.ChunkDone(
-            seq=seq, first_index=c.first, num_blocks=n, staging_slot=remote_slot, last=c.last,
-            total_chunks=total))
-        if n == 0:
-            self._notify(t.peer, notice)
-            return True
-        t.posting += 1
-        if slot is not None and self.staging is not None:
-            descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
-                                peer.staging_address(remote_slot), peer.staging_device, n * bb)
-            return PostJob(t, seq, "WRITE", descs, peer.staging_mem, notice, n * bb, slot, None, descriptors=1)
-        return self._blocks_job(t, seq, "WRITE", c.src, c.dst, peer, notice)
-
-    def _blocks_job(self, t: Transfer, seq: int, op: Literal["WRITE", "READ"], local_ids: np.ndarray,
-                    peer_ids: np.ndarray, peer: PeerState, notif: bytes) -> PostJob:
-        """The request moving our blocks `local_ids[i]` to or from the peer's `peer_ids[i]`: indices into
-        the prepared block lists (cross-layer; NIXL merges runs), or the per-layer descriptors."""
-        nbytes = int(local_ids.size) * self.region.block_bytes
-        if self._blocks_list is not None and peer.blocks_list is not None:
-            return PostJob(t, seq, op, None, peer.kv_mem, notif, nbytes, None, None,
-                           blocks=(local_ids, peer_ids), blocks_lists=(self._blocks_list, peer.blocks_list),
-                           descriptors=count_runs(local_ids, peer_ids))
-        descs = block_descs(self.layout, self._local_address(), peer.kv, local_ids, peer_ids)
-        return PostJob(t, seq, op, descs, peer.kv_mem, notif, nbytes, None, None, descriptors=descs.count)
-
-    def _post(self, job: PostJob) -> tuple[object, str, NixlCallError | None]:
-        """Phase two of a step, without the agent lock: hand one request to NIXL."""
-        try:
-            if job.blocks is not None:
-                handle, status = self._backend.post_blocks(job.op, job.blocks_lists[0], job.blocks[0],
-                                                           job.blocks_lists[1], job.blocks[1], job.transfer.peer,
-                                                           job.notif)
-            else:
-                assert job.descs is not None
-                handle, status = self._backend.post(job.op, job.descs, mem_type(self.region.tensor),
-                                                    job.remote_mem, job.transfer.peer, job.notif)
-        except NixlCallError as exc:
-            return None, "ERR", exc
-        return handle, status, None
-
-    def _commit(self, job: PostJob, handle: object, status: str, error: NixlCallError | None) -> None:
-        """Phase three: record a posted request (or its failure) on its transfer."""
-        t = job.transfer
-        t.posting -= 1
-        if error is not None:
-            if job.local_slot is not None and self.staging is not None:
-                self.staging.release(job.local_slot)
-            if not t.finalized:
-                self._nixl_failed(t, error)
-            return
-        if t.finalized:  # its peer died while we posted: nothing will land; drop the request
-            self._release_handle(handle, t.peer)
-            if job.local_slot is not None and self.staging is not None:
-                self.staging.release(job.local_slot)
-            return
-        t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
-                                       local_slot=job.local_slot, scatter_ids=job.scatter_ids)
-        t.record.num_descriptors += job.descriptors
-        if status == "ERR":
-            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
-                       f"{job.op} of chunk {job.seq} failed at post", tell_peer=True)
-        elif t.record.state.terminal:
-            self._cancel_inflight(t)  # aborted while we posted
-
-    def _local_address(self) -> RegionAddress:
-        return RegionAddress(self.region.base_address, self.region.num_blocks, self.region.device_id)
-
-    # ------------------------------------------------------------------ receiver side
-
-    def _pump_recv(self, t: RecvTransfer, jobs: list[PostJob]) -> None:
-        while t.reads and not t.record.state.terminal:
-            ready = t.reads.popleft()
-            outcome = self._prepare_read(t, ready)
-            if outcome is False:
-                t.reads.appendleft(ready)  # waits for a local staging slot
-                break
-            if isinstance(outcome, PostJob):
-                jobs.append(outcome)
-
-    def _advance_recv(self, t: RecvTransfer, now: float) -> None:
-        self._poll_inflight(t)
-        if t.record.state.terminal:
-            self._settle(t, now)
-        elif t.complete() and not t.posting:
-            t.record.advance(TransferState.DONE)
-            self._finalize(t)
-
-    def _prepare_read(self, t: RecvTransfer, m: pb.ChunkReady) -> PostJob | bool:
-        """Build the READ of one announced chunk; False when it must wait for a staging slot."""
-        peer = self._peers[t.peer]
-        if not self._peer_fresh(peer):
-            return True
-        bb = self.region.block_bytes
-        dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
-        consumed = encode_notice(t.request_id, chunk_consumed=pb.ChunkConsumed(seq=m.seq))
-        t.record.num_chunks += 1
-        if m.num_blocks == 0:
-            self._notify(t.peer, consumed)
-            return True
-        slot: int | None = None
-        if m.staging_slot >= 0:
-            if self.staging is None:
-                self._fail(t, TransferState.FAILED, FailureCause.INVALID, "packed chunk but no staging buffer",
-                           tell_peer=True)
-                return True
-            slot = self.staging.acquire()
-            if slot is None:
-                t.record.num_chunks -= 1
-                return False
-            descs = single_desc(self.staging.slot_address(slot), self.region.device_id,
-                                peer.staging_address(m.staging_slot), peer.staging_device, m.num_blocks * bb)
-            t.posting += 1
-            return PostJob(t, m.seq, "READ", descs, peer.staging_mem, consumed, m.num_blocks * bb, slot, dst,
-                           descriptors=1)
-        t.posting += 1
-        return self._blocks_job(t, m.seq, "READ", dst, np.asarray(m.block_ids, dtype=np.int64), peer, consumed)
-
-    def _on_chunk_done(self, t: RecvTransfer, m: pb.ChunkDone) -> None:
-        if t.mode is not TransferMode.WRITE or t.record.state.terminal:
-            return
-        problem = self._check_chunk(t, m.seq, m.first_index, m.num_blocks)
-        if m.staging_slot >= 0 and m.staging_slot not in t.granted_slots:
-            problem = f"staging slot {m.staging_slot} was not granted"
-        if problem:
-            self._fail(t, TransferState.FAILED, FailureCause.INVALID, problem, tell_peer=True)
-            return
-        if m.staging_slot >= 0:
-            assert self.staging is not None
-            dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
-            scatter_blocks(self.region.blocks(), dst,
-                           self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes))
-            self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
-        t.record.start_transferring(time.monotonic())
-        t.seen.add(m.seq)
-        t.blocks_landed += m.num_blocks
-        t.record.num_bytes += m.num_blocks * self.region.block_bytes
-        t.record.num_chunks += 1
-        if m.last:
-            t.total_chunks = m.total_chunks
-
-    def _on_chunk_ready(self, t: RecvTransfer, m: pb.ChunkReady) -> None:
-        if t.mode is not TransferMode.READ or t.record.state.terminal:
-            return
-        problem = self._check_chunk(t, m.seq, m.first_index, m.num_blocks)
-        peer = self._peers[t.peer]
-        if m.staging_slot >= 0 and (m.staging_slot >= peer.staging_slots
-                                    or m.num_blocks * self.region.block_bytes > peer.staging_slot_bytes):
-            problem = f"staging slot {m.staging_slot} beyond the sender's"
-        elif m.staging_slot < 0 and (len(m.block_ids) != m.num_blocks
-                                     or any(b >= peer.kv.num_blocks for b in m.block_ids)):
-            problem = "block ids missing or beyond the sender's pool"
-        if problem:
-            self._fail(t, TransferState.FAILED, FailureCause.INVALID, problem, tell_peer=True)
-            return
-        t.record.start_transferring(time.monotonic())
-        t.seen.add(m.seq)
-        t.reads.append(m)
-        if m.last:
-            t.total_chunks = m.total_chunks
-
-    def _check_chunk(self, t: RecvTransfer, seq: int, first: int, n: int) -> str:
-        if seq in t.seen:
-            return f"chunk {seq} arrived twice"
-        if first + n > t.dst_ids.size:
-            return f"chunk {seq} covers positions [{first}, {first + n}) beyond {t.dst_ids.size} reserved"
-        return ""
-
-    # ------------------------------------------------------------------ in-flight requests
-
-    def _poll_inflight(self, t: Transfer) -> None:
-        for seq, inf in list(t.inflight.items()):
-            if inf.handle is None:
-                continue  # a READ sender's announced chunk: ends on ChunkConsumed
-            try:
-                status = self._backend.status(inf.handle, t.peer)
-            except NixlCallError as exc:
-                self._nixl_failed(t, exc)
-                status = "ERR"
-            if status == "PROC":
-                continue
-            self._release_handle(inf.handle, t.peer)
-            del t.inflight[seq]
-            if status == "DONE" and not t.record.state.terminal:
-                if inf.scatter_ids is not None and inf.local_slot is not None and self.staging is not None:
-                    scatter_blocks(self.region.blocks(), inf.scatter_ids,
-                                   self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
-                                                          self.region.block_bytes))
-                t.record.num_bytes += inf.nbytes
-                if isinstance(t, RecvTransfer):
-                    t.blocks_landed += inf.nbytes // self.region.block_bytes
-            elif status == "ERR":
-                self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
-                           f"NIXL request of chunk {seq} ended in error", tell_peer=True)
-            if inf.local_slot is not None and self.staging is not None:
-                self.staging.release(inf.local_slot)
-
-    def _release_handle(self, handle: object, peer: str) -> None:
-        try:
-            self._backend.release(handle, peer)
-        except NixlCallError as exc:
-            log.warning("%s; retrying later", exc)
-            self._zombies.append((handle, peer))
-
-    def _retry_zombies(self) -> None:
-        zombies, self._zombies = self._zombies, []
-        for handle, peer in zombies:
-            self._release_handle(handle, peer)
-
-    def _drop_inflight(self, t: Transfer) -> None:
-        """Forget in-flight requests of a transfer whose peer is dead (nothing more will land)."""
-        for inf in t.inflight.values():
-            if inf.handle is not None:
-                self._release_handle(inf.handle, t.peer)
-            if inf.local_slot is not None and self.staging is not None:
-                self.staging.release(inf.local_slot)
-        t.inflight.clear()
-
-    # ------------------------------------------------------------------ notifications
-
-    def _notify(self, peer_name: str, message: bytes) -> bool:
-        """Send a notification; on a disconnect, declare the peer dead and return False."""
-        peer = self._peers.get(peer_name)
-        if peer is None or not peer.alive:
-            return False
-        try:
-            self._backend.notify(peer_name, message)
-        except NixlCallError as exc:
-            self._peer_dead(peer, FailureCause.PEER_DISCONNECTED, str(exc))
-            return False
-        return True
-
-    def _on_notice(self, peer_name: str, message: bytes, now: float) -> None:
-        peer = self._peers.get(peer_name)
-        if peer is None or not peer.alive:
-            return  # from an agent we never handshook, or declared dead: ignore
-        peer.last_seen_s = now
-        try:
-            notice = decode_notice(message)
-        except ValueError as exc:
-            log.warning("ignoring notification from %s: %s", peer_name, exc)
-            return
-        kind = notice.WhichOneof("body")
-        if kind != "heartbeat":
-            self.metrics.notices_total.labels(kind).inc()
-        if kind == "heartbeat":
-            return
-        if kind == "probe":
-            self._probes[notice.probe.probe_id] = now
-            self._awaited_probes.discard(notice.probe.probe_id)
-            while len(self._probes) > 64:
-                self._probes.popitem(last=False)
-            return
-        rid = notice.request_id
-        send = self._sends.get(rid)
-        recv = self._recvs.get(rid)
-        send = send if send is not None and send.peer == peer_name else None
-        recv = recv if recv is not None and recv.peer == peer_name else None
-        if kind == "chunk_posted" and recv is not None:
-            if recv.mode is TransferMode.WRITE and not recv.record.state.terminal:
-                recv.record.start_transferring(now)  # bytes on the way: poll short (has_local_work)
-        elif kind == "chunk_done" and recv is not None:
-            self._on_chunk_done(recv, notice.chunk_done)
-        elif kind == "chunk_ready" and recv is not None:
-            self._on_chunk_ready(recv, notice.chunk_ready)
-        elif kind == "slot_free" and send is not None:
-            slot = notice.slot_free.staging_slot
-            if slot in send.slots_in_use:  # a credit we gave out, returned once
-                send.slots_in_use.discard(slot)
-                send.credits.append(slot)
-        elif kind == "chunk_consumed" and send is not None:
-            inf = send.inflight.pop(notice.chunk_consumed.seq, None)
-            if inf is not None:
-                send.record.num_bytes += inf.nbytes
-                if inf.local_slot is not None and self.staging is not None:
-                    self.staging.release(inf.local_slot)
-        elif kind == "abort":
-            self._on_peer_abort(peer_name, rid, notice.abort)
-        elif kind == "abort_ack":
-            for t in (send, recv):
-                if t is not None:
-                    t.peer_quiesced = True
-
-    def _on_peer_abort(self, peer_name: str, rid: RequestId, m: pb.Abort) -> None:
-        detail = f"{peer_name} aborted: {cause_from_pb(m.cause).value}" + (f" ({m.detail})" if m.detail else "")
-        matched = False
-        for t in (self._sends.get(rid), self._recvs.get(rid)):
-            if t is None or t.peer != peer_name:
-                continue
-            matched = True
-            self._fail(t, TransferState.ABORTED, FailureCause.PEER_ABORTED, detail, tell_peer=False)
-            if t.initiator:
-                t.reply = t.reply or "ack"
-            else:
-                t.peer_quiesced = True  # an initiator aborts only once quiesced
-        if not matched:
-            # Already finished here (or never known): nothing of ours is in flight; let the target go.
-            self._notify(peer_name, encode_notice(rid, abort_ack=pb.AbortAck()))
-
-    # ------------------------------------------------------------------ failure, settling, finishing
-
-    def _fail(self, t: Transfer, state: TransferState, cause: FailureCause, detail: str, *, tell_peer: bool) -> None:
-        fallback = ("recompute" if self.config.on_failure == "recompute" and state is TransferState.FAILED
-                    else None)
-        error = KVTransferError(t.request_id, cause, detail, fallback=fallback)
-        if not t.record.fail(state, error):
-            return
-        log.info("KV transfer %r (%s, peer %s) %s: %s", t.request_id, t.record.role.value, t.peer,
-                 state.value, error)
-        if isinstance(t, SendTransfer):
-            t.queue.clear()
-        if t.initiator:
-            t.reply = "abort" if tell_peer else None
-            self._cancel_inflight(t)
-        else:
-            if tell_peer:
-                self._notify(t.peer, encode_notice(t.request_id, abort=pb.Abort(cause=cause_to_pb(cause),
-                                                                                detail=detail)))
-            t.drain_until_s = time.monotonic() + self.config.abort_drain_s
-        self._wake.set()
-
-    def _cancel_inflight(self, t: Transfer) -> None:
-        """Ask NIXL to cancel our requests; those it cannot cancel are polled to their end."""
-        for inf in list(t.inflight.values()):
-            if inf.handle is None:
-                continue
-            try:
-                self._backend.release(inf.handle, t.peer)
-            except NixlCallError:
-                continue
-            if inf.local_slot is not None and self.staging is not None:
-                self.staging.release(inf.local_slot)
-            del t.inflight[inf.seq]
-
-    def _nixl_failed(self, t: Transfer, exc: NixlCallError) -> None:
-        peer = self._peers.get(t.peer)
-        if exc.disconnected and peer is not None:
-            self._peer_dead(peer, FailureCause.PEER_DISCONNECTED, str(exc))
-        else:
-            self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR, str(exc), tell_peer=True)
-
-    def _settle(self, t: Transfer, now: float) -> None:
-        """A terminal transfer releases its blocks once nothing of it can touch memory any more."""
-        if t.finalized:
-            return
-        peer = self._peers.get(t.peer)
-        peer_gone = peer is None or not peer.alive
-        if t.posting:
-            return  # a request of it is being handed to NIXL right now; decide after the commit
-        if t.initiator:
-            if t.inflight and not peer_gone:
-                return
-            if t.reply == "abort" and not peer_gone:
-                cause = t.record.error.cause if t.record.error else FailureCause.CANCELLED
-                detail = t.record.error.detail if t.record.error else ""
-                self._notify(t.peer, encode_notice(t.request_id, abort=pb.Abort(cause=cause_to_pb(cause),
-                                                                                detail=detail)))
-            elif t.reply == "ack" and not peer_gone:
-                self._notify(t.peer, encode_notice(t.request_id, abort_ack=pb.AbortAck()))
-            self._drop_inflight(t)
-            self._finalize(t)
-            return
-        if t.peer_quiesced or peer_gone or (t.drain_until_s is not None and now >= t.drain_until_s):
-            if not (t.peer_quiesced or peer_gone):
-                log.warning("KV transfer %r: no abort acknowledgement from %s within %.2f s; releasing anyway",
-                            t.request_id, t.peer, self.config.abort_drain_s)
-            self._drop_inflight(t)
-            self._finalize(t)
-
-    def _finalize(self, t: Transfer) -> None:
-        if t.finalized:
-            return
-        t.finalized = True
-        if isinstance(t, RecvTransfer):
-            self._release_slots(t.granted_slots)
-            self._recvs.pop(t.request_id, None)
-        else:
-            self._sends.pop(t.request_id, None)
-            if isinstance(t, SendTransfer) and t.written:
-                t.record.block_ids = tuple(np.concatenate(t.written).tolist())
-        for inf in t.inflight.values():
-            if inf.local_slot is not None and self.staging is not None:
-                self.staging.release(inf.local_slot)
-        t.inflight.clear()
-        result = t.record.finish(time.monotonic())  # fresh: a step may have posted for a while
-        self.metrics.record(result, t.mode.value)
-        self._results[(t.record.role, t.request_id)] = t.record
-        while len(self._results) > _FORGET_AFTER:
-            self._results.popitem(last=False)
-        self._callbacks.append((t.record, t.record.on_finish))
-
-    def _release_slots(self, slots: tuple[int, ...]) -> None:
-        if self.staging is not None:
-            for s in slots:
-                self.staging.release(s)
-
-    def _peer_dead(self, peer: PeerState, cause: FailureCause, detail: str) -> None:
-        if not peer.alive:
-            return
-        peer.alive = False
-        affected = [t for t in (*self._sends.values(), *self._recvs.values()) if t.peer == peer.name]
-        (log.warning if affected else log.info)("KV transfer peer %s declared dead (%s: %s); failing %d transfers",
-                                                peer.name, cause.value, detail, len(affected))
-        try:
-            if peer.blocks_list is not None:
-                self._backend.release_blocks(peer.blocks_list)
-            self._backend.remove_peer(peer.name)
-        except NixlCallError as exc:
-            log.warning("%s", exc)
-        for t in affected:
-            self._fail(t, TransferState.FAILED, cause, f"peer {peer.name}: {detail}", tell_peer=False)
-            self._drop_inflight(t)
-            self._finalize(t)
-
-    def _check_liveness(self, now: float) -> None:
-        for peer in list(self._peers.values()):
-            if peer.alive and now - peer.last_seen_s > self.config.peer_timeout_s:
-                self._peer_dead(peer, FailureCause.PEER_SILENT,
-                                f"no heartbeat for {now - peer.last_seen_s:.2f} s")
-
-    def _peer_fresh(self, peer: PeerState) -> bool:
-        """Check liveness right before posting, with a fresh clock reading (see `_step`)."""
-        self._check_liveness(time.monotonic())
-        return peer.alive
-
-    def _timers(self, now: float) -> None:
-        for t in [*self._sends.values(), *self._recvs.values()]:
-            if not t.record.state.terminal and now > t.record.deadline_s:
-                self._fail(t, TransferState.FAILED, FailureCause.DEADLINE,
-                           f"not done within its lease ({t.record.deadline_s - t.record.started_s:.3g} s)",
-                           tell_peer=True)
-                self._settle(t, now)
-        self._check_liveness(now)
-        if now >= self._next_heartbeat_s:
-            self._next_heartbeat_s = now + self.config.heartbeat_interval_s
-            for peer in list(self._peers.values()):
-                if peer.alive:
-                    peer.next_heartbeat_seq += 1
-                    self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)))
-
-
-def _filled(value: float | None) -> float:
-    """A field `KVTransferConfig.resolved` has filled in (never None there)."""
-    assert value is not None
-    return value
-
-
-def _tight_timer_slack() -> None:
-    """Let this thread's short sleeps end on time: Linux pads every timed wait by the thread's timer
-    slack (50 us by default), which would stretch a 200 us poll by a quarter. No-op elsewhere."""
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(1000), 0, 0, 0)  # 1 us
-    except (OSError, AttributeError):
-        pass
-
-
-_PR_SET_TIMERSLACK = 29
 
 
 if TYPE_CHECKING:
     from cedserve.kv_transfer.protocol import KVReceiver, KVSender, TransferEndpoint
 
     def _conforms(agent: NixlTransferAgent) -> tuple[TransferEndpoint, KVSender, KVReceiver]:
-        """mypy checks the engine against the contract here; never called."""
+        """mypy checks the agent against the contract here; never called."""
         return agent, agent.sender(), agent.receiver()

@@ -342,14 +342,14 @@ part_transfer() (
   {
     date -u +"%Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
     nvidia-smi topo -m 2>/dev/null | head -4
-    cd /tmp && "$PY" -P -c 'import torch, cedserve.kv_transfer.loadtest as lt
+    cd /tmp && "$PY" -P -c 'import torch, cedserve.bench.kv_transfer.loadtest as lt
 from cedserve.kv_transfer.nixl_backend import import_nixl
 print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nixl", import_nixl().__name__)'
   } 2>&1 | tee -a "$log"
   bench() {  # $1: tree, $2: json name, $3: timeout s, rest: `cedserve bench kv-transfer` arguments
-    local root=$1 name=$2 limit=$3; shift 3
+    local root=$1 name=$2 limit=$3 module=cedserve.bench.kv_transfer.loadtest; shift 3
     echo "== [$name] bench kv-transfer $*" | tee -a "$log"
-    (cd /tmp && PYTHONPATH="${PYTHONPATH/$new/$root}" timeout "$limit" "$PY" -P -m cedserve.kv_transfer.loadtest \
+    (cd /tmp && PYTHONPATH="${PYTHONPATH/$new/$root}" timeout "$limit" "$PY" -P -m "$module" \
        --device "$device" --json "$out/$name.json" "$@") 2>&1 | filter
   }
   echo "== [host] benchmarks/kv_transfer_host.py" | tee -a "$log"

@@ -25,7 +25,7 @@ import grpc
 import openai
 import pytest
 
-from cedserve.bench_serve.http_client import HttpClient
+from cedserve.bench.serve.http_client import HttpClient
 from cedserve.client import CedserveError, Client, Completion, Piece
 from cedserve.config import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME

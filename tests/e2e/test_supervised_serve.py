@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cedserve.bench_serve.held import Target, deadline_flood
+from cedserve.bench.serve.held import Target, deadline_flood
 from cedserve.client import CedserveError, Client
 from cedserve.config import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cedserve.kv_transfer.harness import PeerProcess, WorkerSpec
+from cedserve.bench.kv_transfer.harness import PeerProcess, WorkerSpec
 from cedserve.kv_transfer.nixl_backend import nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cedserve.kv_transfer.harness import NetnsPair, PeerProcess, WorkerSpec, netns_unavailable_reason
+from cedserve.bench.kv_transfer.harness import NetnsPair, PeerProcess, WorkerSpec, netns_unavailable_reason
 from cedserve.kv_transfer.nixl_backend import nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from cedserve.bench.kv_transfer.harness import HarnessError, PeerProcess, WorkerSpec
 from cedserve.kv_transfer.control import ControlClient
 from cedserve.kv_transfer.errors import FailureCause
-from cedserve.kv_transfer.harness import PeerProcess, WorkerSpec
 from cedserve.kv_transfer.nixl_backend import nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
@@ -167,4 +167,33 @@ def test_lease_deadline_frees_both_sides(cluster: Cluster) -> None:
     sent = cluster.direct.call("wait", role="sender", request_ids=[rid])["results"][rid]
     assert got["state"] == "failed" and got["cause"] == "deadline"
     assert sent["state"] == "aborted" and sent["cause"] == "peer_aborted"
+    assert_all_free(cluster.receiver, cluster.direct)
+
+
+def test_link_meter_references(cluster: Cluster) -> None:
+    """The load test's references (`LinkMeter`, benchmark side): raw NIXL requests around the engine,
+    each WRITE's probe recorded where the bytes land. Last in the module: they overwrite the
+    receiver's first blocks."""
+    bb = cluster.receiver.info["block_bytes"]
+    cluster.receiver.call("expect_probe", probe_ids=[900])
+    (posted, done), = cluster.direct.call("raw", peer="decode0", nbytes=4 * bb, op="WRITE", probe_base=900)["times"]
+    arrived = cluster.receiver.call("probe", probe_ids=[900])["arrivals"][0]
+    assert posted <= done and posted <= arrived  # one host: one monotonic clock
+
+    (posted, done), = cluster.receiver.call("raw", peer="prefill-direct", nbytes=4 * bb, op="READ")["times"]
+    assert posted <= done
+    times = cluster.direct.call("raw", peer="decode0", nbytes=8 * bb, alloc="random", num_blocks=8,
+                                peer_num_blocks=POOL, probe_base=901, reps=2)["times"]
+    assert len(times) == 2 and all(p <= d for p, d in times)
+
+    ids = [910, 911, 912, 913]
+    cluster.receiver.call("expect_probe", probe_ids=ids)
+    out = cluster.direct.call("requests", peer="decode0", nbytes=8 * bb, pieces=4, probe_base=910)
+    arrivals = cluster.receiver.call("probe", probe_ids=ids)["arrivals"]
+    assert out["posted_s"] <= min(arrivals) and out["in_post_s"] <= out["done_s"] - out["posted_s"]
+
+    with pytest.raises(HarnessError, match="not connected"):
+        cluster.direct.call("raw", peer="nobody", nbytes=bb)
+    with pytest.raises(HarnessError, match="do not fit"):
+        cluster.direct.call("requests", peer="decode0", nbytes=bb + 1, pieces=2, probe_base=920)
     assert_all_free(cluster.receiver, cluster.direct)

@@ -65,8 +65,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
           block_n: int | None, gen: torch.Generator, device: torch.device, use_main: bool = True,
           use_swa: bool = True, block_h: int | None = None, dv_split: int | None = None,
           prefetch: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
-          kernel: str | None = None, slot_dtype: torch.dtype = torch.int32, word_decode: bool | None = None,
-          repeat: int = 1, gluon: str = "v16",
+          kernel: str | None = None, slot_dtype: torch.dtype = torch.int32, repeat: int = 1,
           entries_per_block: int = 16) -> None:
     main = _records("main", 3 * topk + 5, dim, gen, device, entries_per_block) if use_main else None
     swa = _records("swa", 2 * window + 3, dim, gen, device, entries_per_block) if use_swa else None
@@ -86,9 +85,7 @@ def _case(tokens: int, heads: int, dim: int, topk: int, window: int, rope: int, 
     cos, sin = _rope_tables(tokens, rope // 2, gen, device)
     out = torch.full_like(q, float("nan"))
     config = AttentionConfig(num_splits=splits, block_n=block_n, block_h=block_h, dv_split=dv_split, prefetch=prefetch,
-                             num_warps=num_warps, num_stages=num_stages, kernel=kernel, word_decode=word_decode,
-                             direct_bf16=gluon != "v11", early_fill=None if gluon.startswith(("v18", "v20")) else False,
-                             half_partials=None if gluon.startswith("v20") else False)
+                             num_warps=num_warps, num_stages=num_stages, kernel=kernel)
     ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win_slots, cos, sin)
     for _ in range(repeat):  # (repeats: reused buffers, launch after launch)
         out.fill_(float("nan"))
@@ -207,43 +204,30 @@ def test_gluon_kernel_refuses_what_it_cannot_run(gen: torch.Generator, device: t
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel needs sm_90")
-@pytest.mark.parametrize(("tokens", "splits", "use_main", "use_swa", "slot_dtype", "word_decode", "variant", "epb"),
-                         [(64, None, True, True, torch.int32, None, "v16", 16),
-                          (5, 1, True, True, torch.int64, True, "v16", 16),
-                          (7, 3, True, True, torch.int32, False, "v16", 16),
-                          (9, 4, True, False, torch.int32, None, "v16", 16),
-                          (9, 4, True, False, torch.int32, False, "v16", 16),
-                          (3, 2, False, True, torch.int32, None, "v16", 16),
-                          (33, 7, True, True, torch.int32, None, "v16", 16),
-                          (64, 2, True, True, torch.int32, False, "v16", 16),
-                          (64, 1, True, True, torch.int32, None, "v16", 16),
-                          (130, 3, True, True, torch.int32, None, "v16", 16),
-                          (9, 5, True, True, torch.int64, None, "v16", 12),
-                          (64, None, True, True, torch.int32, None, "v16", 12),
-                          (17, 5, True, True, torch.int64, None, "v11", 12),
-                          (130, 3, True, True, torch.int32, None, "v11", 16),
-                          (64, None, True, True, torch.int32, None, "v18", 16),
-                          (9, 5, True, True, torch.int64, None, "v18", 12),
-                          (3, 2, False, True, torch.int32, None, "v18", 16),
-                          (1, None, True, True, torch.int32, None, "v18", 16),
-                          (8, None, True, True, torch.int64, None, "v18", 12),
-                          (64, None, True, True, torch.int32, None, "v20", 16),
-                          (8, None, True, True, torch.int64, None, "v20", 12),
-                          (9, 5, True, True, torch.int32, None, "v20", 16),
-                          (5, 1, True, True, torch.int64, True, "v20", 16),
-                          (33, 7, True, True, torch.int32, None, "v20", 16),
-                          (130, 3, True, False, torch.int32, None, "v20", 16)])
+@pytest.mark.parametrize(("tokens", "splits", "use_main", "use_swa", "slot_dtype", "epb"),
+                         [(64, None, True, True, torch.int32, 16),
+                          (5, 1, True, True, torch.int64, 16),
+                          (7, 3, True, True, torch.int32, 16),
+                          (9, 4, True, False, torch.int32, 16),
+                          (3, 2, False, True, torch.int32, 16),
+                          (64, 2, True, True, torch.int32, 16),
+                          (64, 1, True, True, torch.int32, 16),
+                          (130, 3, True, True, torch.int32, 16),
+                          (9, 5, True, True, torch.int64, 12),
+                          (64, None, True, True, torch.int32, 12),
+                          (17, 5, True, True, torch.int64, 12),
+                          (1, None, True, True, torch.int32, 16),
+                          (8, None, True, True, torch.int64, 12),
+                          (33, 7, True, True, torch.int32, 16),
+                          (130, 3, True, False, torch.int32, 16)])
 def test_gpu_gluon_decode(tokens: int, splits: int | None, use_main: bool, use_swa: bool, slot_dtype: torch.dtype,
-                          word_decode: bool | None, variant: str, epb: int, gen: torch.Generator,
-                          device: torch.device) -> None:
-    # the Gluon kernel (v20, the default: fp16 partials; v18 = v20 with fp32 partials, v16 = v18
-    # without the early fill; v11: the fp8 -> fp16 -> fp32 -> bf16 decode chain; kernels-notes.md)
-    # at the released shape: ragged top-k lengths, partial windows, a token with no key, one
-    # source only, more splits than some tokens have tiles (empty splits), 390 CTAs in three
-    # waves, blocks of 12 records (slot -> block by division)
+                          epb: int, gen: torch.Generator, device: torch.device) -> None:
+    # the Gluon kernel (v20; kernels-notes.md) at the released shape: ragged top-k lengths, partial
+    # windows, a token with no key, one source only, more splits than some tokens have tiles (empty
+    # splits), 390 CTAs in three waves, blocks of 12 records (slot -> block by division)
     _case(tokens=tokens, heads=64, dim=512, topk=512, window=128, rope=64, splits=splits, block_n=None, gen=gen,
-          device=device, use_main=use_main, use_swa=use_swa, kernel="gluon", slot_dtype=slot_dtype,
-          word_decode=word_decode, repeat=5, gluon=variant, entries_per_block=epb)
+          device=device, use_main=use_main, use_swa=use_swa, kernel="gluon", slot_dtype=slot_dtype, repeat=5,
+          entries_per_block=epb)
 
 
 @pytest.mark.parametrize(("tokens", "splits", "per_cta"), [(1, 10, 1), (8, 10, 1), (13, 10, 1), (14, 5, 2), (16, 5, 2),
@@ -264,8 +248,7 @@ def test_gluon_split_heuristic(tokens: int, splits: int, per_cta: int, monkeypat
 
 
 def test_combine_normalized_fp16_partials(gen: torch.Generator, device: torch.device) -> None:
-    # the merge pass over fp16 partials divided by their row sums (the Gluon kernel's
-    # `half_partials`) against the same merge over the fp32 partials, and both against a float64
+    # the merge pass over fp16 partials divided by their row sums (the Gluon kernel's) against the same merge over the fp32 partials, and both against a float64
     # merge: empty splits (sum 0, max -1e30) included, values up to the format's 2688
     from cedserve.kernels import _sparse_attention_kernels as k
 
@@ -311,3 +294,21 @@ def test_merge_heads_bound_registers() -> None:
 
     assert [_merge_heads(s, 512) for s in (1, 2, 5, 7, 10, 20, 40, 80)] == [16, 16, 8, 4, 4, 2, 1, 1]
     assert _merge_heads(3, 128) == 16 and _merge_heads(3, 128, cap=8) == 8
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel needs sm_90")
+def test_gpu_default_is_gluon(gen: torch.Generator, device: torch.device) -> None:
+    # what the model passes (`AttentionConfig()`, or no config) runs the Gluon kernel where it can:
+    # the same bits as asking for it by name
+    main = _records("main", 1029, 512, gen, device, 16)
+    swa = _records("swa", 259, 512, gen, device, 16)
+    topk = _slot_lists(8, 512, main.num_slots, gen, device, torch.full((8,), 512, device=device))
+    win = _slot_lists(8, 128, swa.num_slots, gen, device, torch.full((8,), 128, device=device))
+    q = (torch.randn(8, 64, 512, generator=gen, device=device) * 0.5).bfloat16()
+    sink = torch.randn(64, generator=gen, device=device)
+    cos, sin = _rope_tables(8, 32, gen, device)
+    outs = [sparse_attention(q, sink, main, topk, swa, win, cos, sin, config=c, impl="triton")
+            for c in (AttentionConfig(kernel="gluon"), AttentionConfig(), None)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cedserve.bench_serve.agentic import AgentWorkload, generate_sessions, parse_effort_mix, parse_range
-from cedserve.bench_serve.driver import LoadPoint, RequestResult, RunOutput, Sessions
-from cedserve.bench_serve.main import assign_efforts, http_vs_grpc, parse_apis
-from cedserve.bench_serve.metrics import Slo, percentile, summarize, summarize_run
-from cedserve.bench_serve.trace import (
+from cedserve.bench.serve.agentic import AgentWorkload, generate_sessions, parse_effort_mix, parse_range
+from cedserve.bench.serve.driver import LoadPoint, RequestResult, RunOutput, Sessions
+from cedserve.bench.serve.main import assign_efforts, http_vs_grpc, parse_apis
+from cedserve.bench.serve.metrics import Slo, percentile, summarize, summarize_run
+from cedserve.bench.serve.trace import (
     PrefixOracle,
     TokenSynth,
     TraceFormatError,
@@ -212,7 +212,7 @@ def test_invariants_hold_for_consistent_runs_and_catch_broken_ones() -> None:
 
 
 def test_write_trace_verb_writes_a_replayable_trace(tmp_path: Path) -> None:
-    from cedserve.bench_serve.main import main
+    from cedserve.bench.serve.main import main
 
     path = tmp_path / "agent.jsonl"
     assert main(["--write-trace", str(path), "--sessions", "4", "--turns", "3,3", "--seed", "9"]) == 0
@@ -223,7 +223,7 @@ def test_write_trace_verb_writes_a_replayable_trace(tmp_path: Path) -> None:
 
 
 def test_arms_share_devices_and_ranks_get_their_gpus_in_start_order() -> None:
-    from cedserve.bench_serve.systems import plan_arms
+    from cedserve.bench.serve.systems import plan_arms
     from cedserve.launcher import EmbeddedOptions
 
     arms = plan_arms(["cache_aware", "round_robin"], num_prefill=1, num_decode=1, decode_group_size=2, colocated=True)

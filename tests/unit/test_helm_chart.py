@@ -752,8 +752,8 @@ def test_helm_test_runs_kv_transfer_between_group_leaders(renders: dict[str, dic
     assert labels["app.kubernetes.io/instance"] == golden.RELEASE  # so the NetworkPolicies admit it
     # The live-worker mode of `cedserve bench kv-transfer` parses exactly these arguments, and the files
     # they name are the mounted token Secret (the workers' own) and, with tls.internal, the plane's Secret.
-    from cedserve.kv_transfer.link_bench import check_arguments, client_tls
-    from cedserve.kv_transfer.loadtest import build_parser
+    from cedserve.bench.kv_transfer.link_bench import check_arguments, client_tls
+    from cedserve.bench.kv_transfer.loadtest import build_parser
 
     parsed = build_parser().parse_args(container["args"][2:])
     check_arguments(parsed)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cedserve.bench.kv_transfer.harness import FreeList, LayoutSpec, pattern_rows, read_logical, write_logical
+from cedserve.bench.kv_transfer.loadtest import default_matrix, main, parse_tokens, render_table
 from cedserve.cli import main as cli_main
-from cedserve.kv_transfer.harness import FreeList, LayoutSpec, pattern_rows, read_logical, write_logical
-from cedserve.kv_transfer.loadtest import default_matrix, main, parse_tokens, render_table
 from cedserve.kv_transfer.region import KVRegion
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cedserve.bench_serve.driver import RequestResult, RunOutput
+from cedserve.bench.serve.driver import RequestResult, RunOutput
 from cedserve.model.effort import effort_class
 
 PERCENTILES = (50, 90, 99)

@@ -19,7 +19,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cedserve.bench_serve.trace import TraceRecord
+from cedserve.bench.serve.trace import TraceRecord
 from cedserve.model.effort import EFFORT_NAMES, parse_effort
 
 Range = tuple[int, int]

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cedserve.bench_serve.trace import PrefixOracle, TokenSynth, TraceRecord
+from cedserve.bench.serve.trace import PrefixOracle, TokenSynth, TraceRecord
 from cedserve.client import CedserveError, Completion, Piece
 
 if TYPE_CHECKING:

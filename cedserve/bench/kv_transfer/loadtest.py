@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cedserve.kv_transfer import link_bench
-from cedserve.kv_transfer.harness import LayoutSpec, NetnsPair, PeerProcess, WorkerSpec
+from cedserve.bench.kv_transfer import link_bench
+from cedserve.bench.kv_transfer.harness import LayoutSpec, NetnsPair, PeerProcess, WorkerSpec
 from cedserve.machine import describe_machine, loadavg
 
 _TOKEN = "kv-transfer-bench"  # a private token for the bench's own processes

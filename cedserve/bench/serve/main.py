@@ -37,19 +37,19 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from cedserve.bench_serve.agentic import (
+from cedserve.bench.serve.agentic import (
     AgentWorkload,
     generate_sessions,
     parse_effort_mix,
     parse_range,
     trace_stats,
 )
-from cedserve.bench_serve.driver import Driver, GenerateClient, LoadPoint
-from cedserve.bench_serve.http_client import HttpClient
-from cedserve.bench_serve.metrics import Slo, summarize_run
-from cedserve.bench_serve.report import render_table, request_rows, write_plots
-from cedserve.bench_serve.systems import POLICIES, Arm, embedded_arm, plan_arms
-from cedserve.bench_serve.trace import (
+from cedserve.bench.serve.driver import Driver, GenerateClient, LoadPoint
+from cedserve.bench.serve.http_client import HttpClient
+from cedserve.bench.serve.metrics import Slo, summarize_run
+from cedserve.bench.serve.report import render_table, request_rows, write_plots
+from cedserve.bench.serve.systems import POLICIES, Arm, embedded_arm, plan_arms
+from cedserve.bench.serve.trace import (
     PrefixOracle,
     TokenSynth,
     TraceRecord,

@@ -1,7 +1,7 @@
 """Multi-process harness for the transfer layer: worker processes driven over stdin/stdout, and the
 network namespaces that make two of them look like two hosts.
 
-`PeerProcess` starts `python -m cedserve.kv_transfer.harness --spec JSON` (optionally behind a
+`PeerProcess` starts `python -m cedserve.bench.kv_transfer.harness --spec JSON` (optionally behind a
 prefix: `ip netns exec NS`, or `ssh HOST` for real hosts) and sends it JSON-line commands; the
 worker owns one `NixlTransferAgent` over a block pool of its own, a free-list allocator, and answers
 each command with one JSON line. The e2e tests and `cedserve bench kv-transfer` play the router:
@@ -145,6 +145,7 @@ class Worker:
     """One agent and its pool, answering harness commands (see `handle`)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from cedserve.bench.kv_transfer.link_meter import LinkMeter
         from cedserve.kv_transfer.agent import NixlTransferAgent
 
         self.spec = spec
@@ -154,6 +155,7 @@ class Worker:
         self.region = KVRegion(tensor, self.layout.block_bytes)
         self.config = msgspec.convert(spec.config, KVTransferConfig)
         self.agent = NixlTransferAgent(self.config, self.region, self.layout, spec.name)
+        self.meter = LinkMeter(self.agent)
         self.blocks = FreeList(spec.num_blocks, spec.seed)
         self.lock = threading.Lock()
         self.results: dict[str, TransferResult] = {}
@@ -269,21 +271,21 @@ class Worker:
             pick = (lambda total: np.arange(n, dtype=np.int64)) if a["alloc"] == "contiguous" else (
                 lambda total: rng.choice(total, n, replace=False).astype(np.int64))
             blocks = (pick(self.region.num_blocks), pick(peer_blocks))
-        times = [self.agent.measure_raw(a["peer"], a["nbytes"], a.get("op", "WRITE"), a.get("probe_base", 0) + i,
-                                        blocks) for i in range(a.get("reps", 1))]
+        times = [self.meter.raw(a["peer"], a["nbytes"], a.get("op", "WRITE"), a.get("probe_base", 0) + i, blocks)
+                 for i in range(a.get("reps", 1))]
         return {"times": times}
 
     def cmd_requests(self, a: dict[str, Any]) -> dict[str, Any]:
-        """`nbytes` as `pieces` back-to-back single-descriptor WRITE requests (`measure_requests`)."""
-        return self.agent.measure_requests(a["peer"], a["nbytes"], a["pieces"], a["probe_base"])
+        """`nbytes` as `pieces` back-to-back single-descriptor WRITE requests (`LinkMeter.requests`)."""
+        return self.meter.requests(a["peer"], a["nbytes"], a["pieces"], a["probe_base"])
 
     def cmd_expect_probe(self, a: dict[str, Any]) -> dict[str, Any]:
         for p in a["probe_ids"]:
-            self.agent.expect_probe(p)
+            self.meter.expect(p)
         return {}
 
     def cmd_probe(self, a: dict[str, Any]) -> dict[str, Any]:
-        return {"arrivals": [self.agent.probe_arrival(p) for p in a["probe_ids"]]}
+        return {"arrivals": [self.meter.arrival(p) for p in a["probe_ids"]]}
 
     def cmd_memcpy(self, a: dict[str, Any]) -> dict[str, Any]:
         """One in-process copy of `nbytes` of the pool (the bench's memory-copy reference)."""
@@ -398,7 +400,7 @@ class PeerProcess:
         # stderr (NIXL/UCX logs) goes to a file: a pipe nobody reads would fill and block the worker
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
             prefix=f"kvh-{spec.name}-", suffix=".log", delete=False)
-        inner = [python, "-m", "cedserve.kv_transfer.harness", "--spec", json.dumps(asdict(spec))]
+        inner = [python, "-m", "cedserve.bench.kv_transfer.harness", "--spec", json.dumps(asdict(spec))]
         if prefix and prefix[0] == "ssh":  # a remote shell: same checkout path and venv on that host
             extra = [f"{k}={v}" for k, v in (env or {}).items()]
             cmd = [*prefix, f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["env", *extra, *inner])]
