@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from cedserve.model.effort import MAX_EFFORT, parse_effort
+from cedserve.model.effort import MAX_EFFORT
 
 
 class PreemptionPolicy(str, Enum):
@@ -82,7 +82,8 @@ class DecodeConfig:
     lease_ms: int = 30_000
     """Default lease: a reservation whose Decode call has not arrived by then is freed."""
     max_output_tokens: int = 32_768
-    """Token budget at effort 100; effort e allows `max_output_tokens * e / 100` (at least 1)."""
+    """Most output tokens one request may produce on this rank: a request's budget (decided by the
+    router, `cedserve.model.effort.token_budget` when the client names none) is cut to it."""
     paged_attention: str = "auto"
     """How decode and verify chunks attend (`cedserve.model.paged_attention`): "kernels" through the
     compact-cache kernels over a paged copy of the records (no per-step work over the whole context
@@ -163,17 +164,13 @@ class DecodeConfig:
         except msgspec.ValidationError as exc:
             raise ValueError(f"config field `decode`: {exc}") from None
 
-    def token_budget(self, effort: int) -> int:
-        """Most output tokens a request of this effort (1-100) may produce."""
-        return max(1, self.max_output_tokens * parse_effort(effort) // MAX_EFFORT)
-
     @staticmethod
     def draft_limit(effort: int, max_drafts: int) -> int:
-        """Most drafts a request of this effort (1-100; 0: unset, the most) verifies per pass:
-        `ceil(max_drafts * effort / 100)`, at least 1 when drafting at all. With DSpark's 5 that is
-        5 at effort 100 (`max`), 4 at 75 (`high`), 3 at 50 (`low`), 2 at 25, 1 at 1-20. Effort buys
-        target compute as it buys output tokens: a longer verify chunk costs rows of every pass, and
-        pays where the output is long. The confidence head still chooses the length within it."""
-        if max_drafts <= 0 or effort == 0:
-            return max(0, max_drafts)
-        return max(1, -(-max_drafts * parse_effort(effort) // MAX_EFFORT))
+        """Most drafts a request of this effort (1-100) verifies per pass: `ceil(max_drafts * effort
+        / 100)`, at least 1 when drafting at all. With DSpark's 5 that is 5 at effort 100 (`max`), 4
+        at 75 (`high`), 3 at 50 (`low`), 2 at 25, 1 at 1-20. Effort buys target compute as it buys
+        output tokens: a longer verify chunk costs rows of every pass, and pays where the output is
+        long. The confidence head still chooses the length within it."""
+        if max_drafts <= 0:
+            return 0
+        return max(1, -(-max_drafts * effort // MAX_EFFORT))

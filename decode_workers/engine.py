@@ -59,7 +59,7 @@ from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Draft, DraftState
-from cedserve.model.effort import DEFAULT_EFFORT, effort_class, queue_due_s
+from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
 from cedserve.model.paged_attention import enable_paged_attention
@@ -532,7 +532,7 @@ class DecodeEngine:
     def _prepare_join(self, seq: DecodeSequence) -> None:
         self.metrics.joins.labels(seq.join.value).inc()
         if seq.ready_s >= 0:  # a first join, not a return from preemption
-            self.metrics.queue_seconds.labels(effort_class(seq.effort or DEFAULT_EFFORT)).observe(
+            self.metrics.queue_seconds.labels(effort_class(seq.effort)).observe(
                 self.clock() - seq.ready_s)
             seq.ready_s = -1.0
         kind = seq.join
@@ -655,6 +655,10 @@ class DecodeEngine:
         self.leases.cancel(lease, detail)
 
     def _new_sequence(self, cmd: AttachCommand, lease: Lease) -> DecodeSequence:
+        """The request's sequence. Its effort, budget and sampling are the router's (the service checked
+        their ranges); the checks here are those only the engine can make, of what a direct caller
+        could get wrong: token ids against the vocabulary (an id past it would index outside the
+        embedding) and the prompt and join kind against the lease."""
         vocab = self.model.config.vocab_size
         for i, t in enumerate(cmd.token_ids):
             if not 0 <= t < vocab:
@@ -668,9 +672,7 @@ class DecodeEngine:
             raise ValueError("field `prefill_locally`: the lease expects a KV transfer; prefill there")
         if cmd.first_token is not None and not lease.transfer_open and not lease.transfer_done and lease.block_ids:
             raise ValueError("field `prefill_locally`: the lease has no KV transfer; set prefill_locally")
-        budget = self.config.token_budget(cmd.effort) if cmd.effort else self.config.max_output_tokens
-        max_tokens = min(cmd.sampling.max_tokens or budget, budget)
-        params = cmd.sampling.params(max_tokens)
+        params = cmd.sampling.params(min(cmd.sampling.max_tokens, self.config.max_output_tokens))
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
         self._arrivals += 1
         tokens = [*cmd.token_ids, *(() if cmd.first_token is None else (cmd.first_token,))]

@@ -44,7 +44,7 @@ from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager
-from cedserve.model.effort import DEFAULT_EFFORT, effort_class, queue_due_s
+from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
 from cedserve.model.paged_attention import enable_paged_attention
 from cedserve.model.paged_kv import load_state, store_bytes, store_records
@@ -282,7 +282,7 @@ class PrefillEngine:
             self._fail(job, exc, FailureCause.CANCELLED)
             return None
         job.admitted = True
-        self.metrics.queue_seconds.labels(effort_class(job.spec.effort or DEFAULT_EFFORT)).observe(
+        self.metrics.queue_seconds.labels(effort_class(job.spec.effort)).observe(
             self.clock() - job.arrived_s)
         job.shared_tokens = self.cache.finish_onload(request_id)
         job.block_ids = self.cache.block_table(request_id)

@@ -218,7 +218,7 @@ def test_bad_calls_get_precise_errors() -> None:
 def test_effort_sets_the_draft_length(reference: list[list[int]]) -> None:
     """Effort e verifies at most ceil(K e / 100) drafts per pass: with a drafter equal to the target every
     draft is accepted, so each verify chunk is exactly the limit plus the bonus token."""
-    assert [DecodeConfig.draft_limit(e, 5) for e in (0, 1, 20, 21, 25, 50, 75, 100)] == [5, 1, 1, 2, 2, 3, 4, 5]
+    assert [DecodeConfig.draft_limit(e, 5) for e in (1, 20, 21, 25, 50, 75, 100)] == [1, 1, 2, 2, 3, 4, 5]
     assert DecodeConfig.draft_limit(100, 0) == 0  # no drafter
     model, _ = tiny()
     tokens, k = PROMPTS[0], model.config.dspark_block_size
