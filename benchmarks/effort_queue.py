@@ -108,7 +108,7 @@ def decode_engine(model: CEDModel, batch: int, slack_s: float, max_output: int, 
                   clock: VirtualClock | None = None) -> DecodeEngine:
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "bench")
-    config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=False,
+    config = DecodeConfig(max_running_requests=batch, dspark=False,
                           max_output_tokens=max_output, effort_queue_slack_s=slack_s, kernel_warmup=False)
     return DecodeEngine(config, model, cache, clock=clock or time.monotonic)
 

@@ -58,6 +58,7 @@ from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.config_table import config_error
 from cedserve.model.dspark import Draft, DraftState
 from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.moe import MoE
@@ -84,8 +85,9 @@ class DecodeEngine:
                  endpoint: TransferEndpoint | None = None, metrics: DecodeMetrics | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, rank: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if cache.block_size != config.block_size:
-            raise ValueError(f"config field `decode.block_size`: {config.block_size} != the cache's {cache.block_size}")
+        if config.reserve_headroom_blocks >= cache.pool.num_blocks:
+            raise config_error("decode", "reserve_headroom_blocks", f"{config.reserve_headroom_blocks} leaves no "
+                               f"block of the pool's {cache.pool.num_blocks}")
         self.config = config
         self.model = model
         self.paged_attention = enable_paged_attention(model, config.paged_attention, "decode.paged_attention",
@@ -107,7 +109,7 @@ class DecodeEngine:
             self.proposer.attach_profile(self.profile, verify_all=not config.adaptive_verify)
         lookahead = (self.proposer.max_tokens if self.proposer is not None else 0) + 1
         budget = BlockBudget(self.leases.available_blocks, self._table_len)
-        self.scheduler = DecodeScheduler(config, budget, lookahead, self._offload_fits)
+        self.scheduler = DecodeScheduler(config, cache.block_size, budget, lookahead, self._offload_fits)
         self.sequences: dict[str, DecodeSequence] = {}
         self._probe_checks: dict[str, ProbeCheckCommand] = {}  # lease id -> check waiting for its transfer
         self._probe_digests = ProbeDigests()  # checks whose bytes are hashed off this thread
@@ -376,7 +378,7 @@ class DecodeEngine:
         expert-parallel rank warms up on its own)."""
         if not self.config.kernel_warmup or not kernel_warmup.wanted(self.model, self.paged_attention):
             return None
-        max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
+        max_context = min(self.model.config.max_position_embeddings, self.cache.pool.num_blocks * self.cache.block_size)
         report = kernel_warmup.warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead)
         log.info("kernel warm-up: %d cells in %.1f s (contexts %s, up to %d rows)", report.cells, report.seconds,
                  report.contexts, max(report.rows))
@@ -397,7 +399,7 @@ class DecodeEngine:
         """The model runner over this worker's block pool, its graphs captured (`decode.runner`)."""
         reason = runner_unavailable(self.model, self.config.runner, self.ep.world_size)
         if reason is None:
-            max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
+            max_context = min(self.model.config.max_position_embeddings, self.cache.pool.num_blocks * self.cache.block_size)
             try:
                 max_drafts = self.proposer.max_tokens if self.proposer is not None else 0
                 book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
@@ -544,7 +546,7 @@ class DecodeEngine:
                                                   seq.num_prompt_tokens)
             seq.stored_entries = state_io.entries(seq.state)
         elif kind is JoinKind.PREFILL:
-            self._load_prefix(seq, seq.lease.num_cached_blocks * self.config.block_size)
+            self._load_prefix(seq, seq.lease.num_cached_blocks * self.cache.block_size)
         elif kind in (JoinKind.RECOMPUTE, JoinKind.ONLOAD):
             self._readmit(seq)
 
@@ -571,7 +573,7 @@ class DecodeEngine:
         if seq.join is JoinKind.ONLOAD:
             assert seq.offloaded is not None
             state_io.onload(seq, seq.offloaded, self.layout, self.cache.pool.storage, seq.lease.block_ids,
-                            cached // self.config.block_size)
+                            cached // self.cache.block_size)
             self._offloaded_bytes -= seq.offloaded.nbytes
             seq.offloaded = None
         else:

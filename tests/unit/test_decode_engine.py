@@ -15,7 +15,7 @@ import time
 import pytest
 from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
 
-from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
 from cedserve.proto import worker_pb2 as wpb
 
@@ -93,7 +93,7 @@ def test_memory_pressure_preempts_instead_of_failing(reference: list[list[int]],
     finishes. Both still produce the reference tokens."""
     model, drafter = tiny()
     prompts = [prompt(30, 11), prompt(30, 12)]
-    rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy)
+    rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=PreemptionPolicy(policy))
     got = greedy_rounds(rig, prompts, 7)
     for tokens, output in zip(prompts, got.values()):
         assert len(greedy_ties(model, tokens, output)) <= 2  # (prompt 11 has two ties: 1 and 4)

@@ -36,9 +36,9 @@ def seq(rid: str, num_tokens: int, arrival: int, join: JoinKind = JoinKind.REPLA
 
 
 def scheduler(pool: Pool, lookahead: int = 1, offload_fits: bool = True, **config: object) -> DecodeScheduler:
-    cfg = DecodeConfig(block_size=BLOCK, num_blocks=pool.num_blocks, **config)  # type: ignore[arg-type]
+    cfg = DecodeConfig(**config)  # type: ignore[arg-type]
     budget = BlockBudget(pool.available, lambda rid: pool.tables.get(rid, 0))
-    return DecodeScheduler(cfg, budget, lookahead, lambda s: offload_fits)
+    return DecodeScheduler(cfg, BLOCK, budget, lookahead, lambda s: offload_fits)
 
 
 def test_joins_in_order_within_the_batch_limit() -> None:
