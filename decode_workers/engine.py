@@ -54,6 +54,7 @@ from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, St
 from cedserve.decode_workers.slot_book import SlotBook, runner_unavailable
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
+from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
@@ -74,7 +75,6 @@ from cedserve.model.state_format import (
     max_state_bytes,
     taps_supported,
 )
-from cedserve.proto import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,10 @@ class DecodeEngine:
 
     def reserve(self, cmd: ReserveCommand) -> Output:
         if self.draining:
-            return self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_UNAVAILABLE, "draining: no new leases",
+            return self._refuse(Failed(cmd.request_id, ErrorKind.UNAVAILABLE, "draining: no new leases",
                                        retry_after_ms=0))
         if self.leases.num_open + self.scheduler.num_requests >= self.config.max_waiting_requests:
-            return self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_RESOURCE_EXHAUSTED, "too many requests queued",
+            return self._refuse(Failed(cmd.request_id, ErrorKind.RESOURCE_EXHAUSTED, "too many requests queued",
                                        retry_after_ms=200))
         agent = getattr(self.endpoint, "name", "") if self.endpoint is not None else ""
         control = str(getattr(self.endpoint, "control_address", "")) if self.endpoint is not None else ""
@@ -159,21 +159,21 @@ class DecodeEngine:
         """A Decode call for a lease: validate, then decode once the KV is in place."""
         lease = self.leases.get(cmd.lease_id)
         if lease is None or lease.request_id != cmd.request_id:
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.NOT_FOUND,
                                         f"no lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
                                         "cancelled, or never granted here)", "lease_id"))]
         if cmd.request_id in self.sequences:
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_INVALID_ARGUMENT,
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.INVALID_ARGUMENT,
                                         f"request {cmd.request_id!r} is already decoding", "request_id"))]
         if lease.transfer_error:
             self.leases.release(lease)
-            return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error)]
+            return [Failed(cmd.request_id, ErrorKind.TRANSFER_FAILED, lease.transfer_error)]
         try:
             seq = self._new_sequence(cmd, lease)
         except ValueError as exc:
             field = str(exc).split("`")[1] if "`" in str(exc) else ""
             self._drop_lease(lease, "invalid Decode call")
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_INVALID_ARGUMENT, str(exc), field))]
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.INVALID_ARGUMENT, str(exc), field))]
         self.leases.take(lease)
         self.sequences[seq.request_id] = seq
         if seq.join is JoinKind.PREFILL or lease.transfer_done:
@@ -200,7 +200,7 @@ class DecodeEngine:
         """The link probe's check of a lease no Decode call took: answered once its transfer ended."""
         lease = self.leases.get(cmd.lease_id)
         if lease is None or lease.request_id != cmd.request_id or cmd.request_id in self.sequences or lease.cancelled:
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.NOT_FOUND,
                                         f"no probe lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
                                         "cancelled, taken by a Decode call, or never granted here)", "lease_id"))]
         if lease.transfer_open:
@@ -214,7 +214,7 @@ class DecodeEngine:
         if not lease.transfer_done:
             error = lease.transfer_error or "no KV transfer into this lease"
             self._drop_lease(lease, "probe checked")
-            return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
+            return [Failed(cmd.request_id, ErrorKind.TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
                            lease_id=lease.lease_id)]
         received = lease.block_ids[lease.num_cached_blocks:]
         self._probe_digests.submit(cmd, lease.lease_id, load_bytes(self.cache.pool.storage, received), len(received))
@@ -230,13 +230,13 @@ class DecodeEngine:
         if seq is not None:
             finished = self._finish(seq, "cancelled")
             if cmd.hand_back:
-                return [Failed(seq.request_id, wpb.ERROR_CODE_UNAVAILABLE, f"handed back: {cmd.reason}")]
+                return [Failed(seq.request_id, ErrorKind.UNAVAILABLE, f"handed back: {cmd.reason}")]
             return [finished]
         lease = self.leases.get(cmd.lease_id) if cmd.lease_id else self.leases.lease_of(cmd.request_id)
         if lease is None:
             return []
         self._drop_lease(lease, cmd.reason)
-        code = wpb.ERROR_CODE_UNAVAILABLE if cmd.hand_back else wpb.ERROR_CODE_CANCELLED
+        code = ErrorKind.UNAVAILABLE if cmd.hand_back else ErrorKind.CANCELLED
         return [Failed(cmd.request_id, code, f"lease cancelled: {cmd.reason}", lease_id=lease.lease_id)]
 
     # ------------------------------------------------------------------ housekeeping
@@ -253,7 +253,7 @@ class DecodeEngine:
             else:
                 self.sequences.pop(seq.request_id)
                 self.leases.release(lease)
-                out.append(Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error))
+                out.append(Failed(seq.request_id, ErrorKind.TRANSFER_FAILED, lease.transfer_error))
         out.extend(self._answer_probe_checks())
         out.extend(self._probe_digests.poll())
         for lease in self.leases.expired():
@@ -262,7 +262,7 @@ class DecodeEngine:
                 log.warning("lease %s of request %s expired unattached (neither its Decode call nor a Cancel "
                             "came): its blocks held until now", lease.lease_id, lease.request_id)
                 self._drop_lease(lease, "lease expired")
-                out.append(Failed(lease.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED,
+                out.append(Failed(lease.request_id, ErrorKind.DEADLINE_EXCEEDED,
                                   f"lease {lease.lease_id!r} expired before its Decode call", lease_id=lease.lease_id))
         now = self.clock()
         for seq in [s for s in self.sequences.values() if s.deadline_s < now]:
@@ -517,7 +517,7 @@ class DecodeEngine:
             except StateFormatError as exc:
                 self.metrics.transfer_failures.labels("invalid_state").inc()
                 self._finish(seq, "failed")
-                return [Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED,
+                return [Failed(seq.request_id, ErrorKind.TRANSFER_FAILED,
                                f"request {seq.request_id!r}: the shipped decode state was rejected: {exc}")]
             seq.join = JoinKind.SHIPPED
         seq.ready_s = self.clock()
@@ -649,7 +649,7 @@ class DecodeEngine:
                 self.cache.free(seq.request_id)
         self.metrics.finished.labels(reason).inc()
         if reason == "deadline":
-            return Failed(seq.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed")
+            return Failed(seq.request_id, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
         return Finished(seq.request_id, reason, seq.num_emitted, seq.draft_tokens, seq.accepted_drafts)
 
     def _drop_lease(self, lease: Lease, detail: str) -> None:
@@ -701,7 +701,7 @@ class DecodeEngine:
         return len(self.cache.block_table(request_id)) if request_id in self.cache else 0
 
     def _refuse(self, failed: Failed) -> Failed:
-        self.metrics.rejected.labels(str(failed.code)).inc()
+        self.metrics.rejected.labels(failed.kind.value).inc()
         return failed
 
     def _account(self, sched: SchedulerOutput, start: float, batch: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from cedserve.errors import ErrorKind
 from cedserve.model.sampling import SamplingParams
 
 RequestId = str
@@ -148,10 +149,10 @@ class Finished(msgspec.Struct, frozen=True, tag="finished"):
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
-    """The request (or the command) failed; `code` is a `cedserve.v1.ErrorCode` value."""
+    """The request (or the command) failed, of a domain `ErrorKind` (the service maps it to the wire)."""
 
     request_id: RequestId
-    code: int
+    kind: ErrorKind
     message: str
     field: str = ""
     retry_after_ms: int = 0

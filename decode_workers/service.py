@@ -45,7 +45,7 @@ from cedserve.model.effort import check_level
 from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import kv_transfer_pb2, worker_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream
+from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream, wire_code
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ def _chunk(out: Tokens) -> wpb.TokenChunk:
 
 
 def _detail(out: Failed) -> wpb.ErrorDetail:
-    return wpb.ErrorDetail(code=wpb.ErrorCode.Name(out.code), field=out.field, message=out.message, retry_after_ms=out.retry_after_ms,
+    return wpb.ErrorDetail(code=wire_code(out.kind), field=out.field, message=out.message, retry_after_ms=out.retry_after_ms,
                            request_id=out.request_id)
 
 

@@ -38,6 +38,13 @@ from typing import TypeVar
 
 import torch
 
+from cedserve.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.kv_transfer.protocol import KVSender
 from cedserve.kv_transfer.state import TransferResult, TransferState
@@ -57,15 +64,7 @@ from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.scheduler import PrefillScheduler, ScheduledChunk
 from cedserve.prefill_workers.validation import PrefillSpec, StateRoom
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import (
-    CancelledError,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    RateMeter,
-    ResourceExhaustedError,
-    UnavailableError,
-    error_detail,
-)
+from cedserve.serving import RateMeter, error_detail, error_kind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -478,7 +477,7 @@ class PrefillEngine:
         job.phase = Phase.ENDED
         job.state, job.boundary = None, None
         self.scheduler.remove(job.request_id)
-        self.metrics.requests.labels(wpb.ErrorCode.Name(detail.code).removeprefix("ERROR_CODE_").lower()).inc()
+        self.metrics.requests.labels(error_kind(exc).value).inc()
         job.emit(wpb.PrefillEvent(error=detail))
         tid = job.transfer_id
         if job.transfer_pending and tid is not None and self.sender is not None:

@@ -301,7 +301,7 @@ def _left(deadline_s: float, request_id: str) -> float:
 
 
 def _outcome(exc: BaseException) -> str:
-    """The metric label of a failed probe: the error code's name."""
+    """The metric label of a failed probe: the error's kind."""
     if isinstance(exc, ServingError):
-        return wpb.ErrorCode.Name(exc.code).removeprefix("ERROR_CODE_").lower()
+        return exc.kind.value
     return "transfer_failed" if isinstance(exc, KVTransferError) else "internal"

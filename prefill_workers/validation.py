@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cedserve.errors import DeadlineExceededError, InvalidArgumentError
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.wire import reservation_from_pb
 from cedserve.model.config import ModelConfig
@@ -28,7 +29,6 @@ from cedserve.model.effort import check_level
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.state_format import STATE_FORMAT_VERSION, max_state_bytes, taps_supported
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DeadlineExceededError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
