@@ -61,6 +61,9 @@ from cedserve.config import TOKEN_METADATA_KEY, ServeConfig
 
 # The engines' domain errors, re-exported: the service layer maps them (below).
 from cedserve.errors import (
+    ERRORS,
+)
+from cedserve.errors import (
     CancelledError as CancelledError,
 )
 from cedserve.errors import (
@@ -105,7 +108,7 @@ DEFAULT_RETRY_AFTER_MS = 500
 # ------------------------------------------------------------------ errors
 
 
-_WIRE_CODES: dict[ErrorKind, wpb.ErrorCode.ValueType] = {
+_WIRE_CODES: dict[ErrorKind, wpb.ErrorCode] = {
     ErrorKind.INVALID_ARGUMENT: wpb.ERROR_CODE_INVALID_ARGUMENT,
     ErrorKind.RESOURCE_EXHAUSTED: wpb.ERROR_CODE_RESOURCE_EXHAUSTED,
     ErrorKind.DEADLINE_EXCEEDED: wpb.ERROR_CODE_DEADLINE_EXCEEDED,
@@ -118,9 +121,16 @@ _WIRE_CODES: dict[ErrorKind, wpb.ErrorCode.ValueType] = {
 """The wire's `ErrorCode` of each domain `ErrorKind` (`cedserve.errors`): the one place they meet."""
 
 
-def wire_code(kind: ErrorKind) -> wpb.ErrorCode.ValueType:
+def wire_code(kind: ErrorKind) -> wpb.ErrorCode:
     """The `cedserve.v1.ErrorCode` of a domain error kind."""
     return _WIRE_CODES[kind]
+
+
+def error_from_wire(detail: wpb.ErrorDetail, message: str) -> ServingError:
+    """The domain error of a peer's `ErrorDetail` (UNSPECIFIED: INTERNAL), carrying `message`."""
+    kind = next((k for k, code in _WIRE_CODES.items() if code == detail.code), ErrorKind.INTERNAL)
+    return ERRORS[kind](message, field=detail.field, retry_after_ms=detail.retry_after_ms,
+                        request_id=detail.request_id)
 
 
 _STATUS: dict[wpb.ErrorCode, grpc.StatusCode] = {

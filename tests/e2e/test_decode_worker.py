@@ -49,10 +49,10 @@ class Cluster:
         self.prefill = WorkerProcess(num_blocks=64)
 
     def reserve(self, rid: str, tokens: list[int], sender: dict[str, str] | None = None,
-                max_tokens: int = 16, ship_state: bool | None = None) -> wpb.ReserveReply:
+                ship_state: bool | None = None) -> wpb.ReserveReply:
         sender = sender or self.prefill.ready
         request = wpb.ReserveRequest(
-            request_id=rid, prompt_tokens=len(tokens), token_ids=tokens, max_tokens=max_tokens, lease_ms=20_000,
+            request_id=rid, prompt_tokens=len(tokens), token_ids=tokens, lease_ms=20_000,
             sender_agent=sender["agent"], sender_control_address=sender["control_address"])
         if ship_state is not None:
             request.ship_state = ship_state

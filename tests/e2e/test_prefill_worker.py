@@ -55,9 +55,7 @@ class Setup:
         self.next_block = (self.next_block + n) % 32
         state = list(range(40, 40 + state_blocks))
         res = self.agent.receiver().reserve(lease, blocks + state, sender=self.worker.ready["agent"], lease_s=20)
-        target = decode_target(res, self.agent.name, self.agent.control_address)
-        del target.block_ids[n:]  # the state blocks are not prompt blocks
-        return target
+        return decode_target(res, self.agent.name, self.agent.control_address)
 
     def close(self) -> None:
         self.worker.close()
