@@ -221,7 +221,7 @@ def bandwidth(layout: BlockLayout, num_blocks: int, folder: Path, device: str, r
     record("plain_torch_copy", [timed(lambda: dst.copy_(src), repeat=1)[0] for _ in range(repeat)])
 
     # device -> disk (background writes) and disk -> device after a restart
-    config = KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, disk_dir=folder / "tier",
+    config = KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, disk_dir=str(folder / "tier"),
                            io_queue_depth=4)
     off, on_cold, on_warm, scans = [], [], [], []
     for k in range(repeat):

@@ -166,7 +166,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     num_blocks = batch * (len(prompt.tokens) // BLOCK + 8) + 8
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "bench", device)
-    config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
+    config = DecodeConfig(max_running_requests=batch, dspark=dspark,
                           adaptive_verify=False, draft_tokens=draft_tokens, device=device,
                           paged_attention=attention, kernel_warmup=False,  # per cell: --warmup-steps instead
                           runner=runner.split("-")[0], compile_fused="-fused" in runner,

@@ -250,7 +250,7 @@ def new_cell(model: CEDModel, drafter: Drafter, prompts: list[Tensor], mode: str
     layout = BlockLayout.from_config(model.config, block)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=block, num_blocks=num_blocks), "demo-eval", device)
     adaptive = mode == "batched+cost-check"
-    config = DecodeConfig(block_size=block, num_blocks=num_blocks, max_running_requests=batch, dspark=dspark,
+    config = DecodeConfig(max_running_requests=batch, dspark=dspark,
                           adaptive_verify=adaptive, draft_tokens=draft_tokens, device=device,
                           kernel_warmup=False)  # an engine per cell; its warm-up rounds compile the kernels
     kind = PerSequenceProposer if mode == "per-sequence" else DSparkProposer

@@ -98,11 +98,17 @@ class VirtualClock:
 
 # ---------------------------------------------------------------------------------------------- decode
 
+def output_tokens(effort: int, max_output: int) -> int:
+    """The workload's output length at an effort level: `max_output` at 100, in proportion below (the
+    arms differ in their queue order only, so any length that grows with effort serves)."""
+    return max(1, max_output * effort // 100)
+
+
 def decode_engine(model: CEDModel, batch: int, slack_s: float, max_output: int, num_blocks: int,
                   clock: VirtualClock | None = None) -> DecodeEngine:
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=num_blocks), "bench")
-    config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, max_running_requests=batch, dspark=False,
+    config = DecodeConfig(max_running_requests=batch, dspark=False,
                           max_output_tokens=max_output, effort_queue_slack_s=slack_s, kernel_warmup=False)
     return DecodeEngine(config, model, cache, clock=clock or time.monotonic)
 
@@ -114,7 +120,8 @@ def decode_step_costs(model: CEDModel, prompt: list[int], state: Any, first: int
     for n in range(1, batch + 1):
         engine = decode_engine(model, n, 0.0, max_output, n * 4 + 8)
         for i in range(n):
-            cmd = AttachCommand(0, f"c{i}", f"lc{i}", tuple(prompt), first, 100, Sampling(ignore_eos=True))
+            cmd = AttachCommand(0, f"c{i}", f"lc{i}", tuple(prompt), first, 100,
+                                Sampling(max_tokens=max_output, ignore_eos=True))
             engine.attach_state(f"c{i}", prompt, copy.deepcopy(state), first, cmd)
         engine.step()
         times = []
@@ -143,7 +150,8 @@ def run_decode(model: CEDModel, prompt: list[int], state: Any, first: int, sched
         now = clock.now
         while pending and pending[0][1].at_s <= now:
             i, a = pending.pop(0)
-            cmd = AttachCommand(0, f"r{i}", f"l{i}", tuple(prompt), first, a.effort, Sampling(ignore_eos=True))
+            cmd = AttachCommand(0, f"r{i}", f"l{i}", tuple(prompt), first, a.effort,
+                                Sampling(max_tokens=output_tokens(a.effort, max_output), ignore_eos=True))
             clock.now = a.at_s  # its due time counts from its own arrival
             engine.attach_state(f"r{i}", prompt, copy.deepcopy(state), first, cmd)
         clock.now = now
@@ -281,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     first = int(model.prefill(prompt, state)[-1].argmax())
 
     costs = decode_step_costs(model, prompt, state, first, args.batch, args.max_output_tokens)
-    budget = DecodeConfig(max_output_tokens=args.max_output_tokens).token_budget
-    mean_tokens = sum(w * budget(e) for e, w in mix) / sum(w for _, w in mix)
+    mean_tokens = sum(w * output_tokens(e, args.max_output_tokens) for e, w in mix) / sum(w for _, w in mix)
     decode_rate = args.load * args.batch / (costs[args.batch] * mean_tokens)
     print(f"decode step {', '.join(f'{1000 * c:.1f}' for c in costs[1:])} ms at 1..{args.batch} running; "
           f"{mean_tokens:.1f} tokens a request; offered {decode_rate:.2f} requests/s", flush=True)

@@ -76,7 +76,7 @@ def engines(model: CEDModel, args: argparse.Namespace) -> dict[str, Any]:
     out["prefill"] = {"paged_attention": prefill.paged_attention, "seconds": round(time.monotonic() - start, 1),
                       "warmup": None if prefill.warmup is None else vars(prefill.warmup)}
     start = time.monotonic()
-    decode = DecodeEngine(DecodeConfig(block_size=block, num_blocks=blocks, max_running_requests=args.max_rows,
+    decode = DecodeEngine(DecodeConfig(max_running_requests=args.max_rows,
                                        device=args.device), model, cache())
     out["decode"] = {"paged_attention": decode.paged_attention, "seconds": round(time.monotonic() - start, 1),
                      "warmup": None if decode.warmup is None else vars(decode.warmup)}

@@ -64,6 +64,8 @@ from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
 
 REPO = Path(__file__).resolve().parents[1]
+ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}
+"""Effort and sampling as the router resolves them (the internal plane has no "unset")."""
 BLOCK = 64
 TOKEN_ID_LIMIT = 500  # the tiny tokenizer's Engram token map covers ids < 512 (see docs/prefill.md)
 
@@ -108,7 +110,7 @@ def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, devic
                                  kernel_warmup=False)  # an engine per run: --repeats shows the first run's compiles
     engine = PrefillEngine(model, cache, None, config)
     limits = RequestLimits(model.config.vocab_size, len(tokens), BLOCK, span, "bench")
-    spec = validate_prefill(wpb.PrefillRequest(request_id="bench", token_ids=tokens), limits)
+    spec = validate_prefill(wpb.PrefillRequest(request_id="bench", token_ids=tokens, **ROUTED), limits)
     sync(device)
     start = clocks()
     job = engine.submit(spec)

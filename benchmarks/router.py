@@ -190,11 +190,12 @@ def bench_overhead(requests: int, max_tokens: int) -> dict[str, float]:
                 routed.append(time.perf_counter() - t)
                 t = time.perf_counter()  # the same calls, made directly
                 lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt)))
-                first = next(iter(pstub.Prefill(worker_pb2.PrefillRequest(request_id="x", token_ids=prompt))))
+                first = next(iter(pstub.Prefill(worker_pb2.PrefillRequest(
+                    request_id="x", token_ids=prompt, effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0)))))
                 for _ in dstub.Decode(worker_pb2.DecodeRequest(
                         request_id="x", lease_id=lease.lease_id, token_ids=prompt,
-                        first_token=first.first_token.token_id,
-                        sampling=worker_pb2.SamplingParams(max_tokens=max_tokens))):
+                        first_token=first.first_token.token_id, effort=75,
+                        sampling=worker_pb2.SamplingParams(top_p=1.0, max_tokens=max_tokens))):
                     pass
                 direct.append(time.perf_counter() - t)
     finally:

@@ -1,8 +1,10 @@
 """Serving configuration: one typed, frozen struct per subsystem, decoded from TOML or JSON.
 
 Files decode through msgspec, which names the offending field on a type error; each struct's
-`__post_init__` checks values and raises `ValueError` naming the field. Environment variables are
-read in one place only, `ServeConfig.from_env_overrides`.
+`__post_init__` checks values and raises `ValueError` naming the field (`cedserve.model.config_table`:
+the one form of every table's errors). The `[cache]` table is the cache's own `KVCacheConfig`, the
+one home of the block size. Environment variables are read in one place only,
+`ServeConfig.from_env_overrides`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ from typing import Any
 import msgspec
 import tomllib
 
+from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.config import ModelConfig
+from cedserve.model.config_table import decode_table, fail
 from cedserve.tls import TLSConfig
-
-
-def _fail(section: str, name: str, message: str) -> None:
-    raise ValueError(f"config field `{section}.{name}`: {message}")
 
 
 class ModelSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,32 +40,11 @@ class ModelSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return preset(self.preset)
 
 
-class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The paged global-KV block pool of one worker."""
-
-    block_size: int = 64
-    """Tokens per block; a multiple of every compression ratio and of the candidate block."""
-    num_blocks: int = 4096
-    """Blocks in the device (or host, on CPU) pool."""
-    host_offload_blocks: int = 0
-    """Blocks in the pinned host tier (0 disables it)."""
-    disk_dir: str | None = None
-    """Folder of the persistent disk tier (None disables it)."""
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            _fail("cache", "block_size", f"must be positive, got {self.block_size}")
-        if self.num_blocks <= 0:
-            _fail("cache", "num_blocks", f"must be positive, got {self.num_blocks}")
-        if self.host_offload_blocks < 0:
-            _fail("cache", "host_offload_blocks", f"must be >= 0, got {self.host_offload_blocks}")
-
-
 class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything `cedserve serve` needs."""
 
     model: ModelSource = msgspec.field(default_factory=ModelSource)
-    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    cache: KVCacheConfig = msgspec.field(default_factory=KVCacheConfig)
     host: str = "127.0.0.1"
     """Address the public gRPC API binds to."""
     port: int = 0
@@ -83,7 +62,7 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            _fail("serve", "port", f"must be in [0, 65535], got {self.port}")
+            fail("serve", "port", f"must be in [0, 65535], got {self.port}")
 
     def validate_against(self, model: ModelConfig) -> None:
         """Check the relations between the cache geometry and the model plan."""
@@ -94,8 +73,8 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if cand is not None and cand >= 0:
             tokens_per_candidate = model.candidate_block_size * model.compress_ratios[cand]
             if self.cache.block_size % tokens_per_candidate:
-                _fail("cache", "block_size", f"{self.cache.block_size} is not a multiple of the candidate "
-                      f"block ({model.candidate_block_size} entries x m={model.compress_ratios[cand]})")
+                fail("cache", "block_size", f"{self.cache.block_size} is not a multiple of the candidate "
+                     f"block ({model.candidate_block_size} entries x m={model.compress_ratios[cand]})")
 
     def internal_token(self) -> str:
         """The worker-plane token read from `internal_token_file` ("" when unset)."""
@@ -119,10 +98,10 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         try:
             data: Any = tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
             if not isinstance(data, dict):
-                raise ValueError(f"serve config {path}: must hold an object")
+                raise ValueError("must hold an object")
             extra = {name: data.pop(name) for name in sections if name in data}
-            return msgspec.convert(data, type=cls), extra
-        except (msgspec.ValidationError, msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
+            return decode_table(cls, data, ""), extra
+        except (ValueError, msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"serve config {path}: {exc}") from None
 
     def with_env_overrides(self, environ: dict[str, str] | None = None) -> ServeConfig:

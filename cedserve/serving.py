@@ -22,9 +22,10 @@ Nothing here knows a worker's internals; a worker plugs in through small callbac
 * `KVEventFeed`: a thread-safe fan-out of `KVEventBatch`es. Pass `feed.publish` as the cache
   manager's `event_sink`; serve `StreamKVEvents` with `feed.stream(since_seq, snapshot, context)`.
 * `RateMeter`: measured tokens/s over a sliding window (load reports); `SeqCounter` numbers reports.
-* Errors: raise `ServingError` (or a subclass) at the boundary; `error_detail(exc, request_id)`
-  maps it (and the cache's and transfer layer's typed errors) to an `ErrorDetail`; `status_code`
-  gives the gRPC status; `abort(context, detail)` ends a unary call with it, `fail_stream(context,
+* Errors: engines raise the domain errors of `cedserve.errors` (`ServingError` and its subclasses,
+  each of an `ErrorKind`) and know nothing of the wire; this section is the one place that maps them:
+  `error_detail(exc, request_id)` maps one (and the cache's and transfer layer's typed errors) to an
+  `ErrorDetail`, `wire_code(kind)` gives a kind's `ErrorCode`, `status_code` the gRPC status; `abort(context, detail)` ends a unary call with it, `fail_stream(context,
   detail)` sets it as a stream's final status. Both attach the serialized `ErrorDetail` as trailing
   metadata `cedserve-error-bin`, which `detail_from_rpc_error(err)` reads back on the client.
 * `load_worker_model(checkpoint, preset, seed)`: the model a worker serves and the `model_id` both
@@ -57,6 +58,38 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cedserve.config import TOKEN_METADATA_KEY, ServeConfig
+
+# The engines' domain errors, re-exported: the service layer maps them (below).
+from cedserve.errors import (
+    ERRORS,
+)
+from cedserve.errors import (
+    CancelledError as CancelledError,
+)
+from cedserve.errors import (
+    DeadlineExceededError as DeadlineExceededError,
+)
+from cedserve.errors import (
+    ErrorKind as ErrorKind,
+)
+from cedserve.errors import (
+    InvalidArgumentError as InvalidArgumentError,
+)
+from cedserve.errors import (
+    NotFoundError as NotFoundError,
+)
+from cedserve.errors import (
+    ResourceExhaustedError as ResourceExhaustedError,
+)
+from cedserve.errors import (
+    ServingError as ServingError,
+)
+from cedserve.errors import (
+    TransferFailedError as TransferFailedError,
+)
+from cedserve.errors import (
+    UnavailableError as UnavailableError,
+)
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.model.cache.errors import CacheExhaustedError, UnknownRequestError
 from cedserve.model.cache.events import KVEventBatch, encode_batch
@@ -75,41 +108,29 @@ DEFAULT_RETRY_AFTER_MS = 500
 # ------------------------------------------------------------------ errors
 
 
-class ServingError(Exception):
-    """A request-level failure with the `ErrorCode` the router acts on. `field` names the offending
-    request field for INVALID_ARGUMENT (e.g. "token_ids[3]")."""
-
-    code: wpb.ErrorCode = wpb.ERROR_CODE_INTERNAL
-
-    def __init__(self, message: str, *, field: str = "", retry_after_ms: int = 0, request_id: str = "") -> None:
-        self.field = field
-        self.retry_after_ms = retry_after_ms
-        self.request_id = request_id
-        super().__init__(message)
-
-
-class InvalidArgumentError(ServingError):
-    code = wpb.ERROR_CODE_INVALID_ARGUMENT
+_WIRE_CODES: dict[ErrorKind, wpb.ErrorCode] = {
+    ErrorKind.INVALID_ARGUMENT: wpb.ERROR_CODE_INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: wpb.ERROR_CODE_RESOURCE_EXHAUSTED,
+    ErrorKind.DEADLINE_EXCEEDED: wpb.ERROR_CODE_DEADLINE_EXCEEDED,
+    ErrorKind.UNAVAILABLE: wpb.ERROR_CODE_UNAVAILABLE,
+    ErrorKind.CANCELLED: wpb.ERROR_CODE_CANCELLED,
+    ErrorKind.NOT_FOUND: wpb.ERROR_CODE_NOT_FOUND,
+    ErrorKind.INTERNAL: wpb.ERROR_CODE_INTERNAL,
+    ErrorKind.TRANSFER_FAILED: wpb.ERROR_CODE_TRANSFER_FAILED,
+}
+"""The wire's `ErrorCode` of each domain `ErrorKind` (`cedserve.errors`): the one place they meet."""
 
 
-class ResourceExhaustedError(ServingError):
-    code = wpb.ERROR_CODE_RESOURCE_EXHAUSTED
+def wire_code(kind: ErrorKind) -> wpb.ErrorCode:
+    """The `cedserve.v1.ErrorCode` of a domain error kind."""
+    return _WIRE_CODES[kind]
 
 
-class DeadlineExceededError(ServingError):
-    code = wpb.ERROR_CODE_DEADLINE_EXCEEDED
-
-
-class UnavailableError(ServingError):
-    code = wpb.ERROR_CODE_UNAVAILABLE
-
-
-class CancelledError(ServingError):
-    code = wpb.ERROR_CODE_CANCELLED
-
-
-class NotFoundError(ServingError):
-    code = wpb.ERROR_CODE_NOT_FOUND
+def error_from_wire(detail: wpb.ErrorDetail, message: str) -> ServingError:
+    """The domain error of a peer's `ErrorDetail` (UNSPECIFIED: INTERNAL), carrying `message`."""
+    kind = next((k for k, code in _WIRE_CODES.items() if code == detail.code), ErrorKind.INTERNAL)
+    return ERRORS[kind](message, field=detail.field, retry_after_ms=detail.retry_after_ms,
+                        request_id=detail.request_id)
 
 
 _STATUS: dict[wpb.ErrorCode, grpc.StatusCode] = {
@@ -124,29 +145,40 @@ _STATUS: dict[wpb.ErrorCode, grpc.StatusCode] = {
     wpb.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
 }
 
-_TRANSFER_CODES: dict[FailureCause, wpb.ErrorCode] = {
-    FailureCause.CANCELLED: wpb.ERROR_CODE_CANCELLED,
-    FailureCause.DEADLINE: wpb.ERROR_CODE_DEADLINE_EXCEEDED,
-    FailureCause.INVALID: wpb.ERROR_CODE_NOT_FOUND,
-    FailureCause.SHUTDOWN: wpb.ERROR_CODE_UNAVAILABLE,
+_TRANSFER_KINDS: dict[FailureCause, ErrorKind] = {
+    FailureCause.CANCELLED: ErrorKind.CANCELLED,
+    FailureCause.DEADLINE: ErrorKind.DEADLINE_EXCEEDED,
+    FailureCause.INVALID: ErrorKind.NOT_FOUND,
+    FailureCause.SHUTDOWN: ErrorKind.UNAVAILABLE,
 }
 
 
-def error_detail(exc: BaseException, request_id: str = "") -> wpb.ErrorDetail:
-    """The `ErrorDetail` for a typed error; anything unknown is INTERNAL (its text kept)."""
+def error_kind(exc: BaseException) -> ErrorKind:
+    """The domain kind of an engine's error (the cache's and the transfer layer's included); anything
+    unknown is INTERNAL."""
     if isinstance(exc, ServingError):
-        return wpb.ErrorDetail(code=exc.code, field=exc.field, message=str(exc),
-                               retry_after_ms=exc.retry_after_ms, request_id=exc.request_id or request_id)
+        return exc.kind
     if isinstance(exc, CacheExhaustedError):
-        return wpb.ErrorDetail(code=wpb.ERROR_CODE_RESOURCE_EXHAUSTED, message=str(exc),
-                               retry_after_ms=DEFAULT_RETRY_AFTER_MS, request_id=exc.request_id or request_id)
+        return ErrorKind.RESOURCE_EXHAUSTED
     if isinstance(exc, KVTransferError):
-        code = _TRANSFER_CODES.get(exc.cause, wpb.ERROR_CODE_TRANSFER_FAILED)
-        return wpb.ErrorDetail(code=code, message=str(exc), request_id=exc.request_id or request_id)
+        return _TRANSFER_KINDS.get(exc.cause, ErrorKind.TRANSFER_FAILED)
     if isinstance(exc, UnknownRequestError):
-        return wpb.ErrorDetail(code=wpb.ERROR_CODE_NOT_FOUND, message=str(exc), request_id=request_id)
-    return wpb.ErrorDetail(code=wpb.ERROR_CODE_INTERNAL, message=f"{type(exc).__name__}: {exc}",
-                           request_id=request_id)
+        return ErrorKind.NOT_FOUND
+    return ErrorKind.INTERNAL
+
+
+def error_detail(exc: BaseException, request_id: str = "") -> wpb.ErrorDetail:
+    """The `ErrorDetail` for an engine's error (`error_kind`); an unknown one keeps its type's name."""
+    kind = error_kind(exc)
+    own_id = exc.request_id if isinstance(exc, ServingError | CacheExhaustedError | KVTransferError) else ""
+    detail = wpb.ErrorDetail(code=wire_code(kind), message=str(exc), request_id=own_id or request_id)
+    if isinstance(exc, ServingError):
+        detail.field, detail.retry_after_ms = exc.field, exc.retry_after_ms
+    elif isinstance(exc, CacheExhaustedError):
+        detail.retry_after_ms = DEFAULT_RETRY_AFTER_MS
+    elif kind is ErrorKind.INTERNAL:
+        detail.message = f"{type(exc).__name__}: {exc}"
+    return detail
 
 
 def status_code(code: wpb.ErrorCode) -> grpc.StatusCode:

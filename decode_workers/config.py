@@ -1,20 +1,21 @@
 """`DecodeConfig`: everything one decode rank reads, as one frozen, validated dataclass.
 
-The launcher (`cedserve worker --role decode`) builds it from the serve config's `[cache]` table and
-the command line; tests build it directly. Nothing here reads the environment.
+The launcher (`cedserve worker --role decode`) builds it from the serve config's `[decode]` table and
+the command line (`from_mapping`: `cedserve.model.config_table.decode_table`, as every table); the
+pool's geometry (block size, number of blocks) is the `[cache]` table's (`KVCacheConfig`), read from
+the cache manager. Tests build it directly. Nothing here reads the environment.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import msgspec
 
-from cedserve.model.effort import MAX_EFFORT, parse_effort
+from cedserve.model.config_table import decode_table, fail
+from cedserve.model.effort import MAX_EFFORT
 
 
 class PreemptionPolicy(str, Enum):
@@ -30,12 +31,7 @@ PAGED_ATTENTION = ("auto", "kernels", "reference", "off")
 RUNNER_MODES = ("auto", "on", "off")
 
 
-def _fail(name: str, message: str) -> None:
-    raise ValueError(f"config field `decode.{name}`: {message}")
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One decode rank: its pool, its batch, DSpark, preemption and leases."""
 
     worker_id: str = "decode-0"
@@ -44,10 +40,6 @@ class DecodeConfig:
     """Where the model, the block pool and the states live (`cuda`, `cuda:1`, `cpu`)."""
     drain_timeout_s: float = 30.0
     """Longest drain when SIGTERM arrives without a prior `Lifecycle.Drain`."""
-    block_size: int = 64
-    """Tokens per paged block (must equal the prefill side's)."""
-    num_blocks: int = 4096
-    """Blocks in this rank's pool."""
     max_running_requests: int = 64
     """Most requests decoding in one step (the batch)."""
     max_waiting_requests: int = 1024
@@ -82,7 +74,8 @@ class DecodeConfig:
     lease_ms: int = 30_000
     """Default lease: a reservation whose Decode call has not arrived by then is freed."""
     max_output_tokens: int = 32_768
-    """Token budget at effort 100; effort e allows `max_output_tokens * e / 100` (at least 1)."""
+    """Most output tokens one request may produce on this rank: a request's budget (decided by the
+    router, `cedserve.model.effort.token_budget` when the client names none) is cut to it."""
     paged_attention: str = "auto"
     """How decode and verify chunks attend (`cedserve.model.paged_attention`): "kernels" through the
     compact-cache kernels over a paged copy of the records (no per-step work over the whole context
@@ -129,51 +122,36 @@ class DecodeConfig:
     transfer, an expired lease or a drain; a command wakes it at once)."""
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "preemption", PreemptionPolicy(self.preemption))
-        except ValueError:
-            _fail("preemption", f"must be one of {[p.value for p in PreemptionPolicy]}, got {self.preemption!r}")
-        for name in ("block_size", "num_blocks", "max_running_requests", "max_waiting_requests",
+        if not isinstance(self.preemption, PreemptionPolicy):
+            fail("decode", "preemption", f"must be one of {[p.value for p in PreemptionPolicy]}, got {self.preemption!r}")
+        for name in ("max_running_requests", "max_waiting_requests",
                      "max_pass_tokens", "lease_ms", "max_output_tokens", "max_offload_bytes"):
             if getattr(self, name) <= 0:
-                _fail(name, f"must be positive, got {getattr(self, name)}")
+                fail("decode", name, f"must be positive, got {getattr(self, name)}")
         for name in ("reserve_headroom_blocks", "replay_span", "draft_tokens", "effort_queue_slack_s"):
             if getattr(self, name) < 0:
-                _fail(name, f"must be >= 0, got {getattr(self, name)}")
+                fail("decode", name, f"must be >= 0, got {getattr(self, name)}")
         for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
-                _fail(name, f"must be positive, got {getattr(self, name)}")
+                fail("decode", name, f"must be positive, got {getattr(self, name)}")
         if self.runner not in RUNNER_MODES:
-            _fail("runner", f"must be one of {list(RUNNER_MODES)}, got {self.runner!r}")
+            fail("decode", "runner", f"must be one of {list(RUNNER_MODES)}, got {self.runner!r}")
         if self.paged_attention not in PAGED_ATTENTION:
-            _fail("paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
-        if self.reserve_headroom_blocks >= self.num_blocks:
-            _fail("reserve_headroom_blocks", f"{self.reserve_headroom_blocks} leaves no block of {self.num_blocks}")
+            fail("decode", "paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DecodeConfig:
         """From the `[decode]` TOML/JSON table; `ValueError` names an unknown or mistyped field (a
         misspelt key would otherwise leave its default in force without a word)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            _fail(unknown[0], f"unknown field (known: {', '.join(sorted(known))})")
-        try:
-            return msgspec.convert(dict(values), type=cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"config field `decode`: {exc}") from None
-
-    def token_budget(self, effort: int) -> int:
-        """Most output tokens a request of this effort (1-100) may produce."""
-        return max(1, self.max_output_tokens * parse_effort(effort) // MAX_EFFORT)
+        return decode_table(cls, values, "decode")
 
     @staticmethod
     def draft_limit(effort: int, max_drafts: int) -> int:
-        """Most drafts a request of this effort (1-100; 0: unset, the most) verifies per pass:
-        `ceil(max_drafts * effort / 100)`, at least 1 when drafting at all. With DSpark's 5 that is
-        5 at effort 100 (`max`), 4 at 75 (`high`), 3 at 50 (`low`), 2 at 25, 1 at 1-20. Effort buys
-        target compute as it buys output tokens: a longer verify chunk costs rows of every pass, and
-        pays where the output is long. The confidence head still chooses the length within it."""
-        if max_drafts <= 0 or effort == 0:
-            return max(0, max_drafts)
-        return max(1, -(-max_drafts * parse_effort(effort) // MAX_EFFORT))
+        """Most drafts a request of this effort (1-100) verifies per pass: `ceil(max_drafts * effort
+        / 100)`, at least 1 when drafting at all. With DSpark's 5 that is 5 at effort 100 (`max`), 4
+        at 75 (`high`), 3 at 50 (`low`), 2 at 25, 1 at 1-20. Effort buys target compute as it buys
+        output tokens: a longer verify chunk costs rows of every pass, and pays where the output is
+        long. The confidence head still chooses the length within it."""
+        if max_drafts <= 0:
+            return 0
+        return max(1, -(-max_drafts * effort // MAX_EFFORT))

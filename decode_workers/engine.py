@@ -54,12 +54,14 @@ from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, St
 from cedserve.decode_workers.slot_book import SlotBook, runner_unavailable
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
+from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.config_table import config_error
 from cedserve.model.dspark import Draft, DraftState
-from cedserve.model.effort import DEFAULT_EFFORT, effort_class, queue_due_s
+from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.moe import MoE
 from cedserve.model.network import BatchItem, BatchOutput, CEDModel
 from cedserve.model.paged_attention import enable_paged_attention
@@ -73,7 +75,6 @@ from cedserve.model.state_format import (
     max_state_bytes,
     taps_supported,
 )
-from cedserve.proto import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ class DecodeEngine:
                  endpoint: TransferEndpoint | None = None, metrics: DecodeMetrics | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, rank: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if cache.block_size != config.block_size:
-            raise ValueError(f"config field `decode.block_size`: {config.block_size} != the cache's {cache.block_size}")
+        if config.reserve_headroom_blocks >= cache.pool.num_blocks:
+            raise config_error("decode", "reserve_headroom_blocks", f"{config.reserve_headroom_blocks} leaves no "
+                               f"block of the pool's {cache.pool.num_blocks}")
         self.config = config
         self.model = model
         self.paged_attention = enable_paged_attention(model, config.paged_attention, "decode.paged_attention",
@@ -107,7 +109,7 @@ class DecodeEngine:
             self.proposer.attach_profile(self.profile, verify_all=not config.adaptive_verify)
         lookahead = (self.proposer.max_tokens if self.proposer is not None else 0) + 1
         budget = BlockBudget(self.leases.available_blocks, self._table_len)
-        self.scheduler = DecodeScheduler(config, budget, lookahead, self._offload_fits)
+        self.scheduler = DecodeScheduler(config, cache.block_size, budget, lookahead, self._offload_fits)
         self.sequences: dict[str, DecodeSequence] = {}
         self._probe_checks: dict[str, ProbeCheckCommand] = {}  # lease id -> check waiting for its transfer
         self._probe_digests = ProbeDigests()  # checks whose bytes are hashed off this thread
@@ -141,10 +143,10 @@ class DecodeEngine:
 
     def reserve(self, cmd: ReserveCommand) -> Output:
         if self.draining:
-            return self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_UNAVAILABLE, "draining: no new leases",
+            return self._refuse(Failed(cmd.request_id, ErrorKind.UNAVAILABLE, "draining: no new leases",
                                        retry_after_ms=0))
         if self.leases.num_open + self.scheduler.num_requests >= self.config.max_waiting_requests:
-            return self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_RESOURCE_EXHAUSTED, "too many requests queued",
+            return self._refuse(Failed(cmd.request_id, ErrorKind.RESOURCE_EXHAUSTED, "too many requests queued",
                                        retry_after_ms=200))
         agent = getattr(self.endpoint, "name", "") if self.endpoint is not None else ""
         control = str(getattr(self.endpoint, "control_address", "")) if self.endpoint is not None else ""
@@ -157,21 +159,21 @@ class DecodeEngine:
         """A Decode call for a lease: validate, then decode once the KV is in place."""
         lease = self.leases.get(cmd.lease_id)
         if lease is None or lease.request_id != cmd.request_id:
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.NOT_FOUND,
                                         f"no lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
                                         "cancelled, or never granted here)", "lease_id"))]
         if cmd.request_id in self.sequences:
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_INVALID_ARGUMENT,
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.INVALID_ARGUMENT,
                                         f"request {cmd.request_id!r} is already decoding", "request_id"))]
         if lease.transfer_error:
             self.leases.release(lease)
-            return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error)]
+            return [Failed(cmd.request_id, ErrorKind.TRANSFER_FAILED, lease.transfer_error)]
         try:
             seq = self._new_sequence(cmd, lease)
         except ValueError as exc:
             field = str(exc).split("`")[1] if "`" in str(exc) else ""
             self._drop_lease(lease, "invalid Decode call")
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_INVALID_ARGUMENT, str(exc), field))]
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.INVALID_ARGUMENT, str(exc), field))]
         self.leases.take(lease)
         self.sequences[seq.request_id] = seq
         if seq.join is JoinKind.PREFILL or lease.transfer_done:
@@ -198,7 +200,7 @@ class DecodeEngine:
         """The link probe's check of a lease no Decode call took: answered once its transfer ended."""
         lease = self.leases.get(cmd.lease_id)
         if lease is None or lease.request_id != cmd.request_id or cmd.request_id in self.sequences or lease.cancelled:
-            return [self._refuse(Failed(cmd.request_id, wpb.ERROR_CODE_NOT_FOUND,
+            return [self._refuse(Failed(cmd.request_id, ErrorKind.NOT_FOUND,
                                         f"no probe lease {cmd.lease_id!r} for request {cmd.request_id!r} (expired, "
                                         "cancelled, taken by a Decode call, or never granted here)", "lease_id"))]
         if lease.transfer_open:
@@ -212,7 +214,7 @@ class DecodeEngine:
         if not lease.transfer_done:
             error = lease.transfer_error or "no KV transfer into this lease"
             self._drop_lease(lease, "probe checked")
-            return [Failed(cmd.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
+            return [Failed(cmd.request_id, ErrorKind.TRANSFER_FAILED, f"link probe {cmd.request_id!r}: {error}",
                            lease_id=lease.lease_id)]
         received = lease.block_ids[lease.num_cached_blocks:]
         self._probe_digests.submit(cmd, lease.lease_id, load_bytes(self.cache.pool.storage, received), len(received))
@@ -228,13 +230,13 @@ class DecodeEngine:
         if seq is not None:
             finished = self._finish(seq, "cancelled")
             if cmd.hand_back:
-                return [Failed(seq.request_id, wpb.ERROR_CODE_UNAVAILABLE, f"handed back: {cmd.reason}")]
+                return [Failed(seq.request_id, ErrorKind.UNAVAILABLE, f"handed back: {cmd.reason}")]
             return [finished]
         lease = self.leases.get(cmd.lease_id) if cmd.lease_id else self.leases.lease_of(cmd.request_id)
         if lease is None:
             return []
         self._drop_lease(lease, cmd.reason)
-        code = wpb.ERROR_CODE_UNAVAILABLE if cmd.hand_back else wpb.ERROR_CODE_CANCELLED
+        code = ErrorKind.UNAVAILABLE if cmd.hand_back else ErrorKind.CANCELLED
         return [Failed(cmd.request_id, code, f"lease cancelled: {cmd.reason}", lease_id=lease.lease_id)]
 
     # ------------------------------------------------------------------ housekeeping
@@ -251,7 +253,7 @@ class DecodeEngine:
             else:
                 self.sequences.pop(seq.request_id)
                 self.leases.release(lease)
-                out.append(Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED, lease.transfer_error))
+                out.append(Failed(seq.request_id, ErrorKind.TRANSFER_FAILED, lease.transfer_error))
         out.extend(self._answer_probe_checks())
         out.extend(self._probe_digests.poll())
         for lease in self.leases.expired():
@@ -260,7 +262,7 @@ class DecodeEngine:
                 log.warning("lease %s of request %s expired unattached (neither its Decode call nor a Cancel "
                             "came): its blocks held until now", lease.lease_id, lease.request_id)
                 self._drop_lease(lease, "lease expired")
-                out.append(Failed(lease.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED,
+                out.append(Failed(lease.request_id, ErrorKind.DEADLINE_EXCEEDED,
                                   f"lease {lease.lease_id!r} expired before its Decode call", lease_id=lease.lease_id))
         now = self.clock()
         for seq in [s for s in self.sequences.values() if s.deadline_s < now]:
@@ -376,7 +378,7 @@ class DecodeEngine:
         expert-parallel rank warms up on its own)."""
         if not self.config.kernel_warmup or not kernel_warmup.wanted(self.model, self.paged_attention):
             return None
-        max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
+        max_context = min(self.model.config.max_position_embeddings, self.cache.pool.num_blocks * self.cache.block_size)
         report = kernel_warmup.warm_up_decode(self.model, max_context, self.config.max_running_requests * lookahead)
         log.info("kernel warm-up: %d cells in %.1f s (contexts %s, up to %d rows)", report.cells, report.seconds,
                  report.contexts, max(report.rows))
@@ -397,7 +399,7 @@ class DecodeEngine:
         """The model runner over this worker's block pool, its graphs captured (`decode.runner`)."""
         reason = runner_unavailable(self.model, self.config.runner, self.ep.world_size)
         if reason is None:
-            max_context = min(self.model.config.max_position_embeddings, self.config.num_blocks * self.config.block_size)
+            max_context = min(self.model.config.max_position_embeddings, self.cache.pool.num_blocks * self.cache.block_size)
             try:
                 max_drafts = self.proposer.max_tokens if self.proposer is not None else 0
                 book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
@@ -515,7 +517,7 @@ class DecodeEngine:
             except StateFormatError as exc:
                 self.metrics.transfer_failures.labels("invalid_state").inc()
                 self._finish(seq, "failed")
-                return [Failed(seq.request_id, wpb.ERROR_CODE_TRANSFER_FAILED,
+                return [Failed(seq.request_id, ErrorKind.TRANSFER_FAILED,
                                f"request {seq.request_id!r}: the shipped decode state was rejected: {exc}")]
             seq.join = JoinKind.SHIPPED
         seq.ready_s = self.clock()
@@ -532,7 +534,7 @@ class DecodeEngine:
     def _prepare_join(self, seq: DecodeSequence) -> None:
         self.metrics.joins.labels(seq.join.value).inc()
         if seq.ready_s >= 0:  # a first join, not a return from preemption
-            self.metrics.queue_seconds.labels(effort_class(seq.effort or DEFAULT_EFFORT)).observe(
+            self.metrics.queue_seconds.labels(effort_class(seq.effort)).observe(
                 self.clock() - seq.ready_s)
             seq.ready_s = -1.0
         kind = seq.join
@@ -544,7 +546,7 @@ class DecodeEngine:
                                                   seq.num_prompt_tokens)
             seq.stored_entries = state_io.entries(seq.state)
         elif kind is JoinKind.PREFILL:
-            self._load_prefix(seq, seq.lease.num_cached_blocks * self.config.block_size)
+            self._load_prefix(seq, seq.lease.num_cached_blocks * self.cache.block_size)
         elif kind in (JoinKind.RECOMPUTE, JoinKind.ONLOAD):
             self._readmit(seq)
 
@@ -571,7 +573,7 @@ class DecodeEngine:
         if seq.join is JoinKind.ONLOAD:
             assert seq.offloaded is not None
             state_io.onload(seq, seq.offloaded, self.layout, self.cache.pool.storage, seq.lease.block_ids,
-                            cached // self.config.block_size)
+                            cached // self.cache.block_size)
             self._offloaded_bytes -= seq.offloaded.nbytes
             seq.offloaded = None
         else:
@@ -647,7 +649,7 @@ class DecodeEngine:
                 self.cache.free(seq.request_id)
         self.metrics.finished.labels(reason).inc()
         if reason == "deadline":
-            return Failed(seq.request_id, wpb.ERROR_CODE_DEADLINE_EXCEEDED, "the request's deadline passed")
+            return Failed(seq.request_id, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
         return Finished(seq.request_id, reason, seq.num_emitted, seq.draft_tokens, seq.accepted_drafts)
 
     def _drop_lease(self, lease: Lease, detail: str) -> None:
@@ -655,6 +657,10 @@ class DecodeEngine:
         self.leases.cancel(lease, detail)
 
     def _new_sequence(self, cmd: AttachCommand, lease: Lease) -> DecodeSequence:
+        """The request's sequence. Its effort, budget and sampling are the router's (the service checked
+        their ranges); the checks here are those only the engine can make, of what a direct caller
+        could get wrong: token ids against the vocabulary (an id past it would index outside the
+        embedding) and the prompt and join kind against the lease."""
         vocab = self.model.config.vocab_size
         for i, t in enumerate(cmd.token_ids):
             if not 0 <= t < vocab:
@@ -668,9 +674,7 @@ class DecodeEngine:
             raise ValueError("field `prefill_locally`: the lease expects a KV transfer; prefill there")
         if cmd.first_token is not None and not lease.transfer_open and not lease.transfer_done and lease.block_ids:
             raise ValueError("field `prefill_locally`: the lease has no KV transfer; set prefill_locally")
-        budget = self.config.token_budget(cmd.effort) if cmd.effort else self.config.max_output_tokens
-        max_tokens = min(cmd.sampling.max_tokens or budget, budget)
-        params = cmd.sampling.params(max_tokens)
+        params = cmd.sampling.params(min(cmd.sampling.max_tokens, self.config.max_output_tokens))
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
         self._arrivals += 1
         tokens = [*cmd.token_ids, *(() if cmd.first_token is None else (cmd.first_token,))]
@@ -697,7 +701,7 @@ class DecodeEngine:
         return len(self.cache.block_table(request_id)) if request_id in self.cache else 0
 
     def _refuse(self, failed: Failed) -> Failed:
-        self.metrics.rejected.labels(str(failed.code)).inc()
+        self.metrics.rejected.labels(failed.kind.value).inc()
         return failed
 
     def _account(self, sched: SchedulerOutput, start: float, batch: int) -> None:

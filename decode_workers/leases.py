@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from cedserve.decode_workers.messages import Failed, ReserveCommand, Reserved
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.sequence import Lease
+from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.errors import FailureCause
 from cedserve.kv_transfer.protocol import KVReceiver, TransferEndpoint
 from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.kv_transfer.wire import reservation_to_pb
 from cedserve.model.cache.errors import CacheExhaustedError
 from cedserve.model.cache.manager import KVCacheManager
-from cedserve.proto import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +36,14 @@ RETRY_AFTER_MS = 200
 
 
 class LeaseError(Exception):
-    """A Reserve that cannot be granted; `code` is a `cedserve.v1.ErrorCode` value."""
+    """A Reserve that cannot be granted, of a domain `ErrorKind` (the service maps it to the wire)."""
 
-    def __init__(self, code: int, message: str, field: str = "", retry_after_ms: int = 0) -> None:
+    def __init__(self, kind: ErrorKind, message: str, field: str = "", retry_after_ms: int = 0) -> None:
         super().__init__(message)
-        self.code, self.field, self.retry_after_ms = code, field, retry_after_ms
+        self.kind, self.field, self.retry_after_ms = kind, field, retry_after_ms
 
     def failed(self, request_id: str, lease_id: str = "") -> Failed:
-        return Failed(request_id, self.code, str(self), self.field, self.retry_after_ms, lease_id)
+        return Failed(request_id, self.kind, str(self), self.field, self.retry_after_ms, lease_id)
 
 
 def new_lease_id() -> str:
@@ -107,17 +107,17 @@ class LeaseBook:
 
     def _validate(self, cmd: ReserveCommand) -> None:
         if not cmd.request_id:
-            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, "request_id is empty", "request_id")
+            raise LeaseError(ErrorKind.INVALID_ARGUMENT, "request_id is empty", "request_id")
         if cmd.request_id in self.by_request or cmd.request_id in self.cache:
-            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, f"request {cmd.request_id!r} already holds a lease "
+            raise LeaseError(ErrorKind.INVALID_ARGUMENT, f"request {cmd.request_id!r} already holds a lease "
                              "or runs here", "request_id")
         if cmd.prompt_tokens <= 0:
-            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, "prompt_tokens must be positive", "prompt_tokens")
+            raise LeaseError(ErrorKind.INVALID_ARGUMENT, "prompt_tokens must be positive", "prompt_tokens")
         if cmd.token_ids and len(cmd.token_ids) != cmd.prompt_tokens:
-            raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, f"{len(cmd.token_ids)} token ids for "
+            raise LeaseError(ErrorKind.INVALID_ARGUMENT, f"{len(cmd.token_ids)} token ids for "
                              f"prompt_tokens={cmd.prompt_tokens}", "token_ids")
         if cmd.sender_agent and self.receiver is None:
-            raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, "this worker has no KV transfer agent", "sender_agent")
+            raise LeaseError(ErrorKind.UNAVAILABLE, "this worker has no KV transfer agent", "sender_agent")
 
     def _admit(self, cmd: ReserveCommand) -> Lease:
         # Without the prompt, admit placeholders under a salt nobody else uses: nothing can hit, and the
@@ -128,10 +128,10 @@ class LeaseBook:
         try:
             adm = self.cache.admit(cmd.request_id, tokens, salt)
         except CacheExhaustedError as exc:
-            raise LeaseError(wpb.ERROR_CODE_RESOURCE_EXHAUSTED, str(exc), retry_after_ms=RETRY_AFTER_MS) from None
+            raise LeaseError(ErrorKind.RESOURCE_EXHAUSTED, str(exc), retry_after_ms=RETRY_AFTER_MS) from None
         if self.available_blocks() < self.headroom_blocks:
             self.cache.free(cmd.request_id)
-            raise LeaseError(wpb.ERROR_CODE_RESOURCE_EXHAUSTED, f"request {cmd.request_id!r}: granting it would "
+            raise LeaseError(ErrorKind.RESOURCE_EXHAUSTED, f"request {cmd.request_id!r}: granting it would "
                              f"leave fewer than {self.headroom_blocks} blocks for running requests",
                              retry_after_ms=RETRY_AFTER_MS)
         self.cache.finish_onload(cmd.request_id)
@@ -148,7 +148,7 @@ class LeaseBook:
         try:
             lease.state_block_ids = self.cache.allocate_scratch(state_owner(cmd.request_id), policy.num_blocks)
         except CacheExhaustedError as exc:
-            raise LeaseError(wpb.ERROR_CODE_RESOURCE_EXHAUSTED, str(exc), retry_after_ms=RETRY_AFTER_MS) from None
+            raise LeaseError(ErrorKind.RESOURCE_EXHAUSTED, str(exc), retry_after_ms=RETRY_AFTER_MS) from None
         lease.state_taps = policy.taps
 
     def free_state(self, lease: Lease) -> None:
@@ -166,7 +166,7 @@ class LeaseBook:
             reservation = self.receiver.reserve(lease.lease_id, blocks, sender=cmd.sender_agent,
                                                 lease_s=cmd.lease_ms / 1000, on_finish=self._results.put)
         except ValueError as exc:
-            raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
+            raise LeaseError(ErrorKind.UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
                              "sender_agent") from None
         lease.transfer_open = True
         return bytes(reservation_to_pb(reservation).SerializeToString())
@@ -179,13 +179,13 @@ class LeaseBook:
             return
         if not cmd.sender_control_address:
             if callable(peers):
-                raise LeaseError(wpb.ERROR_CODE_INVALID_ARGUMENT, f"sender {cmd.sender_agent!r} is not connected "
+                raise LeaseError(ErrorKind.INVALID_ARGUMENT, f"sender {cmd.sender_agent!r} is not connected "
                                  "and no sender_control_address was given", "sender_control_address")
             return
         try:
             self.endpoint.handshake(cmd.sender_control_address)
         except (ConnectionError, ValueError) as exc:
-            raise LeaseError(wpb.ERROR_CODE_UNAVAILABLE, f"handshake with {cmd.sender_agent!r} at "
+            raise LeaseError(ErrorKind.UNAVAILABLE, f"handshake with {cmd.sender_agent!r} at "
                              f"{cmd.sender_control_address}: {exc}", "sender_control_address") from None
 
     # ------------------------------------------------------------------ lifecycle

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,7 +50,6 @@ from cedserve.kv_transfer.agent import NixlTransferAgent
 from cedserve.kv_transfer.config import KVTransferConfig, kv_transfer_config_from_table
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.region import KVLayout, KVRegion
-from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
@@ -102,7 +101,7 @@ def load_settings(opts: WorkerOptions) -> DecodeSettings:
     serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
     decode = DecodeConfig.from_mapping(extra.get("decode", {}))
     worker_id = opts.worker_id or extra.get("decode", {}).get("worker_id") or f"decode-{socket.gethostname()}-{os.getpid()}"
-    decode = replace(decode, worker_id=worker_id, block_size=serve.cache.block_size, num_blocks=serve.cache.num_blocks)
+    decode = msgspec.structs.replace(decode, worker_id=worker_id)
     kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port,
                                        serve.internal_tls)
     return DecodeSettings(serve, decode, kv)
@@ -179,13 +178,13 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     if ep.world_size > 1:
         shard_experts(model, ep.rank, ep.world_size)
     leader = opts.rank == 0
-    layout = BlockLayout.from_config(model.config, cfg.block_size)
+    layout = BlockLayout.from_config(model.config, serve.cache.block_size)
     feed = KVEventFeed()
-    cache = KVCacheManager(layout, _cache_config(serve), f"{cfg.worker_id}" if leader else f"{cfg.worker_id}-r{opts.rank}",
+    cache = KVCacheManager(layout, serve.cache, f"{cfg.worker_id}" if leader else f"{cfg.worker_id}-r{opts.rank}",
                            cfg.device, event_sink=feed.publish if leader else None)
     registry = CollectorRegistry(auto_describe=True)
     agent = NixlTransferAgent(settings.kv_transfer, KVRegion(cache.pool.storage, layout.block_bytes),
-                              KVLayout.from_config(model.config, cfg.block_size, model_id=loaded.model_id),
+                              KVLayout.from_config(model.config, serve.cache.block_size, model_id=loaded.model_id),
                               f"{cfg.worker_id}-r{opts.rank}", metrics=TransferMetrics(registry))
     proposer = DSparkProposer(drafter, model, cfg.draft_tokens) if drafter is not None else None
     engine = DecodeEngine(cfg, model, cache, proposer=proposer, ep=ep, endpoint=agent,
@@ -205,12 +204,6 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
         worker.metrics_port = start_metrics_server(opts.host, opts.metrics_port, registry)
     server.start()
     return worker
-
-
-def _cache_config(serve: ServeConfig) -> KVCacheConfig:
-    c = serve.cache
-    return KVCacheConfig(block_size=c.block_size, num_blocks=c.num_blocks, host_offload_blocks=c.host_offload_blocks,
-                         disk_dir=c.disk_dir)
 
 
 def _detokenizer(checkpoint: str | None, vocab_size: int) -> Callable[[list[int]], str] | None:

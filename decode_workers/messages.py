@@ -10,27 +10,31 @@ from __future__ import annotations
 
 import msgspec
 
+from cedserve.errors import ErrorKind
 from cedserve.model.sampling import SamplingParams
 
 RequestId = str
 
 
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`SamplingParams` on the wire (validated when the engine builds the params)."""
+    """`SamplingParams` on the wire, as the router resolved it (checked where `params` builds them)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    """In (0, 1]; 1: off."""
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 0
-    """0: the effort's token budget."""
+    max_tokens: int = 1
+    """The output budget the router decided (>= 1)."""
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     ignore_eos: bool = False
 
     def params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p or 1.0, top_k=self.top_k,
+        """The sampling parameters, with at most `max_tokens` output tokens (`ValueError` names a
+        field out of its range)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
                               logprobs=self.logprobs, ignore_eos=self.ignore_eos)
 
@@ -67,6 +71,7 @@ class AttachCommand(msgspec.Struct, frozen=True, tag="attach"):
     first_token: int | None
     """Sampled by the prefill side; None when this rank prefills (`prefill_locally`)."""
     effort: int
+    """1-100 (checked by the service)."""
     sampling: Sampling
     deadline_unix_ms: int = 0
     replay_span: int = 0
@@ -144,10 +149,10 @@ class Finished(msgspec.Struct, frozen=True, tag="finished"):
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
-    """The request (or the command) failed; `code` is a `cedserve.v1.ErrorCode` value."""
+    """The request (or the command) failed, of a domain `ErrorKind` (the service maps it to the wire)."""
 
     request_id: RequestId
-    code: int
+    kind: ErrorKind
     message: str
     field: str = ""
     retry_after_ms: int = 0

@@ -40,9 +40,11 @@ class BlockBudget:
 
 
 class DecodeScheduler:
-    def __init__(self, config: DecodeConfig, budget: BlockBudget, lookahead: int,
+    def __init__(self, config: DecodeConfig, block_size: int, budget: BlockBudget, lookahead: int,
                  offload_fits: Callable[[DecodeSequence], bool]) -> None:
         self.config = config
+        self.block_size = block_size
+        """Tokens per block of the pool (`KVCacheConfig.block_size`)."""
         self.budget = budget
         self.lookahead = lookahead
         self.offload_fits = offload_fits
@@ -118,7 +120,7 @@ class DecodeScheduler:
 
     def _growth(self, seq: DecodeSequence) -> int:
         """Blocks `seq` still needs to hold its tokens plus one step's growth."""
-        blocks = math.ceil((len(seq.tokens) + self.lookahead) / self.config.block_size)
+        blocks = math.ceil((len(seq.tokens) + self.lookahead) / self.block_size)
         return max(0, blocks - self.budget.table_len(seq.request_id))
 
     def join_rows(self, seq: DecodeSequence) -> int:

@@ -109,7 +109,7 @@ class DecodeSequence:
     queue slack (`cedserve.model.effort.queue_due_s`). Joins take the earliest due first, preemption
     the latest."""
     effort: int = 0
-    """1-100; 0: unset (the default level)."""
+    """1-100 (the router decided it; the service checked the range)."""
     ready_s: float = -1.0
     """When its KV was in place and it began waiting for a batch slot (-1: not yet; reset at the join)."""
     status: Status = Status.LEASED

@@ -41,10 +41,11 @@ from cedserve.decode_workers.messages import (
 )
 from cedserve.kv_transfer.link_probe import check_token
 from cedserve.model.cache.events import KVEventBatch
+from cedserve.model.effort import check_level
 from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import kv_transfer_pb2, worker_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream
+from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream, wire_code
 
 log = logging.getLogger(__name__)
 
@@ -305,15 +306,22 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 def _attach_command(request: wpb.DecodeRequest, rank: int) -> AttachCommand:
-    """`ValueError` naming the field for a malformed call."""
+    """The call as an engine command; `ValueError` naming the field for a malformed call.
+
+    The router resolved effort, budget and sampling (`router/requests.py`); they are taken as given.
+    Kept are the checks of what a direct caller of this port could get wrong: an empty prompt, an
+    effort outside 1-100, sampling outside its ranges (`SamplingParams`). Token ids against the
+    vocabulary and the lease are the engine's (`DecodeEngine._new_sequence`), which knows both.
+    """
     if not request.token_ids:
         raise ValueError("field `token_ids`: the prompt is empty")
+    check_level(request.effort)
     s = request.sampling
-    sampling = Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+    sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                         seed=s.seed if s.HasField("seed") else None, max_tokens=s.max_tokens,
                         stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), logprobs=s.logprobs,
                         ignore_eos=s.ignore_eos)
-    sampling.params(max(1, s.max_tokens))  # validates, naming the field
+    sampling.params(s.max_tokens)  # the ranges, naming the field
     first = None if request.prefill_locally else int(request.first_token)
     return AttachCommand(rank, request.request_id, request.lease_id, tuple(request.token_ids), first,
                          request.effort, sampling, request.deadline_unix_ms, request.replay_span)
@@ -339,7 +347,7 @@ def _chunk(out: Tokens) -> wpb.TokenChunk:
 
 
 def _detail(out: Failed) -> wpb.ErrorDetail:
-    return wpb.ErrorDetail(code=wpb.ErrorCode.Name(out.code), field=out.field, message=out.message, retry_after_ms=out.retry_after_ms,
+    return wpb.ErrorDetail(code=wire_code(out.kind), field=out.field, message=out.message, retry_after_ms=out.retry_after_ms,
                            request_id=out.request_id)
 
 

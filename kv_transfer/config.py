@@ -14,11 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from cedserve.model.config_table import decode_table, fail
 from cedserve.tls import TLSConfig
-
-
-def _fail(name: str, message: str) -> None:
-    raise ValueError(f"config field `kv_transfer.{name}`: {message}")
 
 
 class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,22 +99,22 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not self.backends:
-            _fail("backends", "must name at least one NIXL backend")
+            fail("kv_transfer", "backends", "must name at least one NIXL backend")
         if not 0 <= self.control_port <= 65535:
-            _fail("control_port", f"must be in [0, 65535], got {self.control_port}")
+            fail("kv_transfer", "control_port", f"must be in [0, 65535], got {self.control_port}")
         for name in ("chunk_blocks", "ucx_num_workers", "staging_slot_bytes", "staging_slots_per_request"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
-                _fail(name, f"must be positive, got {getattr(self, name)}")
+                fail("kv_transfer", name, f"must be positive, got {getattr(self, name)}")
         if self.staging_slots is not None and self.staging_slots < 0:
-            _fail("staging_slots", f"must be >= 0, got {self.staging_slots}")
+            fail("kv_transfer", "staging_slots", f"must be >= 0, got {self.staging_slots}")
         if self.pack_below_bytes is not None and self.pack_below_bytes < 0:
-            _fail("pack_below_bytes", f"must be >= 0 or null, got {self.pack_below_bytes}")
+            fail("kv_transfer", "pack_below_bytes", f"must be >= 0 or null, got {self.pack_below_bytes}")
         for name in ("lease_s", "heartbeat_interval_s", "peer_timeout_s", "abort_drain_s",
                      "poll_interval_s", "target_poll_s", "idle_poll_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
-                _fail(name, f"must be positive, got {getattr(self, name)}")
+                fail("kv_transfer", name, f"must be positive, got {getattr(self, name)}")
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
-            _fail("peer_timeout_s", f"{self.peer_timeout_s} s leaves room for fewer than two heartbeats "
+            fail("kv_transfer", "peer_timeout_s", f"{self.peer_timeout_s} s leaves room for fewer than two heartbeats "
                   f"at {self.heartbeat_interval_s} s")
 
     def resolved(self, device_memory: bool) -> KVTransferConfig:
@@ -153,7 +150,4 @@ def kv_transfer_config_from_table(table: Mapping[str, Any], control_host: str, c
     if token_file:
         values["auth_token"] = Path(token_file).read_text().strip()
     values.update(control_host=control_host, control_port=control_port)
-    try:
-        return msgspec.convert(values, type=KVTransferConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"config field `kv_transfer`: {exc}") from None
+    return decode_table(KVTransferConfig, values, "kv_transfer")

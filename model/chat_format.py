@@ -42,7 +42,7 @@ class ChatFormat:
         assert eos is not None
         return cls(codec, eos)
 
-    def encode(self, messages: Sequence[ChatMessage], effort: int | str | None) -> list[int]:
-        """Token ids of the conversation, ready for the assistant's answer. `ValueError` names a
+    def encode(self, messages: Sequence[ChatMessage], effort: int) -> list[int]:
+        """Token ids of the conversation (`effort`: a level 1-100), ready for the assistant's answer. `ValueError` names a
         role the format does not have (system, user and assistant only)."""
         return self.codec.encode(render_chat(messages, effort))

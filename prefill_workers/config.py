@@ -1,27 +1,24 @@
 """`PrefillWorkerConfig`: every knob of the prefill engine and its scheduler, frozen and validated.
 
 It is read from the `[prefill]` table of the worker's `--config` file (the rest of that file is the
-`ServeConfig`: `[model]`, `[cache]`) through `from_mapping`, which names an unknown or mistyped field.
+`ServeConfig`: `[model]`, `[cache]`) through `from_mapping` (`cedserve.model.config_table.decode_table`,
+as every table), which names an unknown or mistyped field and its value.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 
-def _fail(name: str, message: str) -> None:
-    raise ValueError(f"config field `prefill.{name}`: {message}")
-
+from cedserve.model.config_table import decode_table, fail
 
 PAGED_ATTENTION = ("auto", "kernels", "reference", "off")
 """`paged_attention`'s values (`cedserve.model.paged_attention.MODES`)."""
 
 
-@dataclass(frozen=True)
-class PrefillWorkerConfig:
+class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The prefill engine, its scheduler, and its request limits."""
 
     worker_id: str = ""
@@ -93,36 +90,25 @@ class PrefillWorkerConfig:
                     "max_queued_tokens", "drain_timeout_s", "handshake_timeout_s", "load_window_s", "idle_poll_s")
         for name in positive:
             if getattr(self, name) <= 0:
-                _fail(name, f"must be positive, got {getattr(self, name)}")
+                fail("prefill", name, f"must be positive, got {getattr(self, name)}")
         for name in ("prefix_replay_span", "max_prompt_tokens", "retry_after_ms", "transfer_timeout_s",
                      "effort_queue_slack_s"):
             if getattr(self, name) < 0:
-                _fail(name, f"must be >= 0, got {getattr(self, name)}")
+                fail("prefill", name, f"must be >= 0, got {getattr(self, name)}")
         if self.paged_attention not in PAGED_ATTENTION:
-            _fail("paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
+            fail("prefill", "paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
         if self.step_token_budget < self.chunk_tokens:
-            _fail("step_token_budget", f"{self.step_token_budget} is below chunk_tokens {self.chunk_tokens}")
+            fail("prefill", "step_token_budget", f"{self.step_token_budget} is below chunk_tokens {self.chunk_tokens}")
 
     def check_block_size(self, block_size: int) -> None:
         """Chunks must end on block boundaries (see `chunk_tokens`)."""
         if self.chunk_tokens % block_size:
-            _fail("chunk_tokens", f"{self.chunk_tokens} is not a multiple of the block size {block_size}")
+            fail("prefill", "chunk_tokens", f"{self.chunk_tokens} is not a multiple of the block size {block_size}")
 
     def prompt_limit(self, max_position_embeddings: int) -> int:
         return self.max_prompt_tokens or max_position_embeddings
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> PrefillWorkerConfig:
-        """From a TOML/JSON table; `ValueError` names unknown or mistyped fields."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            _fail(unknown[0], f"unknown field (known: {', '.join(sorted(fields))})")
-        for name, value in values.items():
-            expected = type(getattr(cls(), name))
-            ok = isinstance(value, expected) or (expected is float and isinstance(value, int))
-            if not ok or isinstance(value, bool) != (expected is bool):
-                _fail(name, f"expected {expected.__name__}, got {value!r}")
-        converted: dict[str, Any] = {k: (float(v) if isinstance(getattr(cls(), k), float) else v)
-                                     for k, v in values.items()}
-        return cls(**converted)
+        """From the `[prefill]` TOML/JSON table; `ValueError` names an unknown or mistyped field."""
+        return decode_table(cls, values, "prefill")

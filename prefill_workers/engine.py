@@ -38,13 +38,20 @@ from typing import TypeVar
 
 import torch
 
+from cedserve.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.kv_transfer.protocol import KVSender
 from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager
-from cedserve.model.effort import DEFAULT_EFFORT, effort_class, queue_due_s
+from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
 from cedserve.model.paged_attention import enable_paged_attention
 from cedserve.model.paged_kv import load_state, store_bytes, store_records
@@ -57,15 +64,7 @@ from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.scheduler import PrefillScheduler, ScheduledChunk
 from cedserve.prefill_workers.validation import PrefillSpec, StateRoom
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import (
-    CancelledError,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    RateMeter,
-    ResourceExhaustedError,
-    UnavailableError,
-    error_detail,
-)
+from cedserve.serving import RateMeter, error_detail, error_kind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -282,7 +281,7 @@ class PrefillEngine:
             self._fail(job, exc, FailureCause.CANCELLED)
             return None
         job.admitted = True
-        self.metrics.queue_seconds.labels(effort_class(job.spec.effort or DEFAULT_EFFORT)).observe(
+        self.metrics.queue_seconds.labels(effort_class(job.spec.effort)).observe(
             self.clock() - job.arrived_s)
         job.shared_tokens = self.cache.finish_onload(request_id)
         job.block_ids = self.cache.block_table(request_id)
@@ -478,7 +477,7 @@ class PrefillEngine:
         job.phase = Phase.ENDED
         job.state, job.boundary = None, None
         self.scheduler.remove(job.request_id)
-        self.metrics.requests.labels(wpb.ErrorCode.Name(detail.code).removeprefix("ERROR_CODE_").lower()).inc()
+        self.metrics.requests.labels(error_kind(exc).value).inc()
         job.emit(wpb.PrefillEvent(error=detail))
         tid = job.transfer_id
         if job.transfer_pending and tid is not None and self.sender is not None:

@@ -53,6 +53,7 @@ from cedserve.serving import (
     ServingError,
     UnavailableError,
     detail_from_rpc_error,
+    error_from_wire,
 )
 from cedserve.tls import TLSConfig, open_channel
 
@@ -281,11 +282,10 @@ class _DecodeSide:
     def _error(self, exc: grpc.RpcError, call: str) -> ServingError:
         detail = detail_from_rpc_error(exc)
         text = detail.message if detail is not None else exc.details()
-        error = ServingError(f"decode worker at {self.address}: {call}: {exc.code().name}: {text}",
-                             retry_after_ms=detail.retry_after_ms if detail is not None else 0,
-                             request_id=self.request_id)
-        error.code = detail.code if detail is not None else _REMOTE_CODES.get(exc.code(), wpb.ERROR_CODE_UNAVAILABLE)
-        return error
+        if detail is None:
+            detail = wpb.ErrorDetail(code=_REMOTE_CODES.get(exc.code(), wpb.ERROR_CODE_UNAVAILABLE))
+        detail.request_id = self.request_id
+        return error_from_wire(detail, f"decode worker at {self.address}: {call}: {exc.code().name}: {text}")
 
 
 def _target(lease: wpb.ReserveReply, reservation: Reservation) -> TransferTarget:
@@ -301,7 +301,7 @@ def _left(deadline_s: float, request_id: str) -> float:
 
 
 def _outcome(exc: BaseException) -> str:
-    """The metric label of a failed probe: the error code's name."""
+    """The metric label of a failed probe: the error's kind."""
     if isinstance(exc, ServingError):
-        return wpb.ErrorCode.Name(exc.code).removeprefix("ERROR_CODE_").lower()
+        return exc.kind.value
     return "transfer_failed" if isinstance(exc, KVTransferError) else "internal"

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -28,7 +28,6 @@ from cedserve.kv_transfer.agent import NixlTransferAgent
 from cedserve.kv_transfer.config import KVTransferConfig, kv_transfer_config_from_table
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.region import KVLayout, KVRegion
-from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.prefill_workers.config import PrefillWorkerConfig
@@ -68,7 +67,7 @@ def load_settings(opts: WorkerOptions) -> PrefillSettings:
     serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
     prefill = PrefillWorkerConfig.from_mapping(extra.get("prefill", {}))
     worker_id = opts.worker_id or prefill.worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}"
-    prefill = replace(prefill, worker_id=worker_id)
+    prefill = msgspec.structs.replace(prefill, worker_id=worker_id)
     kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port,
                                        serve.internal_tls)
     return PrefillSettings(serve, prefill, kv)
@@ -111,7 +110,7 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
     block_size = serve.cache.block_size
     layout = BlockLayout.from_config(config, block_size)
     feed = KVEventFeed()
-    cache = KVCacheManager(layout, _cache_config(serve), cfg.worker_id, cfg.device, event_sink=feed.publish)
+    cache = KVCacheManager(layout, serve.cache, cfg.worker_id, cfg.device, event_sink=feed.publish)
     registry = CollectorRegistry(auto_describe=True)
     agent = NixlTransferAgent(settings.kv_transfer, KVRegion(cache.pool.storage, layout.block_bytes),
                               KVLayout.from_config(config, block_size, model_id=loaded.model_id), cfg.worker_id,
@@ -135,12 +134,6 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
     server.start()
     worker.metrics_port = start_metrics_server(opts.host, opts.metrics_port, registry)
     return worker
-
-
-def _cache_config(serve: ServeConfig) -> KVCacheConfig:
-    c = serve.cache
-    return KVCacheConfig(block_size=c.block_size, num_blocks=c.num_blocks, host_offload_blocks=c.host_offload_blocks,
-                         disk_dir=c.disk_dir)
 
 
 def serve_until_drained(worker: PrefillWorker) -> bool:

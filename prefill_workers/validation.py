@@ -3,6 +3,13 @@
 Everything here runs before the engine sees the request, so a rejected request allocates nothing.
 What cannot be checked locally (whether the decode worker really holds the lease) is checked when
 the transfer opens: the transfer layer's INVALID cause maps to NOT_FOUND (`cedserve.serving`).
+
+The router decided the request's values (effort, sampling, deadline: `router/requests.py`); this
+worker takes them as given. The checks kept are those a direct caller of this port could get wrong
+and that would otherwise fail deep in the engine or corrupt another request's blocks: token ids
+against the vocabulary and the prompt limit, an effort outside 1-100 and sampling outside its ranges
+(`check_level`, `SamplingParams`: one check each, no re-normalising), a deadline already passed,
+and a target whose reservation does not fit the prompt, this worker or the state room.
 """
 
 from __future__ import annotations
@@ -14,15 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cedserve.errors import DeadlineExceededError, InvalidArgumentError
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.wire import reservation_from_pb
 from cedserve.model.config import ModelConfig
+from cedserve.model.effort import check_level
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.state_format import STATE_FORMAT_VERSION, max_state_bytes, taps_supported
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DeadlineExceededError, InvalidArgumentError
-
-MAX_EFFORT = 100
 
 
 @dataclass(frozen=True)
@@ -104,16 +110,17 @@ def validate_prefill(req: wpb.PrefillRequest, limits: RequestLimits, now_unix_s:
     if not rid:
         raise InvalidArgumentError("request_id is empty", field="request_id")
     tokens = _check_tokens(req, limits)
-    if req.effort > MAX_EFFORT:
-        raise InvalidArgumentError(f"effort {req.effort} is not in [1, {MAX_EFFORT}] (0: unset)", field="effort",
-                                   request_id=rid)
+    try:
+        effort = check_level(req.effort)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc), field="effort", request_id=rid) from None
     deadline = req.deadline_unix_ms / 1000.0 if req.deadline_unix_ms else None
     now = time.time() if now_unix_s is None else now_unix_s
     if deadline is not None and deadline <= now:
         raise DeadlineExceededError(f"deadline passed {now - deadline:.3f} s before the request arrived",
                                     field="deadline_unix_ms", request_id=rid)
     target = _check_target(req, limits, len(tokens)) if req.HasField("target") else None
-    return PrefillSpec(rid, tokens, req.effort, req.cache_salt, target, deadline,
+    return PrefillSpec(rid, tokens, effort, req.cache_salt, target, deadline,
                        req.replay_span or limits.default_replay_span, _sampling(req))
 
 
@@ -134,12 +141,12 @@ def _check_tokens(req: wpb.PrefillRequest, limits: RequestLimits) -> np.ndarray:
 
 
 def _sampling(req: wpb.PrefillRequest) -> SamplingParams:
+    """The first token's sampling, as the router resolved it (`max_tokens` is the decode side's)."""
     s = req.sampling
     try:
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p if 0 < s.top_p < 1 else 1.0,
-                              top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
-                              max_tokens=max(1, s.max_tokens), stop_token_ids=tuple(s.stop_token_ids),
-                              logprobs=s.logprobs, ignore_eos=s.ignore_eos)
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              seed=s.seed if s.HasField("seed") else None, max_tokens=1,
+                              stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs, ignore_eos=s.ignore_eos)
     except ValueError as exc:  # "field `sampling.x`: ..."
         field = str(exc).split("`")[1] if "`" in str(exc) else "sampling"
         raise InvalidArgumentError(str(exc), field=field, request_id=req.request_id) from None
@@ -151,15 +158,11 @@ def _check_target(req: wpb.PrefillRequest, limits: RequestLimits, prompt_len: in
         if not getattr(t, name):
             raise InvalidArgumentError(f"decode target has no {name}", field=f"target.{name}", request_id=rid)
     num_blocks = math.ceil(prompt_len / limits.block_size)
-    if len(t.block_ids) != num_blocks:
-        raise InvalidArgumentError(f"{len(t.block_ids)} block ids for a {prompt_len}-token prompt, which needs "
-                                   f"{num_blocks} of {limits.block_size} tokens", field="target.block_ids",
-                                   request_id=rid)
     if t.num_cached_blocks > num_blocks:
         raise InvalidArgumentError(f"num_cached_blocks {t.num_cached_blocks} exceeds the prompt's {num_blocks} "
                                    "blocks", field="target.num_cached_blocks", request_id=rid)
     room = _check_state_room(t, limits, rid) if t.HasField("state_room") else None
-    reservation = _check_reservation(t, limits, rid, room.num_blocks if room else 0)
+    reservation = _check_reservation(t, limits, rid, num_blocks - t.num_cached_blocks, room.num_blocks if room else 0)
     return TransferTarget(t.worker_id, t.agent_name, t.control_address, t.lease_id, t.num_cached_blocks,
                           reservation, room)
 
@@ -182,7 +185,10 @@ def _check_state_room(t: wpb.DecodeTarget, limits: RequestLimits, rid: str) -> S
     return StateRoom(room.num_blocks, room.dspark_taps)
 
 
-def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str, state_blocks: int) -> Reservation:
+def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str, kv_blocks: int,
+                       state_blocks: int) -> Reservation:
+    """The target's reservation, checked against this worker and the prompt: `kv_blocks` prompt
+    blocks (those after `num_cached_blocks`) then `state_blocks` state blocks."""
     field = "target.reservation"
     if not t.HasField("reservation"):
         raise InvalidArgumentError("decode target carries no reservation (ReserveReply.reservation)",
@@ -196,9 +202,9 @@ def _check_reservation(t: wpb.DecodeTarget, limits: RequestLimits, rid: str, sta
         (r.receiver == t.agent_name, "receiver_agent", f"is {r.receiver!r}, the target is {t.agent_name!r}"),
         (r.sender == limits.sender_agent, "sender_agent",
          f"reserves for sender {r.sender!r}, this worker is {limits.sender_agent!r}"),
-        (list(r.block_ids)[:r.num_blocks - state_blocks] == list(t.block_ids)[t.num_cached_blocks:]
-         and r.num_blocks - state_blocks == len(t.block_ids) - t.num_cached_blocks, "block_ids",
-         f"differ from target.block_ids[num_cached_blocks:] followed by {state_blocks} state blocks"),
+        (r.num_blocks == kv_blocks + state_blocks, "block_ids",
+         f"hold {r.num_blocks} blocks; the prompt's uncached blocks and the state room need {kv_blocks} + "
+         f"{state_blocks}"),
         (r.mode is TransferMode.WRITE, "mode", f"is {r.mode.value}; prefill workers WRITE"),
     )
     for ok, name, message in checks:

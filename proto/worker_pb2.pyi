@@ -66,12 +66,11 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodeTarget(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "control_address", "lease_id", "block_ids", "num_cached_blocks", "reservation", "state_room")
+    __slots__ = ("worker_id", "agent_name", "control_address", "lease_id", "num_cached_blocks", "reservation", "state_room")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     STATE_ROOM_FIELD_NUMBER: _ClassVar[int]
@@ -79,11 +78,10 @@ class DecodeTarget(_message.Message):
     agent_name: str
     control_address: str
     lease_id: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
     reservation: _kv_transfer_pb2.Reservation
     state_room: StateRoom
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ..., state_room: _Optional[_Union[StateRoom, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., control_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., reservation: _Optional[_Union[_kv_transfer_pb2.Reservation, _Mapping]] = ..., state_room: _Optional[_Union[StateRoom, _Mapping]] = ...) -> None: ...
 
 class StateRoom(_message.Message):
     __slots__ = ("num_blocks", "format_version", "dspark_taps")
@@ -178,11 +176,9 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "block_hashes", "max_tokens", "lease_ms", "cache_salt", "sender_agent", "sender_control_address", "token_ids", "ship_state")
+    __slots__ = ("request_id", "prompt_tokens", "lease_ms", "cache_salt", "sender_agent", "sender_control_address", "token_ids", "ship_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SENDER_AGENT_FIELD_NUMBER: _ClassVar[int]
@@ -191,15 +187,13 @@ class ReserveRequest(_message.Message):
     SHIP_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    max_tokens: int
     lease_ms: int
     cache_salt: str
     sender_agent: str
     sender_control_address: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     ship_state: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., sender_agent: _Optional[str] = ..., sender_control_address: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ship_state: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., sender_agent: _Optional[str] = ..., sender_control_address: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ship_state: _Optional[bool] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("lease_id", "agent_name", "control_address", "block_ids", "num_cached_blocks", "lease_deadline_unix_ms", "reservation", "state_room")

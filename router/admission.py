@@ -12,16 +12,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import grpc
+import msgspec
 
+from cedserve.model.config_table import fail
 from cedserve.model.effort import effort_class
 from cedserve.router.errors import ADMISSION, RequestError
 
 
-@dataclass(frozen=True)
-class ClassLimits:
+class ClassLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_running: int = 64
     """Requests of the class in flight at once."""
     max_queued: int = 256
@@ -29,7 +29,7 @@ class ClassLimits:
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
-            raise ValueError(f"router field `limits`: max_running >= 1 and max_queued >= 0, got {self}")
+            fail("router", "limits", f"max_running >= 1 and max_queued >= 0, got {self}")
 
 
 class _ClassGate:

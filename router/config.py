@@ -1,16 +1,24 @@
-"""Router configuration: one typed, frozen dataclass, validated on construction."""
+"""Router configuration: one typed, frozen struct, validated on construction.
+
+Flags build it (`cedserve router`); a config file's `[router]` table sets the `TABLE_FIELDS`, decoded as
+every table is (`cedserve.model.config_table.decode_table`: one error form naming `router.<field>`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
+import msgspec
+
+from cedserve.model.config_table import config_error, decode_table, fail
 from cedserve.router.admission import ClassLimits
 from cedserve.tls import TLSConfig
 
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+EFFORT_CLASSES = ("low", "high", "max")
 
-@dataclass(frozen=True)
-class WorkerEndpoint:
+
+class WorkerEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_id: str
     address: str
     """host:port of the worker's internal gRPC service."""
@@ -18,16 +26,15 @@ class WorkerEndpoint:
     def __post_init__(self) -> None:
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"router field `workers`: {self.worker_id!r} address {self.address!r} is not host:port")
+            fail("router", "workers", f"{self.worker_id!r} address {self.address!r} is not host:port")
 
 
-@dataclass(frozen=True)
-class DiscoveryConfig:
+class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Kubernetes discovery of workers (router/discovery.py)."""
 
     namespace: str
     """Namespace of the pools (the router's own, `$(POD_NAMESPACE)` in the chart)."""
-    services: Mapping[str, str] = field(default_factory=dict)
+    services: Mapping[str, str] = msgspec.field(default_factory=dict)
     """Headless Service per role (`prefill`, `decode`) whose EndpointSlices list the pool's pods."""
     port_name: str = "grpc"
     """Name of the worker port in the slices (the Service's port name)."""
@@ -38,20 +45,19 @@ class DiscoveryConfig:
 
     def __post_init__(self) -> None:
         if not self.namespace:
-            raise ValueError("router field `discovery.namespace`: must be set (--namespace)")
+            fail("router", "discovery.namespace", "must be set (--namespace)")
         if not self.services:
-            raise ValueError("router field `discovery.services`: name a Service (--prefill-service, --decode-service)")
+            fail("router", "discovery.services", "name a Service (--prefill-service, --decode-service)")
         for role, service in self.services.items():
             if role not in ("prefill", "decode"):
-                raise ValueError(f"router field `discovery.services`: unknown role {role!r}")
+                fail("router", "discovery.services", f"unknown role {role!r}")
             if not service:
-                raise ValueError(f"router field `discovery.services.{role}`: empty Service name")
+                fail("router", f"discovery.services.{role}", "empty Service name")
         if self.watch_timeout_s <= 0 or self.retry_s <= 0:
-            raise ValueError("router fields `discovery.watch_timeout_s` and `discovery.retry_s` must be > 0")
+            fail("router", "discovery.watch_timeout_s", "it and `discovery.retry_s` must be > 0")
 
 
-@dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint: str
     """Checkpoint folder: its config.json and tokenizer.json define the served model ("" with `preset`)."""
     preset: str | None = None
@@ -82,7 +88,7 @@ class RouterConfig:
     """Decode block reservations expire after this long without a prefill."""
     default_max_tokens: int = 0
     """Output budget when a request gives none; 0: the effort level's budget."""
-    limits: dict[str, ClassLimits] = field(default_factory=dict)
+    limits: dict[str, ClassLimits] = msgspec.field(default_factory=dict)
     """Admission limits by effort class (low, high, max)."""
     max_message_bytes: int = 16 << 20
     """Largest request accepted (gRPC refuses bigger ones with RESOURCE_EXHAUSTED, HTTP with 413), and
@@ -96,9 +102,9 @@ class RouterConfig:
     user_cache_salt: bool = True
     """The HTTP API's `user` field salts the request's prefix-cache blocks (tenants never share them);
     off: `user` is ignored."""
-    tls: TLSConfig = field(default_factory=TLSConfig)
+    tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
     """The public port (`[tls]`): TLS with `cert`/`key`; mTLS with `ca` and `require_client_cert`."""
-    internal_tls: TLSConfig = field(default_factory=TLSConfig)
+    internal_tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
     """Channels to workers (`[internal_tls]`): `ca` verifies them, `cert`/`key` is presented under mTLS."""
     health_port: int = -1
     """Plaintext listener for kubelet probes (they cannot speak TLS) and the loopback-only Drain that
@@ -114,68 +120,43 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if not self.checkpoint and not self.preset:
-            raise ValueError("router field `checkpoint`: give a checkpoint folder or a `preset`")
+            fail("router", "checkpoint", "give a checkpoint folder or a `preset`")
         if self.drain_timeout_s < 0:
-            raise ValueError(f"router field `drain_timeout_s`: must be >= 0, got {self.drain_timeout_s}")
+            fail("router", "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"router field `port`: must be in [0, 65535], got {self.port}")
+            fail("router", "port", f"must be in [0, 65535], got {self.port}")
         if not -1 <= self.http_port <= 65535:
-            raise ValueError(f"router field `http_port`: must be -1 (off) or in [0, 65535], got {self.http_port}")
+            fail("router", "http_port", f"must be -1 (off) or in [0, 65535], got {self.http_port}")
         if self.max_retries < 0:
-            raise ValueError(f"router field `max_retries`: must be >= 0, got {self.max_retries}")
+            fail("router", "max_retries", f"must be >= 0, got {self.max_retries}")
         if self.tls.enabled and self.tls.cert is None:
-            raise ValueError("router field `tls.cert`: a TLS public port needs `cert` and `key`")
+            fail("router", "tls.cert", "a TLS public port needs `cert` and `key`")
         if self.default_link_bytes_per_s <= 0:
-            raise ValueError(f"router field `default_link_bytes_per_s`: must be > 0, got {self.default_link_bytes_per_s}")
+            fail("router", "default_link_bytes_per_s", f"must be > 0, got {self.default_link_bytes_per_s}")
         if not 0 < self.link_rate_alpha <= 1:
-            raise ValueError(f"router field `link_rate_alpha`: must be in (0, 1], got {self.link_rate_alpha}")
+            fail("router", "link_rate_alpha", f"must be in (0, 1], got {self.link_rate_alpha}")
+        if self.policy not in POLICIES:
+            fail("router", "policy", f"unknown {self.policy!r}; choose {', '.join(POLICIES)}")
+        for klass in self.limits:
+            if klass not in EFFORT_CLASSES:
+                fail("router", f"limits.{klass}", f"not an effort class; one of {list(EFFORT_CLASSES)}")
         ids = [w.worker_id for w in (*self.prefill, *self.decode)]
         if len(ids) != len(set(ids)):
-            raise ValueError(f"router field `workers`: duplicate worker ids in {ids}")
+            fail("router", "workers", f"duplicate worker ids in {ids}")
 
 
 TABLE_FIELDS = ("model_id", "policy", "decode_only_max_tokens", "max_retries", "load_poll_s", "lease_ms",
                 "default_max_tokens", "max_message_bytes", "default_link_bytes_per_s", "link_rate_alpha",
                 "drain_timeout_s", "limits", "user_cache_salt")
 """`RouterConfig` fields a config file's `[router]` table may set (the rest come from flags)."""
-EFFORT_CLASSES = ("low", "high", "max")
 
 
 def router_table(values: Mapping[str, object]) -> dict[str, object]:
     """A config file's `[router]` table as `RouterConfig` keyword arguments; `ValueError` names an
-    unknown or mistyped field. `limits` is a table per effort class (`[router.limits.max]`) of
-    `max_running` and `max_queued`."""
+    unknown or mistyped field and its value. `limits` is a table per effort class
+    (`[router.limits.max]`) of `max_running` and `max_queued`."""
     unknown = sorted(set(values) - set(TABLE_FIELDS))
     if unknown:
-        raise ValueError(f"router field `{unknown[0]}`: unknown field (known: {', '.join(TABLE_FIELDS)})")
-    out: dict[str, object] = {}
-    defaults = RouterConfig(checkpoint="-")
-    for name, value in values.items():
-        if name == "limits":
-            out[name] = _limits(value)
-            continue
-        expected = type(getattr(defaults, name))
-        if (isinstance(value, bool) and expected is not bool) or not (
-                isinstance(value, expected) or (expected is float and isinstance(value, int))):
-            raise ValueError(f"router field `{name}`: expected {expected.__name__}, got {value!r}")
-        out[name] = float(value) if expected is float else value
-    if "policy" in out:
-        from cedserve.router.policy import make_policy
-
-        make_policy(str(out["policy"]), 0)  # names the choices
-    return out
-
-
-def _limits(value: object) -> dict[str, ClassLimits]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"router field `limits`: expected a table per effort class, got {value!r}")
-    out = {}
-    for klass, limits in value.items():
-        if klass not in EFFORT_CLASSES or not isinstance(limits, Mapping):
-            raise ValueError(f"router field `limits.{klass}`: expected a table under one of {list(EFFORT_CLASSES)}")
-        bad = sorted(set(limits) - {"max_running", "max_queued"})
-        if bad or not all(isinstance(v, int) and not isinstance(v, bool) for v in limits.values()):
-            raise ValueError(f"router field `limits.{klass}`: integers `max_running` and `max_queued` only, "
-                             f"got {dict(limits)}")
-        out[klass] = ClassLimits(**limits)
-    return out
+        raise config_error("router", unknown[0], f"unknown field (known: {', '.join(TABLE_FIELDS)})")
+    config = decode_table(RouterConfig, {"checkpoint": "-", **values}, "router")
+    return {name: getattr(config, name) for name in values}

@@ -206,7 +206,7 @@ class GenerationCore:
         choice = self._placement(req, len(prompt), excluded)
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
-        lease = await self._reserve(decode, prefill, req, prompt, remaining_tokens, deadline)
+        lease = await self._reserve(decode, prefill, req, prompt, deadline)
         progress.decode_only = prefill is None
         if prefill is None:  # the decode worker reuses the leading blocks it holds
             progress.cached_tokens = max(progress.cached_tokens,
@@ -277,16 +277,14 @@ class GenerationCore:
         return generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
 
     async def _reserve(self, decode: WorkerHandle, prefill: WorkerHandle | None, req: PreparedRequest,
-                       prompt: tuple[int, ...], max_tokens: int,
-                       deadline: Deadline) -> worker_pb2.ReserveReply:
+                       prompt: tuple[int, ...], deadline: Deadline) -> worker_pb2.ReserveReply:
         """Decode-first: lease blocks on the decode worker for the prefill worker that will WRITE them."""
         assert decode.decode is not None
         timeout, _ = deadline.for_call()
         sender = prefill.load if prefill is not None else None
         try:
             reply: worker_pb2.ReserveReply = await decode.decode.Reserve(worker_pb2.ReserveRequest(
-                request_id=req.request_id, prompt_tokens=len(prompt), block_hashes=list(req.block_hashes),
-                max_tokens=max_tokens, lease_ms=self.lease_ms, cache_salt=req.cache_salt,
+                request_id=req.request_id, prompt_tokens=len(prompt), lease_ms=self.lease_ms, cache_salt=req.cache_salt,
                 sender_agent=sender.agent_name if sender else "",
                 sender_control_address=sender.control_address if sender else "", token_ids=list(prompt)),
                 timeout=timeout, metadata=self.metadata)
@@ -311,8 +309,7 @@ class GenerationCore:
         timeout, deadline_ms = deadline.for_call()
         target = worker_pb2.DecodeTarget(worker_id=decode.worker_id, agent_name=lease.agent_name,
                                          control_address=lease.control_address, lease_id=lease.lease_id,
-                                         block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks,
-                                         reservation=lease.reservation)
+                                         num_cached_blocks=lease.num_cached_blocks, reservation=lease.reservation)
         if lease.HasField("state_room"):  # the decode worker expects the bounded state: ship it
             target.state_room.CopyFrom(lease.state_room)
         call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
@@ -377,6 +374,7 @@ class GenerationCore:
         raise WorkerFailed(decode.worker_id, grpc.StatusCode.UNAVAILABLE, "decode stream ended without completing")
 
     def _sampling(self, req: PreparedRequest, max_tokens: int | None = None) -> worker_pb2.SamplingParams:
+        """The request's sampling as the router resolved it (`requests.prepare`): workers apply it as is."""
         params = worker_pb2.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                            max_tokens=max_tokens or req.max_tokens,
                                            stop_token_ids=list(req.stop_token_ids), logprobs=req.logprobs)

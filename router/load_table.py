@@ -31,6 +31,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from cedserve.model.effort import expected_output_tokens
 from cedserve.router.placement import (
     DecodeLoad,
     LinkModel,
@@ -39,7 +40,6 @@ from cedserve.router.placement import (
     Placement,
     PrefillLoad,
     RequestShape,
-    expected_output_tokens,
 )
 
 _Scalar = TypeVar("_Scalar", bound=np.generic)

@@ -35,19 +35,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from cedserve.model.effort import parse_effort
-
-# Expected output tokens by effort: the report says effort 25 -> 100 roughly doubles output length
-# (2.5x on DeepSWE). Linear in effort between those anchors; workers may report measured values.
-_OUTPUT_AT_EFFORT_25 = 1024.0
-_OUTPUT_AT_EFFORT_100 = 2560.0
-
-
-def expected_output_tokens(effort: int) -> float:
-    """Prior for a request's output length at an effort level (1-100)."""
-    e = parse_effort(effort)
-    slope = (_OUTPUT_AT_EFFORT_100 - _OUTPUT_AT_EFFORT_25) / 75.0
-    return max(64.0, _OUTPUT_AT_EFFORT_25 + slope * (e - 25))
+from cedserve.model.effort import expected_output_tokens
 
 
 class NoCapacityError(LookupError):

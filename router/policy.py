@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
+from cedserve.model.config_table import config_error
 from cedserve.router.load_table import LoadTable, TierRun
 from cedserve.router.placement import (
     DecodeLoad,
@@ -135,4 +136,4 @@ def make_policy(name: str, decode_only_max_tokens: int) -> RoutingPolicy:
         return LeastLoaded(decode_only_max_tokens)
     if name == "round_robin":
         return RoundRobin(decode_only_max_tokens)
-    raise ValueError(f"router field `policy`: unknown {name!r}; choose cache_aware, least_loaded or round_robin")
+    raise config_error("router", "policy", f"unknown {name!r}; choose cache_aware, least_loaded or round_robin")

@@ -2,6 +2,11 @@
 
 Every refusal is a `RequestError` with INVALID_ARGUMENT naming the field, raised before any worker
 is touched, so a bad request leaves no state anywhere.
+
+This is where a request's values are decided, once: its effort level, its output budget (the
+client's `max_tokens`, else the router's default, else the effort's `token_budget`, within the
+context), its sampling (top_p 0 or 1 becomes 1, off). The `PreparedRequest` travels as such to the
+workers (`frontend.py` copies it onto the wire), which take these values as given.
 """
 
 from __future__ import annotations
@@ -11,11 +16,10 @@ from dataclasses import dataclass
 
 from cedserve.model.cache.hashing import hash_blocks
 from cedserve.model.chat_format import ChatFormat
-from cedserve.model.effort import ChatMessage, parse_effort
+from cedserve.model.effort import ChatMessage, parse_effort, token_budget
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2
 from cedserve.router.errors import invalid
-from cedserve.router.placement import expected_output_tokens
 
 _EFFORT_NAMES = {generation_pb2.EFFORT_NAME_LOW: "low", generation_pb2.EFFORT_NAME_HIGH: "high",
                  generation_pb2.EFFORT_NAME_MAX: "max"}
@@ -55,25 +59,25 @@ def message_limit(limits: ModelLimits, configured: int) -> int:
 
 @dataclass(frozen=True)
 class PreparedRequest:
+    """A request as decided by the router: every value checked and resolved."""
+
     request_id: str
     token_ids: tuple[int, ...]
     effort: int
+    """1-100."""
     temperature: float
     top_p: float
+    """In (0, 1]; 1: off."""
     top_k: int
     seed: int | None
     logprobs: int
     max_tokens: int
+    """Output budget, >= 1 and within the context."""
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     cache_salt: str
     session_id: str
     block_hashes: tuple[bytes, ...]
-
-
-def token_budget(effort: int) -> int:
-    """Default output budget at an effort level: four times its expected output length."""
-    return int(4 * expected_output_tokens(effort))
 
 
 def resolve_effort(effort: generation_pb2.Effort) -> int:

@@ -1,22 +1,20 @@
-"""Configuration of one worker's KV cache (pool, tiers, events).
+"""Configuration of one worker's KV cache (pool, tiers, events): the serve config's `[cache]` table.
 
-The serve-level `cedserve.config.CacheConfig` carries the same first four fields; the launcher
-builds this one from it (the model package cannot import `cedserve`, which sits above it).
+It is the one home of the block size: the cache manager, the workers and their KV layouts read it
+from here (`ServeConfig.cache`), nothing copies it by hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 
-def _fail(name: str, message: str) -> None:
-    raise ValueError(f"cache field `{name}`: {message}")
+from cedserve.model.config_table import fail
 
 
-@dataclass(frozen=True)
-class KVCacheConfig:
-    """Sizes and policies of the block pool and its tiers."""
+class KVCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sizes and policies of the block pool and its tiers (every field settable from `[cache]`)."""
 
     block_size: int = 64
     """Tokens per block; a multiple of every compression ratio and of the candidate block."""
@@ -24,7 +22,7 @@ class KVCacheConfig:
     """Blocks in the device pool (HBM, or plain memory on a CPU host)."""
     host_offload_blocks: int = 0
     """Blocks in the host tier (pinned when CUDA is available); 0 disables it."""
-    disk_dir: str | Path | None = None
+    disk_dir: str | None = None
     """Folder of the persistent disk tier, one per worker; None disables it."""
     disk_capacity_blocks: int = 0
     """Files kept on disk before the least recently used are deleted; 0 means no limit."""
@@ -42,10 +40,10 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "io_queue_depth", "event_replay_batches"):
             if getattr(self, name) <= 0:
-                _fail(name, f"must be positive, got {getattr(self, name)}")
+                fail("cache", name, f"must be positive, got {getattr(self, name)}")
         for name in ("host_offload_blocks", "disk_capacity_blocks"):
             if getattr(self, name) < 0:
-                _fail(name, f"must be >= 0, got {getattr(self, name)}")
+                fail("cache", name, f"must be >= 0, got {getattr(self, name)}")
 
     @property
     def disk_path(self) -> Path | None:

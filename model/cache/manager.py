@@ -53,6 +53,7 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.metrics import CacheMetrics
 from cedserve.model.cache.prefix import PrefixCache
 from cedserve.model.cache.tiers import DiskTier, HostTier, Payload, ReadOutcome
+from cedserve.model.config_table import config_error
 
 RequestId = str
 STAGING_KEEP_BLOCKS = 1024
@@ -128,7 +129,7 @@ class KVCacheManager:
                  device: torch.device | str = "cpu", event_sink: Callable[[KVEventBatch], None] | None = None,
                  epoch: int | None = None) -> None:
         if config.block_size != layout.block_size:
-            raise ValueError(f"cache field `block_size`: config has {config.block_size}, layout {layout.block_size}")
+            raise config_error("cache", "block_size", f"{config.block_size}, but the layout's blocks hold {layout.block_size} tokens")
         self.layout = layout
         self.config = config
         self.block_size = layout.block_size

@@ -60,7 +60,7 @@ def make_receiver(name: str, num_blocks: int, config: ModelConfig) -> tuple[Nixl
 
 def decode_target(reservation: Reservation, agent_name: str, control_address: str) -> wpb.DecodeTarget:
     return wpb.DecodeTarget(agent_name=agent_name, control_address=control_address, lease_id=reservation.request_id,
-                            block_ids=list(reservation.block_ids), reservation=reservation_to_pb(reservation))
+                            reservation=reservation_to_pb(reservation))
 
 
 class WorkerProcess:

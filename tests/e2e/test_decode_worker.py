@@ -37,6 +37,8 @@ sys.path.insert(0, str(REPO / "tests" / "unit"))
 from decode_support import greedy_ties, prompt
 
 pytestmark = [pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"), pytest.mark.slow]
+ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}
+"""Effort and sampling as the router resolves them (the internal plane has no "unset")."""
 
 
 class Cluster:
@@ -47,10 +49,10 @@ class Cluster:
         self.prefill = WorkerProcess(num_blocks=64)
 
     def reserve(self, rid: str, tokens: list[int], sender: dict[str, str] | None = None,
-                max_tokens: int = 16, ship_state: bool | None = None) -> wpb.ReserveReply:
+                ship_state: bool | None = None) -> wpb.ReserveReply:
         sender = sender or self.prefill.ready
         request = wpb.ReserveRequest(
-            request_id=rid, prompt_tokens=len(tokens), token_ids=tokens, max_tokens=max_tokens, lease_ms=20_000,
+            request_id=rid, prompt_tokens=len(tokens), token_ids=tokens, lease_ms=20_000,
             sender_agent=sender["agent"], sender_control_address=sender["control_address"])
         if ship_state is not None:
             request.ship_state = ship_state
@@ -60,11 +62,11 @@ class Cluster:
     def prefill_into(self, rid: str, tokens: list[int], lease: wpb.ReserveReply) -> tuple[int, wpb.PrefillDone]:
         target = wpb.DecodeTarget(worker_id="decode-e2e", agent_name=lease.agent_name,
                                   control_address=lease.control_address, lease_id=lease.lease_id,
-                                  block_ids=list(lease.block_ids), num_cached_blocks=lease.num_cached_blocks,
+                                  num_cached_blocks=lease.num_cached_blocks,
                                   reservation=lease.reservation)
         if lease.HasField("state_room"):  # what the router does
             target.state_room.CopyFrom(lease.state_room)
-        events = list(self.prefill.stub.Prefill(wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target),
+        events = list(self.prefill.stub.Prefill(wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target, **ROUTED),
                                                 timeout=60))
         assert [e.WhichOneof("event") for e in events] == ["first_token", "done"], events
         return events[0].first_token.token_id, events[1].done
@@ -72,8 +74,8 @@ class Cluster:
     def decode_call(self, rid: str, lease: wpb.ReserveReply, tokens: list[int], first: int,
                     max_tokens: int) -> grpc.Future:
         return self.decode.stub.Decode(wpb.DecodeRequest(
-            request_id=rid, lease_id=lease.lease_id, token_ids=tokens, first_token=first,
-            sampling=wpb.SamplingParams(max_tokens=max_tokens)), timeout=120)
+            request_id=rid, lease_id=lease.lease_id, token_ids=tokens, first_token=first, effort=75,
+            sampling=wpb.SamplingParams(top_p=1.0, max_tokens=max_tokens)), timeout=120)
 
     def generate(self, rid: str, tokens: list[int], max_tokens: int,
                  ship_state: bool | None = None) -> tuple[list[int], wpb.DecodeComplete, int]:

@@ -35,6 +35,8 @@ from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import LoadedModel, detail_from_rpc_error, load_worker_model
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}
+"""Effort and sampling as the router resolves them (the internal plane has no "unset")."""
 POOL = 64
 
 
@@ -53,9 +55,7 @@ class Setup:
         self.next_block = (self.next_block + n) % 32
         state = list(range(40, 40 + state_blocks))
         res = self.agent.receiver().reserve(lease, blocks + state, sender=self.worker.ready["agent"], lease_s=20)
-        target = decode_target(res, self.agent.name, self.agent.control_address)
-        del target.block_ids[n:]  # the state blocks are not prompt blocks
-        return target
+        return decode_target(res, self.agent.name, self.agent.control_address)
 
     def close(self) -> None:
         self.worker.close()
@@ -74,7 +74,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def prefill(s: Setup, rid: str, tokens: list[int], target: wpb.DecodeTarget | None) -> list[wpb.PrefillEvent]:
-    req = wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target)
+    req = wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target, **ROUTED)
     return list(s.worker.stub.Prefill(req, timeout=60))
 
 
@@ -187,7 +187,7 @@ def test_killed_decode_target_frees_every_block(setup: Setup) -> None:
                                               "lease-k", -(-len(tokens) // BLOCK))
     try:
         target = decode_target(reservation, reservation.receiver, "")
-        call = setup.worker.stub.Prefill(wpb.PrefillRequest(request_id="k", token_ids=tokens, target=target),
+        call = setup.worker.stub.Prefill(wpb.PrefillRequest(request_id="k", token_ids=tokens, target=target, **ROUTED),
                                          timeout=60)
         deadline = time.monotonic() + 20
         while setup.worker.load().held_blocks == 0 and time.monotonic() < deadline:

@@ -61,7 +61,7 @@ def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -
         assert "workers on cpu (auto: no GPU)" in text, text
         with Client(str(system["address"]), timeout_s=120) as client:
             done = client.generate(list(range(10, 50)), max_tokens=30, effort="max")
-        # [decode] max_output_tokens reached the decode worker: effort 100's budget is 5 tokens
+        # [decode] max_output_tokens reached the decode worker: it cuts every request to 5 tokens
         assert done.finish_reason == "length" and len(done.token_ids) == 5, done
         with Client(str(system["address"]), timeout_s=120) as client:  # [router] default_max_tokens
             assert len(client.generate(list(range(10, 50)), effort="max").token_ids) == 3

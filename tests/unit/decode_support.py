@@ -135,7 +135,7 @@ class Rig:
                                     device=device)
         region = KVRegion(self.cache.pool.storage, layout.block_bytes)
         self.agent = LoopbackAgent(self.hub, region, kv_layout, "decode")
-        self.config = DecodeConfig(block_size=BLOCK, num_blocks=num_blocks, **config)
+        self.config = DecodeConfig(**config)
         if proposer is None and drafter is not None:
             proposer = DSparkProposer(drafter, model, self.config.draft_tokens)
         self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent)
@@ -349,7 +349,7 @@ def group_engine_worker(rank: int, world: int, port: int, out: Any) -> None:
     ep = TorchDistributedEP(model.config.n_routed_experts)
     layout, _ = layouts(model)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=64), f"decode-r{rank}")
-    config = DecodeConfig(block_size=BLOCK, num_blocks=64)
+    config = DecodeConfig()
     engine = DecodeEngine(config, model, cache, proposer=DSparkProposer(drafter, model), ep=ep, rank=rank)
     outputs: list[Output] = []
     loop = EngineLoop(engine, TorchChannel(), on_report=lambda reports: outputs.extend(

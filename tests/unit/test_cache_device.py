@@ -22,7 +22,7 @@ LAYOUT = BlockLayout.from_config(preset("v4.1-flash"), 64)
 
 def test_round_trips_through_host_and_disk_on_cuda(tmp_path: Path) -> None:
     tokens = np.arange(8 * 64 + 1) % 1000
-    config = KVCacheConfig(block_size=64, num_blocks=10, host_offload_blocks=4, disk_dir=tmp_path)
+    config = KVCacheConfig(block_size=64, num_blocks=10, host_offload_blocks=4, disk_dir=str(tmp_path))
     cache = KVCacheManager(LAYOUT, config, device="cuda")
     assert cache.pool.storage.is_cuda and cache.host is not None and cache.host.storage.is_pinned()
     admission = cache.admit("a", tokens)

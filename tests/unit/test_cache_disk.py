@@ -29,7 +29,7 @@ def fill(block_hash: bytes) -> torch.Tensor:
 
 
 def manager(folder: Path, events: list[KVEventBatch] | None = None, **kw: object) -> KVCacheManager:
-    config = KVCacheConfig(block_size=4, num_blocks=16, disk_dir=folder, disk_write_through=True, **kw)  # type: ignore[arg-type]
+    config = KVCacheConfig(block_size=4, num_blocks=16, disk_dir=str(folder), disk_write_through=True, **kw)  # type: ignore[arg-type]
     return KVCacheManager(LAYOUT, config, event_sink=None if events is None else events.append)
 
 

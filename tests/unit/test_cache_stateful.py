@@ -13,12 +13,12 @@ disk flush, file corruption and restart, and checks after every step that
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -58,7 +58,7 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="cedserve-cache-"))
-        self.config = KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=10, host_offload_blocks=3, disk_dir=self.dir,
+        self.config = KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=10, host_offload_blocks=3, disk_dir=str(self.dir),
                                     disk_capacity_blocks=6, io_queue_depth=4)
         self.mirror = KVIndexMirror()
         self.cache = self._start()
@@ -166,7 +166,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(persist=st.booleans(), write_through=st.booleans())
     def restart(self, persist: bool, write_through: bool) -> None:
         self.cache.close(persist=persist)
-        self.config = dataclasses.replace(self.config, disk_write_through=write_through)
+        self.config = msgspec.structs.replace(self.config, disk_write_through=write_through)
         self.cache = self._start()
         self.live.clear()
         self.onload_pending.clear()

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from cedserve.config import CacheConfig, ServeConfig
+from cedserve.config import ServeConfig
+from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.presets import PRESETS, preset, stretch_context
 
@@ -109,9 +110,9 @@ def test_serve_config_block_size_must_fit_the_plan(tmp_path: Path) -> None:
     model = preset("v4.1-flash")
     ServeConfig().validate_against(model)
     with pytest.raises(ValueError, match="block_size"):
-        ServeConfig(cache=CacheConfig(block_size=63)).validate_against(model)
+        ServeConfig(cache=KVCacheConfig(block_size=63)).validate_against(model)
     with pytest.raises(ValueError, match="candidate block"):
-        ServeConfig(cache=CacheConfig(block_size=4)).validate_against(model)  # candidate block is 8 tokens
+        ServeConfig(cache=KVCacheConfig(block_size=4)).validate_against(model)  # candidate block is 8 tokens
 
 
 def test_serve_config_files(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ import time
 import pytest
 from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
 
-from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
-from cedserve.proto import worker_pb2 as wpb
+from cedserve.errors import ErrorKind
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_memory_pressure_preempts_instead_of_failing(reference: list[list[int]],
     finishes. Both still produce the reference tokens."""
     model, drafter = tiny()
     prompts = [prompt(30, 11), prompt(30, 12)]
-    rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy)
+    rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=PreemptionPolicy(policy))
     got = greedy_rounds(rig, prompts, 7)
     for tokens, output in zip(prompts, got.values()):
         assert len(greedy_ties(model, tokens, output)) <= 2  # (prompt 11 has two ties: 1 and 4)
@@ -153,7 +153,7 @@ def test_prefill_side_dying_mid_transfer_frees_every_block() -> None:
     rig.hub.kill("prefill")
     rig.outputs += rig.engine.poll()
     failed = rig.finished(reserved.request_id)
-    assert isinstance(failed, Failed) and failed.code == wpb.ERROR_CODE_TRANSFER_FAILED
+    assert isinstance(failed, Failed) and failed.kind is ErrorKind.TRANSFER_FAILED
     rig.assert_all_free()
 
 
@@ -164,7 +164,7 @@ def test_unused_lease_expires() -> None:
     assert isinstance(reserved, Reserved)
     time.sleep(0.05)
     expired = rig.engine.poll()
-    assert [o.code for o in expired if isinstance(o, Failed)] == [wpb.ERROR_CODE_DEADLINE_EXCEEDED]
+    assert [o.kind for o in expired if isinstance(o, Failed)] == [ErrorKind.DEADLINE_EXCEEDED]
     rig.assert_all_free()
 
 
@@ -205,20 +205,20 @@ def test_bad_calls_get_precise_errors() -> None:
     assert isinstance(reserved, Reserved)
     rig.attach(reserved, PROMPTS[1][:-1], 5, 4)  # not the leased prompt
     bad = rig.finished(reserved.request_id)
-    assert isinstance(bad, Failed) and bad.code == wpb.ERROR_CODE_INVALID_ARGUMENT and bad.field == "token_ids"
+    assert isinstance(bad, Failed) and bad.kind is ErrorKind.INVALID_ARGUMENT and bad.field == "token_ids"
     again = rig.reserve(PROMPTS[0], request_id="dup")
     dup = rig.reserve(PROMPTS[0], request_id="dup")
     assert isinstance(again, Reserved) and isinstance(dup, Failed) and dup.field == "request_id"
     rig.engine.handle(CancelCommand(0, "dup", again.lease_id))
     huge = rig.reserve(prompt(200 * 32, 5))
-    assert isinstance(huge, Failed) and huge.code == wpb.ERROR_CODE_RESOURCE_EXHAUSTED and huge.retry_after_ms > 0
+    assert isinstance(huge, Failed) and huge.kind is ErrorKind.RESOURCE_EXHAUSTED and huge.retry_after_ms > 0
     rig.assert_all_free()
 
 
 def test_effort_sets_the_draft_length(reference: list[list[int]]) -> None:
     """Effort e verifies at most ceil(K e / 100) drafts per pass: with a drafter equal to the target every
     draft is accepted, so each verify chunk is exactly the limit plus the bonus token."""
-    assert [DecodeConfig.draft_limit(e, 5) for e in (0, 1, 20, 21, 25, 50, 75, 100)] == [5, 1, 1, 2, 2, 3, 4, 5]
+    assert [DecodeConfig.draft_limit(e, 5) for e in (1, 20, 21, 25, 50, 75, 100)] == [1, 1, 2, 2, 3, 4, 5]
     assert DecodeConfig.draft_limit(100, 0) == 0  # no drafter
     model, _ = tiny()
     tokens, k = PROMPTS[0], model.config.dspark_block_size

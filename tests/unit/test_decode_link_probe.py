@@ -15,12 +15,12 @@ from decode_support import BLOCK, Rig, tiny
 
 from cedserve.decode_workers import link_probe as decode_link_probe
 from cedserve.decode_workers.messages import Failed, ProbeCheckCommand, ProbeChecked, ReserveCommand, Reserved
+from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.errors import FailureCause
 from cedserve.kv_transfer.link_probe import digest, pattern
 from cedserve.kv_transfer.wire import reservation_from_pb
 from cedserve.model.cache.block_pool import scatter_rows
 from cedserve.proto import kv_transfer_pb2
-from cedserve.proto import worker_pb2 as wpb
 
 pytestmark = pytest.mark.unit
 NUM_BLOCKS = 6
@@ -122,7 +122,7 @@ def test_a_failed_transfer_fails_the_check_with_every_block_free(rig: Rig) -> No
     sender.open(reservation)
     sender.abort(reservation.request_id, FailureCause.CANCELLED, "sender gave up")
     out = poll_until(rig, "probe-aborted")
-    assert isinstance(out, Failed) and out.code == wpb.ERROR_CODE_TRANSFER_FAILED
+    assert isinstance(out, Failed) and out.kind is ErrorKind.TRANSFER_FAILED
     assert "probe-aborted" in out.message
     rig.assert_all_free()
 
@@ -131,7 +131,7 @@ def test_a_lease_expiring_under_a_waiting_check_frees_everything(rig: Rig) -> No
     reserved = reserve_probe(rig, "probe-expired", lease_ms=50)
     assert check(rig, reserved, "0" * 64) == []
     out = poll_until(rig, "probe-expired")
-    assert isinstance(out, Failed) and out.code == wpb.ERROR_CODE_DEADLINE_EXCEEDED
+    assert isinstance(out, Failed) and out.kind is ErrorKind.DEADLINE_EXCEEDED
     for _ in range(100):
         rig.engine.poll()
         if not rig.engine.leases.leases:
@@ -143,10 +143,10 @@ def test_a_lease_expiring_under_a_waiting_check_frees_everything(rig: Rig) -> No
 
 def test_an_unknown_or_taken_lease_is_not_found(rig: Rig) -> None:
     (out,) = rig.engine.handle(ProbeCheckCommand(0, "nobody", "no-lease", "0" * 64))
-    assert isinstance(out, Failed) and out.code == wpb.ERROR_CODE_NOT_FOUND and out.field == "lease_id"
+    assert isinstance(out, Failed) and out.kind is ErrorKind.NOT_FOUND and out.field == "lease_id"
     reserved = reserve_probe(rig, "probe-other")
     (out,) = rig.engine.handle(ProbeCheckCommand(0, "someone-else", reserved.lease_id, "0" * 64))
-    assert isinstance(out, Failed) and out.code == wpb.ERROR_CODE_NOT_FOUND
+    assert isinstance(out, Failed) and out.kind is ErrorKind.NOT_FOUND
     rig.engine.handle(ProbeCheckCommand(0, reserved.request_id, reserved.lease_id, "0" * 64))  # parked, no transfer yet
     rig.agent.abort(reserved.lease_id)
     poll_until(rig, "probe-other")

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from decode_support import BLOCK, Rig, greedy_rounds, greedy_ties, prompt, tiny
+from decode_support import Rig, greedy_rounds, greedy_ties, prompt, tiny
 
-from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.model.dspark import Draft
@@ -46,7 +46,7 @@ def test_preemption_takes_the_state_out_of_its_slot(policy: str) -> None:
     prompts = [prompt(30, 11), prompt(30, 12)]
     outs = []
     for runner in ("off", "on"):
-        rig = Rig(model, None, num_blocks=3, dspark=False, preemption=policy, runner=runner)
+        rig = Rig(model, None, num_blocks=3, dspark=False, preemption=PreemptionPolicy(policy), runner=runner)
         outs.append(list(greedy_rounds(rig, prompts, 7).values()))
         assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
         rig.assert_all_free()
@@ -74,7 +74,7 @@ def test_dspark_verify_rows_on_the_runner() -> None:
     outs, steps = [], 0
     for runner in ("off", "on"):
         model, drafter = tiny()
-        config = DecodeConfig(block_size=BLOCK, runner=runner, adaptive_verify=False)
+        config = DecodeConfig(runner=runner, adaptive_verify=False)
         proposer = EveryOtherStep(drafter, model, config.draft_tokens)
         rig = Rig(model, None, proposer=proposer, runner=runner, adaptive_verify=False)
         outs.append(list(greedy_rounds(rig, PROMPTS[:2], 14).values()))

@@ -36,9 +36,9 @@ def seq(rid: str, num_tokens: int, arrival: int, join: JoinKind = JoinKind.REPLA
 
 
 def scheduler(pool: Pool, lookahead: int = 1, offload_fits: bool = True, **config: object) -> DecodeScheduler:
-    cfg = DecodeConfig(block_size=BLOCK, num_blocks=pool.num_blocks, **config)  # type: ignore[arg-type]
+    cfg = DecodeConfig(**config)  # type: ignore[arg-type]
     budget = BlockBudget(pool.available, lambda rid: pool.tables.get(rid, 0))
-    return DecodeScheduler(cfg, budget, lookahead, lambda s: offload_fits)
+    return DecodeScheduler(cfg, BLOCK, budget, lookahead, lambda s: offload_fits)
 
 
 def test_joins_in_order_within_the_batch_limit() -> None:
@@ -115,7 +115,6 @@ def test_config_is_validated() -> None:
         DecodeConfig(preemption="swap")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"decode\.max_running_requests"):
         DecodeConfig(max_running_requests=0)
-    assert DecodeConfig(max_output_tokens=1000).token_budget(50) == 500
 
 
 

@@ -13,8 +13,8 @@ import pytest
 from decode_support import Rig, greedy_rounds, prompt, reference_greedy, tiny
 
 from cedserve.decode_workers.messages import Failed, Finished, Reserved
+from cedserve.errors import ErrorKind
 from cedserve.model.state_format import HEADER_BYTES
-from cedserve.proto import worker_pb2 as wpb
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +81,7 @@ def test_unreadable_state_fails_the_request_and_frees_every_block(hook: object, 
     rig.attach(reserved, tokens, first, 5)
     rig.run()
     failed = rig.finished(reserved.request_id)
-    assert isinstance(failed, Failed) and failed.code == wpb.ERROR_CODE_TRANSFER_FAILED
+    assert isinstance(failed, Failed) and failed.kind is ErrorKind.TRANSFER_FAILED
     assert words in failed.message and reserved.request_id in failed.message
     rig.assert_all_free()
 

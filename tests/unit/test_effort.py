@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from cedserve.model.effort import BOS, ChatMessage, effort_class, parse_effort, queue_due_s, render_chat
+from cedserve.model.effort import (
+    BOS,
+    ChatMessage,
+    check_level,
+    effort_class,
+    expected_output_tokens,
+    parse_effort,
+    queue_due_s,
+    render_chat,
+    token_budget,
+)
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -20,7 +30,7 @@ def test_bad_effort_names_the_field(value: object) -> None:
 
 
 def test_effort_leads_the_system_prompt() -> None:
-    text = render_chat([ChatMessage("system", "Be brief."), ChatMessage("user", "hi")], "low")
+    text = render_chat([ChatMessage("system", "Be brief."), ChatMessage("user", "hi")], parse_effort("low"))
     assert text.startswith(BOS + "Reasoning Effort: 50\nBe brief.")
     no_system = render_chat([ChatMessage("user", "hi")], 90)
     assert no_system.startswith(BOS + "Reasoning Effort: 90<")
@@ -48,9 +58,20 @@ def test_effort_class_bounds(effort: int, klass: str) -> None:
 def test_queue_due_grows_with_effort_and_is_bounded() -> None:
     assert queue_due_s(10.0, 50, 2.0) == 11.0 and queue_due_s(10.0, 100, 2.0) == 12.0
     assert queue_due_s(10.0, 1, 2.0) == pytest.approx(10.02)
-    assert queue_due_s(10.0, 0, 2.0) == queue_due_s(10.0, 75, 2.0)  # unset: the default level
     assert queue_due_s(10.0, 100, 0.0) == 10.0  # no slack: arrival order
     with pytest.raises(ValueError, match="slack"):
         queue_due_s(0.0, 50, -1.0)
-    with pytest.raises(ValueError, match="effort"):
-        queue_due_s(0.0, 101, 2.0)
+
+
+@pytest.mark.parametrize("value", [0, 101])
+def test_check_level_refuses_what_a_direct_caller_could_send(value: int) -> None:
+    with pytest.raises(ValueError, match=r"field `effort`: must be in \[1, 100\]"):
+        check_level(value)
+    assert check_level(1) == 1 and check_level(100) == 100
+
+
+def test_one_budget_rule() -> None:
+    """The default output budget is four times the effort's expected output, growing with effort."""
+    assert token_budget(75) == 4 * expected_output_tokens(75) == 8192
+    assert token_budget(25) == 4096 and token_budget(100) == 10240
+    assert token_budget(1) < token_budget(50) < token_budget(100)

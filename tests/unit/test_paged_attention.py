@@ -17,6 +17,7 @@ import pytest
 import torch
 from decode_support import tiny
 
+from cedserve.decode_workers.config import PreemptionPolicy
 from cedserve.kernels.triton_support import triton_available
 from cedserve.model.context import ForwardContext
 from cedserve.model.dspark import Drafter
@@ -423,7 +424,7 @@ def test_preemption_on_the_paged_path(policy: str, pair: tuple[CEDModel, Drafter
     prompts = [prompt(30, 11), prompt(30, 12)]
     got = {}
     for mode in ("off", "reference"):
-        rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=policy, paged_attention=mode)
+        rig = Rig(model, drafter, num_blocks=3, dspark=False, preemption=PreemptionPolicy(policy), paged_attention=mode)
         got[mode] = list(greedy_rounds(rig, prompts, 7).values())
         assert rig.engine.metrics.preemptions.labels(policy)._value.get() >= 1
         rig.assert_all_free()

@@ -29,6 +29,8 @@ from cedserve.prefill_workers.validation import RequestLimits, state_limits, val
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving import InvalidArgumentError, LoadedModel, load_worker_model
 
+ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}
+"""Effort and sampling as the router resolves them (the internal plane has no "unset")."""
 BLOCK = 64
 POOL = 32
 
@@ -55,11 +57,11 @@ class Rig:
         blocks = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         res = self.decode.receiver().reserve(rid, blocks, sender="p0")
-        return wpb.DecodeTarget(agent_name="d0", lease_id=rid, block_ids=blocks, reservation=reservation_to_pb(res))
+        return wpb.DecodeTarget(agent_name="d0", lease_id=rid, reservation=reservation_to_pb(res))
 
     def submit(self, rid: str, tokens: list[int], with_target: bool = True, **kw: object) -> PrefillJob:
         target = self.target(f"lease-{rid}", len(tokens)) if with_target else None
-        req = wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target, **kw)  # type: ignore[arg-type]
+        req = wpb.PrefillRequest(request_id=rid, token_ids=tokens, target=target, **{**ROUTED, **kw})  # type: ignore[arg-type]
         return self.engine.submit(validate_prefill(req, self.limits))
 
     def run(self, job: PrefillJob, steps: int = 50) -> list[wpb.PrefillEvent]:
@@ -223,8 +225,8 @@ def test_short_suffix_recomputes_enough_for_the_replay_span(rig: Rig) -> None:
 
 def test_unknown_lease_is_not_found_and_leaves_no_blocks(rig: Rig) -> None:
     res = Reservation("ghost", "d0", "p0", (0, 1), TransferMode.WRITE, compat_hash=rig.decode.layout.compatibility().compat_hash)
-    target = wpb.DecodeTarget(agent_name="d0", lease_id="ghost", block_ids=[0, 1], reservation=reservation_to_pb(res))
-    req = wpb.PrefillRequest(request_id="g", token_ids=prompt(100, 6), target=target)
+    target = wpb.DecodeTarget(agent_name="d0", lease_id="ghost", reservation=reservation_to_pb(res))
+    req = wpb.PrefillRequest(request_id="g", token_ids=prompt(100, 6), target=target, **ROUTED)
     events = rig.run(rig.engine.submit(validate_prefill(req, rig.limits)))
     assert kinds(events) == ["error"] and events[0].error.code == wpb.ERROR_CODE_NOT_FOUND
     rig.assert_all_free()
@@ -321,12 +323,12 @@ def test_shipped_bounded_state_decodes_like_the_monolithic_model(rig: Rig) -> No
     kv_blocks, room = [0, 1, 2, 3], -(-rig.limits.max_state_bytes_with_taps // rig.layout.block_bytes)
     state_blocks = list(range(40, 40 + room))
     res = rig.decode.receiver().reserve("lease-s", kv_blocks + state_blocks, sender="p0")
-    target = wpb.DecodeTarget(agent_name="d0", lease_id="lease-s", block_ids=kv_blocks,
+    target = wpb.DecodeTarget(agent_name="d0", lease_id="lease-s",
                               reservation=reservation_to_pb(res),
                               state_room=wpb.StateRoom(num_blocks=room, format_version=STATE_FORMAT_VERSION,
                                                        dspark_taps=True))
     events = rig.run(rig.engine.submit(validate_prefill(
-        wpb.PrefillRequest(request_id="s", token_ids=tokens, target=target), rig.limits)))
+        wpb.PrefillRequest(request_id="s", token_ids=tokens, target=target, **ROUTED), rig.limits)))
     assert kinds(events) == ["first_token", "done"]
     handoff = events[1].done.handoff
     assert handoff.num_blocks_sent == 4 and handoff.state_format_version == STATE_FORMAT_VERSION
@@ -351,10 +353,10 @@ def test_state_room_too_small_or_of_another_version_is_refused(rig: Rig) -> None
     for room, field in ((wpb.StateRoom(num_blocks=1, format_version=STATE_FORMAT_VERSION), "target.state_room.num_blocks"),
                         (wpb.StateRoom(num_blocks=50, format_version=99), "target.state_room.format_version")):
         res = rig.decode.receiver().reserve(f"lease-{field}", list(range(2 + room.num_blocks)), sender="p0")
-        target = wpb.DecodeTarget(agent_name="d0", lease_id=res.request_id, block_ids=[0, 1],
+        target = wpb.DecodeTarget(agent_name="d0", lease_id=res.request_id,
                                   reservation=reservation_to_pb(res), state_room=room)
         with pytest.raises(InvalidArgumentError) as info:
-            validate_prefill(wpb.PrefillRequest(request_id="v", token_ids=tokens, target=target), rig.limits)
+            validate_prefill(wpb.PrefillRequest(request_id="v", token_ids=tokens, target=target, **ROUTED), rig.limits)
         assert info.value.field == field
         rig.decode.receiver().abort(res.request_id)
     rig.assert_all_free()

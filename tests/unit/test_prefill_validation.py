@@ -18,7 +18,9 @@ LIMITS = RequestLimits(vocab_size=512, max_prompt_tokens=1000, block_size=64, de
 
 
 def request(n: int = 100, **kw: object) -> wpb.PrefillRequest:
-    return wpb.PrefillRequest(request_id="r", token_ids=[5] * n, **kw)  # type: ignore[arg-type]
+    """A request as the router sends it: effort and sampling resolved."""
+    fields: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0), **kw}
+    return wpb.PrefillRequest(request_id="r", token_ids=[5] * n, **fields)  # type: ignore[arg-type]
 
 
 def target(n_blocks: int = 2, cached: int = 0, **changes: object) -> wpb.DecodeTarget:
@@ -27,7 +29,7 @@ def target(n_blocks: int = 2, cached: int = 0, **changes: object) -> wpb.DecodeT
                                      mode=TransferMode.WRITE)
     fields.update(changes)
     res = Reservation(**fields)  # type: ignore[arg-type]
-    return wpb.DecodeTarget(agent_name="d0", lease_id="lease", block_ids=blocks, num_cached_blocks=cached,
+    return wpb.DecodeTarget(agent_name="d0", lease_id="lease", num_cached_blocks=cached,
                             reservation=reservation_to_pb(res))
 
 
@@ -49,14 +51,17 @@ def test_valid_request_with_target() -> None:
     (request(1001), "token_ids"),
     (wpb.PrefillRequest(request_id="r", token_ids=[1, 2, 512, 3]), "token_ids[2]"),
     (request(10, effort=101), "effort"),
+    (request(10, effort=0), "effort"),  # no "unset" on the internal plane: the router decides a level
     (request(10, sampling=wpb.SamplingParams(temperature=-1)), "sampling.temperature"),
-    (request(100, target=target(n_blocks=3)), "target.block_ids"),
+    (request(10, sampling=wpb.SamplingParams()), "sampling.top_p"),  # resolved by the router: (0, 1]
+    (request(100, target=target(n_blocks=3)), "target.reservation.block_ids"),
+    (request(100, target=target(n_blocks=1)), "target.reservation.block_ids"),
     (request(100, target=target(cached=3, n_blocks=2)), "target.num_cached_blocks"),
-    (request(100, target=wpb.DecodeTarget(agent_name="d0", lease_id="lease", block_ids=[1, 2])), "target.reservation"),
+    (request(100, target=wpb.DecodeTarget(agent_name="d0", lease_id="lease")), "target.reservation"),
     (request(100, target=target(request_id="other")), "target.reservation.request_id"),
     (request(100, target=target(sender="p1")), "target.reservation.sender_agent"),
     (request(100, target=target(receiver="d1")), "target.reservation.receiver_agent"),
-    (request(100, target=target(block_ids=(10, 12))), "target.reservation.block_ids"),
+    (request(100, target=target(cached=1, block_ids=(10, 12))), "target.reservation.block_ids"),
     (request(100, target=target(mode=TransferMode.READ)), "target.reservation.mode"),
 ])
 def test_bad_fields_are_named(req: wpb.PrefillRequest, field: str) -> None:

@@ -14,6 +14,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cedserve.drain import request_drain
+from cedserve.errors import (
+    ERRORS,
+    CancelledError,
+    DeadlineExceededError,
+    ErrorKind,
+    NotFoundError,
+    ResourceExhaustedError,
+    ServingError,
+    TransferFailedError,
+    UnavailableError,
+)
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.model.cache.errors import CacheExhaustedError
 from cedserve.model.cache.events import BlockStored, KVEventBatch, KVEventPublisher, Tier, decode_batch
@@ -30,7 +41,33 @@ from cedserve.serving import (
     parse_ready_line,
     ready_line,
     status_code,
+    wire_code,
 )
+
+
+@pytest.mark.parametrize(("error", "code", "status"), [
+    (InvalidArgumentError, wpb.ERROR_CODE_INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhaustedError, wpb.ERROR_CODE_RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceededError, wpb.ERROR_CODE_DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (UnavailableError, wpb.ERROR_CODE_UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+    (CancelledError, wpb.ERROR_CODE_CANCELLED, grpc.StatusCode.CANCELLED),
+    (NotFoundError, wpb.ERROR_CODE_NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+    (TransferFailedError, wpb.ERROR_CODE_TRANSFER_FAILED, grpc.StatusCode.UNAVAILABLE),
+    (ServingError, wpb.ERROR_CODE_INTERNAL, grpc.StatusCode.INTERNAL),
+])
+def test_every_domain_error_maps_to_its_wire_code_and_status(error: type[ServingError], code: int,
+                                                              status: grpc.StatusCode) -> None:
+    """The engines' errors (cedserve.errors) know no wire; the service layer's one table maps each kind."""
+    d = error_detail(error("what went wrong", field="f", retry_after_ms=7, request_id="r9"))
+    assert (d.code, d.message, d.field, d.retry_after_ms, d.request_id) == (code, "what went wrong", "f", 7, "r9")
+    assert wire_code(error.kind) == code and status_code(d.code) == status
+    assert ERRORS[error.kind] is error
+
+
+def test_every_error_kind_has_a_wire_code() -> None:
+    assert sorted(wire_code(kind) for kind in ErrorKind) == sorted(set(wpb.ErrorCode.values()) - {0})
+    # the decode engine's Failed reports a kind; its label is the wire name's lower case
+    assert all(wpb.ErrorCode.Name(wire_code(k)).removeprefix("ERROR_CODE_").lower() == k.value for k in ErrorKind)
 
 
 def test_error_mapping() -> None:
