@@ -14,9 +14,11 @@
 #                                                                                 STEP_S=220 RELEASED_S=110
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
 #                                   decode-engine-h200.json, engine.log                       ENGINE_S=120
-#                   Narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's --contexts, --batches,
-#                   --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths)
-#                   and ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused).
+#                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
+#                   --contexts, --batches, --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths) and
+#                   ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused auto-fused-tf32 off-tf32).
+#   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
+#                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
 #   kernels         kernel-tests, then kernel-bench
 #   kernel-tests    tests/kernels -m "$MARK" (default gpu)  kernel-tests.log, kernel-tests.xml
 #                                                                     KERNEL_TESTS_S=200 (QUICK=1: 130)
@@ -175,6 +177,11 @@ part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
     --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-h200.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
+}
+
+part_tf32() {  # what decode.matmul_tf32 does to the logits (teacher-forced, demo checkpoint and mini-40)
+  timeout "${TF32_S:-90}" "$PY" -P benchmarks/tf32_agreement.py --out "$OUT/tf32-agreement-h200.json" 2>&1 \
+    | quiet | tee "$OUT/tf32.log"
 }
 
 # ---------------------------------------------------------------- kernels (docs/kernels.md)
@@ -393,6 +400,7 @@ run_part() {  # $1: part name
     runner-tests) part_runner_tests ;;
     step) part_step ;;
     engine) part_engine ;;
+    tf32) part_tf32 ;;
     kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;
     kernel-tests) part_kernel_tests ;;
     kernel-bench) part_kernel_bench ;;
