@@ -203,6 +203,11 @@ host_offload_blocks = {{ .cache.hostOffloadBlocks | int }}
 {{- with .cache.diskDir }}
 disk_dir = {{ . | toJson }}
 {{- end }}
+disk_capacity_blocks = {{ .cache.diskCapacityBlocks | int }}
+disk_write_through = {{ .cache.diskWriteThrough }}
+disk_fsync = {{ .cache.diskFsync }}
+io_queue_depth = {{ .cache.ioQueueDepth | int }}
+event_replay_batches = {{ .cache.eventReplayBatches | int }}
 {{- end }}
 
 {{/*
