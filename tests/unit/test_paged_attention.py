@@ -586,7 +586,7 @@ def test_engines_warm_up_before_serving(pair: tuple[CEDModel, Drafter], monkeypa
     rig = Rig(model, None, paged_attention="reference", num_blocks=24)
     report = rig.engine.warmup
     assert report is not None and report.rows[0] == 1 and max(report.rows) == min(81, rig.engine.config.max_running_requests)
-    assert report.contexts[-1] < rig.engine.config.num_blocks * rig.engine.config.block_size
+    assert report.contexts[-1] < rig.cache.pool.num_blocks * rig.cache.block_size
     assert Rig(model, None, paged_attention="off").engine.warmup is None  # nothing to compile on the dense path
     assert Rig(model, None, paged_attention="reference", kernel_warmup=False).engine.warmup is None
     prefill = next(make_rig(LoadedModel(model, "tiny", "test"), "reference"))
