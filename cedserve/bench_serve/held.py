@@ -76,6 +76,11 @@ class Target:
     router_pid: int | None = None
     log_dir: Path | None = None
     """The system's `cedserve serve --log-dir` (its processes' command lines name it)."""
+    http_address: str = ""
+    """The OpenAI-compatible HTTP API's host:port, when known."""
+    message_limit: int = 4096 * 16 + (64 << 10)
+    """The router's receive limit (router.requests.message_limit; this: the demo model's), for the
+    bare-server comparison."""
 
     def decode_blocks(self) -> dict[str, tuple[int, int]]:
         """(free, total) blocks of each decode worker the router knows (needs the internal token)."""
@@ -213,7 +218,30 @@ async def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -
             "refusal_s": [round(o.seconds, 4) for o in refusals], "idle_ttft_s": idle.ttft_s,
             "loaded_ttft_s": normal.ttft_s, "normal_status": normal.status,
             "ttft_ratio": (normal.ttft_s / idle.ttft_s) if normal.ttft_s and idle.ttft_s else None,
-            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb()}
+            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb(),
+            **where_refusal_time_goes(target, mb)}
+
+
+def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict[str, Any]:
+    """The client-observed refusal above, taken apart: what the client spends building the message,
+    the router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
+    same probe against a gRPC server with no handler code (gRPC's floor)."""
+    from cedserve.bench_serve.length_probe import bare_server_refusal_time, http_refusal_time, refusal_time
+    from cedserve.client import build_request
+
+    declared = int(mb * 1e6)
+    start = time.monotonic()
+    size = len(build_request("x" * declared, max_tokens=8).SerializeToString())
+    out: dict[str, Any] = {"client_build_and_serialize_s": round(time.monotonic() - start, 4)}
+    probes = [refusal_time(target.address, declared_bytes=size) for _ in range(samples)]
+    out["server_refusal_s"] = [None if p is None else round(p.seconds, 4) for p in probes]
+    out["server_refusal_status"] = [None if p is None else p.status for p in probes]
+    if target.http_address:
+        http = [http_refusal_time(target.http_address, declared_bytes=size) for _ in range(samples)]
+        out["http_server_refusal_s"] = [None if h is None else round(h[0], 4) for h in http]
+        out["http_server_refusal_status"] = [None if h is None else h[1] for h in http]
+    out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples)
+    return out
 
 
 def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -235,7 +263,9 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         results["huge"] = huge
         log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
             f"{huge['loaded_ttft_s']} s vs idle {huge['idle_ttft_s']} s; router RSS {huge['router_rss_mb_before']} "
-            f"-> {huge['router_rss_mb_after']} MB")
+            f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
+            f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}); "
+            f"the client builds the message in {huge['client_build_and_serialize_s']} s")
     if "kill" in args.scenarios:
         if target.log_dir is None:
             raise SystemExit("cedserve bench held: the kill scenario needs --log-dir of the running system")
@@ -300,7 +330,8 @@ def _run_embedded(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     serve = ServeProcess(root, Path(args.checkpoint) if args.checkpoint else None,
                          "--restart-window-s", str(args.restart_window_s))
     try:
-        target = Target(serve.address, serve.token, serve.pid(KIND_NEEDLE["router"]), serve.log_dir)
+        target = Target(serve.address, serve.token, serve.pid(KIND_NEEDLE["router"]), serve.log_dir,
+                        f"127.0.0.1:{serve.http_port()}")
         log(f"started cedserve serve at {target.address} (logs: {serve.log_dir})")
         return run(target, args, log)
     finally:

@@ -118,3 +118,51 @@ def _plain_status(block: bytes) -> int | None:
     size = block[at + len(name)]
     value = block[at + len(name) + 1:at + len(name) + 1 + size]
     return int(value) if value.isdigit() else None
+
+
+def http_refusal_time(address: str, path: str = "/v1/completions", declared_bytes: int = 15_000_000,
+                      sent_bytes: int = 16_000, timeout_s: float = 10.0) -> tuple[float, int] | None:
+    """(seconds from the request's head written to the status line read, the status) of an HTTP/1.1
+    POST declaring a `declared_bytes` body of which only `sent_bytes` are sent; None when no status
+    line came within `timeout_s` (the server waits for the body)."""
+    host, port = address.rsplit(":", 1)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {declared_bytes}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.monotonic()
+        sock.sendall(head + b'{"prompt": "' + b"x" * sent_bytes)
+        reply = b""
+        while b"\r\n" not in reply:
+            try:
+                chunk = sock.recv(4096)
+            except TimeoutError:
+                return None
+            if not chunk:
+                return None
+            reply += chunk
+        return time.monotonic() - start, int(reply.split(b" ", 2)[1])
+
+
+def bare_server_refusal_time(max_message_bytes: int, declared_bytes: int = 15_000_000, samples: int = 5) -> list[float]:
+    """`refusal_time` against a gRPC server with no handler code at all (the `Generation` service's
+    generated base class) and the same receive limit: the floor gRPC itself sets."""
+    from concurrent import futures
+
+    import grpc
+
+    from cedserve.proto import generation_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", max_message_bytes)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation_pb2_grpc.GenerationServicer(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        out = []
+        for _ in range(samples):
+            refusal = refusal_time(f"127.0.0.1:{port}", declared_bytes=declared_bytes)
+            if refusal is not None:
+                out.append(round(refusal.seconds, 4))
+        return out
+    finally:
+        server.stop(0)
