@@ -306,6 +306,14 @@ class DecodeEngine:
             step_s=tuple(self.profile.step_s()), agent_name=str(getattr(self.endpoint, "name", "") or ""),
             control_address=str(getattr(self.endpoint, "control_address", "") or ""))
 
+    def publish_load(self) -> RankLoad:
+        """`load()`, also set on the block gauges: called every tick, so the gauges follow a Cancel or
+        an expired lease on an idle rank too, not only the steps."""
+        load = self.load()
+        self.metrics.free_blocks.set(load.free_blocks)
+        self.metrics.held_blocks.set(load.held_blocks)
+        return load
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[Output]:
@@ -713,7 +721,6 @@ class DecodeEngine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting) + self.leases.num_open - len(self.scheduler.running))
         self.metrics.preempted.set(len(self.scheduler.preempted))
-        self.metrics.free_blocks.set(self.leases.available_blocks())
         arena = self.model.paged_arena
         if arena is not None:
             if not self.sequences:

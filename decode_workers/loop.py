@@ -172,7 +172,7 @@ class EngineLoop:
         if self.channel.agree(work):
             with self.lock:
                 outputs.extend(self.engine.step())
-        gathered = self.channel.gather(encode(TickReport(outputs, self.engine.load())))
+        gathered = self.channel.gather(encode(TickReport(outputs, self.engine.publish_load())))
         if gathered is not None and self.on_report is not None:
             self.on_report([decode_tick_report(g) for g in gathered])
         self.last_tick_s = time.monotonic()

@@ -39,7 +39,9 @@ class TextCodec:
         return cls(tok, model_vocab_size)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        # encode_batch, not encode: it releases the GIL while it runs (encode holds it throughout), so a
+        # long prompt tokenized on a thread leaves the caller's event loop running (router/tokenize_pool.py)
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.model_vocab_size]

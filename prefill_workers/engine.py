@@ -519,6 +519,7 @@ class PrefillEngine:
         m.queued_tokens.set(queued)
         m.running_requests.set(len(self._jobs))
         m.free_blocks.set(self._stats.free_blocks)
+        m.held_blocks.set(self._stats.held_blocks)
         m.tokens_per_s.set(self._stats.tokens_per_s)
         arena = self.model.paged_arena
         if arena is not None:

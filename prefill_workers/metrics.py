@@ -31,6 +31,8 @@ class PrefillMetrics:
                                    registry=r)
         self.running_requests = Gauge("cedserve_prefill_running_requests", "Requests in flight", registry=r)
         self.free_blocks = Gauge("cedserve_prefill_free_blocks", "Blocks free or evictable", registry=r)
+        self.held_blocks = Gauge("cedserve_prefill_held_blocks", "Blocks referenced by prompts in flight",
+                                 registry=r)
         self.tokens_per_s = Gauge("cedserve_prefill_tokens_per_second", "Measured prefill rate over the load "
                                   "window (tokens per busy second)", registry=r)
         self.draining = Gauge("cedserve_prefill_draining", "1 while draining", registry=r)

@@ -37,8 +37,9 @@ from cedserve.router.placement import (
     RequestShape,
 )
 from cedserve.router.policy import RoutingPolicy
-from cedserve.router.requests import ModelLimits, PreparedRequest, prepare
+from cedserve.router.requests import ModelLimits, PreparedRequest
 from cedserve.router.text import StreamingText
+from cedserve.router.tokenize_pool import TokenizePool
 from cedserve.router.workers import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,13 @@ class GenerationCore:
         self.metadata = metadata
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
+        self.tokenize = TokenizePool(codec, limits)
 
-    def prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
-        """Validate and tokenize (`router/requests.py`); a refusal is counted and raised as `RequestError`."""
+    async def prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
+        """Validate and tokenize (`router/requests.py`; a large prompt off the event loop,
+        router/tokenize_pool.py); a refusal is counted and raised as `RequestError`."""
         try:
-            return prepare(request, self.codec, self.limits)
+            return await self.tokenize.prepare(request)
         except RequestError as exc:
             self.metrics.errors.labels(code=exc.code.name).inc()
             raise
@@ -420,7 +423,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
-            prepared = self.core.prepare(request)
+            prepared = await self.core.prepare(request)
         except RequestError as exc:
             await context.abort_with_status(exc.to_status())
             return
@@ -440,7 +443,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                           context: grpc.aio.ServicerContext) -> generation_pb2.CountTokensResponse:
         shim = generation_pb2.GenerateRequest(model=request.model, prompt=request.prompt, effort=request.effort)
         try:
-            prepared = prepare(shim, self.core.codec, self.core.limits)
+            prepared = await self.core.tokenize.prepare(shim)
         except RequestError as exc:
             await context.abort_with_status(exc.to_status())
             raise AssertionError("unreachable") from exc

@@ -226,7 +226,7 @@ class HttpApi:
                                type="service_unavailable_error", retry_after_s=1.0)
             deadline = _deadline(request)
             call = parse(await self._body(request), kind, self.settings)
-            prepared = self.core.prepare(call.request)
+            prepared = await self.core.prepare(call.request)
         except ApiError as exc:
             return self._error(exc, endpoint)
         except RequestError as exc:

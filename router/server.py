@@ -39,6 +39,7 @@ from cedserve.router.openai_api import ApiSettings
 from cedserve.router.placement import MeasuredLinks
 from cedserve.router.policy import make_policy
 from cedserve.router.requests import ModelLimits, message_limit
+from cedserve.router.tokenize_pool import TokenizePool
 from cedserve.router.workers import WorkerPool
 from cedserve.tls import add_port
 
@@ -66,6 +67,8 @@ class RunningRouter:
     """Where `/metrics` is served (-1: off)."""
     http: HttpServer | None = None
     """The OpenAI-compatible HTTP API (`RouterConfig.http_port`); None: off."""
+    tokenize: TokenizePool | None = None
+    """The threads large prompts are tokenized on (closed by `stop`)."""
 
     @property
     def http_port(self) -> int:
@@ -82,6 +85,8 @@ class RunningRouter:
         if self.health_only is not None:
             await self.health_only.stop(0)
         await self.pool.close()
+        if self.tokenize is not None:
+            self.tokenize.close()
 
 
 async def _health_listener(config: RouterConfig, servicer: health.aio.HealthServicer, drain: RouterDrain,
@@ -145,7 +150,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         http, _thread = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
         metrics_port = int(http.server_port)
     return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, core.links,
-                         metrics_port, http_api)
+                         metrics_port, http_api, core.tokenize)
 
 
 async def _http_api(config: RouterConfig, core: GenerationCore, drain: RouterDrain) -> HttpServer | None:

@@ -77,6 +77,8 @@ class WorkerHandle:
     """Who added it: `static` (command line), `kubernetes` (discovery) or `registry` (Register RPC)."""
     follower: bool = False
     """Does not serve the worker service (a follower rank of a group): never placed on."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to poll now rather than after `poll_s` (its KV event stream broke: the worker may be gone)."""
 
     @property
     def worker_id(self) -> str:
@@ -256,7 +258,8 @@ class WorkerPool:
                         if task is not asyncio.current_task():
                             task.cancel()
                     return
-                liveness = await self._liveness(handle) if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+                checked = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                liveness = await self._liveness(handle) if checked else False
                 if liveness:
                     handle.last_seen_s = time.monotonic()
                 if not poll_missed(exc.code(), liveness, time.monotonic() - handle.last_seen_s):
@@ -264,14 +267,24 @@ class WorkerPool:
                     # report stands) and keep its prefix-index entries
                     handle.late_polls += 1
                     log.debug("load poll of %s late (liveness %s)", handle.worker_id, liveness)
-                    await asyncio.sleep(self.poll_s)
+                    await self._pause(handle)
                     continue
-                handle.missed_polls += 1
-                if handle.missed_polls == _MISSED_POLLS_DOWN:
+                before = handle.missed_polls
+                # unreachable and its health check refused too: the process is gone (killed, crashed),
+                # not busy; out of placement now rather than after three polls
+                gone = exc.code() == grpc.StatusCode.UNAVAILABLE and liveness is False
+                handle.missed_polls = max(before + 1, _MISSED_POLLS_DOWN if gone else 0)
+                if before < _MISSED_POLLS_DOWN <= handle.missed_polls:
                     log.warning("worker %s is down (%s); taking it out of placement", handle.worker_id, exc.code())
                     self.index.forget(handle.worker_id)
                     self.loads.drop(handle.worker_id)
-            await asyncio.sleep(self.poll_s)
+            await self._pause(handle)
+
+    async def _pause(self, handle: WorkerHandle) -> None:
+        """`poll_s`, or less when something suggests the worker is gone (`WorkerHandle.wake`)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(handle.wake.wait(), self.poll_s)
+        handle.wake.clear()
 
     def _report(self, handle: WorkerHandle) -> None:
         """Write a healthy worker's load report into `loads` (rates floored at one token/s; a decode
@@ -308,6 +321,8 @@ class WorkerPool:
                         break  # a gap: reconnect from the last applied batch
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV event stream of %s ended: %s", handle.worker_id, exc.code())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    handle.wake.set()  # the connection broke: poll it now, to learn at once if it died
             except ValueError as exc:
                 log.warning("malformed KV events from %s: %s", handle.worker_id, exc)
             await asyncio.sleep(self.poll_s)

@@ -168,6 +168,23 @@ def test_unused_lease_expires() -> None:
     rig.assert_all_free()
 
 
+def test_block_gauges_follow_a_lease_on_an_idle_rank() -> None:
+    """`cedserve_decode_held_blocks` is set on every tick (`publish_load`), so it falls back to 0 when a
+    lease ends with no step run after it."""
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    held = rig.engine.metrics.held_blocks
+    reserved = rig.reserve(PROMPTS[1], lease_ms=20)
+    assert isinstance(reserved, Reserved)
+    load = rig.engine.publish_load()
+    assert load.held_blocks > 0 and held._value.get() == load.held_blocks
+    time.sleep(0.05)
+    rig.engine.poll()  # ticks as the loop runs them: the lease expires, then its blocks come back
+    rig.assert_all_free()
+    assert rig.engine.publish_load().held_blocks == 0 and held._value.get() == 0
+    assert rig.engine.metrics.free_blocks._value.get() == load.total_blocks
+
+
 def test_sampling_seed_logprobs_and_stop(reference: list[list[int]]) -> None:
     model, drafter = tiny()
     rig = Rig(model, drafter)

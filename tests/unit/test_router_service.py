@@ -157,7 +157,7 @@ class Cluster:
         self.healths: dict[str, health.HealthServicer] = {}
         endpoints = self.call(self._start_workers())
         config = RouterConfig(checkpoint=str(checkpoint), prefill=endpoints[:2], decode=endpoints[2:],
-                              load_poll_s=0.05, **router_kwargs)
+                              **{"load_poll_s": 0.05, **router_kwargs})
         self.router: RunningRouter = self.call(start_router(config))
         self.call(self.router.pool.wait_ready(10))
         self.address = f"127.0.0.1:{self.router.port}"
@@ -467,6 +467,27 @@ def test_a_busy_worker_is_not_a_dead_one(cluster: Cluster) -> None:
     finally:
         for worker in cluster.decode:
             worker.script.load_delay_s = 0.0
+
+
+def test_a_dead_worker_is_out_of_placement_at_once(checkpoint: Path) -> None:
+    """A worker whose server is gone (kill -9) is taken out when its KV event stream breaks and a
+    poll and health check are refused, not after three load polls: here within 3 s where three polls
+    at 2 s need 4-6 s. The other decode worker serves meanwhile."""
+    cluster = Cluster(checkpoint, load_poll_s=2.0)
+    try:
+        handles = cluster.router.pool.workers
+        assert handles["d0"].healthy
+        time.sleep(0.5)  # the KV event streams are open
+        killed = time.monotonic()
+        cluster.call(cluster.servers[2].stop(0))  # d0's server: its connections drop at once
+        while handles["d0"].healthy and time.monotonic() - killed < 10:
+            time.sleep(0.02)
+        assert not handles["d0"].healthy and time.monotonic() - killed < 3.0
+        assert handles["d1"].healthy
+        with _client(cluster) as client:
+            assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+    finally:
+        cluster.close()
 
 
 def test_undecodable_request_bytes_are_invalid_argument(cluster: Cluster) -> None:

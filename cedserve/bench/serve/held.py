@@ -16,6 +16,14 @@ Scenarios, each against one system, in this order:
   normal request's time to first token against the same request on the idle system, and the
   router's resident memory before and after (needs the router's pid: known when this command
   started the system).
+- `kill`: kill -9 of the router, the prefill worker and the decode worker in turn, `--kill-rounds`
+  times each, under `--kill-clients` streams of load (cedserve/bench/serve/chaos.py): detection,
+  time to serving again, held blocks back to the baseline, every request ended with a status. Needs
+  the system's log folder to find its processes (known when this command started it; else
+  `--log-dir` of the running `cedserve serve`).
+
+With no `--address` this command starts `cedserve serve` (supervised, its restart window
+`--restart-window-s`) in `--log-dir` and stops it at the end.
 
 Prints a table and writes JSON (`--out`) with the date, machine and command.
 """
@@ -37,12 +45,14 @@ from typing import Any
 
 import grpc
 
+from cedserve.bench.serve.chaos import KIND_NEEDLE, KINDS, ServeProcess, kill_rounds
 from cedserve.client import AsyncClient, CedserveError, Client
 from cedserve.config import token_metadata
+from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.machine import describe_machine
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
-SCENARIOS = ("burst", "deadlines", "huge")
+SCENARIOS = ("burst", "deadlines", "huge", "kill")
 SHORT_PROMPT = "def fibonacci(n):\n    "
 """A normal request's prompt; every request asks for `--max-tokens` tokens of it."""
 
@@ -64,6 +74,13 @@ class Target:
     address: str
     token: str = ""
     router_pid: int | None = None
+    log_dir: Path | None = None
+    """The system's `cedserve serve --log-dir` (its processes' command lines name it)."""
+    http_address: str = ""
+    """The OpenAI-compatible HTTP API's host:port, when known."""
+    message_limit: int = 4096 * 16 + (64 << 10)
+    """The router's receive limit (router.requests.message_limit; this: the demo model's), for the
+    bare-server comparison."""
 
     def decode_blocks(self) -> dict[str, tuple[int, int]]:
         """(free, total) blocks of each decode worker the router knows (needs the internal token)."""
@@ -201,7 +218,30 @@ async def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -
             "refusal_s": [round(o.seconds, 4) for o in refusals], "idle_ttft_s": idle.ttft_s,
             "loaded_ttft_s": normal.ttft_s, "normal_status": normal.status,
             "ttft_ratio": (normal.ttft_s / idle.ttft_s) if normal.ttft_s and idle.ttft_s else None,
-            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb()}
+            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb(),
+            **where_refusal_time_goes(target, mb)}
+
+
+def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict[str, Any]:
+    """The client-observed refusal above, taken apart: what the client spends building the message,
+    the router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
+    same probe against a gRPC server with no handler code (gRPC's floor)."""
+    from cedserve.bench.serve.length_probe import bare_server_refusal_time, http_refusal_time, refusal_time
+    from cedserve.client import build_request
+
+    declared = int(mb * 1e6)
+    start = time.monotonic()
+    size = len(build_request("x" * declared, max_tokens=8).SerializeToString())
+    out: dict[str, Any] = {"client_build_and_serialize_s": round(time.monotonic() - start, 4)}
+    probes = [refusal_time(target.address, declared_bytes=size) for _ in range(samples)]
+    out["server_refusal_s"] = [None if p is None else round(p.seconds, 4) for p in probes]
+    out["server_refusal_status"] = [None if p is None else p.status for p in probes]
+    if target.http_address:
+        http = [http_refusal_time(target.http_address, declared_bytes=size) for _ in range(samples)]
+        out["http_server_refusal_s"] = [None if h is None else round(h[0], 4) for h in http]
+        out["http_server_refusal_status"] = [None if h is None else h[1] for h in http]
+    out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples)
+    return out
 
 
 def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -223,7 +263,18 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         results["huge"] = huge
         log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
             f"{huge['loaded_ttft_s']} s vs idle {huge['idle_ttft_s']} s; router RSS {huge['router_rss_mb_before']} "
-            f"-> {huge['router_rss_mb_after']} MB")
+            f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
+            f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}); "
+            f"the client builds the message in {huge['client_build_and_serialize_s']} s")
+    if "kill" in args.scenarios:
+        if target.log_dir is None:
+            raise SystemExit("cedserve bench held: the kill scenario needs --log-dir of the running system")
+        results["kill"] = kill_rounds(target.address, target.token, target.log_dir, args.kill_kinds,
+                                      args.kill_rounds, args.kill_clients, args.kill_max_tokens, log)
+        for kind, summary in results["kill"]["summary"].items():
+            log(f"kill {kind:>7} x {summary['kills']}: detected <= {summary['detected_s_max']} s, serving again <= "
+                f"{summary['serving_again_s_max']} s, blocks back <= {summary['blocks_back_s_max']} s, "
+                f"leaks {summary['leaks']}, in flight {summary['inflight_status']}, no status {summary['no_status']}")
     return results
 
 
@@ -238,8 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flood", type=int, default=4000)
     p.add_argument("--huge-mb", type=float, default=15.0)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--kill-kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--kill-rounds", type=int, default=10, help="kills of each kind")
+    p.add_argument("--kill-clients", type=int, default=8, help="streams of load during a kill")
+    p.add_argument("--kill-max-tokens", type=int, default=16)
     p.add_argument("--checkpoint", help="with no --address: the checkpoint to serve (default: the demo)")
-    p.add_argument("--log-dir", help="with no --address: the started system's logs")
+    p.add_argument("--log-dir", help="with no --address: where the started system's logs go; with --address: "
+                   "the running `cedserve serve`'s --log-dir (the kill scenario finds its processes by it)")
+    p.add_argument("--restart-window-s", type=float, default=60.0,
+                   help="with no --address: the supervisor's restart window (restarts back off and are limited "
+                        "within it; `cedserve serve`'s default is 600 s, which 10 kills of one part exceed)")
     p.add_argument("--out", help="JSON report")
     return p
 
@@ -251,8 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "machine": describe_machine("cpu"), "command": "cedserve bench held " + " ".join(
                                   sys.argv[3:] if argv is None else argv)}
     if args.address:
-        token = Path(args.token_file).read_text().strip() if args.token_file else ""
-        report["results"] = run(Target(args.address, token, args.router_pid), args, log)
+        log_dir = Path(args.log_dir) if args.log_dir else None
+        token_file = Path(args.token_file) if args.token_file else (
+            log_dir / "run" / TOKEN_FILE_NAME if log_dir is not None else None)
+        token = token_file.read_text().strip() if token_file is not None else ""
+        report["results"] = run(Target(args.address, token, args.router_pid, log_dir), args, log)
     else:
         report["results"] = _run_embedded(args, log)
     if args.out:
@@ -262,18 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_embedded(args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    from cedserve.launcher import TOKEN_FILE_NAME, EmbeddedOptions, LocalLauncher, cache_home
-    from cedserve.supervise import EmbeddedSystem
+    from cedserve.launcher import cache_home
 
-    log_dir = Path(args.log_dir) if args.log_dir else cache_home() / "logs" / "bench-held"
-    launcher = LocalLauncher(log_dir)
-    opts = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, port=0, log_dir=log_dir)
+    root = Path(args.log_dir) if args.log_dir else cache_home() / "logs" / "bench-held"
+    serve = ServeProcess(root, Path(args.checkpoint) if args.checkpoint else None,
+                         "--restart-window-s", str(args.restart_window_s))
     try:
-        system = EmbeddedSystem(opts, launcher)
-        ready = system.start()
-        token = (system.run_dir / TOKEN_FILE_NAME).read_text().strip()
-        target = Target(str(ready["address"]), token, system.parts["router"].proc.pid)
-        log(f"started the embedded system at {target.address} (logs: {log_dir})")
+        target = Target(serve.address, serve.token, serve.pid(KIND_NEEDLE["router"]), serve.log_dir,
+                        f"127.0.0.1:{serve.http_port()}")
+        log(f"started cedserve serve at {target.address} (logs: {serve.log_dir})")
         return run(target, args, log)
     finally:
-        launcher.stop_all()
+        serve.stop()
