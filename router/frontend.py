@@ -243,17 +243,13 @@ class GenerationCore:
             self.metrics.ttft_s.observe(progress.ttft_s)
 
     def _done(self, req: PreparedRequest, progress: _Progress, token: int) -> bool:
-        if token in req.stop_token_ids or (token == self._eos() and token >= 0):
+        if token in req.stop_token_ids or token in self.limits.eos_token_ids:
             progress.finish = generation_pb2.FINISH_REASON_STOP
             return True
         if len(progress.output_ids) >= req.max_tokens:
             progress.finish = generation_pb2.FINISH_REASON_LENGTH
             return True
         return False
-
-    def _eos(self) -> int:
-        eos = self.codec.token_id("<|eos|>")
-        return -1 if eos is None else eos
 
     def _emit(self, req: PreparedRequest, progress: _Progress, token_ids: list[int], logprobs: list[float],
               top_logprobs: list[worker_pb2.TokenTopLogprobs]) -> generation_pb2.GenerateResponse:

@@ -43,6 +43,16 @@ class ModelLimits:
     """0: the effort level's budget."""
     chat_format: ChatFormat | None = None
     """How the checkpoint encodes a conversation (model/chat_format.py); None: chat prompts are refused."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """The model's end-of-sequence ids (`eos_token_id`, one or several): a first token from prefill
+    that is one of them ends the request, as the decode worker's own check does for later tokens."""
+
+
+def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset[int]:
+    """`eos_token_id` as the checkpoint's config gives it (an id, several, or none) as a set."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 MESSAGE_SLACK_BYTES = 64 << 10

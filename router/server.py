@@ -38,7 +38,7 @@ from cedserve.router.metrics import RouterMetrics
 from cedserve.router.openai_api import ApiSettings
 from cedserve.router.placement import MeasuredLinks
 from cedserve.router.policy import make_policy
-from cedserve.router.requests import ModelLimits, message_limit
+from cedserve.router.requests import ModelLimits, eos_ids, message_limit
 from cedserve.router.tokenize_pool import TokenizePool
 from cedserve.router.workers import WorkerPool
 from cedserve.tls import add_port
@@ -110,7 +110,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     model, codec = _served_model(config)
     block_bytes = KVAccounting.from_config(model).block_bytes(config.block_size)
     limits = ModelLimits(config.model_id, model.vocab_size, model.max_position_embeddings, config.block_size,
-                         config.default_max_tokens, ChatFormat.of(codec))
+                         config.default_max_tokens, ChatFormat.of(codec), eos_ids(model.eos_token_id))
     metadata = token_metadata(config.worker_token)
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)

@@ -532,3 +532,19 @@ def test_a_request_bigger_than_the_context_can_use_is_refused_unread(cluster: Cl
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in info.value.message
         assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+
+
+def test_a_first_token_that_is_one_of_the_models_eos_ids_ends_the_request(tmp_path: Path) -> None:
+    """The checkpoint's `eos_token_id` may list several ids: prefill's first token ends the request
+    on any of them (the router once knew only the tokenizer's `<|eos|>`)."""
+    (tmp_path / "config.json").write_text(json.dumps({**preset("tiny").to_hf_dict(), "eos_token_id": [2, 50]}))
+    shutil.copyfile(tiny_tokenizer_path(), tmp_path / "tokenizer.json")
+    c = Cluster(tmp_path)
+    try:
+        with Client(c.address, timeout_s=20) as client:
+            done = client.generate([47], max_tokens=8)  # the fake prefill's first token: 47 % 200 + 3 = 50
+            assert done.finish_reason == "stop" and done.token_ids == [50]
+            other = client.generate([48], max_tokens=3)  # 51: not an end
+            assert other.finish_reason == "length" and other.token_ids == _expected([48], 3)
+    finally:
+        c.close()
