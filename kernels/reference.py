@@ -4,7 +4,8 @@ This module is the executable specification of every quantized value the serving
 system stores. It reproduces, bit for bit, the fake-quant functions of the public
 DeepSeek-V4.1 reference model (``_fake_quant_fp8_block`` / ``_fake_quant_fp4_block``
 of ``transformers``' ``modeling_deepseek_v41.py``) and defines the byte layout of the
-three cache records built on them. It imports nothing from the rest of the project.
+three cache records built on them (their byte sizes, which need no torch, are in
+``record_sizes.py``). It imports nothing else from the rest of the project.
 
 Where the reference quantizes (all on cached values only):
 
@@ -77,6 +78,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cedserve.kernels.record_sizes import (
+    INDEX_KEY_BLOCK,
+    MAIN_KV_BLOCK,
+    SWA_BLOCK,
+    check_record_dim,
+    index_key_record_bytes,
+    main_kv_record_bytes,
+    swa_record_bytes,
+)
+
 __all__ = [
     "E2M1_GRID",
     "E2M1_MAX",
@@ -116,13 +127,6 @@ FP4_UE8M0_AMAX_FLOOR = 6.0 * 2.0**-126
 """Block amax floor of the FP4/UE8M0 quantizer (index keys): scale >= 2**-126."""
 FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
 """Block amax floor of the FP4/E4M3 quantizer (main KV): scale >= 2**-9."""
-
-MAIN_KV_BLOCK = 16
-"""Channels per E4M3 scale in a main-KV record."""
-INDEX_KEY_BLOCK = 32
-"""Channels per UE8M0 scale in an index-key record."""
-SWA_BLOCK = 32
-"""Channels per UE8M0 scale in an SWA record."""
 
 _UE8M0_BIAS = 127
 _SCALE_FORMATS = ("e4m3", "ue8m0")
@@ -286,39 +290,13 @@ def fake_quant_fp4(x: Tensor, block_size: int, scale_format: str) -> Tensor:
 # -------------------------------------------------------------------------- records
 
 
-def _check_dim(dim: int, block_size: int, what: str) -> None:
-    if dim <= 0 or dim % block_size:
-        raise ValueError(f"{what}: D must be a positive multiple of {block_size}, got {dim}")
-
-
-def main_kv_record_bytes(dim: int) -> int:
-    """Bytes of one main-KV record of ``dim`` channels: ``dim // 2 + dim // 16``
-    (288 for 512, 36 for 64)."""
-    _check_dim(dim, MAIN_KV_BLOCK, "main KV record")
-    return dim // 2 + dim // MAIN_KV_BLOCK
-
-
-def index_key_record_bytes(dim: int) -> int:
-    """Bytes of one index-key record of ``dim`` channels: ``dim // 2 + dim // 32``
-    (68 for 128, 17 for 32)."""
-    _check_dim(dim, INDEX_KEY_BLOCK, "index key record")
-    return dim // 2 + dim // INDEX_KEY_BLOCK
-
-
-def swa_record_bytes(dim: int) -> int:
-    """Bytes of one SWA record of ``dim`` channels: ``dim + dim // 32`` (528 for 512,
-    66 for 64)."""
-    _check_dim(dim, SWA_BLOCK, "SWA record")
-    return dim + dim // SWA_BLOCK
-
-
 def _pack_blocks(x: Tensor, block_size: int, what: str) -> Tensor:
     """Validate a pack input and return its finite float32 blocks."""
     if not x.is_floating_point():
         raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{what}: expected at least one dimension")
-    _check_dim(x.shape[-1], block_size, what)
+    check_record_dim(x.shape[-1], block_size, what)
     blocks = _to_blocks(x, block_size)
     if not bool(torch.isfinite(blocks).all()):
         raise ValueError(f"{what}: input contains NaN or inf (after the float32 upcast)")

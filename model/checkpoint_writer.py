@@ -35,22 +35,13 @@ from torch import Tensor, nn
 from cedserve.kernels.weight_formats import quantize_fp4_weight, quantize_fp8_weight
 from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter
-from cedserve.model.engram import build_compressed_token_map
 from cedserve.model.network import CEDModel
-from cedserve.model.tokenizer import tiny_tokenizer_path
+from cedserve.model.tokenizer import build_compressed_token_map, fit_config_to_tokenizer, tiny_tokenizer_path
 
 _PERTURBED = ("norm.weight", "attn_sink", "gate.bias", "gate.bias_vl", "hc_attn_base", "hc_ffn_base",
               "hc_attn_scale", "hc_ffn_scale", "q_weight", "k_weight")
 _FLOAT32_MATRICES = ("embed.weight", "lm_head.weight", "gate.weight", "hc_attn_fn", "hc_ffn_fn",
                      "engram.embed.weight", "engram.embed.scale", "markov.w1", "markov.w2")
-
-
-def fit_config_to_tokenizer(config: ModelConfig, tokenizer_json: Path) -> ModelConfig:
-    """The config with `engram_compressed_vocab_size` set to what this tokenizer gives."""
-    from tokenizers import Tokenizer
-
-    _, size = build_compressed_token_map(Tokenizer.from_file(str(tokenizer_json)))
-    return config.replace(engram_compressed_vocab_size=size)
 
 
 def init_random_(module: nn.Module, std: float, generator: torch.Generator) -> None:

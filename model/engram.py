@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cedserve.model.config import ModelConfig
+from cedserve.model.tokenizer import build_compressed_token_map
 
 _MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
 
@@ -87,33 +87,6 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_v
         draws = np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64)
         rows.append(torch.from_numpy(draws * 2 + 1))
     return torch.stack(rows)
-
-
-def build_compressed_token_map(tokenizer: Any) -> tuple[list[int], int]:
-    """Map each id of a `tokenizers.Tokenizer` to its normalised-vocabulary id (first-seen
-    order). A token that decodes to a partial UTF-8 sequence keeps its raw token string as key."""
-    from tokenizers import Regex, normalizers
-
-    sentinel = "\ue000"  # keeps a lone-space token distinct from the empty string
-    normalizer = normalizers.Sequence(
-        [
-            normalizers.NFKC(),
-            normalizers.NFD(),
-            normalizers.StripAccents(),
-            normalizers.Lowercase(),
-            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-            normalizers.Replace(Regex(r"^ $"), sentinel),
-            normalizers.Strip(),
-            normalizers.Replace(sentinel, " "),
-        ]
-    )
-    ids: dict[str, int] = {}
-    mapping = []
-    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        key = tokenizer.id_to_token(token_id) if "\ufffd" in text else (normalizer.normalize_str(text) or text)
-        mapping.append(ids.setdefault(key, len(ids)))
-    return mapping, len(ids)
 
 
 def load_compressed_token_map(tokenizer_json: str, config: ModelConfig) -> list[int]:

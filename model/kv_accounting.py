@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cedserve.kernels.reference import index_key_record_bytes, main_kv_record_bytes, swa_record_bytes
+from cedserve.kernels.record_sizes import index_key_record_bytes, main_kv_record_bytes, swa_record_bytes
 from cedserve.model.config import AttentionMode, ModelConfig
 
 
