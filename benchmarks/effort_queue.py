@@ -60,7 +60,7 @@ from cedserve.model.sampling import SamplingParams
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.validation import PrefillSpec
-from cedserve.serving import load_worker_model
+from cedserve.serving.worker_model import load_worker_model
 
 BLOCK = 64
 PREFILL_CHUNK = 128

@@ -42,8 +42,8 @@ from cedserve.bench.serve.main import (
 from cedserve.bench.serve.metrics import Slo
 from cedserve.bench.serve.systems import POLICIES, Arm
 from cedserve.bench.serve.trace import oracle_cached_tokens
+from cedserve.common.machine import describe_machine
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
-from cedserve.machine import describe_machine
 
 # Workload per device: GPU sizes for mini-40 on H200 (decode is the torch reference path, ~0.3-0.8 s
 # per step), CPU sizes for the tiny preset on a few cores.

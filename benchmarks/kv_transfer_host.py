@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from cedserve.common.machine import describe_machine
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.descriptors import RegionAddress, coalesced_descs
 from cedserve.kv_transfer.nixl_backend import NixlBackend
 from cedserve.kv_transfer.region import KVLayout, KVRegion
-from cedserve.machine import describe_machine
 
 
 def _us(values: list[float]) -> float:

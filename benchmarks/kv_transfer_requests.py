@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cedserve.bench.kv_transfer.harness import LayoutSpec, PeerProcess, WorkerSpec
 from cedserve.bench.kv_transfer.loadtest import _gpu_count, parse_tokens
-from cedserve.machine import describe_machine
+from cedserve.common.machine import describe_machine
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,8 @@ On TREE (default: this checkout) it reports
       and the parser the test enforces, applied to TREE as it is, so an old tree is measured by the
       new rule),
   (b) lines in the five largest modules of the package (generated protobuf code left out),
-  (c) duplicated blocks: runs of 6+ identical stripped non-blank lines found in 2+ places of the package,
+  (c) duplicated blocks: runs of 6+ identical stripped non-blank lines found in 2+ places of the package
+      (each place counted), also with import statements left out,
   (d) the router process: a fresh interpreter (with TREE first on sys.path) imports what `cedserve
       router` imports (`cedserve.cli`, then the router's server module) and reports the import time,
       its resident memory (`ru_maxrss`) and whether torch came in; then it loads the served model's
@@ -18,6 +19,7 @@ Prints a table and writes the JSON (date, command, machine, figures).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import datetime
 import importlib.util
@@ -59,11 +61,25 @@ def largest(modules: dict[str, Path], tree: Path, n: int = 5) -> list[dict[str, 
     return [{"file": str(p.relative_to(tree)), "lines": lines} for lines, p in sizes[:n]]
 
 
-def duplicated_blocks(modules: dict[str, Path], tree: Path) -> dict[str, Any]:
+def import_lines(source: str) -> set[int]:
+    """Line numbers (1-based) of every import statement in `source`."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return lines
+
+
+def duplicated_blocks(modules: dict[str, Path], tree: Path, skip_imports: bool = False) -> dict[str, Any]:
     """Maximal runs of >= MIN_RUN stripped non-blank lines whose every MIN_RUN-line window also
-    occurs somewhere else (another file, or elsewhere in the same file)."""
-    files = {str(p.relative_to(tree)): [(i + 1, s.strip()) for i, s in enumerate(p.read_text().splitlines())
-                                        if s.strip()] for p in modules.values()}
+    occurs somewhere else (another file, or elsewhere in the same file). `skip_imports`: import
+    statements left out first (two modules importing the same names repeat no logic)."""
+    files = {}
+    for p in modules.values():
+        source = p.read_text()
+        skip = import_lines(source) if skip_imports else set()
+        files[str(p.relative_to(tree))] = [(i + 1, s.strip()) for i, s in enumerate(source.splitlines())
+                                           if s.strip() and i + 1 not in skip]
     windows: dict[tuple[str, ...], list[tuple[str, int]]] = collections.defaultdict(list)
     for name, lines in files.items():
         for k in range(len(lines) - MIN_RUN + 1):
@@ -143,16 +159,19 @@ def measure(tree: Path, repeats: int) -> dict[str, Any]:
             "upward_imports": upward(tree, rules),
             "largest_files": largest(modules, tree),
             "duplicated_blocks": duplicated_blocks(modules, tree),
+            "duplicated_blocks_without_imports": duplicated_blocks(modules, tree, skip_imports=True),
             "router_process": router_process(tree, rules, repeats)}
 
 
 def render(figures: dict[str, Any]) -> str:
     up, dup, router = figures["upward_imports"], figures["duplicated_blocks"], figures["router_process"]
+    code_dup = figures["duplicated_blocks_without_imports"]
     rows = [("modules", str(figures["modules"])),
             ("imports that run up", f"{up['count']} of {up['imports_total']}")]
     rows += [(f"  {pair}", str(n)) for pair, n in up["by_units"].items()]
     rows += [(f"largest: {f['file']}", str(f["lines"])) for f in figures["largest_files"]]
     rows += [("duplicated blocks (places, 6+ lines)", f"{dup['count']} ({dup['lines']} lines)"),
+             ("  the same, imports left out", f"{code_dup['count']} ({code_dup['lines']} lines)"),
              ("router import time", f"{router['import_s']:.2f} s"),
              ("router ru_maxrss", f"{router['ru_maxrss_kib'] / 1024:.0f} MiB"),
              ("router imports torch", str(router["torch"])),

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 # Heavy modules (torch, the model, workers, the router) are imported inside the verbs that need them:
 # `cedserve drain` runs in a pod's preStop hook and must start fast (tests/unit/test_serving.py).
 if TYPE_CHECKING:
-    from cedserve.config import ServeConfig
+    from cedserve.common.tls import TLSConfig
     from cedserve.model.config import ModelConfig
     from cedserve.router.config import DiscoveryConfig
-    from cedserve.tls import TLSConfig
+    from cedserve.serving.config import ServeConfig
 
 _DESCRIPTION = """\
 cedserve: disaggregated prefill/decode serving for DeepSeek-V4.1-Flash-class (CED) models.
@@ -83,7 +83,7 @@ def _add_worker_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def _add_tls_flags(p: argparse.ArgumentParser, prefix: str, what: str, server: bool) -> None:
-    """`--<prefix>tls-{cert,key,ca,...}`: one `TLSConfig` (cedserve.tls); None where not given."""
+    """`--<prefix>tls-{cert,key,ca,...}`: one `TLSConfig` (cedserve.common.tls); None where not given."""
     g = p.add_argument_group(f"TLS of the {what}")
     g.add_argument(f"--{prefix}tls-cert", metavar="PEM", help="certificate chain (served; presented under mTLS)")
     g.add_argument(f"--{prefix}tls-key", metavar="PEM", help="private key of the certificate")
@@ -106,7 +106,7 @@ def _tls(args: argparse.Namespace, prefix: str, base: TLSConfig) -> TLSConfig:
 def _worker(args: argparse.Namespace) -> int:
     import importlib
 
-    from cedserve.serving import WorkerOptions
+    from cedserve.serving.worker import WorkerOptions
 
     fields = {k: v for k, v in vars(args).items() if k in WorkerOptions.__dataclass_fields__}
     opts = WorkerOptions(**fields)
@@ -259,9 +259,9 @@ def _router(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from cedserve.config import ServeConfig
     from cedserve.router.config import RouterConfig
     from cedserve.router.server import serve_forever
+    from cedserve.serving.config import ServeConfig
 
     keys = tuple(k.strip() for k in Path(args.api_key_file).read_text().splitlines() if k.strip()) \
         if args.api_key_file else ()
@@ -284,7 +284,7 @@ def _router(args: argparse.Namespace) -> int:
 
 def _worker_token(args: argparse.Namespace, serve: ServeConfig) -> str:
     """`--worker-token-file`'s token, else the --config file's `internal_token_file` ("": none)."""
-    from cedserve.config import read_secret_file
+    from cedserve.common.credentials import read_secret_file
 
     if args.worker_token_file:
         return read_secret_file(args.worker_token_file, "--worker-token-file")
@@ -316,8 +316,8 @@ def _discovery(args: argparse.Namespace) -> DiscoveryConfig | None:
 
 def _generate(args: argparse.Namespace) -> int:
     from cedserve.client import CedserveError, Client
-    from cedserve.config import api_key_from_env
-    from cedserve.tls import TLSConfig
+    from cedserve.common.credentials import api_key_from_env
+    from cedserve.common.tls import TLSConfig
 
     key = args.api_key or api_key_from_env()
     try:

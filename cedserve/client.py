@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from cedserve.common.tls import TLSConfig, open_aio_channel, open_channel
 from cedserve.proto import generation_pb2, generation_pb2_grpc
-from cedserve.tls import TLSConfig, open_aio_channel, open_channel
 
 PromptLike = str | Sequence[int] | Sequence[dict[str, str]]
 

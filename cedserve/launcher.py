@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from cedserve.serving import checkpoint_identity, parse_ready_line
+from cedserve.serving.ready import parse_ready_line
+from cedserve.serving.worker_model import checkpoint_identity
 
 TINY_CHECKPOINT_VERSION = "tiny-random-v1"
 
@@ -264,11 +265,11 @@ def read_serve_config(path: Path) -> dict[str, Any]:
 
     import tomllib
 
-    from cedserve.config import ServeConfig
     from cedserve.decode_workers.config import DecodeConfig
     from cedserve.kv_transfer.config import kv_transfer_config_from_table
     from cedserve.prefill_workers.config import PrefillWorkerConfig
     from cedserve.router.config import router_table
+    from cedserve.serving.config import ServeConfig
 
     _, tables = ServeConfig.load_with_sections(path, (*WORKER_TABLES, "router"))
     router_table(tables.get("router", {}))

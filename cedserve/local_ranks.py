@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
-from cedserve.serving import WorkerOptions
+from cedserve.serving.worker import WorkerOptions
 
 # Runs in the child before `cedserve`: die with the supervisor (PR_SET_PDEATHSIG = 1), and not
 # outlive a parent that died before the call. PDEATHSIG survives execve.

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.drafting import Observation, Proposer
@@ -54,7 +55,6 @@ from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, St
 from cedserve.decode_workers.slot_book import SlotBook, runner_unavailable
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
-from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout

@@ -19,10 +19,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.messages import Failed, ReserveCommand, Reserved
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.sequence import Lease
-from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.errors import FailureCause
 from cedserve.kv_transfer.protocol import KVReceiver, TransferEndpoint
 from cedserve.kv_transfer.state import TransferResult, TransferState

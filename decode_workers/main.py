@@ -19,8 +19,6 @@ re-places them); then the leader stops the group and every rank exits.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -30,9 +28,7 @@ from pathlib import Path
 
 import msgspec
 import torch.distributed as dist
-from prometheus_client import CollectorRegistry
 
-from cedserve.config import ServeConfig
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.engine import DecodeEngine
@@ -46,29 +42,27 @@ from cedserve.decode_workers.loop import CommandInbox, EngineLoop, GroupChannel,
 from cedserve.decode_workers.messages import CancelCommand
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.service import DecodeService, OutputRouter, add_decode_service
-from cedserve.kv_transfer.agent import NixlTransferAgent
-from cedserve.kv_transfer.config import KVTransferConfig, kv_transfer_config_from_table
-from cedserve.kv_transfer.metrics import TransferMetrics
-from cedserve.kv_transfer.region import KVLayout, KVRegion
+from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.model.cache.events import KVEventBatch
-from cedserve.model.cache.layout import BlockLayout
-from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.dspark import Drafter
-from cedserve.serving import (
-    DrainController,
-    GrpcServer,
-    KVEventFeed,
-    LoadedModel,
+from cedserve.serving.config import ServeConfig
+from cedserve.serving.drain import DrainController
+from cedserve.serving.ready import ready_line
+from cedserve.serving.server import GrpcServer, format_address, start_metrics_server
+from cedserve.serving.worker import (
+    KVPlane,
     WorkerOptions,
-    add_lifecycle,
-    format_address,
-    load_worker_model,
-    read_serve_file,
-    ready_line,
-    start_metrics_server,
+    build_kv_plane,
+    build_server,
+    load_model,
+    model_source,
+    read_worker_files,
+    serve_until_drained,
+    stop_serving,
+    worker_id,
 )
+from cedserve.serving.worker_model import LoadedModel
 
-log = logging.getLogger(__name__)
 GROUP_TIMEOUT = timedelta(minutes=30)
 LIVENESS_STALL_S = 120.0
 """A loop that has not ticked for this long (a pass can take seconds on CPU) reports NOT_SERVING."""
@@ -97,14 +91,11 @@ def rpc_threads(cfg: DecodeConfig) -> int:
 
 
 def load_settings(opts: WorkerOptions) -> DecodeSettings:
-    serve, extra = read_serve_file(opts.config, ("decode", "kv_transfer"))
-    serve = msgspec.structs.replace(serve, internal_tls=opts.internal_tls(serve.internal_tls))
-    decode = DecodeConfig.from_mapping(extra.get("decode", {}))
-    worker_id = opts.worker_id or extra.get("decode", {}).get("worker_id") or f"decode-{socket.gethostname()}-{os.getpid()}"
-    decode = msgspec.structs.replace(decode, worker_id=worker_id)
-    kv = kv_transfer_config_from_table(extra.get("kv_transfer", {}), opts.public_host, opts.nixl_port,
-                                       serve.internal_tls)
-    return DecodeSettings(serve, decode, kv)
+    files = read_worker_files(opts)
+    serve = files.serve
+    decode = DecodeConfig.from_mapping(files.role_table)
+    decode = msgspec.structs.replace(decode, worker_id=worker_id(opts, files.role_table.get("worker_id")))
+    return DecodeSettings(serve, decode, files.kv_transfer)
 
 
 def load_drafter(loaded: LoadedModel, checkpoint: str | None, preset_name: str | None, seed: int,
@@ -146,20 +137,18 @@ class DecodeWorker:
 
     opts: WorkerOptions
     settings: DecodeSettings
-    cache: KVCacheManager
-    agent: NixlTransferAgent
+    kv: KVPlane
     engine: DecodeEngine
     loop: EngineLoop
     router: OutputRouter | None
     server: GrpcServer
     drain: DrainController
-    feed: KVEventFeed
     metrics_port: int = -1
 
     def ready(self) -> str:
-        cfg = self.settings.decode
-        return ready_line("decode", format_address(self.opts.public_host, self.server.port), agent=self.agent.name,
-                          control_address=self.agent.control_address, metrics_port=self.metrics_port,
+        cfg, agent = self.settings.decode, self.kv.agent
+        return ready_line("decode", format_address(self.opts.public_host, self.server.port), agent=agent.name,
+                          control_address=agent.control_address, metrics_port=self.metrics_port,
                           worker_id=cfg.worker_id, rank=self.opts.rank, group_size=self.opts.group_size,
                           health_port=self.server.health_port, tls=self.server.tls.enabled)
 
@@ -169,39 +158,31 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     opts.check()
     settings = load_settings(opts)
     cfg, serve = settings.decode, settings.serve
-    checkpoint, preset_name = opts.checkpoint or serve.model.checkpoint, opts.preset or serve.model.preset
-    loaded = load_worker_model(checkpoint, preset_name, opts.seed, cfg.device)
+    source = model_source(opts, serve)
+    loaded = load_model(source, opts.seed, serve, cfg.device)
     model = loaded.model
-    serve.validate_against(model.config)
-    drafter = load_drafter(loaded, checkpoint, preset_name, opts.seed, cfg.device) if cfg.dspark else None
+    drafter = load_drafter(loaded, source.checkpoint, source.preset, opts.seed, cfg.device) if cfg.dspark else None
     ep, channel = join_group(opts, model.config.n_routed_experts, cfg.device)
     if ep.world_size > 1:
         shard_experts(model, ep.rank, ep.world_size)
     leader = opts.rank == 0
-    layout = BlockLayout.from_config(model.config, serve.cache.block_size)
-    feed = KVEventFeed()
-    cache = KVCacheManager(layout, serve.cache, f"{cfg.worker_id}" if leader else f"{cfg.worker_id}-r{opts.rank}",
-                           cfg.device, event_sink=feed.publish if leader else None)
-    registry = CollectorRegistry(auto_describe=True)
-    agent = NixlTransferAgent(settings.kv_transfer, KVRegion(cache.pool.storage, layout.block_bytes),
-                              KVLayout.from_config(model.config, serve.cache.block_size, model_id=loaded.model_id),
-                              f"{cfg.worker_id}-r{opts.rank}", metrics=TransferMetrics(registry))
+    kv = build_kv_plane(loaded, serve, settings.kv_transfer, cfg.device,
+                        cfg.worker_id if leader else f"{cfg.worker_id}-r{opts.rank}", f"{cfg.worker_id}-r{opts.rank}",
+                        publish_events=leader)
     proposer = DSparkProposer(drafter, model, cfg.draft_tokens) if drafter is not None else None
-    engine = DecodeEngine(cfg, model, cache, proposer=proposer, ep=ep, endpoint=agent,
-                          metrics=DecodeMetrics(registry), detokenize=_detokenizer(checkpoint, model.config.vocab_size), rank=opts.rank)
+    engine = DecodeEngine(cfg, model, kv.cache, proposer=proposer, ep=ep, endpoint=kv.agent,
+                          metrics=DecodeMetrics(kv.registry), detokenize=_detokenizer(source.checkpoint, model.config.vocab_size),
+                          rank=opts.rank)
     router = OutputRouter(opts.group_size) if leader else None
     inbox = CommandInbox()
     loop = EngineLoop(engine, channel, inbox, router.on_report if router is not None else None)
-    server = GrpcServer(opts.host, opts.grpc_port, max_workers=rpc_threads(cfg), tls=serve.internal_tls,
-                        health_port=opts.health_port, token=serve.internal_token())
-    drain = DrainController(server.health, cfg.drain_timeout_s)
-    add_lifecycle(server, drain)
-    worker = DecodeWorker(opts, settings, cache, agent, engine, loop, router, server, drain, feed)
+    server, drain = build_server(opts, serve, cfg.drain_timeout_s, max_workers=rpc_threads(cfg))
+    worker = DecodeWorker(opts, settings, kv, engine, loop, router, server, drain)
     if router is not None:
-        service = DecodeService(cfg.worker_id, inbox, router, feed, lambda: _snapshot(worker), drain, cfg.lease_ms,
+        service = DecodeService(cfg.worker_id, inbox, router, kv.feed, lambda: _snapshot(worker), drain, cfg.lease_ms,
                                 settings.kv_transfer.auth_token)
         add_decode_service(server.grpc, service)
-        worker.metrics_port = start_metrics_server(opts.host, opts.metrics_port, registry)
+        worker.metrics_port = start_metrics_server(opts.host, opts.metrics_port, kv.registry)
     server.start()
     return worker
 
@@ -218,13 +199,13 @@ def _detokenizer(checkpoint: str | None, vocab_size: int) -> Callable[[list[int]
 
 def _snapshot(worker: DecodeWorker) -> KVEventBatch:
     with worker.loop.lock:  # the cache manager is the engine thread's; hold the loop between ticks
-        return worker.cache.snapshot_events()
+        return worker.kv.cache.snapshot_events()
 
 
 # ------------------------------------------------------------------ serving and draining
 
 
-def serve_until_drained(worker: DecodeWorker) -> bool:
+def serve_rank(worker: DecodeWorker) -> bool:
     """Tick until drained and stopped; True when nothing had to be handed back."""
     thread = worker.loop.start()
     health = worker.server.health
@@ -233,39 +214,36 @@ def serve_until_drained(worker: DecodeWorker) -> bool:
     print(worker.ready(), flush=True)
     if worker.router is None:  # a follower: the leader decides when the group stops
         return _follow(worker, thread)
-    while not worker.drain.wait_requested(1.0):
-        _check_alive(worker, thread)
-    drained = drain_group(worker)
-    while not worker.drain.wait_exit(1.0):
-        _check_alive(worker, thread)
+    drained = serve_until_drained(worker.drain, health, lambda: _alive(worker, thread),
+                                  GroupDrain(worker.loop, worker.router))
     worker.loop.stop_requested = True
     thread.join(timeout=30.0)
     stop_worker(worker)
     return drained
 
 
-def drain_group(worker: DecodeWorker) -> bool:
-    """No new leases; running requests finish until the deadline; the rest are handed back."""
-    router = worker.router
-    assert router is not None
-    worker.loop.draining = True
-    while router.in_flight() and time.monotonic() < worker.drain.deadline_s:
-        time.sleep(0.05)
-    left = router.in_flight()
-    if left:
-        log.warning("drain deadline: handing back %d requests", left)
-        for rank in range(len(router.loads)):
-            worker.loop.inbox.put(CancelCommand(rank, "*", reason="draining", hand_back=True))
-        end = time.monotonic() + 5.0
-        while router.in_flight() and time.monotonic() < end:
-            time.sleep(0.05)
-    worker.drain.finish(left == 0, router.in_flight())
-    return left == 0
+@dataclass
+class GroupDrain:
+    """The decode group as the drain loop sees it: the leader's loop takes no new leases; handing
+    back cancels every request on every rank (the router re-places them)."""
+
+    loop: EngineLoop
+    router: OutputRouter
+
+    def stop_accepting(self) -> None:
+        self.loop.draining = True
+
+    def in_flight(self) -> int:
+        return self.router.in_flight()
+
+    def hand_back(self) -> None:
+        for rank in range(len(self.router.loads)):
+            self.loop.inbox.put(CancelCommand(rank, "*", reason="draining", hand_back=True))
 
 
 def _follow(worker: DecodeWorker, thread: threading.Thread) -> bool:
     while thread.is_alive():
-        _check_alive(worker, thread)
+        worker.server.health.set_alive(_alive(worker, thread))
         thread.join(timeout=1.0)
         if worker.drain.draining:
             worker.server.health.set_ready(False)
@@ -273,16 +251,14 @@ def _follow(worker: DecodeWorker, thread: threading.Thread) -> bool:
     return worker.loop.error is None
 
 
-def _check_alive(worker: DecodeWorker, thread: threading.Thread) -> None:
+def _alive(worker: DecodeWorker, thread: threading.Thread) -> bool:
     stalled = time.monotonic() - worker.loop.last_tick_s > LIVENESS_STALL_S
-    worker.server.health.set_alive(thread.is_alive() and not stalled)
+    return thread.is_alive() and not stalled
 
 
 def stop_worker(worker: DecodeWorker) -> None:
-    worker.feed.close()
-    worker.server.stop(grace_s=1.0)
-    worker.agent.close()
-    worker.cache.close()
+    stop_serving(worker.server, worker.kv.feed)
+    worker.kv.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -292,5 +268,5 @@ def run(opts: WorkerOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = build_worker(opts)
     worker.drain.install_signal_handlers()
-    serve_until_drained(worker)
+    serve_rank(worker)
     return 1 if worker.loop.error is not None else 0

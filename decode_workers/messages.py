@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from cedserve.errors import ErrorKind
+from cedserve.common.errors import ErrorKind
 from cedserve.model.sampling import SamplingParams
 
 RequestId = str

@@ -45,7 +45,10 @@ from cedserve.model.effort import check_level
 from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import kv_transfer_pb2, worker_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DrainController, KVEventFeed, SeqCounter, abort, fail_stream, wire_code
+from cedserve.serving.drain import DrainController
+from cedserve.serving.errors import abort, fail_stream, wire_code
+from cedserve.serving.kv_events import KVEventFeed
+from cedserve.serving.load import SeqCounter
 
 log = logging.getLogger(__name__)
 

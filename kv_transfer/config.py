@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from cedserve.common.tls import TLSConfig
 from cedserve.model.config_table import decode_table, fail
-from cedserve.tls import TLSConfig
 
 
 class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

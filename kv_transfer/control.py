@@ -20,12 +20,12 @@ from typing import Any, Protocol
 
 import grpc
 
+from cedserve.common.tls import PLAINTEXT, TLSConfig, add_port, open_channel
 from cedserve.kv_transfer.errors import CompatibilityError, FailureCause, HandshakeError
 from cedserve.kv_transfer.region import Compatibility
 from cedserve.kv_transfer.wire import cause_from_pb, cause_to_pb, compat_from_pb
 from cedserve.proto import kv_transfer_pb2 as pb
 from cedserve.proto import kv_transfer_pb2_grpc as pb_grpc
-from cedserve.tls import PLAINTEXT, TLSConfig, add_port, open_channel
 
 log = logging.getLogger(__name__)
 

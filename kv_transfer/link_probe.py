@@ -21,8 +21,7 @@ import grpc
 import numpy as np
 
 # token_metadata is re-exported: the probe's client and prefill side take it from here.
-from cedserve.config import TOKEN_METADATA_KEY
-from cedserve.config import token_metadata as token_metadata
+from cedserve.common.credentials import TOKEN_METADATA_KEY
 
 DEFAULT_TIMEOUT_S = 60.0
 """A probe whose request gives no timeout."""

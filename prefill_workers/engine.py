@@ -38,7 +38,7 @@ from typing import TypeVar
 
 import torch
 
-from cedserve.errors import (
+from cedserve.common.errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
@@ -64,7 +64,8 @@ from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.scheduler import PrefillScheduler, ScheduledChunk
 from cedserve.prefill_workers.validation import PrefillSpec, StateRoom
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import RateMeter, error_detail, error_kind
+from cedserve.serving.errors import error_detail, error_kind
+from cedserve.serving.load import RateMeter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -32,6 +32,7 @@ import grpc
 import numpy as np
 import torch
 
+from cedserve.common.tls import TLSConfig, open_channel
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.kv_transfer.link_probe import DEFAULT_TIMEOUT_S, digest, pattern, token_metadata
 from cedserve.kv_transfer.protocol import KVSender, Reservation
@@ -45,9 +46,9 @@ from cedserve.prefill_workers.service import PeerBook
 from cedserve.prefill_workers.validation import TransferTarget
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.serving import (
+from cedserve.serving.drain import DrainController
+from cedserve.serving.errors import (
     DeadlineExceededError,
-    DrainController,
     InvalidArgumentError,
     ResourceExhaustedError,
     ServingError,
@@ -55,7 +56,6 @@ from cedserve.serving import (
     detail_from_rpc_error,
     error_from_wire,
 )
-from cedserve.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
 

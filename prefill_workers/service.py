@@ -25,17 +25,17 @@ from cedserve.prefill_workers.job import PrefillJob
 from cedserve.prefill_workers.validation import RequestLimits, TransferTarget, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.serving import (
-    DrainController,
+from cedserve.serving.drain import DrainController
+from cedserve.serving.errors import (
     InvalidArgumentError,
-    KVEventFeed,
-    SeqCounter,
     ServingError,
     UnavailableError,
     abort,
     error_detail,
     fail_stream,
 )
+from cedserve.serving.kv_events import KVEventFeed
+from cedserve.serving.load import SeqCounter
 
 if TYPE_CHECKING:
     from cedserve.prefill_workers.link_probe import LinkProber

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cedserve.errors import DeadlineExceededError, InvalidArgumentError
+from cedserve.common.errors import DeadlineExceededError, InvalidArgumentError
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.wire import reservation_from_pb
 from cedserve.model.config import ModelConfig

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 
 import msgspec
 
+from cedserve.common.tls import TLSConfig
 from cedserve.model.config_table import config_error, decode_table, fail
 from cedserve.router.admission import ClassLimits
-from cedserve.tls import TLSConfig
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 EFFORT_CLASSES = ("low", "high", "max")

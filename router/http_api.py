@@ -39,6 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from cedserve.common.tls import TLSConfig
 from cedserve.proto import generation_pb2
 from cedserve.router.auth import key_matches, presented_key
 from cedserve.router.deadline import Deadline
@@ -46,7 +47,6 @@ from cedserve.router.errors import RequestError
 from cedserve.router.frontend import GenerationCore
 from cedserve.router.lifecycle import RouterDrain
 from cedserve.router.openai_api import ApiCall, ApiError, ApiSettings, Kind, Shaper, api_error, bad, parse
-from cedserve.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 TIMEOUT_HEADER = "x-cedserve-timeout-s"

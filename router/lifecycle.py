@@ -33,11 +33,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from cedserve.config import TOKEN_METADATA_KEY, token_metadata
+from cedserve.common.credentials import TOKEN_METADATA_KEY, token_metadata
 from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc, registry_pb2, registry_pb2_grpc
 from cedserve.router.config import WorkerEndpoint
 from cedserve.router.workers import WorkerPool
-from cedserve.serving import LIVENESS_SERVICE, is_loopback_peer
+from cedserve.serving.drain import is_loopback_peer
+from cedserve.serving.server import LIVENESS_SERVICE
 
 log = logging.getLogger(__name__)
 GENERATE_METHOD = "/cedserve.v1.Generation/Generate"

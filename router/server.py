@@ -20,7 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
+from cedserve.common.tls import add_port
 from cedserve.model.chat_format import ChatFormat
 from cedserve.model.config import ModelConfig
 from cedserve.model.kv_accounting import KVAccounting
@@ -41,7 +42,6 @@ from cedserve.router.policy import make_policy
 from cedserve.router.requests import ModelLimits, eos_ids, message_limit
 from cedserve.router.tokenize_pool import TokenizePool
 from cedserve.router.workers import WorkerPool
-from cedserve.tls import add_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -167,9 +167,8 @@ def _served_model(config: RouterConfig) -> tuple[ModelConfig, TextCodec]:
     if config.checkpoint:
         model = ModelConfig.from_hf_json(config.checkpoint)
         return model, TextCodec.from_file(config.checkpoint, model.vocab_size)
-    from cedserve.model.checkpoint_writer import fit_config_to_tokenizer
     from cedserve.model.presets import preset
-    from cedserve.model.tokenizer import tiny_tokenizer_path
+    from cedserve.model.tokenizer import fit_config_to_tokenizer, tiny_tokenizer_path
 
     assert config.preset is not None  # RouterConfig requires one of the two
     tokenizer = tiny_tokenizer_path()

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cedserve.common.tls import PLAINTEXT, TLSConfig, open_aio_channel
 from cedserve.model.cache.events import decode_batch
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.config import WorkerEndpoint
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.load_table import LoadTable
 from cedserve.router.placement import DecodeLoad, PrefillLoad
-from cedserve.tls import PLAINTEXT, TLSConfig, open_aio_channel
 
 log = logging.getLogger(__name__)
 _MISSED_POLLS_DOWN = 3

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 tree=build/typecheck
 rm -rf "$tree"; mkdir -p "$tree/cedserve"
 for f in cedserve/*; do ln -s "$PWD/$f" "$tree/cedserve/$(basename "$f")"; done
-for pkg in model kernels kv_transfer prefill_workers decode_workers router proto training; do
+for pkg in common model kernels kv_transfer serving prefill_workers decode_workers router proto training; do
   ln -s "$PWD/$pkg" "$tree/cedserve/$pkg"
 done
 cd "$tree" && exec mypy --config-file ../../pyproject.toml -p cedserve

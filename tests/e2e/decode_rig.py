@@ -34,7 +34,8 @@ from cedserve.model.paged_kv import store_bytes
 from cedserve.proto import kv_transfer_pb2 as kpb
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.serving import load_worker_model, parse_ready_line
+from cedserve.serving.ready import parse_ready_line
+from cedserve.serving.worker_model import load_worker_model
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 64

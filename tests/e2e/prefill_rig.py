@@ -32,7 +32,7 @@ from cedserve.model.config import ModelConfig
 from cedserve.proto import kv_transfer_pb2 as kpb
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.serving import parse_ready_line
+from cedserve.serving.ready import parse_ready_line
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 64

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import grpc
 
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
+from cedserve.common.tls import PLAINTEXT, TLSConfig, open_channel
 from cedserve.launcher import TOKEN_FILE_NAME, LocalLauncher, Part, write_worker_config
 from cedserve.model.checkpoint import load_model
 from cedserve.proto import worker_pb2, worker_pb2_grpc
-from cedserve.tls import PLAINTEXT, TLSConfig, open_channel
 
 
 def greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:

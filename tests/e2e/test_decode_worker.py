@@ -31,7 +31,8 @@ from cedserve.drain import request_drain
 from cedserve.kv_transfer.nixl_backend import nixl_available
 from cedserve.model.cache.events import decode_batch
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import detail_from_rpc_error, load_worker_model
+from cedserve.serving.errors import detail_from_rpc_error
+from cedserve.serving.worker_model import load_worker_model
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from decode_support import greedy_ties, prompt

@@ -27,7 +27,7 @@ import pytest
 
 from cedserve.bench.serve.http_client import HttpClient
 from cedserve.client import CedserveError, Client, Completion, Piece
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 

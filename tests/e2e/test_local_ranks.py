@@ -16,7 +16,7 @@ from cedserve.client import Client
 from cedserve.launcher import TOKEN_FILE_NAME, LocalLauncher, write_worker_config
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
-from cedserve.serving import parse_ready_line
+from cedserve.serving.ready import parse_ready_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -32,7 +32,8 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.paged_kv import load_state
 from cedserve.model.state_format import STATE_FORMAT_VERSION
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import LoadedModel, detail_from_rpc_error, load_worker_model
+from cedserve.serving.errors import detail_from_rpc_error
+from cedserve.serving.worker_model import LoadedModel, load_worker_model
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}

@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from cedserve.client import Client
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
-from cedserve.serving import parse_ready_line
+from cedserve.serving.ready import parse_ready_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -30,7 +30,7 @@ import pytest
 from cedserve.bench.serve.chaos import KINDS, ServeProcess, kill_round
 from cedserve.bench.serve.held import Target, deadline_flood
 from cedserve.client import CedserveError, Client
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
 from cedserve.proto import worker_pb2, worker_pb2_grpc

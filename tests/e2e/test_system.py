@@ -18,7 +18,7 @@ import torch
 from system_rig import greedy_reference
 
 from cedserve.client import CedserveError, Client
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME, EmbeddedOptions, LocalLauncher, start_embedded
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset

@@ -20,11 +20,11 @@ from system_rig import greedy_reference, router_args, rpc_code, start_workers, w
 from tls_pki import TLSFiles
 
 from cedserve.client import CedserveError, Client
+from cedserve.common.tls import TLSConfig
 from cedserve.kv_transfer.control import ControlClient
 from cedserve.launcher import LocalLauncher, Part
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
-from cedserve.tls import TLSConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

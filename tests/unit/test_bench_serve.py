@@ -247,7 +247,7 @@ def test_machine_description_names_the_host_and_its_software() -> None:
 
     import torch
 
-    from cedserve.machine import describe_machine, loadavg
+    from cedserve.common.machine import describe_machine, loadavg
 
     info = describe_machine("cpu")
     assert info["cores"] == os.cpu_count() and info["python"] == platform.python_version()

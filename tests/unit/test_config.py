@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from cedserve.config import ServeConfig
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.presets import PRESETS, preset, stretch_context
+from cedserve.serving.config import ServeConfig
 
 RELEASED = Path(__file__).parents[1] / "fixtures" / "v41_flash_config.json"
 

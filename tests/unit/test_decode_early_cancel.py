@@ -17,7 +17,7 @@ from cedserve.decode_workers import service as service_module
 from cedserve.decode_workers.messages import CancelCommand, ReserveCommand, Reserved
 from cedserve.decode_workers.service import EARLY_CANCEL_TTL_S, DecodeService, OutputRouter
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DrainController
+from cedserve.serving.drain import DrainController
 
 pytestmark = pytest.mark.unit
 

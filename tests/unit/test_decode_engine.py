@@ -15,9 +15,9 @@ import time
 import pytest
 from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prompt, reference_greedy, tiny
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
-from cedserve.errors import ErrorKind
 
 pytestmark = pytest.mark.unit
 

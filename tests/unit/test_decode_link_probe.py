@@ -13,9 +13,9 @@ import pytest
 import torch
 from decode_support import BLOCK, Rig, tiny
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers import link_probe as decode_link_probe
 from cedserve.decode_workers.messages import Failed, ProbeCheckCommand, ProbeChecked, ReserveCommand, Reserved
-from cedserve.errors import ErrorKind
 from cedserve.kv_transfer.errors import FailureCause
 from cedserve.kv_transfer.link_probe import digest, pattern
 from cedserve.kv_transfer.wire import reservation_from_pb

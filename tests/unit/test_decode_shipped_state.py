@@ -12,8 +12,8 @@ import struct
 import pytest
 from decode_support import Rig, greedy_rounds, prompt, reference_greedy, tiny
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.messages import Failed, Finished, Reserved
-from cedserve.errors import ErrorKind
 from cedserve.model.state_format import HEADER_BYTES
 
 pytestmark = pytest.mark.unit

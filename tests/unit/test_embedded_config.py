@@ -10,12 +10,12 @@ import tomllib
 import torch
 
 from cedserve.cli import build_parser, embedded_device, router_settings
-from cedserve.config import ServeConfig
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.launcher import read_serve_config, toml_text, write_worker_config
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.router.admission import ClassLimits
-from cedserve.serving import read_serve_file
+from cedserve.serving.config import ServeConfig
+from cedserve.serving.worker import read_serve_file
 
 pytestmark = pytest.mark.unit
 

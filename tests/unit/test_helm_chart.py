@@ -25,12 +25,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cedserve.config import ServeConfig
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.router.admission import ClassLimits
 from cedserve.router.config import TABLE_FIELDS, router_table
-from cedserve.serving import read_serve_file
+from cedserve.serving.config import ServeConfig
+from cedserve.serving.worker import read_serve_file
 
 pytestmark = pytest.mark.unit
 

@@ -112,8 +112,9 @@ def module_imports(module: str, path: Path) -> Iterator[Import]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            # `from cedserve import proto` imports the package cedserve.proto
-            names = [f"{base}.{alias.name}" if base == "cedserve" else base for alias in node.names]
+            # `from cedserve import proto`, `from . import metrics`: the names are modules
+            whole = base == "cedserve" or (node.level > 0 and not node.module)
+            names = [f"{base}.{alias.name}" if whole else base for alias in node.names]
         else:
             continue
         for name in names:

@@ -8,7 +8,7 @@ import pytest
 
 from cedserve.cli import build_parser
 from cedserve.local_ranks import child_env, local_rank_options, worker_argv
-from cedserve.serving import WorkerOptions
+from cedserve.serving.worker import WorkerOptions
 
 pytestmark = pytest.mark.unit
 

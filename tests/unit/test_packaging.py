@@ -32,7 +32,7 @@ def test_import_without_gpu_packages() -> None:
         "import sys\n"
         "for m in ('nixl_cu12', 'nixl_cu13', 'ray', 'kubernetes', 'triton'):\n"
         "    sys.modules[m] = None\n"
-        "import cedserve, cedserve.config, cedserve.cli, cedserve.model.config, cedserve.model.kv_accounting\n"
+        "import cedserve, cedserve.serving.config, cedserve.cli, cedserve.model.config, cedserve.model.kv_accounting\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

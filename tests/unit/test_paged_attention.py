@@ -578,7 +578,7 @@ def test_engines_warm_up_before_serving(pair: tuple[CEDModel, Drafter], monkeypa
     from test_prefill_engine import make_rig
 
     from cedserve.model import kernel_warmup
-    from cedserve.serving import LoadedModel
+    from cedserve.serving.worker_model import LoadedModel
 
     model, _ = pair
     assert Rig(model, None, paged_attention="reference").engine.warmup is None

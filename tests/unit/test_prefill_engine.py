@@ -27,7 +27,8 @@ from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.job import PrefillJob
 from cedserve.prefill_workers.validation import RequestLimits, state_limits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import InvalidArgumentError, LoadedModel, load_worker_model
+from cedserve.serving.errors import InvalidArgumentError
+from cedserve.serving.worker_model import LoadedModel, load_worker_model
 
 ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}
 """Effort and sampling as the router resolves them (the internal plane has no "unset")."""

@@ -11,7 +11,7 @@ from cedserve.kv_transfer.wire import reservation_to_pb
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import DeadlineExceededError, InvalidArgumentError
+from cedserve.serving.errors import DeadlineExceededError, InvalidArgumentError
 
 LIMITS = RequestLimits(vocab_size=512, max_prompt_tokens=1000, block_size=64, default_replay_span=128,
                        sender_agent="p0")

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tls_pki import TLSFiles
 
 from cedserve.client import CedserveError, Client
+from cedserve.common.tls import TLSConfig
 from cedserve.model.cache.events import BlockStored, KVEventBatch, Tier, encode_batch
 from cedserve.model.cache.hashing import hash_blocks
 from cedserve.model.presets import preset
@@ -33,7 +34,6 @@ from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.admission import ClassLimits
 from cedserve.router.config import RouterConfig, WorkerEndpoint
 from cedserve.router.server import RunningRouter, start_router
-from cedserve.tls import TLSConfig
 
 VOCAB = 512
 

@@ -13,36 +13,29 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cedserve.drain import request_drain
-from cedserve.errors import (
+from cedserve.common.errors import (
     ERRORS,
     CancelledError,
     DeadlineExceededError,
     ErrorKind,
+    InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     ServingError,
     TransferFailedError,
     UnavailableError,
 )
+from cedserve.drain import request_drain
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.model.cache.errors import CacheExhaustedError
 from cedserve.model.cache.events import BlockStored, KVEventBatch, KVEventPublisher, Tier, decode_batch
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving import (
-    DrainController,
-    GrpcServer,
-    InvalidArgumentError,
-    KVEventFeed,
-    RateMeter,
-    add_lifecycle,
-    error_detail,
-    is_loopback_peer,
-    parse_ready_line,
-    ready_line,
-    status_code,
-    wire_code,
-)
+from cedserve.serving.drain import DrainController, add_lifecycle, is_loopback_peer
+from cedserve.serving.errors import error_detail, status_code, wire_code
+from cedserve.serving.kv_events import KVEventFeed
+from cedserve.serving.load import RateMeter
+from cedserve.serving.ready import parse_ready_line, ready_line
+from cedserve.serving.server import GrpcServer
 
 
 @pytest.mark.parametrize(("error", "code", "status"), [
@@ -57,7 +50,7 @@ from cedserve.serving import (
 ])
 def test_every_domain_error_maps_to_its_wire_code_and_status(error: type[ServingError], code: int,
                                                               status: grpc.StatusCode) -> None:
-    """The engines' errors (cedserve.errors) know no wire; the service layer's one table maps each kind."""
+    """The engines' errors (cedserve.common.errors) know no wire; the service layer's one table maps each kind."""
     d = error_detail(error("what went wrong", field="f", retry_after_ms=7, request_id="r9"))
     assert (d.code, d.message, d.field, d.retry_after_ms, d.request_id) == (code, "what went wrong", "f", 7, "r9")
     assert wire_code(error.kind) == code and status_code(d.code) == status

@@ -12,11 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_transfer_control import OURS, TOKEN, RecordingHandler
 from tls_pki import TLSFiles
 
-from cedserve.config import ServeConfig
+from cedserve.common.tls import TLSConfig, open_channel
 from cedserve.kv_transfer.control import ControlClient, ControlServer
 from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc
-from cedserve.serving import DrainController, GrpcServer, WorkerOptions, add_lifecycle
-from cedserve.tls import TLSConfig, open_channel
+from cedserve.serving.config import ServeConfig
+from cedserve.serving.drain import DrainController, add_lifecycle
+from cedserve.serving.server import GrpcServer
+from cedserve.serving.worker import WorkerOptions
 
 
 def _server_tls(files: TLSFiles, mtls: bool) -> TLSConfig:

@@ -170,7 +170,7 @@ def test_real_records_cross_nixl_at_a_padded_geometry() -> None:
     from cedserve.kv_transfer.config import KVTransferConfig
     from cedserve.kv_transfer.region import KVRegion
     from cedserve.model.paged_kv import load_state, store_state
-    from cedserve.serving import load_worker_model
+    from cedserve.serving.worker_model import load_worker_model
 
     torch.set_num_threads(1)  # the tiny model's ops are too small for intra-op threads
     model = load_worker_model(None, "tiny", seed=0).model

@@ -11,11 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cedserve.config import TOKEN_METADATA_KEY, ServeConfig
+from cedserve.common.credentials import TOKEN_METADATA_KEY
 from cedserve.proto import lifecycle_pb2, lifecycle_pb2_grpc
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.serving import DrainController, GrpcServer, TokenInterceptor, add_lifecycle
+from cedserve.serving.config import ServeConfig
+from cedserve.serving.drain import DrainController, add_lifecycle
+from cedserve.serving.server import GrpcServer, TokenInterceptor
 
 TOKEN = "worker-plane-secret"
 

@@ -29,11 +29,11 @@ from typing import TextIO
 
 import grpc
 
+from cedserve.common.machine import loadavg
+from cedserve.common.tls import TLSConfig, open_channel
 from cedserve.kv_transfer.link_probe import token_metadata
-from cedserve.machine import loadavg
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
-from cedserve.tls import TLSConfig, open_channel
 
 TOKEN_ENV = "CEDSERVE_KV_TRANSFER_TOKEN"
 MIB = 1 << 20

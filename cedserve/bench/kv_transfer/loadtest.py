@@ -32,7 +32,7 @@ from typing import Any
 
 from cedserve.bench.kv_transfer import link_bench
 from cedserve.bench.kv_transfer.harness import LayoutSpec, NetnsPair, PeerProcess, WorkerSpec
-from cedserve.machine import describe_machine, loadavg
+from cedserve.common.machine import describe_machine, loadavg
 
 _TOKEN = "kv-transfer-bench"  # a private token for the bench's own processes
 

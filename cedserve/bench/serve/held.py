@@ -47,9 +47,9 @@ import grpc
 
 from cedserve.bench.serve.chaos import KIND_NEEDLE, KINDS, ServeProcess, kill_rounds
 from cedserve.client import AsyncClient, CedserveError, Client
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
+from cedserve.common.machine import describe_machine
 from cedserve.launcher import TOKEN_FILE_NAME
-from cedserve.machine import describe_machine
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
 SCENARIOS = ("burst", "deadlines", "huge", "kill")

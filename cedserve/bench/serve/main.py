@@ -60,8 +60,8 @@ from cedserve.bench.serve.trace import (
     write_trace,
 )
 from cedserve.client import AsyncClient, CedserveError
+from cedserve.common.machine import describe_machine, loadavg
 from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
-from cedserve.machine import describe_machine, loadavg
 from cedserve.proto import generation_pb2
 
 if TYPE_CHECKING:

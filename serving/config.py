@@ -5,6 +5,10 @@ Files decode through msgspec, which names the offending field on a type error; e
 the one form of every table's errors). The `[cache]` table is the cache's own `KVCacheConfig`, the
 one home of the block size. Environment variables are read in one place only,
 `ServeConfig.from_env_overrides`.
+
+It sits in the serving layer, above the model (the cache's `KVCacheConfig`, the model's config it
+is checked against); the leaves it shares with lower layers (secret files, the token metadata) are
+`cedserve.common.credentials`.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from typing import Any
 import msgspec
 import tomllib
 
+from cedserve.common.credentials import read_secret_file
+from cedserve.common.tls import TLSConfig
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.config import ModelConfig
 from cedserve.model.config_table import decode_table, fail
-from cedserve.tls import TLSConfig
 
 
 class ModelSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,31 +125,3 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             out = msgspec.structs.replace(out, model=ModelSource(preset=None,
                                                                  checkpoint=env["CEDSERVE_CHECKPOINT"]))
         return out
-
-
-def api_key_from_env(environ: dict[str, str] | None = None) -> str | None:
-    """The client's API key from `CEDSERVE_API_KEY` (None when unset)."""
-    env = os.environ if environ is None else environ
-    return env.get("CEDSERVE_API_KEY") or None
-
-
-def read_secret_file(path: str | Path, field: str) -> str:
-    """A shared secret kept in a file (a mounted Secret): its text without surrounding whitespace.
-    `ValueError` names `field` when the file is missing or empty."""
-    try:
-        secret = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"config field `{field}`: cannot read {path}: {exc.strerror}") from None
-    if not secret:
-        raise ValueError(f"config field `{field}`: {path} is empty")
-    return secret
-
-
-TOKEN_METADATA_KEY = "x-cedserve-token"
-"""gRPC metadata key of the worker plane's shared secrets: the internal token (`internal_token_file`,
-checked by `serving.TokenInterceptor`, sent by the router) and the KV-transfer token of the link probe."""
-
-
-def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying `token` in `TOKEN_METADATA_KEY` (nothing for an empty token)."""
-    return ((TOKEN_METADATA_KEY, token),) if token else ()
