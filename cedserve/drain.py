@@ -1,8 +1,8 @@
 """Client side of `cedserve drain`, the pods' preStop hook: grpc and the Lifecycle stubs only.
 
-Kept apart from `cedserve.serving` (the server side, `LifecycleServicer`), which pulls in torch through
-the model and transfer layers: the hook runs inside the pod's termination grace period, so it must
-start in a fraction of a second. A test (tests/unit/test_serving.py) keeps torch out of this path.
+Kept apart from `cedserve.serving` (the server side, `serving/drain.py`'s `LifecycleServicer`), whose
+worker modules pull in torch through the model and transfer layers: the hook runs inside the pod's
+termination grace period, so it must start in a fraction of a second. A test (tests/unit/test_serving.py) keeps torch out of this path.
 """
 
 from __future__ import annotations

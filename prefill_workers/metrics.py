@@ -1,4 +1,4 @@
-"""Prometheus metrics of one prefill worker, in a registry of its own (served by `cedserve.serving`)."""
+"""Prometheus metrics of one prefill worker, in a registry of its own (served by `cedserve.serving.server.start_metrics_server`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `Prefill` checks the request (`validation`), makes sure the decode worker's transfer agent is a known
 peer (one handshake per peer), submits it, and streams the job's events: `first_token` as soon as
 the engine has it, then `done`, or `error`, which is also the call's final status (with the
-`ErrorDetail` in trailing metadata, see `cedserve.serving`). A client that goes away cancels the
+`ErrorDetail` in trailing metadata, see `cedserve.serving.errors`). A client that goes away cancels the
 request: its transfer is aborted and its blocks freed.
 """
 

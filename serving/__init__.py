@@ -12,6 +12,6 @@ Below the processes, above `kv_transfer` and the model. By concern:
 * `worker.py`: the worker process skeleton both worker mains are built from (options, settings,
   cache, registry, NIXL agent, server, signals, the drain loop).
 
-Importing `errors`, `server`, `drain`, `load` or `ready` pulls in neither torch nor the model (the
-router uses them); `kv_events` and `worker*` are the workers'.
+The router imports `server` and `drain` only; they, `load`, `ready`, `kv_events` and `worker_model`
+import no torch. `errors` (through the transfer layer's typed errors) and `worker` do.
 """

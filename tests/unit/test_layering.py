@@ -168,19 +168,24 @@ def test_peers_of_one_layer_do_not_import_each_other() -> None:
 
 
 ROUTER_PROBE = """
-import json, sys, time
-start = time.perf_counter()
-import cedserve.cli, cedserve.router.server
-print(json.dumps({"import_s": time.perf_counter() - start, "torch": "torch" in sys.modules,
-                  "model_network": "cedserve.model.network" in sys.modules}))
+import json, sys
+import cedserve.cli, cedserve.router.server as server
+from cedserve.router.config import RouterConfig
+imported = {"torch": "torch" in sys.modules, "network": "cedserve.model.network" in sys.modules}
+model, codec = server._served_model(RouterConfig(checkpoint="", preset="tiny"))
+served = {"torch": "torch" in sys.modules, "network": "cedserve.model.network" in sys.modules,
+          "vocab_size": model.vocab_size}
+print(json.dumps({"imported": imported, "served": served}))
 """
 
 
 def test_the_router_process_imports_no_torch() -> None:
-    """What `cedserve router` imports (the CLI, then the router's server) leaves torch and the
-    network out: the router needs the model's config and tokenizer, never its weights."""
+    """What `cedserve router` imports (the CLI, then the router's server), and its loading of a
+    preset's config and tokenizer, leave torch and the network out: the router needs the model's
+    config, tokenizer and KV accounting, never its weights."""
     out = subprocess.run([sys.executable, "-c", ROUTER_PROBE], capture_output=True, text=True, check=True,
                          cwd=REPO, timeout=120)
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["torch"] is False
-    assert report["model_network"] is False
+    assert report["imported"] == {"torch": False, "network": False}
+    assert report["served"]["vocab_size"] > 0
+    assert (report["served"]["torch"], report["served"]["network"]) == (False, False)
