@@ -39,17 +39,12 @@ from typing import Any
 import torch
 
 from cedserve.model.checkpoint import load_model
-from cedserve.model.checkpoint_writer import (
-    fit_config_to_tokenizer,
-    load_drafter,
-    snap_to_stored_formats,
-    write_checkpoint,
-)
+from cedserve.model.checkpoint_writer import load_drafter, snap_to_stored_formats, write_checkpoint
 from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter
-from cedserve.model.engram import build_compressed_token_map
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
+from cedserve.model.tokenizer import build_compressed_token_map, fit_config_to_tokenizer
 from cedserve.training.data import (
     code_files,
     consecutive_rows,

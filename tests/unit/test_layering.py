@@ -33,8 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cedserve.model",),
     ("cedserve.kv_transfer",),
     ("cedserve.serving",),
-    # the three processes: none imports another's internals
-    ("cedserve.prefill_workers", "cedserve.decode_workers", "cedserve.router"),
+    # the applications: the three serving processes and the trainer; none imports another's internals
+    ("cedserve.prefill_workers", "cedserve.decode_workers", "cedserve.router", "cedserve.training"),
     # top: the CLI, launchers, client, serving benchmark (every other module of the `cedserve/` folder)
     ("cedserve",),
 )

@@ -33,11 +33,11 @@ from cedserve.model.checkpoint_writer import (
 )
 from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter, DraftState
-from cedserve.model.engram import build_compressed_token_map, table_primes
+from cedserve.model.engram import table_primes
 from cedserve.model.kv_format import KVFormat, index_key_values, main_values, window_values
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
-from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
+from cedserve.model.tokenizer import TextCodec, build_compressed_token_map, tiny_tokenizer_path
 from cedserve.training.data import (
     SPECIAL_TOKENS,
     SourceFile,
