@@ -20,7 +20,6 @@ import hmac
 import grpc
 import numpy as np
 
-# token_metadata is re-exported: the probe's client and prefill side take it from here.
 from cedserve.common.credentials import TOKEN_METADATA_KEY
 
 DEFAULT_TIMEOUT_S = 60.0

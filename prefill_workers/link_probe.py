@@ -32,9 +32,17 @@ import grpc
 import numpy as np
 import torch
 
+from cedserve.common.credentials import token_metadata
+from cedserve.common.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    ServingError,
+    UnavailableError,
+)
 from cedserve.common.tls import TLSConfig, open_channel
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
-from cedserve.kv_transfer.link_probe import DEFAULT_TIMEOUT_S, digest, pattern, token_metadata
+from cedserve.kv_transfer.link_probe import DEFAULT_TIMEOUT_S, digest, pattern
 from cedserve.kv_transfer.protocol import KVSender, Reservation
 from cedserve.kv_transfer.state import TransferResult
 from cedserve.kv_transfer.wire import reservation_from_pb
@@ -47,15 +55,7 @@ from cedserve.prefill_workers.validation import TransferTarget
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
 from cedserve.serving.drain import DrainController
-from cedserve.serving.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    ServingError,
-    UnavailableError,
-    detail_from_rpc_error,
-    error_from_wire,
-)
+from cedserve.serving.errors import detail_from_rpc_error, error_from_wire
 
 log = logging.getLogger(__name__)
 

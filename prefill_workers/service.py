@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from cedserve.common.errors import InvalidArgumentError, ServingError, UnavailableError
 from cedserve.kv_transfer.errors import CompatibilityError, HandshakeError, KVTransferError
 from cedserve.kv_transfer.link_probe import check_token
 from cedserve.model.cache.events import KVEventBatch
@@ -26,14 +27,7 @@ from cedserve.prefill_workers.validation import RequestLimits, TransferTarget, v
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
 from cedserve.serving.drain import DrainController
-from cedserve.serving.errors import (
-    InvalidArgumentError,
-    ServingError,
-    UnavailableError,
-    abort,
-    error_detail,
-    fail_stream,
-)
+from cedserve.serving.errors import abort, error_detail, fail_stream
 from cedserve.serving.kv_events import KVEventFeed
 from cedserve.serving.load import SeqCounter
 

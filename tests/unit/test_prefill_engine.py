@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from cedserve.common.errors import InvalidArgumentError
 from cedserve.kv_transfer.loopback import LoopbackAgent, LoopbackHub
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.region import KVLayout, KVRegion
@@ -27,7 +28,6 @@ from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.job import PrefillJob
 from cedserve.prefill_workers.validation import RequestLimits, state_limits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving.errors import InvalidArgumentError
 from cedserve.serving.worker_model import LoadedModel, load_worker_model
 
 ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=1.0)}

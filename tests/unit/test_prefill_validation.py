@@ -6,12 +6,12 @@ import time
 
 import pytest
 
+from cedserve.common.errors import DeadlineExceededError, InvalidArgumentError
 from cedserve.kv_transfer.protocol import Reservation, TransferMode
 from cedserve.kv_transfer.wire import reservation_to_pb
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving.errors import DeadlineExceededError, InvalidArgumentError
 
 LIMITS = RequestLimits(vocab_size=512, max_prompt_tokens=1000, block_size=64, default_replay_span=128,
                        sender_agent="p0")

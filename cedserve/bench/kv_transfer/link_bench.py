@@ -29,9 +29,9 @@ from typing import TextIO
 
 import grpc
 
+from cedserve.common.credentials import token_metadata
 from cedserve.common.machine import loadavg
 from cedserve.common.tls import TLSConfig, open_channel
-from cedserve.kv_transfer.link_probe import token_metadata
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
 
