@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 
 from cedserve.client import CedserveError, Client
-from cedserve.config import token_metadata
+from cedserve.common.credentials import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
