@@ -24,7 +24,7 @@ from decode_rig import DecodeProcess
 from prefill_rig import BLOCK, TOKEN, WorkerProcess, tiny_config
 
 from cedserve.cli import main as cli_main
-from cedserve.kv_transfer.link_probe import token_metadata
+from cedserve.common.credentials import token_metadata
 from cedserve.kv_transfer.nixl_backend import nixl_available
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.proto import worker_pb2 as wpb
