@@ -60,6 +60,7 @@ from cedserve.model.presets import preset, released_attention, stretch_context
 from cedserve.model.tokenizer import tiny_tokenizer_path
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
+from cedserve.prefill_workers.service import wire_event
 from cedserve.prefill_workers.validation import RequestLimits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
 
@@ -116,7 +117,7 @@ def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, devic
     job = engine.submit(spec)
     while True:
         engine.step()
-        kinds = [job.events.get().WhichOneof("event") for _ in range(job.events.qsize())]
+        kinds = [wire_event(job.events.get(), "bench").WhichOneof("event") for _ in range(job.events.qsize())]
         if "done" in kinds or "error" in kinds:
             break
     sync(device)

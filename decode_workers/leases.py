@@ -28,7 +28,7 @@ from cedserve.kv_transfer.protocol import KVReceiver, TransferEndpoint
 from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.kv_transfer.wire import reservation_to_pb
 from cedserve.model.cache.errors import CacheExhaustedError
-from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.cache.manager import KVCacheManager, state_owner
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,6 @@ class LeaseError(Exception):
 
 def new_lease_id() -> str:
     return uuid.uuid4().hex
-
-
-def state_owner(request_id: str) -> str:
-    """The cache manager's name for a lease's shipped-state scratch blocks."""
-    return f"{request_id}#state"
 
 
 @dataclass(frozen=True)

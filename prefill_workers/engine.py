@@ -50,7 +50,7 @@ from cedserve.kv_transfer.protocol import KVSender
 from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.model import kernel_warmup
 from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
-from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.cache.manager import KVCacheManager, state_owner
 from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
 from cedserve.model.paged_attention import enable_paged_attention
@@ -59,12 +59,12 @@ from cedserve.model.sampling import make_generator, sample
 from cedserve.model.state import SequenceState
 from cedserve.model.state_format import STATE_FORMAT_VERSION, BoundedState, encode_state
 from cedserve.prefill_workers.config import PrefillWorkerConfig
-from cedserve.prefill_workers.job import Phase, PrefillJob
+from cedserve.prefill_workers.job import Phase, PrefillFailure, PrefillJob
 from cedserve.prefill_workers.metrics import PrefillMetrics
 from cedserve.prefill_workers.scheduler import PrefillScheduler, ScheduledChunk
 from cedserve.prefill_workers.validation import PrefillSpec, StateRoom
 from cedserve.proto import worker_pb2 as wpb
-from cedserve.serving.errors import error_detail, error_kind
+from cedserve.serving.errors import error_kind
 from cedserve.serving.load import RateMeter
 
 log = logging.getLogger(__name__)
@@ -474,15 +474,14 @@ class PrefillEngine:
         """End a request with an error event; abort its transfer; free its blocks once released."""
         if job.phase is Phase.ENDED:
             return
-        detail = error_detail(exc, job.request_id)
         job.phase = Phase.ENDED
         job.state, job.boundary = None, None
         self.scheduler.remove(job.request_id)
         self.metrics.requests.labels(error_kind(exc).value).inc()
-        job.emit(wpb.PrefillEvent(error=detail))
+        job.emit(PrefillFailure(exc))
         tid = job.transfer_id
         if job.transfer_pending and tid is not None and self.sender is not None:
-            self.sender.abort(tid, cause, detail.message)
+            self.sender.abort(tid, cause, str(exc) or type(exc).__name__)
         self._release(job)
 
     def _release(self, job: PrefillJob) -> None:
@@ -528,11 +527,6 @@ class PrefillEngine:
                 arena.trim()  # idle: give back what the longest prompts grew it to
             m.paged_blocks.set(arena.num_blocks - arena.num_free)
             m.paged_copied.set(arena.copied_entries)
-
-
-def state_owner(request_id: str) -> str:
-    """The cache manager's name for a request's shipped-state scratch blocks."""
-    return f"{request_id}#state"
 
 
 def _unshared(records: dict[int, GlobalKVRecords], shared_tokens: int,

@@ -27,10 +27,18 @@ class Phase(str, Enum):
     ENDED = "ended"
 
 
+@dataclass(frozen=True)
+class PrefillFailure:
+    """A job's end by `error` (a domain error, or any exception): the service layer turns it into
+    the wire's `ErrorDetail` (`cedserve.serving.errors.error_detail`); the engine never does."""
+
+    error: BaseException
+
+
 @dataclass(eq=False)
 class PrefillJob:
     spec: PrefillSpec
-    events: queue.Queue[wpb.PrefillEvent] = field(default_factory=queue.Queue)
+    events: queue.Queue[wpb.PrefillEvent | PrefillFailure] = field(default_factory=queue.Queue)
     arrived_s: float = field(default_factory=time.monotonic)
     phase: Phase = Phase.WAITING
     admitted: bool = False
@@ -76,5 +84,5 @@ class PrefillJob:
             return 0
         return self.spec.prompt_len - self.cached_tokens - self.computed_tokens
 
-    def emit(self, event: wpb.PrefillEvent) -> None:
+    def emit(self, event: wpb.PrefillEvent | PrefillFailure) -> None:
         self.events.put(event)

@@ -22,7 +22,7 @@ from cedserve.kv_transfer.errors import CompatibilityError, HandshakeError, KVTr
 from cedserve.kv_transfer.link_probe import check_token
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.prefill_workers.engine import PrefillEngine
-from cedserve.prefill_workers.job import PrefillJob
+from cedserve.prefill_workers.job import PrefillFailure, PrefillJob
 from cedserve.prefill_workers.validation import RequestLimits, TransferTarget, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.proto import worker_pb2_grpc as wpb_grpc
@@ -129,7 +129,7 @@ class PrefillService(wpb_grpc.PrefillWorkerServicer):
     def _stream(self, job: PrefillJob, context: grpc.ServicerContext) -> Iterator[wpb.PrefillEvent]:
         while True:
             try:
-                event = job.events.get(timeout=EVENT_POLL_S)
+                event = wire_event(job.events.get(timeout=EVENT_POLL_S), job.request_id)
             except queue.Empty:
                 if not context.is_active():
                     return
@@ -178,3 +178,11 @@ class PrefillService(wpb_grpc.PrefillWorkerServicer):
 
 def add_prefill_service(server: grpc.Server, service: PrefillService) -> None:
     wpb_grpc.add_PrefillWorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+
+
+def wire_event(event: wpb.PrefillEvent | PrefillFailure, request_id: str) -> wpb.PrefillEvent:
+    """A job's event as the wire carries it: a failure becomes its `ErrorDetail` here, in the
+    service layer, the only place that maps domain errors to the wire."""
+    if isinstance(event, PrefillFailure):
+        return wpb.PrefillEvent(error=error_detail(event.error, request_id))
+    return event

@@ -122,6 +122,13 @@ class _Request:
         return self.pending_start + len(self.pending)
 
 
+
+def state_owner(request_id: str) -> str:
+    """The owner name under which a request's shipped-state scratch blocks are held
+    (`allocate_scratch`): one name on the prefill side, which packs the state, and the decode side,
+    which receives it."""
+    return f"{request_id}#state"
+
 class KVCacheManager:
     """Owns the pool, prefix cache, tiers and events of one worker. Not thread-safe."""
 

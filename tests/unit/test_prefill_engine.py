@@ -26,6 +26,7 @@ from cedserve.model.state_format import STATE_FORMAT_VERSION, decode_state
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.job import PrefillJob
+from cedserve.prefill_workers.service import wire_event
 from cedserve.prefill_workers.validation import RequestLimits, state_limits, validate_prefill
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving.worker_model import LoadedModel, load_worker_model
@@ -70,7 +71,7 @@ class Rig:
         for _ in range(steps):
             self.engine.step()
             while not job.events.empty():
-                events.append(job.events.get())
+                events.append(wire_event(job.events.get(), job.request_id))
             if events and events[-1].WhichOneof("event") in ("done", "error"):
                 self.engine.step()  # let releases land
                 return events
@@ -288,7 +289,7 @@ def test_effort_sets_the_queue_order(loaded: LoadedModel, slack_s: float) -> Non
         rig.engine.step()
         for name, job in jobs.items():
             while not job.events.empty():
-                if job.events.get().WhichOneof("event") == "first_token":
+                if wire_event(job.events.get(), job.request_id).WhichOneof("event") == "first_token":
                     firsts.append(name)
         if len(firsts) == 3:
             break
