@@ -103,11 +103,13 @@ def since(start: Timing) -> Timing:
 
 def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, device: str,
                 attention: str = "off") -> Timing:
+    """`attention` is a path (`prefill.paged_attention`), with "+tf32" for `prefill.matmul_tf32`."""
+    attention, _, matmul = attention.partition("+")
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=len(tokens) // BLOCK + 4),
                            "bench", device)
     config = PrefillWorkerConfig(worker_id="bench", chunk_tokens=chunk, step_token_budget=chunk, replay_span=span,
-                                 device=device, paged_attention=attention,
+                                 device=device, paged_attention=attention, matmul_tf32=matmul == "tf32",
                                  kernel_warmup=False)  # an engine per run: --repeats shows the first run's compiles
     engine = PrefillEngine(model, cache, None, config)
     limits = RequestLimits(model.config.vocab_size, len(tokens), BLOCK, span, "bench")
@@ -227,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                    "a shared host's load from inflating CPU time through spinning OpenMP threads")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="start no new prompt length after this "
                    "many seconds (0: no limit); skipped lengths are recorded")
-    p.add_argument("--attention", nargs="+", default=["off"], choices=["off", "kernels", "reference"],
-                   help="attention paths to time side by side (`prefill.paged_attention`): off = dense")
+    p.add_argument("--attention", nargs="+", default=["off"],
+                   choices=["off", "kernels", "reference", "off+tf32", "kernels+tf32"],
+                   help="attention paths to time side by side (`prefill.paged_attention`): off = dense; "
+                        "+tf32: with `prefill.matmul_tf32` (CUDA)")
     p.add_argument("--released-attention", action="store_true",
                    help="the released attention geometry on the preset (`presets.released_attention`)")
     p.add_argument("--repeats", type=int, default=1, help="engine runs per cell (the last is reported)")

@@ -77,6 +77,10 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     power of two of the context up to the prompt limit (`cedserve.model.kernel_warmup`). Readiness
     waits for it. False: each variant compiles on its first launch, stalling that chunk (up to 5 s
     on an H200)."""
+    matmul_tf32: bool = False
+    """On CUDA, float32 matrix products on TF32 tensor cores for the worker process (as
+    `decode.matmul_tf32`): a prefill chunk is GEMM-bound and the model is held in float32. Off by
+    default until its effect on outputs is measured (benchmarks/tf32_agreement.py)."""
     effort_queue_slack_s: float = 2.0
     """Queue order by effort: a waiting request falls due at its arrival plus this many seconds times
     effort / 100 (`cedserve.model.effort.queue_due_s`), and requests are admitted and given chunk

@@ -95,6 +95,8 @@ class PrefillEngine:
         self.model = model
         self.clock = clock
         """Seconds for arrivals, queue order and latencies (a benchmark may run the engine on its own)."""
+        if model.embed.weight.device.type == "cuda":  # before any kernel is picked
+            torch.backends.cuda.matmul.allow_tf32 = config.matmul_tf32
         self.paged_attention = enable_paged_attention(model, config.paged_attention, "prefill.paged_attention",
                                                       cpu_auto="off")
         self.cache = cache
