@@ -369,3 +369,34 @@ def group_engine_worker(rank: int, world: int, port: int, out: Any) -> None:
                   for i in range(len(jobs))}
         out.put((tokens, [(j[1], j[2]) for j in jobs], engine.passes))
     dist.destroy_process_group()
+
+
+def fixed_capacity_worker(rank: int, world: int, port: int, out: Any) -> None:
+    """One rank of a gloo group: every MoE layer's routed experts sharded, this rank's rows through
+    `fixed_capacity_moe` and through `ep_moe` (`TorchDistributedEP`), for a full batch, a padded one
+    and an empty one on rank 1 (it must still take part in every exchange)."""
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import (
+        FixedCapacityEP,
+        TorchDistributedEP,
+        ep_moe,
+        fixed_capacity_moe,
+        shard_experts,
+    )
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, _ = tiny()
+    shard_experts(model, rank, world)
+    config = model.config
+    fixed = FixedCapacityEP(config.n_routed_experts, max_tokens=16, top_k=config.num_experts_per_tok)
+    dynamic = TorchDistributedEP(config.n_routed_experts)
+    gen = torch.Generator().manual_seed(100 + rank)
+    results = []
+    for n in (16, 5, 0 if rank == 1 else 3):
+        x = torch.randn(n, config.hidden_size, generator=gen)
+        for layer in (0, len(model.layers) - 1):
+            ffn = model.layers[layer].ffn
+            results.append((n, fixed_capacity_moe(fixed, ffn, x).tolist(), ep_moe(dynamic, ffn, x).tolist()))
+    out.put((rank, results))
+    dist.destroy_process_group()

@@ -19,7 +19,13 @@ import torch
 import torch.multiprocessing as mp
 from decode_support import greedy_ties, group_items, tiny
 
-from cedserve.decode_workers.expert_parallel import SingleRank, ep_moe, experts_of, shard_experts
+from cedserve.decode_workers.expert_parallel import (
+    SingleRank,
+    ep_moe,
+    experts_of,
+    shard_experts,
+    slot_positions,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +44,7 @@ def run_group(target: object, world: int = 2, timeout_s: float = 240.0, *extra: 
     for p in procs:
         p.start()
     results: list[object] = []
-    expected = world if target.__name__ == "ep_forward_worker" else 1  # type: ignore[attr-defined]
+    expected = world if target.__name__ in ("ep_forward_worker", "fixed_capacity_worker") else 1  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < expected:
@@ -111,3 +117,27 @@ def test_two_rank_decode_group_runs_in_step() -> None:
         assert len(tokens[f"g{i}"]) == n
         assert len(greedy_ties(model, prompt_ids, tokens[f"g{i}"])) <= 1
     assert passes >= 7
+
+
+def test_slot_positions_pack_each_destination_in_send_order() -> None:
+    owner = torch.tensor([1, 0, 1, 1, 0, 2])
+    assert slot_positions(owner, 3, 4).tolist() == [4, 0, 5, 6, 1, 8]
+    assert slot_positions(owner[:0], 3, 4).tolist() == []
+    every = torch.zeros(8, dtype=torch.long)  # the worst case the capacity is sized for: all to one rank
+    assert slot_positions(every, 2, 8).tolist() == list(range(8))
+
+
+@pytest.mark.slow
+def test_fixed_capacity_exchange_equals_the_counted_one() -> None:
+    """Two gloo ranks: the fixed-shape dispatch/combine (equal splits, no read-back) gives each rank
+    the MoE output of the counted exchange, for a full batch, a padded one and an empty one. The
+    experts see their rows in larger batches (every received row, unrouted ones weighted 0), so
+    their matmuls may round differently: 1e-5."""
+    from decode_support import fixed_capacity_worker
+
+    for rank, results in run_group(fixed_capacity_worker, 2, 240.0):
+        assert [n for n, _, _ in results] == [16, 16, 5, 5] + ([0, 0] if rank == 1 else [3, 3])
+        for n, fixed, counted in results:
+            got, want = torch.tensor(fixed).flatten(), torch.tensor(counted).flatten()
+            assert want.abs().max() > 0 if n else want.numel() == 0
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
