@@ -7,6 +7,7 @@ compressed entries and indexer vectors with the `compress` table; SWA-only layer
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -67,6 +68,14 @@ class RopeTable:
         """cos/sin at integer `positions [N]`, each float32 `[N, rope_dim // 2]`."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device).unsqueeze(0)
         return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+
+
+def device_rope(table: RopeTable, device: torch.device) -> RopeTable:
+    """`table` with its inverse frequencies on `device`: `cos_sin` then copies nothing from the host
+    (what a captured step needs)."""
+    moved = copy.copy(table)
+    moved.inv_freq = table.inv_freq.to(device)
+    return moved
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:

@@ -28,35 +28,30 @@ test_runner.py), and why:
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from cedserve.kernels.indexer import IndexKeys
 from cedserve.kernels.mhc import hc_mix_tail
-from cedserve.kernels.moe import ExpertWeights, moe_experts
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
 from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention_reference
 from cedserve.kernels.triton_support import Impl
 from cedserve.model.attention import Attention
 from cedserve.model.block import Block
+from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
 from cedserve.model.fused import FusedOps
 from cedserve.model.indexer import INDEX_QUANT_BLOCK
 from cedserve.model.mhc import HcMix
-from cedserve.model.moe import Expert, MoE
 from cedserve.model.network import CEDModel
 from cedserve.model.paged_attention import layer_topk
-from cedserve.model.rope import RopeTable, apply_rope
+from cedserve.model.rope import apply_rope, device_rope
 from cedserve.model.slots import SlotPools
 
-MoeMode = Literal["auto", "dense", "grouped"]
-DENSE_MAX_EXPERTS = 16
-"""`moe = "auto"` runs every expert over every row up to this many routed experts."""
+__all__ = ["DENSE_MAX_EXPERTS", "MoeMode", "SlotStep"]  # the mode names runner.py imports from here
 
 
 @dataclass
@@ -73,12 +68,6 @@ class _Pass:
     taps: dict[int, Tensor] = field(default_factory=dict)  # DSpark target layer -> streams [B, hc, D]
 
 
-def _device_rope(table: RopeTable, device: torch.device) -> RopeTable:
-    moved = copy.copy(table)
-    moved.inv_freq = table.inv_freq.to(device)
-    return moved
-
-
 class SlotStep:
     """The captured decode step's computation (module docstring)."""
 
@@ -90,19 +79,14 @@ class SlotStep:
         self.model, self.pools, self.config = model, pools, config
         self.device = pools.device
         self.kernels = self.device.type == "cuda"
-        self.ropes = {kind: _device_rope(table, self.device) for kind, table in model.ropes.items()}
+        self.ropes = {kind: device_rope(table, self.device) for kind, table in model.ropes.items()}
         self.hasher = model.hasher.to(self.device) if model.hasher is not None else None
-        if moe == "auto":
-            moe = "dense" if config.n_routed_experts <= DENSE_MAX_EXPERTS or not self.kernels else "grouped"
-        self.moe_mode = moe
+        self.moe_mode = resolve_moe_mode(moe, config.n_routed_experts, self.kernels)
         self.ops = FusedOps(compiled=self.kernels and fused)
         self.annotate = False
         """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
         kernels each part launches; off in serving: a range costs host time)."""
-        self._dense: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # layer -> w1, w3 [E, I, D], w2 [E, D, I]
-        self._grouped: dict[int, tuple[ExpertWeights, ExpertWeights]] = {}  # layer -> w13, w2 (bf16)
-        for layer_id in range(config.num_hidden_layers):
-            self._stack_experts(layer_id, self._block(layer_id).ffn)
+        self._moes = [DeviceMoE(self._block(layer_id).ffn, self.moe_mode) for layer_id in range(config.num_hidden_layers)]
 
     def _block(self, layer_id: int) -> Block:
         block = self.model.layers[layer_id]
@@ -177,7 +161,7 @@ class SlotStep:
             ffn_mix = self._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
             x = ops.collapse_norm(streams, attn_mix.pre, block.ffn_norm.weight, eps)
         with self._part("moe"):
-            moe_out = self._moe(layer_id, block.ffn, x)
+            moe_out = self._moe(layer_id, x)
         with self._part("mix"):
             streams = ops.expand(moe_out, streams, ffn_mix.post, ffn_mix.comb)
         return streams, ffn_mix.pre
@@ -298,31 +282,6 @@ class SlotStep:
 
     # ------------------------------------------------------------------ MoE
 
-    def _stack_experts(self, layer_id: int, ffn: MoE) -> None:
-        experts = [e for e in ffn.experts if isinstance(e, Expert)]
-        w1 = torch.stack([e.w1.weight for e in experts])  # [E, I, D]
-        w3 = torch.stack([e.w3.weight for e in experts])
-        w2 = torch.stack([e.w2.weight for e in experts])  # [E, D, I]
-        if self.moe_mode == "dense":
-            self._dense[layer_id] = (w1, w3, w2)
-        else:
-            w13 = ExpertWeights(torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous())
-            self._grouped[layer_id] = (w13, ExpertWeights(w2.to(torch.bfloat16).contiguous()))
-
-    def _moe(self, layer_id: int, ffn: MoE, x: Tensor) -> Tensor:
-        """`MoE.forward` without a host sync: routed experts (module docstring) plus the shared one."""
-        if self.moe_mode == "dense":
-            c = self.config
-            w1, w3, w2 = self._dense[layer_id]
-            shared = ffn.shared_experts
-            dense: Tensor = self.ops.dense_moe(x, ffn.gate.weight, ffn.gate.bias, w1, w3, w2, shared.w1.weight,
-                                               shared.w3.weight, shared.w2.weight, c.scoring_func, c.gate_temp,
-                                               c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
-                                               c.swiglu_limit)
-            return dense
-        weights, indices = ffn.gate(x)  # [B, k] float32, long
-        w13, w2e = self._grouped[layer_id]
-        routed = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2e,
-                             swiglu_limit=self.config.swiglu_limit).float()
-        out: Tensor = (routed + ffn.shared_experts(x).float()).to(x.dtype)
-        return out
+    def _moe(self, layer_id: int, x: Tensor) -> Tensor:
+        """`MoE.forward` without a host sync (`cedserve.model.device_moe`)."""
+        return self._moes[layer_id](x, self.ops)
