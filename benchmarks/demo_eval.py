@@ -212,6 +212,9 @@ class TimedProposer:
         _sync(self.device)
         self.observe_s += time.perf_counter() - start
 
+    def release(self, seq: DecodeSequence, keep: bool) -> None:
+        self.inner.release(seq, keep)
+
 
 MODES = ("off", "per-sequence", "batched", "batched+cost-check")
 """Decode cells: no DSpark; the per-sequence drafting of before issue 8; one batched draft pass per

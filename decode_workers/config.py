@@ -97,8 +97,18 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `forward_batch`) and in-memory Engram tables; "on" wherever the runner can run (a CPU runs its
     step eagerly: tests); "off": every row through `forward_batch`. Joins, replays and drafts past a
     request's allocated blocks take `forward_batch` in the same step (docs/decode.md)."""
+    runner_drafter: str = "off"
+    """The DSpark drafter's pass on slots too (`cedserve.decode_workers.slot_drafting`): each drafting
+    request's drafter memory in a slot of preallocated device rings, the pass one CUDA graph replay
+    per batch bucket (captured at start-up) with one copy of the drafts to the host, instead of the
+    eager `DSparkProposer` (tensors per request, host syncs in its MoE). "auto": with the model runner
+    on (`runner`) on a CUDA device; "on": wherever it can run (a CPU runs the pass eagerly: tests);
+    "off" (default): the eager proposer. Off by default because its graphs have not run on a GPU
+    yet (tests/unit/test_runner_gpu.py, `benchmarks/decode.py --runner auto-fused-drafter`). Expert
+    parallelism and proposers other than the DSpark drafter keep the eager path."""
     cuda_graphs: bool = True
-    """With the runner on CUDA: capture its step per batch bucket at start-up (False: run it eagerly)."""
+    """With the runner on CUDA: capture its step (and the drafter's, `runner_drafter`) per batch
+    bucket at start-up (False: run it eagerly)."""
     compile_fused: bool = True
     """With the runner on CUDA: its chains of small ops (norms, RoPE, mHC mixing, window slots, the
     dense MoE, sampling) compiled by Inductor (`cedserve.model.fused`) before capture: on an H200
@@ -134,8 +144,9 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 fail("decode", name, f"must be positive, got {getattr(self, name)}")
-        if self.runner not in RUNNER_MODES:
-            fail("decode", "runner", f"must be one of {list(RUNNER_MODES)}, got {self.runner!r}")
+        for name in ("runner", "runner_drafter"):
+            if getattr(self, name) not in RUNNER_MODES:
+                fail("decode", name, f"must be one of {list(RUNNER_MODES)}, got {getattr(self, name)!r}")
         if self.paged_attention not in PAGED_ATTENTION:
             fail("decode", "paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
 

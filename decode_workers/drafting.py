@@ -6,7 +6,8 @@ Per step the engine asks it for drafts after every running sequence's anchor (`p
 them in the target pass, and then shows it the pass's taps (`observe`, or `observe_many` for the
 whole batch at once) so it can extend its memory with the kept positions and roll the rejected ones
 back. A sequence whose drafter memory is not at its anchor yet (it joined in this step) gets no
-drafts.
+drafts. Before it drops a sequence's `seq.draft` (finish, preemption, a fresh prefill) the engine
+tells the proposer (`release`).
 
 `DSparkProposer` drafts for the whole batch in one draft pass (`Drafter.draft_batch`), and, given
 the engine's `StepProfile` (`attach_profile`, or `profile=` outside an engine), first asks whether
@@ -73,6 +74,13 @@ class Proposer(Protocol):
         """`observe` for several sequences (each at most once) in one call."""
         ...
 
+    def release(self, seq: DecodeSequence, keep: bool) -> None:
+        """The engine is about to drop `seq.draft`: the sequence finished or restarts from a prefill
+        (`keep` False), or it is preempted (`keep` True: `seq.draft` must then hold the whole memory,
+        which the offloaded sequence carries back). A proposer that keeps drafter memory outside
+        `seq.draft` (`cedserve.decode_workers.slot_drafting`) moves it there or frees it here."""
+        ...
+
 
 class DSparkProposer:
     """The checkpoint's DSpark drafter: one batched draft pass per step from the sequences' context
@@ -107,37 +115,59 @@ class DSparkProposer:
         self.verify_all = verify_all
 
     def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
-        ready = [i for i, seq in enumerate(seqs) if _at_anchor(seq)]
+        ready = [i for i, seq in enumerate(seqs) if self._at_anchor(seq)]
         out: list[Draft | None] = [None] * len(seqs)
         if not ready or not self._worth_drafting(seqs, ready):
             return out
         start = time.perf_counter()
-        requests = [DraftRequest(seqs[i].anchor, _draft_state(seqs[i]), seqs[i].params.temperature, seqs[i].generator)
-                    for i in ready]
-        drafts = self.drafter.draft_batch(requests, self.model.embed, self.model.lm_head)
+        drafts = self._draft_pass([seqs[i] for i in ready])
         k = self._k
         confidences = torch.stack([d.confidences[:k] for d in drafts]).cpu()  # [ready, K]
         if self.profile is not None:
             self.profile.record_draft(len(ready), time.perf_counter() - start)
         for row, (i, draft) in enumerate(zip(ready, drafts)):
-            _draft_state(seqs[i]).last_confidences = confidences[row]
+            self._remember(seqs[i], confidences[row])
             out[i] = Draft(draft.tokens[:k], draft.probs[:k], draft.confidences[:k])
         return out
+
+    # The drafter memory's hooks: here it lives in `seq.draft`; `SlotDSparkProposer` keeps it in slots.
+
+    def _at_anchor(self, seq: DecodeSequence) -> bool:
+        """The drafter memory ends at the anchor (the last token), with at least one vector."""
+        state = seq.draft
+        return state is not None and state.end_position == len(seq.tokens) - 1 and state.vectors.shape[0] > 0
+
+    def _draft_pass(self, seqs: list[DecodeSequence]) -> list[Draft]:
+        """One draft pass (every sequence at its anchor): block-size drafts each."""
+        requests = [DraftRequest(seq.anchor, _draft_state(seq), seq.params.temperature, seq.generator)
+                    for seq in seqs]
+        return self.drafter.draft_batch(requests, self.model.embed, self.model.lm_head)
+
+    def _last_confidences(self, seq: DecodeSequence) -> Tensor | None:
+        """float32 `[K]` on the host: the confidences of the sequence's latest draft (None: none yet)."""
+        return _draft_state(seq).last_confidences
+
+    def _remember(self, seq: DecodeSequence, confidences: Tensor) -> None:
+        _draft_state(seq).last_confidences = confidences
+
+    def release(self, seq: DecodeSequence, keep: bool) -> None:
+        pass  # the memory is `seq.draft` itself
 
     def _worth_drafting(self, seqs: Sequence[DecodeSequence], ready: list[int]) -> bool:
         """Whether the expected gain of verifying pays for the draft pass plus the verified rows."""
         profile = self.profile
         if profile is None:
             return True
-        history = [_draft_state(seqs[i]).last_confidences for i in ready]
+        history = [self._last_confidences(seqs[i]) for i in ready]
         if any(c is None for c in history) or self._declined + 1 >= self.probe_every:
             self._declined = 0
             return True
         # [batch, K]: the sequences that cannot draft take part with no drafts (one token each)
         predicted = torch.zeros(len(seqs), self._k)
         caps = torch.zeros(len(seqs), dtype=torch.long)
-        for i in ready:
-            known = profile.survival.calibrated(_history_of(seqs[i])[: self._k].float())
+        for i, confidences in zip(ready, history):
+            assert confidences is not None
+            known = profile.survival.calibrated(confidences[: self._k].float())
             predicted[i, : known.shape[0]] = known
             caps[i] = min(seqs[i].max_drafts, known.shape[0])
         rows = sum(len(s.pending) for s in seqs)  # anchors and carries
@@ -180,19 +210,6 @@ class DSparkProposer:
             state.extend(new)
             state.truncate(o.keep_end)
             o.seq.draft = state
-
-
-def _at_anchor(seq: DecodeSequence) -> bool:
-    """The drafter memory ends at the anchor (the last token), with at least one vector."""
-    state = seq.draft
-    return state is not None and state.end_position == len(seq.tokens) - 1 and state.vectors.shape[0] > 0
-
-
-def _history_of(seq: DecodeSequence) -> Tensor:
-    """The confidences of the sequence's latest draft (it has one)."""
-    confidences = _draft_state(seq).last_confidences
-    assert confidences is not None
-    return confidences
 
 
 def _draft_state(seq: DecodeSequence) -> DraftState:

@@ -32,7 +32,7 @@ from torch import Tensor
 from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
-from cedserve.decode_workers.drafting import Observation, Proposer
+from cedserve.decode_workers.drafting import DSparkProposer, Observation, Proposer
 from cedserve.decode_workers.expert_parallel import ExpertParallel, SingleRank, ep_moe
 from cedserve.decode_workers.leases import LeaseBook, LeaseError, StateRoomPolicy
 from cedserve.decode_workers.link_probe import ProbeDigests
@@ -53,6 +53,7 @@ from cedserve.decode_workers.sched_output import SchedulerOutput
 from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
 from cedserve.decode_workers.slot_book import SlotBook, runner_unavailable
+from cedserve.decode_workers.slot_drafting import SlotDSparkProposer, slot_drafting_unavailable
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
 from cedserve.kv_transfer.protocol import TransferEndpoint
@@ -60,6 +61,7 @@ from cedserve.model import kernel_warmup
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.config_table import config_error
+from cedserve.model.draft_runner import DraftRunnerConfig
 from cedserve.model.dspark import Draft, DraftState
 from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.moe import MoE
@@ -94,8 +96,8 @@ class DecodeEngine:
                                                       cpu_auto="reference")
         self.cache = cache
         self.layout: BlockLayout = cache.layout
-        self.proposer = proposer if config.dspark else None
         self.ep = ep or SingleRank(model.config.n_routed_experts)
+        self.proposer = self._slot_drafting(proposer) if config.dspark and proposer is not None else None
         self.metrics = metrics or DecodeMetrics()
         self.rank = rank
         self.clock = clock
@@ -423,6 +425,28 @@ class DecodeEngine:
         book.capture()
         return book
 
+    def _slot_drafting(self, proposer: Proposer) -> Proposer:
+        """`proposer`, or the DSpark drafter's pass on slots (`decode.runner_drafter`), its graphs captured."""
+        if isinstance(proposer, SlotDSparkProposer):
+            return proposer
+        mode = self.config.runner_drafter
+        runner_on = runner_unavailable(self.model, self.config.runner, self.ep.world_size) is None
+        reason = slot_drafting_unavailable(proposer, self.model.embed.weight.device.type, mode, runner_on,
+                                           self.ep.world_size)
+        if reason is not None:
+            if mode == "on":
+                raise config_error("decode", "runner_drafter", f"on, but the drafter cannot run on slots: {reason}")
+            if mode == "auto":
+                log.info("drafter on slots off: %s", reason)
+            return proposer
+        assert isinstance(proposer, DSparkProposer)
+        config = DraftRunnerConfig(max_slots=self.config.max_running_requests, cuda_graphs=self.config.cuda_graphs)
+        slotted = SlotDSparkProposer.replacing(proposer, config)
+        report = slotted.runner.capture(lambda done, total: log.info("drafter: captured %d of %d buckets", done, total))
+        if report.buckets:
+            log.info("drafter: CUDA graphs for batch buckets %s in %.1f s", report.buckets, report.seconds)
+        return slotted
+
     def _runner_rows(self, running: list[DecodeSequence], drafts: list[Draft | None]) -> set[int]:
         """Indexes of the running requests whose row goes through the runner this step; requests
         that need `forward_batch` leave their slot first."""
@@ -594,6 +618,8 @@ class DecodeEngine:
         table = self.cache.block_table(seq.request_id)
         seq.state = state_io.load_from_blocks(self.model, self.layout, self.cache.pool.storage, table, start)
         seq.stored_entries = {layer: cached_tokens // kv.ratio for layer, kv in seq.state.global_kv.items()}
+        if self.proposer is not None:
+            self.proposer.release(seq, keep=False)
         seq.draft = None
 
     def _replay_rows(self, seq: DecodeSequence) -> int:
@@ -605,8 +631,11 @@ class DecodeEngine:
             self.metrics.offload_fallbacks.inc()
         if self.slots is not None and self.slots.holds(seq):
             self.slots.slot_out(seq)
+        offload = policy is PreemptionPolicy.OFFLOAD and seq.state is not None
+        if self.proposer is not None:
+            self.proposer.release(seq, keep=offload)  # the offload carries the drafter memory
         table = self.cache.block_table(seq.request_id)
-        if policy is PreemptionPolicy.OFFLOAD and seq.state is not None:
+        if offload:
             seq.offloaded = state_io.offload(seq, self.cache.pool.storage, table)
             self._offloaded_bytes += seq.offloaded.nbytes
         else:
@@ -642,6 +671,8 @@ class DecodeEngine:
         seq.status = Status.FINISHED
         if self.slots is not None:
             self.slots.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq, keep=False)
         seq.state, seq.draft = None, None
         if seq.offloaded is not None:
             self._offloaded_bytes -= seq.offloaded.nbytes

@@ -293,6 +293,9 @@ class TargetProposer:
     def observe_many(self, observations: Sequence[Any]) -> None:
         pass
 
+    def release(self, seq: Any, keep: bool) -> None:
+        pass
+
 
 # ---------------------------------------------------------------------- expert-parallel groups
 

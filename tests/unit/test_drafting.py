@@ -179,6 +179,9 @@ class _Forwarding:
     def observe_many(self, observations: Sequence[Observation]) -> None:
         self.inner.observe_many(observations)
 
+    def release(self, seq: DecodeSequence, keep: bool) -> None:
+        self.inner.release(seq, keep)
+
 
 @pytest.mark.parametrize("wrapped", [False, True])
 @pytest.mark.parametrize("adaptive_verify", [True, False])
