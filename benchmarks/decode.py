@@ -74,6 +74,7 @@ from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.expert_parallel import ExpertParallel, TorchDistributedEP, shard_experts
 from cedserve.decode_workers.messages import AttachCommand, Sampling, Tokens
+from cedserve.decode_workers.slot_drafting import SlotDSparkProposer
 from cedserve.model import presets
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
@@ -170,6 +171,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
                           adaptive_verify=False, draft_tokens=draft_tokens, device=device,
                           paged_attention=attention, kernel_warmup=False,  # per cell: --warmup-steps instead
                           runner=runner.split("-")[0], compile_fused="-fused" in runner,
+                          runner_drafter=("on" if runner.startswith("on") else "auto") if "-drafter" in runner else "off",
                           matmul_tf32=runner.endswith("-tf32"))
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
@@ -203,7 +205,8 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
     step_s = statistics.median(times)  # a shared machine's load spikes hit single steps: the median resists
     cache.close()
     return {"context": len(prompt.tokens), "batch": total, "ep": world, "dspark": dspark,
-            "attention": engine.paged_attention, "runner": engine.slots is not None, "runner_mode": runner, "steps": steps,
+            "attention": engine.paged_attention, "runner": engine.slots is not None, "runner_mode": runner,
+            "drafter_on_slots": isinstance(engine.proposer, SlotDSparkProposer), "steps": steps,
             "tokens": emitted, "warmup_ms_each": [round(1000 * t, 1) for t in warmup_times],
             "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
@@ -282,7 +285,8 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
                     for r in pair:
                         over = f"  x{r['speedup_over_dense']:.2f} vs dense" if "speedup_over_dense" in r else ""
                         print(f"ctx {r['context']:>6} batch {r['batch']:>3} ep {r['ep']} dspark {r['dspark']!s:>5} "
-                              f"attention {r['attention']:>9} runner {r['runner']!s:>5}: "
+                              f"attention {r['attention']:>9} runner {r['runner']!s:>5}"
+                              f"{' drafter on slots' if r['drafter_on_slots'] else ''}: "
                               f"{r['tokens_per_s']:8.2f} tok/s  "
                               f"tpot {r['tpot_ms']:9.1f} ms  tokens/step {r['tokens_per_step']:.2f}  "
                               f"peak {r['peak_memory_gb']} GB{over}", flush=True)
@@ -343,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="requests per cell (the group's total)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per cell (after the warm-up)")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
-    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused", "auto-fused-tf32", "off-tf32"],
+    p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused", "auto-fused-tf32",
+                                                                   "auto-fused-drafter", "auto-fused-drafter-tf32",
+                                                                   "on-drafter", "off-tf32"],
                    help="`decode.runner` values to time, each cell once per value (auto: the model runner's "
-                        "CUDA graphs for plain rows on one CUDA rank without drafts; -fused: with "
-                        "`decode.compile_fused`; -tf32: with `decode.matmul_tf32`)")
+                        "CUDA graphs for the target's rows, plain and DSpark verify, on one CUDA rank; -fused: "
+                        "with `decode.compile_fused`; -drafter: the DSpark drafter's pass on slots too, "
+                        "`decode.runner_drafter = auto`, on with on-drafter (a CPU: its eager pass); -tf32: with `decode.matmul_tf32`)")
     p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "off", "kernels", "reference"],
                    help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
                         "off = dense masks, kernels = the compact-cache kernels over paged records); a path "

@@ -1,6 +1,7 @@
 """The model runner on a GPU: graph replays equal the eager slot step (every bucket, full and
 padded, with rows joining and leaving, sampled with seeds), and the slot step equals
-`forward_batch` on the paged kernels. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
+`forward_batch` on the paged kernels; the DSpark drafter's graphs equal its eager step, and the
+engine with the drafter on slots emits the tokens it emits without. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from decode_support import tiny
 
+from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
+from cedserve.model.dspark import Drafter
 from cedserve.model.network import BatchItem, CEDModel
 from cedserve.model.runner import ModelRunner, RunnerConfig
 from cedserve.model.sampling import SamplingParams
@@ -108,4 +111,86 @@ def test_decode_engine_runner_on_cuda(compile_fused: bool) -> None:
             assert rig.engine.slots.runner.steps >= 10
     assert [len(o) for o in outs[1]] == [len(o) for o in outs[0]] == [12] * 3
     # bf16 attention on both paths, rounded differently: a few numerical ties, each one checked
+    assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
+
+
+# ---------------------------------------------------------------------- the DSpark drafter on slots
+
+
+def cuda_drafter(model: CEDModel) -> Drafter:
+    _, drafter = tiny()
+    return copy.deepcopy(drafter).to(model.embed.weight.device)
+
+
+def test_drafter_graph_replay_equals_eager_every_bucket() -> None:
+    """`DraftRunner`'s graphs against its eager step on the same slots: every bucket, full and padded,
+    rows joining and leaving between passes, memories rolled back, greedy and seeded sampled rows
+    (the same counter-based noise: the same tokens)."""
+    model = cuda_model()
+    drafter = cuda_drafter(model)
+    config = DraftRunnerConfig(max_slots=8, buckets=(1, 2, 4, 8))
+    graphs = DraftRunner(drafter, model, config)
+    eager = DraftRunner(drafter, model, DraftRunnerConfig(**{**config.__dict__, "cuda_graphs": False}))
+    assert graphs.capture().buckets == (1, 2, 4, 8)
+    c = model.config
+    gen = torch.Generator().manual_seed(4)
+
+    def taps(n: int) -> torch.Tensor:
+        shape = (n, len(c.dspark_target_layer_ids), c.hc_mult, c.hidden_size)
+        return torch.randn(*shape, generator=gen).to(model.embed.weight.device)
+
+    ends = [5, 30, 64, 100, 7, 250, 33, 90]
+    for runner in (graphs, eager):
+        gen.manual_seed(4)
+        runner.observe(list(range(8)), [0] * 8, ends, [taps(e + 2) for e in ends])
+    temperatures = [0.0, 0.9, 0.0, 1.3, 0.0, 0.7, 0.0, 1.0]
+    for step, rows in enumerate((1, 2, 3, 4, 5, 8, 7, 6)):
+        slots = list(range(8))[-rows:] if step % 2 else list(range(rows))
+        anchors = [(37 * s + step) % 500 + 3 for s in slots]
+        args = (slots, anchors, [temperatures[s] for s in slots], [100 + s for s in slots])
+        got, want = graphs.draft(*args), eager.draft(*args)
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(got.probs, want.probs, atol=GRAPH_ATOL, rtol=0)
+        torch.testing.assert_close(got.confidences, want.confidences, atol=GRAPH_ATOL, rtol=0)
+        # each drafting slot keeps 2 of its rows (a rollback of the rest) and moves on by 2
+        firsts = [graphs.extent(s)[1] - 1 for s in slots]  # type: ignore[index]
+        rows_taps = [taps(4) for _ in slots]
+        for runner in (graphs, eager):
+            runner.observe(slots, firsts, [f + 2 for f in firsts], rows_taps)
+    assert graphs.steps == eager.steps == 8
+
+
+def test_decode_engine_drafter_on_slots_on_cuda() -> None:
+    """The decode engine on CUDA with DSpark, the runner on and `runner_drafter = "auto"` (the
+    drafter's graphs captured at start) against `off`: the same greedy tokens (ties aside, as
+    `test_decode_engine_runner_on_cuda`), the drafter's slots all free at the end."""
+    from decode_support import Rig, greedy_ties, prompt
+
+    from cedserve.decode_workers.drafting import DSparkProposer
+    from cedserve.decode_workers.slot_drafting import SlotDSparkProposer
+
+    model = cuda_model()
+    drafter = cuda_drafter(model)
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+    outs, drafted = [], []
+    for mode in ("off", "auto"):
+        proposer = DSparkProposer(drafter, model, probe_every=1)  # drafts every step
+        rig = Rig(model, None, proposer=proposer, runner="auto", runner_drafter=mode, device="cuda",
+                  max_running_requests=4, adaptive_verify=False)
+        rids = []
+        for tokens in prompts:
+            reserved = rig.reserve(tokens, sender=False)
+            rig.attach(reserved, tokens, None, 12)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        drafted.append(rig.engine.drafted_tokens)
+        rig.assert_all_free()
+        slotted = rig.engine.proposer
+        assert isinstance(slotted, SlotDSparkProposer) == (mode == "auto")
+        if isinstance(slotted, SlotDSparkProposer):
+            assert slotted.runner.graphs_captured == (1, 2, 4) and slotted.runner.steps >= 5
+            assert slotted.num_free == 4
+    assert [len(o) for o in outs[1]] == [len(o) for o in outs[0]] == [12] * 3
+    assert min(drafted) > 0
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
