@@ -28,6 +28,7 @@ from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission
 from cedserve.router.deadline import Deadline
 from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
+from cedserve.router.leases import LeaseKeeper
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
     MeasuredLinks,
@@ -106,6 +107,8 @@ class GenerationCore:
         self.admission, self.metrics = admission, metrics
         self.max_retries, self.lease_ms, self.block_bytes = max_retries, lease_ms, block_bytes
         self.metadata = metadata
+        self.leases = LeaseKeeper(pool, lease_ms, metadata)
+        """Renews the leases this router waits on (a dead router's lapse within one lease)."""
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
         self.tokenize = TokenizePool(codec, limits)
@@ -210,6 +213,7 @@ class GenerationCore:
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
         lease = await self._reserve(decode, prefill, req, prompt, deadline)
+        self.leases.hold(decode.worker_id, req.request_id, lease.lease_id)
         progress.decode_only = prefill is None
         if prefill is None:  # the decode worker reuses the leading blocks it holds
             progress.cached_tokens = max(progress.cached_tokens,
@@ -236,6 +240,8 @@ class GenerationCore:
             # refused it): the lease and any prefill job go now, not when the lease expires
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
+        finally:
+            self.leases.drop(decode.worker_id, lease.lease_id)
 
     def _note_first(self, progress: _Progress, start: float) -> None:
         if not progress.ttft_s:
@@ -349,6 +355,7 @@ class GenerationCore:
             deadline_unix_ms=deadline_ms, prefill_locally=first is None), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:
+                self.leases.drop(decode.worker_id, lease.lease_id)  # the worker took the lease over
                 kind = event.WhichOneof("event")
                 if kind == "tokens":
                     self._note_first(progress, start)
