@@ -158,7 +158,7 @@ TABLE_FIELDS = ("model_id", "policy", "decode_only_max_tokens", "max_retries", "
 def router_table(values: Mapping[str, object]) -> dict[str, object]:
     """A config file's `[router]` table as `RouterConfig` keyword arguments; `ValueError` names an
     unknown or mistyped field and its value. `limits` is a table per effort class
-    (`[router.limits.max]`) of `max_running` and `max_queued`."""
+    (`[router.limits.max]`) of `max_running`, `max_queued` and `capacity_wait_s`."""
     unknown = sorted(set(values) - set(TABLE_FIELDS))
     if unknown:
         raise config_error("router", unknown[0], f"unknown field (known: {', '.join(TABLE_FIELDS)})")

@@ -60,6 +60,8 @@ class Script:
     """How long GetLoad takes (a busy worker's engine answers late)."""
     prefill_delay_s: float = 0.0
     """How long a prefill computes before its first token (a long prompt, a queue)."""
+    refuse_reserves: int = 0
+    """Reserves refused with RESOURCE_EXHAUSTED before the next one is granted (full since its last report)."""
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -106,9 +108,14 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.renewed: list[str] = []
         self.cancelled: list[str] = []
         self.decodes: list[worker_pb2.DecodeRequest] = []
+        self.reserves = 0
         self.total_blocks = 1000
 
     async def Reserve(self, request: Any, context: Any) -> worker_pb2.ReserveReply:
+        self.reserves += 1
+        if self.script.refuse_reserves > 0:
+            self.script.refuse_reserves -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests queued")
         blocks = -(-request.prompt_tokens // 64)
         lease = f"{self.worker_id}-{request.request_id}-{len(self.leases)}"
         self.leases[lease] = blocks
@@ -607,3 +614,56 @@ def test_without_renewals_the_same_prefill_loses_its_lease(checkpoint: Path) -> 
 def core(cluster: Cluster) -> GenerationCore:
     assert cluster.router.core is not None
     return cluster.router.core
+
+
+def test_a_full_decode_worker_makes_the_request_wait_not_fail(checkpoint: Path) -> None:
+    """Every decode worker refuses its next Reserves (RESOURCE_EXHAUSTED: full since its last load
+    report): the request waits for the next report and is placed then, instead of being retried
+    elsewhere until no worker is left and refused with UNAVAILABLE."""
+    cluster = Cluster(checkpoint)
+    try:
+        for d in cluster.decode:
+            d.script.refuse_reserves = 2
+        with _client(cluster) as client:
+            out = client.generate(list(range(3, 200)), max_tokens=3)
+        assert out.token_ids == _expected(list(range(3, 200)), 3)
+        assert sum(d.reserves for d in cluster.decode) >= 3  # two refused, then granted
+    finally:
+        cluster.close()
+
+
+def test_a_request_waits_for_blocks_to_free_up(checkpoint: Path) -> None:
+    """Placement finds no decode worker with room (one is full of a slow request, the other has no
+    blocks): the second request waits in its class's FIFO, is placed once the load report shows the
+    first one's blocks back, and completes; one that could never fit is refused at once."""
+    cluster = Cluster(checkpoint)
+    try:
+        cluster.decode[0].total_blocks, cluster.decode[1].total_blocks = 4, 0
+        cluster.decode[0].script.token_delay_s = 0.1
+        prompt = list(range(3, 200))  # 4 blocks of 64
+        with _client(cluster) as first, _client(cluster) as second:
+            stream = first.stream(prompt, max_tokens=8, effort="low")
+            next(stream)
+            time.sleep(0.3)  # the full worker's load report is in
+            assert cluster.call(_free_blocks(cluster, "d0")) == 0
+            start = time.monotonic()
+            waiter: Future[Any] = Future()
+            threading.Thread(target=lambda: waiter.set_result(second.generate(prompt, max_tokens=2, effort="low")),
+                             daemon=True).start()
+            time.sleep(0.2)
+            assert core(cluster).capacity.waiting("low") == 1
+            assert len(list(stream)) >= 1  # the first request finishes and frees its blocks
+            out = waiter.result(10)
+            assert out.token_ids == _expected(prompt, 2) and time.monotonic() - start > 0.3
+            with pytest.raises(CedserveError) as info:
+                second.generate(list(range(3, 400)), max_tokens=2, effort="low")  # 7 blocks: never fits
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s > 0
+        assert core(cluster).capacity.waiting("low") == 0
+    finally:
+        cluster.close()
+
+
+async def _free_blocks(cluster: Cluster, worker_id: str) -> int:
+    load = cluster.router.pool.workers[worker_id].load
+    assert load is not None
+    return int(load.free_blocks)
