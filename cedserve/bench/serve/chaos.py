@@ -26,11 +26,13 @@ Per round it reports:
 - `blocks_back_s`: the load's end to every worker's held blocks back to the baseline; None (a leak)
   when not within `blocks_give_up_s`, with `held_blocks` as last read.
 - router kills only: `orphans_freed_s`, the kill to every worker's held blocks back to the baseline
-  while the router is down (read from the workers directly, every 50 ms): what the dead router left
-  held (leases between Reserve and Decode) coming back by lease expiry. None when it had not come
-  back by the time the restarted router answered (its new load then mixes in). `orphan_blocks`:
-  the most blocks held above the baseline in that window after the first 0.5 s (in-flight decodes
-  end at once: their streams break).
+  (read from the workers directly, every 50 ms): what the dead router left held (leases between
+  Reserve and Decode) coming back by lease expiry. Measured while the router is down; None when it
+  had not come back by the time the restarted router answered (its new load then mixes in). With
+  `pause_for_orphans` the load sends nothing new from the kill until then (at most `give_up_s`), so
+  the figure is exact however fast the router restarts, and `serving_again_s` includes that pause.
+  `orphan_blocks`: the most blocks held above the baseline from 0.5 s after the kill (in-flight
+  decodes end at once: their streams break).
 - `no_status`: requests that ended with neither a completion nor a status (must be 0).
 """
 
@@ -162,6 +164,8 @@ class Load:
     timeout_s: float = 60.0
     sent: list[Sent] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    paused: threading.Event = field(default_factory=threading.Event)
+    """Set: the clients send nothing new until it is cleared."""
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -183,6 +187,9 @@ class Load:
 
     def _client(self) -> None:
         while not self._stop.is_set():
+            if self.paused.is_set():
+                time.sleep(0.02)
+                continue
             one = Sent(time.monotonic())
             with self._lock:
                 self.sent.append(one)
@@ -277,7 +284,7 @@ class _Watch:
 
 def kill_round(address: str, token: str, log_dir: Path, kind: str, clients: int, max_tokens: int,
                lead_s: float = 1.5, give_up_s: float = 60.0, blocks_give_up_s: float = 40.0,
-               prompt_tokens: int = 0) -> dict[str, Any]:
+               prompt_tokens: int = 0, pause_for_orphans: bool = False) -> dict[str, Any]:
     """One round (module docstring): kill -9 of `kind`'s process under `clients` streams of load."""
     baseline = _wait_baseline(address, token, give_up_s)
     before = _workers(address, token) or {}
@@ -291,7 +298,10 @@ def kill_round(address: str, token: str, log_dir: Path, kind: str, clients: int,
     os.kill(pid, signal.SIGKILL)
     orphans: tuple[float | None, int] = (None, 0)
     if kind == "router":
-        orphans = _orphans_freed(before, token, baseline, killed, watch, give_up_s)
+        if pause_for_orphans:
+            load.paused.set()
+        orphans = _orphans_freed(before, token, baseline, killed, None if pause_for_orphans else watch, give_up_s)
+        load.paused.clear()
     try:
         serving = _wait_for(lambda: _first_ok_after(load.snapshot(), killed), killed, give_up_s)
         _wait_for(lambda: watch.back_at, killed, give_up_s)
@@ -333,12 +343,12 @@ def _worker_load(address: str, token: str) -> worker_pb2.LoadReport | None:
 
 
 def _orphans_freed(workers: dict[str, tuple[bool, str]], token: str, baseline: dict[str, int], killed: float,
-                   watch: _Watch, give_up_s: float) -> tuple[float | None, int]:
-    """Router kills: (when every worker held no more than its baseline, read from the workers while
-    the router is down, None if the restarted router answered first; the most blocks held above the
-    baseline from 0.5 s after the kill)."""
+                   watch: _Watch | None, give_up_s: float) -> tuple[float | None, int]:
+    """Router kills: (when every worker held no more than its baseline, read from the workers; None
+    if the restarted router answered first (`watch`; None: the load is paused, no such limit) or not
+    within `give_up_s`; the most blocks held above the baseline from 0.5 s after the kill)."""
     most = 0
-    while time.monotonic() - killed < give_up_s and watch.back_at is None:
+    while time.monotonic() - killed < give_up_s and (watch is None or watch.back_at is None):
         held = {}
         for worker_id, (_, worker_address) in workers.items():
             load = _worker_load(worker_address, token)
@@ -407,13 +417,15 @@ def _wait_blocks(address: str, token: str, baseline: dict[str, int],
 
 
 def kill_rounds(address: str, token: str, log_dir: Path, kinds: Sequence[str], rounds: int, clients: int,
-                max_tokens: int, log: Callable[[str], None] = print, prompt_tokens: int = 0) -> dict[str, Any]:
+                max_tokens: int, log: Callable[[str], None] = print, prompt_tokens: int = 0,
+                pause_for_orphans: bool = False) -> dict[str, Any]:
     """`rounds` kills of each kind in turn (router, prefill, decode, router, ...), and a summary per kind."""
     out: dict[str, Any] = {"rounds": rounds, "clients": clients, "max_tokens": max_tokens,
-                           "prompt_tokens": prompt_tokens, "per_kill": []}
+                           "prompt_tokens": prompt_tokens, "pause_for_orphans": pause_for_orphans, "per_kill": []}
     for i in range(rounds):
         for kind in kinds:
-            r = kill_round(address, token, log_dir, kind, clients, max_tokens, prompt_tokens=prompt_tokens)
+            r = kill_round(address, token, log_dir, kind, clients, max_tokens, prompt_tokens=prompt_tokens,
+                           pause_for_orphans=pause_for_orphans)
             out["per_kill"].append(r)
             log(f"kill {i + 1}/{rounds} {kind:>7}: detected {r['detected_s']} s, serving again {r['serving_again_s']} s, "
                 f"restored {r['restored_s']} s, blocks back {r['blocks_back_s']} s, in flight {r['inflight']}, "

@@ -271,7 +271,7 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
             raise SystemExit("cedserve bench held: the kill scenario needs --log-dir of the running system")
         results["kill"] = kill_rounds(target.address, target.token, target.log_dir, args.kill_kinds,
                                       args.kill_rounds, args.kill_clients, args.kill_max_tokens, log,
-                                      args.kill_prompt_tokens)
+                                      args.kill_prompt_tokens, args.kill_pause_for_orphans)
         for kind, summary in results["kill"]["summary"].items():
             log(f"kill {kind:>7} x {summary['kills']}: detected <= {summary['detected_s_max']} s, serving again <= "
                 f"{summary['serving_again_s_max']} s, blocks back <= {summary['blocks_back_s_max']} s, "
@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-prompt-tokens", type=int, default=0,
                    help="load of fresh random prompts of this many tokens (prefilled by a prefill worker, so a "
                         "router kill finds leases between Reserve and Decode); 0: a short fixed prompt")
+    p.add_argument("--kill-pause-for-orphans", action="store_true",
+                   help="router kills: send nothing new until the dead router's held blocks are back, so that time "
+                        "(orphans_freed_s) is exact however fast the router restarts; serving_again_s then includes it")
     p.add_argument("--serve-config", help="with no --address: a `cedserve serve --config` file for the started system")
     p.add_argument("--checkpoint", help="with no --address: the checkpoint to serve (default: the demo)")
     p.add_argument("--log-dir", help="with no --address: where the started system's logs go; with --address: "
