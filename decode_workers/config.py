@@ -71,8 +71,14 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a request gives up under memory pressure."""
     max_offload_bytes: int = 8 << 30
     """Host bytes offloaded requests may hold; beyond it preemption recomputes (counted)."""
-    lease_ms: int = 30_000
-    """Default lease: a reservation whose Decode call has not arrived by then is freed."""
+    lease_ms: int = 4_000
+    """Default lease: a reservation whose Decode call has not arrived by then is freed. The router
+    renews the leases it still waits on every quarter lease (`Renew`), so this is the backstop for a
+    lost router, not a bound on a slow prefill: a dead router's blocks come back within it."""
+    transfer_timeout_ms: int = 30_000
+    """Longest a lease's KV transfer may run from its Reserve (the reservation's own deadline, which the
+    sender also gets): a bound against a stuck transfer while its router is alive and renewing. A
+    Reserve asking for a longer lease gets that as its transfer bound."""
     max_output_tokens: int = 32_768
     """Most output tokens one request may produce on this rank: a request's budget (decided by the
     router, `cedserve.model.effort.token_budget` when the client names none) is cut to it."""
@@ -135,7 +141,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not isinstance(self.preemption, PreemptionPolicy):
             fail("decode", "preemption", f"must be one of {[p.value for p in PreemptionPolicy]}, got {self.preemption!r}")
         for name in ("max_running_requests", "max_waiting_requests",
-                     "max_pass_tokens", "lease_ms", "max_output_tokens", "max_offload_bytes"):
+                     "max_pass_tokens", "lease_ms", "transfer_timeout_ms", "max_output_tokens", "max_offload_bytes"):
             if getattr(self, name) <= 0:
                 fail("decode", name, f"must be positive, got {getattr(self, name)}")
         for name in ("reserve_headroom_blocks", "replay_span", "draft_tokens", "effort_queue_slack_s"):

@@ -45,6 +45,7 @@ from cedserve.decode_workers.messages import (
     Output,
     ProbeCheckCommand,
     RankLoad,
+    RenewCommand,
     ReserveCommand,
 )
 from cedserve.decode_workers.metrics import DecodeMetrics
@@ -104,7 +105,7 @@ class DecodeEngine:
         self.endpoint = endpoint
         self._taps_dtype: torch.dtype | None = None
         self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock,
-                                self._state_room_policy())
+                                self._state_room_policy(), config.transfer_timeout_ms / 1000)
         self.profile = StepProfile(config.step_prior_s, config.step_prior_per_row_s)
         if self.proposer is not None:
             # the proposer may decline a step's drafting when the measured draft pass cannot pay for itself
@@ -141,6 +142,10 @@ class DecodeEngine:
             return self.attach(cmd)
         if isinstance(cmd, ProbeCheckCommand):
             return self.check_probe(cmd)
+        if isinstance(cmd, RenewCommand):
+            for lease_id in cmd.lease_ids:
+                self.leases.renew(lease_id, cmd.lease_ms)
+            return []
         return self.cancel(cmd)
 
     def reserve(self, cmd: ReserveCommand) -> Output:

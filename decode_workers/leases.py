@@ -8,6 +8,14 @@ blocks for it, reserved after the KV blocks in the same transfer; they are freed
 which `poll` applies on the engine thread. A lease ends in exactly one of three ways: its Decode call
 takes it over (`take`), it is cancelled, or its deadline passes unattached. Blocks return to the pool
 only once the transfer no longer touches them (after `on_finish`), as the transfer contract requires.
+
+Two clocks bound an unattached lease. Its own deadline is short (`decode.lease_ms`, 4 s) and moves
+forward each time its router renews it (`renew`, from the `Renew` call the router sends every
+quarter lease while it waits on the lease): a live router keeps a slow request's blocks, a dead
+router's come back within one lease. The KV transfer into it has a longer, fixed deadline
+(`decode.transfer_timeout_ms`, counted from the Reserve and sent to the sender with the
+reservation): it bounds a transfer stuck while its router still renews, and it is never what frees
+a lost router's blocks (an expired lease aborts its transfer).
 """
 
 from __future__ import annotations
@@ -67,13 +75,14 @@ class LeaseBook:
 
     def __init__(self, cache: KVCacheManager, endpoint: TransferEndpoint | None, metrics: DecodeMetrics,
                  headroom_blocks: int, clock: Callable[[], float] = time.monotonic,
-                 state_room: StateRoomPolicy | None = None) -> None:
+                 state_room: StateRoomPolicy | None = None, transfer_timeout_s: float = 30.0) -> None:
         self.cache = cache
         self.state_room = state_room or StateRoomPolicy(False, 0, False)
         self.endpoint = endpoint
         self.receiver: KVReceiver | None = endpoint.receiver() if endpoint is not None else None
         self.metrics = metrics
         self.headroom_blocks = headroom_blocks
+        self.transfer_timeout_s = transfer_timeout_s
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self.by_request: dict[str, str] = {}
@@ -159,7 +168,8 @@ class LeaseBook:
         try:
             blocks = [*lease.block_ids[lease.num_cached_blocks:], *lease.state_block_ids]
             reservation = self.receiver.reserve(lease.lease_id, blocks, sender=cmd.sender_agent,
-                                                lease_s=cmd.lease_ms / 1000, on_finish=self._results.put)
+                                                lease_s=max(cmd.lease_ms / 1000, self.transfer_timeout_s),
+                                                on_finish=self._results.put)
         except ValueError as exc:
             raise LeaseError(ErrorKind.UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
                              "sender_agent") from None
@@ -191,6 +201,16 @@ class LeaseBook:
     def lease_of(self, request_id: str) -> Lease | None:
         lease_id = self.by_request.get(request_id)
         return None if lease_id is None else self.leases.get(lease_id)
+
+    def renew(self, lease_id: str, lease_ms: int) -> bool:
+        """Its router still waits on the lease: an unattached one expires `lease_ms` from now (never
+        sooner than it would have). False when the lease is gone here (expired, cancelled, ended);
+        a taken lease stays taken (True)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.cancelled:
+            return False
+        lease.deadline_s = max(lease.deadline_s, self.clock() + lease_ms / 1000)
+        return True
 
     def take(self, lease: Lease) -> None:
         """The Decode call owns the lease now: it no longer expires (its blocks stay with the request)."""

@@ -100,7 +100,15 @@ class ProbeCheckCommand(msgspec.Struct, frozen=True, tag="probe_check"):
     """What the blocks should hash to (the sender's digest)."""
 
 
-Command = ReserveCommand | AttachCommand | CancelCommand | ProbeCheckCommand
+class RenewCommand(msgspec.Struct, frozen=True, tag="renew"):
+    """The router still waits on these leases (`Renew`): each unattached one gets a fresh deadline."""
+
+    rank: int
+    lease_ids: tuple[str, ...]
+    lease_ms: int
+
+
+Command = ReserveCommand | AttachCommand | CancelCommand | ProbeCheckCommand | RenewCommand
 
 
 # ------------------------------------------------------------------ outputs

@@ -9,6 +9,7 @@ How the router drives a request (docs/decode.md): `Reserve` (blocks leased, the 
 reservation returned for the prefill worker) -> the prefill worker WRITEs the KV -> `Decode` with the
 lease id and the first token (server stream of `tokens`, then `complete` or `error`). `Cancel`, a
 cancelled `Decode` call, an expired lease or a failed transfer frees everything the request held.
+Until its `Decode` call streams, the router keeps the lease alive with `Renew` (leases.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cedserve.decode_workers.messages import (
     ProbeCheckCommand,
     ProbeChecked,
     RankLoad,
+    RenewCommand,
     ReserveCommand,
     Reserved,
     Sampling,
@@ -262,6 +264,23 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 return wpb.CancelReply(found=False)
             self.inbox.put(CancelCommand(rank, request.request_id, request.lease_id, "cancelled by the router"))
         return wpb.CancelReply(found=True)
+
+    def Renew(self, request: wpb.RenewRequest, context: grpc.ServicerContext) -> wpb.RenewReply:
+        """Renew a router's open leases, one command per rank that holds some. The leases this
+        worker no longer knows are answered at once; one that lapses while the command waits for the
+        engine is not (its Decode call learns it)."""
+        by_rank: dict[int, list[str]] = {}
+        lost = []
+        for ref in request.leases:
+            rank = self.router.rank_of(ref.request_id)
+            if rank is None:
+                lost.append(ref.lease_id)
+            else:
+                by_rank.setdefault(rank, []).append(ref.lease_id)
+        lease_ms = request.lease_ms or self.lease_ms
+        for rank, lease_ids in by_rank.items():
+            self.inbox.put(RenewCommand(rank, tuple(lease_ids), lease_ms))
+        return wpb.RenewReply(lost_lease_ids=lost)
 
     def GetLoad(self, request: wpb.LoadRequest, context: grpc.ServicerContext) -> wpb.LoadReport:
         loads = list(self.router.loads)

@@ -295,6 +295,28 @@ class CancelReply(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class LeaseRef(_message.Message):
+    __slots__ = ("request_id", "lease_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("leases", "lease_ms")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseRef]
+    lease_ms: int
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewReply(_message.Message):
+    __slots__ = ("lost_lease_ids",)
+    LOST_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lost_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lost_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -309,6 +309,11 @@ class DecodeWorkerStub:
                 request_serializer=worker__pb2.CheckProbeRequest.SerializeToString,
                 response_deserializer=worker__pb2.CheckProbeReply.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/cedserve.v1.DecodeWorker/Renew',
+                request_serializer=worker__pb2.RenewRequest.SerializeToString,
+                response_deserializer=worker__pb2.RenewReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -351,6 +356,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """keep a router's open leases alive
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -383,6 +395,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.CheckProbe,
                     request_deserializer=worker__pb2.CheckProbeRequest.FromString,
                     response_serializer=worker__pb2.CheckProbeReply.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=worker__pb2.RenewRequest.FromString,
+                    response_serializer=worker__pb2.RenewReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -547,6 +564,33 @@ class DecodeWorker:
             '/cedserve.v1.DecodeWorker/CheckProbe',
             worker__pb2.CheckProbeRequest.SerializeToString,
             worker__pb2.CheckProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cedserve.v1.DecodeWorker/Renew',
+            worker__pb2.RenewRequest.SerializeToString,
+            worker__pb2.RenewReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,10 +26,13 @@ class ClassLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Requests of the class in flight at once."""
     max_queued: int = 256
     """Requests of the class waiting for a slot; beyond it: RESOURCE_EXHAUSTED."""
+    capacity_wait_s: float = 30.0
+    """Longest an admitted request of the class waits for room on a decode worker (router/capacity.py)
+    before RESOURCE_EXHAUSTED with a retry delay; its deadline, when shorter, ends the wait first."""
 
     def __post_init__(self) -> None:
-        if self.max_running < 1 or self.max_queued < 0:
-            fail("router", "limits", f"max_running >= 1 and max_queued >= 0, got {self}")
+        if self.max_running < 1 or self.max_queued < 0 or self.capacity_wait_s < 0:
+            fail("router", "limits", f"max_running >= 1, max_queued >= 0 and capacity_wait_s >= 0, got {self}")
 
 
 class _ClassGate:
@@ -52,6 +55,14 @@ class Admission:
 
     def running(self, klass: str) -> int:
         return self._gates[klass].running
+
+    def capacity_wait_s(self) -> dict[str, float]:
+        """Each class's `capacity_wait_s`."""
+        return {name: gate.limits.capacity_wait_s for name, gate in self._gates.items()}
+
+    def retry_after_s(self, klass: str) -> float:
+        """When a slot of the class is expected to free up (the hint sent with RESOURCE_EXHAUSTED)."""
+        return self._gates[klass].retry_after_s()
 
     def waiting(self, klass: str) -> int:
         return self._gates[klass].waiting

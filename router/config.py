@@ -84,8 +84,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Re-placements per request after a worker failure."""
     load_poll_s: float = 0.5
     """Interval of load polling; a worker that misses 3 polls is taken out of placement."""
-    lease_ms: int = 30_000
-    """Decode block reservations expire after this long without a prefill."""
+    lease_ms: int = 4_000
+    """A decode block reservation expires this long after its last renewal: the router renews the
+    leases it waits on every quarter of it (router/leases.py), so a dead router's blocks come back
+    within it while a slow prefill keeps them."""
     default_max_tokens: int = 0
     """Output budget when a request gives none; 0: the effort level's budget."""
     limits: dict[str, ClassLimits] = msgspec.field(default_factory=dict)
@@ -129,6 +131,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             fail("router", "http_port", f"must be -1 (off) or in [0, 65535], got {self.http_port}")
         if self.max_retries < 0:
             fail("router", "max_retries", f"must be >= 0, got {self.max_retries}")
+        if self.lease_ms <= 0:
+            fail("router", "lease_ms", f"must be positive, got {self.lease_ms}")
         if self.tls.enabled and self.tls.cert is None:
             fail("router", "tls.cert", "a TLS public port needs `cert` and `key`")
         if self.default_link_bytes_per_s <= 0:
@@ -154,7 +158,7 @@ TABLE_FIELDS = ("model_id", "policy", "decode_only_max_tokens", "max_retries", "
 def router_table(values: Mapping[str, object]) -> dict[str, object]:
     """A config file's `[router]` table as `RouterConfig` keyword arguments; `ValueError` names an
     unknown or mistyped field and its value. `limits` is a table per effort class
-    (`[router.limits.max]`) of `max_running` and `max_queued`."""
+    (`[router.limits.max]`) of `max_running`, `max_queued` and `capacity_wait_s`."""
     unknown = sorted(set(values) - set(TABLE_FIELDS))
     if unknown:
         raise config_error("router", unknown[0], f"unknown field (known: {', '.join(TABLE_FIELDS)})")

@@ -26,8 +26,10 @@ from cedserve.model.effort import effort_class
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission
+from cedserve.router.capacity import CapacityQueue
 from cedserve.router.deadline import Deadline
 from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
+from cedserve.router.leases import LeaseKeeper
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.placement import (
     MeasuredLinks,
@@ -56,6 +58,10 @@ _WORKER_CODES = {
     worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
     worker_pb2.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+class _NoRoom(Exception):
+    """No decode worker has room for the request now: it waits for capacity (router/capacity.py)."""
 
 
 class WorkerFailed(Exception):
@@ -106,6 +112,11 @@ class GenerationCore:
         self.admission, self.metrics = admission, metrics
         self.max_retries, self.lease_ms, self.block_bytes = max_retries, lease_ms, block_bytes
         self.metadata = metadata
+        self.leases = LeaseKeeper(pool, lease_ms, metadata)
+        """Renews the leases this router waits on (a dead router's lapse within one lease)."""
+        self.capacity = CapacityQueue(admission.capacity_wait_s())
+        """Admitted requests waiting for room on a decode worker; a load report wakes each class's head."""
+        pool.on_decode_load.append(self.capacity.wake)
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
         self.tokenize = TokenizePool(codec, limits)
@@ -184,6 +195,31 @@ class GenerationCore:
         yield generation_pb2.GenerateResponse(request_id=req.request_id, complete=generation_pb2.Complete(
             finish_reason=progress.finish, usage=usage))
 
+    async def _place_and_reserve(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
+                                 deadline: Deadline) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply]:
+        """Place the request and lease its blocks, waiting in its class's capacity FIFO while no
+        decode worker has room (router/capacity.py); a request behind others waits without trying."""
+        klass = effort_class(req.effort)
+        if not self.capacity.waiting(klass):
+            try:
+                return await self._place_once(req, prompt, excluded, deadline)
+            except _NoRoom as exc:
+                log.debug("request %s waits for decode capacity: %s", req.request_id, exc)
+        async with self.capacity.wait_in_line(klass, req.request_id) as waiter:
+            while True:
+                await waiter.next_turn(deadline, self.admission.retry_after_s(klass))
+                try:
+                    return await self._place_once(req, prompt, excluded, deadline)
+                except _NoRoom:
+                    continue
+
+    async def _place_once(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
+                          deadline: Deadline) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply]:
+        choice = self._placement(req, len(prompt), excluded)
+        decode = self.pool.workers[choice.decode_id]
+        prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
+        return decode, prefill, await self._reserve(decode, prefill, req, prompt, deadline)
+
     def _placement(self, req: PreparedRequest, prompt_len: int, excluded: frozenset[str]) -> Placement:
         if not self.pool.loads.num_workers("decode", excluded):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker", retry_after_s=1.0)
@@ -192,8 +228,12 @@ class GenerationCore:
         try:
             choice = self.policy.choose_from(shape, self.pool.loads, runs, self.links, excluded)
         except NoCapacityError as exc:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_s=1.0,
-                               reason=NO_CAPACITY) from exc
+            largest = max((int(h.load.total_blocks) for h in self.pool.healthy("decode", excluded)
+                           if h.load is not None), default=0)
+            if shape.num_blocks > largest:  # room will never free up for it: no waiting
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; the largest decode worker has "
+                                   f"{largest} blocks in all", retry_after_s=1.0, reason=NO_CAPACITY) from exc
+            raise _NoRoom(str(exc)) from exc
         except NoWorkerError as exc:
             tried = f" (excluded after failures: {sorted(excluded)})" if excluded else ""
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}{tried}", retry_after_s=1.0) from exc
@@ -206,10 +246,8 @@ class GenerationCore:
         # After a migration the prompt is the original plus what was already streamed.
         prompt = (*req.token_ids, *progress.output_ids)
         remaining_tokens = req.max_tokens - len(progress.output_ids)
-        choice = self._placement(req, len(prompt), excluded)
-        decode = self.pool.workers[choice.decode_id]
-        prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
-        lease = await self._reserve(decode, prefill, req, prompt, deadline)
+        decode, prefill, lease = await self._place_and_reserve(req, prompt, excluded, deadline)
+        self.leases.hold(decode.worker_id, req.request_id, lease.lease_id)
         progress.decode_only = prefill is None
         if prefill is None:  # the decode worker reuses the leading blocks it holds
             progress.cached_tokens = max(progress.cached_tokens,
@@ -236,6 +274,8 @@ class GenerationCore:
             # refused it): the lease and any prefill job go now, not when the lease expires
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
+        finally:
+            self.leases.drop(decode.worker_id, lease.lease_id)
 
     def _note_first(self, progress: _Progress, start: float) -> None:
         if not progress.ttft_s:
@@ -293,6 +333,8 @@ class GenerationCore:
             await asyncio.shield(self._cancel(decode, req.request_id, ""))
             raise
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full now (its load report was older): wait
+                raise _NoRoom(f"decode worker {decode.worker_id}: {exc.details()}") from exc
             if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 # as above: a lease may exist; shielded, since the deadline that ended this call cancels
                 # the request's task too, which would take the Cancel call down with it
@@ -349,6 +391,7 @@ class GenerationCore:
             deadline_unix_ms=deadline_ms, prefill_locally=first is None), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:
+                self.leases.drop(decode.worker_id, lease.lease_id)  # the worker took the lease over
                 kind = event.WhichOneof("event")
                 if kind == "tokens":
                     self._note_first(progress, start)

@@ -69,6 +69,8 @@ class RunningRouter:
     """The OpenAI-compatible HTTP API (`RouterConfig.http_port`); None: off."""
     tokenize: TokenizePool | None = None
     """The threads large prompts are tokenized on (closed by `stop`)."""
+    core: GenerationCore | None = None
+    """The request path (its lease keeper and capacity queue, for tests and metrics)."""
 
     @property
     def http_port(self) -> int:
@@ -150,7 +152,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         http, _thread = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
         metrics_port = int(http.server_port)
     return RunningRouter(server, pool, port, metrics, health_servicer, health_only, drain, discovery, core.links,
-                         metrics_port, http_api, core.tokenize)
+                         metrics_port, http_api, core.tokenize, core)
 
 
 async def _http_api(config: RouterConfig, core: GenerationCore, drain: RouterDrain) -> HttpServer | None:

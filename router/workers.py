@@ -104,6 +104,8 @@ class WorkerPool:
         """How long a removed worker's channel stays open for the calls still on it."""
         self.on_remove: list[Callable[[str], None]] = []
         """Called with the id of every removed worker (e.g. to forget its measured link rates)."""
+        self.on_decode_load: list[Callable[[], None]] = []
+        """Called after every decode load report is written (room may have freed: router/capacity.py)."""
         self.workers: dict[str, WorkerHandle] = {}
         self.loads = LoadTable()
         """The healthy workers' placement inputs, written here on every load report and health change."""
@@ -298,6 +300,8 @@ class WorkerPool:
         else:
             self.loads.set_decode(DecodeLoad(handle.worker_id, int(load.running_requests), int(load.free_blocks),
                                              list(load.step_s) or [0.05, 0.05], rate, int(load.queued_tokens)))
+            for callback in self.on_decode_load:
+                callback()
 
     async def _liveness(self, handle: WorkerHandle) -> bool | None:
         """Whether the worker's `grpc.health.v1` "liveness" service answers SERVING (served by its

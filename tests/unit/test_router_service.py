@@ -33,6 +33,7 @@ from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.admission import ClassLimits
 from cedserve.router.config import RouterConfig, WorkerEndpoint
+from cedserve.router.frontend import GenerationCore
 from cedserve.router.server import RunningRouter, start_router
 
 VOCAB = 512
@@ -57,6 +58,10 @@ class Script:
     """How long Reserve takes after leasing (a busy worker's reply arrives late)."""
     load_delay_s: float = 0.0
     """How long GetLoad takes (a busy worker's engine answers late)."""
+    prefill_delay_s: float = 0.0
+    """How long a prefill computes before its first token (a long prompt, a queue)."""
+    refuse_reserves: int = 0
+    """Reserves refused with RESOURCE_EXHAUSTED before the next one is granted (full since its last report)."""
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -69,6 +74,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.requests.append(request)
         if self.script.fail_prefill:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
+        await asyncio.sleep(self.script.prefill_delay_s)
         first = sum(request.token_ids) % 200 + 3
         yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
         yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids),
@@ -97,20 +103,42 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker_id: str) -> None:
         self.worker_id, self.script = worker_id, Script()
         self.leases: dict[str, int] = {}
+        self.lease_deadlines: dict[str, float] = {}
+        """Monotonic deadline of each unattached lease (a Decode call for a lapsed one fails)."""
+        self.renewed: list[str] = []
         self.cancelled: list[str] = []
         self.decodes: list[worker_pb2.DecodeRequest] = []
+        self.reserves = 0
         self.total_blocks = 1000
 
     async def Reserve(self, request: Any, context: Any) -> worker_pb2.ReserveReply:
+        self.reserves += 1
+        if self.script.refuse_reserves > 0:
+            self.script.refuse_reserves -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests queued")
         blocks = -(-request.prompt_tokens // 64)
         lease = f"{self.worker_id}-{request.request_id}-{len(self.leases)}"
         self.leases[lease] = blocks
+        self.lease_deadlines[lease] = time.monotonic() + request.lease_ms / 1000
         await asyncio.sleep(self.script.reserve_delay_s)  # leased, but the reply is late
         return worker_pb2.ReserveReply(lease_id=lease, agent_name=f"agent-{self.worker_id}",
                                        block_ids=list(range(blocks)))
 
+    async def Renew(self, request: Any, context: Any) -> worker_pb2.RenewReply:
+        lost = []
+        for ref in request.leases:
+            self.renewed.append(ref.lease_id)
+            if ref.lease_id in self.lease_deadlines:
+                self.lease_deadlines[ref.lease_id] = time.monotonic() + request.lease_ms / 1000
+            else:
+                lost.append(ref.lease_id)
+        return worker_pb2.RenewReply(lost_lease_ids=lost)
+
     async def Decode(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.DecodeEvent]:
         self.decodes.append(request)
+        if self.lease_deadlines.pop(request.lease_id, 0.0) < time.monotonic():
+            self.leases.pop(request.lease_id, None)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id} expired before its Decode call")
         token = request.first_token
         sent = 0
         try:
@@ -548,3 +576,94 @@ def test_a_first_token_that_is_one_of_the_models_eos_ids_ends_the_request(tmp_pa
             assert other.finish_reason == "length" and other.token_ids == _expected([48], 3)
     finally:
         c.close()
+
+
+def test_a_slow_prefill_keeps_its_lease_alive(checkpoint: Path) -> None:
+    """A 300 ms lease and a prefill that takes 1.2 s: the router renews the lease while it waits
+    (four periods), the Decode call finds it, and renewals stop once the request ends."""
+    cluster = Cluster(checkpoint, lease_ms=300)
+    try:
+        for p in cluster.prefill:
+            p.script.prefill_delay_s = 1.2
+        with _client(cluster) as client:
+            out = client.generate(list(range(3, 200)), max_tokens=3)
+        assert out.token_ids == _expected(list(range(3, 200)), 3)
+        renewed = [lease for d in cluster.decode for lease in d.renewed]
+        assert len(renewed) >= 8 and len(set(renewed)) == 1  # one lease, renewed every 75 ms
+        time.sleep(0.3)
+        assert len([lease for d in cluster.decode for lease in d.renewed]) == len(renewed)
+        assert core(cluster).leases.num_open() == 0
+    finally:
+        cluster.close()
+
+
+def test_without_renewals_the_same_prefill_loses_its_lease(checkpoint: Path) -> None:
+    """The check above can fail: a lease nobody renews lapses under the same slow prefill."""
+    cluster = Cluster(checkpoint, lease_ms=300, max_retries=0)
+    try:
+        for p in cluster.prefill:
+            p.script.prefill_delay_s = 1.2
+        core(cluster).leases.interval_s = 60.0  # a router that never renews
+        with _client(cluster) as client, pytest.raises(CedserveError) as info:
+            client.generate(list(range(3, 200)), max_tokens=3)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND
+    finally:
+        cluster.close()
+
+
+def core(cluster: Cluster) -> GenerationCore:
+    assert cluster.router.core is not None
+    return cluster.router.core
+
+
+def test_a_full_decode_worker_makes_the_request_wait_not_fail(checkpoint: Path) -> None:
+    """Every decode worker refuses its next Reserves (RESOURCE_EXHAUSTED: full since its last load
+    report): the request waits for the next report and is placed then, instead of being retried
+    elsewhere until no worker is left and refused with UNAVAILABLE."""
+    cluster = Cluster(checkpoint)
+    try:
+        for d in cluster.decode:
+            d.script.refuse_reserves = 2
+        with _client(cluster) as client:
+            out = client.generate(list(range(3, 200)), max_tokens=3)
+        assert out.token_ids == _expected(list(range(3, 200)), 3)
+        assert sum(d.reserves for d in cluster.decode) >= 3  # two refused, then granted
+    finally:
+        cluster.close()
+
+
+def test_a_request_waits_for_blocks_to_free_up(checkpoint: Path) -> None:
+    """Placement finds no decode worker with room (one is full of a slow request, the other has no
+    blocks): the second request waits in its class's FIFO, is placed once the load report shows the
+    first one's blocks back, and completes; one that could never fit is refused at once."""
+    cluster = Cluster(checkpoint)
+    try:
+        cluster.decode[0].total_blocks, cluster.decode[1].total_blocks = 4, 0
+        cluster.decode[0].script.token_delay_s = 0.1
+        prompt = list(range(3, 200))  # 4 blocks of 64
+        with _client(cluster) as first, _client(cluster) as second:
+            stream = first.stream(prompt, max_tokens=8, effort="low")
+            next(stream)
+            time.sleep(0.3)  # the full worker's load report is in
+            assert cluster.call(_free_blocks(cluster, "d0")) == 0
+            start = time.monotonic()
+            waiter: Future[Any] = Future()
+            threading.Thread(target=lambda: waiter.set_result(second.generate(prompt, max_tokens=2, effort="low")),
+                             daemon=True).start()
+            time.sleep(0.2)
+            assert core(cluster).capacity.waiting("low") == 1
+            assert len(list(stream)) >= 1  # the first request finishes and frees its blocks
+            out = waiter.result(10)
+            assert out.token_ids == _expected(prompt, 2) and time.monotonic() - start > 0.3
+            with pytest.raises(CedserveError) as info:
+                second.generate(list(range(3, 400)), max_tokens=2, effort="low")  # 7 blocks: never fits
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s > 0
+        assert core(cluster).capacity.waiting("low") == 0
+    finally:
+        cluster.close()
+
+
+async def _free_blocks(cluster: Cluster, worker_id: str) -> int:
+    load = cluster.router.pool.workers[worker_id].load
+    assert load is not None
+    return int(load.free_blocks)

@@ -25,12 +25,21 @@ Per round it reports:
   under a new process; the router: answering that list).
 - `blocks_back_s`: the load's end to every worker's held blocks back to the baseline; None (a leak)
   when not within `blocks_give_up_s`, with `held_blocks` as last read.
+- router kills only: `orphans_freed_s`, the kill to every worker's held blocks back to the baseline
+  (read from the workers directly, every 50 ms): what the dead router left held (leases between
+  Reserve and Decode) coming back by lease expiry. Measured while the router is down; None when it
+  had not come back by the time the restarted router answered (its new load then mixes in). With
+  `pause_for_orphans` the load sends nothing new from the kill until then (at most `give_up_s`), so
+  the figure is exact however fast the router restarts, and `serving_again_s` includes that pause.
+  `orphan_blocks`: the most blocks held above the baseline from 0.5 s after the kill (in-flight
+  decodes end at once: their streams break).
 - `no_status`: requests that ended with neither a completion nor a status (must be 0).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -144,14 +153,19 @@ class Sent:
 
 @dataclass
 class Load:
-    """`clients` threads sending `KILL_PROMPT` one request after another until stopped."""
+    """`clients` threads sending `KILL_PROMPT` one request after another until stopped; with
+    `prompt_tokens`, a fresh random prompt of that many token ids each (nothing cached: every one
+    goes through a prefill worker, between its decode lease and its Decode call for a while)."""
 
     address: str
     clients: int
     max_tokens: int
+    prompt_tokens: int = 0
     timeout_s: float = 60.0
     sent: list[Sent] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    paused: threading.Event = field(default_factory=threading.Event)
+    """Set: the clients send nothing new until it is cleared."""
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -173,6 +187,9 @@ class Load:
 
     def _client(self) -> None:
         while not self._stop.is_set():
+            if self.paused.is_set():
+                time.sleep(0.02)
+                continue
             one = Sent(time.monotonic())
             with self._lock:
                 self.sent.append(one)
@@ -182,9 +199,12 @@ class Load:
                 time.sleep(0.05)  # a system that refuses at once is not flooded in a tight loop
 
     def _send(self) -> str:
+        prompt: str | list[int] = KILL_PROMPT
+        if self.prompt_tokens:
+            prompt = [random.randrange(3, 500) for _ in range(self.prompt_tokens)]
         try:
             with Client(self.address, timeout_s=self.timeout_s) as client:
-                for _ in client.stream(KILL_PROMPT, max_tokens=self.max_tokens):
+                for _ in client.stream(prompt, max_tokens=self.max_tokens):
                     pass
                 return "OK" if client.last is not None else "NO_STATUS"
         except CedserveError as exc:
@@ -263,11 +283,12 @@ class _Watch:
 
 
 def kill_round(address: str, token: str, log_dir: Path, kind: str, clients: int, max_tokens: int,
-               lead_s: float = 1.5, give_up_s: float = 60.0, blocks_give_up_s: float = 40.0) -> dict[str, Any]:
+               lead_s: float = 1.5, give_up_s: float = 60.0, blocks_give_up_s: float = 40.0,
+               prompt_tokens: int = 0, pause_for_orphans: bool = False) -> dict[str, Any]:
     """One round (module docstring): kill -9 of `kind`'s process under `clients` streams of load."""
     baseline = _wait_baseline(address, token, give_up_s)
     before = _workers(address, token) or {}
-    load = Load(address, clients, max_tokens)
+    load = Load(address, clients, max_tokens, prompt_tokens)
     load.start()
     time.sleep(lead_s)
     watch = _Watch(address, token, kind, before)
@@ -275,6 +296,12 @@ def kill_round(address: str, token: str, log_dir: Path, kind: str, clients: int,
     watch.start()
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    orphans: tuple[float | None, int] = (None, 0)
+    if kind == "router":
+        if pause_for_orphans:
+            load.paused.set()
+        orphans = _orphans_freed(before, token, baseline, killed, None if pause_for_orphans else watch, give_up_s)
+        load.paused.clear()
     try:
         serving = _wait_for(lambda: _first_ok_after(load.snapshot(), killed), killed, give_up_s)
         _wait_for(lambda: watch.back_at, killed, give_up_s)
@@ -296,7 +323,44 @@ def kill_round(address: str, token: str, log_dir: Path, kind: str, clients: int,
         "detected_s": _since(killed, detected), "inflight_ended_s": _since(killed, inflight_end),
         "serving_again_s": _since(killed, serving), "restored_s": _since(killed, watch.back_at),
         "blocks_back_s": _since(stopped, blocks_back), "held_blocks": last, "baseline_held_blocks": baseline,
+        **({"orphans_freed_s": _since(killed, orphans[0]), "orphan_blocks": orphans[1]} if kind == "router" else {}),
     }
+
+
+def _worker_load(address: str, token: str) -> worker_pb2.LoadReport | None:
+    """A worker's load report, whichever its role (None when it does not answer)."""
+    with grpc.insecure_channel(address) as channel:
+        for stub_class in (worker_pb2_grpc.DecodeWorkerStub, worker_pb2_grpc.PrefillWorkerStub):
+            stub: Any = stub_class(channel)
+            try:
+                load: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=2.0,
+                                                           metadata=token_metadata(token))
+                return load
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+    return None
+
+
+def _orphans_freed(workers: dict[str, tuple[bool, str]], token: str, baseline: dict[str, int], killed: float,
+                   watch: _Watch | None, give_up_s: float) -> tuple[float | None, int]:
+    """Router kills: (when every worker held no more than its baseline, read from the workers; None
+    if the restarted router answered first (`watch`; None: the load is paused, no such limit) or not
+    within `give_up_s`; the most blocks held above the baseline from 0.5 s after the kill)."""
+    most = 0
+    while time.monotonic() - killed < give_up_s and (watch is None or watch.back_at is None):
+        held = {}
+        for worker_id, (_, worker_address) in workers.items():
+            load = _worker_load(worker_address, token)
+            if load is not None:
+                held[worker_id] = int(load.held_blocks)
+        now = time.monotonic()
+        if now - killed > 0.5:
+            most = max([most, *(n - baseline.get(w, 0) for w, n in held.items())])
+        if held and all(n <= baseline.get(w, 0) for w, n in held.items()):
+            return now, most
+        time.sleep(0.05)
+    return None, most
 
 
 def _since(start: float, when: float | None) -> float | None:
@@ -353,18 +417,28 @@ def _wait_blocks(address: str, token: str, baseline: dict[str, int],
 
 
 def kill_rounds(address: str, token: str, log_dir: Path, kinds: Sequence[str], rounds: int, clients: int,
-                max_tokens: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+                max_tokens: int, log: Callable[[str], None] = print, prompt_tokens: int = 0,
+                pause_for_orphans: bool = False) -> dict[str, Any]:
     """`rounds` kills of each kind in turn (router, prefill, decode, router, ...), and a summary per kind."""
-    out: dict[str, Any] = {"rounds": rounds, "clients": clients, "max_tokens": max_tokens, "per_kill": []}
+    out: dict[str, Any] = {"rounds": rounds, "clients": clients, "max_tokens": max_tokens,
+                           "prompt_tokens": prompt_tokens, "pause_for_orphans": pause_for_orphans, "per_kill": []}
     for i in range(rounds):
         for kind in kinds:
-            r = kill_round(address, token, log_dir, kind, clients, max_tokens)
+            r = kill_round(address, token, log_dir, kind, clients, max_tokens, prompt_tokens=prompt_tokens,
+                           pause_for_orphans=pause_for_orphans)
             out["per_kill"].append(r)
             log(f"kill {i + 1}/{rounds} {kind:>7}: detected {r['detected_s']} s, serving again {r['serving_again_s']} s, "
                 f"restored {r['restored_s']} s, blocks back {r['blocks_back_s']} s, in flight {r['inflight']}, "
-                f"no status {r['no_status']}")
+                f"no status {r['no_status']}"
+                + (f", orphans {r['orphan_blocks']} blocks freed {r['orphans_freed_s']} s" if kind == "router" else ""))
     out["summary"] = {kind: summarize_kills([r for r in out["per_kill"] if r["kind"] == kind]) for kind in kinds}
     return out
+
+
+def worst_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    """The largest value; None when any row has none (or there are no rows)."""
+    values = [r[key] for r in rows]
+    return None if any(v is None for v in values) or not values else max(values)
 
 
 def summarize_kills(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -373,13 +447,17 @@ def summarize_kills(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return None if any(v is None for v in values) or not values else max(values)
 
     def median(key: str) -> float | None:
-        values = sorted(r[key] for r in rows if r[key] is not None)
+        values = sorted(r[key] for r in rows if r.get(key) is not None)
         return values[len(values) // 2] if values else None
 
     status: Counter[str] = Counter()
     for r in rows:
         status.update(r["inflight"])
-    return {"kills": len(rows), "detected_s_max": worst("detected_s"), "detected_s_median": median("detected_s"),
+    orphans = [r for r in rows if "orphans_freed_s" in r]
+    extra = {"orphans_freed_s_max": worst_of(orphans, "orphans_freed_s"),
+             "orphans_freed_s_median": median("orphans_freed_s") if orphans else None,
+             "orphans_outlived_restart": sum(1 for r in orphans if r["orphans_freed_s"] is None)} if orphans else {}
+    return {**extra, "kills": len(rows), "detected_s_max": worst("detected_s"), "detected_s_median": median("detected_s"),
             "serving_again_s_max": worst("serving_again_s"), "serving_again_s_median": median("serving_again_s"),
             "restored_s_max": worst("restored_s"), "blocks_back_s_max": worst("blocks_back_s"),
             "leaks": sum(1 for r in rows if r["blocks_back_s"] is None),

@@ -270,7 +270,8 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         if target.log_dir is None:
             raise SystemExit("cedserve bench held: the kill scenario needs --log-dir of the running system")
         results["kill"] = kill_rounds(target.address, target.token, target.log_dir, args.kill_kinds,
-                                      args.kill_rounds, args.kill_clients, args.kill_max_tokens, log)
+                                      args.kill_rounds, args.kill_clients, args.kill_max_tokens, log,
+                                      args.kill_prompt_tokens, args.kill_pause_for_orphans)
         for kind, summary in results["kill"]["summary"].items():
             log(f"kill {kind:>7} x {summary['kills']}: detected <= {summary['detected_s_max']} s, serving again <= "
                 f"{summary['serving_again_s_max']} s, blocks back <= {summary['blocks_back_s_max']} s, "
@@ -293,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-rounds", type=int, default=10, help="kills of each kind")
     p.add_argument("--kill-clients", type=int, default=8, help="streams of load during a kill")
     p.add_argument("--kill-max-tokens", type=int, default=16)
+    p.add_argument("--kill-prompt-tokens", type=int, default=0,
+                   help="load of fresh random prompts of this many tokens (prefilled by a prefill worker, so a "
+                        "router kill finds leases between Reserve and Decode); 0: a short fixed prompt")
+    p.add_argument("--kill-pause-for-orphans", action="store_true",
+                   help="router kills: send nothing new until the dead router's held blocks are back, so that time "
+                        "(orphans_freed_s) is exact however fast the router restarts; serving_again_s then includes it")
+    p.add_argument("--serve-config", help="with no --address: a `cedserve serve --config` file for the started system")
     p.add_argument("--checkpoint", help="with no --address: the checkpoint to serve (default: the demo)")
     p.add_argument("--log-dir", help="with no --address: where the started system's logs go; with --address: "
                    "the running `cedserve serve`'s --log-dir (the kill scenario finds its processes by it)")
@@ -327,8 +335,9 @@ def _run_embedded(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     from cedserve.launcher import cache_home
 
     root = Path(args.log_dir) if args.log_dir else cache_home() / "logs" / "bench-held"
+    extra = ["--config", args.serve_config] if args.serve_config else []
     serve = ServeProcess(root, Path(args.checkpoint) if args.checkpoint else None,
-                         "--restart-window-s", str(args.restart_window_s))
+                         "--restart-window-s", str(args.restart_window_s), *extra)
     try:
         target = Target(serve.address, serve.token, serve.pid(KIND_NEEDLE["router"]), serve.log_dir,
                         f"127.0.0.1:{serve.http_port()}")
