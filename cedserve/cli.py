@@ -212,12 +212,12 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_ray(opts, RayOptions(address=args.ray, device=args.ray_device,
                                           cpus_per_worker=args.ray_cpus_per_worker,
                                           max_restarts=args.ray_max_restarts))
-    device, why = embedded_device(args.device, opts.num_ranks, gpus)
+    device, gpus, why = embedded_device(args.device, opts.num_ranks, gpus, opts.decode_group_size)
     print(f"workers on {device} ({why})", flush=True)
     from cedserve.supervise import RestartPolicy
 
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
-    return serve_supervised(replace(opts, device=device), policy)
+    return serve_supervised(replace(opts, device=device, gpus=gpus), policy)
 
 
 def _first(*values: Any) -> Any:
@@ -225,20 +225,30 @@ def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
-def embedded_device(wanted: str, ranks: int, gpus: tuple[int, ...]) -> tuple[str, str]:
-    """`cedserve serve --device`: (cpu or cuda, why). auto takes cuda when torch sees a GPU for every
-    worker rank (or the `--gpus` given); an explicit cuda without them is an error."""
+def embedded_device(wanted: str, ranks: int, gpus: tuple[int, ...],
+                    group_size: int = 1) -> tuple[str, tuple[int, ...], str]:
+    """`cedserve serve --device`: (cpu or cuda, the GPU ids the ranks take round-robin, why). auto and
+    cuda take the GPUs torch sees, one per rank while they last, ranks sharing them beyond (each
+    worker then under a memory share); `--gpus` names them. A decode group of `group_size` ranks needs
+    as many GPUs (NCCL); auto falls back to cpu without them, an explicit cuda is an error."""
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    need = max(gpus) + 1 if gpus else ranks
     if wanted == "cpu":
-        return "cpu", "--device cpu"
-    if have >= need:
-        return "cuda", f"{ranks} ranks on {have} GPUs"
+        return "cpu", (), "--device cpu"
+    if have == 0:
+        problem = "torch sees no GPU"
+    elif gpus and max(gpus) >= have:
+        problem = f"--gpus {','.join(map(str, gpus))} but torch sees {have} GPUs"
+    elif have < group_size:
+        problem = f"a decode group of {group_size} ranks needs {group_size} GPUs, torch sees {have}"
+    else:
+        chosen = gpus or tuple(range(min(have, ranks)))
+        shared = "" if len(set(chosen)) >= ranks else f", shared: {ranks} ranks round-robin"
+        return "cuda", chosen, f"{ranks} worker ranks on GPUs {','.join(map(str, chosen))}{shared}"
     if wanted == "cuda":
-        raise SystemExit(f"cedserve serve: --device cuda needs {need} GPUs for {ranks} worker ranks, torch sees {have}")
-    return "cpu", f"auto: {have} GPUs for {ranks} worker ranks" if have else "auto: no GPU"
+        raise SystemExit(f"cedserve serve: --device cuda: {problem}")
+    return "cpu", (), f"auto: {problem}"
 
 
 ROUTER_FLAGS = ("policy", "max_retries", "default_max_tokens", "decode_only_max_tokens", "drain_timeout_s")
@@ -351,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "[internal_tls] for every process, [prefill] / [decode] / [kv_transfer] for the workers "
                        "(docs/deploy.md)")
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="workers' device (auto: cuda when this machine has a GPU for every worker rank)")
-    serve.add_argument("--gpus", help="with cuda: GPU ids for the ranks in start order, e.g. 0,1,2 (default 0, 1, ...)")
+                       help="workers' device (auto: cuda when this machine has a GPU; with fewer GPUs than worker "
+                            "ranks the ranks share them, each worker under a memory share: docs/deploy.md)")
+    serve.add_argument("--gpus", help="with cuda: GPU ids for the ranks in start order, round-robin, e.g. 0,1,2 or 0 "
+                       "(default: every GPU, one per rank while they last)")
     serve.add_argument("--prefill-workers", type=int, default=1, help="0: colocated (decode workers prefill)")
     serve.add_argument("--decode-workers", type=int, default=1)
     serve.add_argument("--decode-group-size", type=int, default=1, help="expert-parallel ranks per decode worker")

@@ -206,10 +206,12 @@ class EmbeddedOptions:
     policy: str = "cache_aware"
     """Router placement policy: cache_aware, least_loaded or round_robin (router/policy.py)."""
     device: str = "cpu"
-    """Workers' device, `cpu` or `cuda` (one GPU per rank, chosen by `gpus`)."""
+    """Workers' device, `cpu` or `cuda` (GPUs chosen by `gpus`)."""
     gpus: tuple[int, ...] = ()
     """GPU ids handed to the ranks in start order (prefill workers, then decode ranks) through
-    CUDA_VISIBLE_DEVICES; empty with `cuda`: 0, 1, 2, ..."""
+    CUDA_VISIBLE_DEVICES, round-robin: with fewer ids than ranks, ranks share a GPU (each worker
+    then under a memory share, `worker_memory_fractions`). Empty with `cuda`: 0, 1, 2, ..., one GPU
+    per rank."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """A `--config` file's contents (`read_serve_config`): its ServeConfig part goes to every process,
     its `[router]` table to the router, its `[prefill]` / `[decode]` / `[kv_transfer]` tables to the
@@ -221,18 +223,71 @@ class EmbeddedOptions:
                              f"{self.num_prefill}, {self.num_decode}, {self.decode_group_size}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"embedded field `device`: cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and self.gpus and len(self.gpus) < self.num_ranks:
-            raise ValueError(f"embedded field `gpus`: {self.num_ranks} ranks need as many GPUs, got {list(self.gpus)}")
+        if self.device == "cuda" and self.gpus and self.decode_group_size > 1:
+            for first in range(self.num_prefill, self.num_ranks, self.decode_group_size):
+                group = [self.gpu_of(first + r) for r in range(self.decode_group_size)]
+                if len(set(group)) < len(group):  # NCCL refuses two ranks of a communicator on one GPU
+                    raise ValueError(f"embedded field `gpus`: a decode group's {self.decode_group_size} ranks need "
+                                     f"distinct GPUs, {list(self.gpus)} gives them {group}")
 
     @property
     def num_ranks(self) -> int:
         return self.num_prefill + self.num_decode * self.decode_group_size
 
+    def gpu_of(self, index: int) -> int:
+        """The GPU of the `index`-th rank started (with `cuda`)."""
+        return self.gpus[index % len(self.gpus)] if self.gpus else index
+
+    def rank_roles(self) -> list[str]:
+        """Every rank's role, in start order."""
+        return ["prefill"] * self.num_prefill + ["decode"] * (self.num_decode * self.decode_group_size)
+
     def rank_env(self, index: int) -> dict[str, str]:
         """Environment of the `index`-th rank started: its GPU on `cuda`."""
         if self.device != "cuda":
             return {}
-        return {"CUDA_VISIBLE_DEVICES": str(self.gpus[index] if self.gpus else index)}
+        return {"CUDA_VISIBLE_DEVICES": str(self.gpu_of(index))}
+
+
+GPU_MEMORY_UTILIZATION = 0.9
+"""Of a GPU that workers share, the part `cedserve serve` hands out (vLLM's default): the rest holds
+each process's CUDA context and the NCCL/UCX buffers outside PyTorch's allocator."""
+ROLE_MEMORY_WEIGHT = {"prefill": 4, "decode": 5}
+"""How a shared GPU's memory is split: one prefill and one decode worker get 0.4 and 0.5. Decode
+holds more (running requests' whole contexts, the runner's slot pools and CUDA graphs, the drafter);
+prefill holds the prompts in flight and its prefix cache."""
+
+
+def worker_memory_fractions(opts: EmbeddedOptions) -> dict[str, float]:
+    """Each role's `gpu_memory_fraction` for the config files (`write_worker_config`): where ranks share
+    a GPU, `GPU_MEMORY_UTILIZATION` split by `ROLE_MEMORY_WEIGHT` (per role the smallest share over
+    its ranks, since a role's ranks read one file); a `[prefill]` / `[decode]` table's own value wins.
+    Empty when no GPU is shared. `ValueError` when a GPU's shares add up past 1, naming the fields."""
+    if opts.device != "cuda":
+        return {}
+    roles = opts.rank_roles()
+    on_gpu: dict[int, list[str]] = {}
+    for index, role in enumerate(roles):
+        on_gpu.setdefault(opts.gpu_of(index), []).append(role)
+    if all(len(ranks) == 1 for ranks in on_gpu.values()):
+        return {}
+    shares: dict[str, float] = {}
+    for ranks in on_gpu.values():
+        weight = sum(ROLE_MEMORY_WEIGHT[r] for r in ranks)
+        for role in ranks:
+            share = round(GPU_MEMORY_UTILIZATION * ROLE_MEMORY_WEIGHT[role] / weight, 4)
+            shares[role] = min(shares.get(role, 1.0), share)
+    for role in shares:
+        configured = dict(opts.config.get(role) or {}).get("gpu_memory_fraction")
+        if configured is not None:
+            shares[role] = float(configured)
+    for gpu, ranks in on_gpu.items():
+        total = sum(shares[r] for r in ranks)
+        if total > 1.0:
+            raise ValueError(f"GPU {gpu} holds {len(ranks)} worker ranks ({', '.join(ranks)}) whose memory shares add "
+                             f"up to {total:.2f} > 1: lower [prefill] / [decode] gpu_memory_fraction "
+                             f"(now {shares.get('prefill')} / {shares.get('decode')}) or give more GPUs (--gpus)")
+    return shares
 
 
 TOKEN_FILE_NAME = "kv_transfer.token"
@@ -303,22 +358,29 @@ def toml_text(data: Mapping[str, Any], prefix: str = "") -> str:
 
 
 def write_worker_config(run_dir: Path, device: str = "cpu", token: str | None = None,
-                        config: Mapping[str, Any] | None = None) -> dict[str, Path]:
+                        config: Mapping[str, Any] | None = None,
+                        memory_fractions: Mapping[str, float] | None = None) -> dict[str, Path]:
     """Every process's config file, by role ("prefill", "decode", "router"): the KV-transfer control
     plane and internal RPCs both require `token` (see `write_token_file`; the router sends it), and
     each worker's own table sets its device (each role reads only its own). `config` (a `cedserve
     serve --config` file, `read_serve_config`) adds its ServeConfig part to every file, its `[router]`
     table to the router's and its `[prefill]` / `[decode]` / `[kv_transfer]` tables to the workers'
-    (a table's own `device` wins).
+    (a table's own `device` wins). `memory_fractions` (`worker_memory_fractions`) sets each role's
+    `gpu_memory_fraction`.
     Every process of one system must share the token."""
     token_file = write_token_file(run_dir, token)
     data = dict(config or {})
     tables = {name: dict(data.pop(name, None) or {}) for name in (*WORKER_TABLES, "router")}
     common = {**data, "internal_token_file": str(token_file)}
     configs = {}
+
+    def share(role: str) -> dict[str, float]:
+        fraction = (memory_fractions or {}).get(role)
+        return {} if fraction is None else {"gpu_memory_fraction": fraction}
+
     for role in ("prefill", "decode"):
         body = {**common, "kv_transfer": {**tables["kv_transfer"], "auth_token_file": str(token_file)},
-                role: {"device": device, **tables[role]}}
+                role: {"device": device, **share(role), **tables[role]}}
         configs[role] = run_dir / f"{role}.toml"
         configs[role].write_text(toml_text(body))
     configs["router"] = run_dir / "router.toml"

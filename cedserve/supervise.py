@@ -40,6 +40,7 @@ from cedserve.launcher import (
     plan_workers,
     resolve_checkpoint,
     router_args,
+    worker_memory_fractions,
     write_worker_config,
 )
 
@@ -100,7 +101,8 @@ class EmbeddedSystem:
         self.ledger = RestartLedger(policy or RestartPolicy())
         self.checkpoint = resolve_checkpoint(opts)
         self.run_dir = launcher.log_dir / "run"
-        self.configs = write_worker_config(self.run_dir, opts.device, config=opts.config)
+        self.configs = write_worker_config(self.run_dir, opts.device, config=opts.config,
+                                           memory_fractions=worker_memory_fractions(opts))
         self.token = (self.run_dir / TOKEN_FILE_NAME).read_text().strip()
         self.specs = plan_workers(opts, self._rendezvous)
         self.parts: dict[str, Part] = {}

@@ -38,6 +38,12 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Name in load reports, KV events and metrics."""
     device: str = "cpu"
     """Where the model, the block pool and the states live (`cuda`, `cuda:1`, `cpu`)."""
+    gpu_memory_fraction: float = 0.0
+    """On CUDA, the share of the GPU's memory this worker process may allocate (PyTorch's caching
+    allocator is capped at it: vLLM's `gpu_memory_utilization`, per process), checked at start
+    against the weights, the block pool, the transfer's staging buffer and a pass's activations (a
+    clear error names the fields to change). 0: no cap, the worker has its GPU to itself.
+    `cedserve serve` sets it when workers share a GPU (docs/deploy.md); a value here wins."""
     drain_timeout_s: float = 30.0
     """Longest drain when SIGTERM arrives without a prior `Lifecycle.Drain`."""
     max_running_requests: int = 64
@@ -150,6 +156,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("step_prior_s", "step_prior_per_row_s", "idle_wait_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 fail("decode", name, f"must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            fail("decode", "gpu_memory_fraction", f"must be in [0, 1], got {self.gpu_memory_fraction}")
         for name in ("runner", "runner_drafter"):
             if getattr(self, name) not in RUNNER_MODES:
                 fail("decode", name, f"must be one of {list(RUNNER_MODES)}, got {getattr(self, name)!r}")

@@ -42,11 +42,14 @@ from cedserve.decode_workers.loop import CommandInbox, EngineLoop, GroupChannel,
 from cedserve.decode_workers.messages import CancelCommand
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.service import DecodeService, OutputRouter, add_decode_service
+from cedserve.decode_workers.slot_book import runner_unavailable
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.model.dspark import Drafter
+from cedserve.model.slots import SlotShape, slot_pool_bytes
 from cedserve.serving.config import ServeConfig
 from cedserve.serving.drain import DrainController
+from cedserve.serving.gpu_memory import MemoryNeed, claim_share
 from cedserve.serving.ready import ready_line
 from cedserve.serving.server import GrpcServer, format_address, start_metrics_server
 from cedserve.serving.worker import (
@@ -54,12 +57,14 @@ from cedserve.serving.worker import (
     WorkerOptions,
     build_kv_plane,
     build_server,
+    check_gpu_share,
     load_model,
     model_source,
     read_worker_files,
     serve_until_drained,
     stop_serving,
     worker_id,
+    worker_memory_need,
 )
 from cedserve.serving.worker_model import LoadedModel
 
@@ -131,6 +136,22 @@ def join_group(opts: WorkerOptions, num_experts: int, device: str) -> tuple[Expe
     return TorchDistributedEP(num_experts, None, control), TorchChannel(control)
 
 
+def decode_memory_need(loaded: LoadedModel, settings: DecodeSettings, world_size: int, drafter: Drafter | None,
+                       proposer: DSparkProposer | None) -> MemoryNeed:
+    """What a decode rank will hold on its GPU: the skeleton's parts, the drafter's weights and,
+    with the runner on, its slot pools (as `DecodeEngine._slot_book` sizes them)."""
+    cfg, serve, model = settings.decode, settings.serve, loaded.model
+    runner: tuple[tuple[str, int, str], ...] = ()
+    if runner_unavailable(model, cfg.runner, world_size) is None:
+        max_context = min(model.config.max_position_embeddings, serve.cache.num_blocks * serve.cache.block_size)
+        max_drafts = proposer.max_tokens if proposer is not None else 0
+        shape = SlotShape(cfg.max_running_requests, max_context, 2 * max_drafts + 1)
+        runner = (("runner slot pools", slot_pool_bytes(model.config, shape, serve.cache.block_size),
+                   "[decode] max_running_requests"),)
+    return worker_memory_need("decode", loaded, serve, settings.kv_transfer, cfg.max_pass_tokens, "max_pass_tokens",
+                              runner, modules=(drafter,))
+
+
 @dataclass
 class DecodeWorker:
     """The running rank's parts (stopped in reverse order)."""
@@ -159,17 +180,19 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     settings = load_settings(opts)
     cfg, serve = settings.decode, settings.serve
     source = model_source(opts, serve)
+    share = claim_share(cfg.device, cfg.gpu_memory_fraction)
     loaded = load_model(source, opts.seed, serve, cfg.device)
     model = loaded.model
     drafter = load_drafter(loaded, source.checkpoint, source.preset, opts.seed, cfg.device) if cfg.dspark else None
     ep, channel = join_group(opts, model.config.n_routed_experts, cfg.device)
     if ep.world_size > 1:
         shard_experts(model, ep.rank, ep.world_size)
+    proposer = DSparkProposer(drafter, model, cfg.draft_tokens) if drafter is not None else None
+    check_gpu_share("decode", share, decode_memory_need(loaded, settings, ep.world_size, drafter, proposer))
     leader = opts.rank == 0
     kv = build_kv_plane(loaded, serve, settings.kv_transfer, cfg.device,
                         cfg.worker_id if leader else f"{cfg.worker_id}-r{opts.rank}", f"{cfg.worker_id}-r{opts.rank}",
                         publish_events=leader)
-    proposer = DSparkProposer(drafter, model, cfg.draft_tokens) if drafter is not None else None
     engine = DecodeEngine(cfg, model, kv.cache, proposer=proposer, ep=ep, endpoint=kv.agent,
                           metrics=DecodeMetrics(kv.registry), detokenize=_detokenizer(source.checkpoint, model.config.vocab_size),
                           rank=opts.rank)

@@ -63,6 +63,22 @@ class SlotShape:
             raise ValueError(f"runner field `max_context`: must be >= 1, got {self.max_context}")
 
 
+def slot_pool_bytes(config: ModelConfig, shape: SlotShape, block_size: int) -> int:
+    """Device bytes `SlotPools(config, shape, device, storage, layout)` allocates beside a shared
+    block pool of `block_size`-token blocks (the decode worker's case), without allocating them:
+    what a worker's start-up memory check counts for its runner."""
+    slots, extra = shape.max_slots + 1, shape.max_rows_per_slot - 1
+    long_bytes, float_bytes = 8, torch.get_default_dtype().itemsize
+    layers = config.num_hidden_layers
+    swa = layers * slots * (config.sliding_window + extra) * window_row_bytes(KVFormat.RECORDS, config.head_dim)
+    table = slots * -(-shape.max_context // block_size) * 4  # int32 [slots, blocks_per_slot]
+    pending = sum(2 * slots * (spec.compress_ratio + extra) * config.head_dim * float_bytes
+                  for spec in config.layer_plan if spec.mode is AttentionMode.FULL and spec.compress_ratio > 1)
+    engram_keep = max(0, config.engram_max_ngram_size - 1) if config.engram_layer_ids else 0
+    engram = slots * (engram_keep + shape.max_rows_per_slot + 1) * long_bytes  # ids ring and first
+    return slots * long_bytes + swa + layers * slots * long_bytes + table + pending + engram
+
+
 class SlotPools:
     """Every slot's decode state at fixed device addresses (module docstring)."""
 

@@ -64,6 +64,12 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     """Window of the measured prefill rate in load reports."""
     device: str = "cpu"
     """Where the model, the block pool and the states live (`cuda:0` on a GPU host)."""
+    gpu_memory_fraction: float = 0.0
+    """On CUDA, the share of the GPU's memory this worker process may allocate (PyTorch's caching
+    allocator is capped at it: vLLM's `gpu_memory_utilization`, per process), checked at start
+    against the weights, the block pool, the transfer's staging buffer and a pass's activations (a
+    clear error names the fields to change). 0: no cap, the worker has its GPU to itself.
+    `cedserve serve` sets it when workers share a GPU (docs/deploy.md); a value here wins."""
     paged_attention: str = "auto"
     """How prompt chunks attend (`cedserve.model.paged_attention`): "kernels" through the
     compact-cache kernels (each token's window and top-k picks over a paged copy of the records:
@@ -99,6 +105,8 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
                      "effort_queue_slack_s"):
             if getattr(self, name) < 0:
                 fail("prefill", name, f"must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            fail("prefill", "gpu_memory_fraction", f"must be in [0, 1], got {self.gpu_memory_fraction}")
         if self.paged_attention not in PAGED_ATTENTION:
             fail("prefill", "paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
         if self.step_token_budget < self.chunk_tokens:

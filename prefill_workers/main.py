@@ -28,6 +28,7 @@ from cedserve.prefill_workers.service import PeerBook, PrefillService, add_prefi
 from cedserve.prefill_workers.validation import RequestLimits, state_limits
 from cedserve.serving.config import ServeConfig
 from cedserve.serving.drain import DrainController
+from cedserve.serving.gpu_memory import claim_share
 from cedserve.serving.ready import ready_line
 from cedserve.serving.server import GrpcServer, format_address, start_metrics_server
 from cedserve.serving.worker import (
@@ -35,12 +36,14 @@ from cedserve.serving.worker import (
     WorkerOptions,
     build_kv_plane,
     build_server,
+    check_gpu_share,
     load_model,
     model_source,
     read_worker_files,
     serve_until_drained,
     stop_serving,
     worker_id,
+    worker_memory_need,
 )
 
 HAND_BACK_DETAIL = "prefill worker draining: request handed back, retry on another worker"
@@ -107,8 +110,11 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
         raise ValueError("--group-size > 1: prefill groups (tensor parallel encoder) are not built yet")
     settings = load_settings(opts)
     cfg, serve = settings.prefill, settings.serve
+    share = claim_share(cfg.device, cfg.gpu_memory_fraction)
     loaded = load_model(model_source(opts, serve), opts.seed, serve, cfg.device)
     config = loaded.model.config
+    check_gpu_share("prefill", share, worker_memory_need("prefill", loaded, serve, settings.kv_transfer,
+                                                         cfg.step_token_budget, "step_token_budget"))
     kv = build_kv_plane(loaded, serve, settings.kv_transfer, cfg.device, cfg.worker_id, cfg.worker_id)
     metrics = PrefillMetrics(kv.registry)
     engine = PrefillEngine(loaded.model, kv.cache, kv.agent.sender(), cfg, metrics)

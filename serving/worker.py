@@ -5,8 +5,10 @@ A worker main, in order:
 1. `read_worker_files(opts)`: the `--config` file with the `--tls-*` flags applied: the serve config,
    the role's own table (`[prefill]` or `[decode]`, decoded by the role) and the KV-transfer config;
    `worker_id(opts, configured)` names the worker.
-2. `load_model(opts, serve, device)`: the served model (checkpoint or preset), checked against the
-   cache geometry.
+2. `claim_share(device, fraction)` (`serving/gpu_memory.py`): on a GPU, the process's memory cap;
+   `load_model(opts, serve, device)`: the served model (checkpoint or preset), checked against the
+   cache geometry; `check_gpu_share(...)`: what the worker will hold fits its share (a clear error
+   naming the fields otherwise), before the block pool is allocated.
 3. `build_kv_plane(...)`: the block pool (`ServeConfig.cache`) and its cache manager (publishing KV events to a feed), a
    metrics registry of the process's own, and the NIXL agent registering the whole pool.
 4. `build_server(...)`: the gRPC server (health, the worker-plane token, `Lifecycle`) and the drain
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import torch
 from prometheus_client import CollectorRegistry
 
 from cedserve.common.tls import TLSConfig
@@ -41,6 +44,15 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.serving.config import ModelSource, ServeConfig
 from cedserve.serving.drain import DrainController, add_lifecycle
+from cedserve.serving.gpu_memory import (
+    GIB,
+    GpuShare,
+    MemoryNeed,
+    activation_bytes,
+    check_fits,
+    module_bytes,
+    staging_bytes,
+)
 from cedserve.serving.kv_events import KVEventFeed
 from cedserve.serving.server import GrpcServer, Health
 from cedserve.serving.worker_model import LoadedModel, load_worker_model
@@ -146,6 +158,31 @@ def load_model(source: ModelSource, seed: int, serve: ServeConfig, device: str) 
     loaded = load_worker_model(source.checkpoint, source.preset, seed, device)
     serve.validate_against(loaded.model.config)
     return loaded
+
+
+def worker_memory_need(role: str, loaded: LoadedModel, serve: ServeConfig, kv_transfer: KVTransferConfig,
+                       rows: int, rows_field: str, extra: tuple[tuple[str, int, str], ...] = (),
+                       modules: tuple[torch.nn.Module | None, ...] = ()) -> MemoryNeed:
+    """What a worker will hold on its GPU: the weights (`loaded` and `modules`, e.g. the drafter),
+    the block pool, the transfer's staging buffer, the role's `extra` parts, and one pass of `rows`
+    token rows (sized by `[role] rows_field`)."""
+    config = loaded.model.config
+    block_bytes = BlockLayout.from_config(config, serve.cache.block_size).block_bytes
+    parts = (("weights", module_bytes((loaded.model, *modules)), "[model] checkpoint (a smaller model)"),
+             ("block pool", serve.cache.num_blocks * block_bytes, "[cache] num_blocks"),
+             ("KV staging", staging_bytes(kv_transfer), "[kv_transfer] staging_slots"),
+             *extra,
+             ("activations (estimate)", activation_bytes(config, rows), f"[{role}] {rows_field}"))
+    return MemoryNeed(tuple(p for p in parts if p[1] > 0))
+
+
+def check_gpu_share(role: str, share: GpuShare | None, need: MemoryNeed) -> None:
+    """`check_fits` on a GPU (nothing on a CPU), logging the need against the share."""
+    if share is None:
+        return
+    log.info("%s worker on %s: needs %.2f GiB (%s) of a %.2f GiB share", role, share.device,
+             need.total_bytes / GIB, need.describe(), share.budget_bytes / GIB)
+    check_fits(role, share, need)
 
 
 @dataclass

@@ -96,14 +96,19 @@ def test_toml_text_round_trips_nested_tables_and_escapes() -> None:
     assert tomllib.loads(toml_text(data)) == expected
 
 
-def test_device_auto_takes_the_gpus_only_when_every_rank_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    for have, wanted, ranks, gpus, expected in [
-        (0, "auto", 2, (), "cpu"), (1, "auto", 2, (), "cpu"), (2, "auto", 2, (), "cuda"),
-        (4, "cpu", 2, (), "cpu"), (4, "auto", 2, (2, 3), "cuda"), (3, "auto", 2, (2, 3), "cpu")]:
+def test_device_auto_takes_the_gpus_and_shares_them_when_ranks_outnumber_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    for have, wanted, ranks, gpus, group, expected, chosen in [
+        (0, "auto", 2, (), 1, "cpu", ()), (1, "auto", 2, (), 1, "cuda", (0,)), (2, "auto", 2, (), 1, "cuda", (0, 1)),
+        (8, "auto", 3, (), 1, "cuda", (0, 1, 2)), (4, "cpu", 2, (), 1, "cpu", ()),
+        (4, "auto", 2, (2, 3), 1, "cuda", (2, 3)), (3, "auto", 2, (2, 3), 1, "cpu", ()),
+        (1, "cuda", 2, (0, 0), 1, "cuda", (0, 0)), (1, "auto", 3, (), 2, "cpu", ()), (2, "auto", 3, (), 2, "cuda", (0, 1))]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda have=have: have > 0)  # the hardware boundary
         monkeypatch.setattr(torch.cuda, "device_count", lambda have=have: have)
-        device, why = embedded_device(wanted, ranks, gpus)
-        assert device == expected, (have, wanted, ranks, gpus, why)
+        device, got, why = embedded_device(wanted, ranks, gpus, group)
+        assert (device, got) == (expected, chosen), (have, wanted, ranks, gpus, group, why)
+        assert ("shared" in why) == (device == "cuda" and len(set(got)) < ranks), why
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(SystemExit, match="needs 2 GPUs"):
-        embedded_device("cuda", 2, ())
+    with pytest.raises(SystemExit, match="decode group of 2 ranks needs 2 GPUs"):
+        embedded_device("cuda", 3, (), group_size=2)
+    with pytest.raises(SystemExit, match="--gpus 0,1 but torch sees 1 GPUs"):
+        embedded_device("cuda", 2, (0, 1))
