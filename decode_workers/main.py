@@ -49,7 +49,7 @@ from cedserve.model.dspark import Drafter
 from cedserve.model.slots import SlotShape, slot_pool_bytes
 from cedserve.serving.config import ServeConfig
 from cedserve.serving.drain import DrainController
-from cedserve.serving.gpu_memory import MemoryNeed, claim_share
+from cedserve.serving.gpu_memory import MemoryNeed, claim_share, register_memory_gauges
 from cedserve.serving.ready import ready_line
 from cedserve.serving.server import GrpcServer, format_address, start_metrics_server
 from cedserve.serving.worker import (
@@ -193,6 +193,7 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     kv = build_kv_plane(loaded, serve, settings.kv_transfer, cfg.device,
                         cfg.worker_id if leader else f"{cfg.worker_id}-r{opts.rank}", f"{cfg.worker_id}-r{opts.rank}",
                         publish_events=leader)
+    register_memory_gauges(kv.registry, share)
     engine = DecodeEngine(cfg, model, kv.cache, proposer=proposer, ep=ep, endpoint=kv.agent,
                           metrics=DecodeMetrics(kv.registry), detokenize=_detokenizer(source.checkpoint, model.config.vocab_size),
                           rank=opts.rank)

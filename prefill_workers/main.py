@@ -28,7 +28,7 @@ from cedserve.prefill_workers.service import PeerBook, PrefillService, add_prefi
 from cedserve.prefill_workers.validation import RequestLimits, state_limits
 from cedserve.serving.config import ServeConfig
 from cedserve.serving.drain import DrainController
-from cedserve.serving.gpu_memory import claim_share
+from cedserve.serving.gpu_memory import claim_share, register_memory_gauges
 from cedserve.serving.ready import ready_line
 from cedserve.serving.server import GrpcServer, format_address, start_metrics_server
 from cedserve.serving.worker import (
@@ -117,6 +117,7 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
                                                          cfg.step_token_budget, "step_token_budget"))
     kv = build_kv_plane(loaded, serve, settings.kv_transfer, cfg.device, cfg.worker_id, cfg.worker_id)
     metrics = PrefillMetrics(kv.registry)
+    register_memory_gauges(kv.registry, share)
     engine = PrefillEngine(loaded.model, kv.cache, kv.agent.sender(), cfg, metrics)
     server, drain = build_server(opts, serve, cfg.drain_timeout_s)
     limits = RequestLimits(config.vocab_size, cfg.prompt_limit(config.max_position_embeddings), serve.cache.block_size,

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry, Gauge
 
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.model.config import ModelConfig
@@ -120,3 +121,17 @@ def check_fits(role: str, share: GpuShare, need: MemoryNeed) -> None:
             f"{role} worker: {share.device} had {share.free_bytes / GIB:.2f} GiB free at start, the worker needs "
             f"{need.total_bytes / GIB:.2f} GiB ({need.describe()}): other processes hold the rest (nvidia-smi). "
             f"Stop them, or lower [{role}] gpu_memory_fraction and [cache] num_blocks")
+
+
+def register_memory_gauges(registry: CollectorRegistry, share: GpuShare | None) -> None:
+    """On a GPU, the worker's memory as gauges read at each scrape: its share, what PyTorch's
+    allocator holds (reserved) and the most it held (peak), in bytes."""
+    if share is None:
+        return
+    index = torch.device(share.device).index or 0
+    Gauge("cedserve_gpu_memory_share_bytes", "This worker's share of its GPU (gpu_memory_fraction x total; "
+          "the whole GPU when unset)", registry=registry).set(share.budget_bytes)
+    Gauge("cedserve_gpu_memory_reserved_bytes", "GPU memory PyTorch's allocator holds in this process",
+          registry=registry).set_function(lambda: torch.cuda.memory_reserved(index))
+    Gauge("cedserve_gpu_memory_peak_bytes", "Most GPU memory PyTorch's allocator has held in this process",
+          registry=registry).set_function(lambda: torch.cuda.max_memory_reserved(index))

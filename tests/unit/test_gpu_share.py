@@ -25,7 +25,14 @@ from cedserve.model.presets import preset
 from cedserve.model.slots import SlotPools, SlotShape, slot_pool_bytes
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.serving.config import ServeConfig
-from cedserve.serving.gpu_memory import GIB, GpuShare, check_fits, claim_share, staging_bytes
+from cedserve.serving.gpu_memory import (
+    GIB,
+    GpuShare,
+    check_fits,
+    claim_share,
+    register_memory_gauges,
+    staging_bytes,
+)
 from cedserve.serving.worker import check_gpu_share, worker_memory_need
 from cedserve.serving.worker_model import LoadedModel, load_worker_model
 
@@ -174,3 +181,20 @@ def test_decode_need_counts_the_runners_pools_as_the_engine_builds_them(tiny: Lo
     max_context = min(tiny.model.config.max_position_embeddings, 40 * 64)
     book = SlotBook.create(tiny.model, storage, layout, 5, max_context, 0, cuda_graphs=False)
     assert with_runner["runner slot pools"] == book.runner.pools.nbytes - storage.numel()
+
+
+def test_the_workers_memory_is_a_metric_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reserved = [3 * GIB]
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=0: reserved[0])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda index=0: 5 * GIB)
+    registry = CollectorRegistry()
+    register_memory_gauges(registry, GpuShare("cuda:0", 100 * GIB, 0.5, 90 * GIB))
+    reserved[0] = 4 * GIB  # read at scrape time
+    assert registry.get_sample_value("cedserve_gpu_memory_share_bytes") == 50 * GIB
+    assert registry.get_sample_value("cedserve_gpu_memory_reserved_bytes") == 4 * GIB
+    assert registry.get_sample_value("cedserve_gpu_memory_peak_bytes") == 5 * GIB
+    cpu = CollectorRegistry()
+    register_memory_gauges(cpu, None)
+    assert "cedserve_gpu" not in generate_latest(cpu).decode()
