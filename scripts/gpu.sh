@@ -40,6 +40,14 @@
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
 #                   full-topology-h200x$GPUS.json, logs/}         TOPOLOGY_S=340, MAX_RUN_S=60 per arm
+#   serve           the whole system on this host's GPU(s) as a user starts it: `cedserve serve --device auto`
+#                   (one GPU: router, prefill and decode workers share it, each under its memory share)
+#                   with the demo checkpoint, then `cedserve generate` and a short `cedserve bench serve`
+#                   against it, then stopped      serve/{serve.log, logs/, generate.log, bench-serve.json,
+#                   metrics-*.txt, gpu-apps.csv, serve-h200.json}   READY_S=300 GENERATE_S=60 BENCH_S=150;
+#                   SERVE_ARGS adds `cedserve serve` flags, BENCH_ARGS replaces the bench's load flags.
+#                   Needs NIXL (the slim wheel, ../shared/tools/slim_nixl_wheel.sh) and the gRPC extras:
+#                   carry them in build/gpu_wheels (--prepare-wheels, below) or .whl/.
 #   train-demo      python -m cedserve.training.demo, then benchmarks/demo_eval.py on its checkpoint
 #                   (BACKBONE_S=200, DRAFTER_S=80 budgets)      train-demo/{demo/, train.log,
 #                   train-demo.json, eval.log, demo-eval.json}  TRAIN_TIMEOUT_S=430 EVAL_TIMEOUT_S=150
@@ -284,6 +292,66 @@ for m in ('grpc', 'msgspec', 'tokenizers', 'safetensors', 'prometheus_client', '
   return "$rc"
 )
 
+# ---------------------------------------------------------------- the whole system on one GPU (docs/deploy.md)
+part_serve() (
+  local out=$OUT/serve port=${SERVE_PORT:-50151} pid t0 ready_ms=-1 rc_gen=-1 rc_bench=-1 rc=0
+  mkdir -p "$out/logs"
+  # workers start as `python -m cedserve.cli` from here: keep the checkout's cedserve/ off sys.path
+  export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
+  {
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
+    "$PY" -P -c 'import importlib, torch
+print("torch", torch.__version__, "gpus", torch.cuda.device_count())
+for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "grpc_status", "msgspec", "tokenizers"):
+    try:
+        importlib.import_module(m); print("have", m)
+    except ImportError as exc:
+        print("MISSING", m, exc)'
+  } 2>&1 | tee "$out/env.txt"
+  t0=$(date +%s%N)
+  # shellcheck disable=SC2086
+  "$PY" -P -m cedserve.cli serve --device "${SERVE_DEVICE:-auto}" --port "$port" --http-port -1 \
+    --log-dir "$out/logs" --max-restarts 0 ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq $((${READY_S:-300} * 2))); do
+    grep -q '^CEDSERVE_READY' "$out/serve.log" && { ready_ms=$((($(date +%s%N) - t0) / 1000000)); break; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  grep -v NIXL "$out/serve.log" | head -40
+  if [ "$ready_ms" = -1 ]; then
+    echo "cedserve serve was not ready (see $out/serve.log and $out/logs/)"; rc=1
+  else
+    echo "== ready in $ready_ms ms"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits > "$out/gpu-apps-ready.csv" 2>&1
+    timeout "${GENERATE_S:-60}" "$PY" -P -m cedserve.cli generate "def fibonacci(" --address "127.0.0.1:$port" \
+      --max-tokens 48 -v > "$out/generate.log" 2>&1
+    rc_gen=$?
+    cat "$out/generate.log"
+    # shellcheck disable=SC2086
+    timeout "${BENCH_S:-150}" "$PY" -P -m cedserve.cli bench serve --address "127.0.0.1:$port" \
+      ${BENCH_ARGS:---concurrency 1,4 --sessions 8 --max-run-s 45} --no-plots --no-progress \
+      --out "$out/bench-serve.json" > "$out/bench.log" 2>&1
+    rc_bench=$?
+    tail -25 "$out/bench.log"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits > "$out/gpu-apps.csv" 2>&1
+    local name url
+    grep -o 'metrics of [a-z0-9-]*: http://[^ ]*' "$out/serve.log" | while read -r _ _ name url; do
+      "$PY" -P -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
+        "$url" > "$out/metrics-${name%:}.txt" 2>&1
+    done
+    [ "$rc_gen" -eq 0 ] && [ "$rc_bench" -eq 0 ] || rc=1
+  fi
+  kill -INT "$pid" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  "$PY" -P "$ROOT/benchmarks/serve_summary.py" "$out" --startup-ms "$ready_ms" --generate-rc "$rc_gen" \
+    --bench-rc "$rc_bench" --out "$out/serve-h200.json" 2>&1 | tee -a "$out/bench.log"
+  return "$rc"
+)
+
 # ---------------------------------------------------------------- the demo checkpoint (docs/training.md)
 part_train() (  # $1: train-demo or train-drafter
   local out=$OUT/$1 device=${DEVICE:-cuda} rc_train rc_eval=-1 limit note
@@ -416,6 +484,7 @@ run_part() {  # $1: part name
     train-demo|train-drafter) part_train "$1" ;;
     demo-eval) part_demo_eval ;;
     transfer) part_transfer ;;
+    serve) part_serve ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
   esac
 }
