@@ -135,7 +135,7 @@ make_gpu_tree() {  # $1: tree folder (replaced); $2: the kv_transfer folder to m
   rm -rf "$1" && mkdir -p "$1/cedserve"
   local f pkg
   for f in cedserve/*; do ln -s "$ROOT/$f" "$1/cedserve/$(basename "$f")"; done
-  for pkg in model kernels prefill_workers decode_workers router proto training; do
+  for pkg in common model kernels serving prefill_workers decode_workers router proto training; do
     [ -d "$pkg" ] && ln -s "$ROOT/$pkg" "$1/cedserve/$pkg"
   done
   ln -s "${2:-$ROOT/kv_transfer}" "$1/cedserve/kv_transfer"
