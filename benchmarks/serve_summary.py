@@ -5,7 +5,7 @@ it with `cedserve bench serve`, scrapes every worker's metrics and stops it; thi
 in its folder and writes: the device line `cedserve serve` printed, the start-up time, the workers'
 memory shares and GPU memory (the workers' own gauges, and nvidia-smi's per process, CUDA context
 included), the answer, and per load of the bench TTFT / TPOT p50 and p99 and the KV transfer's share
-of TTFT (the `serve` cells of docs/benchmarks/system-h200.json's shape).
+of TTFT (the shape of issue 29's `serve` cells).
 
     python benchmarks/serve_summary.py OUT_DIR --startup-ms 52100 --out OUT_DIR/serve-h200.json
 """
