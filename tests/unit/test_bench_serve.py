@@ -233,8 +233,10 @@ def test_arms_share_devices_and_ranks_get_their_gpus_in_start_order() -> None:
     opts = EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(4, 5, 6))
     assert [opts.rank_env(i) for i in range(opts.num_ranks)] == [{"CUDA_VISIBLE_DEVICES": g} for g in "456"]
     assert EmbeddedOptions(device="cpu").rank_env(0) == {}
-    with pytest.raises(ValueError, match="3 ranks need as many GPUs"):
-        EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(0, 1))
+    shared = EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(0, 1))
+    assert [shared.rank_env(i) for i in range(3)] == [{"CUDA_VISIBLE_DEVICES": g} for g in "010"]  # round-robin
+    with pytest.raises(ValueError, match="a decode group's 2 ranks need distinct GPUs"):
+        EmbeddedOptions(num_prefill=1, num_decode=1, decode_group_size=2, device="cuda", gpus=(0,))
     with pytest.raises(ValueError, match="--policies"):
         plan_arms(["fastest"], 1, 1, 1, colocated=False)
 
