@@ -237,7 +237,7 @@ def embedded_device(wanted: str, ranks: int, gpus: tuple[int, ...],
     if wanted == "cpu":
         return "cpu", (), "--device cpu"
     if have == 0:
-        problem = "torch sees no GPU"
+        problem = "no GPU"
     elif gpus and max(gpus) >= have:
         problem = f"--gpus {','.join(map(str, gpus))} but torch sees {have} GPUs"
     elif have < group_size:
