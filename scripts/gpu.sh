@@ -45,7 +45,8 @@
 #                   with the demo checkpoint, then `cedserve generate` and a short `cedserve bench serve`
 #                   against it, then stopped      serve/{serve.log, logs/, generate.log, bench-serve.json,
 #                   metrics-*.txt, gpu-apps.csv, serve-h200.json}   READY_S=300 GENERATE_S=60 BENCH_S=150;
-#                   SERVE_ARGS adds `cedserve serve` flags, BENCH_ARGS replaces the bench's load flags.
+#                   SERVE_ARGS adds `cedserve serve` flags, BENCH_ARGS replaces the bench's load flags;
+#                   SERVE_TEST=1 then runs tests/e2e/test_serve_one_gpu.py (gpu-test.log, SERVE_TEST_S=200).
 #                   Needs NIXL (the slim wheel, ../shared/tools/slim_nixl_wheel.sh) and the gRPC extras:
 #                   carry them in build/gpu_wheels (--prepare-wheels, below) or .whl/.
 #   train-demo      python -m cedserve.training.demo, then benchmarks/demo_eval.py on its checkpoint
@@ -349,6 +350,11 @@ for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "g
   wait "$pid" 2>/dev/null
   "$PY" -P "$ROOT/benchmarks/serve_summary.py" "$out" --startup-ms "$ready_ms" --generate-rc "$rc_gen" \
     --bench-rc "$rc_bench" --out "$out/serve-h200.json" 2>&1 | tee -a "$out/bench.log"
+  if [ "${SERVE_TEST:-0}" = 1 ]; then  # the GPU test of the same path (needs pytest: --prepare-deps)
+    timeout "${SERVE_TEST_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider -o addopts="" -rA \
+      tests/e2e/test_serve_one_gpu.py 2>&1 | grep -v NIXL | tail -40 | tee "$out/gpu-test.log"
+    grep -q " passed" "$out/gpu-test.log" || rc=1
+  fi
   return "$rc"
 )
 
