@@ -11,10 +11,12 @@ Below the processes, above `kv_transfer` and the model. By concern:
 * `load.py`: the measured rate and sequence numbers of load reports;
 * `ready.py`: the ready line launchers wait for;
 * `worker_model.py`: the model a worker serves and its identity;
+* `gpu_memory.py`: a worker's share of its GPU (the allocator cap, the start-up check that the
+  model and its caches fit, the memory gauges);
 * `worker.py`: the worker process skeleton both worker mains are built from (options, settings,
   cache, registry, NIXL agent, server, signals, the drain loop).
 
 The router imports `server` and `drain` only (the CLI also `config`); they, `config`, `load`,
 `ready`, `kv_events` and `worker_model` import no torch; `errors` (through the transfer layer's typed
-errors) and `worker` do.
+errors), `gpu_memory` and `worker` do.
 """
