@@ -195,7 +195,7 @@ def bench_overhead(requests: int, max_tokens: int) -> dict[str, float]:
                 for _ in dstub.Decode(worker_pb2.DecodeRequest(
                         request_id="x", lease_id=lease.lease_id, token_ids=prompt,
                         first_token=first.first_token.token_id, effort=75,
-                        sampling=worker_pb2.SamplingParams(top_p=1.0, max_tokens=max_tokens))):
+                        sampling=worker_pb2.SamplingParams(top_p=1.0, max_tokens=max_tokens - 1))):
                     pass
                 direct.append(time.perf_counter() - t)
     finally:

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 
@@ -86,6 +87,49 @@ class _Progress:
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
     decode_only: bool = False
+
+
+_DecodeCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.DecodeRequest, worker_pb2.DecodeEvent]"
+
+
+class _ReadAhead:
+    """A response stream read by a task of its own, so the next events arrive while the caller is
+    busy (writing the last ones to its client); `take` returns everything received since."""
+
+    def __init__(self, call: _DecodeCall) -> None:
+        self._call = call
+        self._events: list[worker_pb2.DecodeEvent] = []
+        self._ready = asyncio.Event()
+        self._eof = False
+        self._error: BaseException | None = None
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for event in self._call:
+                self._events.append(event)
+                self._ready.set()
+        except BaseException as exc:  # handed to the reader (`take`), as `async for` would raise it there
+            self._error = exc
+        finally:
+            self._eof = True
+            self._ready.set()
+
+    async def take(self) -> list[worker_pb2.DecodeEvent] | None:
+        """The events received since the last call, waiting for one; None at the end of the stream;
+        the stream's error once its events are taken."""
+        while not self._events:
+            if self._eof:
+                if self._error is not None:
+                    raise self._error
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        self._task.cancel()
 
 
 def _worker_error(worker_id: str, detail: worker_pb2.ErrorDetail) -> Exception:
@@ -252,26 +296,37 @@ class GenerationCore:
         if prefill is None:  # the decode worker reuses the leading blocks it holds
             progress.cached_tokens = max(progress.cached_tokens,
                                          min(lease.num_cached_blocks * self.limits.block_size, len(prompt)))
+        call: _DecodeCall | None = None
         try:
             first: int | None = None
             if prefill is not None:
                 first, first_logprob = await self._prefill(prefill, decode, lease, req, prompt, deadline, progress)
                 self._note_first(progress, start)
                 # the prefill worker reports the first token's own logprob, not its alternatives
-                yield self._emit(req, progress, [first], [first_logprob], [])
+                chunk = self._emit(req, progress, [first], [first_logprob], [])
                 if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                    yield chunk
                     await self._cancel(decode, req.request_id, lease.lease_id)  # end the unused lease
                     return
-            async for response in self._decode(decode, lease, req, prompt, first, remaining_tokens, deadline,
-                                               progress, start):
+                # Started before the first token is written to the client, so the call's setup and
+                # that write overlap. The decode worker's budget is what it emits, after the first.
+                call = self._start_decode(decode, lease, req, prompt, first, remaining_tokens - 1, deadline)
+                yield chunk
+            else:
+                call = self._start_decode(decode, lease, req, prompt, None, remaining_tokens, deadline)
+            async for response in self._relay(call, decode, lease, req, progress, start):
                 yield response
         except (asyncio.CancelledError, GeneratorExit):
             # the client left: its task was cancelled, or its stream closed between two responses
+            if call is not None:
+                call.cancel()
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
         except Exception:
             # a worker failed, or the request did (its deadline passed during prefill, a worker
             # refused it): the lease and any prefill job go now, not when the lease expires
+            if call is not None:
+                call.cancel()
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
         finally:
@@ -379,41 +434,88 @@ class GenerationCore:
             raise WorkerFailed(prefill.worker_id, grpc.StatusCode.INTERNAL, "prefill ended without a first token")
         return first, first_logprob
 
-    async def _decode(self, decode: WorkerHandle, lease: worker_pb2.ReserveReply, req: PreparedRequest,
-                      prompt: tuple[int, ...], first: int | None, max_tokens: int,
-                      deadline: Deadline, progress: _Progress,
-                      start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def _start_decode(self, decode: WorkerHandle, lease: worker_pb2.ReserveReply, req: PreparedRequest,
+                      prompt: tuple[int, ...], first: int | None, max_tokens: int, deadline: Deadline) -> _DecodeCall:
+        """Open the `Decode` stream (gRPC sends it at once; `_relay` reads it). `max_tokens`: what the
+        decode worker emits, so it ends its stream itself where the request's budget ends."""
         assert decode.decode is not None
         timeout, deadline_ms = deadline.for_call()
-        call = decode.decode.Decode(worker_pb2.DecodeRequest(
-            request_id=req.request_id, lease_id=lease.lease_id, token_ids=list(prompt),
+        call: _DecodeCall = decode.decode.Decode(worker_pb2.DecodeRequest(
+            request_id=req.request_id, lease_id=lease.lease_id, token_ids=prompt,
             first_token=first if first is not None else 0, effort=req.effort, sampling=self._sampling(req, max_tokens),
             deadline_unix_ms=deadline_ms, prefill_locally=first is None), timeout=timeout, metadata=self.metadata)
+        return call
+
+    async def _relay(self, call: _DecodeCall, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
+                     req: PreparedRequest, progress: _Progress,
+                     start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The decode stream to the client. A reader task takes the worker's events while the last
+        chunk is being written, and the tokens that arrived meanwhile leave as one chunk: a client (or
+        a router loop) slower than the worker gets fewer, larger messages, and no token waits for a
+        write it could have joined.
+
+        Where the router ends the request at a budget, stop token or end-of-sequence id, the worker
+        ends its stream there too (it was given the same budget and ids): its `complete` follows,
+        and no `Cancel` is needed. A stop string only the router sees, or a worker that goes on
+        regardless, is cancelled."""
+        events = _ReadAhead(call)
+        ended_here = False  # the router's verdict ended the request; only the worker's end may follow
         try:
-            async for event in call:
+            while (batch := await events.take()) is not None:
                 self.leases.drop(decode.worker_id, lease.lease_id)  # the worker took the lease over
-                kind = event.WhichOneof("event")
-                if kind == "tokens":
-                    self._note_first(progress, start)
-                    progress.accepted += int(event.tokens.accepted_drafts)
-                    progress.drafts += int(event.tokens.draft_tokens)
-                    yield self._emit(req, progress, list(event.tokens.token_ids), list(event.tokens.logprobs),
-                                     list(event.tokens.top_logprobs))
-                    if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                        call.cancel()
-                        await self._cancel(decode, req.request_id, lease.lease_id)
-                        return
-                elif kind == "complete":
-                    # the chunks carry the drafts step by step; an older worker's only count is here
-                    progress.drafts = max(progress.drafts, int(event.complete.draft_tokens))
-                    progress.finish = (generation_pb2.FINISH_REASON_LENGTH if event.complete.finish_reason == "length"
-                                       else generation_pb2.FINISH_REASON_STOP)
+                token_ids: list[int] = []
+                logprobs: list[float] = []
+                top: list[worker_pb2.TokenTopLogprobs] = []
+                complete: worker_pb2.DecodeComplete | None = None
+                for event in batch:
+                    kind = event.WhichOneof("event")
+                    if kind == "tokens":
+                        chunk = event.tokens
+                        progress.accepted += chunk.accepted_drafts
+                        progress.drafts += chunk.draft_tokens
+                        token_ids += chunk.token_ids
+                        if req.logprobs:  # only when asked for: the workers may report them regardless
+                            logprobs += chunk.logprobs
+                            top += chunk.top_logprobs
+                    elif kind == "complete":
+                        complete = event.complete
+                        break
+                    elif kind == "error":
+                        if ended_here:  # the request is complete: only the worker's end failed
+                            await self._stop_decode(call, decode, req, lease)
+                            return
+                        raise _worker_error(decode.worker_id, event.error)
+                if token_ids and ended_here:  # the worker went on past the router's end: stop it
+                    await self._stop_decode(call, decode, req, lease)
                     return
-                elif kind == "error":
-                    raise _worker_error(decode.worker_id, event.error)
+                if token_ids:
+                    self._note_first(progress, start)
+                    yield self._emit(req, progress, token_ids, logprobs, top)
+                    ended_here = progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED
+                if complete is not None:
+                    # the chunks carry the drafts step by step; an older worker's only count is here
+                    progress.drafts = max(progress.drafts, complete.draft_tokens)
+                    if not ended_here:
+                        progress.finish = (generation_pb2.FINISH_REASON_LENGTH if complete.finish_reason == "length"
+                                           else generation_pb2.FINISH_REASON_STOP)
+                    return
+                if ended_here and progress.text is not None and progress.text.stopped:
+                    await self._stop_decode(call, decode, req, lease)  # a stop string: the worker cannot know
+                    return
         except grpc.aio.AioRpcError as exc:
+            if ended_here:  # the request is complete: only the worker's end failed
+                await self._cancel(decode, req.request_id, lease.lease_id)
+                return
             raise self._from_rpc(decode.worker_id, exc) from exc
-        raise WorkerFailed(decode.worker_id, grpc.StatusCode.UNAVAILABLE, "decode stream ended without completing")
+        finally:
+            events.close()
+        if not ended_here:
+            raise WorkerFailed(decode.worker_id, grpc.StatusCode.UNAVAILABLE, "decode stream ended without completing")
+
+    async def _stop_decode(self, call: _DecodeCall, decode: WorkerHandle, req: PreparedRequest,
+                           lease: worker_pb2.ReserveReply) -> None:
+        call.cancel()
+        await self._cancel(decode, req.request_id, lease.lease_id)
 
     def _sampling(self, req: PreparedRequest, max_tokens: int | None = None) -> worker_pb2.SamplingParams:
         """The request's sampling as the router resolved it (`requests.prepare`): workers apply it as is."""

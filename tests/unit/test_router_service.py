@@ -142,7 +142,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         token = request.first_token
         sent = 0
         try:
-            for _ in range(request.sampling.max_tokens - (0 if request.prefill_locally else 1)):
+            for _ in range(request.sampling.max_tokens):  # what it emits (after a first token from prefill)
                 token = (token * 7 + 11) % 200 + 3
                 if self.script.die_after_tokens is not None and sent >= self.script.die_after_tokens:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "injected decode worker death")
