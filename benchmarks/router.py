@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import random
@@ -30,6 +31,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from cedserve.model.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, Tier
 from cedserve.model.cache.hashing import hash_blocks
@@ -205,6 +207,149 @@ def bench_overhead(requests: int, max_tokens: int) -> dict[str, float]:
             "routed_p99_ms": 1e3 * _pct(routed, 0.99), "direct_p99_ms": 1e3 * _pct(direct, 0.99)}
 
 
+class _Process:
+    """A `benchmarks/router_processes.py` child: its first stdout line is its JSON answer; it ends
+    when its stdin closes."""
+
+    def __init__(self, python: str, args: list[str], cpu: int | None) -> None:
+        import subprocess
+
+        script = Path(__file__).resolve().parent / "router_processes.py"
+        pin = ["--cpu", str(cpu)] if cpu is not None else []
+        self.proc = subprocess.Popen([python, str(script), *pin, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{' '.join(args[:1])} process ended before it was ready")
+        self.answer: dict[str, Any] = json.loads(line)
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the process has used."""
+        import os
+
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
+async def _throughput(address: str, prompt: list[int], max_tokens: int, concurrency: int,
+                      seconds: float) -> tuple[int, int, float]:
+    """(completed, failed, seconds) of `concurrency` clients each sending requests back to back."""
+    from cedserve.client import AsyncClient, CedserveError
+
+    client = AsyncClient(address, timeout_s=60)
+    done = failed = 0
+    stop_at = 0.0
+
+    async def one_client() -> None:
+        nonlocal done, failed
+        while time.perf_counter() < stop_at:
+            try:
+                await client.generate(prompt, max_tokens=max_tokens)
+                done += 1
+            except CedserveError:
+                failed += 1
+
+    try:
+        stop_at = time.perf_counter() + min(1.0, seconds)  # warm-up: channels, caches
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        done = failed = 0
+        start = time.perf_counter()
+        stop_at = start + seconds
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return done, failed, time.perf_counter() - start
+    finally:
+        await client.close()
+
+
+def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, throughput_s: float,
+                    concurrency: int, router_cpu: int | None) -> dict[str, Any]:
+    """Router overhead and throughput with the fake workers in a process of their own and each router
+    in another (pinned to `router_cpu`), as in a deployment: the router's event loop does only the
+    router's work. `routers`: name -> the interpreter whose `cedserve` is that router's code (a
+    baseline checkout's venv runs the old router against the same fakes). Sequential requests
+    alternate routed (each router in turn) and direct, request by request."""
+    import grpc
+
+    from cedserve.client import Client
+    from cedserve.model.presets import preset
+    from cedserve.model.tokenizer import tiny_tokenizer_path
+    from cedserve.proto import worker_pb2, worker_pb2_grpc
+
+    ckpt = Path("build/bench_router_ckpt").resolve()
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
+    (ckpt / "tokenizer.json").write_bytes(tiny_tokenizer_path().read_bytes())
+    others = sorted(set(os_cpus()) - {router_cpu}) if router_cpu is not None else []
+    fakes = _Process(sys.executable, ["fakes"], others[0] if others else None)
+    procs: dict[str, _Process] = {}
+    try:
+        for name, python in routers.items():
+            procs[name] = _Process(python, ["router", str(ckpt), json.dumps(fakes.answer)], router_cpu)
+        prompt = list(range(3, 3 + 200))
+        d_addr, p_addr = fakes.answer["decode"][0][1], fakes.answer["prefill"][0][1]
+        clients = {name: Client(f"127.0.0.1:{p.answer['port']}", timeout_s=30) for name, p in procs.items()}
+        latency: dict[str, list[float]] = {name: [] for name in [*procs, "direct"]}
+        with grpc.insecure_channel(d_addr) as dch, grpc.insecure_channel(p_addr) as pch:
+            dstub, pstub = worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
+
+            def direct() -> None:  # the router's calls, made directly: Reserve, Prefill, Decode
+                lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt)))
+                prefill = pstub.Prefill(worker_pb2.PrefillRequest(
+                    request_id="x", token_ids=prompt, effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0)))
+                events = list(prefill)  # to its `done`, as the router reads it
+                first = next(e for e in events if e.WhichOneof("event") == "first_token")
+                for _ in dstub.Decode(worker_pb2.DecodeRequest(
+                        request_id="x", lease_id=lease.lease_id, token_ids=prompt,
+                        first_token=first.first_token.token_id, effort=75,
+                        sampling=worker_pb2.SamplingParams(top_p=1.0, max_tokens=max_tokens - 1))):
+                    pass
+
+            calls = {**{name: (lambda c=c: c.generate(prompt, max_tokens=max_tokens)) for name, c in clients.items()},
+                     "direct": direct}
+            for _ in range(10):  # warm-up
+                for call in calls.values():
+                    call()
+            for _ in range(requests):
+                for name, call in calls.items():
+                    t = time.perf_counter()
+                    call()
+                    latency[name].append(time.perf_counter() - t)
+        for c in clients.values():
+            c.close()
+        direct_p50 = _pct(latency["direct"], 0.5)
+        out: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens, "router_cpu": router_cpu,
+                               "direct_p50_ms": 1e3 * direct_p50, "direct_p99_ms": 1e3 * _pct(latency["direct"], 0.99)}
+        for name, proc in procs.items():
+            row: dict[str, float] = {"routed_p50_ms": 1e3 * _pct(latency[name], 0.5),
+                                     "routed_p99_ms": 1e3 * _pct(latency[name], 0.99),
+                                     "overhead_p50_ms": 1e3 * (_pct(latency[name], 0.5) - direct_p50)}
+            if throughput_s > 0:
+                cpu0 = proc.cpu_s()
+                done, failed, secs = asyncio.run(_throughput(f"127.0.0.1:{proc.answer['port']}", prompt, max_tokens,
+                                                             concurrency, throughput_s))
+                row.update({"throughput_requests_per_s": done / secs, "throughput_failed": failed,
+                            "throughput_concurrency": concurrency, "throughput_s": secs,
+                            "router_cpu_utilisation": (proc.cpu_s() - cpu0) / secs})
+            out[name] = row
+        return out
+    finally:
+        for proc in procs.values():
+            proc.close()
+        fakes.close()
+
+
+def os_cpus() -> set[int]:
+    import os
+
+    return set(os.sched_getaffinity(0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=1000)
@@ -215,6 +360,17 @@ def main() -> None:
                         help="load reports between two decisions (default: every worker, fresh loads each time)")
     parser.add_argument("--requests", type=int, default=100, help="overhead mode's requests (0: skip it)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per overhead-mode request")
+    parser.add_argument("--topology", choices=("inprocess", "processes"), default="inprocess",
+                        help="overhead mode: fake workers on the router's own event loop (inprocess), or fake "
+                             "workers and each router in processes of their own (processes)")
+    parser.add_argument("--baseline-python", default=None,
+                        help="processes topology: also run the router of this interpreter's cedserve (a "
+                             "baseline checkout's venv), side by side with this tree's, against the same fakes")
+    parser.add_argument("--router-cpu", type=int, default=None,
+                        help="processes topology: pin each router process to this CPU (one core)")
+    parser.add_argument("--throughput-s", type=float, default=0.0,
+                        help="processes topology: seconds of closed-loop load per router (0: skip)")
+    parser.add_argument("--concurrency", type=int, default=32, help="clients of the throughput load")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/router-cpu.json"))
     args = parser.parse_args()
     reports = args.workers if args.reports_per_decision is None else args.reports_per_decision
@@ -232,14 +388,27 @@ def main() -> None:
           f"p99 {placement['new_index_walk_p99_ms']:.3f} ms")
     print(f"load report into the table: p50 {placement['load_report_p50_us']:.1f} us, "
           f"p99 {placement['load_report_p99_us']:.1f} us")
-    overhead = bench_overhead(args.requests, args.max_tokens) if args.requests else {}
+    if args.topology == "processes" and args.requests:
+        routers = {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python else {})}
+        processes = bench_processes(routers, args.requests, args.max_tokens, args.throughput_s, args.concurrency,
+                                    args.router_cpu)
+        print(f"processes: direct p50 {processes['direct_p50_ms']:.2f} ms")
+        for name in routers:
+            row = processes[name]
+            print(f"  {name}: routed p50 {row['routed_p50_ms']:.2f} ms (+{row['overhead_p50_ms']:.2f} ms per "
+                  f"{args.max_tokens}-token request)" + (
+                      f", {row['throughput_requests_per_s']:.0f} requests/s at {args.concurrency} concurrent, "
+                      f"router CPU {row['router_cpu_utilisation']:.2f} cores" if args.throughput_s else ""))
+    else:
+        processes = {}
+    overhead = bench_overhead(args.requests, args.max_tokens) if args.requests and args.topology == "inprocess" else {}
     if overhead:
         print(f"overhead: routed p50 {overhead['routed_p50_ms']:.2f} ms vs direct {overhead['direct_p50_ms']:.2f} ms "
               f"(+{overhead['overhead_p50_ms']:.2f} ms per {args.max_tokens}-token request)")
     report = {"benchmark": "router", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} CPU, Python {platform.python_version()}",
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "placement": placement, "overhead": overhead}
+              "placement": placement, "overhead": overhead, **({"processes": processes} if processes else {})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
