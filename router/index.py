@@ -7,8 +7,10 @@ from the last applied sequence number, or for a snapshot when its replay buffer 
 back. The index is exact: a worker is credited only for blocks it said it stored and has not said
 it removed.
 
-Besides the per-worker mirror (which orders and checks batches), an inverted map `hash -> holders`
-answers "how long a prefix of this prompt does every worker hold" in one walk over the prompt's
+Per worker only its (epoch, last sequence number) is kept, to order and check batches; the state
+itself is one inverted map `hash -> holders` (a per-worker copy of every hash's tiers, as
+`KVIndexMirror` keeps, would be a million small sets for a million entries: memory, and a full
+garbage collection pass of about a second on the router's event loop). The map answers "how long a prefix of this prompt does every worker hold" in one walk over the prompt's
 blocks. A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
 same workers in the same tiers points to one `_Holders` object. Along a prompt's chain consecutive
 blocks usually share it, so the walk compares objects by identity and does per-worker work only
@@ -33,8 +35,6 @@ from cedserve.model.cache.events import (
     BlockTierChanged,
     KVEvent,
     KVEventBatch,
-    KVEventGapError,
-    KVIndexMirror,
     Tier,
 )
 
@@ -71,26 +71,30 @@ class _Holders:
     """The workers holding a block hash, `masks[worker] = tier bitmask`: immutable and interned, so
     equal holder sets are the same object. `refs` counts the hashes pointing at it."""
 
-    __slots__ = ("_changes", "fastest", "key", "masks", "refs")
+    __slots__ = ("_changes", "fastest", "key", "masks", "refs", "sid")
 
-    def __init__(self, masks: dict[str, int], key: frozenset[tuple[str, int]]) -> None:
+    def __init__(self, masks: dict[str, int], key: frozenset[int], sid: int) -> None:
         self.masks = masks
+        self.sid = sid
+        """Its number: the index maps a hash to this very int object, so equal numbers are one object."""
         self.fastest = {w: _FASTEST[m] for w, m in masks.items()}  # worker -> its fastest tier's index
         self.key = key
         self.refs = 0
         self._changes: dict[_Holders, tuple[tuple[str, int], ...]] = {}
 
-    def changes_to(self, other: _Holders) -> tuple[tuple[str, int], ...]:
+    def changes_to(self, other: _Holders, names: list[str]) -> tuple[tuple[str, int], ...]:
         """(worker, its mask in `other`, 0 when absent) for each worker of this set whose mask differs
-        there. Both sets are immutable, so the answer is memoised (a few per set)."""
+        there (`names`: worker by slot, as the keys number them). Both sets are immutable, so the
+        answer is memoised (a few per set)."""
         changes = self._changes.get(other)
         if changes is None:
             if len(self._changes) >= _MAX_MEMOISED_CHANGES:
                 self._changes.clear()
             theirs = other.masks
-            # The interned keys' set difference runs in C on their stored hashes: O(holders) cheap
-            # steps, then Python work only for the (usually one or two) workers that changed.
-            changes = tuple((w, theirs.get(w, 0)) for w, _ in self.key - other.key)
+            # The keys' set difference runs in C over small ints (`slot << 3 | mask`, their own
+            # hashes): O(holders) cheap steps, then Python work only for the (usually one or two)
+            # workers that changed.
+            changes = tuple((w, theirs.get(w, 0)) for w in [names[item >> 3] for item in self.key - other.key])
             self._changes[other] = changes
         return changes
 
@@ -99,33 +103,42 @@ class GlobalPrefixIndex:
     """Exact mirror of every worker's cache, with longest-prefix queries."""
 
     def __init__(self) -> None:
-        self._mirror = KVIndexMirror()
-        self._holders: dict[bytes, _Holders] = {}
-        self._interned: dict[frozenset[tuple[str, int]], _Holders] = {}
-        self._items: dict[tuple[str, int], tuple[str, int]] = {}  # at most workers x 7 tier masks
+        self._last: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
+        # hash -> its holder set's `sid`, and sid -> the set: a map of bytes to ints is one the garbage
+        # collector leaves alone (a million-entry map of objects costs every full collection a pass)
+        self._holders: dict[bytes, int] = {}
+        self._sets: dict[int, _Holders] = {}
+        self._next_sid = 0
+        self._interned: dict[frozenset[int], _Holders] = {}
+        self._slots: dict[str, int] = {}  # worker -> its number in the holder sets' keys (kept for good)
+        self._names: list[str] = []  # slot -> worker
         self._num_entries = 0
-        self._by_worker: dict[str, set[bytes]] = {}
+        self._by_worker: dict[str, dict[bytes, None]] = {}  # dicts, not sets: untracked by the collector too
         self._out_of_step: set[str] = set()
 
     def apply(self, batch: KVEventBatch) -> bool:
         """Apply a batch; False (and the worker marked for resync) when it does not follow the last one."""
-        before = self._mirror.last_seq(batch.worker_id)
-        try:
-            self._mirror.apply(batch)
-        except KVEventGapError:
-            self._out_of_step.add(batch.worker_id)
-            return False
-        self._out_of_step.discard(batch.worker_id)
-        if batch.is_snapshot or self._mirror.last_seq(batch.worker_id) != before:
-            for event in batch.events:
-                self._apply_inverted(batch.worker_id, event)
+        worker = batch.worker_id
+        last = self._last.get(worker)
+        if not batch.is_snapshot:
+            if last is None or last[0] != batch.epoch or batch.seq > last[1] + 1:
+                self._out_of_step.add(worker)
+                return False
+            if batch.seq <= last[1]:  # applied already (a replay overlapping what arrived)
+                self._out_of_step.discard(worker)
+                return True
+        self._out_of_step.discard(worker)
+        for event in batch.events:
+            self._apply_inverted(worker, event)
+        self._last[worker] = (batch.epoch, batch.seq)
         return True
 
     def needs_resync(self) -> set[str]:
         return set(self._out_of_step)
 
     def last_seq(self, worker_id: str) -> int | None:
-        return self._mirror.last_seq(worker_id)
+        last = self._last.get(worker_id)
+        return None if last is None else last[1]
 
     @property
     def num_entries(self) -> int:
@@ -135,13 +148,8 @@ class GlobalPrefixIndex:
     def forget(self, worker_id: str) -> None:
         """Drop a worker (it left or died): no prefix credit until its next snapshot."""
         self._apply_inverted(worker_id, AllBlocksCleared())
-        # The mirror has no removal API; dropping both of its maps makes the worker's next batch a
-        # gap, so only a snapshot can bring it back.
-        self._mirror._tiers.pop(worker_id, None)
-        self._mirror._last.pop(worker_id, None)
+        self._last.pop(worker_id, None)  # its next batch is a gap: only a snapshot brings it back
         self._out_of_step.discard(worker_id)
-        for mask in range(1, 1 << len(TIER_ORDER)):
-            self._items.pop((worker_id, mask), None)
 
     def longest_prefix(self, worker_id: str, block_hashes: Sequence[bytes]) -> PrefixHit:
         """How many leading blocks of `block_hashes` the worker holds, split by fastest tier."""
@@ -155,10 +163,11 @@ class GlobalPrefixIndex:
         """Every worker holding at least the first block -> its longest leading run of `block_hashes`
         as `[device, host, disk]` block counts (each block in its fastest tier). One walk over the
         chain, stopping at the first block nobody holds or once every worker's run has ended."""
-        states = self._holder_sets(block_hashes)
-        first = states[0] if states else None
-        if first is None:
+        states = self._holder_sids(block_hashes)
+        if not states:
             return {}
+        sets, names = self._sets, self._names
+        first = sets[states[0]]
         end = len(states)
         tier = first.fastest.copy()  # alive workers -> fastest tier now
         since = dict.fromkeys(tier, 0)  # alive workers -> block where their current tier began
@@ -166,8 +175,8 @@ class GlobalPrefixIndex:
         # Blocks where the holder set changes (found in C); runs of one interned set cost nothing.
         prev = first
         for k in compress(count(1), map(is_not, states[: end - 1], states[1:end])):
-            cur = states[k]
-            for w, mask in prev.changes_to(cur):
+            cur = sets[states[k]]
+            for w, mask in prev.changes_to(cur, names):
                 t = tier.get(w)
                 if t is None:
                     continue  # its run ended at an earlier block
@@ -183,16 +192,16 @@ class GlobalPrefixIndex:
             counts[w][t] += end - since[w]
         return counts
 
-    def _holder_sets(self, block_hashes: Sequence[bytes]) -> list[_Holders]:
-        """The holder sets of the leading blocks anybody holds, up to the first block nobody does.
+    def _holder_sids(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """The holder sets (`sid`s) of the leading blocks anybody holds, up to the first block nobody does.
         Looked up in C, a chunk at a time, so a prompt whose cached prefix is short costs little
         more than that prefix (a cold lookup in a 1M-entry index is a few cache misses)."""
         get = self._holders.get
-        states: list[_Holders] = []
+        states: list[int] = []
         for lo in range(0, len(block_hashes), _LOOKUP_CHUNK):
             chunk = list(map(get, block_hashes[lo: lo + _LOOKUP_CHUNK]))
             held = chunk.index(None) if None in chunk else len(chunk)
-            states += cast("list[_Holders]", chunk[:held])
+            states += cast("list[int]", chunk[:held])
             if held < len(chunk):
                 break
         return states
@@ -200,13 +209,13 @@ class GlobalPrefixIndex:
     def prefix_hits_reference(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:
         """`prefix_hits` the straightforward way: every block, every worker still in its run. The
         oracle of the fast walk's tests and the old path of benchmarks/router.py."""
-        first = self._holders.get(block_hashes[0]) if block_hashes else None
+        first = self._lookup(block_hashes[0]) if block_hashes else None
         if first is None:
             return {}
         counts = {w: [0, 0, 0] for w in first.masks}
         alive = list(first.masks)
         for h in block_hashes:
-            holders = self._holders.get(h)
+            holders = self._lookup(h)
             if holders is None:
                 break
             still = []
@@ -239,20 +248,24 @@ class GlobalPrefixIndex:
                 self._drop(h, worker_id, event.src)
                 self._add(h, worker_id, event.dst)
 
+    def _lookup(self, h: bytes) -> _Holders | None:
+        sid = self._holders.get(h)
+        return None if sid is None else self._sets[sid]
+
     def _add(self, h: bytes, worker_id: str, tier: Tier) -> None:
-        old = self._holders.get(h)
+        old = self._lookup(h)
         self._set(h, old, worker_id, (old.masks.get(worker_id, 0) if old else 0) | _BIT[tier])
-        self._by_worker.setdefault(worker_id, set()).add(h)
+        self._by_worker.setdefault(worker_id, {})[h] = None
 
     def _drop(self, h: bytes, worker_id: str, tier: Tier | None) -> None:
-        old = self._holders.get(h)
+        old = self._lookup(h)
         mask = old.masks.get(worker_id, 0) if old else 0
         if not mask:
             return
         mask = 0 if tier is None else mask & ~_BIT[tier]
         self._set(h, old, worker_id, mask)
         if not mask:
-            self._by_worker.get(worker_id, set()).discard(h)
+            self._by_worker.get(worker_id, {}).pop(h, None)
 
     def _set(self, h: bytes, old: _Holders | None, worker_id: str, mask: int) -> None:
         """Point `h` at the interned holder set `old` with `worker_id`'s mask replaced (0: removed)."""
@@ -267,14 +280,23 @@ class GlobalPrefixIndex:
             old.refs -= 1
             if not old.refs:
                 del self._interned[old.key]
+                del self._sets[old.sid]
         if not masks:
             self._holders.pop(h, None)
             return
-        items = list(masks.items())
-        # One tuple object per (worker, mask), so comparing two keys finds equal items by identity.
-        key = frozenset(map(self._items.setdefault, items, items))
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._slots[worker_id] = len(self._names)
+            self._names.append(worker_id)
+        # A (worker, mask) item is one small int, `slot << 3 | mask`: keys hash and compare in C.
+        key: frozenset[int] = frozenset() if old is None else old.key
+        if old is not None and worker_id in old.masks:
+            key = key - {slot << 3 | old.masks[worker_id]}
+        if mask:
+            key = key | {slot << 3 | mask}
         new = self._interned.get(key)
         if new is None:
-            new = self._interned[key] = _Holders(masks, key)
+            new = self._interned[key] = self._sets[self._next_sid] = _Holders(masks, key, self._next_sid)
+            self._next_sid += 1
         new.refs += 1
-        self._holders[h] = new
+        self._holders[h] = new.sid

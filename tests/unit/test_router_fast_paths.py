@@ -20,6 +20,7 @@ from cedserve.model.cache.events import (
     BlockTierChanged,
     KVEvent,
     KVEventBatch,
+    KVIndexMirror,
     Tier,
 )
 from cedserve.model.cache.hashing import hash_blocks
@@ -71,11 +72,12 @@ def _random_events(rng: random.Random, chains: list[list[bytes]]) -> list[KVEven
     return events
 
 
-def _oracle(index: GlobalPrefixIndex, workers: list[str], hashes: list[bytes]) -> dict[str, list[int]]:
-    """Per worker, from its own holdings: walk the chain until the first block it lacks."""
+def _oracle(mirror: KVIndexMirror, workers: list[str], hashes: list[bytes]) -> dict[str, list[int]]:
+    """Per worker, from its own holdings (a per-worker mirror fed the same batches): walk the chain
+    until the first block it lacks."""
     out = {}
     for w in workers:
-        held = index._mirror.holdings(w)
+        held = mirror.holdings(w)
         counts = [0, 0, 0]
         for h in hashes:
             tiers = held.get(h)
@@ -92,10 +94,11 @@ def test_prefix_runs_match_a_per_worker_walk(seed: int) -> None:
     rng = random.Random(seed)
     chains = _chains(rng)
     workers = [f"w{i}" for i in range(6)]
-    index = GlobalPrefixIndex()
+    index, mirror = GlobalPrefixIndex(), KVIndexMirror()
     seq, epoch = dict.fromkeys(workers, 0), dict.fromkeys(workers, 1)
     for w in workers:
         assert index.apply(KVEventBatch(w, 0, [AllBlocksCleared()], epoch=1))
+        mirror.apply(KVEventBatch(w, 0, [AllBlocksCleared()], epoch=1))
     for step in range(120):
         w = rng.choice(workers)
         if rng.random() < 0.03:
@@ -106,15 +109,16 @@ def test_prefix_runs_match_a_per_worker_walk(seed: int) -> None:
             seq[w] += 1
             events = _random_events(rng, chains)
         assert index.apply(KVEventBatch(w, seq[w], events, epoch=epoch[w]))
+        mirror.apply(KVEventBatch(w, seq[w], events, epoch=epoch[w]))
         if step % 10 == 9:
             for chain in chains:
                 query = chain[: rng.randrange(1, len(chain) + 1)]
-                expected = _oracle(index, workers, query)
+                expected = _oracle(mirror, workers, query)
                 assert index.prefix_runs(query) == expected
                 reference = index.prefix_hits_reference(query)
                 assert {w: [h.blocks_by_tier[t] for t in TIER_ORDER] for w, h in reference.items()
                         if h.total_blocks} == expected
-    assert index.num_entries == sum(len(index._mirror.holdings(w)) for w in workers)
+    assert index.num_entries == sum(len(mirror.holdings(w)) for w in workers)
 
 
 def test_prefix_runs_of_nothing_and_of_a_miss() -> None:
