@@ -305,8 +305,12 @@ class GenerationCore:
                 # the prefill worker reports the first token's own logprob, not its alternatives
                 chunk = self._emit(req, progress, [first], [first_logprob], [])
                 if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                    yield chunk
-                    await self._cancel(decode, req.request_id, lease.lease_id)  # end the unused lease
+                    # end the unused lease while the token is written (shielded, awaited below either way)
+                    cancel = asyncio.ensure_future(self._cancel(decode, req.request_id, lease.lease_id))
+                    try:
+                        yield chunk
+                    finally:
+                        await asyncio.shield(cancel)
                     return
                 # Started before the first token is written to the client, so the call's setup and
                 # that write overlap. The decode worker's budget is what it emits, after the first.

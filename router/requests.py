@@ -146,10 +146,11 @@ def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCod
             raise invalid("prompt.chat.messages", str(exc)) from None
     if kind == "token_ids":
         ids = list(request.prompt.token_ids.ids)
-        for i, t in enumerate(ids):
-            if t >= limits.vocab_size:
-                raise invalid(f"prompt.token_ids[{i}]", f"token id {t} is outside the vocabulary "
-                                                    f"[0, {limits.vocab_size})")
+        if ids and max(ids) >= limits.vocab_size:  # in C; the loop only to name the first bad one
+            for i, t in enumerate(ids):
+                if t >= limits.vocab_size:
+                    raise invalid(f"prompt.token_ids[{i}]", f"token id {t} is outside the vocabulary "
+                                                        f"[0, {limits.vocab_size})")
         return ids
     raise invalid("prompt", "set one of text, token_ids or chat")
 
