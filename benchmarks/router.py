@@ -268,7 +268,7 @@ async def _throughput(address: str, prompt: list[int], max_tokens: int, concurre
 
 
 def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, throughput_s: float,
-                    concurrency: int, router_cpu: int | None) -> dict[str, Any]:
+                    concurrency: int, router_cpu: int | None, token_delay_s: float = 0.0) -> dict[str, Any]:
     """Router overhead and throughput with the fake workers in a process of their own and each router
     in another (pinned to `router_cpu`), as in a deployment: the router's event loop does only the
     router's work. `routers`: name -> the interpreter whose `cedserve` is that router's code (a
@@ -286,7 +286,7 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
     (ckpt / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
     (ckpt / "tokenizer.json").write_bytes(tiny_tokenizer_path().read_bytes())
     others = sorted(set(os_cpus()) - {router_cpu}) if router_cpu is not None else []
-    fakes = _Process(sys.executable, ["fakes"], others[0] if others else None)
+    fakes = _Process(sys.executable, ["fakes", str(token_delay_s)], others[0] if others else None)
     procs: dict[str, _Process] = {}
     try:
         for name, python in routers.items():
@@ -324,6 +324,7 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
             c.close()
         direct_p50 = _pct(latency["direct"], 0.5)
         out: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens, "router_cpu": router_cpu,
+                               "token_delay_ms": 1e3 * token_delay_s,
                                "direct_p50_ms": 1e3 * direct_p50, "direct_p99_ms": 1e3 * _pct(latency["direct"], 0.99)}
         for name, proc in procs.items():
             row: dict[str, float] = {"routed_p50_ms": 1e3 * _pct(latency[name], 0.5),
@@ -371,6 +372,11 @@ def main() -> None:
     parser.add_argument("--throughput-s", type=float, default=0.0,
                         help="processes topology: seconds of closed-loop load per router (0: skip)")
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the throughput load")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0,
+                        help="processes topology: the fake decode workers' time per token (0: as fast as they can)")
+    parser.add_argument("--index-gc", action="store_true",
+                        help="also build the placement index in a process per router interpreter and report a full "
+                             "garbage collection's time and the memory it holds")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/router-cpu.json"))
     args = parser.parse_args()
     reports = args.workers if args.reports_per_decision is None else args.reports_per_decision
@@ -391,7 +397,7 @@ def main() -> None:
     if args.topology == "processes" and args.requests:
         routers = {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python else {})}
         processes = bench_processes(routers, args.requests, args.max_tokens, args.throughput_s, args.concurrency,
-                                    args.router_cpu)
+                                    args.router_cpu, args.token_delay_ms / 1e3)
         print(f"processes: direct p50 {processes['direct_p50_ms']:.2f} ms")
         for name in routers:
             row = processes[name]
@@ -401,6 +407,19 @@ def main() -> None:
                       f"router CPU {row['router_cpu_utilisation']:.2f} cores" if args.throughput_s else ""))
     else:
         processes = {}
+    index_gc: dict[str, Any] = {}
+    if args.index_gc:
+        import subprocess
+
+        script = str(Path(__file__).resolve().parent / "router_processes.py")
+        for name, python in {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python
+                                                       else {})}.items():
+            line = subprocess.run([python, script, "index", str(args.workers), str(args.index_entries),
+                                   str(args.prompt_blocks)], capture_output=True, text=True, check=True).stdout
+            index_gc[name] = json.loads(line)
+            print(f"index ({name}): a full garbage collection {index_gc[name]['gc_full_collection_ms']:.1f} ms, "
+                  f"{index_gc[name]['gc_tracked_objects']:,} tracked objects, "
+                  f"+{index_gc[name]['max_rss_growth_mib']:.0f} MiB")
     overhead = bench_overhead(args.requests, args.max_tokens) if args.requests and args.topology == "inprocess" else {}
     if overhead:
         print(f"overhead: routed p50 {overhead['routed_p50_ms']:.2f} ms vs direct {overhead['direct_p50_ms']:.2f} ms "
@@ -408,7 +427,8 @@ def main() -> None:
     report = {"benchmark": "router", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} CPU, Python {platform.python_version()}",
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "placement": placement, "overhead": overhead, **({"processes": processes} if processes else {})}
+              "placement": placement, "overhead": overhead, **({"processes": processes} if processes else {}),
+              **({"index_gc": index_gc} if index_gc else {})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")

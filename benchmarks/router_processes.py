@@ -1,9 +1,10 @@
 """The processes of `benchmarks/router.py --topology processes`: fake workers, or one router.
 
-    python benchmarks/router_processes.py [--cpu N] fakes                    # prints {"prefill": [...], ...}
+    python benchmarks/router_processes.py [--cpu N] fakes [TOKEN_DELAY_S]    # prints {"prefill": [...], ...}
+    python benchmarks/router_processes.py index WORKERS ENTRIES BLOCKS       # the index's GC cost, memory
     python benchmarks/router_processes.py [--cpu N] router CKPT FAKES_JSON   # prints {"port": N}
 
-Each runs until its stdin closes. `router` imports only `cedserve.router` and `cedserve.model`, so any
+`fakes` and `router` run until their stdin closes. `router` imports only `cedserve.router` and `cedserve.model`, so any
 checkout's interpreter can run it (the baseline's router against the same fakes). `fakes` are the
 router tests' scripted workers (tests/unit/test_router_service.py), in a process of their own as real
 workers are, so the router's event loop does only the router's work.
@@ -22,7 +23,7 @@ async def _until_stdin_closes() -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-async def fakes() -> None:
+async def fakes(token_delay_s: float) -> None:
     tests = Path(__file__).resolve().parents[1] / "tests"
     sys.path[:0] = [str(tests / "unit"), str(tests)]
     import grpc
@@ -34,6 +35,7 @@ async def fakes() -> None:
     out: dict[str, list[list[str]]] = {"prefill": [], "decode": []}
     servers = []
     for servicer in (FakePrefill("p0"), FakePrefill("p1"), FakeDecode("d0"), FakeDecode("d1")):
+        servicer.script.token_delay_s = token_delay_s
         server = grpc.aio.server()
         if isinstance(servicer, FakePrefill):
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
@@ -67,12 +69,51 @@ async def router(checkpoint: str, workers: dict[str, list[list[str]]]) -> None:
     await running.stop(0.5)
 
 
+def index(workers: int, entries: int, prompt_blocks: int) -> None:
+    """The placement benchmark's index (`benchmarks/router.py`), built through this interpreter's
+    `GlobalPrefixIndex`; prints what it costs to hold: a full garbage collection and resident memory."""
+    import gc
+    import random
+    import resource
+    import statistics
+    import time
+
+    from cedserve.model.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, Tier
+    from cedserve.model.cache.hashing import hash_blocks
+    from cedserve.router.index import GlobalPrefixIndex
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rng = random.Random(0)
+    built = GlobalPrefixIndex()
+    families = [hash_blocks(list(range(f * 7, f * 7 + 64 * prompt_blocks)), f"tenant{f % 10}", 64) for f in range(8)]
+    per_worker = max(1, entries // workers)
+    for w in [f"p{i}" for i in range(workers // 2)] + [f"d{i}" for i in range(workers // 2)]:
+        fam = families[rng.randrange(len(families))]
+        held = fam[: rng.randrange(1, prompt_blocks)]
+        filler = [rng.randbytes(32) for _ in range(max(0, per_worker - len(held)))]
+        tier = rng.choice([Tier.DEVICE, Tier.HOST, Tier.DISK])
+        built.apply(KVEventBatch(w, 0, [AllBlocksCleared(), BlockStored(held, tier), BlockStored(filler, Tier.DEVICE)],
+                                 epoch=1))
+    gc.collect()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t)
+    print(json.dumps({"index_entries": built.num_entries, "gc_tracked_objects": len(gc.get_objects()),
+                      "gc_full_collection_ms": 1e3 * statistics.median(times),
+                      "max_rss_growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024}),
+          flush=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--cpu"]:  # pinned before anything starts a thread
         os.sched_setaffinity(0, {int(sys.argv[2])})
         del sys.argv[1:3]
     if sys.argv[1] == "fakes":
-        asyncio.run(fakes())
+        asyncio.run(fakes(float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
+    elif sys.argv[1] == "index":
+        index(*map(int, sys.argv[2:5]))
     else:
         asyncio.run(router(sys.argv[2], json.loads(sys.argv[3])))
 
