@@ -419,7 +419,7 @@ def main() -> None:
             index_gc[name] = json.loads(line)
             print(f"index ({name}): a full garbage collection {index_gc[name]['gc_full_collection_ms']:.1f} ms, "
                   f"{index_gc[name]['gc_tracked_objects']:,} tracked objects, "
-                  f"+{index_gc[name]['max_rss_growth_mib']:.0f} MiB")
+                  f"resident memory +{index_gc[name]['rss_growth_mib']:.0f} MiB")
     overhead = bench_overhead(args.requests, args.max_tokens) if args.requests and args.topology == "inprocess" else {}
     if overhead:
         print(f"overhead: routed p50 {overhead['routed_p50_ms']:.2f} ms vs direct {overhead['direct_p50_ms']:.2f} ms "
