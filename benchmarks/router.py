@@ -267,13 +267,18 @@ async def _throughput(address: str, prompt: list[int], max_tokens: int, concurre
         await client.close()
 
 
+_THROUGHPUT_ROUNDS = 4
+"""The closed-loop load runs in this many rounds per router, the routers taking turns."""
+
+
 def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, throughput_s: float,
                     concurrency: int, router_cpu: int | None, token_delay_s: float = 0.0) -> dict[str, Any]:
     """Router overhead and throughput with the fake workers in a process of their own and each router
     in another (pinned to `router_cpu`), as in a deployment: the router's event loop does only the
     router's work. `routers`: name -> the interpreter whose `cedserve` is that router's code (a
     baseline checkout's venv runs the old router against the same fakes). Sequential requests
-    alternate routed (each router in turn) and direct, request by request."""
+    alternate routed (each router in turn) and direct, request by request; the load's rounds alternate
+    the routers too."""
     import grpc
 
     from cedserve.client import Client
@@ -326,17 +331,26 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
         out: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens, "router_cpu": router_cpu,
                                "token_delay_ms": 1e3 * token_delay_s,
                                "direct_p50_ms": 1e3 * direct_p50, "direct_p99_ms": 1e3 * _pct(latency["direct"], 0.99)}
-        for name, proc in procs.items():
+        load: dict[str, list[float]] = {name: [0, 0, 0.0, 0.0] for name in procs}  # completed, failed, seconds, router CPU seconds
+        for _ in range(_THROUGHPUT_ROUNDS if throughput_s > 0 else 0):  # routers in turn, round by round
+            for name, proc in procs.items():
+                cpu0 = proc.cpu_s()
+                done, failed, secs = asyncio.run(_throughput(f"127.0.0.1:{proc.answer['port']}", prompt, max_tokens,
+                                                             concurrency, throughput_s / _THROUGHPUT_ROUNDS))
+                row_load = load[name]
+                row_load[0] += done
+                row_load[1] += failed
+                row_load[2] += secs
+                row_load[3] += proc.cpu_s() - cpu0
+        for name in procs:
             row: dict[str, float] = {"routed_p50_ms": 1e3 * _pct(latency[name], 0.5),
                                      "routed_p99_ms": 1e3 * _pct(latency[name], 0.99),
                                      "overhead_p50_ms": 1e3 * (_pct(latency[name], 0.5) - direct_p50)}
-            if throughput_s > 0:
-                cpu0 = proc.cpu_s()
-                done, failed, secs = asyncio.run(_throughput(f"127.0.0.1:{proc.answer['port']}", prompt, max_tokens,
-                                                             concurrency, throughput_s))
-                row.update({"throughput_requests_per_s": done / secs, "throughput_failed": failed,
+            done, failed, secs, cpu = load[name]
+            if secs:
+                row.update({"throughput_requests_per_s": done / secs, "throughput_failed": int(failed),
                             "throughput_concurrency": concurrency, "throughput_s": secs,
-                            "router_cpu_utilisation": (proc.cpu_s() - cpu0) / secs})
+                            "router_cpu_utilisation": cpu / secs, "router_cpu_ms_per_request": 1e3 * cpu / max(done, 1)})
             out[name] = row
         return out
     finally:
@@ -404,7 +418,8 @@ def main() -> None:
             print(f"  {name}: routed p50 {row['routed_p50_ms']:.2f} ms (+{row['overhead_p50_ms']:.2f} ms per "
                   f"{args.max_tokens}-token request)" + (
                       f", {row['throughput_requests_per_s']:.0f} requests/s at {args.concurrency} concurrent, "
-                      f"router CPU {row['router_cpu_utilisation']:.2f} cores" if args.throughput_s else ""))
+                      f"router CPU {row['router_cpu_utilisation']:.2f} cores, "
+                      f"{row['router_cpu_ms_per_request']:.2f} ms per request" if args.throughput_s else ""))
     else:
         processes = {}
     index_gc: dict[str, Any] = {}
