@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,7 @@ def bench_overhead(requests: int, max_tokens: int) -> dict[str, float]:
                 client.generate(prompt, max_tokens=max_tokens)
                 routed.append(time.perf_counter() - t)
                 t = time.perf_counter()  # the same calls, made directly
-                lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt)))
+                lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt), lease_ms=30_000))
                 first = next(iter(pstub.Prefill(worker_pb2.PrefillRequest(
                     request_id="x", token_ids=prompt, effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0)))))
                 for _ in dstub.Decode(worker_pb2.DecodeRequest(
@@ -238,8 +239,9 @@ class _Process:
 
 
 async def _throughput(address: str, prompt: list[int], max_tokens: int, concurrency: int,
-                      seconds: float) -> tuple[int, int, float]:
-    """(completed, failed, seconds) of `concurrency` clients each sending requests back to back."""
+                      seconds: float, cpu_s: Callable[[], float]) -> tuple[int, int, float, float]:
+    """(completed, failed, seconds, router CPU seconds) of `concurrency` clients each sending requests
+    back to back, after a warm-up that is not counted; `cpu_s` reads the router's CPU time."""
     from cedserve.client import AsyncClient, CedserveError
 
     client = AsyncClient(address, timeout_s=60)
@@ -259,10 +261,10 @@ async def _throughput(address: str, prompt: list[int], max_tokens: int, concurre
         stop_at = time.perf_counter() + min(1.0, seconds)  # warm-up: channels, caches
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
         done = failed = 0
-        start = time.perf_counter()
+        cpu0, start = cpu_s(), time.perf_counter()
         stop_at = start + seconds
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        return done, failed, time.perf_counter() - start
+        return done, failed, time.perf_counter() - start, cpu_s() - cpu0
     finally:
         await client.close()
 
@@ -304,7 +306,7 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
             dstub, pstub = worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
 
             def direct() -> None:  # the router's calls, made directly: Reserve, Prefill, Decode
-                lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt)))
+                lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt), lease_ms=30_000))
                 prefill = pstub.Prefill(worker_pb2.PrefillRequest(
                     request_id="x", token_ids=prompt, effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0)))
                 events = list(prefill)  # to its `done`, as the router reads it
@@ -334,14 +336,14 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
         load: dict[str, list[float]] = {name: [0, 0, 0.0, 0.0] for name in procs}  # completed, failed, seconds, router CPU seconds
         for _ in range(_THROUGHPUT_ROUNDS if throughput_s > 0 else 0):  # routers in turn, round by round
             for name, proc in procs.items():
-                cpu0 = proc.cpu_s()
-                done, failed, secs = asyncio.run(_throughput(f"127.0.0.1:{proc.answer['port']}", prompt, max_tokens,
-                                                             concurrency, throughput_s / _THROUGHPUT_ROUNDS))
+                done, failed, secs, cpu = asyncio.run(_throughput(
+                    f"127.0.0.1:{proc.answer['port']}", prompt, max_tokens, concurrency,
+                    throughput_s / _THROUGHPUT_ROUNDS, proc.cpu_s))
                 row_load = load[name]
                 row_load[0] += done
                 row_load[1] += failed
                 row_load[2] += secs
-                row_load[3] += proc.cpu_s() - cpu0
+                row_load[3] += cpu
         for name in procs:
             row: dict[str, float] = {"routed_p50_ms": 1e3 * _pct(latency[name], 0.5),
                                      "routed_p99_ms": 1e3 * _pct(latency[name], 0.99),
