@@ -13,17 +13,44 @@ from cedserve.model.tokenizer import TextCodec
 
 
 class StreamingText:
+    """Keeps the text decoded so far and decodes only the tokens since its last complete piece, each
+    time from the same window start for both sides of the difference (a decoder that treats a
+    sequence's first token specially, as SentencePiece does with a leading space, does so on both).
+    Decoding the whole output at every push cost O(n) per token, O(n^2) per stream."""
+
     def __init__(self, codec: TextCodec, stop: Sequence[str]) -> None:
         self.codec = codec
         self.stop = tuple(stop)
         self.token_ids: list[int] = []
         self.emitted = 0  # characters of the final text already sent
         self.stopped = False
+        self._text = ""  # the decode of token_ids[: self._read]
+        self._start = 0  # the window the next decodes start from: the last complete piece's tokens
+        self._read = 0
+
+    def decoded(self) -> str:
+        """`codec.decode(token_ids)`, from the kept text plus the tokens since its last complete piece."""
+        ids = self.token_ids
+        if self._read == len(ids):
+            return self._text
+        before = self.codec.decode(ids[self._start : self._read])
+        after = self.codec.decode(ids[self._start :])
+        if not after.startswith(before):  # the window does not decode as the sum of its parts
+            full = self.codec.decode(ids)
+            if not full.endswith("\ufffd"):
+                self._text, self._start, self._read = full, len(ids), len(ids)
+            return full
+        piece = after[len(before) :]
+        if piece.endswith("\ufffd"):  # an incomplete character: its tokens wait for the one completing it
+            return self._text + piece
+        self._text += piece
+        self._start, self._read = self._read, len(ids)
+        return self._text
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly final text (maybe empty). Sets `stopped` on a stop string."""
         self.token_ids.extend(token_ids)
-        text = self.codec.decode(self.token_ids)
+        text = self.decoded()
         for s in self.stop:
             at = text.find(s, max(0, self.emitted - len(s) + 1))
             if at >= 0:

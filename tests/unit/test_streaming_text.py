@@ -30,6 +30,7 @@ def stream(codec: TextCodec, ids: list[int], stop: list[str], rng: random.Random
         out.append(st.push(ids[at : at + n]))
         at += n
         assert codec.decode(ids).startswith("".join(out))  # only final text, once, in order
+        assert st.decoded() == codec.decode(st.token_ids)  # the kept text plus the window: the whole decode
     out.append(st.finish())
     return "".join(out), st
 
