@@ -31,7 +31,7 @@ from cedserve.model.device_moe import MoeMode
 from cedserve.model.draft_step import DraftOutputs, DraftPools, DraftStep
 from cedserve.model.dspark import Drafter, DraftState
 from cedserve.model.network import CEDModel
-from cedserve.model.runner import CaptureReport, batch_buckets
+from cedserve.model.runner import CaptureReport, batch_buckets, capture_buckets
 
 _ROWS = 6  # staging rows: slots, anchors, ends, counts, temperature (float64 bits), seeds
 _SLOTS, _ANCHORS, _ENDS, _COUNTS, _TEMPERATURE, _SEEDS = range(_ROWS)
@@ -293,24 +293,10 @@ class DraftRunner:
         start = time.perf_counter()
         if self.device.type != "cuda" or not self.config.cuda_graphs:
             return CaptureReport((), 0.0, 0)
-        pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        ordered = sorted(self.buckets, reverse=True)
-        for done, bucket in enumerate(ordered, 1):
-            self._stage_scratch()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the kernels' variants, fills the allocator
-                    self._forward(bucket)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._forward(bucket)
-            self._graphs[bucket] = _Graph(graph, outputs)
-            if progress is not None:
-                progress(done, len(ordered))
-        torch.cuda.synchronize(self.device)
+        captured = capture_buckets(self.device, self.buckets, lambda bucket: self._stage_scratch(), self._forward,
+                                   progress)
+        self._graphs.update({bucket: _Graph(graph, outputs) for bucket, (graph, outputs) in captured.items()})
         return CaptureReport(tuple(sorted(self._graphs)), time.perf_counter() - start,
                              torch.cuda.memory_reserved(self.device) - before)
 

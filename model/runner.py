@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -93,6 +94,37 @@ class CaptureReport:
     buckets: tuple[int, ...]
     seconds: float
     graph_pool_bytes: int
+
+
+Out = TypeVar("Out")
+
+
+def capture_buckets(device: torch.device, buckets: Sequence[int], stage: Callable[[int], None],
+                    forward: Callable[[int], Out], progress: Callable[[int, int], None] | None = None
+                    ) -> dict[int, tuple[torch.cuda.CUDAGraph, Out]]:
+    """One CUDA graph of `forward(bucket)` per bucket, largest first into one memory pool: `stage(bucket)`
+    fills the inputs (scratch rows only), two runs on a side stream compile the kernels' variants
+    and fill the allocator, then the capture. `progress(done, total)` after each bucket. The model
+    runner and the drafter's runner capture this way."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    ordered = sorted(buckets, reverse=True)
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, Out]] = {}
+    for done, bucket in enumerate(ordered, 1):
+        stage(bucket)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward(bucket)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward(bucket)
+        graphs[bucket] = (graph, outputs)
+        if progress is not None:
+            progress(done, len(ordered))
+    torch.cuda.synchronize(device)
+    return graphs
 
 
 @dataclass
@@ -302,24 +334,9 @@ class ModelRunner:
         start = time.perf_counter()
         if self.device.type != "cuda" or not self.config.cuda_graphs:
             return CaptureReport((), 0.0, 0)
-        pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        ordered = sorted(self.buckets, reverse=True)
-        for done, bucket in enumerate(ordered, 1):
-            self._stage_scratch(bucket)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the kernels' variants, fills the allocator
-                    self._forward(bucket)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._forward(bucket)
-            self._graphs[bucket] = _Graph(graph, outputs)
-            if progress is not None:
-                progress(done, len(ordered))
-        torch.cuda.synchronize(self.device)
+        captured = capture_buckets(self.device, self.buckets, self._stage_scratch, self._forward, progress)
+        self._graphs.update({bucket: _Graph(graph, outputs) for bucket, (graph, outputs) in captured.items()})
         return CaptureReport(tuple(sorted(self._graphs)), time.perf_counter() - start,
                              torch.cuda.memory_reserved(self.device) - before)
 

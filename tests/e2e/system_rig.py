@@ -13,6 +13,7 @@ from cedserve.common.tls import PLAINTEXT, TLSConfig, open_channel
 from cedserve.launcher import TOKEN_FILE_NAME, LocalLauncher, Part, write_worker_config
 from cedserve.model.checkpoint import load_model
 from cedserve.proto import worker_pb2, worker_pb2_grpc
+from cedserve.serving.ready import parse_ready_line
 
 
 def greedy_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
@@ -92,3 +93,16 @@ def rpc_code(call: object) -> grpc.StatusCode:
     except grpc.RpcError as exc:
         return exc.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
+
+
+def wait_ready_line(log: Path, timeout_s: float, poll_s: float = 0.2) -> dict[str, object]:
+    """The ready line a process (or `cedserve serve`) printed into `log`, parsed; AssertionError with
+    the log's tail when none came within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines() if log.exists() else []:
+            ready = parse_ready_line(line)
+            if ready is not None:
+                return ready
+        time.sleep(poll_s)
+    raise AssertionError(f"no ready line in {log}: {log.read_text()[-3000:] if log.exists() else ''}")

@@ -6,17 +6,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
+from system_rig import wait_ready_line
 
 from cedserve.client import Client
 from cedserve.common.credentials import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
-from cedserve.serving.ready import parse_ready_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,17 +36,6 @@ max_queued = 8
 """
 
 
-def _ready(log: Path, timeout_s: float) -> dict[str, object]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines() if log.exists() else []:
-            ready = parse_ready_line(line)
-            if ready is not None:
-                return ready
-        time.sleep(0.2)
-    raise AssertionError(f"no ready line in {log}")
-
-
 def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -> None:
     config, logs = tmp_path / "serve.toml", tmp_path / "logs"
     config.write_text(CONFIG)
@@ -56,7 +44,7 @@ def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -
         proc = subprocess.Popen([sys.executable, "-m", "cedserve.cli", "serve", "--config", str(config), "--port", "0", "--http-port", "0",
                                  "--device", "auto", "--log-dir", str(logs)], stdout=sink, stderr=subprocess.STDOUT)
     try:
-        system = _ready(out, 300.0)
+        system = wait_ready_line(out, 300.0)
         text = out.read_text()
         assert "workers on cpu (auto: no GPU)" in text, text
         with Client(str(system["address"]), timeout_s=120) as client:
@@ -66,7 +54,7 @@ def test_serve_config_reaches_the_workers_and_ctrl_c_stops_all(tmp_path: Path) -
         with Client(str(system["address"]), timeout_s=120) as client:  # [router] default_max_tokens
             assert len(client.generate(list(range(10, 50)), effort="max").token_ids) == 3
         # [cache] num_blocks reached it too
-        decode = _ready(logs / "decode0.log", 10.0)
+        decode = wait_ready_line(logs / "decode0.log", 10.0)
         token = (logs / "run" / TOKEN_FILE_NAME).read_text().strip()
         with grpc.insecure_channel(str(decode["address"])) as channel:
             stub = worker_pb2_grpc.DecodeWorkerStub(channel)  # type: ignore[no-untyped-call]

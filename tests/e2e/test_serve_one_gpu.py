@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from system_rig import wait_ready_line
 
 from cedserve.client import Client
 from cedserve.kv_transfer.nixl_backend import nixl_available
 from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import write_random_checkpoint
 from cedserve.model.presets import preset
-from cedserve.serving.ready import parse_ready_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not nixl_available(), reason="needs CUDA and NIXL")]
@@ -33,17 +33,6 @@ num_blocks = 256
 decode_only_max_tokens = 0
 """
 """Every prompt goes through the prefill worker, so its KV crosses to the decode worker."""
-
-
-def _ready(log: Path, timeout_s: float) -> dict[str, object]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines() if log.exists() else []:
-            ready = parse_ready_line(line)
-            if ready is not None:
-                return ready
-        time.sleep(0.5)
-    raise AssertionError(f"no ready line in {log}: {log.read_text()[-3000:] if log.exists() else ''}")
 
 
 def _gauges(url: str) -> dict[str, float]:
@@ -64,7 +53,7 @@ def test_both_workers_share_one_gpu_and_ship_kv_between_them(tmp_path: Path) -> 
                                  "--http-port", "-1", "--device", "auto", "--gpus", "0", "--log-dir",
                                  str(tmp_path / "logs")], stdout=sink, stderr=subprocess.STDOUT)
     try:
-        system = _ready(out, 600.0)
+        system = wait_ready_line(out, 600.0, 0.5)
         text = out.read_text()
         assert "workers on cuda (2 worker ranks on GPUs 0, shared: 2 ranks round-robin)" in text, text
         metrics = dict(re.findall(r"metrics of (prefill0|decode0): (\S+)", text))
