@@ -105,11 +105,17 @@ class AttentionConfig:
             f is None for f in (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
                                 self.prefetch, self.hw_cvt))
 
-    def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512) -> AttentionConfig:
-        """Fill every None for this problem size. GPU defaults (ptxas reports and H200 runs,
-        kernels-notes.md): a 64-head block over 512 channels keeps a 64 x 512 fp32 accumulator, 128
-        registers a thread at 8 warps, which spills once the decoded tile is added; two value halves
-        (`dv_split=2`) fit without spills and give batch 64 its 128 programs."""
+    def resolve(self, tokens: int, heads: int, keys: int, device: torch.device, dim: int = 512,
+                lists: tuple[int, ...] = ()) -> AttentionConfig:
+        """Fill every None for this problem size (`keys`: the longer of a token's key lists; `lists`:
+        every list's length where known, for the Triton kernel's split count). GPU defaults
+        (ptxas reports and H200 runs, docs/kernels.md): a 64-head block over 512 channels keeps a 64 x
+        512 fp32 accumulator, 128 registers a thread at 8 warps, which spills once the decoded tile is
+        added; two value halves (`dv_split=2`) fit without spills and give batch 64 its 128 programs.
+
+        Key splits (Triton): at least 4 key tiles a program while that fills one wave; where even
+        that leaves most SMs idle (a few tokens with few heads: mini-40 at batch 1 is one program
+        over 3 tiles), one tile a program, up to the token's tiles."""
         gpu = device.type == "cuda" and not interpreting()
         kernel = self.kernel or "triton"
         if kernel not in ("triton", "gluon"):
@@ -130,7 +136,11 @@ class AttentionConfig:
         if num_splits is None:
             programs = tokens * cdiv(heads, block_h) * dv_split
             target = num_sms(device) if gpu else 1
-            num_splits = max(1, min(target // max(programs, 1), cdiv(keys, 4 * block_n)))  # <= one wave
+            wave = target // max(programs, 1)
+            num_splits = max(1, min(wave, cdiv(keys, 4 * block_n)))  # <= one wave
+            if programs * num_splits < target // 2:  # most SMs idle: one tile a program
+                tiles = sum(cdiv(n, block_n) for n in lists) if lists else cdiv(keys, block_n)
+                num_splits = max(num_splits, min(wave, tiles))
         num_warps = self.num_warps or (8 if block_h >= 64 else 4)
         # 64-key tiles loaded at the top of the loop body and pipelined by the compiler (cp.async into
         # shared memory, 2 stages): the fastest config of run 3 (96 us at batch 64, kernels-notes.md)
@@ -254,7 +264,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
     config = config or AttentionConfig()
     keys = max(num_topk, num_win)
     if not config.auto:
-        launch.run(config.resolve(tokens, heads, keys, q.device, dim))
+        launch.run(config.resolve(tokens, heads, keys, q.device, dim, lists=(num_topk, num_win)))
         return out
     if gluon_hopper_available() and launch.gluon_unsupported() is None:
         # v20 is the default where it runs (H200: 37.2-37.7 us against 89.8 us at batch 64, runs 46-51)
@@ -262,7 +272,7 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
         return out
     from triton.runtime.errors import OutOfResources
 
-    cfg = config.resolve(tokens, heads, keys, q.device, dim)
+    cfg = config.resolve(tokens, heads, keys, q.device, dim, lists=(num_topk, num_win))
 
     try:
         launch.run(cfg)

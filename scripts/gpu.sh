@@ -19,6 +19,8 @@
 #                   ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused auto-fused-tf32 off-tf32).
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
+#   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
+#                   batches, old rule beside the default     attention-splits-h200.json   SPLITS_S=120
 #   kernels         kernel-tests, then kernel-bench
 #   kernel-tests    tests/kernels -m "$MARK" (default gpu)  kernel-tests.log, kernel-tests.xml
 #                                                                     KERNEL_TESTS_S=200 (QUICK=1: 130)
@@ -186,6 +188,11 @@ part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
     --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-h200.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
+}
+
+part_attention_splits() {  # the Triton sparse attention's key splits: old rule, default, a sweep
+  timeout "${SPLITS_S:-120}" "$PY" -P benchmarks/attention_splits.py --out "$OUT/attention-splits-h200.json" 2>&1 \
+    | quiet | tee "$OUT/attention-splits.log"
 }
 
 part_tf32() {  # what decode.matmul_tf32 does to the logits (teacher-forced, demo checkpoint and mini-40)
@@ -475,6 +482,7 @@ run_part() {  # $1: part name
     step) part_step ;;
     engine) part_engine ;;
     tf32) part_tf32 ;;
+    attention-splits) part_attention_splits ;;
     kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;
     kernel-tests) part_kernel_tests ;;
     kernel-bench) part_kernel_bench ;;

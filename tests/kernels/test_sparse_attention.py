@@ -247,6 +247,28 @@ def test_gluon_split_heuristic(tokens: int, splits: int, per_cta: int, monkeypat
     assert AttentionConfig(kernel="gluon", num_splits=7).resolve(tokens, 64, 512, torch.device("cpu")).num_splits == 7
 
 
+@pytest.mark.parametrize(("tokens", "heads", "lists", "splits"), [
+    (1, 4, (64, 128), 3),  # mini-40 at batch 1: one program over 3 tiles before, now one tile each
+    (32, 4, (64, 128), 3),  # 32 programs: still under half a wave, one tile each
+    (64, 4, (64, 128), 2),  # 64 programs: two splits fill the wave
+    (1, 64, (512, 128), 10),  # released heads, Triton kernel, batch 1: the token's 10 tiles
+    (64, 64, (512, 128), 1),  # released heads at batch 64: 128 programs already fill the wave
+])
+def test_triton_splits_fill_an_idle_gpu(monkeypatch: pytest.MonkeyPatch, tokens: int, heads: int,
+                                        lists: tuple[int, int], splits: int) -> None:
+    # the Triton kernel's key splits on a 132-SM GPU: at least 4 tiles a program while that fills a
+    # wave, one tile a program where it would leave most SMs idle (never past one wave)
+    import cedserve.kernels.sparse_attention as sa
+
+    monkeypatch.setattr(sa, "num_sms", lambda device: 132)
+    monkeypatch.setattr(sa, "interpreting", lambda: False)
+    monkeypatch.setattr(sa, "hardware_fp8", lambda device: True)
+    cfg = AttentionConfig(kernel="triton").resolve(tokens, heads, max(lists), torch.device("cuda"), 512, lists=lists)
+    assert cfg.num_splits == splits
+    programs = tokens * -(-heads // (cfg.block_h or 1)) * (cfg.dv_split or 1)
+    assert programs * splits <= 132 or splits == 1
+
+
 def test_combine_normalized_fp16_partials(gen: torch.Generator, device: torch.device) -> None:
     # the merge pass over fp16 partials divided by their row sums (the Gluon kernel's) against the same merge over the fp32 partials, and both against a float64
     # merge: empty splits (sum 0, max -1e30) included, values up to the format's 2688
