@@ -74,8 +74,13 @@ class Compressor(nn.Module):
 
     def pool(self, kv: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
         """Gated pooling of whole groups: float32 `[..., G * m, head_dim]` -> normed `[..., G, head_dim]`."""
-        groups_kv = kv.view(*kv.shape[:-2], -1, self.ratio, kv.shape[-1])  # [..., G, m, head_dim]
-        groups_gate = gate.view(*gate.shape[:-2], -1, self.ratio, gate.shape[-1])
-        latent = (groups_kv * groups_gate.softmax(dim=-2)).sum(dim=-2)
-        normed: Tensor = self.norm(latent.to(dtype))
+        normed: Tensor = self.norm(pool_groups(kv, gate, self.ratio).to(dtype))
         return normed
+
+
+def pool_groups(kv: Tensor, gate: Tensor, ratio: int) -> Tensor:
+    """The softmax(gate)-weighted sum of each group of `ratio` rows: float32 `[..., G * m, head_dim]`
+    -> `[..., G, head_dim]` (before the norm)."""
+    groups_kv = kv.view(*kv.shape[:-2], -1, ratio, kv.shape[-1])  # [..., G, m, head_dim]
+    groups_gate = gate.view(*gate.shape[:-2], -1, ratio, gate.shape[-1])
+    return (groups_kv * groups_gate.softmax(dim=-2)).sum(dim=-2)

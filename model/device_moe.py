@@ -6,7 +6,10 @@ experts once and runs them at a fixed shape:
 
 * "dense": every routed expert over every row, unrouted pairs weighted by zero (exact, and cheap
   while experts are few and rows many; `FusedOps.dense_moe`);
-* "grouped": (row, expert) pairs sorted into fixed tiles by `kernels.moe.moe_experts` (bf16).
+* "grouped": (row, expert) pairs sorted into fixed tiles by `kernels.moe.moe_experts` (bf16, the
+  shared expert among them: each expert's output rounded to bf16, summed in float32).
+
+Either way the shared expert is one more stacked expert that every row routes to with weight 1.
 
 The decode step (`cedserve.model.slot_step`) and the DSpark drafter's step
 (`cedserve.model.draft_step`) both use it.
@@ -36,34 +39,33 @@ def resolve_moe_mode(mode: MoeMode, num_experts: int, kernels: bool) -> Literal[
 
 
 class DeviceMoE:
-    """One MoE layer's experts, stacked for a sync-free call (module docstring)."""
+    """One MoE layer's experts, stacked for a sync-free call (module docstring). The shared expert is
+    stacked last, as expert `E` of every row with weight 1 (exact: its activation times 1.0), so the
+    routed and shared experts run in the same GEMMs. Weights are copied here, once."""
 
     def __init__(self, ffn: MoE, mode: Literal["dense", "grouped"]) -> None:
         self.ffn, self.mode = ffn, mode
         self.config = ffn.gate.config  # the layer's own expert counts (the drafter's differ)
-        experts = [e for e in ffn.experts if isinstance(e, Expert)]
-        w1 = torch.stack([e.w1.weight for e in experts])  # [E, I, D]
-        w3 = torch.stack([e.w3.weight for e in experts])
-        w2 = torch.stack([e.w2.weight for e in experts])  # [E, D, I]
+        experts = [e for e in ffn.experts if isinstance(e, Expert)] + [ffn.shared_experts]
+        w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts]).detach()  # [E + 1, 2I, D]
+        w2 = torch.stack([e.w2.weight for e in experts]).detach()  # [E + 1, D, I]
+        self.gate = ffn.gate.weight.detach().float()  # [E, D]: the router runs in float32
+        self.bias = ffn.gate.bias.detach().float()
         if mode == "dense":
-            self.dense = (w1, w3, w2)
+            self.dense = (w13, w2)
         else:
-            w13 = ExpertWeights(torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous())
-            self.grouped = (w13, ExpertWeights(w2.to(torch.bfloat16).contiguous()))
+            self.grouped = (ExpertWeights(w13.to(torch.bfloat16).contiguous()),
+                            ExpertWeights(w2.to(torch.bfloat16).contiguous()))
 
     def __call__(self, x: Tensor, ops: FusedOps) -> Tensor:
         """`x [N, D]` -> `[N, D]`: routed experts plus the shared one."""
-        ffn, c = self.ffn, self.config
+        c = self.config
+        rules = (c.scoring_func, c.gate_temp, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
         if self.mode == "dense":
-            w1, w3, w2 = self.dense
-            shared = ffn.shared_experts
-            dense: Tensor = ops.dense_moe(x, ffn.gate.weight, ffn.gate.bias, w1, w3, w2, shared.w1.weight,
-                                          shared.w3.weight, shared.w2.weight, c.scoring_func, c.gate_temp,
-                                          c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor,
-                                          c.swiglu_limit)
+            w13_dense, w2_dense = self.dense
+            dense: Tensor = ops.dense_moe(x, self.gate, self.bias, w13_dense, w2_dense, *rules, c.swiglu_limit)
             return dense
-        weights, indices = ffn.gate(x)  # [N, k] float32, long
-        w13, w2e = self.grouped
-        routed = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2e, swiglu_limit=c.swiglu_limit).float()
-        out: Tensor = (routed + ffn.shared_experts(x).float()).to(x.dtype)
-        return out
+        weights, indices = ops.route_with_shared(x, self.gate, self.bias, *rules)  # [N, k + 1] float32, long
+        w13, w2 = self.grouped
+        out: Tensor = moe_experts(x.to(torch.bfloat16), indices, weights, w13, w2, swiglu_limit=c.swiglu_limit)
+        return out.to(x.dtype)

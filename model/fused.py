@@ -4,7 +4,7 @@ A decode step at small batch is bound by how many kernels it launches, not by FL
 layer's norms, RoPE, mHC collapse and expansion, the window-slot arithmetic and a small MoE are each
 five to twenty elementwise kernels of a few microseconds. Each function here is one such chain,
 written as the modules compute it (`RMSNorm`, `apply_rope`, `hc_collapse` / `hc_expand`,
-`Attention._project` / `_output`, `MoE.forward` with every expert dense), taking its weights as
+`Attention._project` / `_output`, the compressor's step, `MoE.forward` with every expert dense), taking its weights as
 arguments so that one compiled graph serves every layer. `FusedOps(compiled=True)` wraps each in
 `torch.compile(fullgraph=True)`; with `compiled=False` they run as written (the CPU
 path, which the tests compare with the modules).
@@ -21,11 +21,12 @@ from torch import Tensor
 
 from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
+from cedserve.model.compressor import pool_groups
 from cedserve.model.device_sampling import sample_rows
 from cedserve.model.mhc import hc_collapse, hc_expand
 from cedserve.model.moe import score_logits
 from cedserve.model.norm import rms_normalize
-from cedserve.model.rope import apply_rope
+from cedserve.model.rope import apply_rope, rope_cos_sin
 
 
 def collapse_norm(streams: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -39,66 +40,126 @@ def mix_logits(streams: Tensor, fn: Tensor, eps: float) -> Tensor:
     return flat @ fn.float().t()
 
 
-def project(x: Tensor, wq_a: Tensor, q_norm: Tensor, wq_b: Tensor, wkv: Tensor, kv_norm: Tensor, cos: Tensor,
-            sin: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """`Attention._project`: query residual `[B, q_lora]`, RoPE'd queries `[B, H, D]`, window KV `[B, D]`."""
-    q_residual = q_norm * rms_normalize(F.linear(x, wq_a), eps)
+def project(x: Tensor, wa: Tensor, q_rank: int, q_norm: Tensor, wq_b: Tensor, kv_norm: Tensor, cos: Tensor,
+            sin: Tensor, heads: int, eps: float, q_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`Attention._project` from one GEMM over the weights that read `x [B, hidden]`: `wa` holds `wq_a`'s
+    `q_rank` rows, then `wkv`'s, then any more (an index source's `weights_proj`). Returns the query
+    residual `[B, q_rank]`, RoPE'd queries `[B, H, D]` in `q_dtype` (the attention's), window KV `[B, D]`
+    and the further rows' logits `[B, rest]` (`[B, 0]` when there are none)."""
+    a = F.linear(x, wa)  # [B, q_rank + D + rest]
+    dim = kv_norm.shape[0]
+    q_residual = q_norm * rms_normalize(a[:, :q_rank], eps)
     q = F.linear(q_residual, wq_b).view(x.shape[0], heads, -1)
-    q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-    kv = apply_rope(kv_norm * rms_normalize(F.linear(x, wkv), eps), cos, sin)
-    return q_residual, q, kv
+    q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).to(q_dtype)
+    kv = apply_rope(kv_norm * rms_normalize(a[:, q_rank:q_rank + dim], eps), cos, sin)
+    return q_residual, q, kv, a[:, q_rank + dim:]
 
 
 def output(out: Tensor, cos: Tensor, sin: Tensor, wo_a: Tensor, groups: int, wo_b: Tensor) -> Tensor:
-    """`Attention._output`: inverse RoPE, grouped `wo_a`, `wo_b` -> `[B, hidden]`."""
-    out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+    """`Attention._output` of the attention's `out [B, H, D]` (any dtype: cast to the weights' first):
+    inverse RoPE, grouped `wo_a`, `wo_b` -> `[B, hidden]`."""
+    out = apply_rope(out.to(wo_b.dtype), cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
     x = out.reshape(out.shape[0], groups, -1)  # [B, G, in]
     w = wo_a.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in, rank]
     grouped = torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
     return F.linear(grouped, wo_b)
 
 
-def index_query(q_residual: Tensor, wq_b: Tensor, cos: Tensor, sin: Tensor, heads: int, block: int) -> Tensor:
-    """`Indexer.query` (no autograd): RoPE'd, FP4 fake-quantized index queries `[B, H, d]`."""
+def index_query(q_residual: Tensor, wq_b: Tensor, head_logits: Tensor, cos: Tensor, sin: Tensor, heads: int,
+                block: int) -> tuple[Tensor, Tensor]:
+    """`Indexer.query` (no autograd) and `Indexer.head_weights` from `weights_proj`'s logits
+    `head_logits [B, H]`: RoPE'd, FP4 fake-quantized index queries `[B, H, d]` in bf16 (exact: what
+    `layer_topk` scores) and float32 head weights `[B, H]`."""
     q = F.linear(q_residual, wq_b).view(q_residual.shape[0], heads, -1)
     q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-    return fake_quant_fp4(q, block, "ue8m0")
+    return fake_quant_fp4(q, block, "ue8m0").to(torch.bfloat16), head_logits.float() * heads**-0.5
 
 
 def window_slots(positions: Tensor, slots: Tensor, first: Tensor, window: int, ring: int) -> tuple[Tensor, Tensor]:
-    """(each row's ring slot for its new record `[B]`, its window's ring slots `[B, W]`, -1 where
-    the position is before 0 or before the ring's first position `first [B]`): the rings of `ring`
-    rows per slot hold position p at row `p % ring`."""
+    """Every layer's window at once: (each row's ring slot for its new record `[B]`, the same in every
+    layer, and each layer's window ring slots `[L, B, W]`, -1 where the position is before 0 or before
+    the layer's ring's first position `first [L, slots]`): the rings of `ring` rows per slot hold
+    position p at row `p % ring`."""
     base = slots * ring
-    keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)
-    inside = (keys >= 0) & (keys >= first.unsqueeze(-1))
+    keys = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)  # [B, W]
+    inside = (keys >= 0) & (keys >= first[:, slots].unsqueeze(-1))  # [L, B, W]
     table = torch.where(inside, base.unsqueeze(-1) + keys.remainder(ring), -1).to(torch.int32)
     return base + positions % ring, table
 
 
-def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, s1: Tensor, s3: Tensor,
-              s2: Tensor, scoring: str, temp: float, top_k: int, renorm: bool, scaling: float, limit: float
-              ) -> Tensor:
-    """`MoE.forward` with every routed expert run over every row (unrouted pairs weighted 0):
-    `x [B, D]`; `gate [E, D]`, `bias [E]`; stacked `w1`, `w3 [E, I, D]`, `w2 [E, D, I]`; the shared
-    expert's `s1`, `s3 [I, D]`, `s2 [D, I]`."""
-    scores = score_logits(F.linear(x.float(), gate.float()) / temp, scoring)
-    indices = (scores + bias.float()).topk(top_k, dim=-1).indices
+def global_kv(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm: Tensor, pending_kv: Tensor | None,
+              pending_gate: Tensor | None, slots: Tensor, positions: Tensor, block_table: Tensor, scratch_slot: int,
+              inv_freq: Tensor, rope_scaling: float, ratio: int, entries_per_block: int, eps: float
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """The compressor's step for rows `x [B, D]` (`SlotStep._write_global_kv`): RoPE'd main KV `[B, D]`,
+    index keys `[B, d]` of each row's group and its record slot `[B]` (-1 where the row's group is not
+    complete, and for padding rows at `scratch_slot`: shared pools hold real blocks). Ratio 1: `w` is `wkv`. Ratio m > 1: `w` is float32 `[wkv; wgate]`;
+    the row's float32 projections go into the slot's pending rings `pending_kv`, `pending_gate`
+    `[slots, ring, D]` (in place, every row before any group is pooled: a slot's rows may share a
+    group) and each row pools its group's m positions."""
+    if pending_kv is None or pending_gate is None:
+        latent = norm * rms_normalize(F.linear(x, w), eps)
+        entry, complete = positions, None
+    else:
+        ring, dim = pending_kv.shape[1], pending_kv.shape[2]
+        projected = F.linear(x.float(), w)  # [B, 2D]: latent, then gate
+        rows = positions % ring
+        pending_kv[slots, rows] = projected[:, :dim]
+        pending_gate[slots, rows] = projected[:, dim:]
+        entry = positions // ratio
+        group = ((entry * ratio).unsqueeze(-1) + torch.arange(ratio, device=x.device)) % ring  # [B, m]
+        pooled = pool_groups(pending_kv[slots.unsqueeze(-1), group], pending_gate[slots.unsqueeze(-1), group], ratio)
+        latent = norm * rms_normalize(pooled.squeeze(1).to(x.dtype), eps)
+        complete = positions % ratio == ratio - 1
+    cos, sin = rope_cos_sin(entry * ratio, inv_freq, rope_scaling)
+    keys = apply_rope(k_norm * rms_normalize(F.linear(latent, wk), eps), cos, sin)
+    slot_map = entries_to_slots(entry.unsqueeze(-1), block_table, entries_per_block).squeeze(-1)
+    keep = slots != scratch_slot
+    if complete is not None:
+        keep = keep & complete
+    return apply_rope(latent, cos, sin), keys, torch.where(keep, slot_map, -1)
+
+
+def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w13: Tensor, w2: Tensor, scoring: str, temp: float, top_k: int,
+              renorm: bool, scaling: float, limit: float) -> Tensor:
+    """`MoE.forward` with every routed expert run over every row (unrouted pairs weighted 0) and the
+    shared expert as one more, weighted 1: `x [B, D]`; float32 `gate [E, D]`, `bias [E]`; `w13
+    [E + 1, 2I, D]` (each expert's `w1` rows, then its `w3` rows; the shared expert last) and `w2
+    [E + 1, D, I]`. Two GEMMs for every expert: gate and up as one over the flattened `w13`, the down
+    projections as one batched GEMM."""
+    weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling)  # [B, k]
+    experts, inter = w13.shape[0], w2.shape[-1]
+    ids = torch.arange(experts, device=x.device)
+    # [B, E + 1]: each expert's routing weight (a one-hot sum: at most one term is nonzero, so exact)
+    routing = ((indices.unsqueeze(-1) == ids) * weights.unsqueeze(-1)).sum(dim=1)
+    routing = torch.where(ids == experts - 1, 1.0, routing)
+    gate_up = F.linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E + 1, 2I]
+    g, u = gate_up[..., :inter], gate_up[..., inter:]
+    if limit > 0:
+        u, g = u.clamp(-limit, limit), g.clamp(max=limit)
+    y = routing.unsqueeze(-1) * (F.silu(g) * u)  # [B, E + 1, I]
+    down = torch.bmm(y.transpose(0, 1).to(x.dtype), w2.transpose(1, 2))  # [E + 1, B, D]
+    return down.float().sum(dim=0).to(x.dtype)
+
+
+def route_topk(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float, top_k: int, renorm: bool,
+               scaling: float) -> tuple[Tensor, Tensor]:
+    """`moe.route` with float32 `gate [E, D]` and `bias [E]`: float32 weights `[B, k]`, indices `[B, k]`."""
+    scores = score_logits(F.linear(x.float(), gate) / temp, scoring)
+    indices = (scores + bias).topk(top_k, dim=-1).indices
     weights = scores.gather(1, indices)
     if renorm and top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    routing = torch.zeros(x.shape[0], w1.shape[0], device=x.device).scatter(1, indices, weights * scaling)
-    xe = x.unsqueeze(0).expand(w1.shape[0], -1, -1)  # [E, B, D]
-    g, u = torch.bmm(xe, w1.transpose(1, 2)).float(), torch.bmm(xe, w3.transpose(1, 2)).float()
-    if limit > 0:
-        u, g = u.clamp(-limit, limit), g.clamp(max=limit)
-    y = routing.t().unsqueeze(-1) * (F.silu(g) * u)  # [E, B, I]
-    routed = torch.bmm(y.to(x.dtype), w2.transpose(1, 2)).float().sum(dim=0)
-    sg, su = F.linear(x, s1).float(), F.linear(x, s3).float()
-    if limit > 0:
-        su, sg = su.clamp(-limit, limit), sg.clamp(max=limit)
-    shared = F.linear((F.silu(sg) * su).to(x.dtype), s2).float()
-    return (routed + shared).to(x.dtype)
+    return weights * scaling, indices
+
+
+def route_with_shared(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float, top_k: int, renorm: bool,
+                      scaling: float) -> tuple[Tensor, Tensor]:
+    """`route_topk` with the shared expert as one more pair of every row: expert `E` (after the routed
+    ones), weight 1: `[B, k + 1]` each."""
+    weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling)
+    shared = torch.full_like(indices[:, :1], gate.shape[0])
+    return torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1), torch.cat([indices, shared], dim=1)
 
 
 RECOMPILE_LIMIT = 64
@@ -126,7 +187,9 @@ class FusedOps:
         self.output = wrap(output)
         self.index_query = wrap(index_query)
         self.window_slots = wrap(window_slots)
+        self.global_kv = wrap(global_kv)
         self.dense_moe = wrap(dense_moe)
+        self.route_with_shared = wrap(route_with_shared)
         self.expand = wrap(hc_expand)
         self.entries_to_slots = wrap(entries_to_slots)
         self.sample_rows = wrap(sample_rows)

@@ -66,8 +66,14 @@ class RopeTable:
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin at integer `positions [N]`, each float32 `[N, rope_dim // 2]`."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device).unsqueeze(0)
-        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        return rope_cos_sin(positions, self.inv_freq.to(positions.device), self.scaling)
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """`RopeTable.cos_sin` from its inverse frequencies `[rope_dim // 2]` and scaling (a pure function of
+    tensors, for compiled callers)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
+    return freqs.cos() * scaling, freqs.sin() * scaling
 
 
 def device_rope(table: RopeTable, device: torch.device) -> RopeTable:

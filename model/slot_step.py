@@ -42,13 +42,14 @@ from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention
 from cedserve.kernels.triton_support import Impl
 from cedserve.model.attention import Attention
 from cedserve.model.block import Block
+from cedserve.model.compressor import Compressor
 from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
 from cedserve.model.fused import FusedOps
 from cedserve.model.indexer import INDEX_QUANT_BLOCK
 from cedserve.model.mhc import HcMix
 from cedserve.model.network import CEDModel
 from cedserve.model.paged_attention import layer_topk
-from cedserve.model.rope import apply_rope, device_rope
+from cedserve.model.rope import device_rope
 from cedserve.model.slots import SlotPools
 
 __all__ = ["DENSE_MAX_EXPERTS", "MoeMode", "SlotStep"]  # the mode names runner.py imports from here
@@ -63,8 +64,13 @@ class _Pass:
     rope: dict[str, tuple[Tensor, Tensor]]  # kind -> cos, sin [B, rope_dim / 2]
     block_table: Tensor  # int32 [B, blocks_per_slot]: each row's slot's blocks
     engram_rows: Tensor | None  # [B, engram layers, columns, head_dim]
+    ring_slot: Tensor  # long [B]: each row's window record's ring slot (the same in every layer)
+    windows: Tensor  # int32 [layers, B, W]: each layer's window ring slots of each row (-1: none)
+    no_rope: Tensor  # [B, 0]: the attention's (absent) separate RoPE part
     selections: dict[int, Tensor] = field(default_factory=dict)  # index source -> int32 [B, topk]
     pool: Tensor | None = None  # int32 [B, C]: the candidate source's pool
+    visible: dict[int, Tensor] = field(default_factory=dict)  # ratio -> long [B]: entries each row sees
+    topk_slots: dict[int, Tensor] = field(default_factory=dict)  # index source -> int32 [B, topk]: main slots
     taps: dict[int, Tensor] = field(default_factory=dict)  # DSpark target layer -> streams [B, hc, D]
 
 
@@ -86,7 +92,16 @@ class SlotStep:
         self.annotate = False
         """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
         kernels each part launches; off in serving: a range costs host time)."""
-        self._moes = [DeviceMoE(self._block(layer_id).ffn, self.moe_mode) for layer_id in range(config.num_hidden_layers)]
+        layers = [self._block(layer_id) for layer_id in range(config.num_hidden_layers)]
+        self._moes = [DeviceMoE(block.ffn, self.moe_mode) for block in layers]
+        # Weights that read the same input, concatenated once (one GEMM each instead of two or three):
+        # the attention's `wq_a`, `wkv` and an index source's `weights_proj`; a compressor's float32
+        # `wkv`, `wgate` (ratio > 1; its `wkv` at ratio 1). Copies: the modules keep their own.
+        self._project_w = [_concat([b.attn.wq_a.weight, b.attn.wkv.weight]
+                                     + ([b.attn.indexer.weights_proj.weight] if b.attn.indexer is not None else []))
+                           for b in layers]
+        self._compress_w = {b.attn.spec.layer_id: _compressor_weight(b.attn.compressor)
+                            for b in layers if b.attn.compressor is not None}
 
     def _block(self, layer_id: int) -> Block:
         block = self.model.layers[layer_id]
@@ -115,8 +130,10 @@ class SlotStep:
         with self._part("embed"):
             positions = pools.position[slots] + offsets
             rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+            ring_slot, windows = self.ops.window_slots(positions, slots, pools.swa_first, pools.window, pools.ring)
             step = _Pass(slots, positions, rope, pools.block_table[slots],
-                         self._engram_rows(token_ids, slots, positions))
+                         self._engram_rows(token_ids, slots, positions), ring_slot, windows,
+                         torch.zeros(token_ids.shape[0], 0, device=self.device))
             streams, pre = self.model._embed(token_ids)
         for layer_id in range(self.config.num_hidden_layers):
             streams, pre = self._layer(layer_id, streams, pre, step)
@@ -182,11 +199,12 @@ class SlotStep:
         cos, sin = step.rope[attn.rope_kind]
         eps = self.config.rms_norm_eps
         with self._part("project"):
-            q_residual, q, kv = self.ops.project(x, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight,
-                                                 attn.wkv.weight, attn.kv_norm.weight, cos, sin,
-                                                 self.config.num_attention_heads, eps)
+            q_dtype = torch.bfloat16 if self.kernels else x.dtype  # the attention kernels' queries
+            q_residual, q, kv, head_logits = self.ops.project(
+                x, self._project_w[spec.layer_id], self.config.q_lora_rank, attn.q_norm.weight, attn.wq_b.weight,
+                attn.kv_norm.weight, cos, sin, self.config.num_attention_heads, eps, q_dtype)
         with self._part("window"):
-            window = self._write_window(spec.layer_id, kv, step)
+            self._write("swa", kv, step.ring_slot, self.pools.window_records(spec.layer_id))
         kv_layer = index_layer = None
         if spec.compress_ratio:
             kv_layer, index_layer = spec.kv_layer, spec.index_layer
@@ -197,54 +215,31 @@ class SlotStep:
             if attn.indexer is not None:
                 c_cos, c_sin = step.rope["compress"]
                 with self._part("select"):
-                    index_q = self.ops.index_query(q_residual, attn.indexer.wq_b.weight, c_cos, c_sin,
-                                                   attn.indexer.num_heads, INDEX_QUANT_BLOCK)
-                    self._select(spec.layer_id, kv_layer, spec.compress_ratio, index_q,
-                                 attn.indexer.head_weights(x), step)
+                    index_q, weights = self.ops.index_query(q_residual, attn.indexer.wq_b.weight, head_logits,
+                                                            c_cos, c_sin, attn.indexer.num_heads, INDEX_QUANT_BLOCK)
+                    self._select(spec.layer_id, kv_layer, spec.compress_ratio, index_q, weights, step)
         with self._part("attend"):
-            out = self._attend(spec.layer_id, q, attn.attn_sink, window, kv_layer, index_layer, step)
+            out = self._attend(spec.layer_id, q, attn.attn_sink, kv_layer, index_layer, step)
         with self._part("output"):
             projected: Tensor = self.ops.output(out, cos, sin, attn.wo_a.weight, self.config.o_groups,
                                                 attn.wo_b.weight)
         return projected
 
-    def _write_window(self, layer_id: int, kv: Tensor, step: _Pass) -> Tensor:
-        """Write the rows' window records into their rings; each row's window slots `[B, W]`."""
-        pools = self.pools
-        ring_slot, window = self.ops.window_slots(step.positions, step.slots, pools.swa_first[layer_id][step.slots],
-                                                  pools.window, pools.ring)
-        self._write("swa", kv, ring_slot, pools.window_records(layer_id))
-        return window  # type: ignore[no-any-return]
-
     def _write_global_kv(self, attn: Attention, x: Tensor, step: _Pass) -> None:
         """The compressor's step: the row's projection into its pending group, the group's entry
-        (written only where it completes) as main KV and index keys."""
+        (written only where it completes) as main KV and index keys (`FusedOps.global_kv`)."""
         compressor, indexer = attn.compressor, attn.indexer
-        assert compressor is not None and indexer is not None
+        assert compressor is not None and indexer is not None and indexer.wk is not None
+        assert indexer.k_norm is not None
         layer, ratio, pools = attn.spec.layer_id, attn.spec.compress_ratio, self.pools
-        if ratio == 1:
-            latent = compressor.norm(compressor.wkv(x))
-            entry, complete = step.positions, None
-        else:
-            projected = compressor.project(x)
-            ring = pools.pending_ring[layer]
-            pools.pending_kv[layer][step.slots, step.positions % ring] = projected.kv
-            pools.pending_gate[layer][step.slots, step.positions % ring] = projected.gate
-            entry = step.positions // ratio
-            group = ((entry * ratio).unsqueeze(-1) + torch.arange(ratio, device=self.device)) % ring  # [B, m]
-            slots = step.slots.unsqueeze(-1)
-            latent = compressor.pool(pools.pending_kv[layer][slots, group], pools.pending_gate[layer][slots, group],
-                                     x.dtype).squeeze(1)
-            complete = step.positions % ratio == ratio - 1
-        cos, sin = self.ropes["compress"].cos_sin(entry * ratio)
-        slot_map = self.ops.entries_to_slots(entry.unsqueeze(-1), step.block_table,
-                                             pools.entries_per_block(layer)).squeeze(-1)
-        keep = step.slots != pools.scratch_slot  # padding rows write no record (shared pools: real blocks)
-        if complete is not None:
-            keep = keep & complete
-        slot_map = torch.where(keep, slot_map, -1)
-        self._write("main", apply_rope(latent, cos, sin), slot_map, pools.records(layer, "main"))
-        self._write("index", indexer.keys(latent, cos, sin), slot_map, pools.records(layer, "index"))
+        rope = self.ropes["compress"]
+        main, keys, slot_map = self.ops.global_kv(
+            x, self._compress_w[layer], compressor.norm.weight, indexer.wk.weight, indexer.k_norm.weight,
+            pools.pending_kv.get(layer), pools.pending_gate.get(layer), step.slots, step.positions,
+            step.block_table, pools.scratch_slot, rope.inv_freq, rope.scaling, ratio, pools.entries_per_block(layer),
+            self.config.rms_norm_eps)
+        self._write("main", main, slot_map, pools.records(layer, "main"))
+        self._write("index", keys, slot_map, pools.records(layer, "index"))
 
     def _write(self, kind: str, x: Tensor, slot_map: Tensor, dest: PagedRecords) -> None:
         writer = {"swa": write_swa, "main": write_main_kv, "index": write_index_key}[kind]
@@ -253,8 +248,9 @@ class SlotStep:
     def _select(self, layer_id: int, kv_layer: int, ratio: int, q: Tensor, weights: Tensor, step: _Pass) -> None:
         """`PagedPass.select` over the slots: the two-level top-k at a fixed width."""
         config, pools = self.config, self.pools
-        visible = (step.positions + 1) // ratio
-        keys = IndexKeys(pools.records(kv_layer, "index"), pools.block_table, step.slots, visible)
+        if ratio not in step.visible:  # the index sources of one ratio share it
+            step.visible[ratio] = (step.positions + 1) // ratio
+        keys = IndexKeys(pools.records(kv_layer, "index"), pools.block_table, step.slots, step.visible[ratio])
         width = pools.max_entries(kv_layer)
         impl: Impl = "auto" if self.kernels else "torch"
         selection = layer_topk(config, layer_id, q, weights, keys, width, step.pool, impl)
@@ -262,26 +258,40 @@ class SlotStep:
             step.pool = selection.candidates
         step.selections[layer_id] = selection.entries
 
-    def _attend(self, layer_id: int, q: Tensor, sink: Tensor, window_slots: Tensor, kv_layer: int | None,
-                index_layer: int | None, step: _Pass) -> Tensor:
-        """`PagedPass.attend` over the slots: the picks' main-KV records and the ring's window."""
+    def _attend(self, layer_id: int, q: Tensor, sink: Tensor, kv_layer: int | None, index_layer: int | None,
+                step: _Pass) -> Tensor:
+        """`PagedPass.attend` over the slots: the picks' main-KV records and the ring's window. On the
+        kernels `q` is bf16 already and the output stays bf16 (`FusedOps.output` casts it)."""
         pools = self.pools
         swa = pools.window_records(layer_id)
         main = topk_slots = None
         picked = step.selections.get(index_layer) if index_layer is not None else None
-        if kv_layer is not None and picked is not None:
+        if kv_layer is not None and index_layer is not None and picked is not None:
             main = pools.records(kv_layer, "main")
-            topk_slots = self.ops.entries_to_slots(picked, step.block_table, main.slots_per_block)
-        no_rope = torch.zeros(q.shape[0], 0, device=q.device)
+            if index_layer not in step.topk_slots:  # once per index source: its Reuse layers read the same
+                step.topk_slots[index_layer] = self.ops.entries_to_slots(picked, step.block_table,
+                                                                         main.slots_per_block)
+            topk_slots = step.topk_slots[index_layer]
+        window, no_rope = step.windows[layer_id], step.no_rope
         scale = self.config.head_dim**-0.5
         if not self.kernels:
-            return sparse_attention_reference(q, sink, main, topk_slots, swa, window_slots, no_rope, no_rope, scale)
-        out = sparse_attention(q.to(torch.bfloat16), sink, main, topk_slots, swa, window_slots, no_rope, no_rope,
-                               softmax_scale=scale)
-        return out.to(q.dtype)
+            return sparse_attention_reference(q, sink, main, topk_slots, swa, window, no_rope, no_rope, scale)
+        return sparse_attention(q, sink, main, topk_slots, swa, window, no_rope, no_rope, softmax_scale=scale)
 
     # ------------------------------------------------------------------ MoE
 
     def _moe(self, layer_id: int, x: Tensor) -> Tensor:
         """`MoE.forward` without a host sync (`cedserve.model.device_moe`)."""
         return self._moes[layer_id](x, self.ops)
+
+
+def _compressor_weight(compressor: Compressor) -> Tensor:
+    """The weight of a compressor's one GEMM: ratio 1, `wkv`; else float32 `[wkv; wgate]` `[2D, hidden]`."""
+    if compressor.wgate is None:
+        return compressor.wkv.weight
+    return _concat([compressor.wkv.weight, compressor.wgate.weight]).float()
+
+
+def _concat(weights: list[Tensor]) -> Tensor:
+    """`weights` `[out_i, in]` stacked by rows into one `[sum out_i, in]` weight (a copy, no autograd)."""
+    return torch.cat([w.detach() for w in weights])
