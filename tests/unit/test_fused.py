@@ -1,0 +1,220 @@
+"""The slot step's fused chains (`cedserve.model.fused`) and stacked MoE weights (`cedserve.model.device_moe`)
+against the modules they stand for, float32 on a CPU, fresh random inputs each.
+
+Tolerances: where the math is the same and only the summation order differs (one GEMM over
+concatenated weights instead of two, the shared expert summed with the routed ones) the outputs agree
+to float32 rounding, ATOL = RTOL = 1e-5; the grouped MoE runs in bf16 (`kernels.moe`), compared at
+bf16's resolution. `torch.compile` of the compressor step (it writes its pending rings in place) is
+checked against the same function as written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cedserve.model.attention import Attention
+from cedserve.model.compressor import Compressor
+from cedserve.model.config import AttentionMode, ModelConfig
+from cedserve.model.device_moe import DeviceMoE
+from cedserve.model.fused import FusedOps, global_kv, route_with_shared, window_slots
+from cedserve.model.indexer import INDEX_QUANT_BLOCK, Indexer
+from cedserve.model.moe import MoE, route
+from cedserve.model.presets import preset
+from cedserve.model.rope import RopeTable, apply_rope
+
+pytestmark = pytest.mark.unit
+
+ATOL = RTOL = 1e-5
+"""Same math, another summation order (float32)."""
+
+
+@pytest.fixture
+def config() -> ModelConfig:
+    return preset("tiny").replace(swiglu_limit=0.5)  # the clamps bite at 0.5 with std-0.2 weights
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_dense_moe_with_the_shared_expert_stacked_equals_the_module(config: ModelConfig, rows: int) -> None:
+    """The shared expert as expert E of the stacked weights, weight 1, in the same GEMMs as the routed
+    ones: the module's output (routed experts it picks plus the separate shared expert)."""
+    moe = MoE(config)
+    _randomize(moe, rows)
+    x = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    device_moe = DeviceMoE(moe, "dense")
+    w13, w2 = device_moe.dense
+    assert w13.shape == (config.n_routed_experts + 1, 2 * config.moe_intermediate_size, config.hidden_size)
+    assert torch.equal(w13[-1], torch.cat([moe.shared_experts.w1.weight, moe.shared_experts.w3.weight]))
+    assert torch.equal(w2[-1], moe.shared_experts.w2.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(device_moe(x, FusedOps(compiled=False)), moe(x), atol=ATOL, rtol=RTOL)
+
+
+def test_shared_expert_alone_as_the_extra_expert(config: ModelConfig) -> None:
+    """With every routed expert's weights zero, the stacked layer is exactly the shared expert."""
+    moe = MoE(config)
+    _randomize(moe, 1)
+    with torch.no_grad():
+        for expert in moe.experts:
+            for p in expert.parameters():
+                p.zero_()
+        x = torch.randn(7, config.hidden_size, generator=torch.Generator().manual_seed(2))
+        got = DeviceMoE(moe, "dense")(x, FusedOps(compiled=False))
+        torch.testing.assert_close(got, moe.shared_experts(x), atol=ATOL, rtol=RTOL)
+
+
+def test_grouped_moe_with_the_shared_expert_stacked_equals_the_module(config: ModelConfig) -> None:
+    """Grouped mode: the shared expert is pair k of every row in `moe_experts` (bf16 weights)."""
+    moe = MoE(config)
+    _randomize(moe, 3)
+    x = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    device_moe = DeviceMoE(moe, "grouped")
+    assert device_moe.grouped[0].num_experts == config.n_routed_experts + 1
+    with torch.no_grad():
+        want = moe(x.bfloat16().float())
+        got = device_moe(x.bfloat16().float(), FusedOps(compiled=False))
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
+
+
+def test_route_with_shared_appends_expert_e_weight_one(config: ModelConfig) -> None:
+    moe = MoE(config)
+    _randomize(moe, 4)
+    x = torch.randn(3, config.hidden_size)
+    c = config
+    weights, indices = route_with_shared(x, moe.gate.weight, moe.gate.bias, c.scoring_func, c.gate_temp,
+                                         c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
+    want_w, want_i = route(x, moe.gate.weight, moe.gate.bias, config)
+    assert torch.equal(indices[:, :-1], want_i) and torch.equal(weights[:, :-1], want_w)
+    assert (indices[:, -1] == c.n_routed_experts).all() and (weights[:, -1] == 1).all()
+
+
+def _compress_rope(config: ModelConfig) -> RopeTable:
+    return RopeTable((config.rope_parameters or {})["compress"], config.head_dim, config.max_position_embeddings)
+
+
+def _attention(config: ModelConfig, mode: AttentionMode) -> Attention:
+    spec = next(s for s in config.layer_plan if s.mode is mode)
+    attn = Attention(config, spec, _compress_rope(config))
+    _randomize(attn, spec.layer_id)
+    return attn
+
+
+@pytest.mark.parametrize("mode", [AttentionMode.SWA, AttentionMode.FULL])
+def test_project_over_concatenated_weights_equals_the_module(config: ModelConfig, mode: AttentionMode) -> None:
+    """One GEMM over `[wq_a; wkv; weights_proj]`: `Attention._project` and the index head weights."""
+    attn = _attention(config, mode)
+    rows = 4
+    x = torch.randn(rows, config.hidden_size)
+    table = _compress_rope(config)
+    cos, sin = table.cos_sin(torch.arange(rows) * 5)
+    extra = [attn.indexer.weights_proj.weight] if attn.indexer is not None else []
+    wa = torch.cat([attn.wq_a.weight, attn.wkv.weight, *extra])
+    ops = FusedOps(compiled=False)
+    with torch.no_grad():
+        q_residual, q, kv, head_logits = ops.project(x, wa, config.q_lora_rank, attn.q_norm.weight, attn.wq_b.weight,
+                                                     attn.kv_norm.weight, cos, sin, config.num_attention_heads,
+                                                     config.rms_norm_eps, torch.float32)
+        for got, want in zip((q_residual, q, kv), attn._project(x, cos, sin)):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        if attn.indexer is None:
+            assert head_logits.shape == (rows, 0)
+            return
+        index_q, weights = ops.index_query(q_residual, attn.indexer.wq_b.weight, head_logits, cos, sin,
+                                           attn.indexer.num_heads, INDEX_QUANT_BLOCK)
+        torch.testing.assert_close(weights, attn.indexer.head_weights(x), atol=ATOL, rtol=RTOL)
+        assert index_q.dtype == torch.bfloat16
+        torch.testing.assert_close(index_q.float(), attn.indexer.query(q_residual, cos, sin), atol=0, rtol=0)
+
+
+def test_window_slots_of_every_layer_equal_each_layer_alone() -> None:
+    gen = torch.Generator().manual_seed(5)
+    window, ring, layers, slots = 8, 10, 3, 4
+    positions = torch.tensor([0, 3, 9, 40])
+    rows = torch.tensor([2, 0, 3, 1])
+    first = torch.randint(0, 12, (layers, slots), generator=gen)
+    ring_slot, tables = window_slots(positions, rows, first, window, ring)
+    assert torch.equal(ring_slot, rows * ring + positions % ring)
+    for layer in range(layers):
+        for b in range(4):
+            p = int(positions[b])
+            want = [int(rows[b]) * ring + k % ring if k >= 0 and k >= int(first[layer, rows[b]]) else -1
+                    for k in range(p - window + 1, p + 1)]
+            assert tables[layer, b].tolist() == want
+
+
+def _global_kv_args(config: ModelConfig, ratio: int, gen: torch.Generator) -> tuple[object, ...]:
+    rows, slots, dim = 5, 4, config.head_dim
+    compressor = Compressor(config, ratio)
+    indexer = Indexer(config, owns_keys=True)
+    _randomize(compressor, ratio)
+    _randomize(indexer, ratio + 1)
+    assert indexer.wk is not None and indexer.k_norm is not None
+    table = _compress_rope(config)
+    ring = ratio + 1
+    pending = (torch.randn(slots + 1, ring, dim, generator=gen), torch.randn(slots + 1, ring, dim, generator=gen)) \
+        if ratio > 1 else (None, None)
+    w = torch.cat([compressor.wkv.weight, compressor.wgate.weight]).detach() if compressor.wgate is not None \
+        else compressor.wkv.weight.detach()
+    # slot 1 feeds two rows (positions 6 and 7: one group), slot 4 is the scratch slot
+    row_slots = torch.tensor([0, 1, 1, 2, 4])
+    positions = torch.tensor([3, 6, 7, 10, 5])
+    block_table = torch.arange(5 * 3, dtype=torch.int32).view(5, 3)
+    return (torch.randn(rows, config.hidden_size, generator=gen), w, compressor.norm.weight.detach(),
+            indexer.wk.weight.detach(), indexer.k_norm.weight.detach(), *pending, row_slots, positions,
+            block_table[row_slots], slots, table.inv_freq, table.scaling, ratio, 4, config.rms_norm_eps), \
+        (compressor, indexer, table)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_global_kv_equals_the_compressor_and_indexer(config: ModelConfig, ratio: int) -> None:
+    """Each complete group's main KV and index keys as the modules compute them from its rows."""
+    args, (compressor, indexer, table) = _global_kv_args(config, ratio, torch.Generator().manual_seed(6))
+    x, positions, row_slots = args[0], args[8], args[7]
+    before = [None if t is None else t.clone() for t in args[5:7]]  # type: ignore[union-attr]
+    with torch.no_grad():
+        main, keys, slot_map = global_kv(*args)  # type: ignore[arg-type]
+        for b in range(x.shape[0]):
+            p, slot = int(positions[b]), int(row_slots[b])
+            complete = p % ratio == ratio - 1 and slot != 4
+            assert (int(slot_map[b]) >= 0) == complete
+            if not complete:
+                continue
+            if ratio == 1:
+                latent = compressor.norm(compressor.wkv(x[b:b + 1]))
+            else:  # the group's earlier row: this step's (slot 1) or the pending ring's
+                projected = compressor.project(x)
+                kv, gate = before[0][slot].clone(), before[1][slot].clone()  # type: ignore[index]
+                for r in range(x.shape[0]):
+                    if int(row_slots[r]) == slot:
+                        kv[int(positions[r]) % kv.shape[0]] = projected.kv[r]
+                        gate[int(positions[r]) % kv.shape[0]] = projected.gate[r]
+                group = torch.arange(p - ratio + 1, p + 1) % kv.shape[0]
+                latent = compressor.pool(kv[group], gate[group], x.dtype)
+            cos, sin = table.cos_sin(torch.tensor([p - ratio + 1]))
+            torch.testing.assert_close(main[b:b + 1], apply_rope(latent, cos, sin), atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(keys[b:b + 1], indexer.keys(latent, cos, sin), atol=ATOL, rtol=RTOL)
+            entry = p // ratio
+            assert int(slot_map[b]) == int(args[9][b, entry // 4]) * 4 + entry % 4  # type: ignore[index]
+    if ratio > 1:
+        written = args[5][row_slots, positions % args[5].shape[1]]  # type: ignore[index]
+        torch.testing.assert_close(written[:4], F.linear(x[:4], args[1][:config.head_dim]), atol=ATOL, rtol=RTOL)
+
+
+def test_compiled_global_kv_writes_its_rings_as_written(config: ModelConfig) -> None:
+    """Inductor's in-place writes of the pending rings and its outputs equal the function as written."""
+    eager, _ = _global_kv_args(config, 2, torch.Generator().manual_seed(7))
+    compiled, _ = _global_kv_args(config, 2, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = global_kv(*eager)  # type: ignore[arg-type]
+        got = torch.compile(global_kv, fullgraph=True)(*compiled)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(compiled[5], eager[5], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(compiled[6], eager[6], atol=ATOL, rtol=RTOL)
