@@ -25,6 +25,7 @@ from torch import Tensor
 from cedserve.kernels.moe import ExpertWeights, moe_experts
 from cedserve.model.fused import FusedOps
 from cedserve.model.moe import Expert, MoE
+from cedserve.model.weight_views import stack_experts
 
 MoeMode = Literal["auto", "dense", "grouped"]
 DENSE_MAX_EXPERTS = 16
@@ -41,14 +42,15 @@ def resolve_moe_mode(mode: MoeMode, num_experts: int, kernels: bool) -> Literal[
 class DeviceMoE:
     """One MoE layer's experts, stacked for a sync-free call (module docstring). The shared expert is
     stacked last, as expert `E` of every row with weight 1 (exact: its activation times 1.0), so the
-    routed and shared experts run in the same GEMMs. Weights are copied here, once."""
+    routed and shared experts run in the same GEMMs. The stacked tensors hold the weights and the
+    experts' modules view them (`cedserve.model.weight_views`): no second copy."""
 
     def __init__(self, ffn: MoE, mode: Literal["dense", "grouped"]) -> None:
         self.ffn, self.mode = ffn, mode
         self.config = ffn.gate.config  # the layer's own expert counts (the drafter's differ)
         experts = [e for e in ffn.experts if isinstance(e, Expert)] + [ffn.shared_experts]
-        w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts]).detach()  # [E + 1, 2I, D]
-        w2 = torch.stack([e.w2.weight for e in experts]).detach()  # [E + 1, D, I]
+        # [E + 1, 2I, D], [E + 1, D, I]: the experts' own weights become views of these (no second copy)
+        w13, w2 = stack_experts([(e.w1.weight, e.w3.weight) for e in experts], [e.w2.weight for e in experts])
         self.gate = ffn.gate.weight.detach().float()  # [E, D]: the router runs in float32
         self.bias = ffn.gate.bias.detach().float()
         if mode == "dense":

@@ -51,6 +51,7 @@ from cedserve.model.network import CEDModel
 from cedserve.model.paged_attention import layer_topk
 from cedserve.model.rope import device_rope
 from cedserve.model.slots import SlotPools
+from cedserve.model.weight_views import concat_rows
 
 __all__ = ["DENSE_MAX_EXPERTS", "MoeMode", "SlotStep"]  # the mode names runner.py imports from here
 
@@ -293,5 +294,6 @@ def _compressor_weight(compressor: Compressor) -> Tensor:
 
 
 def _concat(weights: list[Tensor]) -> Tensor:
-    """`weights` `[out_i, in]` stacked by rows into one `[sum out_i, in]` weight (a copy, no autograd)."""
-    return torch.cat([w.detach() for w in weights])
+    """`weights` `[out_i, in]` as one `[sum out_i, in]` weight, the modules' weights its row blocks
+    (`cedserve.model.weight_views.concat_rows`: held once)."""
+    return concat_rows(weights)
