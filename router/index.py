@@ -15,7 +15,8 @@ blocks. A holder set (`worker -> tier bitmask`) is immutable and interned: every
 same workers in the same tiers points to one `_Holders` object. Along a prompt's chain consecutive
 blocks usually share it, so the walk compares objects by identity and does per-worker work only
 where the holder set changes (a worker's run ends, or its fastest tier changes), and the change
-between two holder sets is computed once and memoised on the (immutable) pair. A query costs
+between two holder sets is computed once (one set difference in C) and memoised on the (immutable)
+pair as plain ints, so a repeat walk touches neither the later set nor its masks. A query costs
 O(blocks + holders of the first block + changes), not O(blocks x holders); an update of one hash
 costs O(its holders), as it builds the new interned set.
 """
