@@ -56,14 +56,16 @@ async def fakes(token_delay_s: float) -> None:
 
 
 async def router(checkpoint: str, workers: dict[str, list[list[str]]]) -> None:
+    from cedserve.router import server
     from cedserve.router.config import RouterConfig, WorkerEndpoint
-    from cedserve.router.server import start_router
 
     config = RouterConfig(checkpoint=checkpoint, host="127.0.0.1", port=0,
                           prefill=tuple(WorkerEndpoint(w, a) for w, a in workers["prefill"]),
                           decode=tuple(WorkerEndpoint(w, a) for w, a in workers["decode"]))
-    running = await start_router(config)
+    running = await server.start_router(config)
     await running.pool.wait_ready(30)
+    if hasattr(server, "freeze_startup_objects"):  # as `cedserve router` does (a baseline tree may not)
+        server.freeze_startup_objects()
     print(json.dumps({"port": running.port}), flush=True)
     await _until_stdin_closes()
     await running.stop(0.5)

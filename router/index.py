@@ -15,7 +15,8 @@ blocks. A holder set (`worker -> tier bitmask`) is immutable and interned: every
 same workers in the same tiers points to one `_Holders` object. Along a prompt's chain consecutive
 blocks usually share it, so the walk compares objects by identity and does per-worker work only
 where the holder set changes (a worker's run ends, or its fastest tier changes), and the change
-between two holder sets is computed once and memoised on the (immutable) pair. A query costs
+between two holder sets is computed once (one set difference in C) and memoised on the (immutable)
+pair as plain ints, so a repeat walk touches neither the later set nor its masks. A query costs
 O(blocks + holders of the first block + changes), not O(blocks x holders); an update of one hash
 costs O(its holders), as it builds the new interned set.
 """
@@ -61,8 +62,8 @@ def _empty(worker_id: str) -> PrefixHit:
     return PrefixHit(worker_id, {t: 0 for t in TIER_ORDER})
 
 
-_LOOKUP_CHUNK = 64
-"""Block hashes looked up at a time by the prefix walk."""
+_FIRST_LOOKUPS = 64
+"""Block hashes the prefix walk looks up first; each further chunk is twice the one before."""
 _MAX_MEMOISED_CHANGES = 8
 """Holder-set changes remembered per holder set (a chain reaches a set from few others)."""
 
@@ -71,31 +72,30 @@ class _Holders:
     """The workers holding a block hash, `masks[worker] = tier bitmask`: immutable and interned, so
     equal holder sets are the same object. `refs` counts the hashes pointing at it."""
 
-    __slots__ = ("_changes", "fastest", "key", "masks", "refs", "sid")
+    __slots__ = ("_changes", "key", "masks", "refs", "sid")
 
     def __init__(self, masks: dict[str, int], key: frozenset[int], sid: int) -> None:
         self.masks = masks
         self.sid = sid
         """Its number: the index maps a hash to this very int object, so equal numbers are one object."""
-        self.fastest = {w: _FASTEST[m] for w, m in masks.items()}  # worker -> its fastest tier's index
         self.key = key
+        """Its (worker, mask) items as small ints, `slot << 3 | mask`: set operations on two keys run in C."""
         self.refs = 0
-        self._changes: dict[_Holders, tuple[tuple[str, int], ...]] = {}
+        self._changes: dict[_Holders, tuple[int, ...]] = {}
 
-    def changes_to(self, other: _Holders, names: list[str]) -> tuple[tuple[str, int], ...]:
-        """(worker, its mask in `other`, 0 when absent) for each worker of this set whose mask differs
-        there (`names`: worker by slot, as the keys number them). Both sets are immutable, so the
-        answer is memoised (a few per set)."""
+    def changes_to(self, other: _Holders, names: list[str]) -> tuple[int, ...]:
+        """The workers of this set whose mask differs in `other`, as `slot << 3 | their mask in other`
+        (0 where absent; `names`: worker by slot). The set difference of the two keys runs in C over
+        small ints, O(holders); then Python work only for the (usually one or two) workers that changed.
+        Both sets are immutable, so the answer is memoised (a few per set); the memo is keyed by the
+        object, and its answer holds plain ints, so a repeat walk touches neither `other` nor its masks."""
         changes = self._changes.get(other)
         if changes is None:
             if len(self._changes) >= _MAX_MEMOISED_CHANGES:
                 self._changes.clear()
             theirs = other.masks
-            # The keys' set difference runs in C over small ints (`slot << 3 | mask`, their own
-            # hashes): O(holders) cheap steps, then Python work only for the (usually one or two)
-            # workers that changed.
-            changes = tuple((w, theirs.get(w, 0)) for w in [names[item >> 3] for item in self.key - other.key])
-            self._changes[other] = changes
+            changes = self._changes[other] = tuple(
+                item & ~7 | theirs.get(names[item >> 3], 0) for item in self.key - other.key)
         return changes
 
 
@@ -166,44 +166,47 @@ class GlobalPrefixIndex:
         states = self._holder_sids(block_hashes)
         if not states:
             return {}
-        sets, names = self._sets, self._names
-        first = sets[states[0]]
-        end = len(states)
-        tier = first.fastest.copy()  # alive workers -> fastest tier now
-        since = dict.fromkeys(tier, 0)  # alive workers -> block where their current tier began
-        counts = {w: [0, 0, 0] for w in tier}
-        # Blocks where the holder set changes (found in C); runs of one interned set cost nothing.
-        prev = first
+        sets, names, end = self._sets, self._names, len(states)
+        prev = sets[states[0]]
+        tier = {item >> 3: _FASTEST[item & 7] for item in prev.key}  # slot -> fastest tier, while in its run
+        since = dict.fromkeys(tier, 0)  # slot -> block where its current tier began
+        counts = {slot: [0, 0, 0] for slot in tier}
+        # Blocks where the holder set changes (found in C by identity); runs of one interned set cost nothing.
         for k in compress(count(1), map(is_not, states[: end - 1], states[1:end])):
             cur = sets[states[k]]
-            for w, mask in prev.changes_to(cur, names):
-                t = tier.get(w)
+            for change in prev.changes_to(cur, names):  # usually one or two workers
+                slot = change >> 3
+                t = tier.get(slot)
                 if t is None:
                     continue  # its run ended at an earlier block
-                counts[w][t] += k - since[w]
+                counts[slot][t] += k - since[slot]
+                mask = change & 7
                 if mask:
-                    tier[w], since[w] = _FASTEST[mask], k
+                    tier[slot], since[slot] = _FASTEST[mask], k
                 else:
-                    del tier[w]
+                    del tier[slot]
             if not tier:
                 break
             prev = cur
-        for w, t in tier.items():
-            counts[w][t] += end - since[w]
-        return counts
+        for slot, t in tier.items():
+            counts[slot][t] += end - since[slot]
+        return {names[slot]: run for slot, run in counts.items()}
 
     def _holder_sids(self, block_hashes: Sequence[bytes]) -> list[int]:
         """The holder sets (`sid`s) of the leading blocks anybody holds, up to the first block nobody does.
-        Looked up in C, a chunk at a time, so a prompt whose cached prefix is short costs little
-        more than that prefix (a cold lookup in a 1M-entry index is a few cache misses)."""
+        Looked up in C, in chunks that double (64, 128, ...), so a prompt whose cached prefix is short
+        costs little more than that prefix (a cold lookup in a 1M-entry index is a few cache misses),
+        and a long one takes few chunks."""
         get = self._holders.get
         states: list[int] = []
-        for lo in range(0, len(block_hashes), _LOOKUP_CHUNK):
-            chunk = list(map(get, block_hashes[lo: lo + _LOOKUP_CHUNK]))
-            held = chunk.index(None) if None in chunk else len(chunk)
-            states += cast("list[int]", chunk[:held])
-            if held < len(chunk):
+        lo, size = 0, _FIRST_LOOKUPS
+        while lo < len(block_hashes):
+            chunk = list(map(get, block_hashes[lo: lo + size]))
+            if None in chunk:
+                states += cast("list[int]", chunk[: chunk.index(None)])
                 break
+            states += cast("list[int]", chunk)
+            lo, size = lo + size, 2 * size
         return states
 
     def prefix_hits_reference(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:

@@ -205,9 +205,12 @@ class LoadTable:
         pressure = expected_output_tokens(req.effort) * self._d_added[:nd] * self._d_running[:nd] + self._d_step_next[:nd]
         missing = (np.maximum(0, req.num_blocks - cached) * req.block_bytes).astype(np.float64)  # [D] bytes
         best = self._best_pair(req, (p_slots, p_runs), links, fits, pressure, missing, excluded)
-        uncached = req.prompt_len - cached * req.block_size  # [D] tokens a decode-only placement prefills
-        alone = fits & (uncached <= decode_only_max_tokens)
-        if alone.any():
+        if req.prompt_len - max(d_blocks, default=0) * req.block_size > decode_only_max_tokens:
+            alone = None  # not even the decode worker holding the most of the prompt may prefill it alone
+        else:
+            uncached = req.prompt_len - cached * req.block_size  # [D] tokens a decode-only placement prefills
+            alone = fits & (uncached <= decode_only_max_tokens)
+        if alone is not None and alone.any():
             compute = np.maximum(0, uncached) / self._d_rate[:nd]
             cost = np.where(alone, (self._d_wait[:nd] + compute) + pressure, np.inf)
             low = cost.min()

@@ -121,6 +121,39 @@ def test_prefix_runs_match_a_per_worker_walk(seed: int) -> None:
     assert index.num_entries == sum(len(mirror.holdings(w)) for w in workers)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_runs_over_long_chains_and_repeated_walks(seed: int) -> None:
+    """Chains of hundreds of blocks (the walk's lookups come in several doubling chunks) held in
+    staggered lengths and tiers by many workers (one holder-set change per block or so), walked
+    again after each update: a memoised change between two holder sets must stay right while
+    other hashes move to new sets."""
+    rng = random.Random(100 + seed)
+    chain = hash_blocks(list(range(4 * 300)), "long", 4)
+    other = hash_blocks(list(range(7, 7 + 4 * 200)), "long", 4)
+    workers = [f"w{i}" for i in range(12)]
+    index, mirror = GlobalPrefixIndex(), KVIndexMirror()
+    seq = dict.fromkeys(workers, 0)
+    for w in workers:
+        batch = KVEventBatch(w, 0, [AllBlocksCleared(), BlockStored(chain[: rng.randrange(1, len(chain))],
+                                                                    rng.choice(TIER_ORDER))], epoch=1)
+        index.apply(batch)
+        mirror.apply(batch)
+    for _ in range(40):
+        for query in (chain, chain[: rng.randrange(1, len(chain))], other):
+            assert index.prefix_runs(query) == _oracle(mirror, workers, query)
+            assert index.prefix_runs(query) == _oracle(mirror, workers, query)  # memoised changes
+        w = rng.choice(workers)
+        seq[w] += 1
+        source = rng.choice((chain, other))
+        lo = rng.randrange(len(source))
+        hashes = source[lo: rng.randrange(lo + 1, len(source) + 1)]
+        event = rng.choice([BlockStored(hashes, rng.choice(TIER_ORDER)), BlockRemoved(hashes, rng.choice(TIER_ORDER)),
+                            BlockTierChanged(hashes, *rng.sample(TIER_ORDER, 2))])
+        batch = KVEventBatch(w, seq[w], [event], epoch=1)
+        assert index.apply(batch)
+        mirror.apply(batch)
+
+
 def test_prefix_runs_of_nothing_and_of_a_miss() -> None:
     index = GlobalPrefixIndex()
     chain = hash_blocks(list(range(40)), "", 4)
