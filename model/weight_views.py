@@ -43,8 +43,8 @@ def concat_rows(params: Sequence[nn.Parameter | Tensor]) -> Tensor:
     fits = first.storage_offset() + rows * first[0].numel() <= storage.nbytes() // first.element_size()
     if fits and len({(w.dtype, w.device, w.shape[1:]) for w in flat}) == 1:
         # already one tensor's row blocks (a second call): the tensor those views share
-        whole = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-            storage, first.storage_offset(), (rows, *first.shape[1:]))
+        shape = (rows, *first.shape[1:])
+        whole = first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
         if _is_view_of(flat, whole):
             return whole
     whole = torch.cat(flat)
