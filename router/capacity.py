@@ -9,7 +9,10 @@ RESOURCE_EXHAUSTED with a retry delay: the bound).
 
 Only the head of each class's FIFO tries placement again, and only when something may have changed:
 a decode worker's load report arrived (`wake`, from `WorkerPool`'s load polls: room freed by
-finished requests shows there), or the request ahead of it was placed (it passes the turn on, so
+finished requests shows there; while requests wait, a request this router placed that ends, by
+completing, failing or being cancelled, has its decode worker polled at once, `WorkerPool.poll_now`,
+so the room it leaves is seen within a round trip rather than at the next period), or the request
+ahead of it was placed (it passes the turn on, so
 one report that shows room for several places them one after another, and the first that does
 not fit stops the chain). Waiters behind the head sleep; a report never wakes every waiter at
 once. A new request of a class whose FIFO is not empty joins its tail without trying first, so it
@@ -86,6 +89,9 @@ class CapacityQueue:
 
     def waiting(self, klass: str) -> int:
         return len(self._queues[klass])
+
+    def any_waiting(self) -> bool:
+        return any(self._queues.values())
 
     def wake(self) -> None:
         """A decode worker's load changed: the head of every class tries again."""

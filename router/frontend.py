@@ -159,7 +159,8 @@ class GenerationCore:
         self.leases = LeaseKeeper(pool, lease_ms, metadata)
         """Renews the leases this router waits on (a dead router's lapse within one lease)."""
         self.capacity = CapacityQueue(admission.capacity_wait_s())
-        """Admitted requests waiting for room on a decode worker; a load report wakes each class's head."""
+        """Admitted requests waiting for room on a decode worker; a load report wakes each class's head
+        (a request that ends while others wait has its decode worker polled at once, `_attempt`)."""
         pool.on_decode_load.append(self.capacity.wake)
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
@@ -335,6 +336,8 @@ class GenerationCore:
             raise
         finally:
             self.leases.drop(decode.worker_id, lease.lease_id)
+            if self.capacity.any_waiting():  # the room this request held is free: let a waiting one see it
+                self.pool.poll_now(decode.worker_id)
 
     def _note_first(self, progress: _Progress, start: float) -> None:
         if not progress.ttft_s:

@@ -78,7 +78,8 @@ class WorkerHandle:
     follower: bool = False
     """Does not serve the worker service (a follower rank of a group): never placed on."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set to poll now rather than after `poll_s` (its KV event stream broke: the worker may be gone)."""
+    """Set to poll now rather than after `poll_s` (its KV event stream broke: the worker may be gone;
+    a request on it ended while others wait for capacity: `WorkerPool.poll_now`)."""
 
     @property
     def worker_id(self) -> str:
@@ -231,6 +232,14 @@ class WorkerPool:
         or a slot, and preempted ones (their loads)."""
         return sum(int(h.load.queued_requests + h.load.preempted_requests)
                    for h in self.healthy("decode") if h.load is not None)
+
+    def poll_now(self, worker_id: str) -> None:
+        """Poll the worker's load now rather than at its next period (a request on it ended: room
+        may have freed that a request waiting for capacity could take, router/capacity.py). Polls
+        asked for while one is in flight coalesce into one more after it."""
+        handle = self.workers.get(worker_id)
+        if handle is not None:
+            handle.wake.set()
 
     def healthy(self, role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if h.role == role and h.healthy and h.worker_id not in exclude]

@@ -117,6 +117,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             self.script.refuse_reserves -= 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests queued")
         blocks = -(-request.prompt_tokens // 64)
+        if sum(self.leases.values()) + blocks > self.total_blocks:  # as a real worker: no room, no lease
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough free blocks")
         lease = f"{self.worker_id}-{request.request_id}-{len(self.leases)}"
         self.leases[lease] = blocks
         self.lease_deadlines[lease] = time.monotonic() + request.lease_ms / 1000
@@ -667,3 +669,32 @@ async def _free_blocks(cluster: Cluster, worker_id: str) -> int:
     load = cluster.router.pool.workers[worker_id].load
     assert load is not None
     return int(load.free_blocks)
+
+
+def test_a_waiting_request_is_placed_when_the_one_before_it_ends_not_at_the_next_poll(checkpoint: Path) -> None:
+    """Load polls 5 s apart, one decode worker with room for one request: the second request is
+    refused by the worker (its last report still shows room), waits, and is placed as soon as the
+    first ends, the router polling that worker at once, not up to 5 s later at the next period."""
+    cluster = Cluster(checkpoint, load_poll_s=5.0)
+    try:
+        cluster.decode[0].total_blocks, cluster.decode[1].total_blocks = 4, 0
+        cluster.decode[0].script.token_delay_s = 0.05
+        prompt = list(range(3, 200))  # 4 blocks of 64
+        with _client(cluster) as first, _client(cluster) as second:
+            stream = first.stream(prompt, max_tokens=10, effort="low")
+            next(stream)
+            waiter: Future[Any] = Future()
+            threading.Thread(target=lambda: waiter.set_result(second.generate(prompt, max_tokens=2, effort="low")),
+                             daemon=True).start()
+            deadline = time.monotonic() + 5
+            while core(cluster).capacity.waiting("low") != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert core(cluster).capacity.waiting("low") == 1
+            list(stream)  # the first request ends: its blocks are free
+            ended = time.monotonic()
+            out = waiter.result(10)
+            assert out.token_ids == _expected(prompt, 2)
+            assert time.monotonic() - ended < 1.0  # the next poll was 4.5 s away
+        assert core(cluster).capacity.waiting("low") == 0
+    finally:
+        cluster.close()
