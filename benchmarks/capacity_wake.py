@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def bench(requests: int, rounds: int, decode_ms: float, poll_s: float) -> dict[s
         prompt = list(range(3, 200))  # 4 blocks of 64: one request fills the worker
         for _ in range(rounds):
             times = sorted(asyncio.run(_burst(cluster.address, prompt, requests, max_tokens)))
-            gaps += [first - prev_end for (_, prev_end), (first, _) in zip(times, times[1:], strict=False)]
+            gaps += [first - prev_end for (_, prev_end), (first, _) in pairwise(times)]
             time.sleep(poll_s)  # the next round starts from a fresh report
     finally:
         cluster.close()

@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager
 import grpc
 
 from cedserve.router.deadline import Deadline
-from cedserve.router.errors import NO_CAPACITY, RequestError
+from cedserve.router.errors import CAPACITY_WAIT, RequestError
 
 CLASSES = ("low", "high", "max")
 
@@ -64,7 +64,7 @@ class CapacityWaiter:
                                    "waited for room on a decode worker", request_id=self.request_id) from None
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no decode worker had room for the request "
                                f"within {self.max_wait_s:g} s; retry later", retry_after_s=retry_after_s,
-                               request_id=self.request_id, reason=NO_CAPACITY) from None
+                               request_id=self.request_id, reason=CAPACITY_WAIT) from None
         self._turn.clear()
 
     def wake(self) -> None:

@@ -15,13 +15,22 @@ from grpc_status import rpc_status
 ADMISSION = "admission"
 """`RequestError.reason`: the request's effort class is full (admission control)."""
 NO_CAPACITY = "no_capacity"
-"""`RequestError.reason`: no worker has room for the request (placement)."""
+"""`RequestError.reason`: no decode worker could ever hold the request (placement)."""
+CAPACITY_WAIT = "capacity_wait"
+"""`RequestError.reason`: no decode worker had room for the request within its class's
+`capacity_wait_s` (router/capacity.py)."""
+TOKENIZE_QUEUE = "tokenize_queue"
+"""`RequestError.reason`: too many large prompts wait for the tokenize pool (router/tokenize_pool.py)."""
+UNPLACEABLE = frozenset({NO_CAPACITY, CAPACITY_WAIT})
+"""Reasons that say no worker can take the request (HTTP 503), where the others say a limit of the
+router's was reached (HTTP 429)."""
 
 
 class RequestError(Exception):
     """A request the router refuses or cannot finish; `code` is the gRPC status to return, `reason`
-    (`ADMISSION`, `NO_CAPACITY` or "") tells apart causes that share a code, for APIs whose statuses
-    do (HTTP: 429 for a full class, 503 when no worker can take the request)."""
+    (one of the constants above, or "") tells apart causes that share a code, for APIs whose statuses
+    do (HTTP: 429 for a full class, 503 when no worker can take the request: `UNPLACEABLE`) and for
+    `cedserve_router_refusals_total`."""
 
     def __init__(self, code: grpc.StatusCode, message: str, field: str = "", retry_after_s: float = 0.0,
                  request_id: str = "", reason: str = "") -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -27,7 +28,7 @@ from cedserve.model.effort import effort_class
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from cedserve.router.admission import Admission
-from cedserve.router.capacity import CapacityQueue
+from cedserve.router.capacity import CLASSES, CapacityQueue
 from cedserve.router.deadline import Deadline
 from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
 from cedserve.router.leases import LeaseKeeper
@@ -156,12 +157,14 @@ class GenerationCore:
         self.admission, self.metrics = admission, metrics
         self.max_retries, self.lease_ms, self.block_bytes = max_retries, lease_ms, block_bytes
         self.metadata = metadata
-        self.leases = LeaseKeeper(pool, lease_ms, metadata)
+        self.leases = LeaseKeeper(pool, lease_ms, metrics, metadata)
         """Renews the leases this router waits on (a dead router's lapse within one lease)."""
         self.capacity = CapacityQueue(admission.capacity_wait_s())
         """Admitted requests waiting for room on a decode worker; a load report wakes each class's head
         (a request that ends while others wait has its decode worker polled at once, `_attempt`)."""
         pool.on_decode_load.append(self.capacity.wake)
+        for klass in CLASSES:  # read at each scrape
+            metrics.capacity_waiting.labels(klass).set_function(functools.partial(self.capacity.waiting, klass))
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
         self.tokenize = TokenizePool(codec, limits)
@@ -172,7 +175,7 @@ class GenerationCore:
         try:
             return await self.tokenize.prepare(request)
         except RequestError as exc:
-            self.metrics.errors.labels(code=exc.code.name).inc()
+            self._count_error(exc)
             raise
 
     async def generate(self, prepared: PreparedRequest,
@@ -192,8 +195,13 @@ class GenerationCore:
                     async for response in responses:
                         yield response
         except RequestError as exc:
-            self.metrics.errors.labels(code=exc.code.name).inc()
+            self._count_error(exc)
             raise
+
+    def _count_error(self, exc: RequestError) -> None:
+        self.metrics.errors.labels(code=exc.code.name).inc()
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.metrics.refusals.labels(reason=exc.reason or "other").inc()
 
     def model_card(self) -> generation_pb2.ModelCard:
         return generation_pb2.ModelCard(id=self.limits.model_id, max_context_tokens=self.limits.max_context_tokens,
@@ -251,12 +259,18 @@ class GenerationCore:
             except _NoRoom as exc:
                 log.debug("request %s waits for decode capacity: %s", req.request_id, exc)
         async with self.capacity.wait_in_line(klass, req.request_id) as waiter:
-            while True:
-                await waiter.next_turn(deadline, self.admission.retry_after_s(klass))
-                try:
-                    return await self._place_once(req, prompt, excluded, deadline)
-                except _NoRoom:
-                    continue
+            waited = time.monotonic()
+            try:
+                while True:
+                    await waiter.next_turn(deadline, self.admission.retry_after_s(klass))
+                    try:
+                        placed = await self._place_once(req, prompt, excluded, deadline)
+                    except _NoRoom:
+                        continue
+                    self.metrics.capacity_admitted.labels(klass).inc()
+                    return placed
+            finally:
+                self.metrics.capacity_wait_s.labels(klass).observe(time.monotonic() - waited)
 
     async def _place_once(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
                           deadline: Deadline) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply]:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
 from cedserve.proto import worker_pb2
+from cedserve.router.metrics import RouterMetrics
 from cedserve.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -36,17 +38,18 @@ class LeaseKeeper:
     """Open leases by decode worker, renewed on a timer while any are open. Lives on the router's
     event loop (not thread-safe)."""
 
-    def __init__(self, pool: WorkerPool, lease_ms: int, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, pool: WorkerPool, lease_ms: int, metrics: RouterMetrics,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         if lease_ms <= 0:
             raise ValueError(f"lease_ms must be positive, got {lease_ms}")
         self.pool = pool
         self.lease_ms = lease_ms
         self.interval_s = lease_ms / 1000 / RENEWALS_PER_LEASE
+        self.metrics = metrics
+        """Renewals sent and failed, their round-trip time, leases found lost."""
         self.metadata = metadata
         self._open: dict[str, dict[str, str]] = {}  # decode worker id -> lease id -> request id
         self._timer: asyncio.Task[None] | None = None
-        self.renewals_sent = 0
-        """`Renew` calls sent (tests and logs)."""
 
     def hold(self, worker_id: str, request_id: str, lease_id: str) -> None:
         """The router waits on this lease: renew it until `drop`."""
@@ -80,13 +83,17 @@ class LeaseKeeper:
         if handle is None or handle.decode is None or not leases:
             return  # gone from the pool: its requests fail on their own calls
         refs = [worker_pb2.LeaseRef(request_id=rid, lease_id=lid) for lid, rid in leases.items()]
-        self.renewals_sent += 1
+        self.metrics.lease_renewals.inc()
+        start = time.monotonic()
         try:
             reply = await handle.decode.Renew(worker_pb2.RenewRequest(leases=refs, lease_ms=self.lease_ms),
                                               timeout=max(self.interval_s, 0.5), metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:  # the next period tries again
+            self.metrics.lease_renewal_failures.labels(code=exc.code().name).inc()
             log.debug("renewal of %d leases on %s failed: %s", len(refs), worker_id, exc.code().name)
             return
+        self.metrics.lease_renew_s.observe(time.monotonic() - start)
         if reply.lost_lease_ids:
+            self.metrics.leases_lost.inc(len(reply.lost_lease_ids))
             log.info("decode worker %s no longer holds %d leases this router waits on (their requests fail on "
                      "their next call)", worker_id, len(reply.lost_lease_ids))

@@ -37,7 +37,7 @@ import grpc
 from cedserve.model.effort import parse_openai_effort
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2
-from cedserve.router.errors import NO_CAPACITY, RequestError
+from cedserve.router.errors import UNPLACEABLE, RequestError
 
 Kind = Literal["completion", "chat"]
 MAX_LOGPROBS = 20
@@ -313,7 +313,7 @@ def api_error(exc: RequestError, call: ApiCall | None) -> ApiError:
         if exc.field and param and message.startswith(f"{exc.field}:"):
             message = f"{param}:{message[len(exc.field) + 1:]}"
         return ApiError(400, message, param=param, code="invalid_value")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.reason != NO_CAPACITY:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.reason not in UNPLACEABLE:
         return ApiError(429, exc.message, code="rate_limit_exceeded", type="rate_limit_error",
                         retry_after_s=exc.retry_after_s)
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):

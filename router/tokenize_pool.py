@@ -17,7 +17,7 @@ import grpc
 
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2
-from cedserve.router.errors import ADMISSION, RequestError
+from cedserve.router.errors import TOKENIZE_QUEUE, RequestError
 from cedserve.router.requests import ModelLimits, PreparedRequest, prepare
 
 INLINE_BYTES = 4096
@@ -57,7 +57,7 @@ class TokenizePool:
         if self.pending >= self.max_pending:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.pending} large prompts are being tokenized; retry later",
-                               retry_after_s=0.5, request_id=request.request_id, reason=ADMISSION)
+                               retry_after_s=0.5, request_id=request.request_id, reason=TOKENIZE_QUEUE)
         self.pending += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(

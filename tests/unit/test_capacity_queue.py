@@ -13,7 +13,7 @@ import pytest
 
 from cedserve.router.capacity import CapacityQueue
 from cedserve.router.deadline import Deadline
-from cedserve.router.errors import NO_CAPACITY, RequestError
+from cedserve.router.errors import CAPACITY_WAIT, RequestError
 
 pytestmark = pytest.mark.unit
 
@@ -117,7 +117,7 @@ def test_past_the_bound_the_request_gets_resource_exhausted_with_a_retry_delay()
             await wait_and_place(queue, room, "r0", deadline=Deadline.after(60))
         error = info.value
         assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_s == 0.25
-        assert error.reason == NO_CAPACITY and queue.waiting("high") == 0
+        assert error.reason == CAPACITY_WAIT and queue.waiting("high") == 0
 
     asyncio.run(scenario())
 

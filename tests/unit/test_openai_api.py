@@ -14,7 +14,7 @@ from cedserve.model.chat_format import MARKERS, ChatFormat
 from cedserve.model.effort import BOS, OPENAI_EFFORT_NAMES, parse_openai_effort
 from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
 from cedserve.proto import generation_pb2
-from cedserve.router.errors import ADMISSION, NO_CAPACITY, RequestError
+from cedserve.router.errors import ADMISSION, CAPACITY_WAIT, NO_CAPACITY, TOKENIZE_QUEUE, RequestError
 from cedserve.router.openai_api import ApiError, ApiSettings, Shaper, api_error, parse, usage_json
 from cedserve.router.requests import ModelLimits, prepare
 
@@ -152,7 +152,10 @@ def test_statuses_of_the_cores_refusals() -> None:
     busy = api_error(RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_s=0.3,
                                   reason=ADMISSION), None)
     assert (busy.status, busy.type, busy.retry_after_s) == (429, "rate_limit_error", 0.3)
+    queue = api_error(RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "tokenizing", reason=TOKENIZE_QUEUE), None)
+    assert queue.status == 429
     for exc in (RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room", retry_after_s=1.0, reason=NO_CAPACITY),
+                RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "waited", retry_after_s=1.0, reason=CAPACITY_WAIT),
                 RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker", retry_after_s=1.0)):
         error = api_error(exc, None)
         assert error.status == 503 and error.code == "no_worker_available" and error.retry_after_s == 1.0

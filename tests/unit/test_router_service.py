@@ -13,6 +13,7 @@ import json
 import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tls_pki import TLSFiles
 
 from cedserve.client import CedserveError, Client
@@ -62,6 +64,10 @@ class Script:
     """How long a prefill computes before its first token (a long prompt, a queue)."""
     refuse_reserves: int = 0
     """Reserves refused with RESOURCE_EXHAUSTED before the next one is granted (full since its last report)."""
+    fail_renewals: int = 0
+    """Renew calls failed with UNAVAILABLE before the next one is answered."""
+    forget_leases: bool = False
+    """Renew answers every lease lost (and the worker drops them: as after a restart)."""
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -127,11 +133,17 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                                        block_ids=list(range(blocks)))
 
     async def Renew(self, request: Any, context: Any) -> worker_pb2.RenewReply:
+        if self.script.fail_renewals > 0:
+            self.script.fail_renewals -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected renewal failure")
+        if self.script.forget_leases:
+            self.lease_deadlines.clear()
         lost = []
         for ref in request.leases:
             self.renewed.append(ref.lease_id)
             if ref.lease_id in self.lease_deadlines:
-                self.lease_deadlines[ref.lease_id] = time.monotonic() + request.lease_ms / 1000
+                self.lease_deadlines[ref.lease_id] = max(self.lease_deadlines[ref.lease_id],
+                                                         time.monotonic() + request.lease_ms / 1000)
             else:
                 lost.append(ref.lease_id)
         return worker_pb2.RenewReply(lost_lease_ids=lost)
@@ -141,6 +153,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         if self.lease_deadlines.pop(request.lease_id, 0.0) < time.monotonic():
             self.leases.pop(request.lease_id, None)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id} expired before its Decode call")
+        self.lease_deadlines[request.lease_id] = float("inf")  # taken: renewals find it, it no longer expires
         token = request.first_token
         sent = 0
         try:
@@ -155,6 +168,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                                                                             output_tokens=sent))
         finally:
             self.leases.pop(request.lease_id, None)
+            self.lease_deadlines.pop(request.lease_id, None)
 
     async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:
         self.cancelled.append(request.request_id)
@@ -696,5 +710,65 @@ def test_a_waiting_request_is_placed_when_the_one_before_it_ends_not_at_the_next
             assert out.token_ids == _expected(prompt, 2)
             assert time.monotonic() - ended < 1.0  # the next poll was 4.5 s away
         assert core(cluster).capacity.waiting("low") == 0
+    finally:
+        cluster.close()
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's /metrics over HTTP, as a scraper reads it: (sample name, labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_capacity_waits_refusals_and_lease_renewals_show_in_the_scraped_metrics(checkpoint: Path) -> None:
+    """One decode worker with room for one request, a prefill that outlasts two renewal periods:
+    every capacity, refusal and renewal metric moves as the requests go, read over HTTP."""
+    cluster = Cluster(checkpoint, metrics_port=0, lease_ms=300, max_retries=0,
+                      limits={"high": ClassLimits(max_running=1, max_queued=0),
+                              "max": ClassLimits(capacity_wait_s=0.2)})
+    port = cluster.router.metrics_port
+    try:
+        cluster.decode[0].total_blocks, cluster.decode[1].total_blocks = 4, 0
+        cluster.decode[0].script.token_delay_s = 0.05
+        cluster.decode[0].script.fail_renewals = 2
+        for p in cluster.prefill:
+            p.script.prefill_delay_s = 0.4  # five renewal periods of 75 ms
+        prompt = list(range(3, 200))  # 4 blocks of 64: the whole worker
+        with _client(cluster) as client, _client(cluster) as other:
+            stream = client.stream(prompt, max_tokens=10, effort="high")
+            next(stream)  # placed on d0, its lease renewed while it prefilled
+            for kwargs, reason in (({"effort": "high"}, "admission"),  # the high class's one slot is taken
+                                   ({"effort": "max", "prompt": list(range(3, 400))}, "no_capacity"),  # never fits
+                                   ({"effort": "max"}, "capacity_wait")):  # waits 0.2 s for room in vain
+                with pytest.raises(CedserveError) as info:
+                    other.generate(kwargs.pop("prompt", prompt), max_tokens=2, **kwargs)
+                assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert _scrape(port)[("cedserve_router_refusals_total", (("reason", reason),))] == 1
+            waiter: Future[Any] = Future()
+            threading.Thread(target=lambda: waiter.set_result(other.generate(prompt, max_tokens=2, effort="low")),
+                             daemon=True).start()
+            deadline = time.monotonic() + 5
+            while _scrape(port)[("cedserve_router_capacity_waiting_requests", (("effort_class", "low"),))] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            list(stream)
+            assert waiter.result(10).token_ids == _expected(prompt, 2)
+        seen = _scrape(port)
+        assert seen[("cedserve_router_capacity_waiting_requests", (("effort_class", "low"),))] == 0
+        assert seen[("cedserve_router_capacity_admitted_total", (("effort_class", "low"),))] == 1
+        assert seen[("cedserve_router_capacity_wait_seconds_count", (("effort_class", "low"),))] == 1
+        assert seen[("cedserve_router_capacity_wait_seconds_count", (("effort_class", "max"),))] == 1
+        assert seen[("cedserve_router_capacity_wait_seconds_sum", (("effort_class", "max"),))] >= 0.2
+        assert seen[("cedserve_router_lease_renewal_failures_total", (("code", "UNAVAILABLE"),))] == 2
+        renewals = seen[("cedserve_router_lease_renewals_total", ())]
+        assert renewals >= 6  # two requests' prefills, several periods each
+        assert seen[("cedserve_router_lease_renew_seconds_count", ())] == renewals - 2  # the answered ones
+        assert seen[("cedserve_router_leases_lost_total", ())] == 0
+        cluster.decode[0].script.forget_leases = True  # a restarted worker: the router learns at its renewal
+        with _client(cluster) as client, pytest.raises(CedserveError):
+            client.generate(prompt, max_tokens=2, effort="low")
+        assert _scrape(port)[("cedserve_router_leases_lost_total", ())] >= 1
     finally:
         cluster.close()
