@@ -2,13 +2,16 @@
 
 One request, in order (docs/architecture.md):
   prepare (tokenize, validate)  ->  admit (per-effort limits)  ->  place (policy)
-  ->  Reserve on the decode worker  ->  Prefill stream on the prefill worker (first token streamed
-  to the client at once)  ->  Decode stream  ->  Complete.
+  ->  Reserve on the decode worker  ->  Prefill stream on the prefill worker (its first token
+  streamed to the client, and the Decode stream opened, as soon as it arrives: the prefill's
+  `done`, sent once the KV transfer has closed, is read meanwhile)  ->  Decode stream  ->  Complete.
 Deadlines propagate as call timeouts and `deadline_unix_ms`; a client cancellation cancels the
-worker calls and sends `Cancel` to both workers. A failed prefill is retried on another prefill
-worker before any token was sent; a decode worker that dies mid-stream is replaced by re-placing
-the prompt plus the tokens already streamed (its prefix is in the prefill side's cache). Retries
-are bounded by `max_retries`; every failure ends with a precise status and no held lease.
+worker calls and sends `Cancel` to both workers. A prefill that fails before its first token is
+retried on another prefill worker; a decode worker that dies mid-stream, or a KV transfer that fails
+after the first token was streamed (the prefill is blamed when both workers report it), is replaced
+by re-placing the prompt plus the tokens already streamed (its prefix is in the prefill side's
+cache). Retries are bounded by `max_retries`; every failure ends with a precise status and no held
+lease.
 """
 
 from __future__ import annotations
@@ -91,23 +94,43 @@ class _Progress:
 
 
 _DecodeCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.DecodeRequest, worker_pb2.DecodeEvent]"
+_PrefillCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.PrefillRequest, worker_pb2.PrefillEvent]"
+_PREFILL_VERDICT_S = 1.0
+"""How long a decode stream that failed before its first event waits for its prefill's end: when
+the KV transfer between them failed, both report it, and the prefill worker is the one to blame
+(the retry excludes it, not the decode worker)."""
 
 
 class _ReadAhead:
     """A response stream read by a task of its own, so the next events arrive while the caller is
-    busy (writing the last ones to its client); `take` returns everything received since."""
+    busy (writing the last ones to its client); `take` returns everything received since.
 
-    def __init__(self, call: _DecodeCall) -> None:
+    `upstream`, when given, is work the stream's first event depends on (the prefill that writes the
+    decode worker's KV): if it fails before any event arrived, `take` raises its error (the stream
+    would only wait for a transfer that is not coming)."""
+
+    def __init__(self, call: _DecodeCall, upstream: asyncio.Future[None] | None = None) -> None:
         self._call = call
         self._events: list[worker_pb2.DecodeEvent] = []
         self._ready = asyncio.Event()
         self._eof = False
+        self._started = False
         self._error: BaseException | None = None
+        self._upstream_error: BaseException | None = None
         self._task = asyncio.ensure_future(self._read())
+        if upstream is not None:
+            upstream.add_done_callback(self._upstream_ended)
+
+    def _upstream_ended(self, upstream: asyncio.Future[None]) -> None:
+        error = None if upstream.cancelled() else upstream.exception()
+        if error is not None and not self._started:
+            self._upstream_error = error
+            self._ready.set()
 
     async def _read(self) -> None:
         try:
             async for event in self._call:
+                self._started = True
                 self._events.append(event)
                 self._ready.set()
         except BaseException as exc:  # handed to the reader (`take`), as `async for` would raise it there
@@ -118,19 +141,27 @@ class _ReadAhead:
 
     async def take(self) -> list[worker_pb2.DecodeEvent] | None:
         """The events received since the last call, waiting for one; None at the end of the stream;
-        the stream's error once its events are taken."""
-        while not self._events:
+        the stream's error once its events are taken; the upstream's error once it failed first."""
+        while self._upstream_error is None and not self._events:
             if self._eof:
                 if self._error is not None:
                     raise self._error
                 return None
             self._ready.clear()
             await self._ready.wait()
+        if self._upstream_error is not None:
+            raise self._upstream_error
         events, self._events = self._events, []
         return events
 
     def close(self) -> None:
         self._task.cancel()
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Mark a background task's failure as seen (its caller judges it, or it no longer matters)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _worker_error(worker_id: str, detail: worker_pb2.ErrorDetail) -> Exception:
@@ -312,40 +343,54 @@ class GenerationCore:
             progress.cached_tokens = max(progress.cached_tokens,
                                          min(lease.num_cached_blocks * self.limits.block_size, len(prompt)))
         call: _DecodeCall | None = None
+        prefill_call: _PrefillCall | None = None
+        prefill_rest: asyncio.Task[None] | None = None  # the prefill stream after its first token
         try:
-            first: int | None = None
-            if prefill is not None:
-                first, first_logprob = await self._prefill(prefill, decode, lease, req, prompt, deadline, progress)
-                self._note_first(progress, start)
-                # the prefill worker reports the first token's own logprob, not its alternatives
-                chunk = self._emit(req, progress, [first], [first_logprob], [])
-                if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                    # end the unused lease while the token is written (shielded, awaited below either way)
-                    cancel = asyncio.ensure_future(self._cancel(decode, req.request_id, lease.lease_id))
-                    try:
-                        yield chunk
-                    finally:
-                        await asyncio.shield(cancel)
-                    return
-                # Started before the first token is written to the client, so the call's setup and
-                # that write overlap. The decode worker's budget is what it emits, after the first.
-                call = self._start_decode(decode, lease, req, prompt, first, remaining_tokens - 1, deadline)
-                yield chunk
-            else:
+            if prefill is None:
                 call = self._start_decode(decode, lease, req, prompt, None, remaining_tokens, deadline)
-            async for response in self._relay(call, decode, lease, req, progress, start):
-                yield response
+                async for response in self._relay(call, decode, lease, req, progress, start):
+                    yield response
+                return
+            prefill_call = self._start_prefill(prefill, decode, lease, req, prompt, deadline)
+            first, first_logprob = await self._first_token(prefill_call, prefill, progress)
+            prefill_rest = asyncio.ensure_future(self._prefill_done(prefill_call, prefill, decode, progress))
+            prefill_rest.add_done_callback(_retrieve)  # its failure is judged where it matters (`_blame`)
+            self._note_first(progress, start)
+            # the prefill worker reports the first token's own logprob, not its alternatives
+            chunk = self._emit(req, progress, [first], [first_logprob], [])
+            if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                yield chunk
+                # the unused lease goes once the prefill's transfer into it closed (not aborted under it)
+                with contextlib.suppress(WorkerFailed, RequestError):  # the client has all it asked for
+                    await prefill_rest
+                await self._cancel(decode, req.request_id, lease.lease_id)
+                return
+            # Opened before the first token is written to the client and before the prefill's `done`:
+            # the decode worker takes the call while the KV still arrives and starts once it is in.
+            # Its budget is what it emits, after the first.
+            call = self._start_decode(decode, lease, req, prompt, first, remaining_tokens - 1, deadline)
+            yield chunk
+            emitted = len(progress.output_ids)
+            try:
+                async for response in self._relay(call, decode, lease, req, progress, start, prefill_rest):
+                    yield response
+            except WorkerFailed as exc:
+                if exc.worker_id != decode.worker_id or len(progress.output_ids) > emitted:
+                    raise
+                culprit = await self._blame(prefill_rest, exc)
+                if culprit is exc:
+                    raise
+                raise culprit from exc
+            await self._settle(prefill_rest)
         except (asyncio.CancelledError, GeneratorExit):
             # the client left: its task was cancelled, or its stream closed between two responses
-            if call is not None:
-                call.cancel()
+            self._end_calls(call, prefill_call, prefill_rest)
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
         except Exception:
             # a worker failed, or the request did (its deadline passed during prefill, a worker
             # refused it): the lease and any prefill job go now, not when the lease expires
-            if call is not None:
-                call.cancel()
+            self._end_calls(call, prefill_call, prefill_rest)
             await self._cancel_everywhere(req.request_id, lease.lease_id, prefill, decode)
             raise
         finally:
@@ -418,10 +463,10 @@ class GenerationCore:
             raise self._from_rpc(decode.worker_id, exc) from exc
         return reply
 
-    async def _prefill(self, prefill: WorkerHandle, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
-                       req: PreparedRequest, prompt: tuple[int, ...], deadline: Deadline,
-                       progress: _Progress) -> tuple[int, float]:
-        """Run the prefill; (first token, its logprob) once the KV transfer has closed."""
+    def _start_prefill(self, prefill: WorkerHandle, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
+                       req: PreparedRequest, prompt: tuple[int, ...], deadline: Deadline) -> _PrefillCall:
+        """Open the `Prefill` stream into the decode worker's lease (`_first_token` and `_prefill_done`
+        read it)."""
         assert prefill.prefill is not None
         timeout, deadline_ms = deadline.for_call()
         target = worker_pb2.DecodeTarget(worker_id=decode.worker_id, agent_name=lease.agent_name,
@@ -429,31 +474,70 @@ class GenerationCore:
                                          num_cached_blocks=lease.num_cached_blocks, reservation=lease.reservation)
         if lease.HasField("state_room"):  # the decode worker expects the bounded state: ship it
             target.state_room.CopyFrom(lease.state_room)
-        call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
+        call: _PrefillCall = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
             request_id=req.request_id, token_ids=list(prompt), effort=req.effort, cache_salt=req.cache_salt,
             target=target, deadline_unix_ms=deadline_ms, sampling=self._sampling(req)),
             timeout=timeout, metadata=self.metadata)
-        first: int | None = None
-        first_logprob = 0.0
+        return call
+
+    async def _prefill_event(self, call: _PrefillCall, prefill: WorkerHandle) -> worker_pb2.PrefillEvent | None:
+        """The stream's next event, None at its end; its `error` event or failed call raised."""
         try:
-            async for event in call:
-                kind = event.WhichOneof("event")
-                if kind == "first_token":
-                    first, first_logprob = int(event.first_token.token_id), float(event.first_token.logprob)
-                    progress.cached_tokens = max(progress.cached_tokens, int(event.first_token.cached_tokens))
-                elif kind == "error":
-                    raise _worker_error(prefill.worker_id, event.error)
-                elif kind == "done":
-                    progress.kv_transfer_bytes += int(event.done.bytes_sent)
-                    progress.kv_transfer_s += float(event.done.transfer_s)
-                    self.links.observe(prefill.worker_id, decode.worker_id, int(event.done.bytes_sent),
-                                       float(event.done.transfer_s))
-                    break
+            event = await call.read()
         except grpc.aio.AioRpcError as exc:
             raise self._from_rpc(prefill.worker_id, exc) from exc
-        if first is None:
-            raise WorkerFailed(prefill.worker_id, grpc.StatusCode.INTERNAL, "prefill ended without a first token")
-        return first, first_logprob
+        if event is grpc.aio.EOF:
+            return None
+        assert isinstance(event, worker_pb2.PrefillEvent)
+        if event.WhichOneof("event") == "error":
+            raise _worker_error(prefill.worker_id, event.error)
+        return event
+
+    async def _first_token(self, call: _PrefillCall, prefill: WorkerHandle, progress: _Progress) -> tuple[int, float]:
+        """Read the prefill stream up to its first token: (token, its logprob)."""
+        while (event := await self._prefill_event(call, prefill)) is not None:
+            if event.WhichOneof("event") == "first_token":
+                progress.cached_tokens = max(progress.cached_tokens, int(event.first_token.cached_tokens))
+                return int(event.first_token.token_id), float(event.first_token.logprob)
+        raise WorkerFailed(prefill.worker_id, grpc.StatusCode.INTERNAL, "prefill ended without a first token")
+
+    async def _prefill_done(self, call: _PrefillCall, prefill: WorkerHandle, decode: WorkerHandle,
+                            progress: _Progress) -> None:
+        """Read the rest of the prefill stream, to its `done` (the KV transfer closed): its bytes and
+        seconds go to the usage and teach placement the pair's link rate."""
+        while (event := await self._prefill_event(call, prefill)) is not None:
+            if event.WhichOneof("event") == "done":
+                progress.kv_transfer_bytes += int(event.done.bytes_sent)
+                progress.kv_transfer_s += float(event.done.transfer_s)
+                self.links.observe(prefill.worker_id, decode.worker_id, int(event.done.bytes_sent),
+                                   float(event.done.transfer_s))
+                return
+
+    async def _blame(self, prefill_rest: asyncio.Task[None], decode_failure: WorkerFailed) -> Exception:
+        """The failure to retry on when the decode stream failed before its first event: the
+        prefill's, when it failed too (the KV transfer between them did; both report it), else the
+        decode worker's."""
+        await asyncio.wait({prefill_rest}, timeout=_PREFILL_VERDICT_S)
+        error = prefill_rest.exception() if prefill_rest.done() and not prefill_rest.cancelled() else None
+        return error if isinstance(error, Exception) else decode_failure
+
+    async def _settle(self, prefill_rest: asyncio.Task[None]) -> None:
+        """The request is complete: wait briefly for the prefill's `done` (it closes the transfer's
+        accounting and comes within a step of the decode worker's start), never failing the request."""
+        await asyncio.wait({prefill_rest}, timeout=_PREFILL_VERDICT_S)
+        if not prefill_rest.done():
+            prefill_rest.cancel()
+        elif not prefill_rest.cancelled() and prefill_rest.exception() is not None:
+            log.debug("prefill of a completed request ended with %s", prefill_rest.exception())
+
+    @staticmethod
+    def _end_calls(call: _DecodeCall | None, prefill_call: _PrefillCall | None,
+                   prefill_rest: asyncio.Task[None] | None) -> None:
+        for c in (call, prefill_call):
+            if c is not None:
+                c.cancel()
+        if prefill_rest is not None:
+            prefill_rest.cancel()
 
     def _start_decode(self, decode: WorkerHandle, lease: worker_pb2.ReserveReply, req: PreparedRequest,
                       prompt: tuple[int, ...], first: int | None, max_tokens: int, deadline: Deadline) -> _DecodeCall:
@@ -468,8 +552,8 @@ class GenerationCore:
         return call
 
     async def _relay(self, call: _DecodeCall, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
-                     req: PreparedRequest, progress: _Progress,
-                     start: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                     req: PreparedRequest, progress: _Progress, start: float,
+                     upstream: asyncio.Future[None] | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The decode stream to the client. A reader task takes the worker's events while the last
         chunk is being written, and the tokens that arrived meanwhile leave as one chunk: a client (or
         a router loop) slower than the worker gets fewer, larger messages, and no token waits for a
@@ -479,7 +563,7 @@ class GenerationCore:
         ends its stream there too (it was given the same budget and ids): its `complete` follows,
         and no `Cancel` is needed. A stop string only the router sees, or a worker that goes on
         regardless, is cancelled."""
-        events = _ReadAhead(call)
+        events = _ReadAhead(call, upstream)
         ended_here = False  # the router's verdict ended the request; only the worker's end may follow
         try:
             while (batch := await events.take()) is not None:

@@ -64,6 +64,14 @@ class Script:
     """How long a prefill computes before its first token (a long prompt, a queue)."""
     refuse_reserves: int = 0
     """Reserves refused with RESOURCE_EXHAUSTED before the next one is granted (full since its last report)."""
+    done_delay_s: float = 0.0
+    """How long a prefill's `done` follows its first token (the KV transfer closing)."""
+    fail_after_first: int = 0
+    """Prefills whose KV transfer fails after their first token (the call ends UNAVAILABLE after
+    `done_delay_s`), before the next one succeeds."""
+    fail_transfers: int = 0
+    """Decode calls whose KV transfer fails (an error event TRANSFER_FAILED before any token), before
+    the next one decodes."""
     fail_renewals: int = 0
     """Renew calls failed with UNAVAILABLE before the next one is answered."""
     forget_leases: bool = False
@@ -83,6 +91,10 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         await asyncio.sleep(self.script.prefill_delay_s)
         first = sum(request.token_ids) % 200 + 3
         yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
+        await asyncio.sleep(self.script.done_delay_s)
+        if self.script.fail_after_first > 0:
+            self.script.fail_after_first -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected KV transfer failure")
         yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids),
                                                                   bytes_sent=self.script.bytes_sent,
                                                                   transfer_s=self.script.transfer_s))
@@ -154,6 +166,12 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             self.leases.pop(request.lease_id, None)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id} expired before its Decode call")
         self.lease_deadlines[request.lease_id] = float("inf")  # taken: renewals find it, it no longer expires
+        if self.script.fail_transfers > 0:
+            self.script.fail_transfers -= 1
+            self.leases.pop(request.lease_id, None)
+            yield worker_pb2.DecodeEvent(error=worker_pb2.ErrorDetail(
+                code=worker_pb2.ERROR_CODE_TRANSFER_FAILED, request_id=request.request_id, message="injected"))
+            return
         token = request.first_token
         sent = 0
         try:
@@ -772,3 +790,60 @@ def test_capacity_waits_refusals_and_lease_renewals_show_in_the_scraped_metrics(
         assert _scrape(port)[("cedserve_router_leases_lost_total", ())] >= 1
     finally:
         cluster.close()
+
+
+def test_the_first_token_is_streamed_before_the_prefill_is_done(cluster: Cluster) -> None:
+    """The prefill's `done` (its KV transfer closed) comes 0.8 s after its first token: the client
+    has the first token at once and the Decode call is open before `done`; the usage still carries
+    what `done` reported."""
+    prompt = list(range(3, 200))
+    for p in cluster.prefill:
+        p.script.done_delay_s, p.script.bytes_sent, p.script.transfer_s = 0.8, 12_345, 0.5
+    with _client(cluster) as client:
+        start = time.monotonic()
+        stream = client.stream(prompt, max_tokens=3, effort="low")
+        assert next(stream).token_ids == _expected(prompt, 1)
+        assert time.monotonic() - start < 0.5
+        while not [d for w in cluster.decode for d in w.decodes] and time.monotonic() - start < 0.7:
+            time.sleep(0.01)
+        assert [d for w in cluster.decode for d in w.decodes]  # opened before `done` (0.8 s)
+        list(stream)
+        done = client.last
+    assert done is not None and done.token_ids == _expected(prompt, 3)
+    assert done.usage["kv_transfer_bytes"] == 12_345 and done.usage["ttft_s"] < 0.5
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_a_transfer_failing_after_the_first_token_continues_from_it(cluster: Cluster) -> None:
+    """The KV transfer fails after the first token was streamed, before the decode worker emitted
+    anything: the request is re-placed as a migration is (the prompt plus the token already sent)
+    on the other prefill worker, and the Decode call waiting on the failed transfer is cancelled."""
+    prompt = list(range(3, 200))
+    for p in cluster.prefill:
+        p.script.fail_after_first, p.script.done_delay_s = 1, 0.05
+    for d in cluster.decode:
+        d.script.token_delay_s = 0.5  # no token before the transfer is seen to fail
+    with _client(cluster) as client:
+        done = client.generate(prompt, max_tokens=3, effort="low")
+    first = _expected(prompt, 1)[0]
+    assert done.token_ids == [first, *_expected([*prompt, first], 2)]
+    failed, retried = [p for p in cluster.prefill if p.requests]
+    assert len(failed.requests) + len(retried.requests) == 2 and list(retried.requests[-1].token_ids) == [*prompt, first]
+    assert done.request_id in [c for d in cluster.decode for c in d.cancelled]
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_a_failed_transfer_reported_by_both_workers_blames_the_prefill_worker(cluster: Cluster) -> None:
+    """The decode worker reports the transfer failed before the prefill worker does: the retry
+    excludes the prefill worker (it goes to the other one) and keeps the decode worker."""
+    prompt = list(range(3, 200))
+    for p in cluster.prefill:
+        p.script.fail_after_first, p.script.done_delay_s = 1, 0.2
+    for d in cluster.decode:
+        d.script.fail_transfers = 1
+    with _client(cluster) as client:
+        done = client.generate(prompt, max_tokens=3, effort="low")
+    assert len(done.token_ids) == 3
+    decoded_on = [w.worker_id for w in cluster.decode for _ in w.decodes]
+    assert len(decoded_on) == 2 and decoded_on[0] == decoded_on[1]  # the same decode worker, twice
+    assert sorted(len(p.requests) for p in cluster.prefill) == [1, 1]  # each prefill worker once
