@@ -361,8 +361,7 @@ class GenerationCore:
             if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
                 yield chunk
                 # the unused lease goes once the prefill's transfer into it closed (not aborted under it)
-                with contextlib.suppress(WorkerFailed, RequestError):  # the client has all it asked for
-                    await prefill_rest
+                await self._settle(prefill_rest)
                 await self._cancel(decode, req.request_id, lease.lease_id)
                 return
             # Opened before the first token is written to the client and before the prefill's `done`:
