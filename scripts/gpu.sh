@@ -51,6 +51,9 @@
 #                   SERVE_TEST=1 then runs tests/e2e/test_serve_one_gpu.py (gpu-test.log, SERVE_TEST_S=200).
 #                   Needs NIXL (the slim wheel, ../shared/tools/slim_nixl_wheel.sh) and the gRPC extras:
 #                   carry them in build/gpu_wheels (--prepare-wheels, below) or .whl/.
+#   transfer-one    KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE, the real block
+#                   layout, contiguous and scattered ids: `cedserve bench kv-transfer` at $TRANSFER_SIZES
+#                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-h200.json}  TRANSFER_ONE_S=150
 #   train-demo      python -m cedserve.training.demo, then benchmarks/demo_eval.py on its checkpoint
 #                   (BACKBONE_S=200, DRAFTER_S=80 budgets)      train-demo/{demo/, train.log,
 #                   train-demo.json, eval.log, demo-eval.json}  TRAIN_TIMEOUT_S=430 EVAL_TIMEOUT_S=150
@@ -311,12 +314,17 @@ part_serve() (
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
     "$PY" -P -c 'import importlib, torch
 print("torch", torch.__version__, "gpus", torch.cuda.device_count())
-for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "grpc_status", "msgspec", "tokenizers"):
+for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "grpc_status", "msgspec", "tokenizers",
+          "uvicorn", "starlette", "prometheus_client", "tqdm", "safetensors"):
     try:
         importlib.import_module(m); print("have", m)
     except ImportError as exc:
         print("MISSING", m, exc)'
   } 2>&1 | tee "$out/env.txt"
+  if grep -v nixl_cu "$out/env.txt" | grep -q '^MISSING' || ! grep -q '^have nixl_cu' "$out/env.txt"; then
+    echo "a module cedserve serve needs is missing here (see above): carry its wheel in build/gpu_wheels"
+    return 1
+  fi
   t0=$(date +%s%N)
   # shellcheck disable=SC2086
   "$PY" -P -m cedserve.cli serve --device "${SERVE_DEVICE:-auto}" --port "$port" --http-port -1 \
@@ -475,6 +483,15 @@ EOF
   ) 2>&1 | tee -a "$log"
 )
 
+part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE
+  local out=$OUT/transfer-one
+  mkdir -p "$out"
+  export PYTHONUNBUFFERED=1
+  (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest --device cuda \
+     --sizes "${TRANSFER_SIZES:-4K,32K,128K}" --batch 1 --modes write --fan-in 1 --reps 3 --only cross_layer \
+     --json "$out/kv-transfer-cuda-h200.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
+)
+
 run_part() {  # $1: part name
   case "$1" in
     runner) part_runner_tests; part_step; part_engine ;;
@@ -499,6 +516,7 @@ run_part() {  # $1: part name
     demo-eval) part_demo_eval ;;
     transfer) part_transfer ;;
     serve) part_serve ;;
+    transfer-one) part_transfer_one ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
   esac
 }
