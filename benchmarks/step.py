@@ -330,6 +330,9 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
             f"(Inductor compiles included), {torch.cuda.memory_reserved() / 1e9:.1f} GB reserved")
     for slot in range(batch):
         runner.load(slot, base)
+    agreement = graph_vs_eager(runner, base, batch, rows)
+    for slot in range(batch):
+        runner.load(slot, base)
 
     def step() -> None:
         slot_step(runner=runner)
@@ -338,9 +341,29 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
         step()
     cells.append(cell(name, context, batch, rows, path, timed(step, args.steps), profile(step, args.profile_steps),
                       floor_ms))
+    cells[-1].update(agreement)
     log(row(cells[-1]))
+    log(f"  vs eager: max |dlogit| {agreement['max_abs_logit_diff_vs_eager']:.2e} (logit scale "
+        f"{agreement['logit_scale']:.2f}), greedy agreement {agreement['greedy_agreement_vs_eager']:.3f}")
     log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
                                      for k in cells[-1]["top_kernels"][:8]))
+
+
+def graph_vs_eager(runner: ModelRunner, base: SequenceState, batch: int, rows: int) -> dict[str, Any]:
+    """One step of the runner's graphs against `CEDModel.forward_batch` from the same state and
+    tokens: the largest logit difference, the logits' scale and how often the greedy tokens agree
+    (the figures are only worth something if the graphs compute the same step)."""
+    model = runner.model
+    gen = torch.Generator().manual_seed(7)
+    feed = [int(t) for t in torch.randint(3, model.config.vocab_size, (batch * rows,), generator=gen)]
+    slot_rows = [slot for slot in range(batch) for _ in range(rows)]
+    with torch.no_grad():
+        graph = runner.step_logits(slot_rows, feed).float()
+        items = [BatchItem(feed[i * rows:(i + 1) * rows], copy.deepcopy(base)) for i in range(batch)]
+        eager = torch.cat([out.logits for out in model.forward_batch(items)]).float()
+    return {"max_abs_logit_diff_vs_eager": float((graph - eager).abs().max()),
+            "logit_scale": float(eager.abs().max()),
+            "greedy_agreement_vs_eager": float((graph.argmax(-1) == eager.argmax(-1)).float().mean())}
 
 
 PARTS: dict[str, list[dict[str, Any]]] = {}
