@@ -1,4 +1,5 @@
-"""The tail of one mHC site (`cedserve.model.mhc.hc_mixes`) in one launch: sigmoids and Sinkhorn.
+"""mHC sites in few launches: the tail of one (`cedserve.model.mhc.hc_mixes`: sigmoids and Sinkhorn)
+in one, a whole site (expansion, projection, tail, collapse and RMSNorm) in two.
 
 From the site's projection `mixes [S, (2 + n) * n]` (float32; `n` = hc_mult streams), `scale [3]`
 and `base [(2 + n) * n]`, :func:`hc_mix_tail` returns
@@ -13,18 +14,45 @@ iteration, ~250 launches per site at 20 iterations; the kernel (`_hc_mix_tail_ke
 token's `n x n` matrix in registers for all of them, in the same order of operations (float32
 results agree with the reference to ~1e-6; `exp` and division may round differently on a GPU).
 
-Implementations (`impl`): "triton" (the kernel; CUDA tensors, or CPU under `TRITON_INTERPRET=1`),
-"torch" (:func:`hc_mix_tail_reference`) or "auto".
+A whole site, :func:`hc_site`, in two launches (the captured decode step's mHC: `model/slot_step.py`).
+From the streams entering the site `[S, n, D]` (optionally first expanded by the previous sublayer:
+`hc_expand(out, streams, post, comb)`), the previous site's `pre_prev [S, n]`, the site's `fn [(2 +
+n) * n, n * D]`, `scale`, `base` and the sublayer's RMSNorm weight `[D]`, it returns
+
+    streams            the expanded streams (or the input), in the streams dtype
+    x    [S, D]        = weight * rms_normalize(hc_collapse(streams, pre_prev))
+    pre, post, comb    = hc_mix_tail(rms_normalize(flat streams, fp32) @ fn^T, scale, base)
+
+which is :func:`hc_site_reference`, the composition of those functions. The first kernel takes
+`[rows, chunk of D]` blocks (many programs even at one row of the released width, hidden 4096): the
+expanded chunk rounded to the streams dtype (the rounded value is what the rest reads, as in the
+composition), partial sums of squares, partial dot products with the `(2 + n) * n` rows of `fn` and
+the collapsed chunk (rounded to the streams dtype, as `hc_collapse`) with its sum of squares, into a
+small partials buffer; the second, one program per row, sums the partials in a fixed order (no
+atomics), scales the dot products by the row's 1 / rms and runs the tail and the final RMSNorm.
+float32 results agree with the composition to a few ulps (the dot products are summed in another
+order); a rounded streams or `x` element may land one ulp of its dtype away.
+
+Implementations (`impl`): "triton" (the kernels; CUDA tensors, or CPU under `TRITON_INTERPRET=1`),
+"torch" (:func:`hc_mix_tail_reference`, :func:`hc_site_reference`) or "auto".
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, next_power_of_2, resolve_impl
+from cedserve.kernels.triton_support import (
+    Impl,
+    cdiv,
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+    resolve_impl,
+)
 
 MAX_HC = 16
 """Largest stream count the kernel takes (a `[BLOCK_S, n, n]` tile lives in registers)."""
@@ -39,6 +67,17 @@ def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
         m = m / (m.sum(dim=-1, keepdim=True) + eps)
         m = m / (m.sum(dim=-2, keepdim=True) + eps)
     return m
+
+
+def hc_collapse(streams: Tensor, pre: Tensor) -> Tensor:
+    """Weighted sum of the streams: `[S, hc, D]`, `[S, hc]` -> `[S, D]`."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+
+
+def hc_expand(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """New streams `out[k] = post[k] * x + sum_j comb[j, k] * residual[j]`, `[S, hc, D]`."""
+    mixed = torch.einsum("sjk,sjd->skd", comb.float(), residual.float())
+    return (post.unsqueeze(-1) * x.float().unsqueeze(-2) + mixed).to(residual.dtype)
 
 
 def hc_mix_tail_reference(mixes: Tensor, scale: Tensor, base: Tensor, sinkhorn_iters: int,
@@ -90,3 +129,131 @@ def _num_streams(width: int) -> int:
     if hc < 1 or (2 + hc) * hc != width:
         raise ValueError(f"hc_mix_tail: mixes width must be (2 + n) * n for some n, got {width}")
     return hc
+
+
+class HcSite(NamedTuple):
+    """What one mHC site leaves (:func:`hc_site`)."""
+
+    streams: Tensor  # [S, n, D] streams dtype: the streams after the expansion (the input without one)
+    x: Tensor  # [S, D]: the sublayer's input, in the promoted dtype of the norm weight and the streams
+    pre: Tensor  # [S, n] float32: the next site's collapse weights
+    post: Tensor  # [S, n] float32
+    comb: Tensor  # [S, n(from), n(to)] float32
+
+
+Expansion = tuple[Tensor, Tensor, Tensor]
+"""The previous sublayer's output `[S, D]` with its site's `post [S, n]` and `comb [S, n, n]`:
+what :func:`hc_expand` spreads into the streams."""
+
+
+def _rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """`model.norm.rms_normalize` (kernels import nothing from the model): fp32 statistics, the
+    result in `x`'s dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def hc_site_reference(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                      norm_weight: Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                      expand: Expansion | None = None) -> HcSite:
+    """The torch reference of :func:`hc_site`: `hc_expand`, the projection of `hc_mixes`, its
+    tail and `RMSNorm(hc_collapse(...))`, as the modules compose them."""
+    if expand is not None:
+        streams = hc_expand(expand[0], streams, expand[1], expand[2])
+    mixes = _rms_normalize(streams.flatten(start_dim=-2).float(), norm_eps) @ fn.float().t()
+    pre, post, comb = hc_mix_tail_reference(mixes, scale, base, sinkhorn_iters, hc_eps)
+    x = norm_weight * _rms_normalize(hc_collapse(streams, pre_prev), norm_eps)
+    return HcSite(streams, x, pre, post, comb)
+
+
+def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,
+            sinkhorn_iters: int, hc_eps: float, norm_eps: float, expand: Expansion | None = None,
+            impl: Impl = "auto") -> HcSite:
+    """One mHC site in two launches (module docstring). `streams [S, n, D]` (bf16, fp16 or fp32;
+    unit stride in D), `pre_prev [S, n]` float32 contiguous, `fn [(2+n)*n, n*D]` (float; unit
+    stride in its columns), `scale [3]`, `base [(2+n)*n]`, `norm_weight [D]` contiguous; `expand`:
+    `(out [S, D], post [S, n], comb [S, n, n])`, post and comb float32 contiguous."""
+    tensors = [streams, pre_prev, fn, scale, base, norm_weight, *(expand or ())]
+    if resolve_impl(impl, "hc_site", *tensors) == "torch":
+        return hc_site_reference(streams, pre_prev, fn, scale, base, norm_weight, sinkhorn_iters, hc_eps,
+                                 norm_eps, expand)
+    rows, hc, dim = _check_site(streams, pre_prev, fn, scale, base, norm_weight, expand)
+    width = (2 + hc) * hc
+    out = torch.empty(rows, hc, dim, dtype=streams.dtype, device=streams.device) if expand else streams
+    x = torch.empty(rows, dim, dtype=torch.promote_types(norm_weight.dtype, streams.dtype), device=streams.device)
+    pre = torch.empty(rows, hc, dtype=torch.float32, device=streams.device)
+    post, comb = torch.empty_like(pre), pre.new_empty(rows, hc, hc)
+    if rows == 0:
+        return HcSite(out, x, pre, post, comb)
+    from cedserve.kernels._mhc_kernels import _hc_site_finish_kernel, _hc_site_streams_kernel
+
+    block_r, block_d = _site_blocks(rows, dim)
+    chunks = cdiv(dim, block_d)
+    collapsed = torch.empty(rows, dim, dtype=streams.dtype, device=streams.device)
+    part = torch.empty(rows, chunks, width + 2, dtype=torch.float32, device=streams.device)
+    # without an expansion the kernel never reads x, post or comb: any float32 pointers will do
+    src, post_in, comb_in = expand if expand else (streams, pre, comb)
+    _hc_site_streams_kernel[(cdiv(rows, block_r), chunks)](
+        streams, streams.stride(0), streams.stride(1),
+        src, src.stride(0), post_in, comb_in,
+        out, pre_prev, fn, fn.stride(0),
+        collapsed, part,
+        rows, dim, chunks,
+        N=hc, M=width, M_PAD=next_power_of_2(width), EXPAND=expand is not None,
+        BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+    _hc_site_finish_kernel[(rows,)](
+        part, scale, base, collapsed, norm_weight,
+        pre, post, comb, x,
+        dim, chunks, sinkhorn_iters, hc_eps, norm_eps,
+        N=hc, M=width, CHUNKS_PAD=next_power_of_2(chunks), BLOCK_D=min(next_power_of_2(dim), 1024),
+    )
+    return HcSite(out, x, pre, post, comb)
+
+
+def _site_blocks(rows: int, dim: int) -> tuple[int, int]:
+    """`(BLOCK_R, BLOCK_D)` of the streams kernel. A program holds a `[BLOCK_R, 32, BLOCK_D]` float32
+    product (the 24 rows of `fn` padded) in registers, so BLOCK_R * BLOCK_D stays at 128 on a GPU:
+    one row per program at small batch (hidden 4096 at one row is 32 programs), four rows per program
+    past 8 rows (each program reads its `fn` chunk once for the four). The interpreter pays ~2 ms a
+    program whatever its size: there, few large blocks."""
+    if interpreting():
+        return min(next_power_of_2(rows), 16), min(next_power_of_2(dim), 1024)
+    block_r = 1 if rows <= 8 else 4
+    return block_r, min(next_power_of_2(dim), 128 // block_r)
+
+
+def _check_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,
+                expand: Expansion | None) -> tuple[int, int, int]:
+    """`(rows, hc, dim)` of a site's inputs; `TypeError` / `ValueError` naming the bad one."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    check_tensor(streams, "hc_site: streams", dtypes=floats, dim=3)
+    rows, hc, dim = streams.shape
+    if hc & (hc - 1) or hc > MAX_HC:
+        raise ValueError(f"hc_site: the kernels take a power-of-two hc_mult up to {MAX_HC}, got {hc}")
+    width = (2 + hc) * hc
+    check_tensor(fn, "hc_site: fn", dtypes=floats, dim=2)
+    check_tensor(norm_weight, "hc_site: norm_weight", dtypes=floats, dim=1)
+    _check_contiguous(pre_prev, "pre_prev", (rows, hc))
+    _check_contiguous(scale, "scale", (3,))
+    _check_contiguous(base, "base", (width,))
+    if tuple(fn.shape) != (width, hc * dim):
+        raise ValueError(f"hc_site: fn must be [{width}, {hc * dim}], got {list(fn.shape)}")
+    if norm_weight.shape[0] != dim:
+        raise ValueError(f"hc_site: norm_weight must be [{dim}], got {list(norm_weight.shape)}")
+    if expand is not None:
+        out, post, comb = expand
+        check_tensor(out, "hc_site: expanded output", dtypes=floats, dim=2)
+        if tuple(out.shape) != (rows, dim):
+            raise ValueError(f"hc_site: the expanded output must be [{rows}, {dim}], got {list(out.shape)}")
+        _check_contiguous(post, "post", (rows, hc))
+        _check_contiguous(comb, "comb", (rows, hc, hc))
+    return rows, hc, dim
+
+
+def _check_contiguous(t: Tensor, what: str, shape: tuple[int, ...]) -> None:
+    """A float32 contiguous tensor of `shape`."""
+    check_tensor(t, f"hc_site: {what}", dtypes=(torch.float32,), dim=len(shape))
+    if tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"hc_site: {what} must be a contiguous {list(shape)}, got {list(t.shape)} "
+                         f"with strides {t.stride()}")

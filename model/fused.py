@@ -1,11 +1,12 @@
 """The decode step's chains of small ops as pure functions of tensors, fused by Inductor on CUDA.
 
 A decode step at small batch is bound by how many kernels it launches, not by FLOPs or bytes: a
-layer's norms, RoPE, mHC collapse and expansion, the window-slot arithmetic and a small MoE are each
-five to twenty elementwise kernels of a few microseconds. Each function here is one such chain,
-written as the modules compute it (`RMSNorm`, `apply_rope`, `hc_collapse` / `hc_expand`,
-`Attention._project` / `_output`, the compressor's step, `MoE.forward` with every expert dense), taking its weights as
-arguments so that one compiled graph serves every layer. `FusedOps(compiled=True)` wraps each in
+layer's norms, RoPE, mHC expansion, the window-slot arithmetic and a small MoE are each five to
+twenty elementwise kernels of a few microseconds. Each function here is one such chain, written as
+the modules compute it (`RMSNorm`, `apply_rope`, `hc_expand`, `Attention._project` / `_output`, the
+compressor's step, `MoE.forward` with every expert dense), taking its weights as arguments so that
+one compiled graph serves every layer (an mHC site's projection, tail, collapse and norm are Triton
+kernels instead: `cedserve.kernels.mhc.hc_site`). `FusedOps(compiled=True)` wraps each in
 `torch.compile(fullgraph=True)`; with `compiled=False` they run as written (the CPU
 path, which the tests compare with the modules).
 """
@@ -23,21 +24,10 @@ from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.model.compressor import pool_groups
 from cedserve.model.device_sampling import sample_rows
-from cedserve.model.mhc import hc_collapse, hc_expand
+from cedserve.model.mhc import hc_expand
 from cedserve.model.moe import score_logits
 from cedserve.model.norm import rms_normalize
 from cedserve.model.rope import apply_rope, rope_cos_sin
-
-
-def collapse_norm(streams: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """`RMSNorm(hc_collapse(streams, pre))`: a sublayer's input `[B, D]`."""
-    return weight * rms_normalize(hc_collapse(streams, pre), eps)
-
-
-def mix_logits(streams: Tensor, fn: Tensor, eps: float) -> Tensor:
-    """The mHC site's projection `[B, (2 + hc) * hc]` (`hc_mixes` before its fused tail)."""
-    flat = rms_normalize(streams.flatten(start_dim=-2).float(), eps)
-    return flat @ fn.float().t()
 
 
 def project(x: Tensor, wa: Tensor, q_rank: int, q_norm: Tensor, wq_b: Tensor, kv_norm: Tensor, cos: Tensor,
@@ -181,8 +171,6 @@ class FusedOps:
             # then failed to split `view(B, heads, -1)` into FP4 blocks: "CantSplit", torch 2.11)
             return torch.compile(fn, fullgraph=True) if compiled else fn
 
-        self.collapse_norm = wrap(collapse_norm)
-        self.mix_logits = wrap(mix_logits)
         self.project = wrap(project)
         self.output = wrap(output)
         self.index_query = wrap(index_query)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
+from cedserve.kernels.mhc import hc_collapse as hc_collapse
+from cedserve.kernels.mhc import hc_expand as hc_expand
 from cedserve.kernels.mhc import hc_mix_tail
 from cedserve.kernels.mhc import sinkhorn as sinkhorn
 from cedserve.kernels.triton_support import Impl
@@ -45,14 +46,3 @@ def hc_mixes(
                                   base.float().contiguous(), sinkhorn_iters, hc_eps, impl=impl)
     lead = mixes.shape[:-1]
     return HcMix(pre=pre.view(*lead, -1), post=post.view(*lead, -1), comb=comb.view(*lead, *comb.shape[-2:]))
-
-
-def hc_collapse(streams: Tensor, pre: Tensor) -> Tensor:
-    """Weighted sum of the streams: `[S, hc, D]`, `[S, hc]` -> `[S, D]`."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
-
-
-def hc_expand(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """New streams `out[k] = post[k] * x + sum_j comb[j, k] * residual[j]`, `[S, hc, D]`."""
-    mixed = torch.einsum("sjk,sjd->skd", comb.float(), residual.float())
-    return (post.unsqueeze(-1) * x.float().unsqueeze(-2) + mixed).to(residual.dtype)

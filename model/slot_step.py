@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from cedserve.kernels.indexer import IndexKeys
-from cedserve.kernels.mhc import hc_mix_tail
+from cedserve.kernels.mhc import Expansion, HcSite, hc_site
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
 from cedserve.kernels.sparse_attention import sparse_attention, sparse_attention_reference
@@ -46,7 +46,6 @@ from cedserve.model.compressor import Compressor
 from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
 from cedserve.model.fused import FusedOps
 from cedserve.model.indexer import INDEX_QUANT_BLOCK
-from cedserve.model.mhc import HcMix
 from cedserve.model.network import CEDModel
 from cedserve.model.paged_attention import layer_topk
 from cedserve.model.rope import device_rope
@@ -136,8 +135,11 @@ class SlotStep:
                          self._engram_rows(token_ids, slots, positions), ring_slot, windows,
                          torch.zeros(token_ids.shape[0], 0, device=self.device))
             streams, pre = self.model._embed(token_ids)
+        pending: Expansion | None = None
         for layer_id in range(self.config.num_hidden_layers):
-            streams, pre = self._layer(layer_id, streams, pre, step)
+            streams, pre, pending = self._layer(layer_id, streams, pre, pending, step)
+        with self._part("mix"):
+            streams = self._expand(streams, pending)
         with self._part("logits"):
             logits = self.model._logits(streams, pre)
             pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
@@ -161,37 +163,47 @@ class SlotStep:
         tables = [self.model._engram(layer_id) for layer_id in self.config.engram_layer_ids]
         return torch.stack([t.lookup(hash_ids[:, i]) for i, t in enumerate(tables)], dim=1)
 
-    def _layer(self, layer_id: int, streams: Tensor, pre: Tensor, step: _Pass) -> tuple[Tensor, Tensor]:
-        """`Block.forward` with the slot attention, the device MoE and the fused chains."""
-        block, ops, eps = self._block(layer_id), self.ops, self.config.rms_norm_eps
+    def _layer(self, layer_id: int, streams: Tensor, pre: Tensor, pending: Expansion | None,
+               step: _Pass) -> tuple[Tensor, Tensor, Expansion]:
+        """`Block.forward` with the slot attention, the device MoE and the fused chains. `pending`:
+        the previous layer's MoE output, not yet expanded into `streams`; the layer's own is
+        returned pending, for the next layer's attention site (or the logits) to expand."""
+        block = self._block(layer_id)
         if block.engram is not None and block.engram_index is not None:
             assert step.engram_rows is not None
+            with self._part("mix"):
+                streams = self._expand(streams, pending)
+            pending = None
             with self._part("engram"):
                 streams = block.engram(streams, step.engram_rows[:, block.engram_index])
+        with self._part("mix"):
+            attn = self._site(streams, pre, pending, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base,
+                              block.attn_norm.weight)
         if block.tapped:
-            step.taps[layer_id] = streams
+            step.taps[layer_id] = attn.streams
+        attended = self._attention(block.attn, attn.x, step)
         with self._part("mix"):
-            attn_mix = self._mix(streams, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
-            x = ops.collapse_norm(streams, pre, block.attn_norm.weight, eps)
-        attended = self._attention(block.attn, x, step)
-        with self._part("mix"):
-            streams = ops.expand(attended, streams, attn_mix.post, attn_mix.comb)
-            ffn_mix = self._mix(streams, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
-            x = ops.collapse_norm(streams, attn_mix.pre, block.ffn_norm.weight, eps)
+            ffn = self._site(attn.streams, attn.pre, (attended, attn.post, attn.comb), block.hc_ffn_fn,
+                             block.hc_ffn_scale, block.hc_ffn_base, block.ffn_norm.weight)
         with self._part("moe"):
-            moe_out = self._moe(layer_id, x)
-        with self._part("mix"):
-            streams = ops.expand(moe_out, streams, ffn_mix.post, ffn_mix.comb)
-        return streams, ffn_mix.pre
+            moe_out = self._moe(layer_id, ffn.x)
+        return ffn.streams, ffn.pre, (moe_out, ffn.post, ffn.comb)
 
-    def _mix(self, streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> HcMix:
-        """`hc_mixes`: the fused projection, then the mHC tail kernel."""
+    def _site(self, streams: Tensor, pre: Tensor, pending: Expansion | None, fn: Tensor, scale: Tensor,
+              base: Tensor, norm_weight: Tensor) -> HcSite:
+        """One mHC site (`pending` expanded first): two launches on CUDA (`kernels.mhc.hc_site`)."""
         c = self.config
-        mixes = self.ops.mix_logits(streams, fn, c.rms_norm_eps)
         impl: Impl = "triton" if self.kernels else "torch"
-        pre, post, comb = hc_mix_tail(mixes, scale.float().contiguous(), base.float().contiguous(),
-                                      c.hc_sinkhorn_iters, c.hc_eps, impl=impl)
-        return HcMix(pre, post, comb)
+        return hc_site(streams, pre, fn, scale.float().contiguous(), base.float().contiguous(), norm_weight,
+                       c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, expand=pending, impl=impl)
+
+    def _expand(self, streams: Tensor, pending: Expansion | None) -> Tensor:
+        """`streams` with the pending sublayer output expanded into them (`hc_expand`)."""
+        if pending is None:
+            return streams
+        out, post, comb = pending
+        expanded: Tensor = self.ops.expand(out, streams, post, comb)
+        return expanded
 
     # ------------------------------------------------------------------ attention
 
