@@ -13,7 +13,7 @@ the partial sum of squares of the row's streams, then that of its collapsed row)
 * `_hc_site_streams_kernel`, grid (row blocks, column chunks): the streams chunk (expanded from the
   previous sublayer's output when `EXPAND`, rounded to the streams dtype and stored), its partials,
   and the collapsed chunk `sum_k pre_prev[k] * streams[k]` rounded to the streams dtype;
-* `_hc_site_finish_kernel`, grid (rows): the partials summed in chunk order (no atomics: the same
+* `_hc_site_finish_kernel`, grid (row blocks): the partials summed in chunk order (no atomics: the same
   inputs give the same bits), the RMS scale of the projection, `_hc_tail`, and the sublayer input
   `weight * rms_normalize(collapsed)`.
 """
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from cedserve.kernels._jit_codecs import _to_output
 
 
 @triton.jit
@@ -93,7 +95,6 @@ def _hc_site_streams_kernel(
     rows_ok, cols_ok = rows < num_rows, cols < dim
     ok = rows_ok[:, None] & cols_ok[None, :]  # [BLOCK_R, BLOCK_D]
     rows64 = rows.to(tl.int64)
-    dtype = collapsed_ptr.dtype.element_ty
     hc = tl.arange(0, N)
     m = tl.arange(0, M_PAD)
     in_rows = streams_ptr + rows64 * streams_row_stride  # [BLOCK_R]
@@ -110,7 +111,7 @@ def _hc_site_streams_kernel(
             comb = tl.load(comb_ptr + rows64[:, None] * (N * N) + hc[None, :] * N + k,
                            mask=rows_ok[:, None], other=0.0)  # [BLOCK_R, N(j)]: comb[:, j, k]
             mixed = tl.sum(comb[:, :, None] * residual, axis=1)
-            stream = (post[:, None] * x + mixed).to(dtype)
+            stream = _to_output(post[:, None] * x + mixed, collapsed_ptr)  # the streams dtype
             tl.store(out_ptr + rows64[:, None] * (N * dim) + k * dim + cols[None, :], stream, mask=ok)
             stream = stream.to(tl.float32)
         else:
@@ -122,7 +123,7 @@ def _hc_site_streams_kernel(
         fn = tl.load(fn_ptr + m[:, None] * fn_row_stride + k * dim + cols[None, :],
                      mask=(m[:, None] < M) & cols_ok[None, :], other=0.0).to(tl.float32)  # [M_PAD, BLOCK_D]
         dots += tl.sum(stream[:, None, :] * fn[None, :, :], axis=2)
-    rounded = collapsed.to(dtype)
+    rounded = _to_output(collapsed, collapsed_ptr)
     tl.store(collapsed_ptr + rows64[:, None] * dim + cols[None, :], rounded, mask=ok)
     rounded32 = rounded.to(tl.float32)
     collapsed_sq = tl.sum(rounded32 * rounded32, axis=1)
@@ -136,37 +137,44 @@ def _hc_site_streams_kernel(
 def _hc_site_finish_kernel(
     part_ptr, scale_ptr, base_ptr, collapsed_ptr, weight_ptr,
     pre_ptr, post_ptr, comb_ptr, x_ptr,
-    dim, num_chunks, iters, hc_eps, norm_eps,
-    N: tl.constexpr, M: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_rows, dim, num_chunks, iters, hc_eps, norm_eps,
+    N: tl.constexpr, M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One row: the partials -> `pre`, `post` `[S, N]`, `comb [S, N, N]` and `x [S, D]` (all
-    contiguous; `collapsed [S, D]` in the streams dtype, `weight [D]`)."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.arange(0, CHUNKS_PAD)
-    chunk_ok = chunk < num_chunks
+    """`BLOCK_S` rows: the partials -> `pre`, `post` `[S, N]`, `comb [S, N, N]` and `x [S, D]`
+    (all contiguous; `collapsed [S, D]` in the streams dtype, `weight [D]`)."""
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    rows_ok = rows < num_rows
+    rows64 = rows.to(tl.int64)
     hc = tl.arange(0, N)
-    jk = hc[:, None] * N + hc[None, :]  # [N, N]
-    part = part_ptr + (row * num_chunks + chunk) * (M + 2)  # [CHUNKS_PAD]
-    a_pre = tl.sum(tl.load(part[:, None] + hc[None, :], mask=chunk_ok[:, None], other=0.0), axis=0)
-    a_post = tl.sum(tl.load(part[:, None] + N + hc[None, :], mask=chunk_ok[:, None], other=0.0), axis=0)
-    a_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + jk[None, :, :], mask=chunk_ok[:, None, None],
-                            other=0.0), axis=0)
-    sum_sq = tl.sum(tl.load(part + M, mask=chunk_ok, other=0.0), axis=0)
-    collapsed_sq = tl.sum(tl.load(part + M + 1, mask=chunk_ok, other=0.0), axis=0)
+    jk = (hc[:, None] * N + hc[None, :])[None, :, :]  # [1, N, N]
+    ok2, ok3 = rows_ok[:, None] & (hc[None, :] < N), rows_ok[:, None, None] & (jk < N * N)
+    a_pre = tl.zeros([BLOCK_S, N], dtype=tl.float32)
+    a_post = tl.zeros([BLOCK_S, N], dtype=tl.float32)
+    a_comb = tl.zeros([BLOCK_S, N, N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_S], dtype=tl.float32)
+    collapsed_sq = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for chunk in range(num_chunks):  # in chunk order: the same partials give the same sums
+        part = part_ptr + (rows64 * num_chunks + chunk) * (M + 2)  # [BLOCK_S]
+        a_pre += tl.load(part[:, None] + hc[None, :], mask=ok2, other=0.0)
+        a_post += tl.load(part[:, None] + N + hc[None, :], mask=ok2, other=0.0)
+        a_comb += tl.load(part[:, None, None] + 2 * N + jk, mask=ok3, other=0.0)
+        sum_sq += tl.load(part + M, mask=rows_ok, other=0.0)
+        collapsed_sq += tl.load(part + M + 1, mask=rows_ok, other=0.0)
     # the projection of the RMS-normalised row: every dot product times the row's 1 / rms
     inv_rms = tl.rsqrt(sum_sq / (N * dim) + norm_eps)
-    pre, post, comb = _hc_tail((a_pre * inv_rms)[None, :], (a_post * inv_rms)[None, :],
-                               (a_comb * inv_rms)[None, :, :], scale_ptr, base_ptr, iters, hc_eps, N)
-    tl.store(pre_ptr + row * N + hc[None, :], pre)
-    tl.store(post_ptr + row * N + hc[None, :], post)
-    tl.store(comb_ptr + row * (N * N) + jk[None, :, :], comb)
+    pre, post, comb = _hc_tail(a_pre * inv_rms[:, None], a_post * inv_rms[:, None],
+                               a_comb * inv_rms[:, None, None], scale_ptr, base_ptr, iters, hc_eps, N)
+    out2 = rows64[:, None] * N + hc[None, :]
+    tl.store(pre_ptr + out2, pre, mask=ok2)
+    tl.store(post_ptr + out2, post, mask=ok2)
+    tl.store(comb_ptr + rows64[:, None, None] * (N * N) + jk, comb, mask=ok3)
 
-    dtype = collapsed_ptr.dtype.element_ty
-    inv_rms_c = tl.rsqrt(collapsed_sq / dim + norm_eps)
+    inv_rms_c = tl.rsqrt(collapsed_sq / dim + norm_eps)[:, None]
     cols = tl.arange(0, BLOCK_D)
     for start in range(0, dim, BLOCK_D):
-        ok = start + cols < dim
-        c = tl.load(collapsed_ptr + row * dim + start + cols, mask=ok, other=0.0).to(tl.float32)
-        normed = (c * inv_rms_c).to(dtype).to(tl.float32)
-        w = tl.load(weight_ptr + start + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(x_ptr + row * dim + start + cols, (w * normed).to(x_ptr.dtype.element_ty), mask=ok)
+        ok = rows_ok[:, None] & (start + cols < dim)[None, :]
+        at = rows64[:, None] * dim + start + cols[None, :]
+        c = tl.load(collapsed_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        normed = _to_output(c * inv_rms_c, collapsed_ptr).to(tl.float32)
+        w = tl.load(weight_ptr + start + cols, mask=start + cols < dim, other=0.0).to(tl.float32)
+        tl.store(x_ptr + at, _to_output(w[None, :] * normed, x_ptr), mask=ok)

@@ -28,8 +28,8 @@ which is :func:`hc_site_reference`, the composition of those functions. The firs
 expanded chunk rounded to the streams dtype (the rounded value is what the rest reads, as in the
 composition), partial sums of squares, partial dot products with the `(2 + n) * n` rows of `fn` and
 the collapsed chunk (rounded to the streams dtype, as `hc_collapse`) with its sum of squares, into a
-small partials buffer; the second, one program per row, sums the partials in a fixed order (no
-atomics), scales the dot products by the row's 1 / rms and runs the tail and the final RMSNorm.
+small partials buffer; the second (one row per program on a GPU) sums the partials in chunk order
+(no atomics: the same inputs give the same bits), scales the dot products by the row's 1 / rms and runs the tail and the final RMSNorm.
 float32 results agree with the composition to a few ulps (the dot products are summed in another
 order); a rounded streams or `x` element may land one ulp of its dtype away.
 
@@ -202,11 +202,12 @@ def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: 
         N=hc, M=width, M_PAD=next_power_of_2(width), EXPAND=expand is not None,
         BLOCK_R=block_r, BLOCK_D=block_d,
     )
-    _hc_site_finish_kernel[(rows,)](
+    block_s = min(next_power_of_2(rows), 16) if interpreting() else 1  # one row a program on a GPU
+    _hc_site_finish_kernel[(cdiv(rows, block_s),)](
         part, scale, base, collapsed, norm_weight,
         pre, post, comb, x,
-        dim, chunks, sinkhorn_iters, hc_eps, norm_eps,
-        N=hc, M=width, CHUNKS_PAD=next_power_of_2(chunks), BLOCK_D=min(next_power_of_2(dim), 1024),
+        rows, dim, chunks, sinkhorn_iters, hc_eps, norm_eps,
+        N=hc, M=width, BLOCK_S=block_s, BLOCK_D=min(next_power_of_2(dim), 1024),
     )
     return HcSite(out, x, pre, post, comb)
 
