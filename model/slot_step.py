@@ -89,6 +89,10 @@ class SlotStep:
         self.hasher = model.hasher.to(self.device) if model.hasher is not None else None
         self.moe_mode = resolve_moe_mode(moe, config.n_routed_experts, self.kernels)
         self.ops = FusedOps(compiled=self.kernels and fused)
+        self.site_impl: Impl = "triton" if self.kernels else "torch"
+        """Where the mHC sites run (`kernels.mhc.hc_site`): its two kernels on CUDA, the torch
+        reference (the modules' composition) elsewhere; "triton" on CPU under `TRITON_INTERPRET=1`
+        (tests/kernels/test_mhc_site.py)."""
         self.annotate = False
         """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
         kernels each part launches; off in serving: a range costs host time)."""
@@ -193,9 +197,8 @@ class SlotStep:
               base: Tensor, norm_weight: Tensor) -> HcSite:
         """One mHC site (`pending` expanded first): two launches on CUDA (`kernels.mhc.hc_site`)."""
         c = self.config
-        impl: Impl = "triton" if self.kernels else "torch"
         return hc_site(streams, pre, fn, scale.float().contiguous(), base.float().contiguous(), norm_weight,
-                       c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, expand=pending, impl=impl)
+                       c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, expand=pending, impl=self.site_impl)
 
     def _expand(self, streams: Tensor, pending: Expansion | None) -> Tensor:
         """`streams` with the pending sublayer output expanded into them (`hc_expand`)."""

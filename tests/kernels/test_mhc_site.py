@@ -17,6 +17,7 @@ Outputs come from `torch.empty` and are NaN-poisoned before the launch, so an un
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -25,8 +26,12 @@ from torch import Tensor
 
 from cedserve.kernels import mhc as mhc_kernels
 from cedserve.kernels.mhc import Expansion, HcSite, hc_site, hc_site_reference
+from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.mhc import hc_collapse, hc_expand, hc_mixes
 from cedserve.model.norm import RMSNorm
+from cedserve.model.presets import preset
+from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.tokenizer import tiny_tokenizer_path
 
 pytestmark = pytest.mark.kernels
 CUDA = torch.cuda.is_available()
@@ -200,6 +205,34 @@ def test_reference_is_the_modules_composition(dtype: torch.dtype, expand: bool) 
     assert torch.equal(got.x, norm(hc_collapse(streams, pre_prev)))
     for name in ("pre", "post", "comb"):
         assert torch.equal(getattr(got, name), getattr(mix, name)), name
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's run; on a GPU tests/unit/test_runner_gpu.py runs the step")
+def test_slot_step_with_the_kernel_site() -> None:
+    """The tiny model's decode step over slots (`SlotStep`: sites with the MoE output pending
+    across layers, expansions before Engram layers and the logits, DSpark taps) gives the same
+    logits and taps with the Triton site as with its torch reference (float32 model)."""
+    # 4 Sinkhorn iterations instead of 20: the interpreter's time is in the tail's ops
+    config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path()).replace(hc_sinkhorn_iters=4)
+    model, _ = random_model(config, tiny_tokenizer_path(), seed=3)
+    model.use_paged_attention("reference")
+    gen = torch.Generator().manual_seed(4)
+    states = []
+    for length in (2, 9):
+        state = model.new_state()
+        model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
+        states.append(state)
+    outputs = []
+    for impl in ("torch", "triton"):
+        runner = ModelRunner(model, RunnerConfig(max_slots=2, max_context=128))
+        for slot, state in enumerate(states):
+            runner.load(slot, copy.deepcopy(state))
+        runner.slot_step.site_impl = impl
+        outputs.append(runner.step_outputs([0, 1], [5, 7]))
+    (logits, taps), (kernel_logits, kernel_taps) = outputs
+    assert taps.shape[1] == len(config.dspark_target_layer_ids) > 0
+    torch.testing.assert_close(kernel_logits, logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(kernel_taps, taps, atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------ GPU
