@@ -178,21 +178,22 @@ def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: 
         return hc_site_reference(streams, pre_prev, fn, scale, base, norm_weight, sinkhorn_iters, hc_eps,
                                  norm_eps, expand)
     rows, hc, dim = _check_site(streams, pre_prev, fn, scale, base, norm_weight, expand)
-    width = (2 + hc) * hc
-    out = torch.empty(rows, hc, dim, dtype=streams.dtype, device=streams.device) if expand else streams
-    x = torch.empty(rows, dim, dtype=torch.promote_types(norm_weight.dtype, streams.dtype), device=streams.device)
-    pre = torch.empty(rows, hc, dtype=torch.float32, device=streams.device)
-    post, comb = torch.empty_like(pre), pre.new_empty(rows, hc, hc)
+    width, device = (2 + hc) * hc, streams.device
+    out = streams if expand is None else torch.empty(rows, hc, dim, dtype=streams.dtype, device=device)
+    x = torch.empty(rows, dim, dtype=torch.promote_types(norm_weight.dtype, streams.dtype), device=device)
+    pre = torch.empty(rows, hc, dtype=torch.float32, device=device)
+    post = torch.empty(rows, hc, dtype=torch.float32, device=device)
+    comb = torch.empty(rows, hc, hc, dtype=torch.float32, device=device)
     if rows == 0:
         return HcSite(out, x, pre, post, comb)
     from cedserve.kernels._mhc_kernels import _hc_site_finish_kernel, _hc_site_streams_kernel
 
     block_r, block_d = _site_blocks(rows, dim)
     chunks = cdiv(dim, block_d)
-    collapsed = torch.empty(rows, dim, dtype=streams.dtype, device=streams.device)
-    part = torch.empty(rows, chunks, width + 2, dtype=torch.float32, device=streams.device)
-    # without an expansion the kernel never reads x, post or comb: any float32 pointers will do
-    src, post_in, comb_in = expand if expand else (streams, pre, comb)
+    collapsed = torch.empty(rows, dim, dtype=streams.dtype, device=device)  # [S, D]: the collapsed rows
+    part = torch.empty(rows, chunks, width + 2, dtype=torch.float32, device=device)  # the partials
+    # without an expansion the kernel never reads the sublayer output, post or comb: stand-ins
+    src, post_in, comb_in = expand if expand is not None else (streams, pre, comb)
     _hc_site_streams_kernel[(cdiv(rows, block_r), chunks)](
         streams, streams.stride(0), streams.stride(1),
         src, src.stride(0), post_in, comb_in,
@@ -208,6 +209,7 @@ def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: 
         pre, post, comb, x,
         rows, dim, chunks, sinkhorn_iters, hc_eps, norm_eps,
         N=hc, M=width, BLOCK_S=block_s, BLOCK_D=min(next_power_of_2(dim), 1024),
+        num_warps=1 if block_s * hc * hc <= 256 else 4,  # the tail's reductions within one warp, as hc_mix_tail
     )
     return HcSite(out, x, pre, post, comb)
 
