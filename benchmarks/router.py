@@ -5,14 +5,17 @@
    is what the router does per request, timed on two paths side by side over the same requests:
    - old: the straightforward walk over every holder of every block (`prefix_hits_reference`), a
      `PrefillLoad` / `DecodeLoad` per worker, and `placement.place` over all 250,000 pairs;
-   - new: the identity walk over interned holder sets (`prefix_runs`) and `LoadTable.place`, whose
+   - new: the request path's walk (`prefix_runs`) and `LoadTable.place`, whose
      per-worker arrays the load reports keep current (their cost is timed apart, per report);
    - new, measured links: the same with a measured link rate on every (prefill, decode) pair, the
      worst case of `LoadTable` (every decode column scored exactly, a P x D gather).
    The paths run one after the other over the same requests and loads (so the old path's big
    matrices do not evict the new path's data between its decisions), and must choose the same
    pair; the run stops if they do not (with measured links: checked on the first 20). Decisions per second on one
-   core = 1 / mean decision time (the router's event loop is one thread).
+   core = 1 / mean decision time (the router's event loop is one thread). Every query is a fresh copy
+   of the prompt's hashes (new `bytes` objects, as a request's own hashing makes them), not the
+   objects the index was fed. With `--baseline-python`, this benchmark runs in a process per tree
+   (the baseline's `cedserve` and this one's), `--placement-rounds` rounds taking them in turn.
 2. Overhead: the same streamed request through the router and directly against the workers
    (scripted in-process fake workers on loopback gRPC, so only the router's own work differs).
 
@@ -24,9 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +63,13 @@ def _summary(times: list[float], cpu_times: list[float]) -> dict[str, float]:
 def _lap(times: tuple[list[float], list[float]], wall_start: float, cpu_start: float) -> None:
     times[0].append(time.perf_counter() - wall_start)
     times[1].append(time.thread_time() - cpu_start)
+
+
+def _fresh(hashes: list[bytes]) -> list[bytes]:
+    """Copies of `hashes` as new objects, as a request's own hashing makes them: the index's lookups
+    then compare bytes (and hash them, where it uses Python's hash) instead of finding the very objects
+    the index was fed, whose hashes are cached and which compare equal by identity."""
+    return [bytes(bytearray(h)) for h in hashes]
 
 
 def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, decisions: int,
@@ -107,7 +119,7 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
     old_times: tuple[list[float], list[float]] = ([], [])  # (wall, thread CPU) seconds per decision
     old_choices = []
     for k, (queued, running) in enumerate(loads):
-        hashes = families[k % len(families)]
+        hashes = _fresh(families[k % len(families)])
         t, c = time.perf_counter(), time.thread_time()
         hits = index.prefix_hits_reference(hashes)
         pl = [PrefillLoad(w, q, 2e4,
@@ -133,7 +145,7 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
     for w, r in zip(decode_ids, initial[1], strict=True):
         table.set_decode(DecodeLoad(w, r, 20_000, [0.02, 0.02, 0.021, 0.022], 5e3))
     for k, (queued, running) in enumerate(loads):
-        hashes = families[k % len(families)]
+        hashes = _fresh(families[k % len(families)])
         for i in reports[k]:
             t = time.perf_counter()
             if i < len(prefill_ids):
@@ -147,6 +159,7 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
         walk_times.append(time.perf_counter() - t)
         new = table.place(req, runs, links, 256)
         _lap(new_times, t, c)
+        hashes = _fresh(hashes)
         t, c = time.perf_counter(), time.thread_time()
         new_measured = table.place(req, index.prefix_runs(hashes), measured, 256)
         _lap(measured_times, t, c)
@@ -161,6 +174,49 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
             "old": _summary(*old_times), "new": _summary(*new_times), "new_measured_links": _summary(*measured_times),
             "new_index_walk_p50_ms": 1e3 * _pct(walk_times, 0.5), "new_index_walk_p99_ms": 1e3 * _pct(walk_times, 0.99),
             "load_report_p50_us": 1e6 * _pct(report_times, 0.5), "load_report_p99_us": 1e6 * _pct(report_times, 0.99)}
+
+
+def bench_placement_side_by_side(pythons: dict[str, str], rounds: int, *sizes: int) -> dict[str, Any]:
+    """`bench_placement` in a process per interpreter (`pythons`: name -> the interpreter whose
+    `cedserve` runs; this file's benchmark code for all), in `rounds` rounds that take the
+    interpreters in turn, so the shared machine's load falls on all alike. Returns per name the
+    median over rounds of each figure, and every round."""
+    script = str(Path(__file__).resolve().parent / "router_processes.py")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pythons}
+    for r in range(rounds):
+        for name, python in pythons.items():
+            line = subprocess.run([python, script, "placement", *map(str, sizes)], capture_output=True, text=True,
+                                  check=True).stdout
+            runs[name].append(json.loads(line))
+            row = runs[name][-1]["new"]
+            print(f"round {r + 1}/{rounds} {name}: request path p50 {row['p50_ms']:.3f} ms, p99 {row['p99_ms']:.3f} ms",
+                  flush=True)
+    return {name: {"median_over_rounds": _median_report(reports), "rounds": reports} for name, reports in runs.items()}
+
+
+def _median_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reports' median, leaf by leaf (their shapes are equal)."""
+    first = reports[0]
+    out: dict[str, Any] = {}
+    for key, value in first.items():
+        if isinstance(value, dict):
+            out[key] = _median_report([r[key] for r in reports])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and any(r[key] != value for r in reports):
+            out[key] = statistics.median(r[key] for r in reports)
+        else:
+            out[key] = value
+    return out
+
+
+def _print_placement(placement: dict[str, Any], tree: str = "") -> None:
+    print(f"{'path':<28}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'decisions/s':>13}{'cpu p50':>9}{'cpu p99':>9}")
+    for name in ("old", "new", "new_measured_links"):
+        row = placement[name]
+        print(f"{tree + name:<28}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}{row['mean_ms']:>9.3f}"
+              f"{row['decisions_per_s']:>13,.0f}{row['cpu_p50_ms']:>9.3f}{row['cpu_p99_ms']:>9.3f}")
+    print(f"{tree}request path's index walk: p50 {placement['new_index_walk_p50_ms']:.3f} ms, "
+          f"p99 {placement['new_index_walk_p99_ms']:.3f} ms; load report into the table: "
+          f"p50 {placement['load_report_p50_us']:.1f} us, p99 {placement['load_report_p99_us']:.1f} us")
 
 
 def bench_overhead(requests: int, max_tokens: int) -> dict[str, float]:
@@ -381,8 +437,9 @@ def main() -> None:
                         help="overhead mode: fake workers on the router's own event loop (inprocess), or fake "
                              "workers and each router in processes of their own (processes)")
     parser.add_argument("--baseline-python", default=None,
-                        help="processes topology: also run the router of this interpreter's cedserve (a "
-                             "baseline checkout's venv), side by side with this tree's, against the same fakes")
+                        help="a baseline checkout's venv interpreter: the placement figures (--placement-rounds), the "
+                             "index's cost (--index-gc) and, processes topology, the router of its cedserve are "
+                             "measured side by side with this tree's")
     parser.add_argument("--router-cpu", type=int, default=None,
                         help="processes topology: pin each router process to this CPU (one core)")
     parser.add_argument("--throughput-s", type=float, default=0.0,
@@ -393,23 +450,28 @@ def main() -> None:
     parser.add_argument("--index-gc", action="store_true",
                         help="also build the placement index in a process per router interpreter and report a full "
                              "garbage collection's time and the memory it holds")
+    parser.add_argument("--placement-rounds", type=int, default=3,
+                        help="with --baseline-python: rounds of the placement figures, each tree's code in a process "
+                             "of its own, the trees in turn (0: this tree's alone, in this process)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/router-cpu.json"))
     args = parser.parse_args()
+    load_before = os.getloadavg()
     reports = args.workers if args.reports_per_decision is None else args.reports_per_decision
-    placement = bench_placement(args.workers, args.index_entries, args.prompt_blocks, args.decisions, reports)
+    sizes = (args.workers, args.index_entries, args.prompt_blocks, args.decisions, reports)
+    side_by_side: dict[str, Any] = {}
+    if args.baseline_python and args.placement_rounds:
+        side_by_side = bench_placement_side_by_side({"old": args.baseline_python, "new": sys.executable},
+                                                    args.placement_rounds, *sizes)
+        placement = side_by_side["new"]["median_over_rounds"]
+    else:
+        placement = bench_placement(*sizes)
     print(f"placement: {placement['workers']} workers, {placement['index_entries']:,} index entries, "
           f"{placement['prompt_blocks']}-block prompt, {placement['decisions']} decisions, "
-          f"{placement['reports_per_decision']} load reports between decisions (same choice on both paths)")
-    print(f"{'path':<22}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'decisions/s':>13}{'cpu p50':>9}{'cpu p99':>9}")
-    for name in ("old", "new", "new_measured_links"):
-        row = placement[name]
-        assert isinstance(row, dict)
-        print(f"{name:<22}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}{row['mean_ms']:>9.3f}"
-              f"{row['decisions_per_s']:>13,.0f}{row['cpu_p50_ms']:>9.3f}{row['cpu_p99_ms']:>9.3f}")
-    print(f"new path's index walk: p50 {placement['new_index_walk_p50_ms']:.3f} ms, "
-          f"p99 {placement['new_index_walk_p99_ms']:.3f} ms")
-    print(f"load report into the table: p50 {placement['load_report_p50_us']:.1f} us, "
-          f"p99 {placement['load_report_p99_us']:.1f} us")
+          f"{placement['reports_per_decision']} load reports between decisions (same choice on both paths)"
+          + (f"; medians over {args.placement_rounds} rounds per tree" if side_by_side else ""))
+    if side_by_side:
+        _print_placement(side_by_side["old"]["median_over_rounds"], "baseline tree: ")
+    _print_placement(placement, "this tree: " if side_by_side else "")
     if args.topology == "processes" and args.requests:
         routers = {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python else {})}
         processes = bench_processes(routers, args.requests, args.max_tokens, args.throughput_s, args.concurrency,
@@ -426,8 +488,6 @@ def main() -> None:
         processes = {}
     index_gc: dict[str, Any] = {}
     if args.index_gc:
-        import subprocess
-
         script = str(Path(__file__).resolve().parent / "router_processes.py")
         for name, python in {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python
                                                        else {})}.items():
@@ -444,7 +504,9 @@ def main() -> None:
     report = {"benchmark": "router", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} {platform.machine()} CPU, Python {platform.python_version()}",
               "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "placement": placement, "overhead": overhead, **({"processes": processes} if processes else {}),
+              "load_average_1_5_15_min": {"start": load_before, "end": os.getloadavg()},
+              "placement": placement,
+              **({"placement_side_by_side": side_by_side} if side_by_side else {}), "overhead": overhead, **({"processes": processes} if processes else {}),
               **({"index_gc": index_gc} if index_gc else {})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

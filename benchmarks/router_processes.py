@@ -2,6 +2,7 @@
 
     python benchmarks/router_processes.py [--cpu N] fakes [TOKEN_DELAY_S]    # prints {"prefill": [...], ...}
     python benchmarks/router_processes.py index WORKERS ENTRIES BLOCKS       # the index's GC cost, memory
+    python benchmarks/router_processes.py placement WORKERS ENTRIES BLOCKS DECISIONS REPORTS  # decision times
     python benchmarks/router_processes.py [--cpu N] router CKPT FAKES_JSON   # prints {"port": N}
 
 `fakes` and `router` run until their stdin closes. `router` imports only `cedserve.router` and `cedserve.model`, so any
@@ -110,6 +111,14 @@ def index(workers: int, entries: int, prompt_blocks: int) -> None:
           flush=True)
 
 
+def placement(workers: int, entries: int, prompt_blocks: int, decisions: int, reports: int) -> None:
+    """`benchmarks/router.py`'s placement figures (this file's directory's benchmark code) timed on
+    this interpreter's `cedserve`: a baseline checkout's venv runs the same benchmark on its code."""
+    from router import bench_placement  # benchmarks/router.py, beside this file
+
+    print(json.dumps(bench_placement(workers, entries, prompt_blocks, decisions, reports)), flush=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--cpu"]:  # pinned before anything starts a thread
         os.sched_setaffinity(0, {int(sys.argv[2])})
@@ -118,6 +127,8 @@ def main() -> None:
         asyncio.run(fakes(float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
     elif sys.argv[1] == "index":
         index(*map(int, sys.argv[2:5]))
+    elif sys.argv[1] == "placement":
+        placement(*map(int, sys.argv[2:7]))
     else:
         asyncio.run(router(sys.argv[2], json.loads(sys.argv[3])))
 
