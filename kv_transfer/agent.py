@@ -102,7 +102,7 @@ class NixlTransferAgent:
 
     def info(self) -> pb.AgentInfo:
         """What peers need to know about us (sent in the handshake)."""
-        return agent_info(self._name, self._compat, self.memory, self.control_address)
+        return agent_info(self._name, self._compat, self.memory, self.control_address, self.engine.doorbell_port)
 
     def active_transfers(self) -> int:
         return self.engine.active_transfers()

@@ -36,6 +36,7 @@ import numpy as np
 
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.descriptors import as_block_ids, count_runs, should_pack, split_positions
+from cedserve.kv_transfer.doorbell import Doorbell
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError, RequestId
 from cedserve.kv_transfer.handshake import check_peer_info, load_peer
 from cedserve.kv_transfer.metrics import TransferMetrics
@@ -66,6 +67,7 @@ from cedserve.proto import kv_transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 _FORGET_AFTER = 4096  # finished results kept for wait()/state() after the fact
+_HOT_ROUNDS_AFTER_RING = 4  # short polls after a peer's ring (see `_run`)
 
 
 class ProbeSink(Protocol):
@@ -97,7 +99,8 @@ class NixlEngine:
         self._compat = memory.layout.compatibility()
         self._name = name
         self._lock = threading.RLock()
-        self._wake = threading.Event()
+        self._bell = Doorbell(config.control_host)  # the loop sleeps on it; wakes and peers' rings end the sleep
+        self._hot_rounds = 0  # polls left at the short interval after a peer's ring
         self._stop = threading.Event()
         self._peers: dict[str, PeerState] = {}
         self._sends: dict[RequestId, SendTransfer] = {}
@@ -125,7 +128,12 @@ class NixlEngine:
 
     def wake(self) -> None:
         """Run a step now (after a change the loop should see at once)."""
-        self._wake.set()
+        self._bell.wake()
+
+    @property
+    def doorbell_port(self) -> int:
+        """The UDP port of our doorbell (`doorbell.py`), announced in `AgentInfo`."""
+        return self._bell.port
 
     # ------------------------------------------------------------------ peers
 
@@ -147,7 +155,7 @@ class NixlEngine:
             if old is not None:
                 self._peer_dead(old, FailureCause.PEER_DISCONNECTED, "peer handshaked again (restarted)")
             self._peers[info.agent_name] = load_peer(self.memory, info)
-        self._wake.set()
+        self._bell.wake()
 
     def live_peer(self, name: str) -> PeerState:
         """The handshaken peer `name`; `ValueError` when unknown or dead."""
@@ -191,7 +199,7 @@ class NixlEngine:
                 for slot in slots:
                     self.memory.release_slot(slot)
                 raise
-        self._wake.set()
+        self._bell.wake()
         return Reservation(request_id=request_id, receiver=self._name, sender=sender,
                            block_ids=tuple(ids.tolist()), mode=mode, staging_slots=slots, lease_s=lease,
                            compat_hash=self._compat.compat_hash)
@@ -222,7 +230,7 @@ class NixlEngine:
             t = SendTransfer(record=record, mode=reservation.mode, initiator=reservation.mode is TransferMode.WRITE,
                              dst_ids=dst, reservation=reservation, credits=deque(reservation.staging_slots))
             self._register(t, self._sends)
-        self._wake.set()
+        self._bell.wake()
 
     def claim(self, request_id: RequestId, sender_agent: str) -> str:
         """Control plane (`Claim`): "" when a reservation `request_id` for `sender_agent` is held here
@@ -263,7 +271,7 @@ class NixlEngine:
                 raise ValueError(f"write_blocks {request_id!r}: last=True at {end} of {t.dst_ids.size} reserved blocks")
             self._enqueue_chunks(t, src, last)
             t.record.start_transferring(time.monotonic())
-        self._wake.set()
+        self._bell.wake()
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
         """Queue one `write_blocks` call as chunks of at most `chunk_blocks`. Whether a chunk is packed
@@ -334,7 +342,7 @@ class NixlEngine:
                 if t is not None and not t.record.state.terminal:
                     self._fail(t, TransferState.ABORTED, cause, detail or "aborted locally", tell_peer=True)
                     found = True
-        self._wake.set()
+        self._bell.wake()
         return found
 
     def wait(self, role: Role, request_id: RequestId, timeout_s: float) -> TransferResult:
@@ -371,11 +379,12 @@ class NixlEngine:
                                tell_peer=True)
         deadline = time.monotonic() + self.config.abort_drain_s + 0.5
         while self.active_transfers() and time.monotonic() < deadline:
-            self._wake.set()
+            self._bell.wake()
             time.sleep(0.01)
         self._stop.set()
-        self._wake.set()
+        self._bell.wake()
         self._thread.join(timeout=5.0)
+        self._bell.close()
         with self._lock:
             for t in [*self._sends.values(), *self._recvs.values()]:
                 self._drop_inflight(t)
@@ -394,8 +403,13 @@ class NixlEngine:
                 self._fail_everything(f"progress loop error: {type(exc).__name__}: {exc}")
                 sleep_s = self.config.idle_poll_s
             self._run_callbacks()
-            self._wake.wait(sleep_s)
-            self._wake.clear()
+            if self._hot_rounds:
+                self._hot_rounds -= 1
+                sleep_s = min(sleep_s, self._hot_poll_s)
+            if self._bell.wait(sleep_s):
+                # A peer rang: its news is in flight. Poll short for a few rounds in case the ring
+                # overtook the notification (UDP can beat a notification still queued in UCX).
+                self._hot_rounds = _HOT_ROUNDS_AFTER_RING
 
     def _fail_everything(self, detail: str) -> None:
         with self._lock:
@@ -426,12 +440,6 @@ class NixlEngine:
                 self._pump_send(s, jobs)
             for r in list(self._recvs.values()):
                 self._pump_recv(r, jobs)
-            # A WRITE's receiver hears of it before the bytes land (ChunkPosted), so it is on its short
-            # poll when the ChunkDone arrives instead of waiting out its reservation poll.
-            for job in jobs if self.config.announce_posts else ():
-                if job.op == "WRITE":
-                    self._notify(job.transfer.peer, encode_notice(job.transfer.request_id,
-                                                                  chunk_posted=pb.ChunkPosted(seq=job.seq)))
         # Posting copies synchronously on some transports (TCP: tens of ms for a large chunk); the
         # agent lock stays free meanwhile, so prefill threads keep queueing chunks (which then merge).
         posted = [(job, *self.memory.post(job)) for job in jobs]
@@ -542,6 +550,10 @@ class NixlEngine:
         t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
         t.record.num_descriptors += job.descriptors
+        if self.config.announce_posts and job.op == "WRITE":
+            # Sent (and rung) once the post returned, so a receiver is on its short poll while the
+            # bytes land, but not while a host-memory post still copies them synchronously.
+            self._notify(t.peer, encode_notice(t.request_id, chunk_posted=pb.ChunkPosted(seq=job.seq)))
         if status == "ERR":
             self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
                        f"{job.op} of chunk {job.seq} failed at post", tell_peer=True)
@@ -659,6 +671,7 @@ class NixlEngine:
                 status = "ERR"
             if status == "PROC":
                 continue
+            self._ring(t.peer)  # NIXL sent the request's notification when this poll saw it end
             self._release_handle(inf.handle, t.peer)
             del t.inflight[seq]
             if status == "DONE" and not t.record.state.terminal:
@@ -696,8 +709,9 @@ class NixlEngine:
 
     # ------------------------------------------------------------------ notifications
 
-    def _notify(self, peer_name: str, message: bytes) -> bool:
-        """Send a notification; on a disconnect, declare the peer dead and return False."""
+    def _notify(self, peer_name: str, message: bytes, *, ring: bool = True) -> bool:
+        """Send a notification (and ring the peer's doorbell, so it sees it now rather than at its next
+        poll); on a disconnect, declare the peer dead and return False."""
         peer = self._peers.get(peer_name)
         if peer is None or not peer.alive:
             return False
@@ -706,7 +720,14 @@ class NixlEngine:
         except NixlCallError as exc:
             self._peer_dead(peer, FailureCause.PEER_DISCONNECTED, str(exc))
             return False
+        if ring and peer.doorbell is not None:
+            self._bell.ring(peer.doorbell)
         return True
+
+    def _ring(self, peer_name: str) -> None:
+        peer = self._peers.get(peer_name)
+        if peer is not None and peer.alive and peer.doorbell is not None:
+            self._bell.ring(peer.doorbell)
 
     def _on_notice(self, peer_name: str, message: bytes, now: float) -> None:
         peer = self._peers.get(peer_name)
@@ -792,7 +813,7 @@ class NixlEngine:
                 self._notify(t.peer, encode_notice(t.request_id, abort=pb.Abort(cause=cause_to_pb(cause),
                                                                                 detail=detail)))
             t.drain_until_s = time.monotonic() + self.config.abort_drain_s
-        self._wake.set()
+        self._bell.wake()
 
     def _cancel_inflight(self, t: Transfer) -> None:
         """Ask NIXL to cancel our requests; those it cannot cancel are polled to their end."""
@@ -905,7 +926,8 @@ class NixlEngine:
             for peer in list(self._peers.values()):
                 if peer.alive:
                     peer.next_heartbeat_seq += 1
-                    self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)))
+                    self._notify(peer.name, encode_notice("", heartbeat=pb.Heartbeat(seq=peer.next_heartbeat_seq)),
+                                 ring=False)
 
 
 def _filled(value: float | None) -> float:

@@ -20,6 +20,7 @@ import grpc
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.control import ControlClient, check_compatible
 from cedserve.kv_transfer.descriptors import RegionAddress
+from cedserve.kv_transfer.doorbell import peer_doorbell
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.kv_transfer.nixl_backend import MemType
 from cedserve.kv_transfer.protocol import Reservation
@@ -30,7 +31,8 @@ from cedserve.kv_transfer.wire import compat_from_pb, compat_to_pb
 from cedserve.proto import kv_transfer_pb2 as pb
 
 
-def agent_info(name: str, compat: Compatibility, memory: LocalMemory, control_address: str) -> pb.AgentInfo:
+def agent_info(name: str, compat: Compatibility, memory: LocalMemory, control_address: str,
+               doorbell_port: int = 0) -> pb.AgentInfo:
     """What peers need to know about us (sent in the handshake)."""
     r = memory.region
     kind = pb.MEMORY_KIND_VRAM if r.device_memory else pb.MEMORY_KIND_DRAM
@@ -46,7 +48,7 @@ def agent_info(name: str, compat: Compatibility, memory: LocalMemory, control_ad
         block_bytes=r.block_bytes, num_blocks=r.num_blocks, staging_region=staging_region,
         staging_slot_bytes=staging.slot_bytes if staging else 0,
         num_staging_slots=staging.num_slots if staging else 0,
-        control_address=control_address)
+        control_address=control_address, doorbell_port=doorbell_port)
 
 
 def check_peer_info(info: pb.AgentInfo, own_name: str, block_bytes: int) -> None:
@@ -76,7 +78,8 @@ def load_peer(memory: LocalMemory, info: pb.AgentInfo) -> PeerState:
         staging_base=info.staging_region.base_address, staging_slot_bytes=info.staging_slot_bytes,
         staging_slots=info.num_staging_slots, staging_device=info.staging_region.device_id,
         staging_mem=st_mem, control_address=info.control_address, last_seen_s=time.monotonic(),
-        blocks_list=memory.prep_peer_blocks(info.agent_name, kv, info.block_bytes, kv_mem))
+        blocks_list=memory.prep_peer_blocks(info.agent_name, kv, info.block_bytes, kv_mem),
+        doorbell=peer_doorbell(info.control_address, info.doorbell_port))
 
 
 class PeerConnector:

@@ -40,6 +40,8 @@ class PeerState:
     next_heartbeat_seq: int = 0
     blocks_list: int | None = None
     """Its block pool as a NIXL list prepared once (`NixlBackend.prep_blocks`); None: per-layer layout."""
+    doorbell: tuple[str, int] | None = None
+    """(host, UDP port) of its progress loop's doorbell (`doorbell.py`); None: an agent without one."""
 
     def staging_address(self, slot: int) -> int:
         return self.staging_base + slot * self.staging_slot_bytes

@@ -69,7 +69,7 @@ class Compatibility(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_name", "nixl_metadata", "compat", "kv_region", "block_bytes", "num_blocks", "staging_region", "staging_slot_bytes", "num_staging_slots", "control_address")
+    __slots__ = ("agent_name", "nixl_metadata", "compat", "kv_region", "block_bytes", "num_blocks", "staging_region", "staging_slot_bytes", "num_staging_slots", "control_address", "doorbell_port")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class AgentInfo(_message.Message):
     STAGING_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_PORT_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     nixl_metadata: bytes
     compat: Compatibility
@@ -90,7 +91,8 @@ class AgentInfo(_message.Message):
     staging_slot_bytes: int
     num_staging_slots: int
     control_address: str
-    def __init__(self, agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[Compatibility, _Mapping]] = ..., kv_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., staging_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., staging_slot_bytes: _Optional[int] = ..., num_staging_slots: _Optional[int] = ..., control_address: _Optional[str] = ...) -> None: ...
+    doorbell_port: int
+    def __init__(self, agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[Compatibility, _Mapping]] = ..., kv_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., staging_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., staging_slot_bytes: _Optional[int] = ..., num_staging_slots: _Optional[int] = ..., control_address: _Optional[str] = ..., doorbell_port: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("initiator",)

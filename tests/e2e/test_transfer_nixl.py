@@ -3,7 +3,7 @@
 Three processes: a decode receiver, a prefill sender that never packs, and one that packs scattered
 blocks through the staging buffers, at the released block geometry (56,960 B per 64-token block).
 The packing sender polls at the device-memory interval (20 us) and announces its WRITE requests
-(`announce_posts`, the device-memory default), the others use the host-memory defaults.
+(`announce_posts`, on by default), the direct sender has it off, the others use the host-memory defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Cluster:
     def __init__(self) -> None:
         base = {"auth_token": TOKEN}
         self.receiver = PeerProcess(WorkerSpec("decode0", POOL, config={**base, **PACK}))
-        self.direct = PeerProcess(WorkerSpec("prefill-direct", POOL, config=base, seed=1))
+        self.direct = PeerProcess(WorkerSpec("prefill-direct", POOL, config={**base, "announce_posts": False},
+                                             seed=1))
         self.packed = PeerProcess(WorkerSpec("prefill-packed", POOL, seed=2, config={
             **base, **PACK, "poll_interval_s": 2e-5, "announce_posts": True}))
         self.seeds = {"prefill-direct": 11, "prefill-packed": 22}
@@ -96,9 +97,9 @@ def test_bytes_arrive_intact(cluster: Cluster, mode: str, alloc: str, packing: b
 
 @pytest.mark.parametrize("packing", [False, True], ids=["direct", "packed"])
 def test_each_write_request_is_announced_before_it_lands(cluster: Cluster, packing: bool) -> None:
-    """WRITE with `announce_posts` (the packing sender): a ChunkPosted before each NIXL request (so the
-    receiver polls short while the bytes move) and a ChunkDone after it, one of each per request;
-    without it (the direct sender, host-memory default) no ChunkPosted. Bytes intact either way."""
+    """WRITE with `announce_posts` (the packing sender, the default): a ChunkPosted once each NIXL
+    request is posted (so the receiver polls short while the bytes land) and a ChunkDone after it,
+    one of each per request; without it (the direct sender) no ChunkPosted. Bytes intact either way."""
     sender = cluster.packed if packing else cluster.direct
     before = cluster.receiver.call("notices")
     rid = cluster.rid(f"announced-{'packed' if packing else 'direct'}")

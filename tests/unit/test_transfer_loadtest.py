@@ -36,9 +36,9 @@ def test_table_renders_a_row() -> None:
     row = {"layout": "cross_layer", "alloc": "random", "pack": "auto", "mode": "write", "tokens": 131072,
            "batch": 1, "fan_in": 2, "gbps": 2.5, "raw_gbps": 3.0, "ratio_to_raw": 0.83,
            "nixl_same_descs_gbps": 2.6, "memcpy_gbps": 9.0, "p50_ms": 40.0, "p99_ms": 60.0,
-           "descriptors_per_request": 2048, "failures": [], "verified": True}
+           "fixed_ms": 1.25, "descriptors_per_request": 2048, "failures": [], "verified": True}
     line = render_table([row]).splitlines()[-1]
-    assert "128K" in line and "0.83" in line and line.endswith("v")
+    assert "128K" in line and "0.83" in line and " 1.25 " in line and line.endswith("v")
 
 
 @pytest.mark.parametrize("kind", ["cross_layer", "per_layer"])
