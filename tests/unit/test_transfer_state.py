@@ -143,8 +143,8 @@ def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> 
     mine = KVTransferConfig(chunk_blocks=7, poll_interval_s=0.5, staging_slots=0).resolved(True)
     assert (mine.chunk_blocks, mine.poll_interval_s, mine.staging_slots) == (7, 0.5, 0)
     assert mine.target_poll_s == device.target_poll_s
-    assert (device.announce_posts, host.announce_posts) == (True, True)
-    assert KVTransferConfig(announce_posts=False).resolved(False).announce_posts is False
+    assert (device.announce_posts, host.announce_posts) == (True, False)
+    assert KVTransferConfig(announce_posts=True).resolved(False).announce_posts is True
 
 
 def test_metrics_count_bytes_failures_and_ttft_share() -> None:
