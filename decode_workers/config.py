@@ -121,13 +121,16 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graphs: bool = True
     """With the runner on CUDA: capture its step (and the drafter's, `runner_drafter`) per batch
     bucket at start-up (False: run it eagerly)."""
-    compile_fused: bool = True
-    """With the runner on CUDA: its chains of small ops (norms, RoPE, mHC mixing, window slots, the
-    dense MoE, sampling) compiled by Inductor (`cedserve.model.fused`) before capture: on an H200
-    2,485 instead of 6,790 kernels and 8.0 instead of 17.1 ms per mini-40 step (64K x 1,
-    docs/benchmarks/decode-step-h200.json), for a longer start-up (about 25 s of compiles on the
-    first bucket, Inductor's cache helps later starts). The engine's GPU test passes with it
-    (test_decode_engine_runner_on_cuda[inductor]); False: the plain ops, captured as they are."""
+    compile_fused: bool = False
+    """With the runner on CUDA: its chains of small ops (RoPE, mHC expansion, window slots, the
+    compressor step, the dense MoE, sampling) compiled by Inductor (`cedserve.model.fused`) before
+    capture. Off by default since session 17: after the fused-step changes (concatenated weights,
+    the compiled compressor step, the mHC site kernels) the Inductor variant's graph replays did not
+    equal its eager step on an H200 (test_graph_replay_equals_eager_every_bucket[inductor] failed;
+    benchmarks/step.py's graph-fused cells disagreed with forward_batch,
+    docs/benchmarks/decode-step-h200-fused-unverified.json), and with 16 buckets the decode worker's
+    capture compiled for minutes (1 of 16 buckets after ~80 s) where `cedserve serve` waits 150 s.
+    The plain ops are captured as they are; True is for measuring it, not for serving."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
     set for the worker process when the engine starts): a model held in float32 (as every checkpoint
