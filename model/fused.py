@@ -14,6 +14,7 @@ path, which the tests compare with the modules).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -77,25 +78,31 @@ def window_slots(positions: Tensor, slots: Tensor, first: Tensor, window: int, r
     return base + positions % ring, table
 
 
-def global_kv(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm: Tensor, pending_kv: Tensor | None,
-              pending_gate: Tensor | None, slots: Tensor, positions: Tensor, block_table: Tensor, scratch_slot: int,
-              inv_freq: Tensor, rope_scaling: float, ratio: int, entries_per_block: int, eps: float
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """The compressor's step for rows `x [B, D]` (`SlotStep._write_global_kv`): RoPE'd main KV `[B, D]`,
-    index keys `[B, d]` of each row's group and its record slot `[B]` (-1 where the row's group is not
-    complete, and for padding rows at `scratch_slot`: shared pools hold real blocks). Ratio 1: `w` is `wkv`. Ratio m > 1: `w` is float32 `[wkv; wgate]`;
-    the row's float32 projections go into the slot's pending rings `pending_kv`, `pending_gate`
-    `[slots, ring, D]` (in place, every row before any group is pooled: a slot's rows may share a
-    group) and each row pools its group's m positions."""
+def write_pending(x: Tensor, w: Tensor, pending_kv: Tensor, pending_gate: Tensor, slots: Tensor,
+                  positions: Tensor) -> None:
+    """A ratio m > 1 compressor's rows into their slots' pending rings: the float32 projections
+    `x [B, D] @ w^T` (`w` = `[wkv; wgate]`) at ring row `position % ring`, in place. Kept out of the
+    compiled `global_kv_from_rings` on purpose: written and read back inside one Inductor graph, the
+    rings are a mutation followed by a gather of the same buffer, which a GPU kernel may reorder
+    (the compiled step's replays disagreed with eager on an H200 while its CPU code agreed)."""
+    ring, dim = pending_kv.shape[1], pending_kv.shape[2]
+    projected = F.linear(x.float(), w)  # [B, 2D]: latent, then gate
+    rows = positions % ring
+    pending_kv[slots, rows] = projected[:, :dim]
+    pending_gate[slots, rows] = projected[:, dim:]
+
+
+def global_kv_from_rings(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm: Tensor, pending_kv: Tensor | None,
+                         pending_gate: Tensor | None, slots: Tensor, positions: Tensor, block_table: Tensor,
+                         scratch_slot: int, inv_freq: Tensor, rope_scaling: float, ratio: int, entries_per_block: int,
+                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`global_kv` after `write_pending` (ratio m > 1: the rings hold the rows' projections already;
+    this reads them only, a pure function of its inputs)."""
     if pending_kv is None or pending_gate is None:
         latent = norm * rms_normalize(F.linear(x, w), eps)
         entry, complete = positions, None
     else:
-        ring, dim = pending_kv.shape[1], pending_kv.shape[2]
-        projected = F.linear(x.float(), w)  # [B, 2D]: latent, then gate
-        rows = positions % ring
-        pending_kv[slots, rows] = projected[:, :dim]
-        pending_gate[slots, rows] = projected[:, dim:]
+        ring = pending_kv.shape[1]
         entry = positions // ratio
         group = ((entry * ratio).unsqueeze(-1) + torch.arange(ratio, device=x.device)) % ring  # [B, m]
         pooled = pool_groups(pending_kv[slots.unsqueeze(-1), group], pending_gate[slots.unsqueeze(-1), group], ratio)
@@ -108,6 +115,24 @@ def global_kv(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm: Tensor, pe
     if complete is not None:
         keep = keep & complete
     return apply_rope(latent, cos, sin), keys, torch.where(keep, slot_map, -1)
+
+
+def global_kv(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm: Tensor, pending_kv: Tensor | None,
+              pending_gate: Tensor | None, slots: Tensor, positions: Tensor, block_table: Tensor, scratch_slot: int,
+              inv_freq: Tensor, rope_scaling: float, ratio: int, entries_per_block: int, eps: float,
+              from_rings: Callable[..., tuple[Tensor, Tensor, Tensor]] = global_kv_from_rings,
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """The compressor's step for rows `x [B, D]` (`SlotStep._write_global_kv`): RoPE'd main KV `[B, D]`,
+    index keys `[B, d]` of each row's group and its record slot `[B]` (-1 where the row's group is not
+    complete, and for padding rows at `scratch_slot`: shared pools hold real blocks). Ratio 1: `w` is
+    `wkv`. Ratio m > 1: `w` is float32 `[wkv; wgate]`; the rows' projections go into the slots' pending
+    rings `pending_kv`, `pending_gate` `[slots, ring, D]` first (`write_pending`: every row before any
+    group is pooled, a slot's rows may share a group), then each row pools its group's m positions
+    (`from_rings`: `global_kv_from_rings`, or its compiled form)."""
+    if pending_kv is not None and pending_gate is not None:
+        write_pending(x, w, pending_kv, pending_gate, slots, positions)
+    return from_rings(x, w, norm, wk, k_norm, pending_kv, pending_gate, slots, positions, block_table, scratch_slot,
+                      inv_freq, rope_scaling, ratio, entries_per_block, eps)
 
 
 def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w13: Tensor, w2: Tensor, scoring: str, temp: float, top_k: int,
@@ -175,7 +200,7 @@ class FusedOps:
         self.output = wrap(output)
         self.index_query = wrap(index_query)
         self.window_slots = wrap(window_slots)
-        self.global_kv = wrap(global_kv)
+        self.global_kv = partial(global_kv, from_rings=wrap(global_kv_from_rings))  # ring writes stay eager
         self.dense_moe = wrap(dense_moe)
         self.route_with_shared = wrap(route_with_shared)
         self.expand = wrap(hc_expand)
