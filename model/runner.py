@@ -71,8 +71,8 @@ class RunnerConfig:
     """The step's MoE (`cedserve.model.slot_step`)."""
     compile_fused: bool = False
     """On CUDA, compile the step's chains of small ops with Inductor (`cedserve.model.fused`) to cut
-    its kernels. Off by default: its one H200 run (run 2) failed in Inductor with dynamic=True, and
-    the fix (automatic dynamic shapes) has not run on a GPU yet."""
+    its kernels. Off by default, as `decode.compile_fused` (its docstring says why: its graph replays
+    disagreed with its eager step on an H200 after the session-17 changes)."""
 
     def __post_init__(self) -> None:
         SlotShape(self.max_slots, self.max_context, self.max_rows_per_slot)
