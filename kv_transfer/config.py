@@ -82,6 +82,13 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target_poll_s: float | None = None
     """Progress-loop sleep while transfers are open but only the peer acts (a reservation waiting for
     its first chunk). None: 200 us for device memory, 1 ms for host memory."""
+    doorbell: bool = False
+    """Sleep the progress loop on a UDP socket that peers ring after each data-path notification
+    (`kv_transfer/doorbell.py`), so a receiver sees news within a thread wake-up instead of at its
+    next poll. Off by default: it measured no gain (one H200, two processes: 128K-token requests 0.19
+    of raw with it against 0.20 without; the 2-core VM: within noise at the defaults,
+    docs/benchmarks/kv-transfer-fixed-cost-cpu.json) and it opens a UDP port that takes datagrams
+    from anyone (a datagram only ends a sleep)."""
     announce_posts: bool | None = None
     """WRITE: send the receiver a `ChunkPosted` notification (and ring its doorbell) as soon as each
     NIXL request is posted, so it switches to `poll_interval_s` while the bytes land and sees the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import threading
 
 _SELF = b"s"  # a wake from this process
 _PEER = b"p"  # a peer's ring
@@ -77,6 +78,31 @@ class Doorbell:
     def close(self) -> None:
         self._closed = True
         self._sock.close()
+
+
+class LocalBell:
+    """What the progress loop sleeps on without a UDP doorbell (`KVTransferConfig.doorbell` off, the
+    default): `wake` from this process ends the sleep, no port is opened and peers cannot ring it
+    (`port` 0: peers never try)."""
+
+    port = 0
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def ring(self, address: tuple[str, int]) -> None:
+        """Nothing: this side has no doorbell socket to send from."""
+
+    def wait(self, timeout_s: float) -> bool:
+        self._event.wait(max(timeout_s, 0.0))
+        self._event.clear()
+        return False
+
+    def close(self) -> None:
+        self._event.set()
 
 
 def peer_doorbell(control_address: str, port: int) -> tuple[str, int] | None:

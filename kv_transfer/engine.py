@@ -36,7 +36,7 @@ import numpy as np
 
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.descriptors import as_block_ids, count_runs, should_pack, split_positions
-from cedserve.kv_transfer.doorbell import Doorbell
+from cedserve.kv_transfer.doorbell import Doorbell, LocalBell
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError, RequestId
 from cedserve.kv_transfer.handshake import check_peer_info, load_peer
 from cedserve.kv_transfer.metrics import TransferMetrics
@@ -99,7 +99,8 @@ class NixlEngine:
         self._compat = memory.layout.compatibility()
         self._name = name
         self._lock = threading.RLock()
-        self._bell = Doorbell(config.control_host)  # the loop sleeps on it; wakes and peers' rings end the sleep
+        # the loop sleeps on it; wakes (and, with `doorbell`, peers' rings) end the sleep
+        self._bell: Doorbell | LocalBell = Doorbell(config.control_host) if config.doorbell else LocalBell()
         self._hot_rounds = 0  # polls left at the short interval after a peer's ring
         self._stop = threading.Event()
         self._peers: dict[str, PeerState] = {}

@@ -71,15 +71,17 @@ def make_pair(kind: str) -> Pair:
         return Pair(kind, sender, receiver, src, dst, hub)
     from cedserve.kv_transfer.agent import NixlTransferAgent
 
-    cfg = KVTransferConfig(auth_token=TOKEN, peer_timeout_s=3.0, heartbeat_interval_s=0.2)
+    cfg = KVTransferConfig(auth_token=TOKEN, peer_timeout_s=3.0, heartbeat_interval_s=0.2,
+                           doorbell=kind == "nixl-doorbell")
     nixl_sender = NixlTransferAgent(cfg, src, LAYOUT, f"prefill0-{kind}")
     nixl_receiver = NixlTransferAgent(cfg, dst, LAYOUT, f"decode0-{kind}")
     nixl_sender.handshake(nixl_receiver.control_address)
     return Pair(kind, nixl_sender, nixl_receiver, src, dst)
 
 
-BACKENDS = ["loopback", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
-                                                                      reason="NIXL is not installed"))]
+_NIXL = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+BACKENDS = ["loopback", pytest.param("nixl", marks=_NIXL),
+            pytest.param("nixl-doorbell", marks=_NIXL)]  # the progress loop on the UDP doorbell (opt-in)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -236,6 +238,20 @@ def test_handshake_refuses_another_layout_naming_both_hashes(pair: Pair) -> None
 
 
 # ---------------------------------------------------------------- loopback-only: its test hooks
+
+
+@_NIXL
+def test_only_an_agent_with_the_doorbell_opens_its_port() -> None:
+    from cedserve.kv_transfer.agent import NixlTransferAgent
+
+    plain = NixlTransferAgent(KVTransferConfig(auth_token=TOKEN), region(False), LAYOUT, "plain")
+    belled = NixlTransferAgent(KVTransferConfig(auth_token=TOKEN, doorbell=True), region(False), LAYOUT, "belled")
+    try:
+        assert plain.engine.doorbell_port == 0  # peers never ring it
+        assert belled.engine.doorbell_port > 0
+    finally:
+        plain.close()
+        belled.close()
 
 
 def test_loopback_kill_fails_the_peers_transfers() -> None:
