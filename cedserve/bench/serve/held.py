@@ -201,23 +201,85 @@ def _blocks_back(target: Target, baseline: dict[str, tuple[int, int]], since: fl
     return None
 
 
-async def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict[str, Any]:
-    """`count` prompts of `mb` MB at once beside a normal request."""
+def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any) -> None:
+    """One huge prompt from its own process (spawned): the prompt and client are made before `ready`,
+    so building and serialising 15 MB costs the measuring process nothing (the first version sent all
+    from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s)."""
+    big = "x" * int(mb * 1e6)
+
+    async def send() -> Outcome:
+        client = AsyncClient(address, timeout_s=120)
+        try:
+            ready.set()
+            while not go.is_set():
+                await asyncio.sleep(0.001)
+            return await _one(client, big, max_tokens)
+        finally:
+            await client.close()
+
+    outcome = asyncio.run(send())
+    results.put((outcome.status, round(outcome.seconds, 4)))
+
+
+async def _ttfts(client: AsyncClient, max_tokens: int, count: int, spacing_s: float) -> list[float]:
+    """TTFTs of `count` normal requests started `spacing_s` apart (concurrently when spacing is short)."""
+    async def later(k: int) -> Outcome:
+        await asyncio.sleep(k * spacing_s)
+        return await _one(client, SHORT_PROMPT, max_tokens)
+
+    outcomes = await asyncio.gather(*(later(k) for k in range(count)))
+    return [o.ttft_s for o in outcomes if o.ttft_s is not None]
+
+
+def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict[str, Any]:
+    """`count` prompts of `mb` MB at once, each from its own process, beside normal requests from this
+    one: the refusals' status and latency, and the normal requests' TTFT against idle (medians of 11
+    requests started 50 ms apart: once without the huge prompts, once from the moment they go; the
+    same pattern both times, since 11 requests at once load a CPU system on their own)."""
+    import multiprocessing
+    import statistics
+
     rss_before = target.router_rss_mb()
-    client = AsyncClient(target.address, timeout_s=120)
+    ctx = multiprocessing.get_context("spawn")
+    go, results = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(count)]
+    senders = [ctx.Process(target=_huge_sender, args=(target.address, mb, max_tokens, r, go, results), daemon=True)
+               for r in readies]
+    for proc in senders:
+        proc.start()
     try:
-        idle = await _one(client, SHORT_PROMPT, max_tokens)
-        big = "x" * int(mb * 1e6)
-        outcomes = await asyncio.gather(*(_one(client, big, max_tokens) for _ in range(count)),
-                                        _one(client, SHORT_PROMPT, max_tokens))
+        for r in readies:
+            if not r.wait(120):
+                raise RuntimeError("a huge-prompt sender did not get ready in 120 s")
+
+        async def measure() -> tuple[list[float], list[float]]:
+            client = AsyncClient(target.address, timeout_s=120)
+            try:
+                await _ttfts(client, max_tokens, 2, 0.0)  # warm
+                idle = await _ttfts(client, max_tokens, 11, 0.05)  # the same pattern, no huge prompts
+                await asyncio.sleep(0.5)
+                go.set()
+                return idle, await _ttfts(client, max_tokens, 11, 0.05)
+            finally:
+                await client.close()
+
+        idle, loaded = asyncio.run(measure())
+        refusals = [results.get(timeout=120) for _ in senders]
     finally:
-        await client.close()
-    await asyncio.sleep(2.0)  # let the router's allocator settle before reading its memory
-    refusals, normal = outcomes[:-1], outcomes[-1]
-    return {"prompts": count, "mb": mb, "refusal_status": [o.status for o in refusals],
-            "refusal_s": [round(o.seconds, 4) for o in refusals], "idle_ttft_s": idle.ttft_s,
-            "loaded_ttft_s": normal.ttft_s, "normal_status": normal.status,
-            "ttft_ratio": (normal.ttft_s / idle.ttft_s) if normal.ttft_s and idle.ttft_s else None,
+        go.set()
+        for proc in senders:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    time.sleep(2.0)  # let the router's allocator settle before reading its memory
+    idle_p50 = statistics.median(idle) if idle else None
+    loaded_p50 = statistics.median(loaded) if loaded else None
+    return {"prompts": count, "mb": mb, "refusal_status": [status for status, _ in refusals],
+            "refusal_s": [seconds for _, seconds in refusals], "senders": "one process each",
+            "idle_ttft_s": idle_p50, "idle_ttfts_s": [round(t, 4) for t in idle],
+            "loaded_ttft_s": loaded_p50, "loaded_ttfts_s": [round(t, 4) for t in loaded],
+            "loaded_ttft_max_s": max(loaded) if loaded else None,
+            "ttft_ratio": (loaded_p50 / idle_p50) if loaded_p50 and idle_p50 else None,
             "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb(),
             **where_refusal_time_goes(target, mb)}
 
@@ -259,10 +321,10 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"deadlines {args.flood}: status {flood['status']} in {flood['flood_s']} s; a normal request ok after "
             f"{flood['normal_request_ok_after_s']} s; blocks back after {flood.get('blocks_back_after_s')} s")
     if "huge" in args.scenarios:
-        huge = asyncio.run(huge_prompts(target, args.huge_mb, 3, args.max_tokens))
+        huge = huge_prompts(target, args.huge_mb, 3, args.max_tokens)
         results["huge"] = huge
         log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
-            f"{huge['loaded_ttft_s']} s vs idle {huge['idle_ttft_s']} s; router RSS {huge['router_rss_mb_before']} "
+            f"{huge['loaded_ttft_s']} s (p50 of 11) vs {huge['idle_ttft_s']} s without them (p50 of the same 11); router RSS {huge['router_rss_mb_before']} "
             f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
             f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}); "
             f"the client builds the message in {huge['client_build_and_serialize_s']} s")
