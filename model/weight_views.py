@@ -60,8 +60,6 @@ def stack_experts(gate_up: Sequence[tuple[nn.Parameter | Tensor, nn.Parameter | 
                   down: Sequence[nn.Parameter | Tensor]) -> tuple[Tensor, Tensor]:
     """Experts' `(w1 [I, D], w3 [I, D])` pairs and `w2 [D, I]` as `w13 [E, 2I, D]` (each expert's w1
     rows, then w3) and `w2 [E, D, I]`, the parameters re-pointed at their slices."""
-    pairs = [(a.detach(), b.detach()) for a, b in gate_up]
-    flat13 = [t for pair in pairs for t in pair]
-    w13 = concat_rows([p for pair in gate_up for p in pair]).view(len(pairs), -1, flat13[0].shape[-1])
+    w13 = concat_rows([p for pair in gate_up for p in pair]).view(len(gate_up), -1, gate_up[0][0].shape[-1])
     w2 = concat_rows(list(down)).view(len(down), *down[0].shape)
     return w13, w2

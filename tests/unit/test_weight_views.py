@@ -47,9 +47,11 @@ def test_concat_rows_in_another_order_or_dtype_copies() -> None:
     swapped = concat_rows([b.weight, a.weight])  # not the layout the views have: a new tensor
     assert swapped.data_ptr() != whole.data_ptr()
     assert torch.equal(swapped, torch.cat([b.weight, a.weight]).detach())
-    c = nn.Linear(8, 2, bias=False).double()
-    mixed = concat_rows([c.weight, nn.Linear(8, 2, bias=False).weight.detach().double()])
+    c, d = nn.Linear(8, 2, bias=False).double(), nn.Linear(8, 2, bias=False)  # float64 beside float32
+    mixed = concat_rows([c.weight, d.weight])
     assert mixed.dtype == torch.float64 and mixed.shape == (4, 8)
+    assert torch.equal(mixed, torch.cat([c.weight.detach(), d.weight.detach().double()]))
+    assert c.weight.data_ptr() != mixed.data_ptr() and d.weight.dtype == torch.float32  # not re-pointed
 
 
 def test_stack_experts_layout() -> None:
