@@ -7,7 +7,7 @@
 # Parts (outputs in $OUT; each step has its own timeout, in seconds, in the variable named):
 #
 #   runner          runner-tests, then step, then engine
-#   runner-tests    tests/unit/test_runner_gpu.py                      gpu-tests.log            TESTS_S=130
+#   runner-tests    tests/unit/test_runner_gpu.py, tests/kernels/test_capture_trace.py  gpu-tests.log  TESTS_S=130
 #   step            benchmarks/step.py, mini-40 at 4K / 64K x batch 1 / 32 (eager, graph, graph-fused),
 #                   then the released attention geometry at 64K x 32
 #                                   decode-step-h200.json, decode-step-h200-released.json, step.log
@@ -174,8 +174,8 @@ NOTE="mini-40 layer plan, random weights, vocabulary 512; torch ops but the mHC 
 
 # ---------------------------------------------------------------- the model runner (docs/decode.md)
 part_runner_tests() {
-  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-    | tail -120 | tee "$OUT/gpu-tests.log"
+  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py tests/kernels/test_capture_trace.py -p no:warnings -rfE ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | grep -v "NIXL INFO\|DEBUG" | tail -250 | tee "$OUT/gpu-tests.log"
 }
 
 part_step() {

@@ -1,0 +1,117 @@
+"""The model runner's and the drafter runner's steps are graph-safe: traced with two different staged
+inputs in one bucket (other slots, tokens, positions, sampling), they run the same operations on
+the same buffers with the same arguments and read nothing on the host
+(`cedserve.model.capture_trace`), so a CUDA graph captured from one replays the other. The runner's
+step is traced on its CUDA branches: on a GPU as it runs there, on a CPU with those branches forced
+and the Triton kernels interpreted (each launch is one recorded operation with its arguments). The checker itself is shown to fail on the faults it exists for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cedserve.model.capture_trace import Trace, compare, trace
+from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
+from cedserve.model.dspark import Drafter
+from cedserve.model.network import CEDModel
+from cedserve.model.presets import preset
+from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.sampling import SamplingParams
+from cedserve.model.tokenizer import tiny_tokenizer_path
+
+pytestmark = pytest.mark.kernels
+CUDA = torch.cuda.is_available()
+
+
+def tiny_on_device() -> tuple[CEDModel, Drafter]:
+    # 4 Sinkhorn iterations instead of 20: the interpreter's time is in the mHC sites' tails
+    config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path()).replace(hc_sinkhorn_iters=4)
+    model, drafter = random_model(config, tiny_tokenizer_path(), seed=7)
+    if CUDA:
+        model, drafter = model.cuda(), drafter.cuda()
+    model.use_paged_attention("kernels" if CUDA else "reference")
+    return model, drafter
+
+
+def prefilled_runner(model: CEDModel, lengths: list[int]) -> ModelRunner:
+    gen = torch.Generator().manual_seed(7)
+    runner = ModelRunner(model, RunnerConfig(max_slots=6, max_context=256, buckets=(1, 2, 4, 6)))
+    for slot, length in enumerate(lengths):
+        state = model.new_state()
+        model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
+        runner.load(slot, state)
+    if not CUDA:  # the CUDA branches, the kernels interpreted
+        runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+    return runner
+
+
+def staged_step(runner: ModelRunner, slots: list[int], tokens: list[int], sampling: list[SamplingParams],
+                bucket: int) -> Trace:
+    runner._stage(slots, tokens, sampling, bucket)
+    runner._upload()
+    recorded, _ = trace(lambda: runner._forward(bucket))
+    assert not recorded.host_reads, [str(op) for op in recorded.host_reads]
+    return recorded
+
+
+def test_runner_step_is_the_same_graph_for_other_inputs() -> None:
+    model, _ = tiny_on_device()
+    runner = prefilled_runner(model, [5, 37, 70, 101, 12])
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3)
+    first = staged_step(runner, [0, 1, 2], [11, 12, 13], [greedy, hot, greedy], bucket=4)
+    # other slots at other positions, a slot feeding two rows (a verify pass), other sampling
+    second = staged_step(runner, [3, 4, 4], [40, 41, 42], [hot, greedy, greedy], bucket=4)
+    assert len(first.ops) > 1000  # the whole step: every layer's operations were recorded
+    assert any(op.name.startswith("triton.") for op in first.ops)  # and its kernels' launches
+    assert compare(first, second) is None, compare(first, second)
+    third = staged_step(runner, [1], [9], [greedy], bucket=1)  # another bucket: another graph
+    assert compare(first, third) is not None
+
+
+def test_drafter_step_is_the_same_graph_for_other_inputs() -> None:
+    model, drafter = tiny_on_device()
+    runner = DraftRunner(drafter, model, DraftRunnerConfig(max_slots=4, buckets=(1, 2, 4)))
+    c = model.config
+    gen = torch.Generator().manual_seed(5)
+    ends = [6, 30, 64, 17]
+    taps = [torch.randn(e + 2, len(c.dspark_target_layer_ids), c.hc_mult, c.hidden_size, generator=gen).to(model.embed.weight.device)
+            for e in ends]
+    runner.observe(list(range(4)), [0] * 4, ends, taps)
+    traces = []
+    for slots, temperatures in (([0, 2], [0.0, 0.9]), ([3, 1], [1.1, 0.0])):
+        runner._stage_draft(slots, [7 + s for s in slots], temperatures, [100 + s for s in slots], bucket=2)
+        runner._inputs.copy_(runner._staging)
+        recorded, _ = trace(lambda: runner._forward(2))
+        assert not recorded.host_reads, [str(op) for op in recorded.host_reads]
+        traces.append(recorded)
+    assert len(traces[0].ops) > 50
+    assert compare(traces[0], traces[1]) is None, compare(traces[0], traces[1])
+
+
+def test_checker_finds_host_reads_baked_values_and_stray_buffers() -> None:
+    """Each fault a captured graph would hide: the checker reports it."""
+    buffer = torch.arange(8.0)
+
+    def read_on_host() -> torch.Tensor:
+        return buffer * float(buffer[0])  # .item(): a sync, and the value baked into the graph
+
+    assert trace(read_on_host)[0].host_reads
+
+    def from_host(values: list[int]) -> torch.Tensor:
+        return buffer[torch.tensor(values)]  # a host copy per call
+
+    assert compare(trace(lambda: from_host([1, 2]))[0], trace(lambda: from_host([3, 4]))[0]) is not None
+
+    def scaled(by: float) -> torch.Tensor:
+        return buffer * by  # a Python number: the capture's value is replayed
+
+    assert compare(trace(lambda: scaled(2.0))[0], trace(lambda: scaled(3.0))[0]) is not None
+    assert compare(trace(lambda: scaled(2.0))[0], trace(lambda: scaled(2.0))[0]) is None
+
+    def add(other: torch.Tensor) -> torch.Tensor:
+        return buffer + other  # a tensor made outside the static buffers: another address each time
+
+    a, b = torch.ones(8), torch.ones(8)
+    assert compare(trace(lambda: add(a))[0], trace(lambda: add(b))[0]) is not None
+    assert compare(trace(lambda: add(a))[0], trace(lambda: add(a))[0]) is None
