@@ -51,6 +51,10 @@
 #                   SERVE_TEST=1 then runs tests/e2e/test_serve_one_gpu.py (gpu-test.log, SERVE_TEST_S=200).
 #                   Needs NIXL (the slim wheel, ../shared/tools/slim_nixl_wheel.sh) and the gRPC extras:
 #                   carry them in build/gpu_wheels (--prepare-wheels, below) or .whl/.
+#   serve-test      tests/e2e/test_serve_one_gpu.py alone       serve-test/gpu-test.log   SERVE_TEST_S=200
+#   serve-bench     `cedserve bench serve --device cuda` starting its own arms (disaggregated, colocated) on
+#                   GPUS_LIST (0,0); SERVE_BENCH_ARGS replaces the workload, checkpoint and arm flags
+#                   serve-bench/{bench-serve.json, bench.log, logs/}   SERVE_BENCH_S=300
 #   transfer-one    KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE, the real block
 #                   layout, contiguous and scattered ids: `cedserve bench kv-transfer` at $TRANSFER_SIZES
 #                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-h200.json}  TRANSFER_ONE_S=150
@@ -174,7 +178,7 @@ NOTE="mini-40 layer plan, random weights, vocabulary 512; torch ops but the mHC 
 
 # ---------------------------------------------------------------- the model runner (docs/decode.md)
 part_runner_tests() {
-  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py tests/kernels/test_capture_trace.py -p no:warnings -rfE ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+  timeout "${TESTS_S:-130}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py tests/kernels/test_capture_trace.py -p no:warnings -rfE --durations=12 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | grep -v "NIXL INFO\|DEBUG" | tail -250 | tee "$OUT/gpu-tests.log"
 }
 
@@ -373,6 +377,27 @@ for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "g
   return "$rc"
 )
 
+part_serve_test() (  # the GPU test of `cedserve serve` on one GPU alone (needs pytest: --prepare-deps)
+  local out=$OUT/serve-test rc
+  mkdir -p "$out"
+  # the test starts `python -m cedserve.cli` from here: keep the checkout's cedserve/ off sys.path
+  export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
+  timeout "${SERVE_TEST_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider -o addopts="" -rA \
+    tests/e2e/test_serve_one_gpu.py > "$out/pytest-raw.log" 2>&1
+  rc=$?
+  echo "pytest exit status $rc" >> "$out/pytest-raw.log"
+  grep -v NIXL "$out/pytest-raw.log" | tail -60 | tee "$out/gpu-test.log"
+  [ "$rc" -eq 0 ]
+)
+
+part_serve_bench() (  # `cedserve bench serve` starting its own arms on this GPU: disaggregated beside colocated
+  local out=$OUT/serve-bench
+  mkdir -p "$out"
+  (cd /tmp && timeout "${SERVE_BENCH_S:-300}" "$PY" -P -m cedserve.cli bench serve --device cuda --gpus "${GPUS_LIST:-0,0}" \
+     ${SERVE_BENCH_ARGS:---checkpoint "$ROOT/cedserve/assets/demo" --policies cache_aware --colocated --concurrency 1 --sessions 4 --max-run-s 30} \
+     --no-progress --log-dir "$out/logs" --out "$out/bench-serve.json") 2>&1 | grep -v "NIXL INFO" | tee "$out/bench.log"
+)
+
 # ---------------------------------------------------------------- the demo checkpoint (docs/training.md)
 part_train() (  # $1: train-demo or train-drafter
   local out=$OUT/$1 device=${DEVICE:-cuda} rc_train rc_eval=-1 limit note
@@ -516,6 +541,8 @@ run_part() {  # $1: part name
     demo-eval) part_demo_eval ;;
     transfer) part_transfer ;;
     serve) part_serve ;;
+    serve-test) part_serve_test ;;
+    serve-bench) part_serve_bench ;;
     transfer-one) part_transfer_one ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
   esac

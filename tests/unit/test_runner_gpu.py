@@ -23,6 +23,10 @@ pytestmark = [pytest.mark.unit, pytest.mark.gpu,
 
 GRAPH_ATOL = 1e-5
 """Graph replay vs the same step run eagerly: the same kernels on the same values (seen: 0)."""
+INDUCTOR_GRAPH_ATOL = 2e-3
+"""The same with `compile_fused`: Inductor compiles each captured bucket's shapes on their own, so its
+reductions may split differently from the eager step's compile (float32 rounding, amplified by the
+FP8/FP4 records a step writes). Seen on one H200: 2.8e-4 on logits of scale ~1."""
 KERNEL_ATOL = 0.25
 """Slot step vs `forward_batch`, both on the kernels (bf16 attention): as the paged path's CPU bound."""
 
@@ -60,7 +64,7 @@ def test_graph_replay_equals_eager_every_bucket(compile_fused: bool) -> None:
         slots = list(range(rows))
         got = graphs.step_logits(slots, [tokens[s] for s in slots])
         want = eager.step_logits(slots, [tokens[s] for s in slots])
-        torch.testing.assert_close(got, want, atol=GRAPH_ATOL, rtol=0)
+        torch.testing.assert_close(got, want, atol=INDUCTOR_GRAPH_ATOL if compile_fused else GRAPH_ATOL, rtol=0)
         for s, t in zip(slots, want.argmax(-1).tolist()):
             tokens[s] = t
     sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + s) for s in range(4)]
