@@ -62,11 +62,14 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draft_tokens: int = 0
     """Drafts per pass; 0: the model's `dspark_block_size`. A request's effort lowers it
     (`draft_limit`)."""
-    ship_state: bool = False
+    ship_state: bool = True
     """Leases ask the prefill side for the bounded decode state (SWA windows, compressor partial
     groups, Engram history, DSpark taps when drafting) instead of replaying: Reserve holds room for it
     after the KV blocks and answers `ReserveReply.state_room`. `ReserveRequest.ship_state` overrides it
-    per request."""
+    per request. On by default: without it a transferred request's join replays `replay_span` tokens
+    (0: the exact receptive field, 5,083 tokens at the mini-40 and released geometry) through every
+    layer before its second token, ~0.43 s at 32K on an H200, where the state is a few MB
+    (docs/decode.md, *Findings: 32K prompts on one GPU*)."""
     adaptive_verify: bool = True
     """Choose each request's verification length from the confidence head (else verify every draft)."""
     step_prior_s: float = 0.05

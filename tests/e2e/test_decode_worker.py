@@ -79,7 +79,7 @@ class Cluster:
             sampling=wpb.SamplingParams(top_p=1.0, max_tokens=max_tokens)), timeout=120)
 
     def generate(self, rid: str, tokens: list[int], max_tokens: int,
-                 ship_state: bool | None = None) -> tuple[list[int], wpb.DecodeComplete, int]:
+                 ship_state: bool = False) -> tuple[list[int], wpb.DecodeComplete, int]:
         lease = self.reserve(rid, tokens, ship_state=ship_state)
         assert lease.HasField("state_room") is bool(ship_state)
         first, done = self.prefill_into(rid, tokens, lease)

@@ -280,3 +280,16 @@ def test_api_overhead_is_client_time_minus_the_routers_and_http_is_compared_with
     for bad in ("", "rest", "http,http"):
         with pytest.raises(ValueError, match="--api"):
             parse_apis(bad)
+
+
+def test_config_file_is_checked_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--config` hands a serve config's worker tables to every arm; a bad field stops the command
+    (exit 2, the field named) before any process starts."""
+    from cedserve.bench.serve.main import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[decode]\nship_state = \"yes\"\n")
+    assert main(["--config", str(bad), "--concurrency", "1", "--sessions", "1", "--no-plots",
+                 "--out", str(tmp_path / "out.json")]) == 2
+    assert "ship_state" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

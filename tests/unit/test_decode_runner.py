@@ -12,6 +12,7 @@ from decode_support import Rig, greedy_rounds, greedy_ties, prompt, tiny
 
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.drafting import DSparkProposer
+from cedserve.decode_workers.messages import Reserved
 from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.model.dspark import Draft
 
@@ -112,3 +113,28 @@ def test_state_handed_over_in_process_waits_for_its_records() -> None:
     assert len(greedy_ties(model, tokens, got)) <= 1
     assert rig.engine.slots is not None and rig.engine.slots.runner.steps == 6
     rig.assert_all_free()
+
+
+def test_a_transferred_request_takes_the_runner_from_its_first_step_by_default() -> None:
+    """The worker's default (`decode.ship_state` on): a request whose KV arrives joins with the prefill
+    side's bounded state, so every one of its steps, the first too, runs through the runner (no replay
+    pass between its first token and its second); with `ship_state = false` its first step is the
+    replay pass through `forward_batch`, and the rest take the runner too."""
+    assert DecodeConfig().ship_state
+    model, drafter = tiny()
+    tokens = prompt(70, 3)  # 71 tokens with the first: 3 blocks of 32, room for every verify of 8 steps
+    passes = {}
+    for ship in (True, False):
+        rig = Rig(model, drafter, runner="on", ship_state=ship)
+        reserved = rig.reserve(tokens)
+        assert isinstance(reserved, Reserved)
+        rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 8)
+        rig.run()
+        engine = rig.engine
+        assert engine.slots is not None and len(rig.tokens(reserved.request_id)) == 8
+        passes[ship] = (engine.passes, engine.slots.runner.steps)
+        assert engine.metrics.joins.labels("shipped" if ship else "replay")._value.get() == 1
+        rig.assert_all_free()
+    shipped, replayed = passes[True], passes[False]
+    assert shipped[0] == shipped[1]  # every pass was a runner step
+    assert replayed[0] == replayed[1] + 1  # the replay join's forward_batch pass, then the runner

@@ -61,7 +61,7 @@ from cedserve.bench.serve.trace import (
 )
 from cedserve.client import AsyncClient, CedserveError
 from cedserve.common.machine import describe_machine, loadavg
-from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home
+from cedserve.launcher import EmbeddedOptions, LaunchError, cache_home, read_serve_config
 from cedserve.proto import generation_pb2
 
 if TYPE_CHECKING:
@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus", default="", help="GPU ids for the ranks in start order (default 0,1,...)")
     s.add_argument("--block-size", type=int, default=64, help="the system's KV block size (oracle rounding)")
     s.add_argument("--log-dir", help="process logs (default <cache home>/logs/bench-serve)")
+    s.add_argument("--config", help="a `cedserve serve --config` file (.toml or .json) for every arm's processes: "
+                                    "its [prefill] / [decode] / [kv_transfer] / [router] tables reach the workers "
+                                    "and the router (e.g. [decode] ship_state, [prefill] chunk_tokens)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench-serve.json", help="JSON report; plots go beside it")
     o.add_argument("--no-plots", action="store_true")
@@ -399,11 +402,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 asyncio.run(bench_address(args.address, "external", plan, args.http_address)))]
         else:
             gpus = tuple(int(g) for g in args.gpus.split(",") if g.strip())
+            config = read_serve_config(Path(args.config)) if args.config else {}
             base = EmbeddedOptions(checkpoint=Path(args.checkpoint) if args.checkpoint else None, preset=args.preset,
-                                   device=args.device, gpus=gpus, http_port=0 if "http" in plan.apis else -1)
+                                   device=args.device, gpus=gpus, http_port=0 if "http" in plan.apis else -1,
+                                   config=config)
             plan_list = plan_arms([p for p in args.policies.split(",") if p], args.prefill_workers,
                                   args.decode_workers, args.decode_ep, args.colocated)
-            system = {"preset": args.preset, "checkpoint": args.checkpoint, "device": args.device, "gpus": list(gpus)}
+            system = {"preset": args.preset, "checkpoint": args.checkpoint, "device": args.device, "gpus": list(gpus),
+                      "config": config}
             log_root = Path(args.log_dir) if args.log_dir else cache_home() / "logs" / "bench-serve"
             with exit_on_sigterm():
                 arms = run_arms(plan_list, base, log_root, plan)
