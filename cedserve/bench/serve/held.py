@@ -286,15 +286,26 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict
 
 def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict[str, Any]:
     """The client-observed refusal above, taken apart: what the client spends building the message,
-    the router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
-    same probe against a gRPC server with no handler code (gRPC's floor)."""
-    from cedserve.bench.serve.length_probe import bare_server_refusal_time, http_refusal_time, refusal_time
+    what it waits once that is done (the serialized message sent over a connected channel), the
+    router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
+    same probe against a gRPC server with no handler code, with gRPC's tarpit (its default) and without
+    (what the router's `grpc_tarpit` chooses between)."""
+    from cedserve.bench.serve.length_probe import (
+        bare_server_refusal_time,
+        http_refusal_time,
+        refusal_time,
+        sent_refusal_time,
+    )
     from cedserve.client import build_request
 
     declared = int(mb * 1e6)
     start = time.monotonic()
-    size = len(build_request("x" * declared, max_tokens=8).SerializeToString())
+    message = build_request("x" * declared, max_tokens=8).SerializeToString()
+    size = len(message)
     out: dict[str, Any] = {"client_build_and_serialize_s": round(time.monotonic() - start, 4)}
+    sent = [sent_refusal_time(target.address, message) for _ in range(samples)]
+    out["client_refusal_from_first_byte_s"] = [round(seconds, 4) for seconds, _ in sent]
+    out["client_refusal_from_first_byte_status"] = [status for _, status in sent]
     probes = [refusal_time(target.address, declared_bytes=size) for _ in range(samples)]
     out["server_refusal_s"] = [None if p is None else round(p.seconds, 4) for p in probes]
     out["server_refusal_status"] = [None if p is None else p.status for p in probes]
@@ -303,6 +314,8 @@ def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict
         out["http_server_refusal_s"] = [None if h is None else round(h[0], 4) for h in http]
         out["http_server_refusal_status"] = [None if h is None else h[1] for h in http]
     out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples)
+    out["bare_grpc_server_no_tarpit_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples,
+                                                                           tarpit=False)
     return out
 
 
@@ -326,7 +339,8 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
             f"{huge['loaded_ttft_s']} s (p50 of 11) vs {huge['idle_ttft_s']} s without them (p50 of the same 11); router RSS {huge['router_rss_mb_before']} "
             f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
-            f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}); "
+            f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}, "
+            f"without its tarpit {huge['bare_grpc_server_no_tarpit_refusal_s']}); "
             f"the client builds the message in {huge['client_build_and_serialize_s']} s")
     if "kill" in args.scenarios:
         if target.log_dir is None:
