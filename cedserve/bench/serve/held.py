@@ -53,6 +53,8 @@ from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
 SCENARIOS = ("burst", "deadlines", "huge", "kill")
+HUGE_SENDERS = {"client": "the Python client's call, timed from before it builds and serializes the message",
+                "bytes": "the message serialized beforehand, timed from its first byte written"}
 SHORT_PROMPT = "def fibonacci(n):\n    "
 """A normal request's prompt; every request asks for `--max-tokens` tokens of it."""
 
@@ -201,24 +203,40 @@ def _blocks_back(target: Target, baseline: dict[str, tuple[int, int]], since: fl
     return None
 
 
-def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any) -> None:
+def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any, sender: str) -> None:
     """One huge prompt from its own process (spawned): the prompt and client are made before `ready`,
     so building and serialising 15 MB costs the measuring process nothing (the first version sent all
-    from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s)."""
+    from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s).
+    `sender` "client": the Python client's call, which builds and serializes the message once timed;
+    "bytes": the message serialized before `ready`, sent over a connected channel (from its first byte)."""
     big = "x" * int(mb * 1e6)
+    if sender == "bytes":
+        from cedserve.bench.serve.length_probe import send_serialized
+        from cedserve.client import build_request
 
-    async def send() -> Outcome:
+        message = build_request(big, max_tokens=max_tokens).SerializeToString()
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            ready.set()
+            go.wait()
+            cpu = time.process_time()
+            seconds, status = send_serialized(channel, message)
+        results.put((status, round(seconds, 4), round(time.process_time() - cpu, 4)))
+        return
+
+    async def send() -> tuple[Outcome, float]:
         client = AsyncClient(address, timeout_s=120)
         try:
             ready.set()
             while not go.is_set():
                 await asyncio.sleep(0.001)
-            return await _one(client, big, max_tokens)
+            cpu = time.process_time()
+            return await _one(client, big, max_tokens), time.process_time() - cpu
         finally:
             await client.close()
 
-    outcome = asyncio.run(send())
-    results.put((outcome.status, round(outcome.seconds, 4)))
+    outcome, cpu_s = asyncio.run(send())
+    results.put((outcome.status, round(outcome.seconds, 4), round(cpu_s, 4)))
 
 
 async def _ttfts(client: AsyncClient, max_tokens: int, count: int, spacing_s: float) -> list[float]:
@@ -231,7 +249,7 @@ async def _ttfts(client: AsyncClient, max_tokens: int, count: int, spacing_s: fl
     return [o.ttft_s for o in outcomes if o.ttft_s is not None]
 
 
-def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict[str, Any]:
+def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender: str = "client") -> dict[str, Any]:
     """`count` prompts of `mb` MB at once, each from its own process, beside normal requests from this
     one: the refusals' status and latency, and the normal requests' TTFT against idle (medians of 11
     requests started 50 ms apart: once without the huge prompts, once from the moment they go; the
@@ -243,7 +261,8 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict
     ctx = multiprocessing.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     readies = [ctx.Event() for _ in range(count)]
-    senders = [ctx.Process(target=_huge_sender, args=(target.address, mb, max_tokens, r, go, results), daemon=True)
+    senders = [ctx.Process(target=_huge_sender, args=(target.address, mb, max_tokens, r, go, results, sender),
+                           daemon=True)
                for r in readies]
     for proc in senders:
         proc.start()
@@ -274,8 +293,10 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict
     time.sleep(2.0)  # let the router's allocator settle before reading its memory
     idle_p50 = statistics.median(idle) if idle else None
     loaded_p50 = statistics.median(loaded) if loaded else None
-    return {"prompts": count, "mb": mb, "refusal_status": [status for status, _ in refusals],
-            "refusal_s": [seconds for _, seconds in refusals], "senders": "one process each",
+    return {"prompts": count, "mb": mb, "refusal_status": [status for status, _, _ in refusals],
+            "refusal_s": [seconds for _, seconds, _ in refusals],
+            "refusal_sender_cpu_s": [cpu_s for _, _, cpu_s in refusals],
+            "senders": f"one process each ({sender}: {HUGE_SENDERS[sender]})",
             "idle_ttft_s": idle_p50, "idle_ttfts_s": [round(t, 4) for t in idle],
             "loaded_ttft_s": loaded_p50, "loaded_ttfts_s": [round(t, 4) for t in loaded],
             "loaded_ttft_max_s": max(loaded) if loaded else None,
@@ -334,7 +355,7 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"deadlines {args.flood}: status {flood['status']} in {flood['flood_s']} s; a normal request ok after "
             f"{flood['normal_request_ok_after_s']} s; blocks back after {flood.get('blocks_back_after_s')} s")
     if "huge" in args.scenarios:
-        huge = huge_prompts(target, args.huge_mb, 3, args.max_tokens)
+        huge = huge_prompts(target, args.huge_mb, 3, args.max_tokens, args.huge_sender)
         results["huge"] = huge
         log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
             f"{huge['loaded_ttft_s']} s (p50 of 11) vs {huge['idle_ttft_s']} s without them (p50 of the same 11); router RSS {huge['router_rss_mb_before']} "
@@ -365,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bursts", type=int, nargs="+", default=[200, 1000])
     p.add_argument("--flood", type=int, default=4000)
     p.add_argument("--huge-mb", type=float, default=15.0)
+    p.add_argument("--huge-sender", choices=sorted(HUGE_SENDERS), default="client",
+                   help="how each huge prompt is sent: " + "; ".join(f"{k}: {v}" for k, v in HUGE_SENDERS.items()))
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--kill-kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--kill-rounds", type=int, default=10, help="kills of each kind")

@@ -18,6 +18,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
@@ -180,11 +181,19 @@ def sent_refusal_time(address: str, message: bytes, method: str = "/cedserve.v1.
 
     with grpc.insecure_channel(address) as channel:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        call = channel.unary_stream(method)  # no serializers: the bytes go as they are
-        start = time.monotonic()
-        try:
-            for _ in call(message, timeout=timeout_s):
-                pass
-        except grpc.RpcError as exc:
-            return time.monotonic() - start, exc.code().name
-        return time.monotonic() - start, "OK"
+        return send_serialized(channel, message, method, timeout_s)
+
+
+def send_serialized(channel: Any, message: bytes, method: str = "/cedserve.v1.Generation/Generate",
+                    timeout_s: float = 30.0) -> tuple[float, str]:
+    """`sent_refusal_time`'s call on a channel the caller connected (a `grpc.Channel`)."""
+    import grpc
+
+    call = channel.unary_stream(method)  # no serializers: the bytes go as they are
+    start = time.monotonic()
+    try:
+        for _ in call(message, timeout=timeout_s):
+            pass
+    except grpc.RpcError as exc:
+        return time.monotonic() - start, exc.code().name
+    return time.monotonic() - start, "OK"
