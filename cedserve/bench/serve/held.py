@@ -203,6 +203,18 @@ def _blocks_back(target: Target, baseline: dict[str, tuple[int, int]], since: fl
     return None
 
 
+def _runqueue_wait_s() -> float:
+    """Seconds this process's threads have waited for a CPU so far (the second field of each
+    thread's /proc schedstat): of a call's wall time, what the machine's other work took."""
+    total_ns = 0
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            total_ns += int(stat.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total_ns / 1e9
+
+
 def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any, sender: str) -> None:
     """One huge prompt from its own process (spawned): the prompt and client are made before `ready`,
     so building and serialising 15 MB costs the measuring process nothing (the first version sent all
@@ -219,24 +231,26 @@ def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, 
             grpc.channel_ready_future(channel).result(timeout=60)
             ready.set()
             go.wait()
-            cpu = time.process_time()
+            cpu, queued = time.process_time(), _runqueue_wait_s()
             seconds, status = send_serialized(channel, message)
-        results.put((status, round(seconds, 4), round(time.process_time() - cpu, 4)))
+            cpu, queued = time.process_time() - cpu, _runqueue_wait_s() - queued
+        results.put((status, round(seconds, 4), round(cpu, 4), round(queued, 4)))
         return
 
-    async def send() -> tuple[Outcome, float]:
+    async def send() -> tuple[Outcome, float, float]:
         client = AsyncClient(address, timeout_s=120)
         try:
             ready.set()
             while not go.is_set():
                 await asyncio.sleep(0.001)
-            cpu = time.process_time()
-            return await _one(client, big, max_tokens), time.process_time() - cpu
+            cpu, queued = time.process_time(), _runqueue_wait_s()
+            outcome = await _one(client, big, max_tokens)
+            return outcome, time.process_time() - cpu, _runqueue_wait_s() - queued
         finally:
             await client.close()
 
-    outcome, cpu_s = asyncio.run(send())
-    results.put((outcome.status, round(outcome.seconds, 4), round(cpu_s, 4)))
+    outcome, cpu_s, queued_s = asyncio.run(send())
+    results.put((outcome.status, round(outcome.seconds, 4), round(cpu_s, 4), round(queued_s, 4)))
 
 
 async def _ttfts(client: AsyncClient, max_tokens: int, count: int, spacing_s: float) -> list[float]:
@@ -253,7 +267,9 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender:
     """`count` prompts of `mb` MB at once, each from its own process, beside normal requests from this
     one: the refusals' status and latency, and the normal requests' TTFT against idle (medians of 11
     requests started 50 ms apart: once without the huge prompts, once from the moment they go; the
-    same pattern both times, since 11 requests at once load a CPU system on their own)."""
+    same pattern both times, since 11 requests at once load a CPU system on their own). Each refusal's
+    wall time comes with what its sender spent on the CPU and waiting for one in that time (the rest
+    is waiting on the router and the transport)."""
     import multiprocessing
     import statistics
 
@@ -293,9 +309,10 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender:
     time.sleep(2.0)  # let the router's allocator settle before reading its memory
     idle_p50 = statistics.median(idle) if idle else None
     loaded_p50 = statistics.median(loaded) if loaded else None
-    return {"prompts": count, "mb": mb, "refusal_status": [status for status, _, _ in refusals],
-            "refusal_s": [seconds for _, seconds, _ in refusals],
-            "refusal_sender_cpu_s": [cpu_s for _, _, cpu_s in refusals],
+    return {"prompts": count, "mb": mb, "refusal_status": [r[0] for r in refusals],
+            "refusal_s": [r[1] for r in refusals],
+            "refusal_sender_cpu_s": [r[2] for r in refusals],
+            "refusal_sender_runqueue_s": [r[3] for r in refusals],
             "senders": f"one process each ({sender}: {HUGE_SENDERS[sender]})",
             "idle_ttft_s": idle_p50, "idle_ttfts_s": [round(t, 4) for t in idle],
             "loaded_ttft_s": loaded_p50, "loaded_ttfts_s": [round(t, 4) for t in loaded],
