@@ -307,6 +307,9 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender:
             if proc.is_alive():
                 proc.kill()
     time.sleep(2.0)  # let the router's allocator settle before reading its memory
+    rss_after = target.router_rss_mb()
+    time.sleep(8.0)  # and again later: is what it kept held or returned?
+    rss_later = target.router_rss_mb()
     idle_p50 = statistics.median(idle) if idle else None
     loaded_p50 = statistics.median(loaded) if loaded else None
     return {"prompts": count, "mb": mb, "refusal_status": [r[0] for r in refusals],
@@ -318,7 +321,8 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender:
             "loaded_ttft_s": loaded_p50, "loaded_ttfts_s": [round(t, 4) for t in loaded],
             "loaded_ttft_max_s": max(loaded) if loaded else None,
             "ttft_ratio": (loaded_p50 / idle_p50) if loaded_p50 and idle_p50 else None,
-            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb(),
+            "router_rss_mb_before": rss_before, "router_rss_mb_after": rss_after,
+            "router_rss_mb_after_10s": rss_later,
             **where_refusal_time_goes(target, mb)}
 
 
