@@ -99,8 +99,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grpc_tarpit: bool = False
     """gRPC's tarpit on the public port: a call that gRPC itself refuses (a message over the limit
     above, malformed HTTP/2 headers) is answered after a random 100-1000 ms, to slow a client that
-    sends them in a loop. Off: answered at once (a 15 MB prompt's refusal leaves the router < 1 ms
-    after its length prefix arrives; docs/routing.md, *Errors*). The router refuses its own errors
+    sends them in a loop. Off: answered at once (an idle router refuses a 15 MB prompt < 1 ms after
+    its length prefix arrives; docs/routing.md, *Errors*). The router refuses its own errors
     (keys, sizes, admission) without delay either way."""
     metrics_port: int | None = None
     """Prometheus endpoint; None: off."""
