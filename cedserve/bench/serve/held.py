@@ -15,7 +15,8 @@ Scenarios, each against one system, in this order:
 - `huge`: three concurrent prompts of 15 MB beside a normal request: each refusal's latency, the
   normal request's time to first token against the same request on the idle system, and the
   router's resident memory before and after (needs the router's pid: known when this command
-  started the system).
+  started the system). `--huge-sender bytes` sends each prompt serialized beforehand (timed from its
+  first byte) instead of through the Python client (timed from before it builds the message).
 - `kill`: kill -9 of the router, the prefill worker and the decode worker in turn, `--kill-rounds`
   times each, under `--kill-clients` streams of load (cedserve/bench/serve/chaos.py): detection,
   time to serving again, held blocks back to the baseline, every request ended with a status. Needs
