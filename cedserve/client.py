@@ -86,9 +86,14 @@ def build_request(prompt: PromptLike, *, effort: int | str | None = None, max_to
                                           session_id=session_id, request_id=request_id)
 
 
+_OVER_LIMIT = "SERVER: Received message larger than max"
+"""How gRPC itself words the refusal of a request over the router's receive limit ("... (15000021 vs.
+131072)"): the router never sees such a request, so it cannot word it."""
+
+
 def _error(exc: grpc.RpcError) -> CedserveError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
     field_name, retry = "", 0.0
     trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     for key, value in trailers or ():
@@ -100,7 +105,10 @@ def _error(exc: grpc.RpcError) -> CedserveError:
                     field_name = bad.field_violations[0].field
                 elif detail.Unpack(info):
                     retry = info.retry_delay.ToMilliseconds() / 1000
-    return CedserveError(code, details or "", field_name, retry)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(_OVER_LIMIT):
+        details += (" bytes: the request is larger than the router accepts (`[router] max_message_bytes`, and at"
+                    " most what the model's context can use); send a shorter prompt")
+    return CedserveError(code, details, field_name, retry)
 
 
 class _Collector:

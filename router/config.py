@@ -96,6 +96,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Largest request accepted (gRPC refuses bigger ones with RESOURCE_EXHAUSTED, HTTP with 413), and
     never more than what the model's context can use (`router.requests.message_limit`): bigger
     requests are refused from their length prefix, before their bytes are read or parsed."""
+    grpc_tarpit: bool = False
+    """gRPC's tarpit on the public port: a call that gRPC itself refuses (a message over the limit
+    above, malformed HTTP/2 headers) is answered after a random 100-1000 ms, to slow a client that
+    sends them in a loop. Off: answered at once (an idle router refuses a 15 MB prompt < 1 ms after
+    its length prefix arrives; docs/routing.md, *Errors*). The router refuses its own errors
+    (keys, sizes, admission) without delay either way."""
     metrics_port: int | None = None
     """Prometheus endpoint; None: off."""
     http_port: int = -1
@@ -151,7 +157,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 TABLE_FIELDS = ("model_id", "policy", "decode_only_max_tokens", "max_retries", "load_poll_s", "lease_ms",
                 "default_max_tokens", "max_message_bytes", "default_link_bytes_per_s", "link_rate_alpha",
-                "drain_timeout_s", "limits", "user_cache_salt")
+                "drain_timeout_s", "limits", "user_cache_salt", "grpc_tarpit")
 """`RouterConfig` fields a config file's `[router]` table may set (the rest come from flags)."""
 
 

@@ -108,6 +108,14 @@ async def _health_listener(config: RouterConfig, servicer: health.aio.HealthServ
     return server
 
 
+def public_server_options(config: RouterConfig, limits: ModelLimits) -> list[tuple[str, int]]:
+    """The public gRPC server's channel arguments: gRPC refuses a message over `message_limit`
+    (RESOURCE_EXHAUSTED) from its 5-byte length prefix, before the router reads or parses it; without
+    `grpc.http.tarpit` off it would hold that answer back 100-1000 ms (`RouterConfig.grpc_tarpit`)."""
+    return [("grpc.max_receive_message_length", message_limit(limits, config.max_message_bytes)),
+            ("grpc.http.tarpit", int(config.grpc_tarpit))]
+
+
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Start serving; workers are polled in the background (placement uses only healthy ones)."""
     model, codec = _served_model(config)
@@ -124,7 +132,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                           Admission(config.limits), metrics, config.max_retries, config.lease_ms,
                           block_bytes, metadata, links=MeasuredLinks(
                               config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
-    options = [("grpc.max_receive_message_length", message_limit(limits, config.max_message_bytes))]
+    options = public_server_options(config, limits)
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),

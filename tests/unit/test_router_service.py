@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from tls_pki import TLSFiles
 
+from cedserve.bench.serve.length_probe import refusal_time
 from cedserve.client import CedserveError, Client
 from cedserve.common.tls import TLSConfig
 from cedserve.model.cache.events import BlockStored, KVEventBatch, Tier, encode_batch
@@ -36,7 +37,8 @@ from cedserve.proto import worker_pb2, worker_pb2_grpc
 from cedserve.router.admission import ClassLimits
 from cedserve.router.config import RouterConfig, WorkerEndpoint
 from cedserve.router.frontend import GenerationCore
-from cedserve.router.server import RunningRouter, start_router
+from cedserve.router.requests import ModelLimits, message_limit
+from cedserve.router.server import RunningRouter, public_server_options, start_router
 
 VOCAB = 512
 
@@ -594,6 +596,45 @@ def test_a_request_bigger_than_the_context_can_use_is_refused_unread(cluster: Cl
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in info.value.message
         assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+
+
+def test_the_router_refuses_a_message_from_its_length_prefix_alone(cluster: Cluster) -> None:
+    """A raw HTTP/2 call that sends only the 5-byte length prefix of a 15 MB message and 16 KB of it,
+    then nothing more: the router ends the stream with RESOURCE_EXHAUSTED (8) in its trailers. A
+    router that waited for the message whole would never answer (the probe gives up after 10 s)."""
+    refusal = refusal_time(cluster.address, declared_bytes=15_000_000, metadata=(("authorization", "Bearer sekrit"),))
+    assert refusal is not None and refusal.frame == "trailers" and refusal.status == 8
+
+
+def test_the_receive_limit_follows_max_message_bytes(checkpoint: Path) -> None:
+    """`max_message_bytes` below what the context can use is the limit: a 10 KB message is refused by
+    gRPC with RESOURCE_EXHAUSTED naming both sizes (the client adds which setting that is), a 4 KB one
+    (2,000 token ids) is served."""
+    c = Cluster(checkpoint, max_message_bytes=8192)
+    try:
+        with Client(c.address, timeout_s=20) as client:
+            with pytest.raises(CedserveError) as info:
+                client.generate("ab" * 5000, max_tokens=2)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "vs. 8192)" in info.value.message and "max_message_bytes" in info.value.message
+            prompt = [3 + k % 190 for k in range(2000)]
+            assert client.generate(prompt, max_tokens=3).token_ids == _expected(prompt, 3)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("tarpit", [False, True])
+def test_the_public_server_options_carry_the_limit_and_the_tarpit_setting(checkpoint: Path, tarpit: bool) -> None:
+    """gRPC's tarpit (a 100-1000 ms hold on the refusals it makes itself) is off unless asked for;
+    the receive limit is `max_message_bytes`, capped by what the model's context can use."""
+    limits = ModelLimits("m", vocab_size=512, max_context_tokens=4096, block_size=64, default_max_tokens=0)
+    small = RouterConfig(checkpoint=str(checkpoint), max_message_bytes=1000, grpc_tarpit=tarpit)
+    assert dict(public_server_options(small, limits)) == {"grpc.max_receive_message_length": 1000,
+                                                          "grpc.http.tarpit": int(tarpit)}
+    default = RouterConfig(checkpoint=str(checkpoint))
+    assert dict(public_server_options(default, limits))["grpc.max_receive_message_length"] == message_limit(
+        limits, default.max_message_bytes) < default.max_message_bytes
+    assert dict(public_server_options(default, limits))["grpc.http.tarpit"] == 0
 
 
 def test_a_first_token_that_is_one_of_the_models_eos_ids_ends_the_request(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ Scenarios, each against one system, in this order:
 - `huge`: three concurrent prompts of 15 MB beside a normal request: each refusal's latency, the
   normal request's time to first token against the same request on the idle system, and the
   router's resident memory before and after (needs the router's pid: known when this command
-  started the system).
+  started the system). `--huge-sender bytes` sends each prompt serialized beforehand (timed from its
+  first byte) instead of through the Python client (timed from before it builds the message).
 - `kill`: kill -9 of the router, the prefill worker and the decode worker in turn, `--kill-rounds`
   times each, under `--kill-clients` streams of load (cedserve/bench/serve/chaos.py): detection,
   time to serving again, held blocks back to the baseline, every request ended with a status. Needs
@@ -53,6 +54,8 @@ from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
 SCENARIOS = ("burst", "deadlines", "huge", "kill")
+HUGE_SENDERS = {"client": "the Python client's call, timed from before it builds and serializes the message",
+                "bytes": "the message serialized beforehand, timed from its first byte written"}
 SHORT_PROMPT = "def fibonacci(n):\n    "
 """A normal request's prompt; every request asks for `--max-tokens` tokens of it."""
 
@@ -201,24 +204,54 @@ def _blocks_back(target: Target, baseline: dict[str, tuple[int, int]], since: fl
     return None
 
 
-def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any) -> None:
+def _runqueue_wait_s() -> float:
+    """Seconds this process's threads have waited for a CPU so far (the second field of each
+    thread's /proc schedstat): of a call's wall time, what the machine's other work took."""
+    total_ns = 0
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            total_ns += int(stat.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total_ns / 1e9
+
+
+def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any, sender: str) -> None:
     """One huge prompt from its own process (spawned): the prompt and client are made before `ready`,
     so building and serialising 15 MB costs the measuring process nothing (the first version sent all
-    from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s)."""
+    from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s).
+    `sender` "client": the Python client's call, which builds and serializes the message once timed;
+    "bytes": the message serialized before `ready`, sent over a connected channel (from its first byte)."""
     big = "x" * int(mb * 1e6)
+    if sender == "bytes":
+        from cedserve.bench.serve.length_probe import send_serialized
+        from cedserve.client import build_request
 
-    async def send() -> Outcome:
+        message = build_request(big, max_tokens=max_tokens).SerializeToString()
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            ready.set()
+            go.wait()
+            cpu, queued = time.process_time(), _runqueue_wait_s()
+            seconds, status = send_serialized(channel, message)
+            cpu, queued = time.process_time() - cpu, _runqueue_wait_s() - queued
+        results.put((status, round(seconds, 4), round(cpu, 4), round(queued, 4)))
+        return
+
+    async def send() -> tuple[Outcome, float, float]:
         client = AsyncClient(address, timeout_s=120)
         try:
             ready.set()
             while not go.is_set():
                 await asyncio.sleep(0.001)
-            return await _one(client, big, max_tokens)
+            cpu, queued = time.process_time(), _runqueue_wait_s()
+            outcome = await _one(client, big, max_tokens)
+            return outcome, time.process_time() - cpu, _runqueue_wait_s() - queued
         finally:
             await client.close()
 
-    outcome = asyncio.run(send())
-    results.put((outcome.status, round(outcome.seconds, 4)))
+    outcome, cpu_s, queued_s = asyncio.run(send())
+    results.put((outcome.status, round(outcome.seconds, 4), round(cpu_s, 4), round(queued_s, 4)))
 
 
 async def _ttfts(client: AsyncClient, max_tokens: int, count: int, spacing_s: float) -> list[float]:
@@ -231,11 +264,13 @@ async def _ttfts(client: AsyncClient, max_tokens: int, count: int, spacing_s: fl
     return [o.ttft_s for o in outcomes if o.ttft_s is not None]
 
 
-def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict[str, Any]:
+def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender: str = "client") -> dict[str, Any]:
     """`count` prompts of `mb` MB at once, each from its own process, beside normal requests from this
     one: the refusals' status and latency, and the normal requests' TTFT against idle (medians of 11
     requests started 50 ms apart: once without the huge prompts, once from the moment they go; the
-    same pattern both times, since 11 requests at once load a CPU system on their own)."""
+    same pattern both times, since 11 requests at once load a CPU system on their own). Each refusal's
+    wall time comes with what its sender spent on the CPU and waiting for one in that time (the rest
+    is waiting on the router and the transport)."""
     import multiprocessing
     import statistics
 
@@ -243,7 +278,8 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict
     ctx = multiprocessing.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     readies = [ctx.Event() for _ in range(count)]
-    senders = [ctx.Process(target=_huge_sender, args=(target.address, mb, max_tokens, r, go, results), daemon=True)
+    senders = [ctx.Process(target=_huge_sender, args=(target.address, mb, max_tokens, r, go, results, sender),
+                           daemon=True)
                for r in readies]
     for proc in senders:
         proc.start()
@@ -272,29 +308,47 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int) -> dict
             if proc.is_alive():
                 proc.kill()
     time.sleep(2.0)  # let the router's allocator settle before reading its memory
+    rss_after = target.router_rss_mb()
+    time.sleep(8.0)  # and again later: is what it kept held or returned?
+    rss_later = target.router_rss_mb()
     idle_p50 = statistics.median(idle) if idle else None
     loaded_p50 = statistics.median(loaded) if loaded else None
-    return {"prompts": count, "mb": mb, "refusal_status": [status for status, _ in refusals],
-            "refusal_s": [seconds for _, seconds in refusals], "senders": "one process each",
+    return {"prompts": count, "mb": mb, "refusal_status": [r[0] for r in refusals],
+            "refusal_s": [r[1] for r in refusals],
+            "refusal_sender_cpu_s": [r[2] for r in refusals],
+            "refusal_sender_runqueue_s": [r[3] for r in refusals],
+            "senders": f"one process each ({sender}: {HUGE_SENDERS[sender]})",
             "idle_ttft_s": idle_p50, "idle_ttfts_s": [round(t, 4) for t in idle],
             "loaded_ttft_s": loaded_p50, "loaded_ttfts_s": [round(t, 4) for t in loaded],
             "loaded_ttft_max_s": max(loaded) if loaded else None,
             "ttft_ratio": (loaded_p50 / idle_p50) if loaded_p50 and idle_p50 else None,
-            "router_rss_mb_before": rss_before, "router_rss_mb_after": target.router_rss_mb(),
+            "router_rss_mb_before": rss_before, "router_rss_mb_after": rss_after,
+            "router_rss_mb_after_10s": rss_later,
             **where_refusal_time_goes(target, mb)}
 
 
 def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict[str, Any]:
     """The client-observed refusal above, taken apart: what the client spends building the message,
-    the router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
-    same probe against a gRPC server with no handler code (gRPC's floor)."""
-    from cedserve.bench.serve.length_probe import bare_server_refusal_time, http_refusal_time, refusal_time
+    what it waits once that is done (the serialized message sent over a connected channel), the
+    router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
+    same probe against a gRPC server with no handler code, with gRPC's tarpit (its default) and without
+    (what the router's `grpc_tarpit` chooses between)."""
+    from cedserve.bench.serve.length_probe import (
+        bare_server_refusal_time,
+        http_refusal_time,
+        refusal_time,
+        sent_refusal_time,
+    )
     from cedserve.client import build_request
 
     declared = int(mb * 1e6)
     start = time.monotonic()
-    size = len(build_request("x" * declared, max_tokens=8).SerializeToString())
+    message = build_request("x" * declared, max_tokens=8).SerializeToString()
+    size = len(message)
     out: dict[str, Any] = {"client_build_and_serialize_s": round(time.monotonic() - start, 4)}
+    sent = [sent_refusal_time(target.address, message) for _ in range(samples)]
+    out["client_refusal_from_first_byte_s"] = [round(seconds, 4) for seconds, _ in sent]
+    out["client_refusal_from_first_byte_status"] = [status for _, status in sent]
     probes = [refusal_time(target.address, declared_bytes=size) for _ in range(samples)]
     out["server_refusal_s"] = [None if p is None else round(p.seconds, 4) for p in probes]
     out["server_refusal_status"] = [None if p is None else p.status for p in probes]
@@ -303,6 +357,8 @@ def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict
         out["http_server_refusal_s"] = [None if h is None else round(h[0], 4) for h in http]
         out["http_server_refusal_status"] = [None if h is None else h[1] for h in http]
     out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples)
+    out["bare_grpc_server_no_tarpit_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples,
+                                                                           tarpit=False)
     return out
 
 
@@ -321,12 +377,13 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"deadlines {args.flood}: status {flood['status']} in {flood['flood_s']} s; a normal request ok after "
             f"{flood['normal_request_ok_after_s']} s; blocks back after {flood.get('blocks_back_after_s')} s")
     if "huge" in args.scenarios:
-        huge = huge_prompts(target, args.huge_mb, 3, args.max_tokens)
+        huge = huge_prompts(target, args.huge_mb, 3, args.max_tokens, args.huge_sender)
         results["huge"] = huge
         log(f"huge 3 x {args.huge_mb} MB: {huge['refusal_status']} in {huge['refusal_s']} s; normal TTFT "
             f"{huge['loaded_ttft_s']} s (p50 of 11) vs {huge['idle_ttft_s']} s without them (p50 of the same 11); router RSS {huge['router_rss_mb_before']} "
             f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
-            f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}); "
+            f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}, "
+            f"without its tarpit {huge['bare_grpc_server_no_tarpit_refusal_s']}); "
             f"the client builds the message in {huge['client_build_and_serialize_s']} s")
     if "kill" in args.scenarios:
         if target.log_dir is None:
@@ -351,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bursts", type=int, nargs="+", default=[200, 1000])
     p.add_argument("--flood", type=int, default=4000)
     p.add_argument("--huge-mb", type=float, default=15.0)
+    p.add_argument("--huge-sender", choices=sorted(HUGE_SENDERS), default="client",
+                   help="how each huge prompt is sent: " + "; ".join(f"{k}: {v}" for k, v in HUGE_SENDERS.items()))
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--kill-kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--kill-rounds", type=int, default=10, help="kills of each kind")

@@ -18,6 +18,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
@@ -144,16 +145,19 @@ def http_refusal_time(address: str, path: str = "/v1/completions", declared_byte
         return time.monotonic() - start, int(reply.split(b" ", 2)[1])
 
 
-def bare_server_refusal_time(max_message_bytes: int, declared_bytes: int = 15_000_000, samples: int = 5) -> list[float]:
+def bare_server_refusal_time(max_message_bytes: int, declared_bytes: int = 15_000_000, samples: int = 5,
+                             tarpit: bool = True) -> list[float]:
     """`refusal_time` against a gRPC server with no handler code at all (the `Generation` service's
-    generated base class) and the same receive limit: the floor gRPC itself sets."""
+    generated base class) and the same receive limit: the floor gRPC itself sets. `tarpit`: gRPC's
+    default, which holds such a refusal back a random 100-1000 ms (`RouterConfig.grpc_tarpit`)."""
     from concurrent import futures
 
     import grpc
 
     from cedserve.proto import generation_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", max_message_bytes)])
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", max_message_bytes),
+                                                                  ("grpc.http.tarpit", int(tarpit))])
     generation_pb2_grpc.add_GenerationServicer_to_server(generation_pb2_grpc.GenerationServicer(), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -166,3 +170,30 @@ def bare_server_refusal_time(max_message_bytes: int, declared_bytes: int = 15_00
         return out
     finally:
         server.stop(0)
+
+
+def sent_refusal_time(address: str, message: bytes, method: str = "/cedserve.v1.Generation/Generate",
+                      timeout_s: float = 30.0) -> tuple[float, str]:
+    """(seconds, status name) of a real gRPC call that sends `message`, already serialized, over a
+    connected channel: what a client waits from its first byte written to the refusal, without
+    building or serializing the message (`client_build_and_serialize_s` is that part)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return send_serialized(channel, message, method, timeout_s)
+
+
+def send_serialized(channel: Any, message: bytes, method: str = "/cedserve.v1.Generation/Generate",
+                    timeout_s: float = 30.0) -> tuple[float, str]:
+    """`sent_refusal_time`'s call on a channel the caller connected (a `grpc.Channel`)."""
+    import grpc
+
+    call = channel.unary_stream(method)  # no serializers: the bytes go as they are
+    start = time.monotonic()
+    try:
+        for _ in call(message, timeout=timeout_s):
+            pass
+    except grpc.RpcError as exc:
+        return time.monotonic() - start, exc.code().name
+    return time.monotonic() - start, "OK"
