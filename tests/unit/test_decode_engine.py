@@ -194,7 +194,8 @@ def test_a_transfer_ending_wakes_the_idle_loop() -> None:
     model, drafter = tiny()
     rig = Rig(model, drafter, idle_wait_s=3600.0)
     reports: list[Output] = []
-    loop = EngineLoop(rig.engine, LocalChannel(), on_report=lambda rs: reports.extend(o for r in rs for o in r.outputs))
+    loop = EngineLoop(rig.engine, LocalChannel(),
+                      on_report=lambda rs: reports.extend(o for r in rs for o in r.outputs))
     tokens = PROMPTS[1]
     reserved = rig.reserve(tokens)
     assert isinstance(reserved, Reserved)
@@ -203,7 +204,7 @@ def test_a_transfer_ending_wakes_the_idle_loop() -> None:
     ticked = threading.Event()
     thread = threading.Thread(target=lambda: (loop.tick(), ticked.set()), daemon=True)
     thread.start()  # idles in `take` until something wakes it
-    rig.prefill(reserved, tokens)  # the last write ends the transfer on this thread: `on_finish` wakes the loop
+    rig.prefill(reserved, tokens)  # its last write ends the transfer, whose `on_finish` wakes the loop
     assert ticked.wait(timeout=120.0), "the loop slept through the transfer's end"
     assert any(isinstance(o, Tokens) and o.request_id == reserved.request_id for o in reports)
 
