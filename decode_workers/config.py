@@ -62,7 +62,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draft_tokens: int = 0
     """Drafts per pass; 0: the model's `dspark_block_size`. A request's effort lowers it
     (`draft_limit`)."""
-    ship_state: bool = False
+    ship_state: bool = True
     """Leases ask the prefill side for the bounded decode state (SWA windows, compressor partial
     groups, Engram history, DSpark taps when drafting) instead of replaying: Reserve holds room for it
     after the KV blocks and answers `ReserveReply.state_room`. `ReserveRequest.ship_state` overrides it

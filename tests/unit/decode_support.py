@@ -135,7 +135,8 @@ class Rig:
                                     device=device)
         region = KVRegion(self.cache.pool.storage, layout.block_bytes)
         self.agent = LoopbackAgent(self.hub, region, kv_layout, "decode")
-        self.config = DecodeConfig(**config)
+        # the replay join unless a test asks for the shipped state (the served default: its own tests)
+        self.config = DecodeConfig(**{"ship_state": False, **config})
         if proposer is None and drafter is not None:
             proposer = DSparkProposer(drafter, model, self.config.draft_tokens)
         self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent)
