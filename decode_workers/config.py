@@ -146,8 +146,9 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     preemption the latest. With 2 s a `max` (100) request yields its batch slot to `low` (50) ones
     that arrive up to 1 s after it, never longer. 0: arrival order."""
     idle_wait_s: float = 0.01
-    """How long the engine loop waits for a command when idle (bounds how late it notices a finished
-    transfer, an expired lease or a drain; a command wakes it at once)."""
+    """How long the engine loop waits for a command when idle: bounds how late it notices an expired
+    lease, a passed deadline, a drain, or a transfer into another rank of its group. A command, and a
+    transfer into the leader's rank that ends, wake it at once (`CommandInbox.wake`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.preemption, PreemptionPolicy):

@@ -87,6 +87,9 @@ class LeaseBook:
         self.leases: dict[str, Lease] = {}
         self.by_request: dict[str, str] = {}
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self.on_result: Callable[[], None] = _nothing
+        """Called on the transfer thread after a result is queued: the engine loop's wake-up
+        (`CommandInbox.wake`), so an idle loop applies it now rather than after `idle_wait_s`."""
 
     # ------------------------------------------------------------------ grant
 
@@ -169,7 +172,7 @@ class LeaseBook:
             blocks = [*lease.block_ids[lease.num_cached_blocks:], *lease.state_block_ids]
             reservation = self.receiver.reserve(lease.lease_id, blocks, sender=cmd.sender_agent,
                                                 lease_s=max(cmd.lease_ms / 1000, self.transfer_timeout_s),
-                                                on_finish=self._results.put)
+                                                on_finish=self._finished)
         except ValueError as exc:
             raise LeaseError(ErrorKind.UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
                              "sender_agent") from None
@@ -226,6 +229,10 @@ class LeaseBook:
         self._forget(lease)
         return True
 
+    def _finished(self, result: TransferResult) -> None:
+        self._results.put(result)
+        self.on_result()
+
     def poll(self) -> list[tuple[Lease, TransferResult]]:
         """Apply finished transfers; returns them (DONE or not) for the engine to act on."""
         done: list[tuple[Lease, TransferResult]] = []
@@ -274,3 +281,7 @@ class LeaseBook:
     @property
     def num_open(self) -> int:
         return len(self.leases)
+
+
+def _nothing() -> None:
+    pass

@@ -2,7 +2,8 @@
 
 Every rank runs `EngineLoop.tick` forever. One tick:
 
-1. the leader takes the commands the gRPC service queued (waiting up to `idle_wait_s` when idle) and
+1. the leader takes the commands the gRPC service queued (when idle, waiting for the first command or
+   a wake-up, `CommandInbox.wake`, at most `idle_wait_s`) and
    broadcasts them with the drain/stop flags (`TickCommands`); every rank applies those addressed to it;
 2. every rank polls its transfers and leases;
 3. the ranks agree whether any has work; if so every rank runs one `DecodeEngine.step` (an empty
@@ -115,26 +116,30 @@ class TorchChannel:
 
 
 class CommandInbox:
-    """Commands from the gRPC threads to the leader's loop (thread-safe)."""
+    """Commands from the gRPC threads to the leader's loop, and wake-ups from any thread (thread-safe)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: a wake-up
 
     def put(self, cmd: Command) -> None:
         self._queue.put(cmd)
 
+    def wake(self) -> None:
+        """End the loop's idle wait now (news for `DecodeEngine.poll`, such as a finished transfer)."""
+        self._queue.put(None)
+
     def take(self, wait_s: float) -> list[Command]:
-        """Everything queued; waits up to `wait_s` for the first command when there is none."""
-        out: list[Command] = []
+        """Everything queued; waits up to `wait_s` for the first command or wake-up when there is none."""
+        items: list[Command | None] = []
         try:
-            out.append(self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait())
+            items.append(self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait())
         except queue.Empty:
-            return out
+            return []
         while True:
             try:
-                out.append(self._queue.get_nowait())
+                items.append(self._queue.get_nowait())
             except queue.Empty:
-                return out
+                return [cmd for cmd in items if cmd is not None]
 
 
 class EngineLoop:
@@ -146,6 +151,10 @@ class EngineLoop:
         self.engine = engine
         self.channel = channel
         self.inbox = inbox if inbox is not None else CommandInbox()
+        if self.leader:
+            # a transfer that ends while the loop idles is applied at once, not at the next idle tick
+            # (other ranks wait in the leader's broadcast: `idle_wait_s` bounds how late they see theirs)
+            engine.leases.on_result = self.inbox.wake
         self.on_report = on_report
         self.draining = False
         self.stop_requested = False

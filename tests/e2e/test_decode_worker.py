@@ -81,9 +81,10 @@ class Cluster:
     def generate(self, rid: str, tokens: list[int], max_tokens: int,
                  ship_state: bool = False) -> tuple[list[int], wpb.DecodeComplete, int]:
         lease = self.reserve(rid, tokens, ship_state=ship_state)
-        assert lease.HasField("state_room") is bool(ship_state)
+        shipped = ship_state is not False  # unset: the worker's `decode.ship_state`, on by default
+        assert lease.HasField("state_room") is shipped
         first, done = self.prefill_into(rid, tokens, lease)
-        assert (done.handoff.state_bytes > 0) is bool(ship_state)
+        assert (done.handoff.state_bytes > 0) is shipped
         out, complete = [first], None
         for event in self.decode_call(rid, lease, tokens, first, max_tokens):
             kind = event.WhichOneof("event")

@@ -10,6 +10,7 @@ replayed, then continuous batching.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -17,7 +18,8 @@ from decode_support import Rig, TargetProposer, greedy_rounds, greedy_ties, prom
 
 from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
-from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Reserved, Tokens
+from cedserve.decode_workers.loop import EngineLoop, LocalChannel
+from cedserve.decode_workers.messages import CancelCommand, Failed, Finished, Output, Reserved, Tokens
 
 pytestmark = pytest.mark.unit
 
@@ -183,6 +185,28 @@ def test_block_gauges_follow_a_lease_on_an_idle_rank() -> None:
     rig.assert_all_free()
     assert rig.engine.publish_load().held_blocks == 0 and held._value.get() == 0
     assert rig.engine.metrics.free_blocks._value.get() == load.total_blocks
+
+
+def test_a_transfer_ending_wakes_the_idle_loop() -> None:
+    """The Decode call came before its KV: the loop idles, and the transfer's end wakes it at once
+    (`CommandInbox.wake`) instead of after `idle_wait_s` (an hour here: without the wake-up the tick
+    below would not return in this test's lifetime)."""
+    model, drafter = tiny()
+    rig = Rig(model, drafter, idle_wait_s=3600.0)
+    reports: list[Output] = []
+    loop = EngineLoop(rig.engine, LocalChannel(),
+                      on_report=lambda rs: reports.extend(o for r in rs for o in r.outputs))
+    tokens = PROMPTS[1]
+    reserved = rig.reserve(tokens)
+    assert isinstance(reserved, Reserved)
+    rig.attach(reserved, tokens, rig.engine.model.config.vocab_size - 1, 4)  # the transfer is still open
+    assert not rig.engine.poll() and not rig.engine.has_work()  # no news yet: the next tick idles
+    ticked = threading.Event()
+    thread = threading.Thread(target=lambda: (loop.tick(), ticked.set()), daemon=True)
+    thread.start()  # idles in `take` until something wakes it
+    rig.prefill(reserved, tokens)  # its last write ends the transfer, whose `on_finish` wakes the loop
+    assert ticked.wait(timeout=120.0), "the loop slept through the transfer's end"
+    assert any(isinstance(o, Tokens) and o.request_id == reserved.request_id for o in reports)
 
 
 def test_sampling_seed_logprobs_and_stop(reference: list[list[int]]) -> None:

@@ -1,0 +1,269 @@
+"""Where a request's TPOT goes: per-token arrival times at the client against the decode worker's own
+step times, for systems side by side (one request at a time, alternated between them).
+
+Each request (a fresh random prompt with a cache salt of its own, greedy, `max_tokens` output tokens)
+is timed at the client token by token; the decode worker's `cedserve_decode_step_seconds` (count and
+sum) is read before and after it. With one request in flight every step in that window is this
+request's, so per request:
+
+    tpot         (last token - first token) / (tokens - 1), as `cedserve bench serve` counts it
+    first gap    first token (the prefill side's) -> second (the decode worker's first step: the join)
+    steady ITL   (last token - second token) / (tokens - 2): the decode steps after the join
+    join         the request's first decode step (read when the second token arrives)
+    steady step  the decode worker's mean step after the join, and its steps per token (DSpark: < 1)
+    outside      client span from the second to the last token minus the steps in it, per step:
+                 everything not in a step (engine loop, decode -> router -> client streaming)
+
+The systems are named in `--system NAME=ADDRESS,METRICS_URL` (running systems: the metrics URL of the
+decode worker is printed by `cedserve serve` at start-up), or started here by `--serve NAME[:KEY=VALUE,...]`
+(`cedserve serve` on free ports; KEY is `section.field` of the serve config, e.g.
+`--serve replay:decode.ship_state=false --serve shipped:decode.ship_state=true`). On CUDA the started
+systems share the GPU: each worker gets `--gpu-share` of it.
+
+    python benchmarks/tpot.py --serve replay:decode.ship_state=false --serve shipped:decode.ship_state=true \\
+        --prompt-tokens 600 --max-tokens 12,64 --rounds 10 --out docs/benchmarks/tpot-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from cedserve.client import AsyncClient, Piece
+
+STEP = "cedserve_decode_step_seconds"
+
+
+@dataclass(frozen=True)
+class System:
+    address: str
+    metrics_url: str
+
+
+def _steps(metrics_url: str) -> tuple[int, float]:
+    """The decode worker's (steps, step seconds) so far."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = {}
+    for name in (f"{STEP}_count", f"{STEP}_sum"):
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        values[name] = float(m.group(1)) if m else 0.0
+    return int(values[f"{STEP}_count"]), values[f"{STEP}_sum"]
+
+
+async def _one(client: AsyncClient, system: System, prompt: list[int], max_tokens: int, salt: str) -> dict[str, float]:
+    steps0, step_s0 = await asyncio.to_thread(_steps, system.metrics_url)
+    start = time.perf_counter()
+    arrivals: list[float] = []  # one per token, at its chunk's arrival
+    at_second: list[asyncio.Future[tuple[int, float]]] = []  # the steps when the second token arrived
+
+    def on_piece(piece: Piece) -> None:
+        arrivals.extend([time.perf_counter() - start] * len(piece.token_ids))
+        if len(arrivals) >= 2 and not at_second:  # read off the event loop: later arrivals stay on time
+            at_second.append(asyncio.ensure_future(asyncio.to_thread(_steps, system.metrics_url)))
+
+    done = await client.generate(prompt, on_piece=on_piece, max_tokens=max_tokens, cache_salt=salt, effort="high")
+    steps1, step_s1 = await asyncio.to_thread(_steps, system.metrics_url)
+    steps_mid, step_s_mid = await at_second[0]
+    n, steps = len(arrivals), steps1 - steps0
+    span, steady_span = arrivals[-1] - arrivals[0], arrivals[-1] - arrivals[1]
+    # the join is the request's first step; the read at the second token counts it alone unless the
+    # next step ended before the read (then the split is unknown: NaN)
+    split = steps_mid - steps0 == 1 and steps1 > steps_mid
+    join_s = step_s_mid - step_s0 if split else float("nan")
+    steady_steps, steady_s = steps1 - steps_mid, step_s1 - step_s_mid
+    return {"tokens": n, "draft_tokens": int(done.usage.get("draft_tokens", 0)),
+            "accepted_drafts": int(done.usage.get("accepted_draft_tokens", 0)), "ttft_s": arrivals[0], "tpot_s": span / (n - 1), "first_gap_s": arrivals[1] - arrivals[0],
+            "steady_itl_s": steady_span / (n - 2), "steps": steps,
+            "outside_per_step_s": (steady_span - steady_s) / steady_steps if split else float("nan"),
+            "join_step_s": join_s, "steady_step_s": steady_s / steady_steps if split else float("nan"),
+            "steady_steps_per_token": steady_steps / (n - 2) if split else float("nan"),
+            "steady_step_per_token_s": steady_s / (n - 2) if split else float("nan"),
+            # TPOT (and the steady ITL) over the decode engine's step time per token after the join
+            "tpot_over_step": span / (n - 1) / (steady_s / (n - 2)) if split else float("nan"),
+            "itl_over_step": steady_span / steady_s if split else float("nan")}
+
+
+def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over the requests (ms for seconds)."""
+    out: dict[str, float] = {"requests": len(rows), "tokens": statistics.median(r["tokens"] for r in rows)}
+    for key in ("ttft_s", "tpot_s", "first_gap_s", "steady_itl_s", "outside_per_step_s", "join_step_s",
+                "steady_step_s", "steady_steps_per_token", "steady_step_per_token_s", "tpot_over_step", "itl_over_step"):
+        values = [r[key] for r in rows if r[key] == r[key]]
+        scale = 1e3 if key.endswith("_s") else 1.0
+        out[key[:-2] + "_ms" if key.endswith("_s") else key] = scale * statistics.median(values) if values else float("nan")
+    out["draft_tokens"] = statistics.fmean(r["draft_tokens"] for r in rows)  # means: small counts
+    out["accepted_drafts"] = statistics.fmean(r["accepted_drafts"] for r in rows)
+    out["requests_split"] = sum(1 for r in rows if r["join_step_s"] == r["join_step_s"])
+    return out
+
+
+async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: list[int], rounds: int, vocab: int,
+              warmup: int, seed: int) -> dict[str, Any]:
+    clients = {name: AsyncClient(s.address, timeout_s=300) for name, s in systems.items()}
+    rng = random.Random(seed)
+    try:
+        for i in range(warmup):
+            for name, client in clients.items():
+                await _one(client, systems[name], [rng.randrange(3, vocab) for _ in range(prompt_lens[0])], 8,
+                           f"warm-{name}-{i}-{seed}")
+        out: dict[str, Any] = {}
+        for n in prompt_lens:
+            for m in max_tokens:
+                rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+                for r in range(rounds):
+                    prompt = [rng.randrange(3, vocab) for _ in range(n)]
+                    order = list(systems) if r % 2 == 0 else list(reversed(systems))
+                    for name in order:
+                        rows[name].append(await _one(clients[name], systems[name], prompt, m, f"{name}-{n}-{m}-{r}-{seed}"))
+                out[f"prompt {n}, {m} tokens"] = {name: {"median": _summary(rows[name]), "requests": rows[name]}
+                                                  for name in systems}
+        return out
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+def _table(results: dict[str, Any]) -> str:
+    head = (f"{'case':<22} {'system':<9} {'TTFT':>5} {'TPOT':>6} {'1st gap':>7} {'join':>6} {'ITL':>6} "
+            f"{'step':>6} {'steps/tok':>9} {'outside/step':>12} {'TPOT/step':>9} {'ITL/step':>8}")
+    lines = [head, "-" * len(head)]
+    for case, by_system in results.items():
+        for name, r in by_system.items():
+            s = r["median"]
+            lines.append(f"{case:<22} {name:<9} {s['ttft_ms']:>5.0f} {s['tpot_ms']:>6.1f} {s['first_gap_ms']:>7.1f} "
+                         f"{s['join_step_ms']:>6.1f} {s['steady_itl_ms']:>6.1f} {s['steady_step_ms']:>6.1f} "
+                         f"{s['steady_steps_per_token']:>9.2f} {s['outside_per_step_ms']:>12.2f} "
+                         f"{s['tpot_over_step']:>9.2f} {s['itl_over_step']:>8.2f}")
+    lines.append("medians over requests, ms. 1st gap: first -> second token at the client; join: the decode "
+                 "worker's first step of the request; ITL, step, steps/tok: after it; outside/step: client span "
+                 "after the join minus its steps, per step; X/step: X over the step time per token after the join")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml(settings: list[str], gpu_share: float | None) -> str:
+    tables: dict[str, list[str]] = {}
+    for item in settings:
+        key, value = item.split("=", 1)
+        section, field = key.split(".", 1)
+        literal = value if re.fullmatch(r"true|false|-?[0-9.e+-]+", value) else json.dumps(value)
+        tables.setdefault(section, []).append(f"{field} = {literal}")
+    if gpu_share is not None:
+        for role in ("prefill", "decode"):
+            tables.setdefault(role, []).append(f"gpu_memory_fraction = {gpu_share}")
+    return "".join(f"[{section}]\n" + "\n".join(lines) + "\n\n" for section, lines in tables.items())
+
+
+@contextmanager
+def _serve(specs: list[str], device: str, gpu_share: float, workdir: Path) -> Iterator[dict[str, System]]:
+    """Start one `cedserve serve` per spec (in parallel) and yield their systems; drain them at exit."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    configs: dict[str, str] = {}
+    try:
+        for spec in specs:
+            name, _, rest = spec.partition(":")
+            config = workdir / f"{name}.toml"
+            configs[name] = _toml([s for s in rest.split(",") if s], gpu_share if device == "cuda" else None)
+            config.write_text(configs[name])
+            port = _free_port()
+            procs[name] = subprocess.Popen(
+                [str(Path(sys.executable).parent / "cedserve"), "serve", "--device", device, "--port", str(port),
+                 "--http-port", str(_free_port()), "--config", str(config), "--log-dir", str(workdir / f"logs-{name}")],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        systems = {name: _ready(name, proc) for name, proc in procs.items()}
+        yield systems
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _ready(name: str, proc: subprocess.Popen[str]) -> System:
+    assert proc.stdout is not None
+    metrics = ""
+    for line in proc.stdout:
+        if line.startswith("metrics of decode0:"):
+            metrics = line.split(":", 1)[1].strip()
+        if line.startswith("CEDSERVE_READY"):
+            ready = json.loads(line.split(" ", 1)[1])
+            if not metrics:
+                raise RuntimeError(f"{name}: no decode metrics endpoint was printed")
+            return System(ready["address"], metrics)
+    raise RuntimeError(f"{name}: cedserve serve exited with {proc.wait()} before it was ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", action="append", default=[], help="NAME=ADDRESS,METRICS_URL (repeat; alternated)")
+    ap.add_argument("--serve", action="append", default=[], help="NAME[:section.field=value,...] (repeat)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="of the systems --serve starts")
+    ap.add_argument("--gpu-share", type=float, default=0.2, help="with cuda: each started worker's GPU memory share")
+    ap.add_argument("--prompt-tokens", default="600", help="the agentic sessions' prompts: ~580 tokens")
+    ap.add_argument("--max-tokens", default="12,64", help="12: the agentic sessions' mean output on the H200 run")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--vocab", type=int, default=500, help="prompt ids drawn from [3, vocab)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not args.system and not args.serve:
+        ap.error("name at least one --system or --serve")
+    given = {}
+    for spec in args.system:
+        name, rest = spec.split("=", 1)
+        address, metrics = rest.split(",", 1)
+        given[name] = System(address, metrics)
+    prompt_lens = [int(x) for x in args.prompt_tokens.split(",")]
+    max_tokens = [int(x) for x in args.max_tokens.split(",")]
+    if min(max_tokens) < 3:
+        ap.error("--max-tokens: at least 3 (a first gap and a steady token)")
+    with tempfile.TemporaryDirectory(prefix="tpot-") as tmp, _serve(args.serve, args.device, args.gpu_share,
+                                                                       Path(tmp)) as started:
+        systems = {**given, **started}
+        load_before = os.getloadavg()
+        t0 = time.monotonic()
+        results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, args.vocab, args.warmup, args.seed))
+        wall_s = time.monotonic() - t0
+    print(_table(results))
+    report = {"benchmark": "tpot", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python", *sys.argv]),
+              "machine": {"hostname": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
+                          "loadavg_before": [round(x, 2) for x in load_before],
+                          "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+              "device": args.device, "note": args.note, "systems": args.system + args.serve, "rounds": args.rounds,
+              "wall_s": round(wall_s, 1), "results": results}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"# wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
