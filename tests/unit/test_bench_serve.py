@@ -293,3 +293,41 @@ def test_config_file_is_checked_before_anything_starts(tmp_path: Path, capsys: p
                  "--out", str(tmp_path / "out.json")]) == 2
     assert "ship_state" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_each_finished_arm_is_reported_before_the_next_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run cut by a time limit keeps what it finished: `run_arms` hands the reports so far to
+    `on_arm` after every arm, before the next arm's processes start (the launch and the load are
+    faked here; tests/e2e/test_bench_serve_e2e.py runs them for real)."""
+    import contextlib
+    from collections.abc import Iterator
+
+    import cedserve.bench.serve.main as bench_main
+    from cedserve.bench.serve.systems import plan_arms
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_arm(arm: object, base: object, log_dir: Path) -> Iterator[tuple[str, None]]:
+        events.append(f"start {log_dir.name}")
+        yield f"address-of-{log_dir.name}", None
+
+    async def fake_bench(address: str, name: str, plan: object, http: object) -> list[dict[str, object]]:
+        return [{"load": {"kind": "closed", "value": 1.0, "label": "closed x1"}, "api": "grpc", "summary": {},
+                 "address": address}]
+
+    monkeypatch.setattr(bench_main, "embedded_arm", fake_arm)
+    monkeypatch.setattr(bench_main, "bench_address", fake_bench)
+    arms = plan_arms(["cache_aware", "round_robin"], 1, 1, 1, True)
+    seen: list[list[str]] = []
+
+    def on_arm(done: list[dict[str, object]]) -> None:
+        seen.append([str(d["arm"]["name"]) for d in done])  # type: ignore[index]
+        events.append(f"done {seen[-1][-1]}")
+
+    out = bench_main.run_arms(arms, object(), Path("/logs"), object(), on_arm)  # type: ignore[arg-type]
+    assert [a["arm"]["name"] for a in out] == ["cache_aware", "round_robin", "colocated"]
+    assert seen == [["cache_aware"], ["cache_aware", "round_robin"], ["cache_aware", "round_robin", "colocated"]]
+    assert events == ["start cache_aware", "done cache_aware", "start round_robin", "done round_robin",
+                      "start colocated", "done colocated"]
+    assert out[1]["runs"][0]["address"] == "address-of-round_robin"

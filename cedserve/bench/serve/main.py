@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,9 +211,10 @@ async def _warm_up(client: GenerateClient, plan: BenchPlan, synth: TokenSynth) -
             print(f"# warm-up request {k} failed: {exc}", file=sys.stderr)
 
 
-def run_arms(arms: Sequence[Arm], base: EmbeddedOptions, log_root: Path, plan: BenchPlan) -> list[dict[str, Any]]:
-    """Start each arm fresh, drive it, stop it."""
-    out = []
+def run_arms(arms: Sequence[Arm], base: EmbeddedOptions, log_root: Path, plan: BenchPlan,
+             on_arm: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Start each arm fresh, drive it, stop it; `on_arm(done)` after each (the arms' reports so far)."""
+    out: list[dict[str, Any]] = []
     for arm in arms:
         print(f"# arm {arm.name}: {arm.num_prefill} prefill, {arm.num_decode} decode "
               f"(x{arm.decode_group_size} ranks), policy {arm.policy} (logs: {log_root / arm.name})",
@@ -221,6 +222,8 @@ def run_arms(arms: Sequence[Arm], base: EmbeddedOptions, log_root: Path, plan: B
         with embedded_arm(arm, base, log_root / arm.name) as (address, http_address):
             runs = asyncio.run(bench_address(address, arm.name, plan, http_address))
         out.append(_arm_report(arm.describe(), runs))
+        if on_arm is not None:
+            on_arm(out)
     return out
 
 
@@ -411,8 +414,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             system = {"preset": args.preset, "checkpoint": args.checkpoint, "device": args.device, "gpus": list(gpus),
                       "config": config}
             log_root = Path(args.log_dir) if args.log_dir else cache_home() / "logs" / "bench-serve"
+            def arm_done(done: list[dict[str, Any]]) -> None:
+                """Each finished arm's rows at once, and the report so far (`partial`) in `--out`: a
+                run cut by a time limit keeps the arms it finished."""
+                if len(done) == len(plan_list):
+                    return
+                partial = build_report(plan, done, "cedserve bench serve " + " ".join(argv), machine_info,
+                                       started, system)
+                partial["partial"] = True
+                print(render_table(partial), flush=True)
+                write_outputs(partial, Path(args.out), plots=False, table=False)
+                print(f"# arm {done[-1]['arm']['name']} done; the report so far is in {args.out}", file=sys.stderr,
+                      flush=True)
+
             with exit_on_sigterm():
-                arms = run_arms(plan_list, base, log_root, plan)
+                arms = run_arms(plan_list, base, log_root, plan, arm_done)
     except (ValueError, LaunchError) as exc:
         print(f"cedserve bench serve: {exc}", file=sys.stderr)
         return 2
