@@ -1,0 +1,227 @@
+"""A hash table of 32-byte block hashes -> int32 values in numpy arrays: the prefix index's storage.
+
+Lookups, inserts and deletions take a whole array of keys at once, so a prompt's thousand block
+hashes are looked up in one vectorised pass (a gather of one bucket row per key, in C) instead of a
+thousand dictionary lookups, and a million entries are a few arrays that the garbage collector never
+visits, not a million Python objects.
+
+Layout: open addressing with buckets of `WIDTH` = 8 slots (slot = bucket * 8 + column),
+`num_buckets` a power of two. A bucket is one 128-byte row, aligned to 128 bytes (two adjacent cache
+lines), of 16 uint64 words:
+
+    words 0-7    tag    uint64[8]  a key's first 8 bytes, little-endian
+    words 8-11   value  int32[8]   the key's value (>= 0), or EMPTY (never used) or DELETED
+    words 12-15  check  uint32[8]  the low 4 bytes of the key's second 8 bytes
+
+and, apart, `rest` uint64[num_buckets * 8, 3]: each slot's key bytes 8-31. A key lives in its home
+bucket (`tag & (num_buckets - 1)`: the first bytes of a sha256 are uniform) or, when that was full,
+in the first bucket after it (wrapping) with a free slot. A search reads the bucket's row and stops
+at a slot whose tag and check match (a live one), or at a bucket with an EMPTY slot: the key is not
+there; else it goes on to the next bucket (a few keys in a hundred at the table's highest load).
+
+`get` (the prefix walk's lookup) matches on those 12 bytes, 96 bits, and reads nothing else;
+`find` (updates) confirms all 32 bytes in `rest`, so the table itself never confuses two keys. A
+query answered wrongly by `get` would need a hash that equals a stored one in 96 bits: sha256 makes
+that 2**-96 a pair by chance, and one who can choose prompts needs about 2**48 hashes of its own to
+make such a pair, to misplace its own request by one block's credit (a hash commits to the whole
+chain before it, so the next block differs).
+
+Deleting marks the slot DELETED, not EMPTY, so no later key's search stops short of it; an insert
+may reuse it. The table is rebuilt when used (live or DELETED) slots would pass `MAX_LOAD`: into a
+table where the live keys fill at most half of that, twice the size or more, or the same size when
+it was mostly DELETED slots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+WIDTH = 8
+"""Slots per bucket (the row's layout, and `_any_in_rows`, rely on 8)."""
+MAX_LOAD = 0.5
+"""Used (live or DELETED) slots over all slots above which the table is rebuilt."""
+EMPTY = -1
+DELETED = -2
+KEY_BYTES = 32
+_ROW_WORDS = 2 * WIDTH  # uint64 words per bucket row
+_VALUES = slice(2 * WIDTH, 3 * WIDTH)  # the row's values, in its int32 view
+_CHECKS = slice(3 * WIDTH, 4 * WIDTH)  # the row's checks, in its int32 view
+
+Keys = npt.NDArray[np.uint64]
+"""`[n, 4]` block hashes as little-endian 64-bit words."""
+Slots = npt.NDArray[np.intp]
+Values = npt.NDArray[np.int32]
+
+
+def as_keys(block_hashes: Sequence[bytes]) -> Keys:
+    """`[n, 4]` words of `block_hashes`. A hash of another length than 32 bytes (never a real block
+    hash: `hashing.HASH_BYTES`) is replaced by the sha256 of it with a prefix of its own, so such keys
+    keep distinct unless sha256 collides."""
+    joined = b"".join(block_hashes)
+    if len(joined) != KEY_BYTES * len(block_hashes):
+        joined = b"".join(h if len(h) == KEY_BYTES else hashlib.sha256(b"cedserve/index-key\x00" + h).digest()
+                          for h in block_hashes)
+    return np.frombuffer(joined, dtype="<u8").reshape(-1, 4)
+
+
+def _check(keys: Keys) -> npt.NDArray[np.int32]:
+    """`[n]` the keys' checks (the low 4 bytes of word 1), as the rows' int32 view holds them."""
+    return keys[:, 1].astype(np.uint32).view(np.int32)
+
+
+def _any_in_rows(flags: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+    """`[p]` whether each row of a C-contiguous `[p, 8]` boolean array has a True (its row read as one
+    uint64: one comparison, where a reduction along a short axis is slow in numpy)."""
+    return flags.view(np.uint64).reshape(-1) != 0
+
+
+class BlockTable:
+    """Block hash -> int32 value. Not thread-safe (it lives on the router's event loop)."""
+
+    def __init__(self, num_buckets: int = 1024) -> None:
+        assert num_buckets > 0 and num_buckets & (num_buckets - 1) == 0, "a power of two"
+        self._alloc(num_buckets)
+        self._live = 0
+        self._used = 0  # live + DELETED slots
+
+    def _alloc(self, num_buckets: int) -> None:
+        self._mask = np.uint64(num_buckets - 1)
+        self._bucket_mask = num_buckets - 1
+        words = num_buckets * _ROW_WORDS
+        buffer = np.zeros(words + _ROW_WORDS, dtype=np.uint64)
+        skip = (-buffer.ctypes.data % 128) // 8  # rows aligned to 128 bytes: two cache lines each
+        self._rows = buffer[skip: skip + words].reshape(num_buckets, _ROW_WORDS)
+        self._words = self._rows.view(np.int32)  # [num_buckets, 32]: the same rows as int32
+        self._words[:, _VALUES] = EMPTY
+        self._rest = np.zeros((num_buckets * WIDTH, 3), dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def nbytes(self) -> int:
+        return self._rows.nbytes + self._rest.nbytes
+
+    @property
+    def values(self) -> Values:
+        """`[slots]` a copy of every slot's value, EMPTY or DELETED where no key is."""
+        return self._words[:, _VALUES].reshape(-1)
+
+    def get(self, keys: Keys) -> Values:
+        """`[n]` the values of `keys`, EMPTY (-1) for an absent key; keys matched on 96 bits (see above)."""
+        return self._search(keys, exact=False)[1]
+
+    def find(self, keys: Keys) -> Slots:
+        """`[n]` the slots of `keys`, -1 for an absent key; keys matched on all 32 bytes."""
+        return self._search(keys, exact=True)[0]
+
+    def _search(self, keys: Keys, exact: bool) -> tuple[Slots, Values]:
+        """`[n]` slots and `[n]` values of `keys` (-1 and EMPTY for an absent key). Each round reads
+        one bucket row per key still sought: its home bucket first, where all but a few in a hundred
+        are settled (found, or absent: the bucket has an EMPTY slot), then the next bucket for those."""
+        n = len(keys)
+        slots = np.full(n, -1, dtype=np.intp)
+        values = np.full(n, EMPTY, dtype=np.int32)
+        index = np.arange(n)  # [p] the keys still sought ...
+        tags, checks = keys[:, 0], _check(keys)  # ... their tags and checks ...
+        bucket = (tags & self._mask).astype(np.intp)  # ... and the bucket each reads next
+        while True:
+            rows = self._rows.take(bucket, axis=0)  # [p, 16]
+            words = rows.view(np.int32)  # [p, 32]
+            live = words[:, _VALUES] >= 0
+            hit = (rows[:, :WIDTH] == tags[:, None]) & (words[:, _CHECKS] == checks[:, None]) & live  # [p, 8]
+            column = hit.argmax(axis=1)
+            slot = bucket * WIDTH + column
+            found = _any_in_rows(hit)
+            done = found | _any_in_rows(words[:, _VALUES] == EMPTY)  # absent: it would be in this bucket
+            if exact and found.any():
+                matched = np.flatnonzero(found)
+                rest, want = self._rest.take(slot[matched], axis=0), keys[index[matched]]
+                same = (rest[:, 0] == want[:, 1]) & (rest[:, 1] == want[:, 2]) & (rest[:, 2] == want[:, 3])
+                for k in index[matched[~same]].tolist():  # 96 equal bits, another key: the slow way
+                    slots[k] = self._find_one(keys[k])
+                    values[k] = self.values_at(slots[k: k + 1])[0] if slots[k] >= 0 else EMPTY
+                found[matched[~same]] = False
+            slots[index[found]] = slot[found]
+            values[index[found]] = words.reshape(-1)[(np.arange(len(rows)) * 32 + 2 * WIDTH + column)[found]]
+            if done.all():
+                return slots, values
+            onward = ~done
+            index, tags, checks = index[onward], tags[onward], checks[onward]
+            bucket = (bucket[onward] + 1) & self._bucket_mask
+
+    def _find_one(self, key: npt.NDArray[np.uint64]) -> int:
+        """The slot of one key, comparing all 32 bytes of every live slot on its way; -1 if absent."""
+        bucket = int(key[0] & self._mask)
+        while True:
+            for column in range(WIDTH):
+                slot = bucket * WIDTH + column
+                if (self._words[bucket, _VALUES][column] >= 0 and self._rows[bucket, column] == key[0]
+                        and (self._rest[slot] == key[1:]).all()):
+                    return slot
+            if EMPTY in self._words[bucket, _VALUES]:
+                return -1
+            bucket = (bucket + 1) & self._bucket_mask
+
+    def values_at(self, slots: Slots) -> Values:
+        """`[n]` the values at `slots` (from `find`)."""
+        return self._words[slots // WIDTH, 2 * WIDTH + slots % WIDTH]
+
+    def set_values(self, slots: Slots, values: Values) -> None:
+        """Replace the values at `slots` (from `find`) with `values` (>= 0)."""
+        self._words[slots // WIDTH, 2 * WIDTH + slots % WIDTH] = values
+
+    def delete(self, slots: Slots) -> None:
+        """Remove the keys at `slots` (distinct, from `find`)."""
+        self._words[slots // WIDTH, 2 * WIDTH + slots % WIDTH] = DELETED
+        self._live -= len(slots)
+
+    def insert(self, keys: Keys, values: Values) -> None:
+        """Add `keys` (distinct, none present) with `values` (>= 0)."""
+        n = len(keys)
+        if not n:
+            return
+        if self._used + n > MAX_LOAD * self._rows.shape[0] * WIDTH:
+            self._rebuild(self._live + n)
+        self._place(keys, values)
+        self._live += n
+        self._used += n
+
+    def _rebuild(self, live_after: int) -> None:
+        """Re-insert every live key into a table where `live_after` keys fill at most half of
+        `MAX_LOAD` (so that many inserts come before the next rebuild); DELETED slots are shed."""
+        live = self._words[:, _VALUES] >= 0  # [num_buckets, 8]
+        keys = np.concatenate([self._rows[:, :WIDTH][live][:, None], self._rest[live.reshape(-1)]], axis=1)
+        values = self._words[:, _VALUES][live]
+        num_buckets = len(self._rows)
+        while live_after > MAX_LOAD / 2 * num_buckets * WIDTH:
+            num_buckets *= 2
+        self._alloc(num_buckets)
+        self._place(keys, values)
+        self._used = self._live
+
+    def _place(self, keys: Keys, values: Values) -> None:
+        """Write absent, distinct `keys` into free slots; the caller keeps the load below 1. In rounds:
+        the keys still to place whose next bucket is the same are ranked, and the r-th of them takes
+        the bucket's r-th free slot if it has one, else tries the next bucket."""
+        pending = np.arange(len(keys))
+        bucket = (keys[:, 0] & self._mask).astype(np.intp)
+        checks = _check(keys)
+        while pending.size:
+            order = np.argsort(bucket, kind="stable")
+            pending, bucket = pending[order], bucket[order]
+            starts = np.flatnonzero(np.concatenate(([True], bucket[1:] != bucket[:-1])))
+            rank = np.arange(bucket.size) - np.repeat(starts, np.diff(np.append(starts, bucket.size)))
+            free = self._words[:, _VALUES].take(bucket, axis=0) < 0  # [p, 8] EMPTY or DELETED
+            placed = rank < free.sum(axis=1)
+            column = (np.cumsum(free, axis=1) == (rank + 1)[:, None]).argmax(axis=1)[placed]
+            at, mine = bucket[placed], pending[placed]
+            self._rows[at, column] = keys[mine, 0]
+            self._words[at, 2 * WIDTH + column] = values[mine]
+            self._words[at, 3 * WIDTH + column] = checks[mine]
+            self._rest[at * WIDTH + column] = keys[mine, 1:]
+            pending, bucket = pending[~placed], (bucket[~placed] + 1) & self._bucket_mask
