@@ -6,7 +6,7 @@ thousand dictionary lookups, and a million entries are a few arrays that the gar
 visits, not a million Python objects.
 
 Layout: open addressing with buckets of `WIDTH` = 8 slots (slot = bucket * 8 + column),
-`num_buckets` a power of two. A bucket is one 128-byte row, aligned to 128 bytes (two adjacent cache
+any number of buckets. A bucket is one 128-byte row, aligned to 128 bytes (two adjacent cache
 lines), of 16 uint64 words:
 
     words 0-7    tag    uint64[8]  a key's first 8 bytes, little-endian
@@ -14,7 +14,7 @@ lines), of 16 uint64 words:
     words 12-15  check  uint32[8]  the low 4 bytes of the key's second 8 bytes
 
 and, apart, `rest` uint64[num_buckets * 8, 3]: each slot's key bytes 8-31. A key lives in its home
-bucket (`tag & (num_buckets - 1)`: the first bytes of a sha256 are uniform) or, when that was full,
+bucket (`(tag >> 32) * num_buckets >> 32`: the first bytes of a sha256 are uniform) or, when that was full,
 in the first bucket after it (wrapping) with a free slot. A search reads the bucket's row and stops
 at a slot whose tag and check match (a live one), or at a bucket with an EMPTY slot: the key is not
 there; else it goes on to the next bucket (a few keys in a hundred at the table's highest load).
@@ -28,13 +28,14 @@ chain before it, so the next block differs).
 
 Deleting marks the slot DELETED, not EMPTY, so no later key's search stops short of it; an insert
 may reuse it. The table is rebuilt when used (live or DELETED) slots would pass `MAX_LOAD`: into a
-table where the live keys fill at most half of that, twice the size or more, or the same size when
-it was mostly DELETED slots.
+table where the live keys fill at most `_LOAD_AFTER_REBUILD` of the slots (about 1.4x the size), or
+the same size when it was mostly DELETED slots.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +45,10 @@ WIDTH = 8
 """Slots per bucket (the row's layout, and `_any_in_rows`, rely on 8)."""
 MAX_LOAD = 0.5
 """Used (live or DELETED) slots over all slots above which the table is rebuilt."""
+_LOAD_AFTER_REBUILD = 0.35
+"""Live slots over all slots after a rebuild, at most: it grows by about 1.4x when it has not
+shed DELETED slots (memory ~ 40 bytes / 0.35-0.5 per hash held; a search reads its home bucket
+alone for all but about one key in a thousand at 0.35, a few in a hundred at 0.5)."""
 EMPTY = -1
 DELETED = -2
 KEY_BYTES = 32
@@ -76,21 +81,21 @@ def _check(keys: Keys) -> npt.NDArray[np.int32]:
 def _any_in_rows(flags: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
     """`[p]` whether each row of a C-contiguous `[p, 8]` boolean array has a True (its row read as one
     uint64: one comparison, where a reduction along a short axis is slow in numpy)."""
-    return flags.view(np.uint64).reshape(-1) != 0
+    rows: npt.NDArray[np.bool_] = flags.view(np.uint64).reshape(-1) != 0
+    return rows
 
 
 class BlockTable:
     """Block hash -> int32 value. Not thread-safe (it lives on the router's event loop)."""
 
     def __init__(self, num_buckets: int = 1024) -> None:
-        assert num_buckets > 0 and num_buckets & (num_buckets - 1) == 0, "a power of two"
         self._alloc(num_buckets)
         self._live = 0
         self._used = 0  # live + DELETED slots
 
     def _alloc(self, num_buckets: int) -> None:
-        self._mask = np.uint64(num_buckets - 1)
-        self._bucket_mask = num_buckets - 1
+        self._num_buckets = num_buckets
+        self._scale = np.uint64(num_buckets)
         words = num_buckets * _ROW_WORDS
         buffer = np.zeros(words + _ROW_WORDS, dtype=np.uint64)
         skip = (-buffer.ctypes.data % 128) // 8  # rows aligned to 128 bytes: two cache lines each
@@ -112,8 +117,20 @@ class BlockTable:
         return self._words[:, _VALUES].reshape(-1)
 
     def get(self, keys: Keys) -> Values:
-        """`[n]` the values of `keys`, EMPTY (-1) for an absent key; keys matched on 96 bits (see above)."""
-        return self._search(keys, exact=False)[1]
+        """`[n]` the values of `keys`, EMPTY (-1) for an absent key; keys matched on 96 bits (see above).
+        The home buckets' round written out (the few ops it takes matter on the request path); the
+        keys it leaves for the next buckets go through `_search`."""
+        tags = keys[:, 0]
+        rows = self._rows.take(self._home(tags), axis=0)  # [n, 16]
+        words = rows.view(np.int32)  # [n, 32]
+        hit = (rows[:, :WIDTH] == tags[:, None]) & (words[:, _CHECKS] == _check(keys)[:, None]) & (words[:, _VALUES] >= 0)
+        found = _any_in_rows(hit)
+        values: Values = words.reshape(-1).take(np.arange(0, 32 * len(keys), 32) + (2 * WIDTH) + hit.argmax(axis=1))
+        values[~found] = EMPTY
+        onward = np.flatnonzero(~(found | _any_in_rows(words[:, _VALUES] == EMPTY)))
+        if onward.size:
+            values[onward] = self._search(keys[onward], exact=False)[1]
+        return values
 
     def find(self, keys: Keys) -> Slots:
         """`[n]` the slots of `keys`, -1 for an absent key; keys matched on all 32 bytes."""
@@ -128,7 +145,7 @@ class BlockTable:
         values = np.full(n, EMPTY, dtype=np.int32)
         index = np.arange(n)  # [p] the keys still sought ...
         tags, checks = keys[:, 0], _check(keys)  # ... their tags and checks ...
-        bucket = (tags & self._mask).astype(np.intp)  # ... and the bucket each reads next
+        bucket = self._home(tags)  # ... and the bucket each reads next
         while True:
             rows = self._rows.take(bucket, axis=0)  # [p, 16]
             words = rows.view(np.int32)  # [p, 32]
@@ -152,11 +169,11 @@ class BlockTable:
                 return slots, values
             onward = ~done
             index, tags, checks = index[onward], tags[onward], checks[onward]
-            bucket = (bucket[onward] + 1) & self._bucket_mask
+            bucket = (bucket[onward] + 1) % self._num_buckets
 
     def _find_one(self, key: npt.NDArray[np.uint64]) -> int:
         """The slot of one key, comparing all 32 bytes of every live slot on its way; -1 if absent."""
-        bucket = int(key[0] & self._mask)
+        bucket = int(self._home(key[:1])[0])
         while True:
             for column in range(WIDTH):
                 slot = bucket * WIDTH + column
@@ -165,7 +182,11 @@ class BlockTable:
                     return slot
             if EMPTY in self._words[bucket, _VALUES]:
                 return -1
-            bucket = (bucket + 1) & self._bucket_mask
+            bucket = (bucket + 1) % self._num_buckets
+
+    def _home(self, tags: npt.NDArray[np.uint64]) -> Slots:
+        """`[n]` the home buckets of keys with these tags: their high 32 bits scaled to the bucket count."""
+        return (((tags >> np.uint64(32)) * self._scale) >> np.uint64(32)).astype(np.intp)
 
     def values_at(self, slots: Slots) -> Values:
         """`[n]` the values at `slots` (from `find`)."""
@@ -192,15 +213,12 @@ class BlockTable:
         self._used += n
 
     def _rebuild(self, live_after: int) -> None:
-        """Re-insert every live key into a table where `live_after` keys fill at most half of
-        `MAX_LOAD` (so that many inserts come before the next rebuild); DELETED slots are shed."""
+        """Re-insert every live key into a table where `live_after` keys fill at most
+        `_LOAD_AFTER_REBUILD` of the slots (never a smaller one); DELETED slots are shed."""
         live = self._words[:, _VALUES] >= 0  # [num_buckets, 8]
         keys = np.concatenate([self._rows[:, :WIDTH][live][:, None], self._rest[live.reshape(-1)]], axis=1)
         values = self._words[:, _VALUES][live]
-        num_buckets = len(self._rows)
-        while live_after > MAX_LOAD / 2 * num_buckets * WIDTH:
-            num_buckets *= 2
-        self._alloc(num_buckets)
+        self._alloc(max(len(self._rows), math.ceil(live_after / (_LOAD_AFTER_REBUILD * WIDTH))))
         self._place(keys, values)
         self._used = self._live
 
@@ -209,7 +227,7 @@ class BlockTable:
         the keys still to place whose next bucket is the same are ranked, and the r-th of them takes
         the bucket's r-th free slot if it has one, else tries the next bucket."""
         pending = np.arange(len(keys))
-        bucket = (keys[:, 0] & self._mask).astype(np.intp)
+        bucket = self._home(keys[:, 0])
         checks = _check(keys)
         while pending.size:
             order = np.argsort(bucket, kind="stable")
@@ -224,4 +242,4 @@ class BlockTable:
             self._words[at, 2 * WIDTH + column] = values[mine]
             self._words[at, 3 * WIDTH + column] = checks[mine]
             self._rest[at * WIDTH + column] = keys[mine, 1:]
-            pending, bucket = pending[~placed], (bucket[~placed] + 1) & self._bucket_mask
+            pending, bucket = pending[~placed], (bucket[~placed] + 1) % self._num_buckets

@@ -23,7 +23,7 @@ costs O(its holders), as it builds the new interned set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +61,41 @@ class PrefixHit:
 
 def _empty(worker_id: str) -> PrefixHit:
     return PrefixHit(worker_id, {t: 0 for t in TIER_ORDER})
+
+
+class PrefixRuns(Mapping[str, list[int]]):
+    """`GlobalPrefixIndex.prefix_runs`: every worker holding a prompt's first block -> its longest
+    leading run as `[device, host, disk]` block counts. Kept as arrays, `workers` (ids, a list owned by
+    the index: never mutate it; one object for every prompt whose first block has the same holders)
+    and `blocks` (`[workers, 3]`), which `LoadTable.place` reads as they are; the dict of the
+    mapping is built only when it is read as one."""
+
+    __slots__ = ("_dict", "blocks", "workers")
+
+    def __init__(self, workers: list[str], blocks: npt.NDArray[np.int64]) -> None:
+        self.workers = workers
+        self.blocks = blocks
+        self._dict: dict[str, list[int]] | None = None
+
+    def _as_dict(self) -> dict[str, list[int]]:
+        if self._dict is None:
+            self._dict = dict(zip(self.workers, self.blocks.tolist(), strict=True))
+        return self._dict
+
+    def __getitem__(self, worker_id: str) -> list[int]:
+        return self._as_dict()[worker_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.workers)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __repr__(self) -> str:
+        return f"PrefixRuns({self._as_dict()!r})"
+
+
+_NO_RUNS = PrefixRuns([], np.zeros((0, len(TIER_ORDER)), dtype=np.int64))
 
 
 _FIRST_LOOKUPS = 1024
@@ -157,20 +192,22 @@ class GlobalPrefixIndex:
         """Every worker holding at least the first block, with its longest run by tier."""
         return {w: PrefixHit(w, dict(zip(TIER_ORDER, c))) for w, c in self.prefix_runs(block_hashes).items()}
 
-    def prefix_runs(self, block_hashes: Sequence[bytes]) -> dict[str, list[int]]:
+    def prefix_runs(self, block_hashes: Sequence[bytes]) -> PrefixRuns:
         """Every worker holding at least the first block -> its longest leading run of `block_hashes`
         as `[device, host, disk]` block counts (each block in its fastest tier).
 
-        The chain's holder sets are looked up in a few vectorised passes up to the first block nobody
-        holds; the chain is then cut into segments where the set stays the same (consecutive blocks
-        usually share it), and a `[segments, k]` table of each first-block holder's fastest tier per
-        segment (0: not held) gives every worker's run at once: it ends at its first 0, and its
-        blocks per tier are the segments' lengths summed by tier before that. O(blocks) in C plus
-        O(segments x k) in numpy, and Python work per segment only to gather its set's arrays."""
+        The chain's holder sets are looked up in one vectorised pass (`BlockTable.get`) up to the first
+        block nobody holds; the chain is cut into segments where the set stays the same (consecutive
+        blocks usually share it), and the sets' rows of `_codes` give a `[segments, k]` table of each
+        first-block holder's tier per segment (0: not held). A worker's run ends at its first 0; while
+        no worker's tier changes before its run ends (the usual case), its blocks are the block where
+        that is, all in its first tier; otherwise they are summed by tier over the segments of its run.
+        O(blocks) in C plus O(segments x k) in numpy, and no Python per block, set or worker (but the
+        mapping's dict, when one is read)."""
         sids = self._holder_sids(block_hashes)
         end = len(sids)
         if not end:
-            return {}
+            return _NO_RUNS
         first = self._set(int(sids[0]))
         starts = np.concatenate(([0], np.flatnonzero(sids[1:] != sids[:-1]) + 1))  # [segments] first blocks
         bounds = np.append(starts, end)  # [segments + 1] ... and the end
@@ -191,12 +228,12 @@ class GlobalPrefixIndex:
             lengths = np.diff(bounds)  # [segments] blocks
             for t in range(len(TIER_ORDER)):
                 counts[:, t] = lengths @ (held == t + 1)
-        return dict(zip(first.names, counts.tolist(), strict=True))
+        return PrefixRuns(first.names, counts)
 
     def _holder_sids(self, block_hashes: Sequence[bytes]) -> npt.NDArray[np.int32]:
         """The holder sets (`sid`s) of the leading blocks anybody holds, up to the first block nobody does.
-        Looked up in chunks that grow fourfold (64, 256, ...), so a prompt whose cached prefix is short
-        costs little more than that prefix, and a long one takes few passes."""
+        Looked up in chunks that grow fourfold (1024, 4096, ...), so a huge prompt whose cached prefix
+        is short costs little more than that prefix, and a long one takes few passes."""
         parts = []
         lo, size = 0, _FIRST_LOOKUPS
         while lo < len(block_hashes):
