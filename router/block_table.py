@@ -68,8 +68,10 @@ def as_keys(block_hashes: Sequence[bytes]) -> Keys:
     keep distinct unless sha256 collides."""
     joined = b"".join(block_hashes)
     if len(joined) != KEY_BYTES * len(block_hashes):
-        joined = b"".join(h if len(h) == KEY_BYTES else hashlib.sha256(b"cedserve/index-key\x00" + h).digest()
-                          for h in block_hashes)
+        joined = b"".join(
+            h if len(h) == KEY_BYTES else hashlib.sha256(b"cedserve/index-key\x00" + h).digest()
+            for h in block_hashes
+        )
     return np.frombuffer(joined, dtype="<u8").reshape(-1, 4)
 
 
@@ -99,7 +101,7 @@ class BlockTable:
         words = num_buckets * _ROW_WORDS
         buffer = np.zeros(words + _ROW_WORDS, dtype=np.uint64)
         skip = (-buffer.ctypes.data % 128) // 8  # rows aligned to 128 bytes: two cache lines each
-        self._rows = buffer[skip: skip + words].reshape(num_buckets, _ROW_WORDS)
+        self._rows = buffer[skip : skip + words].reshape(num_buckets, _ROW_WORDS)
         self._words = self._rows.view(np.int32)  # [num_buckets, 32]: the same rows as int32
         self._words[:, _VALUES] = EMPTY
         self._rest = np.zeros((num_buckets * WIDTH, 3), dtype=np.uint64)
@@ -123,9 +125,15 @@ class BlockTable:
         tags = keys[:, 0]
         rows = self._rows.take(self._home(tags), axis=0)  # [n, 16]
         words = rows.view(np.int32)  # [n, 32]
-        hit = (rows[:, :WIDTH] == tags[:, None]) & (words[:, _CHECKS] == _check(keys)[:, None]) & (words[:, _VALUES] >= 0)
+        hit = (
+            (rows[:, :WIDTH] == tags[:, None])
+            & (words[:, _CHECKS] == _check(keys)[:, None])
+            & (words[:, _VALUES] >= 0)
+        )
         found = _any_in_rows(hit)
-        values: Values = words.reshape(-1).take(np.arange(0, 32 * len(keys), 32) + (2 * WIDTH) + hit.argmax(axis=1))
+        values: Values = words.reshape(-1).take(
+            np.arange(0, 32 * len(keys), 32) + (2 * WIDTH) + hit.argmax(axis=1)
+        )
         values[~found] = EMPTY
         onward = np.flatnonzero(~(found | _any_in_rows(words[:, _VALUES] == EMPTY)))
         if onward.size:
@@ -161,7 +169,7 @@ class BlockTable:
                 same = (rest[:, 0] == want[:, 1]) & (rest[:, 1] == want[:, 2]) & (rest[:, 2] == want[:, 3])
                 for k in index[matched[~same]].tolist():  # 96 equal bits, another key: the slow way
                     slots[k] = self._find_one(keys[k])
-                    values[k] = self.values_at(slots[k: k + 1])[0] if slots[k] >= 0 else EMPTY
+                    values[k] = self.values_at(slots[k : k + 1])[0] if slots[k] >= 0 else EMPTY
                 found[matched[~same]] = False
             slots[index[found]] = slot[found]
             values[index[found]] = words.reshape(-1)[(np.arange(len(rows)) * 32 + 2 * WIDTH + column)[found]]
@@ -177,8 +185,11 @@ class BlockTable:
         while True:
             for column in range(WIDTH):
                 slot = bucket * WIDTH + column
-                if (self._words[bucket, _VALUES][column] >= 0 and self._rows[bucket, column] == key[0]
-                        and (self._rest[slot] == key[1:]).all()):
+                if (
+                    self._words[bucket, _VALUES][column] >= 0
+                    and self._rows[bucket, column] == key[0]
+                    and (self._rest[slot] == key[1:]).all()
+                ):
                     return slot
             if EMPTY in self._words[bucket, _VALUES]:
                 return -1
