@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -62,17 +64,25 @@ Slots = npt.NDArray[np.intp]
 Values = npt.NDArray[np.int32]
 
 
+def _other_length(block_hash: bytes) -> bytes:
+    return hashlib.sha256(b"cedserve/index-key\x00" + block_hash).digest()
+
+
 def as_keys(block_hashes: Sequence[bytes]) -> Keys:
     """`[n, 4]` words of `block_hashes`. A hash of another length than 32 bytes (never a real block
     hash: `hashing.HASH_BYTES`) is replaced by the sha256 of it with a prefix of its own, so such keys
     keep distinct unless sha256 collides."""
     joined = b"".join(block_hashes)
     if len(joined) != KEY_BYTES * len(block_hashes):
-        joined = b"".join(
-            h if len(h) == KEY_BYTES else hashlib.sha256(b"cedserve/index-key\x00" + h).digest()
-            for h in block_hashes
-        )
+        joined = b"".join(h if len(h) == KEY_BYTES else _other_length(h) for h in block_hashes)
     return np.frombuffer(joined, dtype="<u8").reshape(-1, 4)
+
+
+def _words_of(block_hash: bytes) -> list[int]:
+    """One key's 4 words, as `as_keys` makes them."""
+    if len(block_hash) != KEY_BYTES:
+        block_hash = _other_length(block_hash)
+    return list(struct.unpack("<4Q", block_hash))
 
 
 def _check(keys: Keys) -> npt.NDArray[np.int32]:
@@ -105,6 +115,11 @@ class BlockTable:
         self._words = self._rows.view(np.int32)  # [num_buckets, 32]: the same rows as int32
         self._words[:, _VALUES] = EMPTY
         self._rest = np.zeros((num_buckets * WIDTH, 3), dtype=np.uint64)
+        # The same memory as flat memoryviews, for the one-key methods: an element read or written
+        # through one costs a fraction of a numpy scalar access.
+        self._row_words = self._rows.reshape(-1).data.cast("B").cast("Q")  # uint64, 16 a bucket
+        self._row_ints = self._words.reshape(-1).data.cast("B").cast("i")  # int32, 32 a bucket
+        self._rest_words = self._rest.reshape(-1).data.cast("B").cast("Q")  # uint64, 3 a slot
 
     def __len__(self) -> int:
         return self._live
@@ -168,7 +183,7 @@ class BlockTable:
                 rest, want = self._rest.take(slot[matched], axis=0), keys[index[matched]]
                 same = (rest[:, 0] == want[:, 1]) & (rest[:, 1] == want[:, 2]) & (rest[:, 2] == want[:, 3])
                 for k in index[matched[~same]].tolist():  # 96 equal bits, another key: the slow way
-                    slots[k] = self._find_one(keys[k])
+                    slots[k] = self._probe(keys[k].tolist())[0]
                     values[k] = self.values_at(slots[k : k + 1])[0] if slots[k] >= 0 else EMPTY
                 found[matched[~same]] = False
             slots[index[found]] = slot[found]
@@ -179,21 +194,69 @@ class BlockTable:
             index, tags, checks = index[onward], tags[onward], checks[onward]
             bucket = (bucket[onward] + 1) % self._num_buckets
 
-    def _find_one(self, key: npt.NDArray[np.uint64]) -> int:
-        """The slot of one key, comparing all 32 bytes of every live slot on its way; -1 if absent."""
-        bucket = int(self._home(key[:1])[0])
+    # ------------------------------------------------------------------ one key at a time, in Python
+    # (an event of a few hashes: a dozen numpy calls per key cost more than this per key)
+
+    def find_one(self, block_hash: bytes) -> tuple[int, int]:
+        """(the slot of one key or -1 if absent, matched on all 32 bytes; when absent, the first free
+        slot on its way, where `insert_one` puts it)."""
+        return self._probe(_words_of(block_hash), want_free=True)
+
+    def _probe(self, key: list[int], want_free: bool = False) -> tuple[int, int]:
+        tag, rest = key[0], key[1:]
+        bucket = (tag >> 32) * self._num_buckets >> 32
+        free = -1
         while True:
-            for column in range(WIDTH):
-                slot = bucket * WIDTH + column
-                if (
-                    self._words[bucket, _VALUES][column] >= 0
-                    and self._rows[bucket, column] == key[0]
-                    and (self._rest[slot] == key[1:]).all()
-                ):
-                    return slot
-            if EMPTY in self._words[bucket, _VALUES]:
-                return -1
+            at = bucket * 2 * _ROW_WORDS
+            values = self._row_ints[at + 2 * WIDTH : at + 3 * WIDTH].tolist()
+            tags = self._row_words[bucket * _ROW_WORDS : bucket * _ROW_WORDS + WIDTH].tolist()
+            if tag in tags:
+                for column, found in enumerate(tags):
+                    slot = bucket * WIDTH + column
+                    if (
+                        found == tag
+                        and values[column] >= 0
+                        and self._rest_words[3 * slot : 3 * slot + 3].tolist() == rest
+                    ):
+                        return slot, -1
+            if want_free and free < 0 and min(values) < 0:
+                for column, value in enumerate(values):
+                    if value < 0:
+                        free = bucket * WIDTH + column
+                        break
+            if EMPTY in values:
+                return -1, free
             bucket = (bucket + 1) % self._num_buckets
+
+    def _value_index(self, slot: int) -> int:
+        """Where `slot`'s value is in `_row_ints`."""
+        return (slot // WIDTH) * 2 * _ROW_WORDS + 2 * WIDTH + slot % WIDTH
+
+    def value_at(self, slot: int) -> int:
+        return int(self._row_ints[self._value_index(slot)])
+
+    def set_value(self, slot: int, value: int) -> None:
+        self._row_ints[self._value_index(slot)] = value
+
+    def delete_one(self, slot: int) -> None:
+        self._row_ints[self._value_index(slot)] = DELETED
+        self._live -= 1
+
+    def insert_one(self, block_hash: bytes, value: int, free: int) -> None:
+        """Add one absent key with `value` (>= 0) at `free`, the free slot `find_one` gave for it (the
+        table unchanged since)."""
+        key = _words_of(block_hash)
+        if self._used + 1 > MAX_LOAD * self._rows.shape[0] * WIDTH:
+            self._rebuild(self._live + 1)
+            free = self._probe(key, want_free=True)[1]
+        bucket, column = divmod(free, WIDTH)
+        at = self._value_index(free)
+        self._used += self._row_ints[at] == EMPTY
+        self._live += 1
+        self._row_words[bucket * _ROW_WORDS + column] = key[0]
+        self._row_ints[at] = value
+        self._row_ints[at + WIDTH] = (key[1] & 0xFFFFFFFF) - ((key[1] & 0x80000000) << 1)
+        self._rest_words[3 * free : 3 * free + 3] = array("Q", key[1:])
 
     def _home(self, tags: npt.NDArray[np.uint64]) -> Slots:
         """`[n]` the home buckets of keys with these tags: their high 32 bits scaled to the bucket count."""
@@ -219,9 +282,8 @@ class BlockTable:
             return
         if self._used + n > MAX_LOAD * self._rows.shape[0] * WIDTH:
             self._rebuild(self._live + n)
-        self._place(keys, values)
+        self._used += self._place(keys, values)
         self._live += n
-        self._used += n
 
     def _rebuild(self, live_after: int) -> None:
         """Re-insert every live key into a table where `live_after` keys fill at most
@@ -230,27 +292,30 @@ class BlockTable:
         keys = np.concatenate([self._rows[:, :WIDTH][live][:, None], self._rest[live.reshape(-1)]], axis=1)
         values = self._words[:, _VALUES][live]
         self._alloc(max(len(self._rows), math.ceil(live_after / (_LOAD_AFTER_REBUILD * WIDTH))))
-        self._place(keys, values)
-        self._used = self._live
+        self._used = self._place(keys, values)
 
-    def _place(self, keys: Keys, values: Values) -> None:
-        """Write absent, distinct `keys` into free slots; the caller keeps the load below 1. In rounds:
+    def _place(self, keys: Keys, values: Values) -> int:
+        """Write absent, distinct `keys` into free slots; the caller keeps the load below 1. Returns
+        how many were EMPTY (the others were DELETED: used already). In rounds:
         the keys still to place whose next bucket is the same are ranked, and the r-th of them takes
         the bucket's r-th free slot if it has one, else tries the next bucket."""
         pending = np.arange(len(keys))
         bucket = self._home(keys[:, 0])
         checks = _check(keys)
+        empty = 0
         while pending.size:
             order = np.argsort(bucket, kind="stable")
             pending, bucket = pending[order], bucket[order]
             starts = np.flatnonzero(np.concatenate(([True], bucket[1:] != bucket[:-1])))
             rank = np.arange(bucket.size) - np.repeat(starts, np.diff(np.append(starts, bucket.size)))
-            free = self._words[:, _VALUES].take(bucket, axis=0) < 0  # [p, 8] EMPTY or DELETED
+            free = self._words.take(bucket, axis=0)[:, _VALUES] < 0  # [p, 8] EMPTY or DELETED
             placed = rank < free.sum(axis=1)
             column = (np.cumsum(free, axis=1) == (rank + 1)[:, None]).argmax(axis=1)[placed]
             at, mine = bucket[placed], pending[placed]
+            empty += int((self._words[at, 2 * WIDTH + column] == EMPTY).sum())
             self._rows[at, column] = keys[mine, 0]
             self._words[at, 2 * WIDTH + column] = values[mine]
             self._words[at, 3 * WIDTH + column] = checks[mine]
             self._rest[at * WIDTH + column] = keys[mine, 1:]
             pending, bucket = pending[~placed], (bucket[~placed] + 1) % self._num_buckets
+        return empty

@@ -122,6 +122,10 @@ class _Holders:
         self.names = [names[item >> 3] for item in items]  # [members] their ids
 
 
+_FEW_HASHES = 24
+"""An event with fewer hashes is applied hash by hash in Python (a few microseconds each); one with
+more, in vectorised passes (a fixed ~100 us, then about 1 us a hash)."""
+
 MaskUpdate = Callable[[int], int]
 """A worker's new tier bitmask for a hash from its old one (0: not held)."""
 
@@ -292,12 +296,15 @@ class GlobalPrefixIndex:
             self._update(worker_id, event.block_hashes, lambda mask: mask & ~src | dst)
 
     def _update(self, worker_id: str, block_hashes: Sequence[bytes], update: MaskUpdate) -> None:
-        """Apply `update` to the worker's mask of each hash. The hashes are found in one vectorised
-        pass and grouped by their holder set; each group moves to one new set (Python work per group,
-        a few per event: a chain's blocks mostly share sets), then the table is written in one pass."""
-        if not block_hashes:
+        """Apply `update` to the worker's mask of each hash. Beyond a few hashes, they are found in one
+        vectorised pass and grouped by their holder set; each group moves to one new set (Python work
+        per group, a few per event: a chain's blocks mostly share sets), then the table is written in
+        one pass."""
+        if len(block_hashes) < _FEW_HASHES:
+            for block_hash in dict.fromkeys(block_hashes):  # an update is idempotent: repeats change nothing
+                self._update_one(worker_id, block_hash, update)
             return
-        keys = as_keys(list(dict.fromkeys(block_hashes)))  # an update is idempotent: repeats change nothing
+        keys = as_keys(list(dict.fromkeys(block_hashes)))
         slots = self._table.find(keys)
         present = slots >= 0
         old = np.full(len(keys), -1, dtype=np.int32)  # [n] holder set before, -1: nobody
@@ -312,6 +319,20 @@ class GlobalPrefixIndex:
         self._table.delete(slots[changed & (new < 0)])
         added = ~present & (new >= 0)
         self._table.insert(keys[added], new[added])
+
+    def _update_one(self, worker_id: str, block_hash: bytes, update: MaskUpdate) -> None:
+        table = self._table
+        slot, free = table.find_one(block_hash)
+        old = table.value_at(slot) if slot >= 0 else -1
+        new = self._move(old, worker_id, update, 1)
+        if new == old:
+            return
+        if slot < 0:
+            table.insert_one(block_hash, new, free)
+        elif new < 0:
+            table.delete_one(slot)
+        else:
+            table.set_value(slot, new)
 
     def _clear(self, worker_id: str) -> None:
         """Remove the worker from every hash it holds: each holder set with it moves to the set without

@@ -92,3 +92,33 @@ def test_table_under_inserts_and_deletes(ops: list[tuple[bool, list[int]]]) -> N
         found = table.find(as_keys(keys_of))
         assert [s >= 0 for s in found.tolist()] == [h in ref for h in keys_of]
         assert table.values_at(found[found >= 0]).tolist() == [ref[h] for h in keys_of if h in ref]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_key_methods_match_a_dict(seed: int) -> None:
+    """`find_one` / `insert_one` / `set_value` / `delete_one` (small events), mixed with the vectorised
+    methods on the same table."""
+    rng = random.Random(100 + seed)
+    pool, shared = _pool(rng)
+    table, ref = BlockTable(num_buckets=2), {}
+    for _ in range(1500):
+        h = rng.choice(pool)
+        slot, free = table.find_one(h)
+        assert (slot >= 0) == (h in ref) and (slot >= 0 or free >= 0)
+        if slot >= 0:
+            assert table.value_at(slot) == ref[h]
+            if rng.random() < 0.5:
+                table.delete_one(slot)
+                del ref[h]
+            else:
+                ref[h] = rng.randrange(10_000)
+                table.set_value(slot, ref[h])
+        else:
+            ref[h] = rng.randrange(10_000)
+            table.insert_one(h, ref[h], free)
+        if rng.random() < 0.02:
+            batch = [k for k in rng.sample(pool, 30) if k not in ref]
+            values = np.arange(len(batch), dtype=np.int32)
+            table.insert(as_keys(batch), values)
+            ref.update(zip(batch, values.tolist(), strict=True))
+    _check(table, ref, pool, shared)
