@@ -54,8 +54,12 @@ alone for all but about one key in a thousand at 0.35, a few in a hundred at 0.5
 EMPTY = -1
 DELETED = -2
 KEY_BYTES = 32
+_FEW_KEYS = 16
+"""Keys past their home bucket that `get` searches one by one in Python (~2 us each) rather than in
+another vectorised round (~50-100 us with cold caches, whatever the number)."""
 _ROW_WORDS = 2 * WIDTH  # uint64 words per bucket row
 _VALUES = slice(2 * WIDTH, 3 * WIDTH)  # the row's values, in its int32 view
+_VALUE_WORDS = slice(WIDTH, WIDTH + WIDTH // 2)  # ... and the uint64 words that hold them
 _CHECKS = slice(3 * WIDTH, 4 * WIDTH)  # the row's checks, in its int32 view
 
 Keys = npt.NDArray[np.uint64]
@@ -135,24 +139,30 @@ class BlockTable:
 
     def get(self, keys: Keys) -> Values:
         """`[n]` the values of `keys`, EMPTY (-1) for an absent key; keys matched on 96 bits (see above).
-        The home buckets' round written out (the few ops it takes matter on the request path); the
-        keys it leaves for the next buckets go through `_search`."""
+        The home buckets' round written out, in as few numpy calls as it takes (each costs several
+        microseconds with cold caches, on the request path): a row per key, its first slot of the
+        key's tag, that slot's value and check. The keys it leaves for the next buckets (none to a few
+        a thousand) are searched one by one, or by `_search` when many."""
         tags = keys[:, 0]
         rows = self._rows.take(self._home(tags), axis=0)  # [n, 16]
-        words = rows.view(np.int32)  # [n, 32]
-        hit = (
-            (rows[:, :WIDTH] == tags[:, None])
-            & (words[:, _CHECKS] == _check(keys)[:, None])
-            & (words[:, _VALUES] >= 0)
-        )
-        found = _any_in_rows(hit)
-        values: Values = words.reshape(-1).take(
-            np.arange(0, 32 * len(keys), 32) + (2 * WIDTH) + hit.argmax(axis=1)
-        )
+        tagged = rows[:, :WIDTH] == tags[:, None]  # [n, 8]
+        at = np.arange(0, 2 * _ROW_WORDS * len(keys), 2 * _ROW_WORDS) + tagged.argmax(axis=1)  # int32 index
+        words = rows.view(np.int32).reshape(-1)
+        values: Values = words.take(at + 2 * WIDTH)
+        any_tag = _any_in_rows(tagged)
+        found = any_tag & (values >= 0) & (words.take(at + 3 * WIDTH) == _check(keys))
         values[~found] = EMPTY
-        onward = np.flatnonzero(~(found | _any_in_rows(words[:, _VALUES] == EMPTY)))
-        if onward.size:
+        # On to the next bucket when the bucket is full, or the matching tag was not the key (DELETED,
+        # or another key of that tag: the key may be in a later slot).
+        onward = np.flatnonzero(
+            ~found & (any_tag | ~_any_in_rows(rows[:, _VALUE_WORDS].view(np.int32) == EMPTY))
+        )
+        if onward.size > _FEW_KEYS:
             values[onward] = self._search(keys[onward], exact=False)[1]
+        else:  # usually none to a few keys a walk: cheaper one by one than in another vectorised round
+            for k in onward.tolist():
+                slot = self._probe(keys[k].tolist())[0]
+                values[k] = self.value_at(slot) if slot >= 0 else EMPTY
         return values
 
     def find(self, keys: Keys) -> Slots:
