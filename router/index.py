@@ -8,17 +8,22 @@ back. The index is exact: a worker is credited only for blocks it said it stored
 it removed.
 
 Per worker only its (epoch, last sequence number) is kept, to order and check batches; the state
-itself is one inverted map `hash -> holders` (a per-worker copy of every hash's tiers, as
-`KVIndexMirror` keeps, would be a million small sets for a million entries: memory, and a full
-garbage collection pass of about a second on the router's event loop). The map answers "how long a prefix of this prompt does every worker hold" in one walk over the prompt's
-blocks. A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
-same workers in the same tiers points to one `_Holders` object. Along a prompt's chain consecutive
-blocks usually share it, so the walk compares objects by identity and does per-worker work only
-where the holder set changes (a worker's run ends, or its fastest tier changes), and the change
-between two holder sets is computed once (one set difference in C) and memoised on the (immutable)
-pair as plain ints, so a repeat walk touches neither the later set nor its masks. A query costs
-O(blocks + holders of the first block + changes), not O(blocks x holders); an update of one hash
-costs O(its holders), as it builds the new interned set.
+itself is one inverted map `hash -> holder set`, a `BlockTable` (numpy arrays: no Python object per
+entry for the garbage collector to traverse, and a prompt's hashes looked up in one vectorised
+pass). A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
+same workers in the same tiers maps to one number (`sid`). When a set is interned, its row of
+`_codes` (`[sets, workers]` uint8, 1 + each member's fastest tier, 0 elsewhere) is written, so
+the walk turns the chain's holder sets into every worker's run with a few array operations: the
+chain is cut where the set changes (consecutive blocks usually share it), and a `[segments,
+holders of the first block]` gather of `_codes` says where each run ends and in which tier. A
+query costs O(blocks) in C plus O(segments x holders) in numpy, with no Python per block, set
+change or worker. An update finds its hashes (in a vectorised pass beyond a few), groups them by
+holder set and moves each group to the set with the worker's mask changed: Python work per group
+(interning the new set, O(its holders)), not per hash. Dropping a worker rewrites every set it is
+in and the table's values in one pass (O(table), in C).
+
+Memory: the table ~40 bytes / 0.35-0.5 per hash (a 128-byte bucket row of 8 slots, plus 24 bytes
+of each key apart), `_codes` a byte per (set, worker), and the interned sets.
 """
 
 from __future__ import annotations
@@ -203,9 +208,9 @@ class GlobalPrefixIndex:
         The chain's holder sets are looked up in one vectorised pass (`BlockTable.get`) up to the first
         block nobody holds; the chain is cut into segments where the set stays the same (consecutive
         blocks usually share it), and the sets' rows of `_codes` give a `[segments, k]` table of each
-        first-block holder's tier per segment (0: not held). A worker's run ends at its first 0; while
-        no worker's tier changes before its run ends (the usual case), its blocks are the block where
-        that is, all in its first tier; otherwise they are summed by tier over the segments of its run.
+        first-block holder's tier per segment (0: not held). A worker's run ends at its first 0; when
+        no worker's tier ever differs from its first block's (the usual case), its blocks are the block
+        where that is, all in that tier; otherwise they are summed by tier over the segments of its run.
         O(blocks) in C plus O(segments x k) in numpy, and no Python per block, set or worker (but the
         mapping's dict, when one is read)."""
         sids = self._holder_sids(block_hashes)
@@ -217,17 +222,13 @@ class GlobalPrefixIndex:
         bounds = np.append(starts, end)  # [segments + 1] ... and the end
         k, num_segments = len(first.names), len(starts)
         tiers = self._codes.take(sids[starts], axis=0).take(first.slots, axis=1)  # [segments, k] 1 + fastest tier
-        changed = tiers != tiers[0]
-        change = np.where(changed.any(axis=0), changed.argmax(axis=0), num_segments)  # [k] its first change
-        workers = np.arange(k)
-        into = tiers.reshape(-1).take(np.minimum(change, num_segments - 1) * k + workers)  # [k] what it changes into
+        absent = tiers == 0
+        run_end = np.where(absent.any(axis=0), absent.argmax(axis=0), num_segments)  # [k] first segment without it
         counts = np.zeros((k, len(TIER_ORDER)), dtype=np.int64)  # [k, 3] blocks per tier
-        if ((change == num_segments) | (into == 0)).all():
-            # Every worker's tier stays that of the first block until its run ends (the usual case).
-            counts[workers, tiers[0] - 1] = bounds[change]
+        if ((tiers == tiers[0]) | absent).all():
+            # No worker's tier differs from its first block's where it holds a block (the usual case).
+            counts[np.arange(k), tiers[0] - 1] = bounds[run_end]
         else:
-            absent = tiers == 0
-            run_end = np.where(absent.any(axis=0), absent.argmax(axis=0), num_segments)  # [k] first segment without it
             held = np.where(np.arange(num_segments)[:, None] < run_end, tiers, 0)  # [segments, k] within the run
             lengths = np.diff(bounds)  # [segments] blocks
             for t in range(len(TIER_ORDER)):
