@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import struct
 from array import array
 from collections.abc import Sequence
@@ -94,6 +95,16 @@ def _check(keys: Keys) -> npt.NDArray[np.int32]:
     return keys[:, 1].astype(np.uint32).view(np.int32)
 
 
+def _zeros(num_words: int) -> npt.NDArray[np.uint64]:
+    """`[num_words]` zeroed uint64 in an anonymous mapping of its own: given back to the system when
+    the table drops it (a rebuild), where a large array from malloc may leave the process's heap
+    holding the memory."""
+    memory = mmap.mmap(-1, 8 * num_words)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses on lookups
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype=np.uint64)
+
+
 def _any_in_rows(flags: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
     """`[p]` whether each row of a C-contiguous `[p, 8]` boolean array has a True (its row read as one
     uint64: one comparison, where a reduction along a short axis is slow in numpy)."""
@@ -112,13 +123,11 @@ class BlockTable:
     def _alloc(self, num_buckets: int) -> None:
         self._num_buckets = num_buckets
         self._scale = np.uint64(num_buckets)
-        words = num_buckets * _ROW_WORDS
-        buffer = np.zeros(words + _ROW_WORDS, dtype=np.uint64)
-        skip = (-buffer.ctypes.data % 128) // 8  # rows aligned to 128 bytes: two cache lines each
-        self._rows = buffer[skip : skip + words].reshape(num_buckets, _ROW_WORDS)
+        # Page-aligned (rows on 128 bytes: two cache lines each), in mappings of their own.
+        self._rows = _zeros(num_buckets * _ROW_WORDS).reshape(num_buckets, _ROW_WORDS)
         self._words = self._rows.view(np.int32)  # [num_buckets, 32]: the same rows as int32
         self._words[:, _VALUES] = EMPTY
-        self._rest = np.zeros((num_buckets * WIDTH, 3), dtype=np.uint64)
+        self._rest = _zeros(num_buckets * WIDTH * 3).reshape(num_buckets * WIDTH, 3)
         # The same memory as flat memoryviews, for the one-key methods: an element read or written
         # through one costs a fraction of a numpy scalar access.
         self._row_words = self._rows.reshape(-1).data.cast("B").cast("Q")  # uint64, 16 a bucket

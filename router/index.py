@@ -70,14 +70,14 @@ def _empty(worker_id: str) -> PrefixHit:
 
 class PrefixRuns(Mapping[str, list[int]]):
     """`GlobalPrefixIndex.prefix_runs`: every worker holding a prompt's first block -> its longest
-    leading run as `[device, host, disk]` block counts. Kept as arrays, `workers` (ids, a list owned by
-    the index: never mutate it; one object for every prompt whose first block has the same holders)
+    leading run as `[device, host, disk]` block counts. Kept as arrays, `workers` (ids, a tuple owned by
+    the index: one object for every prompt whose first block has the same holders)
     and `blocks` (`[workers, 3]`), which `LoadTable.place` reads as they are; the dict of the
     mapping is built only when it is read as one."""
 
     __slots__ = ("_dict", "blocks", "workers")
 
-    def __init__(self, workers: list[str], blocks: npt.NDArray[np.int64]) -> None:
+    def __init__(self, workers: tuple[str, ...], blocks: npt.NDArray[np.int64]) -> None:
         self.workers = workers
         self.blocks = blocks
         self._dict: dict[str, list[int]] | None = None
@@ -100,7 +100,7 @@ class PrefixRuns(Mapping[str, list[int]]):
         return f"PrefixRuns({self._as_dict()!r})"
 
 
-_NO_RUNS = PrefixRuns([], np.zeros((0, len(TIER_ORDER)), dtype=np.int64))
+_NO_RUNS = PrefixRuns((), np.zeros((0, len(TIER_ORDER)), dtype=np.int64))
 
 
 _FIRST_LOOKUPS = 1024
@@ -124,7 +124,8 @@ class _Holders:
         self.refs = 0
         items = sorted(key)
         self.slots = np.array([item >> 3 for item in items], dtype=np.intp)  # [members] worker numbers
-        self.names = [names[item >> 3] for item in items]  # [members] their ids
+        # [members] their ids: a tuple of strings, which the garbage collector stops tracking
+        self.names = tuple(names[item >> 3] for item in items)
 
 
 _FEW_HASHES = 24

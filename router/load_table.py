@@ -121,8 +121,8 @@ class LoadTable:
         self._d_wait: Floats = np.zeros(0)  # [D] queued_tokens / prefill_tokens_per_s
         self._d_rate: Floats = np.zeros(0)  # [D] prefill_tokens_per_s
         self._d_load: list[DecodeLoad | None] = []
-        # holder list's id -> (the list, its `_split`): `_positions_of`
-        self._positions: dict[int, tuple[list[str], tuple[Ints, Ints, Ints, Ints]]] = {}
+        # holder tuple's id -> (the tuple, its `_split`): `_positions_of`
+        self._positions: dict[int, tuple[tuple[str, ...], tuple[Ints, Ints, Ints, Ints]]] = {}
         self._positions_stamp = (0, 0)
 
     # ------------------------------------------------------------------ load reports
@@ -229,24 +229,24 @@ class LoadTable:
             workers, blocks = runs.workers, runs.blocks
             p_rows, p_slots, d_rows, d_slots = self._positions_of(workers)
         else:
-            workers = list(runs)
+            workers = tuple(runs)
             blocks = np.array([list(run) for run in runs.values()], dtype=np.int64).reshape(-1, 3)
             p_rows, p_slots, d_rows, d_slots = self._split(workers)
         return p_slots, blocks[p_rows], d_slots, blocks[d_rows].sum(axis=1)
 
-    def _positions_of(self, workers: list[str]) -> tuple[Ints, Ints, Ints, Ints]:
-        """`_split` of a holder list of the index, kept per list object (the index hands the same one
+    def _positions_of(self, workers: tuple[str, ...]) -> tuple[Ints, Ints, Ints, Ints]:
+        """`_split` of a holder tuple of the index, kept per tuple object (the index hands the same one
         for every prompt whose first block has the same holders) until a worker joins or leaves."""
         stamp = (self._p.changes, self._d.changes)
         if stamp != self._positions_stamp or len(self._positions) >= _MAX_POSITIONS:
             self._positions.clear()
             self._positions_stamp = stamp
         kept = self._positions.get(id(workers))
-        if kept is None or kept[0] is not workers:  # holding the list keeps its id from being reused
+        if kept is None or kept[0] is not workers:  # holding the tuple keeps its id from being reused
             kept = self._positions[id(workers)] = (workers, self._split(workers))
         return kept[1]
 
-    def _split(self, workers: list[str]) -> tuple[Ints, Ints, Ints, Ints]:
+    def _split(self, workers: tuple[str, ...]) -> tuple[Ints, Ints, Ints, Ints]:
         """Positions in `workers` of the prefill workers, their slots, positions of the decode workers,
         their slots (workers in neither role are left out)."""
         p_rows, p_slots, d_rows, d_slots = [], [], [], []
