@@ -47,7 +47,7 @@ _Scalar = TypeVar("_Scalar", bound=np.generic)
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
 _MAX_POSITIONS = 1024
-"""Holder lists whose slots `LoadTable._positions_of` keeps (all are dropped when it has this many)."""
+"""Holder tuples whose slots `LoadTable._positions_of` keeps (all are dropped when it has this many)."""
 TierRun = Sequence[int]
 """A worker's longest leading run of the prompt's blocks, `[device, host, disk]` block counts
 (`GlobalPrefixIndex.prefix_runs`)."""
