@@ -256,8 +256,10 @@ class GlobalPrefixIndex:
 
     def prefix_hits_reference(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:
         """`prefix_hits` the straightforward way: every block, every worker still in its run. The
-        oracle of the fast walk's tests and the old path of benchmarks/router.py."""
-        sids = self._table.get(as_keys(block_hashes)).tolist() if block_hashes else []
+        oracle of the fast walk's tests and the old path of benchmarks/router.py; hashes matched on
+        all 32 bytes (`BlockTable.find`)."""
+        slots = self._table.find(as_keys(block_hashes)) if block_hashes else np.zeros(0, dtype=np.intp)
+        sids = np.where(slots >= 0, self._table.values_at(np.maximum(slots, 0)), -1).tolist()
         if not sids or sids[0] < 0:
             return {}
         first = self._set(sids[0])
