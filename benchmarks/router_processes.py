@@ -74,13 +74,22 @@ async def router(checkpoint: str, workers: dict[str, list[list[str]]]) -> None:
 
 def index(workers: int, entries: int, prompt_blocks: int) -> None:
     """The placement benchmark's index (`benchmarks/router.py`), built through this interpreter's
-    `GlobalPrefixIndex`; prints what it costs to hold: a full garbage collection and resident memory."""
+    `GlobalPrefixIndex`; prints what it costs to hold (a full garbage collection, resident memory) and
+    to keep current (events of a few or many hashes, dropping a worker)."""
     import gc
     import random
     import statistics
     import time
 
-    from cedserve.model.cache.events import AllBlocksCleared, BlockStored, KVEventBatch, Tier
+    from cedserve.model.cache.events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        BlockTierChanged,
+        KVEvent,
+        KVEventBatch,
+        Tier,
+    )
     from cedserve.model.cache.hashing import hash_blocks
     from cedserve.router.index import GlobalPrefixIndex
 
@@ -105,10 +114,35 @@ def index(workers: int, entries: int, prompt_blocks: int) -> None:
         t = time.perf_counter()
         gc.collect()
         times.append(time.perf_counter() - t)
-    print(json.dumps({"index_entries": built.num_entries, "gc_tracked_objects": len(gc.get_objects()),
-                      "gc_full_collection_ms": 1e3 * statistics.median(times),
-                      "rss_growth_mib": rss_mib() - rss_before}),
-          flush=True)
+    out = {"index_entries": built.num_entries, "gc_tracked_objects": len(gc.get_objects()),
+           "gc_full_collection_ms": 1e3 * statistics.median(times), "rss_growth_mib": rss_mib() - rss_before}
+    # What the event feed costs: batches of one event with n new hashes stored, moved to another
+    # tier, removed (medians), and dropping a worker of ~1,000 entries.
+    names = [f"p{i}" for i in range(workers // 2)] + [f"d{i}" for i in range(workers // 2)]
+    seq = dict.fromkeys(names, 0)
+
+    def timed(worker: str, event: KVEvent) -> float:
+        seq[worker] += 1
+        start = time.perf_counter()
+        built.apply(KVEventBatch(worker, seq[worker], [event], epoch=1))
+        return time.perf_counter() - start
+
+    for n in (1, 16, 256):
+        laps: dict[str, list[float]] = {"store": [], "move": [], "remove": []}
+        for _ in range(200 if n < 256 else 50):
+            w, hashes = rng.choice(names), [rng.randbytes(32) for _ in range(n)]
+            laps["store"].append(timed(w, BlockStored(hashes, Tier.DEVICE)))
+            laps["move"].append(timed(w, BlockTierChanged(hashes, Tier.DEVICE, Tier.HOST)))
+            laps["remove"].append(timed(w, BlockRemoved(hashes, Tier.HOST)))
+        for kind, values in laps.items():
+            out[f"event_{n}_hashes_{kind}_us"] = 1e6 * statistics.median(values)
+    drops = []
+    for w in rng.sample(names, 10):
+        start = time.perf_counter()
+        built.forget(w)
+        drops.append(time.perf_counter() - start)
+    out["forget_worker_ms"] = 1e3 * statistics.median(drops)
+    print(json.dumps(out), flush=True)
 
 
 def placement(workers: int, entries: int, prompt_blocks: int, decisions: int, reports: int) -> None:

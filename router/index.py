@@ -8,26 +8,31 @@ back. The index is exact: a worker is credited only for blocks it said it stored
 it removed.
 
 Per worker only its (epoch, last sequence number) is kept, to order and check batches; the state
-itself is one inverted map `hash -> holders` (a per-worker copy of every hash's tiers, as
-`KVIndexMirror` keeps, would be a million small sets for a million entries: memory, and a full
-garbage collection pass of about a second on the router's event loop). The map answers "how long a prefix of this prompt does every worker hold" in one walk over the prompt's
-blocks. A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
-same workers in the same tiers points to one `_Holders` object. Along a prompt's chain consecutive
-blocks usually share it, so the walk compares objects by identity and does per-worker work only
-where the holder set changes (a worker's run ends, or its fastest tier changes), and the change
-between two holder sets is computed once (one set difference in C) and memoised on the (immutable)
-pair as plain ints, so a repeat walk touches neither the later set nor its masks. A query costs
-O(blocks + holders of the first block + changes), not O(blocks x holders); an update of one hash
-costs O(its holders), as it builds the new interned set.
+itself is one inverted map `hash -> holder set`, a `BlockTable` (numpy arrays: no Python object per
+entry for the garbage collector to traverse, and a prompt's hashes looked up in one vectorised
+pass). A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
+same workers in the same tiers maps to one number (`sid`). When a set is interned, its row of
+`_codes` (`[sets, workers]` uint8, 1 + each member's fastest tier, 0 elsewhere) is written, so
+the walk turns the chain's holder sets into every worker's run with a few array operations: the
+chain is cut where the set changes (consecutive blocks usually share it), and a `[segments,
+holders of the first block]` gather of `_codes` says where each run ends and in which tier. A
+query costs O(blocks) in C plus O(segments x holders) in numpy, with no Python per block, set
+change or worker. An update finds its hashes (in a vectorised pass beyond a few), groups them by
+holder set and moves each group to the set with the worker's mask changed: Python work per group
+(interning the new set, O(its holders)), not per hash. Dropping a worker rewrites every set it is
+in and the table's values in one pass (O(table), in C).
+
+Memory: the table ~40 bytes / 0.35-0.5 per hash (a 128-byte bucket row of 8 slots, plus 24 bytes
+of each key apart), `_codes` a byte per (set, worker), and the interned sets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, count
-from operator import is_not
-from typing import cast
+
+import numpy as np
+import numpy.typing as npt
 
 from cedserve.model.cache.events import (
     AllBlocksCleared,
@@ -38,6 +43,7 @@ from cedserve.model.cache.events import (
     KVEventBatch,
     Tier,
 )
+from cedserve.router.block_table import BlockTable, as_keys
 
 TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 _BIT = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
@@ -62,41 +68,72 @@ def _empty(worker_id: str) -> PrefixHit:
     return PrefixHit(worker_id, {t: 0 for t in TIER_ORDER})
 
 
-_FIRST_LOOKUPS = 64
-"""Block hashes the prefix walk looks up first; each further chunk is twice the one before."""
-_MAX_MEMOISED_CHANGES = 8
-"""Holder-set changes remembered per holder set (a chain reaches a set from few others)."""
+class PrefixRuns(Mapping[str, list[int]]):
+    """`GlobalPrefixIndex.prefix_runs`: every worker holding a prompt's first block -> its longest
+    leading run as `[device, host, disk]` block counts. Kept as arrays, `workers` (ids, a tuple owned by
+    the index: one object for every prompt whose first block has the same holders)
+    and `blocks` (`[workers, 3]`), which `LoadTable.place` reads as they are; the dict of the
+    mapping is built only when it is read as one."""
+
+    __slots__ = ("_dict", "blocks", "workers")
+
+    def __init__(self, workers: tuple[str, ...], blocks: npt.NDArray[np.int64]) -> None:
+        self.workers = workers
+        self.blocks = blocks
+        self._dict: dict[str, list[int]] | None = None
+
+    def _as_dict(self) -> dict[str, list[int]]:
+        if self._dict is None:
+            self._dict = dict(zip(self.workers, self.blocks.tolist(), strict=True))
+        return self._dict
+
+    def __getitem__(self, worker_id: str) -> list[int]:
+        return self._as_dict()[worker_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.workers)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __repr__(self) -> str:
+        return f"PrefixRuns({self._as_dict()!r})"
+
+
+_NO_RUNS = PrefixRuns((), np.zeros((0, len(TIER_ORDER)), dtype=np.int64))
+
+
+_FIRST_LOOKUPS = 1024
+"""Block hashes the prefix walk looks up first (a 64K-token prompt at 64 tokens a block: one pass,
+and a pass costs little more for a thousand keys than for a few); each further chunk is four times
+the one before."""
 
 
 class _Holders:
     """The workers holding a block hash, `masks[worker] = tier bitmask`: immutable and interned, so
-    equal holder sets are the same object. `refs` counts the hashes pointing at it."""
+    equal holder sets are one object, numbered `sid` (the table's value for every hash it holds;
+    `refs` counts them). Its row of `GlobalPrefixIndex._codes` is written when it is interned."""
 
-    __slots__ = ("_changes", "key", "masks", "refs", "sid")
+    __slots__ = ("key", "masks", "names", "refs", "sid", "slots")
 
-    def __init__(self, masks: dict[str, int], key: frozenset[int], sid: int) -> None:
+    def __init__(self, masks: dict[str, int], key: frozenset[int], sid: int, names: list[str]) -> None:
         self.masks = masks
-        self.sid = sid
-        """Its number: the index maps a hash to this very int object, so equal numbers are one object."""
         self.key = key
-        """Its (worker, mask) items as small ints, `slot << 3 | mask`: set operations on two keys run in C."""
+        """Its (worker, mask) items as small ints, `slot << 3 | mask`: the interning key, hashed in C."""
+        self.sid = sid
         self.refs = 0
-        self._changes: dict[_Holders, tuple[int, ...]] = {}
+        items = sorted(key)
+        self.slots = np.array([item >> 3 for item in items], dtype=np.intp)  # [members] worker numbers
+        # [members] their ids: a tuple of strings, which the garbage collector stops tracking
+        self.names = tuple(names[item >> 3] for item in items)
 
-    def changes_to(self, other: _Holders, names: list[str]) -> tuple[int, ...]:
-        """The workers of this set whose mask differs in `other`, as `slot << 3 | their mask in other`
-        (0 where absent; `names`: worker by slot). The set difference of the two keys runs in C over
-        small ints, O(holders); then Python work only for the (usually one or two) workers that changed.
-        Both sets are immutable, so the answer is memoised (a few per set); the memo is keyed by the
-        object, and its answer holds plain ints, so a repeat walk touches neither `other` nor its masks."""
-        changes = self._changes.get(other)
-        if changes is None:
-            if len(self._changes) >= _MAX_MEMOISED_CHANGES:
-                self._changes.clear()
-            theirs = other.masks
-            changes = self._changes[other] = tuple(
-                item & ~7 | theirs.get(names[item >> 3], 0) for item in self.key - other.key)
-        return changes
+
+_FEW_HASHES = 24
+"""An event with fewer hashes is applied hash by hash in Python (a few microseconds each); one with
+more, in vectorised passes (a fixed ~100 us, then about 1 us a hash)."""
+
+MaskUpdate = Callable[[int], int]
+"""A worker's new tier bitmask for a hash from its old one (0: not held)."""
 
 
 class GlobalPrefixIndex:
@@ -104,16 +141,17 @@ class GlobalPrefixIndex:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
-        # hash -> its holder set's `sid`, and sid -> the set: a map of bytes to ints is one the garbage
-        # collector leaves alone (a million-entry map of objects costs every full collection a pass)
-        self._holders: dict[bytes, int] = {}
-        self._sets: dict[int, _Holders] = {}
-        self._next_sid = 0
+        self._table = BlockTable()  # block hash -> the `sid` of its holder set
+        self._sets: list[_Holders | None] = []  # sid -> holder set (None: a free number)
+        self._free_sids: list[int] = []
         self._interned: dict[frozenset[int], _Holders] = {}
-        self._slots: dict[str, int] = {}  # worker -> its number in the holder sets' keys (kept for good)
-        self._names: list[str] = []  # slot -> worker
+        self._slots: dict[str, int] = {}  # worker -> its number in the holder sets (kept for good)
+        self._names: list[str] = []  # number -> worker
+        # [sids, worker numbers] each holder set's members' fastest tier + 1 (0: not a member), written
+        # when the set is interned, read by the walk: one byte per (set, worker)
+        self._codes = np.zeros((64, 8), dtype=np.uint8)
+        self._held: dict[str, int] = {}  # worker -> hashes it holds
         self._num_entries = 0
-        self._by_worker: dict[str, dict[bytes, None]] = {}  # dicts, not sets: untracked by the collector too
         self._out_of_step: set[str] = set()
 
     def apply(self, batch: KVEventBatch) -> bool:
@@ -129,7 +167,7 @@ class GlobalPrefixIndex:
                 return True
         self._out_of_step.discard(worker)
         for event in batch.events:
-            self._apply_inverted(worker, event)
+            self._apply_event(worker, event)
         self._last[worker] = (batch.epoch, batch.seq)
         return True
 
@@ -145,9 +183,14 @@ class GlobalPrefixIndex:
         """(block hash, worker) pairs indexed."""
         return self._num_entries
 
+    @property
+    def num_hashes(self) -> int:
+        """Block hashes held by at least one worker."""
+        return len(self._table)
+
     def forget(self, worker_id: str) -> None:
         """Drop a worker (it left or died): no prefix credit until its next snapshot."""
-        self._apply_inverted(worker_id, AllBlocksCleared())
+        self._clear(worker_id)
         self._last.pop(worker_id, None)  # its next batch is a gap: only a snapshot brings it back
         self._out_of_step.discard(worker_id)
 
@@ -159,68 +202,73 @@ class GlobalPrefixIndex:
         """Every worker holding at least the first block, with its longest run by tier."""
         return {w: PrefixHit(w, dict(zip(TIER_ORDER, c))) for w, c in self.prefix_runs(block_hashes).items()}
 
-    def prefix_runs(self, block_hashes: Sequence[bytes]) -> dict[str, list[int]]:
+    def prefix_runs(self, block_hashes: Sequence[bytes]) -> PrefixRuns:
         """Every worker holding at least the first block -> its longest leading run of `block_hashes`
-        as `[device, host, disk]` block counts (each block in its fastest tier). One walk over the
-        chain, stopping at the first block nobody holds or once every worker's run has ended."""
-        states = self._holder_sids(block_hashes)
-        if not states:
-            return {}
-        sets, names, end = self._sets, self._names, len(states)
-        prev = sets[states[0]]
-        tier = {item >> 3: _FASTEST[item & 7] for item in prev.key}  # slot -> fastest tier, while in its run
-        since = dict.fromkeys(tier, 0)  # slot -> block where its current tier began
-        counts = {slot: [0, 0, 0] for slot in tier}
-        # Blocks where the holder set changes (found in C by identity); runs of one interned set cost nothing.
-        for k in compress(count(1), map(is_not, states[: end - 1], states[1:end])):
-            cur = sets[states[k]]
-            for change in prev.changes_to(cur, names):  # usually one or two workers
-                slot = change >> 3
-                t = tier.get(slot)
-                if t is None:
-                    continue  # its run ended at an earlier block
-                counts[slot][t] += k - since[slot]
-                mask = change & 7
-                if mask:
-                    tier[slot], since[slot] = _FASTEST[mask], k
-                else:
-                    del tier[slot]
-            if not tier:
-                break
-            prev = cur
-        for slot, t in tier.items():
-            counts[slot][t] += end - since[slot]
-        return {names[slot]: run for slot, run in counts.items()}
+        as `[device, host, disk]` block counts (each block in its fastest tier).
 
-    def _holder_sids(self, block_hashes: Sequence[bytes]) -> list[int]:
+        The chain's holder sets are looked up in one vectorised pass (`BlockTable.get`) up to the first
+        block nobody holds; the chain is cut into segments where the set stays the same (consecutive
+        blocks usually share it), and the sets' rows of `_codes` give a `[segments, k]` table of each
+        first-block holder's tier per segment (0: not held). A worker's run ends at its first 0; when
+        no worker's tier ever differs from its first block's (the usual case), its blocks are the block
+        where that is, all in that tier; otherwise they are summed by tier over the segments of its run.
+        O(blocks) in C plus O(segments x k) in numpy, and no Python per block, set or worker (but the
+        mapping's dict, when one is read)."""
+        sids = self._holder_sids(block_hashes)
+        end = len(sids)
+        if not end:
+            return _NO_RUNS
+        first = self._set(int(sids[0]))
+        starts = np.concatenate(([0], np.flatnonzero(sids[1:] != sids[:-1]) + 1))  # [segments] first blocks
+        bounds = np.append(starts, end)  # [segments + 1] ... and the end
+        k, num_segments = len(first.names), len(starts)
+        tiers = self._codes.take(sids[starts], axis=0).take(first.slots, axis=1)  # [segments, k] 1 + fastest tier
+        absent = tiers == 0
+        run_end = np.where(absent.any(axis=0), absent.argmax(axis=0), num_segments)  # [k] first segment without it
+        counts = np.zeros((k, len(TIER_ORDER)), dtype=np.int64)  # [k, 3] blocks per tier
+        if ((tiers == tiers[0]) | absent).all():
+            # No worker's tier differs from its first block's where it holds a block (the usual case).
+            counts[np.arange(k), tiers[0] - 1] = bounds[run_end]
+        else:
+            held = np.where(np.arange(num_segments)[:, None] < run_end, tiers, 0)  # [segments, k] within the run
+            lengths = np.diff(bounds)  # [segments] blocks
+            for t in range(len(TIER_ORDER)):
+                counts[:, t] = lengths @ (held == t + 1)
+        return PrefixRuns(first.names, counts)
+
+    def _holder_sids(self, block_hashes: Sequence[bytes]) -> npt.NDArray[np.int32]:
         """The holder sets (`sid`s) of the leading blocks anybody holds, up to the first block nobody does.
-        Looked up in C, in chunks that double (64, 128, ...), so a prompt whose cached prefix is short
-        costs little more than that prefix (a cold lookup in a 1M-entry index is a few cache misses),
-        and a long one takes few chunks."""
-        get = self._holders.get
-        states: list[int] = []
+        Looked up in chunks that grow fourfold (1024, 4096, ...), so a huge prompt whose cached prefix
+        is short costs little more than that prefix, and a long one takes few passes."""
+        parts = []
         lo, size = 0, _FIRST_LOOKUPS
         while lo < len(block_hashes):
-            chunk = list(map(get, block_hashes[lo: lo + size]))
-            if None in chunk:
-                states += cast("list[int]", chunk[: chunk.index(None)])
+            sids = self._table.get(as_keys(block_hashes[lo: lo + size]))
+            misses = np.flatnonzero(sids < 0)
+            if misses.size:
+                parts.append(sids[: misses[0]])
                 break
-            states += cast("list[int]", chunk)
-            lo, size = lo + size, 2 * size
-        return states
+            parts.append(sids)
+            lo, size = lo + size, 4 * size
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
     def prefix_hits_reference(self, block_hashes: Sequence[bytes]) -> dict[str, PrefixHit]:
         """`prefix_hits` the straightforward way: every block, every worker still in its run. The
-        oracle of the fast walk's tests and the old path of benchmarks/router.py."""
-        first = self._lookup(block_hashes[0]) if block_hashes else None
-        if first is None:
+        oracle of the fast walk's tests and the old path of benchmarks/router.py; hashes matched on
+        all 32 bytes (`BlockTable.find`)."""
+        slots = self._table.find(as_keys(block_hashes)) if block_hashes else np.zeros(0, dtype=np.intp)
+        sids = np.where(slots >= 0, self._table.values_at(np.maximum(slots, 0)), -1).tolist()
+        if not sids or sids[0] < 0:
             return {}
+        first = self._set(sids[0])
         counts = {w: [0, 0, 0] for w in first.masks}
         alive = list(first.masks)
-        for h in block_hashes:
-            holders = self._lookup(h)
-            if holders is None:
+        for sid in sids:
+            if sid < 0:
                 break
+            holders = self._set(sid)
             still = []
             for w in alive:
                 mask = holders.masks.get(w)
@@ -236,70 +284,133 @@ class GlobalPrefixIndex:
         hits = self.prefix_hits(block_hashes)
         return max((hits.get(w) or _empty(w) for w in workers), key=lambda h: h.total_blocks, default=None)
 
-    def _apply_inverted(self, worker_id: str, event: KVEvent) -> None:
+    # ------------------------------------------------------------------ updates (the event feed)
+
+    def _apply_event(self, worker_id: str, event: KVEvent) -> None:
         if isinstance(event, AllBlocksCleared):
-            for h in list(self._by_worker.get(worker_id, ())):
-                self._drop(h, worker_id, None)
+            self._clear(worker_id)
         elif isinstance(event, BlockStored):
-            for h in event.block_hashes:
-                self._add(h, worker_id, event.tier)
+            bit = _BIT[event.tier]
+            self._update(worker_id, event.block_hashes, lambda mask: mask | bit)
         elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                self._drop(h, worker_id, event.tier)
+            bit = _BIT[event.tier]
+            self._update(worker_id, event.block_hashes, lambda mask: mask & ~bit)
         elif isinstance(event, BlockTierChanged):
-            for h in event.block_hashes:
-                self._drop(h, worker_id, event.src)
-                self._add(h, worker_id, event.dst)
+            src, dst = _BIT[event.src], _BIT[event.dst]  # held or not, it is then held in dst
+            self._update(worker_id, event.block_hashes, lambda mask: mask & ~src | dst)
 
-    def _lookup(self, h: bytes) -> _Holders | None:
-        sid = self._holders.get(h)
-        return None if sid is None else self._sets[sid]
-
-    def _add(self, h: bytes, worker_id: str, tier: Tier) -> None:
-        old = self._lookup(h)
-        self._set(h, old, worker_id, (old.masks.get(worker_id, 0) if old else 0) | _BIT[tier])
-        self._by_worker.setdefault(worker_id, {})[h] = None
-
-    def _drop(self, h: bytes, worker_id: str, tier: Tier | None) -> None:
-        old = self._lookup(h)
-        mask = old.masks.get(worker_id, 0) if old else 0
-        if not mask:
+    def _update(self, worker_id: str, block_hashes: Sequence[bytes], update: MaskUpdate) -> None:
+        """Apply `update` to the worker's mask of each hash. Beyond a few hashes, they are found in one
+        vectorised pass and grouped by their holder set; each group moves to one new set (Python work
+        per group, a few per event: a chain's blocks mostly share sets), then the table is written in
+        one pass."""
+        if len(block_hashes) < _FEW_HASHES:
+            for block_hash in dict.fromkeys(block_hashes):  # an update is idempotent: repeats change nothing
+                self._update_one(worker_id, block_hash, update)
             return
-        mask = 0 if tier is None else mask & ~_BIT[tier]
-        self._set(h, old, worker_id, mask)
-        if not mask:
-            self._by_worker.get(worker_id, {}).pop(h, None)
+        keys = as_keys(list(dict.fromkeys(block_hashes)))
+        slots = self._table.find(keys)
+        present = slots >= 0
+        old = np.full(len(keys), -1, dtype=np.int32)  # [n] holder set before, -1: nobody
+        old[present] = self._table.values_at(slots[present])
+        groups, inverse, sizes = np.unique(old, return_inverse=True, return_counts=True)
+        moved = [self._move(sid, worker_id, update, size) for sid, size in zip(groups.tolist(), sizes.tolist(),
+                                                                              strict=True)]
+        new = np.array(moved, dtype=np.int32)[inverse.reshape(-1)]  # [n] holder set after, -1: nobody
+        changed = present & (new != old)
+        kept = changed & (new >= 0)
+        self._table.set_values(slots[kept], new[kept])
+        self._table.delete(slots[changed & (new < 0)])
+        added = ~present & (new >= 0)
+        self._table.insert(keys[added], new[added])
 
-    def _set(self, h: bytes, old: _Holders | None, worker_id: str, mask: int) -> None:
-        """Point `h` at the interned holder set `old` with `worker_id`'s mask replaced (0: removed)."""
+    def _update_one(self, worker_id: str, block_hash: bytes, update: MaskUpdate) -> None:
+        table = self._table
+        slot, free = table.find_one(block_hash)
+        old = table.value_at(slot) if slot >= 0 else -1
+        new = self._move(old, worker_id, update, 1)
+        if new == old:
+            return
+        if slot < 0:
+            table.insert_one(block_hash, new, free)
+        elif new < 0:
+            table.delete_one(slot)
+        else:
+            table.set_value(slot, new)
+
+    def _clear(self, worker_id: str) -> None:
+        """Remove the worker from every hash it holds: each holder set with it moves to the set without
+        it, and one vectorised pass over the table rewrites the hashes (O(table), in C)."""
+        if not self._held.get(worker_id):
+            return
+        remap = np.arange(-2, len(self._sets), dtype=np.int32)  # [2 + sets] value + 2 -> new value
+        for holders in [s for s in self._sets if s is not None and worker_id in s.masks]:
+            remap[holders.sid + 2] = self._move(holders.sid, worker_id, lambda _: 0, holders.refs)
+        values = self._table.values
+        new = remap[values + 2]  # EMPTY and DELETED map to themselves
+        changed = np.flatnonzero(new != values)
+        dropped = new[changed] < 0
+        self._table.set_values(changed[~dropped], new[changed[~dropped]])
+        self._table.delete(changed[dropped])
+
+    def _move(self, sid: int, worker_id: str, update: MaskUpdate, count: int) -> int:
+        """Move `count` hashes of holder set `sid` (-1: held by nobody) to the set with the worker's
+        mask updated: the new set's `sid`, -1 when nobody holds them then."""
+        old = self._sets[sid] if sid >= 0 else None
+        before = old.masks.get(worker_id, 0) if old is not None else 0
+        mask = update(before)
+        if mask == before:
+            return sid
+        new = self._intern(old, worker_id, mask)
+        self._num_entries += ((len(new.masks) if new else 0) - (len(old.masks) if old else 0)) * count
+        self._held[worker_id] = self._held.get(worker_id, 0) + (bool(mask) - bool(before)) * count
+        if new is not None:
+            new.refs += count
+        if old is not None:
+            old.refs -= count
+            if not old.refs:
+                del self._interned[old.key]
+                self._sets[old.sid] = None
+                self._free_sids.append(old.sid)
+        return -1 if new is None else new.sid
+
+    def _intern(self, old: _Holders | None, worker_id: str, mask: int) -> _Holders | None:
+        """The interned holder set `old` with `worker_id`'s mask replaced (0: removed); None when empty."""
         masks = dict(old.masks) if old else {}
-        before = len(masks)
         if mask:
             masks[worker_id] = mask
         else:
             masks.pop(worker_id, None)
-        self._num_entries += len(masks) - before
-        if old is not None:
-            old.refs -= 1
-            if not old.refs:
-                del self._interned[old.key]
-                del self._sets[old.sid]
         if not masks:
-            self._holders.pop(h, None)
-            return
+            return None
         slot = self._slots.get(worker_id)
         if slot is None:
             slot = self._slots[worker_id] = len(self._names)
             self._names.append(worker_id)
+            if slot >= self._codes.shape[1]:
+                self._codes = np.pad(self._codes, ((0, 0), (0, self._codes.shape[1])))
         # A (worker, mask) item is one small int, `slot << 3 | mask`: keys hash and compare in C.
         key: frozenset[int] = frozenset() if old is None else old.key
         if old is not None and worker_id in old.masks:
             key = key - {slot << 3 | old.masks[worker_id]}
         if mask:
             key = key | {slot << 3 | mask}
-        new = self._interned.get(key)
-        if new is None:
-            new = self._interned[key] = self._sets[self._next_sid] = _Holders(masks, key, self._next_sid)
-            self._next_sid += 1
-        new.refs += 1
-        self._holders[h] = new.sid
+        holders = self._interned.get(key)
+        if holders is None:
+            sid = self._free_sids.pop() if self._free_sids else len(self._sets)
+            holders = self._interned[key] = _Holders(masks, key, sid, self._names)
+            if sid == len(self._sets):
+                self._sets.append(holders)
+                if sid >= len(self._codes):
+                    self._codes = np.pad(self._codes, ((0, len(self._codes)), (0, 0)))
+            else:
+                self._sets[sid] = holders
+            row = self._codes[sid]
+            row[:] = 0
+            row[holders.slots] = [_FASTEST[item & 7] + 1 for item in sorted(key)]
+        return holders
+
+    def _set(self, sid: int) -> _Holders:
+        holders = self._sets[sid]
+        assert holders is not None, f"holder set {sid} is referenced but free"
+        return holders

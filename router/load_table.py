@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cedserve.model.effort import expected_output_tokens
+from cedserve.router.index import PrefixRuns
 from cedserve.router.placement import (
     DecodeLoad,
     LinkModel,
@@ -45,6 +46,8 @@ from cedserve.router.placement import (
 _Scalar = TypeVar("_Scalar", bound=np.generic)
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
+_MAX_POSITIONS = 1024
+"""Holder tuples whose slots `LoadTable._positions_of` keeps (all are dropped when it has this many)."""
 TierRun = Sequence[int]
 """A worker's longest leading run of the prompt's blocks, `[device, host, disk]` block counts
 (`GlobalPrefixIndex.prefix_runs`)."""
@@ -58,6 +61,7 @@ class _Slots:
         self.ids: list[str] = []
         self._free: list[int] = []
         self.active = np.zeros(0, dtype=bool)
+        self.changes = 0  # workers given or freed slots: what `LoadTable._positions_of` keeps holds until then
 
     def claim(self, worker_id: str) -> int:
         """The worker's slot, a new one if needed; True in `active`. The caller's arrays must then
@@ -68,6 +72,7 @@ class _Slots:
             if k == len(self.ids):
                 self.ids.append(worker_id)
             self.index[worker_id], self.ids[k] = k, worker_id
+            self.changes += 1
             if k >= len(self.active):
                 self.active = _grown(self.active, k)
         self.active[k] = True
@@ -78,6 +83,7 @@ class _Slots:
         k = self.index.pop(worker_id, None)
         if k is not None:
             self.active[k], self.ids[k] = False, ""
+            self.changes += 1
             self._free.append(k)
         return k
 
@@ -115,6 +121,9 @@ class LoadTable:
         self._d_wait: Floats = np.zeros(0)  # [D] queued_tokens / prefill_tokens_per_s
         self._d_rate: Floats = np.zeros(0)  # [D] prefill_tokens_per_s
         self._d_load: list[DecodeLoad | None] = []
+        # holder tuple's id -> (the tuple, its `_split`): `_positions_of`
+        self._positions: dict[int, tuple[tuple[str, ...], tuple[Ints, Ints, Ints, Ints]]] = {}
+        self._positions_stamp = (0, 0)
 
     # ------------------------------------------------------------------ load reports
 
@@ -186,17 +195,7 @@ class LoadTable:
         choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`."""
         d_ok = self._d.usable(excluded)
         nd = len(d_ok)
-        p_slots: list[int] = []  # prefix holders among the prefill workers ...
-        p_runs: list[int] = []  # ... and their runs, flattened [device, host, disk, device, ...]
-        d_slots: list[int] = []
-        d_blocks: list[int] = []
-        for w, run in runs.items():
-            if (k := self._p.index.get(w)) is not None:
-                p_slots.append(k)
-                p_runs.extend(run)
-            elif (k := self._d.index.get(w)) is not None:
-                d_slots.append(k)
-                d_blocks.append(sum(run))
+        p_slots, p_runs, d_slots, d_blocks = self._held(runs)
         cached = np.zeros(nd, dtype=np.int64)  # [D] leading blocks held, any tier
         cached[d_slots] = d_blocks
         fits = d_ok & (self._d_free[:nd] >= req.num_blocks - cached)
@@ -205,7 +204,7 @@ class LoadTable:
         pressure = expected_output_tokens(req.effort) * self._d_added[:nd] * self._d_running[:nd] + self._d_step_next[:nd]
         missing = (np.maximum(0, req.num_blocks - cached) * req.block_bytes).astype(np.float64)  # [D] bytes
         best = self._best_pair(req, (p_slots, p_runs), links, fits, pressure, missing, excluded)
-        if req.prompt_len - max(d_blocks, default=0) * req.block_size > decode_only_max_tokens:
+        if req.prompt_len - (int(d_blocks.max()) if d_blocks.size else 0) * req.block_size > decode_only_max_tokens:
             alone = None  # not even the decode worker holding the most of the prompt may prefill it alone
         else:
             uncached = req.prompt_len - cached * req.block_size  # [D] tokens a decode-only placement prefills
@@ -223,7 +222,45 @@ class LoadTable:
             raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
         return best
 
-    def _best_pair(self, req: RequestShape, held: tuple[list[int], list[int]], links: LinkModel,
+    def _held(self, runs: Mapping[str, TierRun]) -> tuple[Ints, Ints, Ints, Ints]:
+        """The prefix holders among the prefill workers (`[h]` slots, `[h, 3]` runs) and among the
+        decode workers (`[g]` slots, `[g]` blocks in any tier): two gathers from a `PrefixRuns`."""
+        if isinstance(runs, PrefixRuns):
+            workers, blocks = runs.workers, runs.blocks
+            p_rows, p_slots, d_rows, d_slots = self._positions_of(workers)
+        else:
+            workers = tuple(runs)
+            blocks = np.array([list(run) for run in runs.values()], dtype=np.int64).reshape(-1, 3)
+            p_rows, p_slots, d_rows, d_slots = self._split(workers)
+        return p_slots, blocks[p_rows], d_slots, blocks[d_rows].sum(axis=1)
+
+    def _positions_of(self, workers: tuple[str, ...]) -> tuple[Ints, Ints, Ints, Ints]:
+        """`_split` of a holder tuple of the index, kept per tuple object (the index hands the same one
+        for every prompt whose first block has the same holders) until a worker joins or leaves."""
+        stamp = (self._p.changes, self._d.changes)
+        if stamp != self._positions_stamp or len(self._positions) >= _MAX_POSITIONS:
+            self._positions.clear()
+            self._positions_stamp = stamp
+        kept = self._positions.get(id(workers))
+        if kept is None or kept[0] is not workers:  # holding the tuple keeps its id from being reused
+            kept = self._positions[id(workers)] = (workers, self._split(workers))
+        return kept[1]
+
+    def _split(self, workers: tuple[str, ...]) -> tuple[Ints, Ints, Ints, Ints]:
+        """Positions in `workers` of the prefill workers, their slots, positions of the decode workers,
+        their slots (workers in neither role are left out)."""
+        p_rows, p_slots, d_rows, d_slots = [], [], [], []
+        for row, w in enumerate(workers):
+            if (k := self._p.index.get(w)) is not None:
+                p_rows.append(row)
+                p_slots.append(k)
+            elif (k := self._d.index.get(w)) is not None:
+                d_rows.append(row)
+                d_slots.append(k)
+        return (np.array(p_rows, dtype=np.int64), np.array(p_slots, dtype=np.int64),
+                np.array(d_rows, dtype=np.int64), np.array(d_slots, dtype=np.int64))
+
+    def _best_pair(self, req: RequestShape, held: tuple[Ints, Ints], links: LinkModel,
                    fits: npt.NDArray[np.bool_], pressure: Floats, missing: Floats,
                    excluded: Collection[str]) -> Placement | None:
         """The cheapest (prefill, decode) pair, None without a usable prefill worker."""
@@ -273,16 +310,16 @@ class LoadTable:
                 return i, min(hits.tolist(), key=lambda k: d_ids[k])
         raise AssertionError(f"no pair costs the minimum {low}")
 
-    def _compute(self, req: RequestShape, held: tuple[list[int], list[int]], links: LinkModel,
+    def _compute(self, req: RequestShape, held: tuple[Ints, Ints], links: LinkModel,
                  num_slots: int) -> Floats:
         """`[P]` compute(P) seconds: the prompt at each worker's rate, less the prefix it holds (`held`:
-        the holders' slots and flattened runs), summed as `placement._prefill_terms` sums it, so the
+        the holders' `[h]` slots and `[h, 3]` runs), summed as `placement._prefill_terms` sums it, so the
         values are the same to the bit."""
         rate = self._p_rate[:num_slots]
         compute = req.prompt_len / rate
         slots, runs = held
-        if slots:
-            device, host, disk = np.array(runs, dtype=np.int64).reshape(-1, 3).T
+        if slots.size:
+            device, host, disk = runs.T
             tiers = links.tier_bytes_per_s
             onload = host * req.block_bytes / tiers["host"] + disk * req.block_bytes / tiers["disk"]
             cached = np.minimum(device * req.block_size, req.prompt_len)

@@ -12,6 +12,8 @@ import random
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cedserve.model.cache.events import (
     AllBlocksCleared,
@@ -154,6 +156,55 @@ def test_prefix_runs_over_long_chains_and_repeated_walks(seed: int) -> None:
         mirror.apply(batch)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["store", "remove", "move", "clear", "forget"]),
+                          st.integers(0, 29), st.integers(1, 30), st.sampled_from(TIER_ORDER),
+                          st.sampled_from(TIER_ORDER)), max_size=40))
+def test_prefix_runs_under_any_event_sequence(ops: list[tuple[int, str, int, int, Tier, Tier]]) -> None:
+    """Runs that change tier part-way (the walk's slow branch), start past block 0, are cut by a
+    removal, or belong to a worker forgotten and back: the walk, the reference walk and a per-worker
+    walk agree after every event."""
+    chain = hash_blocks(list(range(4 * 30)), "h", 4)
+    index, mirror = GlobalPrefixIndex(), KVIndexMirror()
+    workers = [f"w{i}" for i in range(4)]
+    seq = dict.fromkeys(workers, 0)
+    epoch = dict.fromkeys(workers, 1)
+    for w in workers:
+        for sink in (index, mirror):
+            sink.apply(KVEventBatch(w, 0, [AllBlocksCleared()], epoch=1))
+    for who, kind, lo, length, tier, other in ops:
+        w, hashes = workers[who], chain[lo: lo + length]
+        if kind == "forget":
+            index.forget(w)
+            seq[w], epoch[w] = 0, epoch[w] + 1
+            events: list[KVEvent] = [AllBlocksCleared()]
+        else:
+            seq[w] += 1
+            dst = other if other != tier else TIER_ORDER[(TIER_ORDER.index(tier) + 1) % len(TIER_ORDER)]
+            events = [{"store": BlockStored(hashes, tier), "remove": BlockRemoved(hashes, tier),
+                       "move": BlockTierChanged(hashes, tier, dst), "clear": AllBlocksCleared()}[kind]]
+        batch = KVEventBatch(w, seq[w], events, epoch=epoch[w])
+        assert index.apply(batch)
+        mirror.apply(batch)
+        for query in (chain, chain[lo:]):
+            expected = _oracle(mirror, workers, query)
+            assert dict(index.prefix_runs(query)) == expected
+            assert {w: [h.blocks_by_tier[t] for t in TIER_ORDER] for w, h in index.prefix_hits_reference(query).items()
+                    if h.total_blocks} == expected
+        assert index.num_entries == sum(len(mirror.holdings(w)) for w in workers)
+
+
+def test_prefix_runs_that_change_tier_part_way() -> None:
+    chain = hash_blocks(list(range(4 * 12)), "", 4)
+    index = GlobalPrefixIndex()
+    index.apply(KVEventBatch("a", 0, [AllBlocksCleared(), BlockStored(chain[:5], Tier.DEVICE),
+                                      BlockStored(chain[5:9], Tier.HOST), BlockStored(chain[9:], Tier.DISK)], epoch=1))
+    index.apply(KVEventBatch("b", 0, [AllBlocksCleared(), BlockStored(chain[:7], Tier.HOST)], epoch=1))
+    assert dict(index.prefix_runs(chain)) == {"a": [5, 4, 3], "b": [0, 7, 0]}
+    index.apply(KVEventBatch("b", 1, [BlockStored(chain[2:4], Tier.DEVICE)], epoch=1))  # now in both: device counts
+    assert dict(index.prefix_runs(chain)) == {"a": [5, 4, 3], "b": [2, 5, 0]}
+
+
 def test_prefix_runs_of_nothing_and_of_a_miss() -> None:
     index = GlobalPrefixIndex()
     chain = hash_blocks(list(range(40)), "", 4)
@@ -288,3 +339,53 @@ def test_policies_choose_from_the_table_as_from_objects(name: str) -> None:
         expected = from_objects.choose(req, credited_p, credited_d, links)
         assert (got.prefill_id, got.decode_id) == (expected.prefill_id, expected.decode_id)
         assert got.prefill_id != "p1"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_load_table_places_from_the_index_like_the_formula(seed: int) -> None:
+    """`LoadTable.place` reading the index's `PrefixRuns` arrays, with the holders' slots kept per
+    holder list, while workers join, leave and change roles between requests (their slots move: what
+    it kept must not go stale) and store more of the chain (the holder lists change)."""
+    rng = random.Random(seed)
+    chain = hash_blocks(list(range(64 * 20)), "", 64)
+    names = [f"w{i}" for i in range(10)]
+    index, table = GlobalPrefixIndex(), LoadTable()
+    prefill: dict[str, PrefillLoad] = {}
+    decode: dict[str, DecodeLoad] = {}
+    for w in names:
+        index.apply(KVEventBatch(w, 0, [AllBlocksCleared(), BlockStored(chain[: rng.randrange(1, 21)],
+                                                                       rng.choice(TIER_ORDER))], epoch=1))
+    links = LinkRates({}, {"host": 2e10, "disk": 2e9})
+    seq = dict.fromkeys(names, 0)
+    compared = 0
+    for _ in range(40):
+        for w in rng.sample(names, rng.randrange(0, 4)):
+            prefill.pop(w, None)
+            decode.pop(w, None)
+            kind = rng.random()
+            if kind < 0.2:
+                table.drop(w)
+            elif kind < 0.6:
+                prefill[w] = PrefillLoad(w, rng.choice([0, 5_000]), rng.choice([1e4, 2e4]))
+                table.set_prefill(prefill[w])
+            else:
+                decode[w] = DecodeLoad(w, rng.choice([0, 3]), rng.choice([30, 2_000]), [0.02, 0.021], 5e3)
+                table.set_decode(decode[w])
+        if rng.random() < 0.3:
+            w = rng.choice(names)
+            seq[w] += 1
+            assert index.apply(KVEventBatch(w, seq[w], [BlockStored(chain[: rng.randrange(1, 21)],
+                                                                    rng.choice(TIER_ORDER))], epoch=1))
+        query = chain[: rng.randrange(1, 21)]
+        runs = index.prefix_runs(query)
+        req = RequestShape(64 * len(query), 50, 64, 56_960)
+        expected = _outcome(_reference, req, prefill, decode, dict(runs), set(), links, 256)
+        got = _outcome(table.place, req, runs, links, 256, frozenset())
+        if isinstance(expected, Placement):
+            assert isinstance(got, Placement)
+            assert (got.prefill_id, got.decode_id, got.cost_s, got.parts) == (
+                expected.prefill_id, expected.decode_id, expected.cost_s, expected.parts)
+            compared += 1
+        else:
+            assert got is expected
+    assert compared > 0
