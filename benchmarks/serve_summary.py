@@ -36,6 +36,30 @@ def gauges(text: str) -> dict[str, float]:
     return out
 
 
+def transfer_tail(text: str) -> dict[str, float] | None:
+    """The senders' `cedserve_kv_transfer_tail_seconds` of one exposition: requests, mean and the
+    smallest bucket bound holding half of them (the transfer's time after the prefill's last handoff,
+    which nothing overlapped; `cedserve_kv_transfer_seconds` spans the streamed prefill)."""
+    prefix = 'cedserve_kv_transfer_tail_seconds'
+    count = total = 0.0
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if not line.startswith(prefix) or 'role="sender"' not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith(prefix + "_count"):
+            count = float(value)
+        elif name.startswith(prefix + "_sum"):
+            total = float(value)
+        elif name.startswith(prefix + "_bucket"):
+            bound = name.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(value)))
+    if count <= 0:
+        return None
+    half = next(bound for bound, n in sorted(buckets) if n >= count / 2)
+    return {"requests": count, "mean_ms": 1000 * total / count, "p50_at_most_ms": 1000 * half}
+
+
 def smi_apps(path: Path) -> list[dict[str, Any]]:
     """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits` rows."""
     if not path.is_file():
@@ -99,6 +123,9 @@ def summarize(folder: Path, startup_s: float, generate_rc: int, bench_rc: int) -
         "generate": {"rc": generate_rc, "output": generate[:600], "usage": _usage(generate)},
         "bench_rc": bench_rc,
         "serve": serve_cells(report),
+        "kv_transfer_tail": {name: tail for name, tail in
+                             ((m.stem.removeprefix("metrics-"), transfer_tail(m.read_text()))
+                              for m in sorted(folder.glob("metrics-prefill*.txt"))) if tail},
     }
 
 

@@ -271,7 +271,10 @@ class NixlEngine:
             if last and end != t.dst_ids.size:
                 raise ValueError(f"write_blocks {request_id!r}: last=True at {end} of {t.dst_ids.size} reserved blocks")
             self._enqueue_chunks(t, src, last)
-            t.record.start_transferring(time.monotonic())
+            now = time.monotonic()
+            t.record.start_transferring(now)
+            if last:
+                t.record.closed_s = now
         self._bell.wake()
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:

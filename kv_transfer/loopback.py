@@ -211,6 +211,7 @@ class LoopbackAgent:
             pair.sender.block_ids = pair.sender.block_ids + tuple(src.tolist())
             pair.next_pos = end
             if last:
+                pair.sender.closed_s = now
                 for record in (pair.sender, pair.receiver):
                     record.advance(TransferState.DONE)
                 self._finish(pair)

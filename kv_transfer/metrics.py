@@ -13,6 +13,7 @@ from cedserve.kv_transfer.errors import RequestId
 from cedserve.kv_transfer.state import TransferResult, TransferState
 
 _GBPS_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TAIL_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5)
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 _SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 
@@ -36,6 +37,10 @@ class TransferMetrics:
                                      ["kind"], registry=r)
         self.duration_seconds = Histogram("cedserve_kv_transfer_seconds", "Per-request transfer time",
                                           ["role"], buckets=_SECONDS_BUCKETS, registry=r)
+        self.tail_seconds = Histogram("cedserve_kv_transfer_tail_seconds",
+                                      "Per-request transfer time after the sender's last handoff (not "
+                                      "overlapped with the prefill)", ["role"], buckets=_TAIL_BUCKETS,
+                                      registry=r)
         self.gbps = Histogram("cedserve_kv_transfer_gbps", "Per-request transfer rate (GB/s)", ["role"],
                               buckets=_GBPS_BUCKETS, registry=r)
         self.ttft_share = Histogram("cedserve_kv_transfer_ttft_share",
@@ -52,6 +57,8 @@ class TransferMetrics:
         self.descriptors_total.labels(role).inc(result.num_descriptors)
         if result.state is TransferState.DONE:
             self.duration_seconds.labels(role).observe(result.duration_s)
+            if result.tail_s is not None:
+                self.tail_seconds.labels(role).observe(result.tail_s)
             self.gbps.labels(role).observe(result.gbps)
             with self._lock:
                 self._durations[result.request_id] = result.duration_s

@@ -79,12 +79,21 @@ class TransferResult:
     first_byte_s: float | None
     finished_s: float
     error: KVTransferError | None = None
+    closed_s: float | None = None
+    """When the sender's producer handed over its last blocks (`write_blocks(last=True)`); None on
+    the receiver and for a transfer that never closed."""
 
     @property
     def duration_s(self) -> float:
         """From the first chunk (or the reservation, when none came) to the end."""
         start = self.first_byte_s if self.first_byte_s is not None else self.started_s
         return max(self.finished_s - start, 0.0)
+
+    @property
+    def tail_s(self) -> float | None:
+        """From the producer's last handoff to the end: the part of the transfer nothing overlapped
+        (a prefill streams chunks while it computes, so `duration_s` is mostly hidden behind it)."""
+        return None if self.closed_s is None else max(self.finished_s - self.closed_s, 0.0)
 
     @property
     def gbps(self) -> float:
@@ -122,6 +131,8 @@ class TransferRecord:
         self.error: KVTransferError | None = None
         self.started_s = time.monotonic() if now_s is None else now_s
         self.first_byte_s: float | None = None
+        self.closed_s: float | None = None
+        """See `TransferResult.closed_s`."""
         self.num_bytes = 0
         self.num_descriptors = 0
         self.num_chunks = 0
@@ -153,5 +164,5 @@ class TransferRecord:
             request_id=self.request_id, role=self.role, peer=self.peer, state=self.state,
             block_ids=self.block_ids, num_bytes=self.num_bytes, num_descriptors=self.num_descriptors,
             num_chunks=self.num_chunks, started_s=self.started_s, first_byte_s=self.first_byte_s,
-            finished_s=now_s, error=self.error)
+            finished_s=now_s, error=self.error, closed_s=self.closed_s)
         return self.result

@@ -120,6 +120,10 @@ def test_streamed_transfer_lands_every_byte(pair: Pair, mode: TransferMode) -> N
     assert [r.state for r in pair.finishes(rid)] == [TransferState.DONE] * 2  # once per side
     initiator = sent if mode is TransferMode.WRITE else got
     assert initiator.num_descriptors >= 1
+    # the sender knows when its producer handed over the last blocks: the tail after it is the part
+    # of the transfer nothing overlapped; the receiver has no producer
+    assert sent.closed_s is not None and sent.tail_s is not None and 0 <= sent.tail_s <= sent.duration_s
+    assert got.closed_s is None and got.tail_s is None
 
 
 def test_empty_request_finishes(pair: Pair) -> None:

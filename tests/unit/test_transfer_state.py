@@ -161,5 +161,13 @@ def test_metrics_count_bytes_failures_and_ttft_share() -> None:
     assert m.value("cedserve_kv_transfer_descriptors_total", role="receiver") == 7
     assert m.value("cedserve_kv_transfer_failures_total", role="sender", cause="peer_disconnected") == 1
     assert m.value("cedserve_kv_transfer_fallbacks_total", to="recompute") == 1
+    assert m.value("cedserve_kv_transfer_tail_seconds_count", role="receiver") == 0  # no producer, no tail
+    sent = TransferRecord("req-3", Role.SENDER, "decode0", (), 100.0, None, 0.0)
+    sent.start_transferring(20.0)
+    sent.closed_s = 20.4
+    sent.advance(S.DONE)
+    m.record(sent.finish(20.5), "write")
+    assert sent.result is not None and sent.result.tail_s == pytest.approx(0.1)
+    assert m.value("cedserve_kv_transfer_tail_seconds_sum", role="sender") == pytest.approx(0.1)
     assert m.observe_ttft("req-1", 2.0) == pytest.approx(0.25)
     assert m.observe_ttft("req-1", 2.0) is None  # counted once
