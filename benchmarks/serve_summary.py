@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+from prometheus_client.parser import text_string_to_metric_families
 
 from cedserve.common.machine import describe_machine
 
@@ -40,23 +41,14 @@ def transfer_tail(text: str) -> dict[str, float] | None:
     """The senders' `cedserve_kv_transfer_tail_seconds` of one exposition: requests, mean and the
     smallest bucket bound holding half of them (the transfer's time after the prefill's last handoff,
     which nothing overlapped; `cedserve_kv_transfer_seconds` spans the streamed prefill)."""
-    prefix = 'cedserve_kv_transfer_tail_seconds'
-    count = total = 0.0
-    buckets: list[tuple[float, float]] = []
-    for line in text.splitlines():
-        if not line.startswith(prefix) or 'role="sender"' not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        if name.startswith(prefix + "_count"):
-            count = float(value)
-        elif name.startswith(prefix + "_sum"):
-            total = float(value)
-        elif name.startswith(prefix + "_bucket"):
-            bound = name.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(value)))
+    samples = [x for family in text_string_to_metric_families(text) if family.name == "cedserve_kv_transfer_tail_seconds"
+               for x in family.samples if x.labels.get("role") == "sender"]
+    count = sum(x.value for x in samples if x.name.endswith("_count"))
     if count <= 0:
         return None
-    half = next(bound for bound, n in sorted(buckets) if n >= count / 2)
+    total = sum(x.value for x in samples if x.name.endswith("_sum"))
+    buckets = sorted((float(x.labels["le"]), x.value) for x in samples if x.name.endswith("_bucket"))
+    half = next(bound for bound, n in buckets if n >= count / 2)
     return {"requests": count, "mean_ms": 1000 * total / count, "p50_at_most_ms": 1000 * half}
 
 
@@ -72,22 +64,47 @@ def smi_apps(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def serve_cells(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One cell per load of a `cedserve bench serve --address` report."""
-    cells = []
-    for arm in report.get("arms", []):
-        for run in arm.get("runs", []):
-            s = run["summary"]
-            cells.append({
-                "workload": f"agentic sessions, demo checkpoint, {run['load']['label']}",
-                "mode": "disaggregated",
+def _ms(stats: dict[str, Any], key: str) -> float | None:
+    value = stats.get(key)
+    return None if value is None else 1000.0 * float(value)
+
+
+def workload_name(run: dict[str, Any], model: str | None = None) -> str:
+    """`agent sessions, checkpoint demo` / `single prompts of 32,000 tokens, mini-40 (random weights)`
+    and the like; `model` names the model where the report cannot (a bench run against `--address`)."""
+    w, system = run.get("workload", {}), run.get("system", {})
+    if not model:
+        model = (f"checkpoint {Path(str(system['checkpoint'])).name}" if system.get("checkpoint") else
+                 f"{system['preset']} (random weights)" if system.get("preset") else
+                 f"the system at {system.get('address', '?')}")
+    if w.get("kind") == "agent_sessions" and list(w.get("turns", [])) == [1, 1]:
+        lo, hi = w.get("user_tokens", [0, 0])
+        size = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+        return f"single prompts of {size} tokens, {model}"
+    return f"{str(w.get('kind', 'trace')).replace('_', ' ')}, {model}"
+
+
+def serve_cells(run: dict[str, Any], model: str | None = None) -> list[dict[str, Any]]:
+    """Issue 29's `serve` cells of one `cedserve bench serve` report: one per arm and load point."""
+    out = []
+    name = workload_name(run, model)
+    for arm in run.get("arms", []):  # none when the bench wrote no report
+        meta = arm["arm"]
+        for point in arm["runs"]:
+            s = point["summary"]
+            share = s.get("kv_transfer_share_of_ttft") or {}
+            out.append({
+                "workload": f"{name}, {point['load']['label']}", "mode": "colocated" if meta.get("colocated") else
+                "disaggregated", "policy": meta.get("policy"), "api": point.get("api", "grpc"),
                 "completed": s["completed"], "errored": s["errored"],
-                "ttft_p50_ms": s["ttft_s"]["p50"] * 1e3, "ttft_p99_ms": s["ttft_s"]["p99"] * 1e3,
-                "tpot_p50_ms": s["tpot_s"]["p50"] * 1e3, "tpot_p99_ms": s["tpot_s"]["p99"] * 1e3,
-                "transfer_share_of_ttft": s["kv_transfer_share_of_ttft"]["p50"],
-                "kv_transfer_bytes": s["kv_transfer_bytes"], "output_tokens_per_s": s["output_tokens_per_s"],
-                "goodput_rps": s["goodput_rps"]})
-    return cells
+                "ttft_p50_ms": _ms(s["ttft_s"], "p50"), "ttft_p99_ms": _ms(s["ttft_s"], "p99"),
+                "tpot_p50_ms": _ms(s["tpot_s"], "p50"), "tpot_p99_ms": _ms(s["tpot_s"], "p99"),
+                "transfer_share_of_ttft": share.get("p50"),
+                "kv_transfer_p50_ms": _ms(s.get("kv_transfer_s") or {}, "p50"),
+                "kv_transfer_bytes": s.get("kv_transfer_bytes"), "output_tokens_per_s": s.get("output_tokens_per_s"),
+                "goodput_rps": s.get("goodput_rps"),
+            })
+    return out
 
 
 def shares(run_dir: Path) -> dict[str, float | None]:
@@ -122,7 +139,7 @@ def summarize(folder: Path, startup_s: float, generate_rc: int, bench_rc: int) -
         },
         "generate": {"rc": generate_rc, "output": generate[:600], "usage": _usage(generate)},
         "bench_rc": bench_rc,
-        "serve": serve_cells(report),
+        "serve": serve_cells(report, model="demo checkpoint"),
         "kv_transfer_tail": {name: tail for name, tail in
                              ((m.stem.removeprefix("metrics-"), transfer_tail(m.read_text()))
                               for m in sorted(folder.glob("metrics-prefill*.txt"))) if tail},

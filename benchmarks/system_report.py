@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serve_summary import serve_cells  # this folder: python puts a script's own folder on sys.path
+
 
 def transfer_cells(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The `kv_transfer` entries of one loadtest run."""
@@ -37,49 +39,6 @@ def transfer_cells(run: dict[str, Any]) -> list[dict[str, Any]]:
             "bytes_per_request": c["bytes_per_request"], "descriptors_per_request": c.get("descriptors_per_request"),
             "fixed_ms": c.get("fixed_ms"), "p50_ms": c.get("p50_ms"), "pack": c.get("pack"),
         })
-    return out
-
-
-def _ms(stats: dict[str, Any], key: str) -> float | None:
-    value = stats.get(key)
-    return None if value is None else 1000.0 * float(value)
-
-
-def workload_name(run: dict[str, Any]) -> str:
-    """`agentic sessions, demo checkpoint` / `1 turn of 32,000 tokens, mini-40` and the like."""
-    w, system = run.get("workload", {}), run.get("system", {})
-    if system.get("checkpoint"):
-        model = f"checkpoint {Path(str(system['checkpoint'])).name}"
-    elif system.get("preset"):
-        model = f"{system['preset']} (random weights)"
-    else:
-        model = f"the system at {system.get('address', '?')}"
-    if w.get("kind") == "agent_sessions" and list(w.get("turns", [])) == [1, 1]:
-        lo, hi = w.get("user_tokens", [0, 0])
-        size = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
-        return f"single prompts of {size} tokens, {model}"
-    return f"{str(w.get('kind', 'trace')).replace('_', ' ')}, {model}"
-
-
-def serve_cells(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The `serve` entries of one bench-serve run: one per arm and load point."""
-    out = []
-    name = workload_name(run)
-    for arm in run["arms"]:
-        meta = arm["arm"]
-        for point in arm["runs"]:
-            s = point["summary"]
-            share = s.get("kv_transfer_share_of_ttft") or {}
-            out.append({
-                "workload": f"{name}, {point['load']['label']}", "mode": "colocated" if meta.get("colocated") else
-                "disaggregated", "policy": meta.get("policy"), "api": point.get("api", "grpc"),
-                "completed": s["completed"], "errored": s["errored"],
-                "ttft_p50_ms": _ms(s["ttft_s"], "p50"), "ttft_p99_ms": _ms(s["ttft_s"], "p99"),
-                "tpot_p50_ms": _ms(s["tpot_s"], "p50"), "tpot_p99_ms": _ms(s["tpot_s"], "p99"),
-                "transfer_share_of_ttft": share.get("p50"),
-                "kv_transfer_p50_ms": _ms(s.get("kv_transfer_s") or {}, "p50"),
-                "kv_transfer_bytes": s.get("kv_transfer_bytes"), "output_tokens_per_s": s.get("output_tokens_per_s"),
-            })
     return out
 
 
