@@ -60,7 +60,8 @@ async def _serve(worker_id: str, host: str) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
-async def _until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+async def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Waits for `check`; the bound is generous because a loaded 2-core CI host once needed more than 10 s."""
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
