@@ -161,7 +161,9 @@ def route_topk(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float,
                scaling: float) -> tuple[Tensor, Tensor]:
     """`moe.route` with float32 `gate [E, D]` and `bias [E]`: float32 weights `[B, k]`, indices `[B, k]`."""
     scores = score_logits(F.linear(x.float(), gate) / temp, scoring)
-    indices = (scores + bias).topk(top_k, dim=-1).indices
+    # Unsorted: the same experts, without the sort a sorted top-k adds per layer (one more kernel each
+    # on CUDA); the callers scatter the pairs or sum them per row, so their order does not matter.
+    indices = (scores + bias).topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, indices)
     if renorm and top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
