@@ -20,8 +20,8 @@ Padding rows of a bucket (`rows[n:bucket]`) are not staged: they read zeros or r
 staged there (`rows` never holds anything else), finite table values whose outputs the runner
 discards (padding rows write only the scratch slot).
 
-Sizes (`row_bytes`): one row is `engram layers x (N - 1) x heads x head_dim` values of the store's
-dtype. Released model (2 layers, 2-4-grams x 8 heads, 256 channels): 12,288 values, 48 KiB per row in
+Sizes (`staged_row_bytes`): one row is `engram layers x (N - 1) x heads x head_dim` values of the
+store's dtype. Released model (2 layers, 2-4-grams x 8 heads, 256 channels): 12,288 values, 48 KiB per row in
 float32 (24 KiB in bf16); a step of B rows copies B x that (1.5 MiB at 32 rows, about 28 us at the
 55 GB/s pinned-host-to-device rate measured on an H200 host). `rows_host` (pinned) and `rows`
 (device) each hold the largest bucket's rows.
@@ -42,7 +42,7 @@ from cedserve.model.engram import EngramHasher
 from cedserve.model.engram_store import EngramStore
 
 
-def row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def staged_row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one step row's Engram rows (what `upload` copies per row)."""
     columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
     return len(config.engram_layer_ids) * columns * config.engram_head_dim * dtype.itemsize
@@ -51,13 +51,23 @@ def row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 class EngramStaging:
     """Per-step Engram rows of the model runner's rows, from an `EngramStore` (module docstring)."""
 
-    def __init__(self, store: EngramStore, hasher: EngramHasher, config: ModelConfig, max_slots: int,
-                 max_rows_per_slot: int, width: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        store: EngramStore,
+        hasher: EngramHasher,
+        config: ModelConfig,
+        max_slots: int,
+        max_rows_per_slot: int,
+        width: int,
+        device: torch.device,
+    ) -> None:
         """`max_slots + 1` histories (the last: the runner's scratch slot, never staged), rings of
         `N - 1 + max_rows_per_slot` ids as `SlotPools`'; buffers of `width` rows (the largest bucket)."""
         if len(store.tables) != len(config.engram_layer_ids):
-            raise ValueError(f"the EngramStore maps {len(store.tables)} tables, the config has "
-                             f"{len(config.engram_layer_ids)} Engram layers")
+            raise ValueError(
+                f"the EngramStore maps {len(store.tables)} tables, the config has "
+                f"{len(config.engram_layer_ids)} Engram layers"
+            )
         self.store, self.config, self.device = store, config, torch.device(device)
         self.hasher = hasher.to(torch.device("cpu"))
         self.keep = config.engram_max_ngram_size - 1
@@ -83,7 +93,7 @@ class EngramStaging:
     def load(self, slot: int, engram_tail: Tensor, position: int) -> None:
         """A sequence joins `slot` at `position` with the compressed ids of its last tokens
         (`SequenceState.engram_tail`), as `SlotPools.load` fills the device ring."""
-        tail = engram_tail[-self.keep:] if self.keep else engram_tail[:0]
+        tail = engram_tail[-self.keep :] if self.keep else engram_tail[:0]
         count = int(tail.shape[0])
         self.first[slot] = position - count
         if count:

@@ -23,7 +23,7 @@ from cedserve.decode_workers.slot_book import runner_unavailable
 from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import load_drafter, write_random_checkpoint
 from cedserve.model.dspark import Draft, Drafter
-from cedserve.model.engram_staging import EngramStaging, row_bytes
+from cedserve.model.engram_staging import EngramStaging, staged_row_bytes
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
 from cedserve.model.runner import ModelRunner, RunnerConfig
@@ -112,8 +112,10 @@ def test_verify_rows_and_rollback(tables: Tables) -> None:
         loaded.load(slot, copy.deepcopy(state))
         staged.load(slot, state)
     for _ in range(6):
-        chunks = {s: torch.randint(3, 500, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
-                  for s in range(3)}
+        chunks = {
+            s: torch.randint(3, 500, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+            for s in range(3)
+        }
         starts = {s: loaded.position(s) for s in chunks}
         slots = [s for s in chunks for _ in chunks[s]]
         feed = [t for s in chunks for t in chunks[s]]
@@ -132,15 +134,24 @@ def test_hash_ids_are_the_references(tables: Tables) -> None:
     tail, a short one (a join after a replay that kept two ids), and several rows of one slot."""
     model = tables.mapped
     assert model.hasher is not None and model.engram_store is not None
-    staging = EngramStaging(model.engram_store, model.hasher, model.config, max_slots=2, max_rows_per_slot=3,
-                            width=6, device=torch.device("cpu"))
-    (state, _), = prefilled(tables.memory, [20], seed=4)
+    staging = EngramStaging(
+        model.engram_store,
+        model.hasher,
+        model.config,
+        max_slots=2,
+        max_rows_per_slot=3,
+        width=6,
+        device=torch.device("cpu"),
+    )
+    ((state, _),) = prefilled(tables.memory, [20], seed=4)
     short = copy.deepcopy(state)
     short.engram_tail = short.engram_tail[-2:]
     staging.load(0, state.engram_tail, state.position)
     staging.load(1, short.engram_tail, short.position)
     rows = [11, 12, 13]
-    got = staging.hash_ids([0, 0, 0, 1], [*rows, 14], [state.position + i for i in range(3)] + [short.position])
+    got = staging.hash_ids(
+        [0, 0, 0, 1], [*rows, 14], [state.position + i for i in range(3)] + [short.position]
+    )
     for i, (source, tokens) in enumerate(((state, rows), (short, [14]))):
         compressed = model.hasher.compress(torch.tensor(tokens))
         want = model.hasher.hash_ids(source.engram_tail, compressed, source.position)
@@ -186,7 +197,7 @@ def test_bounds(tables: Tables) -> None:
     staging = EngramStaging(store, tables.mapped.hasher, config, 2, 1, width=2, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="exceed"):
         staging.stage([0, 1, 0], [1, 2, 3], [0, 0, 1])
-    assert staging.nbytes == 2 * row_bytes(config, torch.float32)
+    assert staging.nbytes == 2 * staged_row_bytes(config, torch.float32)
 
 
 def test_slot_step_needs_the_staged_rows(tables: Tables) -> None:
