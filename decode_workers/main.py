@@ -151,7 +151,7 @@ def decode_memory_need(loaded: LoadedModel, settings: DecodeSettings, world_size
                    "[decode] max_running_requests"),)
         if model.engram_store is not None:  # the step's staged Engram rows, one per row of the largest bucket
             rows = cfg.max_running_requests * shape.max_rows_per_slot
-            runner += (("runner Engram rows", rows * staged_row_bytes(model.config, model.engram_store.dtype),
+            runner += (("runner Engram rows", rows * staged_row_bytes(model.engram_store, model.config),
                         "[decode] max_running_requests"),)
     return worker_memory_need("decode", loaded, serve, settings.kv_transfer, cfg.max_pass_tokens, "max_pass_tokens",
                               runner, modules=(drafter,))

@@ -10,42 +10,96 @@ before the step runs, so per step, before the replay, `EngramStaging`:
 1. `stage`: hashes each row's n-grams on the host (`EngramHasher.hash_rows`, the device step's
    arithmetic) from `history`, a host copy of every slot's Engram ring (`SlotPools.engram_ids`:
    position p at row `p % (N - 1 + R)`, kept in step by `load` and `stage`; a rewind only moves the
-   runner's positions, as on the device), and gathers the rows from the maps into the pinned
-   `rows_host[:n]` (dequantized to the store's dtype, `EngramStore.gather`);
-2. `upload`: one asynchronous pinned-host-to-device copy of those n rows into `rows`, the static
-   buffer the captured step reads in place of the lookup (`rows[:bucket]`, fixed addresses).
+   runner's positions, as on the device), and copies the rows as stored (FP8 values and their
+   scales, or BF16 / F32 values) from the maps into the pinned byte buffer `host[:n]`;
+2. `upload`: one asynchronous pinned-host-to-device copy of those n rows into `buffer`, the static
+   device buffer the captured step reads;
+3. in the step, `device_rows(bucket)` turns `buffer[:bucket]` into the rows `[bucket, engram layers,
+   columns, head_dim]` of the model's dtype with the loader's arithmetic
+   (`engram.dequantize_engram_rows`: one float32 product per value, so the same bits as the table
+   the loader dequantizes on the host; device ops only, so it is captured with the step).
+
+Staging rows as stored, not dequantized, keeps the host's part to a gather and a copy (dequantizing
+FP8 on the host cost ~1.5 ms per 64-row step on one core, benchmarks/engram_staging.py) and the copy
+small. One staged row, all Engram layers, is `row_bytes` bytes: per layer its `columns x head_dim`
+stored values, then (F8 tables) its `columns x head_dim / 32` scales, each region 16-byte aligned.
 
 The step still writes each row's compressed id into the device ring, which `SlotPools.export` reads.
-Padding rows of a bucket (`rows[n:bucket]`) are not staged: they read zeros or rows an earlier step
-staged there (`rows` never holds anything else), finite table values whose outputs the runner
+Padding rows of a bucket (`buffer[n:bucket]`) are not staged: they hold zeros or rows an earlier step
+staged there (`buffer` never holds anything else), finite table values whose outputs the runner
 discards (padding rows write only the scratch slot).
 
-Sizes (`staged_row_bytes`): one row is `engram layers x (N - 1) x heads x head_dim` values of the
-store's dtype. Released model (2 layers, 2-4-grams x 8 heads, 256 channels): 12,288 values, 48 KiB per row in
-float32 (24 KiB in bf16); a step of B rows copies B x that (1.5 MiB at 32 rows, about 28 us at the
-55 GB/s pinned-host-to-device rate measured on an H200 host). `rows_host` (pinned) and `rows`
-(device) each hold the largest bucket's rows.
-
-The caller owns the ordering: `stage` must not refill `rows_host` while the previous `upload` may
-still be reading it (the runner waits on the event it records after each step's copies).
+The caller owns the ordering: `stage` must not refill `host` while the previous `upload` may still
+be reading it (the runner waits on the event it records after each step's copies).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from cedserve.model.config import ModelConfig
-from cedserve.model.engram import EngramHasher
-from cedserve.model.engram_store import EngramStore
+from cedserve.model.engram import EngramHasher, dequantize_engram_rows
+from cedserve.model.engram_store import EngramStore, MappedTable
+from cedserve.model.safetensors_file import RAW_DTYPES
+
+_ALIGN = 16
+"""Bytes each region of a staged row starts on (any dtype's view of it is then aligned)."""
 
 
-def staged_row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one step row's Engram rows (what `upload` copies per row)."""
-    columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-    return len(config.engram_layer_ids) * columns * config.engram_head_dim * dtype.itemsize
+@dataclass(frozen=True)
+class _Region:
+    """One layer's stored values (or their scales) in a staged row: `shape` elements of `dtype`
+    from byte `offset`."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, int]  # [columns, head_dim] or [columns, head_dim / 32]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    def of(self, buffer: Tensor, count: int) -> Tensor:
+        """The region of rows `buffer[:count]` (uint8 `[width, row_bytes]`) as `[count, *shape]`."""
+        region = buffer[:count, self.offset : self.offset + self.nbytes].view(self.dtype)
+        return region.view(count, *self.shape)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    weights: tuple[_Region, ...]  # per Engram layer
+    scales: tuple[_Region | None, ...]  # per Engram layer: None unless its table is F8
+    row_bytes: int
+
+
+def _layout(tables: Sequence[MappedTable], columns: int) -> _Layout:
+    weights: list[_Region] = []
+    scales: list[_Region | None] = []
+    offset = 0
+
+    def region(dtype: torch.dtype, width: int) -> _Region:
+        nonlocal offset
+        placed = _Region(offset, dtype, (columns, width))
+        offset += -(-placed.nbytes // _ALIGN) * _ALIGN
+        return placed
+
+    for table in tables:
+        weights.append(region(RAW_DTYPES[table.weight_dtype][1], int(table.weight.shape[1])))
+        scale = table.scale
+        scales.append(
+            None if scale is None else region(RAW_DTYPES[table.scale_dtype][1], int(scale.shape[1]))
+        )
+    return _Layout(tuple(weights), tuple(scales), offset)
+
+
+def staged_row_bytes(store: EngramStore, config: ModelConfig) -> int:
+    """Bytes one step row's Engram rows take in the staging buffers (what `upload` copies per row)."""
+    return _layout(store.tables, (config.engram_max_ngram_size - 1) * config.engram_n_heads).row_bytes
 
 
 class EngramStaging:
@@ -68,27 +122,32 @@ class EngramStaging:
                 f"the EngramStore maps {len(store.tables)} tables, the config has "
                 f"{len(config.engram_layer_ids)} Engram layers"
             )
-        self.store, self.config, self.device = store, config, torch.device(device)
+        self.store, self.dtype, self.device = store, store.dtype, torch.device(device)
         self.hasher = hasher.to(torch.device("cpu"))
         self.keep = config.engram_max_ngram_size - 1
         self.ring = self.keep + max_rows_per_slot
         self.history = torch.zeros(max_slots + 1, self.ring, dtype=torch.long)
         self.first = torch.zeros(max_slots + 1, dtype=torch.long)
-        columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-        shape = (width, len(config.engram_layer_ids), columns, config.engram_head_dim)
-        pin = self.device.type == "cuda"
-        self.rows_host = torch.zeros(shape, dtype=store.dtype, pin_memory=pin)
-        self.rows = torch.zeros(shape, dtype=store.dtype, device=self.device)
-        """What the step reads: `[width, engram layers, columns, head_dim]`, row i for step row i."""
+        self.columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+        self.layout = _layout(store.tables, self.columns)
+        shape = (width, self.layout.row_bytes)
+        self.host = torch.zeros(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        """Staged rows, as stored (module docstring): uint8 `[width, row_bytes]`, pinned on CUDA."""
+        self.buffer = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+        """What the step reads: `host`'s layout, row i for step row i."""
 
     @property
     def width(self) -> int:
-        return int(self.rows.shape[0])
+        return int(self.buffer.shape[0])
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
 
     @property
     def nbytes(self) -> int:
-        """Device bytes (`rows`); the pinned host buffer is as large."""
-        return self.rows.numel() * self.rows.element_size()
+        """Device bytes (`buffer`); the pinned host buffer is as large."""
+        return self.buffer.numel()
 
     def load(self, slot: int, engram_tail: Tensor, position: int) -> None:
         """A sequence joins `slot` at `position` with the compressed ids of its last tokens
@@ -113,16 +172,40 @@ class EngramStaging:
         return self.hasher.hash_rows(history, known, compressed)
 
     def stage(self, slots: Sequence[int], token_ids: Sequence[int], positions: Sequence[int]) -> int:
-        """Gather the rows of the step's rows into `rows_host[:n]` (module docstring, step 1);
-        returns n. `ValueError` for more rows than `width`."""
-        count = len(slots)
+        """Copy the stored rows of the step's rows into `host[:n]` (module docstring, step 1);
+        returns n. `ValueError` for more rows than `width` or an id outside its table."""
+        if len(slots) > self.width:
+            raise ValueError(f"Engram staging: {len(slots)} rows exceed its {self.width}")
+        return self.stage_ids(self.hash_ids(slots, token_ids, positions)) if slots else 0
+
+    def stage_ids(self, hash_ids: Tensor) -> int:
+        """Copy the stored rows of `hash_ids [n, engram layers, columns]` into `host[:n]`; returns n."""
+        count = int(hash_ids.shape[0])
         if count > self.width:
             raise ValueError(f"Engram staging: {count} rows exceed its {self.width}")
-        if count:
-            self.store.gather(self.hash_ids(slots, token_ids, positions), out=self.rows_host)
+        ids = hash_ids.numpy()
+        layout = self.layout
+        for i, table in enumerate(self.store.tables):
+            raw, scale = table.stored_rows(np.ascontiguousarray(ids[:, i]).reshape(-1))
+            layout.weights[i].of(self.host, count).copy_(raw.view(count, self.columns, -1))
+            region = layout.scales[i]
+            if region is not None and scale is not None:
+                region.of(self.host, count).copy_(scale.view(count, self.columns, -1))
         return count
 
     def upload(self, count: int) -> None:
-        """Copy the `count` staged rows into `rows` (asynchronous from pinned memory on CUDA)."""
+        """Copy the `count` staged rows into `buffer` (asynchronous from pinned memory on CUDA)."""
         if count:
-            self.rows[:count].copy_(self.rows_host[:count], non_blocking=True)
+            self.buffer[:count].copy_(self.host[:count], non_blocking=True)
+
+    def device_rows(self, count: int) -> Tensor:
+        """Rows `[count, engram layers, columns, head_dim]` of the store's dtype from `buffer[:count]`,
+        on its device, by device ops only (the captured step calls this)."""
+        per_layer = []
+        for weights, scales in zip(self.layout.weights, self.layout.scales):
+            raw = weights.of(self.buffer, count)
+            if scales is None:
+                per_layer.append(raw.to(self.dtype))
+            else:
+                per_layer.append(dequantize_engram_rows(raw, scales.of(self.buffer, count), self.dtype))
+        return torch.stack(per_layer, dim=1)

@@ -12,9 +12,9 @@ steps: `step(slots, token_ids, sampling)` returns one sampled token per slot. Pe
 4. copies the sampled tokens back (the step's one device-to-host copy) and waits for them.
 
 With the Engram tables in an `EngramStore` (memory-mapped on the host), step 1 is preceded by the
-step's Engram rows: hashed and gathered on the host into a pinned buffer and copied, before the
-staging copy, into a static device buffer that the step reads instead of the tables
-(`cedserve.model.engram_staging`).
+step's Engram rows: hashed on the host, their stored bytes gathered from the maps into a pinned
+buffer and copied, before the staging copy, into a static device buffer that the step reads (and
+dequantizes) instead of the tables (`cedserve.model.engram_staging`).
 
 Graphs are captured by `capture` (the worker's warm-up), largest bucket first so that every graph
 shares one memory pool; warm-up runs and captures address only the scratch slot.
@@ -167,7 +167,7 @@ class ModelRunner:
         self.engram = self._engram_staging(width)
         """The step's Engram rows when an `EngramStore` serves the tables (None: the step looks them up)."""
         self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused,
-                                  engram_rows=self.engram.rows if self.engram is not None else None)
+                                  engram=self.engram)
         cuda = pin = self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)

@@ -46,6 +46,7 @@ from cedserve.model.attention import Attention
 from cedserve.model.block import Block
 from cedserve.model.compressor import Compressor
 from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
+from cedserve.model.engram_staging import EngramStaging
 from cedserve.model.fused import FusedOps
 from cedserve.model.indexer import INDEX_QUANT_BLOCK
 from cedserve.model.network import CEDModel
@@ -80,17 +81,16 @@ class SlotStep:
     """The captured decode step's computation (module docstring)."""
 
     def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True,
-                 engram_rows: Tensor | None = None) -> None:
-        """`engram_rows`: a static buffer `[>= B, engram layers, columns, head_dim]` holding each
-        step's Engram rows, row b for step row b (`cedserve.model.engram_staging`, filled before each
-        step), which the step reads instead of looking rows up in the model's tables: required when
-        an `EngramStore` serves them."""
+                 engram: EngramStaging | None = None) -> None:
+        """`engram`: the static buffer of each step's Engram rows, row b for step row b, filled before
+        each step (`cedserve.model.engram_staging`), which the step reads instead of looking rows up
+        in the model's tables: required when an `EngramStore` serves them."""
         config = model.config
-        if model.engram_store is not None and engram_rows is None:
+        if model.engram_store is not None and engram is None:
             raise ValueError("the model's Engram tables are served by an EngramStore: the slot step needs the "
-                             "staged rows (engram_rows, as the model runner stages them)")
+                             "staged rows (an EngramStaging, as the model runner keeps)")
         self.model, self.pools, self.config = model, pools, config
-        self.staged_engram = engram_rows
+        self.staged_engram = engram
         self.device = pools.device
         self.kernels = self.device.type == "cuda"
         self.ropes = {kind: device_rope(table, self.device) for kind, table in model.ropes.items()}
@@ -170,7 +170,7 @@ class SlotStep:
         compressed = self.hasher.compress(token_ids)
         pools.engram_ids[slots, positions % ring] = compressed
         if self.staged_engram is not None:
-            return self.staged_engram[: token_ids.shape[0]]
+            return self.staged_engram.device_rows(token_ids.shape[0])
         before = positions.unsqueeze(-1) - keep + torch.arange(keep, device=positions.device)  # [B, N-1]
         history = pools.engram_ids[slots.unsqueeze(-1), before.remainder(ring)]
         known = (positions - pools.engram_first[slots].clamp_min(0)).clamp(0, keep)

@@ -1,9 +1,10 @@
 """The model runner with its Engram tables in an `EngramStore` (`load_model(..., engram="mmap")`):
 the step's rows staged on the host (`cedserve.model.engram_staging`) give the logits of the runner
 over the same checkpoint with the tables loaded, bit for bit, in every bucket, with rows joining and
-leaving and DSpark verify rows rolled back; the staging's hash ids are the reference's, its padding
-rows cannot reach real rows, and ids outside a table are refused; a decode engine with the runner
-on emits the same tokens with either kind of table."""
+leaving and DSpark verify rows rolled back, for F32 tables (the writer's) and FP8 tables with
+scales (the released model's); the staging's hash ids are the reference's, its rows the tables'
+(first and last row too), its padding rows cannot reach real rows, and ids outside a table are
+refused; a decode engine with the runner on emits the same tokens with either kind of table."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from decode_support import Rig, greedy_rounds, prompt
+from safetensors.torch import load_file, save_file
 
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer
@@ -22,6 +24,7 @@ from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.decode_workers.slot_book import runner_unavailable
 from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import load_drafter, write_random_checkpoint
+from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Draft, Drafter
 from cedserve.model.engram_staging import EngramStaging, staged_row_bytes
 from cedserve.model.network import CEDModel
@@ -33,8 +36,9 @@ from cedserve.model.state import SequenceState
 pytestmark = pytest.mark.unit
 
 ATOL = 0.0
-"""Runner with staged rows vs runner with loaded tables: the store dequantizes a row with the loader's
-arithmetic (`dequantize_engram_rows`), and every other op is the same on the same values: exact."""
+"""Runner with staged rows vs runner with loaded tables: the step dequantizes a staged row with the
+loader's arithmetic (`dequantize_engram_rows`, one float32 product per value), and every other op is
+the same on the same values: exact."""
 
 
 @dataclass
@@ -46,14 +50,31 @@ class Tables:
     mapped: CEDModel
 
 
-@pytest.fixture(scope="module")
-def tables(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tables]:
+def store_tables_as_fp8(folder: Path, config: ModelConfig) -> None:
+    """Rewrite the checkpoint's Engram tables as the released model stores them: FP8 E4M3 values and
+    one float32 scale per 32 channels (`<module>.scale`)."""
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for layer_id in config.engram_layer_ids:
+        name = next(n for n in tensors if n.endswith(f"layers.{layer_id}.engram.embed.weight"))
+        blocks = tensors[name].float().unflatten(-1, (-1, 32))
+        scale = blocks.abs().amax(-1).clamp_min(1e-12) / 448
+        tensors[name] = (blocks / scale.unsqueeze(-1)).flatten(-2).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "scale"] = scale
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=["F32", "F8_E4M3"])
+def tables(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tables]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's ops are too small for intra-op threads
-    folder = tmp_path_factory.mktemp("engram-checkpoint")
-    write_random_checkpoint(preset("tiny"), folder, seed=5)
+    folder = tmp_path_factory.mktemp(f"engram-checkpoint-{request.param}")
+    config = write_random_checkpoint(preset("tiny"), folder, seed=5)
+    if request.param == "F8_E4M3":
+        store_tables_as_fp8(folder, config)
     memory, mapped = load_model(folder), load_model(folder, engram="mmap")
     assert mapped.engram_store is not None and memory.engram_store is None
+    assert {table.weight_dtype for table in mapped.engram_store.tables} == {request.param}
     yield Tables(folder, memory, mapped)
     mapped.close()
     torch.set_num_threads(threads)
@@ -161,43 +182,49 @@ def test_hash_ids_are_the_references(tables: Tables) -> None:
 
 def test_padding_rows_cannot_reach_real_rows(tables: Tables) -> None:
     """Three rows in the bucket of 4: only three rows are copied, and whatever the fourth row of the
-    static buffer holds (here: large values no table holds) leaves the real rows' logits alone."""
+    static buffer holds (here: bytes that are no table's row) leaves the real rows' logits alone."""
     loaded, staged = runners(tables, RunnerConfig(max_slots=4, max_context=128))
     assert staged.engram is not None
     for slot, (state, _) in enumerate(prefilled(tables.memory, [20, 21, 22], seed=5)):
         loaded.load(slot, copy.deepcopy(state))
         staged.load(slot, state)
-    staged.engram.rows.fill_(1e4)
+    staged.engram.buffer.fill_(0x3C)  # FP8 1.5, F32 scales and values ~0.0115: no table row
     got = staged.step_logits([0, 1, 2], [5, 6, 7])
     torch.testing.assert_close(got, loaded.step_logits([0, 1, 2], [5, 6, 7]), atol=ATOL, rtol=0)
-    assert bool((staged.engram.rows[3] == 1e4).all())  # not staged, not copied
-    assert not bool((staged.engram.rows[:3] == 1e4).any())
+    assert bool((staged.engram.buffer[3] == 0x3C).all())  # not staged, not copied
+    assert not bool((staged.engram.buffer[:3] == 0x3C).all(dim=-1).any())
 
 
-def test_bounds(tables: Tables) -> None:
-    """Ids at a table's first and last row read those rows; outside it, or more rows than the
-    buffers hold, a ValueError (numpy would wrap -1 to the last row)."""
+def test_staged_rows_are_the_tables_rows_and_bounds(tables: Tables) -> None:
+    """Staged ids read the loaded tables' rows, the first and the last row of each table included,
+    in every column; an id outside a table, or more rows than the buffers hold, is a ValueError
+    (numpy would wrap -1 to the last row); a staged row's bytes are `staged_row_bytes`."""
     store = tables.mapped.engram_store
     assert store is not None and tables.mapped.hasher is not None
     config = tables.mapped.config
     columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-    last = [rows - 1 for rows in config.engram_num_embeddings]
-    edges = torch.tensor([[[0] * columns, [last[i]] * columns] for i in range(len(last))]).permute(1, 0, 2)
-    out = torch.zeros(3, len(last), columns, config.engram_head_dim)
-    gathered = store.gather(edges, out=out)
-    assert gathered.data_ptr() == out.data_ptr() and torch.equal(gathered, store.gather(edges))
+    sizes = config.engram_num_embeddings
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.stack([torch.randint(0, rows, (3, columns), generator=gen) for rows in sizes], dim=1)
+    ids[0, :, 0] = 0
+    ids[1] = torch.tensor(sizes).unsqueeze(-1) - 1  # every column of row 1: each table's last row
+    staging = EngramStaging(store, tables.mapped.hasher, config, 2, 1, width=3, device=torch.device("cpu"))
+    staging.upload(staging.stage_ids(ids))
+    rows = staging.device_rows(3)
+    assert rows.shape == (3, len(sizes), columns, config.engram_head_dim) and rows.dtype == torch.float32
     for i, layer_id in enumerate(config.engram_layer_ids):
         table = tables.memory.layers[layer_id].engram.embed.weight  # type: ignore[union-attr]
-        assert torch.equal(out[0, i, 0], table[0]) and torch.equal(out[1, i, 0], table[last[i]])
-    for bad in (-1, config.engram_num_embeddings[0]):
+        assert torch.equal(rows[:, i], table[ids[:, i]]), layer_id
+    assert torch.equal(rows, store.gather(ids))
+    for bad in (-1, sizes[0]):
         with pytest.raises(ValueError, match="row ids"):
-            store.gather(torch.full((1, len(last), columns), bad))
-    with pytest.raises(ValueError, match="cannot hold"):
-        store.gather(edges, out=out[:1])
-    staging = EngramStaging(store, tables.mapped.hasher, config, 2, 1, width=2, device=torch.device("cpu"))
+            staging.stage_ids(torch.full((1, len(sizes), columns), bad))
     with pytest.raises(ValueError, match="exceed"):
-        staging.stage([0, 1, 0], [1, 2, 3], [0, 0, 1])
-    assert staging.nbytes == 2 * staged_row_bytes(config, torch.float32)
+        staging.stage([0, 1, 0, 1], [1, 2, 3, 4], [0, 0, 1, 1])
+    values, scales = columns * config.engram_head_dim, columns * config.engram_head_dim // 32
+    per_layer = values + scales * 4 if store.tables[0].scale is not None else values * 4  # F32 scales, values
+    assert staging.row_bytes == staged_row_bytes(store, config) == len(sizes) * per_layer
+    assert staging.nbytes == 3 * staging.row_bytes
 
 
 def test_slot_step_needs_the_staged_rows(tables: Tables) -> None:
@@ -219,6 +246,7 @@ class EveryOtherStep(DSparkProposer):
         return drafts if self.calls % 2 == 0 else [None] * len(drafts)
 
 
+@pytest.mark.parametrize("tables", ["F8_E4M3"], indirect=True)  # the released format (both above)
 @pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
 def test_decode_engine_with_mapped_tables(tables: Tables, dspark: bool) -> None:
     """`decode.runner = on` over the mapped tables: the runner is on, its steps run, and the tokens

@@ -222,7 +222,7 @@ def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path) -> None:
         model.use_paged_attention("kernels")
     config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8))
     loaded, staged = ModelRunner(memory, config), ModelRunner(mapped, config)
-    assert staged.engram is not None and staged.engram.rows_host.is_pinned() and staged.engram.rows.is_cuda
+    assert staged.engram is not None and staged.engram.host.is_pinned() and staged.engram.buffer.is_cuda
     assert loaded.capture().buckets == staged.capture().buckets == (1, 2, 4, 8)
     seqs = states(memory, [5, 30, 64, 100, 7, 250, 33, 90], seed=1)
     for slot, (state, _) in enumerate(seqs):
