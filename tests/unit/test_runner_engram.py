@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_support import Rig, greedy_rounds, prompt
-from safetensors.torch import load_file, save_file
+from decode_support import Rig, greedy_rounds, prompt, store_tables_as_fp8
 
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.decode_workers.slot_book import runner_unavailable
+from cedserve.decode_workers.slot_drafting import SlotDSparkProposer
 from cedserve.model.checkpoint import load_model
 from cedserve.model.checkpoint_writer import load_drafter, write_random_checkpoint
-from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Draft, Drafter
 from cedserve.model.engram_staging import EngramStaging, staged_row_bytes
 from cedserve.model.network import CEDModel
@@ -48,20 +47,6 @@ class Tables:
     folder: Path
     memory: CEDModel
     mapped: CEDModel
-
-
-def store_tables_as_fp8(folder: Path, config: ModelConfig) -> None:
-    """Rewrite the checkpoint's Engram tables as the released model stores them: FP8 E4M3 values and
-    one float32 scale per 32 channels (`<module>.scale`)."""
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    for layer_id in config.engram_layer_ids:
-        name = next(n for n in tensors if n.endswith(f"layers.{layer_id}.engram.embed.weight"))
-        blocks = tensors[name].float().unflatten(-1, (-1, 32))
-        scale = blocks.abs().amax(-1).clamp_min(1e-12) / 448
-        tensors[name] = (blocks / scale.unsqueeze(-1)).flatten(-2).to(torch.float8_e4m3fn)
-        tensors[name.removesuffix("weight") + "scale"] = scale
-    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module", params=["F32", "F8_E4M3"])
@@ -247,21 +232,40 @@ class EveryOtherStep(DSparkProposer):
 
 
 @pytest.mark.parametrize("tables", ["F8_E4M3"], indirect=True)  # the released format (both above)
-@pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
-def test_decode_engine_with_mapped_tables(tables: Tables, dspark: bool) -> None:
+@pytest.mark.parametrize("drafting", ["none", "dspark", "drafter-on-slots"])
+def test_decode_engine_with_mapped_tables(tables: Tables, drafting: str) -> None:
     """`decode.runner = on` over the mapped tables: the runner is on, its steps run, and the tokens
-    are those of the engine over the loaded tables (runner on too), with DSpark verify rows."""
+    are those of the engine over the loaded tables (runner on too): plain rows, DSpark verify rows,
+    and with the drafter's pass on slots too (`runner_drafter = on`: it reads no Engram rows)."""
     prompts = [prompt(37, 1), prompt(21, 2)]
-    drafter: Drafter | None = load_drafter(tables.folder, tables.memory.config) if dspark else None
+    drafter: Drafter | None = (
+        load_drafter(tables.folder, tables.memory.config) if drafting != "none" else None
+    )
     outs = []
     for model in (tables.memory, tables.mapped):
-        config = DecodeConfig(runner="on", adaptive_verify=False)
-        proposer = EveryOtherStep(drafter, model, config.draft_tokens) if drafter is not None else None
-        rig = Rig(model, None, proposer=proposer, dspark=dspark, runner="on", adaptive_verify=False)
+        proposer: DSparkProposer | None = None
+        if drafting == "dspark":
+            assert drafter is not None
+            proposer = EveryOtherStep(drafter, model, DecodeConfig().draft_tokens)
+        elif drafting == "drafter-on-slots":
+            assert drafter is not None
+            proposer = DSparkProposer(drafter, model, probe_every=1)  # drafts every step
+        rig = Rig(
+            model,
+            None,
+            proposer=proposer,
+            dspark=drafter is not None,
+            runner="on",
+            adaptive_verify=False,
+            runner_drafter="on" if drafting == "drafter-on-slots" else "off",
+        )
         outs.append(greedy_rounds(rig, prompts, 8))
         assert rig.engine.slots is not None and rig.engine.slots.runner.steps >= 5
         assert (rig.engine.slots.runner.engram is not None) == (model is tables.mapped)
-        if dspark:  # verify rows went through the runner: more rows than one per request and step
+        if (
+            drafter is not None
+        ):  # verify rows went through the runner: more rows than one per request and step
             assert rig.engine.metrics.runner_rows._value.get() > len(prompts) * rig.engine.slots.runner.steps
+        assert isinstance(rig.engine.proposer, SlotDSparkProposer) == (drafting == "drafter-on-slots")
         rig.assert_all_free()
     assert list(outs[0].values()) == list(outs[1].values())

@@ -205,24 +205,31 @@ def test_decode_engine_drafter_on_slots_on_cuda() -> None:
 # ---------------------------------------------------------------------- Engram tables in an EngramStore
 
 
-def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path) -> None:
-    """The runner over memory-mapped Engram tables (`engram="mmap"`) on CUDA: its captured step reads
-    the rows staged before each replay (one pinned-host-to-device copy, `model.engram_staging`) and
-    gives the logits of the captured step over the same checkpoint's loaded tables, every bucket, full
+@pytest.mark.parametrize("tables", ["F32", "F8_E4M3"])
+def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path, tables: str) -> None:
+    """The runner over memory-mapped Engram tables (`engram="mmap"`, F32 or the released FP8 with
+    scales) on CUDA: its captured step reads the rows staged before each replay (one pinned-host-to-
+    device copy of the stored bytes, dequantized in the step, `model.engram_staging`) and gives the
+    logits of the captured step over the same checkpoint's loaded tables, every bucket, full
     and padded, rows joining and leaving; a step's host-to-device copies are both from pinned memory.
     Then the decode engine with `runner = "auto"` over either model: the runner on (graphs captured)
     and the same tokens."""
+    from decode_support import Rig, prompt, store_tables_as_fp8
+
     from cedserve.model.checkpoint import load_model
     from cedserve.model.checkpoint_writer import write_random_checkpoint
     from cedserve.model.presets import preset
 
-    write_random_checkpoint(preset("tiny"), tmp_path, seed=5)
+    written = write_random_checkpoint(preset("tiny"), tmp_path, seed=5)
+    if tables == "F8_E4M3":
+        store_tables_as_fp8(tmp_path, written)
     memory, mapped = load_model(tmp_path, device="cuda"), load_model(tmp_path, device="cuda", engram="mmap")
     for model in (memory, mapped):
         model.use_paged_attention("kernels")
     config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8))
     loaded, staged = ModelRunner(memory, config), ModelRunner(mapped, config)
     assert staged.engram is not None and staged.engram.host.is_pinned() and staged.engram.buffer.is_cuda
+    assert mapped.engram_store is not None and {t.weight_dtype for t in mapped.engram_store.tables} == {tables}
     assert loaded.capture().buckets == staged.capture().buckets == (1, 2, 4, 8)
     seqs = states(memory, [5, 30, 64, 100, 7, 250, 33, 90], seed=1)
     for slot, (state, _) in enumerate(seqs):
@@ -241,15 +248,13 @@ def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path) -> None:
     copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
     assert sum("Pinned" in name for name in copies) >= 2, copies  # the Engram rows, the staging
     assert not any("Pageable" in name for name in copies), copies
-    from decode_support import Rig, prompt
-
     outs = []
     for model in (memory, mapped):
         rig = Rig(model, None, dspark=False, runner="auto", device="cuda", max_running_requests=4)
         rids = []
-        for tokens in (prompt(37, 1), prompt(21, 2), prompt(50, 3)):
-            reserved = rig.reserve(tokens, sender=False)
-            rig.attach(reserved, tokens, None, 12)
+        for feed in (prompt(37, 1), prompt(21, 2), prompt(50, 3)):
+            reserved = rig.reserve(feed, sender=False)
+            rig.attach(reserved, feed, None, 12)
             rids.append(reserved.request_id)
         rig.run()
         outs.append([rig.tokens(rid) for rid in rids])
