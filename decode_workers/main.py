@@ -46,6 +46,7 @@ from cedserve.decode_workers.slot_book import runner_unavailable
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.model.dspark import Drafter
+from cedserve.model.engram_staging import staged_row_bytes
 from cedserve.model.slots import SlotShape, slot_pool_bytes
 from cedserve.serving.config import ServeConfig
 from cedserve.serving.drain import DrainController
@@ -148,6 +149,10 @@ def decode_memory_need(loaded: LoadedModel, settings: DecodeSettings, world_size
         shape = SlotShape(cfg.max_running_requests, max_context, 2 * max_drafts + 1)
         runner = (("runner slot pools", slot_pool_bytes(model.config, shape, serve.cache.block_size),
                    "[decode] max_running_requests"),)
+        if model.engram_store is not None:  # the step's staged Engram rows, one per row of the largest bucket
+            rows = cfg.max_running_requests * shape.max_rows_per_slot
+            runner += (("runner Engram rows", rows * staged_row_bytes(model.engram_store, model.config),
+                        "[decode] max_running_requests"),)
     return worker_memory_need("decode", loaded, serve, settings.kv_transfer, cfg.max_pass_tokens, "max_pass_tokens",
                               runner, modules=(drafter,))
 

@@ -36,8 +36,6 @@ def runner_unavailable(model: CEDModel, mode: str, world_size: int) -> str | Non
         return "decode.runner = off"
     if world_size > 1:
         return "expert parallelism (the runner's MoE is one rank's)"
-    if model.engram_store is not None:
-        return "Engram tables served by an EngramStore"
     if mode == "auto" and model.embed.weight.device.type != "cuda":
         return "not a CUDA device (decode.runner = on runs its step eagerly)"
     return None

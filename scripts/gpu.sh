@@ -17,6 +17,10 @@
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
 #                   --contexts, --batches, --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths) and
 #                   ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused auto-fused-tf32 off-tf32).
+#   engram          the runner over memory-mapped Engram tables: tests/unit/test_runner_gpu.py -k engram, then
+#                   benchmarks/engram_staging.py --device cuda (host staging and the pinned copy per batch)
+#                                   engram-tests.log, engram-staging-h200.json, engram-staging.log
+#                                                                     ENGRAM_TESTS_S=150 ENGRAM_BENCH_S=120
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
@@ -200,6 +204,16 @@ part_engine() {
 part_attention_splits() {  # the Triton sparse attention's key splits: old rule, default, a sweep
   timeout "${SPLITS_S:-120}" "$PY" -P benchmarks/attention_splits.py --out "$OUT/attention-splits-h200.json" 2>&1 \
     | quiet | tee "$OUT/attention-splits.log"
+}
+
+part_engram() {  # the runner over memory-mapped Engram tables (docs/model.md, *Engram tables in host memory*)
+  local rc=0
+  timeout "${ENGRAM_TESTS_S:-150}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py \
+    -k engram -p no:warnings -rfE --durations=5 2>&1 | grep -v "NIXL INFO\|DEBUG" | tail -100 \
+    | tee "$OUT/engram-tests.log" || rc=$?
+  timeout "${ENGRAM_BENCH_S:-120}" "$PY" -P benchmarks/engram_staging.py --device cuda \
+    --out "$OUT/engram-staging-h200.json" 2>&1 | quiet | tee "$OUT/engram-staging.log" || rc=$?
+  return "$rc"
 }
 
 part_tf32() {  # what decode.matmul_tf32 does to the logits (teacher-forced, demo checkpoint and mini-40)
@@ -523,6 +537,7 @@ run_part() {  # $1: part name
     runner-tests) part_runner_tests ;;
     step) part_step ;;
     engine) part_engine ;;
+    engram) part_engram ;;
     tf32) part_tf32 ;;
     attention-splits) part_attention_splits ;;
     kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter
 from cedserve.model.network import BoundaryHidden, CEDModel
 from cedserve.model.paged_kv import store_bytes, store_records
@@ -51,6 +53,22 @@ def tiny(seed: int = 7) -> tuple[CEDModel, Drafter]:
     torch.set_num_threads(1)  # the tiny model's ops are too small for intra-op threads
     config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path())
     return random_model(config, tiny_tokenizer_path(), seed=seed)
+
+
+def store_tables_as_fp8(folder: Path, config: ModelConfig) -> None:
+    """Rewrite the checkpoint's Engram tables as the released model stores them: FP8 E4M3 values and
+    one float32 scale per 32 channels (`<module>.scale`)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for layer_id in config.engram_layer_ids:
+        name = next(n for n in tensors if n.endswith(f"layers.{layer_id}.engram.embed.weight"))
+        blocks = tensors[name].float().unflatten(-1, (-1, 32))
+        scale = blocks.abs().amax(-1).clamp_min(1e-12) / 448
+        tensors[name] = (blocks / scale.unsqueeze(-1)).flatten(-2).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "scale"] = scale
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -1,11 +1,13 @@
 """The model runner on a GPU: graph replays equal the eager slot step (every bucket, full and
 padded, with rows joining and leaving, sampled with seeds), and the slot step equals
 `forward_batch` on the paged kernels; the DSpark drafter's graphs equal its eager step, and the
-engine with the drafter on slots emits the tokens it emits without. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
+engine with the drafter on slots emits the tokens it emits without; with the Engram tables in an
+`EngramStore`, graph replays equal those over the loaded tables. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +200,66 @@ def test_decode_engine_drafter_on_slots_on_cuda() -> None:
     assert [len(o) for o in outs[1]] == [len(o) for o in outs[0]] == [12] * 3
     assert min(drafted) > 0
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
+
+
+# ---------------------------------------------------------------------- Engram tables in an EngramStore
+
+
+@pytest.mark.parametrize("tables", ["F32", "F8_E4M3"])
+def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path, tables: str) -> None:
+    """The runner over memory-mapped Engram tables (`engram="mmap"`, F32 or the released FP8 with
+    scales) on CUDA: its captured step reads the rows staged before each replay (one pinned-host-to-
+    device copy of the stored bytes, dequantized in the step, `model.engram_staging`) and gives the
+    logits of the captured step over the same checkpoint's loaded tables, every bucket, full
+    and padded, rows joining and leaving; a step's host-to-device copies are both from pinned memory.
+    Then the decode engine with `runner = "auto"` over either model: the runner on (graphs captured)
+    and the same tokens."""
+    from decode_support import Rig, prompt, store_tables_as_fp8
+
+    from cedserve.model.checkpoint import load_model
+    from cedserve.model.checkpoint_writer import write_random_checkpoint
+    from cedserve.model.presets import preset
+
+    written = write_random_checkpoint(preset("tiny"), tmp_path, seed=5)
+    if tables == "F8_E4M3":
+        store_tables_as_fp8(tmp_path, written)
+    memory, mapped = load_model(tmp_path, device="cuda"), load_model(tmp_path, device="cuda", engram="mmap")
+    for model in (memory, mapped):
+        model.use_paged_attention("kernels")
+    config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8))
+    loaded, staged = ModelRunner(memory, config), ModelRunner(mapped, config)
+    assert staged.engram is not None and staged.engram.host.is_pinned() and staged.engram.buffer.is_cuda
+    assert mapped.engram_store is not None and {t.weight_dtype for t in mapped.engram_store.tables} == {tables}
+    assert loaded.capture().buckets == staged.capture().buckets == (1, 2, 4, 8)
+    seqs = states(memory, [5, 30, 64, 100, 7, 250, 33, 90], seed=1)
+    for slot, (state, _) in enumerate(seqs):
+        loaded.load(slot, copy.deepcopy(state))
+        staged.load(slot, state)
+    tokens = {slot: token for slot, (_, token) in enumerate(seqs)}
+    for rows in (1, 2, 3, 4, 5, 8, 7, 6):
+        slots = list(range(rows))
+        want = loaded.step_logits(slots, [tokens[s] for s in slots])
+        got = staged.step_logits(slots, [tokens[s] for s in slots])
+        torch.testing.assert_close(got, want, atol=GRAPH_ATOL, rtol=0)
+        for s, t in zip(slots, want.argmax(-1).tolist()):
+            tokens[s] = t
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        staged.step(list(range(3)), [tokens[s] for s in range(3)])
+    copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert sum("Pinned" in name for name in copies) >= 2, copies  # the Engram rows, the staging
+    assert not any("Pageable" in name for name in copies), copies
+    outs = []
+    for model in (memory, mapped):
+        rig = Rig(model, None, dspark=False, runner="auto", device="cuda", max_running_requests=4)
+        rids = []
+        for feed in (prompt(37, 1), prompt(21, 2), prompt(50, 3)):
+            reserved = rig.reserve(feed, sender=False)
+            rig.attach(reserved, feed, None, 12)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        assert rig.engine.slots is not None and rig.engine.slots.runner.graphs_captured == (1, 2, 4)
+        assert (rig.engine.slots.runner.engram is not None) == (model is mapped)
+        rig.assert_all_free()
+    assert outs[0] == outs[1]
+    mapped.close()
