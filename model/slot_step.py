@@ -22,7 +22,10 @@ test_runner.py), and why:
   expert over every row and weights unrouted pairs by zero (exact, and cheap while experts are few
   and rows many), "grouped" sorts pairs into fixed tiles (`kernels.moe.moe_experts`, bf16);
 * rows of a padded bucket carry `SlotPools.scratch_slot`: their window writes land in scratch
-  memory and they write no global-KV record.
+  memory and they write no global-KV record;
+* with expert parallelism (`exchange`) each MoE layer's pairs travel to their experts' ranks and
+  back through a fixed-capacity all-to-all (`cedserve.model.expert_exchange`): every rank of the
+  group runs the step with the same bucket, and a captured step holds the collectives.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from cedserve.model.attention import Attention
 from cedserve.model.block import Block
 from cedserve.model.compressor import Compressor
 from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
+from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.fused import FusedOps
 from cedserve.model.indexer import INDEX_QUANT_BLOCK
 from cedserve.model.network import CEDModel
@@ -77,7 +81,8 @@ class _Pass:
 class SlotStep:
     """The captured decode step's computation (module docstring)."""
 
-    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True) -> None:
+    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True,
+                 exchange: FixedCapacityEP | None = None) -> None:
         config = model.config
         if model.engram_store is not None:
             raise ValueError("the slot step reads Engram tables from the model; a memory-mapped EngramStore "
@@ -97,7 +102,9 @@ class SlotStep:
         """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
         kernels each part launches; off in serving: a range costs host time)."""
         layers = [self._block(layer_id) for layer_id in range(config.num_hidden_layers)]
-        self._moes = [DeviceMoE(block.ffn, self.moe_mode) for block in layers]
+        self.exchange = exchange
+        """The group's fixed-capacity exchange (expert parallelism), or None: this rank holds every expert."""
+        self._moes = [DeviceMoE(block.ffn, self.moe_mode, exchange) for block in layers]
         # Weights that read the same input, concatenated once (one GEMM each instead of two or three):
         # the attention's `wq_a`, `wkv` and an index source's `weights_proj`; a compressor's float32
         # `wkv`, `wgate` (ratio > 1; its `wkv` at ratio 1). Copies: the modules keep their own.
