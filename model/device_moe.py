@@ -59,7 +59,7 @@ class DeviceMoE:
         if [i for i, e in enumerate(ffn.experts) if isinstance(e, Expert)] != list(owned):
             raise ValueError(f"DeviceMoE: the layer must hold exactly experts {owned.start}..{owned.stop - 1} "
                              f"(rank {exchange.rank if exchange else 0}'s): shard the model to match its exchange")
-        experts = [ffn.experts[i] for i in owned] + [ffn.shared_experts]
+        experts = [e for e in ffn.experts if isinstance(e, Expert)] + [ffn.shared_experts]  # `owned`, in order
         # [E + 1, 2I, D], [E + 1, D, I]: the experts' own weights become views of these (no second copy)
         w13, w2 = stack_experts([(e.w1.weight, e.w3.weight) for e in experts], [e.w2.weight for e in experts])
         self.gate = ffn.gate.weight.detach().float()  # [E, D]: the router runs in float32
@@ -102,7 +102,7 @@ class DeviceMoE:
             ids = torch.arange(shared + 1, device=x.device)
             routing = torch.cat([(local.unsqueeze(1) == ids) * got.weights,  # [R C, E_r + 1]; empty rows: none
                                  (ids == shared).float().expand(x.shape[0], -1)])  # own rows: shared, weight 1
-            y = ops.dense_experts(rows, routing, w13_dense, w2_dense, self.config.swiglu_limit)
+            y: Tensor = ops.dense_experts(rows, routing, w13_dense, w2_dense, self.config.swiglu_limit)
         else:
             mine = got.expert_ids >= 0
             ids = torch.cat([torch.where(mine, local, shared), torch.full_like(indices[:, 0], shared)]).unsqueeze(1)

@@ -39,8 +39,10 @@ from torch import Tensor
 def experts_of(rank: int, world_size: int, num_experts: int) -> range:
     """The routed experts rank `rank` owns."""
     if num_experts % world_size:
-        raise ValueError(f"config field `decode.group_size`: {world_size} ranks do not split "
-                         f"{num_experts} routed experts evenly")
+        raise ValueError(
+            f"config field `decode.group_size`: {world_size} ranks do not split "
+            f"{num_experts} routed experts evenly"
+        )
     per_rank = num_experts // world_size
     return range(rank * per_rank, (rank + 1) * per_rank)
 
@@ -82,11 +84,21 @@ class FixedCapacityEP:
     eager ones). Mutates only its own buffers.
     """
 
-    def __init__(self, num_experts: int, max_tokens: int, top_k: int, hidden: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        max_tokens: int,
+        top_k: int,
+        hidden: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if max_tokens < 1 or top_k < 1:
-            raise ValueError(f"fixed-capacity EP: max_tokens and top_k must be >= 1, got {max_tokens}, {top_k}")
+            raise ValueError(
+                f"fixed-capacity EP: max_tokens and top_k must be >= 1, got {max_tokens}, {top_k}"
+            )
         self._group = group
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
@@ -110,7 +122,9 @@ class FixedCapacityEP:
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._send, self._recv, self._meta, self._recv_meta))
+        return sum(
+            t.numel() * t.element_size() for t in (self._send, self._recv, self._meta, self._recv_meta)
+        )
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor, rows: int | None = None) -> Slotted:
         """`x [N, hidden]` routed to global experts `indices [N, k]` with `weights [N, k]` -> the rows
@@ -120,17 +134,23 @@ class FixedCapacityEP:
         n, k = indices.shape
         rows = self.max_tokens if rows is None else rows
         if not n <= rows <= self.max_tokens or k != self.top_k:
-            raise ValueError(f"fixed-capacity EP: built for {self.max_tokens} tokens x top-{self.top_k}, "
-                             f"got {n} x {k} (capacity basis {rows})")
+            raise ValueError(
+                f"fixed-capacity EP: built for {self.max_tokens} tokens x top-{self.top_k}, "
+                f"got {n} x {k} (capacity basis {rows})"
+            )
         if x.shape[-1] != self.hidden or x.dtype != self._send.dtype:
-            raise ValueError(f"fixed-capacity EP: rows must be [N, {self.hidden}] {self._send.dtype}, "
-                             f"got {list(x.shape)} {x.dtype}")
+            raise ValueError(
+                f"fixed-capacity EP: rows must be [N, {self.hidden}] {self._send.dtype}, "
+                f"got {list(x.shape)} {x.dtype}"
+            )
         capacity = rows * k
         total = self._world * capacity
         send, meta = self._send[:total], self._meta[:total]
         owner = indices.reshape(-1) // (self.num_experts // self._world)
         dest = slot_positions(owner, self._world, capacity)
-        send[dest] = x.unsqueeze(1).expand(n, k, self.hidden).reshape(n * k, self.hidden)  # repeat_interleave syncs
+        send[dest] = (
+            x.unsqueeze(1).expand(n, k, self.hidden).reshape(n * k, self.hidden)
+        )  # repeat_interleave syncs
         meta.copy_(self._empty_row)  # broadcast: one kernel
         meta[dest] = torch.stack([indices.reshape(-1).float(), weights.reshape(-1).float()], dim=1)
         recv, recv_meta = self._recv[:total], self._recv_meta[:total]
@@ -141,8 +161,10 @@ class FixedCapacityEP:
     def combine(self, y: Tensor, sent: Slotted) -> Tensor:
         """Expert outputs `y [R * C, hidden]` (rows of `sent.x`) back to their source ranks:
         `[N, k, hidden]` in `y`'s dtype, the caller's (token, slot) order. Collective."""
-        if y.shape != sent.x.shape[:1] + (self.hidden,):
-            raise ValueError(f"fixed-capacity EP: combine takes [{sent.x.shape[0]}, {self.hidden}], got {list(y.shape)}")
+        if tuple(y.shape) != (sent.x.shape[0], self.hidden):
+            raise ValueError(
+                f"fixed-capacity EP: combine takes [{sent.x.shape[0]}, {self.hidden}], got {list(y.shape)}"
+            )
         # the dispatch's send buffer receives (it was sent already); another dtype needs its own
         back = self._send[: y.shape[0]] if y.dtype == self._send.dtype else torch.empty_like(y)
         dist.all_to_all_single(back, y.contiguous(), group=self._group)

@@ -54,7 +54,7 @@ def test_exchange_and_expert_parallel_moe() -> None:
     model, _ = tiny()
     k, experts = model.config.num_experts_per_tok, model.config.n_routed_experts
     reports = {rank: (trip, results) for rank, trip, results in run_group(exchange_worker, 2, 240.0)}
-    (ok0, got0, idx0, w0), (ok1, got1, idx1, w1) = reports[0][0], reports[1][0]
+    (ok0, got0, idx0, w0), (ok1, got1, idx1, _) = reports[0][0], reports[1][0]
     assert ok0 and ok1 and idx1 == []  # rows came back as sent; rank 1 sent nothing
     for rank, got in ((0, got0), (1, got1)):
         owned = experts_of(rank, 2, experts)
@@ -86,16 +86,22 @@ def test_runner_step_with_two_ranks_equals_one_rank() -> None:
         for step, ((tokens, logits), (want_tokens, want_logits)) in enumerate(zip(steps, want)):
             assert tokens == want_tokens, (rank, step)
             got = torch.tensor(logits).reshape(want_logits.shape)
-            torch.testing.assert_close(got, want_logits, atol=RUNNER_ATOL, rtol=0, msg=f"rank {rank} step {step}")
+            torch.testing.assert_close(
+                got, want_logits, atol=RUNNER_ATOL, rtol=0, msg=f"rank {rank} step {step}"
+            )
 
 
 def test_decode_group_with_the_runner_emits_the_tokens_of_one_rank() -> None:
     """The real engine loop on two ranks with `runner = "on"` (every draft verified, the proposer
     always drafting: the rows do not depend on timing): the tokens of one rank running every request
     with the runner on. Rank 1's request finishes first; it then steps with no rows of its own."""
-    reports = {rank: (tokens, passes, steps) for rank, tokens, passes, steps in
-               run_group(group_engine_worker, 2, 240.0, "on")}
-    single, engine = group_engine_tokens(0, LocalChannel(), SingleRank(tiny()[0].config.n_routed_experts), "on", 1)
+    reports = {
+        rank: (tokens, passes, steps)
+        for rank, tokens, passes, steps in run_group(group_engine_worker, 2, 240.0, "on")
+    }
+    single, engine = group_engine_tokens(
+        0, LocalChannel(), SingleRank(tiny()[0].config.n_routed_experts), "on", 1
+    )
     assert engine.slots is not None and engine.slots.runner.steps > 0
     tokens = reports[0][0]
     assert tokens == single
