@@ -133,7 +133,7 @@ class Rig:
     """A decode engine whose transfer agent is a loopback fake, and a prefill side that sends to it."""
 
     def __init__(self, model: CEDModel, drafter: Drafter | None, proposer: Proposer | None = None,
-                 num_blocks: int = 128, device: str = "cpu", **config: Any) -> None:
+                 num_blocks: int = 128, device: str = "cpu", ep: Any = None, **config: Any) -> None:
         self.model = model
         layout, kv_layout = layouts(model)
         self.hub = LoopbackHub()
@@ -145,7 +145,7 @@ class Rig:
         self.config = DecodeConfig(**{"ship_state": False, **config})
         if proposer is None and drafter is not None:
             proposer = DSparkProposer(drafter, model, self.config.draft_tokens)
-        self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent)
+        self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent, ep=ep)
         self.prefill_pool = BlockPool(256, layout.block_bytes)
         self.prefill_agent = LoopbackAgent(self.hub, KVRegion(self.prefill_pool.storage, layout.block_bytes),
                                            kv_layout, "prefill")
@@ -426,7 +426,8 @@ def fixed_capacity_worker(rank: int, world: int, port: int, out: Any) -> None:
     model, _ = tiny()
     shard_experts(model, rank, world)
     config = model.config
-    fixed = FixedCapacityEP(config.n_routed_experts, max_tokens=16, top_k=config.num_experts_per_tok)
+    fixed = FixedCapacityEP(config.n_routed_experts, max_tokens=16, top_k=config.num_experts_per_tok,
+                            hidden=config.hidden_size)
     dynamic = TorchDistributedEP(config.n_routed_experts)
     gen = torch.Generator().manual_seed(100 + rank)
     results = []
@@ -474,7 +475,7 @@ def exchange_worker(rank: int, world: int, port: int, out: Any) -> None:
 
     from cedserve.decode_workers.expert_parallel import shard_experts
     from cedserve.model.device_moe import DeviceMoE
-    from cedserve.model.expert_exchange import FixedCapacityEP
+    from cedserve.model.expert_exchange import FixedCapacityEP, fixed_capacity_bytes
     from cedserve.model.fused import FusedOps
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -492,7 +493,8 @@ def exchange_worker(rank: int, world: int, port: int, out: Any) -> None:
     real = got.expert_ids >= 0
     received = sorted(zip(got.expert_ids[real].tolist(), got.weights[real, 0].tolist()))
     back = exchange.combine(got.x.clone(), got)
-    trip = (torch.equal(back, x.unsqueeze(1).expand_as(back)), received, indices.tolist(), weights.tolist())
+    trip = (torch.equal(back, x.unsqueeze(1).expand_as(back)), received, indices.tolist(), weights.tolist(),
+            exchange.buffer_bytes == fixed_capacity_bytes(world, 8, c.num_experts_per_tok, c.hidden_size, 4))
     ops, results = FusedOps(compiled=False), []
     torch.set_grad_enabled(False)
     for case, rows, owner in EXCHANGE_CASES:
@@ -557,25 +559,39 @@ def run_schedule(runner: Any, states: list[tuple[Any, int]], schedule: list[list
     return steps
 
 
-def runner_ep_worker(rank: int, world: int, port: int, out: Any) -> None:
-    """One rank of a gloo group: its sequences prefilled with every expert, then the experts sharded and
-    `RUNNER_SCHEDULE` stepped through a model runner with the fixed-capacity exchange (its own group),
-    each step on the group's most rows (an all-reduce). Reports (rank, [(tokens, logits)] per step)."""
+RUNNER_CONFIG = {"max_slots": 4, "max_context": 256, "max_rows_per_slot": 3}
+
+
+def runner_ep_worker(rank: int, world: int, port: int, out: Any, device: str = "cpu") -> None:
+    """One rank of a group (gloo on CPU, the runner stepping eagerly; NCCL with `device="cuda"`, rank r on
+    GPU r, the paged kernels and every bucket captured): its sequences prefilled with every expert, then
+    the experts sharded and `RUNNER_SCHEDULE` stepped through a model runner with the fixed-capacity
+    exchange (its own group), each step on the group's most rows (an all-reduce on a gloo group).
+    Reports (rank, [(tokens, logits)] per step)."""
+    import copy
+
     import torch.distributed as dist
 
     from cedserve.decode_workers.expert_parallel import TorchDistributedEP, shard_experts
     from cedserve.model.runner import ModelRunner, RunnerConfig
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     model, _ = tiny()
-    model.use_paged_attention("reference")
+    if cuda:
+        model = copy.deepcopy(model).to(f"cuda:{rank}")
+    model.use_paged_attention("kernels" if cuda else "reference")
     states = runner_states(model, rank)
     shard_experts(model, rank, world)
-    config = RunnerConfig(max_slots=4, max_context=256, max_rows_per_slot=3)
-    ep = TorchDistributedEP(model.config.n_routed_experts)
+    config = RunnerConfig(**RUNNER_CONFIG)
+    ep = TorchDistributedEP(model.config.n_routed_experts, None, dist.new_group(backend="gloo") if cuda else None)
     exchange = ep.runner_exchange(config.bucket_sizes[-1], model.config.num_experts_per_tok,
-                                  model.config.hidden_size, torch.float32, torch.device("cpu"))
+                                  model.config.hidden_size, torch.float32, model.embed.weight.device)
     runner = ModelRunner(model, config, exchange=exchange)
+    runner.capture()  # CUDA: every bucket, on both ranks in the same order (collectives inside)
     steps = run_schedule(runner, states, RUNNER_SCHEDULE[rank], ep.agree)
-    out.put((rank, [(tokens, logits.tolist()) for tokens, logits in steps]))
+    out.put((rank, [(tokens, logits.cpu().tolist()) for tokens, logits in steps]))
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ import torch
 from decode_support import (
     EXCHANGE_CASES,
     GROUP_JOBS,
+    RUNNER_CONFIG,
     RUNNER_SCHEDULE,
     exchange_worker,
     group_engine_tokens,
@@ -54,8 +55,9 @@ def test_exchange_and_expert_parallel_moe() -> None:
     model, _ = tiny()
     k, experts = model.config.num_experts_per_tok, model.config.n_routed_experts
     reports = {rank: (trip, results) for rank, trip, results in run_group(exchange_worker, 2, 240.0)}
-    (ok0, got0, idx0, w0), (ok1, got1, idx1, _) = reports[0][0], reports[1][0]
+    (ok0, got0, idx0, w0, sized), (ok1, got1, idx1, _, _) = reports[0][0], reports[1][0]
     assert ok0 and ok1 and idx1 == []  # rows came back as sent; rank 1 sent nothing
+    assert sized  # buffer_bytes == fixed_capacity_bytes
     for rank, got in ((0, got0), (1, got1)):
         owned = experts_of(rank, 2, experts)
         sent = sorted((e, w) for row_e, row_w in zip(idx0, w0) for e, w in zip(row_e, row_w) if e in owned)
@@ -78,7 +80,7 @@ def test_runner_step_with_two_ranks_equals_one_rank() -> None:
         model, _ = tiny()
         model.use_paged_attention("reference")
         try:
-            runner = ModelRunner(model, RunnerConfig(max_slots=4, max_context=256, max_rows_per_slot=3))
+            runner = ModelRunner(model, RunnerConfig(**RUNNER_CONFIG))
             want = run_schedule(runner, runner_states(model, rank), RUNNER_SCHEDULE[rank])
         finally:
             model.use_paged_attention(None)
@@ -114,3 +116,35 @@ def test_runner_mode_with_expert_parallelism() -> None:
     model, _ = tiny()
     assert runner_unavailable(model, "on", 2) is None
     assert "expert parallelism" in (runner_unavailable(model, "auto", 2) or "")
+
+
+def test_engine_over_a_group_of_one_with_the_runner() -> None:
+    """`TorchDistributedEP` over a one-rank gloo group in this process (what tests/unit/test_runner_gpu.py
+    runs over NCCL on a one-GPU host, with graphs): the runner gets a one-rank exchange, steps
+    collectively, and the engine emits the tokens of the engine without expert parallelism."""
+    import torch.distributed as dist
+    from decode_support import Rig, prompt
+    from test_decode_expert_parallel import free_port
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP
+
+    model, _ = tiny()
+    prompts = [prompt(37, 1), prompt(50, 3)]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    outs = []
+    try:
+        for ep in (None, TorchDistributedEP(model.config.n_routed_experts)):
+            rig = Rig(model, None, dspark=False, runner="on", max_running_requests=4, ep=ep)
+            rids = []
+            for tokens in prompts:
+                reserved = rig.reserve(tokens, sender=False)
+                rig.attach(reserved, tokens, None, 6)
+                rids.append(reserved.request_id)
+            rig.run()
+            outs.append([rig.tokens(rid) for rid in rids])
+            rig.assert_all_free()
+            assert rig.engine.slots is not None and rig.engine.slots.collective == (ep is not None)
+            assert rig.engine.slots.runner.steps >= 4
+    finally:
+        dist.destroy_process_group()
+    assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [6, 6]
