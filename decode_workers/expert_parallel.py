@@ -15,8 +15,14 @@ ascending expert order, as the single-process loop does. With one rank it is bit
 rounding of the router's matmul over fewer rows.
 
 Collectives: every rank calls `dispatch`/`combine` (and `agree`) the same number of times in the
-same order. The engine guarantees it by running exactly one target pass per step on every rank
-whenever any rank has work (`agree`), with empty batches where a rank has none.
+same order. The engine guarantees it by agreeing each step which passes run (the eager pass where any
+rank has rows for it, the model runner's step on the group's largest row count) and running them on
+every rank, empty or padded where a rank has less.
+
+The model runner's step cannot read counts back (it is captured in CUDA graphs): it exchanges through
+`FixedCapacityEP` (`cedserve.model.expert_exchange`, re-exported here), which `runner_exchange` builds
+over a process group of its own. `fixed_capacity_moe` runs the same exchange over the eager `MoE`
+modules.
 """
 
 from __future__ import annotations
