@@ -148,3 +148,40 @@ def test_engine_over_a_group_of_one_with_the_runner() -> None:
     finally:
         dist.destroy_process_group()
     assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [6, 6]
+
+
+def test_expert_parallel_moe_is_the_same_graph_for_other_routings() -> None:
+    """The runner's expert-parallel MoE layer (`DeviceMoE` with an exchange over a one-rank gloo group in
+    this process), traced on two batches of other rows, so other routings: the same operations on the
+    same buffers with the same arguments, its collectives included, and nothing read on the host
+    (`cedserve.model.capture_trace`): what a CUDA graph of it replays. The whole step's trace on its
+    CUDA branches is tests/kernels/test_capture_trace.py's (without an exchange)."""
+    import copy
+
+    import torch.distributed as dist
+    from test_decode_expert_parallel import free_port
+
+    from cedserve.model.capture_trace import compare, trace
+    from cedserve.model.device_moe import DeviceMoE
+    from cedserve.model.expert_exchange import FixedCapacityEP
+    from cedserve.model.fused import FusedOps
+
+    model, _ = tiny()
+    c = model.config
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        exchange = FixedCapacityEP(c.n_routed_experts, 8, c.num_experts_per_tok, c.hidden_size)
+        moe, ops = DeviceMoE(copy.deepcopy(model.layers[3].ffn), "dense", exchange), FusedOps(compiled=False)
+        gen = torch.Generator().manual_seed(9)
+        static = torch.zeros(6, c.hidden_size)  # a graph's input buffer, refilled between the traces
+        traces = []
+        for _ in range(2):
+            static.copy_(torch.randn(6, c.hidden_size, generator=gen))
+            with torch.no_grad():
+                traces.append(trace(lambda: moe(static, ops))[0])
+        first, second = traces
+        assert not first.host_reads and not second.host_reads, [str(op) for op in first.host_reads]
+        assert sum(op.name.startswith("c10d.") for op in first.ops) == 3  # dispatch rows, metadata; combine
+        assert compare(first, second) is None, compare(first, second)
+    finally:
+        dist.destroy_process_group()
