@@ -18,6 +18,13 @@ dequantizes) instead of the tables (`cedserve.model.engram_staging`).
 
 Graphs are captured by `capture` (the worker's warm-up), largest bucket first so that every graph
 shares one memory pool; warm-up runs and captures address only the scratch slot.
+
+With expert parallelism (`exchange`: each rank holds `E / R` routed experts, `cedserve.model.
+expert_exchange`) every MoE layer of the step is a collective, so every rank of the group steps
+together on the same bucket: the caller passes `group_rows`, the most rows any rank feeds this step
+(the engine agrees on it before stepping), and a rank with fewer rows, or none, pads to that bucket
+with scratch rows. The capture runs the same buckets in the same order on every rank, collectives
+included.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from torch import Tensor
 
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.engram_staging import EngramStaging
+from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import CEDModel
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.slot_step import MoeMode, SlotStep
@@ -157,17 +165,23 @@ class ModelRunner:
     storage: Tensor | None = None
     """A block pool to keep the global KV in (the decode worker's cache), with its `layout`."""
     layout: BlockLayout | None = None
+    exchange: FixedCapacityEP | None = None
+    """Expert parallelism: the group's fixed-capacity exchange, sized for the largest bucket (every
+    step is then collective: module docstring). None: this rank holds every expert."""
 
     def __post_init__(self) -> None:
         self.device = self.model.embed.weight.device
+        self.buckets = self.config.bucket_sizes
+        if self.exchange is not None and self.exchange.max_tokens < self.buckets[-1]:
+            raise ValueError(f"runner: the expert-parallel exchange holds {self.exchange.max_tokens} rows per rank, "
+                             f"the largest bucket {self.buckets[-1]}")
         shape = SlotShape(self.config.max_slots, self.config.max_context, self.config.max_rows_per_slot)
         self.pools = SlotPools(self.model.config, shape, self.device, self.storage, self.layout)
-        self.buckets = self.config.bucket_sizes
         width = self.buckets[-1]
         self.engram = self._engram_staging(width)
         """The step's Engram rows when an `EngramStore` serves the tables (None: the step looks them up)."""
         self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused,
-                                  engram=self.engram)
+                                  engram=self.engram, exchange=self.exchange)
         cuda = pin = self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
@@ -230,47 +244,53 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
 
     def step(self, slots: Sequence[int], token_ids: Sequence[int],
-             sampling: Sequence[SamplingParams] | None = None) -> list[int]:
+             sampling: Sequence[SamplingParams] | None = None, group_rows: int = 0) -> list[int]:
         """One sampled token per row (sampled on the device): row i feeds `token_ids[i]` to slot
         `slots[i]`; a slot's rows are adjacent and take its next positions in order, and it advances
         past its last row. `ValueError` for unknown slots, a slot's rows not adjacent or more than
         `max_rows_per_slot`, ids outside the vocabulary or a slot at its capacity, checked on the host
-        before anything runs."""
+        before anything runs. `group_rows`: with an exchange, the most rows any rank of the group
+        feeds this step (the same on every rank; this rank may feed none): the step runs that bucket."""
         if sampling is not None and len(sampling) != len(slots):
             raise ValueError(f"runner.step: {len(slots)} slots, {len(sampling)} sampling parameters")
-        outputs = self._run(slots, token_ids, sampling)
-        if outputs is None:
-            return []
+        outputs = self._run(slots, token_ids, sampling, group_rows)
         rows = len(slots)
+        if outputs is None or rows == 0:
+            return []
         host = self._tokens_host[:rows]
         host.copy_(outputs.tokens[:rows], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return host.tolist()
 
-    def step_outputs(self, slots: Sequence[int], token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    def step_outputs(self, slots: Sequence[int], token_ids: Sequence[int],
+                     group_rows: int = 0) -> tuple[Tensor, Tensor]:
         """`step` for a caller that samples itself: the rows' logits `[rows, vocab]` and DSpark taps
         `[rows, n_taps, hc, hidden]` (views of the step's outputs, valid until the next step)."""
-        outputs = self._run(slots, token_ids, None)
+        outputs = self._run(slots, token_ids, None, group_rows)
         if outputs is None:
             vocab = self.model.config.vocab_size
             return torch.zeros(0, vocab, device=self.device), torch.zeros(0, 0, device=self.device)
         rows = len(slots)
         return outputs.logits[:rows], outputs.taps[:rows]
 
-    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int]) -> Tensor:
+    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int], group_rows: int = 0) -> Tensor:
         """The rows' logits of a step, copied (tests, benchmarks)."""
-        return self.step_outputs(slots, token_ids)[0].clone()
+        return self.step_outputs(slots, token_ids, group_rows)[0].clone()
 
     def _run(self, slots: Sequence[int], token_ids: Sequence[int],
-             sampling: Sequence[SamplingParams] | None) -> _Outputs | None:
+             sampling: Sequence[SamplingParams] | None, group_rows: int) -> _Outputs | None:
         rows = len(slots)
         if rows != len(token_ids):
             raise ValueError(f"runner.step: {rows} slots, {len(token_ids)} tokens")
-        if rows == 0:
+        if self.exchange is None:
+            group_rows = 0  # alone, the step is this rank's rows only
+        elif group_rows < rows:
+            raise ValueError(f"runner.step: {rows} rows, more than the group's {group_rows}")
+        if max(rows, group_rows) == 0:
             return None
         self._check(slots, token_ids)
-        bucket = self.bucket_for(rows)
+        bucket = self.bucket_for(max(rows, group_rows))
         offsets = _offsets(slots)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the pinned buffers

@@ -41,6 +41,9 @@
 #   decode-cuda     benchmarks/decode.py at $CONTEXTS (256 2048) x $BATCHES (1 8 32), attention
 #                   $ATTENTION (off kernels)        decode-cuda.json, decode-cuda.log   DECODE_S=330
 #   ep-tests        tests/unit/test_decode_expert_parallel.py -m gpu (two GPUs)  ep-tests.log
+#   ep-runner       the runner's expert-parallel step captured with its all-to-all (tests/unit/
+#                   test_runner_gpu.py -k expert_parallel: a one-rank NCCL group on one GPU, the
+#                   two-rank test where two GPUs exist)      ep-runner-tests.log         EP_RUNNER_S=200
 #                                                                                     EP_TESTS_S=200
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
@@ -292,6 +295,12 @@ part_decode_cuda() {
 part_ep_tests() {
   timeout "${EP_TESTS_S:-200}" "$PY" -P -m pytest tests/unit/test_decode_expert_parallel.py -m gpu -q -p no:cacheprovider 2>&1 \
     | tail -20 | tee "$OUT/ep-tests.log"
+}
+
+part_ep_runner() {
+  timeout "${EP_RUNNER_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py \
+    -k expert_parallel -rA -p no:warnings --durations=8 2>&1 | grep -v "NIXL INFO\|DEBUG" | tail -120 \
+    | tee "$OUT/ep-runner-tests.log"
 }
 
 # ---------------------------------------------------------------- serving end to end (docs/bench-serve.md)
@@ -551,6 +560,7 @@ run_part() {  # $1: part name
     decode-ep2) part_decode_mode "$1" --ep 2 --contexts 4096 65536 --batches 8 32 ;;
     decode-cuda) part_decode_cuda ;;
     ep-tests) part_ep_tests ;;
+    ep-runner) part_ep_runner ;;
     full-topology) part_full_topology ;;
     train-demo|train-drafter) part_train "$1" ;;
     demo-eval) part_demo_eval ;;

@@ -7,6 +7,7 @@ engine with the drafter on slots emits the tokens it emits without; with the Eng
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,110 @@ def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path, tables: 
         rig.assert_all_free()
     assert outs[0] == outs[1]
     mapped.close()
+
+
+# ---------------------------------------------------------------------- expert parallelism, captured
+
+EP_ATOL = 1e-3
+"""The expert-parallel step (the fixed-capacity exchange inside the graph) against the step without
+one, both captured on the kernels: only the MoE's float32 sums differ in order (~1e-7), which a
+window or KV record may round the other way (the CPU tests see <= 4e-7 without such a flip)."""
+
+
+@pytest.fixture
+def nccl_world_of_one() -> Iterator[None]:
+    """A one-rank NCCL group in this process: the exchange's all-to-all is a real NCCL collective (a copy
+    to itself), so a one-GPU host captures and replays it."""
+    import torch.distributed as dist
+    from test_decode_expert_parallel import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_graph_replay_one_gpu(nccl_world_of_one: None) -> None:
+    """The runner with a fixed-capacity exchange over a one-rank NCCL group: every bucket captured with
+    the collectives inside; its replays equal the same step run eagerly (GRAPH_ATOL) and the captured
+    step without an exchange (EP_ATOL, the same greedy tokens), full and padded buckets, several rows
+    per slot."""
+    from cedserve.decode_workers.expert_parallel import FixedCapacityEP, TorchDistributedEP
+
+    model = cuda_model()
+    config = RunnerConfig(max_slots=4, max_context=512, max_rows_per_slot=2, buckets=(1, 2, 4, 8))
+    ep = TorchDistributedEP(model.config.n_routed_experts)
+
+    def exchange() -> FixedCapacityEP | None:  # a group of its own for each runner
+        return ep.runner_exchange(8, model.config.num_experts_per_tok, model.config.hidden_size,
+                                  model.embed.weight.dtype, model.embed.weight.device)
+
+    graphs = ModelRunner(model, config, exchange=exchange())
+    eager = ModelRunner(model, RunnerConfig(**{**config.__dict__, "cuda_graphs": False}), exchange=exchange())
+    alone = ModelRunner(model, config)
+    assert graphs.capture().buckets == (1, 2, 4, 8) and alone.capture().buckets == (1, 2, 4, 8)
+    seqs = states(model, [5, 30, 100, 250], seed=3)
+    for runner in (graphs, eager, alone):
+        for slot, (state, _) in enumerate(seqs):
+            runner.load(slot, copy.deepcopy(state))
+    tokens = {slot: token for slot, (_, token) in enumerate(seqs)}
+    for feed in ([0], [0, 1], [0, 1, 2], [0, 0, 1, 2, 3], [3, 3], [0, 1, 1, 2, 2, 3, 3], [2]):
+        ids = [tokens[s] if i == 0 or feed[i - 1] != s else (tokens[s] * 7 + i) % 500 for i, s in enumerate(feed)]
+        got = graphs.step_logits(feed, ids, len(feed))
+        torch.testing.assert_close(got, eager.step_logits(feed, ids, len(feed)), atol=GRAPH_ATOL, rtol=0)
+        want = alone.step_logits(feed, ids)
+        torch.testing.assert_close(got, want, atol=EP_ATOL, rtol=0)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        for s, t in zip(feed, want.argmax(-1).tolist()):
+            tokens[s] = t
+
+
+def test_decode_engine_expert_parallel_runner_on_cuda(nccl_world_of_one: None) -> None:
+    """The decode engine with `runner = "on"` over a one-rank NCCL `TorchDistributedEP` (the runner's
+    exchange captured in its graphs, the engine agreeing on buckets through the group) against the
+    engine without expert parallelism: the same greedy tokens (ties aside, as above)."""
+    from decode_support import Rig, greedy_ties, prompt
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP
+
+    model = cuda_model()
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+    outs = []
+    for ep in (None, TorchDistributedEP(model.config.n_routed_experts)):
+        rig = Rig(model, None, dspark=False, runner="on", device="cuda", max_running_requests=4, ep=ep)
+        rids = []
+        for tokens in prompts:
+            reserved = rig.reserve(tokens, sender=False)
+            rig.attach(reserved, tokens, None, 12)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        rig.assert_all_free()
+        slots = rig.engine.slots
+        assert slots is not None and slots.runner.graphs_captured == (1, 2, 4) and slots.runner.steps >= 10
+        assert slots.collective == (ep is not None)
+    assert [len(o) for o in outs[1]] == [12] * 3
+    assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
+
+
+def test_expert_parallel_runner_two_gpus() -> None:
+    """Two ranks, NCCL, one GPU each: experts sharded, every bucket captured with the exchange inside,
+    `RUNNER_SCHEDULE` stepped (rank 1 feeds no rows in some steps) against one GPU holding every
+    expert with graphs: the same greedy tokens, logits within EP_ATOL."""
+    from decode_support import RUNNER_CONFIG, RUNNER_SCHEDULE, run_schedule, runner_ep_worker, runner_states
+    from test_decode_expert_parallel import run_group
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    reports = dict(run_group(runner_ep_worker, 2, 400.0, "cuda"))
+    model = cuda_model()
+    for rank, steps in reports.items():
+        runner = ModelRunner(model, RunnerConfig(**RUNNER_CONFIG))
+        runner.capture()
+        want = run_schedule(runner, runner_states(model, rank), RUNNER_SCHEDULE[rank])
+        for step, ((tokens, logits), (want_tokens, want_logits)) in enumerate(zip(steps, want)):
+            assert tokens == want_tokens, (rank, step)
+            got = torch.tensor(logits).reshape(want_logits.shape)
+            torch.testing.assert_close(got, want_logits.cpu(), atol=EP_ATOL, rtol=0, msg=f"rank {rank} step {step}")
