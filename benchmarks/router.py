@@ -378,11 +378,15 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
             for _ in range(10):  # warm-up
                 for call in calls.values():
                     call()
+            router_cpu_s = dict.fromkeys(procs, 0.0)  # each router's CPU over its own requests
             for _ in range(requests):
                 for name, call in calls.items():
+                    cpu = procs[name].cpu_s() if name in procs else 0.0
                     t = time.perf_counter()
                     call()
                     latency[name].append(time.perf_counter() - t)
+                    if name in procs:
+                        router_cpu_s[name] += procs[name].cpu_s() - cpu
         for c in clients.values():
             c.close()
         direct_p50 = _pct(latency["direct"], 0.5)
@@ -403,7 +407,8 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
         for name in procs:
             row: dict[str, float] = {"routed_p50_ms": 1e3 * _pct(latency[name], 0.5),
                                      "routed_p99_ms": 1e3 * _pct(latency[name], 0.99),
-                                     "overhead_p50_ms": 1e3 * (_pct(latency[name], 0.5) - direct_p50)}
+                                     "overhead_p50_ms": 1e3 * (_pct(latency[name], 0.5) - direct_p50),
+                                     "router_cpu_ms_per_sequential_request": 1e3 * router_cpu_s[name] / requests}
             done, failed, secs, cpu = load[name]
             if secs:
                 row.update({"throughput_requests_per_s": done / secs, "throughput_failed": int(failed),
@@ -480,7 +485,8 @@ def main() -> None:
         for name in routers:
             row = processes[name]
             print(f"  {name}: routed p50 {row['routed_p50_ms']:.2f} ms (+{row['overhead_p50_ms']:.2f} ms per "
-                  f"{args.max_tokens}-token request)" + (
+                  f"{args.max_tokens}-token request, router CPU {row['router_cpu_ms_per_sequential_request']:.2f} ms "
+                  "per request)" + (
                       f", {row['throughput_requests_per_s']:.0f} requests/s at {args.concurrency} concurrent, "
                       f"router CPU {row['router_cpu_utilisation']:.2f} cores, "
                       f"{row['router_cpu_ms_per_request']:.2f} ms per request" if args.throughput_s else ""))
