@@ -268,13 +268,13 @@ class _Process:
     """A `benchmarks/router_processes.py` child: its first stdout line is its JSON answer; it ends
     when its stdin closes."""
 
-    def __init__(self, python: str, args: list[str], cpu: int | None) -> None:
+    def __init__(self, python: str, args: list[str], cpu: int | None, env: dict[str, str] | None = None) -> None:
         import subprocess
 
         script = Path(__file__).resolve().parent / "router_processes.py"
         pin = ["--cpu", str(cpu)] if cpu is not None else []
         self.proc = subprocess.Popen([python, str(script), *pin, *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -330,13 +330,15 @@ _THROUGHPUT_ROUNDS = 4
 
 
 def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, throughput_s: float,
-                    concurrency: int, router_cpu: int | None, token_delay_s: float = 0.0) -> dict[str, Any]:
+                    concurrency: int, router_cpu: int | None, token_delay_s: float = 0.0,
+                    router_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Router overhead and throughput with the fake workers in a process of their own and each router
     in another (pinned to `router_cpu`), as in a deployment: the router's event loop does only the
     router's work. `routers`: name -> the interpreter whose `cedserve` is that router's code (a
     baseline checkout's venv runs the old router against the same fakes). Sequential requests
     alternate routed (each router in turn) and direct, request by request; the load's rounds alternate
-    the routers too."""
+    the routers too. `router_env`: environment variables of the router processes alone (gRPC's own
+    settings, which it reads when the process starts)."""
     import grpc
 
     from cedserve.client import Client
@@ -353,7 +355,7 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
     procs: dict[str, _Process] = {}
     try:
         for name, python in routers.items():
-            procs[name] = _Process(python, ["router", str(ckpt), json.dumps(fakes.answer)], router_cpu)
+            procs[name] = _Process(python, ["router", str(ckpt), json.dumps(fakes.answer)], router_cpu, router_env)
         prompt = list(range(3, 3 + 200))
         d_addr, p_addr = fakes.answer["decode"][0][1], fakes.answer["prefill"][0][1]
         clients = {name: Client(f"127.0.0.1:{p.answer['port']}", timeout_s=30) for name, p in procs.items()}
@@ -378,16 +380,20 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
             for _ in range(10):  # warm-up
                 for call in calls.values():
                     call()
+            router_cpu_s = dict.fromkeys(procs, 0.0)  # each router's CPU over its own requests
             for _ in range(requests):
                 for name, call in calls.items():
+                    cpu = procs[name].cpu_s() if name in procs else 0.0
                     t = time.perf_counter()
                     call()
                     latency[name].append(time.perf_counter() - t)
+                    if name in procs:
+                        router_cpu_s[name] += procs[name].cpu_s() - cpu
         for c in clients.values():
             c.close()
         direct_p50 = _pct(latency["direct"], 0.5)
         out: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens, "router_cpu": router_cpu,
-                               "token_delay_ms": 1e3 * token_delay_s,
+                               "token_delay_ms": 1e3 * token_delay_s, "router_env": router_env or {},
                                "direct_p50_ms": 1e3 * direct_p50, "direct_p99_ms": 1e3 * _pct(latency["direct"], 0.99)}
         load: dict[str, list[float]] = {name: [0, 0, 0.0, 0.0] for name in procs}  # completed, failed, seconds, router CPU seconds
         for _ in range(_THROUGHPUT_ROUNDS if throughput_s > 0 else 0):  # routers in turn, round by round
@@ -403,7 +409,8 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
         for name in procs:
             row: dict[str, float] = {"routed_p50_ms": 1e3 * _pct(latency[name], 0.5),
                                      "routed_p99_ms": 1e3 * _pct(latency[name], 0.99),
-                                     "overhead_p50_ms": 1e3 * (_pct(latency[name], 0.5) - direct_p50)}
+                                     "overhead_p50_ms": 1e3 * (_pct(latency[name], 0.5) - direct_p50),
+                                     "router_cpu_ms_per_sequential_request": 1e3 * router_cpu_s[name] / requests}
             done, failed, secs, cpu = load[name]
             if secs:
                 row.update({"throughput_requests_per_s": done / secs, "throughput_failed": int(failed),
@@ -447,6 +454,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="clients of the throughput load")
     parser.add_argument("--token-delay-ms", type=float, default=0.0,
                         help="processes topology: the fake decode workers' time per token (0: as fast as they can)")
+    parser.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="processes topology: an environment variable of the router processes alone (repeat "
+                             "for more), e.g. GRPC_EXPERIMENTS=-event_engine_client")
     parser.add_argument("--index-gc", action="store_true",
                         help="also build the placement index in a process per router interpreter and report a full "
                              "garbage collection's time and the memory it holds")
@@ -475,12 +485,14 @@ def main() -> None:
     if args.topology == "processes" and args.requests:
         routers = {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python else {})}
         processes = bench_processes(routers, args.requests, args.max_tokens, args.throughput_s, args.concurrency,
-                                    args.router_cpu, args.token_delay_ms / 1e3)
+                                    args.router_cpu, args.token_delay_ms / 1e3,
+                                    dict(kv.split("=", 1) for kv in args.router_env))
         print(f"processes: direct p50 {processes['direct_p50_ms']:.2f} ms")
         for name in routers:
             row = processes[name]
             print(f"  {name}: routed p50 {row['routed_p50_ms']:.2f} ms (+{row['overhead_p50_ms']:.2f} ms per "
-                  f"{args.max_tokens}-token request)" + (
+                  f"{args.max_tokens}-token request, router CPU {row['router_cpu_ms_per_sequential_request']:.2f} ms "
+                  "per request)" + (
                       f", {row['throughput_requests_per_s']:.0f} requests/s at {args.concurrency} concurrent, "
                       f"router CPU {row['router_cpu_utilisation']:.2f} cores, "
                       f"{row['router_cpu_ms_per_request']:.2f} ms per request" if args.throughput_s else ""))

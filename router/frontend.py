@@ -21,9 +21,9 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -91,6 +91,9 @@ class _Progress:
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
     decode_only: bool = False
+    releasing: asyncio.Future[None] | None = None
+    """The unused decode lease's release (the first token ended the request), running while the last
+    responses are written; the stream ends once it has."""
 
 
 _DecodeCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.DecodeRequest, worker_pb2.DecodeEvent]"
@@ -199,6 +202,8 @@ class GenerationCore:
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
         self.tokenize = TokenizePool(codec, limits)
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Work of finished requests still running (`_background`)."""
 
     async def prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
         """Validate and tokenize (`router/requests.py`; a large prompt off the event loop,
@@ -278,6 +283,8 @@ class GenerationCore:
         self.metrics.cached_tokens.inc(progress.cached_tokens)
         yield generation_pb2.GenerateResponse(request_id=req.request_id, complete=generation_pb2.Complete(
             finish_reason=progress.finish, usage=usage))
+        if progress.releasing is not None:  # no lease outlives the stream (shielded: it must finish)
+            await asyncio.shield(progress.releasing)
 
     async def _place_and_reserve(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
                                  deadline: Deadline) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply]:
@@ -359,10 +366,10 @@ class GenerationCore:
             # the prefill worker reports the first token's own logprob, not its alternatives
             chunk = self._emit(req, progress, [first], [first_logprob], [])
             if progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                # the unused lease goes once the prefill's transfer into it closed (not aborted under
+                # it), while the last responses are written (`_run` waits for it before the end)
+                progress.releasing = self._background(self._release_unused(prefill_rest, decode, req, lease))
                 yield chunk
-                # the unused lease goes once the prefill's transfer into it closed (not aborted under it)
-                await self._settle(prefill_rest)
-                await self._cancel(decode, req.request_id, lease.lease_id)
                 return
             # Opened before the first token is written to the client and before the prefill's `done`:
             # the decode worker takes the call while the KV still arrives and starts once it is in.
@@ -427,6 +434,8 @@ class GenerationCore:
         text = progress.text.push(kept)
         if progress.text.stopped:
             progress.finish = generation_pb2.FINISH_REASON_STOP
+        elif progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            text += progress.text.finish()  # no token follows: what was held back goes now, not in a chunk of its own
         chunk = generation_pb2.Chunk(token_ids=kept, text=text)
         if req.logprobs:  # only when asked for: the workers may report them regardless
             chunk.logprobs.extend(logprobs[: len(kept)])
@@ -523,11 +532,26 @@ class GenerationCore:
     async def _settle(self, prefill_rest: asyncio.Task[None]) -> None:
         """The request is complete: wait briefly for the prefill's `done` (it closes the transfer's
         accounting and comes within a step of the decode worker's start), never failing the request."""
-        await asyncio.wait({prefill_rest}, timeout=_PREFILL_VERDICT_S)
+        if not prefill_rest.done():  # it mostly is: `asyncio.wait` would cost a few futures for nothing
+            await asyncio.wait({prefill_rest}, timeout=_PREFILL_VERDICT_S)
         if not prefill_rest.done():
             prefill_rest.cancel()
         elif not prefill_rest.cancelled() and prefill_rest.exception() is not None:
             log.debug("prefill of a completed request ended with %s", prefill_rest.exception())
+
+    async def _release_unused(self, prefill_rest: asyncio.Task[None], decode: WorkerHandle, req: PreparedRequest,
+                              lease: worker_pb2.ReserveReply) -> None:
+        """The first token ended the request: once the prefill's transfer into the decode worker's
+        lease closed, cancel the lease (never failing: the lease's expiry is the backstop)."""
+        await self._settle(prefill_rest)
+        await self._cancel(decode, req.request_id, lease.lease_id)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """`work` as a task this core holds until it ends (the loop holds tasks only weakly)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     @staticmethod
     def _end_calls(call: _DecodeCall | None, prefill_call: _PrefillCall | None,

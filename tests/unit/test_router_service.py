@@ -39,6 +39,7 @@ from cedserve.router.config import RouterConfig, WorkerEndpoint
 from cedserve.router.frontend import GenerationCore
 from cedserve.router.requests import ModelLimits, message_limit
 from cedserve.router.server import RunningRouter, public_server_options, start_router
+from cedserve.router.text import StreamingText
 
 VOCAB = 512
 
@@ -301,6 +302,39 @@ def test_streaming_generate_follows_the_handshake(cluster: Cluster) -> None:
     pre = [r for p in cluster.prefill for r in p.requests][-1]
     assert pre.target.lease_id and pre.target.agent_name.startswith("agent-")
     assert all(not d.leases for d in cluster.decode)  # every lease ended
+
+
+def _held_back_at_end(codec: TextCodec, n: int) -> list[int]:
+    """A one-token prompt whose `n` fake tokens end on text the streaming detokenizer holds back (an
+    incomplete character): found by `StreamingText` itself, so the case does not rest on guessed ids."""
+    for first in range(3, 203):
+        text = StreamingText(codec, ())
+        for t in _expected([first], n):
+            text.push([t])
+        if text.finish():
+            return [first]
+    raise AssertionError(f"no {n}-token output of the fake ends on a held-back character")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_the_last_chunk_carries_the_held_back_text_and_the_lease_ends_first(cluster: Cluster,
+                                                                          max_tokens: int) -> None:
+    """Where the router's own verdict (here the budget) ends the request, the text held back for an
+    incomplete character goes in the last token's chunk, not in a text-only chunk after it; a request
+    its first token ends (no Decode call) has its unused lease cancelled before the stream ends."""
+    codec = TextCodec.from_file(tiny_tokenizer_path(), VOCAB)
+    prompt = _held_back_at_end(codec, max_tokens)
+    with _client(cluster) as client:
+        pieces = list(client.stream(prompt, max_tokens=max_tokens))
+        done = client.last
+    assert done is not None and done.finish_reason == "length"
+    assert done.token_ids == _expected(prompt, max_tokens)
+    assert all(p.token_ids for p in pieces)  # no text-only tail chunk
+    assert done.text == "".join(p.text for p in pieces) == codec.decode(done.token_ids)
+    assert all(not d.leases for d in cluster.decode)  # the unused lease too (1 token), before the stream ended
+    if max_tokens == 1:
+        assert done.request_id in [c for d in cluster.decode for c in d.cancelled]
+        assert not [r for d in cluster.decode for r in d.decodes if r.request_id == done.request_id]
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
