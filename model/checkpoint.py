@@ -132,19 +132,13 @@ def is_float32_parameter(name: str) -> bool:
     return any(name == p or name.endswith("." + p) for p in FLOAT32_PARAMETERS)
 
 
-def keep_float32(model: nn.Module) -> None:
-    """Return the parameters the checkpoint stores in float32 (mHC mixes, sinks, router biases)
-    to float32 after a whole-model dtype cast, as the reference does."""
-    for name, param in model.named_parameters():
-        if is_float32_parameter(name):
-            param.data = param.data.float()
-
-
 def cast_weights(module: ModuleT, dtype: torch.dtype) -> ModuleT:
     """`module` (a `CEDModel` or a `Drafter`) with its weights in `dtype`, those the reference keeps
-    in float32 excepted (`keep_float32`), as `load_model` builds the model. In place; returns `module`."""
-    module.to(dtype=dtype)
-    keep_float32(module)
+    in float32 excepted (`is_float32_parameter`; their values kept, not rounded through `dtype`), as the
+    reference keeps them (`_keep_in_fp32_modules_strict`). `load_model` builds the model so. In place;
+    returns `module` (the modules here hold no buffers)."""
+    for name, param in module.named_parameters():
+        param.data = param.data.to(torch.float32 if is_float32_parameter(name) else dtype)
     return module
 
 
