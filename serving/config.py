@@ -26,7 +26,6 @@ from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.config import ModelConfig
 from cedserve.model.config_table import decode_table, fail
 
-
 WEIGHTS_DTYPES = ("float32", "bfloat16", "auto")
 """Values of `[model] dtype` (`ModelSource.dtype`)."""
 

@@ -29,7 +29,13 @@ from cedserve.model.kv_format import KVFormat, encode_index_key, encode_main, en
 from cedserve.model.network import BatchItem, CEDModel
 from cedserve.model.presets import preset
 from cedserve.model.runner import ModelRunner, RunnerConfig
-from cedserve.model.state_format import BoundedState, StateFormatError, decode_state, encode_state, max_state_bytes
+from cedserve.model.state_format import (
+    BoundedState,
+    StateFormatError,
+    decode_state,
+    encode_state,
+    max_state_bytes,
+)
 from cedserve.serving.config import ModelSource, ServeConfig
 from cedserve.serving.worker import WorkerOptions, model_source
 from cedserve.serving.worker_model import load_worker_model
@@ -73,8 +79,17 @@ def test_cast_weights_keeps_the_reference_float32_parameters() -> None:
         for name, param in module.named_parameters():
             assert param.dtype == (torch.float32 if is_float32_parameter(name) else torch.bfloat16), name
     kept = {name.split(".")[-1] for name, p in model.named_parameters() if p.dtype == torch.float32}
-    assert kept == {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-                    "attn_sink", "bias", "bias_vl"}
+    assert kept == {
+        "hc_attn_fn",
+        "hc_attn_base",
+        "hc_attn_scale",
+        "hc_ffn_fn",
+        "hc_ffn_base",
+        "hc_ffn_scale",
+        "attn_sink",
+        "bias",
+        "bias_vl",
+    }
     assert drafter.confidence.bias.dtype == torch.bfloat16  # a plain linear's bias follows its weight
     assert drafter.layers[0].ffn.gate.bias.dtype == torch.float32  # a router's stays float32
 
@@ -90,7 +105,9 @@ def test_bf16_load_equals_the_cast_float32_load(tmp_path: Path) -> None:
     mapped = load_model(tmp_path, dtype=torch.bfloat16, engram="mmap")
     try:
         tokens = prompt(40, 5)
-        assert torch.equal(direct.prefill(tokens, direct.new_state()), mapped.prefill(tokens, mapped.new_state()))
+        assert torch.equal(
+            direct.prefill(tokens, direct.new_state()), mapped.prefill(tokens, mapped.new_state())
+        )
     finally:
         mapped.close()
 
@@ -109,7 +126,9 @@ def test_bf16_follows_float32_on_the_trained_demo(demo: tuple[CEDModel, CEDModel
     float32 from the same checkpoint, on fresh random tokens: each output within its tolerance, and
     the same greedy token wherever float32's margin is clear."""
     m32, m16 = demo
-    tokens = torch.randint(4, m32.config.vocab_size, (96,), generator=torch.Generator().manual_seed(seed)).tolist()
+    tokens = torch.randint(
+        4, m32.config.vocab_size, (96,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     s32, s16 = m32.new_state(), m16.new_state()
     e32, e16 = m32.encode_chunk(tokens, s32), m16.encode_chunk(tokens, s16)
     assert e16.boundary.streams.dtype == torch.bfloat16
@@ -147,7 +166,11 @@ def test_records_are_bit_exact_for_the_same_values_in_bf16(dim: int) -> None:
     x = (torch.randn(33, dim, generator=gen) * torch.logspace(-3, 2, 33).unsqueeze(-1)).to(torch.bfloat16)
     for encode in (encode_window, encode_main, encode_index_key):
         assert torch.equal(encode(x, KVFormat.RECORDS), encode(x.float(), KVFormat.RECORDS)), encode.__name__
-    for writer, encode in ((write_swa, encode_window), (write_main_kv, encode_main), (write_index_key, encode_index_key)):
+    for writer, encode in (
+        (write_swa, encode_window),
+        (write_main_kv, encode_main),
+        (write_index_key, encode_index_key),
+    ):
         record_bytes = int(encode(x[:1].float(), KVFormat.RECORDS).shape[1])
         tables = []
         for values in (x, x.float()):
@@ -173,8 +196,14 @@ def test_runner_step_equals_the_eager_bf16_step() -> None:
         seqs = {}
         for slot, length in enumerate([3, 40, 101]):
             state = model.new_state()
-            seqs[slot] = [state, int(model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(),
-                                                   state)[-1].argmax())]
+            seqs[slot] = [
+                state,
+                int(
+                    model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)[
+                        -1
+                    ].argmax()
+                ),
+            ]
             runner.load(slot, copy.deepcopy(state))
         for step in range(4):
             if step == 2:
@@ -241,7 +270,7 @@ def test_shipped_state_format_follows_the_weights_dtype() -> None:
     assert max_state_bytes(config, torch.bfloat16) < max_state_bytes(config, torch.float32)
     state = model.new_state()
     out = model.prefill_with_taps(prompt(20, 6), state)
-    taps = out.taps[-config.sliding_window:].mean(dim=2)
+    taps = out.taps[-config.sliding_window :].mean(dim=2)
     assert taps.dtype == torch.bfloat16
     data = encode_state(BoundedState.capture(state, taps), config)
     back = decode_state(data, config, torch.bfloat16)
@@ -261,7 +290,9 @@ def test_model_dtype_field_and_auto() -> None:
     assert auto.weights_dtype("cuda:0") == "bfloat16" and auto.weights_dtype("cpu") == "float32"
     serve = ServeConfig(model=ModelSource(preset="tiny", dtype="bfloat16"))
     assert model_source(WorkerOptions(role="decode"), serve).dtype == "bfloat16"
-    assert model_source(WorkerOptions(role="decode", dtype="float32"), serve).dtype == "float32"  # the flag wins
+    assert (
+        model_source(WorkerOptions(role="decode", dtype="float32"), serve).dtype == "float32"
+    )  # the flag wins
 
 
 def test_toml_model_dtype(tmp_path: Path) -> None:
@@ -277,8 +308,10 @@ def test_prefill_and_decode_of_different_dtypes_refuse_each_other() -> None:
     """The weights' dtype is part of the KV compatibility: the handshake between a float32 and a bf16
     worker fails, naming the field and both values."""
     config = tiny()[0].config
-    layouts = {d: KVLayout.from_config(config, 32, model_id="preset:tiny:seed0", weights_dtype=d)
-               for d in ("float32", "bfloat16")}
+    layouts = {
+        d: KVLayout.from_config(config, 32, model_id="preset:tiny:seed0", weights_dtype=d)
+        for d in ("float32", "bfloat16")
+    }
     assert layouts["float32"].compatibility().compat_hash != layouts["bfloat16"].compatibility().compat_hash
     hub = LoopbackHub()
 
