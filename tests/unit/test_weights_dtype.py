@@ -96,12 +96,24 @@ def test_cast_weights_keeps_the_reference_float32_parameters() -> None:
 
 def test_bf16_load_equals_the_cast_float32_load(tmp_path: Path) -> None:
     """Loading a checkpoint in bf16 rounds each dequantized tensor once: the same bits as loading it in
-    float32 and casting. The memory-mapped Engram tables give the in-memory tables' logits bit for bit."""
+    float32 and casting. The decode worker's drafter follows the model's dtype (checkpoint or preset).
+    The memory-mapped Engram tables give the in-memory tables' logits bit for bit."""
     write_random_checkpoint(preset("tiny"), tmp_path, seed=3)
     direct = load_model(tmp_path, dtype=torch.bfloat16)
     cast = cast_weights(load_model(tmp_path), torch.bfloat16)
     for (name, a), (_, b) in zip(direct.state_dict().items(), cast.state_dict().items(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    from cedserve.decode_workers.main import load_drafter
+
+    for loaded in (
+        load_worker_model(str(tmp_path), None, dtype="bfloat16"),
+        load_worker_model(None, "tiny", dtype="bfloat16"),
+    ):  # checkpoint, preset
+        drafter = load_drafter(
+            loaded, loaded.source if loaded.source == str(tmp_path) else None, "tiny", 0, "cpu"
+        )
+        assert drafter is not None and drafter.fc.weight.dtype == torch.bfloat16
+        assert drafter.layers[0].attn.attn_sink.dtype == torch.float32
     mapped = load_model(tmp_path, dtype=torch.bfloat16, engram="mmap")
     try:
         tokens = prompt(40, 5)
