@@ -256,22 +256,53 @@ def test_decode_engine_in_bf16_follows_the_bf16_reference(runner: str, ship_stat
     rig.assert_all_free()
 
 
-def test_prefill_engine_in_bf16_sends_what_a_bf16_decode_continues() -> None:
-    """The prefill worker's engine with bf16 weights: its first token is the bf16 reference's where the
-    margin is clear, and the shipped state carries bf16 taps that a bf16 reader takes."""
+@pytest.mark.parametrize("paged_attention", ["off", "reference"])
+def test_prefill_engine_in_bf16_sends_what_a_bf16_decode_continues(paged_attention: str) -> None:
+    """The prefill worker's engine with bf16 weights (dense, and on the paged path's references): its
+    first token is the bf16 reference's where the margin is clear; the records it sends and the
+    bounded state it ships (DSpark taps in bf16) continue, installed on the decode side, as the bf16
+    model's own state does (the next token within ENGINE_MARGIN of the reference's best)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_prefill_engine import kinds, make_rig
+    from test_prefill_engine import ROUTED, kinds, make_rig
+
+    from cedserve.kv_transfer.wire import reservation_to_pb
+    from cedserve.model.paged_kv import load_bytes, load_state
+    from cedserve.model.state_format import STATE_FORMAT_VERSION
+    from cedserve.prefill_workers.validation import validate_prefill
+    from cedserve.proto import worker_pb2 as wpb
 
     loaded = load_worker_model(None, "tiny", seed=0, dtype="bfloat16")
     assert loaded.model.embed.weight.dtype == torch.bfloat16 and loaded.weights_dtype == "bfloat16"
-    rig = next(make_rig(loaded))
-    tokens = prompt(130, 21)
-    events = rig.run(rig.submit("a", tokens))
+    rig = next(make_rig(loaded, paged_attention))
+    model, config = rig.model, rig.model.config
+    assert rig.limits.max_state_bytes_with_taps == max_state_bytes(config, torch.bfloat16)
+    tokens = prompt(131, 21)  # odd: layer 2's compressor holds a partial group
+    kv_blocks, room = [0, 1, 2], -(-rig.limits.max_state_bytes_with_taps // rig.layout.block_bytes)
+    state_blocks = list(range(40, 40 + room))
+    res = rig.decode.receiver().reserve("lease-s", kv_blocks + state_blocks, sender="p0")
+    target = wpb.DecodeTarget(
+        agent_name="d0",
+        lease_id="lease-s",
+        reservation=reservation_to_pb(res),
+        state_room=wpb.StateRoom(num_blocks=room, format_version=STATE_FORMAT_VERSION, dspark_taps=True),
+    )
+    request = wpb.PrefillRequest(request_id="s", token_ids=tokens, target=target, **ROUTED)  # type: ignore[arg-type]
+    events = rig.run(rig.engine.submit(validate_prefill(request, rig.limits)))
     assert kinds(events) == ["first_token", "done"]
-    greedy_ties(rig.model, tokens, [events[0].first_token.token_id], margin=ENGINE_MARGIN)
-    assert rig.limits.max_state_bytes_with_taps == max_state_bytes(rig.model.config, torch.bfloat16)
+    first = events[0].first_token.token_id
+    greedy_ties(model, tokens, [first], margin=ENGINE_MARGIN)
+    shipped = decode_state(load_bytes(rig.decode_pool, state_blocks), config, torch.bfloat16)
+    assert shipped.taps is not None and shipped.taps.dtype == torch.bfloat16
+    state = model.new_state()
+    load_state(rig.layout, rig.decode_pool, kv_blocks, len(tokens), state)
+    shipped.install(state)
+    own = model.new_state()
+    model.prefill(tokens, own)
+    got, want = model.decode_step([first], [state])[0], model.decode_step([first], [own])[0]
+    assert float(want.max() - want[int(got.argmax())]) <= ENGINE_MARGIN
     rig.assert_all_free()
     rig.cache.close()
+    model.use_paged_attention(None)
 
 
 def test_shipped_state_format_follows_the_weights_dtype() -> None:
