@@ -369,3 +369,20 @@ def test_prefill_and_decode_of_different_dtypes_refuse_each_other() -> None:
     with pytest.raises(CompatibilityError, match="weights: float32 vs bfloat16"):
         prefill.handshake("decode")
     prefill.handshake("decode32")  # the same dtype agrees
+
+
+def test_one_dtype_reaches_every_worker_of_cedserve_serve(tmp_path: Path) -> None:
+    """`cedserve serve --dtype` / `[model] dtype` lands in the one `[model]` table every worker's file
+    holds; `cedserve worker --dtype` is a flag of its own."""
+    from cedserve.cli import build_parser
+    from cedserve.launcher import write_worker_config
+
+    files = write_worker_config(tmp_path, config={"model": {"preset": "tiny", "dtype": "bfloat16"}})
+    tables = ("prefill", "decode", "kv_transfer", "router")
+    dtypes = {ServeConfig.load_with_sections(files[role], tables)[0].model.dtype for role in files}
+    assert set(files) == {"prefill", "decode", "router"} and dtypes == {"bfloat16"}
+    args = build_parser().parse_args(["worker", "--role", "decode", "--dtype", "auto"])
+    assert args.dtype == "auto"
+    assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--role", "decode", "--dtype", "float16"])
