@@ -108,9 +108,11 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Decode rows through the model runner (`cedserve.model.runner`): each running request's state
     in a slot of preallocated pools, its records written straight into its blocks, the whole step one
     CUDA graph replay per batch bucket (DSpark verify rows included: a slot takes up to `2 K + 1`
-    rows). "auto" (default): on a CUDA device with one rank (expert parallelism keeps
-    `forward_batch`) and in-memory Engram tables; "on" wherever the runner can run (a CPU runs its
-    step eagerly: tests); "off": every row through `forward_batch`. Joins, replays and drafts past a
+    rows). "auto" (default): on a CUDA device with one rank and in-memory Engram tables; "on"
+    wherever the runner can run, expert parallelism included (its MoE layers exchange rows through a
+    fixed-capacity all-to-all inside the step; a CPU runs the step eagerly: tests); "off": every row
+    through `forward_batch`. "auto" leaves an expert-parallel group on `forward_batch` until the
+    captured exchange has run on GPUs (tests/unit/test_runner_gpu.py). Joins, replays and drafts past a
     request's allocated blocks take `forward_batch` in the same step (docs/decode.md)."""
     runner_drafter: str = "off"
     """The DSpark drafter's pass on slots too (`cedserve.decode_workers.slot_drafting`): each drafting

@@ -14,8 +14,10 @@ returns the outputs to stream. A step:
 5. accept (greedy, or lossless rejection sampling), roll rejected drafts back, stream tokens, write
    the new records into the blocks, offer whole blocks to the prefix cache, retire finished requests.
 
-Every rank of a decode group runs exactly one pass per step whenever any rank has work (`agree`):
-ranks with nothing to do run an empty pass so the MoE collectives line up.
+Every rank of a decode group runs a step whenever any rank has work (`agree`), and in it the same
+passes: the eager pass where any rank has `forward_batch` rows, the runner's step where any has
+runner rows (on the group's largest bucket), empty or padded where a rank has less, so that the MoE
+collectives line up.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers import state_io
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.drafting import DSparkProposer, Observation, Proposer
-from cedserve.decode_workers.expert_parallel import ExpertParallel, SingleRank, ep_moe
+from cedserve.decode_workers.expert_parallel import ExpertParallel, FixedCapacityEP, SingleRank, ep_moe
 from cedserve.decode_workers.leases import LeaseBook, LeaseError, StateRoomPolicy
 from cedserve.decode_workers.link_probe import ProbeDigests
 from cedserve.decode_workers.messages import (
@@ -339,11 +341,10 @@ class DecodeEngine:
         fast = self._runner_rows(running, drafts)
         slow = [i for i in range(len(running)) if i not in fast]
         plans, items = self._plan([running[i] for i in slow], [drafts[i] for i in slow])
-        # an empty pass only keeps expert-parallel peers in step: alone, it would be a whole
-        # forward_batch of launches over no rows beside the runner's step
-        results = self._run(items) if items or self.ep.world_size > 1 else []
-        fast_plans, fast_results = self._run_slots([running[i] for i in sorted(fast)],
-                                                   [drafts[i] for i in sorted(fast)])
+        fast_seqs, fast_drafts = [running[i] for i in sorted(fast)], [drafts[i] for i in sorted(fast)]
+        eager, group_rows = self._agree_passes(bool(items), SlotBook.rows(fast_seqs, fast_drafts))
+        results = self._run(items) if eager else []
+        fast_plans, fast_results = self._run_slots(fast_seqs, fast_drafts, group_rows)
         observations: list[Observation] = []
         verified: list[tuple[Tensor, int]] = []  # (the drafts' confidences, how many were accepted)
         by_seq = {id(plan.seq): (plan, results) for plan in plans}
@@ -419,7 +420,8 @@ class DecodeEngine:
                 max_drafts = self.proposer.max_tokens if self.proposer is not None else 0
                 book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
                                        self.config.max_running_requests, max_context, max_drafts,
-                                       self.config.cuda_graphs, self.config.compile_fused, self.metrics)
+                                       self.config.cuda_graphs, self.config.compile_fused, self.metrics,
+                                       self._runner_exchange)
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:
@@ -429,6 +431,12 @@ class DecodeEngine:
             return None
         book.capture()
         return book
+
+    def _runner_exchange(self, max_rows: int) -> FixedCapacityEP | None:
+        """The runner's fixed-capacity exchange for `max_rows` rows per rank (None on one rank)."""
+        weight = self.model.embed.weight
+        return self.ep.runner_exchange(max_rows, self.model.config.num_experts_per_tok,
+                                       self.model.config.hidden_size, weight.dtype, weight.device)
 
     def _slot_drafting(self, proposer: Proposer) -> Proposer:
         """`proposer`, or the DSpark drafter's pass on slots (`decode.runner_drafter`), its graphs captured."""
@@ -465,16 +473,32 @@ class DecodeEngine:
                 self.slots.slot_out(seq)
         return fast
 
-    def _run_slots(self, seqs: list[DecodeSequence], drafts: list[Draft | None]
+    def _agree_passes(self, eager: bool, runner_rows: int) -> tuple[bool, int]:
+        """Which passes this step runs, the same on every rank of an expert-parallel group (each pass's
+        MoE layers are collectives): the eager pass where any rank has `forward_batch` rows (an empty
+        one here, possibly), and the runner's step over the group's most runner rows (its bucket: a
+        rank with fewer pads, one with none runs scratch rows). Alone: only what this rank has. Two
+        small all-reduces on the control group per step."""
+        if self.ep.world_size == 1:
+            return eager, runner_rows
+        eager = bool(self.ep.agree(int(eager)))
+        if self.slots is None:
+            return eager, 0
+        return eager, self.ep.agree(runner_rows)
+
+    def _run_slots(self, seqs: list[DecodeSequence], drafts: list[Draft | None], group_rows: int = 0
                    ) -> tuple[list[SeqPlan], list[BatchOutput]]:
-        """The runner's step over its requests' rows: plans and outputs as `_plan` / `_run` give."""
-        if not seqs or self.slots is None:
+        """The runner's step over its requests' rows: plans and outputs as `_plan` / `_run` give.
+        `group_rows`: the group's most runner rows (expert parallelism: this rank steps even with none)."""
+        if self.slots is None or (not seqs and not (self.slots.collective and group_rows)):
             return [], []
         start = time.perf_counter()
-        plans, results = self.slots.step(seqs, [self.cache.block_table(seq.request_id) for seq in seqs], drafts)
+        plans, results = self.slots.step(seqs, [self.cache.block_table(seq.request_id) for seq in seqs], drafts,
+                                         group_rows)
         rows = sum(int(r.logits.shape[0]) for r in results)
-        self.profile.record_pass(rows, time.perf_counter() - start)
-        self.metrics.pass_rows.observe(rows)
+        if rows:
+            self.profile.record_pass(rows, time.perf_counter() - start)
+            self.metrics.pass_rows.observe(rows)
         self.passes += 1
         return plans, results
 

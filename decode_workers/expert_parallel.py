@@ -15,8 +15,14 @@ ascending expert order, as the single-process loop does. With one rank it is bit
 rounding of the router's matmul over fewer rows.
 
 Collectives: every rank calls `dispatch`/`combine` (and `agree`) the same number of times in the
-same order. The engine guarantees it by running exactly one target pass per step on every rank
-whenever any rank has work (`agree`), with empty batches where a rank has none.
+same order. The engine guarantees it by agreeing each step which passes run (the eager pass where any
+rank has rows for it, the model runner's step on the group's largest row count) and running them on
+every rank, empty or padded where a rank has less.
+
+The model runner's step cannot read counts back (it is captured in CUDA graphs): it exchanges through
+`FixedCapacityEP` (`cedserve.model.expert_exchange`, re-exported here), which `runner_exchange` builds
+over a process group of its own. `fixed_capacity_moe` runs the same exchange over the eager `MoE`
+modules.
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cedserve.model.expert_exchange import FixedCapacityEP, Slotted, experts_of, slot_positions
 from cedserve.model.moe import MoE, expert_segments, run_segments, sum_ascending
+
+__all__ = ["AbsentExpert", "Dispatched", "ExpertParallel", "FixedCapacityEP", "SingleRank", "Slotted",
+           "TorchDistributedEP", "ep_moe", "experts_of", "fixed_capacity_moe", "shard_experts", "slot_positions"]
 
 
 @dataclass(frozen=True)
@@ -68,14 +78,13 @@ class ExpertParallel(Protocol):
         """The largest `value` any rank passed (collective): lets ranks decide together to step."""
         ...
 
-
-def experts_of(rank: int, world_size: int, num_experts: int) -> range:
-    """The routed experts rank `rank` owns."""
-    if num_experts % world_size:
-        raise ValueError(f"config field `decode.group_size`: {world_size} ranks do not split "
-                         f"{num_experts} routed experts evenly")
-    per_rank = num_experts // world_size
-    return range(rank * per_rank, (rank + 1) * per_rank)
+    def runner_exchange(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
+                        device: torch.device) -> FixedCapacityEP | None:
+        """The model runner's exchange over the same ranks: fixed capacity for `max_tokens` rows per
+        rank (its largest bucket), on a communicator of its own, so that the collectives its graphs
+        capture never share one with the eager pass's (`cedserve.model.expert_exchange`). None with
+        one rank. Collective (every rank calls it once, in the same order as its other groups)."""
+        ...
 
 
 def _send_order(indices: Tensor, world_size: int, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -118,6 +127,10 @@ class SingleRank:
 
     def agree(self, value: int) -> int:
         return value
+
+    def runner_exchange(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
+                        device: torch.device) -> FixedCapacityEP | None:
+        return None
 
 
 class TorchDistributedEP:
@@ -172,6 +185,12 @@ class TorchDistributedEP:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
         return int(t.item())
 
+    def runner_exchange(self, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
+                        device: torch.device) -> FixedCapacityEP | None:
+        ranks = dist.get_process_group_ranks(self._group) if self._group is not None else None
+        group = dist.new_group(ranks)  # the data group's backend: NCCL on GPUs, gloo on CPU
+        return FixedCapacityEP(self.num_experts, max_tokens, top_k, hidden, dtype=dtype, device=device, group=group)
+
 
 def ep_moe(ep: ExpertParallel, ffn: MoE, x: Tensor) -> Tensor:
     """One MoE layer over this rank's tokens `x [N, hidden]` through `ep` -> `[N, hidden]`."""
@@ -184,84 +203,6 @@ def ep_moe(ep: ExpertParallel, ffn: MoE, x: Tensor) -> Tensor:
     out = sum_ascending(ep.combine(y, sent), indices)  # combine: [N, k, hidden]
     out += ffn.shared_experts(x).float()
     return out.to(x.dtype)
-
-
-@dataclass(frozen=True)
-class Slotted:
-    """What `FixedCapacityEP.dispatch` received, in fixed-shape buffers, and what `combine` needs."""
-
-    x: Tensor  # [R * C, hidden]: C rows from each source rank, rank-major; rows past a sender's pairs are 0
-    expert_ids: Tensor  # int64 [R * C]: each row's global expert, -1 on an empty row
-    weights: Tensor  # float32 [R * C, 1]: each row's routing weight, 0 on an empty row
-    dest: Tensor  # int64 [N * k]: where each of this rank's (token, slot) pairs went (rank * C + place)
-    num_tokens: int
-    top_k: int
-
-
-class FixedCapacityEP:
-    """Dispatch and combine with fixed-size buffers: every rank sends every peer exactly `capacity`
-    rows (its pairs for that peer's experts first, in (token, slot) order, then zero rows), so the
-    exchange's split sizes never depend on the routing. Nothing is read back to the host: the
-    (expert, weight) of each row travels beside it, -1 / 0 on the padding. That is what a CUDA graph
-    can hold (`TorchDistributedEP` reads the counts back to size its exchange); the price is bytes:
-    `capacity = max_tokens x top_k` rows per peer, the worst case of every pair going to one rank.
-
-    `local_experts` run over all received rows with the weight of rows routed elsewhere zeroed
-    (`fixed_capacity_moe`): exact, and fixed in shape. Collectives as `TorchDistributedEP`'s.
-    """
-
-    def __init__(self, num_experts: int, max_tokens: int, top_k: int, group: dist.ProcessGroup | None = None) -> None:
-        if max_tokens < 1 or top_k < 1:
-            raise ValueError(f"fixed-capacity EP: max_tokens and top_k must be >= 1, got {max_tokens}, {top_k}")
-        self._group = group
-        self._rank = dist.get_rank(group)
-        self._world = dist.get_world_size(group)
-        self.local_experts = experts_of(self._rank, self._world, num_experts)
-        self.num_experts, self.max_tokens, self.top_k = num_experts, max_tokens, top_k
-        self.capacity = max_tokens * top_k
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> Slotted:
-        """`x [N, hidden]` routed to `indices [N, k]` with `weights [N, k]`, N <= max_tokens (pad a
-        smaller batch's rows with any expert and weight 0: they come back as zeros)."""
-        n, k = indices.shape
-        if n > self.max_tokens or k != self.top_k:
-            raise ValueError(f"fixed-capacity EP: built for {self.max_tokens} tokens x top-{self.top_k}, "
-                             f"got {n} x {k}")
-        dest = slot_positions(indices.reshape(-1) // (self.num_experts // self._world), self._world, self.capacity)
-        rows = self._world * self.capacity
-        send = x.new_zeros(rows, x.shape[-1])
-        send[dest] = x.repeat_interleave(k, dim=0)
-        meta = torch.zeros(rows, 2, dtype=torch.float32, device=x.device)
-        meta[:, 0] = -1.0
-        meta[dest] = torch.stack([indices.reshape(-1).float(), weights.reshape(-1).float()], dim=1)
-        got_x, got_meta = torch.empty_like(send), torch.empty_like(meta)
-        dist.all_to_all_single(got_x, send, group=self._group)  # equal splits: `capacity` rows per peer
-        dist.all_to_all_single(got_meta, meta, group=self._group)
-        return Slotted(got_x, got_meta[:, 0].long(), got_meta[:, 1:], dest, n, k)
-
-    def combine(self, y: Tensor, sent: Slotted) -> Tensor:
-        """Expert outputs `y [R * C, hidden]` (rows of `sent.x`) back to their source ranks:
-        `[N, k, hidden]` float32 in the caller's (token, slot) order."""
-        back = torch.empty_like(y, dtype=torch.float32)
-        dist.all_to_all_single(back, y.float().contiguous(), group=self._group)
-        return back[sent.dest].view(sent.num_tokens, sent.top_k, y.shape[-1])
-
-
-def slot_positions(owner: Tensor, world_size: int, capacity: int) -> Tensor:
-    """Each pair's row in a `[world_size x capacity]` send buffer: `owner [P]` (the destination rank
-    of each pair, in send order) -> `owner * capacity + (pairs before it with the same owner)`; on
-    the device, no read-back. Capacity must hold every pair of one owner (the caller's worst case)."""
-    onehot = torch.nn.functional.one_hot(owner, world_size)  # [P, R]
-    place = (onehot.cumsum(0) - 1).gather(1, owner.unsqueeze(1)).squeeze(1)
-    return owner * capacity + place
 
 
 def fixed_capacity_moe(ep: FixedCapacityEP, ffn: MoE, x: Tensor) -> Tensor:

@@ -46,6 +46,9 @@ from cedserve.decode_workers.slot_book import runner_unavailable
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.model.dspark import Drafter
+from cedserve.model.engram_staging import staged_row_bytes
+from cedserve.model.expert_exchange import fixed_capacity_bytes
+from cedserve.model.runner import RunnerConfig
 from cedserve.model.slots import SlotShape, slot_pool_bytes
 from cedserve.serving.config import ServeConfig
 from cedserve.serving.drain import DrainController
@@ -150,6 +153,17 @@ def decode_memory_need(loaded: LoadedModel, settings: DecodeSettings, world_size
         shape = SlotShape(cfg.max_running_requests, max_context, 2 * max_drafts + 1)
         runner = (("runner slot pools", slot_pool_bytes(model.config, shape, serve.cache.block_size),
                    "[decode] max_running_requests"),)
+        if model.engram_store is not None:  # the step's staged Engram rows, one per row of the largest bucket
+            rows = cfg.max_running_requests * shape.max_rows_per_slot
+            runner += (("runner Engram rows", rows * staged_row_bytes(model.engram_store, model.config),
+                        "[decode] max_running_requests"),)
+        if world_size > 1:  # the runner's fixed-capacity all-to-all buffers, for its largest bucket
+            c = model.config
+            rows = RunnerConfig(max_slots=shape.max_slots, max_context=max_context,
+                                max_rows_per_slot=shape.max_rows_per_slot).bucket_sizes[-1]
+            exchange = fixed_capacity_bytes(world_size, rows, c.num_experts_per_tok, c.hidden_size,
+                                            model.embed.weight.element_size())
+            runner += (("runner expert-parallel buffers", exchange, "[decode] max_running_requests"),)
     return worker_memory_need("decode", loaded, serve, settings.kv_transfer, cfg.max_pass_tokens, "max_pass_tokens",
                               runner, modules=(drafter,))
 

@@ -8,11 +8,16 @@ groups and Engram history live in the slot from then on. Every path that needs t
 (a step with drafts or a replay for it, preemption, offload) first takes it back out (`slot_out`:
 windows and partial groups exported, global KV read from the blocks); a finished request just
 gives its slot back (`release`).
+
+With expert parallelism every rank's runner step is collective (its MoE layers exchange rows through
+a fixed-capacity all-to-all): the engine agrees on the group's most runner rows each step, and every
+rank steps with that bucket, a rank with no runner rows of its own included (`step(..., group_rows)`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -23,6 +28,7 @@ from cedserve.decode_workers.step import SeqPlan
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.config import AttentionMode
 from cedserve.model.dspark import Draft
+from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import BatchOutput, CEDModel
 from cedserve.model.runner import CaptureReport, ModelRunner, RunnerConfig
 from cedserve.model.state import SequenceState, StateSnapshot
@@ -34,10 +40,9 @@ def runner_unavailable(model: CEDModel, mode: str, world_size: int) -> str | Non
     """Why `DecodeConfig.runner = mode` leaves the runner off (None: it runs)."""
     if mode == "off":
         return "decode.runner = off"
-    if world_size > 1:
-        return "expert parallelism (the runner's MoE is one rank's)"
-    if model.engram_store is not None:
-        return "Engram tables served by an EngramStore"
+    if world_size > 1 and mode == "auto":
+        return ("expert parallelism: the runner's captured all-to-all has not run on GPUs yet "
+                "(decode.runner = on runs it; tests/unit/test_runner_gpu.py's expert-parallel tests first)")
     if mode == "auto" and model.embed.weight.device.type != "cuda":
         return "not a CUDA device (decode.runner = on runs its step eagerly)"
     return None
@@ -61,12 +66,20 @@ class SlotBook:
     @staticmethod
     def create(model: CEDModel, storage: Tensor, layout: BlockLayout, max_slots: int, max_context: int,
                max_drafts: int, cuda_graphs: bool, compile_fused: bool = False,
-               metrics: DecodeMetrics | None = None) -> SlotBook:
+               metrics: DecodeMetrics | None = None,
+               exchange: Callable[[int], FixedCapacityEP | None] | None = None) -> SlotBook:
         """A runner whose slots take a step's carried tokens (up to `max_drafts` accepted last step),
-        the anchor and `max_drafts` drafts: `2 x max_drafts + 1` rows."""
+        the anchor and `max_drafts` drafts: `2 x max_drafts + 1` rows. `exchange(max_rows)`: the
+        group's fixed-capacity exchange for that many rows per rank (expert parallelism), or None."""
         config = RunnerConfig(max_slots=max_slots, max_context=max_context, max_rows_per_slot=2 * max_drafts + 1,
                               cuda_graphs=cuda_graphs, compile_fused=compile_fused and storage.is_cuda)
-        return SlotBook(ModelRunner(model, config, storage=storage, layout=layout), metrics)
+        group = exchange(config.bucket_sizes[-1]) if exchange is not None else None
+        return SlotBook(ModelRunner(model, config, storage=storage, layout=layout, exchange=group), metrics)
+
+    @property
+    def collective(self) -> bool:
+        """Whether every rank of a group must step together (expert parallelism)."""
+        return self.runner.exchange is not None
 
     def capture(self) -> CaptureReport:
         report = self.runner.capture(lambda done, total: log.info("runner: captured %d of %d buckets", done, total))
@@ -146,12 +159,18 @@ class SlotBook:
         assert seq.state is not None
         return {layer: seq.state.position // ratio for layer, ratio in self._ratios.items()}
 
-    def step(self, seqs: list[DecodeSequence], tables: list[list[int]], drafts: list[Draft | None]
-             ) -> tuple[list[SeqPlan], list[BatchOutput]]:
+    @staticmethod
+    def rows(seqs: list[DecodeSequence], drafts: list[Draft | None]) -> int:
+        """Rows `step` feeds for `seqs`: each one's carried tokens and anchor, and its drafts."""
+        return sum(len(seq.pending) + (0 if draft is None else len(draft.tokens)) for seq, draft in zip(seqs, drafts))
+
+    def step(self, seqs: list[DecodeSequence], tables: list[list[int]], drafts: list[Draft | None],
+             group_rows: int = 0) -> tuple[list[SeqPlan], list[BatchOutput]]:
         """One runner step over `seqs` (each `fits`; `tables` their block ids): the plans and outputs
         `forward_batch` would give (`step.plan_rows`: a carried chunk, then the anchor and its drafts
         with a snapshot of the position before them, which `decide` restores on a rejection and the
-        next step turns into a rewind of the slot). Logits and taps are copies."""
+        next step turns into a rewind of the slot). Logits and taps are copies. `group_rows`: the
+        group's most rows this step (expert parallelism; `seqs` may then be empty)."""
         rows: list[int] = []
         tokens: list[int] = []
         for seq, table, draft in zip(seqs, tables, drafts):
@@ -167,7 +186,7 @@ class SlotBook:
             feed = [*seq.pending, *([] if draft is None else draft.tokens)]
             rows += [slot] * len(feed)
             tokens += feed
-        logits, taps = self.runner.step_outputs(rows, tokens)
+        logits, taps = self.runner.step_outputs(rows, tokens, group_rows)
         if self.metrics is not None:
             self.metrics.runner_rows.inc(len(rows))
         logits, taps = logits.clone(), taps.clone()  # the graph's outputs are rewritten by the next step

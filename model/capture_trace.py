@@ -70,6 +70,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not isinstance(x, Tensor):
             if isinstance(x, float) and x != x:  # NaN compares unequal to itself
                 return "nan"
+            if isinstance(x, torch.ScriptObject):  # a collective's process group: no `==`
+                return ("object", str(x._type().qualified_name()))
             return x
         address = x.untyped_storage().data_ptr()
         if address == 0:  # no storage yet (an empty tensor)

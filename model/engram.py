@@ -174,9 +174,11 @@ ENGRAM_SCALE_BLOCK = 32
 
 
 def dequantize_engram_rows(raw: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """FP8 rows `raw [n, head_dim]` times their block scales `scale [n, head_dim / 32]`, as `dtype`.
-    Elementwise per row, so a gathered subset dequantizes to the same bits as the whole table."""
-    blocks = raw.float().view(raw.shape[0], -1, ENGRAM_SCALE_BLOCK)
+    """FP8 rows `raw [..., head_dim]` times their block scales `scale [..., head_dim / 32]`, as
+    `dtype`. Elementwise per row (one float32 product per value), so a gathered subset dequantizes to
+    the same bits as the whole table, on any device (the model runner dequantizes staged rows on the
+    GPU, `cedserve.model.engram_staging`)."""
+    blocks = raw.float().view(*raw.shape[:-1], -1, ENGRAM_SCALE_BLOCK)
     return (blocks * scale.float().unsqueeze(-1)).view(raw.shape).to(dtype)
 
 

@@ -57,12 +57,20 @@ class MappedTable:
     def num_rows(self) -> int:
         return int(self.weight.shape[0])
 
-    def rows(self, ids: np.ndarray[tuple[int], np.dtype[np.int64]], dtype: torch.dtype) -> Tensor:
-        """Rows `ids [n]` as `dtype [n, head_dim]`; reads only those rows from the map."""
+    def stored_rows(self, ids: np.ndarray[tuple[int], np.dtype[np.int64]]) -> tuple[Tensor, Tensor | None]:
+        """Rows `ids [n]` as stored: `weight [n, head_dim]` in the stored dtype and, for F8 tables,
+        their `scale [n, head_dim / 32]`; reads only those rows from the map. `ValueError` for an id
+        outside `[0, num_rows)` (numpy would wrap a negative one to the table's end)."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+            raise ValueError(f"Engram table {self.name}: row ids must be in [0, {self.num_rows}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
         raw = raw_to_torch(self.weight[ids], self.weight_dtype)
-        if self.scale is None:
-            return raw.to(dtype)
-        return dequantize_engram_rows(raw, raw_to_torch(self.scale[ids], self.scale_dtype), dtype)
+        return raw, None if self.scale is None else raw_to_torch(self.scale[ids], self.scale_dtype)
+
+    def rows(self, ids: np.ndarray[tuple[int], np.dtype[np.int64]], dtype: torch.dtype) -> Tensor:
+        """Rows `ids [n]` as `dtype [n, head_dim]` (`stored_rows`, dequantized)."""
+        raw, scale = self.stored_rows(ids)
+        return raw.to(dtype) if scale is None else dequantize_engram_rows(raw, scale, dtype)
 
 
 def _find(headers: dict[str, TensorInfo], name: str) -> TensorInfo | None:
@@ -114,7 +122,8 @@ class EngramStore:
 
     def gather(self, hash_ids: Tensor) -> Tensor:
         """Rows for `hash_ids [S, engram layers, columns]` (int64, on any device) ->
-        `[S, engram layers, columns, head_dim]` in the store's dtype, on the CPU."""
+        `[S, engram layers, columns, head_dim]` in the store's dtype, on the CPU. `ValueError` for
+        an id outside its layer's table."""
         if self._pool is None:
             raise RuntimeError("EngramStore is closed")
         ids = hash_ids.detach().cpu().numpy()

@@ -140,20 +140,28 @@ def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w13: Tensor, w2: Tensor, sc
     """`MoE.forward` with every routed expert run over every row (unrouted pairs weighted 0) and the
     shared expert as one more, weighted 1: `x [B, D]`; float32 `gate [E, D]`, `bias [E]`; `w13
     [E + 1, 2I, D]` (each expert's `w1` rows, then its `w3` rows; the shared expert last) and `w2
-    [E + 1, D, I]`. Two GEMMs for every expert: gate and up as one over the flattened `w13`, the down
-    projections as one batched GEMM."""
+    [E + 1, D, I]` (`dense_experts`)."""
     weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling)  # [B, k]
-    experts, inter = w13.shape[0], w2.shape[-1]
-    ids = torch.arange(experts, device=x.device)
+    ids = torch.arange(w13.shape[0], device=x.device)
     # [B, E + 1]: each expert's routing weight (a one-hot sum: at most one term is nonzero, so exact)
     routing = ((indices.unsqueeze(-1) == ids) * weights.unsqueeze(-1)).sum(dim=1)
-    routing = torch.where(ids == experts - 1, 1.0, routing)
-    gate_up = F.linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E + 1, 2I]
+    routing = torch.where(ids == w13.shape[0] - 1, 1.0, routing)
+    return dense_experts(x, routing, w13, w2, limit)
+
+
+def dense_experts(x: Tensor, routing: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """Every stacked expert over every row of `x [B, D]`, weighted by float32 `routing [B, E']`
+    (0 where a row does not route to the expert: exact), summed: `[B, D]` in `x.dtype`. `w13 [E', 2I,
+    D]`, `w2 [E', D, I]`. Two GEMMs for every expert: gate and up as one over the flattened `w13`,
+    the down projections as one batched GEMM; each expert's output is rounded to `x.dtype` before
+    the float32 sum."""
+    experts, inter = w13.shape[0], w2.shape[-1]
+    gate_up = F.linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E', 2I]
     g, u = gate_up[..., :inter], gate_up[..., inter:]
     if limit > 0:
         u, g = u.clamp(-limit, limit), g.clamp(max=limit)
-    y = routing.unsqueeze(-1) * (F.silu(g) * u)  # [B, E + 1, I]
-    down = torch.bmm(y.transpose(0, 1).to(x.dtype), w2.transpose(1, 2))  # [E + 1, B, D]
+    y = routing.unsqueeze(-1) * (F.silu(g) * u)  # [B, E', I]
+    down = torch.bmm(y.transpose(0, 1).to(x.dtype), w2.transpose(1, 2))  # [E', B, D]
     return down.float().sum(dim=0).to(x.dtype)
 
 
@@ -204,6 +212,8 @@ class FusedOps:
         self.window_slots = wrap(window_slots)
         self.global_kv = partial(global_kv, from_rings=wrap(global_kv_from_rings))  # ring writes stay eager
         self.dense_moe = wrap(dense_moe)
+        self.dense_experts = wrap(dense_experts)
+        self.route_topk = wrap(route_topk)
         self.route_with_shared = wrap(route_with_shared)
         self.expand = wrap(hc_expand)
         self.entries_to_slots = wrap(entries_to_slots)

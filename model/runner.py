@@ -11,8 +11,20 @@ steps: `step(slots, token_ids, sampling)` returns one sampled token per slot. Pe
    runs every layer, writes the new records and windows into the pools, and samples on the device;
 4. copies the sampled tokens back (the step's one device-to-host copy) and waits for them.
 
+With the Engram tables in an `EngramStore` (memory-mapped on the host), step 1 is preceded by the
+step's Engram rows: hashed on the host, their stored bytes gathered from the maps into a pinned
+buffer and copied, before the staging copy, into a static device buffer that the step reads (and
+dequantizes) instead of the tables (`cedserve.model.engram_staging`).
+
 Graphs are captured by `capture` (the worker's warm-up), largest bucket first so that every graph
 shares one memory pool; warm-up runs and captures address only the scratch slot.
+
+With expert parallelism (`exchange`: each rank holds `E / R` routed experts, `cedserve.model.
+expert_exchange`) every MoE layer of the step is a collective, so every rank of the group steps
+together on the same bucket: the caller passes `group_rows`, the most rows any rank feeds this step
+(the engine agrees on it before stepping), and a rank with fewer rows, or none, pads to that bucket
+with scratch rows. The capture runs the same buckets in the same order on every rank, collectives
+included.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ import torch
 from torch import Tensor
 
 from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.engram_staging import EngramStaging
+from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import CEDModel
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.slot_step import MoeMode, SlotStep
@@ -151,14 +165,23 @@ class ModelRunner:
     storage: Tensor | None = None
     """A block pool to keep the global KV in (the decode worker's cache), with its `layout`."""
     layout: BlockLayout | None = None
+    exchange: FixedCapacityEP | None = None
+    """Expert parallelism: the group's fixed-capacity exchange, sized for the largest bucket (every
+    step is then collective: module docstring). None: this rank holds every expert."""
 
     def __post_init__(self) -> None:
         self.device = self.model.embed.weight.device
+        self.buckets = self.config.bucket_sizes
+        if self.exchange is not None and self.exchange.max_tokens < self.buckets[-1]:
+            raise ValueError(f"runner: the expert-parallel exchange holds {self.exchange.max_tokens} rows per rank, "
+                             f"the largest bucket {self.buckets[-1]}")
         shape = SlotShape(self.config.max_slots, self.config.max_context, self.config.max_rows_per_slot)
         self.pools = SlotPools(self.model.config, shape, self.device, self.storage, self.layout)
-        self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused)
-        self.buckets = self.config.bucket_sizes
         width = self.buckets[-1]
+        self.engram = self._engram_staging(width)
+        """The step's Engram rows when an `EngramStore` serves the tables (None: the step looks them up)."""
+        self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused,
+                                  engram=self.engram, exchange=self.exchange)
         cuda = pin = self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
@@ -167,8 +190,16 @@ class ModelRunner:
         self._graphs: dict[int, _Graph] = {}
         self._seeds = random.Random()
         self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
-        """Recorded after each staging copy: the host waits for it before refilling the staging."""
+        """Recorded after each step's copies in: the host waits for it before refilling the staging."""
         self.steps = 0
+
+    def _engram_staging(self, width: int) -> EngramStaging | None:
+        store, hasher = self.model.engram_store, self.model.hasher
+        if store is None:
+            return None
+        assert hasher is not None  # a model with Engram layers has one
+        return EngramStaging(store, hasher, self.model.config, self.config.max_slots, self.config.max_rows_per_slot,
+                             width, self.device)
 
     @property
     def graphs_captured(self) -> tuple[int, ...]:
@@ -180,6 +211,8 @@ class ModelRunner:
         """Put a sequence's state into `slot` (a join, a re-admission after preemption); with a
         shared block pool, `block_ids` are the request's blocks (holding its records)."""
         self.pools.load(slot, state, block_ids)
+        if self.engram is not None:
+            self.engram.load(slot, state.engram_tail, state.position)
         self._positions[slot] = state.position
 
     def set_blocks(self, slot: int, block_ids: list[int]) -> None:
@@ -211,48 +244,60 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
 
     def step(self, slots: Sequence[int], token_ids: Sequence[int],
-             sampling: Sequence[SamplingParams] | None = None) -> list[int]:
+             sampling: Sequence[SamplingParams] | None = None, group_rows: int = 0) -> list[int]:
         """One sampled token per row (sampled on the device): row i feeds `token_ids[i]` to slot
         `slots[i]`; a slot's rows are adjacent and take its next positions in order, and it advances
         past its last row. `ValueError` for unknown slots, a slot's rows not adjacent or more than
         `max_rows_per_slot`, ids outside the vocabulary or a slot at its capacity, checked on the host
-        before anything runs."""
+        before anything runs. `group_rows`: with an exchange, the most rows any rank of the group
+        feeds this step (the same on every rank; this rank may feed none): the step runs that bucket."""
         if sampling is not None and len(sampling) != len(slots):
             raise ValueError(f"runner.step: {len(slots)} slots, {len(sampling)} sampling parameters")
-        outputs = self._run(slots, token_ids, sampling)
-        if outputs is None:
-            return []
+        outputs = self._run(slots, token_ids, sampling, group_rows)
         rows = len(slots)
+        if outputs is None or rows == 0:
+            return []
         host = self._tokens_host[:rows]
         host.copy_(outputs.tokens[:rows], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return host.tolist()
 
-    def step_outputs(self, slots: Sequence[int], token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    def step_outputs(self, slots: Sequence[int], token_ids: Sequence[int],
+                     group_rows: int = 0) -> tuple[Tensor, Tensor]:
         """`step` for a caller that samples itself: the rows' logits `[rows, vocab]` and DSpark taps
         `[rows, n_taps, hc, hidden]` (views of the step's outputs, valid until the next step)."""
-        outputs = self._run(slots, token_ids, None)
+        outputs = self._run(slots, token_ids, None, group_rows)
         if outputs is None:
             vocab = self.model.config.vocab_size
             return torch.zeros(0, vocab, device=self.device), torch.zeros(0, 0, device=self.device)
         rows = len(slots)
         return outputs.logits[:rows], outputs.taps[:rows]
 
-    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int]) -> Tensor:
+    def step_logits(self, slots: Sequence[int], token_ids: Sequence[int], group_rows: int = 0) -> Tensor:
         """The rows' logits of a step, copied (tests, benchmarks)."""
-        return self.step_outputs(slots, token_ids)[0].clone()
+        return self.step_outputs(slots, token_ids, group_rows)[0].clone()
 
     def _run(self, slots: Sequence[int], token_ids: Sequence[int],
-             sampling: Sequence[SamplingParams] | None) -> _Outputs | None:
+             sampling: Sequence[SamplingParams] | None, group_rows: int) -> _Outputs | None:
         rows = len(slots)
         if rows != len(token_ids):
             raise ValueError(f"runner.step: {rows} slots, {len(token_ids)} tokens")
-        if rows == 0:
+        if self.exchange is None:
+            group_rows = 0  # alone, the step is this rank's rows only
+        elif group_rows < rows:
+            raise ValueError(f"runner.step: {rows} rows, more than the group's {group_rows}")
+        if max(rows, group_rows) == 0:
             return None
         self._check(slots, token_ids)
-        bucket = self.bucket_for(rows)
-        self._stage(slots, token_ids, sampling or [GREEDY] * rows, bucket)
+        bucket = self.bucket_for(max(rows, group_rows))
+        offsets = _offsets(slots)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        if self.engram is not None:  # issued first: the copy runs while the host fills the staging
+            positions = [self._positions[slot] + offset for slot, offset in zip(slots, offsets)]
+            self.engram.upload(self.engram.stage(slots, token_ids, positions))
+        self._stage(slots, token_ids, offsets, sampling or [GREEDY] * rows, bucket)
         self._upload()
         graph = self._graphs.get(bucket)
         if graph is not None:
@@ -291,20 +336,13 @@ class ModelRunner:
             if self._positions[slot] + count >= self.config.max_context:
                 raise ValueError(f"runner.step: slot {slot} is full ({self.config.max_context} tokens)")
 
-    def _stage(self, slots: Sequence[int], token_ids: Sequence[int], sampling: Sequence[SamplingParams],
-               bucket: int) -> None:
+    def _stage(self, slots: Sequence[int], token_ids: Sequence[int], offsets: list[int],
+               sampling: Sequence[SamplingParams], bucket: int) -> None:
         staging, rows = self._staging, len(slots)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the staging
         staging[:, rows:bucket] = 0
         staging[_SLOTS, rows:bucket] = self.pools.scratch_slot
         staging[_TOKENS, :rows] = torch.tensor(list(token_ids), dtype=torch.long)
         staging[_SLOTS, :rows] = torch.tensor(list(slots), dtype=torch.long)
-        offsets: list[int] = []
-        seen: dict[int, int] = {}
-        for slot in slots:
-            offsets.append(seen.get(slot, 0))
-            seen[slot] = offsets[-1] + 1
         staging[_OFFSETS, :rows] = torch.tensor(offsets, dtype=torch.long)
         staging[_TOP_K, :rows] = torch.tensor([p.top_k for p in sampling], dtype=torch.long)
         staging[_TEMPERATURE, :rows] = torch.tensor([p.temperature for p in sampling],
@@ -346,3 +384,13 @@ class ModelRunner:
         self._staging[_SLOTS] = self.pools.scratch_slot
         self._staging[_TOP_P] = torch.ones(self._staging.shape[1], dtype=torch.float64).view(torch.long)
         self._inputs.copy_(self._staging)
+
+
+def _offsets(slots: Sequence[int]) -> list[int]:
+    """Each row's place among its slot's rows (0, 1, ...: the slot's rows are adjacent)."""
+    offsets: list[int] = []
+    seen: dict[int, int] = {}
+    for slot in slots:
+        offsets.append(seen.get(slot, 0))
+        seen[slot] = offsets[-1] + 1
+    return offsets

@@ -22,7 +22,12 @@ test_runner.py), and why:
   expert over every row and weights unrouted pairs by zero (exact, and cheap while experts are few
   and rows many), "grouped" sorts pairs into fixed tiles (`kernels.moe.moe_experts`, bf16);
 * rows of a padded bucket carry `SlotPools.scratch_slot`: their window writes land in scratch
-  memory and they write no global-KV record.
+  memory and they write no global-KV record;
+* with the Engram tables in an `EngramStore` (host memory), the rows' table rows are not looked up
+  but read from a static buffer the runner fills before each step (`cedserve.model.engram_staging`).
+* with expert parallelism (`exchange`) each MoE layer's pairs travel to their experts' ranks and
+  back through a fixed-capacity all-to-all (`cedserve.model.expert_exchange`): every rank of the
+  group runs the step with the same bucket, and a captured step holds the collectives.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from cedserve.model.attention import Attention
 from cedserve.model.block import Block
 from cedserve.model.compressor import Compressor
 from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
+from cedserve.model.engram_staging import EngramStaging
+from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.fused import FusedOps
 from cedserve.model.indexer import INDEX_QUANT_BLOCK
 from cedserve.model.network import CEDModel
@@ -77,12 +84,18 @@ class _Pass:
 class SlotStep:
     """The captured decode step's computation (module docstring)."""
 
-    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True) -> None:
+    def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True,
+                 engram: EngramStaging | None = None, exchange: FixedCapacityEP | None = None) -> None:
+        """`engram`: the static buffer of each step's Engram rows, row b for step row b, filled before
+        each step (`cedserve.model.engram_staging`), which the step reads instead of looking rows up
+        in the model's tables: required when an `EngramStore` serves them. `exchange`: expert
+        parallelism's fixed-capacity all-to-all (module docstring)."""
         config = model.config
-        if model.engram_store is not None:
-            raise ValueError("the slot step reads Engram tables from the model; a memory-mapped EngramStore "
-                             "is not supported on this path yet")
+        if model.engram_store is not None and engram is None:
+            raise ValueError("the model's Engram tables are served by an EngramStore: the slot step needs the "
+                             "staged rows (an EngramStaging, as the model runner keeps)")
         self.model, self.pools, self.config = model, pools, config
+        self.staged_engram = engram
         self.device = pools.device
         self.kernels = self.device.type == "cuda"
         self.ropes = {kind: device_rope(table, self.device) for kind, table in model.ropes.items()}
@@ -97,7 +110,9 @@ class SlotStep:
         """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
         kernels each part launches; off in serving: a range costs host time)."""
         layers = [self._block(layer_id) for layer_id in range(config.num_hidden_layers)]
-        self._moes = [DeviceMoE(block.ffn, self.moe_mode) for block in layers]
+        self.exchange = exchange
+        """The group's fixed-capacity exchange (expert parallelism), or None: this rank holds every expert."""
+        self._moes = [DeviceMoE(block.ffn, self.moe_mode, exchange) for block in layers]
         # Weights that read the same input, concatenated once (one GEMM each instead of two or three):
         # the attention's `wq_a`, `wkv` and an index source's `weights_proj`; a compressor's float32
         # `wkv`, `wgate` (ratio > 1; its `wkv` at ratio 1). Copies: the modules keep their own.
@@ -153,13 +168,16 @@ class SlotStep:
         return logits, taps
 
     def _engram_rows(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> Tensor | None:
-        """Write the rows' compressed ids into the slots' rings, then hash each row's n-grams."""
+        """Write the rows' compressed ids into the slots' rings, then hash each row's n-grams and
+        look their rows up (or read the rows staged for this step)."""
         if self.hasher is None:
             return None
         pools = self.pools
         ring, keep = pools.engram_ring, pools.engram_keep
         compressed = self.hasher.compress(token_ids)
         pools.engram_ids[slots, positions % ring] = compressed
+        if self.staged_engram is not None:
+            return self.staged_engram.device_rows(token_ids.shape[0])
         before = positions.unsqueeze(-1) - keep + torch.arange(keep, device=positions.device)  # [B, N-1]
         history = pools.engram_ids[slots.unsqueeze(-1), before.remainder(ring)]
         known = (positions - pools.engram_first[slots].clamp_min(0)).clamp(0, keep)

@@ -18,6 +18,10 @@
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
 #                   --contexts, --batches, --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths) and
 #                   ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused auto-fused-tf32 off-tf32).
+#   engram          the runner over memory-mapped Engram tables: tests/unit/test_runner_gpu.py -k engram, then
+#                   benchmarks/engram_staging.py --device cuda (host staging and the pinned copy per batch)
+#                                   engram-tests.log, engram-staging-h200.json, engram-staging.log
+#                                                                     ENGRAM_TESTS_S=150 ENGRAM_BENCH_S=120
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
@@ -38,6 +42,9 @@
 #   decode-cuda     benchmarks/decode.py at $CONTEXTS (256 2048) x $BATCHES (1 8 32), attention
 #                   $ATTENTION (off kernels)        decode-cuda.json, decode-cuda.log   DECODE_S=330
 #   ep-tests        tests/unit/test_decode_expert_parallel.py -m gpu (two GPUs)  ep-tests.log
+#   ep-runner       the runner's expert-parallel step captured with its all-to-all (tests/unit/
+#                   test_runner_gpu.py -k expert_parallel: a one-rank NCCL group on one GPU, the
+#                   two-rank test where two GPUs exist)      ep-runner-tests.log         EP_RUNNER_S=200
 #                                                                                     EP_TESTS_S=200
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
@@ -205,6 +212,16 @@ part_attention_splits() {  # the Triton sparse attention's key splits: old rule,
     | quiet | tee "$OUT/attention-splits.log"
 }
 
+part_engram() {  # the runner over memory-mapped Engram tables (docs/model.md, *Engram tables in host memory*)
+  local rc=0
+  timeout "${ENGRAM_TESTS_S:-150}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py \
+    -k engram -p no:warnings -rfE --durations=5 2>&1 | grep -v "NIXL INFO\|DEBUG" | tail -100 \
+    | tee "$OUT/engram-tests.log" || rc=$?
+  timeout "${ENGRAM_BENCH_S:-120}" "$PY" -P benchmarks/engram_staging.py --device cuda \
+    --out "$OUT/engram-staging-h200.json" 2>&1 | quiet | tee "$OUT/engram-staging.log" || rc=$?
+  return "$rc"
+}
+
 part_tf32() {  # what decode.matmul_tf32 does to the logits (teacher-forced, demo checkpoint and mini-40)
   timeout "${TF32_S:-90}" "$PY" -P benchmarks/tf32_agreement.py --out "$OUT/tf32-agreement-h200.json" 2>&1 \
     | quiet | tee "$OUT/tf32.log"
@@ -281,6 +298,12 @@ part_decode_cuda() {
 part_ep_tests() {
   timeout "${EP_TESTS_S:-200}" "$PY" -P -m pytest tests/unit/test_decode_expert_parallel.py -m gpu -q -p no:cacheprovider 2>&1 \
     | tail -20 | tee "$OUT/ep-tests.log"
+}
+
+part_ep_runner() {
+  timeout "${EP_RUNNER_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_runner_gpu.py \
+    -k expert_parallel -rA -p no:warnings --durations=8 2>&1 | grep -v "NIXL INFO\|DEBUG" | tail -120 \
+    | tee "$OUT/ep-runner-tests.log"
 }
 
 # ---------------------------------------------------------------- serving end to end (docs/bench-serve.md)
@@ -526,6 +549,7 @@ run_part() {  # $1: part name
     runner-tests) part_runner_tests ;;
     step) part_step ;;
     engine) part_engine ;;
+    engram) part_engram ;;
     tf32) part_tf32 ;;
     attention-splits) part_attention_splits ;;
     kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;
@@ -539,6 +563,7 @@ run_part() {  # $1: part name
     decode-ep2) part_decode_mode "$1" --ep 2 --contexts 4096 65536 --batches 8 32 ;;
     decode-cuda) part_decode_cuda ;;
     ep-tests) part_ep_tests ;;
+    ep-runner) part_ep_runner ;;
     full-topology) part_full_topology ;;
     train-demo|train-drafter) part_train "$1" ;;
     demo-eval) part_demo_eval ;;

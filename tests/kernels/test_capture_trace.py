@@ -14,6 +14,7 @@ from cedserve.model.capture_trace import Trace, compare, trace
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
 from cedserve.model.dspark import Drafter
+from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import CEDModel
 from cedserve.model.presets import preset
 from cedserve.model.runner import ModelRunner, RunnerConfig
@@ -34,9 +35,9 @@ def tiny_on_device() -> tuple[CEDModel, Drafter]:
     return model, drafter
 
 
-def prefilled_runner(model: CEDModel, lengths: list[int]) -> ModelRunner:
+def prefilled_runner(model: CEDModel, lengths: list[int], exchange: FixedCapacityEP | None = None) -> ModelRunner:
     gen = torch.Generator().manual_seed(7)
-    runner = ModelRunner(model, RunnerConfig(max_slots=6, max_context=256, buckets=(1, 2, 4, 6)))
+    runner = ModelRunner(model, RunnerConfig(max_slots=6, max_context=256, buckets=(1, 2, 4, 6)), exchange=exchange)
     for slot, length in enumerate(lengths):
         state = model.new_state()
         model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
@@ -67,6 +68,37 @@ def test_runner_step_is_the_same_graph_for_other_inputs() -> None:
     assert compare(first, second) is None, compare(first, second)
     third = staged_step(runner, [1], [9], [greedy], bucket=1)  # another bucket: another graph
     assert compare(first, third) is not None
+
+
+@pytest.mark.slow
+def test_expert_parallel_runner_step_is_the_same_graph_for_other_inputs() -> None:
+    """The runner's step with a fixed-capacity exchange (expert parallelism; a one-rank group in this
+    process: gloo on a CPU, NCCL on a GPU) on its CUDA branches: two staged inputs of one bucket, so
+    other routings too, run the same operations on the same buffers, the exchange's collectives
+    included, and read nothing on the host."""
+    import socket
+
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model, _ = tiny_on_device()
+        c, device = model.config, model.embed.weight.device
+        exchange = TorchDistributedEP(c.n_routed_experts).runner_exchange(6, c.num_experts_per_tok, c.hidden_size,
+                                                                           torch.float32, device)
+        runner = prefilled_runner(model, [5, 37, 70, 101, 12], exchange)
+        greedy = SamplingParams(temperature=0.0)
+        first = staged_step(runner, [0, 1, 2], [11, 12, 13], [greedy] * 3, bucket=4)
+        second = staged_step(runner, [3, 4, 4], [40, 41, 42], [greedy] * 3, bucket=4)
+        assert sum(op.name.startswith("c10d.") for op in first.ops) == 3 * c.num_hidden_layers
+        assert compare(first, second) is None, compare(first, second)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_drafter_step_is_the_same_graph_for_other_inputs() -> None:

@@ -10,6 +10,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
+from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter
 from cedserve.model.network import BoundaryHidden, CEDModel
 from cedserve.model.paged_kv import store_bytes, store_records
@@ -70,6 +72,22 @@ def tiny_bf16(seed: int = 7) -> tuple[CEDModel, Drafter]:
     """`tiny(seed)`'s weights in bfloat16 (the reference's float32 parameters float32)."""
     model, drafter = tiny(seed)
     return cast_weights(copy.deepcopy(model), torch.bfloat16), cast_weights(copy.deepcopy(drafter), torch.bfloat16)
+
+
+def store_tables_as_fp8(folder: Path, config: ModelConfig) -> None:
+    """Rewrite the checkpoint's Engram tables as the released model stores them: FP8 E4M3 values and
+    one float32 scale per 32 channels (`<module>.scale`)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for layer_id in config.engram_layer_ids:
+        name = next(n for n in tensors if n.endswith(f"layers.{layer_id}.engram.embed.weight"))
+        blocks = tensors[name].float().unflatten(-1, (-1, 32))
+        scale = blocks.abs().amax(-1).clamp_min(1e-12) / 448
+        tensors[name] = (blocks / scale.unsqueeze(-1)).flatten(-2).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "scale"] = scale
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -152,7 +170,7 @@ class Rig:
     """A decode engine whose transfer agent is a loopback fake, and a prefill side that sends to it."""
 
     def __init__(self, model: CEDModel, drafter: Drafter | None, proposer: Proposer | None = None,
-                 num_blocks: int = 128, device: str = "cpu", **config: Any) -> None:
+                 num_blocks: int = 128, device: str = "cpu", ep: Any = None, **config: Any) -> None:
         self.model = model
         layout, kv_layout = layouts(model)
         self.hub = LoopbackHub()
@@ -164,7 +182,7 @@ class Rig:
         self.config = DecodeConfig(**{"ship_state": False, **config})
         if proposer is None and drafter is not None:
             proposer = DSparkProposer(drafter, model, self.config.draft_tokens)
-        self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent)
+        self.engine = DecodeEngine(self.config, model, self.cache, proposer=proposer, endpoint=self.agent, ep=ep)
         self.prefill_pool = BlockPool(256, layout.block_bytes)
         self.prefill_agent = LoopbackAgent(self.hub, KVRegion(self.prefill_pool.storage, layout.block_bytes),
                                            kv_layout, "prefill")
@@ -363,40 +381,67 @@ def ep_forward_worker(rank: int, world: int, port: int, out: Any, device: str = 
     dist.destroy_process_group()
 
 
-def group_engine_worker(rank: int, world: int, port: int, out: Any) -> None:
-    """One rank of a decode group running the real loop: rank 0 (the leader) places two decode-only
-    requests on itself and one, shorter, on rank 1, then stops the group when all have finished."""
-    import torch.distributed as dist
+GROUP_JOBS = [(0, prompt(19, 40), 7), (0, prompt(26, 41), 6), (1, prompt(23, 42), 3)]
+"""(rank, prompt, tokens) of the group engine tests: two requests on the leader, a shorter one on rank 1."""
 
-    from cedserve.decode_workers.expert_parallel import TorchDistributedEP, shard_experts
-    from cedserve.decode_workers.loop import EngineLoop, TorchChannel
-    from cedserve.decode_workers.messages import TickReport
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+class AlwaysDrafts(DSparkProposer):
+    """The DSpark proposer without the engine's cost check: it drafts whenever a sequence is at its
+    anchor, so what a step verifies does not depend on measured step times."""
+
+    def attach_profile(self, profile: Any, verify_all: bool) -> None:
+        pass
+
+
+def group_engine_tokens(rank: int, channel: Any, ep: Any, runner: str = "off", world: int = 2,
+                        ) -> tuple[dict[str, list[int]], DecodeEngine]:
+    """Run `GROUP_JOBS` through one rank's real engine loop (`channel`, `ep`: the group's; a group of
+    one takes every job) until the leader has seen them all finish. With the runner on, the proposer
+    always drafts and every draft is verified (deterministic rows). Returns the leader's tokens by
+    request ({} elsewhere) and the engine."""
+    from cedserve.decode_workers.expert_parallel import shard_experts
+    from cedserve.decode_workers.loop import EngineLoop
+
     model, drafter = tiny()
-    shard_experts(model, rank, world)
-    ep = TorchDistributedEP(model.config.n_routed_experts)
+    if world > 1:  # a spawned rank's own model: sharded in place
+        shard_experts(model, rank, world)
     layout, _ = layouts(model)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=64), f"decode-r{rank}")
-    config = DecodeConfig()
-    engine = DecodeEngine(config, model, cache, proposer=DSparkProposer(drafter, model), ep=ep, rank=rank)
+    if runner == "off":
+        config, proposer = DecodeConfig(), DSparkProposer(drafter, model)
+    else:
+        config = DecodeConfig(runner=runner, adaptive_verify=False)
+        proposer = AlwaysDrafts(drafter, model, config.draft_tokens)
+    engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep, rank=rank)
     outputs: list[Output] = []
-    loop = EngineLoop(engine, TorchChannel(), on_report=lambda reports: outputs.extend(
-        o for r in reports for o in r.outputs))
-    jobs = [(0, prompt(19, 40), 7), (0, prompt(26, 41), 6), (1, prompt(23, 42), 3)]
+    loop = EngineLoop(engine, channel, on_report=lambda reports: outputs.extend(o for r in reports for o in r.outputs))
     if rank == 0:
-        for i, (where, tokens, n) in enumerate(jobs):
-            rid = f"g{i}"
+        for i, (where, tokens, n) in enumerate(GROUP_JOBS):
+            rid, where = f"g{i}", where if world > 1 else 0
             loop.inbox.put(ReserveCommand(where, rid, f"lease-{rid}", len(tokens), tuple(tokens), 30_000))
             loop.inbox.put(AttachCommand(where, rid, f"lease-{rid}", tuple(tokens), None, 100, Sampling(max_tokens=n)))
     while loop.tick():
-        if rank == 0 and sum(isinstance(o, Finished) for o in outputs) == len(jobs):
+        if rank == 0 and sum(isinstance(o, Finished) for o in outputs) == len(GROUP_JOBS):
             loop.stop_requested = True
-    del TickReport
-    if rank == 0:
-        tokens = {f"g{i}": [t for o in outputs if isinstance(o, Tokens) and o.request_id == f"g{i}" for t in o.token_ids]
-                  for i in range(len(jobs))}
-        out.put((tokens, [(j[1], j[2]) for j in jobs], engine.passes))
+    tokens = {f"g{i}": [t for o in outputs if isinstance(o, Tokens) and o.request_id == f"g{i}" for t in o.token_ids]
+              for i in range(len(GROUP_JOBS))} if rank == 0 else {}
+    return tokens, engine
+
+
+def group_engine_worker(rank: int, world: int, port: int, out: Any, runner: str = "off") -> None:
+    """One rank of a decode group running the real loop (gloo): rank 0 (the leader) places two
+    decode-only requests on itself and one, shorter, on rank 1, then stops the group when all have
+    finished. Every rank reports (rank, the leader's tokens, passes, runner steps)."""
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP
+    from cedserve.decode_workers.loop import TorchChannel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ep = TorchDistributedEP(tiny()[0].config.n_routed_experts)
+    tokens, engine = group_engine_tokens(rank, TorchChannel(), ep, runner, world)
+    runner_steps = engine.slots.runner.steps if engine.slots is not None else 0
+    out.put((rank, tokens, engine.passes, runner_steps))
     dist.destroy_process_group()
 
 
@@ -418,7 +463,8 @@ def fixed_capacity_worker(rank: int, world: int, port: int, out: Any) -> None:
     model, _ = tiny()
     shard_experts(model, rank, world)
     config = model.config
-    fixed = FixedCapacityEP(config.n_routed_experts, max_tokens=16, top_k=config.num_experts_per_tok)
+    fixed = FixedCapacityEP(config.n_routed_experts, max_tokens=16, top_k=config.num_experts_per_tok,
+                            hidden=config.hidden_size)
     dynamic = TorchDistributedEP(config.n_routed_experts)
     gen = torch.Generator().manual_seed(100 + rank)
     results = []
@@ -428,4 +474,161 @@ def fixed_capacity_worker(rank: int, world: int, port: int, out: Any) -> None:
             ffn = model.layers[layer].ffn
             results.append((n, fixed_capacity_moe(fixed, ffn, x).tolist(), ep_moe(dynamic, ffn, x).tolist()))
     out.put((rank, results))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the runner's expert parallelism
+
+EXCHANGE_CASES = [("random", 8, None), ("one row", 1, None), ("all to rank 0", 8, 0), ("all to rank 1", 5, 1)]
+"""(name, rows per rank, the rank whose experts take every pair or None): the last two are the worst
+case the capacity is sized for on one rank and an empty receiver on the other."""
+
+
+def steer(ffn: Any, owner: int | None, world: int) -> Any:
+    """A copy of MoE layer `ffn` whose router picks only rank `owner`'s experts (the selection bias of
+    every other expert at -1e4: the weights, from the unbiased scores, keep their values)."""
+    import copy
+
+    from cedserve.decode_workers.expert_parallel import experts_of
+
+    ffn = copy.deepcopy(ffn)
+    if owner is not None:
+        keep = experts_of(owner, world, len(ffn.experts))
+        with torch.no_grad():
+            for e in range(len(ffn.experts)):
+                if e not in keep:
+                    ffn.gate.bias[e] = -1e4
+    return ffn
+
+
+def exchange_worker(rank: int, world: int, port: int, out: Any) -> None:
+    """One rank of a gloo group: the fixed-capacity exchange's round trip (rank 1 sends nothing) and the
+    runner's expert-parallel MoE (`DeviceMoE` with an exchange, dense and grouped) against one rank
+    holding every expert, over `EXCHANGE_CASES` on fresh random rows per rank and case. Reports
+    (rank, round trip, [(case, rows received, dense error, grouped error, output scale)])."""
+    import copy
+
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import shard_experts
+    from cedserve.model.device_moe import DeviceMoE
+    from cedserve.model.expert_exchange import FixedCapacityEP, fixed_capacity_bytes
+    from cedserve.model.fused import FusedOps
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, _ = tiny()
+    c = model.config
+    exchange = FixedCapacityEP(c.n_routed_experts, 8, c.num_experts_per_tok, c.hidden_size)
+    gen = torch.Generator().manual_seed(300 + rank)
+    # round trip: rank 0 sends 5 tokens, rank 1 none (capacity basis 5 on both); every pair's row
+    # comes back as sent, and each rank receives exactly the pairs routed to its experts
+    n = 5 if rank == 0 else 0
+    x = torch.randn(n, c.hidden_size, generator=gen)
+    indices = torch.randint(0, c.n_routed_experts, (n, c.num_experts_per_tok), generator=gen)
+    weights = torch.rand(n, c.num_experts_per_tok, generator=gen)
+    got = exchange.dispatch(x, indices, weights, rows=5)
+    real = got.expert_ids >= 0
+    received = sorted(zip(got.expert_ids[real].tolist(), got.weights[real, 0].tolist()))
+    back = exchange.combine(got.x.clone(), got)
+    trip = (torch.equal(back, x.unsqueeze(1).expand_as(back)), received, indices.tolist(), weights.tolist(),
+            exchange.buffer_bytes == fixed_capacity_bytes(world, 8, c.num_experts_per_tok, c.hidden_size, 4))
+    ops, results = FusedOps(compiled=False), []
+    torch.set_grad_enabled(False)
+    for case, rows, owner in EXCHANGE_CASES:
+        full = steer(model.layers[len(model.layers) - 1].ffn, owner, world)
+        x = torch.randn(rows, c.hidden_size, generator=gen)
+        want = full(x)  # MoE.forward: one rank, every expert
+        sharded = copy.deepcopy(full)
+        shard_experts(sharded, rank, world)
+        dense = DeviceMoE(copy.deepcopy(sharded), "dense", exchange)
+        got_dense = dense(x, ops)
+        weights, indices = ops.route_topk(x, dense.gate, dense.bias, c.scoring_func, c.gate_temp,
+                                          c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
+        seen = int((exchange.dispatch(x, indices, weights, rows=rows).expert_ids >= 0).sum())  # rows received
+        got_grouped = DeviceMoE(copy.deepcopy(sharded), "grouped", exchange)(x, ops)
+        want_grouped = DeviceMoE(copy.deepcopy(full), "grouped")(x, ops)
+        results.append((case, seen, float((got_dense - want).abs().max()),
+                        float((got_grouped - want_grouped).abs().max()), float(want.abs().max())))
+    out.put((rank, trip, results))
+    dist.destroy_process_group()
+
+
+RUNNER_SCHEDULE = {
+    0: [[(0, 1), (1, 1), (2, 1)], [(0, 2), (1, 1)], [(0, 1), (1, 1), (2, 3)], [(2, 1)], [(0, 1), (1, 1), (2, 1)]],
+    1: [[(0, 1)], [], [(0, 3)], [(0, 1)], []],
+}
+"""Per rank, per step, the (slot, rows) it feeds: single rows, several rows of one slot (carried
+tokens and drafts), and steps where rank 1 feeds nothing (it still runs the group's bucket)."""
+RUNNER_PROMPTS = {0: [5, 40, 101], 1: [60]}
+
+
+def runner_states(model: CEDModel, rank: int) -> list[tuple[Any, int]]:
+    """Rank `rank`'s sequences of the runner tests, prefilled (with every expert), and each first token."""
+    gen = torch.Generator().manual_seed(500 + rank)
+    out = []
+    for length in RUNNER_PROMPTS[rank]:
+        state = model.new_state()
+        tokens = torch.randint(3, 500, (length,), generator=gen).tolist()
+        out.append((state, int(model.prefill(tokens, state)[-1].argmax())))
+    return out
+
+
+def run_schedule(runner: Any, states: list[tuple[Any, int]], schedule: list[list[tuple[int, int]]],
+                 agree: Callable[[int], int] = lambda rows: 0) -> list[tuple[list[int], torch.Tensor]]:
+    """Load `states` into slots 0.. and step through `schedule`: a slot's first row feeds its next token
+    (the argmax of its last row so far), further rows fixed stand-ins for drafts. `agree(rows)`: the
+    group's most rows this step. Returns each step's (greedy tokens, logits)."""
+    nxt = {}
+    for slot, (state, token) in enumerate(states):
+        runner.load(slot, state)
+        nxt[slot] = token
+    steps = []
+    for step in schedule:
+        slots = [slot for slot, n in step for _ in range(n)]
+        tokens = [t for slot, n in step for t in [nxt[slot], *[(nxt[slot] * 7 + i) % 500 for i in range(1, n)]]]
+        logits = runner.step_logits(slots, tokens, agree(len(slots)))
+        greedy = logits.argmax(-1).tolist()
+        at = 0
+        for slot, n in step:
+            at += n
+            nxt[slot] = greedy[at - 1]
+        steps.append((greedy, logits))
+    return steps
+
+
+RUNNER_CONFIG = {"max_slots": 4, "max_context": 256, "max_rows_per_slot": 3}
+
+
+def runner_ep_worker(rank: int, world: int, port: int, out: Any, device: str = "cpu") -> None:
+    """One rank of a group (gloo on CPU, the runner stepping eagerly; NCCL with `device="cuda"`, rank r on
+    GPU r, the paged kernels and every bucket captured): its sequences prefilled with every expert, then
+    the experts sharded and `RUNNER_SCHEDULE` stepped through a model runner with the fixed-capacity
+    exchange (its own group), each step on the group's most rows (an all-reduce on a gloo group).
+    Reports (rank, [(tokens, logits)] per step)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP, shard_experts
+    from cedserve.model.runner import ModelRunner, RunnerConfig
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    model, _ = tiny()
+    if cuda:
+        model = copy.deepcopy(model).to(f"cuda:{rank}")
+    model.use_paged_attention("kernels" if cuda else "reference")
+    states = runner_states(model, rank)
+    shard_experts(model, rank, world)
+    config = RunnerConfig(**RUNNER_CONFIG)
+    ep = TorchDistributedEP(model.config.n_routed_experts, None, dist.new_group(backend="gloo") if cuda else None)
+    exchange = ep.runner_exchange(config.bucket_sizes[-1], model.config.num_experts_per_tok,
+                                  model.config.hidden_size, torch.float32, model.embed.weight.device)
+    runner = ModelRunner(model, config, exchange=exchange)
+    runner.capture()  # CUDA: every bucket, on both ranks in the same order (collectives inside)
+    steps = run_schedule(runner, states, RUNNER_SCHEDULE[rank], ep.agree)
+    out.put((rank, [(tokens, logits.cpu().tolist()) for tokens, logits in steps]))
     dist.destroy_process_group()

@@ -36,6 +36,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+EVERY_RANK_REPORTS = ("ep_forward_worker", "fixed_capacity_worker", "exchange_worker", "runner_ep_worker",
+                      "group_engine_worker")
+
+
 def run_group(target: object, world: int = 2, timeout_s: float = 240.0, *extra: object) -> list[object]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -44,7 +48,7 @@ def run_group(target: object, world: int = 2, timeout_s: float = 240.0, *extra: 
     for p in procs:
         p.start()
     results: list[object] = []
-    expected = world if target.__name__ in ("ep_forward_worker", "fixed_capacity_worker") else 1  # type: ignore[attr-defined]
+    expected = world if target.__name__ in EVERY_RANK_REPORTS else 1  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < expected:
@@ -109,14 +113,15 @@ def test_two_ranks_give_the_logits_of_one_rank(device: str) -> None:
 @pytest.mark.slow
 def test_two_rank_decode_group_runs_in_step() -> None:
     """The real engine loop on two ranks: requests on both, one rank idle at the end (empty passes)."""
-    from decode_support import group_engine_worker
+    from decode_support import GROUP_JOBS, group_engine_worker
 
-    [(tokens, jobs, passes)] = run_group(group_engine_worker)
+    reports = {rank: (tokens, passes) for rank, tokens, passes, _ in run_group(group_engine_worker)}
+    tokens, passes = reports[0]
     model, _ = tiny()
-    for i, (prompt_ids, n) in enumerate(jobs):
+    for i, (_, prompt_ids, n) in enumerate(GROUP_JOBS):
         assert len(tokens[f"g{i}"]) == n
         assert len(greedy_ties(model, prompt_ids, tokens[f"g{i}"])) <= 1
-    assert passes >= 7
+    assert passes >= 7 and reports[1][1] == passes  # the same passes on both ranks
 
 
 def test_slot_positions_pack_each_destination_in_send_order() -> None:

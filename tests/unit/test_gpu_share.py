@@ -21,6 +21,7 @@ from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.launcher import EmbeddedOptions, plan_workers, worker_memory_fractions, write_worker_config
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.expert_exchange import fixed_capacity_bytes
 from cedserve.model.presets import preset
 from cedserve.model.slots import SlotPools, SlotShape, slot_pool_bytes
 from cedserve.prefill_workers.config import PrefillWorkerConfig
@@ -174,13 +175,18 @@ def test_decode_need_counts_the_runners_pools_as_the_engine_builds_them(tiny: Lo
     off = DecodeSettings(serve, msgspec.structs.replace(on.decode, runner="off"), kv)
     with_runner = {name: nbytes for name, nbytes, _ in decode_memory_need(tiny, on, 1, None, None).parts}
     without = {name: nbytes for name, nbytes, _ in decode_memory_need(tiny, off, 1, None, None).parts}
-    assert "runner slot pools" not in without and "runner slot pools" not in {
-        name for name, _, _ in decode_memory_need(tiny, on, 2, None, None).parts}  # expert parallel: no runner
+    expert_parallel = {name: nbytes for name, nbytes, _ in decode_memory_need(tiny, on, 2, None, None).parts}
+    assert "runner slot pools" not in without and "runner expert-parallel buffers" not in with_runner
     layout = BlockLayout.from_config(tiny.model.config, 64)
     storage = torch.zeros(40, layout.block_bytes, dtype=torch.uint8)
     max_context = min(tiny.model.config.max_position_embeddings, 40 * 64)
     book = SlotBook.create(tiny.model, storage, layout, 5, max_context, 0, cuda_graphs=False)
     assert with_runner["runner slot pools"] == book.runner.pools.nbytes - storage.numel()
+    # expert parallel: the same pools, and the exchange's buffers for the largest bucket (5 rows) of 2 ranks
+    c = tiny.model.config
+    assert expert_parallel["runner slot pools"] == with_runner["runner slot pools"]
+    assert expert_parallel["runner expert-parallel buffers"] == fixed_capacity_bytes(
+        2, book.runner.buckets[-1], c.num_experts_per_tok, c.hidden_size, tiny.model.embed.weight.element_size())
 
 
 def test_the_workers_memory_is_a_metric_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,14 @@
 """The model runner on a GPU: graph replays equal the eager slot step (every bucket, full and
 padded, with rows joining and leaving, sampled with seeds), and the slot step equals
 `forward_batch` on the paged kernels; the DSpark drafter's graphs equal its eager step, and the
-engine with the drafter on slots emits the tokens it emits without. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
+engine with the drafter on slots emits the tokens it emits without; with the Engram tables in an
+`EngramStore`, graph replays equal those over the loaded tables. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +209,173 @@ def test_decode_engine_drafter_on_slots_on_cuda() -> None:
     assert [len(o) for o in outs[1]] == [len(o) for o in outs[0]] == [12] * 3
     assert min(drafted) > 0
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
+
+
+# ---------------------------------------------------------------------- Engram tables in an EngramStore
+
+
+@pytest.mark.parametrize("tables", ["F32", "F8_E4M3"])
+def test_engram_store_graph_replays_equal_loaded_tables(tmp_path: Path, tables: str) -> None:
+    """The runner over memory-mapped Engram tables (`engram="mmap"`, F32 or the released FP8 with
+    scales) on CUDA: its captured step reads the rows staged before each replay (one pinned-host-to-
+    device copy of the stored bytes, dequantized in the step, `model.engram_staging`) and gives the
+    logits of the captured step over the same checkpoint's loaded tables, every bucket, full
+    and padded, rows joining and leaving; a step's host-to-device copies are both from pinned memory.
+    Then the decode engine with `runner = "auto"` over either model: the runner on (graphs captured)
+    and the same tokens."""
+    from decode_support import Rig, prompt, store_tables_as_fp8
+
+    from cedserve.model.checkpoint import load_model
+    from cedserve.model.checkpoint_writer import write_random_checkpoint
+    from cedserve.model.presets import preset
+
+    written = write_random_checkpoint(preset("tiny"), tmp_path, seed=5)
+    if tables == "F8_E4M3":
+        store_tables_as_fp8(tmp_path, written)
+    memory, mapped = load_model(tmp_path, device="cuda"), load_model(tmp_path, device="cuda", engram="mmap")
+    for model in (memory, mapped):
+        model.use_paged_attention("kernels")
+    config = RunnerConfig(max_slots=8, max_context=512, buckets=(1, 2, 4, 8))
+    loaded, staged = ModelRunner(memory, config), ModelRunner(mapped, config)
+    assert staged.engram is not None and staged.engram.host.is_pinned() and staged.engram.buffer.is_cuda
+    assert mapped.engram_store is not None and {t.weight_dtype for t in mapped.engram_store.tables} == {tables}
+    assert loaded.capture().buckets == staged.capture().buckets == (1, 2, 4, 8)
+    seqs = states(memory, [5, 30, 64, 100, 7, 250, 33, 90], seed=1)
+    for slot, (state, _) in enumerate(seqs):
+        loaded.load(slot, copy.deepcopy(state))
+        staged.load(slot, state)
+    tokens = {slot: token for slot, (_, token) in enumerate(seqs)}
+    for rows in (1, 2, 3, 4, 5, 8, 7, 6):
+        slots = list(range(rows))
+        want = loaded.step_logits(slots, [tokens[s] for s in slots])
+        got = staged.step_logits(slots, [tokens[s] for s in slots])
+        torch.testing.assert_close(got, want, atol=GRAPH_ATOL, rtol=0)
+        for s, t in zip(slots, want.argmax(-1).tolist()):
+            tokens[s] = t
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        staged.step(list(range(3)), [tokens[s] for s in range(3)])
+    copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert sum("Pinned" in name for name in copies) >= 2, copies  # the Engram rows, the staging
+    assert not any("Pageable" in name for name in copies), copies
+    outs = []
+    for model in (memory, mapped):
+        rig = Rig(model, None, dspark=False, runner="auto", device="cuda", max_running_requests=4)
+        rids = []
+        for feed in (prompt(37, 1), prompt(21, 2), prompt(50, 3)):
+            reserved = rig.reserve(feed, sender=False)
+            rig.attach(reserved, feed, None, 12)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        assert rig.engine.slots is not None and rig.engine.slots.runner.graphs_captured == (1, 2, 4)
+        assert (rig.engine.slots.runner.engram is not None) == (model is mapped)
+        rig.assert_all_free()
+    assert outs[0] == outs[1]
+    mapped.close()
+
+
+# ---------------------------------------------------------------------- expert parallelism, captured
+
+EP_ATOL = 1e-3
+"""The expert-parallel step (the fixed-capacity exchange inside the graph) against the step without
+one, both captured on the kernels: only the MoE's float32 sums differ in order (~1e-7), which a
+window or KV record may round the other way (the CPU tests see <= 4e-7 without such a flip)."""
+
+
+@pytest.fixture
+def nccl_world_of_one() -> Iterator[None]:
+    """A one-rank NCCL group in this process: the exchange's all-to-all is a real NCCL collective (a copy
+    to itself), so a one-GPU host captures and replays it."""
+    import torch.distributed as dist
+    from test_decode_expert_parallel import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_graph_replay_one_gpu(nccl_world_of_one: None) -> None:
+    """The runner with a fixed-capacity exchange over a one-rank NCCL group: every bucket captured with
+    the collectives inside; its replays equal the same step run eagerly (GRAPH_ATOL) and the captured
+    step without an exchange (EP_ATOL, the same greedy tokens), full and padded buckets, several rows
+    per slot."""
+    from cedserve.decode_workers.expert_parallel import FixedCapacityEP, TorchDistributedEP
+
+    model = cuda_model()
+    config = RunnerConfig(max_slots=4, max_context=512, max_rows_per_slot=2, buckets=(1, 2, 4, 8))
+    ep = TorchDistributedEP(model.config.n_routed_experts)
+
+    def exchange() -> FixedCapacityEP | None:  # a group of its own for each runner
+        return ep.runner_exchange(8, model.config.num_experts_per_tok, model.config.hidden_size,
+                                  model.embed.weight.dtype, model.embed.weight.device)
+
+    graphs = ModelRunner(model, config, exchange=exchange())
+    eager = ModelRunner(model, RunnerConfig(**{**config.__dict__, "cuda_graphs": False}), exchange=exchange())
+    alone = ModelRunner(model, config)
+    assert graphs.capture().buckets == (1, 2, 4, 8) and alone.capture().buckets == (1, 2, 4, 8)
+    seqs = states(model, [5, 30, 100, 250], seed=3)
+    for runner in (graphs, eager, alone):
+        for slot, (state, _) in enumerate(seqs):
+            runner.load(slot, copy.deepcopy(state))
+    tokens = {slot: token for slot, (_, token) in enumerate(seqs)}
+    for feed in ([0], [0, 1], [0, 1, 2], [0, 0, 1, 2, 3], [3, 3], [0, 1, 1, 2, 2, 3, 3], [2]):
+        ids = [tokens[s] if i == 0 or feed[i - 1] != s else (tokens[s] * 7 + i) % 500 for i, s in enumerate(feed)]
+        got = graphs.step_logits(feed, ids, len(feed))
+        torch.testing.assert_close(got, eager.step_logits(feed, ids, len(feed)), atol=GRAPH_ATOL, rtol=0)
+        want = alone.step_logits(feed, ids)
+        torch.testing.assert_close(got, want, atol=EP_ATOL, rtol=0)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        for s, t in zip(feed, want.argmax(-1).tolist()):
+            tokens[s] = t
+
+
+def test_decode_engine_expert_parallel_runner_on_cuda(nccl_world_of_one: None) -> None:
+    """The decode engine with `runner = "on"` over a one-rank NCCL `TorchDistributedEP` (the runner's
+    exchange captured in its graphs, the engine agreeing on buckets through the group) against the
+    engine without expert parallelism: the same greedy tokens (ties aside, as above)."""
+    from decode_support import Rig, greedy_ties, prompt
+
+    from cedserve.decode_workers.expert_parallel import TorchDistributedEP
+
+    model = cuda_model()
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+    outs = []
+    for ep in (None, TorchDistributedEP(model.config.n_routed_experts)):
+        rig = Rig(model, None, dspark=False, runner="on", device="cuda", max_running_requests=4, ep=ep)
+        rids = []
+        for tokens in prompts:
+            reserved = rig.reserve(tokens, sender=False)
+            rig.attach(reserved, tokens, None, 12)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        rig.assert_all_free()
+        slots = rig.engine.slots
+        assert slots is not None and slots.runner.graphs_captured == (1, 2, 4) and slots.runner.steps >= 10
+        assert slots.collective == (ep is not None)
+    assert [len(o) for o in outs[1]] == [12] * 3
+    assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
+
+
+def test_expert_parallel_runner_two_gpus() -> None:
+    """Two ranks, NCCL, one GPU each: experts sharded, every bucket captured with the exchange inside,
+    `RUNNER_SCHEDULE` stepped (rank 1 feeds no rows in some steps) against one GPU holding every
+    expert with graphs: the same greedy tokens, logits within EP_ATOL."""
+    from decode_support import RUNNER_CONFIG, RUNNER_SCHEDULE, run_schedule, runner_ep_worker, runner_states
+    from test_decode_expert_parallel import run_group
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    reports = dict(run_group(runner_ep_worker, 2, 400.0, "cuda"))
+    model = cuda_model()
+    for rank, steps in reports.items():
+        runner = ModelRunner(model, RunnerConfig(**RUNNER_CONFIG))
+        runner.capture()
+        want = run_schedule(runner, runner_states(model, rank), RUNNER_SCHEDULE[rank])
+        for step, ((tokens, logits), (want_tokens, want_logits)) in enumerate(zip(steps, want)):
+            assert tokens == want_tokens, (rank, step)
+            got = torch.tensor(logits).reshape(want_logits.shape)
+            torch.testing.assert_close(got, want_logits.cpu(), atol=EP_ATOL, rtol=0, msg=f"rank {rank} step {step}")
