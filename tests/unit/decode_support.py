@@ -626,7 +626,7 @@ def runner_ep_worker(rank: int, world: int, port: int, out: Any, device: str = "
     config = RunnerConfig(**RUNNER_CONFIG)
     ep = TorchDistributedEP(model.config.n_routed_experts, None, dist.new_group(backend="gloo") if cuda else None)
     exchange = ep.runner_exchange(config.bucket_sizes[-1], model.config.num_experts_per_tok,
-                                  model.config.hidden_size, torch.float32, model.embed.weight.device)
+                                  model.config.hidden_size, model.embed.weight.dtype, model.embed.weight.device)
     runner = ModelRunner(model, config, exchange=exchange)
     runner.capture()  # CUDA: every bucket, on both ranks in the same order (collectives inside)
     steps = run_schedule(runner, states, RUNNER_SCHEDULE[rank], ep.agree)
