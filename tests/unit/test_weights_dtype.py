@@ -386,3 +386,31 @@ def test_one_dtype_reaches_every_worker_of_cedserve_serve(tmp_path: Path) -> Non
     assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--role", "decode", "--dtype", "float16"])
+
+
+def test_runner_with_staged_engram_rows_in_bf16(tmp_path: Path) -> None:
+    """The runner over memory-mapped FP8 Engram tables (rows staged on the host, dequantized into bf16
+    with the loader's arithmetic) gives the logits of the runner over the tables loaded in bf16, bit
+    for bit."""
+    from decode_support import store_tables_as_fp8
+
+    config = write_random_checkpoint(preset("tiny"), tmp_path, seed=5)
+    store_tables_as_fp8(tmp_path, config)
+    memory = load_model(tmp_path, dtype=torch.bfloat16)
+    mapped = load_model(tmp_path, dtype=torch.bfloat16, engram="mmap")
+    try:
+        runner_config = RunnerConfig(max_slots=2, max_context=128)
+        loaded, staged = ModelRunner(memory, runner_config), ModelRunner(mapped, runner_config)
+        assert staged.engram is not None and loaded.engram is None
+        tokens = {}
+        for slot, length in enumerate([9, 40]):
+            state = memory.new_state()
+            tokens[slot] = int(memory.prefill(prompt(length, 30 + slot), state)[-1].argmax())
+            loaded.load(slot, copy.deepcopy(state))
+            staged.load(slot, state)
+        for _ in range(3):
+            want = loaded.step_logits([0, 1], [tokens[0], tokens[1]])
+            assert torch.equal(staged.step_logits([0, 1], [tokens[0], tokens[1]]), want)
+            tokens = dict(enumerate(want.argmax(-1).tolist()))
+    finally:
+        mapped.close()
