@@ -14,6 +14,12 @@ Per cell (preset, context, batch, path), on one device:
   each layer's window, its top-k main-KV records and its index scan) over the copy bandwidth
   measured in the same run.
 
+`--dtypes float32 bfloat16` measures every cell once per weights dtype (`[model] dtype`: the model
+built from the same seed, `checkpoint.cast_weights`), on the same synthetic states and tokens; a
+cell's `dtype` names it, and a bfloat16 cell also carries `vs_float32_*`: its eager step's logits
+against the float32 model's on the same state (random weights: flat logits, so the greedy agreement
+is a sanity check, not a quality figure).
+
 States are synthetic: records of random values at the cell's context (what a prefill would leave,
 at the shapes that matter; the weights are random anyway), so a 64K x 32 cell costs no prefill.
 
@@ -21,6 +27,8 @@ at the shapes that matter; the weights are random anyway), so a 64K x 32 cell co
     python benchmarks/step.py --contexts 4096 --batches 1 32 --rows 1 6  # + DSpark verify steps (1 + 5 rows)
     python benchmarks/step.py --contexts 4096 65536 --batches 1 32 --released-attention both \\
         --out docs/benchmarks/decode-step-h200.json
+    python benchmarks/step.py --released-attention yes --contexts 65536 --batches 32 \\
+        --paths eager graph graph-fused --dtypes float32 bfloat16     # issue 28: bf16 beside float32
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from typing import Any
 import torch
 
 from cedserve.model import presets
+from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.config import AttentionMode
 from cedserve.model.kv_format import KVFormat, encode_index_key, encode_main, encode_window
@@ -49,12 +58,14 @@ from cedserve.model.network import BatchItem, CEDModel
 from cedserve.model.runner import ModelRunner, RunnerConfig
 from cedserve.model.state import SequenceState
 from cedserve.model.tokenizer import tiny_tokenizer_path
+from cedserve.serving.worker_model import torch_dtype
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 TOKENIZER_VOCAB = 512
 
 
-def build_model(preset_name: str, released: bool, max_context: int, device: str, seed: int = 0) -> CEDModel:
+def build_model(preset_name: str, released: bool, max_context: int, device: str, seed: int = 0,
+                dtype: str = "float32") -> CEDModel:
     config = fit_config_to_tokenizer(presets.preset(preset_name), tiny_tokenizer_path())
     vocab = min(config.vocab_size, TOKENIZER_VOCAB)
     config = config.replace(vocab_size=vocab, dspark_noise_token_id=min(config.dspark_noise_token_id, vocab - 1))
@@ -62,7 +73,7 @@ def build_model(preset_name: str, released: bool, max_context: int, device: str,
         config = presets.released_attention(config)
     config = presets.stretch_context(config, max_context)
     model, _ = random_model(config, tiny_tokenizer_path(), seed)
-    return model.to(device)
+    return cast_weights(model, torch_dtype(dtype)).to(device)
 
 
 def synthetic_state(model: CEDModel, context: int, gen: torch.Generator) -> SequenceState:
@@ -236,15 +247,21 @@ def timed(run: Callable[[], None], steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: Callable[[str], None],
+def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: float, log: Callable[[str], None],
               cells: list[dict[str, Any]]) -> None:
-    """Append the variant's cells to `cells` as each is measured (`log` writes the JSON after each)."""
+    """Append the variant's cells to `cells` as each is measured (`log` writes the JSON after each).
+    Every dtype's variant draws the same states and tokens (the generator restarts per variant)."""
     max_context = max(args.contexts) + args.warmup + args.steps + args.profile_steps + 64
-    model = build_model(args.preset, released, max_context, args.device)
-    model.use_paged_attention("kernels" if args.device == "cuda" else "reference")
+    backend = "kernels" if args.device == "cuda" else "reference"
+    model = build_model(args.preset, released, max_context, args.device, dtype=dtype)
+    model.use_paged_attention(backend)
+    reference = None
+    if dtype != "float32":  # the float32 model of the same seed, for `vs_float32_*`
+        reference = build_model(args.preset, released, max_context, args.device)
+        reference.use_paged_attention(backend)
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
-    name = args.preset + (" released-attention" if released else "")
+    name = args.preset + (" released-attention" if released else "") + ("" if dtype == "float32" else f" {dtype}")
     for context in args.contexts:
         base = synthetic_state(model, context, gen)
         cases = [(batch, rows) for batch in args.batches for rows in args.rows]
@@ -259,6 +276,11 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             states = [copy.deepcopy(base) for _ in range(batch)]
             feed = [int(t) for t in torch.randint(3, vocab, (batch * rows,), generator=gen)]
+            versus = dtype_agreement(model, reference, base, feed, rows) if reference is not None else {}
+            if versus:
+                log(f"{name} {context}x{batch}x{rows} eager vs float32: max |dlogit| "
+                    f"{versus['vs_float32_max_abs_logit_diff']:.3f}, relative {versus['vs_float32_rel_logit_err']:.4f}, "
+                    f"greedy agreement {versus['vs_float32_greedy_agreement']:.3f}")
 
             def eager(feed: list[int] = feed, states: list[SequenceState] = states, rows: int = rows) -> None:
                 # rows > 1: a verify chunk (anchor + drafts), every draft rejected: the state goes back
@@ -288,13 +310,15 @@ def run_cells(args: argparse.Namespace, released: bool, bandwidth: float, log: C
                 for _ in range(args.warmup):
                     run()
                 cells.append(cell(name, context, batch, rows, path, timed(run, args.steps),
-                                  profile(run, args.profile_steps), floor_ms))
+                                  profile(run, args.profile_steps), floor_ms, dtype))
+                cells[-1].update(versus)
                 log(row(cells[-1]))
             for path, graph_runner in graph_runners.items():
                 if path in args.paths and args.device == "cuda":
                     with tf32(path.endswith("-tf32")):
                         run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args,
-                                  log, cells)
+                                  log, cells, dtype)
+                    cells[-1].update(versus)
             del states
             gc.collect()
         if args.device == "cuda":
@@ -315,7 +339,8 @@ def tf32(on: bool) -> Iterator[None]:
 
 def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
               slot_step: Callable[..., None], name: str, context: int, rows: int, floor_ms: float,
-              args: argparse.Namespace, log: Callable[[str], None], cells: list[dict[str, Any]]) -> None:
+              args: argparse.Namespace, log: Callable[[str], None], cells: list[dict[str, Any]],
+              dtype: str = "float32") -> None:
     """Time `slot_step` on `runner` replaying its CUDA graphs (captured at its first cell)."""
     if not runner.graphs_captured:
         sites = sync_sites(lambda: slot_step(runner=runner))
@@ -340,7 +365,7 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
     for _ in range(args.warmup):
         step()
     cells.append(cell(name, context, batch, rows, path, timed(step, args.steps), profile(step, args.profile_steps),
-                      floor_ms))
+                      floor_ms, dtype))
     cells[-1].update(agreement)
     log(row(cells[-1]))
     log(f"  vs eager: max |dlogit| {agreement['max_abs_logit_diff_vs_eager']:.2e} (logit scale "
@@ -366,13 +391,29 @@ def graph_vs_eager(runner: ModelRunner, base: SequenceState, batch: int, rows: i
             "greedy_agreement_vs_eager": float((graph.argmax(-1) == eager.argmax(-1)).float().mean())}
 
 
+def dtype_agreement(model: CEDModel, reference: CEDModel, base: SequenceState, feed: list[int],
+                    rows: int) -> dict[str, Any]:
+    """One eager step (`forward_batch`) of `model` against the float32 `reference` from the same state
+    and tokens: the largest logit difference, the relative error and how often the greedy tokens agree."""
+    batch = len(feed) // rows
+    logits = []
+    for m in (model, reference):
+        items = [BatchItem(feed[i * rows:(i + 1) * rows], copy.deepcopy(base)) for i in range(batch)]
+        with torch.no_grad():
+            logits.append(torch.cat([out.logits for out in m.forward_batch(items)]).float())
+    got, want = logits
+    return {"vs_float32_max_abs_logit_diff": float((got - want).abs().max()),
+            "vs_float32_rel_logit_err": float((got - want).norm() / want.norm()),
+            "vs_float32_greedy_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
+
+
 PARTS: dict[str, list[dict[str, Any]]] = {}
 """`part_profile` per runner (its first cell), written beside the cells."""
 
 
 def cell(preset: str, context: int, batch: int, rows: int, path: str, step_ms: float, prof: dict[str, Any],
-         floor_ms: float) -> dict[str, Any]:
-    return {"preset": preset, "context": context, "batch": batch, "rows": rows, "path": path,
+         floor_ms: float, dtype: str = "float32") -> dict[str, Any]:
+    return {"preset": preset, "context": context, "batch": batch, "rows": rows, "path": path, "dtype": dtype,
             "step_ms": round(step_ms, 3), "gpu_kernel_ms": round(prof["gpu_kernel_ms"], 3),
             "gpu_busy": round(prof["gpu_kernel_ms"] / step_ms, 3) if step_ms else 0.0,
             "kernels_per_step": prof["kernels_per_step"], "host_syncs_per_step": prof["host_syncs_per_step"],
@@ -380,7 +421,7 @@ def cell(preset: str, context: int, batch: int, rows: int, path: str, step_ms: f
 
 
 def row(c: dict[str, Any]) -> str:
-    return (f"{c['preset']:<28} {c['context']:>7} {c['batch']:>5} {c['rows']:>4} {c['path']:<13} {c['step_ms']:>9.2f} "
+    return (f"{c['preset']:<37} {c['context']:>7} {c['batch']:>5} {c['rows']:>4} {c['path']:<13} {c['step_ms']:>9.2f} "
             f"{c['gpu_kernel_ms']:>8.2f} {c['gpu_busy']:>5.0%} {c['kernels_per_step']:>8.0f} "
             f"{c['host_syncs_per_step']:>6.0f} {c['memory_floor_ms']:>8.3f}")
 
@@ -400,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
                         "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
                         "float32 matmuls on TF32 tensor cores)")
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
+                        help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
+                        "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the same code (no graphs; times mean nothing)")
     parser.add_argument("--out", type=Path)
@@ -410,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bandwidth = copy_bandwidth(args.device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    header = (f"{'preset':<28} {'context':>7} {'batch':>5} {'rows':>4} {'path':<13} {'step ms':>9} {'gpu ms':>8} "
+    header = (f"{'preset':<37} {'context':>7} {'batch':>5} {'rows':>4} {'path':<13} {'step ms':>9} {'gpu ms':>8} "
               f"{'busy':>5} {'kernels':>8} {'syncs':>6} {'floor ms':>8}")
     print(header, flush=True)
     cells: list[dict[str, Any]] = []
@@ -430,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python benchmarks/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells, "parts": PARTS})
     for released in variants:
-        run_cells(args, released, bandwidth, log, cells)
+        for dtype in args.dtypes:
+            run_cells(args, released, dtype, bandwidth, log, cells)
     write()
     return 0
 

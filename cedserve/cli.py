@@ -60,6 +60,9 @@ def _add_worker_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser
     w.add_argument("--checkpoint", help="checkpoint folder, read-only")
     w.add_argument("--preset", help="random weights of a preset (tiny, mini-40) instead of a checkpoint")
     w.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
+    w.add_argument("--dtype", choices=["float32", "bfloat16", "auto"],
+                   help="dtype of the served weights (default: the config's [model] dtype, else float32; auto: "
+                        "bfloat16 on a GPU, float32 on a CPU); prefill and decode workers must agree")
     w.add_argument("--host", default="127.0.0.1", help="bind address of every listener")
     w.add_argument("--grpc-port", "--port", dest="grpc_port", type=int, default=0, help="internal gRPC port")
     w.add_argument("--nixl-port", type=int, default=0, help="NIXL agent metadata (transfer control) port")
@@ -194,6 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
     from cedserve.supervise import serve_supervised
 
     config = read_serve_config(Path(args.config)) if args.config else {}
+    if args.dtype:  # every worker reads [model] dtype, so they agree
+        config = {**config, "model": {**config.get("model", {}), "dtype": args.dtype}}
     model, router = config.get("model", {}), config.get("router", {})
     checkpoint = args.checkpoint or (None if args.preset else model.get("checkpoint"))
     preset = args.preset or (None if args.checkpoint else model.get("preset")) or "demo"
@@ -357,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint", help="checkpoint folder (config.json, tokenizer.json, safetensors); "
                        "default: the config's [model], else the shipped demo checkpoint")
     serve.add_argument("--preset", help="without a checkpoint: random weights of a preset (tiny, mini-40)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "auto"],
+                       help="dtype every worker holds the weights in (default: the config's [model] dtype, else "
+                            "float32; auto: bfloat16 on a GPU, float32 on a CPU)")
     serve.add_argument("--config", help="serve config file (.toml or .json): [model], [cache], [tls], "
                        "[internal_tls] for every process, [prefill] / [decode] / [kv_transfer] for the workers "
                        "(docs/deploy.md)")

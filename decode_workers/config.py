@@ -138,10 +138,12 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     The plain ops are captured as they are; True is for measuring it, not for serving."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
-    set for the worker process when the engine starts): a model held in float32 (as every checkpoint
-    loads today) then multiplies at tensor-core speed with a 10-bit mantissa instead of in fp32 FMA
-    kernels. Off by default: its effect on the released geometry's step is measured in
-    benchmarks/step.py's graph-fused-tf32 path, its effect on outputs not yet."""
+    set for the worker process when the engine starts): a model held in float32 (`[model] dtype`, the
+    default) then multiplies at tensor-core speed with a 10-bit mantissa instead of in fp32 FMA
+    kernels; with bf16 weights (`[model] dtype = "bfloat16"`) it only touches the float32 products
+    left (router, compressor pooling, mHC mixes). Off by default: its effect on the released
+    geometry's step is measured in benchmarks/step.py's graph-fused-tf32 path, on outputs in
+    benchmarks/tf32_agreement.py."""
     effort_queue_slack_s: float = 2.0
     """Queue order by effort: a request falls due at its Decode call's arrival plus this many seconds
     times effort / 100 (`cedserve.model.effort.queue_due_s`); joins take the earliest due first and

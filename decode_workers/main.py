@@ -69,7 +69,7 @@ from cedserve.serving.worker import (
     worker_id,
     worker_memory_need,
 )
-from cedserve.serving.worker_model import LoadedModel
+from cedserve.serving.worker_model import LoadedModel, torch_dtype
 
 GROUP_TIMEOUT = timedelta(minutes=30)
 LIVENESS_STALL_S = 120.0
@@ -108,8 +108,9 @@ def load_settings(opts: WorkerOptions) -> DecodeSettings:
 
 def load_drafter(loaded: LoadedModel, checkpoint: str | None, preset_name: str | None, seed: int,
                  device: str) -> Drafter | None:
-    """The DSpark drafter of the checkpoint (None when it has none), or the preset's random one."""
-    config = loaded.model.config
+    """The DSpark drafter of the checkpoint (None when it has none), or the preset's random one; its
+    weights in the model's dtype."""
+    config, dtype = loaded.model.config, torch_dtype(loaded.weights_dtype)
     if checkpoint:
         from safetensors import safe_open
 
@@ -117,13 +118,14 @@ def load_drafter(loaded: LoadedModel, checkpoint: str | None, preset_name: str |
 
         shards = sorted(Path(checkpoint).glob("*.safetensors"))
         has = any(k.startswith("dspark.") for s in shards for k in safe_open(str(s), "pt").keys())  # type: ignore[no-untyped-call]  # noqa: SIM118
-        return load(checkpoint, config).to(device) if has else None
+        return load(checkpoint, config, dtype).to(device) if has else None
+    from cedserve.model.checkpoint import cast_weights
     from cedserve.model.checkpoint_writer import random_model
     from cedserve.model.tokenizer import tiny_tokenizer_path
 
     assert preset_name is not None
     _, drafter = random_model(config, tiny_tokenizer_path(), seed)
-    return drafter.to(device)
+    return cast_weights(drafter, dtype).to(device)
 
 
 def join_group(opts: WorkerOptions, num_experts: int, device: str) -> tuple[ExpertParallel, GroupChannel]:

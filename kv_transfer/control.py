@@ -36,13 +36,28 @@ _PEER_DESC_KEY = "cedserve-peer-compat-description"
 
 
 def check_compatible(local: Compatibility, peer: Compatibility, peer_name: str) -> None:
-    """`CompatibilityError` naming both values unless version and hash agree."""
+    """`CompatibilityError` naming both values unless version and hash agree; for a hash mismatch,
+    the description fields that differ come first (e.g. `weights: float32 vs bfloat16` when the two
+    workers were started with different `[model] dtype`)."""
     if local.protocol_version != peer.protocol_version:
         raise CompatibilityError("protocol version", f"v{local.protocol_version}", f"v{peer.protocol_version}",
                                  peer_name)
     if local.compat_hash != peer.compat_hash:
-        raise CompatibilityError("compatibility hash", f"{local.compat_hash} [{local.description}]",
+        differing = differing_fields(local.description, peer.description)
+        what = "compatibility hash" + (f" ({differing})" if differing else "")
+        raise CompatibilityError(what, f"{local.compat_hash} [{local.description}]",
                                  f"{peer.compat_hash} [{peer.description}]", peer_name)
+
+
+def differing_fields(local: str, peer: str) -> str:
+    """`key: local vs peer` for each `key=value` field of two compatibility descriptions that differs,
+    joined by "; " ("" when none can be named)."""
+    def fields(description: str) -> dict[str, str]:
+        return dict(part.split("=", 1) for part in description.split() if "=" in part)
+
+    mine, theirs = fields(local), fields(peer)
+    keys = [k for k in mine if mine[k] != theirs.get(k)] + [k for k in theirs if k not in mine]
+    return "; ".join(f"{k}: {mine.get(k, '-')} vs {theirs.get(k, '-')}" for k in keys)
 
 
 class ControlHandler(Protocol):

@@ -138,16 +138,21 @@ class KVLayout:
     segments: tuple[LayoutSegment, ...]
     record_formats: str
     model_fingerprint: str
+    weights_dtype: str = "float32"
+    """The dtype the writer's model holds its weights in (`[model] dtype`): the records' format does
+    not depend on it, but their values do, and the shipped state's DSpark taps are in it."""
 
     @classmethod
     def from_config(cls, config: ModelConfig, block_size: int, kind: LayoutKind = LayoutKind.CROSS_LAYER,
-                    model_id: str = "") -> KVLayout:
+                    model_id: str = "", weights_dtype: str = "float32") -> KVLayout:
         """The layout of `config`'s global KV at `block_size` tokens per block: the cache's
         `BlockLayout`, one segment per KV-source layer (`ValueError` naming `block_size` if the
         block does not hold whole entries).
 
         `model_id` names the weights (checkpoint name and revision): two checkpoints with the same
-        geometry write different KV, so it belongs in the compatibility hash.
+        geometry write different KV, so it belongs in the compatibility hash; so does `weights_dtype`
+        (the same checkpoint served in float32 and in bfloat16 computes different KV), named in the
+        description so that a mismatch says which side holds which.
         """
         blocks = BlockLayout.from_config(config, block_size)
         starts = [blocks.region(layer, "main").offset for layer in blocks.layer_ids]
@@ -163,7 +168,7 @@ class KVLayout:
                    f"{index_key_record_bytes(config.index_head_dim)}B")
         arch = json.dumps(config.to_hf_dict(), sort_keys=True, default=str)
         fingerprint = hashlib.sha256(f"{arch}|{model_id}".encode()).hexdigest()[:16]
-        return cls(kind, block_size, tuple(segments), formats, fingerprint)
+        return cls(kind, block_size, tuple(segments), formats, fingerprint, weights_dtype)
 
     @classmethod
     def raw(cls, block_bytes: int, kind: LayoutKind = LayoutKind.CROSS_LAYER, num_layers: int = 1,
@@ -206,7 +211,7 @@ class KVLayout:
     def compatibility(self) -> Compatibility:
         segs = ";".join(f"L{s.layer_id}/m{s.compress_ratio}:{s.entries_per_block}x{s.entry_bytes}"
                         + (f"+{s.padding_bytes}" if s.padding_bytes else "") for s in self.segments)
-        description = (f"protocol=v{PROTOCOL_VERSION} model={self.model_fingerprint} "
+        description = (f"protocol=v{PROTOCOL_VERSION} model={self.model_fingerprint} weights={self.weights_dtype} "
                        f"records={self.record_formats} block_size={self.block_size} "
                        f"block_bytes={self.block_bytes} layout={self.kind.value} segments={segs}")
         digest = hashlib.sha256(description.encode()).hexdigest()

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -34,11 +34,15 @@ from cedserve.model.network import CEDModel
 from cedserve.model.safetensors_file import CheckpointError as CheckpointError
 
 ENGRAM_MODES = ("memory", "mmap")
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 FLOAT32_PARAMETERS = frozenset(
     {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "attn_sink"}
-    | {"bias", "bias_vl"}
+    | {"gate.bias", "gate.bias_vl"}
 )
-"""Parameter names the released checkpoint stores in float32 and the reference keeps there."""
+"""Parameter name endings the released checkpoint stores in float32 and the reference keeps there
+(`_keep_in_fp32_modules_strict`): the raw mHC mixes, the attention sinks and the router's correction
+biases. Matched on whole name components, so the drafter's `confidence.bias` follows the model's
+dtype while its router biases and sinks stay float32 as the backbone's do."""
 
 
 def _shard_paths(path: Path) -> list[Path]:
@@ -123,12 +127,19 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
             param.copy_(value)
 
 
-def keep_float32(model: nn.Module) -> None:
-    """Return the parameters the checkpoint stores in float32 (mHC mixes, sinks, router biases)
-    to float32 after a whole-model dtype cast, as the reference does."""
-    for name, param in model.named_parameters():
-        if name.rsplit(".", 1)[-1] in FLOAT32_PARAMETERS:
-            param.data = param.data.float()
+def is_float32_parameter(name: str) -> bool:
+    """Whether parameter `name` stays float32 whatever the served dtype (`FLOAT32_PARAMETERS`)."""
+    return any(name == p or name.endswith("." + p) for p in FLOAT32_PARAMETERS)
+
+
+def cast_weights(module: ModuleT, dtype: torch.dtype) -> ModuleT:
+    """`module` (a `CEDModel` or a `Drafter`) with its weights in `dtype`, those the reference keeps
+    in float32 excepted (`is_float32_parameter`; their values kept, not rounded through `dtype`), as the
+    reference keeps them (`_keep_in_fp32_modules_strict`). `load_model` builds the model so. In place;
+    returns `module` (the modules here hold no buffers)."""
+    for name, param in module.named_parameters():
+        param.data = param.data.to(torch.float32 if is_float32_parameter(name) else dtype)
+    return module
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -147,7 +158,6 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     token_map = load_compressed_token_map(str(folder / "tokenizer.json"), config) if config.engram_layer_ids else None
     mapped = engram == "mmap" and bool(config.engram_layer_ids)
     store = EngramStore.open(_shard_paths(folder), config, dtype) if mapped else None
-    model = CEDModel(config, token_map, engram_store=store).to(dtype=dtype)
-    keep_float32(model)
+    model = cast_weights(CEDModel(config, token_map, engram_store=store), dtype)
     load_checkpoint(model, folder)
     return model.to(device).eval()

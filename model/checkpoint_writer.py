@@ -172,11 +172,12 @@ def write_random_checkpoint(config: ModelConfig, folder: str | Path, seed: int =
 
 
 def load_drafter(folder: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32) -> Drafter:
-    """The DSpark drafter stored under `dspark.*` in a checkpoint folder."""
-    from cedserve.model.checkpoint import load_checkpoint
+    """The DSpark drafter stored under `dspark.*` in a checkpoint folder, its weights in `dtype` (its
+    sinks and router biases float32, as the backbone's: `checkpoint.cast_weights`)."""
+    from cedserve.model.checkpoint import cast_weights, load_checkpoint
 
     holder = nn.Module()
-    holder.dspark = Drafter(config).to(dtype)
+    holder.dspark = cast_weights(Drafter(config), dtype)
     load_checkpoint(holder, folder)
     drafter = holder.dspark
     assert isinstance(drafter, Drafter)

@@ -183,8 +183,11 @@ class Drafter(nn.Module):
         self.rope = RopeTable((config.rope_parameters or {})["main"], config.head_dim, config.max_position_embeddings)
 
     def context_vectors(self, taps: Tensor) -> Tensor:
-        """`taps [..., S, n_taps, hc, D]` (attention inputs of the tapped layers, per stream) -> `[..., S, D]`."""
-        vectors: Tensor = self.norm(self.fc(taps.mean(dim=-2).flatten(-2)))
+        """`taps [..., S, n_taps, hc, D]` (attention inputs of the tapped layers, per stream) -> `[..., S, D]`.
+        The stream mean is taken in the taps' dtype (as a prefill worker averages the taps it ships),
+        then cast to the drafter's."""
+        averaged = taps.mean(dim=-2).flatten(-2)
+        vectors: Tensor = self.norm(self.fc(averaged.to(self.fc.weight.dtype)))
         return vectors
 
     def block_states(self, block: Tensor, context: Tensor, positions: Tensor, ctx_positions: Tensor,

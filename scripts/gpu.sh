@@ -9,9 +9,10 @@
 #   runner          runner-tests, then step, then engine
 #   runner-tests    tests/unit/test_runner_gpu.py, tests/kernels/test_capture_trace.py  gpu-tests.log  TESTS_S=130
 #   step            benchmarks/step.py, mini-40 at 4K / 64K x batch 1 / 32 (eager, graph, graph-fused),
-#                   then the released attention geometry at 64K x 32
+#                   then the released attention geometry at 64K x 32, its weights in float32 and in
+#                   bfloat16 side by side (issue 28; RELEASED_DTYPES, STEP_DTYPES: step.py --dtypes)
 #                                   decode-step-h200.json, decode-step-h200-released.json, step.log
-#                                                                                 STEP_S=220 RELEASED_S=110
+#                                                                                 STEP_S=220 RELEASED_S=220
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
 #                                   decode-engine-h200.json, engine.log                       ENGINE_S=120
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
@@ -191,9 +192,11 @@ part_runner_tests() {
 
 part_step() {
   timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py ${STEP_CELLS:---contexts 4096 65536 --batches 1 32 --rows 1 6} --steps 5 \
-    --warmup 3 --paths ${STEP_PATHS:-eager graph graph-fused} --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
-  timeout "${RELEASED_S:-110}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
+    --warmup 3 --paths ${STEP_PATHS:-eager graph graph-fused} --dtypes ${STEP_DTYPES:-float32} \
+    --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
+  timeout "${RELEASED_S:-220}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
     --batches 32 --steps 5 --warmup 3 --paths ${RELEASED_PATHS:-${STEP_PATHS:-eager graph graph-fused}} \
+    --dtypes ${RELEASED_DTYPES:-float32 bfloat16} \
     --out "$OUT/decode-step-h200-released.json" 2>&1 \
     | quiet | tee -a "$OUT/step.log"
 }

@@ -26,14 +26,42 @@ from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.config import ModelConfig
 from cedserve.model.config_table import decode_table, fail
 
+WEIGHTS_DTYPES = ("float32", "bfloat16", "auto")
+"""Values of `[model] dtype` (`ModelSource.dtype`)."""
+
+
+def resolve_weights_dtype(dtype: str, device: str) -> str:
+    """`[model] dtype` on `device`: "auto" is "bfloat16" on a CUDA device, "float32" elsewhere."""
+    if dtype not in WEIGHTS_DTYPES:
+        fail("model", "dtype", f"must be one of {list(WEIGHTS_DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
 
 class ModelSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where the model comes from: a named preset (random tiny weights) or a checkpoint folder."""
+    """Where the model comes from: a named preset (random tiny weights) or a checkpoint folder, and
+    the dtype the workers hold its weights in."""
 
     preset: str | None = "tiny"
     """Preset name (`tiny`, `mini-40`, `v4.1-flash`); ignored when `checkpoint` is set."""
     checkpoint: str | None = None
     """Folder with config.json, tokenizer.json and safetensors files."""
+    dtype: str = "float32"
+    """The served weights' dtype: "float32", "bfloat16", or "auto" (bfloat16 on a CUDA device, float32
+    on a CPU). The parameters the reference keeps in float32 (mHC mixes, attention sinks, router
+    biases) stay float32 either way, and so does the float32 arithmetic the reference keeps (router,
+    norms' statistics, softmax, mHC, sampling; docs/model.md, "Weights dtype"). The prefill and decode
+    workers of one system must agree (the KV-transfer handshake refuses a peer that does not). The
+    default stays float32 until bf16 serving is measured on a GPU."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in WEIGHTS_DTYPES:
+            fail("model", "dtype", f"must be one of {list(WEIGHTS_DTYPES)}, got {self.dtype!r}")
+
+    def weights_dtype(self, device: str) -> str:
+        """`dtype` on `device`, "auto" resolved ("float32" or "bfloat16")."""
+        return resolve_weights_dtype(self.dtype, device)
 
     def load_config(self) -> ModelConfig:
         from cedserve.model.presets import preset
@@ -122,6 +150,6 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"CEDSERVE_PORT must be an integer, got {env['CEDSERVE_PORT']!r}") from None
             out = msgspec.structs.replace(out, port=port)
         if "CEDSERVE_CHECKPOINT" in env:
-            out = msgspec.structs.replace(out, model=ModelSource(preset=None,
-                                                                 checkpoint=env["CEDSERVE_CHECKPOINT"]))
+            out = msgspec.structs.replace(out, model=ModelSource(preset=None, checkpoint=env["CEDSERVE_CHECKPOINT"],
+                                                                 dtype=out.model.dtype))
         return out

@@ -78,6 +78,8 @@ class WorkerOptions:
     """Random weights of a named preset (`tiny`, `mini-40`) when no checkpoint is given."""
     seed: int = 0
     """Seed of the preset's random weights (both sides of a transfer must use the same)."""
+    dtype: str | None = None
+    """`--dtype`: the weights' dtype, over the config file's `[model] dtype` (None: not given)."""
     host: str = "127.0.0.1"
     grpc_port: int = 0
     nixl_port: int = 0
@@ -149,13 +151,17 @@ def worker_id(opts: WorkerOptions, configured: str | None) -> str:
 
 
 def model_source(opts: WorkerOptions, serve: ServeConfig) -> ModelSource:
-    """`--checkpoint` / `--preset` over the config file's `[model]`."""
-    return ModelSource(preset=opts.preset or serve.model.preset, checkpoint=opts.checkpoint or serve.model.checkpoint)
+    """`--checkpoint` / `--preset` / `--dtype` over the config file's `[model]`."""
+    return ModelSource(preset=opts.preset or serve.model.preset, checkpoint=opts.checkpoint or serve.model.checkpoint,
+                       dtype=opts.dtype or serve.model.dtype)
 
 
 def load_model(source: ModelSource, seed: int, serve: ServeConfig, device: str) -> LoadedModel:
-    """The served model, its config checked against the cache geometry."""
-    loaded = load_worker_model(source.checkpoint, source.preset, seed, device)
+    """The served model (weights in `source.dtype` resolved for `device`), its config checked against
+    the cache geometry."""
+    dtype = source.weights_dtype(device)
+    log.info("model weights in %s (config `[model] dtype` %s, device %s)", dtype, source.dtype, device)
+    loaded = load_worker_model(source.checkpoint, source.preset, seed, device, dtype)
     serve.validate_against(loaded.model.config)
     return loaded
 
@@ -213,7 +219,8 @@ def build_kv_plane(loaded: LoadedModel, serve: ServeConfig, kv_transfer: KVTrans
                            event_sink=feed.publish if publish_events else None)
     registry = CollectorRegistry(auto_describe=True)
     agent = NixlTransferAgent(kv_transfer, KVRegion(cache.pool.storage, layout.block_bytes),
-                              KVLayout.from_config(config, block_size, model_id=loaded.model_id), agent_name,
+                              KVLayout.from_config(config, block_size, model_id=loaded.model_id,
+                                                   weights_dtype=loaded.weights_dtype), agent_name,
                               metrics=TransferMetrics(registry))
     return KVPlane(layout, feed, cache, registry, agent)
 

@@ -1,7 +1,9 @@
 """The model a worker serves, named for the KV compatibility hash.
 
-* `load_worker_model(checkpoint, preset, seed)`: the model and the `model_id` both sides of a
-  transfer put in the KV compatibility hash (same checkpoint bytes or same preset+seed -> same id).
+* `load_worker_model(checkpoint, preset, seed, device, dtype)`: the model, its weights in `dtype`
+  ("float32" or "bfloat16", `[model] dtype` resolved), and the `model_id` both sides of a transfer put
+  in the KV compatibility hash (same checkpoint bytes or same preset+seed -> same id; the weights'
+  dtype goes in beside it, `KVLayout.from_config`).
 
 Importing this module does not import torch; loading a model does.
 """
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from cedserve.model.network import CEDModel
 
 
@@ -25,6 +29,19 @@ class LoadedModel:
     model_id: str
     """Names the weights: goes into the KV transfer compatibility hash (`KVLayout.from_config`)."""
     source: str
+    weights_dtype: str = "float32"
+    """The dtype the weights are held in ("float32" or "bfloat16"; `checkpoint.cast_weights`): also in
+    the compatibility hash, so a prefill and a decode worker of different dtypes refuse each other."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved `[model] dtype` ("float32" or "bfloat16")."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"weights dtype must be one of {list(dtypes)} (\"auto\" resolved first), got {name!r}")
+    return dtypes[name]
 
 
 def checkpoint_identity(folder: str | Path) -> str:
@@ -41,18 +58,23 @@ def checkpoint_identity(folder: str | Path) -> str:
 
 
 def load_worker_model(checkpoint: str | None, preset_name: str | None, seed: int = 0,
-                      device: str = "cpu") -> LoadedModel:
-    """A checkpoint folder (`load_model`), else a preset with random weights from `seed`."""
+                      device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """A checkpoint folder (`load_model`), else a preset with random weights from `seed`; weights in
+    `dtype` ("float32" or "bfloat16"), the reference's float32 parameters excepted."""
+    weights = torch_dtype(dtype)
     if checkpoint:
         from cedserve.model.checkpoint import load_model
 
-        return LoadedModel(load_model(checkpoint, device=device), checkpoint_identity(checkpoint), checkpoint)
+        return LoadedModel(load_model(checkpoint, dtype=weights, device=device), checkpoint_identity(checkpoint),
+                           checkpoint, dtype)
     if not preset_name:
         raise ValueError("config field `model`: set `checkpoint` or `preset`")
+    from cedserve.model.checkpoint import cast_weights
     from cedserve.model.checkpoint_writer import random_model
     from cedserve.model.presets import preset
     from cedserve.model.tokenizer import fit_config_to_tokenizer, tiny_tokenizer_path
 
     tokenizer = tiny_tokenizer_path()
     model, _drafter = random_model(fit_config_to_tokenizer(preset(preset_name), tokenizer), tokenizer, seed)
-    return LoadedModel(model.to(device), f"preset:{preset_name}:seed{seed}", f"preset {preset_name}")
+    model = cast_weights(model, weights)  # the float32 random values rounded, as a bf16 checkpoint holds them
+    return LoadedModel(model.to(device), f"preset:{preset_name}:seed{seed}", f"preset {preset_name}", dtype)

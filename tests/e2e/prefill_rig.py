@@ -49,12 +49,14 @@ def tiny_config() -> ModelConfig:
     return fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path())
 
 
-def make_receiver(name: str, num_blocks: int, config: ModelConfig) -> tuple[NixlTransferAgent, torch.Tensor]:
+def make_receiver(name: str, num_blocks: int, config: ModelConfig,
+                  weights_dtype: str = "float32") -> tuple[NixlTransferAgent, torch.Tensor]:
+    """A NIXL receiver standing in for a decode worker whose weights are in `weights_dtype`."""
     layout = BlockLayout.from_config(config, BLOCK)
     pool = torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8)
+    kv_layout = KVLayout.from_config(config, BLOCK, model_id=MODEL_ID, weights_dtype=weights_dtype)
     agent = NixlTransferAgent(KVTransferConfig(auth_token=TOKEN, control_host="127.0.0.1"),
-                              KVRegion(pool, layout.block_bytes), KVLayout.from_config(config, BLOCK, model_id=MODEL_ID),
-                              name)
+                              KVRegion(pool, layout.block_bytes), kv_layout, name)
     return agent, pool
 
 
@@ -64,9 +66,11 @@ def decode_target(reservation: Reservation, agent_name: str, control_address: st
 
 
 class WorkerProcess:
-    """`cedserve worker --role prefill --preset tiny` with a config file; waits for its ready line."""
+    """`cedserve worker --role prefill --preset tiny` with a config file; waits for its ready line.
+    `flags`: more command-line flags (e.g. `--dtype=bfloat16`)."""
 
-    def __init__(self, num_blocks: int = 64, timeout_s: float = 120.0, **prefill: object) -> None:
+    def __init__(self, num_blocks: int = 64, timeout_s: float = 120.0, flags: tuple[str, ...] = (),
+                 **prefill: object) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="prefill-e2e-")
         cfg = Path(self.dir.name) / "prefill.toml"
         table = {"worker_id": "prefill-e2e", "chunk_tokens": 64, "step_token_budget": 128, "drain_timeout_s": 5.0,
@@ -77,7 +81,7 @@ class WorkerProcess:
         cfg.write_text("\n".join(lines) + "\n")
         self.stderr = open(Path(self.dir.name) / "stderr.log", "w+")  # noqa: SIM115 (kept open for the process)
         cmd = [sys.executable, "-m", "cedserve.cli", "worker", "--role=prefill", f"--config={cfg}",
-               "--host=127.0.0.1", "--grpc-port=0", "--metrics-port=0"]
+               "--host=127.0.0.1", "--grpc-port=0", "--metrics-port=0", *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.ready = self._wait_ready(timeout_s)

@@ -5,8 +5,10 @@ prompt's tail for the first token)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from cedserve.model.cache.block_pool import BlockPool
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.config import ModelConfig
 from cedserve.model.dspark import Drafter
@@ -43,6 +46,7 @@ from cedserve.model.sampling import SamplingParams, probabilities
 from cedserve.model.state_format import BoundedState, encode_state
 from cedserve.model.tokenizer import tiny_tokenizer_path
 from cedserve.proto import kv_transfer_pb2
+from cedserve.serving.worker_model import torch_dtype
 
 BLOCK = 32
 _ids = itertools.count()
@@ -50,9 +54,24 @@ _ids = itertools.count()
 
 @functools.lru_cache(maxsize=2)
 def tiny(seed: int = 7) -> tuple[CEDModel, Drafter]:
+    """The tiny random model and drafter; `CEDSERVE_TEST_DTYPE=bfloat16` serves them in bfloat16
+    (`checkpoint.cast_weights`), to run a decode test module's paths with bf16 weights (its exact token
+    comparisons against the reference then meet bf16's near-ties on the flat random logits)."""
     torch.set_num_threads(1)  # the tiny model's ops are too small for intra-op threads
     config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path())
-    return random_model(config, tiny_tokenizer_path(), seed=seed)
+    model, drafter = random_model(config, tiny_tokenizer_path(), seed=seed)
+    dtype = os.environ.get("CEDSERVE_TEST_DTYPE", "float32")
+    if dtype != "float32":
+        weights = torch_dtype(dtype)
+        model, drafter = cast_weights(model, weights), cast_weights(drafter, weights)
+    return model, drafter
+
+
+@functools.lru_cache(maxsize=2)
+def tiny_bf16(seed: int = 7) -> tuple[CEDModel, Drafter]:
+    """`tiny(seed)`'s weights in bfloat16 (the reference's float32 parameters float32)."""
+    model, drafter = tiny(seed)
+    return cast_weights(copy.deepcopy(model), torch.bfloat16), cast_weights(copy.deepcopy(drafter), torch.bfloat16)
 
 
 def store_tables_as_fp8(folder: Path, config: ModelConfig) -> None:
@@ -607,7 +626,7 @@ def runner_ep_worker(rank: int, world: int, port: int, out: Any, device: str = "
     config = RunnerConfig(**RUNNER_CONFIG)
     ep = TorchDistributedEP(model.config.n_routed_experts, None, dist.new_group(backend="gloo") if cuda else None)
     exchange = ep.runner_exchange(config.bucket_sizes[-1], model.config.num_experts_per_tok,
-                                  model.config.hidden_size, torch.float32, model.embed.weight.device)
+                                  model.config.hidden_size, model.embed.weight.dtype, model.embed.weight.device)
     runner = ModelRunner(model, config, exchange=exchange)
     runner.capture()  # CUDA: every bucket, on both ranks in the same order (collectives inside)
     steps = run_schedule(runner, states, RUNNER_SCHEDULE[rank], ep.agree)

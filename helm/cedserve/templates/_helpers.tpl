@@ -196,6 +196,7 @@ preset = {{ $model.preset | toJson }}
 {{- else }}
 checkpoint = {{ default $model.checkpoint.mountPath .checkpoint | toJson }}
 {{- end }}
+dtype = {{ $model.dtype | toJson }}
 [cache]
 block_size = {{ .cache.blockSize | int }}
 num_blocks = {{ .cache.numBlocks | int }}
