@@ -284,12 +284,17 @@ def test_effort_sets_the_join_order(slack_s: float) -> None:
     model, _ = tiny()
     rig = Rig(model, None, max_running_requests=1, effort_queue_slack_s=slack_s)
     ids = {}
+    ready = []
     for i, (name, effort) in enumerate([("max", 100), ("high", 75), ("low", 50)]):
         tokens = prompt(20, 30 + i)
         reserved = rig.reserve(tokens, request_id=name)
         assert isinstance(reserved, Reserved), reserved
-        rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 3, effort=effort)
+        ready.append((reserved, tokens, rig.prefill(reserved, tokens), effort))
         ids[name] = reserved.request_id
+    # Attached back to back, after every prefill: a request falls due at its attach time plus its slack,
+    # so a prefill between two attaches on a slow host could outlast the slacks' difference.
+    for reserved, tokens, prefilled, effort in ready:
+        rig.attach(reserved, tokens, prefilled, 3, effort=effort)
     rig.run()
     finished = [o.request_id for o in rig.outputs if isinstance(o, Finished)]
     assert finished == (["low", "high", "max"] if slack_s else ["max", "high", "low"])
