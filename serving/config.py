@@ -28,6 +28,8 @@ from cedserve.model.config_table import decode_table, fail
 
 WEIGHTS_DTYPES = ("float32", "bfloat16", "auto")
 """Values of `[model] dtype` (`ModelSource.dtype`)."""
+ENGRAM_PLACES = ("memory", "mmap")
+"""Values of `[model] engram` (`ModelSource.engram`; `cedserve.model.checkpoint.ENGRAM_MODES`)."""
 
 
 def resolve_weights_dtype(dtype: str, device: str) -> str:
@@ -55,9 +57,18 @@ class ModelSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workers of one system must agree (the KV-transfer handshake refuses a peer that does not). The
     default stays float32 until bf16 serving is measured on a GPU."""
 
+    engram: str = "memory"
+    """Where the Engram tables live: "memory" loads them into the model (device memory on a GPU);
+    "mmap" leaves them in the checkpoint's files and serves each step's rows from host memory maps
+    through an `EngramStore` (the released model's tables are ~196B parameters; docs/model.md,
+    "Engram tables in host memory"). Logits are the same bit for bit. Needs `checkpoint` (a preset's
+    random tables are made in memory)."""
+
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHTS_DTYPES:
             fail("model", "dtype", f"must be one of {list(WEIGHTS_DTYPES)}, got {self.dtype!r}")
+        if self.engram not in ENGRAM_PLACES:
+            fail("model", "engram", f"must be one of {list(ENGRAM_PLACES)}, got {self.engram!r}")
 
     def weights_dtype(self, device: str) -> str:
         """`dtype` on `device`, "auto" resolved ("float32" or "bfloat16")."""

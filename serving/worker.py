@@ -153,7 +153,7 @@ def worker_id(opts: WorkerOptions, configured: str | None) -> str:
 def model_source(opts: WorkerOptions, serve: ServeConfig) -> ModelSource:
     """`--checkpoint` / `--preset` / `--dtype` over the config file's `[model]`."""
     return ModelSource(preset=opts.preset or serve.model.preset, checkpoint=opts.checkpoint or serve.model.checkpoint,
-                       dtype=opts.dtype or serve.model.dtype)
+                       dtype=opts.dtype or serve.model.dtype, engram=serve.model.engram)
 
 
 def load_model(source: ModelSource, seed: int, serve: ServeConfig, device: str) -> LoadedModel:
@@ -161,7 +161,7 @@ def load_model(source: ModelSource, seed: int, serve: ServeConfig, device: str) 
     the cache geometry."""
     dtype = source.weights_dtype(device)
     log.info("model weights in %s (config `[model] dtype` %s, device %s)", dtype, source.dtype, device)
-    loaded = load_worker_model(source.checkpoint, source.preset, seed, device, dtype)
+    loaded = load_worker_model(source.checkpoint, source.preset, seed, device, dtype, source.engram)
     serve.validate_against(loaded.model.config)
     return loaded
 

@@ -58,17 +58,21 @@ def checkpoint_identity(folder: str | Path) -> str:
 
 
 def load_worker_model(checkpoint: str | None, preset_name: str | None, seed: int = 0,
-                      device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+                      device: str = "cpu", dtype: str = "float32", engram: str = "memory") -> LoadedModel:
     """A checkpoint folder (`load_model`), else a preset with random weights from `seed`; weights in
-    `dtype` ("float32" or "bfloat16"), the reference's float32 parameters excepted."""
+    `dtype` ("float32" or "bfloat16"), the reference's float32 parameters excepted. `engram`: the
+    checkpoint's Engram tables loaded ("memory") or served from its files ("mmap")."""
     weights = torch_dtype(dtype)
     if checkpoint:
         from cedserve.model.checkpoint import load_model
 
-        return LoadedModel(load_model(checkpoint, dtype=weights, device=device), checkpoint_identity(checkpoint),
+        return LoadedModel(load_model(checkpoint, dtype=weights, device=device, engram=engram),
+                           checkpoint_identity(checkpoint),
                            checkpoint, dtype)
     if not preset_name:
         raise ValueError("config field `model`: set `checkpoint` or `preset`")
+    if engram != "memory":
+        raise ValueError(f"config field `model.engram`: {engram!r} needs a checkpoint (a preset's tables are made in memory)")
     from cedserve.model.checkpoint import cast_weights
     from cedserve.model.checkpoint_writer import random_model
     from cedserve.model.presets import preset

@@ -182,3 +182,29 @@ def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
 def test_load_model_rejects_an_unknown_engram_mode(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="engram must be one of"):
         load_model(tmp_path, engram="disk")
+
+
+def test_workers_serve_the_tables_from_the_files_when_the_config_says_mmap(tmp_path: Path) -> None:
+    """`[model] engram = "mmap"` reaches the workers' loader: the tables stay in the files, the logits
+    are those of the loaded tables; a preset (random tables made in memory) or an unknown value is refused."""
+    import msgspec
+
+    from cedserve.serving.config import ServeConfig
+    from cedserve.serving.worker import WorkerOptions, model_source
+    from cedserve.serving.worker_model import load_worker_model
+
+    write_random_checkpoint(preset("tiny"), tmp_path, seed=3)
+    serve = msgspec.convert({"model": {"checkpoint": str(tmp_path), "engram": "mmap"}}, ServeConfig)
+    source = model_source(WorkerOptions(role="decode"), serve)
+    assert source.engram == "mmap"
+    mapped = load_worker_model(source.checkpoint, None, engram=source.engram).model
+    loaded = load_worker_model(str(tmp_path), None).model
+    assert mapped.engram_store is not None and loaded.engram_store is None
+    tokens = list(range(3, 40))
+    with torch.no_grad():
+        assert torch.equal(mapped.prefill(tokens, mapped.new_state()), loaded.prefill(tokens, loaded.new_state()))
+    mapped.close()
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        load_worker_model(None, "tiny", engram="mmap")
+    with pytest.raises(ValueError, match="engram"):
+        msgspec.convert({"model": {"engram": "disk"}}, ServeConfig)

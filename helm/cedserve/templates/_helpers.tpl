@@ -195,6 +195,7 @@ internal_token_file = {{ .tokenFile | toJson }}
 preset = {{ $model.preset | toJson }}
 {{- else }}
 checkpoint = {{ default $model.checkpoint.mountPath .checkpoint | toJson }}
+engram = {{ $model.engram | toJson }}
 {{- end }}
 dtype = {{ $model.dtype | toJson }}
 [cache]
