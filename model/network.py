@@ -336,7 +336,7 @@ class CEDModel(nn.Module):
         return torch.stack([taps[i] for i in self.config.dspark_target_layer_ids], dim=1)
 
     @torch.no_grad()
-    def encode_chunk(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> EncodedChunk:
+    def encode_chunk(self, token_ids: Tensor | Sequence[int] | np.ndarray, state: SequenceState) -> EncodedChunk:
         """Run the encoder layers over the next tokens and write every KV source's global KV,
         the decoder's included. Decoder windows are left untouched (rebuild with
         `replay_decoder`)."""
@@ -414,7 +414,7 @@ class CEDModel(nn.Module):
                 raise ValueError(f"encoder-only prefill cannot fill decoder KV source {spec.layer_id}")
         return first
 
-    def _token_tensor(self, token_ids: Tensor | Sequence[int]) -> Tensor:
+    def _token_tensor(self, token_ids: Tensor | Sequence[int] | np.ndarray) -> Tensor:
         """The ids as an int64 device tensor `[S]`, checked against the vocabulary where they are:
         ids given on the host (a list, an array, a CPU tensor: the engines' case) are checked there
         before one copy to the device, so the check reads nothing back from it."""
@@ -484,7 +484,7 @@ class CEDModel(nn.Module):
         return hash_ids
 
     def _begin(
-        self, token_ids: Tensor | Sequence[int], state: SequenceState, write_global_kv: bool
+        self, token_ids: Tensor | Sequence[int] | np.ndarray, state: SequenceState, write_global_kv: bool
     ) -> tuple[Tensor, Tensor, Tensor | None, ForwardContext]:
         tokens = self._token_tensor(token_ids)
         positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
