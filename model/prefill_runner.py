@@ -34,10 +34,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.config import ModelConfig
 from cedserve.model.network import BoundaryHidden, CEDModel, EncodedChunk, GlobalKVRecords
+from cedserve.model.paged_attention import arena_block_size
 from cedserve.model.runner import CaptureReport, capture_buckets
 from cedserve.model.slot_step import MoeMode, SlotStep
-from cedserve.model.slots import SlotPools, SlotShape
+from cedserve.model.slots import SlotPools, SlotShape, slot_pool_bytes
 from cedserve.model.state import SequenceState
 
 DEFAULT_BUCKETS = (512, 1024, 2048, 4096, 8192)
@@ -63,6 +66,17 @@ class PrefillRunnerConfig:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
             raise ValueError(f"prefill runner buckets: must be increasing positive sizes, got {list(self.buckets)}")
         SlotShape(self.max_slots, self.max_context, self.buckets[-1])
+
+
+def prefill_runner_bytes(model_config: ModelConfig, config: PrefillRunnerConfig) -> int:
+    """Device bytes `PrefillRunner` allocates for its pools (rings, tables and its own record blocks),
+    without allocating them: what a prefill worker's start-up memory check counts for it. The
+    graphs' memory pool (a pass's activations at the largest bucket) comes on top."""
+    shape = SlotShape(config.max_slots, config.max_context, config.buckets[-1])
+    block_size = arena_block_size(model_config)
+    layout = BlockLayout.from_config(model_config, block_size)
+    blocks = 1 + config.max_slots * -(-config.max_context // block_size)
+    return slot_pool_bytes(model_config, shape, block_size) + blocks * layout.block_bytes
 
 
 @dataclass

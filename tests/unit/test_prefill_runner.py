@@ -22,7 +22,7 @@ from test_prefill_engine import Rig, kinds, make_rig
 from cedserve.kernels.reference import unpack_index_key, unpack_main_kv, unpack_swa
 from cedserve.model.network import CEDModel, EncodedChunk
 from cedserve.model.paged_kv import load_state
-from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig
+from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig, prefill_runner_bytes
 from cedserve.model.state import SequenceState
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.serving.worker_model import LoadedModel
@@ -200,3 +200,9 @@ def loaded() -> LoadedModel:
     from cedserve.serving.worker_model import load_worker_model
 
     return load_worker_model(None, "tiny", seed=0)
+
+
+def test_runner_bytes_counts_what_the_pools_allocate() -> None:
+    model, _ = tiny()
+    config = PrefillRunnerConfig(max_context=300, buckets=(16, 48), max_slots=2)
+    assert prefill_runner_bytes(model.config, config) == PrefillRunner(model, config).pools.nbytes
