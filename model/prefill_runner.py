@@ -64,7 +64,9 @@ class PrefillRunnerConfig:
 
     def __post_init__(self) -> None:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
-            raise ValueError(f"prefill runner buckets: must be increasing positive sizes, got {list(self.buckets)}")
+            raise ValueError(
+                f"prefill runner buckets: must be increasing positive sizes, got {list(self.buckets)}"
+            )
         SlotShape(self.max_slots, self.max_context, self.buckets[-1])
 
 
@@ -92,8 +94,10 @@ class PrefillRunner:
         first_decoder = model._decoder_source()
         decoder_engram = [i for i in model.config.engram_layer_ids if i >= first_decoder]
         if decoder_engram:
-            raise ValueError(f"the prefill runner's boundary states carry no Engram ids: decoder layers "
-                             f"{decoder_engram} have Engram")
+            raise ValueError(
+                f"the prefill runner's boundary states carry no Engram ids: decoder layers "
+                f"{decoder_engram} have Engram"
+            )
         self.model, self.config = model, config
         self.device = model.embed.weight.device
         self.buckets = config.buckets
@@ -147,7 +151,9 @@ class PrefillRunner:
         for size in self.buckets:
             if size >= rows:
                 return size
-        raise ValueError(f"prefill runner: a chunk of {rows} tokens exceeds the largest bucket ({self.buckets[-1]})")
+        raise ValueError(
+            f"prefill runner: a chunk of {rows} tokens exceeds the largest bucket ({self.buckets[-1]})"
+        )
 
     # ------------------------------------------------------------------ chunks
 
@@ -156,7 +162,9 @@ class PrefillRunner:
         and its boundary states. `ValueError` for ids outside the vocabulary, an empty chunk, one longer
         than the largest bucket or past the slot's capacity, checked on the host before anything runs."""
         self.pools.check_slot(slot)
-        ids = np.asarray(token_ids.cpu() if isinstance(token_ids, Tensor) else token_ids, dtype=np.int64).ravel()
+        ids = np.asarray(
+            token_ids.cpu() if isinstance(token_ids, Tensor) else token_ids, dtype=np.int64
+        ).ravel()
         rows, start = int(ids.size), self._positions[slot]
         if rows == 0:
             raise ValueError("prefill runner: no tokens given")
@@ -164,8 +172,10 @@ class PrefillRunner:
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {ids[:16].tolist()}...")
         if start + rows > self.config.max_context:
-            raise ValueError(f"prefill runner: slot {slot} holds {self.config.max_context} tokens; "
-                             f"{start} + {rows} do not fit")
+            raise ValueError(
+                f"prefill runner: slot {slot} holds {self.config.max_context} tokens; "
+                f"{start} + {rows} do not fit"
+            )
         bucket = self.bucket_for(rows)
         self._stage(slot, ids, bucket)
         graph = self._graphs.get(bucket)
@@ -224,8 +234,11 @@ class PrefillRunner:
         before = torch.cuda.memory_reserved(self.device)
         captured = capture_buckets(self.device, self.buckets, self._stage_scratch, self._forward)
         self._graphs.update({bucket: _Graph(graph, outputs) for bucket, (graph, outputs) in captured.items()})
-        return CaptureReport(tuple(sorted(self._graphs)), time.perf_counter() - start,
-                             torch.cuda.memory_reserved(self.device) - before)
+        return CaptureReport(
+            tuple(sorted(self._graphs)),
+            time.perf_counter() - start,
+            torch.cuda.memory_reserved(self.device) - before,
+        )
 
     def _stage_scratch(self, bucket: int) -> None:
         """Inputs whose every row is padding: warm-ups and captures touch only the scratch slot."""

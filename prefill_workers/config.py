@@ -29,9 +29,10 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     chunk_tokens: int = 8192
     """Most prompt tokens one request computes per engine step (chunked prefill). A multiple of the
     block size, so every chunk but a prompt's last ends on a block boundary and its blocks can ship.
-    A chunk costs ~10K kernel launches (20 encoder layers of ~500) whatever its length, ~150 ms on an
-    H200 with mini-40: at 2,048 a 32K prompt paid 16 of them (2.5 s; docs/prefill.md, *Findings: 32K
-    prompts on one GPU*)."""
+    An eager chunk (`runner` off) costs ~10K kernel launches (20 encoder layers of ~500) whatever its
+    length, ~150 ms on an H200 with mini-40: at 2,048 a 32K prompt paid 16 of them (2.5 s;
+    docs/prefill.md, *Findings: 32K prompts on one GPU*). Through the runner a chunk is one graph
+    replay and ~36 launches around it."""
     step_token_budget: int = 16384
     """Most tokens computed per engine step across all requests: a long prompt takes at most
     `chunk_tokens` of it, so short prompts behind it start in the same step."""

@@ -39,8 +39,9 @@ STEP = 0.34
 its block's largest magnitude."""
 
 
-def assert_records_match(want: torch.Tensor, got: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor],
-                         what: object) -> None:
+def assert_records_match(
+    want: torch.Tensor, got: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], what: object
+) -> None:
     """Same row count; nearly every row the same bytes; the others within one quantization step."""
     assert got.shape == want.shape, what
     if want.shape[0] == 0:
@@ -53,8 +54,9 @@ def assert_records_match(want: torch.Tensor, got: torch.Tensor, decode: Callable
 
 
 def assert_same_chunk(eager: EncodedChunk, ran: EncodedChunk) -> None:
-    assert eager.boundary.start == ran.boundary.start and torch.equal(eager.boundary.positions,
-                                                                       ran.boundary.positions)
+    assert eager.boundary.start == ran.boundary.start and torch.equal(
+        eager.boundary.positions, ran.boundary.positions
+    )
     torch.testing.assert_close(ran.boundary.streams, eager.boundary.streams, atol=STREAMS_ATOL, rtol=0)
     torch.testing.assert_close(ran.boundary.pre_mix, eager.boundary.pre_mix, atol=STREAMS_ATOL, rtol=0)
     assert eager.global_kv.keys() == ran.global_kv.keys()
@@ -85,27 +87,33 @@ def model() -> Iterator[CEDModel]:
     m.use_paged_attention(None)
 
 
-def run_both(model: CEDModel, runner: PrefillRunner, tokens: Sequence[int], state: SequenceState,
-             chunks: Sequence[int]) -> None:
+def run_both(
+    model: CEDModel, runner: PrefillRunner, tokens: Sequence[int], state: SequenceState, chunks: Sequence[int]
+) -> None:
     slot = runner.acquire()
     assert slot is not None
     runner.load(slot, state)
     at = state.position
     for n in chunks:
-        ran = runner.encode(slot, tokens[at:at + n])
-        assert_same_chunk(model.encode_chunk(tokens[at:at + n], state), ran)
+        ran = runner.encode(slot, tokens[at : at + n])
+        assert_same_chunk(model.encode_chunk(tokens[at : at + n], state), ran)
         at += n
     assert runner.position(slot) == state.position == at
     assert_same_state(state, runner.export(slot), model.config.num_encoder_layers)
     runner.release(slot)
 
 
-@pytest.mark.parametrize(("buckets", "chunks"), [
-    ((16, 32, 64), (37, 64, 16, 50)),  # padded to 64, full, the smallest, padded again
-    ((64,), (1, 63, 64)),  # one row; a chunk that leaves the compressor's group open
-    ((8, 24), (24, 7, 24, 1)),  # buckets that are not powers of two
-])
-def test_runner_chunks_equal_encode_chunk(model: CEDModel, buckets: tuple[int, ...], chunks: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("buckets", "chunks"),
+    [
+        ((16, 32, 64), (37, 64, 16, 50)),  # padded to 64, full, the smallest, padded again
+        ((64,), (1, 63, 64)),  # one row; a chunk that leaves the compressor's group open
+        ((8, 24), (24, 7, 24, 1)),  # buckets that are not powers of two
+    ],
+)
+def test_runner_chunks_equal_encode_chunk(
+    model: CEDModel, buckets: tuple[int, ...], chunks: tuple[int, ...]
+) -> None:
     runner = PrefillRunner(model, PrefillRunnerConfig(max_context=256, buckets=buckets))
     run_both(model, runner, prompt(sum(chunks), 3), model.new_state(), chunks)
 
@@ -172,13 +180,23 @@ def test_engine_with_the_runner_sends_the_eager_engines_records(loaded: LoadedMo
         for rid, tokens in (("a", first), ("b", second)):
             events = rig.run(rig.submit(rid, tokens))
             assert kinds(events) == ["first_token", "done"]
-            results.append((events[0].first_token.token_id, events[0].first_token.cached_tokens,
-                            received(rig, f"lease-{rid}", len(tokens))))
+            results.append(
+                (
+                    events[0].first_token.token_id,
+                    events[0].first_token.cached_tokens,
+                    received(rig, f"lease-{rid}", len(tokens)),
+                )
+            )
         both = [rig.submit("c", prompt(150, 7)), rig.submit("d", prompt(90, 8))]  # c takes the slot
         for job in both:
             events = rig.run(job)
-            results.append((events[0].first_token.token_id, 0,
-                            received(rig, f"lease-{job.request_id}", job.spec.prompt_len)))
+            results.append(
+                (
+                    events[0].first_token.token_id,
+                    0,
+                    received(rig, f"lease-{job.request_id}", job.spec.prompt_len),
+                )
+            )
         if runner == "on":
             assert rig.engine.runner is not None and rig.engine.runner.num_free == 1
             assert [job.eager for job in both] == [False, True]

@@ -15,8 +15,11 @@ from cedserve.kernels.reference import unpack_main_kv
 from cedserve.model.network import CEDModel, EncodedChunk
 from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig
 
-pytestmark = [pytest.mark.unit, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 GRAPH_ATOL = 1e-5
 """Graph replay vs the same pass run eagerly: the same kernels on the same values."""
@@ -35,7 +38,7 @@ def cuda_model() -> CEDModel:
 def run_chunks(runner: PrefillRunner, slot: int, tokens: list[int]) -> list[EncodedChunk]:
     out, at = [], runner.position(slot)
     for n in CHUNKS:
-        out.append(runner.encode(slot, tokens[at:at + n]))
+        out.append(runner.encode(slot, tokens[at : at + n]))
         at += n
     return out
 
@@ -43,8 +46,10 @@ def run_chunks(runner: PrefillRunner, slot: int, tokens: list[int]) -> list[Enco
 def test_graph_replay_equals_the_eager_pass_every_bucket() -> None:
     model = cuda_model()
     config = PrefillRunnerConfig(max_context=1024, buckets=(16, 64, 128), max_slots=2)
-    graphs, eager = PrefillRunner(model, config), PrefillRunner(model, PrefillRunnerConfig(
-        **{**config.__dict__, "cuda_graphs": False}))
+    graphs, eager = (
+        PrefillRunner(model, config),
+        PrefillRunner(model, PrefillRunnerConfig(**{**config.__dict__, "cuda_graphs": False})),
+    )
     assert graphs.capture().buckets == (16, 64, 128)
     tokens = prompt(600, 4)
     prefix = model.new_state()
@@ -72,11 +77,15 @@ def test_runner_equals_encode_chunk_on_the_kernels() -> None:
     runner.load(slot, state)
     at = 0
     for n in CHUNKS:
-        got, want = runner.encode(slot, tokens[at:at + n]), model.encode_chunk(tokens[at:at + n], state)
+        got, want = runner.encode(slot, tokens[at : at + n]), model.encode_chunk(tokens[at : at + n], state)
         at += n
         torch.testing.assert_close(got.boundary.streams, want.boundary.streams, atol=KERNEL_ATOL, rtol=0)
         for layer, rec in want.global_kv.items():
             assert got.global_kv[layer].first_entry == rec.first_entry
-            torch.testing.assert_close(unpack_main_kv(got.global_kv[layer].main), unpack_main_kv(rec.main),
-                                       atol=KERNEL_ATOL, rtol=0.05)
+            torch.testing.assert_close(
+                unpack_main_kv(got.global_kv[layer].main),
+                unpack_main_kv(rec.main),
+                atol=KERNEL_ATOL,
+                rtol=0.05,
+            )
     assert runner.export(slot).position == state.position == at
