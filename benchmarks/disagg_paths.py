@@ -8,7 +8,8 @@ Two parts, each exact on any machine (counts, not speeds; CPU times are printed 
   field), `shipped` (KV received with the prefill side's bounded state, `decode.ship_state`) and
   `local` (`prefill_locally`). Per step: rows through `forward_batch`, rows through the model runner.
 * `chunks`: kernel launches (torch ops that compute, one kernel each on a GPU) and host syncs of
-  the two prefill paths over one prompt, with mini-40 random weights: the prefill engine's
+  the two prefill paths over one prompt, with mini-40 random weights (host syncs: the ops that read
+  a device value on the host, `decode_profile.SYNC_OPS`, and `Tensor.tolist` calls): the prefill engine's
   (`encode_chunk` per chunk of `--chunk` tokens, then the decoder replay over the last 128
   boundary states) and the decode worker's local prefill (one `forward_batch` item over the whole
   prompt, all layers). Counted with `benchmarks/decode_profile.OpCounter`.
@@ -21,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ from cedserve.decode_workers.state_io import exact_replay_span  # noqa: E402
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model  # noqa: E402
 from cedserve.model.network import BatchItem, BoundaryHidden, CEDModel  # noqa: E402
 from cedserve.model.paged_attention import enable_paged_attention  # noqa: E402
+from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig  # noqa: E402
 from cedserve.model.presets import preset  # noqa: E402
 from cedserve.model.tokenizer import tiny_tokenizer_path  # noqa: E402
 
@@ -101,16 +106,50 @@ def decode_paths(arm: str, prompt_tokens: int, max_tokens: int) -> dict[str, Any
     }
 
 
-def _count(fn: Callable[[], None]) -> dict[str, Any]:
-    counter = OpCounter()
+@contextmanager
+def _counting_tolist(counts: Counter[str]) -> Iterator[None]:
+    """Count `Tensor.tolist` calls: a device-to-host copy on a GPU that does not dispatch through
+    torch (so `OpCounter` misses it), e.g. `MoE.forward`'s rows per expert."""
+    original = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> Any:
+        counts["tolist"] += 1
+        return original(self)
+
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+
+def _count(fn: Callable[[], None], counter: OpCounter | None = None) -> dict[str, Any]:
+    counter, copies = counter or OpCounter(), Counter[str]()
     start = time.process_time()
-    with torch.no_grad(), counter:
+    with torch.no_grad(), _counting_tolist(copies), counter:
         fn()
+    syncs = {n: counter.by_name[n] for n in SYNC_OPS if counter.by_name[n]} | dict(copies)
     return {
         "launches": sum(counter.launches.values()),
-        "host_syncs": sum(counter.by_name[n] for n in SYNC_OPS),
+        "host_syncs": sum(syncs.values()),
+        "host_syncs_by_op": syncs,
         "cpu_s": round(time.process_time() - start, 2),
     }
+
+
+def _as_graph_replays(runner: PrefillRunner, counter: OpCounter) -> None:
+    """Count each of `runner`'s chunk passes as one launch (a graph replay), its ops uncounted."""
+    forward = runner._forward
+
+    def replay(bucket: int) -> Any:
+        counter.paused = True
+        try:
+            return forward(bucket)
+        finally:
+            counter.paused = False
+            counter.kernel("graph_replay")
+
+    runner._forward = replay  # type: ignore[method-assign]
 
 
 def prefill_launches(model: CEDModel, prompt_tokens: int, chunks: list[int]) -> dict[str, Any]:
@@ -127,6 +166,30 @@ def prefill_launches(model: CEDModel, prompt_tokens: int, chunks: list[int]) -> 
 
         out["engine"][str(chunk)] = _count(engine)
         print(f"engine, chunks of {chunk}: {out['engine'][str(chunk)]}", flush=True)
+
+    for chunk in chunks:
+        # the prefill runner as a GPU runs it: each chunk's pass is one graph replay (counted as one
+        # launch; its ops run uncounted here: `test_capture_trace` shows the pass's CUDA branches read
+        # nothing on the host), around it the staging copy and the records' gathers; then the load and
+        # export of the state (once per request) and the eager decoder replay
+        built = PrefillRunner(model, PrefillRunnerConfig(max_context=prompt_tokens, buckets=(chunk,)))
+        counter = OpCounter()
+        _as_graph_replays(built, counter)
+
+        def runner_pass(chunk: int = chunk, runner: PrefillRunner = built) -> None:
+            slot = runner.acquire()
+            assert slot is not None
+            runner.load(slot, model.new_state())
+            spans = [
+                runner.encode(slot, tokens[at : at + chunk]).boundary for at in range(0, prompt_tokens, chunk)
+            ]
+            state = runner.export(slot)
+            runner.release(slot)
+            model.replay_decoder(BoundaryHidden.concat(spans).last(128), state)
+            state.release_paged()
+
+        out.setdefault("runner", {})[str(chunk)] = _count(runner_pass, counter)
+        print(f"runner, chunks of {chunk}: {out['runner'][str(chunk)]}", flush=True)
 
     def local() -> None:
         state = model.new_state()
@@ -149,11 +212,15 @@ def main() -> None:
         "--attention", default="off", help="chunks: prefill attention path (off: dense, as a CPU's auto)"
     )
     p.add_argument("--out")
+    p.add_argument("--before", help="a report of this part from an earlier commit: kept as `chunks_before`")
     args = p.parse_args()
     torch.set_num_threads(1)
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
         "machine": describe_machine("cpu"),
     }
     if "paths" in args.parts:
@@ -183,6 +250,9 @@ def main() -> None:
             "exact_replay_span": exact_replay_span(model.config),
             **prefill_launches(model, args.chunk_prompt_tokens, args.chunks),
         }
+    if args.before:
+        before = json.loads(Path(args.before).read_text())
+        report["chunks_before"] = {k: before[k] for k in ("date", "command", "commit")} | before["chunks"]
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -103,13 +103,16 @@ def since(start: Timing) -> Timing:
 
 def time_engine(model: CEDModel, tokens: list[int], chunk: int, span: int, device: str,
                 attention: str = "off") -> Timing:
-    """`attention` is a path (`prefill.paged_attention`), with "+tf32" for `prefill.matmul_tf32`."""
-    attention, _, matmul = attention.partition("+")
+    """`attention` is a path (`prefill.paged_attention`), with "+tf32" for `prefill.matmul_tf32` and
+    "+runner" for the prefill runner (`prefill.runner = "on"`, one bucket of `chunk` tokens, its graph
+    captured on CUDA inside the timed run's engine set-up, not its time); else the runner is off."""
+    attention, *flags = attention.split("+")
     layout = BlockLayout.from_config(model.config, BLOCK)
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=len(tokens) // BLOCK + 4),
                            "bench", device)
     config = PrefillWorkerConfig(worker_id="bench", chunk_tokens=chunk, step_token_budget=chunk, replay_span=span,
-                                 device=device, paged_attention=attention, matmul_tf32=matmul == "tf32",
+                                 device=device, paged_attention=attention, matmul_tf32="tf32" in flags,
+                                 runner="on" if "runner" in flags else "off", runner_buckets=(chunk,),
                                  kernel_warmup=False)  # an engine per run: --repeats shows the first run's compiles
     engine = PrefillEngine(model, cache, None, config)
     limits = RequestLimits(model.config.vocab_size, len(tokens), BLOCK, span, "bench")
@@ -230,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget-s", type=float, default=0.0, help="start no new prompt length after this "
                    "many seconds (0: no limit); skipped lengths are recorded")
     p.add_argument("--attention", nargs="+", default=["off"],
-                   choices=["off", "kernels", "reference", "off+tf32", "kernels+tf32"],
+                   choices=["off", "kernels", "reference", "off+tf32", "kernels+tf32", "kernels+runner",
+                            "kernels+runner+tf32", "off+runner"],
                    help="attention paths to time side by side (`prefill.paged_attention`): off = dense; "
-                        "+tf32: with `prefill.matmul_tf32` (CUDA)")
+                        "+tf32: with `prefill.matmul_tf32` (CUDA); +runner: chunks through the prefill "
+                        "runner (`prefill.runner`; its graphs on CUDA)")
     p.add_argument("--released-attention", action="store_true",
                    help="the released attention geometry on the preset (`presets.released_attention`)")
     p.add_argument("--repeats", type=int, default=1, help="engine runs per cell (the last is reported)")

@@ -290,15 +290,16 @@ def fake_quant_fp4(x: Tensor, block_size: int, scale_format: str) -> Tensor:
 # -------------------------------------------------------------------------- records
 
 
-def _pack_blocks(x: Tensor, block_size: int, what: str) -> Tensor:
-    """Validate a pack input and return its finite float32 blocks."""
+def _pack_blocks(x: Tensor, block_size: int, what: str, check_finite: bool = True) -> Tensor:
+    """Validate a pack input and return its finite float32 blocks (`check_finite=False`: the caller
+    checks finiteness itself; the check reads a device value, a host sync on a GPU)."""
     if not x.is_floating_point():
         raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{what}: expected at least one dimension")
     check_record_dim(x.shape[-1], block_size, what)
     blocks = _to_blocks(x, block_size)
-    if not bool(torch.isfinite(blocks).all()):
+    if check_finite and not bool(torch.isfinite(blocks).all()):
         raise ValueError(f"{what}: input contains NaN or inf (after the float32 upcast)")
     return blocks
 
@@ -329,7 +330,7 @@ def _unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-def pack_main_kv(x: Tensor) -> Tensor:
+def pack_main_kv(x: Tensor, check_finite: bool = True) -> Tensor:
     """Pack compressed main-KV vectors ``x[..., D]`` (float, finite, post-RoPE) into
     records ``uint8[..., D // 2 + D // 16]`` (288 B for D = 512).
 
@@ -344,9 +345,10 @@ def pack_main_kv(x: Tensor) -> Tensor:
       at least ``2**-9`` (byte ``0x01``), at most 448 (byte ``0x7E``).
 
     Channel ``c`` decodes to ``e2m1(code_c) * e4m3(scale_{c // 16})`` in float32.
-    Raises ``ValueError`` on NaN/inf or a bad D, ``TypeError`` on a non-float input.
+    Raises ``ValueError`` on NaN/inf (unless ``check_finite`` is False: then such rows give
+    unspecified records) or a bad D, ``TypeError`` on a non-float input.
     """
-    blocks = _pack_blocks(x, MAIN_KV_BLOCK, "pack_main_kv")
+    blocks = _pack_blocks(x, MAIN_KV_BLOCK, "pack_main_kv", check_finite)
     codes, _, scale_bytes = _fp4_quantize(blocks, "e4m3")
     return torch.cat([_pack_nibbles(codes.flatten(-2)), scale_bytes], dim=-1)
 
@@ -364,7 +366,7 @@ def unpack_main_kv(rec: Tensor) -> Tensor:
     return (values * scale.unsqueeze(-1)).reshape(*rec.shape[:-1], dim)
 
 
-def pack_index_key(x: Tensor) -> Tensor:
+def pack_index_key(x: Tensor, check_finite: bool = True) -> Tensor:
     """Pack indexer keys ``x[..., D]`` (float, finite, post-RoPE) into records
     ``uint8[..., D // 2 + D // 32]`` (68 B for D = 128).
 
@@ -377,9 +379,10 @@ def pack_index_key(x: Tensor) -> Tensor:
       exponent ``b`` of the power-of-two scale ``2**(b - 127)``, ``b`` in ``[1, 254]``.
 
     Channel ``c`` decodes to ``e2m1(code_c) * 2**(b_{c // 32} - 127)`` in float32.
-    Raises ``ValueError`` on NaN/inf or a bad D, ``TypeError`` on a non-float input.
+    Raises ``ValueError`` on NaN/inf (unless ``check_finite`` is False: then such rows give
+    unspecified records) or a bad D, ``TypeError`` on a non-float input.
     """
-    blocks = _pack_blocks(x, INDEX_KEY_BLOCK, "pack_index_key")
+    blocks = _pack_blocks(x, INDEX_KEY_BLOCK, "pack_index_key", check_finite)
     codes, _, scale_bytes = _fp4_quantize(blocks, "ue8m0")
     return torch.cat([_pack_nibbles(codes.flatten(-2)), scale_bytes], dim=-1)
 
@@ -398,7 +401,7 @@ def unpack_index_key(rec: Tensor) -> Tensor:
     return (values * scale.unsqueeze(-1)).reshape(*rec.shape[:-1], dim)
 
 
-def pack_swa(x: Tensor) -> Tensor:
+def pack_swa(x: Tensor, check_finite: bool = True) -> Tensor:
     """Pack sliding-window KV vectors ``x[..., D]`` (float, finite, whole head_dim
     post-RoPE) into records ``uint8[..., D + D // 32]`` (528 B for D = 512).
 
@@ -411,9 +414,10 @@ def pack_swa(x: Tensor) -> Tensor:
       of ``2**(b - 127)``; with the ``1e-4`` amax floor ``b >= 105``.
 
     Channel ``c`` decodes to ``e4m3(byte_c) * 2**(b_{c // 32} - 127)`` in float32.
-    Raises ``ValueError`` on NaN/inf or a bad D, ``TypeError`` on a non-float input.
+    Raises ``ValueError`` on NaN/inf (unless ``check_finite`` is False: then such rows give
+    unspecified records) or a bad D, ``TypeError`` on a non-float input.
     """
-    blocks = _pack_blocks(x, SWA_BLOCK, "pack_swa")
+    blocks = _pack_blocks(x, SWA_BLOCK, "pack_swa", check_finite)
     elements, _, scale_bytes = _fp8_quantize(blocks)
     return torch.cat([elements.view(torch.uint8).flatten(-2), scale_bytes], dim=-1)
 

@@ -174,7 +174,7 @@ class Attention(nn.Module):
         the chunk's picks and attention over slots instead of dense masks."""
         assert ctx.paged is not None
         layer = self.spec.layer_id
-        records = torch.cat([ctx.state.swa[layer], ctx.state.encode_window(kv)])
+        records = torch.cat([ctx.state.swa[layer], ctx.state.encode_window(kv, ctx.finite)])
         ctx.state.keep_window(layer, records)
         if self.spec.compress_ratio and self.compressor is not None:
             if ctx.write_global_kv:
@@ -346,7 +346,7 @@ class Attention(nn.Module):
     def _window_keys(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Window keys `[P + S, D]` (stored records + this chunk, FP8) and their bias `[S, P + S]`."""
         layer = self.spec.layer_id
-        records = torch.cat([ctx.state.swa[layer], ctx.state.encode_window(kv)])
+        records = torch.cat([ctx.state.swa[layer], ctx.state.encode_window(kv, ctx.finite)])
         ctx.state.keep_window(layer, records)
         key_start = ctx.start - (records.shape[0] - kv.shape[0])
         bias = window_bias(ctx.positions, key_start, records.shape[0], self.config.sliding_window)
@@ -363,7 +363,7 @@ class Attention(nn.Module):
         ratio = self.spec.compress_ratio
         group_positions = source.next_group_position + ratio * torch.arange(latent.shape[0], device=x.device)
         cos, sin = self.compress_rope.cos_sin(group_positions)
-        source.append(apply_rope(latent, cos, sin), self.indexer.keys(latent, cos, sin))
+        source.append(apply_rope(latent, cos, sin), self.indexer.keys(latent, cos, sin), ctx.finite)
         ctx.global_kv_changed(self.spec.layer_id)
         return int(latent.shape[0])
 

@@ -27,6 +27,8 @@ class ForwardContext:
     positions: Tensor  # int64 [S]
     rope: dict[str, tuple[Tensor, Tensor]]  # "main"/"compress" -> cos, sin [S, rope_dim/2]
     state: SequenceState
+    start: int
+    """`positions[0]`, known on the host (reading it from the device would be a sync per layer)."""
     write_global_kv: bool = True
     """False when replaying decoder layers over tokens whose global KV is already stored."""
     engram_rows: Future[Tensor] | None = None
@@ -44,15 +46,15 @@ class ForwardContext:
     """Index-source layer -> bool [S, T] picked entries (None: no entry visible yet)."""
     candidates: Tensor | None = None
     """bool [S, T] candidate pool of the candidate-source layer, once it ran."""
+    finite: list[Tensor] | None = None
+    """When set, the records this pass encodes defer their NaN/inf check: each leaves a device flag
+    here (`kv_format.encode_window`) and the entry point checks them once at the pass's end
+    (`kv_format.check_finite`), one host read instead of one per record kind and layer."""
     paged: PagedPass | None = None
     """Set when the model attends through the kernels (`cedserve.model.paged_attention`): the
     chunk's picks and attention go through a paged copy of its records instead of dense masks."""
     _main_kv: dict[int, Tensor] = field(default_factory=dict)
     _index_keys: dict[int, Tensor] = field(default_factory=dict)
-
-    @property
-    def start(self) -> int:
-        return int(self.positions[0])
 
     def main_kv(self, kv_layer: int) -> Tensor:
         """Dequantized compressed KV of a KV source, float32 `[T, head_dim]`."""

@@ -78,9 +78,23 @@ def index_key_row_bytes(fmt: KVFormat, dim: int) -> int:
     return index_key_record_bytes(dim) if fmt is KVFormat.RECORDS else 2 * dim
 
 
-def encode_window(x: Tensor, fmt: KVFormat) -> Tensor:
-    """Window KV `[n, D]` -> uint8 rows."""
-    return pack_swa(x) if fmt is KVFormat.RECORDS else _bf16_bytes(x)
+def encode_window(x: Tensor, fmt: KVFormat, finite: list[Tensor] | None = None) -> Tensor:
+    """Window KV `[n, D]` -> uint8 rows. Records refuse NaN/inf input (`ValueError`) at once or, given
+    a `finite` list, append a device flag `isfinite(x).all()` to it for the caller to check once for
+    a whole pass (`check_finite`)."""
+    if fmt is not KVFormat.RECORDS:
+        return _bf16_bytes(x)
+    if finite is not None:
+        finite.append(torch.isfinite(x).all())
+    return pack_swa(x, check_finite=finite is None)
+
+
+def check_finite(finite: list[Tensor], what: str) -> None:
+    """Raise `ValueError` if any flag the `encode_*` calls left in `finite` is false: one host read
+    for all of them (a pass's records), instead of one per call."""
+    if finite and not bool(torch.stack(finite).all()):
+        raise ValueError(f"{what}: a record's input contains NaN or inf")
+    finite.clear()
 
 
 def decode_window(rows: Tensor, fmt: KVFormat) -> Tensor:
@@ -89,9 +103,13 @@ def decode_window(rows: Tensor, fmt: KVFormat) -> Tensor:
     return values
 
 
-def encode_main(x: Tensor, fmt: KVFormat) -> Tensor:
-    """Post-RoPE compressed main KV `[G, D]` -> uint8 rows."""
-    return pack_main_kv(x) if fmt is KVFormat.RECORDS else _bf16_bytes(x)
+def encode_main(x: Tensor, fmt: KVFormat, finite: list[Tensor] | None = None) -> Tensor:
+    """Post-RoPE compressed main KV `[G, D]` -> uint8 rows (NaN/inf and `finite`: as `encode_window`)."""
+    if fmt is not KVFormat.RECORDS:
+        return _bf16_bytes(x)
+    if finite is not None:
+        finite.append(torch.isfinite(x).all())
+    return pack_main_kv(x, check_finite=finite is None)
 
 
 def decode_main(rows: Tensor, fmt: KVFormat) -> Tensor:
@@ -99,9 +117,13 @@ def decode_main(rows: Tensor, fmt: KVFormat) -> Tensor:
     return values
 
 
-def encode_index_key(x: Tensor, fmt: KVFormat) -> Tensor:
-    """Post-RoPE index keys `[G, d]` -> uint8 rows."""
-    return pack_index_key(x) if fmt is KVFormat.RECORDS else _bf16_bytes(x)
+def encode_index_key(x: Tensor, fmt: KVFormat, finite: list[Tensor] | None = None) -> Tensor:
+    """Post-RoPE index keys `[G, d]` -> uint8 rows (NaN/inf and `finite`: as `encode_window`)."""
+    if fmt is not KVFormat.RECORDS:
+        return _bf16_bytes(x)
+    if finite is not None:
+        finite.append(torch.isfinite(x).all())
+    return pack_index_key(x, check_finite=finite is None)
 
 
 def decode_index_key(rows: Tensor, fmt: KVFormat) -> Tensor:

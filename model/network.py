@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -41,7 +42,7 @@ from cedserve.model.config import AttentionMode, LayerRole, ModelConfig
 from cedserve.model.context import ForwardContext, TrainContext
 from cedserve.model.engram import Engram, EngramHasher, check_table_sizes
 from cedserve.model.engram_store import EngramStore
-from cedserve.model.kv_format import KVFormat
+from cedserve.model.kv_format import KVFormat, check_finite
 from cedserve.model.mhc import hc_collapse
 from cedserve.model.norm import RMSNorm
 from cedserve.model.paged_attention import Backend, PagedArena, PagedPass
@@ -57,12 +58,20 @@ class BoundaryHidden:
     streams: Tensor  # [n, hc, hidden]
     pre_mix: Tensor  # float32 [n, hc]: the last encoder layer's FFN-site pre
     hash_ids: Tensor | None  # int64 [n, engram layers, columns], None without Engram
+    start: int
+    """`positions[0]` (the span's first position), known on the host."""
+
+    @property
+    def end(self) -> int:
+        """The position after the span's last token."""
+        return self.start + int(self.positions.shape[0])
 
     def last(self, count: int) -> BoundaryHidden:
         """The last `count` tokens."""
         start = max(0, self.positions.shape[0] - count)
         hash_ids = None if self.hash_ids is None else self.hash_ids[start:]
-        return BoundaryHidden(self.positions[start:], self.streams[start:], self.pre_mix[start:], hash_ids)
+        return BoundaryHidden(self.positions[start:], self.streams[start:], self.pre_mix[start:], hash_ids,
+                              self.start + start)
 
     @staticmethod
     def concat(parts: Sequence[BoundaryHidden]) -> BoundaryHidden:
@@ -74,6 +83,7 @@ class BoundaryHidden:
             torch.cat([p.streams for p in parts]),
             torch.cat([p.pre_mix for p in parts]),
             hash_ids,
+            parts[0].start,
         )
 
 
@@ -326,7 +336,7 @@ class CEDModel(nn.Module):
         return torch.stack([taps[i] for i in self.config.dspark_target_layer_ids], dim=1)
 
     @torch.no_grad()
-    def encode_chunk(self, token_ids: Tensor | Sequence[int], state: SequenceState) -> EncodedChunk:
+    def encode_chunk(self, token_ids: Tensor | Sequence[int] | np.ndarray, state: SequenceState) -> EncodedChunk:
         """Run the encoder layers over the next tokens and write every KV source's global KV,
         the decoder's included. Decoder windows are left untouched (rebuild with
         `replay_decoder`)."""
@@ -338,7 +348,8 @@ class CEDModel(nn.Module):
         x = block.attention_input(block.apply_engram(streams, ctx), pre_mix)
         block.attn.write_global_kv(x, ctx)
         state.position += int(ctx.positions.shape[0])
-        boundary = BoundaryHidden(ctx.positions, streams, pre_mix, hash_ids)
+        self._end(ctx, "encode_chunk")
+        boundary = BoundaryHidden(ctx.positions, streams, pre_mix, hash_ids, ctx.start)
         return EncodedChunk(self._new_records(state, before), boundary)
 
     @torch.no_grad()
@@ -363,16 +374,17 @@ class CEDModel(nn.Module):
         return TargetOutput(logits, torch.stack([taps[i] for i in self.config.dspark_target_layer_ids], dim=1))
 
     def _replay_decoder(self, span: BoundaryHidden, state: SequenceState, taps: dict[int, Tensor] | None) -> Tensor:
-        end = int(span.positions[-1]) + 1
+        end = span.end
         if end != state.position:
             raise ValueError(f"replay span ends at position {end}, but the sequence is at {state.position}")
         first = self._decoder_source()
         for layer in range(first, self.config.num_hidden_layers):
             state.swa[layer] = state.swa[layer][:0]
-        ctx = self._context(span.positions, end - int(span.positions.shape[0]), state, False, span.hash_ids)
+        ctx = self._context(span.positions, span.start, state, False, span.hash_ids)
         ctx.taps = taps
         layers = range(first, self.config.num_hidden_layers)
         streams, pre_mix = self._run(layers, span.streams, span.pre_mix, ctx)
+        self._end(ctx, "replay_decoder")
         return self._logits(streams, pre_mix)
 
     @torch.no_grad()
@@ -384,6 +396,7 @@ class CEDModel(nn.Module):
         tokens, or the whole sequence); shorter spans are the bounded-replay approximation."""
         streams, pre_mix, _, ctx = self._begin_replay(token_ids, state)
         streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx)
+        self._end(ctx, "replay")
         return self._logits(streams, pre_mix)
 
     # ------------------------------------------------------------------ internals
@@ -401,22 +414,37 @@ class CEDModel(nn.Module):
                 raise ValueError(f"encoder-only prefill cannot fill decoder KV source {spec.layer_id}")
         return first
 
-    def _token_tensor(self, token_ids: Tensor | Sequence[int]) -> Tensor:
+    def _token_tensor(self, token_ids: Tensor | Sequence[int] | np.ndarray) -> Tensor:
+        """The ids as an int64 device tensor `[S]`, checked against the vocabulary where they are:
+        ids given on the host (a list, an array, a CPU tensor: the engines' case) are checked there
+        before one copy to the device, so the check reads nothing back from it."""
         device = self.embed.weight.device
-        tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device).flatten()
+        on_device = isinstance(token_ids, Tensor) and token_ids.device.type != "cpu"
+        if on_device:
+            tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device).flatten()
+            low, high = (int(v) for v in torch.aminmax(tokens)) if tokens.numel() else (0, 0)
+        else:
+            host = token_ids.numpy() if isinstance(token_ids, Tensor) else token_ids  # numpy: no dispatched op
+            ids = np.asarray(host, dtype=np.int64).ravel()
+            low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+            tokens = torch.from_numpy(ids)
+            if device.type == "cuda":
+                tokens = tokens.pin_memory().to(device, non_blocking=True)
         if tokens.numel() == 0:
             raise ValueError("no tokens given")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+        if low < 0 or high >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {tokens.tolist()[:16]}...")
         return tokens
 
     def _context(
         self, positions: Tensor, start: int, state: SequenceState, write_global_kv: bool, hash_ids: Tensor | None
     ) -> ForwardContext:
-        """The pass's shared values; starts the Engram row lookup (before any layer runs)."""
+        """The pass's shared values; starts the Engram row lookup (before any layer runs). The records'
+        NaN/inf checks wait for the pass's end (`_end`)."""
         rows = self._engram_rows(hash_ids)
         rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
-        ctx = ForwardContext(positions, rope, state, write_global_kv=write_global_kv, engram_rows=rows)
+        ctx = ForwardContext(positions, rope, state, start, write_global_kv=write_global_kv, engram_rows=rows,
+                             finite=[])
         ctx.paged = self._paged_chunk(state, start, int(positions.shape[0]))
         return ctx
 
@@ -456,7 +484,7 @@ class CEDModel(nn.Module):
         return hash_ids
 
     def _begin(
-        self, token_ids: Tensor | Sequence[int], state: SequenceState, write_global_kv: bool
+        self, token_ids: Tensor | Sequence[int] | np.ndarray, state: SequenceState, write_global_kv: bool
     ) -> tuple[Tensor, Tensor, Tensor | None, ForwardContext]:
         tokens = self._token_tensor(token_ids)
         positions = torch.arange(state.position, state.position + tokens.shape[0], device=tokens.device)
@@ -507,7 +535,7 @@ class CEDModel(nn.Module):
             hashes.append(self._hash_ids(tokens[rows], state))
             state.position = start + n  # a later chunk of this sequence starts here
             chunk_rope = {kind: (cos[rows], sin[rows]) for kind, (cos, sin) in rope.items()}
-            ctx = ForwardContext(positions[rows], chunk_rope, state, write_global_kv=not item.replay)
+            ctx = ForwardContext(positions[rows], chunk_rope, state, start, write_global_kv=not item.replay)
             ctx.taps = {} if item.taps else None
             ctx.boundary = StateSnapshot(before[0], {}, {}, before[1]) if item.snapshot else None
             ctxs.append(ctx)
@@ -556,7 +584,14 @@ class CEDModel(nn.Module):
         ctx.taps = taps
         streams, pre_mix = self._run(range(self.config.num_hidden_layers), streams, pre_mix, ctx)
         state.position += int(ctx.positions.shape[0])
+        self._end(ctx, "prefill")
         return self._logits(streams, pre_mix)
+
+    @staticmethod
+    def _end(ctx: ForwardContext, what: str) -> None:
+        """A pass's one host read: its records' deferred NaN/inf checks (`ValueError`)."""
+        if ctx.finite is not None:
+            check_finite(ctx.finite, what)
 
     def _run(self, layers: range, streams: Tensor, pre_mix: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         for layer_id in layers:

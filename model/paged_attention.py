@@ -255,8 +255,12 @@ class PagedArena:
             self.copied_entries += count - first
         if not main_rows:
             return
-        rows = torch.cat(block_rows).to(self.device, non_blocking=True)
-        cols = torch.cat(slots).to(self.device, non_blocking=True)
+        # one copy of both index lists; pinned, so that on a GPU it does not wait for the stream
+        # (a non-blocking copy from pageable memory does)
+        index = torch.stack([torch.cat(block_rows), torch.cat(slots)])
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        rows, cols = index.to(self.device, non_blocking=True)
         self.layout.pool_view(self.storage, layer_id, "main")[rows, cols] = torch.cat(main_rows).to(self.device)
         self.layout.pool_view(self.storage, layer_id, "index")[rows, cols] = torch.cat(key_rows).to(self.device)
 

@@ -167,6 +167,36 @@ class SlotStep:
         taps = torch.stack([step.taps[i] for i in tapped], dim=1) if tapped else logits[:, :0]
         return logits, taps
 
+    @torch.no_grad()
+    def encode(self, token_ids: Tensor, slots: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """`CEDModel.encode_chunk` over slots (rows as `forward`'s): the encoder layers, then the
+        decoder KV source's compressor and index keys (its records written into the pools); decoder
+        windows are not touched. Returns the rows' boundary state: the streams entering the first
+        decoder layer `[B, hc, hidden]` and the last encoder layer's FFN-site pre `[B, hc]` float32.
+        Each slot advances past its last row."""
+        pools, boundary_layer = self.pools, self.model._decoder_source()
+        positions = pools.position[slots] + offsets
+        rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
+        ring_slot, windows = self.ops.window_slots(positions, slots, pools.swa_first, pools.window, pools.ring)
+        step = _Pass(slots, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots, positions),
+                     ring_slot, windows, torch.zeros(token_ids.shape[0], 0, device=self.device))
+        streams, pre = self.model._embed(token_ids)
+        pending: Expansion | None = None
+        for layer_id in range(boundary_layer):
+            streams, pre, pending = self._layer(layer_id, streams, pre, pending, step)
+        streams = self._expand(streams, pending)
+        block = self._block(boundary_layer)
+        entering = streams
+        if block.engram is not None and block.engram_index is not None:
+            assert step.engram_rows is not None
+            entering = block.engram(streams, step.engram_rows[:, block.engram_index])
+        site = self._site(entering, pre, None, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base,
+                          block.attn_norm.weight)
+        self._write_global_kv(block.attn, site.x, step)
+        pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
+        pools.position.narrow(0, pools.scratch_slot, 1).zero_()
+        return streams, pre
+
     def _engram_rows(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> Tensor | None:
         """Write the rows' compressed ids into the slots' rings, then hash each row's n-grams and
         look their rows up (or read the rows staged for this step)."""

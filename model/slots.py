@@ -237,10 +237,12 @@ class SlotPools:
         self.check_slot(slot)
         config = self.config
         state = SequenceState.new(config, self.device)
-        pos = int(self.position[slot])
+        # one read of the host values export needs: position, each layer's ring start, the Engram start
+        pos, *swa_first, engram_first = torch.cat([self.position[slot:slot + 1], self.swa_first[:, slot],
+                                                   self.engram_first[slot:slot + 1]]).tolist()
         state.position = pos
         for layer in range(config.num_hidden_layers):
-            first = max(int(self.swa_first[layer, slot]), pos - (self.window - 1), 0)
+            first = max(swa_first[layer], pos - (self.window - 1), 0)
             rows = torch.arange(first, pos, device=self.device) % self.ring
             state.swa[layer] = self.swa[layer, slot, rows].clone()
         for spec in self.sources:
@@ -257,7 +259,7 @@ class SlotPools:
                 rows = torch.arange(count * ratio, pos, device=self.device) % self.pending_ring[layer]
                 kv.pending = PendingGroup(self.pending_kv[layer][slot, rows].clone(),
                                           self.pending_gate[layer][slot, rows].clone())
-        first = max(int(self.engram_first[slot]), pos - self.engram_keep, 0)
+        first = max(engram_first, pos - self.engram_keep, 0)
         if pos > first:
             rows = torch.arange(first, pos, device=self.device) % self.engram_ring
             state.engram_tail = self.engram_ids[slot, rows].clone()

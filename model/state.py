@@ -75,9 +75,11 @@ class GlobalKV:
         """Absolute position of the first token of the next group to be emitted."""
         return self.num_entries * self.ratio
 
-    def append(self, main_values: Tensor, key_values: Tensor) -> None:
-        """Quantize and append post-RoPE main KV `[G, D]` and index keys `[G, d]`."""
-        self.append_records(encode_main(main_values, self.kv_format), encode_index_key(key_values, self.kv_format))
+    def append(self, main_values: Tensor, key_values: Tensor, finite: list[Tensor] | None = None) -> None:
+        """Quantize and append post-RoPE main KV `[G, D]` and index keys `[G, d]` (`finite`: as
+        `kv_format.encode_window`)."""
+        self.append_records(encode_main(main_values, self.kv_format, finite),
+                            encode_index_key(key_values, self.kv_format, finite))
 
     def append_records(self, main: Tensor, index_keys: Tensor) -> None:
         """Append already encoded rows (`encode_main`, `encode_index_key` of this format), in place
@@ -173,9 +175,9 @@ class SequenceState:
         tail = torch.zeros(0, dtype=torch.long, device=device)
         return SequenceState(0, swa, global_kv, tail, window_keep=config.sliding_window - 1, kv_format=kv_format)
 
-    def encode_window(self, kv: Tensor) -> Tensor:
+    def encode_window(self, kv: Tensor, finite: list[Tensor] | None = None) -> Tensor:
         """Window rows (records, or bf16 bytes) of window KV `[n, D]`."""
-        return encode_window(kv, self.kv_format)
+        return encode_window(kv, self.kv_format, finite)
 
     def decode_window(self, rows: Tensor) -> Tensor:
         """float32 window KV `[n, D]` of stored rows."""

@@ -15,6 +15,8 @@ import msgspec
 from cedserve.model.config_table import decode_table, fail
 
 PAGED_ATTENTION = ("auto", "kernels", "reference", "off")
+RUNNER = ("auto", "on", "off")
+"""`runner`'s values."""
 """`paged_attention`'s values (`cedserve.model.paged_attention.MODES`)."""
 
 
@@ -27,9 +29,10 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     chunk_tokens: int = 8192
     """Most prompt tokens one request computes per engine step (chunked prefill). A multiple of the
     block size, so every chunk but a prompt's last ends on a block boundary and its blocks can ship.
-    A chunk costs ~10K kernel launches (20 encoder layers of ~500) whatever its length, ~150 ms on an
-    H200 with mini-40: at 2,048 a 32K prompt paid 16 of them (2.5 s; docs/prefill.md, *Findings: 32K
-    prompts on one GPU*)."""
+    An eager chunk (`runner` off) costs ~10K kernel launches (20 encoder layers of ~500) whatever its
+    length, ~150 ms on an H200 with mini-40: at 2,048 a 32K prompt paid 16 of them (2.5 s;
+    docs/prefill.md, *Findings: 32K prompts on one GPU*). Through the runner a chunk is one graph
+    replay and ~36 launches around it."""
     step_token_budget: int = 16384
     """Most tokens computed per engine step across all requests: a long prompt takes at most
     `chunk_tokens` of it, so short prompts behind it start in the same step."""
@@ -90,6 +93,20 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     """On CUDA, float32 matrix products on TF32 tensor cores for the worker process (as
     `decode.matmul_tf32`): a prefill chunk is GEMM-bound and the model is held in float32. Off by
     default until its effect on outputs is measured (benchmarks/tf32_agreement.py)."""
+    runner: str = "auto"
+    """Chunks through the prefill runner (`cedserve.model.prefill_runner`): the encoder's pass over
+    static buffers at token-count buckets (`runner_buckets`, a chunk padded to its bucket), on CUDA one
+    captured graph per bucket, with no host sync. "auto": on a CUDA device when the model suits it
+    (in-memory Engram tables, the kernels' widths); "on" wherever it can run (a CPU runs the pass
+    eagerly: tests); "off" the eager `encode_chunk` per chunk (~10K launches whatever its length)."""
+    runner_buckets: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    """The runner's chunk sizes (tokens), increasing; the largest must hold `chunk_tokens`."""
+    runner_slots: int = 1
+    """Requests whose chunks run in the runner at once (a slot each, from the first chunk to the
+    last; the others run eagerly). A slot holds `max_prompt_tokens` of global KV and, per layer, a
+    window ring of `sliding_window + largest bucket` records."""
+    runner_cuda_graphs: bool = True
+    """With the runner on CUDA: capture each bucket's pass at start (False: run it eagerly)."""
     effort_queue_slack_s: float = 2.0
     """Queue order by effort: a waiting request falls due at its arrival plus this many seconds times
     effort / 100 (`cedserve.model.effort.queue_due_s`), and requests are admitted and given chunk
@@ -112,6 +129,15 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             fail("prefill", "gpu_memory_fraction", f"must be in [0, 1], got {self.gpu_memory_fraction}")
         if self.paged_attention not in PAGED_ATTENTION:
             fail("prefill", "paged_attention", f"must be one of {list(PAGED_ATTENTION)}, got {self.paged_attention!r}")
+        if self.runner not in RUNNER:
+            fail("prefill", "runner", f"must be one of {list(RUNNER)}, got {self.runner!r}")
+        buckets = list(self.runner_buckets)
+        if not buckets or sorted(set(buckets)) != buckets or buckets[0] < 1:
+            fail("prefill", "runner_buckets", f"must be increasing positive sizes, got {buckets}")
+        if self.runner != "off" and buckets[-1] < self.chunk_tokens:
+            fail("prefill", "runner_buckets", f"the largest ({buckets[-1]}) must hold chunk_tokens {self.chunk_tokens}")
+        if self.runner_slots < 1:
+            fail("prefill", "runner_slots", f"must be >= 1, got {self.runner_slots}")
         if self.step_token_budget < self.chunk_tokens:
             fail("prefill", "step_token_budget", f"{self.step_token_budget} is below chunk_tokens {self.chunk_tokens}")
 

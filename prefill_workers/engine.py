@@ -53,8 +53,9 @@ from cedserve.model.cache.errors import CacheExhaustedError, TierIOError
 from cedserve.model.cache.manager import KVCacheManager, state_owner
 from cedserve.model.effort import effort_class, queue_due_s
 from cedserve.model.network import BoundaryHidden, CEDModel, GlobalKVRecords
-from cedserve.model.paged_attention import enable_paged_attention
+from cedserve.model.paged_attention import enable_paged_attention, unsupported
 from cedserve.model.paged_kv import load_state, store_bytes, store_records
+from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig
 from cedserve.model.sampling import make_generator, sample
 from cedserve.model.state import SequenceState
 from cedserve.model.state_format import STATE_FORMAT_VERSION, BoundedState, encode_state
@@ -114,6 +115,7 @@ class PrefillEngine:
         self._thread: threading.Thread | None = None
         self._stats = EngineStats(total_blocks=cache.pool.num_blocks)
         self.warmup = self._warm_up()
+        self.runner = self._make_runner()
         self._publish_stats()
 
     def _warm_up(self) -> kernel_warmup.WarmupReport | None:
@@ -126,6 +128,27 @@ class PrefillEngine:
         report = kernel_warmup.warm_up_prefill(self.model, limit, config.chunk_tokens, config.replay_span)
         log.info("kernel warm-up: %d cells in %.1f s (contexts %s)", report.cells, report.seconds, report.contexts)
         return report
+
+    def _make_runner(self) -> PrefillRunner | None:
+        """The prefill runner when `prefill.runner` asks for it (and, for "auto", on CUDA with a model it
+        suits), its graphs captured on CUDA."""
+        config, model = self.config, self.model
+        cuda = model.embed.weight.device.type == "cuda"
+        if config.runner == "off" or (config.runner == "auto" and not cuda):
+            return None
+        reason = "a memory-mapped Engram store" if model.engram_store is not None else unsupported(model.config)
+        if reason is not None:
+            if config.runner == "on":
+                raise ValueError(f"config field `prefill.runner`: the prefill runner cannot run this model: {reason}")
+            log.info("prefill runner off: %s", reason)
+            return None
+        runner = PrefillRunner(model, PrefillRunnerConfig(
+            config.prompt_limit(model.config.max_position_embeddings), config.runner_buckets, config.runner_slots,
+            config.runner_cuda_graphs))
+        report = runner.capture()
+        log.info("prefill runner: %d slots, buckets %s, graphs %s in %.1f s (%d MiB)", config.runner_slots,
+                 list(runner.buckets), list(report.buckets), report.seconds, report.graph_pool_bytes >> 20)
+        return runner
 
     # ------------------------------------------------------------------ any thread
 
@@ -352,8 +375,13 @@ class PrefillEngine:
     def _run_chunk(self, job: PrefillJob, chunk: ScheduledChunk) -> None:
         assert job.state is not None
         start = time.perf_counter()
-        tokens = torch.as_tensor(job.spec.token_ids[chunk.start:chunk.end])
-        encoded = self.model.encode_chunk(tokens, job.state)
+        tokens = job.spec.token_ids[chunk.start:chunk.end]  # host ids: checked there, copied once
+        slot = self._runner_slot(job)
+        if slot is not None:
+            assert self.runner is not None
+            encoded = self.runner.encode(slot, tokens)
+        else:
+            encoded = self.model.encode_chunk(tokens, job.state)
         records = _unshared(encoded.global_kv, job.shared_tokens, job.state)
         store_records(self.cache.layout, self.cache.pool.storage, job.block_ids, records)
         job.boundary = _tail(job.boundary, encoded.boundary, job.spec.replay_span)
@@ -365,8 +393,32 @@ class PrefillEngine:
         else:
             self._ship(job, chunk.end // self.cache.block_size, last=False)
 
+    def _runner_slot(self, job: PrefillJob) -> int | None:
+        """The job's runner slot: taken at its first chunk when one is free (its state loaded into it),
+        else the job runs eagerly to its end."""
+        if job.runner_slot is not None or job.eager:
+            return job.runner_slot
+        slot = self.runner.acquire() if self.runner is not None else None
+        if self.runner is None or slot is None:
+            job.eager = True
+            return None
+        assert job.state is not None
+        self.runner.load(slot, job.state)
+        job.runner_slot = slot
+        return slot
+
+    def _leave_runner(self, job: PrefillJob, keep_state: bool) -> None:
+        """Give the job's runner slot back, with its state first when `keep_state`."""
+        slot, job.runner_slot = job.runner_slot, None
+        if slot is None or self.runner is None:
+            return
+        if keep_state:
+            job.state = self.runner.export(slot)
+        self.runner.release(slot)
+
     def _finish_compute(self, job: PrefillJob) -> None:
         self.scheduler.finish(job.request_id)
+        self._leave_runner(job, keep_state=True)
         room = job.spec.target.state_room if job.spec.target is not None else None
         self._ship(job, math.ceil(job.spec.prompt_len / self.cache.block_size), last=room is None)
         start = time.perf_counter()
@@ -477,6 +529,7 @@ class PrefillEngine:
         if job.phase is Phase.ENDED:
             return
         job.phase = Phase.ENDED
+        self._leave_runner(job, keep_state=False)
         job.state, job.boundary = None, None
         self.scheduler.remove(job.request_id)
         self.metrics.requests.labels(error_kind(exc).value).inc()

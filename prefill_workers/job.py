@@ -51,6 +51,12 @@ class PrefillJob:
     computed_tokens: int = 0
     replayed_tokens: int = 0
     state: SequenceState | None = None
+    """The sequence's state; while it is in a prefill-runner slot (`runner_slot`) that slot holds
+    the newer one, and `state` comes back from it after the last chunk."""
+    runner_slot: int | None = None
+    """The prefill runner's slot holding this sequence while its chunks run there."""
+    eager: bool = False
+    """Its chunks run through `encode_chunk` (no runner, or no free slot at its first chunk)."""
     boundary: BoundaryHidden | None = None
     """Boundary states of the last computed tokens, at most the replay span."""
     next_block: int = 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from cedserve.kv_transfer.config import KVTransferConfig
+from cedserve.model.prefill_runner import PrefillRunnerConfig, prefill_runner_bytes
 from cedserve.prefill_workers.config import PrefillWorkerConfig
 from cedserve.prefill_workers.engine import PrefillEngine
 from cedserve.prefill_workers.link_probe import LinkProber
@@ -113,8 +114,14 @@ def build_worker(opts: WorkerOptions) -> PrefillWorker:
     share = claim_share(cfg.device, cfg.gpu_memory_fraction)
     loaded = load_model(model_source(opts, serve), opts.seed, serve, cfg.device)
     config = loaded.model.config
+    runner: tuple[tuple[str, int, str], ...] = ()
+    if cfg.runner == "on" or (cfg.runner == "auto" and cfg.device.startswith("cuda")):
+        runner_config = PrefillRunnerConfig(cfg.prompt_limit(config.max_position_embeddings), cfg.runner_buckets,
+                                            cfg.runner_slots)
+        runner = (("prefill runner pools", prefill_runner_bytes(config, runner_config),
+                   "[prefill] runner_slots, runner_buckets"),)
     check_gpu_share("prefill", share, worker_memory_need("prefill", loaded, serve, settings.kv_transfer,
-                                                         cfg.step_token_budget, "step_token_budget"))
+                                                         cfg.step_token_budget, "step_token_budget", runner))
     kv = build_kv_plane(loaded, serve, settings.kv_transfer, cfg.device, cfg.worker_id, cfg.worker_id)
     metrics = PrefillMetrics(kv.registry)
     register_memory_gauges(kv.registry, share)

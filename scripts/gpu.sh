@@ -32,6 +32,11 @@
 #   kernel-bench    benchmarks/kernels.py (QUICK=1: --quick; ATTN_SDPA=1 adds dense SDPA)
 #                                   kernels-h200.json, kernels.log    KERNEL_BENCH_S=380 (QUICK=1: 200)
 #   prefill         benchmarks/prefill.py, mini-40, 4K-128K prompts, engine and all 40 layers
+#   prefill-runner  tests/unit/test_prefill_runner_gpu.py, tests/kernels/test_capture_trace.py -k prefill
+#                   (prefill-runner-tests.log), then benchmarks/prefill.py: the engine through the kernels
+#                   with and without the prefill runner (its graph per chunk) at $TOKENS (4K 32K) in
+#                   chunks of $CHUNK (8192)          prefill-runner.json, prefill-runner.log
+#                                                               TESTS_S=200 LIMIT_S=235 BUDGET_S=190
 #   prefill-paged   the prefill engine dense and through the kernels at $TOKENS (4K 32K 128K);
 #   prefill-paged-released  the same with the released attention geometry
 #   decode-short    benchmarks/decode.py, 4K and 16K x batches 1 8 32, with and without DSpark
@@ -274,6 +279,17 @@ part_prefill_paged() {  # $1: prefill-paged or prefill-paged-released
     --tokens ${TOKENS:-4096 32768 131072} --chunk-tokens 2048 --attention ${ATTENTION:-off kernels} --repeats 2 \
     --skip-all-layers --time-budget-s "${BUDGET_S:-190}" --note "$NOTE; prefill attention dense vs kernels; one GPU" \
     --out "$OUT/$1.json" 2>&1 | grep -v NIXL | tee "$OUT/$1.log"
+}
+
+part_prefill_runner() {  # the prefill runner (docs/prefill.md, *The prefill chunk runner*)
+  timeout "${TESTS_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_prefill_runner_gpu.py \
+    tests/kernels/test_capture_trace.py -k prefill -p no:warnings -rfE --durations=8 2>&1 \
+    | grep -v "NIXL INFO\|DEBUG" | tail -150 | tee "$OUT/prefill-runner-tests.log"
+  # shellcheck disable=SC2086
+  timeout "${LIMIT_S:-235}" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 \
+    --tokens ${TOKENS:-4096 32768} --chunk-tokens ${CHUNK:-8192} --attention kernels kernels+runner --repeats 2 \
+    --skip-all-layers --time-budget-s "${BUDGET_S:-190}" --note "$NOTE; prefill through the kernels, runner off vs on" \
+    --out "$OUT/prefill-runner.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill-runner.log"
 }
 
 part_decode_mode() {  # $1: the part's name; rest: benchmarks/decode.py arguments
@@ -556,6 +572,7 @@ run_part() {  # $1: part name
     kernel-tests) part_kernel_tests ;;
     kernel-bench) part_kernel_bench ;;
     prefill) part_prefill ;;
+    prefill-runner) part_prefill_runner ;;
     prefill-paged|prefill-paged-released) part_prefill_paged "$1" ;;
     decode-short) part_decode_mode "$1" --contexts 4096 16384 --batches 1 8 32 ;;
     decode-64k) part_decode_mode "$1" --contexts 65536 --batches 1 8 32 ;;

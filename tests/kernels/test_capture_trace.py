@@ -16,6 +16,7 @@ from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
 from cedserve.model.dspark import Drafter
 from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import CEDModel
+from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig
 from cedserve.model.presets import preset
 from cedserve.model.runner import ModelRunner, RunnerConfig
 from cedserve.model.sampling import SamplingParams
@@ -147,3 +148,27 @@ def test_checker_finds_host_reads_baked_values_and_stray_buffers() -> None:
     a, b = torch.ones(8), torch.ones(8)
     assert compare(trace(lambda: add(a))[0], trace(lambda: add(b))[0]) is not None
     assert compare(trace(lambda: add(a))[0], trace(lambda: add(a))[0]) is None
+
+
+def test_prefill_runner_chunk_is_the_same_graph_for_other_inputs() -> None:
+    """The prefill runner's chunk pass (`SlotStep.encode`) reads nothing on the host and is the same
+    kernels on the same buffers for another chunk of the bucket (another length, slot and position,
+    another state), so its captured graph replays right."""
+    model, _ = tiny_on_device()
+    runner = PrefillRunner(model, PrefillRunnerConfig(max_context=128, buckets=(8, 16), max_slots=2))
+    gen = torch.Generator().manual_seed(3)
+    for slot, length in enumerate((0, 37)):
+        state = model.new_state()
+        if length:
+            model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
+        runner.load(slot, state)
+    if not CUDA:  # the CUDA branches, the kernels interpreted
+        runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+    traces = []
+    for slot, rows in ((0, 16), (1, 11)):
+        runner._stage(slot, torch.randint(3, 500, (rows,), generator=gen).numpy(), 16)
+        recorded, _ = trace(lambda: runner._forward(16))
+        assert not recorded.host_reads, [str(op) for op in recorded.host_reads]
+        traces.append(recorded)
+    assert len(traces[0].ops) > 500 and any(op.name.startswith("triton.") for op in traces[0].ops)
+    assert compare(traces[0], traces[1]) is None, compare(traces[0], traces[1])

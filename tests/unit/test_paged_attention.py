@@ -494,7 +494,7 @@ class LayerTwins:
             twin.global_kv[source].set_records(kv.main.clone(), kv.index_keys.clone())
             twin.global_kv[source].pending = kv.pending
             self.arena.sync([twin], source)
-        return ForwardContext(ctx.positions, ctx.rope, twin, write_global_kv=ctx.write_global_kv, paged=pass_)
+        return ForwardContext(ctx.positions, ctx.rope, twin, ctx.start, write_global_kv=ctx.write_global_kv, paged=pass_)
 
     def _compare(self, layer: int, dense: SequenceState, twin: SequenceState, want: torch.Tensor,
                  got: torch.Tensor) -> None:
