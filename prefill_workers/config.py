@@ -93,12 +93,14 @@ class PrefillWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     """On CUDA, float32 matrix products on TF32 tensor cores for the worker process (as
     `decode.matmul_tf32`): a prefill chunk is GEMM-bound and the model is held in float32. Off by
     default until its effect on outputs is measured (benchmarks/tf32_agreement.py)."""
-    runner: str = "auto"
+    runner: str = "off"
     """Chunks through the prefill runner (`cedserve.model.prefill_runner`): the encoder's pass over
     static buffers at token-count buckets (`runner_buckets`, a chunk padded to its bucket), on CUDA one
     captured graph per bucket, with no host sync. "auto": on a CUDA device when the model suits it
     (in-memory Engram tables, the kernels' widths); "on" wherever it can run (a CPU runs the pass
-    eagerly: tests); "off" the eager `encode_chunk` per chunk (~10K launches whatever its length)."""
+    eagerly: tests); "off" the eager `encode_chunk` per chunk (~10K launches whatever its length).
+    The default stays "off" until the runner's GPU tests and timings have run
+    (`PART=prefill-runner bash scripts/gpu.sh`); then "auto"."""
     runner_buckets: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
     """The runner's chunk sizes (tokens), increasing; the largest must hold `chunk_tokens`."""
     runner_slots: int = 1

@@ -153,7 +153,7 @@ def test_runner_config_fields() -> None:
     with pytest.raises(ValueError, match=r"prefill\.runner\b"):
         PrefillWorkerConfig(runner="fast")
     with pytest.raises(ValueError, match=r"prefill\.runner_buckets"):
-        PrefillWorkerConfig(chunk_tokens=8192, runner_buckets=(512, 4096))
+        PrefillWorkerConfig(chunk_tokens=8192, runner="auto", runner_buckets=(512, 4096))
     PrefillWorkerConfig(chunk_tokens=8192, runner="off", runner_buckets=(512, 4096))  # unused: fine
 
 
