@@ -96,8 +96,10 @@ def _check(keys: Keys) -> npt.NDArray[np.int32]:
 def _zeros(num_words: int) -> npt.NDArray[np.uint64]:
     """`[num_words]` zeroed uint64 in an anonymous mapping of its own: given back to the system when
     the table drops it (a rebuild), where a large array from malloc may leave the process's heap
-    holding the memory."""
-    memory = mmap.mmap(-1, 8 * num_words)
+    holding the memory. Private, not `mmap`'s default shared mapping: shared anonymous memory is shmem,
+    which the kernel backs with huge pages only when shmem is set to (usually never), so the advice
+    below did nothing and every lookup paid a TLB miss (a page walk, nested in a VM)."""
+    memory = mmap.mmap(-1, 8 * num_words, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses on lookups
         memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, dtype=np.uint64)

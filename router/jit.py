@@ -23,7 +23,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def compiled(fn: _F) -> _F:
     """`fn` compiled by numba (nopython, no GIL held, cached on disk) on its first call. `fn` must be
-    a module-level function that numba can compile: arrays and numbers in, numbers out."""
+    a module-level function that numba can compile: arrays and numbers in, numbers out. Division
+    follows numpy (x / 0.0 is inf, with no check per division), not Python's ZeroDivisionError."""
     native: Callable[..., Any] | None = None
 
     def call(*args: Any) -> Any:
@@ -31,7 +32,7 @@ def compiled(fn: _F) -> _F:
         if native is None:
             import numba
 
-            native = numba.njit(cache=True, nogil=True)(fn)
+            native = numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
         return native(*args)
 
     call.__doc__, call.__name__, call.__qualname__ = fn.__doc__, fn.__name__, fn.__qualname__
@@ -54,5 +55,5 @@ def warm_up() -> None:
     table.set_prefill(PrefillLoad("p", 0, 1e4))
     table.set_decode(DecodeLoad("d", 0, 100, [0.01, 0.02], 1e4))
     links = LinkRates({}, {"host": 1e10, "disk": 1e9})
-    for prompt_len in (128, 1):  # a prefill + decode pair, then a decode-only placement
-        table.place(RequestShape(prompt_len, 50, 64, 1024), index.prefix_runs(hashes), links, 64)
+    # Both the pair and the decode-only costs are scored (the decode worker holds the whole prompt).
+    table.place(RequestShape(128, 50, 64, 1024), index.prefix_runs(hashes), links, 64)
