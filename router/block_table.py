@@ -113,16 +113,19 @@ def _any_in_rows(flags: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
 
 
 @compiled
-def _lookup(rows: npt.NDArray[np.uint64], words: npt.NDArray[np.int32], keys: Keys, values: Values,
-            stop_at_miss: bool) -> int:
+def _lookup(
+    rows: npt.NDArray[np.uint64], words: npt.NDArray[np.int32], keys: Keys, values: Values, stop_at_miss: bool
+) -> int:
     """Writes `values[k]`, the value of `keys[k]` (EMPTY when absent), matched on tag and check (96
     bits), for k = 0, 1, ...; returns how many were written: all of them, or with `stop_at_miss` up to
     the first absent key (not written). `rows` / `words`: the table's `[buckets, 16]` uint64 rows and
     their `[buckets, 32]` int32 view. Compiled (`jit.compiled`): a loop per key, no array made."""
     num_buckets = rows.shape[0]
-    for k in range(keys.shape[0]):
+    for k in range(len(keys)):
         tag = keys[k, 0]
-        check = np.int32(np.int64(keys[k, 1] & np.uint64(0xFFFFFFFF)) - (np.int64(keys[k, 1] & np.uint64(0x80000000)) << 1))
+        check = np.int32(
+            np.int64(keys[k, 1] & np.uint64(0xFFFFFFFF)) - (np.int64(keys[k, 1] & np.uint64(0x80000000)) << 1)
+        )
         bucket = np.int64(((tag >> np.uint64(32)) * np.uint64(num_buckets)) >> np.uint64(32))
         value = EMPTY
         while True:
@@ -139,7 +142,7 @@ def _lookup(rows: npt.NDArray[np.uint64], words: npt.NDArray[np.int32], keys: Ke
         if value < 0 and stop_at_miss:
             return k
         values[k] = value
-    return keys.shape[0]
+    return len(keys)
 
 
 class BlockTable:
