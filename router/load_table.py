@@ -3,7 +3,8 @@
 `placement.place` is the cost formula as written: it takes one `PrefillLoad` / `DecodeLoad` object
 per worker, built for every request, and scores all P x D pairs. `LoadTable` keeps what does not
 depend on the request in per-worker arrays (slot = worker), written once per load report
-(`set_prefill`, `set_decode`, `drop`), so a request costs a few vector operations over the workers:
+(`set_prefill`, `set_decode`, `drop`), so a request costs a few passes over the workers, compiled
+loops (`jit.compiled`) writing into buffers the table keeps (no array made per request):
 
     A[P]        = wait[P] + compute[P]           wait precomputed; compute = prompt_len / rate[P],
                                                  except the few prefix holders (scalar, exact terms)
@@ -290,8 +291,9 @@ class LoadTable:
         p_ids, d_ids = self._p.ids, self._d.ids
         a, missing, pressure = s.a[:num_p], s.missing[:num_d], s.pressure[:num_d]
         # cost(P, D) = (a[P] + missing[D] / rate(P, D)) + pressure[D] grows with a[P] and falls with the
-        # rate, so no pair into D costs less than its floor (the least a, D's fastest link), and pairs
-        # with best_p cost `via_best[D]`: where best_p has D's fastest link, that is D's cheapest pair.
+        # rate, so no pair into D costs less than its floor (the least a, D's fastest link), and the pair
+        # (best_p, D), whose cost `_pair_bounds` writes first, is D's cheapest where best_p has D's fastest
+        # link; the other columns ("open") whose floor reaches the least cost are scored exactly.
         row = links.matrix([p_ids[best_p]], d_ids)[0]  # [D] best_p's link rates
         fastest = links.max_rates(d_ids)  # [D]
         num_open = _pair_bounds(a[best_p], s.fits, missing, pressure, row, fastest, s.column_min, s.columns)
