@@ -13,7 +13,7 @@ loops (`jit.compiled`) writing into buffers the table keeps (no array made per r
 
 cost(P, D) grows with A[P] and falls with the link rate. So with p* = argmin A, no pair into D costs
 less than its floor `(A[p*] + missing[D] / fastest_rate_into(D)) + pressure[D]`
-(`LinkModel.max_rates`), and the pair (p*, D) is D's cheapest wherever p* has D's fastest link (every
+(`LinkNumbers.fastest`), and the pair (p*, D) is D's cheapest wherever p* has D's fastest link (every
 unmeasured pair runs at the default rate). Only the decode workers where another prefill worker
 might win (p* is not on their fastest link) and whose floor is not above the best (p*, D) cost get
 their column scored exactly, a `[P, open]` gather: usually none or a few, not P x D. Ties are resolved
@@ -47,6 +47,7 @@ from cedserve.router.placement import (
 
 _Scalar = TypeVar("_Scalar", bound=np.generic)
 Floats = npt.NDArray[np.float64]
+Floats2 = npt.NDArray[np.float64]  # two-dimensional
 Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 _NO_TIERS = {"host": 1.0, "disk": 1.0}
@@ -219,8 +220,9 @@ class LoadTable:
               excluded: Collection[str] = ()) -> Placement:
         """`placement.place` over the table's usable workers, with prefix credit from `runs`: the same
         choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`. The per-worker terms are
-        one compiled pass over the workers (`_scores`), the pair bounds another (`_pair_bounds`);
-        Python handles what is left: the link model, the rare exact columns and ties, the result."""
+        one compiled pass over the workers (`_scores`), the pair's bounds and ties another
+        (`_cheapest_pair`, over the link model's `numbered` rates); Python handles what is left: the
+        rare ties between several pairs, decode-only placement's id order, the result."""
         p_ok, d_ok = self._p.usable(excluded), self._d.usable(excluded)
         num_p, num_d = len(p_ok), len(d_ok)
         s = self._scratch(num_p, num_d)
@@ -287,28 +289,18 @@ class LoadTable:
 
     def _best_pair(self, best_p: int, s: _Scratch, num_p: int, num_d: int, links: LinkModel) -> Placement:
         """The cheapest (prefill, decode) pair, given `_scores`'s terms in `s` and `best_p`, the prefill
-        worker of least wait + compute."""
+        worker of least wait + compute: `_cheapest_pair` over the link model's rates (`numbered`)."""
         p_ids, d_ids = self._p.ids, self._d.ids
         a, missing, pressure = s.a[:num_p], s.missing[:num_d], s.pressure[:num_d]
-        # cost(P, D) = (a[P] + missing[D] / rate(P, D)) + pressure[D] grows with a[P] and falls with the
-        # rate, so no pair into D costs less than its floor (the least a, D's fastest link), and the pair
-        # (best_p, D), whose cost `_pair_bounds` writes first, is D's cheapest where best_p has D's fastest
-        # link; the other columns ("open") whose floor reaches the least cost are scored exactly.
-        row = links.matrix([p_ids[best_p]], d_ids)[0]  # [D] best_p's link rates
-        fastest = links.max_rates(d_ids)  # [D]
-        num_open = _pair_bounds(a[best_p], s.fits, missing, pressure, row, fastest, s.column_min, s.columns)
-        column_min = s.column_min[:num_d]  # [D] cheapest pair into each decode worker
-        if num_open:  # decode workers where another prefill worker may win: score their columns exactly
-            open_ = s.columns[:num_open]
-            rates = links.matrix(p_ids, [d_ids[j] for j in open_])  # [P, open]
-            column_min[open_] = ((a[:, None] + missing[open_] / rates) + pressure[open_]).min(axis=0)
-        low, num_tied, candidate = _ties(a, missing, pressure, fastest, column_min, s.columns)
+        view = links.numbered(p_ids, d_ids)
+        low, num_tied, candidate = _cheapest_pair(a, best_p, s.fits, missing, pressure, view.rates, view.fastest,
+                                                  view.rows, view.cols, s.column_min, s.columns)
         columns = s.columns[:num_tied]
         if candidate >= 0 and num_tied == 1:  # one column reaches the minimum, and one prefill worker can
             i, j = candidate, int(columns[0])
         else:
-            i, j = self._first_tied(low, a, columns, links, pressure, missing, fastest)
-        rate = float(links.matrix([p_ids[i]], [d_ids[j]])[0, 0])
+            i, j = self._first_tied(low, a, columns, links, pressure, missing, view.fastest[view.cols])
+        rate = float(view.rates[view.rows[i], view.cols[j]])
         parts = {"prefill_wait": float(self._p_wait[i]), "compute": float(s.compute[i]),
                  "transfer": float(missing[j] / rate), "decode_pressure": float(pressure[j])}
         return Placement(p_ids[i], d_ids[j], low, parts)
@@ -386,40 +378,40 @@ def _scores(prompt_len: int, num_blocks: int, block_size: int, block_bytes: int,
 
 
 @compiled
-def _pair_bounds(a_best: float, fits: Bools, missing: Floats, pressure: Floats, row: Floats, fastest: Floats,
-                 column_min: Floats, open_: Ints) -> int:
-    """Writes `column_min[D]`, the cost of the pair (best prefill, D) (inf where D does not fit), and
-    into `open_` the decode slots where another prefill worker may cost less: its floor (`a_best` over
-    D's fastest link) reaches the least pair cost, and the best prefill worker's link is not D's
-    fastest. Returns how many. `[D]`: the first `len(missing)` entries."""
+def _cheapest_pair(a: Floats, best_p: int, fits: Bools, missing: Floats, pressure: Floats, rates: Floats2,
+                   fastest: Floats, rows: Ints, cols: Ints, column_min: Floats, columns: Ints) -> tuple[float, int, int]:
+    """The least pair cost over the first `len(missing)` decode slots, how many decode slots reach it
+    (written into `columns`), and the prefill slot whose floor in one of them reaches it when it is
+    the only one, else -1 (`_first_tied` then decides). `column_min[D]` is written: the cheapest
+    pair into D. Rates: `rates[rows[P], cols[D]]`, D's fastest `fastest[cols[D]]` (`LinkNumbers`).
+
+    cost(P, D) = (a[P] + missing[D] / rate(P, D)) + pressure[D] grows with a[P] and falls with the
+    rate, so no pair into D costs less than its floor (a[best_p] over D's fastest link), and the pair
+    (best_p, D) is D's cheapest where best_p has D's fastest link: only the other columns ("open")
+    whose floor reaches the least (best_p, D) cost are scored over every prefill worker."""
+    row = rows[best_p]
     low = np.inf
     for j in range(len(missing)):
-        column_min[j] = (a_best + missing[j] / row[j]) + pressure[j] if fits[j] else np.inf
+        column_min[j] = (a[best_p] + missing[j] / rates[row, cols[j]]) + pressure[j] if fits[j] else np.inf
         low = min(low, column_min[j])
-    num_open = 0
     for j in range(len(missing)):
-        floor = (a_best + missing[j] / fastest[j]) + pressure[j] if fits[j] else np.inf
-        if floor <= low and row[j] < fastest[j]:
-            open_[num_open] = j
-            num_open += 1
-    return num_open
-
-
-@compiled
-def _ties(a: Floats, missing: Floats, pressure: Floats, fastest: Floats, column_min: Floats,
-          columns: Ints) -> tuple[float, int, int]:
-    """(the least pair cost, how many decode slots reach it (written into `columns`), the prefill slot
-    whose floor in one of them reaches it when it is the only one, else -1): `_first_tied`'s
-    candidates, counted in one pass."""
-    low = column_min.min()
+        top = fastest[cols[j]]
+        if fits[j] and rates[row, cols[j]] < top and (a[best_p] + missing[j] / top) + pressure[j] <= low:
+            cheapest = np.inf
+            for i in range(len(a)):
+                cheapest = min(cheapest, (a[i] + missing[j] / rates[rows[i], cols[j]]) + pressure[j])
+            column_min[j] = cheapest
+    low = np.inf
+    for j in range(len(missing)):
+        low = min(low, column_min[j])
     num_tied = 0
-    for j in range(len(column_min)):
+    for j in range(len(missing)):
         if column_min[j] == low:
             columns[num_tied] = j
             num_tied += 1
     candidate, last_t, last_pressure = -1, np.nan, np.nan
     for c in range(num_tied):
-        t, pr = missing[columns[c]] / fastest[columns[c]], pressure[columns[c]]
+        t, pr = missing[columns[c]] / fastest[cols[columns[c]]], pressure[columns[c]]
         if t == last_t and pr == last_pressure:  # tied columns alike (idle workers): one pass will do
             continue
         last_t, last_pressure = t, pr
