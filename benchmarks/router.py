@@ -91,6 +91,12 @@ def bench_placement(num_workers: int, index_entries: int, prompt_blocks: int, de
         index.apply(KVEventBatch(w, 0, [AllBlocksCleared(), BlockStored(held, tier), BlockStored(filler, Tier.DEVICE)],
                                  epoch=1))
     build_s = time.perf_counter() - start
+    try:  # compile the request path's loops, as the router does before it serves (trees with them)
+        from cedserve.router.jit import warm_up
+    except ImportError:
+        pass
+    else:
+        warm_up()
     req = RequestShape(prompt_blocks * 64, 75, 64, 56_960)
     tiers = {"host": 2e10, "disk": 2e9}
     links = LinkRates({}, tiers, default_transfer_bytes_per_s=5e10)

@@ -1,9 +1,9 @@
 """A hash table of 32-byte block hashes -> int32 values in numpy arrays: the prefix index's storage.
 
 Lookups, inserts and deletions take a whole array of keys at once, so a prompt's thousand block
-hashes are looked up in one vectorised pass (a gather of one bucket row per key, in C) instead of a
-thousand dictionary lookups, and a million entries are a few arrays that the garbage collector never
-visits, not a million Python objects.
+hashes are looked up in one compiled loop (`get`, `get_prefix`: a bucket row read per key, stopping
+at the first miss) instead of a thousand dictionary lookups, and a million entries are a few arrays
+that the garbage collector never visits, not a million Python objects.
 
 Layout: open addressing with buckets of `WIDTH` = 8 slots (slot = bucket * 8 + column),
 any number of buckets. A bucket is one 128-byte row, aligned to 128 bytes (two adjacent cache
@@ -19,7 +19,7 @@ in the first bucket after it (wrapping) with a free slot. A search reads the buc
 at a slot whose tag and check match (a live one), or at a bucket with an EMPTY slot: the key is not
 there; else it goes on to the next bucket (a few keys in a hundred at the table's highest load).
 
-`get` (the prefix walk's lookup) matches on those 12 bytes, 96 bits, and reads nothing else;
+`get` and `get_prefix` (the prefix walk's lookup) match on those 12 bytes, 96 bits, and reads nothing else;
 `find` (updates) confirms all 32 bytes in `rest`, so the table itself never confuses two keys. A
 query answered wrongly by `get` would need a hash that equals a stored one in 96 bits: sha256 makes
 that 2**-96 a pair by chance, and one who can choose prompts needs about 2**48 hashes of its own to
@@ -44,6 +44,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from cedserve.router.jit import compiled
+
 WIDTH = 8
 """Slots per bucket (the row's layout, and `_any_in_rows`, rely on 8)."""
 MAX_LOAD = 0.5
@@ -55,12 +57,8 @@ alone for all but about one key in a thousand at 0.35, a few in a hundred at 0.5
 EMPTY = -1
 DELETED = -2
 KEY_BYTES = 32
-_FEW_KEYS = 16
-"""Keys past their home bucket that `get` searches one by one in Python (~2 us each) rather than in
-another vectorised round (~50-100 us with cold caches, whatever the number)."""
 _ROW_WORDS = 2 * WIDTH  # uint64 words per bucket row
 _VALUES = slice(2 * WIDTH, 3 * WIDTH)  # the row's values, in its int32 view
-_VALUE_WORDS = slice(WIDTH, WIDTH + WIDTH // 2)  # ... and the uint64 words that hold them
 _CHECKS = slice(3 * WIDTH, 4 * WIDTH)  # the row's checks, in its int32 view
 
 Keys = npt.NDArray[np.uint64]
@@ -98,8 +96,10 @@ def _check(keys: Keys) -> npt.NDArray[np.int32]:
 def _zeros(num_words: int) -> npt.NDArray[np.uint64]:
     """`[num_words]` zeroed uint64 in an anonymous mapping of its own: given back to the system when
     the table drops it (a rebuild), where a large array from malloc may leave the process's heap
-    holding the memory."""
-    memory = mmap.mmap(-1, 8 * num_words)
+    holding the memory. Private, not `mmap`'s default shared mapping: shared anonymous memory is shmem,
+    which the kernel backs with huge pages only when shmem is set to (usually never), so the advice
+    below did nothing and every lookup paid a TLB miss (a page walk, nested in a VM)."""
+    memory = mmap.mmap(-1, 8 * num_words, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses on lookups
         memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, dtype=np.uint64)
@@ -110,6 +110,39 @@ def _any_in_rows(flags: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
     uint64: one comparison, where a reduction along a short axis is slow in numpy)."""
     rows: npt.NDArray[np.bool_] = flags.view(np.uint64).reshape(-1) != 0
     return rows
+
+
+@compiled
+def _lookup(
+    rows: npt.NDArray[np.uint64], words: npt.NDArray[np.int32], keys: Keys, values: Values, stop_at_miss: bool
+) -> int:
+    """Writes `values[k]`, the value of `keys[k]` (EMPTY when absent), matched on tag and check (96
+    bits), for k = 0, 1, ...; returns how many were written: all of them, or with `stop_at_miss` up to
+    the first absent key (not written). `rows` / `words`: the table's `[buckets, 16]` uint64 rows and
+    their `[buckets, 32]` int32 view. Compiled (`jit.compiled`): a loop per key, no array made."""
+    num_buckets = rows.shape[0]
+    for k in range(len(keys)):
+        tag = keys[k, 0]
+        check = np.int32(
+            np.int64(keys[k, 1] & np.uint64(0xFFFFFFFF)) - (np.int64(keys[k, 1] & np.uint64(0x80000000)) << 1)
+        )
+        bucket = np.int64(((tag >> np.uint64(32)) * np.uint64(num_buckets)) >> np.uint64(32))
+        value = EMPTY
+        while True:
+            free = False  # an EMPTY slot: a key absent from its bucket is absent from the table
+            for column in range(WIDTH):
+                v = words[bucket, 2 * WIDTH + column]
+                if v >= 0 and rows[bucket, column] == tag and words[bucket, 3 * WIDTH + column] == check:
+                    value = v
+                    break
+                free |= v == EMPTY
+            if value >= 0 or free:
+                break
+            bucket = (bucket + 1) % num_buckets
+        if value < 0 and stop_at_miss:
+            return k
+        values[k] = value
+    return len(keys)
 
 
 class BlockTable:
@@ -147,32 +180,16 @@ class BlockTable:
         return self._words[:, _VALUES].reshape(-1)
 
     def get(self, keys: Keys) -> Values:
-        """`[n]` the values of `keys`, EMPTY (-1) for an absent key; keys matched on 96 bits (see above).
-        The home buckets' round written out, in as few numpy calls as it takes (each costs several
-        microseconds with cold caches, on the request path): a row per key, its first slot of the
-        key's tag, that slot's value and check. The keys it leaves for the next buckets (none to a few
-        a thousand) are searched one by one, or by `_search` when many."""
-        tags = keys[:, 0]
-        rows = self._rows.take(self._home(tags), axis=0)  # [n, 16]
-        tagged = rows[:, :WIDTH] == tags[:, None]  # [n, 8]
-        at = np.arange(0, 2 * _ROW_WORDS * len(keys), 2 * _ROW_WORDS) + tagged.argmax(axis=1)  # int32 index
-        words = rows.view(np.int32).reshape(-1)
-        values: Values = words.take(at + 2 * WIDTH)
-        any_tag = _any_in_rows(tagged)
-        found = any_tag & (values >= 0) & (words.take(at + 3 * WIDTH) == _check(keys))
-        values[~found] = EMPTY
-        # On to the next bucket when the bucket is full, or the matching tag was not the key (DELETED,
-        # or another key of that tag: the key may be in a later slot).
-        onward = np.flatnonzero(
-            ~found & (any_tag | ~_any_in_rows(rows[:, _VALUE_WORDS].view(np.int32) == EMPTY))
-        )
-        if onward.size > _FEW_KEYS:
-            values[onward] = self._search(keys[onward], exact=False)[1]
-        else:  # usually none to a few keys a walk: cheaper one by one than in another vectorised round
-            for k in onward.tolist():
-                slot = self._probe(keys[k].tolist())[0]
-                values[k] = self.value_at(slot) if slot >= 0 else EMPTY
+        """`[n]` the values of `keys`, EMPTY (-1) for an absent key; keys matched on 96 bits (see above)."""
+        values = np.empty(len(keys), dtype=np.int32)
+        _lookup(self._rows, self._words, keys, values, False)
         return values
+
+    def get_prefix(self, keys: Keys) -> Values:
+        """The values of `keys` up to the first absent one (`get` cut there): the prefix walk's lookup,
+        one compiled loop that reads a bucket row per key and stops at the first miss."""
+        values = np.empty(len(keys), dtype=np.int32)
+        return values[: _lookup(self._rows, self._words, keys, values, True)]
 
     def find(self, keys: Keys) -> Slots:
         """`[n]` the slots of `keys`, -1 for an absent key; keys matched on all 32 bytes."""

@@ -9,17 +9,17 @@ it removed.
 
 Per worker only its (epoch, last sequence number) is kept, to order and check batches; the state
 itself is one inverted map `hash -> holder set`, a `BlockTable` (numpy arrays: no Python object per
-entry for the garbage collector to traverse, and a prompt's hashes looked up in one vectorised
-pass). A holder set (`worker -> tier bitmask`) is immutable and interned: every hash held by the
-same workers in the same tiers maps to one number (`sid`). When a set is interned, its row of
-`_codes` (`[sets, workers]` uint8, 1 + each member's fastest tier, 0 elsewhere) is written, so
-the walk turns the chain's holder sets into every worker's run with a few array operations: the
-chain is cut where the set changes (consecutive blocks usually share it), and a `[segments,
-holders of the first block]` gather of `_codes` says where each run ends and in which tier. A
-query costs O(blocks) in C plus O(segments x holders) in numpy, with no Python per block, set
-change or worker. An update finds its hashes (in a vectorised pass beyond a few), groups them by
-holder set and moves each group to the set with the worker's mask changed: Python work per group
-(interning the new set, O(its holders)), not per hash. Dropping a worker rewrites every set it is
+entry for the garbage collector to traverse, and a prompt's hashes looked up in one compiled loop
+that stops at the first miss). A holder set (`worker -> tier bitmask`) is immutable and interned:
+every hash held by the same workers in the same tiers maps to one number (`sid`). When a set is
+interned, its row of `_codes` (`[sets, workers]` uint8, 1 + each member's fastest tier, 0 elsewhere)
+is written, so the walk turns the chain's holder sets into every worker's run in one compiled pass
+(`_count_runs`): the chain is cut where the set changes (consecutive blocks usually share it), and
+each segment's row of `_codes` says, for each holder of the first block still in its run, whether
+the run goes on and in which tier. A query costs O(blocks + segments x holders) in native code
+(`jit.compiled`), with no Python per block, set change or worker. An update finds its hashes (in a
+vectorised pass beyond a few), groups them by holder set and moves each group to the set with the
+worker's mask changed: Python work per group (interning the new set, O(its holders)), not per hash. Dropping a worker rewrites every set it is
 in and the table's values in one pass (O(table), in C).
 
 Memory: the table ~40 bytes / 0.35-0.5 per hash (a 128-byte bucket row of 8 slots, plus 24 bytes
@@ -44,6 +44,7 @@ from cedserve.model.cache.events import (
     Tier,
 )
 from cedserve.router.block_table import BlockTable, as_keys
+from cedserve.router.jit import compiled
 
 TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 _BIT = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
@@ -136,6 +137,32 @@ MaskUpdate = Callable[[int], int]
 """A worker's new tier bitmask for a hash from its old one (0: not held)."""
 
 
+@compiled
+def _count_runs(sids: npt.NDArray[np.int32], codes: npt.NDArray[np.uint8], slots: npt.NDArray[np.intp],
+                counts: npt.NDArray[np.int64]) -> None:
+    """Adds to `counts[j, t]` (`[k, 3]`) the blocks of worker `slots[j]`'s leading run of the chain whose
+    holder sets are `sids` that it holds in tier t: segment by segment (a segment: consecutive blocks
+    of one set), `codes[set, worker]` (1 + fastest tier, 0: not held) says in which tier, until its
+    first 0. Compiled (`jit.compiled`)."""
+    alive = len(slots)
+    ended = np.zeros(len(slots), dtype=np.bool_)
+    start = 0
+    while start < len(sids) and alive:
+        sid = sids[start]
+        stop = start + 1
+        while stop < len(sids) and sids[stop] == sid:
+            stop += 1
+        for j in range(len(slots)):
+            if not ended[j]:
+                code = codes[sid, slots[j]]
+                if code:
+                    counts[j, code - 1] += stop - start
+                else:
+                    ended[j] = True
+                    alive -= 1
+        start = stop
+
+
 class GlobalPrefixIndex:
     """Exact mirror of every worker's cache, with longest-prefix queries."""
 
@@ -206,49 +233,32 @@ class GlobalPrefixIndex:
         """Every worker holding at least the first block -> its longest leading run of `block_hashes`
         as `[device, host, disk]` block counts (each block in its fastest tier).
 
-        The chain's holder sets are looked up in one vectorised pass (`BlockTable.get`) up to the first
-        block nobody holds; the chain is cut into segments where the set stays the same (consecutive
-        blocks usually share it), and the sets' rows of `_codes` give a `[segments, k]` table of each
-        first-block holder's tier per segment (0: not held). A worker's run ends at its first 0; when
-        no worker's tier ever differs from its first block's (the usual case), its blocks are the block
-        where that is, all in that tier; otherwise they are summed by tier over the segments of its run.
-        O(blocks) in C plus O(segments x k) in numpy, and no Python per block, set or worker (but the
+        The chain's holder sets are looked up up to the first block nobody holds (`BlockTable.get_prefix`),
+        then one compiled pass (`_count_runs`) follows the first block's holders along the chain: a
+        worker's run ends at the first set without it, and each block counts in its tier there.
+        O(blocks + set changes x holders) in native code, no Python per block, set or worker (but the
         mapping's dict, when one is read)."""
         sids = self._holder_sids(block_hashes)
-        end = len(sids)
-        if not end:
+        if not len(sids):
             return _NO_RUNS
         first = self._set(int(sids[0]))
-        starts = np.concatenate(([0], np.flatnonzero(sids[1:] != sids[:-1]) + 1))  # [segments] first blocks
-        bounds = np.append(starts, end)  # [segments + 1] ... and the end
-        k, num_segments = len(first.names), len(starts)
-        tiers = self._codes.take(sids[starts], axis=0).take(first.slots, axis=1)  # [segments, k] 1 + fastest tier
-        absent = tiers == 0
-        run_end = np.where(absent.any(axis=0), absent.argmax(axis=0), num_segments)  # [k] first segment without it
-        counts = np.zeros((k, len(TIER_ORDER)), dtype=np.int64)  # [k, 3] blocks per tier
-        if ((tiers == tiers[0]) | absent).all():
-            # No worker's tier differs from its first block's where it holds a block (the usual case).
-            counts[np.arange(k), tiers[0] - 1] = bounds[run_end]
-        else:
-            held = np.where(np.arange(num_segments)[:, None] < run_end, tiers, 0)  # [segments, k] within the run
-            lengths = np.diff(bounds)  # [segments] blocks
-            for t in range(len(TIER_ORDER)):
-                counts[:, t] = lengths @ (held == t + 1)
+        counts = np.zeros((len(first.slots), len(TIER_ORDER)), dtype=np.int64)  # [k, 3] blocks per tier
+        _count_runs(sids, self._codes, first.slots, counts)
         return PrefixRuns(first.names, counts)
 
     def _holder_sids(self, block_hashes: Sequence[bytes]) -> npt.NDArray[np.int32]:
         """The holder sets (`sid`s) of the leading blocks anybody holds, up to the first block nobody does.
         Looked up in chunks that grow fourfold (1024, 4096, ...), so a huge prompt whose cached prefix
-        is short costs little more than that prefix, and a long one takes few passes."""
+        is short costs little more than that prefix (its hashes are joined into keys a chunk at a time),
+        and a long one takes few passes."""
         parts = []
         lo, size = 0, _FIRST_LOOKUPS
         while lo < len(block_hashes):
-            sids = self._table.get(as_keys(block_hashes[lo: lo + size]))
-            misses = np.flatnonzero(sids < 0)
-            if misses.size:
-                parts.append(sids[: misses[0]])
-                break
+            chunk = block_hashes[lo : lo + size]
+            sids = self._table.get_prefix(as_keys(chunk))
             parts.append(sids)
+            if len(sids) < len(chunk):
+                break
             lo, size = lo + size, 4 * size
         if len(parts) == 1:
             return parts[0]

@@ -3,7 +3,8 @@
 `placement.place` is the cost formula as written: it takes one `PrefillLoad` / `DecodeLoad` object
 per worker, built for every request, and scores all P x D pairs. `LoadTable` keeps what does not
 depend on the request in per-worker arrays (slot = worker), written once per load report
-(`set_prefill`, `set_decode`, `drop`), so a request costs a few vector operations over the workers:
+(`set_prefill`, `set_decode`, `drop`), so a request costs a few passes over the workers, compiled
+loops (`jit.compiled`) writing into buffers the table keeps (no array made per request):
 
     A[P]        = wait[P] + compute[P]           wait precomputed; compute = prompt_len / rate[P],
                                                  except the few prefix holders (scalar, exact terms)
@@ -12,7 +13,7 @@ depend on the request in per-worker arrays (slot = worker), written once per loa
 
 cost(P, D) grows with A[P] and falls with the link rate. So with p* = argmin A, no pair into D costs
 less than its floor `(A[p*] + missing[D] / fastest_rate_into(D)) + pressure[D]`
-(`LinkModel.max_rates`), and the pair (p*, D) is D's cheapest wherever p* has D's fastest link (every
+(`LinkNumbers.fastest`), and the pair (p*, D) is D's cheapest wherever p* has D's fastest link (every
 unmeasured pair runs at the default rate). Only the decode workers where another prefill worker
 might win (p* is not on their fastest link) and whose floor is not above the best (p*, D) cost get
 their column scored exactly, a `[P, open]` gather: usually none or a few, not P x D. Ties are resolved
@@ -33,6 +34,7 @@ import numpy.typing as npt
 
 from cedserve.model.effort import expected_output_tokens
 from cedserve.router.index import PrefixRuns
+from cedserve.router.jit import compiled
 from cedserve.router.placement import (
     DecodeLoad,
     LinkModel,
@@ -45,7 +47,11 @@ from cedserve.router.placement import (
 
 _Scalar = TypeVar("_Scalar", bound=np.generic)
 Floats = npt.NDArray[np.float64]
+Floats2 = npt.NDArray[np.float64]  # two-dimensional
 Ints = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
+_NO_TIERS = {"host": 1.0, "disk": 1.0}
+"""Tier rates `place` passes when no prefill worker holds a prefix (unread then)."""
 _MAX_POSITIONS = 1024
 """Holder tuples whose slots `LoadTable._positions_of` keeps (all are dropped when it has this many)."""
 TierRun = Sequence[int]
@@ -104,6 +110,26 @@ def _grown(a: npt.NDArray[_Scalar], k: int) -> npt.NDArray[_Scalar]:
     return np.concatenate([a, np.zeros(max(k + 1, 2 * len(a), 8) - len(a), dtype=a.dtype)])
 
 
+class _Scratch:
+    """`LoadTable.place`'s per-request arrays, kept between requests (one `[prefill slots]` or `[decode
+    slots]` long; a request uses their first `num_p` / `num_d` entries)."""
+
+    __slots__ = ("a", "cached", "column_min", "columns", "compute", "d_compute", "d_cost", "fits", "missing",
+                 "pressure")
+
+    def __init__(self, num_p: int, num_d: int) -> None:
+        self.compute = np.empty(num_p)  # [P] compute(P) seconds
+        self.a = np.empty(num_p)  # [P] prefill_wait + compute, inf where not usable
+        self.cached = np.empty(num_d, dtype=np.int64)  # [D] leading blocks held, any tier
+        self.fits = np.empty(num_d, dtype=np.bool_)  # [D] usable, with room for the request's blocks
+        self.pressure = np.empty(num_d)  # [D] decode pressure seconds
+        self.missing = np.empty(num_d)  # [D] bytes of the blocks it lacks
+        self.column_min = np.empty(num_d)  # [D] cheapest pair into it
+        self.columns = np.empty(num_d, dtype=np.int64)  # decode slots: open, or tied at the least cost
+        self.d_compute = np.empty(num_d)  # [D] decode-only: seconds to prefill what it lacks
+        self.d_cost = np.empty(num_d)  # [D] decode-only cost, inf where not allowed
+
+
 class LoadTable:
     """The router's healthy workers as placement sees them. `set_*` on every load report, `drop`
     when a worker leaves placement; `place` per request."""
@@ -124,6 +150,7 @@ class LoadTable:
         # holder tuple's id -> (the tuple, its `_split`): `_positions_of`
         self._positions: dict[int, tuple[tuple[str, ...], tuple[Ints, Ints, Ints, Ints]]] = {}
         self._positions_stamp = (0, 0)
+        self._buffers: _Scratch | None = None  # `place`'s per-request arrays
 
     # ------------------------------------------------------------------ load reports
 
@@ -192,47 +219,47 @@ class LoadTable:
     def place(self, req: RequestShape, runs: Mapping[str, TierRun], links: LinkModel, decode_only_max_tokens: int,
               excluded: Collection[str] = ()) -> Placement:
         """`placement.place` over the table's usable workers, with prefix credit from `runs`: the same
-        choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`."""
-        d_ok = self._d.usable(excluded)
-        nd = len(d_ok)
-        p_slots, p_runs, d_slots, d_blocks = self._held(runs)
-        cached = np.zeros(nd, dtype=np.int64)  # [D] leading blocks held, any tier
-        cached[d_slots] = d_blocks
-        fits = d_ok & (self._d_free[:nd] >= req.num_blocks - cached)
-        if not fits.any():
+        choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`. The per-worker terms are
+        one compiled pass over the workers (`_scores`), the pair's bounds and ties another
+        (`_cheapest_pair`, over the link model's `numbered` rates); Python handles what is left: the
+        rare ties between several pairs, decode-only placement's id order, the result."""
+        p_ok, d_ok = self._p.usable(excluded), self._d.usable(excluded)
+        num_p, num_d = len(p_ok), len(d_ok)
+        s = self._scratch(num_p, num_d)
+        p_rows, p_slots, d_rows, d_slots, blocks = self._held(runs)
+        tiers = links.tier_bytes_per_s if p_rows.size else _NO_TIERS
+        best_p, num_fit, most_cached = _scores(
+            req.prompt_len, req.num_blocks, req.block_size, req.block_bytes, expected_output_tokens(req.effort),
+            tiers["host"], tiers["disk"], blocks, p_rows, p_slots, d_rows, d_slots,
+            p_ok, self._p_wait, self._p_rate, d_ok, self._d_free, self._d_running, self._d_added, self._d_step_next,
+            s.compute, s.a, s.cached, s.fits, s.pressure, s.missing)
+        if not num_fit:
             raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
-        pressure = expected_output_tokens(req.effort) * self._d_added[:nd] * self._d_running[:nd] + self._d_step_next[:nd]
-        missing = (np.maximum(0, req.num_blocks - cached) * req.block_bytes).astype(np.float64)  # [D] bytes
-        best = self._best_pair(req, (p_slots, p_runs), links, fits, pressure, missing, excluded)
-        if req.prompt_len - (int(d_blocks.max()) if d_blocks.size else 0) * req.block_size > decode_only_max_tokens:
-            alone = None  # not even the decode worker holding the most of the prompt may prefill it alone
-        else:
-            uncached = req.prompt_len - cached * req.block_size  # [D] tokens a decode-only placement prefills
-            alone = fits & (uncached <= decode_only_max_tokens)
-        if alone is not None and alone.any():
-            compute = np.maximum(0, uncached) / self._d_rate[:nd]
-            cost = np.where(alone, (self._d_wait[:nd] + compute) + pressure, np.inf)
-            low = cost.min()
-            j = min(np.flatnonzero(cost == low), key=lambda k: self._d.ids[k])
-            parts = {"prefill_wait": float(self._d_wait[j]), "compute": float(compute[j]), "transfer": 0.0,
-                     "decode_pressure": float(pressure[j])}
-            if best is None or (float(low), "") <= (best.cost_s, best.prefill_id or ""):
-                best = Placement(None, self._d.ids[j], float(low), parts)
+        best = self._best_pair(best_p, s, num_p, num_d, links) if best_p >= 0 else None
+        if req.prompt_len - most_cached * req.block_size <= decode_only_max_tokens:
+            # Some decode worker holds enough of the prompt to prefill the rest itself.
+            j, low = self._decode_only(req, s, num_d, decode_only_max_tokens)
+            if j >= 0 and (best is None or (low, "") <= (best.cost_s, best.prefill_id or "")):
+                parts = {"prefill_wait": float(self._d_wait[j]), "compute": float(s.d_compute[j]),
+                         "transfer": 0.0, "decode_pressure": float(s.pressure[j])}
+                best = Placement(None, self._d.ids[j], low, parts)
         if best is None:
             raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
         return best
 
-    def _held(self, runs: Mapping[str, TierRun]) -> tuple[Ints, Ints, Ints, Ints]:
-        """The prefix holders among the prefill workers (`[h]` slots, `[h, 3]` runs) and among the
-        decode workers (`[g]` slots, `[g]` blocks in any tier): two gathers from a `PrefixRuns`."""
+    def _scratch(self, num_p: int, num_d: int) -> _Scratch:
+        """Buffers for `num_p` prefill and `num_d` decode slots, kept between requests."""
+        if self._buffers is None or len(self._buffers.a) < num_p or len(self._buffers.fits) < num_d:
+            self._buffers = _Scratch(max(num_p, len(self._p_wait)), max(num_d, len(self._d_wait)))
+        return self._buffers
+
+    def _held(self, runs: Mapping[str, TierRun]) -> tuple[Ints, Ints, Ints, Ints, Ints]:
+        """Where the prefix holders are in `runs` and in the table: positions of the prefill workers among
+        them, their slots, positions of the decode workers, their slots; and `[holders, 3]` their runs."""
         if isinstance(runs, PrefixRuns):
-            workers, blocks = runs.workers, runs.blocks
-            p_rows, p_slots, d_rows, d_slots = self._positions_of(workers)
-        else:
-            workers = tuple(runs)
-            blocks = np.array([list(run) for run in runs.values()], dtype=np.int64).reshape(-1, 3)
-            p_rows, p_slots, d_rows, d_slots = self._split(workers)
-        return p_slots, blocks[p_rows], d_slots, blocks[d_rows].sum(axis=1)
+            return (*self._positions_of(runs.workers), runs.blocks)
+        blocks = np.array([list(run) for run in runs.values()], dtype=np.int64).reshape(-1, 3)
+        return (*self._split(tuple(runs)), blocks)
 
     def _positions_of(self, workers: tuple[str, ...]) -> tuple[Ints, Ints, Ints, Ints]:
         """`_split` of a holder tuple of the index, kept per tuple object (the index hands the same one
@@ -260,35 +287,32 @@ class LoadTable:
         return (np.array(p_rows, dtype=np.int64), np.array(p_slots, dtype=np.int64),
                 np.array(d_rows, dtype=np.int64), np.array(d_slots, dtype=np.int64))
 
-    def _best_pair(self, req: RequestShape, held: tuple[Ints, Ints], links: LinkModel,
-                   fits: npt.NDArray[np.bool_], pressure: Floats, missing: Floats,
-                   excluded: Collection[str]) -> Placement | None:
-        """The cheapest (prefill, decode) pair, None without a usable prefill worker."""
-        p_ok = self._p.usable(excluded)
-        if not p_ok.any():
-            return None
-        compute = self._compute(req, held, links, len(p_ok))
-        a = np.where(p_ok, self._p_wait[: len(p_ok)] + compute, np.inf)  # [P] wait + compute
+    def _best_pair(self, best_p: int, s: _Scratch, num_p: int, num_d: int, links: LinkModel) -> Placement:
+        """The cheapest (prefill, decode) pair, given `_scores`'s terms in `s` and `best_p`, the prefill
+        worker of least wait + compute: `_cheapest_pair` over the link model's rates (`numbered`)."""
         p_ids, d_ids = self._p.ids, self._d.ids
-        best_p = int(np.argmin(a))
-        # cost(P, D) = (a[P] + missing[D] / rate(P, D)) + pressure[D] grows with a[P] and falls with the
-        # rate, so no pair into D costs less than `floor[D]` (the least a, D's fastest link), and pairs
-        # with best_p cost `via_best[D]`: where best_p has D's fastest link, that is D's cheapest pair.
-        row = links.matrix([p_ids[best_p]], d_ids)[0]  # [D] best_p's link rates
-        fastest = links.max_rates(d_ids)  # [D]
-        via_best = np.where(fits, (a[best_p] + missing / row) + pressure, np.inf)
-        floor = np.where(fits, (a[best_p] + missing / fastest) + pressure, np.inf)
-        column_min = via_best.copy()  # [D] cheapest pair into each decode worker
-        open_ = np.flatnonzero((floor <= via_best.min()) & (row < fastest))  # where another P may win
-        if open_.size:
-            rates = links.matrix(p_ids, [d_ids[j] for j in open_])  # [P, open]
-            column_min[open_] = ((a[:, None] + missing[open_] / rates) + pressure[open_]).min(axis=0)
-        low = float(column_min.min())
-        i, j = self._first_tied(low, a, np.flatnonzero(column_min == low), links, pressure, missing, fastest)
-        rate = float(links.matrix([p_ids[i]], [d_ids[j]])[0, 0])
-        parts = {"prefill_wait": float(self._p_wait[i]), "compute": float(compute[i]),
+        a, missing, pressure = s.a[:num_p], s.missing[:num_d], s.pressure[:num_d]
+        view = links.numbered(p_ids, d_ids)
+        low, num_tied, candidate = _cheapest_pair(a, best_p, s.fits, missing, pressure, view.rates, view.fastest,
+                                                  view.rows, view.cols, s.column_min, s.columns)
+        columns = s.columns[:num_tied]
+        if candidate >= 0 and num_tied == 1:  # one column reaches the minimum, and one prefill worker can
+            i, j = candidate, int(columns[0])
+        else:
+            i, j = self._first_tied(low, a, columns, links, pressure, missing, view.fastest[view.cols])
+        rate = float(view.rates[view.rows[i], view.cols[j]])
+        parts = {"prefill_wait": float(self._p_wait[i]), "compute": float(s.compute[i]),
                  "transfer": float(missing[j] / rate), "decode_pressure": float(pressure[j])}
         return Placement(p_ids[i], d_ids[j], low, parts)
+
+    def _decode_only(self, req: RequestShape, s: _Scratch, num_d: int, max_tokens: int) -> tuple[int, float]:
+        """The cheapest decode-only placement (the decode worker prefills what it lacks of the prompt):
+        (its slot, its cost), (-1, inf) when no decode worker may."""
+        low, num_tied = _decode_only_costs(req.prompt_len, req.block_size, max_tokens, num_d, s.fits, s.cached,
+                                           self._d_wait, self._d_rate, s.pressure, s.d_compute, s.d_cost, s.columns)
+        if not num_tied:
+            return -1, low
+        return min(s.columns[:num_tied].tolist(), key=lambda k: self._d.ids[k]), low
 
     def _first_tied(self, low: float, a: Floats, columns: Ints, links: LinkModel, pressure: Floats,
                     missing: Floats, fastest: Floats) -> tuple[int, int]:
@@ -300,8 +324,6 @@ class LoadTable:
         for t, pr in set(zip((missing[columns] / fastest[columns]).tolist(), pressure[columns].tolist(), strict=True)):
             maybe |= (a + t) + pr <= low
         candidates = np.flatnonzero(maybe).tolist()
-        if len(candidates) == 1 and columns.size == 1:  # the column's minimum is reached, only it can
-            return candidates[0], int(columns[0])
         tied_ids = [d_ids[j] for j in columns]
         for i in sorted(candidates, key=lambda k: p_ids[k]):
             costs = (a[i] + missing[columns] / links.matrix([p_ids[i]], tied_ids)[0]) + pressure[columns]
@@ -310,19 +332,113 @@ class LoadTable:
                 return i, min(hits.tolist(), key=lambda k: d_ids[k])
         raise AssertionError(f"no pair costs the minimum {low}")
 
-    def _compute(self, req: RequestShape, held: tuple[Ints, Ints], links: LinkModel,
-                 num_slots: int) -> Floats:
-        """`[P]` compute(P) seconds: the prompt at each worker's rate, less the prefix it holds (`held`:
-        the holders' `[h]` slots and `[h, 3]` runs), summed as `placement._prefill_terms` sums it, so the
-        values are the same to the bit."""
-        rate = self._p_rate[:num_slots]
-        compute = req.prompt_len / rate
-        slots, runs = held
-        if slots.size:
-            device, host, disk = runs.T
-            tiers = links.tier_bytes_per_s
-            onload = host * req.block_bytes / tiers["host"] + disk * req.block_bytes / tiers["disk"]
-            cached = np.minimum(device * req.block_size, req.prompt_len)
-            uncached = np.maximum(0, req.prompt_len - cached - (host + disk) * req.block_size)
-            compute[slots] = uncached / rate[slots] + onload
-        return compute
+
+# ---------------------------------------------------------------------- compiled loops (`jit.compiled`)
+# Each sum is taken in `placement.place`'s order and with its types (ints multiplied as int64, then
+# divided as float64), so the values are the same to the bit.
+
+
+@compiled
+def _scores(prompt_len: int, num_blocks: int, block_size: int, block_bytes: int, expected_output: float,
+            host_bytes_per_s: float, disk_bytes_per_s: float, blocks: Ints, p_rows: Ints, p_slots: Ints,
+            d_rows: Ints, d_slots: Ints, p_ok: Bools, p_wait: Floats, p_rate: Floats, d_ok: Bools, d_free: Ints,
+            d_running: Ints, d_added: Floats, d_step_next: Floats, compute: Floats, a: Floats, cached: Ints,
+            fits: Bools, pressure: Floats, missing: Floats) -> tuple[int, int, int]:
+    """The request's per-worker terms, written into the first `len(p_ok)` / `len(d_ok)` entries of
+    `compute`, `a` (wait + compute, inf where not usable), and `cached`, `fits`, `pressure`, `missing`.
+    The prefix holders (`blocks[p_rows]` at prefill slots `p_slots`, `blocks[d_rows]` at decode slots
+    `d_slots`) get their exact terms. Returns (the prefill slot of least `a`, the first of them; -1
+    when none is usable), the decode workers that fit, and the most blocks a decode worker holds."""
+    for i in range(len(p_ok)):
+        compute[i] = prompt_len / p_rate[i]
+    for h in range(len(p_rows)):
+        device, host, disk = blocks[p_rows[h], 0], blocks[p_rows[h], 1], blocks[p_rows[h], 2]
+        onload = host * block_bytes / host_bytes_per_s + disk * block_bytes / disk_bytes_per_s
+        uncached = max(0, prompt_len - min(device * block_size, prompt_len) - (host + disk) * block_size)
+        compute[p_slots[h]] = uncached / p_rate[p_slots[h]] + onload
+    best_p, usable = 0, False
+    for i in range(len(p_ok)):
+        a[i] = p_wait[i] + compute[i] if p_ok[i] else np.inf
+        usable |= p_ok[i]
+        if a[i] < a[best_p]:
+            best_p = i
+    cached[: len(d_ok)] = 0
+    most_cached = 0
+    for g in range(len(d_rows)):
+        held = blocks[d_rows[g], 0] + blocks[d_rows[g], 1] + blocks[d_rows[g], 2]
+        cached[d_slots[g]] = held
+        most_cached = max(most_cached, held)
+    num_fit = 0
+    for j in range(len(d_ok)):
+        fits[j] = d_ok[j] and d_free[j] >= num_blocks - cached[j]
+        num_fit += fits[j]
+        pressure[j] = expected_output * d_added[j] * d_running[j] + d_step_next[j]
+        missing[j] = max(0, num_blocks - cached[j]) * block_bytes
+    return (best_p if usable else -1), num_fit, most_cached
+
+
+@compiled
+def _cheapest_pair(a: Floats, best_p: int, fits: Bools, missing: Floats, pressure: Floats, rates: Floats2,
+                   fastest: Floats, rows: Ints, cols: Ints, column_min: Floats, columns: Ints) -> tuple[float, int, int]:
+    """The least pair cost over the first `len(missing)` decode slots, how many decode slots reach it
+    (written into `columns`), and the prefill slot whose floor in one of them reaches it when it is
+    the only one, else -1 (`_first_tied` then decides). `column_min[D]` is written: the cheapest
+    pair into D. Rates: `rates[rows[P], cols[D]]`, D's fastest `fastest[cols[D]]` (`LinkNumbers`).
+
+    cost(P, D) = (a[P] + missing[D] / rate(P, D)) + pressure[D] grows with a[P] and falls with the
+    rate, so no pair into D costs less than its floor (a[best_p] over D's fastest link), and the pair
+    (best_p, D) is D's cheapest where best_p has D's fastest link: only the other columns ("open")
+    whose floor reaches the least (best_p, D) cost are scored over every prefill worker."""
+    row = rows[best_p]
+    low = np.inf
+    for j in range(len(missing)):
+        column_min[j] = (a[best_p] + missing[j] / rates[row, cols[j]]) + pressure[j] if fits[j] else np.inf
+        low = min(low, column_min[j])
+    for j in range(len(missing)):
+        top = fastest[cols[j]]
+        if fits[j] and rates[row, cols[j]] < top and (a[best_p] + missing[j] / top) + pressure[j] <= low:
+            cheapest = np.inf
+            for i in range(len(a)):
+                cheapest = min(cheapest, (a[i] + missing[j] / rates[rows[i], cols[j]]) + pressure[j])
+            column_min[j] = cheapest
+    low = np.inf
+    for j in range(len(missing)):
+        low = min(low, column_min[j])
+    num_tied = 0
+    for j in range(len(missing)):
+        if column_min[j] == low:
+            columns[num_tied] = j
+            num_tied += 1
+    candidate, last_t, last_pressure = -1, np.nan, np.nan
+    for c in range(num_tied):
+        t, pr = missing[columns[c]] / fastest[cols[columns[c]]], pressure[columns[c]]
+        if t == last_t and pr == last_pressure:  # tied columns alike (idle workers): one pass will do
+            continue
+        last_t, last_pressure = t, pr
+        for i in range(len(a)):
+            if (a[i] + t) + pr <= low and i != candidate:
+                if candidate >= 0:
+                    return low, num_tied, -1
+                candidate = i
+    return low, num_tied, candidate
+
+
+@compiled
+def _decode_only_costs(prompt_len: int, block_size: int, max_tokens: int, num_d: int, fits: Bools, cached: Ints,
+                       d_wait: Floats, d_rate: Floats, pressure: Floats, compute: Floats, cost: Floats,
+                       columns: Ints) -> tuple[float, int]:
+    """Decode-only placement: writes `compute[D]` (seconds to prefill what D lacks) and `cost[D]` (inf
+    where D does not fit or would prefill more than `max_tokens`) for the first `num_d` slots; returns
+    the least cost and how many slots reach it (written into `columns`; none when no slot may)."""
+    low = np.inf
+    for j in range(num_d):
+        uncached = prompt_len - cached[j] * block_size
+        compute[j] = max(0, uncached) / d_rate[j]
+        cost[j] = (d_wait[j] + compute[j]) + pressure[j] if fits[j] and uncached <= max_tokens else np.inf
+        low = min(low, cost[j])
+    num_tied = 0
+    for j in range(num_d if low < np.inf else 0):
+        if cost[j] == low:
+            columns[num_tied] = j
+            num_tied += 1
+    return low, num_tied

@@ -94,6 +94,22 @@ class RequestShape:
 
 
 @dataclass(frozen=True)
+class LinkNumbers:
+    """A link model's rates as arrays, for compiled loops: the rate of (prefill_ids[i], decode_ids[j])
+    is `rates[rows[i], cols[j]]`, and no pair into decode_ids[j] is faster than `fastest[cols[j]]`
+    (`LinkModel.numbered`). The arrays are the model's own or fresh: read them, never write them."""
+
+    rates: npt.NDArray[np.float64]
+    """`[rows, columns]` bytes/s."""
+    fastest: npt.NDArray[np.float64]
+    """`[columns]` the column's fastest rate, at least the default."""
+    rows: npt.NDArray[np.intp]
+    """`[P]` each prefill worker's row."""
+    cols: npt.NDArray[np.intp]
+    """`[D]` each decode worker's column."""
+
+
+@dataclass(frozen=True)
 class LinkRates:
     """Measured rates in bytes/s: prefill->decode links (pairs not listed use the default) and tier onloads."""
 
@@ -111,6 +127,21 @@ class LinkRates:
             if (j := d_index.get(d)) is not None:
                 rates[j] = max(rates[j], rate)
         return rates
+
+    def numbered(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> LinkNumbers:
+        """The rates as `LinkNumbers`: a `[listed prefill + 1, listed decode + 1]` matrix (row and column
+        0: workers with no listed pair), its column maxima, and each worker's row or column."""
+        if not self.transfer_bytes_per_s:  # every pair at the default: row 0 and column 0 for all
+            default = np.full((1, 1), self.default_transfer_bytes_per_s)
+            return LinkNumbers(default, default[0], np.zeros(len(prefill_ids), dtype=np.intp),
+                               np.zeros(len(decode_ids), dtype=np.intp))
+        p_index = {p: i + 1 for i, p in enumerate(dict.fromkeys(p for p, _ in self.transfer_bytes_per_s))}
+        d_index = {d: j + 1 for j, d in enumerate(dict.fromkeys(d for _, d in self.transfer_bytes_per_s))}
+        rates = np.full((len(p_index) + 1, len(d_index) + 1), self.default_transfer_bytes_per_s)
+        for (p, d), rate in self.transfer_bytes_per_s.items():
+            rates[p_index[p], d_index[d]] = rate
+        return LinkNumbers(rates, rates.max(axis=0), np.array([p_index.get(p, 0) for p in prefill_ids], dtype=np.intp),
+                           np.array([d_index.get(d, 0) for d in decode_ids], dtype=np.intp))
 
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]:
         """`[P, D]` link rates."""
@@ -185,6 +216,11 @@ class MeasuredLinks:
         """`[D]` the fastest measured rate into each decode worker, at least the default."""
         return self._column_max[self._numbers(1, decode_ids)]
 
+    def numbered(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> LinkNumbers:
+        """The rate matrix itself, its column maxima and the workers' rows and columns (0: never
+        measured): no copy, whatever the number of pairs."""
+        return LinkNumbers(self._rates, self._column_max, self._numbers(0, prefill_ids), self._numbers(1, decode_ids))
+
     def _numbers(self, axis: int, worker_ids: Sequence[str]) -> npt.NDArray[np.intp]:
         """Rows (axis 0) or columns (axis 1) of `worker_ids`; 0 for a worker never measured."""
         if len(worker_ids) < 8:
@@ -226,6 +262,11 @@ class LinkModel(Protocol):
         ...
 
     def matrix(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> npt.NDArray[np.float64]: ...
+
+    def numbered(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> LinkNumbers:
+        """The rates of every (prefill, decode) pair as `LinkNumbers` (what `matrix` and `max_rates`
+        give, without making a `[P, D]` array)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from cedserve.router.decoding import DecodeErrorInterceptor
 from cedserve.router.frontend import GenerationCore, GenerationService
 from cedserve.router.http_api import HttpApi, HttpServer, start_http_server
 from cedserve.router.index import GlobalPrefixIndex
+from cedserve.router.jit import warm_up
 from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.openai_api import ApiSettings
@@ -123,6 +124,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     limits = ModelLimits(config.model_id, model.vocab_size, model.max_position_embeddings, config.block_size,
                          config.default_max_tokens, ChatFormat.of(codec), eos_ids(model.eos_token_id))
     metadata = token_metadata(config.worker_token)
+    await asyncio.to_thread(warm_up)  # the request path's compiled loops, before the first request
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()

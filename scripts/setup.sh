@@ -14,4 +14,6 @@ if [ "${CEDSERVE_TORCH:-}" != "skip" ]; then
   .venv/bin/python -m pip install -q "torch==${CEDSERVE_TORCH:-2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e '.[dev]'
-.venv/bin/python -c "import cedserve, torch; print('cedserve', cedserve.__version__, 'torch', torch.__version__)"
+# numba (a dependency: the router's request path is compiled with it, router/jit.py) is imported here so
+# that a machine where its wheel did not install fails here, not when a router starts.
+.venv/bin/python -c "import cedserve, numba, torch; print('cedserve', cedserve.__version__, 'torch', torch.__version__, 'numba', numba.__version__)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cedserve.router.placement import (
@@ -114,6 +115,25 @@ def test_matrix_gathers_measured_pairs_and_defaults_the_rest() -> None:
     links.forget("d4")  # a departed worker's pairs fall back to the default; others keep theirs
     assert links.rate("p4", "d4") == 1.5e9 and links.rate("p1", "d1") == 2e9
     assert links.matrix([], []).shape == (0, 0)
+
+
+@pytest.mark.parametrize("model", ["constructed", "constructed, none listed", "measured"])
+def test_numbered_rates_are_the_matrix_and_the_fastest(model: str) -> None:
+    """`LinkModel.numbered`, which the request path's compiled loops read, gives the rates of
+    `matrix` and the maxima of `max_rates`, for listed, unlisted and unknown workers."""
+    pairs = {("p2", "d1"): 3e9, ("p0", "d1"): 5e8, ("p1", "d3"): 2e9}
+    links: LinkRates | MeasuredLinks
+    if model == "measured":
+        links = MeasuredLinks(1e9, 0.3, {})
+        for (p, d), rate in pairs.items():
+            links.observe(p, d, int(rate), 1.0)
+        links.forget("d3")
+    else:
+        links = LinkRates({} if "none" in model else pairs, {}, default_transfer_bytes_per_s=1e9)
+    prefill, decode = ["p1", "p0", "unknown", "p2"], ["d3", "d0", "d1", "unknown"]
+    view = links.numbered(prefill, decode)
+    assert view.rates[np.ix_(view.rows, view.cols)].tolist() == links.matrix(prefill, decode).tolist()
+    assert view.fastest[view.cols].tolist() == links.max_rates(decode).tolist()
 
 
 def test_placement_follows_measured_links() -> None:

@@ -1,8 +1,8 @@
 """The prefix index's hash table against a dict, on random inserts, updates and deletions.
 
 Keys are drawn from small pools so that the table fills, rebuilds, reuses DELETED slots, and sees keys
-that share their first 8 bytes (one tag) or 12 (tag and check: `get` may not tell those apart, `find`
-must), and keys of other lengths than 32 bytes.
+that share their first 8 bytes (one tag) or 12 (tag and check: `get` and `get_prefix` may not tell
+those apart, `find` must), and keys of other lengths than 32 bytes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ def _check(table: BlockTable, ref: dict[bytes, int], pool: list[bytes], shared: 
             assert v == ref.get(h, EMPTY)
         else:  # a key sharing 12 bytes with a present one may read that one's value
             assert v == ref.get(h, EMPTY) or v in [ref[k] for k in ref if k[:12] == shared]
+    # The prefix walk's lookup: `get` cut at the first absent key (all of them when none is absent).
+    first_miss = next((k for k, v in enumerate(got) if v == EMPTY), len(got))
+    assert table.get_prefix(keys).tolist() == got[:first_miss]
+    held = [h for h in ref if h[:12] != shared]
+    assert table.get_prefix(as_keys(held)).tolist() == [ref[h] for h in held]
     assert len(table) == len(ref)
 
 
