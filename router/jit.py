@@ -15,10 +15,12 @@ first request does not pay for it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 def compiled(fn: _F) -> _F:
@@ -30,14 +32,33 @@ def compiled(fn: _F) -> _F:
     def call(*args: Any) -> Any:
         nonlocal native
         if native is None:
-            import numba
-
-            native = numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
+            numba = _numba()
+            native = fn if numba is None else numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
         return native(*args)
 
     call.__doc__, call.__name__, call.__qualname__ = fn.__doc__, fn.__name__, fn.__qualname__
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return cast(_F, call)
+
+
+_NUMBA: list[Any] = []
+"""The numba module once looked for (None where it is not installed)."""
+
+
+def _numba() -> Any:
+    """numba, or None where it is not installed: the functions then run as written, as Python (correct,
+    but a 64K-token prompt's walk costs milliseconds instead of tens of microseconds); logged once. A
+    dependency of the package, so only a host that installs without dependencies lacks it (the GPU
+    recipe's `--no-deps` wheels: scripts/gpu.sh)."""
+    if not _NUMBA:
+        try:
+            import numba
+        except ImportError:
+            numba = None
+            log.warning("numba is not installed: the router's index walk and placement run as Python "
+                        "(slower with large prompts and many workers; pip install numba)")
+        _NUMBA.append(numba)
+    return _NUMBA[0]
 
 
 def warm_up() -> None:
