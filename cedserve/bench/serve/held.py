@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import sys
@@ -81,9 +82,9 @@ class Target:
     """The system's `cedserve serve --log-dir` (its processes' command lines name it)."""
     http_address: str = ""
     """The OpenAI-compatible HTTP API's host:port, when known."""
-    message_limit: int = 4096 * 16 + (64 << 10)
-    """The router's receive limit (router.requests.message_limit; this: the demo model's), for the
-    bare-server comparison."""
+    message_limit: int = 8192 * 16 + (64 << 10)
+    """The router's receive limit (router.requests.message_limit; this: the demo model's, when the
+    router does not publish it), for the bare-server comparison."""
 
     def decode_blocks(self) -> dict[str, tuple[int, int]]:
         """(free, total) blocks of each decode worker the router knows (needs the internal token)."""
@@ -328,8 +329,10 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender:
 
 
 def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict[str, Any]:
-    """The client-observed refusal above, taken apart: what the client spends building the message,
-    what it waits once that is done (the serialized message sent over a connected channel), the
+    """The client-observed refusal above, taken apart: the client's own check once it knows the
+    router's limits (`client_check_s`: it builds and sends nothing), what building the message costs
+    a client that sends it (`client_build_and_serialize_s`), what that client waits once it is built
+    (the serialized message sent over a connected channel), the
     router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
     same probe against a gRPC server with no handler code, with gRPC's tarpit (its default) and without
     (what the router's `grpc_tarpit` chooses between)."""
@@ -342,10 +345,23 @@ def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict
     from cedserve.client import build_request
 
     declared = int(mb * 1e6)
+    big = "x" * declared
     start = time.monotonic()
-    message = build_request("x" * declared, max_tokens=8).SerializeToString()
+    message = build_request(big, max_tokens=8).SerializeToString()
     size = len(message)
     out: dict[str, Any] = {"client_build_and_serialize_s": round(time.monotonic() - start, 4)}
+    with Client(target.address, timeout_s=30) as client:
+        limits = client.request_limits()
+        out["router_limits"] = None if limits is None else {"max_request_bytes": limits.max_request_bytes,
+                                                             "max_prompt_bytes": limits.max_prompt_bytes}
+        checked = []
+        for _ in range(samples):  # the limits known: the client's own check, nothing sent
+            begin = time.monotonic()
+            with contextlib.suppress(CedserveError):
+                client.generate(big, max_tokens=8)
+            checked.append(round(time.monotonic() - begin, 5))
+        out["client_check_s"] = checked
+    message_limit = limits.max_request_bytes if limits is not None else target.message_limit
     sent = [sent_refusal_time(target.address, message) for _ in range(samples)]
     out["client_refusal_from_first_byte_s"] = [round(seconds, 4) for seconds, _ in sent]
     out["client_refusal_from_first_byte_status"] = [status for _, status in sent]
@@ -356,8 +372,8 @@ def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict
         http = [http_refusal_time(target.http_address, declared_bytes=size) for _ in range(samples)]
         out["http_server_refusal_s"] = [None if h is None else round(h[0], 4) for h in http]
         out["http_server_refusal_status"] = [None if h is None else h[1] for h in http]
-    out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples)
-    out["bare_grpc_server_no_tarpit_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples,
+    out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(message_limit, size, samples)
+    out["bare_grpc_server_no_tarpit_refusal_s"] = bare_server_refusal_time(message_limit, size, samples,
                                                                            tarpit=False)
     return out
 
@@ -384,7 +400,8 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
             f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
             f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}, "
             f"without its tarpit {huge['bare_grpc_server_no_tarpit_refusal_s']}); "
-            f"the client builds the message in {huge['client_build_and_serialize_s']} s")
+            f"the client builds the message in {huge['client_build_and_serialize_s']} s; its own check "
+            f"(the router's limits known) {huge['client_check_s']} s")
     if "kill" in args.scenarios:
         if target.log_dir is None:
             raise SystemExit("cedserve bench held: the kill scenario needs --log-dir of the running system")
