@@ -15,8 +15,10 @@ Scenarios, each against one system, in this order:
 - `huge`: three concurrent prompts of 15 MB beside a normal request: each refusal's latency, the
   normal request's time to first token against the same request on the idle system, and the
   router's resident memory before and after (needs the router's pid: known when this command
-  started the system). `--huge-sender bytes` sends each prompt serialized beforehand (timed from its
-  first byte) instead of through the Python client (timed from before it builds the message).
+  started the system). `--huge-sender client` sends each through a new `AsyncClient`, timed from
+  before the call (it connects, reads the router's limits and refuses the prompt itself);
+  `--huge-sender bytes` sends each serialized beforehand over a connected channel, timed from its
+  first byte (what the router's own refusal costs a client that sends the message).
 - `kill`: kill -9 of the router, the prefill worker and the decode worker in turn, `--kill-rounds`
   times each, under `--kill-clients` streams of load (cedserve/bench/serve/chaos.py): detection,
   time to serving again, held blocks back to the baseline, every request ended with a status. Needs
@@ -55,7 +57,7 @@ from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
 SCENARIOS = ("burst", "deadlines", "huge", "kill")
-HUGE_SENDERS = {"client": "the Python client's call, timed from before it builds and serializes the message",
+HUGE_SENDERS = {"client": "the Python client's call on a new client, timed from before the call",
                 "bytes": "the message serialized beforehand, timed from its first byte written"}
 SHORT_PROMPT = "def fibonacci(n):\n    "
 """A normal request's prompt; every request asks for `--max-tokens` tokens of it."""
@@ -217,18 +219,33 @@ def _runqueue_wait_s() -> float:
     return total_ns / 1e9
 
 
+def _touch_and_free(size: int, times: int = 2) -> None:
+    """Write to, then free, `size` bytes `times` times: glibc then serves a buffer of that size from
+    pages it already holds (the first free raises its mmap threshold; the second buffer comes from its
+    heap and stays there), so gRPC's copy of the message into its own buffer does not fault in 15 MB of
+    fresh pages. That cost the bytes sender 5-10 ms of CPU, more than the router's part, and varied
+    with what building the message had left behind (a build with one copy less left less)."""
+    for _ in range(times):
+        buffer = bytearray(size)
+        buffer[::4096] = b"\x01" * len(range(0, size, 4096))
+        del buffer
+
+
 def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any, sender: str) -> None:
     """One huge prompt from its own process (spawned): the prompt and client are made before `ready`,
     so building and serialising 15 MB costs the measuring process nothing (the first version sent all
     from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s).
-    `sender` "client": the Python client's call, which builds and serializes the message once timed;
-    "bytes": the message serialized before `ready`, sent over a connected channel (from its first byte)."""
+    `sender` "client": the Python client's call on a client made before `ready` (not yet connected),
+    which connects, reads the router's limits and refuses the prompt itself (a client before it did
+    built and serialized the message, then sent it); "bytes": the message serialized before `ready`,
+    sent over a connected channel (from its first byte)."""
     big = "x" * int(mb * 1e6)
     if sender == "bytes":
         from cedserve.bench.serve.length_probe import send_serialized
         from cedserve.client import build_request
 
         message = build_request(big, max_tokens=max_tokens).SerializeToString()
+        _touch_and_free(len(message))
         with grpc.insecure_channel(address) as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
             ready.set()
