@@ -13,9 +13,9 @@ client certificate) raises `CedserveError` UNAVAILABLE.
 A prompt the router would refuse for its size (`cedserve.common.request_limits`) is refused here,
 before its request is built, with the router's status and words: the client reads the router's
 limits once (its model card, `ListModels`; kept `LIMITS_TTL_S`) when a prompt of `CHECK_FROM_BYTES`
-or more first comes. Building, serializing and copying a 15 MB prompt costs ~65 ms of CPU, which on a
-busy host became 0.1-2.5 s before the router's refusal could arrive. `check_limits=False` sends every
-request as it is (the router still refuses it).
+or more first comes. Building, serializing and copying a 15 MB prompt costs ~70 ms of CPU, which on a
+busy 2-core host became 0.6-2 s before the router's refusal could arrive (docs/routing.md, *Errors*).
+`check_limits=False` sends every request as it is (the router still refuses it).
 """
 
 from __future__ import annotations
@@ -86,12 +86,6 @@ def _fill_prompt(target: generation_pb2.Prompt, prompt: PromptLike) -> None:
         return
     target.token_ids.SetInParent()  # an empty list is still a token-ids prompt
     target.token_ids.ids.extend(cast(list[int], items))  # checked in C (ints, numpy's too): 20x a Python loop
-
-
-def _prompt(prompt: PromptLike) -> generation_pb2.Prompt:
-    out = generation_pb2.Prompt()
-    _fill_prompt(out, prompt)
-    return out
 
 
 def _effort(effort: int | str | None) -> generation_pb2.Effort:
