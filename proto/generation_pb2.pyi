@@ -210,16 +210,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "max_context_tokens", "vocab_size", "global_kv_bytes_per_token")
+    __slots__ = ("id", "max_context_tokens", "vocab_size", "global_kv_bytes_per_token", "max_request_bytes", "max_prompt_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_context_tokens: int
     vocab_size: int
     global_kv_bytes_per_token: float
-    def __init__(self, id: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., global_kv_bytes_per_token: _Optional[float] = ...) -> None: ...
+    max_request_bytes: int
+    max_prompt_bytes: int
+    def __init__(self, id: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., global_kv_bytes_per_token: _Optional[float] = ..., max_request_bytes: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

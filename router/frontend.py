@@ -27,6 +27,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from cedserve.common.request_limits import request_limits
 from cedserve.model.effort import effort_class
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
@@ -186,8 +187,11 @@ class GenerationCore:
 
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, codec: TextCodec, limits: ModelLimits,
                  admission: Admission, metrics: RouterMetrics, max_retries: int, lease_ms: int,
-                 block_bytes: int, metadata: tuple[tuple[str, str], ...] = (), *, links: MeasuredLinks) -> None:
+                 block_bytes: int, metadata: tuple[tuple[str, str], ...] = (), *, links: MeasuredLinks,
+                 max_request_bytes: int) -> None:
         self.pool, self.policy, self.codec, self.limits = pool, policy, codec, limits
+        self.max_request_bytes = max_request_bytes
+        """The public APIs' receive limit (`router.requests.message_limit`), published in the model card."""
         self.admission, self.metrics = admission, metrics
         self.max_retries, self.lease_ms, self.block_bytes = max_retries, lease_ms, block_bytes
         self.metadata = metadata
@@ -240,9 +244,12 @@ class GenerationCore:
             self.metrics.refusals.labels(reason=exc.reason or "other").inc()
 
     def model_card(self) -> generation_pb2.ModelCard:
+        prompt_limits = request_limits(self.limits.max_context_tokens, self.max_request_bytes)
         return generation_pb2.ModelCard(id=self.limits.model_id, max_context_tokens=self.limits.max_context_tokens,
                                         vocab_size=self.limits.vocab_size,
-                                        global_kv_bytes_per_token=self.block_bytes / self.limits.block_size)
+                                        global_kv_bytes_per_token=self.block_bytes / self.limits.block_size,
+                                        max_request_bytes=self.max_request_bytes,
+                                        max_prompt_bytes=prompt_limits.max_prompt_bytes)
 
     # ------------------------------------------------------------------ orchestration
 

@@ -14,6 +14,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from cedserve.common.request_limits import (
+    ID_FIELDS,
+    RequestLimits,
+    id_violation,
+    prompt_violation,
+    request_limits,
+)
 from cedserve.model.cache.hashing import hash_blocks
 from cedserve.model.chat_format import ChatFormat
 from cedserve.model.effort import ChatMessage, parse_effort, token_budget
@@ -25,12 +32,6 @@ _EFFORT_NAMES = {generation_pb2.EFFORT_NAME_LOW: "low", generation_pb2.EFFORT_NA
                  generation_pb2.EFFORT_NAME_MAX: "max"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-MAX_ID_LEN = 256
-"""Characters of a request id, session id, cache salt or model name (an id is echoed in every
-streamed message and logged: a megabyte one would be copied into each)."""
-BYTES_PER_TOKEN_BOUND = 16
-"""A text prompt of more than this many UTF-8 bytes per token of the context cannot fit it (a token
-of the shipped tokenizers covers a few bytes): refused before it is tokenized."""
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,10 @@ def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset
     return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
-MESSAGE_SLACK_BYTES = 64 << 10
-"""What a request carries besides its prompt (ids, sampling, stop strings, chat roles) at most."""
-
-
 def message_limit(limits: ModelLimits, configured: int) -> int:
     """The largest request worth reading: `configured`, but no more than a prompt that can fit the
-    context (`BYTES_PER_TOKEN_BOUND` bytes per token) plus `MESSAGE_SLACK_BYTES`. Three concurrent
-    15 MB prompts against a 4K-token demo model were read, parsed and held whole before the prompt's
-    own check refused them (0.26-0.32 s each, the router's memory 255 -> 366 MB)."""
-    return min(configured, limits.max_context_tokens * BYTES_PER_TOKEN_BOUND + MESSAGE_SLACK_BYTES)
+    context (`cedserve.common.request_limits.request_limits`)."""
+    return request_limits(limits.max_context_tokens, configured).max_request_bytes
 
 
 @dataclass(frozen=True)
@@ -106,26 +101,28 @@ def resolve_effort(effort: generation_pb2.Effort) -> int:
 
 def _check_sizes(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> None:
     """Bounds checked before any work: id lengths, and the prompt's size against the context (in
-    bytes for text, which is not tokenized when it cannot fit; in ids for token ids)."""
-    for name in ("request_id", "session_id", "cache_salt", "model"):
-        value = getattr(request, name)
-        if len(value) > MAX_ID_LEN:
-            raise invalid(name, f"at most {MAX_ID_LEN} characters, got {len(value)}")
-    max_bytes = limits.max_context_tokens * BYTES_PER_TOKEN_BOUND
-    kind = request.prompt.WhichOneof("kind")
+    bytes for text, which is not tokenized when it cannot fit; in ids for token ids). The wording is
+    common/request_limits.py's, which `cedserve.client` applies before sending."""
+    for name in ID_FIELDS:
+        found = id_violation(name, len(getattr(request, name)))
+        if found is not None:
+            raise invalid(*found)
+    prompt = request.prompt
+    kind = prompt.WhichOneof("kind")
     if kind == "text":
-        size = len(request.prompt.text.encode("utf-8", "surrogatepass"))
-        if size > max_bytes:
-            raise invalid("prompt.text", f"{size} bytes cannot fit the {limits.max_context_tokens}-token context "
-                                         f"(at most {max_bytes} bytes are tokenized)")
+        size = len(prompt.text.encode("utf-8", "surrogatepass"))
     elif kind == "chat":
-        size = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.prompt.chat.messages)
-        if size > max_bytes:
-            raise invalid("prompt.chat.messages", f"{size} bytes cannot fit the {limits.max_context_tokens}-token "
-                                                  f"context (at most {max_bytes} bytes are tokenized)")
-    elif kind == "token_ids" and len(request.prompt.token_ids.ids) >= limits.max_context_tokens:
-        raise invalid("prompt.token_ids", f"{len(request.prompt.token_ids.ids)} ids leave no room in the "
-                                          f"{limits.max_context_tokens}-token context")
+        size = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in prompt.chat.messages)
+    else:
+        size = len(prompt.token_ids.ids)
+    found = prompt_violation(kind, size, _prompt_limits(limits))
+    if found is not None:
+        raise invalid(*found)
+
+
+def _prompt_limits(limits: ModelLimits) -> RequestLimits:
+    """The prompt's bounds (the message limit plays no part once the message is read)."""
+    return request_limits(limits.max_context_tokens, 0)
 
 
 def _tokens(request: generation_pb2.GenerateRequest, effort: int, codec: TextCodec, limits: ModelLimits) -> list[int]:

@@ -133,7 +133,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     core = GenerationCore(pool, make_policy(config.policy, config.decode_only_max_tokens), codec, limits,
                           Admission(config.limits), metrics, config.max_retries, config.lease_ms,
                           block_bytes, metadata, links=MeasuredLinks(
-                              config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S))
+                              config.default_link_bytes_per_s, config.link_rate_alpha, _TIER_BYTES_PER_S),
+                          max_request_bytes=message_limit(limits, config.max_message_bytes))
     options = public_server_options(config, limits)
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
@@ -171,7 +172,7 @@ async def _http_api(config: RouterConfig, core: GenerationCore, drain: RouterDra
     if config.http_port < 0:
         return None
     api = HttpApi(core, drain, ApiSettings(config.model_id, config.user_cache_salt), config.api_keys,
-                  message_limit(core.limits, config.max_message_bytes))
+                  core.max_request_bytes)
     return await start_http_server(api.app(), config.host, config.http_port, config.tls)
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ import openai
 import pytest
 
 from cedserve.bench.serve.http_client import HttpClient
-from cedserve.client import CedserveError, Client, Completion, Piece
+from cedserve.client import AsyncClient, CedserveError, Client, Completion, Piece
 from cedserve.common.credentials import token_metadata
 from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
@@ -292,6 +293,43 @@ def test_auth_model_and_body_size_errors(system: System) -> None:
     assert huge.value.status_code == 413 and _error(huge.value)["code"] == "request_too_large"
     health = urllib.request.urlopen(system.base_url.removesuffix("/v1") + "/health", timeout=10)  # no key needed
     assert json.loads(health.read()) == {"status": "ok"}
+
+
+def test_a_15_mb_prompt_is_refused_alike_by_the_client_and_the_router(system: System) -> None:
+    """The blocking `Client` refuses a 15 MB prompt itself in the router's words (the same prompt sent
+    unchecked is the router's answer); three at once on one `AsyncClient` likewise. HTTP refuses a
+    chunked body (no `Content-Length` to refuse it by) once what it read passes the limit, before the
+    body ends."""
+    big = "x" * 15_000_000
+
+    def answer(check_limits: bool) -> tuple[str, str]:
+        with Client(system.grpc_address, api_key=KEY, timeout_s=60, check_limits=check_limits) as client:
+            try:
+                client.generate(big, max_tokens=2)
+            except CedserveError as exc:
+                return exc.code.name, exc.message
+        raise AssertionError("a 15 MB prompt was served")
+
+    router = answer(check_limits=False)
+    assert router[0] == "RESOURCE_EXHAUSTED" and answer(check_limits=True) == router
+
+    async def three() -> list[BaseException | Completion]:
+        client = AsyncClient(system.grpc_address, api_key=KEY, timeout_s=60)
+        try:
+            return await asyncio.gather(*(client.generate(big, max_tokens=2) for _ in range(3)),
+                                        return_exceptions=True)
+        finally:
+            await client.close()
+
+    assert [(e.code.name, e.message) for e in asyncio.run(three()) if isinstance(e, CedserveError)] == [router] * 3
+    host, port = system.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        chunk = b"x" * (64 << 10)
+        for _ in range(6):  # 384 KiB, over the demo's 196,608-byte limit; the last chunk never sent
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        assert sock.recv(64).startswith(b"HTTP/1.1 413 ")
 
 
 def test_admission_refusal_is_429_with_retry_after(system: System) -> None:

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from cedserve.common.request_limits import BYTES_PER_TOKEN_BOUND, MAX_ID_LEN, MESSAGE_SLACK_BYTES
 from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
 from cedserve.proto import generation_pb2
 from cedserve.router.errors import RequestError
-from cedserve.router.requests import (
-    BYTES_PER_TOKEN_BOUND,
-    MAX_ID_LEN,
-    MESSAGE_SLACK_BYTES,
-    ModelLimits,
-    message_limit,
-    prepare,
-)
+from cedserve.router.requests import ModelLimits, message_limit, prepare
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tls_pki import TLSFiles
 
 from cedserve.bench.serve.length_probe import refusal_time
-from cedserve.client import CedserveError, Client
+from cedserve.client import AsyncClient, CedserveError, Client, Completion, build_request
+from cedserve.common.request_limits import request_limits
 from cedserve.common.tls import TLSConfig
 from cedserve.model.cache.events import BlockStored, KVEventBatch, Tier, encode_batch
 from cedserve.model.cache.hashing import hash_blocks
@@ -621,15 +622,125 @@ def test_a_client_gone_during_reserve_frees_the_lease_at_once(cluster: Cluster) 
 
 
 def test_a_request_bigger_than_the_context_can_use_is_refused_unread(cluster: Cluster) -> None:
-    """A 2 MB prompt against the tiny checkpoint's context: gRPC refuses it from its length prefix
-    (RESOURCE_EXHAUSTED, `router.requests.message_limit`), before the router reads or parses it; the
-    router keeps serving."""
-    with _client(cluster) as client:
+    """A 2 MB prompt against the tiny checkpoint's context, sent as it is: gRPC refuses it from its
+    length prefix (RESOURCE_EXHAUSTED, `router.requests.message_limit`), before the router reads or
+    parses it; the router keeps serving."""
+    with Client(cluster.address, api_key="sekrit", timeout_s=20, check_limits=False) as client:
         with pytest.raises(CedserveError) as info:
             client.generate("ab" * 1_000_000, max_tokens=2)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in info.value.message
         assert len(client.generate([5, 6, 7], max_tokens=3).token_ids) == 3
+
+
+def _answer(client: Client, prompt: Any, **kwargs: Any) -> tuple[str, str, str]:
+    """(status, message, field) of a call: "OK" or the error's."""
+    try:
+        client.generate(prompt, max_tokens=2, **kwargs)
+    except CedserveError as exc:
+        return exc.code.name, exc.message, exc.field
+    return "OK", "", ""
+
+
+class _CountingStub:
+    """The client's stub, counting the `Generate` and `ListModels` calls that go to the router."""
+
+    def __init__(self, stub: Any) -> None:
+        self.stub, self.generate_calls, self.list_calls = stub, 0, 0
+
+    def Generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.generate_calls += 1
+        return self.stub.Generate(*args, **kwargs)
+
+    def ListModels(self, *args: Any, **kwargs: Any) -> Any:
+        self.list_calls += 1
+        return self.stub.ListModels(*args, **kwargs)
+
+
+def _text_of_message_bytes(size: int) -> str:
+    """A text prompt whose `GenerateRequest` (max_tokens=2) serializes to exactly `size` bytes."""
+    n = size
+    while len(build_request("x" * n, max_tokens=2).SerializeToString()) > size:
+        n -= 1
+    assert len(build_request("x" * n, max_tokens=2).SerializeToString()) == size
+    return "x" * n
+
+
+def test_the_client_refuses_what_the_router_would_in_the_routers_words(cluster: Cluster) -> None:
+    """Prompts at and around each size the router bounds: the client, its limits read from the router's
+    model card, answers each with the router's own status, message and field (the router's answer: the
+    same prompt sent unchecked), and sends none of those it refuses."""
+    limits = request_limits(4096, 16 << 20)  # the tiny checkpoint's context, the default max_message_bytes
+    over_ids = 65_536  # the fewest ids the client checks, all over the 4,096-token context
+    cases: list[tuple[Any, dict[str, Any], bool]] = [  # (prompt, kwargs, refused by the client)
+        (_text_of_message_bytes(limits.max_request_bytes), {}, True),  # read whole; too long a text
+        (_text_of_message_bytes(limits.max_request_bytes + 1), {}, True),  # refused unread
+        ("x" * 15_000_000, {}, True),
+        ("x" * limits.max_prompt_bytes, {}, False),  # tokenized: the router decides by its tokens
+        ("x" * (limits.max_prompt_bytes + 1), {}, True),
+        ("é" * 66_000, {}, True),  # 132,000 UTF-8 bytes: unread
+        ([{"role": "user", "content": "x" * (limits.max_prompt_bytes + 1)}], {}, True),
+        ([5] * over_ids, {}, True),  # 1 byte an id: read, too many ids
+        ([300] * over_ids, {}, True),  # 2 bytes an id: unread
+        ("x" * 70_000, {"request_id": "r" * 257}, True),  # ids are checked before the prompt
+    ]
+    with _client(cluster) as client, Client(cluster.address, api_key="sekrit", timeout_s=20,
+                                            check_limits=False) as unchecked:
+        counting = _CountingStub(client.stub)
+        client.stub = counting  # type: ignore[assignment]
+        assert client.request_limits() == limits
+        for prompt, kwargs, refused_here in cases:
+            sent = counting.generate_calls
+            router = _answer(unchecked, prompt, **kwargs)
+            assert router[0] != "OK"
+            assert _answer(client, prompt, **kwargs) == router, (str(prompt)[:40], kwargs)
+            assert counting.generate_calls == sent + (not refused_here)
+        assert counting.list_calls == 1  # read once, kept
+
+
+def test_the_client_reads_the_limits_again_once_they_may_have_changed(cluster: Cluster,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limits are read once and kept `LIMITS_TTL_S`; read again after it, they are the router's
+    current ones (here its card changed under the client, as a restarted router's might). A router that
+    publishes none (an older one) gets every request as it is, and refuses it itself."""
+    core = cluster.router.core
+    assert core is not None
+    with _client(cluster) as client:
+        first = client.request_limits()
+        assert first is not None and first.max_request_bytes == core.max_request_bytes
+        core.max_request_bytes = 100_000
+        assert client.request_limits() == first  # kept
+        monkeypatch.setattr("cedserve.client.LIMITS_TTL_S", 0.0)
+        size = build_request("x" * 100_000, max_tokens=2).ByteSize()
+        assert _answer(client, "x" * 100_000)[1].startswith(
+            f"SERVER: Received message larger than max ({size} vs. 100000) bytes:")
+        core.max_request_bytes = 0
+        assert client.request_limits() is None
+        status, message, _ = _answer(client, "x" * 150_000)
+        assert status == "RESOURCE_EXHAUSTED" and f"vs. {first.max_request_bytes})" in message  # the router's
+
+
+def test_three_concurrent_huge_prompts_on_one_async_client_read_the_limits_once(cluster: Cluster) -> None:
+    """Three 15 MB prompts at once on one `AsyncClient`: each refused with the router's words, after
+    one read of its limits shared by the three."""
+    with Client(cluster.address, api_key="sekrit", timeout_s=20, check_limits=False) as unchecked:
+        router = _answer(unchecked, "x" * 15_000_000)
+
+    async def three() -> tuple[list[BaseException | Completion], int]:
+        client = AsyncClient(cluster.address, api_key="sekrit", timeout_s=20)
+        counting = _CountingStub(client.stub)
+        client.stub = counting  # type: ignore[assignment]
+        try:
+            results = await asyncio.gather(*(client.generate("x" * 15_000_000, max_tokens=2) for _ in range(3)),
+                                           return_exceptions=True)
+        finally:
+            await client.close()
+        assert counting.generate_calls == 0
+        return results, counting.list_calls
+
+    results, reads = asyncio.run(three())
+    assert reads == 1
+    assert [(r.code.name, r.message, r.field) for r in results if isinstance(r, CedserveError)] == [router] * 3
 
 
 def test_the_router_refuses_a_message_from_its_length_prefix_alone(cluster: Cluster) -> None:

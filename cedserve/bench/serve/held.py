@@ -15,8 +15,10 @@ Scenarios, each against one system, in this order:
 - `huge`: three concurrent prompts of 15 MB beside a normal request: each refusal's latency, the
   normal request's time to first token against the same request on the idle system, and the
   router's resident memory before and after (needs the router's pid: known when this command
-  started the system). `--huge-sender bytes` sends each prompt serialized beforehand (timed from its
-  first byte) instead of through the Python client (timed from before it builds the message).
+  started the system). `--huge-sender client` sends each through a new `AsyncClient`, timed from
+  before the call (it connects, reads the router's limits and refuses the prompt itself);
+  `--huge-sender bytes` sends each serialized beforehand over a connected channel, timed from its
+  first byte (what the router's own refusal costs a client that sends the message).
 - `kill`: kill -9 of the router, the prefill worker and the decode worker in turn, `--kill-rounds`
   times each, under `--kill-clients` streams of load (cedserve/bench/serve/chaos.py): detection,
   time to serving again, held blocks back to the baseline, every request ended with a status. Needs
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import sys
@@ -54,7 +57,7 @@ from cedserve.launcher import TOKEN_FILE_NAME
 from cedserve.proto import worker_pb2, worker_pb2_grpc
 
 SCENARIOS = ("burst", "deadlines", "huge", "kill")
-HUGE_SENDERS = {"client": "the Python client's call, timed from before it builds and serializes the message",
+HUGE_SENDERS = {"client": "the Python client's call on a new client, timed from before the call",
                 "bytes": "the message serialized beforehand, timed from its first byte written"}
 SHORT_PROMPT = "def fibonacci(n):\n    "
 """A normal request's prompt; every request asks for `--max-tokens` tokens of it."""
@@ -81,9 +84,9 @@ class Target:
     """The system's `cedserve serve --log-dir` (its processes' command lines name it)."""
     http_address: str = ""
     """The OpenAI-compatible HTTP API's host:port, when known."""
-    message_limit: int = 4096 * 16 + (64 << 10)
-    """The router's receive limit (router.requests.message_limit; this: the demo model's), for the
-    bare-server comparison."""
+    message_limit: int = 8192 * 16 + (64 << 10)
+    """The router's receive limit (router.requests.message_limit; this: the demo model's, when the
+    router does not publish it), for the bare-server comparison."""
 
     def decode_blocks(self) -> dict[str, tuple[int, int]]:
         """(free, total) blocks of each decode worker the router knows (needs the internal token)."""
@@ -216,18 +219,33 @@ def _runqueue_wait_s() -> float:
     return total_ns / 1e9
 
 
+def _touch_and_free(size: int, times: int = 2) -> None:
+    """Write to, then free, `size` bytes `times` times: glibc then serves a buffer of that size from
+    pages it already holds (the first free raises its mmap threshold; the second buffer comes from its
+    heap and stays there), so gRPC's copy of the message into its own buffer does not fault in 15 MB of
+    fresh pages. That cost the bytes sender 5-10 ms of CPU, more than the router's part, and varied
+    with what building the message had left behind (a build with one copy less left less)."""
+    for _ in range(times):
+        buffer = bytearray(size)
+        buffer[::4096] = b"\x01" * len(range(0, size, 4096))
+        del buffer
+
+
 def _huge_sender(address: str, mb: float, max_tokens: int, ready: Any, go: Any, results: Any, sender: str) -> None:
     """One huge prompt from its own process (spawned): the prompt and client are made before `ready`,
     so building and serialising 15 MB costs the measuring process nothing (the first version sent all
     from one event loop, and the normal request's TTFT then included that loop's 3 x 0.12 s).
-    `sender` "client": the Python client's call, which builds and serializes the message once timed;
-    "bytes": the message serialized before `ready`, sent over a connected channel (from its first byte)."""
+    `sender` "client": the Python client's call on a client made before `ready` (not yet connected),
+    which connects, reads the router's limits and refuses the prompt itself (a client before it did
+    built and serialized the message, then sent it); "bytes": the message serialized before `ready`,
+    sent over a connected channel (from its first byte)."""
     big = "x" * int(mb * 1e6)
     if sender == "bytes":
         from cedserve.bench.serve.length_probe import send_serialized
         from cedserve.client import build_request
 
         message = build_request(big, max_tokens=max_tokens).SerializeToString()
+        _touch_and_free(len(message))
         with grpc.insecure_channel(address) as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
             ready.set()
@@ -328,8 +346,10 @@ def huge_prompts(target: Target, mb: float, count: int, max_tokens: int, sender:
 
 
 def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict[str, Any]:
-    """The client-observed refusal above, taken apart: what the client spends building the message,
-    what it waits once that is done (the serialized message sent over a connected channel), the
+    """The client-observed refusal above, taken apart: the client's own check once it knows the
+    router's limits (`client_check_s`: it builds and sends nothing), what building the message costs
+    a client that sends it (`client_build_and_serialize_s`), what that client waits once it is built
+    (the serialized message sent over a connected channel), the
     router's own refusal from the length prefix alone (gRPC; HTTP when its port is known), and the
     same probe against a gRPC server with no handler code, with gRPC's tarpit (its default) and without
     (what the router's `grpc_tarpit` chooses between)."""
@@ -342,10 +362,23 @@ def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict
     from cedserve.client import build_request
 
     declared = int(mb * 1e6)
+    big = "x" * declared
     start = time.monotonic()
-    message = build_request("x" * declared, max_tokens=8).SerializeToString()
+    message = build_request(big, max_tokens=8).SerializeToString()
     size = len(message)
     out: dict[str, Any] = {"client_build_and_serialize_s": round(time.monotonic() - start, 4)}
+    with Client(target.address, timeout_s=30) as client:
+        limits = client.request_limits()
+        out["router_limits"] = None if limits is None else {"max_request_bytes": limits.max_request_bytes,
+                                                             "max_prompt_bytes": limits.max_prompt_bytes}
+        checked = []
+        for _ in range(samples):  # the limits known: the client's own check, nothing sent
+            begin = time.monotonic()
+            with contextlib.suppress(CedserveError):
+                client.generate(big, max_tokens=8)
+            checked.append(round(time.monotonic() - begin, 5))
+        out["client_check_s"] = checked
+    message_limit = limits.max_request_bytes if limits is not None else target.message_limit
     sent = [sent_refusal_time(target.address, message) for _ in range(samples)]
     out["client_refusal_from_first_byte_s"] = [round(seconds, 4) for seconds, _ in sent]
     out["client_refusal_from_first_byte_status"] = [status for _, status in sent]
@@ -356,8 +389,8 @@ def where_refusal_time_goes(target: Target, mb: float, samples: int = 5) -> dict
         http = [http_refusal_time(target.http_address, declared_bytes=size) for _ in range(samples)]
         out["http_server_refusal_s"] = [None if h is None else round(h[0], 4) for h in http]
         out["http_server_refusal_status"] = [None if h is None else h[1] for h in http]
-    out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples)
-    out["bare_grpc_server_no_tarpit_refusal_s"] = bare_server_refusal_time(target.message_limit, size, samples,
+    out["bare_grpc_server_refusal_s"] = bare_server_refusal_time(message_limit, size, samples)
+    out["bare_grpc_server_no_tarpit_refusal_s"] = bare_server_refusal_time(message_limit, size, samples,
                                                                            tarpit=False)
     return out
 
@@ -384,7 +417,8 @@ def run(target: Target, args: argparse.Namespace, log: Any) -> dict[str, Any]:
             f"-> {huge['router_rss_mb_after']} MB; server-side refusal from the length prefix {huge['server_refusal_s']} s "
             f"(HTTP {huge.get('http_server_refusal_s')}; a bare gRPC server {huge['bare_grpc_server_refusal_s']}, "
             f"without its tarpit {huge['bare_grpc_server_no_tarpit_refusal_s']}); "
-            f"the client builds the message in {huge['client_build_and_serialize_s']} s")
+            f"the client builds the message in {huge['client_build_and_serialize_s']} s; its own check "
+            f"(the router's limits known) {huge['client_check_s']} s")
     if "kill" in args.scenarios:
         if target.log_dir is None:
             raise SystemExit("cedserve bench held: the kill scenario needs --log-dir of the running system")
