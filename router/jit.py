@@ -51,13 +51,15 @@ def _numba() -> Any:
     dependency of the package, so only a host that installs without dependencies lacks it (the GPU
     recipe's `--no-deps` wheels: scripts/gpu.sh)."""
     if not _NUMBA:
+        module: Any = None
         try:
             import numba
+
+            module = numba
         except ImportError:
-            numba = None
             log.warning("numba is not installed: the router's index walk and placement run as Python "
                         "(slower with large prompts and many workers; pip install numba)")
-        _NUMBA.append(numba)
+        _NUMBA.append(module)
     return _NUMBA[0]
 
 
