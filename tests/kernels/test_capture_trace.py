@@ -18,7 +18,7 @@ from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import CEDModel
 from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig
 from cedserve.model.presets import preset
-from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.runner import ModelRunner, RunnerConfig, _offsets
 from cedserve.model.sampling import SamplingParams
 from cedserve.model.tokenizer import tiny_tokenizer_path
 
@@ -50,7 +50,7 @@ def prefilled_runner(model: CEDModel, lengths: list[int], exchange: FixedCapacit
 
 def staged_step(runner: ModelRunner, slots: list[int], tokens: list[int], sampling: list[SamplingParams],
                 bucket: int) -> Trace:
-    runner._stage(slots, tokens, sampling, bucket)
+    runner._stage(slots, tokens, _offsets(slots), sampling, bucket)
     runner._upload()
     recorded, _ = trace(lambda: runner._forward(bucket))
     assert not recorded.host_reads, [str(op) for op in recorded.host_reads]
