@@ -38,7 +38,7 @@ from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.config import ModelConfig
 from cedserve.model.network import BoundaryHidden, CEDModel, EncodedChunk, GlobalKVRecords
 from cedserve.model.paged_attention import arena_block_size
-from cedserve.model.runner import CaptureReport, capture_buckets
+from cedserve.model.runner import CaptureReport, capture_buckets, smallest_bucket
 from cedserve.model.slot_step import MoeMode, SlotStep
 from cedserve.model.slots import SlotPools, SlotShape, slot_pool_bytes
 from cedserve.model.state import SequenceState
@@ -148,12 +148,7 @@ class PrefillRunner:
         return self._positions[slot]
 
     def bucket_for(self, rows: int) -> int:
-        for size in self.buckets:
-            if size >= rows:
-                return size
-        raise ValueError(
-            f"prefill runner: a chunk of {rows} tokens exceeds the largest bucket ({self.buckets[-1]})"
-        )
+        return smallest_bucket(self.buckets, rows, f"prefill runner: a chunk of {rows} tokens exceeds")
 
     # ------------------------------------------------------------------ chunks
 

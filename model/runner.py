@@ -236,10 +236,7 @@ class ModelRunner:
         return self._positions[slot]
 
     def bucket_for(self, rows: int) -> int:
-        for size in self.buckets:
-            if size >= rows:
-                return size
-        raise ValueError(f"runner: {rows} rows exceed the largest bucket ({self.buckets[-1]})")
+        return smallest_bucket(self.buckets, rows, f"runner: {rows} rows exceed")
 
     # ------------------------------------------------------------------ steps
 
@@ -384,6 +381,14 @@ class ModelRunner:
         self._staging[_SLOTS] = self.pools.scratch_slot
         self._staging[_TOP_P] = torch.ones(self._staging.shape[1], dtype=torch.float64).view(torch.long)
         self._inputs.copy_(self._staging)
+
+
+def smallest_bucket(buckets: Sequence[int], rows: int, what: str) -> int:
+    """The smallest of the increasing `buckets` that holds `rows`; `ValueError` "{what} the largest bucket (N)" past it."""
+    for size in buckets:
+        if size >= rows:
+            return size
+    raise ValueError(f"{what} the largest bucket ({buckets[-1]})")
 
 
 def _offsets(slots: Sequence[int]) -> list[int]:
