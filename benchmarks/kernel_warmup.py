@@ -13,7 +13,15 @@ without, to compare:
 
 `--engines` instead builds a `PrefillEngine` (prompt limit `--max-context`) and a `DecodeEngine` (a
 pool of `--max-context` tokens, `--max-rows` requests) with their default `kernel_warmup` and
-reports what their warm-ups did and took: the workers' start-up path.
+reports what their warm-ups did and took: the workers' start-up path. `--decode KEY=VALUE` sets
+`DecodeConfig` fields (e.g. `compile_fused=true`, `runner=off`) and `--only decode` skips the prefill
+engine. The decode engine's build includes its model runner's CUDA-graph capture (`decode.runner`),
+so two runs in a row sharing `TRITON_CACHE_DIR` and `TORCHINDUCTOR_CACHE_DIR` give the cold and the
+warm start-up:
+
+    export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+    for run in cold warm; do python benchmarks/kernel_warmup.py --engines --only decode --released-attention \
+        --max-context 1048576 --max-rows 64 --decode compile_fused=true --note $run --out $run.json; done
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from cedserve.model import presets
@@ -70,23 +80,46 @@ def engines(model: CEDModel, args: argparse.Namespace) -> dict[str, Any]:
                               KVCacheConfig(block_size=block, num_blocks=blocks), "warmup", args.device)
 
     out: dict[str, Any] = {}
-    start = time.monotonic()
-    prefill = PrefillEngine(model, cache(), None, PrefillWorkerConfig(worker_id="warmup", device=args.device,
-                                                                      max_prompt_tokens=args.max_context))
-    out["prefill"] = {"paged_attention": prefill.paged_attention, "seconds": round(time.monotonic() - start, 1),
-                      "warmup": None if prefill.warmup is None else vars(prefill.warmup)}
-    start = time.monotonic()
-    decode = DecodeEngine(DecodeConfig(max_running_requests=args.max_rows,
-                                       device=args.device), model, cache())
-    out["decode"] = {"paged_attention": decode.paged_attention, "seconds": round(time.monotonic() - start, 1),
-                     "warmup": None if decode.warmup is None else vars(decode.warmup)}
+    if args.only in (None, "prefill"):
+        start = time.monotonic()
+        prefill = PrefillEngine(model, cache(), None, PrefillWorkerConfig(worker_id="warmup", device=args.device,
+                                                                          max_prompt_tokens=args.max_context))
+        out["prefill"] = {"paged_attention": prefill.paged_attention, "seconds": round(time.monotonic() - start, 1),
+                          "warmup": None if prefill.warmup is None else vars(prefill.warmup)}
+    if args.only in (None, "decode"):
+        start = time.monotonic()
+        fields = {"max_running_requests": args.max_rows, "device": args.device, **decode_overrides(args.decode)}
+        try:  # strict=False: "true", "64" as the fields' types
+            config = msgspec.convert(fields, DecodeConfig, strict=False)
+        except msgspec.ValidationError as exc:
+            raise SystemExit(f"--decode: {exc}") from None
+        decode = DecodeEngine(config, model, cache())
+        book = decode.slots
+        report = None if book is None else book.capture_report
+        out["decode"] = {"paged_attention": decode.paged_attention, "seconds": round(time.monotonic() - start, 1),
+                         "warmup": None if decode.warmup is None else vars(decode.warmup),
+                         "config": {key: getattr(config, key) for key in ("runner", "cuda_graphs", "compile_fused")},
+                         "runner_on": book is not None,
+                         "capture": None if report is None else {"buckets": list(report.buckets),
+                                                                 "seconds": round(report.seconds, 1)}}
     arena = model.paged_arena
     out["arena_blocks_free_after"] = None if arena is None else [arena.num_free, arena.num_blocks]
     if args.device.startswith("cuda"):
         out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-    for name in ("prefill", "decode"):
+    for name in (n for n in ("prefill", "decode") if n in out):
         print(f"{name}: {out[name]['paged_attention']}, engine built in {out[name]['seconds']} s, warm-up "
               f"{out[name]['warmup']}")
+    return out
+
+
+def decode_overrides(pairs: list[str]) -> dict[str, str]:
+    """`FIELD=VALUE` strings as a dict (`DecodeConfig` parses each value as its field's type)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--decode {pair!r}: expected FIELD=VALUE")
+        out[key] = value
     return out
 
 
@@ -102,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", nargs="+", default=["6000:3", "20000:23", "50000:45", "100000:7", "9000:61"],
                    help="context:rows cells to time (off the warm-up's powers of two)")
     p.add_argument("--engines", action="store_true", help="build both workers' engines (their warm-ups inside)")
+    p.add_argument("--only", choices=["prefill", "decode"], help="with --engines: build one engine only")
+    p.add_argument("--decode", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="with --engines: DecodeConfig fields, e.g. compile_fused=true")
     p.add_argument("--note", default="")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -119,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "preset": args.preset, "released_attention": args.released_attention,
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"), "warmup": None, "note": args.note, "probes": []}
-    if args.engines:
+    if args.engines:  # the engines' own progress (warm-up cells, captured buckets) as a worker logs it
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         result["engines"] = engines(model, args)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -57,6 +57,8 @@ class SlotBook:
     _free: list[int] = field(default_factory=list)
     _slot: dict[str, int] = field(default_factory=dict)  # request id -> slot
     _blocks: dict[str, int] = field(default_factory=dict)  # request id -> blocks in the slot's table
+    capture_report: CaptureReport | None = None
+    """The last `capture`'s buckets and time (the worker's start-up report)."""
 
     def __post_init__(self) -> None:
         self._free = list(range(self.runner.config.max_slots - 1, -1, -1))
@@ -85,6 +87,7 @@ class SlotBook:
         report = self.runner.capture(lambda done, total: log.info("runner: captured %d of %d buckets", done, total))
         if report.buckets:
             log.info("runner: CUDA graphs for batch buckets %s in %.1f s", report.buckets, report.seconds)
+        self.capture_report = report
         return report
 
     def holds(self, seq: DecodeSequence) -> bool:

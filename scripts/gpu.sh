@@ -22,6 +22,11 @@
 #                   benchmarks/engram_staging.py --device cuda (host staging and the pinned copy per batch)
 #                                   engram-tests.log, engram-staging-h200.json, engram-staging.log
 #                                                                     ENGRAM_TESTS_S=150 ENGRAM_BENCH_S=120
+#   startup         benchmarks/kernel_warmup.py --engines --only decode: the decode worker's build (kernel warm-up
+#                   and the runner's capture) at the released 1M limit, cold Triton and Inductor caches then
+#                   warm; STARTUP_DECODE sets DecodeConfig fields (e.g. compile_fused=true)
+#                                   startup-cold.json, startup-warm.json, startup.log
+#                                                                 STARTUP_COLD_S=260 STARTUP_WARM_S=120
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
@@ -224,6 +229,20 @@ part_engram() {  # the runner over memory-mapped Engram tables (docs/model.md, *
     | tee "$OUT/engram-tests.log" || rc=$?
   timeout "${ENGRAM_BENCH_S:-120}" "$PY" -P benchmarks/engram_staging.py --device cuda \
     --out "$OUT/engram-staging-h200.json" 2>&1 | quiet | tee "$OUT/engram-staging.log" || rc=$?
+  return "$rc"
+}
+
+part_startup() {  # the decode worker's start-up at the released 1M limit: cold caches, then warm (issue 28)
+  local run rc=0
+  TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+  export TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR
+  for run in cold warm; do
+    # shellcheck disable=SC2086
+    timeout "$([ $run = cold ] && echo "${STARTUP_COLD_S:-260}" || echo "${STARTUP_WARM_S:-120}")" "$PY" -P \
+      benchmarks/kernel_warmup.py --engines --only decode --device cuda --released-attention --max-context 1048576 \
+      --max-rows 64 --decode ${STARTUP_DECODE:-} --note "decode worker start-up, $run Triton and Inductor caches" \
+      --out "$OUT/startup-$run.json" 2>&1 | quiet | tee -a "$OUT/startup.log" || rc=1
+  done
   return "$rc"
 }
 
@@ -567,6 +586,7 @@ run_part() {  # $1: part name
     engine) part_engine ;;
     engram) part_engram ;;
     tf32) part_tf32 ;;
+    startup) part_startup ;;
     attention-splits) part_attention_splits ;;
     kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;
     kernel-tests) part_kernel_tests ;;
