@@ -10,8 +10,9 @@ Every rank runs `EngineLoop.tick` forever. One tick:
    pass where it has none), whose MoE layers exchange tokens between the ranks;
 4. every rank reports its outputs and load (`TickReport`); the leader hands them to the service.
 
-`GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication),
-`TorchChannel` over a torch.distributed gloo group (CPU tensors, msgpack payloads) otherwise.
+`GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication: the
+tick's commands and report stay Python objects, never encoded), `TorchChannel` over a
+torch.distributed gloo group (CPU tensors, msgpack payloads) otherwise.
 
 Each phase of a tick is timed into `cedserve_decode_loop_phase_seconds` (`metrics.LOOP_PHASES`).
 """
@@ -47,6 +48,9 @@ class GroupChannel(Protocol):
     @property
     def rank(self) -> int: ...
 
+    @property
+    def world_size(self) -> int: ...
+
     def broadcast(self, data: bytes | None) -> bytes:
         """The leader's `data` on every rank (the leader passes it, the others None)."""
         ...
@@ -66,6 +70,10 @@ class LocalChannel:
     @property
     def rank(self) -> int:
         return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
 
     def broadcast(self, data: bytes | None) -> bytes:
         assert data is not None
@@ -89,6 +97,10 @@ class TorchChannel:
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
 
     def broadcast(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
@@ -203,11 +215,16 @@ class EngineLoop:
         if idle:
             start = self.engine.metrics.phases.lap("idle_wait", start)
         tick = TickCommands(commands, self.draining, self.stop_requested)
-        self.channel.broadcast(encode(tick))
+        if self.channel.world_size > 1:
+            self.channel.broadcast(encode(tick))
         return tick, start
 
     def _report(self, report: TickReport) -> None:
-        """Every rank's report to the leader's `on_report`."""
+        """Every rank's report to the leader's `on_report` (a group of one hands its own over as is)."""
+        if self.channel.world_size == 1:
+            if self.on_report is not None:
+                self.on_report([report])
+            return
         gathered = self.channel.gather(encode(report))
         if gathered is not None and self.on_report is not None:
             self.on_report([decode_tick_report(g) for g in gathered])

@@ -238,12 +238,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _events(self, stream: queue.SimpleQueue[Routed], context: grpc.ServicerContext,
                 finished: threading.Event) -> Iterator[wpb.DecodeEvent]:
+        """The stream's events. Outputs that queued while the last event was written leave together,
+        consecutive token chunks merged into one event (`merge_tokens`): a slow reader gets fewer,
+        larger messages, never a later token."""
         while context.is_active():
             try:
                 first = stream.get(timeout=STREAM_POLL_S)
             except queue.Empty:
                 continue
-            for out in self._ready(first, stream):
+            for out in merge_tokens(self._ready(first, stream)):
                 start = time.perf_counter()
                 if isinstance(out, Tokens):
                     yield wpb.DecodeEvent(tokens=_chunk(out))
@@ -382,6 +385,22 @@ def _reserve_reply(out: Reserved) -> wpb.ReserveReply:
         reply.state_room.CopyFrom(wpb.StateRoom(num_blocks=out.state_blocks, format_version=STATE_FORMAT_VERSION,
                                                 dspark_taps=out.state_taps))
     return reply
+
+
+def merge_tokens(outputs: list[Output]) -> list[Output]:
+    """`outputs` (one request's, in order) with each run of consecutive `Tokens` joined into one:
+    the tokens, log-probabilities and draft counts concatenated or added, as a reader of the stream
+    would add them up."""
+    merged: list[Output] = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if isinstance(out, Tokens) and isinstance(last, Tokens):
+            merged[-1] = Tokens(out.request_id, last.token_ids + out.token_ids, last.logprobs + out.logprobs,
+                                last.top_logprobs + out.top_logprobs, last.accepted_drafts + out.accepted_drafts,
+                                last.draft_tokens + out.draft_tokens)
+        else:
+            merged.append(out)
+    return merged
 
 
 def _chunk(out: Tokens) -> wpb.TokenChunk:

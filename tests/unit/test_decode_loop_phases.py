@@ -1,7 +1,8 @@
 """Where a token's time goes on the decode worker: `cedserve_decode_loop_phase_seconds` times every
 phase of the engine loop's tick and of the engine's step (a real tiny engine, driven by its
 `EngineLoop` as the worker drives it), and the Decode stream's handoff and gRPC write (the service
-over a real `OutputRouter`, a fake call context: the gRPC boundary)."""
+over a real `OutputRouter`, a fake call context: the gRPC boundary). A stream that fell behind
+sends the tokens that queued meanwhile as one event."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 from decode_support import Rig, prompt, tiny
 from prometheus_client import CollectorRegistry
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.loop import EngineLoop, LocalChannel
 from cedserve.decode_workers.messages import (
     AttachCommand,
+    Failed,
     Finished,
     Output,
     RankLoad,
@@ -22,7 +25,7 @@ from cedserve.decode_workers.messages import (
     Tokens,
 )
 from cedserve.decode_workers.metrics import LOOP_PHASES, DecodeMetrics
-from cedserve.decode_workers.service import DecodeService, OutputRouter
+from cedserve.decode_workers.service import DecodeService, OutputRouter, merge_tokens
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving.drain import DrainController
 
@@ -82,6 +85,19 @@ def test_an_idle_tick_times_its_wait() -> None:
         "idle_wait", "commands", "poll", "report"}
 
 
+def test_merge_tokens_joins_consecutive_chunks_only() -> None:
+    a = Tokens("r", (1, 2), (-0.1, -0.2), (((1, -0.1),), ((2, -0.2),)), accepted_drafts=1, draft_tokens=3)
+    b = Tokens("r", (3,), (-0.3,), (((3, -0.3),),), accepted_drafts=0, draft_tokens=2)
+    c = Tokens("r", (4,))
+    done = Finished("r", "length", 4, 5, 1)
+    assert merge_tokens([a, b, done]) == [
+        Tokens("r", (1, 2, 3), (-0.1, -0.2, -0.3), (((1, -0.1),), ((2, -0.2),), ((3, -0.3),)), 1, 5), done]
+    assert merge_tokens([c]) == [c]
+    assert merge_tokens([]) == []
+    failed = Failed("r", ErrorKind.CANCELLED, "gone")
+    assert merge_tokens([c, failed, c]) == [c, failed, c]  # never across another output
+
+
 class Context:
     """A Decode call's context (the gRPC boundary): active until the test says otherwise."""
 
@@ -105,11 +121,11 @@ class Inbox:
         self.outputs = outputs
 
     def put(self, command: Any) -> None:
-        if isinstance(command, AttachCommand):  # the engine's answer
+        if isinstance(command, AttachCommand):
             self.router.on_report([TickReport(self.outputs, RankLoad(rank=0))])
 
 
-def test_a_streams_handoff_and_writes_are_timed() -> None:
+def test_a_stream_behind_the_loop_sends_what_queued_as_one_event() -> None:
     metrics = DecodeMetrics()
     router = OutputRouter(1)
     outputs: list[Output] = [Tokens("r", (1,), draft_tokens=2, accepted_drafts=1), Tokens("r", (2, 3)),
@@ -121,8 +137,11 @@ def test_a_streams_handoff_and_writes_are_timed() -> None:
     request = wpb.DecodeRequest(request_id="r", lease_id="lease-r", token_ids=[5, 6], first_token=7, effort=50,
                                 sampling=wpb.SamplingParams(max_tokens=4, top_p=1.0))
     events = list(service.Decode(request, Context()))  # type: ignore[arg-type]
-    assert [e.WhichOneof("event") for e in events] == ["tokens", "tokens", "complete"]
+    assert [e.WhichOneof("event") for e in events] == ["tokens", "complete"]
+    assert list(events[0].tokens.token_ids) == [1, 2, 3]
+    assert (events[0].tokens.draft_tokens, events[0].tokens.accepted_drafts) == (2, 1)
+    assert events[1].complete.output_tokens == 4
     registry = metrics.registry
     assert _phase(registry, "handoff", "count") == 3  # every output's wait for the stream's thread
-    assert _phase(registry, "grpc_write", "count") == 2  # each chunk; the end needs no resume
+    assert _phase(registry, "grpc_write", "count") == 1  # the merged chunk; the end needs no resume
     assert router.rank_of("r") is None  # the stream ended: the request is forgotten
