@@ -13,6 +13,14 @@ request's, so per request:
     steady step  the decode worker's mean step after the join, and its steps per token (DSpark: < 1)
     outside      client span from the second to the last token minus the steps in it, per step:
                  everything not in a step (engine loop, decode -> router -> client streaming)
+    phases       per token after the join: each phase of `cedserve_decode_loop_phase_seconds`
+                 (the engine loop's tick and step, the Decode stream's handoff and gRPC write:
+                 docs/decode.md, Where a token's time goes); `loop` the tick's phases but the model
+                 pass and the idle wait (what the loop adds to the model, in series); `rest` the
+                 steady span less the loop's busy time (the loop idle or waiting on nothing it
+                 times). The stream's phases run on another thread, beside the next step: they add
+                 latency, and hold the GIL, but are not in series with the loop. NaN on a worker
+                 without the histogram
 
 The systems are named in `--system NAME=ADDRESS,METRICS_URL` (running systems: the metrics URL of the
 decode worker is printed by `cedserve serve` at start-up), or started here by `--serve NAME[:KEY=VALUE,...]`
@@ -20,8 +28,13 @@ decode worker is printed by `cedserve serve` at start-up), or started here by `-
 `--serve replay:decode.ship_state=false --serve shipped:decode.ship_state=true`). On CUDA the started
 systems share the GPU: each worker gets `--gpu-share` of it.
 
+`--serve-bin NAME=PATH` starts NAME's system with another `cedserve` executable (another tree's
+virtual environment: the old code beside the new in one run).
+
     python benchmarks/tpot.py --serve replay:decode.ship_state=false --serve shipped:decode.ship_state=true \\
         --prompt-tokens 600 --max-tokens 12,64 --rounds 10 --out docs/benchmarks/tpot-cpu.json
+    python benchmarks/tpot.py --serve old --serve new --serve-bin old=../base/.venv/bin/cedserve \\
+        --max-tokens 64 --rounds 10 --out docs/benchmarks/decode-loop-phases-cpu.json
 """
 
 from __future__ import annotations
@@ -50,6 +63,11 @@ from typing import Any
 from cedserve.client import AsyncClient, Piece
 
 STEP = "cedserve_decode_step_seconds"
+PHASE = "cedserve_decode_loop_phase_seconds"
+STREAM_PHASES = ("handoff", "grpc_write")
+PHASES = ("idle_wait", "commands", "poll", "report", "schedule", "join", "propose", "plan", "model", "accept",
+          "persist", "observe", "account", "handoff", "grpc_write")
+"""`decode_workers/metrics.py`'s LOOP_PHASES (a worker without the histogram reads as NaN)."""
 
 
 @dataclass(frozen=True)
@@ -58,21 +76,46 @@ class System:
     metrics_url: str
 
 
-def _steps(metrics_url: str) -> tuple[int, float]:
-    """The decode worker's (steps, step seconds) so far."""
+@dataclass(frozen=True)
+class Reading:
+    """The decode worker's counters at one moment."""
+
+    steps: int
+    step_s: float
+    phase_s: dict[str, float]
+    """Seconds so far by loop phase (NaN: the worker has no such histogram)."""
+
+
+def _steps(metrics_url: str) -> Reading:
+    """The decode worker's steps, step seconds and phase seconds so far."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     values = {}
     for name in (f"{STEP}_count", f"{STEP}_sum"):
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         values[name] = float(m.group(1)) if m else 0.0
-    return int(values[f"{STEP}_count"]), values[f"{STEP}_sum"]
+    phases = {}
+    for phase in PHASES:
+        m = re.search(rf'^{PHASE}_sum{{phase="{phase}"}} ([0-9.e+-]+)$', text, re.M)
+        phases[phase] = float(m.group(1)) if m else float("nan")
+    return Reading(int(values[f"{STEP}_count"]), values[f"{STEP}_sum"], phases)
+
+
+def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: int) -> dict[str, float]:
+    """Per token of the window between two readings: each phase's seconds, the loop's in-series
+    overhead (`loop`: every tick phase but the model pass and the idle wait), and the span's rest
+    (the span less the loop's busy time)."""
+    out = {f"phase_{p}_s": (after.phase_s[p] - before.phase_s[p]) / tokens for p in PHASES}
+    busy = [p for p in PHASES if p != "idle_wait" and p not in STREAM_PHASES]
+    out["phase_loop_s"] = sum(out[f"phase_{p}_s"] for p in busy if p != "model")
+    out["phase_rest_s"] = steady_span_s / tokens - sum(out[f"phase_{p}_s"] for p in busy)
+    return out
 
 
 async def _one(client: AsyncClient, system: System, prompt: list[int], max_tokens: int, salt: str) -> dict[str, float]:
-    steps0, step_s0 = await asyncio.to_thread(_steps, system.metrics_url)
+    r0 = await asyncio.to_thread(_steps, system.metrics_url)
     start = time.perf_counter()
     arrivals: list[float] = []  # one per token, at its chunk's arrival
-    at_second: list[asyncio.Future[tuple[int, float]]] = []  # the steps when the second token arrived
+    at_second: list[asyncio.Future[Reading]] = []  # the counters when the second token arrived
 
     def on_piece(piece: Piece) -> None:
         arrivals.extend([time.perf_counter() - start] * len(piece.token_ids))
@@ -80,8 +123,9 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
             at_second.append(asyncio.ensure_future(asyncio.to_thread(_steps, system.metrics_url)))
 
     done = await client.generate(prompt, on_piece=on_piece, max_tokens=max_tokens, cache_salt=salt, effort="high")
-    steps1, step_s1 = await asyncio.to_thread(_steps, system.metrics_url)
-    steps_mid, step_s_mid = await at_second[0]
+    r1 = await asyncio.to_thread(_steps, system.metrics_url)
+    mid = await at_second[0]
+    steps0, step_s0, steps1, step_s1, steps_mid, step_s_mid = r0.steps, r0.step_s, r1.steps, r1.step_s, mid.steps, mid.step_s
     n, steps = len(arrivals), steps1 - steps0
     span, steady_span = arrivals[-1] - arrivals[0], arrivals[-1] - arrivals[1]
     # the join is the request's first step; the read at the second token counts it alone unless the
@@ -98,14 +142,17 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
             "steady_step_per_token_s": steady_s / (n - 2) if split else float("nan"),
             # TPOT (and the steady ITL) over the decode engine's step time per token after the join
             "tpot_over_step": span / (n - 1) / (steady_s / (n - 2)) if split else float("nan"),
-            "itl_over_step": steady_span / steady_s if split else float("nan")}
+            "itl_over_step": steady_span / steady_s if split else float("nan"),
+            **(_phase_rows(mid, r1, steady_span, n - 2) if split else
+               {f"phase_{p}_s": float("nan") for p in (*PHASES, "loop", "rest")})}
 
 
 def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     """Medians over the requests (ms for seconds)."""
     out: dict[str, float] = {"requests": len(rows), "tokens": statistics.median(r["tokens"] for r in rows)}
     for key in ("ttft_s", "tpot_s", "first_gap_s", "steady_itl_s", "outside_per_step_s", "join_step_s",
-                "steady_step_s", "steady_steps_per_token", "steady_step_per_token_s", "tpot_over_step", "itl_over_step"):
+                "steady_step_s", "steady_steps_per_token", "steady_step_per_token_s", "tpot_over_step", "itl_over_step",
+                *(f"phase_{p}_s" for p in (*PHASES, "loop", "rest"))):
         values = [r[key] for r in rows if r[key] == r[key]]
         scale = 1e3 if key.endswith("_s") else 1.0
         out[key[:-2] + "_ms" if key.endswith("_s") else key] = scale * statistics.median(values) if values else float("nan")
@@ -139,6 +186,24 @@ async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: li
     finally:
         for client in clients.values():
             await client.close()
+
+
+def _phase_table(results: dict[str, Any]) -> str:
+    """Per token after the join, ms: each phase with any time, then the remainder outside the worker."""
+    keys = [*(p for p in PHASES if p != "idle_wait"), "loop", "rest"]
+    names = {"grpc_write": "grpc", "schedule": "sched", "persist": "persst",
+             "observe": "obsrv", "account": "acct", "commands": "cmds", "propose": "propse", "handoff": "hndoff"}
+    head = f"{'case':<22} {'system':<9} " + " ".join(f"{names.get(k, k):>6}" for k in keys)
+    lines = [head, "-" * len(head)]
+    for case, by_system in results.items():
+        for name, r in by_system.items():
+            s = r["median"]
+            cells = [s.get(f"phase_{k}_ms", float("nan")) for k in keys]
+            lines.append(f"{case:<22} {name:<9} " + " ".join(f"{c:>6.2f}" for c in cells))
+    lines.append("per output token after the join, medians over requests, ms; loop: the tick's phases but the model "
+                 "pass (in series with it); hndoff, grpc: the stream's thread, beside the next step; rest: the span "
+                 "less the loop's busy time; NaN: no phase histogram")
+    return "\n".join(lines)
 
 
 def _table(results: dict[str, Any]) -> str:
@@ -178,7 +243,8 @@ def _toml(settings: list[str], gpu_share: float | None) -> str:
 
 
 @contextmanager
-def _serve(specs: list[str], device: str, gpu_share: float, workdir: Path) -> Iterator[dict[str, System]]:
+def _serve(specs: list[str], device: str, gpu_share: float, workdir: Path,
+           binaries: dict[str, str]) -> Iterator[dict[str, System]]:
     """Start one `cedserve serve` per spec (in parallel) and yield their systems; drain them at exit."""
     procs: dict[str, subprocess.Popen[str]] = {}
     configs: dict[str, str] = {}
@@ -190,7 +256,7 @@ def _serve(specs: list[str], device: str, gpu_share: float, workdir: Path) -> It
             config.write_text(configs[name])
             port = _free_port()
             procs[name] = subprocess.Popen(
-                [str(Path(sys.executable).parent / "cedserve"), "serve", "--device", device, "--port", str(port),
+                [binaries.get(name, str(Path(sys.executable).parent / "cedserve")), "serve", "--device", device, "--port", str(port),
                  "--http-port", str(_free_port()), "--config", str(config), "--log-dir", str(workdir / f"logs-{name}")],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         systems = {name: _ready(name, proc) for name, proc in procs.items()}
@@ -223,6 +289,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--system", action="append", default=[], help="NAME=ADDRESS,METRICS_URL (repeat; alternated)")
     ap.add_argument("--serve", action="append", default=[], help="NAME[:section.field=value,...] (repeat)")
+    ap.add_argument("--serve-bin", action="append", default=[],
+                    help="NAME=PATH: the `cedserve` executable that starts --serve NAME (another tree's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="of the systems --serve starts")
     ap.add_argument("--gpu-share", type=float, default=0.2, help="with cuda: each started worker's GPU memory share")
     ap.add_argument("--prompt-tokens", default="600", help="the agentic sessions' prompts: ~580 tokens")
@@ -245,20 +313,24 @@ def main() -> None:
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     if min(max_tokens) < 3:
         ap.error("--max-tokens: at least 3 (a first gap and a steady token)")
+    binaries = dict(spec.split("=", 1) for spec in args.serve_bin)
     with tempfile.TemporaryDirectory(prefix="tpot-") as tmp, _serve(args.serve, args.device, args.gpu_share,
-                                                                       Path(tmp)) as started:
+                                                                       Path(tmp), binaries) as started:
         systems = {**given, **started}
         load_before = os.getloadavg()
         t0 = time.monotonic()
         results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, args.vocab, args.warmup, args.seed))
         wall_s = time.monotonic() - t0
     print(_table(results))
+    print()
+    print(_phase_table(results))
     report = {"benchmark": "tpot", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", *sys.argv]),
               "machine": {"hostname": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "loadavg_before": [round(x, 2) for x in load_before],
                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
-              "device": args.device, "note": args.note, "systems": args.system + args.serve, "rounds": args.rounds,
+              "device": args.device, "note": args.note, "systems": args.system + args.serve,
+              "binaries": binaries, "rounds": args.rounds,
               "wall_s": round(wall_s, 1), "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

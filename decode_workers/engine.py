@@ -330,32 +330,45 @@ class DecodeEngine:
         plain rows through the model runner when it is on (`slot_book`), every other row through
         `forward_batch`."""
         start = time.perf_counter()
+        phases = self.metrics.phases  # each phase's seconds (docs/decode.md, Where a token's time goes)
         sched = self.scheduler.schedule()
         outputs: list[Output] = []
         for p in sched.preemptions:
             self._preempt(self.sequences[p.request_id], p.policy)
+        t = phases.lap("schedule", start)
         for join in sched.joins:
             self._prepare_join(self.sequences[join.request_id])
+        t = phases.lap("join", t)
         running = [self.sequences[rid] for rid in sched.running]
         drafts = self._drafts(running, sched)
+        t = phases.lap("propose", t)
         fast = self._runner_rows(running, drafts)
         slow = [i for i in range(len(running)) if i not in fast]
         plans, items = self._plan([running[i] for i in slow], [drafts[i] for i in slow])
         fast_seqs, fast_drafts = [running[i] for i in sorted(fast)], [drafts[i] for i in sorted(fast)]
         eager, group_rows = self._agree_passes(bool(items), SlotBook.rows(fast_seqs, fast_drafts))
+        t = phases.lap("plan", t)
         results = self._run(items) if eager else []
         fast_plans, fast_results = self._run_slots(fast_seqs, fast_drafts, group_rows)
+        t = phases.lap("model", t)
         observations: list[Observation] = []
         verified: list[tuple[Tensor, int]] = []  # (the drafts' confidences, how many were accepted)
+        persist: list[DecodeSequence] = []
         by_seq = {id(plan.seq): (plan, results) for plan in plans}
         by_seq.update({id(plan.seq): (plan, fast_results) for plan in fast_plans})
         for seq in running:  # in the scheduler's order, whichever path ran it
             plan, rows = by_seq[id(seq)]
-            outputs.extend(self._conclude(plan, rows, observations, verified))
+            outputs.extend(self._conclude(plan, rows, observations, verified, persist))
+        t = phases.lap("accept", t)
+        for seq in persist:
+            self._persist(seq)
+        t = phases.lap("persist", t)
         self._calibrate(verified)
         if observations and self.proposer is not None:
             self.proposer.observe_many(observations)  # one batched drafter call for the whole step
+        t = phases.lap("observe", t)
         self._account(sched, start, len(running))
+        phases.lap("account", t)
         return outputs
 
     def _drafts(self, running: list[DecodeSequence], sched: SchedulerOutput) -> list[Draft | None]:
@@ -523,9 +536,10 @@ class DecodeEngine:
             self.profile.survival.record(torch.cumprod(c.double(), 0).tolist(), accepted)
 
     def _conclude(self, plan: SeqPlan, results: list[BatchOutput], observations: list[Observation],
-                  verified: list[tuple[Tensor, int]] | None = None) -> list[Output]:
-        """Accept or roll back `plan`'s sequence, stream its tokens, persist its records; the drafter's
-        share of the pass goes to `observations` (the caller shows them to the proposer at once)."""
+                  verified: list[tuple[Tensor, int]], persist: list[DecodeSequence]) -> list[Output]:
+        """Accept or roll back `plan`'s sequence and stream its tokens; the drafter's share of the pass
+        goes to `observations` (the caller shows them to the proposer at once), the sequence to
+        `persist` when it goes on (the caller writes its new records once every sequence's tokens are out)."""
         seq = plan.seq
         if seq.status is not Status.RUNNING:
             return []
@@ -539,7 +553,7 @@ class DecodeEngine:
             self.accepted_drafts += verdict.num_accepted
             self.metrics.draft_tokens.inc(plan.num_drafts)
             self.metrics.accepted_drafts.inc(verdict.num_accepted)
-            if verified is not None and plan.draft is not None:
+            if plan.draft is not None:
                 verified.append((plan.draft.confidences[: plan.num_drafts], verdict.num_accepted))
         self.metrics.accepted_length.observe(len(verdict.tokens))
         before = len(seq.tokens)
@@ -553,7 +567,7 @@ class DecodeEngine:
             return out
         if self.proposer is not None:
             observations.append(Observation(seq, plan.first_position, plan_taps(plan, results), len(seq.tokens) - 1))
-        self._persist(seq)
+        persist.append(seq)
         return out
 
     # ------------------------------------------------------------------ joins and preemption

@@ -10,8 +10,11 @@ Every rank runs `EngineLoop.tick` forever. One tick:
    pass where it has none), whose MoE layers exchange tokens between the ranks;
 4. every rank reports its outputs and load (`TickReport`); the leader hands them to the service.
 
-`GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication),
-`TorchChannel` over a torch.distributed gloo group (CPU tensors, msgpack payloads) otherwise.
+`GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication: the
+tick's commands and report stay Python objects, never encoded), `TorchChannel` over a
+torch.distributed gloo group (CPU tensors, msgpack payloads) otherwise.
+
+Each phase of a tick is timed into `cedserve_decode_loop_phase_seconds` (`metrics.LOOP_PHASES`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class GroupChannel(Protocol):
     @property
     def rank(self) -> int: ...
 
+    @property
+    def world_size(self) -> int: ...
+
     def broadcast(self, data: bytes | None) -> bytes:
         """The leader's `data` on every rank (the leader passes it, the others None)."""
         ...
@@ -64,6 +70,10 @@ class LocalChannel:
     @property
     def rank(self) -> int:
         return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
 
     def broadcast(self, data: bytes | None) -> bytes:
         assert data is not None
@@ -87,6 +97,10 @@ class TorchChannel:
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
 
     def broadcast(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
@@ -169,32 +183,51 @@ class EngineLoop:
 
     def tick(self) -> bool:
         """One tick; False once the group stops."""
-        tick = self._commands()
+        phases = self.engine.metrics.phases
+        tick, t = self._commands()
         self.engine.draining = tick.draining
         outputs = []
         with self.lock:
             for cmd in tick.commands:
                 if cmd.rank == self.channel.rank:
                     outputs.extend(self.engine.handle(cmd))
+            t = phases.lap("commands", t)
             outputs.extend(self.engine.poll())
             work = int(self.engine.has_work())
-        if self.channel.agree(work):
+        work = self.channel.agree(work)
+        t = phases.lap("poll", t)
+        if work:
             with self.lock:
-                outputs.extend(self.engine.step())
-        gathered = self.channel.gather(encode(TickReport(outputs, self.engine.publish_load())))
-        if gathered is not None and self.on_report is not None:
-            self.on_report([decode_tick_report(g) for g in gathered])
+                outputs.extend(self.engine.step())  # its phases are timed inside
+            t = time.perf_counter()
+        self._report(TickReport(outputs, self.engine.publish_load()))
+        phases.lap("report", t)
         self.last_tick_s = time.monotonic()
         return not tick.stop
 
-    def _commands(self) -> TickCommands:
+    def _commands(self) -> tuple[TickCommands, float]:
+        """This tick's commands, and when the idle wait for them ended (the `commands` phase's start)."""
         if not self.leader:
-            return decode_tick_commands(self.channel.broadcast(None))
+            return decode_tick_commands(self.channel.broadcast(None)), time.perf_counter()
         idle = not self.engine.has_work()
+        start = time.perf_counter()
         commands = self.inbox.take(self.engine.config.idle_wait_s if idle else 0.0)
+        if idle:
+            start = self.engine.metrics.phases.lap("idle_wait", start)
         tick = TickCommands(commands, self.draining, self.stop_requested)
-        self.channel.broadcast(encode(tick))
-        return tick
+        if self.channel.world_size > 1:
+            self.channel.broadcast(encode(tick))
+        return tick, start
+
+    def _report(self, report: TickReport) -> None:
+        """Every rank's report to the leader's `on_report` (a group of one hands its own over as is)."""
+        if self.channel.world_size == 1:
+            if self.on_report is not None:
+                self.on_report([report])
+            return
+        gathered = self.channel.gather(encode(report))
+        if gathered is not None and self.on_report is not None:
+            self.on_report([decode_tick_report(g) for g in gathered])
 
     def run(self) -> None:
         """Tick until the leader says stop; a failure is kept in `error` and ends the loop."""

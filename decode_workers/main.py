@@ -220,7 +220,7 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     worker = DecodeWorker(opts, settings, kv, engine, loop, router, server, drain)
     if router is not None:
         service = DecodeService(cfg.worker_id, inbox, router, kv.feed, lambda: _snapshot(worker), drain, cfg.lease_ms,
-                                settings.kv_transfer.auth_token)
+                                settings.kv_transfer.auth_token, engine.metrics.phases)
         add_decode_service(server.grpc, service)
         worker.metrics_port = start_metrics_server(opts.host, opts.metrics_port, kv.registry)
     server.start()

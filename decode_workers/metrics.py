@@ -2,10 +2,57 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_PHASE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                  0.25, 0.5, 1.0, 2.5)
 _QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+LOOP_PHASES = (
+    # the engine loop's tick (`loop.py`), on the leader
+    "idle_wait",  # waiting for a command or a wake-up with no work (not a cost: the rank is idle)
+    "commands",  # taking the queued commands, broadcasting them (a group), applying them
+    "poll",  # finished transfers, expired leases and deadlines; whether any rank has work
+    "report",  # outputs and load to the leader (msgpack and a gather in a group) and on to the streams
+    # `DecodeEngine.step` (its sum is `cedserve_decode_step_seconds`)
+    "schedule",  # the scheduler's choice, preemptions
+    "join",  # joins' state: global KV from the blocks, a shipped state installed, an onload
+    "propose",  # the DSpark drafter's pass and the verification lengths
+    "plan",  # rows for the passes: runner slots or `forward_batch` items
+    "model",  # the target pass(es): `forward_batch`, the runner's step
+    "accept",  # accept or roll back drafts, stop checks, the tokens to stream
+    "persist",  # the step's new records into the blocks, whole blocks to the prefix cache
+    "observe",  # the drafter's memory from the pass's taps, verification's calibration
+    "account",  # step-time profile and per-step gauges
+    # the gRPC service (`service.py`), per output of a Decode stream
+    "handoff",  # the loop's report to the stream's thread taking it
+    "grpc_write",  # one DecodeEvent built and handed to gRPC (the generator's yield until it resumes)
+)
+"""The `phase` label values of `cedserve_decode_loop_phase_seconds`."""
+
+
+class PhaseClock:
+    """Seconds per phase into `cedserve_decode_loop_phase_seconds`, the label children bound once
+    (a phase costs one `perf_counter` and one observation).
+
+    `lap(phase, since)` observes `perf_counter() - since` under `phase` and returns the new time, so
+    consecutive phases chain: `t = clock.lap("schedule", t)`.
+    """
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._observe = {phase: histogram.labels(phase).observe for phase in LOOP_PHASES}
+
+    def lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self._observe[phase](now - since)
+        return now
+
+    def add(self, phase: str, seconds: float) -> None:
+        self._observe[phase](seconds)
 
 
 class DecodeMetrics:
@@ -23,6 +70,11 @@ class DecodeMetrics:
         self.accepted_drafts = Counter("cedserve_decode_accepted_drafts", "DSpark drafts accepted", registry=r)
         self.step_seconds = Histogram("cedserve_decode_step_seconds", "Seconds per decode step",
                                       buckets=_STEP_BUCKETS, registry=r)
+        self.loop_phase_seconds = Histogram(
+            "cedserve_decode_loop_phase_seconds", "Seconds per engine-loop phase per tick, and per streamed "
+            "output for handoff and grpc_write (docs/decode.md, Where a token's time goes)", ["phase"],
+            buckets=_PHASE_BUCKETS, registry=r)
+        self.phases = PhaseClock(self.loop_phase_seconds)
         self.pass_rows = Histogram("cedserve_decode_pass_rows", "Rows per target pass",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384), registry=r)
         self.accepted_length = Histogram("cedserve_decode_tokens_per_verify",

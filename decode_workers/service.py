@@ -41,6 +41,7 @@ from cedserve.decode_workers.messages import (
     TickReport,
     Tokens,
 )
+from cedserve.decode_workers.metrics import PhaseClock
 from cedserve.kv_transfer.link_probe import check_token
 from cedserve.model.cache.events import KVEventBatch
 from cedserve.model.effort import check_level
@@ -62,6 +63,9 @@ router's Cancel (its client gone) can run before the same request's Reserve, whi
 lease blocks that nothing would ever take or cancel."""
 MAX_EARLY_CANCELS = 65_536
 
+Routed = tuple[float, Output]
+"""An output in a Decode stream's queue, with the `perf_counter` time the loop's report put it there."""
+
 
 class OutputRouter:
     """Leader side: outputs of every rank to the calls waiting for them. Thread-safe."""
@@ -69,7 +73,7 @@ class OutputRouter:
     def __init__(self, num_ranks: int) -> None:
         self._lock = threading.Lock()
         self._reserves: dict[str, Future[Output]] = {}
-        self._streams: dict[str, queue.SimpleQueue[Output]] = {}
+        self._streams: dict[str, queue.SimpleQueue[Routed]] = {}
         self._rank_of: dict[str, int] = {}  # request id -> rank holding it
         self._early_cancels: dict[str, float] = {}  # request id -> when a Cancel came before its Reserve
         self.loads = [RankLoad(rank=r) for r in range(num_ranks)]
@@ -90,7 +94,7 @@ class OutputRouter:
             return
         stream = self._streams.get(out.request_id)
         if stream is not None:
-            stream.put(out)
+            stream.put((time.perf_counter(), out))
         if isinstance(out, Finished | Failed | ProbeChecked):
             self._rank_of.pop(out.request_id, None)
 
@@ -124,8 +128,8 @@ class OutputRouter:
             self._reserves.pop(request_id, None)
             self._rank_of.pop(request_id, None)
 
-    def open_stream(self, request_id: str) -> queue.SimpleQueue[Output]:
-        stream: queue.SimpleQueue[Output] = queue.SimpleQueue()
+    def open_stream(self, request_id: str) -> queue.SimpleQueue[Routed]:
+        stream: queue.SimpleQueue[Routed] = queue.SimpleQueue()
         with self._lock:
             self._streams[request_id] = stream
         return stream
@@ -152,7 +156,7 @@ class OutputRouter:
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker_id: str, inbox: CommandInbox, router: OutputRouter, feed: KVEventFeed,
                  snapshot: Callable[[], KVEventBatch], drain: DrainController, lease_ms: int,
-                 token: str = "") -> None:
+                 token: str = "", phases: PhaseClock | None = None) -> None:
         self.worker_id = worker_id
         self._token = token  # the KV-transfer token: CheckProbe's credential
         self.inbox = inbox
@@ -161,6 +165,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.snapshot = snapshot
         self.drain = drain
         self.lease_ms = lease_ms
+        self._phases = phases  # the stream's handoff and gRPC write times (`metrics.LOOP_PHASES`)
         self._seq = SeqCounter()
         self._order = threading.Lock()
         """Held while a Reserve or a Cancel decides and queues its command, so a Cancel either finds
@@ -231,27 +236,48 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.router.close_stream(rid)
 
-    def _events(self, stream: queue.SimpleQueue[Output], context: grpc.ServicerContext,
+    def _events(self, stream: queue.SimpleQueue[Routed], context: grpc.ServicerContext,
                 finished: threading.Event) -> Iterator[wpb.DecodeEvent]:
+        """The stream's events. Outputs that queued while the last event was written leave together,
+        consecutive token chunks merged into one event (`merge_tokens`): a slow reader gets fewer,
+        larger messages, never a later token."""
         while context.is_active():
             try:
-                out = stream.get(timeout=STREAM_POLL_S)
+                first = stream.get(timeout=STREAM_POLL_S)
             except queue.Empty:
                 continue
-            if isinstance(out, Tokens):
-                yield wpb.DecodeEvent(tokens=_chunk(out))
-            elif isinstance(out, Finished):
-                finished.set()
-                yield wpb.DecodeEvent(complete=wpb.DecodeComplete(
-                    finish_reason=out.finish_reason, output_tokens=out.output_tokens,
-                    draft_tokens=out.draft_tokens, accepted_drafts=out.accepted_drafts))
-                return
-            elif isinstance(out, Failed):
-                finished.set()
-                detail = _detail(out)
-                yield wpb.DecodeEvent(error=detail)
-                fail_stream(context, detail)
-                return
+            for out in merge_tokens(self._ready(first, stream)):
+                start = time.perf_counter()
+                if isinstance(out, Tokens):
+                    yield wpb.DecodeEvent(tokens=_chunk(out))
+                elif isinstance(out, Finished):
+                    finished.set()
+                    yield wpb.DecodeEvent(complete=wpb.DecodeComplete(
+                        finish_reason=out.finish_reason, output_tokens=out.output_tokens,
+                        draft_tokens=out.draft_tokens, accepted_drafts=out.accepted_drafts))
+                    return
+                elif isinstance(out, Failed):
+                    finished.set()
+                    detail = _detail(out)
+                    yield wpb.DecodeEvent(error=detail)
+                    fail_stream(context, detail)
+                    return
+                if self._phases is not None:  # gRPC resumes the generator once it took the event
+                    self._phases.add("grpc_write", time.perf_counter() - start)
+
+    def _ready(self, first: Routed, stream: queue.SimpleQueue[Routed]) -> list[Output]:
+        """`first` and whatever else is queued now, each one's handoff timed."""
+        routed = [first]
+        while True:
+            try:
+                routed.append(stream.get_nowait())
+            except queue.Empty:
+                break
+        if self._phases is not None:
+            now = time.perf_counter()
+            for put_s, _ in routed:
+                self._phases.add("handoff", now - put_s)
+        return [out for _, out in routed]
 
     # ------------------------------------------------------------------ the rest
 
@@ -359,6 +385,22 @@ def _reserve_reply(out: Reserved) -> wpb.ReserveReply:
         reply.state_room.CopyFrom(wpb.StateRoom(num_blocks=out.state_blocks, format_version=STATE_FORMAT_VERSION,
                                                 dspark_taps=out.state_taps))
     return reply
+
+
+def merge_tokens(outputs: list[Output]) -> list[Output]:
+    """`outputs` (one request's, in order) with each run of consecutive `Tokens` joined into one:
+    the tokens, log-probabilities and draft counts concatenated or added, as a reader of the stream
+    would add them up."""
+    merged: list[Output] = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if isinstance(out, Tokens) and isinstance(last, Tokens):
+            merged[-1] = Tokens(out.request_id, last.token_ids + out.token_ids, last.logprobs + out.logprobs,
+                                last.top_logprobs + out.top_logprobs, last.accepted_drafts + out.accepted_drafts,
+                                last.draft_tokens + out.draft_tokens)
+        else:
+            merged.append(out)
+    return merged
 
 
 def _chunk(out: Tokens) -> wpb.TokenChunk:
