@@ -68,6 +68,7 @@ STREAM_PHASES = ("handoff", "grpc_write")
 PHASES = ("idle_wait", "commands", "poll", "report", "schedule", "join", "propose", "plan", "model", "accept",
           "persist", "observe", "account", "handoff", "grpc_write")
 """`decode_workers/metrics.py`'s LOOP_PHASES (a worker without the histogram reads as NaN)."""
+EXTRA = ("loop", "rest", "loop_per_step", "model_per_step")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _steps(metrics_url: str) -> Reading:
     return Reading(int(values[f"{STEP}_count"]), values[f"{STEP}_sum"], phases)
 
 
-def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: int) -> dict[str, float]:
+def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: int, steps: int) -> dict[str, float]:
     """Per token of the window between two readings: each phase's seconds, the loop's in-series
     overhead (`loop`: every tick phase but the model pass and the idle wait), and the span's rest
     (the span less the loop's busy time)."""
@@ -108,6 +109,9 @@ def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: i
     busy = [p for p in PHASES if p != "idle_wait" and p not in STREAM_PHASES]
     out["phase_loop_s"] = sum(out[f"phase_{p}_s"] for p in busy if p != "model")
     out["phase_rest_s"] = steady_span_s / tokens - sum(out[f"phase_{p}_s"] for p in busy)
+    # per step too: with DSpark a step emits a varying number of tokens
+    out["phase_loop_per_step_s"] = out["phase_loop_s"] * tokens / steps
+    out["phase_model_per_step_s"] = out["phase_model_s"] * tokens / steps
     return out
 
 
@@ -143,8 +147,8 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
             # TPOT (and the steady ITL) over the decode engine's step time per token after the join
             "tpot_over_step": span / (n - 1) / (steady_s / (n - 2)) if split else float("nan"),
             "itl_over_step": steady_span / steady_s if split else float("nan"),
-            **(_phase_rows(mid, r1, steady_span, n - 2) if split else
-               {f"phase_{p}_s": float("nan") for p in (*PHASES, "loop", "rest")})}
+            **(_phase_rows(mid, r1, steady_span, n - 2, steady_steps) if split else
+               {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})}
 
 
 def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -152,7 +156,7 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {"requests": len(rows), "tokens": statistics.median(r["tokens"] for r in rows)}
     for key in ("ttft_s", "tpot_s", "first_gap_s", "steady_itl_s", "outside_per_step_s", "join_step_s",
                 "steady_step_s", "steady_steps_per_token", "steady_step_per_token_s", "tpot_over_step", "itl_over_step",
-                *(f"phase_{p}_s" for p in (*PHASES, "loop", "rest"))):
+                *(f"phase_{p}_s" for p in (*PHASES, *EXTRA))):
         values = [r[key] for r in rows if r[key] == r[key]]
         scale = 1e3 if key.endswith("_s") else 1.0
         out[key[:-2] + "_ms" if key.endswith("_s") else key] = scale * statistics.median(values) if values else float("nan")
@@ -190,8 +194,8 @@ async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: li
 
 def _phase_table(results: dict[str, Any]) -> str:
     """Per token after the join, ms: each phase with any time, then the remainder outside the worker."""
-    keys = [*(p for p in PHASES if p != "idle_wait"), "loop", "rest"]
-    names = {"grpc_write": "grpc", "schedule": "sched", "persist": "persst",
+    keys = [*(p for p in PHASES if p != "idle_wait"), "loop", "rest", "loop_per_step"]
+    names = {"grpc_write": "grpc", "loop_per_step": "loop/st", "schedule": "sched", "persist": "persst",
              "observe": "obsrv", "account": "acct", "commands": "cmds", "propose": "propse", "handoff": "hndoff"}
     head = f"{'case':<22} {'system':<9} " + " ".join(f"{names.get(k, k):>6}" for k in keys)
     lines = [head, "-" * len(head)]
@@ -201,8 +205,8 @@ def _phase_table(results: dict[str, Any]) -> str:
             cells = [s.get(f"phase_{k}_ms", float("nan")) for k in keys]
             lines.append(f"{case:<22} {name:<9} " + " ".join(f"{c:>6.2f}" for c in cells))
     lines.append("per output token after the join, medians over requests, ms; loop: the tick's phases but the model "
-                 "pass (in series with it); hndoff, grpc: the stream's thread, beside the next step; rest: the span "
-                 "less the loop's busy time; NaN: no phase histogram")
+                 "pass (in series with it), loop/st: the same per step; hndoff, grpc: the stream's thread, beside the next "
+                 "step; rest: the span less the loop's busy time; NaN: no phase histogram")
     return "\n".join(lines)
 
 

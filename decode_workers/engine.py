@@ -393,9 +393,11 @@ class DecodeEngine:
         if not self.config.adaptive_verify:
             return limits
         other_rows = sched.num_join_rows + sum(len(s.pending) for s in running) - len(drafts)
+        # one device-to-host copy for the batch (not a read-back per request)
+        host = torch.cat([d.confidences[:n].float() for d, n in zip(drafts, limits)]).cpu()
         confidences = torch.zeros(len(drafts), max(limits))  # [batch, K]; past a request's limit: unused
-        for i, d in enumerate(drafts):
-            confidences[i, : limits[i]] = d.confidences[: limits[i]].float().cpu()
+        for i, row in enumerate(torch.split(host, limits)):
+            confidences[i, : limits[i]] = row
         confidences = self.profile.survival.calibrated(confidences)  # survival as verification measured it
         lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows),
                                         torch.tensor(limits))
