@@ -222,6 +222,12 @@ class GenerationCore:
         pool.on_decode_load.append(self.capacity.wake)
         for klass in CLASSES:  # read at each scrape
             metrics.capacity_waiting.labels(klass).set_function(functools.partial(self.capacity.waiting, klass))
+        # Every request's labelled series, looked up once here rather than per request (`labels` takes a
+        # lock and builds a key); each so shows from the first scrape, at 0
+        self._queue_s = {klass: metrics.queue_s.labels(klass) for klass in CLASSES}
+        self._tpot_s = {klass: metrics.tpot_s.labels(klass) for klass in CLASSES}
+        self._placements = {kind: metrics.placements.labels(policy=policy.name, kind=kind)
+                            for kind in ("decode_only", "disaggregated", "prefill_only")}
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
         self.tokenize = TokenizePool(codec, limits)
@@ -248,7 +254,7 @@ class GenerationCore:
         start = time.monotonic()
         try:
             async with self.admission.admit(prepared.effort, prepared.request_id):
-                self.metrics.queue_s.labels(effort_class(prepared.effort)).observe(time.monotonic() - start)
+                self._queue_s[effort_class(prepared.effort)].observe(time.monotonic() - start)
                 # closed explicitly, so an abandoned stream ends its worker calls now, not at collection
                 async with contextlib.aclosing(self._run(prepared, deadline, start)) as responses:
                     async for response in responses:
@@ -303,7 +309,7 @@ class GenerationCore:
                                      kv_transfer_s=progress.kv_transfer_s, decode_only=progress.decode_only)
         klass = effort_class(req.effort)
         if len(progress.output_ids) > 1:
-            self.metrics.tpot_s.labels(klass).observe(
+            self._tpot_s[klass].observe(
                 (usage.total_s - progress.ttft_s) / (len(progress.output_ids) - 1))
         self.metrics.prompt_tokens.inc(len(req.token_ids))
         self.metrics.cached_tokens.inc(progress.cached_tokens)
@@ -346,7 +352,9 @@ class GenerationCore:
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
         if first_token_only and prefill is not None:
+            self._placements["prefill_only"].inc()
             return decode, prefill, None
+        self._placements["decode_only" if prefill is None else "disaggregated"].inc()
         return decode, prefill, await self._reserve(decode, prefill, req, prompt, deadline)
 
     def _placement(self, req: PreparedRequest, prompt_len: int, excluded: frozenset[str]) -> Placement:
@@ -366,8 +374,6 @@ class GenerationCore:
         except NoWorkerError as exc:
             tried = f" (excluded after failures: {sorted(excluded)})" if excluded else ""
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}{tried}", retry_after_s=1.0) from exc
-        self.metrics.placements.labels(policy=self.policy.name,
-                                       kind="decode_only" if choice.prefill_id is None else "disaggregated").inc()
         return choice
 
     async def _attempt(self, req: PreparedRequest, deadline: Deadline, start: float,

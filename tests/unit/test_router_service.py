@@ -393,6 +393,8 @@ def test_a_one_token_request_is_a_prefill_alone(cluster: Cluster) -> None:
     reserves = sum(d.reserves for d in cluster.decode)
     with _client(cluster) as client:
         done = client.generate([9, 8, 7], max_tokens=1)
+        assert cluster.router.metrics.registry.get_sample_value(
+            "cedserve_router_placements_total", {"policy": "cache_aware", "kind": "prefill_only"}) == 1
         cluster.prefill[0].script.fail_prefill = True
         retried = [client.generate([9, 8, 6], max_tokens=1) for _ in range(2)]  # whichever worker comes first
     assert done.finish_reason == "length" and done.token_ids == _expected([9, 8, 7], 1)
