@@ -88,8 +88,8 @@ async def relay(workers: dict[str, list[list[str]]]) -> None:
     decode = worker_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(workers["decode"][0][1]))
     reading: set[asyncio.Task[None]] = set()  # prefill streams read to their end
 
-    async def read_to_end(call: Any) -> None:
-        async for _ in call:
+    async def read_to_end(call: Any) -> None:  # with `read`, as the first token was read (gRPC refuses a mix)
+        while await call.read() is not grpc.aio.EOF:
             pass
 
     class Relay(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
