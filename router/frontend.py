@@ -470,12 +470,20 @@ class GenerationCore:
 
     async def _read_to_end(self, call: _PrefillCall, prefill: WorkerHandle) -> None:
         """Read a prefill stream whose first token was used to its end, so the call ends as the worker
-        ends it (a dropped call would be cancelled); its failure no longer matters to the request."""
+        ends it (a dropped call would be cancelled); its failure no longer matters to the request. Its
+        `done` follows the first token at once (nothing is sent): after `_PREFILL_VERDICT_S` the call
+        is cancelled (a request without a deadline gives it no timeout)."""
         try:
-            while await self._prefill_event(call, prefill) is not None:
-                pass
+            await asyncio.wait_for(self._drain_prefill(call, prefill), _PREFILL_VERDICT_S)
+        except asyncio.TimeoutError:
+            log.debug("prefill-only request on %s: no end %.1f s after its first token", prefill.worker_id,
+                      _PREFILL_VERDICT_S)
         except (WorkerFailed, RequestError) as exc:
             log.debug("prefill-only request on %s ended with %s after its first token", prefill.worker_id, exc)
+
+    async def _drain_prefill(self, call: _PrefillCall, prefill: WorkerHandle) -> None:
+        while await self._prefill_event(call, prefill) is not None:
+            pass
 
     def _note_first(self, progress: _Progress, start: float) -> None:
         if not progress.ttft_s:

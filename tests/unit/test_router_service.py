@@ -87,6 +87,8 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker_id, self.script = worker_id, Script()
         self.requests: list[worker_pb2.PrefillRequest] = []
         self.cancelled: list[str] = []
+        self.abandoned: list[str] = []
+        """Requests whose Prefill call the router ended before the worker did."""
 
     async def Prefill(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.PrefillEvent]:
         self.requests.append(request)
@@ -95,7 +97,11 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         await asyncio.sleep(self.script.prefill_delay_s)
         first = sum(request.token_ids) % 200 + 3
         yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
-        await asyncio.sleep(self.script.done_delay_s)
+        try:
+            await asyncio.sleep(self.script.done_delay_s)
+        except asyncio.CancelledError:
+            self.abandoned.append(request.request_id)
+            raise
         if self.script.fail_after_first > 0:
             self.script.fail_after_first -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected KV transfer failure")
@@ -413,6 +419,23 @@ def test_a_one_token_request_is_a_prefill_alone(cluster: Cluster) -> None:
     assert stopped.finish_reason == "stop" and stopped.token_ids == done.token_ids
     assert stopped.request_id in [c for d in cluster.decode for c in d.cancelled]
     assert all(not d.leases for d in cluster.decode)
+
+
+def test_a_one_token_request_ends_at_its_token_and_its_prefill_within_a_second(cluster: Cluster) -> None:
+    """The answer does not wait for the prefill's `done`; a `done` that does not come within a second
+    (`_PREFILL_VERDICT_S`) has the router end the call (the request may carry no deadline)."""
+    for p in cluster.prefill:
+        p.script.done_delay_s = 3.0
+    with Client(cluster.address, api_key="sekrit") as client:  # no deadline: the call has no timeout
+        start = time.monotonic()
+        done = client.generate([2, 7, 1], max_tokens=1)
+        took_s = time.monotonic() - start
+    assert took_s < 1.0 and done.token_ids == _expected([2, 7, 1], 1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(done.request_id in p.abandoned for p in cluster.prefill):
+        time.sleep(0.05)
+    assert any(done.request_id in p.abandoned for p in cluster.prefill)
+    assert time.monotonic() - start < 2.5  # ended by the router, not by the worker's `done` at 3 s
 
 
 def test_a_one_token_request_cancelled_before_its_token_cancels_its_prefill(cluster: Cluster) -> None:
