@@ -5,6 +5,7 @@ One request, in order (docs/architecture.md):
   ->  Reserve on the decode worker  ->  Prefill stream on the prefill worker (its first token
   streamed to the client, and the Decode stream opened, as soon as it arrives: the prefill's
   `done`, sent once the KV transfer has closed, is read meanwhile)  ->  Decode stream  ->  Complete.
+A request whose budget is one token is the prefill alone: no Reserve, no target, no Decode.
 Deadlines propagate as call timeouts and `deadline_unix_ms`; a client cancellation cancels the
 worker calls and sends `Cancel` to both workers. A prefill that fails before its first token is
 retried on another prefill worker; a decode worker that dies mid-stream, or a KV transfer that fails
