@@ -337,14 +337,19 @@ _THROUGHPUT_ROUNDS = 4
 
 def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, throughput_s: float,
                     concurrency: int, router_cpu: int | None, token_delay_s: float = 0.0,
-                    router_env: dict[str, str] | None = None) -> dict[str, Any]:
+                    router_env: dict[str, str] | None = None, floor: bool = False) -> dict[str, Any]:
     """Router overhead and throughput with the fake workers in a process of their own and each router
     in another (pinned to `router_cpu`), as in a deployment: the router's event loop does only the
     router's work. `routers`: name -> the interpreter whose `cedserve` is that router's code (a
     baseline checkout's venv runs the old router against the same fakes). Sequential requests
     alternate routed (each router in turn) and direct, request by request; the load's rounds alternate
     the routers too. `router_env`: environment variables of the router processes alone (gRPC's own
-    settings, which it reads when the process starts)."""
+    settings, which it reads when the process starts). `floor`: also measure, as one more router named
+    "floor", a bare `grpc.aio` relay making the same calls (`router_processes.relay`): gRPC's share.
+
+    Direct, a request makes the calls it needs: `Reserve`, `Prefill` (read to its `done`, as the router
+    reads it) and `Decode`; with `max_tokens` 1, `Prefill` alone (no target), since its first token
+    is the answer (before session h-relay2 it made the three calls, `Decode` emitting nothing)."""
     import grpc
 
     from cedserve.client import Client
@@ -362,6 +367,8 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
     try:
         for name, python in routers.items():
             procs[name] = _Process(python, ["router", str(ckpt), json.dumps(fakes.answer)], router_cpu, router_env)
+        if floor:
+            procs["floor"] = _Process(sys.executable, ["relay", json.dumps(fakes.answer)], router_cpu, router_env)
         prompt = list(range(3, 3 + 200))
         d_addr, p_addr = fakes.answer["decode"][0][1], fakes.answer["prefill"][0][1]
         clients = {name: Client(f"127.0.0.1:{p.answer['port']}", timeout_s=30) for name, p in procs.items()}
@@ -370,6 +377,10 @@ def bench_processes(routers: dict[str, str], requests: int, max_tokens: int, thr
             dstub, pstub = worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
 
             def direct() -> None:  # the router's calls, made directly: Reserve, Prefill, Decode
+                if max_tokens == 1:  # the first token is the answer: a prefill with no target
+                    list(pstub.Prefill(worker_pb2.PrefillRequest(
+                        request_id="x", token_ids=prompt, effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0))))
+                    return
                 lease = dstub.Reserve(worker_pb2.ReserveRequest(request_id="x", prompt_tokens=len(prompt), lease_ms=30_000))
                 prefill = pstub.Prefill(worker_pb2.PrefillRequest(
                     request_id="x", token_ids=prompt, effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0)))
@@ -463,6 +474,9 @@ def main() -> None:
     parser.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                         help="processes topology: an environment variable of the router processes alone (repeat "
                              "for more), e.g. GRPC_EXPERIMENTS=-event_engine_client")
+    parser.add_argument("--floor", action="store_true",
+                        help="processes topology: also measure a bare grpc.aio relay making the router's calls "
+                             "(gRPC's own cost, the floor of any router on this stack)")
     parser.add_argument("--index-gc", action="store_true",
                         help="also build the placement index in a process per router interpreter and report a full "
                              "garbage collection's time and the memory it holds")
@@ -492,9 +506,9 @@ def main() -> None:
         routers = {"new": sys.executable, **({"old": args.baseline_python} if args.baseline_python else {})}
         processes = bench_processes(routers, args.requests, args.max_tokens, args.throughput_s, args.concurrency,
                                     args.router_cpu, args.token_delay_ms / 1e3,
-                                    dict(kv.split("=", 1) for kv in args.router_env))
+                                    dict(kv.split("=", 1) for kv in args.router_env), args.floor)
         print(f"processes: direct p50 {processes['direct_p50_ms']:.2f} ms")
-        for name in routers:
+        for name in [*routers, *(["floor"] if args.floor else [])]:
             row = processes[name]
             print(f"  {name}: routed p50 {row['routed_p50_ms']:.2f} ms (+{row['overhead_p50_ms']:.2f} ms per "
                   f"{args.max_tokens}-token request, router CPU {row['router_cpu_ms_per_sequential_request']:.2f} ms "

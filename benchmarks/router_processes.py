@@ -4,8 +4,9 @@
     python benchmarks/router_processes.py index WORKERS ENTRIES BLOCKS       # the index's GC cost, memory
     python benchmarks/router_processes.py placement WORKERS ENTRIES BLOCKS DECISIONS REPORTS  # decision times
     python benchmarks/router_processes.py [--cpu N] router CKPT FAKES_JSON   # prints {"port": N}
+    python benchmarks/router_processes.py [--cpu N] relay FAKES_JSON         # the floor; prints {"port": N}
 
-`fakes` and `router` run until their stdin closes. `router` imports only `cedserve.router` and `cedserve.model`, so any
+`fakes`, `router` and `relay` run until their stdin closes. `router` imports only `cedserve.router` and `cedserve.model`, so any
 checkout's interpreter can run it (the baseline's router against the same fakes). `fakes` are the
 router tests' scripted workers (tests/unit/test_router_service.py), in a process of their own as real
 workers are, so the router's event loop does only the router's work.
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 async def _until_stdin_closes() -> None:
@@ -70,6 +72,61 @@ async def router(checkpoint: str, workers: dict[str, list[list[str]]]) -> None:
     print(json.dumps({"port": running.port}), flush=True)
     await _until_stdin_closes()
     await running.stop(0.5)
+
+
+async def relay(workers: dict[str, list[list[str]]]) -> None:
+    """The floor: a bare `grpc.aio` `Generation` server that makes the calls the router makes to the
+    first prefill and decode fakes (`Reserve`; `Prefill` into the lease, its first token relayed and
+    its `done` read by a task; `Decode`, one response per event; for a one-token request `Prefill`
+    alone) and nothing else of the router: no validation, placement, admission, detokenization,
+    metrics or interceptors. What gRPC itself costs a router of this shape."""
+    import grpc
+
+    from cedserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(workers["prefill"][0][1]))
+    decode = worker_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(workers["decode"][0][1]))
+    reading: set[asyncio.Task[None]] = set()  # prefill streams read to their end
+
+    async def read_to_end(call: Any) -> None:  # with `read`, as the first token was read (gRPC refuses a mix)
+        while await call.read() is not grpc.aio.EOF:
+            pass
+
+    class Relay(generation_pb2_grpc.GenerationServicer):  # type: ignore[misc]
+        async def Generate(self, request: Any, context: Any) -> Any:
+            rid, prompt = request.request_id or "r", list(request.prompt.token_ids.ids)
+            target = None
+            if request.max_tokens > 1:
+                lease = await decode.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_tokens=len(prompt),
+                                                                       lease_ms=30_000, token_ids=prompt))
+                target = worker_pb2.DecodeTarget(worker_id="d0", lease_id=lease.lease_id)
+            call = prefill.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=prompt, effort=75, target=target,
+                                                             sampling=worker_pb2.SamplingParams(top_p=1.0)))
+            first = await call.read()
+            rest = asyncio.ensure_future(read_to_end(call))
+            reading.add(rest)
+            rest.add_done_callback(reading.discard)
+            if target is not None:
+                events = decode.Decode(worker_pb2.DecodeRequest(
+                    request_id=rid, lease_id=target.lease_id, token_ids=prompt, first_token=first.first_token.token_id,
+                    effort=75, sampling=worker_pb2.SamplingParams(top_p=1.0, max_tokens=request.max_tokens - 1)))
+            yield generation_pb2.GenerateResponse(request_id=rid, chunk=generation_pb2.Chunk(
+                token_ids=[first.first_token.token_id]))
+            if target is not None:
+                async for event in events:
+                    if event.WhichOneof("event") == "tokens":
+                        yield generation_pb2.GenerateResponse(request_id=rid, chunk=generation_pb2.Chunk(
+                            token_ids=event.tokens.token_ids))
+            yield generation_pb2.GenerateResponse(request_id=rid, complete=generation_pb2.Complete(
+                finish_reason=generation_pb2.FINISH_REASON_LENGTH))
+
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServicer_to_server(Relay(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(json.dumps({"port": port}), flush=True)
+    await _until_stdin_closes()
+    await server.stop(0)
 
 
 def index(workers: int, entries: int, prompt_blocks: int) -> None:
@@ -163,6 +220,8 @@ def main() -> None:
         index(*map(int, sys.argv[2:5]))
     elif sys.argv[1] == "placement":
         placement(*map(int, sys.argv[2:7]))
+    elif sys.argv[1] == "relay":
+        asyncio.run(relay(json.loads(sys.argv[2])))
     else:
         asyncio.run(router(sys.argv[2], json.loads(sys.argv[3])))
 

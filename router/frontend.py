@@ -5,6 +5,7 @@ One request, in order (docs/architecture.md):
   ->  Reserve on the decode worker  ->  Prefill stream on the prefill worker (its first token
   streamed to the client, and the Decode stream opened, as soon as it arrives: the prefill's
   `done`, sent once the KV transfer has closed, is read meanwhile)  ->  Decode stream  ->  Complete.
+A request whose budget is one token is the prefill alone: no Reserve, no target, no Decode.
 Deadlines propagate as call timeouts and `deadline_unix_ms`; a client cancellation cancels the
 worker calls and sends `Cancel` to both workers. A prefill that fails before its first token is
 retried on another prefill worker; a decode worker that dies mid-stream, or a KV transfer that fails
@@ -99,6 +100,8 @@ class _Progress:
 
 _DecodeCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.DecodeRequest, worker_pb2.DecodeEvent]"
 _PrefillCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.PrefillRequest, worker_pb2.PrefillEvent]"
+_LAST_EVENTS = frozenset({"complete", "error"})
+"""A decode stream's events after which the worker sends nothing but the call's status."""
 _PREFILL_VERDICT_S = 1.0
 """How long a decode stream that failed before its first event waits for its prefill's end: when
 the KV transfer between them failed, both report it, and the prefill worker is the one to blame
@@ -109,6 +112,10 @@ class _ReadAhead:
     """A response stream read by a task of its own, so the next events arrive while the caller is
     busy (writing the last ones to its client); `take` returns everything received since.
 
+    The task stops at the stream's last event (`complete` or `error`, docs/decode.md): its status
+    follows on its own, and no read is left pending for `close` to cancel (a cancelled read cancels
+    the call, one more operation on each side for a stream that had already ended).
+
     `upstream`, when given, is work the stream's first event depends on (the prefill that writes the
     decode worker's KV): if it fails before any event arrived, `take` raises its error (the stream
     would only wait for a transfer that is not coming)."""
@@ -116,7 +123,8 @@ class _ReadAhead:
     def __init__(self, call: _DecodeCall, upstream: asyncio.Future[None] | None = None) -> None:
         self._call = call
         self._events: list[worker_pb2.DecodeEvent] = []
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        """Set while `take` waits: the reader wakes it (no event object to clear and set per event)."""
         self._eof = False
         self._started = False
         self._error: BaseException | None = None
@@ -129,19 +137,28 @@ class _ReadAhead:
         error = None if upstream.cancelled() else upstream.exception()
         if error is not None and not self._started:
             self._upstream_error = error
-            self._ready.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def _read(self) -> None:
         try:
-            async for event in self._call:
+            # `read` rather than `async for`: leaving an `async for` at the last event would leave
+            # gRPC's response generator for the loop to finalize (a task of its own)
+            while (event := await self._call.read()) is not grpc.aio.EOF:
+                assert isinstance(event, worker_pb2.DecodeEvent)
                 self._started = True
                 self._events.append(event)
-                self._ready.set()
+                self._wake()
+                if event.WhichOneof("event") in _LAST_EVENTS:
+                    break
         except BaseException as exc:  # handed to the reader (`take`), as `async for` would raise it there
             self._error = exc
         finally:
             self._eof = True
-            self._ready.set()
+            self._wake()
 
     async def take(self) -> list[worker_pb2.DecodeEvent] | None:
         """The events received since the last call, waiting for one; None at the end of the stream;
@@ -151,8 +168,11 @@ class _ReadAhead:
                 if self._error is not None:
                     raise self._error
                 return None
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if self._upstream_error is not None:
             raise self._upstream_error
         events, self._events = self._events, []
@@ -203,6 +223,12 @@ class GenerationCore:
         pool.on_decode_load.append(self.capacity.wake)
         for klass in CLASSES:  # read at each scrape
             metrics.capacity_waiting.labels(klass).set_function(functools.partial(self.capacity.waiting, klass))
+        # Every request's labelled series, looked up once here rather than per request (`labels` takes a
+        # lock and builds a key); each so shows from the first scrape, at 0
+        self._queue_s = {klass: metrics.queue_s.labels(klass) for klass in CLASSES}
+        self._tpot_s = {klass: metrics.tpot_s.labels(klass) for klass in CLASSES}
+        self._placements = {kind: metrics.placements.labels(policy=policy.name, kind=kind)
+                            for kind in ("decode_only", "disaggregated", "prefill_only")}
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
         self.links = links
         self.tokenize = TokenizePool(codec, limits)
@@ -229,7 +255,7 @@ class GenerationCore:
         start = time.monotonic()
         try:
             async with self.admission.admit(prepared.effort, prepared.request_id):
-                self.metrics.queue_s.labels(effort_class(prepared.effort)).observe(time.monotonic() - start)
+                self._queue_s[effort_class(prepared.effort)].observe(time.monotonic() - start)
                 # closed explicitly, so an abandoned stream ends its worker calls now, not at collection
                 async with contextlib.aclosing(self._run(prepared, deadline, start)) as responses:
                     async for response in responses:
@@ -284,7 +310,7 @@ class GenerationCore:
                                      kv_transfer_s=progress.kv_transfer_s, decode_only=progress.decode_only)
         klass = effort_class(req.effort)
         if len(progress.output_ids) > 1:
-            self.metrics.tpot_s.labels(klass).observe(
+            self._tpot_s[klass].observe(
                 (usage.total_s - progress.ttft_s) / (len(progress.output_ids) - 1))
         self.metrics.prompt_tokens.inc(len(req.token_ids))
         self.metrics.cached_tokens.inc(progress.cached_tokens)
@@ -294,13 +320,16 @@ class GenerationCore:
             await asyncio.shield(progress.releasing)
 
     async def _place_and_reserve(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
-                                 deadline: Deadline) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply]:
+                                 deadline: Deadline, first_token_only: bool
+                                 ) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply | None]:
         """Place the request and lease its blocks, waiting in its class's capacity FIFO while no
-        decode worker has room (router/capacity.py); a request behind others waits without trying."""
+        decode worker has room (router/capacity.py); a request behind others waits without trying.
+        No lease (None) where `first_token_only` and a prefill worker was placed: its first token is
+        the whole answer (`_prefill_only`)."""
         klass = effort_class(req.effort)
         if not self.capacity.waiting(klass):
             try:
-                return await self._place_once(req, prompt, excluded, deadline)
+                return await self._place_once(req, prompt, excluded, deadline, first_token_only)
             except _NoRoom as exc:
                 log.debug("request %s waits for decode capacity: %s", req.request_id, exc)
         async with self.capacity.wait_in_line(klass, req.request_id) as waiter:
@@ -309,7 +338,7 @@ class GenerationCore:
                 while True:
                     await waiter.next_turn(deadline, self.admission.retry_after_s(klass))
                     try:
-                        placed = await self._place_once(req, prompt, excluded, deadline)
+                        placed = await self._place_once(req, prompt, excluded, deadline, first_token_only)
                     except _NoRoom:
                         continue
                     self.metrics.capacity_admitted.labels(klass).inc()
@@ -318,10 +347,15 @@ class GenerationCore:
                 self.metrics.capacity_wait_s.labels(klass).observe(time.monotonic() - waited)
 
     async def _place_once(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
-                          deadline: Deadline) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply]:
+                          deadline: Deadline, first_token_only: bool
+                          ) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply | None]:
         choice = self._placement(req, len(prompt), excluded)
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
+        if first_token_only and prefill is not None:
+            self._placements["prefill_only"].inc()
+            return decode, prefill, None
+        self._placements["decode_only" if prefill is None else "disaggregated"].inc()
         return decode, prefill, await self._reserve(decode, prefill, req, prompt, deadline)
 
     def _placement(self, req: PreparedRequest, prompt_len: int, excluded: frozenset[str]) -> Placement:
@@ -341,8 +375,6 @@ class GenerationCore:
         except NoWorkerError as exc:
             tried = f" (excluded after failures: {sorted(excluded)})" if excluded else ""
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}{tried}", retry_after_s=1.0) from exc
-        self.metrics.placements.labels(policy=self.policy.name,
-                                       kind="decode_only" if choice.prefill_id is None else "disaggregated").inc()
         return choice
 
     async def _attempt(self, req: PreparedRequest, deadline: Deadline, start: float,
@@ -350,7 +382,13 @@ class GenerationCore:
         # After a migration the prompt is the original plus what was already streamed.
         prompt = (*req.token_ids, *progress.output_ids)
         remaining_tokens = req.max_tokens - len(progress.output_ids)
-        decode, prefill, lease = await self._place_and_reserve(req, prompt, excluded, deadline)
+        decode, prefill, lease = await self._place_and_reserve(req, prompt, excluded, deadline,
+                                                               first_token_only=remaining_tokens == 1)
+        if lease is None:
+            assert prefill is not None  # `_place_once` leases for every decode-only placement
+            async for response in self._prefill_only(prefill, req, prompt, deadline, progress, start):
+                yield response
+            return
         self.leases.hold(decode.worker_id, req.request_id, lease.lease_id)
         progress.decode_only = prefill is None
         if prefill is None:  # the decode worker reuses the leading blocks it holds
@@ -365,7 +403,7 @@ class GenerationCore:
                 async for response in self._relay(call, decode, lease, req, progress, start):
                     yield response
                 return
-            prefill_call = self._start_prefill(prefill, decode, lease, req, prompt, deadline)
+            prefill_call = self._start_prefill(prefill, req, prompt, deadline, self._decode_target(decode, lease))
             first, first_logprob = await self._first_token(prefill_call, prefill, progress)
             prefill_rest = asyncio.ensure_future(self._prefill_done(prefill_call, prefill, decode, progress))
             prefill_rest.add_done_callback(_retrieve)  # its failure is judged where it matters (`_blame`)
@@ -410,6 +448,43 @@ class GenerationCore:
             self.leases.drop(decode.worker_id, lease.lease_id)
             if self.capacity.any_waiting():  # the room this request held is free: let a waiting one see it
                 self.pool.poll_now(decode.worker_id)
+
+    async def _prefill_only(self, prefill: WorkerHandle, req: PreparedRequest, prompt: tuple[int, ...],
+                            deadline: Deadline, progress: _Progress,
+                            start: float) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        """A request whose budget is its first token: the prefill worker's first token is the whole
+        answer, so no decode worker takes part. Its prefill has no target (nothing is sent): no
+        `Reserve` before it and no `Cancel` of an unused lease after it, two calls and a KV transfer
+        fewer than a disaggregated request's. The rest of the prefill stream (its `done`, once the
+        prompt's blocks are in the worker's cache) is read by a task of this core's, not waited for."""
+        call = self._start_prefill(prefill, req, prompt, deadline, None)
+        try:
+            first, first_logprob = await self._first_token(call, prefill, progress)
+        except BaseException:  # the client left, the deadline passed or the worker failed: end its job now
+            call.cancel()
+            await asyncio.shield(self._cancel(prefill, req.request_id, ""))
+            raise
+        self._background(self._read_to_end(call, prefill))
+        self._note_first(progress, start)
+        # the prefill worker reports the first token's own logprob, not its alternatives
+        yield self._emit(req, progress, [first], [first_logprob], [])
+
+    async def _read_to_end(self, call: _PrefillCall, prefill: WorkerHandle) -> None:
+        """Read a prefill stream whose first token was used to its end, so the call ends as the worker
+        ends it (a dropped call would be cancelled); its failure no longer matters to the request. Its
+        `done` follows the first token at once (nothing is sent): after `_PREFILL_VERDICT_S` the call
+        is cancelled (a request without a deadline gives it no timeout)."""
+        try:
+            await asyncio.wait_for(self._drain_prefill(call, prefill), _PREFILL_VERDICT_S)
+        except asyncio.TimeoutError:
+            log.debug("prefill-only request on %s: no end %.1f s after its first token", prefill.worker_id,
+                      _PREFILL_VERDICT_S)
+        except (WorkerFailed, RequestError) as exc:
+            log.debug("prefill-only request on %s ended with %s after its first token", prefill.worker_id, exc)
+
+    async def _drain_prefill(self, call: _PrefillCall, prefill: WorkerHandle) -> None:
+        while await self._prefill_event(call, prefill) is not None:
+            pass
 
     def _note_first(self, progress: _Progress, start: float) -> None:
         if not progress.ttft_s:
@@ -478,17 +553,22 @@ class GenerationCore:
             raise self._from_rpc(decode.worker_id, exc) from exc
         return reply
 
-    def _start_prefill(self, prefill: WorkerHandle, decode: WorkerHandle, lease: worker_pb2.ReserveReply,
-                       req: PreparedRequest, prompt: tuple[int, ...], deadline: Deadline) -> _PrefillCall:
-        """Open the `Prefill` stream into the decode worker's lease (`_first_token` and `_prefill_done`
-        read it)."""
-        assert prefill.prefill is not None
-        timeout, deadline_ms = deadline.for_call()
+    @staticmethod
+    def _decode_target(decode: WorkerHandle, lease: worker_pb2.ReserveReply) -> worker_pb2.DecodeTarget:
+        """Where the prefill worker writes the prompt's KV: the decode worker's lease."""
         target = worker_pb2.DecodeTarget(worker_id=decode.worker_id, agent_name=lease.agent_name,
                                          control_address=lease.control_address, lease_id=lease.lease_id,
                                          num_cached_blocks=lease.num_cached_blocks, reservation=lease.reservation)
         if lease.HasField("state_room"):  # the decode worker expects the bounded state: ship it
             target.state_room.CopyFrom(lease.state_room)
+        return target
+
+    def _start_prefill(self, prefill: WorkerHandle, req: PreparedRequest, prompt: tuple[int, ...],
+                       deadline: Deadline, target: worker_pb2.DecodeTarget | None) -> _PrefillCall:
+        """Open the `Prefill` stream, into `target` (a decode worker's lease) or, None, into the prefill
+        worker's cache alone (`_first_token` and `_prefill_done` read it)."""
+        assert prefill.prefill is not None
+        timeout, deadline_ms = deadline.for_call()
         call: _PrefillCall = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
             request_id=req.request_id, token_ids=list(prompt), effort=req.effort, cache_salt=req.cache_salt,
             target=target, deadline_unix_ms=deadline_ms, sampling=self._sampling(req)),

@@ -107,6 +107,21 @@ def test_repeated_prefix_is_served_from_cache(system: System) -> None:
     assert second.usage["cached_tokens"] == (403 - 128) // 64 * 64
 
 
+def test_a_one_token_request_is_the_prefill_workers_alone(system: System) -> None:
+    """A budget of one token: the prefill worker's first token, with nothing leased on or sent to the
+    decode worker (a prefill with no target), and the prompt's blocks left in the prefill cache."""
+    prompt = torch.randint(3, 500, (400,), generator=torch.Generator().manual_seed(5)).tolist()
+    with Client(system.address, timeout_s=120) as client:
+        done = client.generate(prompt, max_tokens=1)
+        again = client.generate([*prompt, 7, 8, 9], max_tokens=2)
+    assert done.finish_reason == "length" and len(done.token_ids) == 1
+    if done.token_ids != greedy_reference(system.checkpoint, prompt, 1):
+        assert len(greedy_ties(load_model(system.checkpoint), prompt, done.token_ids)) <= 1
+    assert done.usage["kv_transfer_bytes"] == 0 and not done.usage["decode_only"]
+    assert again.usage["cached_tokens"] == (403 - 128) // 64 * 64  # as `test_repeated_prefix_is_served_from_cache`
+    _wait_all_free(system)
+
+
 def test_bad_inputs_get_precise_statuses(system: System) -> None:
     with Client(system.address, timeout_s=30) as client:
         for prompt, kwargs, field in [("", {}, "prompt"), ([1, 600], {}, "prompt.token_ids[1]"),

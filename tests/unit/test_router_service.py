@@ -87,6 +87,8 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker_id, self.script = worker_id, Script()
         self.requests: list[worker_pb2.PrefillRequest] = []
         self.cancelled: list[str] = []
+        self.abandoned: list[str] = []
+        """Requests whose Prefill call the router ended before the worker did."""
 
     async def Prefill(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.PrefillEvent]:
         self.requests.append(request)
@@ -95,7 +97,11 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         await asyncio.sleep(self.script.prefill_delay_s)
         first = sum(request.token_ids) % 200 + 3
         yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(token_id=first))
-        await asyncio.sleep(self.script.done_delay_s)
+        try:
+            await asyncio.sleep(self.script.done_delay_s)
+        except asyncio.CancelledError:
+            self.abandoned.append(request.request_id)
+            raise
         if self.script.fail_after_first > 0:
             self.script.fail_after_first -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected KV transfer failure")
@@ -322,7 +328,7 @@ def test_the_last_chunk_carries_the_held_back_text_and_the_lease_ends_first(clus
                                                                           max_tokens: int) -> None:
     """Where the router's own verdict (here the budget) ends the request, the text held back for an
     incomplete character goes in the last token's chunk, not in a text-only chunk after it; a request
-    its first token ends (no Decode call) has its unused lease cancelled before the stream ends."""
+    whose budget is its first token leases nothing on a decode worker (no Decode call either)."""
     codec = TextCodec.from_file(tiny_tokenizer_path(), VOCAB)
     prompt = _held_back_at_end(codec, max_tokens)
     with _client(cluster) as client:
@@ -332,9 +338,8 @@ def test_the_last_chunk_carries_the_held_back_text_and_the_lease_ends_first(clus
     assert done.token_ids == _expected(prompt, max_tokens)
     assert all(p.token_ids for p in pieces)  # no text-only tail chunk
     assert done.text == "".join(p.text for p in pieces) == codec.decode(done.token_ids)
-    assert all(not d.leases for d in cluster.decode)  # the unused lease too (1 token), before the stream ended
+    assert all(not d.leases for d in cluster.decode)
     if max_tokens == 1:
-        assert done.request_id in [c for d in cluster.decode for c in d.cancelled]
         assert not [r for d in cluster.decode for r in d.decodes if r.request_id == done.request_id]
 
 
@@ -384,6 +389,65 @@ def test_failed_prefill_is_retried_elsewhere(cluster: Cluster) -> None:
     with _client(cluster) as client, pytest.raises(CedserveError) as info:
         client.generate([9] * 300, max_tokens=3)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "p0" in info.value.message
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_a_one_token_request_is_a_prefill_alone(cluster: Cluster) -> None:
+    """A budget of one token is the prefill's first token: no Reserve before the prefill, no target in
+    it (no KV sent), no Decode and no Cancel after it; a prefill worker failing before its first
+    token is still retried on the other one."""
+    reserves = sum(d.reserves for d in cluster.decode)
+    with _client(cluster) as client:
+        done = client.generate([9, 8, 7], max_tokens=1)
+        assert cluster.router.metrics.registry.get_sample_value(
+            "cedserve_router_placements_total", {"policy": "cache_aware", "kind": "prefill_only"}) == 1
+        cluster.prefill[0].script.fail_prefill = True
+        retried = [client.generate([9, 8, 6], max_tokens=1) for _ in range(2)]  # whichever worker comes first
+    assert done.finish_reason == "length" and done.token_ids == _expected([9, 8, 7], 1)
+    assert done.usage["completion_tokens"] == 1 and done.usage["kv_transfer_bytes"] == 0
+    assert all(r.token_ids == _expected([9, 8, 6], 1) for r in retried)
+    ours = {done.request_id, *(r.request_id for r in retried)}
+    prefills = [r for p in cluster.prefill for r in p.requests if r.request_id in ours]
+    assert prefills and not any(r.HasField("target") for r in prefills)
+    assert sum(d.reserves for d in cluster.decode) == reserves
+    assert not [r for d in cluster.decode for r in d.decodes if r.request_id in ours]
+    assert not [c for d in cluster.decode for c in d.cancelled if c in ours]
+    # The unused lease of a request that a first token ends before its budget (a stop token) still
+    # goes before the stream ends.
+    with _client(cluster) as client:
+        stopped = client.generate([9, 8, 7], max_tokens=4, stop_token_ids=done.token_ids)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == done.token_ids
+    assert stopped.request_id in [c for d in cluster.decode for c in d.cancelled]
+    assert all(not d.leases for d in cluster.decode)
+
+
+def test_a_one_token_request_ends_at_its_token_and_its_prefill_within_a_second(cluster: Cluster) -> None:
+    """The answer does not wait for the prefill's `done`; a `done` that does not come within a second
+    (`_PREFILL_VERDICT_S`) has the router end the call (the request may carry no deadline)."""
+    for p in cluster.prefill:
+        p.script.done_delay_s = 3.0
+    with Client(cluster.address, api_key="sekrit") as client:  # no deadline: the call has no timeout
+        start = time.monotonic()
+        done = client.generate([2, 7, 1], max_tokens=1)
+        took_s = time.monotonic() - start
+    assert took_s < 1.0 and done.token_ids == _expected([2, 7, 1], 1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(done.request_id in p.abandoned for p in cluster.prefill):
+        time.sleep(0.05)
+    assert any(done.request_id in p.abandoned for p in cluster.prefill)
+    assert time.monotonic() - start < 2.5  # ended by the router, not by the worker's `done` at 3 s
+
+
+def test_a_one_token_request_cancelled_before_its_token_cancels_its_prefill(cluster: Cluster) -> None:
+    for p in cluster.prefill:
+        p.script.prefill_delay_s = 0.3
+    with _client(cluster, timeout_s=0.1) as client, pytest.raises(CedserveError) as info:
+        client.generate([3, 1, 4], max_tokens=1)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(p.cancelled for p in cluster.prefill):
+        time.sleep(0.05)
+    assert [c for p in cluster.prefill for c in p.cancelled]
     assert all(not d.leases for d in cluster.decode)
 
 
