@@ -99,6 +99,13 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     None: on for device memory, off for host memory (128K-token requests, two host requests each,
     read 0.72-0.89 / 0.55-0.71 of raw with it against 0.90-1.11 / 0.75-0.78 without on the loaded
     2-core dev VM: the receiver polls short through the second request's synchronous copy)."""
+    caller_posts_last: bool | None = None
+    """WRITE: `write_blocks(last=True)` posts what is queued of its transfer from the caller's thread
+    (the chunks queued behind each other merge into one request) instead of waking the progress
+    thread to do it: the producer's last handoff, the part of a transfer nothing overlaps, skips a
+    thread wake-up and a step of the loop. Earlier chunks still leave from the progress thread. The
+    call then returns once NIXL has the request. None: on for device memory (a post takes tens of
+    us), off for host memory (a host post copies synchronously: the caller would block for it)."""
     idle_poll_s: float = 0.005
     """Progress-loop sleep with nothing in flight (heartbeats and notifications still flow)."""
     tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
@@ -132,10 +139,10 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         block pool is in device memory or not; explicit values stay."""
         device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
                   "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4,
-                  "announce_posts": True}
+                  "announce_posts": True, "caller_posts_last": True}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
-                "announce_posts": False}
+                "announce_posts": False, "caller_posts_last": False}
         defaults = device if device_memory else host
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 

@@ -275,7 +275,32 @@ class NixlEngine:
             t.record.start_transferring(now)
             if last:
                 t.record.closed_s = now
+        if last and self.config.caller_posts_last:
+            self._post_from_caller(t)
         self._bell.wake()
+
+    def _post_from_caller(self, t: SendTransfer) -> None:
+        """Post what is queued of `t` from this (the producer's) thread, as a step of the progress loop
+        would: prepare under the lock, post outside it, commit under it. The progress thread may post
+        other chunks of `t` meanwhile; `t.posting` keeps the transfer from settling under either."""
+        jobs: list[PostJob] = []
+        with self._lock:
+            if not t.finalized:
+                self._pump_send(t, jobs)
+        if not jobs:
+            return
+        posted = self._post_jobs(jobs)
+        with self._lock:
+            for job, handle, status, error in posted:
+                self._commit(job, handle, status, error)
+
+    def _post_jobs(self, jobs: list[PostJob]) -> list[tuple[PostJob, object, str, NixlCallError | None]]:
+        """Hand prepared requests to NIXL (outside the engine lock), stamping when each post began."""
+        posted = []
+        for job in jobs:
+            job.posted_s = time.monotonic()
+            posted.append((job, *self.memory.post(job)))
+        return posted
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
         """Queue one `write_blocks` call as chunks of at most `chunk_blocks`. Whether a chunk is packed
@@ -446,7 +471,7 @@ class NixlEngine:
                 self._pump_recv(r, jobs)
         # Posting copies synchronously on some transports (TCP: tens of ms for a large chunk); the
         # agent lock stays free meanwhile, so prefill threads keep queueing chunks (which then merge).
-        posted = [(job, *self.memory.post(job)) for job in jobs]
+        posted = self._post_jobs(jobs)
         now = time.monotonic()
         with self._lock:
             for job, handle, status, error in posted:
@@ -554,6 +579,7 @@ class NixlEngine:
         t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
         t.record.num_descriptors += job.descriptors
+        t.record.last_post_s = max(t.record.last_post_s or 0.0, job.posted_s)
         if self.config.announce_posts and job.op == "WRITE":
             # Sent (and rung) once the post returned, so a receiver is on its short poll while the
             # bytes land, but not while a host-memory post still copies them synchronously.
@@ -629,6 +655,7 @@ class NixlEngine:
             self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
         t.record.start_transferring(time.monotonic())
         t.seen.add(m.seq)
+        t.posted.discard(m.seq)
         t.blocks_landed += m.num_blocks
         t.record.num_bytes += m.num_blocks * self.region.block_bytes
         t.record.num_chunks += 1
@@ -758,8 +785,12 @@ class NixlEngine:
         send = send if send is not None and send.peer == peer_name else None
         recv = recv if recv is not None and recv.peer == peer_name else None
         if kind == "chunk_posted" and recv is not None:
-            if recv.mode is TransferMode.WRITE and not recv.record.state.terminal:
-                recv.record.start_transferring(now)  # bytes on the way: poll short (has_local_work)
+            seq = notice.chunk_posted.seq
+            if (recv.mode is TransferMode.WRITE and not recv.record.state.terminal and seq not in recv.seen
+                    and seq <= recv.dst_ids.size):  # a chunk holds a block at least (the empty last one aside)
+                recv.record.start_transferring(now)
+                recv.announcing = True
+                recv.posted.add(seq)  # bytes on the way: poll short until its ChunkDone (has_local_work)
         elif kind == "chunk_done" and recv is not None:
             self._on_chunk_done(recv, notice.chunk_done)
         elif kind == "chunk_ready" and recv is not None:

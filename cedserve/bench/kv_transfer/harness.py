@@ -132,7 +132,8 @@ def result_dict(result: TransferResult | None) -> dict[str, Any]:
         "request_id": result.request_id, "state": result.state.value, "bytes": result.num_bytes,
         "descriptors": result.num_descriptors, "chunks": result.num_chunks,
         "latency_s": result.finished_s - result.started_s, "duration_s": result.duration_s,
-        "finished_s": result.finished_s, "started_s": result.started_s}
+        "finished_s": result.finished_s, "started_s": result.started_s, "closed_s": result.closed_s,
+        "last_post_s": result.last_post_s}
     if result.error is not None:
         out.update(cause=result.error.cause.value, error=str(result.error))
     return out

@@ -100,7 +100,8 @@ class Group:
             base_cfg["pack_below_bytes"] = 0
         elif pack == "on":
             base_cfg["pack_below_bytes"] = 1 << 30
-        lay = LayoutSpec(kind=layout, preset=args.preset, block_size=args.block_size)
+        lay = (LayoutSpec(kind=layout, preset=None, raw_block_bytes=args.block_bytes, raw_layers=4)
+               if args.block_bytes else LayoutSpec(kind=layout, preset=args.preset, block_size=args.block_size))
         cuda = args.device == "cuda"
         gpus = _gpu_count() if cuda else 0
 
@@ -169,6 +170,7 @@ class Group:
         blocks = cell.tokens // self.block_size_tokens
         latencies: list[float] = []
         from_write: list[float] = []
+        phases: dict[str, list[float]] = {name: [] for name in _PHASES}
         descriptors: list[int] = []
         gbps: list[float] = []
         failures: list[str] = []
@@ -207,6 +209,10 @@ class Group:
                 done += len(ok)
                 latencies += [ends[rid] - r["started_s"] for rid, r in ok.items()]
                 from_write += [ends[rid] - r.get("first_write_s", r["started_s"]) for rid, r in ok.items()]
+                if self.same_clock:
+                    for rid, r in ok.items():
+                        for name, value in _phases(r, got[rid]).items():
+                            phases[name].append(value)
                 descriptors += [r["descriptors"] + got[rid]["descriptors"] for rid, r in ok.items()]
             failures += [f"{rid} (receiver): {r.get('error', r['state'])}" for rid, r in got.items()
                          if r["state"] != "done"]
@@ -232,6 +238,7 @@ class Group:
                                "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3,
                                "p50_from_write_ms": _pct(from_write, 50) * 1e3,
                                "descriptors_per_request": statistics.mean(descriptors) if descriptors else 0,
+                               "phases_p50_ms": {name: round(_pct(v, 50) * 1e3, 4) for name, v in phases.items() if v},
                                "verified": verified, "failures": failures[:5]}
         out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
         # What a request costs beyond moving its bytes at the raw one-descriptor rate.
@@ -243,6 +250,24 @@ class Group:
         return out
 
     block_size_tokens = 64
+
+
+_PHASES = ("writes", "queued", "posted_to_sender_done", "sender_to_receiver_done")
+"""Where a request's time from its first `write_blocks` goes (one clock; see `_phases`)."""
+
+
+def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
+    """One request's time, in seconds, split at the sender's last handoff (`write_blocks(last=True)`),
+    the start of its last NIXL post, the sender's DONE (a poll saw the last request complete; NIXL
+    then sends its notification) and the receiver's DONE: `writes` (the producer's calls),
+    `queued` (handoff to post: the thread wake-up and the step before it), `posted_to_sender_done`
+    (the post, the bytes, the completion poll), `sender_to_receiver_done` (the notification and the
+    receiver's poll). Empty for a request without those times (READ, or no post)."""
+    first, closed, post = sent.get("first_write_s"), sent.get("closed_s"), sent.get("last_post_s")
+    if first is None or closed is None or post is None:
+        return {}
+    return dict(zip(_PHASES, (closed - first, post - closed, sent["finished_s"] - post,
+                              got["finished_s"] - sent["finished_s"])))
 
 
 def _gpu_count() -> int:
@@ -291,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-bytes", type=int, default=0,
+                   help="model-free blocks of this many bytes (a multiple of 4: four layers) instead of the "
+                   "preset's; tiny blocks leave only the per-request fixed cost")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--stream-blocks", type=int, default=128, help="blocks per write_blocks call (a prefill chunk)")
     p.add_argument("--chunk-blocks", type=int, default=None,
@@ -364,7 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "in-process copy of the same bytes; latency: sender open() to the receiver's DONE "
                      "(to the sender's own on_finish across hosts); p50_from_write_ms: from the sender's first "
                      "write_blocks call instead; fixed_ms: p50_from_write_ms minus bytes_per_request at raw_gbps "
-                     "(what a request costs beyond its bytes)"),
+                     "(what a request costs beyond its bytes); phases_p50_ms: medians of a request's time split at "
+                     "its last write_blocks call, the start of its last post, the sender's DONE and the "
+                     "receiver's DONE (writes, queued, posted_to_sender_done, sender_to_receiver_done)"),
            "cells": rows}
     path = Path(args.json) if args.json else _default_json(args.device, args.netns)
     if path is not None:
