@@ -141,9 +141,14 @@ class SendTransfer(Transfer):
     next_seq: int = 0
     queue: deque[Chunk] = field(default_factory=deque)
     credits: deque[int] = field(default_factory=deque)
-    """Receiver staging slots this sender may write into now (packed WRITE)."""
-    slots_in_use: set[int] = field(default_factory=set)
-    """Receiver staging slots written and not yet returned by a `SlotFree`."""
+    """Receiver staging slots this sender may open now (packed WRITE)."""
+    open_slot: int = -1
+    """The receiver slot packed chunks are appended to (-1: none open); a chunk that does not fit in
+    what is left of it opens the next credit."""
+    open_fill: int = 0
+    """Rows of `open_slot` in use: the next chunk starts there (back to 0 once all are scattered)."""
+    slot_chunks: dict[int, int] = field(default_factory=dict)
+    """Receiver slot -> packed chunks written into it whose `SlotFree` has not come back."""
     written: list[np.ndarray] = field(default_factory=list)
     """Local block ids of every `write_blocks` call (the result's `block_ids`, joined at the end)."""
     closed: bool = False

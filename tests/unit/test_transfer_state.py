@@ -115,6 +115,11 @@ def test_staging_gather_scatter_round_trip() -> None:
         pool.release(slot)
     with pytest.raises(ValueError, match="exceed"):
         pool.slot_rows(0, 9, 8)
+    assert pool.slot_blocks(8) == 8
+    # a chunk placed from row 5 of slot 1: its rows start 5 blocks in, and may not run past the slot
+    assert pool.slot_rows(1, 3, 8, first_row=5).data_ptr() == pool.slot_address(1) + 5 * 8
+    with pytest.raises(ValueError, match="exceed"):
+        pool.slot_rows(1, 4, 8, first_row=5)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
