@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 import threading
 import time
@@ -113,6 +114,8 @@ class NixlEngine:
         self._pack_threshold = config.pack_threshold(self.region.device_memory)
         self._hot_poll_s, self._target_poll_s = _filled(config.poll_interval_s), _filled(config.target_poll_s)
         self._chunk_blocks = int(_filled(config.chunk_blocks))
+        self._spin_s = _filled(config.spin_s)
+        self._spin_until = 0.0  # end of the current hot spell's spinning (0: not in one)
         self._slots_per_request = int(_filled(config.staging_slots_per_request))
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
 
@@ -472,6 +475,8 @@ class NixlEngine:
                 self._fail_everything(f"progress loop error: {type(exc).__name__}: {exc}")
                 sleep_s = self.config.idle_poll_s
             self._run_callbacks()
+            if self._spin(sleep_s <= self._hot_poll_s):
+                continue
             if self._hot_rounds:
                 self._hot_rounds -= 1
                 sleep_s = min(sleep_s, self._hot_poll_s)
@@ -479,6 +484,23 @@ class NixlEngine:
                 # A peer rang: its news is in flight. Poll short for a few rounds in case the ring
                 # overtook the notification (UDP can beat a notification still queued in UCX).
                 self._hot_rounds = _HOT_ROUNDS_AFTER_RING
+
+    def _spin(self, hot: bool) -> bool:
+        """True when the loop should step again at once instead of sleeping: while this side is hot (a
+        request of ours in flight, an announced one landing), for up to `spin_s` per hot spell. Each
+        round yields the core and the GIL (`sched_yield`), and the spell is bounded, because a
+        spinning Python thread keeps the process's other threads from the GIL meanwhile."""
+        if not hot or self._spin_s <= 0:
+            self._spin_until = 0.0
+            return False
+        now = time.monotonic()
+        if not self._spin_until:
+            self._spin_until = now + self._spin_s
+        if now >= self._spin_until:
+            return False
+        os.sched_yield()
+        self._bell.wait(0.0)  # consume wakes: this round steps anyway
+        return True
 
     def _fail_everything(self, detail: str) -> None:
         with self._lock:

@@ -127,6 +127,8 @@ def test_staging_gather_scatter_round_trip() -> None:
     ("control_port", 70000, "control_port"),
     ("peer_timeout_s", 0.1, "peer_timeout_s"),  # fewer than two heartbeats fit
     ("pack_below_bytes", -1, "pack_below_bytes"),
+    ("spin_s", -1e-6, "spin_s"),
+    ("spin_s", 1.0, "spin_s"),  # a spin that long would starve the worker's other threads of the GIL
 ])
 def test_config_validation_names_the_field(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -150,6 +152,9 @@ def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> 
     assert mine.target_poll_s == device.target_poll_s
     assert (device.announce_posts, host.announce_posts) == (True, False)
     assert KVTransferConfig(announce_posts=True).resolved(False).announce_posts is True
+    # device memory: the caller posts its last chunk and the loop spins briefly while hot; host: neither
+    assert (device.caller_posts_last, device.spin_s, host.caller_posts_last, host.spin_s) == (True, 5e-4, False, 0.0)
+    assert KVTransferConfig(spin_s=0.0).resolved(True).spin_s == 0.0
 
 
 def test_metrics_count_bytes_failures_and_ttft_share() -> None:
