@@ -54,7 +54,8 @@ def make_tree(folder: Path, kv_transfer: Path) -> Path:
 
 def run_arm(tree: Path, bench_args: list[str], extra: list[str], out: Path, timeout_s: float) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-P", "-m", "cedserve.bench.kv_transfer.loadtest", *bench_args, *extra, "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the tree first: its `cedserve` shadows any other on the path (scripts/gpu.sh's own tree, wheels after)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=timeout_s)
     if not out.exists():
         raise RuntimeError(f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -91,14 +91,15 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     from anyone (a datagram only ends a sleep)."""
     announce_posts: bool | None = None
     """WRITE: send the receiver a `ChunkPosted` notification (and ring its doorbell) as soon as each
-    NIXL request is posted, so it switches to `poll_interval_s` while the bytes land and sees the
-    `ChunkDone` that follows them at once. Sent after the post returns, so a host-memory post that
-    copies synchronously for tens of ms does not keep the receiver polling short meanwhile (sent
-    before it, it cost 128K-token requests on the 2-core dev VM); on host transports that need the
-    target's progress to finish a request (shared memory) the receiver's polls then finish it.
-    None: on for device memory, off for host memory (128K-token requests, two host requests each,
-    read 0.72-0.89 / 0.55-0.71 of raw with it against 0.90-1.11 / 0.75-0.78 without on the loaded
-    2-core dev VM: the receiver polls short through the second request's synchronous copy)."""
+    NIXL request is posted, so it polls at `poll_interval_s` until that request's `ChunkDone`, which
+    follows the bytes, and sees it at once. Sent after the post returns, so a host-memory post that
+    copies synchronously for tens of ms does not keep the receiver polling short meanwhile; on host
+    transports that need the target's progress to finish a request (shared memory) the receiver's
+    polls then finish it. None: on. (It was off for host memory while the receiver kept polling short
+    from the first notice to the end of the transfer, through the next request's synchronous copy;
+    now it polls short only while a request is outstanding: on the 2-core dev VM 4K/32K-token
+    contiguous requests' fixed cost 0.89 / 0.46 ms with it against 1.28 / 1.35 without, 128K equal,
+    docs/benchmarks/kv-transfer-fixed-cost-old-new-cpu.json.)"""
     spin_s: float | None = None
     """While this side is hot (a request of its own in flight, or one the peer announced landing), the
     progress loop steps again at once, yielding the core and the GIL between rounds, for up to this
@@ -152,7 +153,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                   "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
-                "announce_posts": False, "caller_posts_last": False, "spin_s": 0.0}
+                "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0}
         defaults = device if device_memory else host
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 

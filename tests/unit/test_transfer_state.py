@@ -150,8 +150,8 @@ def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> 
     mine = KVTransferConfig(chunk_blocks=7, poll_interval_s=0.5, staging_slots=0).resolved(True)
     assert (mine.chunk_blocks, mine.poll_interval_s, mine.staging_slots) == (7, 0.5, 0)
     assert mine.target_poll_s == device.target_poll_s
-    assert (device.announce_posts, host.announce_posts) == (True, False)
-    assert KVTransferConfig(announce_posts=True).resolved(False).announce_posts is True
+    assert (device.announce_posts, host.announce_posts) == (True, True)
+    assert KVTransferConfig(announce_posts=False).resolved(False).announce_posts is False
     # device memory: the caller posts its last chunk and the loop spins briefly while hot; host: neither
     assert (device.caller_posts_last, device.spin_s, host.caller_posts_last, host.spin_s) == (True, 5e-4, False, 0.0)
     assert KVTransferConfig(spin_s=0.0).resolved(True).spin_s == 0.0

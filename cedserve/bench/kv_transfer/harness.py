@@ -40,7 +40,7 @@ from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.errors import KVTransferError
 from cedserve.kv_transfer.protocol import TransferMode
 from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
-from cedserve.kv_transfer.staging import put_rows, take_rows
+from cedserve.kv_transfer.staging import gather_blocks, put_rows, scatter_blocks, take_rows
 from cedserve.kv_transfer.state import TransferResult
 from cedserve.kv_transfer.wire import reservation_from_pb, reservation_to_pb
 from cedserve.proto import kv_transfer_pb2 as pb
@@ -302,6 +302,26 @@ class Worker:
                 torch.cuda.synchronize(dst.device)
             seconds.append(time.perf_counter() - t0)
         return {"seconds": seconds}
+
+    def cmd_pack_cost(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Seconds of one staging gather and one scatter of `num_blocks` of this pool, ids allocated as
+        `alloc` (the bench's reference for packing): rows into a scratch buffer and back to the same
+        blocks (their bytes unchanged), on a stream of their own, each waited for, as the engine does."""
+        n = a["num_blocks"]
+        ids = (np.arange(n, dtype=np.int64) if a.get("alloc") == "contiguous"
+               else np.random.default_rng(n).choice(self.region.num_blocks, n, replace=False).astype(np.int64))
+        blocks = self.region.blocks()
+        rows = torch.empty(n, self.region.block_bytes, dtype=torch.uint8, device=blocks.device)
+        stream = torch.cuda.Stream(blocks.device) if blocks.is_cuda else None  # type: ignore[no-untyped-call]
+        gather_s, scatter_s = [], []
+        for _ in range(a.get("reps", 3)):
+            t0 = time.perf_counter()
+            gather_blocks(blocks, ids, rows, stream)
+            t1 = time.perf_counter()
+            scatter_blocks(blocks, ids, rows, stream)
+            gather_s.append(t1 - t0)
+            scatter_s.append(time.perf_counter() - t1)
+        return {"gather_s": gather_s, "scatter_s": scatter_s}
 
     def cmd_send(self, a: dict[str, Any]) -> dict[str, Any]:
         return self._send(a)

@@ -166,6 +166,11 @@ class Group:
     def memcpy(self, nbytes: int) -> float:
         return float(self.senders[0].call("memcpy", nbytes=nbytes)["seconds"][0])
 
+    def pack_cost(self, num_blocks: int, alloc: str) -> tuple[float, float]:
+        """Seconds of one staging gather and one scatter of the cell's blocks (in the sender)."""
+        got = self.senders[0].call("pack_cost", num_blocks=num_blocks, alloc=alloc, reps=3)
+        return min(got["gather_s"]), min(got["scatter_s"])
+
     def run(self, cell: Cell, reps: int, stream_blocks: int, verify: bool) -> dict[str, Any]:
         blocks = cell.tokens // self.block_size_tokens
         latencies: list[float] = []
@@ -178,6 +183,7 @@ class Group:
         raw: list[float] = []
         same: list[float] = []
         copy: list[float] = []
+        pack: list[tuple[float, float]] = []
         nbytes = blocks * self.block_bytes
         for rep in range(reps):
             names = [[f"{cell.key()}-r{rep}-s{j}-b{i}" for i in range(cell.batch)] for j in range(cell.fan_in)]
@@ -230,6 +236,8 @@ class Group:
             raw.append(nbytes / self.reference(nbytes, cell.mode) / 1e9)
             same.append(nbytes / self.reference(nbytes, cell.mode, cell) / 1e9)
             copy.append(nbytes / self.memcpy(nbytes) / 1e9)
+            if cell.layout == "cross_layer":
+                pack.append(self.pack_cost(blocks, cell.alloc))
         out: dict[str, Any] = {**asdict(cell), "blocks_per_request": blocks, "bytes_per_request": nbytes,
                                "reps": reps, "gbps": _median(gbps), "gbps_best": max(gbps, default=0.0),
                                "raw_gbps": _median(raw), "raw_gbps_best": max(raw, default=0.0),
@@ -238,6 +246,8 @@ class Group:
                                "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3,
                                "p50_from_write_ms": _pct(from_write, 50) * 1e3,
                                "descriptors_per_request": statistics.mean(descriptors) if descriptors else 0,
+                               "gather_ms": _median([g for g, _ in pack]) * 1e3,
+                               "scatter_ms": _median([s for _, s in pack]) * 1e3,
                                "phases_p50_ms": {name: round(_pct(v, 50) * 1e3, 4) for name, v in phases.items() if v},
                                "verified": verified, "failures": failures[:5]}
         out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
@@ -392,7 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "in-process copy of the same bytes; latency: sender open() to the receiver's DONE "
                      "(to the sender's own on_finish across hosts); p50_from_write_ms: from the sender's first "
                      "write_blocks call instead; fixed_ms: p50_from_write_ms minus bytes_per_request at raw_gbps "
-                     "(what a request costs beyond its bytes); phases_p50_ms: medians of a request's time split at "
+                     "(what a request costs beyond its bytes); gather_ms / scatter_ms: one staging gather / "
+                     "scatter of the request's blocks in the sender's process (best of 3, waited for), what "
+                     "packing adds per request at most; phases_p50_ms: medians of a request's time split at "
                      "its last write_blocks call, the start of its last post, the sender's DONE and the "
                      "receiver's DONE (writes, queued, posted_to_sender_done, sender_to_receiver_done)"),
            "cells": rows}
