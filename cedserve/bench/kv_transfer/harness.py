@@ -40,7 +40,7 @@ from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.errors import KVTransferError
 from cedserve.kv_transfer.protocol import TransferMode
 from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
-from cedserve.kv_transfer.staging import gather_blocks, put_rows, scatter_blocks, take_rows
+from cedserve.kv_transfer.staging import put_rows, take_rows
 from cedserve.kv_transfer.state import TransferResult
 from cedserve.kv_transfer.wire import reservation_from_pb, reservation_to_pb
 from cedserve.proto import kv_transfer_pb2 as pb
@@ -306,21 +306,27 @@ class Worker:
     def cmd_pack_cost(self, a: dict[str, Any]) -> dict[str, Any]:
         """Seconds of one staging gather and one scatter of `num_blocks` of this pool, ids allocated as
         `alloc` (the bench's reference for packing): rows into a scratch buffer and back to the same
-        blocks (their bytes unchanged), on a stream of their own, each waited for, as the engine does."""
+        blocks (their bytes unchanged), on a stream of their own, each waited for, as the engine does
+        (with the row copies every engine version has, so an older one runs it too)."""
         n = a["num_blocks"]
         ids = (np.arange(n, dtype=np.int64) if a.get("alloc") == "contiguous"
                else np.random.default_rng(n).choice(self.region.num_blocks, n, replace=False).astype(np.int64))
         blocks = self.region.blocks()
         rows = torch.empty(n, self.region.block_bytes, dtype=torch.uint8, device=blocks.device)
         stream = torch.cuda.Stream(blocks.device) if blocks.is_cuda else None  # type: ignore[no-untyped-call]
+
+        def timed(copy: Any) -> float:
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                copy()
+            if stream is not None:
+                stream.synchronize()
+            return time.perf_counter() - t0
+
         gather_s, scatter_s = [], []
         for _ in range(a.get("reps", 3)):
-            t0 = time.perf_counter()
-            gather_blocks(blocks, ids, rows, stream)
-            t1 = time.perf_counter()
-            scatter_blocks(blocks, ids, rows, stream)
-            gather_s.append(t1 - t0)
-            scatter_s.append(time.perf_counter() - t1)
+            gather_s.append(timed(lambda: take_rows(blocks, ids, rows)))
+            scatter_s.append(timed(lambda: put_rows(blocks, ids, rows)))
         return {"gather_s": gather_s, "scatter_s": scatter_s}
 
     def cmd_send(self, a: dict[str, Any]) -> dict[str, Any]:
