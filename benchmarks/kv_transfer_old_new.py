@@ -101,10 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         arms.append((name, tree, shlex.split(extra)))
     started = time.time()
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    failed: list[str] = []
     for rnd in range(args.rounds):
         order = arms[rnd % len(arms):] + arms[: rnd % len(arms)]
         for name, tree, extra in order:
-            cells = run_arm(trees[tree], bench_args, extra, work / f"{name}-{rnd}.json", args.timeout_s)
+            try:
+                cells = run_arm(trees[tree], bench_args, extra, work / f"{name}-{rnd}.json", args.timeout_s)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a loaded host: the arm misses a round
+                print(f"# round {rnd + 1}/{args.rounds} {name}: FAILED, left out: {str(exc)[-400:]}",
+                      file=sys.stderr, flush=True)
+                failed.append(f"round {rnd + 1} {name}: {str(exc)[-400:]}")
+                continue
             for c in cells:
                 results.setdefault(cell_key(c), {}).setdefault(name, []).append(c)
             print(f"# round {rnd + 1}/{args.rounds} {name}: " + ", ".join(
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
            "arms": {name: {"engine": tree, "extra_args": extra} for name, tree, extra in arms},
            "notes": "Medians over rounds (arms alternate within each round) of each cell's figures as "
                     "`cedserve bench kv-transfer` defines them (its JSON `notes`); `rounds` holds every round.",
-           "summary": summary, "rounds": results}
+           "failed_calls": failed, "summary": summary, "rounds": results}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"# wrote {args.json}", file=sys.stderr)
