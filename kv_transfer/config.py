@@ -99,7 +99,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     from the first notice to the end of the transfer, through the next request's synchronous copy;
     now it polls short only while a request is outstanding: on the 2-core dev VM 4K/32K-token
     contiguous requests' fixed cost 0.89 / 0.46 ms with it against 1.28 / 1.35 without, 128K equal,
-    docs/benchmarks/kv-transfer-fixed-cost-old-new-cpu.json.)"""
+    docs/benchmarks/kv-transfer-fixed-cost-announce-cpu.json.)"""
     spin_s: float | None = None
     """While this side is hot (a request of its own in flight, or one the peer announced landing), the
     progress loop steps again at once, yielding the core and the GIL between rounds, for up to this

@@ -262,7 +262,7 @@ class Group:
     block_size_tokens = 64
 
 
-_PHASES = ("writes", "queued", "posted_to_sender_done", "sender_to_receiver_done")
+_PHASES = ("writes", "closed_to_sender_done", "queued", "posted_to_sender_done", "sender_to_receiver_done")
 """Where a request's time from its first `write_blocks` goes (one clock; see `_phases`)."""
 
 
@@ -270,14 +270,19 @@ def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
     """One request's time, in seconds, split at the sender's last handoff (`write_blocks(last=True)`),
     the start of its last NIXL post, the sender's DONE (a poll saw the last request complete; NIXL
     then sends its notification) and the receiver's DONE: `writes` (the producer's calls),
-    `queued` (handoff to post: the thread wake-up and the step before it), `posted_to_sender_done`
-    (the post, the bytes, the completion poll), `sender_to_receiver_done` (the notification and the
-    receiver's poll). Empty for a request without those times (READ, or no post)."""
+    `closed_to_sender_done`, itself `queued` (handoff to post: the thread wake-up and the step before
+    it) plus `posted_to_sender_done` (the post, the bytes, the completion poll), and
+    `sender_to_receiver_done` (the notification and the receiver's poll). An engine that does not
+    stamp its posts (an older one) gives all but the two parts of `closed_to_sender_done`; a request
+    without a handoff (READ) none."""
     first, closed, post = sent.get("first_write_s"), sent.get("closed_s"), sent.get("last_post_s")
-    if first is None or closed is None or post is None:
+    if first is None or closed is None:
         return {}
-    return dict(zip(_PHASES, (closed - first, post - closed, sent["finished_s"] - post,
-                              got["finished_s"] - sent["finished_s"])))
+    out = {"writes": closed - first, "closed_to_sender_done": sent["finished_s"] - closed,
+           "sender_to_receiver_done": got["finished_s"] - sent["finished_s"]}
+    if post is not None:
+        out.update(queued=post - closed, posted_to_sender_done=sent["finished_s"] - post)
+    return out
 
 
 def _gpu_count() -> int:
@@ -407,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "scatter of the request's blocks in the sender's process (best of 3, waited for), what "
                      "packing adds per request at most; phases_p50_ms: medians of a request's time split at "
                      "its last write_blocks call, the start of its last post, the sender's DONE and the "
-                     "receiver's DONE (writes, queued, posted_to_sender_done, sender_to_receiver_done)"),
+                     "receiver's DONE (writes, closed_to_sender_done = queued + posted_to_sender_done, sender_to_receiver_done)"),
            "cells": rows}
     path = Path(args.json) if args.json else _default_json(args.device, args.netns)
     if path is not None:
