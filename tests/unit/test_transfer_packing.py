@@ -9,9 +9,11 @@ a slot's start would put the wrong bytes in every chunk but the first of a slot)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -110,3 +112,32 @@ def test_a_request_streamed_in_pieces_lands_through_two_slots(agents: Agents, pi
     assert torch.equal(dst.blocks()[torch.from_numpy(dst_ids)], src.blocks()[torch.from_numpy(src_ids)])
     assert receiver.staging is not None and sender.staging is not None
     assert receiver.staging.free_slots == 4 and sender.staging.free_slots == 4
+
+
+def test_the_last_write_blocks_posts_from_the_callers_thread() -> None:
+    """With `caller_posts_last` the request is in NIXL's hands when `write_blocks(last=True)` returns:
+    the progress loop here sleeps seconds between steps and was not woken since `open`, so only the
+    caller can have posted it; the loop then polls it to the end."""
+    cfg = KVTransferConfig(auth_token="caller-token", caller_posts_last=True, heartbeat_interval_s=10.0,
+                           peer_timeout_s=30.0)
+    slow = msgspec.structs.replace(cfg, target_poll_s=5.0, idle_poll_s=5.0)  # the sender's loop
+    data = torch.arange(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int64).remainder(251).to(torch.uint8)
+    src = KVRegion(data, BLOCK_BYTES)
+    dst = KVRegion(torch.zeros(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.uint8), BLOCK_BYTES)
+    sender = NixlTransferAgent(slow, src, LAYOUT, "prefill-caller")
+    receiver = NixlTransferAgent(cfg, dst, LAYOUT, "decode-caller")
+    try:
+        sender.handshake(receiver.control_address)
+        ids = np.arange(10, 30)
+        reservation = receiver.receiver().reserve("caller", ids, sender="prefill-caller", lease_s=20.0)
+        sender.sender().open(reservation, timeout_s=20.0)
+        time.sleep(0.3)  # the steps `open` and the handshake woke are over: the loop sleeps 5 s now
+        sender.sender().write_blocks("caller", ids, last=True)
+        posted = sender.engine._record(Role.SENDER, "caller").last_post_s
+        assert posted is not None  # posted before write_blocks returned
+        assert sender.sender().wait("caller", 10.0).num_bytes == 20 * BLOCK_BYTES
+        receiver.receiver().wait("caller", 10.0)
+        assert torch.equal(dst.blocks()[10:30], src.blocks()[10:30])
+    finally:
+        sender.close()
+        receiver.close()

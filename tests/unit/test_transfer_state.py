@@ -181,3 +181,20 @@ def test_metrics_count_bytes_failures_and_ttft_share() -> None:
     assert m.value("cedserve_kv_transfer_tail_seconds_sum", role="sender") == pytest.approx(0.1)
     assert m.observe_ttft("req-1", 2.0) == pytest.approx(0.25)
     assert m.observe_ttft("req-1", 2.0) is None  # counted once
+
+
+def test_a_receiver_polls_short_only_while_an_announced_request_is_outstanding() -> None:
+    from cedserve.kv_transfer.transfers import RecvTransfer
+
+    t = RecvTransfer(record=record(), mode=TransferMode.WRITE, initiator=False, dst_ids=np.arange(3))
+    assert not t.has_local_work()  # reserved, nothing on the way: the long poll
+    t.record.start_transferring(11.0)
+    assert t.has_local_work()  # a sender that never announces: short polls from the first chunk on
+    t.announcing = True
+    t.posted.add(0)  # ChunkPosted(0)
+    assert t.has_local_work()
+    t.posted.discard(0)  # its ChunkDone: back to the long poll until the next notice
+    assert not t.has_local_work()
+    t.record.advance(S.DONE)
+    t.posted.add(1)
+    assert not t.has_local_work()  # a finished transfer never keeps the loop hot
