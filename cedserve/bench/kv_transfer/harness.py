@@ -165,6 +165,8 @@ class Worker:
         self.first_write: dict[str, float] = {}  # request -> its first write_blocks call (monotonic)
         self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
         self._copy_dst: torch.Tensor | None = None
+        self.after_reply: threading.Thread | None = None
+        """A writer `send` prepared, started once its reply is out (see `_send`)."""
 
     def _on_finish(self, result: TransferResult) -> None:
         with self.lock:
@@ -378,7 +380,10 @@ class Worker:
                 if pending and pace:
                     time.sleep(pace)
 
-        threading.Thread(target=run, args=(pending,), name="harness-send", daemon=True).start()
+        # Started once the reply is written (`worker_main`): encoding the reply (every block id) on this
+        # thread while the writer queued would hold the GIL inside the measured window, and a 128K-token
+        # request's 2,048 ids cost the engine's progress thread a wait that grows with the request.
+        self.after_reply = threading.Thread(target=run, args=(pending,), name="harness-send", daemon=True)
         return {"local_ids": local}
 
 
@@ -406,6 +411,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             break
         try:
             reply({"id": msg["id"], "ok": True, "result": worker.handle(msg["cmd"], msg.get("args", {}))})
+            if worker.after_reply is not None:
+                worker.after_reply.start()
+                worker.after_reply = None
         except Exception as exc:  # report to the driver instead of dying silently
             reply({"id": msg["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
     return 0
