@@ -91,14 +91,30 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     from anyone (a datagram only ends a sleep)."""
     announce_posts: bool | None = None
     """WRITE: send the receiver a `ChunkPosted` notification (and ring its doorbell) as soon as each
-    NIXL request is posted, so it switches to `poll_interval_s` while the bytes land and sees the
-    `ChunkDone` that follows them at once. Sent after the post returns, so a host-memory post that
-    copies synchronously for tens of ms does not keep the receiver polling short meanwhile (sent
-    before it, it cost 128K-token requests on the 2-core dev VM); on host transports that need the
-    target's progress to finish a request (shared memory) the receiver's polls then finish it.
-    None: on for device memory, off for host memory (128K-token requests, two host requests each,
-    read 0.72-0.89 / 0.55-0.71 of raw with it against 0.90-1.11 / 0.75-0.78 without on the loaded
-    2-core dev VM: the receiver polls short through the second request's synchronous copy)."""
+    NIXL request is posted, so it polls at `poll_interval_s` until that request's `ChunkDone`, which
+    follows the bytes, and sees it at once. Sent after the post returns, so a host-memory post that
+    copies synchronously for tens of ms does not keep the receiver polling short meanwhile; on host
+    transports that need the target's progress to finish a request (shared memory) the receiver's
+    polls then finish it. None: on. (It was off for host memory while the receiver kept polling short
+    from the first notice to the end of the transfer, through the next request's synchronous copy;
+    now it polls short only while a request is outstanding: on the 2-core dev VM 4K/32K-token
+    contiguous requests' fixed cost 0.89 / 0.46 ms with it against 1.28 / 1.35 without, 128K equal,
+    docs/benchmarks/kv-transfer-fixed-cost-announce-cpu.json.)"""
+    spin_s: float | None = None
+    """While this side is hot (a request of its own in flight, or one the peer announced landing), the
+    progress loop steps again at once, yielding the core and the GIL between rounds, for up to this
+    long per hot spell before it falls back to `poll_interval_s` sleeps. A sleep and its wake-up cost
+    every request tens of microseconds on each side (more in a VM) and one per detection: the
+    sender's completion poll, the receiver's notification drain. Bounded, since a spinning Python
+    thread keeps the process's other threads from the GIL meanwhile. None: 0.5 ms for device memory,
+    0 (never) for host memory (on a small host the spin takes the cores a host copy needs)."""
+    caller_posts_last: bool | None = None
+    """WRITE: `write_blocks(last=True)` posts what is queued of its transfer from the caller's thread
+    (the chunks queued behind each other merge into one request) instead of waking the progress
+    thread to do it: the producer's last handoff, the part of a transfer nothing overlaps, skips a
+    thread wake-up and a step of the loop. Earlier chunks still leave from the progress thread. The
+    call then returns once NIXL has the request. None: on for device memory (a post takes tens of
+    us), off for host memory (a host post copies synchronously: the caller would block for it)."""
     idle_poll_s: float = 0.005
     """Progress-loop sleep with nothing in flight (heartbeats and notifications still flow)."""
     tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
@@ -123,6 +139,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      "poll_interval_s", "target_poll_s", "idle_poll_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 fail("kv_transfer", name, f"must be positive, got {getattr(self, name)}")
+        if self.spin_s is not None and not 0 <= self.spin_s <= 0.1:
+            fail("kv_transfer", "spin_s", f"must be in [0, 0.1] s, got {self.spin_s}")
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
             fail("kv_transfer", "peer_timeout_s", f"{self.peer_timeout_s} s leaves room for fewer than two heartbeats "
                   f"at {self.heartbeat_interval_s} s")
@@ -132,10 +150,10 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         block pool is in device memory or not; explicit values stay."""
         device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
                   "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4,
-                  "announce_posts": True}
+                  "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
-                "announce_posts": False}
+                "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0}
         defaults = device if device_memory else host
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 

@@ -127,6 +127,9 @@ def should_pack(num_descriptors: int, nbytes: int, threshold_bytes: int) -> bool
     return threshold_bytes > 0 and num_descriptors > 1 and nbytes < threshold_bytes * num_descriptors
 
 
-def split_positions(num_blocks: int, max_blocks: int) -> list[tuple[int, int]]:
-    """`[(start, stop)]` cutting `num_blocks` positions into pieces of at most `max_blocks`."""
-    return [(s, min(s + max_blocks, num_blocks)) for s in range(0, num_blocks, max_blocks)]
+def split_positions(num_blocks: int, max_blocks: int, first_max: int | None = None) -> list[tuple[int, int]]:
+    """`[(start, stop)]` cutting `num_blocks` positions into pieces of at most `max_blocks`, the first
+    of at most `first_max` (what is left of a staging slot being filled) when given."""
+    head = min(num_blocks, max_blocks if first_max is None else max(1, min(first_max, max_blocks)))
+    pieces = [(0, head)] if num_blocks else []
+    return pieces + [(s, min(s + max_blocks, num_blocks)) for s in range(head, num_blocks, max_blocks)]

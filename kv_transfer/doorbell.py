@@ -91,7 +91,8 @@ class LocalBell:
         self._event = threading.Event()
 
     def wake(self) -> None:
-        self._event.set()
+        if not self._event.is_set():  # a prefill queueing many chunks sets it once
+            self._event.set()
 
     def ring(self, address: tuple[str, int]) -> None:
         """Nothing: this side has no doorbell socket to send from."""

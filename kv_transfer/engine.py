@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 import threading
 import time
@@ -113,6 +114,8 @@ class NixlEngine:
         self._pack_threshold = config.pack_threshold(self.region.device_memory)
         self._hot_poll_s, self._target_poll_s = _filled(config.poll_interval_s), _filled(config.target_poll_s)
         self._chunk_blocks = int(_filled(config.chunk_blocks))
+        self._spin_s = _filled(config.spin_s)
+        self._spin_until = 0.0  # end of the current hot spell's spinning (0: not in one)
         self._slots_per_request = int(_filled(config.staging_slots_per_request))
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
 
@@ -190,7 +193,9 @@ class NixlEngine:
             if (mode is TransferMode.WRITE and self.staging is not None and ids.size
                     and self.layout.kind is LayoutKind.CROSS_LAYER
                     and should_pack(count_runs(ids, ids), ids.size * self.region.block_bytes, self._pack_threshold)):
-                slots = tuple(self.staging.acquire_up_to(self._slots_per_request))
+                # as many slots as the request's bytes fill (packed chunks share slots), up to the cap
+                needed = -(-ids.size // max(1, self.staging.slot_blocks(self.region.block_bytes)))
+                slots = tuple(self.staging.acquire_up_to(min(self._slots_per_request, needed)))
             record = TransferRecord(request_id, Role.RECEIVER, sender, tuple(ids.tolist()), now + lease, on_finish, now)
             t = RecvTransfer(record=record, mode=mode, initiator=mode is TransferMode.READ, dst_ids=ids,
                              granted_slots=slots)
@@ -275,7 +280,32 @@ class NixlEngine:
             t.record.start_transferring(now)
             if last:
                 t.record.closed_s = now
+        if last and self.config.caller_posts_last:
+            self._post_from_caller(t)
         self._bell.wake()
+
+    def _post_from_caller(self, t: SendTransfer) -> None:
+        """Post what is queued of `t` from this (the producer's) thread, as a step of the progress loop
+        would: prepare under the lock, post outside it, commit under it. The progress thread may post
+        other chunks of `t` meanwhile; `t.posting` keeps the transfer from settling under either."""
+        jobs: list[PostJob] = []
+        with self._lock:
+            if not t.finalized:
+                self._pump_send(t, jobs)
+        if not jobs:
+            return
+        posted = self._post_jobs(jobs)
+        with self._lock:
+            for job, handle, status, error in posted:
+                self._commit(job, handle, status, error)
+
+    def _post_jobs(self, jobs: list[PostJob]) -> list[tuple[PostJob, object, str, NixlCallError | None]]:
+        """Hand prepared requests to NIXL (outside the engine lock), stamping when each post began."""
+        posted = []
+        for job in jobs:
+            job.posted_s = time.monotonic()
+            posted.append((job, *self.memory.post(job)))
+        return posted
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
         """Queue one `write_blocks` call as chunks of at most `chunk_blocks`. Whether a chunk is packed
@@ -304,6 +334,44 @@ class NixlEngine:
             return 0
         return min(self.staging.slot_bytes, peer.staging_slot_bytes) // self.region.block_bytes
 
+    def _packed_room(self, t: SendTransfer) -> int:
+        """Blocks the next packed chunk of `t` may hold: what is left of the receiver slot it is filling
+        (WRITE), else a whole slot. Chunks cut to it fill slots exactly, so a request needs no more
+        receiver slots than its bytes do, and no `SlotFree` round trip while it has credits."""
+        slot_blocks = self._slot_blocks(t)
+        if t.mode is TransferMode.WRITE and t.open_slot >= 0 and t.open_fill < slot_blocks:
+            return slot_blocks - t.open_fill
+        return slot_blocks
+
+    def _place_packed(self, t: SendTransfer, n: int) -> tuple[int, int] | None:
+        """Where a packed WRITE chunk of `n` blocks goes at the receiver: (slot, first row), appended to
+        the open slot if it fits, else at the start of the next credit; None when it must wait for one."""
+        if t.open_slot < 0 or t.open_fill + n > self._slot_blocks(t):
+            if not t.credits:
+                return None
+            if t.open_slot >= 0 and not t.slot_chunks.get(t.open_slot):
+                t.credits.append(t.open_slot)  # full, and all of it scattered already
+            t.open_slot, t.open_fill = t.credits.popleft(), 0
+        place = (t.open_slot, t.open_fill)
+        t.open_fill += n
+        t.slot_chunks[t.open_slot] = t.slot_chunks.get(t.open_slot, 0) + 1
+        return place
+
+    def _slot_freed(self, t: SendTransfer, slot: int) -> None:
+        """The receiver scattered a packed chunk of `slot` (`SlotFree`, one per chunk): once all of a slot
+        is scattered, the open slot refills from row 0 and any other one becomes a credit again."""
+        left = t.slot_chunks.get(slot, 0) - 1
+        if left < 0:
+            return  # not a slot we wrote into: ignored
+        if left:
+            t.slot_chunks[slot] = left
+            return
+        del t.slot_chunks[slot]
+        if slot == t.open_slot:
+            t.open_fill = 0
+        else:
+            t.credits.append(slot)
+
     def _next_chunk(self, t: SendTransfer) -> Chunk:
         """Pop the head chunk, absorbing the chunks of the same kind queued behind it, up to
         `chunk_blocks` (direct) or one staging slot (packed). While the link is the bottleneck,
@@ -312,8 +380,8 @@ class NixlEngine:
         to `chunk_blocks` and are then decided as one: direct, or cut into packed slot-sized chunks."""
         head = t.queue.popleft()
         limit = self._chunk_blocks
-        if head.packed:  # packed chunks merge up to one staging slot
-            limit = self._slot_blocks(t)
+        if head.packed:  # packed chunks merge up to what the next staging placement holds
+            limit = self._packed_room(t)
         parts = [head]
         size = head.src.size
         while t.queue and t.queue[0].packed == head.packed and size + t.queue[0].src.size <= limit:
@@ -330,7 +398,7 @@ class NixlEngine:
                                               chunk.src.size * self.region.block_bytes, self._pack_threshold):
             chunk.packed = False
             return chunk
-        pieces = split_positions(chunk.src.size, slot_blocks)
+        pieces = split_positions(chunk.src.size, slot_blocks, first_max=self._packed_room(t))
         for i, (a, b) in reversed(list(enumerate(pieces))[1:]):
             t.queue.appendleft(Chunk(first=chunk.first + a, src=chunk.src[a:b], dst=chunk.dst[a:b],
                                      packed=b - a > 1, last=chunk.last and i == len(pieces) - 1))
@@ -407,6 +475,8 @@ class NixlEngine:
                 self._fail_everything(f"progress loop error: {type(exc).__name__}: {exc}")
                 sleep_s = self.config.idle_poll_s
             self._run_callbacks()
+            if self._spin(sleep_s <= self._hot_poll_s):
+                continue
             if self._hot_rounds:
                 self._hot_rounds -= 1
                 sleep_s = min(sleep_s, self._hot_poll_s)
@@ -414,6 +484,23 @@ class NixlEngine:
                 # A peer rang: its news is in flight. Poll short for a few rounds in case the ring
                 # overtook the notification (UDP can beat a notification still queued in UCX).
                 self._hot_rounds = _HOT_ROUNDS_AFTER_RING
+
+    def _spin(self, hot: bool) -> bool:
+        """True when the loop should step again at once instead of sleeping: while this side is hot (a
+        request of ours in flight, an announced one landing), for up to `spin_s` per hot spell. Each
+        round yields the core and the GIL (`sched_yield`), and the spell is bounded, because a
+        spinning Python thread keeps the process's other threads from the GIL meanwhile."""
+        if not hot or self._spin_s <= 0:
+            self._spin_until = 0.0
+            return False
+        now = time.monotonic()
+        if not self._spin_until:
+            self._spin_until = now + self._spin_s
+        if now >= self._spin_until:
+            return False
+        os.sched_yield()
+        self._bell.wait(0.0)  # consume wakes: this round steps anyway
+        return True
 
     def _fail_everything(self, detail: str) -> None:
         with self._lock:
@@ -446,7 +533,7 @@ class NixlEngine:
                 self._pump_recv(r, jobs)
         # Posting copies synchronously on some transports (TCP: tens of ms for a large chunk); the
         # agent lock stays free meanwhile, so prefill threads keep queueing chunks (which then merge).
-        posted = [(job, *self.memory.post(job)) for job in jobs]
+        posted = self._post_jobs(jobs)
         now = time.monotonic()
         with self._lock:
             for job, handle, status, error in posted:
@@ -505,18 +592,19 @@ class NixlEngine:
         n = int(c.src.size)
         total = seq + 1 if c.last else 0
         slot: int | None = None
-        remote_slot = -1
+        remote_slot, remote_row = -1, 0
         if c.packed:
             assert self.staging is not None
-            if t.mode is TransferMode.WRITE and not t.credits:
-                return False
             slot = self.staging.acquire()
             if slot is None:
                 return False
-            gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb))
             if t.mode is TransferMode.WRITE:
-                remote_slot = t.credits.popleft()
-                t.slots_in_use.add(remote_slot)
+                place = self._place_packed(t, n)
+                if place is None:
+                    self.staging.release(slot)
+                    return False
+                remote_slot, remote_row = place
+            gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb), self.staging.stream)
         t.record.num_chunks += 1
         if t.mode is TransferMode.READ:
             notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
@@ -529,13 +617,14 @@ class NixlEngine:
             return True
         notice = encode_notice(t.request_id, chunk_done=pb.ChunkDone(
             seq=seq, first_index=c.first, num_blocks=n, staging_slot=remote_slot, last=c.last,
-            total_chunks=total))
+            total_chunks=total, staging_offset=remote_row))
         if n == 0:
             self._notify(t.peer, notice)
             return True
         t.posting += 1
         if slot is not None:
-            return self.memory.staging_job(t, seq, "WRITE", slot, remote_slot, peer, notice, n * bb, None)
+            return self.memory.staging_job(t, seq, "WRITE", slot, remote_slot, peer, notice, n * bb, None,
+                                           peer_row=remote_row)
         return self.memory.blocks_job(t, seq, "WRITE", c.src, c.dst, peer, notice)
 
     def _commit(self, job: PostJob, handle: object, status: str, error: NixlCallError | None) -> None:
@@ -554,6 +643,7 @@ class NixlEngine:
         t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
         t.record.num_descriptors += job.descriptors
+        t.record.last_post_s = max(t.record.last_post_s or 0.0, job.posted_s)
         if self.config.announce_posts and job.op == "WRITE":
             # Sent (and rung) once the post returned, so a receiver is on its short poll while the
             # bytes land, but not while a host-memory post still copies them synchronously.
@@ -618,6 +708,9 @@ class NixlEngine:
         problem = self._check_chunk(t, m.seq, m.first_index, m.num_blocks)
         if m.staging_slot >= 0 and m.staging_slot not in t.granted_slots:
             problem = f"staging slot {m.staging_slot} was not granted"
+        elif m.staging_slot >= 0 and (self.staging is None or m.staging_offset + m.num_blocks
+                                      > self.staging.slot_blocks(self.region.block_bytes)):
+            problem = f"rows [{m.staging_offset}, {m.staging_offset + m.num_blocks}) beyond staging slot {m.staging_slot}"
         if problem:
             self._fail(t, TransferState.FAILED, FailureCause.INVALID, problem, tell_peer=True)
             return
@@ -625,10 +718,12 @@ class NixlEngine:
             assert self.staging is not None
             dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
             scatter_blocks(self.region.blocks(), dst,
-                           self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes))
+                           self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes,
+                                                  m.staging_offset), self.staging.stream)
             self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
         t.record.start_transferring(time.monotonic())
         t.seen.add(m.seq)
+        t.posted.discard(m.seq)
         t.blocks_landed += m.num_blocks
         t.record.num_bytes += m.num_blocks * self.region.block_bytes
         t.record.num_chunks += 1
@@ -682,7 +777,7 @@ class NixlEngine:
                 if inf.scatter_ids is not None and inf.local_slot is not None and self.staging is not None:
                     scatter_blocks(self.region.blocks(), inf.scatter_ids,
                                    self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
-                                                          self.region.block_bytes))
+                                                          self.region.block_bytes), self.staging.stream)
                 t.record.num_bytes += inf.nbytes
                 if isinstance(t, RecvTransfer):
                     t.blocks_landed += inf.nbytes // self.region.block_bytes
@@ -758,17 +853,18 @@ class NixlEngine:
         send = send if send is not None and send.peer == peer_name else None
         recv = recv if recv is not None and recv.peer == peer_name else None
         if kind == "chunk_posted" and recv is not None:
-            if recv.mode is TransferMode.WRITE and not recv.record.state.terminal:
-                recv.record.start_transferring(now)  # bytes on the way: poll short (has_local_work)
+            seq = notice.chunk_posted.seq
+            if (recv.mode is TransferMode.WRITE and not recv.record.state.terminal and seq not in recv.seen
+                    and seq <= recv.dst_ids.size):  # a chunk holds a block at least (the empty last one aside)
+                recv.record.start_transferring(now)
+                recv.announcing = True
+                recv.posted.add(seq)  # bytes on the way: poll short until its ChunkDone (has_local_work)
         elif kind == "chunk_done" and recv is not None:
             self._on_chunk_done(recv, notice.chunk_done)
         elif kind == "chunk_ready" and recv is not None:
             self._on_chunk_ready(recv, notice.chunk_ready)
         elif kind == "slot_free" and send is not None:
-            slot = notice.slot_free.staging_slot
-            if slot in send.slots_in_use:  # a credit we gave out, returned once
-                send.slots_in_use.discard(slot)
-                send.credits.append(slot)
+            self._slot_freed(send, notice.slot_free.staging_slot)
         elif kind == "chunk_consumed" and send is not None:
             inf = send.inflight.pop(notice.chunk_consumed.seq, None)
             if inf is not None:

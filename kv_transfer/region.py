@@ -39,13 +39,15 @@ from cedserve.kernels.reference import (
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.config import ModelConfig
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the internal protocol between prefill and decode workers (messages in
 proto/kv_transfer.proto and proto/worker.proto, and their meaning), checked at the handshake. Bump it
 whenever a peer built from the previous version would misread a message.
 2: senders `Claim` a reservation on the receiver's control plane before writing into it.
 3: `DecodeTarget.block_ids` is gone (the reservation carries the blocks); `ReserveRequest` loses
-`block_hashes` and `max_tokens`; effort, `max_tokens` and `top_p` arrive resolved (no 0 = unset)."""
+`block_hashes` and `max_tokens`; effort, `max_tokens` and `top_p` arrive resolved (no 0 = unset).
+4: a packed WRITE chunk may start inside its receiver staging slot (`ChunkDone.staging_offset`), so
+one slot takes several chunks; a v3 receiver would scatter it from the slot's start."""
 
 
 @dataclass(frozen=True)

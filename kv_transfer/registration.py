@@ -83,11 +83,14 @@ class LocalMemory:
         return PostJob(t, seq, op, descs, peer.kv_mem, notif, nbytes, None, None, descriptors=descs.count)
 
     def staging_job(self, t: Transfer, seq: int, op: Literal["WRITE", "READ"], local_slot: int, peer_slot: int,
-                    peer: PeerState, notif: bytes, nbytes: int, scatter_ids: np.ndarray | None) -> PostJob:
-        """The request moving `nbytes` between our staging slot and the peer's (one descriptor)."""
+                    peer: PeerState, notif: bytes, nbytes: int, scatter_ids: np.ndarray | None,
+                    peer_row: int = 0) -> PostJob:
+        """The request moving `nbytes` between the start of our staging slot and the peer's slot from
+        block row `peer_row` (one descriptor)."""
         assert self.staging is not None
         descs = single_desc(self.staging.slot_address(local_slot), self.region.device_id,
-                            peer.staging_address(peer_slot), peer.staging_device, nbytes)
+                            peer.staging_address(peer_slot) + peer_row * self.region.block_bytes,
+                            peer.staging_device, nbytes)
         return PostJob(t, seq, op, descs, peer.staging_mem, notif, nbytes, local_slot, scatter_ids, descriptors=1)
 
     def post(self, job: PostJob) -> tuple[object, str, NixlCallError | None]:

@@ -1,12 +1,18 @@
 """The packed staging buffer: fixed slots in one registered tensor, gather on the sender and scatter
 on the receiver, so a chunk of scattered blocks crosses the link as one large descriptor.
 
-Slot s holds bytes `[s * slot_bytes, (s + 1) * slot_bytes)`; a packed chunk of n blocks occupies
-its first `n * block_bytes` bytes, block i of the chunk at `i * block_bytes` (request order).
-Packing on the device costs an HBM gather (TB/s) against a link at tens to hundreds of GB/s.
+Slot s holds bytes `[s * slot_bytes, (s + 1) * slot_bytes)` as rows of `block_bytes`; a packed chunk
+of n blocks occupies n consecutive rows from some first row (block i of the chunk at row first + i,
+request order): the sender's own slot from row 0, the receiver's slot wherever the sender placed it
+(several chunks of one request share a receiver slot, `ChunkDone.staging_offset`).
+Packing on the device costs an HBM gather (TB/s) against a link at tens to hundreds of GB/s. The
+copies run on the pool's own CUDA stream, so a gather or scatter never queues behind the worker's
+compute on its default stream, and each ends in one wait on that stream.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -22,10 +28,19 @@ class StagingPool:
         self.slot_bytes = slot_bytes
         self.num_slots = tensor.numel() // slot_bytes
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self.stream: torch.cuda.Stream | None = None
+        """Where gathers and scatters of this pool run (device memory), apart from the worker's compute."""
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)  # the tensor's zeroing, on the default stream, is done
+            self.stream = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
 
     @classmethod
     def allocate(cls, num_slots: int, slot_bytes: int, device: torch.device) -> StagingPool:
         return cls(torch.zeros(num_slots * slot_bytes, dtype=torch.uint8, device=device), slot_bytes)
+
+    def slot_blocks(self, block_bytes: int) -> int:
+        """Blocks of `block_bytes` one slot holds."""
+        return self.slot_bytes // block_bytes
 
     @property
     def base_address(self) -> int:
@@ -50,11 +65,12 @@ class StagingPool:
     def slot_address(self, slot: int) -> int:
         return self.base_address + slot * self.slot_bytes
 
-    def slot_rows(self, slot: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
-        """`[num_blocks, block_bytes]` view of the start of `slot`."""
-        if num_blocks * block_bytes > self.slot_bytes:
-            raise ValueError(f"{num_blocks} blocks of {block_bytes} B exceed a {self.slot_bytes} B slot")
-        start = slot * self.slot_bytes
+    def slot_rows(self, slot: int, num_blocks: int, block_bytes: int, first_row: int = 0) -> torch.Tensor:
+        """`[num_blocks, block_bytes]` view of `slot` from row `first_row`."""
+        if (first_row + num_blocks) * block_bytes > self.slot_bytes:
+            raise ValueError(f"rows [{first_row}, {first_row + num_blocks}) of {block_bytes} B exceed a "
+                             f"{self.slot_bytes} B slot")
+        start = slot * self.slot_bytes + first_row * block_bytes
         return self.tensor[start: start + num_blocks * block_bytes].view(num_blocks, block_bytes)
 
 
@@ -92,19 +108,30 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def gather_blocks(blocks: torch.Tensor, ids: np.ndarray, out: torch.Tensor) -> None:
+def gather_blocks(blocks: torch.Tensor, ids: np.ndarray, out: torch.Tensor,
+                  stream: torch.cuda.Stream | None = None) -> None:
     """`out[i] = blocks[ids[i]]`; `blocks` `[num_blocks, block_bytes]`, `out` `[len(ids), block_bytes]`.
-    Synchronises the device afterwards, since NIXL reads `out` as soon as the transfer is posted."""
-    take_rows(blocks, ids, out)
-    sync_device(out)
+    On the device, on `stream` (the staging pool's; None: the current one), and waits for it, since
+    NIXL reads `out` as soon as the transfer is posted. The caller has the blocks' final bytes (a
+    prefill synchronises before `write_blocks`)."""
+    with _on(stream):
+        take_rows(blocks, ids, out)
+    _wait(out, stream)
 
 
-def scatter_blocks(blocks: torch.Tensor, ids: np.ndarray, src: torch.Tensor) -> None:
-    """`blocks[ids[i]] = src[i]`; synchronises, so the staging slot may be handed back at once."""
-    put_rows(blocks, ids, src)
-    sync_device(blocks)
+def scatter_blocks(blocks: torch.Tensor, ids: np.ndarray, src: torch.Tensor,
+                   stream: torch.cuda.Stream | None = None) -> None:
+    """`blocks[ids[i]] = src[i]`, on `stream` as `gather_blocks`; waits, so the staging rows may be
+    handed back (and the transfer declared DONE) at once."""
+    with _on(stream):
+        put_rows(blocks, ids, src)
+    _wait(blocks, stream)
 
 
-def sync_device(t: torch.Tensor) -> None:
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _wait(t: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
     if t.device.type == "cuda":
-        torch.cuda.current_stream(t.device).synchronize()
+        (stream if stream is not None else torch.cuda.current_stream(t.device)).synchronize()

@@ -82,6 +82,9 @@ class TransferResult:
     closed_s: float | None = None
     """When the sender's producer handed over its last blocks (`write_blocks(last=True)`); None on
     the receiver and for a transfer that never closed."""
+    last_post_s: float | None = None
+    """When this side began posting its last NIXL request (the initiator); None when it posted none.
+    With `closed_s` and `finished_s` it splits a sender's tail into queueing, and posting to done."""
 
     @property
     def duration_s(self) -> float:
@@ -133,6 +136,8 @@ class TransferRecord:
         self.first_byte_s: float | None = None
         self.closed_s: float | None = None
         """See `TransferResult.closed_s`."""
+        self.last_post_s: float | None = None
+        """See `TransferResult.last_post_s`."""
         self.num_bytes = 0
         self.num_descriptors = 0
         self.num_chunks = 0
@@ -164,5 +169,5 @@ class TransferRecord:
             request_id=self.request_id, role=self.role, peer=self.peer, state=self.state,
             block_ids=self.block_ids, num_bytes=self.num_bytes, num_descriptors=self.num_descriptors,
             num_chunks=self.num_chunks, started_s=self.started_s, first_byte_s=self.first_byte_s,
-            finished_s=now_s, error=self.error, closed_s=self.closed_s)
+            finished_s=now_s, error=self.error, closed_s=self.closed_s, last_post_s=self.last_post_s)
         return self.result

@@ -99,6 +99,8 @@ class PostJob:
     handshakes again gets a new list; a post naming the released one fails)."""
     descriptors: int = 0
     """Descriptors the request moves (after merging runs)."""
+    posted_s: float = 0.0
+    """When its post began (monotonic; set by the posting thread)."""
 
 
 @dataclass
@@ -139,9 +141,14 @@ class SendTransfer(Transfer):
     next_seq: int = 0
     queue: deque[Chunk] = field(default_factory=deque)
     credits: deque[int] = field(default_factory=deque)
-    """Receiver staging slots this sender may write into now (packed WRITE)."""
-    slots_in_use: set[int] = field(default_factory=set)
-    """Receiver staging slots written and not yet returned by a `SlotFree`."""
+    """Receiver staging slots this sender may open now (packed WRITE)."""
+    open_slot: int = -1
+    """The receiver slot packed chunks are appended to (-1: none open); a chunk that does not fit in
+    what is left of it opens the next credit."""
+    open_fill: int = 0
+    """Rows of `open_slot` in use: the next chunk starts there (back to 0 once all are scattered)."""
+    slot_chunks: dict[int, int] = field(default_factory=dict)
+    """Receiver slot -> packed chunks written into it whose `SlotFree` has not come back."""
     written: list[np.ndarray] = field(default_factory=list)
     """Local block ids of every `write_blocks` call (the result's `block_ids`, joined at the end)."""
     closed: bool = False
@@ -159,10 +166,21 @@ class RecvTransfer(Transfer):
     total_chunks: int | None = None
     reads: deque[pb.ChunkReady] = field(default_factory=deque)
     """READ mode: announced chunks not yet read."""
+    posted: set[int] = field(default_factory=set)
+    """WRITE: chunks the sender announced posted (`ChunkPosted`) whose `ChunkDone` has not arrived."""
+    announcing: bool = False
+    """The sender announces its posts: poll short only while one is outstanding (`has_local_work`)."""
 
     def has_local_work(self) -> bool:
-        moving = self.mode is TransferMode.WRITE and self.record.state is TransferState.TRANSFERRING
-        return moving or bool(self.reads) or super().has_local_work()
+        """WRITE: poll short while a posted request's bytes are landing. With a sender that announces
+        its posts that is exactly while one is outstanding, so between requests (a host-memory post
+        copies synchronously for tens of ms before its notice goes out) the loop sleeps long; without
+        announcements, from the first chunk to the end."""
+        if self.mode is TransferMode.WRITE and not self.record.state.terminal:
+            moving = bool(self.posted) if self.announcing else self.record.state is TransferState.TRANSFERRING
+            if moving:
+                return True
+        return bool(self.reads) or super().has_local_work()
 
     def complete(self) -> bool:
         return (self.total_chunks is not None and len(self.seen) == self.total_chunks

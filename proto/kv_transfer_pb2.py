@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x0b\x63\x65\x64serve.v1\"t\n\x0cMemoryRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x14\n\x0clength_bytes\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.cedserve.v1.MemoryKind\"S\n\rCompatibility\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\xd3\x02\n\tAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12*\n\x06\x63ompat\x18\x03 \x01(\x0b\x32\x1a.cedserve.v1.Compatibility\x12,\n\tkv_region\x18\x04 \x01(\x0b\x32\x19.cedserve.v1.MemoryRegion\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x31\n\x0estaging_region\x18\x07 \x01(\x0b\x32\x19.cedserve.v1.MemoryRegion\x12\x1a\n\x12staging_slot_bytes\x18\x08 \x01(\x04\x12\x19\n\x11num_staging_slots\x18\t \x01(\r\x12\x17\n\x0f\x63ontrol_address\x18\n \x01(\t\x12\x15\n\rdoorbell_port\x18\x0b \x01(\r\"=\n\x10HandshakeRequest\x12)\n\tinitiator\x18\x01 \x01(\x0b\x32\x16.cedserve.v1.AgentInfo\">\n\x11HandshakeResponse\x12)\n\tresponder\x18\x01 \x01(\x0b\x32\x16.cedserve.v1.AgentInfo\"3\n\x10HeartbeatRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"N\n\x11HeartbeatResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x18\n\x10\x61\x63tive_transfers\x18\x03 \x01(\r\"p\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63\x61use\x18\x02 \x01(\x0e\x32\x19.cedserve.v1.FailureCause\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"8\n\x0c\x43laimRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csender_agent\x18\x02 \x01(\t\".\n\rClaimResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\xc8\x01\n\x0bReservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_agent\x18\x02 \x01(\t\x12\x14\n\x0csender_agent\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\'\n\x04mode\x18\x05 \x01(\x0e\x32\x19.cedserve.v1.TransferMode\x12\x15\n\rstaging_slots\x18\x06 \x03(\r\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\"{\n\tChunkDone\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x14\n\x0cstaging_slot\x18\x04 \x01(\x05\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x06 \x01(\r\" \n\x08SlotFree\x12\x14\n\x0cstaging_slot\x18\x01 \x01(\x05\"\x8f\x01\n\nChunkReady\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x14\n\x0cstaging_slot\x18\x05 \x01(\x05\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x07 \x01(\r\"\x1c\n\rChunkConsumed\x12\x0b\n\x03seq\x18\x01 \x01(\r\"A\n\x05\x41\x62ort\x12(\n\x05\x63\x61use\x18\x01 \x01(\x0e\x32\x19.cedserve.v1.FailureCause\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\n\n\x08\x41\x62ortAck\"\x18\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x19\n\x05Probe\x12\x10\n\x08probe_id\x18\x01 \x01(\x04\"\x1a\n\x0b\x43hunkPosted\x12\x0b\n\x03seq\x18\x01 \x01(\r\"\xdb\x03\n\x0eTransferNotice\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12,\n\nchunk_done\x18\x03 \x01(\x0b\x32\x16.cedserve.v1.ChunkDoneH\x00\x12*\n\tslot_free\x18\x04 \x01(\x0b\x32\x15.cedserve.v1.SlotFreeH\x00\x12.\n\x0b\x63hunk_ready\x18\x05 \x01(\x0b\x32\x17.cedserve.v1.ChunkReadyH\x00\x12\x34\n\x0e\x63hunk_consumed\x18\x06 \x01(\x0b\x32\x1a.cedserve.v1.ChunkConsumedH\x00\x12#\n\x05\x61\x62ort\x18\x07 \x01(\x0b\x32\x12.cedserve.v1.AbortH\x00\x12*\n\tabort_ack\x18\x08 \x01(\x0b\x32\x15.cedserve.v1.AbortAckH\x00\x12+\n\theartbeat\x18\t \x01(\x0b\x32\x16.cedserve.v1.HeartbeatH\x00\x12#\n\x05probe\x18\n \x01(\x0b\x32\x12.cedserve.v1.ProbeH\x00\x12\x30\n\x0c\x63hunk_posted\x18\x0b \x01(\x0b\x32\x18.cedserve.v1.ChunkPostedH\x00\x42\x06\n\x04\x62ody*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*^\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSFER_MODE_WRITE\x10\x01\x12\x16\n\x12TRANSFER_MODE_READ\x10\x02*\xa3\x02\n\x0c\x46\x61ilureCause\x12\x1d\n\x19\x46\x41ILURE_CAUSE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x46\x41ILURE_CAUSE_CANCELLED\x10\x01\x12\x1a\n\x16\x46\x41ILURE_CAUSE_DEADLINE\x10\x02\x12#\n\x1f\x46\x41ILURE_CAUSE_PEER_DISCONNECTED\x10\x03\x12\x1d\n\x19\x46\x41ILURE_CAUSE_PEER_SILENT\x10\x04\x12 \n\x1c\x46\x41ILURE_CAUSE_TRANSFER_ERROR\x10\x05\x12\x1e\n\x1a\x46\x41ILURE_CAUSE_PEER_ABORTED\x10\x06\x12\x19\n\x15\x46\x41ILURE_CAUSE_INVALID\x10\x07\x12\x1a\n\x16\x46\x41ILURE_CAUSE_SHUTDOWN\x10\x08\x32\xab\x02\n\x11KVTransferControl\x12J\n\tHandshake\x12\x1d.cedserve.v1.HandshakeRequest\x1a\x1e.cedserve.v1.HandshakeResponse\x12J\n\tHeartbeat\x12\x1d.cedserve.v1.HeartbeatRequest\x1a\x1e.cedserve.v1.HeartbeatResponse\x12>\n\x05\x41\x62ort\x12\x19.cedserve.v1.AbortRequest\x1a\x1a.cedserve.v1.AbortResponse\x12>\n\x05\x43laim\x12\x19.cedserve.v1.ClaimRequest\x1a\x1a.cedserve.v1.ClaimResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x0b\x63\x65\x64serve.v1\"t\n\x0cMemoryRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x14\n\x0clength_bytes\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.cedserve.v1.MemoryKind\"S\n\rCompatibility\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\xd3\x02\n\tAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12*\n\x06\x63ompat\x18\x03 \x01(\x0b\x32\x1a.cedserve.v1.Compatibility\x12,\n\tkv_region\x18\x04 \x01(\x0b\x32\x19.cedserve.v1.MemoryRegion\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x31\n\x0estaging_region\x18\x07 \x01(\x0b\x32\x19.cedserve.v1.MemoryRegion\x12\x1a\n\x12staging_slot_bytes\x18\x08 \x01(\x04\x12\x19\n\x11num_staging_slots\x18\t \x01(\r\x12\x17\n\x0f\x63ontrol_address\x18\n \x01(\t\x12\x15\n\rdoorbell_port\x18\x0b \x01(\r\"=\n\x10HandshakeRequest\x12)\n\tinitiator\x18\x01 \x01(\x0b\x32\x16.cedserve.v1.AgentInfo\">\n\x11HandshakeResponse\x12)\n\tresponder\x18\x01 \x01(\x0b\x32\x16.cedserve.v1.AgentInfo\"3\n\x10HeartbeatRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"N\n\x11HeartbeatResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x18\n\x10\x61\x63tive_transfers\x18\x03 \x01(\r\"p\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63\x61use\x18\x02 \x01(\x0e\x32\x19.cedserve.v1.FailureCause\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"8\n\x0c\x43laimRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csender_agent\x18\x02 \x01(\t\".\n\rClaimResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\xc8\x01\n\x0bReservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_agent\x18\x02 \x01(\t\x12\x14\n\x0csender_agent\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\'\n\x04mode\x18\x05 \x01(\x0e\x32\x19.cedserve.v1.TransferMode\x12\x15\n\rstaging_slots\x18\x06 \x03(\r\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\"\x93\x01\n\tChunkDone\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x14\n\x0cstaging_slot\x18\x04 \x01(\x05\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x06 \x01(\r\x12\x16\n\x0estaging_offset\x18\x07 \x01(\r\" \n\x08SlotFree\x12\x14\n\x0cstaging_slot\x18\x01 \x01(\x05\"\x8f\x01\n\nChunkReady\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x14\n\x0cstaging_slot\x18\x05 \x01(\x05\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x07 \x01(\r\"\x1c\n\rChunkConsumed\x12\x0b\n\x03seq\x18\x01 \x01(\r\"A\n\x05\x41\x62ort\x12(\n\x05\x63\x61use\x18\x01 \x01(\x0e\x32\x19.cedserve.v1.FailureCause\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\n\n\x08\x41\x62ortAck\"\x18\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x19\n\x05Probe\x12\x10\n\x08probe_id\x18\x01 \x01(\x04\"\x1a\n\x0b\x43hunkPosted\x12\x0b\n\x03seq\x18\x01 \x01(\r\"\xdb\x03\n\x0eTransferNotice\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12,\n\nchunk_done\x18\x03 \x01(\x0b\x32\x16.cedserve.v1.ChunkDoneH\x00\x12*\n\tslot_free\x18\x04 \x01(\x0b\x32\x15.cedserve.v1.SlotFreeH\x00\x12.\n\x0b\x63hunk_ready\x18\x05 \x01(\x0b\x32\x17.cedserve.v1.ChunkReadyH\x00\x12\x34\n\x0e\x63hunk_consumed\x18\x06 \x01(\x0b\x32\x1a.cedserve.v1.ChunkConsumedH\x00\x12#\n\x05\x61\x62ort\x18\x07 \x01(\x0b\x32\x12.cedserve.v1.AbortH\x00\x12*\n\tabort_ack\x18\x08 \x01(\x0b\x32\x15.cedserve.v1.AbortAckH\x00\x12+\n\theartbeat\x18\t \x01(\x0b\x32\x16.cedserve.v1.HeartbeatH\x00\x12#\n\x05probe\x18\n \x01(\x0b\x32\x12.cedserve.v1.ProbeH\x00\x12\x30\n\x0c\x63hunk_posted\x18\x0b \x01(\x0b\x32\x18.cedserve.v1.ChunkPostedH\x00\x42\x06\n\x04\x62ody*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*^\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSFER_MODE_WRITE\x10\x01\x12\x16\n\x12TRANSFER_MODE_READ\x10\x02*\xa3\x02\n\x0c\x46\x61ilureCause\x12\x1d\n\x19\x46\x41ILURE_CAUSE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x46\x41ILURE_CAUSE_CANCELLED\x10\x01\x12\x1a\n\x16\x46\x41ILURE_CAUSE_DEADLINE\x10\x02\x12#\n\x1f\x46\x41ILURE_CAUSE_PEER_DISCONNECTED\x10\x03\x12\x1d\n\x19\x46\x41ILURE_CAUSE_PEER_SILENT\x10\x04\x12 \n\x1c\x46\x41ILURE_CAUSE_TRANSFER_ERROR\x10\x05\x12\x1e\n\x1a\x46\x41ILURE_CAUSE_PEER_ABORTED\x10\x06\x12\x19\n\x15\x46\x41ILURE_CAUSE_INVALID\x10\x07\x12\x1a\n\x16\x46\x41ILURE_CAUSE_SHUTDOWN\x10\x08\x32\xab\x02\n\x11KVTransferControl\x12J\n\tHandshake\x12\x1d.cedserve.v1.HandshakeRequest\x1a\x1e.cedserve.v1.HandshakeResponse\x12J\n\tHeartbeat\x12\x1d.cedserve.v1.HeartbeatRequest\x1a\x1e.cedserve.v1.HeartbeatResponse\x12>\n\x05\x41\x62ort\x12\x19.cedserve.v1.AbortRequest\x1a\x1a.cedserve.v1.AbortResponse\x12>\n\x05\x43laim\x12\x19.cedserve.v1.ClaimRequest\x1a\x1a.cedserve.v1.ClaimResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYKIND']._serialized_start=2267
-  _globals['_MEMORYKIND']._serialized_end=2352
-  _globals['_TRANSFERMODE']._serialized_start=2354
-  _globals['_TRANSFERMODE']._serialized_end=2448
-  _globals['_FAILURECAUSE']._serialized_start=2451
-  _globals['_FAILURECAUSE']._serialized_end=2742
+  _globals['_MEMORYKIND']._serialized_start=2292
+  _globals['_MEMORYKIND']._serialized_end=2377
+  _globals['_TRANSFERMODE']._serialized_start=2379
+  _globals['_TRANSFERMODE']._serialized_end=2473
+  _globals['_FAILURECAUSE']._serialized_start=2476
+  _globals['_FAILURECAUSE']._serialized_end=2767
   _globals['_MEMORYREGION']._serialized_start=34
   _globals['_MEMORYREGION']._serialized_end=150
   _globals['_COMPATIBILITY']._serialized_start=152
@@ -61,26 +61,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMRESPONSE']._serialized_end=1089
   _globals['_RESERVATION']._serialized_start=1092
   _globals['_RESERVATION']._serialized_end=1292
-  _globals['_CHUNKDONE']._serialized_start=1294
-  _globals['_CHUNKDONE']._serialized_end=1417
-  _globals['_SLOTFREE']._serialized_start=1419
-  _globals['_SLOTFREE']._serialized_end=1451
-  _globals['_CHUNKREADY']._serialized_start=1454
-  _globals['_CHUNKREADY']._serialized_end=1597
-  _globals['_CHUNKCONSUMED']._serialized_start=1599
-  _globals['_CHUNKCONSUMED']._serialized_end=1627
-  _globals['_ABORT']._serialized_start=1629
-  _globals['_ABORT']._serialized_end=1694
-  _globals['_ABORTACK']._serialized_start=1696
-  _globals['_ABORTACK']._serialized_end=1706
-  _globals['_HEARTBEAT']._serialized_start=1708
-  _globals['_HEARTBEAT']._serialized_end=1732
-  _globals['_PROBE']._serialized_start=1734
-  _globals['_PROBE']._serialized_end=1759
-  _globals['_CHUNKPOSTED']._serialized_start=1761
-  _globals['_CHUNKPOSTED']._serialized_end=1787
-  _globals['_TRANSFERNOTICE']._serialized_start=1790
-  _globals['_TRANSFERNOTICE']._serialized_end=2265
-  _globals['_KVTRANSFERCONTROL']._serialized_start=2745
-  _globals['_KVTRANSFERCONTROL']._serialized_end=3044
+  _globals['_CHUNKDONE']._serialized_start=1295
+  _globals['_CHUNKDONE']._serialized_end=1442
+  _globals['_SLOTFREE']._serialized_start=1444
+  _globals['_SLOTFREE']._serialized_end=1476
+  _globals['_CHUNKREADY']._serialized_start=1479
+  _globals['_CHUNKREADY']._serialized_end=1622
+  _globals['_CHUNKCONSUMED']._serialized_start=1624
+  _globals['_CHUNKCONSUMED']._serialized_end=1652
+  _globals['_ABORT']._serialized_start=1654
+  _globals['_ABORT']._serialized_end=1719
+  _globals['_ABORTACK']._serialized_start=1721
+  _globals['_ABORTACK']._serialized_end=1731
+  _globals['_HEARTBEAT']._serialized_start=1733
+  _globals['_HEARTBEAT']._serialized_end=1757
+  _globals['_PROBE']._serialized_start=1759
+  _globals['_PROBE']._serialized_end=1784
+  _globals['_CHUNKPOSTED']._serialized_start=1786
+  _globals['_CHUNKPOSTED']._serialized_end=1812
+  _globals['_TRANSFERNOTICE']._serialized_start=1815
+  _globals['_TRANSFERNOTICE']._serialized_end=2290
+  _globals['_KVTRANSFERCONTROL']._serialized_start=2770
+  _globals['_KVTRANSFERCONTROL']._serialized_end=3069
 # @@protoc_insertion_point(module_scope)

@@ -179,20 +179,22 @@ class Reservation(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., receiver_agent: _Optional[str] = ..., sender_agent: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., staging_slots: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class ChunkDone(_message.Message):
-    __slots__ = ("seq", "first_index", "num_blocks", "staging_slot", "last", "total_chunks")
+    __slots__ = ("seq", "first_index", "num_blocks", "staging_slot", "last", "total_chunks", "staging_offset")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STAGING_SLOT_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_OFFSET_FIELD_NUMBER: _ClassVar[int]
     seq: int
     first_index: int
     num_blocks: int
     staging_slot: int
     last: bool
     total_chunks: int
-    def __init__(self, seq: _Optional[int] = ..., first_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., staging_slot: _Optional[int] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ...) -> None: ...
+    staging_offset: int
+    def __init__(self, seq: _Optional[int] = ..., first_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., staging_slot: _Optional[int] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., staging_offset: _Optional[int] = ...) -> None: ...
 
 class SlotFree(_message.Message):
     __slots__ = ("staging_slot",)

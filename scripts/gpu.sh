@@ -76,6 +76,11 @@
 #   transfer-one    KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE, the real block
 #                   layout, contiguous and scattered ids: `cedserve bench kv-transfer` at $TRANSFER_SIZES
 #                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-h200.json}  TRANSFER_ONE_S=150
+#                   With build/kv_before (--prepare-before REF) instead: benchmarks/kv_transfer_old_new.py,
+#                   this kv_transfer, it without the spin, and REF's, rounds alternating, then 64-byte
+#                   blocks (only the fixed cost left), new and old    transfer-one/{bench.log,
+#                   kv-transfer-old-new-cuda.json, kv-transfer-old-new-tiny-cuda.json}  TRANSFER_ONE_S=330,
+#                   TINY_S=150, ROUNDS=3
 #   train-demo      python -m cedserve.training.demo, then benchmarks/demo_eval.py on its checkpoint
 #                   (BACKBONE_S=200, DRAFTER_S=80 budgets)      train-demo/{demo/, train.log,
 #                   train-demo.json, eval.log, demo-eval.json}  TRAIN_TIMEOUT_S=430 EVAL_TIMEOUT_S=150
@@ -571,11 +576,23 @@ EOF
 
 part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE
   local out=$OUT/transfer-one
+  local cells=(--device cuda --sizes "${TRANSFER_SIZES:-4K,32K,128K}" --batch 1 --modes write --fan-in 1 --reps 3)
   mkdir -p "$out"
   export PYTHONUNBUFFERED=1
-  (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest --device cuda \
-     --sizes "${TRANSFER_SIZES:-4K,32K,128K}" --batch 1 --modes write --fan-in 1 --reps 3 --only cross_layer \
-     --json "$out/kv-transfer-cuda-h200.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
+  if [ ! -f build/kv_before/agent.py ]; then
+    (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
+       --only cross_layer --json "$out/kv-transfer-cuda-h200.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
+    return
+  fi
+  echo "== old path: $(cat build/kv_before/REF)" | tee "$out/bench.log"
+  (cd /tmp && timeout "${TRANSFER_ONE_S:-330}" "$PY" -P "$ROOT/benchmarks/kv_transfer_old_new.py" \
+     --old-kv "$ROOT/build/kv_before" --rounds "${ROUNDS:-3}" --arm "new-nospin:--set spin_s=0" \
+     --json "$out/kv-transfer-old-new-cuda.json" -- "${cells[@]}" --only cross_layer) 2>&1 \
+     | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
+  (cd /tmp && timeout "${TINY_S:-150}" "$PY" -P "$ROOT/benchmarks/kv_transfer_old_new.py" \
+     --old-kv "$ROOT/build/kv_before" --rounds 2 --json "$out/kv-transfer-old-new-tiny-cuda.json" -- \
+     --device cuda --block-bytes 64 --sizes 4K,128K --batch 1 --modes write --fan-in 1 --reps 5 --only cross_layer,auto) \
+     2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
 )
 
 run_part() {  # $1: part name

@@ -128,6 +128,11 @@ def test_pack_decision_by_mean_descriptor_size(descs: int, nbytes: int, threshol
 def test_split_positions() -> None:
     assert split_positions(0, 4) == []
     assert split_positions(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    # the first piece fills what is left of a staging slot, the rest whole slots
+    assert split_positions(10, 4, first_max=1) == [(0, 1), (1, 5), (5, 9), (9, 10)]
+    assert split_positions(3, 4, first_max=2) == [(0, 2), (2, 3)]
+    assert split_positions(3, 4, first_max=9) == [(0, 3)]  # never beyond a slot
+    assert split_positions(0, 4, first_max=2) == []
 
 
 def test_compatibility_hash_covers_model_block_size_and_layout() -> None:

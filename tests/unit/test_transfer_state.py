@@ -115,6 +115,11 @@ def test_staging_gather_scatter_round_trip() -> None:
         pool.release(slot)
     with pytest.raises(ValueError, match="exceed"):
         pool.slot_rows(0, 9, 8)
+    assert pool.slot_blocks(8) == 8
+    # a chunk placed from row 5 of slot 1: its rows start 5 blocks in, and may not run past the slot
+    assert pool.slot_rows(1, 3, 8, first_row=5).data_ptr() == pool.slot_address(1) + 5 * 8
+    with pytest.raises(ValueError, match="exceed"):
+        pool.slot_rows(1, 4, 8, first_row=5)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -122,6 +127,8 @@ def test_staging_gather_scatter_round_trip() -> None:
     ("control_port", 70000, "control_port"),
     ("peer_timeout_s", 0.1, "peer_timeout_s"),  # fewer than two heartbeats fit
     ("pack_below_bytes", -1, "pack_below_bytes"),
+    ("spin_s", -1e-6, "spin_s"),
+    ("spin_s", 1.0, "spin_s"),  # a spin that long would starve the worker's other threads of the GIL
 ])
 def test_config_validation_names_the_field(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -143,8 +150,11 @@ def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> 
     mine = KVTransferConfig(chunk_blocks=7, poll_interval_s=0.5, staging_slots=0).resolved(True)
     assert (mine.chunk_blocks, mine.poll_interval_s, mine.staging_slots) == (7, 0.5, 0)
     assert mine.target_poll_s == device.target_poll_s
-    assert (device.announce_posts, host.announce_posts) == (True, False)
-    assert KVTransferConfig(announce_posts=True).resolved(False).announce_posts is True
+    assert (device.announce_posts, host.announce_posts) == (True, True)
+    assert KVTransferConfig(announce_posts=False).resolved(False).announce_posts is False
+    # device memory: the caller posts its last chunk and the loop spins briefly while hot; host: neither
+    assert (device.caller_posts_last, device.spin_s, host.caller_posts_last, host.spin_s) == (True, 5e-4, False, 0.0)
+    assert KVTransferConfig(spin_s=0.0).resolved(True).spin_s == 0.0
 
 
 def test_metrics_count_bytes_failures_and_ttft_share() -> None:
@@ -171,3 +181,20 @@ def test_metrics_count_bytes_failures_and_ttft_share() -> None:
     assert m.value("cedserve_kv_transfer_tail_seconds_sum", role="sender") == pytest.approx(0.1)
     assert m.observe_ttft("req-1", 2.0) == pytest.approx(0.25)
     assert m.observe_ttft("req-1", 2.0) is None  # counted once
+
+
+def test_a_receiver_polls_short_only_while_an_announced_request_is_outstanding() -> None:
+    from cedserve.kv_transfer.transfers import RecvTransfer
+
+    t = RecvTransfer(record=record(), mode=TransferMode.WRITE, initiator=False, dst_ids=np.arange(3))
+    assert not t.has_local_work()  # reserved, nothing on the way: the long poll
+    t.record.start_transferring(11.0)
+    assert t.has_local_work()  # a sender that never announces: short polls from the first chunk on
+    t.announcing = True
+    t.posted.add(0)  # ChunkPosted(0)
+    assert t.has_local_work()
+    t.posted.discard(0)  # its ChunkDone: back to the long poll until the next notice
+    assert not t.has_local_work()
+    t.record.advance(S.DONE)
+    t.posted.add(1)
+    assert not t.has_local_work()  # a finished transfer never keeps the loop hot

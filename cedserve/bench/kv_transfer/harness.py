@@ -132,7 +132,8 @@ def result_dict(result: TransferResult | None) -> dict[str, Any]:
         "request_id": result.request_id, "state": result.state.value, "bytes": result.num_bytes,
         "descriptors": result.num_descriptors, "chunks": result.num_chunks,
         "latency_s": result.finished_s - result.started_s, "duration_s": result.duration_s,
-        "finished_s": result.finished_s, "started_s": result.started_s}
+        "finished_s": result.finished_s, "started_s": result.started_s, "closed_s": result.closed_s,
+        "last_post_s": getattr(result, "last_post_s", None)}  # None from a tree before it existed
     if result.error is not None:
         out.update(cause=result.error.cause.value, error=str(result.error))
     return out
@@ -164,6 +165,8 @@ class Worker:
         self.first_write: dict[str, float] = {}  # request -> its first write_blocks call (monotonic)
         self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
         self._copy_dst: torch.Tensor | None = None
+        self.after_reply: threading.Thread | None = None
+        """A writer `send` prepared, started once its reply is out (see `_send`)."""
 
     def _on_finish(self, result: TransferResult) -> None:
         with self.lock:
@@ -302,6 +305,32 @@ class Worker:
             seconds.append(time.perf_counter() - t0)
         return {"seconds": seconds}
 
+    def cmd_pack_cost(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Seconds of one staging gather and one scatter of `num_blocks` of this pool, ids allocated as
+        `alloc` (the bench's reference for packing): rows into a scratch buffer and back to the same
+        blocks (their bytes unchanged), on a stream of their own, each waited for, as the engine does
+        (with the row copies every engine version has, so an older one runs it too)."""
+        n = a["num_blocks"]
+        ids = (np.arange(n, dtype=np.int64) if a.get("alloc") == "contiguous"
+               else np.random.default_rng(n).choice(self.region.num_blocks, n, replace=False).astype(np.int64))
+        blocks = self.region.blocks()
+        rows = torch.empty(n, self.region.block_bytes, dtype=torch.uint8, device=blocks.device)
+        stream = torch.cuda.Stream(blocks.device) if blocks.is_cuda else None  # type: ignore[no-untyped-call]
+
+        def timed(copy: Any) -> float:
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                copy()
+            if stream is not None:
+                stream.synchronize()
+            return time.perf_counter() - t0
+
+        gather_s, scatter_s = [], []
+        for _ in range(a.get("reps", 3)):
+            gather_s.append(timed(lambda: take_rows(blocks, ids, rows)))
+            scatter_s.append(timed(lambda: put_rows(blocks, ids, rows)))
+        return {"gather_s": gather_s, "scatter_s": scatter_s}
+
     def cmd_send(self, a: dict[str, Any]) -> dict[str, Any]:
         return self._send(a)
 
@@ -351,7 +380,10 @@ class Worker:
                 if pending and pace:
                     time.sleep(pace)
 
-        threading.Thread(target=run, args=(pending,), name="harness-send", daemon=True).start()
+        # Started once the reply is written (`worker_main`): encoding the reply (every block id) on this
+        # thread while the writer queued would hold the GIL inside the measured window, and a 128K-token
+        # request's 2,048 ids cost the engine's progress thread a wait that grows with the request.
+        self.after_reply = threading.Thread(target=run, args=(pending,), name="harness-send", daemon=True)
         return {"local_ids": local}
 
 
@@ -379,6 +411,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             break
         try:
             reply({"id": msg["id"], "ok": True, "result": worker.handle(msg["cmd"], msg.get("args", {}))})
+            if worker.after_reply is not None:
+                worker.after_reply.start()
+                worker.after_reply = None
         except Exception as exc:  # report to the driver instead of dying silently
             reply({"id": msg["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
     return 0

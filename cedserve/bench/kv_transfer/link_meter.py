@@ -78,8 +78,9 @@ class LinkMeter:
     def raw(self, peer_name: str, nbytes: int, op: Literal["WRITE", "READ"] = "WRITE", probe_id: int = 0,
             blocks: tuple[np.ndarray, np.ndarray] | None = None, timeout_s: float = 60.0) -> tuple[float, float]:
         """One NIXL request: ONE descriptor of `nbytes` between the starts of our region and the
-        peer's, or, with `blocks=(local_ids, peer_ids)`, the descriptors this layout would use for
-        those blocks. Returns `(posted_s, done_s)` on this host's monotonic clock. Polled without
+        peer's, or, with `blocks=(local_ids, peer_ids)`, those blocks as the engine posts them: by
+        index into the prepared pool lists (cross-layer; NIXL merges runs), else the descriptors this
+        layout builds per transfer. Returns `(posted_s, done_s)` on this host's monotonic clock. Polled without
         sleeping (NIXL sends the notification when a poll sees the request complete), as the peer
         polls for the probe: NIXL's own rate, not the engine's poll interval."""
         peer = self._agent.engine.live_peer(peer_name)
@@ -92,8 +93,14 @@ class LinkMeter:
             descs = single_desc(region.base_address, region.device_id, peer.kv.base_address, peer.kv.device_id,
                                 nbytes)
         notif = encode_notice("", probe=pb.Probe(probe_id=probe_id)) if op == "WRITE" else b""
+        prepped = blocks is not None and self._memory.blocks_list is not None and peer.blocks_list is not None
         start = time.monotonic()
-        handle, status = self._backend.post(op, descs, self._memory.mem, peer.kv_mem, peer_name, notif)
+        if prepped:
+            assert blocks is not None and self._memory.blocks_list is not None and peer.blocks_list is not None
+            handle, status = self._backend.post_blocks(op, self._memory.blocks_list, blocks[0], peer.blocks_list,
+                                                       blocks[1], peer_name, notif)
+        else:
+            handle, status = self._backend.post(op, descs, self._memory.mem, peer.kv_mem, peer_name, notif)
         while status == "PROC":
             if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"raw: {nbytes} B not done after {timeout_s} s")

@@ -100,7 +100,8 @@ class Group:
             base_cfg["pack_below_bytes"] = 0
         elif pack == "on":
             base_cfg["pack_below_bytes"] = 1 << 30
-        lay = LayoutSpec(kind=layout, preset=args.preset, block_size=args.block_size)
+        lay = (LayoutSpec(kind=layout, preset=None, raw_block_bytes=args.block_bytes, raw_layers=4)
+               if args.block_bytes else LayoutSpec(kind=layout, preset=args.preset, block_size=args.block_size))
         cuda = args.device == "cuda"
         gpus = _gpu_count() if cuda else 0
 
@@ -165,10 +166,16 @@ class Group:
     def memcpy(self, nbytes: int) -> float:
         return float(self.senders[0].call("memcpy", nbytes=nbytes)["seconds"][0])
 
+    def pack_cost(self, num_blocks: int, alloc: str) -> tuple[float, float]:
+        """Seconds of one staging gather and one scatter of the cell's blocks (in the sender)."""
+        got = self.senders[0].call("pack_cost", num_blocks=num_blocks, alloc=alloc, reps=3)
+        return min(got["gather_s"]), min(got["scatter_s"])
+
     def run(self, cell: Cell, reps: int, stream_blocks: int, verify: bool) -> dict[str, Any]:
         blocks = cell.tokens // self.block_size_tokens
         latencies: list[float] = []
         from_write: list[float] = []
+        phases: dict[str, list[float]] = {name: [] for name in _PHASES}
         descriptors: list[int] = []
         gbps: list[float] = []
         failures: list[str] = []
@@ -176,6 +183,7 @@ class Group:
         raw: list[float] = []
         same: list[float] = []
         copy: list[float] = []
+        pack: list[tuple[float, float]] = []
         nbytes = blocks * self.block_bytes
         for rep in range(reps):
             names = [[f"{cell.key()}-r{rep}-s{j}-b{i}" for i in range(cell.batch)] for j in range(cell.fan_in)]
@@ -207,6 +215,10 @@ class Group:
                 done += len(ok)
                 latencies += [ends[rid] - r["started_s"] for rid, r in ok.items()]
                 from_write += [ends[rid] - r.get("first_write_s", r["started_s"]) for rid, r in ok.items()]
+                if self.same_clock:
+                    for rid, r in ok.items():
+                        for name, value in _phases(r, got[rid]).items():
+                            phases[name].append(value)
                 descriptors += [r["descriptors"] + got[rid]["descriptors"] for rid, r in ok.items()]
             failures += [f"{rid} (receiver): {r.get('error', r['state'])}" for rid, r in got.items()
                          if r["state"] != "done"]
@@ -224,6 +236,8 @@ class Group:
             raw.append(nbytes / self.reference(nbytes, cell.mode) / 1e9)
             same.append(nbytes / self.reference(nbytes, cell.mode, cell) / 1e9)
             copy.append(nbytes / self.memcpy(nbytes) / 1e9)
+            if cell.layout == "cross_layer":
+                pack.append(self.pack_cost(blocks, cell.alloc))
         out: dict[str, Any] = {**asdict(cell), "blocks_per_request": blocks, "bytes_per_request": nbytes,
                                "reps": reps, "gbps": _median(gbps), "gbps_best": max(gbps, default=0.0),
                                "raw_gbps": _median(raw), "raw_gbps_best": max(raw, default=0.0),
@@ -232,6 +246,9 @@ class Group:
                                "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3,
                                "p50_from_write_ms": _pct(from_write, 50) * 1e3,
                                "descriptors_per_request": statistics.mean(descriptors) if descriptors else 0,
+                               "gather_ms": _median([g for g, _ in pack]) * 1e3,
+                               "scatter_ms": _median([s for _, s in pack]) * 1e3,
+                               "phases_p50_ms": {name: round(_pct(v, 50) * 1e3, 4) for name, v in phases.items() if v},
                                "verified": verified, "failures": failures[:5]}
         out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
         # What a request costs beyond moving its bytes at the raw one-descriptor rate.
@@ -243,6 +260,29 @@ class Group:
         return out
 
     block_size_tokens = 64
+
+
+_PHASES = ("writes", "closed_to_sender_done", "queued", "posted_to_sender_done", "sender_to_receiver_done")
+"""Where a request's time from its first `write_blocks` goes (one clock; see `_phases`)."""
+
+
+def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
+    """One request's time, in seconds, split at the sender's last handoff (`write_blocks(last=True)`),
+    the start of its last NIXL post, the sender's DONE (a poll saw the last request complete; NIXL
+    then sends its notification) and the receiver's DONE: `writes` (the producer's calls),
+    `closed_to_sender_done`, itself `queued` (handoff to post: the thread wake-up and the step before
+    it) plus `posted_to_sender_done` (the post, the bytes, the completion poll), and
+    `sender_to_receiver_done` (the notification and the receiver's poll). An engine that does not
+    stamp its posts (an older one) gives all but the two parts of `closed_to_sender_done`; a request
+    without a handoff (READ) none."""
+    first, closed, post = sent.get("first_write_s"), sent.get("closed_s"), sent.get("last_post_s")
+    if first is None or closed is None:
+        return {}
+    out = {"writes": closed - first, "closed_to_sender_done": sent["finished_s"] - closed,
+           "sender_to_receiver_done": got["finished_s"] - sent["finished_s"]}
+    if post is not None:
+        out.update(queued=post - closed, posted_to_sender_done=sent["finished_s"] - post)
+    return out
 
 
 def _gpu_count() -> int:
@@ -291,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-bytes", type=int, default=0,
+                   help="model-free blocks of this many bytes (a multiple of 4: four layers) instead of the "
+                   "preset's; tiny blocks leave only the per-request fixed cost")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--stream-blocks", type=int, default=128, help="blocks per write_blocks call (a prefill chunk)")
     p.add_argument("--chunk-blocks", type=int, default=None,
@@ -359,12 +402,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "write_blocks call to the last receiver DONE; raw_gbps (raw1): one NIXL request "
                      "of ONE descriptor of bytes_per_request between the same processes, post to arrival "
                      "of its notification at the receiver, measured right after each round; "
-                     "nixl_same_descs_gbps (sameD): one NIXL request of the descriptors the cell's layout and "
-                     "allocation make for one request (NIXL's own cost of many descriptors); memcpy_gbps: one "
+                     "nixl_same_descs_gbps (sameD): one NIXL request of the cell's blocks as the engine posts them "
+                     "(cross-layer: by index into the prepared pool lists, NIXL merging runs; per-layer: the "
+                     "layout's descriptors), straight to NIXL: NIXL's own cost of the engine's request; memcpy_gbps: one "
                      "in-process copy of the same bytes; latency: sender open() to the receiver's DONE "
                      "(to the sender's own on_finish across hosts); p50_from_write_ms: from the sender's first "
                      "write_blocks call instead; fixed_ms: p50_from_write_ms minus bytes_per_request at raw_gbps "
-                     "(what a request costs beyond its bytes)"),
+                     "(what a request costs beyond its bytes); gather_ms / scatter_ms: one staging gather / "
+                     "scatter of the request's blocks in the sender's process (best of 3, waited for), what "
+                     "packing adds per request at most; phases_p50_ms: medians of a request's time split at "
+                     "its last write_blocks call, the start of its last post, the sender's DONE and the "
+                     "receiver's DONE (writes, closed_to_sender_done = queued + posted_to_sender_done, sender_to_receiver_done)"),
            "cells": rows}
     path = Path(args.json) if args.json else _default_json(args.device, args.netns)
     if path is not None:
