@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 from decode_support import prompt, tiny
+from near_ties import SEEDS, nudged_quantizers
 from test_prefill_engine import Rig, kinds, make_rig
 
 from cedserve.kernels.reference import unpack_index_key, unpack_main_kv, unpack_swa
@@ -166,51 +167,84 @@ def received(rig: Rig, lease: str, num_tokens: int) -> dict[int, tuple[torch.Ten
     return {layer: (kv.main, kv.index_keys) for layer, kv in state.global_kv.items()}
 
 
+Outcome = tuple[int, int, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+"""A request's first token, its cached tokens, and its records as the decode worker received them."""
+
+
+def engine_outcomes(loaded: LoadedModel, runner: str) -> list[Outcome]:
+    """Two requests, the second a prefix hit, then two more at once (the first takes the runner's
+    only slot, so the second runs eagerly), through an engine with `prefill.runner = runner`."""
+    first = prompt(200, 1)
+    second = first[:128] + prompt(100, 3)
+    rig = next(make_rig(loaded, "reference", runner=runner, runner_buckets=(32, 64)))
+    assert (rig.engine.runner is not None) == (runner == "on")
+    results = []
+    for rid, tokens in (("a", first), ("b", second)):
+        events = rig.run(rig.submit(rid, tokens))
+        assert kinds(events) == ["first_token", "done"]
+        ft = events[0].first_token
+        results.append((ft.token_id, ft.cached_tokens, received(rig, f"lease-{rid}", len(tokens))))
+    both = [rig.submit("c", prompt(150, 7)), rig.submit("d", prompt(90, 8))]  # c takes the slot
+    for job in both:
+        events = rig.run(job)
+        results.append(
+            (events[0].first_token.token_id, 0, received(rig, f"lease-{job.request_id}", job.spec.prompt_len))
+        )
+    if runner == "on":
+        assert rig.engine.runner is not None and rig.engine.runner.num_free == 1
+        assert [job.eager for job in both] == [False, True]
+    rig.assert_all_free()
+    rig.cache.close()
+    return results
+
+
 def test_engine_with_the_runner_sends_the_eager_engines_records(loaded: LoadedModel) -> None:
     """Two requests, the second a prefix hit, through an engine with the runner (one slot) and one
     without: the same first tokens and the same bytes in the decode worker's blocks. A third request
-    runs while the first holds the only slot: it runs eagerly, with the same results."""
-    first = prompt(200, 1)
-    second = first[:128] + prompt(100, 3)
-    outcomes = {}
-    for runner in ("off", "on"):
-        rig = next(make_rig(loaded, "reference", runner=runner, runner_buckets=(32, 64)))
-        assert (rig.engine.runner is not None) == (runner == "on")
-        results = []
-        for rid, tokens in (("a", first), ("b", second)):
-            events = rig.run(rig.submit(rid, tokens))
-            assert kinds(events) == ["first_token", "done"]
-            results.append(
-                (
-                    events[0].first_token.token_id,
-                    events[0].first_token.cached_tokens,
-                    received(rig, f"lease-{rid}", len(tokens)),
-                )
-            )
-        both = [rig.submit("c", prompt(150, 7)), rig.submit("d", prompt(90, 8))]  # c takes the slot
-        for job in both:
-            events = rig.run(job)
-            results.append(
-                (
-                    events[0].first_token.token_id,
-                    0,
-                    received(rig, f"lease-{job.request_id}", job.spec.prompt_len),
-                )
-            )
-        if runner == "on":
-            assert rig.engine.runner is not None and rig.engine.runner.num_free == 1
-            assert [job.eager for job in both] == [False, True]
-        rig.assert_all_free()
-        rig.cache.close()
-        outcomes[runner] = results
+    runs while the first holds the only slot: it runs eagerly, with the same results.
+
+    "The same" but where float noise rounds a near-tie apart (`near_ties`): the runner's
+    projections round differently from the modules', so a record whose input lies that close to a
+    quantization boundary may take the neighbouring code, and the step reaches later layers' and
+    positions' records. So a record row may differ only if nudging the eager engine's quantizer
+    inputs (as another rounding would) changes that row too, and then within one quantization step;
+    a first token only to one a nudged eager engine also picks."""
+    eager, ran = engine_outcomes(loaded, "off"), engine_outcomes(loaded, "on")
     # the prefix hit: 128 tokens shared, the last of their blocks recomputed for the 128-token replay
     # span (the suffix is 100), so the runner's first chunk meets a restored state and shared blocks
-    assert outcomes["on"][1][1] == 64
-    for eager, ran in zip(outcomes["off"], outcomes["on"]):
-        assert eager[0] == ran[0] and eager[1] == ran[1]
-        for layer, (main, keys) in eager[2].items():
-            assert_records_match(main, ran[2][layer][0], unpack_main_kv, layer)
-            assert_records_match(keys, ran[2][layer][1], unpack_index_key, layer)
+    assert ran[1][1] == 64
+    assert [r[1] for r in ran] == [e[1] for e in eager]
+    if all(e[0] == r[0] and same_records(e[2], r[2]) for e, r in zip(eager, ran)):
+        return
+    nudged = []
+    for seed in range(SEEDS):
+        with nudged_quantizers(seed):
+            nudged.append(engine_outcomes(loaded, "off"))
+    for i, (want, got) in enumerate(zip(eager, ran)):
+        assert got[0] in {want[0]} | {n[i][0] for n in nudged}, (i, got[0], want[0])
+        for layer, (main, keys) in want[2].items():
+            for j, decode in ((0, unpack_main_kv), (1, unpack_index_key)):
+                reachable = torch.zeros(main.shape[0] if j == 0 else keys.shape[0], dtype=torch.bool)
+                for n in nudged:
+                    reachable |= (n[i][2][layer][j] != want[2][layer][j]).any(dim=-1)
+                assert_records_within_ties(want[2][layer][j], got[2][layer][j], reachable, decode, (i, layer, j))
+
+
+def same_records(a: dict[int, tuple[torch.Tensor, torch.Tensor]], b: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+
+
+def assert_records_within_ties(
+    want: torch.Tensor, got: torch.Tensor, reachable: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor],
+    what: object,
+) -> None:
+    """Rows no near-tie reaches: the same bytes; the others within one quantization step (`STEP`)."""
+    assert got.shape == want.shape, what
+    differ = (got != want).any(dim=-1)
+    assert not bool((differ & ~reachable).any()), (what, "rows no near-tie reaches differ", differ & ~reachable)
+    values = decode(want)
+    bound = STEP * values.abs().amax(dim=-1, keepdim=True) + 1e-6
+    assert bool(((decode(got) - values).abs() <= bound).all()), what
 
 
 @pytest.fixture(scope="module")
