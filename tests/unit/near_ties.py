@@ -8,8 +8,9 @@ and layers: ~1e-3 in logits, 0.1-0.3 where it also flips a near-tied top-k pick 
 the reference fixture's README). Which values lie that close is a property of the weights and
 inputs; which way each rounds is the machine's. So a test comparing two paths cannot demand
 float-noise agreement everywhere, but it can ask the model which outputs such a tie can reach:
-`rounding_envelope` reruns one path with every quantizer input nudged by noise a few times larger
-than the measured cross-CPU noise (fresh noise per seed) and reports how far each output moved.
+`rounding_envelope` reruns one path with every quantizer input, indexer top-k score and MoE route
+nudged by noise twice the largest measured cross-CPU difference (fresh noise per seed) and reports
+how far each output moved.
 A row that no nudge moved, nor any row before it, depends on no near-tie and must agree to float
 noise; later rows may differ by about as much as the nudges moved rows (`assert_close_but_near_ties`).
 

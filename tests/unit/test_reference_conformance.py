@@ -9,8 +9,9 @@ near-tie: there the other machine may round it to the neighbouring FP8/FP4 code,
 logits by ~1e-3, and by 0.1-0.3 where it also flips a near-tied top-k pick of the sparse indexer
 (the reference shows this itself for the 200-token prompt 2: its chunked prefill differs from its
 full forward by 0.30). Which rows such a tie reaches is asked of the model (`near_ties`: reruns
-with every quantizer input nudged): rows no nudge moves are held to TIGHT; the others to TIGHT plus
-FLIP_MARGIN times how far the nudges moved that row. Greedy tokens of prompts 0 and 1 must match
+with every quantizer input, top-k score and route nudged by rounding-sized noise): rows before the
+first one a nudge moves are held to TIGHT; later ones to TIGHT plus FLIP_MARGIN times the farthest
+the nudges moved a row up to them. Greedy tokens of prompts 0 and 1 must match
 exactly.
 """
 
