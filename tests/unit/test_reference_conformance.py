@@ -2,20 +2,27 @@
 
 Tolerances. Our forward follows the reference's operation order; on the development CPU the
 worst errors are <= 4.2e-7 for full forwards (0.0, bit for bit, with two BLAS threads) and
-<= 4.1e-6 for cached decode, the size of the reference's own cached-vs-full gap. Elsewhere (another BLAS, GPU) float32 rounding moves
-logits by ~1e-6, so TIGHT = 1e-4 leaves a 100x margin. Rounding can also flip a near-tied
-top-k pick of the sparse indexer, which moves later logits by 0.1-0.3; the reference shows this
-itself for the 200-token prompt 2 (its chunked prefill differs from its full forward by 0.30).
-So prompt 2 is held to TIGHT on most positions but may exceed it, up to FLIP_BOUND, on at most
-FLIP_FRACTION of its rows. Greedy tokens of prompts 0 and 1 must match exactly.
+<= 4.1e-6 for cached decode, the size of the reference's own cached-vs-full gap. Elsewhere (another
+BLAS or vector ISA, the paged path's other summation order, GPU) float32 rounding moves logits by
+~1e-6, so TIGHT = 1e-4 leaves a 100x margin, but only where no cached value is quantized from a
+near-tie: there the other machine may round it to the neighbouring FP8/FP4 code, which moves later
+logits by ~1e-3, and by 0.1-0.3 where it also flips a near-tied top-k pick of the sparse indexer
+(the reference shows this itself for the 200-token prompt 2: its chunked prefill differs from its
+full forward by 0.30). Which rows such a tie reaches is asked of the model (`near_ties`: reruns
+with every quantizer input, top-k score and route nudged by rounding-sized noise): rows before the
+first one a nudge moves are held to TIGHT; later ones to TIGHT plus FLIP_MARGIN times the farthest
+the nudges moved a row up to them. Greedy tokens of prompts 0 and 1 must match
+exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from near_ties import assert_close_but_near_ties
 
 if TYPE_CHECKING:
     from conftest import ReferenceA
@@ -23,9 +30,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.unit
 
 TIGHT = 1e-4
-FLIP_BOUND = 0.5
-FLIP_FRACTION = 0.25
-FLIP_TOLERANT_PROMPTS = {2}
+FLIP_MARGIN = 2.0
 DECODE_STEPS = 24
 
 
@@ -64,25 +69,30 @@ def _greedy_decode_paged(ref: ReferenceA, prompt: list[int]) -> tuple[torch.Tens
     return torch.cat(rows[:DECODE_STEPS]), tokens
 
 
-def _check_close(got: torch.Tensor, want: torch.Tensor, prompt_index: int, what: str) -> None:
-    per_row = (got - want).abs().amax(dim=-1)
-    worst = int(per_row.argmax())
-    detail = f"{what} prompt {prompt_index}: worst abs error {per_row[worst].item():.3g} at row {worst}"
-    if prompt_index not in FLIP_TOLERANT_PROMPTS:
-        assert per_row[worst] <= TIGHT, detail
-        return
-    loose = int((per_row > TIGHT).sum())
-    assert per_row[worst] <= FLIP_BOUND, detail
-    assert loose <= FLIP_FRACTION * per_row.numel(), f"{detail}; {loose}/{per_row.numel()} rows above {TIGHT}"
+def _check_close(
+    got: torch.Tensor, run: Callable[[], torch.Tensor], want: torch.Tensor, prompt_index: int, what: str
+) -> None:
+    assert got.shape == want.shape
+    assert_close_but_near_ties(got, want, run, TIGHT, FLIP_MARGIN, f"{what} prompt {prompt_index}")
+
+
+def _paged(ref: ReferenceA, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`run()` with the model on the paged path's torch-reference backend."""
+    ref.model.use_paged_attention("reference")
+    try:
+        return run()
+    finally:
+        ref.model.use_paged_attention(None)
 
 
 @pytest.mark.parametrize("prompt_index", [0, 1, 2])
 def test_full_forward_logits(reference_a: ReferenceA, prompt_index: int) -> None:
-    prompt = reference_a.prompts[prompt_index]
-    got = reference_a.model.prefill(prompt, reference_a.model.new_state())
-    want = reference_a.tensor(f"logits_{prompt_index}")
-    assert got.shape == want.shape
-    _check_close(got, want, prompt_index, "full forward")
+    model = reference_a.model
+
+    def run() -> torch.Tensor:
+        return model.prefill(reference_a.prompts[prompt_index], model.new_state())
+
+    _check_close(run(), run, reference_a.tensor(f"logits_{prompt_index}"), prompt_index, "full forward")
 
 
 @pytest.mark.parametrize("prompt_index", [0, 1, 2])
@@ -90,18 +100,22 @@ def test_paged_full_forward_logits(reference_a: ReferenceA, prompt_index: int) -
     """The prompt as one chunk through the paged path (window slots, two-level top-k over paged index
     keys, sparse attention over picked slots) gives the reference's full-forward logits."""
     model = reference_a.model
-    model.use_paged_attention("reference")
-    try:
-        got = model.prefill(reference_a.prompts[prompt_index], model.new_state())
-    finally:
-        model.use_paged_attention(None)
-    _check_close(got, reference_a.tensor(f"logits_{prompt_index}"), prompt_index, "paged full forward")
+
+    def run() -> torch.Tensor:
+        return _paged(reference_a, lambda: model.prefill(reference_a.prompts[prompt_index], model.new_state()))
+
+    want = reference_a.tensor(f"logits_{prompt_index}")
+    _check_close(run(), run, want, prompt_index, "paged full forward")
 
 
 @pytest.mark.parametrize("prompt_index", [0, 1, 2])
 def test_cached_greedy_decode(reference_a: ReferenceA, prompt_index: int) -> None:
     got, tokens = _greedy_decode(reference_a, reference_a.prompts[prompt_index])
-    _check_close(got, reference_a.tensor(f"decode_logits_{prompt_index}"), prompt_index, "decode")
+
+    def run() -> torch.Tensor:
+        return _greedy_decode(reference_a, reference_a.prompts[prompt_index])[0]
+
+    _check_close(got, run, reference_a.tensor(f"decode_logits_{prompt_index}"), prompt_index, "decode")
     if prompt_index in (0, 1):
         assert tokens == reference_a.results[prompt_index]["greedy_new_tokens"]
 
@@ -112,6 +126,10 @@ def test_paged_decode_reproduces_the_reference(reference_a: ReferenceA, prompt_i
     attention over picked slots (the kernels' addressing, on their torch references) give the
     reference's cached-decode logits as the dense path does."""
     got, tokens = _greedy_decode_paged(reference_a, reference_a.prompts[prompt_index])
-    _check_close(got, reference_a.tensor(f"decode_logits_{prompt_index}"), prompt_index, "paged decode")
+
+    def run() -> torch.Tensor:
+        return _greedy_decode_paged(reference_a, reference_a.prompts[prompt_index])[0]
+
+    _check_close(got, run, reference_a.tensor(f"decode_logits_{prompt_index}"), prompt_index, "paged decode")
     if prompt_index in (0, 1):
         assert tokens == reference_a.results[prompt_index]["greedy_new_tokens"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from near_ties import assert_close_but_near_ties
 
 from cedserve.kernels.reference import (
     pack_index_key,
@@ -64,6 +65,12 @@ TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     "class Router:\n    def place(self, request):\n        return min(self.workers, key=lambda w: w.load)\n"
 )
+
+
+TIGHT = 1e-4
+"""Float noise between the batched training pass and a row's `prefill` (measured: <= 2e-7)."""
+FLIP_MARGIN = 2.0
+"""A row reached by a near-tie may differ by this many times what rounding it the other way moves it."""
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -135,16 +142,25 @@ def stream() -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_format", list(KVFormat))
 def test_training_pass_equals_prefill_of_each_row(kv_format: KVFormat) -> None:
+    """Each row of the batched training pass gives the logits and taps `prefill` gives for it alone:
+    within float noise (1e-4) wherever no cached value is quantized (records, or bf16) from a near-tie;
+    where one is, the two passes may round it apart, and the row may differ by about as much as
+    rounding it the other way moves `prefill`'s row (`near_ties`)."""
     config = fit_config_to_tokenizer(preset("tiny"), tiny_tokenizer_path())
     model, _ = random_model(config, tiny_tokenizer_path(), seed=3)
     tokens = torch.randint(3, 500, (2, 37), generator=torch.Generator().manual_seed(1))
     out = model.forward_train(tokens, kv_format=kv_format, taps=True)
     assert out.taps is not None
     for b in range(2):
-        state = model.new_state(kv_format)
-        reference = model.prefill_with_taps(tokens[b], state)
-        torch.testing.assert_close(out.logits[b].detach(), reference.logits, atol=1e-4, rtol=0)
-        torch.testing.assert_close(out.taps[b].detach(), reference.taps, atol=1e-4, rtol=0)
+
+        def run(b: int = b) -> torch.Tensor:
+            reference = model.prefill_with_taps(tokens[b], model.new_state(kv_format))
+            return torch.cat([reference.logits, reference.taps.flatten(1)], dim=-1)  # [S, vocab + taps]
+
+        got = run()
+        assert got.shape == (tokens.shape[1], out.logits.shape[-1] + out.taps[b].flatten(1).shape[-1])
+        trained = torch.cat([out.logits[b].detach(), out.taps[b].detach().flatten(1)], dim=-1)
+        assert_close_but_near_ties(got, trained, run, TIGHT, FLIP_MARGIN, f"{kv_format.value} row {b}")
 
 
 def test_a_few_steps_reduce_the_loss_and_the_checkpoint_gives_the_trained_logits(tmp_path: Path) -> None:
