@@ -518,13 +518,18 @@ class GenerationCore:
             progress.finish = generation_pb2.FINISH_REASON_STOP
         elif progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED:
             text += progress.text.finish()  # no token follows: what was held back goes now, not in a chunk of its own
-        chunk = generation_pb2.Chunk(token_ids=kept, text=text)
+        # filled in place: a Chunk built apart would be copied into the response
+        response = generation_pb2.GenerateResponse(request_id=req.request_id)
+        chunk = response.chunk
+        chunk.SetInParent()  # a chunk even when empty, as before
+        chunk.token_ids.extend(kept)
+        chunk.text = text
         if req.logprobs:  # only when asked for: the workers may report them regardless
             chunk.logprobs.extend(logprobs[: len(kept)])
             for row in top_logprobs[: len(kept)]:
                 chunk.top_logprobs.add().entries.extend(
                     generation_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in zip(row.token_ids, row.logprobs))
-        return generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
+        return response
 
     async def _reserve(self, decode: WorkerHandle, prefill: WorkerHandle | None, req: PreparedRequest,
                        prompt: tuple[int, ...], deadline: Deadline) -> worker_pb2.ReserveReply:

@@ -93,7 +93,11 @@ class LeaseKeeper:
             log.debug("renewal of %d leases on %s failed: %s", len(refs), worker_id, exc.code().name)
             return
         self.metrics.lease_renew_s.observe(time.monotonic() - start)
-        if reply.lost_lease_ids:
-            self.metrics.leases_lost.inc(len(reply.lost_lease_ids))
+        # A lease dropped while its renewal was in flight (its Decode call took it over, its request
+        # ended) is no loss: count only those the router still waits on.
+        still_open = self._open.get(worker_id, {})
+        lost = [lease_id for lease_id in reply.lost_lease_ids if lease_id in still_open]
+        if lost:
+            self.metrics.leases_lost.inc(len(lost))
             log.info("decode worker %s no longer holds %d leases this router waits on (their requests fail on "
-                     "their next call)", worker_id, len(reply.lost_lease_ids))
+                     "their next call)", worker_id, len(lost))

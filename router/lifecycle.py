@@ -27,7 +27,6 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -42,6 +41,7 @@ from cedserve.serving.server import LIVENESS_SERVICE
 
 log = logging.getLogger(__name__)
 GENERATE_METHOD = "/cedserve.v1.Generation/Generate"
+DRAINING_MESSAGE = "router is draining (shutting down); retry on another router"
 REGISTRY_SOURCE = "registry"
 
 
@@ -116,36 +116,6 @@ class RouterDrain:
         self._in_flight -= 1
         if not self._in_flight:
             self._idle.set()
-
-
-class DrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses new Generate calls while draining and counts the open ones."""
-
-    def __init__(self, drain: RouterDrain) -> None:
-        self._drain = drain
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler_call_details.method != GENERATE_METHOD or handler is None or handler.unary_stream is None:
-            return handler
-        drain, inner = self._drain, handler.unary_stream
-
-        async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if drain.draining:
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "router is draining (shutting down); retry on another router")
-            drain.enter()
-            try:
-                async for response in inner(request, context):
-                    yield response
-            finally:
-                drain.leave()
-
-        return grpc.unary_stream_rpc_method_handler(generate, request_deserializer=handler.request_deserializer,
-                                                    response_serializer=handler.response_serializer)
 
 
 def _loopback_only(context: grpc.aio.ServicerContext) -> str | None:

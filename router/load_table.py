@@ -52,6 +52,9 @@ Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 _NO_TIERS = {"host": 1.0, "disk": 1.0}
 """Tier rates `place` passes when no prefill worker holds a prefix (unread then)."""
+SMALL_POOL_PAIRS = 64
+"""`LoadTable.place` scores every pair in Python (`place_small`) up to this many (prefill, decode) pairs
+in the table."""
 _MAX_POSITIONS = 1024
 """Holder tuples whose slots `LoadTable._positions_of` keeps (all are dropped when it has this many)."""
 TierRun = Sequence[int]
@@ -222,7 +225,15 @@ class LoadTable:
         choice, cost and parts; the same `NoCapacityError` / `NoWorkerError`. The per-worker terms are
         one compiled pass over the workers (`_scores`), the pair's bounds and ties another
         (`_cheapest_pair`, over the link model's `numbered` rates); Python handles what is left: the
-        rare ties between several pairs, decode-only placement's id order, the result."""
+        rare ties between several pairs, decode-only placement's id order, the result. A small pool
+        (`SMALL_POOL_PAIRS`) is placed in Python instead (`place_small`), with the same result."""
+        if len(self._p.index) * len(self._d.index) <= SMALL_POOL_PAIRS:
+            return self.place_small(req, runs, links, decode_only_max_tokens, excluded)
+        return self.place_compiled(req, runs, links, decode_only_max_tokens, excluded)
+
+    def place_compiled(self, req: RequestShape, runs: Mapping[str, TierRun], links: LinkModel,
+                       decode_only_max_tokens: int, excluded: Collection[str] = ()) -> Placement:
+        """`place` through the compiled loops, whatever the pool's size."""
         p_ok, d_ok = self._p.usable(excluded), self._d.usable(excluded)
         num_p, num_d = len(p_ok), len(d_ok)
         s = self._scratch(num_p, num_d)
@@ -246,6 +257,86 @@ class LoadTable:
         if best is None:
             raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
         return best
+
+    def place_small(self, req: RequestShape, runs: Mapping[str, TierRun], links: LinkModel,
+                    decode_only_max_tokens: int, excluded: Collection[str] = ()) -> Placement:
+        """`place` with every pair scored in Python floats: for a few workers the compiled loops' calls
+        (their dispatch checks some 25 arguments) and the arrays made per request cost more than the
+        arithmetic. The terms are the compiled loops' (`_scores`, `_decode_only_costs`), in their order
+        and types, so every cost is the same to the bit; the choice is the cheapest pair by (cost,
+        prefill id, decode id), as `place` chooses; then the decode-only comparison, as above."""
+        p_slots = [k for w, k in self._p.index.items() if w not in excluded]
+        d_slots = [k for w, k in self._d.index.items() if w not in excluded]
+        p_wait, p_rate = self._p_wait.tolist(), self._p_rate.tolist()
+        prompt_len, block_size, block_bytes = req.prompt_len, req.block_size, req.block_bytes
+        compute = {k: prompt_len / p_rate[k] for k in p_slots}
+        cached: dict[int, int] = {}
+        held = zip(runs.workers, runs.blocks.tolist()) if isinstance(runs, PrefixRuns) else runs.items()
+        tiers = links.tier_bytes_per_s
+        for w, (device, host, disk) in held:
+            if (k := self._p.index.get(w)) is not None:
+                if k in compute:
+                    onload = host * block_bytes / tiers["host"] + disk * block_bytes / tiers["disk"]
+                    uncached = max(0, prompt_len - min(device * block_size, prompt_len) - (host + disk) * block_size)
+                    compute[k] = uncached / p_rate[k] + onload
+            elif (k := self._d.index.get(w)) is not None:
+                cached[k] = device + host + disk
+        num_blocks, expected_output = req.num_blocks, expected_output_tokens(req.effort)
+        d_free, d_running = self._d_free.tolist(), self._d_running.tolist()
+        d_added, d_step_next = self._d_added.tolist(), self._d_step_next.tolist()
+        pressure = {k: expected_output * d_added[k] * d_running[k] + d_step_next[k] for k in d_slots}
+        fits = [k for k in d_slots if d_free[k] >= num_blocks - cached.get(k, 0)]
+        if not fits:
+            raise NoCapacityError(f"no decode worker has {req.num_blocks} free blocks for a {req.prompt_len}-token prompt")
+        missing = {k: float(max(0, num_blocks - cached.get(k, 0)) * block_bytes) for k in fits}
+        best: Placement | None = None
+        if p_slots:
+            best = self._cheapest_small(p_slots, fits, p_wait, compute, missing, pressure, links)
+        if prompt_len - max(cached.values(), default=0) * block_size <= decode_only_max_tokens:
+            only = self._decode_only_small(prompt_len, block_size, decode_only_max_tokens, fits, cached, pressure)
+            if only is not None and (best is None or only.cost_s <= best.cost_s):
+                best = only
+        if best is None:
+            raise NoWorkerError("no prefill worker is available and the prompt is too long for decode-only placement")
+        return best
+
+    def _cheapest_small(self, p_slots: list[int], d_slots: list[int], p_wait: list[float], compute: dict[int, float],
+                        missing: dict[int, float], pressure: dict[int, float], links: LinkModel) -> Placement:
+        """`place_small`'s cheapest (prefill, decode) pair over every pair of `p_slots` x `d_slots`."""
+        p_ids, d_ids = [self._p.ids[i] for i in p_slots], [self._d.ids[j] for j in d_slots]
+        view = links.numbered(p_ids, d_ids)
+        rates, rows, cols = view.rates.tolist(), view.rows.tolist(), view.cols.tolist()
+        best: tuple[float, str, str, int, int, float] | None = None
+        for pi, i in enumerate(p_slots):
+            a, rate_row = p_wait[i] + compute[i], rates[rows[pi]]
+            for dj, j in enumerate(d_slots):
+                rate = rate_row[cols[dj]]
+                pair = ((a + missing[j] / rate) + pressure[j], p_ids[pi], d_ids[dj], i, j, rate)
+                if best is None or pair[:3] < best[:3]:
+                    best = pair
+        assert best is not None  # both lists are non-empty
+        cost, p_id, d_id, i, j, rate = best
+        return Placement(p_id, d_id, cost, {"prefill_wait": p_wait[i], "compute": compute[i],
+                                            "transfer": missing[j] / rate, "decode_pressure": pressure[j]})
+
+    def _decode_only_small(self, prompt_len: int, block_size: int, max_tokens: int, fits: list[int],
+                           cached: dict[int, int], pressure: dict[int, float]) -> Placement | None:
+        """`place_small`'s cheapest decode-only placement, None when no decode worker may."""
+        d_wait, d_rate = self._d_wait.tolist(), self._d_rate.tolist()
+        best: tuple[float, str, int, float] | None = None
+        for j in fits:
+            uncached = prompt_len - cached.get(j, 0) * block_size
+            if uncached > max_tokens:
+                continue
+            compute = max(0, uncached) / d_rate[j]
+            option = ((d_wait[j] + compute) + pressure[j], self._d.ids[j], j, compute)
+            if best is None or option[:2] < best[:2]:
+                best = option
+        if best is None or best[0] == np.inf:
+            return None
+        cost, d_id, j, compute = best
+        return Placement(None, d_id, cost, {"prefill_wait": d_wait[j], "compute": compute, "transfer": 0.0,
+                                            "decode_pressure": pressure[j]})
 
     def _scratch(self, num_p: int, num_d: int) -> _Scratch:
         """Buffers for `num_p` prefill and `num_d` decode slots, kept between requests."""

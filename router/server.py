@@ -29,14 +29,13 @@ from cedserve.model.kv_accounting import KVAccounting
 from cedserve.model.tokenizer import TextCodec
 from cedserve.proto import generation_pb2, generation_pb2_grpc
 from cedserve.router.admission import Admission
-from cedserve.router.auth import ApiKeyInterceptor
 from cedserve.router.config import RouterConfig
-from cedserve.router.decoding import DecodeErrorInterceptor
 from cedserve.router.frontend import GenerationCore, GenerationService
+from cedserve.router.gate import PublicInterceptor
 from cedserve.router.http_api import HttpApi, HttpServer, start_http_server
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.jit import warm_up
-from cedserve.router.lifecycle import DrainInterceptor, RouterDrain, add_control_services
+from cedserve.router.lifecycle import RouterDrain, add_control_services
 from cedserve.router.metrics import RouterMetrics
 from cedserve.router.openai_api import ApiSettings
 from cedserve.router.placement import MeasuredLinks
@@ -138,8 +137,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     options = public_server_options(config, limits)
     health_servicer = health.aio.HealthServicer()
     drain = RouterDrain(health_servicer, ("", SERVICE_NAME), config.drain_timeout_s)
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(config.api_keys), DrainInterceptor(drain),
-                                           DecodeErrorInterceptor()], options=options)
+    server = grpc.aio.server(interceptors=[PublicInterceptor(config.api_keys, drain)], options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(core), server)  # type: ignore[no-untyped-call]
     add_control_services(server, drain, pool, config.worker_token)
     pool.on_remove.append(core.links.forget)

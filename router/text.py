@@ -11,12 +11,18 @@ from collections.abc import Sequence
 
 from cedserve.model.tokenizer import TextCodec
 
+_WINDOW_TOKENS = 8
+"""How many tokens a decode window may span before it moves up to the last complete piece (a
+longer window is one decode of more tokens per push; a move costs one decode more)."""
+
 
 class StreamingText:
-    """Keeps the text decoded so far and decodes only the tokens since its last complete piece, each
-    time from the same window start for both sides of the difference (a decoder that treats a
-    sequence's first token specially, as SentencePiece does with a leading space, does so on both).
-    Decoding the whole output at every push cost O(n) per token, O(n^2) per stream."""
+    """Keeps the text decoded so far and decodes only a window of recent tokens per push: the window
+    starts a few complete pieces back, and the decode of its part already final (`_window_text`) is
+    kept, so each push decodes once and the new text is the difference. Both sides of the difference
+    start at the same token (a decoder that treats a sequence's first token specially, as
+    SentencePiece does with a leading space, does so on both). Decoding the whole output at every
+    push cost O(n) per token, O(n^2) per stream; decoding both sides afresh, two decodes per push."""
 
     def __init__(self, codec: TextCodec, stop: Sequence[str]) -> None:
         self.codec = codec
@@ -25,26 +31,32 @@ class StreamingText:
         self.emitted = 0  # characters of the final text already sent
         self.stopped = False
         self._text = ""  # the decode of token_ids[: self._read]
-        self._start = 0  # the window the next decodes start from: the last complete piece's tokens
+        self._start = 0  # the window the next decode starts from, at a complete piece's first token
         self._read = 0
+        self._window_text = ""  # the decode of token_ids[self._start : self._read]
 
     def decoded(self) -> str:
         """`codec.decode(token_ids)`, from the kept text plus the tokens since its last complete piece."""
         ids = self.token_ids
         if self._read == len(ids):
             return self._text
-        before = self.codec.decode(ids[self._start : self._read])
+        before = self._window_text
         after = self.codec.decode(ids[self._start :])
         if not after.startswith(before):  # the window does not decode as the sum of its parts
             full = self.codec.decode(ids)
             if not full.endswith("\ufffd"):
-                self._text, self._start, self._read = full, len(ids), len(ids)
+                self._text, self._start, self._read, self._window_text = full, len(ids), len(ids), ""
             return full
         piece = after[len(before) :]
         if piece.endswith("\ufffd"):  # an incomplete character: its tokens wait for the one completing it
             return self._text + piece
         self._text += piece
-        self._start, self._read = self._read, len(ids)
+        if len(ids) - self._start > _WINDOW_TOKENS:  # move up: the window starts at this piece
+            self._start = self._read
+            self._window_text = self.codec.decode(ids[self._start :])
+        else:
+            self._window_text = after
+        self._read = len(ids)
         return self._text
 
     def push(self, token_ids: Sequence[int]) -> str:

@@ -283,16 +283,52 @@ def test_load_table_places_like_the_formula(seed: int) -> None:
         links = _links(rng, list(prefill), list(decode))
         limit = rng.choice([0, 256, 10_000])
         expected = _outcome(_reference, req, prefill, decode, runs, excluded, links, limit)
-        got = _outcome(table.place, req, runs, links, limit, frozenset(excluded))
-        if isinstance(expected, Placement):
-            assert isinstance(got, Placement)
-            assert (got.prefill_id, got.decode_id, got.cost_s) == (expected.prefill_id, expected.decode_id,
-                                                                   expected.cost_s)
-            assert got.parts == expected.parts
-            compared += 1
-        else:
-            assert got is expected
+        # both paths, whatever the pool's size: the compiled loops and the small pools' Python
+        for path in (table.place, table.place_compiled, table.place_small):
+            got = _outcome(path, req, runs, links, limit, frozenset(excluded))
+            if isinstance(expected, Placement):
+                assert isinstance(got, Placement)
+                assert (got.prefill_id, got.decode_id, got.cost_s) == (expected.prefill_id, expected.decode_id,
+                                                                       expected.cost_s)
+                assert got.parts == expected.parts
+                compared += 1
+            else:
+                assert got is expected
     assert compared > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_small_pool_placement_chooses_as_the_compiled_loops(data: st.DataObject) -> None:
+    """`LoadTable.place_small` against `place_compiled` on small pools of generated loads, prefix
+    credit and link rates, values drawn from few choices so that ties are common."""
+    table = LoadTable()
+    num_p, num_d = data.draw(st.integers(0, 5)), data.draw(st.integers(1, 5))
+    for i in range(num_p):
+        table.set_prefill(PrefillLoad(f"p{(i * 3) % 7}", data.draw(st.sampled_from([0, 1_000, 20_000])),
+                                      data.draw(st.sampled_from([1e4, 2e4]))))
+    for j in range(num_d):
+        table.set_decode(DecodeLoad(f"d{(j * 5) % 9}", data.draw(st.sampled_from([0, 1, 4])),
+                                    data.draw(st.sampled_from([5, 40, 2_000])),
+                                    data.draw(st.sampled_from([[0.02, 0.02], [0.01, 0.012, 0.015]])),
+                                    data.draw(st.sampled_from([5e3, 1e4])), data.draw(st.sampled_from([0, 500]))))
+    workers = [*table._p.index, *table._d.index]
+    run = st.lists(st.integers(0, 6), min_size=3, max_size=3)
+    runs = data.draw(st.dictionaries(st.sampled_from([*workers, "gone"]), run, max_size=len(workers) + 1))
+    excluded = frozenset(data.draw(st.lists(st.sampled_from(workers), max_size=2))) if workers else frozenset()
+    seed = data.draw(st.integers(0, 2**16))
+    links = _links(random.Random(seed), list(table._p.index), list(table._d.index))
+    req = RequestShape(data.draw(st.sampled_from([64, 100, 640, 6_400])), data.draw(st.sampled_from([1, 50])),
+                       64, 56_960)
+    limit = data.draw(st.sampled_from([0, 256, 10_000]))
+    compiled = _outcome(table.place_compiled, req, runs, links, limit, excluded)
+    small = _outcome(table.place_small, req, runs, links, limit, excluded)
+    if isinstance(compiled, Placement):
+        assert isinstance(small, Placement)
+        assert (small.prefill_id, small.decode_id, small.cost_s, small.parts) == (
+            compiled.prefill_id, compiled.decode_id, compiled.cost_s, compiled.parts)
+    else:
+        assert small is compiled
 
 
 def test_load_table_ties_go_to_the_smallest_ids() -> None:
@@ -380,12 +416,13 @@ def test_load_table_places_from_the_index_like_the_formula(seed: int) -> None:
         runs = index.prefix_runs(query)
         req = RequestShape(64 * len(query), 50, 64, 56_960)
         expected = _outcome(_reference, req, prefill, decode, dict(runs), set(), links, 256)
-        got = _outcome(table.place, req, runs, links, 256, frozenset())
-        if isinstance(expected, Placement):
-            assert isinstance(got, Placement)
-            assert (got.prefill_id, got.decode_id, got.cost_s, got.parts) == (
-                expected.prefill_id, expected.decode_id, expected.cost_s, expected.parts)
-            compared += 1
-        else:
-            assert got is expected
+        for path in (table.place, table.place_compiled, table.place_small):
+            got = _outcome(path, req, runs, links, 256, frozenset())
+            if isinstance(expected, Placement):
+                assert isinstance(got, Placement)
+                assert (got.prefill_id, got.decode_id, got.cost_s, got.parts) == (
+                    expected.prefill_id, expected.decode_id, expected.cost_s, expected.parts)
+                compared += 1
+            else:
+                assert got is expected
     assert compared > 0

@@ -1024,6 +1024,11 @@ def test_capacity_waits_refusals_and_lease_renewals_show_in_the_scraped_metrics(
             list(stream)
             assert waiter.result(10).token_ids == _expected(prompt, 2)
         seen = _scrape(port)
+        deadline = time.monotonic() + 2  # a renewal sent just before the scrape is counted, its answer not yet
+        while (seen[("cedserve_router_lease_renew_seconds_count", ())]
+               < seen[("cedserve_router_lease_renewals_total", ())] - 2 and time.monotonic() < deadline):
+            time.sleep(0.05)
+            seen = _scrape(port)
         assert seen[("cedserve_router_capacity_waiting_requests", (("effort_class", "low"),))] == 0
         assert seen[("cedserve_router_capacity_admitted_total", (("effort_class", "low"),))] == 1
         assert seen[("cedserve_router_capacity_wait_seconds_count", (("effort_class", "low"),))] == 1
