@@ -177,7 +177,7 @@ async def _group(client: AsyncClient, system: System, prompts: list[list[int]], 
     mid = await joined[0]
     steps, tokens, step_s = r1.steps - mid.steps, r1.tokens - mid.tokens, r1.step_s - mid.step_s
     ok = steps > 0 and tokens > 0
-    step_per_token = step_s / steps if ok else float("nan")  # each request gets one token per step
+    step_per_token = step_s * len(prompts) / tokens if ok else float("nan")  # a request's share: 1 / len(prompts)
     phases = (_phase_rows(mid, r1, 0.0, tokens, steps) if ok else {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})
     phases["phase_rest_s"] = float("nan")  # the span is per request, the loop's time is the batch's
     rows = []

@@ -105,9 +105,10 @@ class DecodeEngine:
         self.rank = rank
         self.clock = clock
         self.endpoint = endpoint
-        self.on_model_pass: Callable[[], None] | None = None
-        """Called in each step just before its model pass, where this thread mostly waits on torch
-        ops that release the GIL (the engine loop hands the last tick's outputs to the streams here)."""
+        self.on_passes: Callable[[], None] | None = None
+        """Called in each step once its schedule and joins are done, before its passes (the drafter's,
+        the target's), where this thread mostly waits on torch ops that release the GIL (the engine
+        loop hands the last tick's outputs to the streams here)."""
         self._taps_dtype: torch.dtype | None = None
         self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock,
                                 self._state_room_policy(), config.transfer_timeout_ms / 1000)
@@ -342,6 +343,8 @@ class DecodeEngine:
         for join in sched.joins:
             self._prepare_join(self.sequences[join.request_id])
         t = phases.lap("join", t)
+        if self.on_passes is not None:
+            self.on_passes()
         running = [self.sequences[rid] for rid in sched.running]
         drafts = self._drafts(running, sched)
         t = phases.lap("propose", t)
@@ -351,8 +354,6 @@ class DecodeEngine:
         fast_seqs, fast_drafts = [running[i] for i in sorted(fast)], [drafts[i] for i in sorted(fast)]
         eager, group_rows = self._agree_passes(bool(items), SlotBook.rows(fast_seqs, fast_drafts))
         t = phases.lap("plan", t)
-        if self.on_model_pass is not None:
-            self.on_model_pass()
         results = self._run(items) if eager else []
         fast_plans, fast_results = self._run_slots(fast_seqs, fast_drafts, group_rows)
         t = phases.lap("model", t)

@@ -9,9 +9,10 @@ Every rank runs `EngineLoop.tick` forever. One tick:
 3. the ranks agree whether any has work; if so every rank runs one `DecodeEngine.step` (an empty
    pass where it has none), whose MoE layers exchange tokens between the ranks;
 4. every rank reports its outputs and load (`TickReport`); the leader hands them to the service.
-   With `on_release`, the service holds the Decode streams' outputs until the next step enters its
-   model pass (or the tick ends with no work left): the streams' threads then run while this thread
-   mostly waits on torch ops without the GIL, not during the step's Python-bound phases.
+   With `on_release`, the service holds the Decode streams' outputs until the next step has
+   scheduled and starts its passes (or the tick ends with no work left): the streams' threads then
+   run while this thread mostly waits on torch ops without the GIL, not during the step's
+   Python-bound schedule and joins.
 
 `GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication: the
 tick's commands and report stay Python objects, never encoded), `TorchChannel` over a
@@ -177,7 +178,7 @@ class EngineLoop:
         self.on_release = on_release
         """Hands the outputs `on_report` held to their streams (module docstring, step 4)."""
         if self.leader and on_release is not None:
-            engine.on_model_pass = on_release
+            engine.on_passes = on_release
         self.draining = False
         self.stop_requested = False
         self.last_tick_s = time.monotonic()
@@ -208,7 +209,7 @@ class EngineLoop:
             with self.lock:
                 outputs.extend(self.engine.step())  # its phases are timed inside
             t = time.perf_counter()
-        self._release()  # the last tick's outputs, when the step had no model pass
+        self._release()  # the last tick's outputs, had the step not released them
         self._report(TickReport(outputs, self.engine.publish_load()))
         if not self.engine.has_work():  # no next step to release them: the stream's last token, or idle
             self._release()

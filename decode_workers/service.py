@@ -90,9 +90,9 @@ class OutputRouter:
 
     def hold_report(self, reports: list[TickReport]) -> None:
         """`on_report`, but the outputs for Decode streams wait for `release` (Reserve and CheckProbe
-        answers go at once). The engine loop releases them when its next step enters the model pass,
-        where its thread mostly runs without the GIL: the streams' threads, woken there, no longer
-        stall the loop's Python-bound phases (schedule, join, plan) fighting it for the GIL
+        answers go at once). The engine loop releases them when its next step starts its passes, where
+        its thread mostly runs without the GIL: the streams' threads, woken there, no longer stall
+        the loop's Python-bound phases (schedule, join) fighting it for the GIL
         (docs/decode.md, Where a token's time goes)."""
         now = time.perf_counter()
         with self._lock:
