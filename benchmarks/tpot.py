@@ -22,6 +22,11 @@ request's, so per request:
                  latency, and hold the GIL, but are not in series with the loop. NaN on a worker
                  without the histogram
 
+`--concurrency 1,4,8` runs each case again with N requests at once per round (`_group`): TPOT per
+request at the client; the phases per output token over the window from every request's second
+token to the last one's end; the step per token as a request's share of the batch's steps; the
+join and `outside` columns need one request in flight (NaN).
+
 The systems are named in `--system NAME=ADDRESS,METRICS_URL` (running systems: the metrics URL of the
 decode worker is printed by `cedserve serve` at start-up), or started here by `--serve NAME[:KEY=VALUE,...]`
 (`cedserve serve` on free ports; KEY is `section.field` of the serve config, e.g.
