@@ -22,6 +22,11 @@ request's, so per request:
                  latency, and hold the GIL, but are not in series with the loop. NaN on a worker
                  without the histogram
 
+`--concurrency 1,4,8` runs each case again with N requests at once per round (`_group`): TPOT per
+request at the client; the phases per output token over the window from every request's second
+token to the last one's end; the step per token as a request's share of the batch's steps; the
+join and `outside` columns need one request in flight (NaN).
+
 The systems are named in `--system NAME=ADDRESS,METRICS_URL` (running systems: the metrics URL of the
 decode worker is printed by `cedserve serve` at start-up), or started here by `--serve NAME[:KEY=VALUE,...]`
 (`cedserve serve` on free ports; KEY is `section.field` of the serve config, e.g.
@@ -60,9 +65,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cedserve.client import AsyncClient, Piece
+from cedserve.client import AsyncClient, CedserveError, Piece
 
 STEP = "cedserve_decode_step_seconds"
+TOKENS = "cedserve_decode_output_tokens_total"
 PHASE = "cedserve_decode_loop_phase_seconds"
 STREAM_PHASES = ("handoff", "grpc_write")
 PHASES = ("idle_wait", "commands", "poll", "report", "schedule", "join", "propose", "plan", "model", "accept",
@@ -83,6 +89,8 @@ class Reading:
 
     steps: int
     step_s: float
+    tokens: int
+    """Output tokens the worker emitted so far."""
     phase_s: dict[str, float]
     """Seconds so far by loop phase (NaN: the worker has no such histogram)."""
 
@@ -91,14 +99,14 @@ def _steps(metrics_url: str) -> Reading:
     """The decode worker's steps, step seconds and phase seconds so far."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     values = {}
-    for name in (f"{STEP}_count", f"{STEP}_sum"):
+    for name in (f"{STEP}_count", f"{STEP}_sum", TOKENS):
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         values[name] = float(m.group(1)) if m else 0.0
     phases = {}
     for phase in PHASES:
         m = re.search(rf'^{PHASE}_sum{{phase="{phase}"}} ([0-9.e+-]+)$', text, re.M)
         phases[phase] = float(m.group(1)) if m else float("nan")
-    return Reading(int(values[f"{STEP}_count"]), values[f"{STEP}_sum"], phases)
+    return Reading(int(values[f"{STEP}_count"]), values[f"{STEP}_sum"], int(values[TOKENS]), phases)
 
 
 def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: int, steps: int) -> dict[str, float]:
@@ -151,6 +159,46 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
                {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})}
 
 
+async def _group(client: AsyncClient, system: System, prompts: list[list[int]], max_tokens: int,
+                 salt: str) -> list[dict[str, float]]:
+    """`len(prompts)` requests at once (batch > 1), one row per request. The worker's counters are
+    read once every request has its second token (all joined) and after the last ends; the phases
+    per token are that window's, over the output tokens the worker emitted in it (all requests').
+    `outside_per_step` and `join_step` need one request in flight: NaN here."""
+    start = time.perf_counter()
+    arrivals: list[list[float]] = [[] for _ in prompts]
+    joined: list[asyncio.Future[Reading]] = []
+
+    def on_piece(i: int) -> Any:
+        def on(piece: Piece) -> None:
+            arrivals[i].extend([time.perf_counter() - start] * len(piece.token_ids))
+            if not joined and all(len(a) >= 2 for a in arrivals):
+                joined.append(asyncio.ensure_future(asyncio.to_thread(_steps, system.metrics_url)))
+        return on
+
+    await asyncio.gather(*(client.generate(p, on_piece=on_piece(i), max_tokens=max_tokens, cache_salt=f"{salt}-{i}",
+                                           effort="high") for i, p in enumerate(prompts)))
+    r1 = await asyncio.to_thread(_steps, system.metrics_url)
+    mid = await joined[0]
+    steps, tokens, step_s = r1.steps - mid.steps, r1.tokens - mid.tokens, r1.step_s - mid.step_s
+    ok = steps > 0 and tokens > 0
+    step_per_token = step_s * len(prompts) / tokens if ok else float("nan")  # a request's share: 1 / len(prompts)
+    phases = (_phase_rows(mid, r1, 0.0, tokens, steps) if ok else {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})
+    phases["phase_rest_s"] = float("nan")  # the span is per request, the loop's time is the batch's
+    rows = []
+    for a in arrivals:
+        n = len(a)
+        tpot = (a[-1] - a[0]) / (n - 1)
+        rows.append({"tokens": n, "draft_tokens": 0, "accepted_drafts": 0, "ttft_s": a[0], "tpot_s": tpot,
+                     "first_gap_s": a[1] - a[0], "steady_itl_s": (a[-1] - a[1]) / (n - 2), "steps": steps,
+                     "outside_per_step_s": float("nan"), "join_step_s": float("nan"),
+                     "steady_step_s": step_s / steps if ok else float("nan"),
+                     "steady_steps_per_token": steps * len(prompts) / tokens if ok else float("nan"),
+                     "steady_step_per_token_s": step_per_token, "tpot_over_step": tpot / step_per_token,
+                     "itl_over_step": (a[-1] - a[1]) / (n - 2) / step_per_token, **phases})
+    return rows
+
+
 def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     """Medians over the requests (ms for seconds)."""
     out: dict[str, float] = {"requests": len(rows), "tokens": statistics.median(r["tokens"] for r in rows)}
@@ -167,7 +215,7 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: list[int], rounds: int, vocab: int,
-              warmup: int, seed: int) -> dict[str, Any]:
+              warmup: int, seed: int, concurrency: list[int] | None = None) -> dict[str, Any]:
     clients = {name: AsyncClient(s.address, timeout_s=300) for name, s in systems.items()}
     rng = random.Random(seed)
     try:
@@ -176,16 +224,27 @@ async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: li
                 await _one(client, systems[name], [rng.randrange(3, vocab) for _ in range(prompt_lens[0])], 8,
                            f"warm-{name}-{i}-{seed}")
         out: dict[str, Any] = {}
-        for n in prompt_lens:
-            for m in max_tokens:
-                rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-                for r in range(rounds):
-                    prompt = [rng.randrange(3, vocab) for _ in range(n)]
-                    order = list(systems) if r % 2 == 0 else list(reversed(systems))
-                    for name in order:
-                        rows[name].append(await _one(clients[name], systems[name], prompt, m, f"{name}-{n}-{m}-{r}-{seed}"))
-                out[f"prompt {n}, {m} tokens"] = {name: {"median": _summary(rows[name]), "requests": rows[name]}
-                                                  for name in systems}
+        for c in concurrency or [1]:
+            for n in prompt_lens:
+                for m in max_tokens:
+                    rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+                    failed: dict[str, int] = {}
+                    for r in range(rounds):
+                        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for _ in range(c)]
+                        order = list(systems) if r % 2 == 0 else list(reversed(systems))
+                        for name in order:
+                            salt = f"{name}-{c}-{n}-{m}-{r}-{seed}"
+                            if c == 1:
+                                rows[name].append(await _one(clients[name], systems[name], prompts[0], m, salt))
+                            else:
+                                try:
+                                    rows[name].extend(await _group(clients[name], systems[name], prompts, m, salt))
+                                except CedserveError as exc:  # kept out of the medians, counted in the JSON
+                                    print(f"# {name}, round {r}: {exc}", file=sys.stderr)
+                                    failed[name] = failed.get(name, 0) + 1
+                    case = f"prompt {n}, {m} tokens" + (f", x{c}" if c > 1 else "")
+                    out[case] = {name: {"median": _summary(rows[name]), "failed_rounds": failed.pop(name, 0),
+                                        "requests": rows[name]} for name in systems}
         return out
     finally:
         for client in clients.values():
@@ -197,13 +256,13 @@ def _phase_table(results: dict[str, Any]) -> str:
     keys = [*(p for p in PHASES if p != "idle_wait"), "loop", "rest", "loop_per_step"]
     names = {"grpc_write": "grpc", "loop_per_step": "loop/st", "schedule": "sched", "persist": "persst",
              "observe": "obsrv", "account": "acct", "commands": "cmds", "propose": "propse", "handoff": "hndoff"}
-    head = f"{'case':<22} {'system':<9} " + " ".join(f"{names.get(k, k):>6}" for k in keys)
+    head = f"{'case':<27} {'system':<9} " + " ".join(f"{names.get(k, k):>6}" for k in keys)
     lines = [head, "-" * len(head)]
     for case, by_system in results.items():
         for name, r in by_system.items():
             s = r["median"]
             cells = [s.get(f"phase_{k}_ms", float("nan")) for k in keys]
-            lines.append(f"{case:<22} {name:<9} " + " ".join(f"{c:>6.2f}" for c in cells))
+            lines.append(f"{case:<27} {name:<9} " + " ".join(f"{c:>6.2f}" for c in cells))
     lines.append("per output token after the join, medians over requests, ms; loop: the tick's phases but the model "
                  "pass (in series with it), loop/st: the same per step; hndoff, grpc: the stream's thread, beside the next "
                  "step; rest: the span less the loop's busy time; NaN: no phase histogram")
@@ -211,13 +270,13 @@ def _phase_table(results: dict[str, Any]) -> str:
 
 
 def _table(results: dict[str, Any]) -> str:
-    head = (f"{'case':<22} {'system':<9} {'TTFT':>5} {'TPOT':>6} {'1st gap':>7} {'join':>6} {'ITL':>6} "
+    head = (f"{'case':<27} {'system':<9} {'TTFT':>5} {'TPOT':>6} {'1st gap':>7} {'join':>6} {'ITL':>6} "
             f"{'step':>6} {'steps/tok':>9} {'outside/step':>12} {'TPOT/step':>9} {'ITL/step':>8}")
     lines = [head, "-" * len(head)]
     for case, by_system in results.items():
         for name, r in by_system.items():
             s = r["median"]
-            lines.append(f"{case:<22} {name:<9} {s['ttft_ms']:>5.0f} {s['tpot_ms']:>6.1f} {s['first_gap_ms']:>7.1f} "
+            lines.append(f"{case:<27} {name:<9} {s['ttft_ms']:>5.0f} {s['tpot_ms']:>6.1f} {s['first_gap_ms']:>7.1f} "
                          f"{s['join_step_ms']:>6.1f} {s['steady_itl_ms']:>6.1f} {s['steady_step_ms']:>6.1f} "
                          f"{s['steady_steps_per_token']:>9.2f} {s['outside_per_step_ms']:>12.2f} "
                          f"{s['tpot_over_step']:>9.2f} {s['itl_over_step']:>8.2f}")
@@ -301,6 +360,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", default="12,64", help="12: the agentic sessions' mean output on the H200 run")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--vocab", type=int, default=500, help="prompt ids drawn from [3, vocab)")
+    ap.add_argument("--concurrency", default="1",
+                    help="requests in flight at once, e.g. 1,4 (> 1: phases per token over the batch's window)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="")
@@ -323,7 +384,8 @@ def main() -> None:
         systems = {**given, **started}
         load_before = os.getloadavg()
         t0 = time.monotonic()
-        results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, args.vocab, args.warmup, args.seed))
+        results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, args.vocab, args.warmup, args.seed,
+                                  [int(x) for x in args.concurrency.split(",")]))
         wall_s = time.monotonic() - t0
     print(_table(results))
     print()

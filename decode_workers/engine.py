@@ -105,6 +105,10 @@ class DecodeEngine:
         self.rank = rank
         self.clock = clock
         self.endpoint = endpoint
+        self.on_passes: Callable[[], None] | None = None
+        """Called in each step once its schedule and joins are done, before its passes (the drafter's,
+        the target's), where this thread mostly waits on torch ops that release the GIL (the engine
+        loop hands the last tick's outputs to the streams here)."""
         self._taps_dtype: torch.dtype | None = None
         self.leases = LeaseBook(cache, endpoint, self.metrics, config.reserve_headroom_blocks, clock,
                                 self._state_room_policy(), config.transfer_timeout_ms / 1000)
@@ -339,6 +343,8 @@ class DecodeEngine:
         for join in sched.joins:
             self._prepare_join(self.sequences[join.request_id])
         t = phases.lap("join", t)
+        if self.on_passes is not None:
+            self.on_passes()
         running = [self.sequences[rid] for rid in sched.running]
         drafts = self._drafts(running, sched)
         t = phases.lap("propose", t)

@@ -9,6 +9,10 @@ Every rank runs `EngineLoop.tick` forever. One tick:
 3. the ranks agree whether any has work; if so every rank runs one `DecodeEngine.step` (an empty
    pass where it has none), whose MoE layers exchange tokens between the ranks;
 4. every rank reports its outputs and load (`TickReport`); the leader hands them to the service.
+   With `on_release`, the service holds the Decode streams' outputs until the next step has
+   scheduled and starts its passes (or the tick ends with no work left): the streams' threads then
+   run while this thread mostly waits on torch ops without the GIL, not during the step's
+   Python-bound schedule and joins.
 
 `GroupChannel` carries steps 1, 3 and 4: `LocalChannel` for a group of one (no communication: the
 tick's commands and report stay Python objects, never encoded), `TorchChannel` over a
@@ -161,7 +165,8 @@ class EngineLoop:
     `TickReport` each tick."""
 
     def __init__(self, engine: DecodeEngine, channel: GroupChannel, inbox: CommandInbox | None = None,
-                 on_report: Callable[[list[TickReport]], None] | None = None) -> None:
+                 on_report: Callable[[list[TickReport]], None] | None = None,
+                 on_release: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.channel = channel
         self.inbox = inbox if inbox is not None else CommandInbox()
@@ -170,6 +175,10 @@ class EngineLoop:
             # (other ranks wait in the leader's broadcast: `idle_wait_s` bounds how late they see theirs)
             engine.leases.on_result = self.inbox.wake
         self.on_report = on_report
+        self.on_release = on_release
+        """Hands the outputs `on_report` held to their streams (module docstring, step 4)."""
+        if self.leader and on_release is not None:
+            engine.on_passes = on_release
         self.draining = False
         self.stop_requested = False
         self.last_tick_s = time.monotonic()
@@ -200,10 +209,17 @@ class EngineLoop:
             with self.lock:
                 outputs.extend(self.engine.step())  # its phases are timed inside
             t = time.perf_counter()
+        self._release()  # the last tick's outputs, had the step not released them
         self._report(TickReport(outputs, self.engine.publish_load()))
+        if not self.engine.has_work():  # no next step to release them: the stream's last token, or idle
+            self._release()
         phases.lap("report", t)
         self.last_tick_s = time.monotonic()
         return not tick.stop
+
+    def _release(self) -> None:
+        if self.on_release is not None and self.leader:
+            self.on_release()
 
     def _commands(self) -> tuple[TickCommands, float]:
         """This tick's commands, and when the idle wait for them ended (the `commands` phase's start)."""

@@ -215,7 +215,8 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
                           rank=opts.rank)
     router = OutputRouter(opts.group_size) if leader else None
     inbox = CommandInbox()
-    loop = EngineLoop(engine, channel, inbox, router.on_report if router is not None else None)
+    loop = EngineLoop(engine, channel, inbox, router.hold_report if router is not None else None,
+                      router.release if router is not None else None)
     server, drain = build_server(opts, serve, cfg.drain_timeout_s, max_workers=rpc_threads(cfg))
     worker = DecodeWorker(opts, settings, kv, engine, loop, router, server, drain)
     if router is not None:

@@ -64,7 +64,7 @@ lease blocks that nothing would ever take or cancel."""
 MAX_EARLY_CANCELS = 65_536
 
 Routed = tuple[float, Output]
-"""An output in a Decode stream's queue, with the `perf_counter` time the loop's report put it there."""
+"""An output in a Decode stream's queue, with the `perf_counter` time the loop reported it."""
 
 
 class OutputRouter:
@@ -76,6 +76,7 @@ class OutputRouter:
         self._streams: dict[str, queue.SimpleQueue[Routed]] = {}
         self._rank_of: dict[str, int] = {}  # request id -> rank holding it
         self._early_cancels: dict[str, float] = {}  # request id -> when a Cancel came before its Reserve
+        self._held: list[Routed] = []  # streams' outputs reported by `hold_report`, not yet released
         self.loads = [RankLoad(rank=r) for r in range(num_ranks)]
         self.last_report_s = time.monotonic()
 
@@ -87,14 +88,44 @@ class OutputRouter:
                     self._route(out)
             self.last_report_s = time.monotonic()
 
+    def hold_report(self, reports: list[TickReport]) -> None:
+        """`on_report`, but the outputs for Decode streams wait for `release` (Reserve and CheckProbe
+        answers go at once). The engine loop releases them when its next step starts its passes, where
+        its thread mostly runs without the GIL: the streams' threads, woken there, no longer stall
+        the loop's Python-bound phases (schedule, join) fighting it for the GIL
+        (docs/decode.md, Where a token's time goes)."""
+        now = time.perf_counter()
+        with self._lock:
+            for report in reports:
+                self.loads[report.load.rank] = report.load
+                for out in report.outputs:
+                    future = self._reserves.pop(out.request_id, None)
+                    if future is not None:
+                        future.set_result(out)
+                    else:
+                        self._held.append((now, out))
+            self.last_report_s = time.monotonic()
+
+    def release(self) -> None:
+        """Hand the outputs held since the last `release` to their streams, in the order reported."""
+        if not self._held:  # read without the lock: only the loop's thread appends or releases
+            return
+        with self._lock:
+            held, self._held = self._held, []
+            for reported_s, out in held:
+                self._to_stream(out, reported_s)
+
     def _route(self, out: Output) -> None:
         future = self._reserves.pop(out.request_id, None)
         if future is not None:
             future.set_result(out)
             return
+        self._to_stream(out, time.perf_counter())
+
+    def _to_stream(self, out: Output, reported_s: float) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
-            stream.put((time.perf_counter(), out))
+            stream.put((reported_s, out))
         if isinstance(out, Finished | Failed | ProbeChecked):
             self._rank_of.pop(out.request_id, None)
 

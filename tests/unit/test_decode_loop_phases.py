@@ -145,3 +145,45 @@ def test_a_stream_behind_the_loop_sends_what_queued_as_one_event() -> None:
     assert _phase(registry, "handoff", "count") == 3  # every output's wait for the stream's thread
     assert _phase(registry, "grpc_write", "count") == 1  # the merged chunk; the end needs no resume
     assert router.rank_of("r") is None  # the stream ended: the request is forgotten
+
+
+def test_a_ticks_outputs_reach_the_streams_when_the_next_step_starts_its_passes() -> None:
+    """With `on_release` the loop holds the Decode streams' outputs until its next step starts its
+    passes (the streams' threads then wake while the loop mostly runs without the GIL); the
+    tick that leaves no work hands over what it reported at once: the last token never waits."""
+    model, _ = tiny()
+    rig = Rig(model, None)
+    router = OutputRouter(1)
+    loop = EngineLoop(rig.engine, LocalChannel(), on_report=router.hold_report, on_release=router.release)
+    tokens = prompt(21, 3)
+    reserved = rig.reserve(tokens)
+    assert isinstance(reserved, Reserved)
+    stream = router.open_stream(reserved.request_id)
+    release = rig.engine.on_passes
+    assert release is not None
+    at_passes: list[int] = []  # what the stream holds as each step's passes start
+
+    def watch_release() -> None:
+        release()
+        at_passes.append(stream.qsize())
+
+    rig.engine.on_passes = watch_release
+    rig.attach(reserved, tokens, rig.prefill(reserved, tokens), 6)
+    received: list[Output] = []
+    per_tick: list[list[Output]] = []  # what reached the stream during each tick
+    while not any(isinstance(o, Finished) for o in received):
+        assert loop.tick() and len(per_tick) < 50
+        per_tick.append([])
+        while not stream.empty():
+            per_tick[-1].append(stream.get_nowait()[1])
+        received += per_tick[-1]
+    emitted = [t for o in received if isinstance(o, Tokens) for t in o.token_ids]
+    assert len(emitted) == 6 and isinstance(received[-1], Finished)
+    # a step's token reaches the stream when the next step's passes start, never in its own tick (the
+    # join's at the second step's); the last step's tick, which leaves no work, hands over the
+    # previous token as its passes start and then its own token and the end at once
+    assert len(at_passes) == 6 and at_passes[0] == 0 and at_passes[1:] == [1] * 5
+    assert [len(outs) for outs in per_tick if outs] == [1] * 4 + [3]
+    assert [type(o) for o in per_tick[-1]] == [Tokens, Tokens, Finished]
+    assert router.rank_of(reserved.request_id) is None
+    rig.assert_all_free()
