@@ -239,9 +239,11 @@ class LoadTable:
         s = self._scratch(num_p, num_d)
         p_rows, p_slots, d_rows, d_slots, blocks = self._held(runs)
         tiers = links.tier_bytes_per_s if p_rows.size else _NO_TIERS
+        # Scalars as the types `jit.warm_up` compiled for (an int rate from a config would compile anew)
         best_p, num_fit, most_cached = _scores(
-            req.prompt_len, req.num_blocks, req.block_size, req.block_bytes, expected_output_tokens(req.effort),
-            tiers["host"], tiers["disk"], blocks, p_rows, p_slots, d_rows, d_slots,
+            int(req.prompt_len), int(req.num_blocks), int(req.block_size), int(req.block_bytes),
+            float(expected_output_tokens(req.effort)), float(tiers["host"]), float(tiers["disk"]),
+            blocks, p_rows, p_slots, d_rows, d_slots,
             p_ok, self._p_wait, self._p_rate, d_ok, self._d_free, self._d_running, self._d_added, self._d_step_next,
             s.compute, s.a, s.cached, s.fits, s.pressure, s.missing)
         if not num_fit:
@@ -399,7 +401,8 @@ class LoadTable:
     def _decode_only(self, req: RequestShape, s: _Scratch, num_d: int, max_tokens: int) -> tuple[int, float]:
         """The cheapest decode-only placement (the decode worker prefills what it lacks of the prompt):
         (its slot, its cost), (-1, inf) when no decode worker may."""
-        low, num_tied = _decode_only_costs(req.prompt_len, req.block_size, max_tokens, num_d, s.fits, s.cached,
+        low, num_tied = _decode_only_costs(int(req.prompt_len), int(req.block_size), int(max_tokens), num_d,
+                                           s.fits, s.cached,
                                            self._d_wait, self._d_rate, s.pressure, s.d_compute, s.d_cost, s.columns)
         if not num_tied:
             return -1, low
