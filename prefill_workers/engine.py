@@ -16,8 +16,9 @@ through a queue of closures (`submit`, `cancel`, transfer completions, `call`). 
    token and stream it at once; `PrefillDone` (with the `PrefillHandoff`) follows when the transfer
    layer reports DONE. Blocks are freed after the transfer layer's `on_finish`, on every path.
    When the decode target reserved room for the bounded decode state (`TransferTarget.state_room`),
-   the last KV blocks go without `last`; the replay's state (with DSpark taps when asked) is encoded
-   (`cedserve.model.state_format`) into scratch blocks, which close the transfer instead.
+   the last KV blocks go without `last`; once the first token is out, the replay's state (with
+   DSpark taps when asked) is encoded (`cedserve.model.state_format`) into scratch blocks, which
+   close the transfer instead.
 
 A prefix hit whose uncached suffix is shorter than the replay span recomputes the few cached blocks
 the span needs (their records are not rewritten: they live in shared blocks), so the first token
@@ -427,14 +428,18 @@ class PrefillEngine:
         self._ship(job, math.ceil(job.spec.prompt_len / self.cache.block_size), last=room is None)
         start = time.perf_counter()
         job.first_token, taps = self._first_token(job, room is not None and room.dspark_taps)
-        if room is not None:
-            self._ship_state(job, room, taps)
-        job.compute_s += time.perf_counter() - start
-        job.state, job.boundary = None, None
         job.phase = Phase.CLOSING
         job.first_token_s = self.clock()
         self.metrics.first_token_seconds.observe(job.first_token_s - job.arrived_s)
         job.emit(wpb.PrefillEvent(first_token=job.first_token))
+        # The token leaves before the bounded state is encoded and shipped: the decode worker needs
+        # the state only once the router's Decode call (opened at this token) reaches it, and the
+        # transfer closes with it either way. A failure from here on fails the transfer after the
+        # first token, which the router already handles (it re-places the prompt plus that token).
+        if room is not None:
+            self._ship_state(job, room, taps)
+        job.compute_s += time.perf_counter() - start
+        job.state, job.boundary = None, None
         if not job.transfer_open:
             self._complete(job)
 

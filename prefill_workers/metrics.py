@@ -15,7 +15,8 @@ PREFILL_PHASES = (
     "compute",  # one chunk: the encoder pass, its records into the blocks, whole blocks committed
     "ship",  # blocks handed to the transfer layer (a device sync first on CUDA), per hand-over
     "first_token",  # the decoder replay over the last boundary states, and sampling
-    "ship_state",  # the bounded decode state encoded into scratch blocks (its hand-over is a `ship`)
+    "ship_state",  # the bounded decode state encoded into scratch blocks, after the first token left
+                   # (its hand-over is a `ship`)
     # the gRPC service
     "handoff",  # the first token queued by the engine to the stream's thread taking it
 )
