@@ -189,6 +189,7 @@ class DecodeEngine:
             return [self._refuse(Failed(cmd.request_id, ErrorKind.INVALID_ARGUMENT, str(exc), field))]
         self.leases.take(lease)
         self.sequences[seq.request_id] = seq
+        seq.attached_s = self.clock()
         if seq.join is JoinKind.PREFILL or lease.transfer_done:
             return self._join_when_ready(seq)
         return []
@@ -340,6 +341,7 @@ class DecodeEngine:
         for p in sched.preemptions:
             self._preempt(self.sequences[p.request_id], p.policy)
         t = phases.lap("schedule", start)
+        join_kinds = {self.sequences[join.request_id].join.value for join in sched.joins}
         for join in sched.joins:
             self._prepare_join(self.sequences[join.request_id])
         t = phases.lap("join", t)
@@ -374,6 +376,8 @@ class DecodeEngine:
             self.proposer.observe_many(observations)  # one batched drafter call for the whole step
         t = phases.lap("observe", t)
         self._account(sched, start, len(running))
+        for kind in join_kinds:
+            self.metrics.join_step_seconds.labels(kind).observe(time.perf_counter() - start)
         phases.lap("account", t)
         return outputs
 
@@ -604,6 +608,9 @@ class DecodeEngine:
                                f"request {seq.request_id!r}: the shipped decode state was rejected: {exc}")]
             seq.join = JoinKind.SHIPPED
         seq.ready_s = self.clock()
+        if seq.join is not JoinKind.PREFILL and seq.attached_s >= 0:
+            self.metrics.transfer_wait_seconds.observe(seq.ready_s - seq.attached_s)
+        seq.attached_s = -1.0
         self.scheduler.add(seq)
         return []
 

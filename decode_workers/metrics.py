@@ -87,6 +87,12 @@ class DecodeMetrics:
         self.queue_seconds = Histogram("cedserve_decode_queue_seconds", "KV in place to the first join of the "
                                        "batch, by effort class (low < 60, high 60-89, max >= 90)", ["effort_class"],
                                        buckets=_QUEUE_BUCKETS, registry=r)
+        self.join_step_seconds = Histogram("cedserve_decode_join_step_seconds", "Steps in which requests joined, "
+                                           "by join kind (prefill: a local prefill, whose step ends with the "
+                                           "request's first token)", ["kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.transfer_wait_seconds = Histogram("cedserve_decode_transfer_wait_seconds", "A transferred request's "
+                                               "Decode call taken to its KV in place (0 when the transfer had "
+                                               "ended first)", buckets=_PHASE_BUCKETS, registry=r)
         self.joins = Counter("cedserve_decode_joins", "Requests joining the batch", ["kind"], registry=r)
         self.finished = Counter("cedserve_decode_finished", "Requests finished", ["reason"], registry=r)
         self.leases = Counter("cedserve_decode_leases", "Leases granted", registry=r)

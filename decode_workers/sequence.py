@@ -110,6 +110,8 @@ class DecodeSequence:
     the latest."""
     effort: int = 0
     """1-100 (the router decided it; the service checked the range)."""
+    attached_s: float = -1.0
+    """When its Decode call was taken (the engine's clock); -1 once its KV wait was counted."""
     ready_s: float = -1.0
     """When its KV was in place and it began waiting for a batch slot (-1: not yet; reset at the join)."""
     status: Status = Status.LEASED

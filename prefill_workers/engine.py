@@ -16,8 +16,9 @@ through a queue of closures (`submit`, `cancel`, transfer completions, `call`). 
    token and stream it at once; `PrefillDone` (with the `PrefillHandoff`) follows when the transfer
    layer reports DONE. Blocks are freed after the transfer layer's `on_finish`, on every path.
    When the decode target reserved room for the bounded decode state (`TransferTarget.state_room`),
-   the last KV blocks go without `last`; the replay's state (with DSpark taps when asked) is encoded
-   (`cedserve.model.state_format`) into scratch blocks, which close the transfer instead.
+   the last KV blocks go without `last`; once the first token is out, the replay's state (with
+   DSpark taps when asked) is encoded (`cedserve.model.state_format`) into scratch blocks, which
+   close the transfer instead.
 
 A prefix hit whose uncached suffix is shorter than the replay span recomputes the few cached blocks
 the span needs (their records are not rewritten: they live in shared blocks), so the first token
@@ -299,6 +300,7 @@ class PrefillEngine:
     def _admit(self, request_id: str) -> int | None:
         """Blocks, transfer and restored prefix for a waiting request: its first position to compute."""
         job = self._jobs[request_id]
+        start = time.perf_counter()
         try:
             self.cache.admit(request_id, job.spec.token_ids, job.spec.cache_salt)
         except CacheExhaustedError as exc:
@@ -314,9 +316,10 @@ class PrefillEngine:
         if not self._open_transfer(job):
             return None
         job.phase = Phase.RUNNING
-        start = self._restore_prefix(job)
+        first = self._restore_prefix(job)
         self._ship(job, job.shared_tokens // self.cache.block_size, last=False)
-        return start
+        self.metrics.phases["admit"].observe(time.perf_counter() - start)
+        return first
 
     def _open_transfer(self, job: PrefillJob) -> bool:
         target = job.spec.target
@@ -387,7 +390,9 @@ class PrefillEngine:
         job.boundary = _tail(job.boundary, encoded.boundary, job.spec.replay_span)
         self.cache.commit(job.request_id, chunk.end)
         job.computed_tokens += chunk.num_tokens
-        job.compute_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        job.compute_s += elapsed
+        self.metrics.phases["compute"].observe(elapsed)
         if chunk.last:
             self._finish_compute(job)
         else:
@@ -423,14 +428,18 @@ class PrefillEngine:
         self._ship(job, math.ceil(job.spec.prompt_len / self.cache.block_size), last=room is None)
         start = time.perf_counter()
         job.first_token, taps = self._first_token(job, room is not None and room.dspark_taps)
-        if room is not None:
-            self._ship_state(job, room, taps)
-        job.compute_s += time.perf_counter() - start
-        job.state, job.boundary = None, None
         job.phase = Phase.CLOSING
         job.first_token_s = self.clock()
         self.metrics.first_token_seconds.observe(job.first_token_s - job.arrived_s)
         job.emit(wpb.PrefillEvent(first_token=job.first_token))
+        # The token leaves before the bounded state is encoded and shipped: the decode worker needs
+        # the state only once the router's Decode call (opened at this token) reaches it, and the
+        # transfer closes with it either way. A failure from here on fails the transfer after the
+        # first token, which the router already handles (it re-places the prompt plus that token).
+        if room is not None:
+            self._ship_state(job, room, taps)
+        job.compute_s += time.perf_counter() - start
+        job.state, job.boundary = None, None
         if not job.transfer_open:
             self._complete(job)
 
@@ -438,6 +447,7 @@ class PrefillEngine:
         """Decoder replay over the last boundary states, then sampling (the report's bounded replay).
         With `with_taps`, also the span's DSpark taps `[n, n_taps, hc, hidden]`."""
         assert job.state is not None and job.boundary is not None
+        start = time.perf_counter()
         span = job.boundary.last(job.spec.replay_span)
         taps = None
         if with_taps:
@@ -449,17 +459,20 @@ class PrefillEngine:
         params = job.spec.sampling
         token = sample(logits, params, make_generator(params, logits.device))
         logprob = float(torch.log_softmax(logits.float(), dim=-1)[token])
+        self.metrics.phases["first_token"].observe(time.perf_counter() - start)
         return wpb.FirstToken(token_id=token, logprob=logprob, cached_tokens=job.cached_tokens), taps
 
     def _ship_state(self, job: PrefillJob, room: StateRoom, taps: torch.Tensor | None) -> None:
         """Encode the sequence's bounded state into scratch blocks and close the transfer with them."""
         assert job.state is not None
+        start = time.perf_counter()
         window = self.model.config.sliding_window
         mean_taps = None if taps is None else taps[-window:].mean(dim=2)  # [n, n_taps, hidden]
         data = encode_state(BoundedState.capture(job.state, mean_taps), self.model.config)
         job.state_blocks = self.cache.allocate_scratch(state_owner(job.request_id), room.num_blocks)
         store_bytes(self.cache.pool.storage, job.state_blocks, data)
         job.state_bytes = len(data)
+        self.metrics.phases["ship_state"].observe(time.perf_counter() - start)
         self._send(job, job.state_blocks, last=True)
 
     def _ship(self, job: PrefillJob, upto_block: int, last: bool) -> None:
@@ -476,9 +489,11 @@ class PrefillEngine:
     def _send(self, job: PrefillJob, block_ids: list[int], last: bool) -> None:
         tid = job.transfer_id
         assert tid is not None and self.sender is not None
+        start = time.perf_counter()
         if block_ids and self.cache.pool.storage.is_cuda:
             torch.cuda.synchronize(self.cache.pool.storage.device)  # the blocks must hold their final bytes
         self.sender.write_blocks(tid, block_ids, last=last)
+        self.metrics.phases["ship"].observe(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ endings
 

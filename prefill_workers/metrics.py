@@ -5,6 +5,22 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_PHASE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                  2.5, 10, 60)
+
+PREFILL_PHASES = (
+    # a request's way through the engine thread, in order (`engine.PrefillEngine`); arrival to
+    # admission is `cedserve_prefill_queue_seconds`
+    "admit",  # blocks (prefix-cache hits), the transfer opened, the cached prefix's state rebuilt
+    "compute",  # one chunk: the encoder pass, its records into the blocks, whole blocks committed
+    "ship",  # blocks handed to the transfer layer (a device sync first on CUDA), per hand-over
+    "first_token",  # the decoder replay over the last boundary states, and sampling
+    "ship_state",  # the bounded decode state encoded into scratch blocks, after the first token left
+                   # (its hand-over is a `ship`)
+    # the gRPC service
+    "handoff",  # the first token queued by the engine to the stream's thread taking it
+)
+"""The `phase` label values of `cedserve_prefill_phase_seconds`."""
 
 
 class PrefillMetrics:
@@ -25,6 +41,11 @@ class PrefillMetrics:
         self.queue_seconds = Histogram("cedserve_prefill_queue_seconds", "Arrival to admission (blocks given), by "
                                        "effort class (low < 60, high 60-89, max >= 90)", ["effort_class"],
                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.phase_seconds = Histogram("cedserve_prefill_phase_seconds", "Engine and service time of the "
+                                       "requests by phase (`PREFILL_PHASES`)", ["phase"], buckets=_PHASE_BUCKETS,
+                                       registry=r)
+        self.phases = {phase: self.phase_seconds.labels(phase) for phase in PREFILL_PHASES}
+        """Each phase's series, looked up once (`labels` takes a lock and builds a key)."""
         self.step_seconds = Histogram("cedserve_prefill_step_seconds", "One engine step (all its chunks)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.queued_tokens = Gauge("cedserve_prefill_queued_tokens", "Uncomputed prompt tokens accepted",

@@ -134,8 +134,10 @@ class PrefillService(wpb_grpc.PrefillWorkerServicer):
                 if not context.is_active():
                     return
                 continue
-            yield event
             kind = event.WhichOneof("event")
+            if kind == "first_token":
+                self.engine.metrics.phases["handoff"].observe(self.engine.clock() - job.first_token_s)
+            yield event
             if kind == "error":
                 fail_stream(context, event.error)
                 return

@@ -37,7 +37,7 @@ from cedserve.router.capacity import CLASSES, CapacityQueue
 from cedserve.router.deadline import Deadline
 from cedserve.router.errors import NO_CAPACITY, RequestError, invalid
 from cedserve.router.leases import LeaseKeeper
-from cedserve.router.metrics import RouterMetrics
+from cedserve.router.metrics import REQUEST_PHASES, RouterMetrics
 from cedserve.router.placement import (
     MeasuredLinks,
     NoCapacityError,
@@ -93,6 +93,8 @@ class _Progress:
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
     decode_only: bool = False
+    call_s: float = 0.0
+    """When the worker call that brings the first token was opened (`time.monotonic`)."""
     releasing: asyncio.Future[None] | None = None
     """The unused decode lease's release (the first token ended the request), running while the last
     responses are written; the stream ends once it has."""
@@ -228,6 +230,7 @@ class GenerationCore:
         # lock and builds a key); each so shows from the first scrape, at 0
         self._queue_s = {klass: metrics.queue_s.labels(klass) for klass in CLASSES}
         self._tpot_s = {klass: metrics.tpot_s.labels(klass) for klass in CLASSES}
+        self._phase = {phase: metrics.request_phase_s.labels(phase) for phase in REQUEST_PHASES}
         self._placements = {kind: metrics.placements.labels(policy=policy.name, kind=kind)
                             for kind in ("decode_only", "disaggregated", "prefill_only")}
         # Prefill->decode rates learned from each PrefillDone's bytes and seconds (placement reads them).
@@ -350,14 +353,19 @@ class GenerationCore:
     async def _place_once(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
                           deadline: Deadline, first_token_only: bool
                           ) -> tuple[WorkerHandle, WorkerHandle | None, worker_pb2.ReserveReply | None]:
+        start = time.monotonic()
         choice = self._placement(req, len(prompt), excluded)
+        placed = time.monotonic()
+        self._phase["place"].observe(placed - start)
         decode = self.pool.workers[choice.decode_id]
         prefill = None if choice.prefill_id is None else self.pool.workers[choice.prefill_id]
         if first_token_only and prefill is not None:
             self._placements["prefill_only"].inc()
             return decode, prefill, None
         self._placements["decode_only" if prefill is None else "disaggregated"].inc()
-        return decode, prefill, await self._reserve(decode, prefill, req, prompt, deadline)
+        lease = await self._reserve(decode, prefill, req, prompt, deadline)
+        self._phase["reserve"].observe(time.monotonic() - placed)
+        return decode, prefill, lease
 
     def _placement(self, req: PreparedRequest, prompt_len: int, excluded: frozenset[str]) -> Placement:
         if not self.pool.loads.num_workers("decode", excluded):
@@ -399,6 +407,7 @@ class GenerationCore:
         prefill_call: _PrefillCall | None = None
         prefill_rest: asyncio.Task[None] | None = None  # the prefill stream after its first token
         try:
+            progress.call_s = time.monotonic()
             if prefill is None:
                 call = self._start_decode(decode, lease, req, prompt, None, remaining_tokens, deadline)
                 async for response in self._relay(call, decode, lease, req, progress, start):
@@ -458,6 +467,7 @@ class GenerationCore:
         `Reserve` before it and no `Cancel` of an unused lease after it, two calls and a KV transfer
         fewer than a disaggregated request's. The rest of the prefill stream (its `done`, once the
         prompt's blocks are in the worker's cache) is read by a task of this core's, not waited for."""
+        progress.call_s = time.monotonic()
         call = self._start_prefill(prefill, req, prompt, deadline, None)
         try:
             first, first_logprob = await self._first_token(call, prefill, progress)
@@ -489,8 +499,11 @@ class GenerationCore:
 
     def _note_first(self, progress: _Progress, start: float) -> None:
         if not progress.ttft_s:
-            progress.ttft_s = time.monotonic() - start
+            now = time.monotonic()
+            progress.ttft_s = now - start
             self.metrics.ttft_s.observe(progress.ttft_s)
+            if progress.call_s:
+                self._phase["first_token"].observe(now - progress.call_s)
 
     def _emit(self, req: PreparedRequest, progress: _Progress, token_ids: list[int], logprobs: list[float],
               top_logprobs: list[worker_pb2.TokenTopLogprobs]) -> generation_pb2.GenerateResponse:

@@ -7,6 +7,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
+
+REQUEST_PHASES = (
+    # one request's way to its first token, in order (`frontend.GenerationCore`); admission is
+    # `cedserve_router_queue_seconds`
+    "place",  # admitted to a placement chosen (the policy over the load table and the prefix index)
+    "reserve",  # the Reserve call on the decode worker (both topologies lease before the first token)
+    "first_token",  # the worker call opened to its first token here: the prefill's `first_token`
+                    # event (disaggregated) or the decode stream's first tokens (colocated)
+)
+"""The `phase` label values of `cedserve_router_request_phase_seconds`."""
 
 
 class RouterMetrics:
@@ -17,6 +28,9 @@ class RouterMetrics:
         r = self.registry
         self.ttft_s = Histogram("cedserve_router_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
                                 registry=r)
+        self.request_phase_s = Histogram(
+            "cedserve_router_request_phase_seconds", "A request's time to its first token by phase "
+            "(`REQUEST_PHASES`), one observation per attempt", ["phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.tpot_s = Histogram("cedserve_router_tpot_seconds", "Time per output token after the first",
                                 ["effort_class"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_s = Histogram("cedserve_router_queue_seconds", "Admission wait", ["effort_class"],
