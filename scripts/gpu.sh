@@ -56,6 +56,8 @@
 #                   test_runner_gpu.py -k expert_parallel: a one-rank NCCL group on one GPU, the
 #                   two-rank test where two GPUs exist)      ep-runner-tests.log         EP_RUNNER_S=200
 #                                                                                     EP_TESTS_S=200
+#   disagg-ttft     benchmarks/disagg_ttft.py --device cuda: colocated beside disaggregated on this GPU, TTFT
+#                   beyond compute (issue 29)   disagg/{disagg-ttft-cuda.json,disagg-ttft.log}  DISAGG_S=240
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
@@ -595,6 +597,21 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
      2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
 )
 
+part_disagg_ttft() (  # issue 29: TTFT that disaggregation adds at low load, same prompts, same GPU
+  # benchmarks/disagg_ttft.py starts `TREE/.venv/bin/cedserve`: a shim runs this host's python over the gpu tree
+  local shim=$ROOT/build/disagg_shim py
+  py=$(command -v "$PY")
+  mkdir -p "$shim/.venv/bin" "$OUT/disagg"
+  printf '#!/bin/sh\nexec "%s" -P -m cedserve.cli "$@"\n' "$py" > "$shim/.venv/bin/cedserve"
+  chmod +x "$shim/.venv/bin/cedserve"
+  export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
+  # shellcheck disable=SC2086
+  timeout "${DISAGG_S:-240}" "$PY" -P benchmarks/disagg_ttft.py --tree "new=$shim" --device cuda \
+    ${DISAGG_ARGS:---prompt-tokens 64,512 --long-tokens 2048 --rounds 8 --long-rounds 3 --runs 1} \
+    --serve-args "--gpus 0" --ready-timeout-s 180 --note "one GPU, both systems on it" --out "$OUT/disagg/disagg-ttft-cuda.json" 2>&1 \
+    | grep -v "NIXL INFO" | tail -80 | tee "$OUT/disagg/disagg-ttft.log"
+)
+
 run_part() {  # $1: part name
   case "$1" in
     runner) part_runner_tests; part_step; part_engine ;;
@@ -626,6 +643,7 @@ run_part() {  # $1: part name
     serve-test) part_serve_test ;;
     serve-bench) part_serve_bench ;;
     transfer-one) part_transfer_one ;;
+    disagg-ttft) part_disagg_ttft ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
   esac
 }
