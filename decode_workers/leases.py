@@ -115,6 +115,12 @@ class LeaseBook:
     def _validate(self, cmd: ReserveCommand) -> None:
         if not cmd.request_id:
             raise LeaseError(ErrorKind.INVALID_ARGUMENT, "request_id is empty", "request_id")
+        earlier = self.lease_of(cmd.request_id)
+        if earlier is not None and earlier.cancelled:
+            # The router retries a failed attempt under the same request id; the cancelled lease of the
+            # attempt before lets its blocks go once its transfer has (`poll`): no room yet, not a misuse.
+            raise LeaseError(ErrorKind.RESOURCE_EXHAUSTED, f"request {cmd.request_id!r}: its earlier lease "
+                             f"{earlier.lease_id} is still being released here", retry_after_ms=RETRY_AFTER_MS)
         if cmd.request_id in self.by_request or cmd.request_id in self.cache:
             raise LeaseError(ErrorKind.INVALID_ARGUMENT, f"request {cmd.request_id!r} already holds a lease "
                              "or runs here", "request_id")
