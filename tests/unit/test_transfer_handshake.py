@@ -157,12 +157,20 @@ def test_crossing_handshakes_settle_on_one_link(agents: Agents) -> None:
 def test_a_restarted_peer_fails_the_old_transfers(agents: Agents) -> None:
     decode, first = agents("decode"), agents("prefill", seed=1)
     first.handshake(decode.control_address)
-    decode.receiver().reserve("held", [6, 7], sender="prefill")
-    first.close()  # gone without a word about "held" (it never opened it)
-    restarted = agents("prefill", seed=2)  # the same name, a new process
+    reservation = decode.receiver().reserve("held", [6, 7], sender="prefill")
+    first.sender().open(reservation)
+    first.sender().write_blocks("held", [6])  # in flight: one chunk of two landed
+    deadline = time.monotonic() + 10
+    while decode.state(Role.RECEIVER, "held") is not TransferState.TRANSFERRING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decode.state(Role.RECEIVER, "held") is TransferState.TRANSFERRING
+    # The same name from a new process, before the old one's silence was noticed (the old agent
+    # stays in this process but is never heard from by `decode` again: it has gone for `decode`).
+    restarted = agents("prefill", seed=2)
     restarted.handshake(decode.control_address)
     error = failure(decode, Role.RECEIVER, "held")
-    assert error.cause is FailureCause.PEER_DISCONNECTED and "restarted" in error.detail
+    assert error.cause is FailureCause.PEER_DISCONNECTED and "restarted (incarnation" in error.detail
+    assert decode.active_transfers() == 0  # its blocks are the owner's to free again
     send(restarted, decode, "fresh", [6, 7])
 
 
