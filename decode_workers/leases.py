@@ -31,7 +31,7 @@ from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.messages import Failed, ReserveCommand, Reserved
 from cedserve.decode_workers.metrics import DecodeMetrics
 from cedserve.decode_workers.sequence import Lease
-from cedserve.kv_transfer.errors import FailureCause
+from cedserve.kv_transfer.errors import FailureCause, KVTransferError
 from cedserve.kv_transfer.protocol import KVReceiver, TransferEndpoint
 from cedserve.kv_transfer.state import TransferResult, TransferState
 from cedserve.kv_transfer.wire import reservation_to_pb
@@ -115,6 +115,12 @@ class LeaseBook:
     def _validate(self, cmd: ReserveCommand) -> None:
         if not cmd.request_id:
             raise LeaseError(ErrorKind.INVALID_ARGUMENT, "request_id is empty", "request_id")
+        earlier = self.lease_of(cmd.request_id)
+        if earlier is not None and earlier.cancelled:
+            # The router retries a failed attempt under the same request id; the cancelled lease of the
+            # attempt before lets its blocks go once its transfer has (`poll`): no room yet, not a misuse.
+            raise LeaseError(ErrorKind.RESOURCE_EXHAUSTED, f"request {cmd.request_id!r}: its earlier lease "
+                             f"{earlier.lease_id} is still being released here", retry_after_ms=RETRY_AFTER_MS)
         if cmd.request_id in self.by_request or cmd.request_id in self.cache:
             raise LeaseError(ErrorKind.INVALID_ARGUMENT, f"request {cmd.request_id!r} already holds a lease "
                              "or runs here", "request_id")
@@ -176,11 +182,18 @@ class LeaseBook:
         except ValueError as exc:
             raise LeaseError(ErrorKind.UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
                              "sender_agent") from None
+        except KVTransferError as exc:
+            if exc.cause is not FailureCause.PEER_DISCONNECTED:
+                raise
+            # declared dead between `_connect` and here: the next Reserve reconnects
+            raise LeaseError(ErrorKind.UNAVAILABLE, f"cannot receive from {cmd.sender_agent!r}: {exc}",
+                             "sender_agent", retry_after_ms=RETRY_AFTER_MS) from None
         lease.transfer_open = True
         return bytes(reservation_to_pb(reservation).SerializeToString())
 
     def _connect(self, cmd: ReserveCommand) -> None:
-        """Handshake with the sender unless it is connected already (once per peer)."""
+        """Handshake with the sender unless it is a live peer (once per connection: a peer declared dead
+        is reconnected here; the agent keeps a connection that a second handshake finds alive)."""
         assert self.endpoint is not None
         peers = getattr(self.endpoint, "peers", None)
         if callable(peers) and peers().get(cmd.sender_agent):

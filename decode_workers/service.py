@@ -72,7 +72,7 @@ class OutputRouter:
 
     def __init__(self, num_ranks: int) -> None:
         self._lock = threading.Lock()
-        self._reserves: dict[str, Future[Output]] = {}
+        self._reserves: dict[str, tuple[Future[Output], str]] = {}  # request id -> (answer, its lease id)
         self._streams: dict[str, queue.SimpleQueue[Routed]] = {}
         self._rank_of: dict[str, int] = {}  # request id -> rank holding it
         self._early_cancels: dict[str, float] = {}  # request id -> when a Cancel came before its Reserve
@@ -99,10 +99,7 @@ class OutputRouter:
             for report in reports:
                 self.loads[report.load.rank] = report.load
                 for out in report.outputs:
-                    future = self._reserves.pop(out.request_id, None)
-                    if future is not None:
-                        future.set_result(out)
-                    else:
+                    if not self._answer(out):
                         self._held.append((now, out))
             self.last_report_s = time.monotonic()
 
@@ -116,11 +113,27 @@ class OutputRouter:
                 self._to_stream(out, reported_s)
 
     def _route(self, out: Output) -> None:
-        future = self._reserves.pop(out.request_id, None)
-        if future is not None:
-            future.set_result(out)
-            return
-        self._to_stream(out, time.perf_counter())
+        if not self._answer(out):
+            self._to_stream(out, time.perf_counter())
+
+    def _answer(self, out: Output) -> bool:
+        """Answer the call waiting on `out`'s request (Reserve, CheckProbe) with it; True when `out`
+        is done with. While a Reserve waits, an output naming another lease of the same request is
+        an earlier attempt's (the router retries under the same request id, and its Cancel of the
+        failed attempt's lease answers "lease cancelled"): it is dropped, so it neither answers the
+        new Reserve nor ends the request's routing."""
+        waiting = self._reserves.get(out.request_id)
+        if waiting is None:
+            return False
+        future, lease_id = waiting
+        other = getattr(out, "lease_id", "")
+        if lease_id and other and other != lease_id:
+            log.debug("dropping %s of lease %s: request %s now waits on lease %s", type(out).__name__, other,
+                      out.request_id, lease_id)
+            return True
+        del self._reserves[out.request_id]
+        future.set_result(out)
+        return True
 
     def _to_stream(self, out: Output, reported_s: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -129,10 +142,11 @@ class OutputRouter:
         if isinstance(out, Finished | Failed | ProbeChecked):
             self._rank_of.pop(out.request_id, None)
 
-    def expect_reserve(self, request_id: str, rank: int) -> Future[Output]:
+    def expect_reserve(self, request_id: str, rank: int, lease_id: str = "") -> Future[Output]:
+        """The future the next output for `request_id` (of lease `lease_id`, when given) answers."""
         future: Future[Output] = Future()
         with self._lock:
-            self._reserves[request_id] = future
+            self._reserves[request_id] = (future, lease_id)
             self._rank_of[request_id] = rank
         return future
 
@@ -217,7 +231,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         with self._order:
             gone = not context.is_active() or self.router.cancelled_early(request.request_id)
             if not gone:
-                future = self.router.expect_reserve(request.request_id, rank)
+                future = self.router.expect_reserve(request.request_id, rank, cmd.lease_id)
                 self.inbox.put(cmd)
         if gone:  # the caller left (its deadline passed while this call queued) or cancelled it already
             context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was cancelled before its "
@@ -316,7 +330,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         with self._order:
             rank = self.router.rank_of(request.request_id)
             if rank is None:
-                if request.request_id:
+                # Remembered for a Reserve still to come only when it names no lease: one naming a lease
+                # is for a lease already ended here (a failed attempt's, which the router retries under
+                # the same request id), never for one a later Reserve grants.
+                if request.request_id and not request.lease_id:
                     self.router.note_early_cancel(request.request_id)
                 return wpb.CancelReply(found=False)
             self.inbox.put(CancelCommand(rank, request.request_id, request.lease_id, "cancelled by the router"))
@@ -368,7 +385,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             abort(context, wpb.ErrorDetail(code=wpb.ERROR_CODE_NOT_FOUND, field="request_id", request_id=rid,
                                            message=f"no probe lease for request {rid!r} here"))
         assert rank is not None
-        future = self.router.expect_reserve(rid, rank)  # the next output for this request answers
+        future = self.router.expect_reserve(rid, rank, request.lease_id)  # the next output of this lease answers
         self.inbox.put(ProbeCheckCommand(rank, rid, request.lease_id, request.sha256))
         try:
             out = future.result(timeout=context.time_remaining() or RESERVE_TIMEOUT_S)

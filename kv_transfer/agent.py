@@ -15,8 +15,10 @@ Lifecycle
    buffer once, starts the KVTransferControl gRPC service (token-authenticated) and the engine's
    progress thread.
 2. Handshake: `handshake(address)` sends our `AgentInfo` (NIXL metadata, region addresses,
-   protocol version, compatibility hash) to the peer's control service and loads its reply; both
-   sides check version and hash and refuse, naming both values, on a mismatch.
+   protocol version, compatibility hash, incarnation) to the peer's control service and loads its
+   reply; both sides check version and hash and refuse, naming both values, on a mismatch.
+   Concurrent calls for one address share one exchange, and a handshake with a live peer of the
+   same incarnation keeps the connection (`handshake.py`, `NixlEngine.add_peer`).
 3. Transfers (decode-first, see `protocol.py` and `engine.py`): the receiver reserves blocks; the
    sender claims the reservation at the receiver's control service, opens it and streams
    `write_blocks` chunks.
@@ -29,13 +31,15 @@ Link measurement (raw NIXL requests, probe notifications) is benchmark code:
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.control import ControlServer
 from cedserve.kv_transfer.engine import NixlEngine
-from cedserve.kv_transfer.errors import FailureCause, RequestId
-from cedserve.kv_transfer.handshake import PeerConnector, agent_info
+from cedserve.kv_transfer.errors import FailureCause, HandshakeError, RequestId
+from cedserve.kv_transfer.handshake import PeerConnector, agent_info, new_incarnation
 from cedserve.kv_transfer.metrics import TransferMetrics
 from cedserve.kv_transfer.nixl_backend import NixlBackend
 from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
@@ -60,7 +64,10 @@ class NixlTransferAgent:
         self.config = config
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self._name = name
+        self._incarnation = new_incarnation()
         self._compat = layout.compatibility()
+        self._handshakes: dict[str, Future[str]] = {}  # control address -> the exchange in flight
+        self._handshakes_lock = threading.Lock()
         self._backend = NixlBackend(name, config)
         self.memory = LocalMemory(self._backend, config, region, layout)
         self.engine = NixlEngine(config, self.memory, name, self.metrics)
@@ -102,7 +109,8 @@ class NixlTransferAgent:
 
     def info(self) -> pb.AgentInfo:
         """What peers need to know about us (sent in the handshake)."""
-        return agent_info(self._name, self._compat, self.memory, self.control_address, self.engine.doorbell_port)
+        return agent_info(self._name, self._compat, self.memory, self.control_address, self.engine.doorbell_port,
+                          self._incarnation)
 
     def active_transfers(self) -> int:
         return self.engine.active_transfers()
@@ -114,14 +122,42 @@ class NixlTransferAgent:
     # ------------------------------------------------------------------ handshake (control plane)
 
     def handshake(self, address: str, timeout_s: float = 5.0) -> str:
-        responder = self._connector.initiate(address, self.info(), timeout_s)
-        self.engine.add_peer(responder)
+        """Connect to the agent at `address` (or confirm the connection we hold); its name.
+        Concurrent calls for one address share one exchange: the first caller's, whose result or
+        error each caller gets (`HandshakeError` when it is not over within `timeout_s`)."""
+        with self._handshakes_lock:
+            flight = self._handshakes.get(address)
+            leading = flight is None
+            if flight is None:
+                flight = self._handshakes[address] = Future()
+        if not leading:
+            try:
+                return flight.result(timeout_s)
+            except TimeoutError:
+                raise HandshakeError(f"KV transfer handshake with {address}: still in progress after "
+                                     f"{timeout_s} s") from None
+        try:
+            name = self._exchange(address, timeout_s)
+        except BaseException as exc:
+            flight.set_exception(exc)
+            raise
+        else:
+            flight.set_result(name)
+        finally:
+            with self._handshakes_lock:
+                del self._handshakes[address]
+        return name
+
+    def _exchange(self, address: str, timeout_s: float) -> str:
+        link = new_incarnation()
+        responder = self._connector.initiate(address, self.info(), link, self.engine.lost_link(address), timeout_s)
+        self.engine.add_peer(responder, link)
         return responder.agent_name
 
-    def accept_handshake(self, initiator: pb.AgentInfo) -> pb.AgentInfo:
+    def accept_handshake(self, request: pb.HandshakeRequest) -> pb.AgentInfo:
         """Control-plane side of `handshake` (called by the gRPC service)."""
-        self._connector.accept(initiator)
-        self.engine.add_peer(initiator)
+        self._connector.accept(request.initiator)
+        self.engine.add_peer(request.initiator, request.link, request.lost_link)
         return self.info()
 
     def claim(self, request_id: RequestId, sender_agent: str) -> str:
@@ -138,7 +174,7 @@ class NixlTransferAgent:
     def open(self, reservation: Reservation, timeout_s: float | None, on_finish: FinishCallback | None) -> None:
         """Claim `reservation` at its receiver, then start sending into it."""
         self.engine.check_reservation(reservation)
-        receiver = self.engine.live_peer(reservation.receiver)
+        receiver = self.engine.live_peer(reservation.receiver, reservation.request_id)
         self._connector.claim(reservation, receiver.control_address)
         self.engine.open(reservation, timeout_s, on_finish)
 

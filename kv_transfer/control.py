@@ -63,8 +63,9 @@ def differing_fields(local: str, peer: str) -> str:
 class ControlHandler(Protocol):
     """What the service needs from the agent behind it."""
 
-    def accept_handshake(self, initiator: pb.AgentInfo) -> pb.AgentInfo:
-        """Check compatibility (raise `CompatibilityError`), add the peer, return our own info."""
+    def accept_handshake(self, request: pb.HandshakeRequest) -> pb.AgentInfo:
+        """Check compatibility (raise `CompatibilityError`), add the peer (or keep the connection we
+        hold with it, see `NixlEngine.add_peer`), return our own info."""
         ...
 
     def compatibility(self) -> Compatibility: ...
@@ -103,7 +104,7 @@ class _Servicer(pb_grpc.KVTransferControlServicer):
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
         try:
-            info = self._handler.accept_handshake(request.initiator)
+            info = self._handler.accept_handshake(request)
         except CompatibilityError as exc:
             own = self._handler.compatibility()
             context.set_trailing_metadata(((_PEER_VERSION_KEY, str(own.protocol_version)),
@@ -169,12 +170,11 @@ class ControlClient:
         self._stub = pb_grpc.KVTransferControlStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),)
 
-    def handshake(self, info: pb.AgentInfo, local: Compatibility, timeout_s: float) -> pb.AgentInfo:
-        """Send our info, get the peer's. Raises `CompatibilityError` (both values named, whichever
-        side noticed) or `HandshakeError`."""
+    def handshake(self, request: pb.HandshakeRequest, local: Compatibility, timeout_s: float) -> pb.AgentInfo:
+        """Send our info (`request.initiator`), get the peer's. Raises `CompatibilityError` (both
+        values named, whichever side noticed) or `HandshakeError`."""
         try:
-            reply = self._stub.Handshake(pb.HandshakeRequest(initiator=info), timeout=timeout_s,
-                                         metadata=self._metadata)
+            reply = self._stub.Handshake(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 trailing = dict(exc.trailing_metadata() or ())

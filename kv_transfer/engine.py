@@ -150,26 +150,58 @@ class NixlEngine:
         with self._lock:
             return {name: p.alive for name, p in self._peers.items()}
 
-    def add_peer(self, info: pb.AgentInfo) -> None:
-        """Load a handshaken peer (`handshake.load_peer`). A peer known already has restarted (or
-        lost us): its old transfers fail and it is unloaded first."""
+    def add_peer(self, info: pb.AgentInfo, link: int, lost_link: int = 0) -> bool:
+        """Load a handshaken peer over connection `link` (`handshake.load_peer`), or keep the one we
+        hold; True when it was loaded. By what we hold under its name:
+
+        - nothing, or a peer declared dead (its transfers failed then): load it;
+        - a live peer of the same incarnation: the same process handshaking again (concurrent
+          callers, or handshakes crossing from both sides): keep the connection and its transfers
+          (both sides settle on the smaller link id); unless the peer names this connection as
+          the one it lost (`lost_link`): it declared us dead and failed its side of our transfers,
+          so ours fail too and it is loaded anew;
+        - a live peer of another incarnation (or of none): it restarted; its old transfers fail
+          (PEER_DISCONNECTED, naming both incarnations) and it is unloaded first.
+        """
         check_peer_info(info, self._name, self.region.block_bytes)
         with self._lock:
             old = self._peers.get(info.agent_name)
-            if old is not None:
-                self._peer_dead(old, FailureCause.PEER_DISCONNECTED, "peer handshaked again (restarted)")
-            self._peers[info.agent_name] = load_peer(self.memory, info)
+            if old is not None and old.alive:
+                same = info.incarnation != 0 and info.incarnation == old.incarnation
+                if same and (lost_link == 0 or lost_link != old.link):
+                    old.link = min(old.link, link) if old.link and link else old.link or link
+                    return False
+                why = (f"peer declared connection {old.link:x} dead and reconnected" if same else
+                       f"peer restarted (incarnation {old.incarnation:x}, now {info.incarnation:x})")
+                self._peer_dead(old, FailureCause.PEER_DISCONNECTED, why)
+            self._peers[info.agent_name] = load_peer(self.memory, info, link)
+            # Its silence clock starts now, before it may have loaded us: greet it at once rather
+            # than at the next heartbeat round, so the first contact does not eat the timeout.
+            self._next_heartbeat_s = 0.0
         self._bell.wake()
+        return True
 
-    def live_peer(self, name: str) -> PeerState:
-        """The handshaken peer `name`; `ValueError` when unknown or dead."""
+    def lost_link(self, control_address: str) -> int:
+        """The connection to the agent at `control_address` we declared dead (0: none), which the
+        next handshake with it names (`add_peer`'s `lost_link`)."""
         with self._lock:
-            return self._live_peer(name)
+            return next((p.link for p in self._peers.values()
+                         if p.control_address == control_address and not p.alive), 0)
 
-    def _live_peer(self, name: str) -> PeerState:
+    def live_peer(self, name: str, request_id: RequestId = "") -> PeerState:
+        """The handshaken peer `name`; `ValueError` when never handshaken, `KVTransferError`
+        PEER_DISCONNECTED (retryable: the next handshake reconnects) when declared dead."""
+        with self._lock:
+            return self._live_peer(name, request_id)
+
+    def _live_peer(self, name: str, request_id: RequestId = "") -> PeerState:
         peer = self._peers.get(name)
-        if peer is None or not peer.alive:
+        if peer is None:
             raise ValueError(f"KV transfer peer {name!r} is not connected (handshake first)")
+        if not peer.alive:
+            raise KVTransferError(request_id, FailureCause.PEER_DISCONNECTED,
+                                  f"peer {name!r} was declared dead ({peer.lost}); it is reconnected by "
+                                  "the next handshake with it")
         return peer
 
     # ------------------------------------------------------------------ API used by the roles
@@ -188,7 +220,7 @@ class NixlEngine:
         lease = self.config.lease_s if lease_s is None else lease_s
         now = time.monotonic()
         with self._lock:
-            self._live_peer(sender)
+            self._live_peer(sender, request_id)
             slots: tuple[int, ...] = ()
             if (mode is TransferMode.WRITE and self.staging is not None and ids.size
                     and self.layout.kind is LayoutKind.CROSS_LAYER
@@ -226,7 +258,7 @@ class NixlEngine:
         now = time.monotonic()
         timeout = reservation.lease_s if timeout_s is None else timeout_s
         with self._lock:
-            peer = self._live_peer(reservation.receiver)
+            peer = self._live_peer(reservation.receiver, reservation.request_id)
             if dst.size and int(dst.max()) >= peer.kv.num_blocks:
                 raise ValueError(f"reservation {reservation.request_id!r}: receiver block ids beyond its pool")
             if any(not 0 <= s < peer.staging_slots for s in reservation.staging_slots):
@@ -988,6 +1020,7 @@ class NixlEngine:
         if not peer.alive:
             return
         peer.alive = False
+        peer.lost = f"{cause.value}: {detail}"
         affected = [t for t in (*self._sends.values(), *self._recvs.values()) if t.peer == peer.name]
         (log.warning if affected else log.info)("KV transfer peer %s declared dead (%s: %s); failing %d transfers",
                                                 peer.name, cause.value, detail, len(affected))

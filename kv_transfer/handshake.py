@@ -6,12 +6,19 @@ initiator sends its own over the peer's control service and gets the peer's back
 (`PeerConnector.initiate`); the responder checks it (`PeerConnector.accept`). Both sides then load
 the other's info into NIXL (`load_peer`), which makes the `PeerState` the engine keeps.
 
+Identity: an agent draws a random `incarnation` when it starts (`new_incarnation`) and sends it in
+its info, and the initiator names the connection a handshake makes (`link`, random) and the one it
+replaces after declaring it dead (`lost_link`). So a second handshake between two live agents
+(concurrent, or crossing from both sides) keeps the connection, and only a new incarnation (a
+restart) or a named lost link fails the transfers of the old one (`NixlEngine.add_peer`).
+
 The same connector later asks a receiver, before a sender's first write, whether it still holds a
 reservation for us (`claim`): the one data-path question that goes over the control plane.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 
@@ -31,8 +38,13 @@ from cedserve.kv_transfer.wire import compat_from_pb, compat_to_pb
 from cedserve.proto import kv_transfer_pb2 as pb
 
 
+def new_incarnation() -> int:
+    """A random, nonzero 64-bit id: an agent's incarnation, or a connection's link."""
+    return secrets.randbits(64) | 1
+
+
 def agent_info(name: str, compat: Compatibility, memory: LocalMemory, control_address: str,
-               doorbell_port: int = 0) -> pb.AgentInfo:
+               doorbell_port: int = 0, incarnation: int = 0) -> pb.AgentInfo:
     """What peers need to know about us (sent in the handshake)."""
     r = memory.region
     kind = pb.MEMORY_KIND_VRAM if r.device_memory else pb.MEMORY_KIND_DRAM
@@ -48,7 +60,7 @@ def agent_info(name: str, compat: Compatibility, memory: LocalMemory, control_ad
         block_bytes=r.block_bytes, num_blocks=r.num_blocks, staging_region=staging_region,
         staging_slot_bytes=staging.slot_bytes if staging else 0,
         num_staging_slots=staging.num_slots if staging else 0,
-        control_address=control_address, doorbell_port=doorbell_port)
+        control_address=control_address, doorbell_port=doorbell_port, incarnation=incarnation)
 
 
 def check_peer_info(info: pb.AgentInfo, own_name: str, block_bytes: int) -> None:
@@ -62,9 +74,10 @@ def check_peer_info(info: pb.AgentInfo, own_name: str, block_bytes: int) -> None
         raise ValueError(f"handshake with {info.agent_name!r}: region shorter than its blocks")
 
 
-def load_peer(memory: LocalMemory, info: pb.AgentInfo) -> PeerState:
-    """Load a checked peer's NIXL metadata (and prepare its block list): the peer, alive, seen now.
-    `ValueError` when the metadata names another agent than the info (it is unloaded again)."""
+def load_peer(memory: LocalMemory, info: pb.AgentInfo, link: int) -> PeerState:
+    """Load a checked peer's NIXL metadata (and prepare its block list): the peer, alive, seen now,
+    over connection `link`. `ValueError` when the metadata names another agent than the info (it is
+    unloaded again)."""
     backend = memory.backend
     loaded = backend.add_peer(info.nixl_metadata)
     if loaded != info.agent_name:
@@ -79,7 +92,8 @@ def load_peer(memory: LocalMemory, info: pb.AgentInfo) -> PeerState:
         staging_slots=info.num_staging_slots, staging_device=info.staging_region.device_id,
         staging_mem=st_mem, control_address=info.control_address, last_seen_s=time.monotonic(),
         blocks_list=memory.prep_peer_blocks(info.agent_name, kv, info.block_bytes, kv_mem),
-        doorbell=peer_doorbell(info.control_address, info.doorbell_port))
+        doorbell=peer_doorbell(info.control_address, info.doorbell_port), incarnation=info.incarnation,
+        link=link)
 
 
 class PeerConnector:
@@ -92,12 +106,15 @@ class PeerConnector:
         self._lock = threading.Lock()
         self._claim_clients: dict[str, ControlClient] = {}  # receiver agent -> its control service
 
-    def initiate(self, address: str, info: pb.AgentInfo, timeout_s: float) -> pb.AgentInfo:
-        """Send our `info` to the control service at `address`; the responder's info, its
+    def initiate(self, address: str, info: pb.AgentInfo, link: int, lost_link: int,
+                 timeout_s: float) -> pb.AgentInfo:
+        """Send our `info` to the control service at `address`, proposing connection `link` (and
+        naming `lost_link`, the one we declared dead, 0 if none); the responder's info, its
         compatibility checked (`CompatibilityError`, `HandshakeError`)."""
         client = ControlClient(address, self._config.auth_token, self._config.tls)
         try:
-            return client.handshake(info, self._compat, timeout_s)
+            return client.handshake(pb.HandshakeRequest(initiator=info, link=link, lost_link=lost_link),
+                                    self._compat, timeout_s)
         finally:
             client.close()
 

@@ -83,6 +83,7 @@ class LoopbackAgent:
         self._lease_s = lease_s
         self._mode = mode
         self._peers: set[str] = set()
+        self._lost: dict[str, str] = {}  # peers that died: why (reserve/open with them fail retryably)
         self._pairs_out: dict[RequestId, _Pair] = {}  # we send
         self._pairs_in: dict[RequestId, _Pair] = {}  # we receive
         self._done: dict[tuple[Role, RequestId], TransferRecord] = {}
@@ -103,6 +104,8 @@ class LoopbackAgent:
             check_compatible(self.layout.compatibility(), peer.layout.compatibility(), address)
             self._peers.add(address)
             peer._peers.add(self._name)
+            self._lost.pop(address, None)
+            peer._lost.pop(self._name, None)
             return address
 
     def sender(self) -> SenderRole:
@@ -141,7 +144,7 @@ class LoopbackAgent:
         self.region.check_block_ids(ids, f"reserve {request_id!r}")
         with self.hub.lock:
             self._expire()
-            self._check_peer(sender)
+            self._check_peer(sender, request_id)
             if request_id in self._pairs_in:
                 raise KVTransferError(request_id, FailureCause.INVALID, "request id already in use")
             lease = self._lease_s if lease_s is None else lease_s
@@ -164,7 +167,7 @@ class LoopbackAgent:
                                  f"{reservation.compat_hash} != ours {self.layout.compatibility().compat_hash}")
             if reservation.sender != self._name:
                 raise ValueError(f"reservation {reservation.request_id!r} is for sender {reservation.sender!r}")
-            self._check_peer(reservation.receiver)
+            self._check_peer(reservation.receiver, reservation.request_id)
             receiver = self.hub.agents[reservation.receiver]
             pair = receiver._pairs_in.get(reservation.request_id)
             if reservation.request_id in self._pairs_out or pair is None or pair.sender is not None:
@@ -257,9 +260,15 @@ class LoopbackAgent:
             raise KeyError(f"no KV transfer {request_id!r} on the {role.value} side of {self._name!r}")
         return done
 
-    def _check_peer(self, name: str) -> None:
+    def _check_peer(self, name: str, request_id: RequestId) -> None:
+        """As `NixlEngine.live_peer`: `ValueError` for a peer never handshaken, `KVTransferError`
+        PEER_DISCONNECTED for one that died."""
         if self.dead:
-            raise KVTransferError("", FailureCause.SHUTDOWN, f"loopback agent {self._name} is dead")
+            raise KVTransferError(request_id, FailureCause.SHUTDOWN, f"loopback agent {self._name} is dead")
+        if name in self._lost:
+            raise KVTransferError(request_id, FailureCause.PEER_DISCONNECTED,
+                                  f"peer {name!r} was declared dead ({self._lost[name]}); it is reconnected by "
+                                  "the next handshake with it")
         if name not in self._peers or name not in self.hub.agents:
             raise ValueError(f"KV transfer peer {name!r} is not connected (handshake first)")
 
@@ -305,6 +314,8 @@ class LoopbackAgent:
                     break
 
     def _peer_died(self, name: str) -> None:
+        if name in self._peers:
+            self._lost[name] = "peer_disconnected: loopback agent killed"
         self._peers.discard(name)
         now = self.hub.clock()
         for table, role in ((self._pairs_out, Role.SENDER), (self._pairs_in, Role.RECEIVER)):

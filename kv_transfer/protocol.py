@@ -70,7 +70,8 @@ class KVSender(Protocol):
              on_finish: FinishCallback | None = None) -> None:
         """Start a transfer into `reservation` (RESERVED). `timeout_s` (default: the reservation's
         lease) bounds it. Raises `ValueError` for a reservation of another model layout or a peer
-        never handshaken, `KVTransferError` if the request id is already open."""
+        never handshaken, `KVTransferError` if the request id is already open, or PEER_DISCONNECTED
+        (retryable) when the receiver was declared dead and not handshaken again since."""
         ...
 
     def write_blocks(self, request_id: RequestId, local_block_ids: BlockIds, *, last: bool = False) -> None:
@@ -107,7 +108,8 @@ class KVReceiver(Protocol):
                 on_finish: FinishCallback | None = None) -> Reservation:
         """Hold `block_ids` (already allocated by the caller) for `sender` (RESERVED) and return the
         reservation to hand to it. The lease ends the transfer with DEADLINE when it runs out.
-        Raises `ValueError` for ids outside the pool or a sender never handshaken."""
+        Raises `ValueError` for ids outside the pool or a sender never handshaken, `KVTransferError`
+        PEER_DISCONNECTED (retryable) for a sender declared dead and not handshaken again since."""
         ...
 
     def wait(self, request_id: RequestId, timeout_s: float) -> TransferResult:
@@ -129,7 +131,10 @@ class TransferEndpoint(Protocol):
     def handshake(self, address: str, timeout_s: float = 5.0) -> str:
         """Connect to the peer at `address` (its control address; for the fake, its name), check
         protocol version and compatibility hash both ways, and return the peer's agent name.
-        Raises `CompatibilityError` naming both values, or `HandshakeError`."""
+        Raises `CompatibilityError` naming both values, or `HandshakeError`. Idempotent: calls
+        racing for one peer share one exchange, and a handshake with a live peer of the same
+        incarnation keeps its connection and transfers; a restarted peer (a new incarnation)
+        fails the old one's transfers (PEER_DISCONNECTED)."""
         ...
 
     def sender(self) -> KVSender: ...

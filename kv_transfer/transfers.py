@@ -42,6 +42,14 @@ class PeerState:
     """Its block pool as a NIXL list prepared once (`NixlBackend.prep_blocks`); None: per-layer layout."""
     doorbell: tuple[str, int] | None = None
     """(host, UDP port) of its progress loop's doorbell (`doorbell.py`); None: an agent without one."""
+    incarnation: int = 0
+    """The peer process's random id (`AgentInfo.incarnation`); another one under the same name is a
+    restart. 0: a peer that sends none (every handshake from it reads as a restart)."""
+    link: int = 0
+    """Id of this connection, the same on both sides (`HandshakeRequest.link`; crossing handshakes
+    agree on the smaller one). A peer that declared it dead names it in its next handshake."""
+    lost: str = ""
+    """Why it was declared dead (cause: detail), once it was."""
 
     def staging_address(self, slot: int) -> int:
         return self.staging_base + slot * self.staging_slot_bytes

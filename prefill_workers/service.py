@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,29 +48,28 @@ class PeerConnector(Protocol):
         ...
 
     def handshake(self, address: str, timeout_s: float = 5.0) -> str:
-        """Connect and check compatibility; the peer's agent name. `CompatibilityError`, `HandshakeError`."""
+        """Connect and check compatibility; the peer's agent name. `CompatibilityError`, `HandshakeError`.
+        Concurrent calls for one address share one exchange; a live connection is kept."""
         ...
 
 
 class PeerBook:
     """Makes sure a request's decode agent is a live peer (thread-safe). Normally the decode worker
     handshook with us before reserving (a reservation names its sender); a handshake from this side
-    happens only for a peer we do not know, since a second handshake reads as a restarted peer and
-    fails that peer's open transfers."""
+    happens for a peer we do not know or declared dead. The agent makes that safe to race: requests
+    that find the peer missing at once share one handshake, and one that crosses the decode
+    worker's own keeps the connection (see `NixlTransferAgent.handshake`)."""
 
     def __init__(self, agent: PeerConnector | None, timeout_s: float) -> None:
         self._agent = agent
         self._timeout_s = timeout_s
-        self._lock = threading.Lock()
 
     def ensure(self, target: TransferTarget, request_id: str) -> None:
         """Handshake with the target's agent unless it is a live peer. `UnavailableError` if it cannot
         be reached, `InvalidArgumentError` if it is another model or layout."""
         if self._agent is None or self._agent.peers().get(target.agent_name):
             return
-        with self._lock:
-            if not self._agent.peers().get(target.agent_name):
-                self._handshake(target, request_id)
+        self._handshake(target, request_id)
 
     def _handshake(self, target: TransferTarget, rid: str) -> None:
         assert self._agent is not None

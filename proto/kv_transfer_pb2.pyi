@@ -69,7 +69,7 @@ class Compatibility(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_name", "nixl_metadata", "compat", "kv_region", "block_bytes", "num_blocks", "staging_region", "staging_slot_bytes", "num_staging_slots", "control_address", "doorbell_port")
+    __slots__ = ("agent_name", "nixl_metadata", "compat", "kv_region", "block_bytes", "num_blocks", "staging_region", "staging_slot_bytes", "num_staging_slots", "control_address", "doorbell_port", "incarnation")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class AgentInfo(_message.Message):
     NUM_STAGING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_PORT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     nixl_metadata: bytes
     compat: Compatibility
@@ -92,13 +93,18 @@ class AgentInfo(_message.Message):
     num_staging_slots: int
     control_address: str
     doorbell_port: int
-    def __init__(self, agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[Compatibility, _Mapping]] = ..., kv_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., staging_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., staging_slot_bytes: _Optional[int] = ..., num_staging_slots: _Optional[int] = ..., control_address: _Optional[str] = ..., doorbell_port: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, agent_name: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[Compatibility, _Mapping]] = ..., kv_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., staging_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., staging_slot_bytes: _Optional[int] = ..., num_staging_slots: _Optional[int] = ..., control_address: _Optional[str] = ..., doorbell_port: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("initiator",)
+    __slots__ = ("initiator", "link", "lost_link")
     INITIATOR_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    LOST_LINK_FIELD_NUMBER: _ClassVar[int]
     initiator: AgentInfo
-    def __init__(self, initiator: _Optional[_Union[AgentInfo, _Mapping]] = ...) -> None: ...
+    link: int
+    lost_link: int
+    def __init__(self, initiator: _Optional[_Union[AgentInfo, _Mapping]] = ..., link: _Optional[int] = ..., lost_link: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("responder",)

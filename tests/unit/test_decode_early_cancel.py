@@ -13,8 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers import service as service_module
-from cedserve.decode_workers.messages import CancelCommand, ReserveCommand, Reserved
+from cedserve.decode_workers.messages import CancelCommand, Failed, ReserveCommand, Reserved
 from cedserve.decode_workers.service import EARLY_CANCEL_TTL_S, DecodeService, OutputRouter
 from cedserve.proto import worker_pb2 as wpb
 from cedserve.serving.drain import DrainController
@@ -114,3 +115,49 @@ def test_early_cancels_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch)
         router.note_early_cancel(rid)
     assert not router.cancelled_early("a")  # evicted: the oldest past the bound
     assert all(router.cancelled_early(rid) for rid in ("b", "c", "d"))
+
+
+def _reserve_in_thread(service: DecodeService, inbox: Inbox, request_id: str,
+                       answers: list[object]) -> tuple[threading.Thread, ReserveCommand]:
+    """A Reserve call waiting on the engine's answer; its queued command."""
+    def reserve() -> None:
+        try:
+            answers.append(service.Reserve(wpb.ReserveRequest(request_id=request_id, prompt_tokens=10),
+                                           Context()))  # type: ignore[arg-type]
+        except Aborted as exc:
+            answers.append(exc)
+
+    caller = threading.Thread(target=reserve)
+    caller.start()
+    deadline = time.monotonic() + 5
+    while not any(isinstance(c, ReserveCommand) for c in inbox.commands) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    command = next(c for c in inbox.commands if isinstance(c, ReserveCommand))
+    return caller, command
+
+
+def test_a_cancel_of_an_ended_lease_does_not_refuse_the_retry() -> None:
+    """The router retries a failed attempt under the same request id after cancelling the attempt's
+    lease; a Cancel naming a lease this worker no longer holds is not one for the retry's Reserve."""
+    service, inbox, router = make_service()
+    assert not service.Cancel(wpb.CancelRequest(request_id="r4", lease_id="ended"), Context()).found  # type: ignore[arg-type]
+    assert not router.cancelled_early("r4")
+    answers: list[object] = []
+    caller, command = _reserve_in_thread(service, inbox, "r4", answers)
+    router._route(Reserved("r4", command.lease_id, "agent", "127.0.0.1:1", (1, 2), 0, 0))
+    caller.join(5)
+    assert len(answers) == 1 and isinstance(answers[0], wpb.ReserveReply), answers
+    assert answers[0].lease_id == command.lease_id
+
+
+def test_an_earlier_leases_answer_does_not_answer_the_retry() -> None:
+    """The Cancel of a failed attempt's lease answers "lease cancelled" once the engine runs it; when
+    the retry's Reserve already waits, that answer is the old lease's, not the retry's."""
+    service, inbox, router = make_service()
+    answers: list[object] = []
+    caller, command = _reserve_in_thread(service, inbox, "r5", answers)
+    router._route(Failed("r5", ErrorKind.CANCELLED, "lease cancelled: cancelled by the router", lease_id="old"))
+    assert not answers and router.rank_of("r5") == 0  # dropped: the retry still waits, its rank kept
+    router._route(Reserved("r5", command.lease_id, "agent", "127.0.0.1:1", (1, 2), 0, 0))
+    caller.join(5)
+    assert len(answers) == 1 and isinstance(answers[0], wpb.ReserveReply), answers

@@ -144,6 +144,27 @@ def test_cancel_frees_every_block() -> None:
     rig.assert_all_free()
 
 
+def test_a_retry_waits_for_its_earlier_lease_to_be_released() -> None:
+    """The router retries a failed attempt under the same request id, after cancelling the attempt's
+    lease. While that lease's aborted transfer still holds its blocks (until `poll`), the retry's
+    Reserve finds no room (retryable, the router waits), not a request that misuses its id."""
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    tokens = PROMPTS[0]
+    first = rig.reserve(tokens, request_id="again")
+    assert isinstance(first, Reserved)
+    rig.prefill(first, tokens, last=False)  # the transfer is open
+    rig.engine.handle(CancelCommand(0, "again", first.lease_id))
+    retry = rig.reserve(tokens, request_id="again")
+    assert isinstance(retry, Failed) and retry.kind is ErrorKind.RESOURCE_EXHAUSTED and retry.retry_after_ms > 0
+    assert "still being released" in retry.message
+    rig.engine.poll()  # the aborted transfer let go: the earlier lease is gone
+    retry = rig.reserve(tokens, request_id="again")
+    assert isinstance(retry, Reserved)
+    rig.engine.handle(CancelCommand(0, "again", retry.lease_id))
+    rig.assert_all_free()
+
+
 def test_prefill_side_dying_mid_transfer_frees_every_block() -> None:
     model, drafter = tiny()
     rig = Rig(model, drafter)

@@ -92,6 +92,16 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     p.receiver.close()
 
 
+def address(p: Pair, agent: TransferEndpoint) -> str:
+    """What `handshake` takes to reach `agent`: the fake's name, the real agent's control address."""
+    if p.kind == "loopback":
+        return agent.name
+    from cedserve.kv_transfer.agent import NixlTransferAgent
+
+    assert isinstance(agent, NixlTransferAgent)
+    return agent.control_address
+
+
 def blocks_equal(p: Pair, src: np.ndarray, dst: np.ndarray) -> bool:
     return torch.equal(p.dst.blocks()[torch.from_numpy(dst)], p.src.blocks()[torch.from_numpy(src)])
 
@@ -221,6 +231,20 @@ def test_validation(pair: Pair) -> None:
         receiver.wait(rid, 10)
 
 
+def test_a_second_handshake_keeps_open_transfers(pair: Pair) -> None:
+    """Handshaking again with a live peer, from either side, is not a restart: a transfer opened
+    before it finishes DONE with every byte."""
+    receiver, sender = pair.receiver.receiver(), pair.sender.sender()
+    rid = pair.rid("rehandshake")
+    reservation = receiver.reserve(rid, [20, 21], sender=pair.sender.name, on_finish=pair.on_finish)
+    sender.open(reservation, on_finish=pair.on_finish)
+    assert pair.sender.handshake(address(pair, pair.receiver)) == pair.receiver.name
+    assert pair.receiver.handshake(address(pair, pair.sender)) == pair.sender.name
+    sender.write_blocks(rid, [20, 21], last=True)
+    assert receiver.wait(rid, 10).state is TransferState.DONE
+    assert blocks_equal(pair, np.array([20, 21]), np.array([20, 21]))
+
+
 def test_handshake_refuses_another_layout_naming_both_hashes(pair: Pair) -> None:
     other = KVLayout.raw(BLOCK_BYTES, LayoutKind.PER_LAYER, 2)
     if pair.kind == "loopback":
@@ -268,6 +292,10 @@ def test_loopback_kill_fails_the_peers_transfers() -> None:
         p.receiver.receiver().wait("k", 1)
     assert exc.value.cause is FailureCause.PEER_DISCONNECTED
     assert [r.role.value for r in p.finishes("k")] == ["receiver"]
+    # as the NIXL engine: a new transfer with a dead peer fails retryably, not as a misuse
+    with pytest.raises(KVTransferError) as exc:
+        p.receiver.receiver().reserve("k2", [3], sender="prefill0")
+    assert exc.value.cause is FailureCause.PEER_DISCONNECTED and exc.value.request_id == "k2"
 
 
 def test_loopback_lease_uses_the_injected_clock() -> None:

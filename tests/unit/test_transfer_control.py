@@ -22,13 +22,18 @@ OURS = KVLayout.raw(4096).compatibility()
 OTHER = KVLayout.raw(4096, LayoutKind.PER_LAYER, 2).compatibility()
 
 
+def hello(name: str, compat: Compatibility) -> pb.HandshakeRequest:
+    return pb.HandshakeRequest(initiator=pb.AgentInfo(agent_name=name, compat=compat_to_pb(compat)))
+
+
 class RecordingHandler:
     def __init__(self, compat: Compatibility) -> None:
         self.compat = compat
         self.aborts: list[tuple[str, FailureCause, str]] = []
         self.handshakes: list[str] = []
 
-    def accept_handshake(self, initiator: pb.AgentInfo) -> pb.AgentInfo:
+    def accept_handshake(self, request: pb.HandshakeRequest) -> pb.AgentInfo:
+        initiator = request.initiator
         check_compatible(self.compat, compat_from_pb(initiator.compat), initiator.agent_name)
         self.handshakes.append(initiator.agent_name)
         return pb.AgentInfo(agent_name="decode0", compat=compat_to_pb(self.compat))
@@ -105,7 +110,7 @@ def test_handshake_accepts_a_compatible_peer(served: tuple[RecordingHandler, Con
     handler, server = served
     client = ControlClient(server.address, TOKEN)
     try:
-        info = client.handshake(pb.AgentInfo(agent_name="prefill0", compat=compat_to_pb(OURS)), OURS, 5)
+        info = client.handshake(hello("prefill0", OURS), OURS, 5)
     finally:
         client.close()
     assert info.agent_name == "decode0" and handler.handshakes == ["prefill0"]
@@ -116,7 +121,7 @@ def test_handshake_mismatch_names_both_hashes(served: tuple[RecordingHandler, Co
     client = ControlClient(server.address, TOKEN)
     try:
         with pytest.raises(CompatibilityError) as exc:
-            client.handshake(pb.AgentInfo(agent_name="prefill0", compat=compat_to_pb(OTHER)), OTHER, 5)
+            client.handshake(hello("prefill0", OTHER), OTHER, 5)
     finally:
         client.close()
     text = str(exc.value)
@@ -136,7 +141,7 @@ def test_unreachable_peer_is_a_handshake_error() -> None:
     client = ControlClient("127.0.0.1:1", TOKEN)
     try:
         with pytest.raises(HandshakeError, match="UNAVAILABLE"):
-            client.handshake(pb.AgentInfo(agent_name="x", compat=compat_to_pb(OURS)), OURS, 2)
+            client.handshake(hello("x", OURS), OURS, 2)
     finally:
         client.close()
 
