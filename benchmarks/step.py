@@ -167,7 +167,10 @@ def profile(run: Callable[[], None], steps: int) -> dict[str, Any]:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
     return {"gpu_kernel_ms": kernel_us / 1000 / steps, "kernels_per_step": kernels / steps,
             "host_syncs_per_step": (d2h + max(0, syncs - 1)) / steps,
-            "top_kernels": [{"name": n, "per_step": round(c, 1), "ms": round(ms, 3)} for n, (c, ms) in top]}
+            "top_kernels": [{"name": n, "per_step": round(c, 1), "ms": round(ms, 3)} for n, (c, ms) in top],
+            # every kernel, most launched first: where a bucket's launches go (which chains to fuse next)
+            "all_kernels": [{"name": n, "per_step": round(c, 2), "ms": round(ms, 4)}
+                            for n, (c, ms) in sorted(by_name.items(), key=lambda kv: (-kv[1][0], kv[0]))]}
 
 
 def part_profile(runner: ModelRunner, run: Callable[[], None]) -> list[dict[str, Any]]:
@@ -417,7 +420,7 @@ def cell(preset: str, context: int, batch: int, rows: int, path: str, step_ms: f
             "step_ms": round(step_ms, 3), "gpu_kernel_ms": round(prof["gpu_kernel_ms"], 3),
             "gpu_busy": round(prof["gpu_kernel_ms"] / step_ms, 3) if step_ms else 0.0,
             "kernels_per_step": prof["kernels_per_step"], "host_syncs_per_step": prof["host_syncs_per_step"],
-            "memory_floor_ms": round(floor_ms, 4), "top_kernels": prof["top_kernels"]}
+            "memory_floor_ms": round(floor_ms, 4), "top_kernels": prof["top_kernels"], "all_kernels": prof["all_kernels"]}
 
 
 def row(c: dict[str, Any]) -> str:

@@ -10,12 +10,14 @@ to the shipped tokenizer and must not import torch to do it.
 
 from __future__ import annotations
 
+import functools
+import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from cedserve.model.config import ModelConfig
 
@@ -63,6 +65,54 @@ class TextCodec:
     @property
     def vocab(self) -> dict[str, int]:
         return dict(self.tokenizer.get_vocab(with_added_tokens=True))
+
+    @functools.cached_property
+    def byte_pieces(self) -> tuple[bytes, ...] | None:
+        """Each token id's bytes, where decoding is byte-level (`decode(ids)` is the UTF-8 decode, U+FFFD
+        for each invalid or incomplete part, of the ids' bytes joined; special tokens are skipped, so
+        theirs are empty): indexed by id up to the tokenizer's largest (ids above it, within the model's
+        vocabulary, decode to nothing). None for any other tokenizer. Built once, on first use, and
+        checked against `decode` for every id alone and for random sequences; None if any differs."""
+        return _byte_pieces(self.tokenizer)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character that stands for each byte in a byte-level BPE's vocabulary (GPT-2's scheme, which
+    `tokenizers`' ByteLevel uses): the printable Latin-1 bytes stand for themselves, the other 68 take
+    the code points from 256 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+def _byte_pieces(tokenizer: Tokenizer, checks: int = 256) -> tuple[bytes, ...] | None:
+    """`TextCodec.byte_pieces`. A token's bytes, as the ByteLevel decoder finds them: its characters'
+    bytes when all are of the byte-level alphabet, else its text's UTF-8 (an added token such as
+    `<tool>`)."""
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    alphabet = _byte_level_alphabet()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    pieces: list[bytes] = []
+    for i in range(size):
+        token = None if i in special else tokenizer.id_to_token(i)
+        if token is None:
+            pieces.append(b"")
+            continue
+        try:
+            pieces.append(bytes(alphabet[c] for c in token))
+        except KeyError:
+            pieces.append(token.encode("utf-8"))
+    alone = tokenizer.decode_batch([[i] for i in range(size + 1)], skip_special_tokens=True)
+    if alone[size] or any(text != piece.decode("utf-8", "replace") for text, piece in zip(alone, pieces)):
+        return None
+    rng = random.Random(0)
+    sequences = [[rng.randrange(size) for _ in range(rng.randrange(2, 12))] for _ in range(checks)]
+    joined = tokenizer.decode_batch(sequences, skip_special_tokens=True)
+    if any(text != b"".join(pieces[i] for i in ids).decode("utf-8", "replace") for text, ids in zip(joined, sequences)):
+        return None
+    return tuple(pieces)
 
 
 def build_compressed_token_map(tokenizer: Any) -> tuple[list[int], int]:

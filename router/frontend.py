@@ -147,7 +147,8 @@ class _ReadAhead:
         try:
             # `read` rather than `async for`: leaving an `async for` at the last event would leave
             # gRPC's response generator for the loop to finalize (a task of its own)
-            while (event := await self._call.read()) is not grpc.aio.EOF:
+            read = self._call.read
+            while (event := await read()) is not grpc.aio.EOF:
                 assert isinstance(event, worker_pb2.DecodeEvent)
                 self._started = True
                 self._events.append(event)
@@ -491,28 +492,22 @@ class GenerationCore:
             progress.ttft_s = time.monotonic() - start
             self.metrics.ttft_s.observe(progress.ttft_s)
 
-    def _done(self, req: PreparedRequest, progress: _Progress, token: int) -> bool:
-        if token in req.stop_token_ids or token in self.limits.eos_token_ids:
-            progress.finish = generation_pb2.FINISH_REASON_STOP
-            return True
-        if len(progress.output_ids) >= req.max_tokens:
-            progress.finish = generation_pb2.FINISH_REASON_LENGTH
-            return True
-        return False
-
     def _emit(self, req: PreparedRequest, progress: _Progress, token_ids: list[int], logprobs: list[float],
               top_logprobs: list[worker_pb2.TokenTopLogprobs]) -> generation_pb2.GenerateResponse:
         """The chunk of `token_ids` that still fits the request (its budget, stop tokens and strings);
         sets `progress.finish` when the request ends inside it."""
         assert progress.text is not None
-        kept: list[int] = []
-        for t in token_ids:
-            if len(progress.output_ids) >= req.max_tokens:
+        output = progress.output_ids
+        kept = token_ids[: max(0, req.max_tokens - len(output))]
+        for i, t in enumerate(kept):
+            if t in req.stop_token_ids or t in self.limits.eos_token_ids:
+                kept = kept[: i + 1]
+                progress.finish = generation_pb2.FINISH_REASON_STOP
                 break
-            progress.output_ids.append(t)
-            kept.append(t)
-            if self._done(req, progress, t):
-                break
+        else:
+            if kept and len(output) + len(kept) >= req.max_tokens:
+                progress.finish = generation_pb2.FINISH_REASON_LENGTH
+        output += kept
         text = progress.text.push(kept)
         if progress.text.stopped:
             progress.finish = generation_pb2.FINISH_REASON_STOP
@@ -680,9 +675,12 @@ class GenerationCore:
         regardless, is cancelled."""
         events = _ReadAhead(call, upstream)
         ended_here = False  # the router's verdict ended the request; only the worker's end may follow
+        leased = True  # until the stream's first event: the worker took the lease over
         try:
             while (batch := await events.take()) is not None:
-                self.leases.drop(decode.worker_id, lease.lease_id)  # the worker took the lease over
+                if leased:
+                    self.leases.drop(decode.worker_id, lease.lease_id)
+                    leased = False
                 token_ids: list[int] = []
                 logprobs: list[float] = []
                 top: list[worker_pb2.TokenTopLogprobs] = []
@@ -709,7 +707,8 @@ class GenerationCore:
                     await self._stop_decode(call, decode, req, lease)
                     return
                 if token_ids:
-                    self._note_first(progress, start)
+                    if not progress.ttft_s:
+                        self._note_first(progress, start)
                     yield self._emit(req, progress, token_ids, logprobs, top)
                     ended_here = progress.finish != generation_pb2.FINISH_REASON_UNSPECIFIED
                 if complete is not None:

@@ -27,6 +27,7 @@ The table is not thread-safe: it lives on the router's event loop, like `WorkerP
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -133,6 +134,22 @@ class _Scratch:
         self.d_cost = np.empty(num_d)  # [D] decode-only cost, inf where not allowed
 
 
+@dataclass(frozen=True)
+class _Lists:
+    """The table's per-slot values as Python lists, what `place_small` reads: made on the first small
+    placement after a change to the table (a load report, a worker leaving), kept until the next
+    (a request reads a dozen lists, each `tolist` a numpy call, and reports come far less often)."""
+
+    p_wait: list[float]
+    p_rate: list[float]
+    d_free: list[int]
+    d_running: list[int]
+    d_added: list[float]
+    d_step_next: list[float]
+    d_wait: list[float]
+    d_rate: list[float]
+
+
 class LoadTable:
     """The router's healthy workers as placement sees them. `set_*` on every load report, `drop`
     when a worker leaves placement; `place` per request."""
@@ -154,6 +171,7 @@ class LoadTable:
         self._positions: dict[int, tuple[tuple[str, ...], tuple[Ints, Ints, Ints, Ints]]] = {}
         self._positions_stamp = (0, 0)
         self._buffers: _Scratch | None = None  # `place`'s per-request arrays
+        self._lists: _Lists | None = None  # `place_small`'s view; None once the table changed
 
     # ------------------------------------------------------------------ load reports
 
@@ -161,6 +179,7 @@ class LoadTable:
         """A prefill worker's report (its `cached_blocks` are ignored: they are per request)."""
         if load.worker_id in self._d.index:  # a worker has one role: a report of the other replaces it
             self.drop(load.worker_id)
+        self._lists = None
         k = self._p.claim(load.worker_id)
         if k >= len(self._p_wait):
             self._p_wait, self._p_rate = _grown(self._p_wait, k), _grown(self._p_rate, k)
@@ -173,6 +192,7 @@ class LoadTable:
         """A decode worker's report (its `cached_blocks` are ignored: they are per request)."""
         if load.worker_id in self._p.index:
             self.drop(load.worker_id)
+        self._lists = None
         k = self._d.claim(load.worker_id)
         if k >= len(self._d_wait):
             self._d_running, self._d_free = _grown(self._d_running, k), _grown(self._d_free, k)
@@ -189,14 +209,22 @@ class LoadTable:
 
     def drop(self, worker_id: str) -> None:
         """Out of placement (left, down, or a follower rank) until its next `set_*`."""
+        self._lists = None
         if (k := self._p.release(worker_id)) is not None:
             self._p_load[k] = None
         if (k := self._d.release(worker_id)) is not None:
             self._d_load[k] = None
 
     def num_workers(self, role: str, excluded: Collection[str] = ()) -> int:
-        slots = self._p if role == "prefill" else self._d
-        return int(slots.usable(excluded).sum())
+        slots = self._p if role == "prefill" else self._d  # its `index` holds exactly the active slots
+        return len(slots.index) - sum(1 for w in excluded if w in slots.index)
+
+    def _small_lists(self) -> _Lists:
+        if self._lists is None:
+            self._lists = _Lists(self._p_wait.tolist(), self._p_rate.tolist(), self._d_free.tolist(),
+                                 self._d_running.tolist(), self._d_added.tolist(), self._d_step_next.tolist(),
+                                 self._d_wait.tolist(), self._d_rate.tolist())
+        return self._lists
 
     def loads(self, runs: Mapping[str, TierRun], excluded: Collection[str] = ()
               ) -> tuple[list[PrefillLoad], list[DecodeLoad]]:
@@ -239,9 +267,11 @@ class LoadTable:
         s = self._scratch(num_p, num_d)
         p_rows, p_slots, d_rows, d_slots, blocks = self._held(runs)
         tiers = links.tier_bytes_per_s if p_rows.size else _NO_TIERS
+        # Scalars as the types `jit.warm_up` compiled for (an int rate from a config would compile anew)
         best_p, num_fit, most_cached = _scores(
-            req.prompt_len, req.num_blocks, req.block_size, req.block_bytes, expected_output_tokens(req.effort),
-            tiers["host"], tiers["disk"], blocks, p_rows, p_slots, d_rows, d_slots,
+            int(req.prompt_len), int(req.num_blocks), int(req.block_size), int(req.block_bytes),
+            float(expected_output_tokens(req.effort)), float(tiers["host"]), float(tiers["disk"]),
+            blocks, p_rows, p_slots, d_rows, d_slots,
             p_ok, self._p_wait, self._p_rate, d_ok, self._d_free, self._d_running, self._d_added, self._d_step_next,
             s.compute, s.a, s.cached, s.fits, s.pressure, s.missing)
         if not num_fit:
@@ -267,7 +297,8 @@ class LoadTable:
         prefill id, decode id), as `place` chooses; then the decode-only comparison, as above."""
         p_slots = [k for w, k in self._p.index.items() if w not in excluded]
         d_slots = [k for w, k in self._d.index.items() if w not in excluded]
-        p_wait, p_rate = self._p_wait.tolist(), self._p_rate.tolist()
+        lists = self._small_lists()
+        p_wait, p_rate = lists.p_wait, lists.p_rate
         prompt_len, block_size, block_bytes = req.prompt_len, req.block_size, req.block_bytes
         compute = {k: prompt_len / p_rate[k] for k in p_slots}
         cached: dict[int, int] = {}
@@ -282,8 +313,7 @@ class LoadTable:
             elif (k := self._d.index.get(w)) is not None:
                 cached[k] = device + host + disk
         num_blocks, expected_output = req.num_blocks, expected_output_tokens(req.effort)
-        d_free, d_running = self._d_free.tolist(), self._d_running.tolist()
-        d_added, d_step_next = self._d_added.tolist(), self._d_step_next.tolist()
+        d_free, d_running, d_added, d_step_next = lists.d_free, lists.d_running, lists.d_added, lists.d_step_next
         pressure = {k: expected_output * d_added[k] * d_running[k] + d_step_next[k] for k in d_slots}
         fits = [k for k in d_slots if d_free[k] >= num_blocks - cached.get(k, 0)]
         if not fits:
@@ -322,7 +352,7 @@ class LoadTable:
     def _decode_only_small(self, prompt_len: int, block_size: int, max_tokens: int, fits: list[int],
                            cached: dict[int, int], pressure: dict[int, float]) -> Placement | None:
         """`place_small`'s cheapest decode-only placement, None when no decode worker may."""
-        d_wait, d_rate = self._d_wait.tolist(), self._d_rate.tolist()
+        d_wait, d_rate = self._small_lists().d_wait, self._small_lists().d_rate
         best: tuple[float, str, int, float] | None = None
         for j in fits:
             uncached = prompt_len - cached.get(j, 0) * block_size
@@ -399,7 +429,8 @@ class LoadTable:
     def _decode_only(self, req: RequestShape, s: _Scratch, num_d: int, max_tokens: int) -> tuple[int, float]:
         """The cheapest decode-only placement (the decode worker prefills what it lacks of the prompt):
         (its slot, its cost), (-1, inf) when no decode worker may."""
-        low, num_tied = _decode_only_costs(req.prompt_len, req.block_size, max_tokens, num_d, s.fits, s.cached,
+        low, num_tied = _decode_only_costs(int(req.prompt_len), int(req.block_size), int(max_tokens), num_d,
+                                           s.fits, s.cached,
                                            self._d_wait, self._d_rate, s.pressure, s.d_compute, s.d_cost, s.columns)
         if not num_tied:
             return -1, low

@@ -132,12 +132,12 @@ class LinkRates:
         """The rates as `LinkNumbers`: a `[listed prefill + 1, listed decode + 1]` matrix (row and column
         0: workers with no listed pair), its column maxima, and each worker's row or column."""
         if not self.transfer_bytes_per_s:  # every pair at the default: row 0 and column 0 for all
-            default = np.full((1, 1), self.default_transfer_bytes_per_s)
+            default = np.full((1, 1), self.default_transfer_bytes_per_s, dtype=np.float64)
             return LinkNumbers(default, default[0], np.zeros(len(prefill_ids), dtype=np.intp),
                                np.zeros(len(decode_ids), dtype=np.intp))
         p_index = {p: i + 1 for i, p in enumerate(dict.fromkeys(p for p, _ in self.transfer_bytes_per_s))}
         d_index = {d: j + 1 for j, d in enumerate(dict.fromkeys(d for _, d in self.transfer_bytes_per_s))}
-        rates = np.full((len(p_index) + 1, len(d_index) + 1), self.default_transfer_bytes_per_s)
+        rates = np.full((len(p_index) + 1, len(d_index) + 1), self.default_transfer_bytes_per_s, dtype=np.float64)
         for (p, d), rate in self.transfer_bytes_per_s.items():
             rates[p_index[p], d_index[d]] = rate
         return LinkNumbers(rates, rates.max(axis=0), np.array([p_index.get(p, 0) for p in prefill_ids], dtype=np.intp),
@@ -178,8 +178,8 @@ class MeasuredLinks:
         self._cols: dict[str, int] = {}  # decode id -> column (column 0: never measured)
         self._bytes = np.zeros((1, 1))   # [rows, cols] EWMA of bytes; 0 where unmeasured
         self._seconds = np.zeros((1, 1))
-        self._rates = np.full((1, 1), default_bytes_per_s)
-        self._column_max = np.full(1, default_bytes_per_s)  # [cols] fastest rate into each decode worker
+        self._rates = np.full((1, 1), default_bytes_per_s, dtype=np.float64)
+        self._column_max = np.full(1, default_bytes_per_s, dtype=np.float64)  # [cols] fastest rate into each decode worker
         # Row / column numbers of id lists asked for again and again (a placement's full worker lists):
         # a tuple hash in C instead of a dict lookup per id. Cleared when a new worker gets a number.
         self._positions: dict[tuple[int, tuple[str, ...]], npt.NDArray[np.intp]] = {}

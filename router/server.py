@@ -124,6 +124,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                          config.default_max_tokens, ChatFormat.of(codec), eos_ids(model.eos_token_id))
     metadata = token_metadata(config.worker_token)
     await asyncio.to_thread(warm_up)  # the request path's compiled loops, before the first request
+    await asyncio.to_thread(lambda: codec.byte_pieces)  # the streaming text's byte table (router/text.py)
     index = GlobalPrefixIndex()
     pool = WorkerPool(config.prefill, config.decode, index, config.load_poll_s, metadata, tls=config.internal_tls)
     metrics = RouterMetrics()

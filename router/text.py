@@ -3,10 +3,16 @@
 Text is emitted only once it is final: a trailing incomplete UTF-8 sequence (decoded as U+FFFD)
 is held back, and so is any tail that could still grow into a stop string. When a stop string
 appears, the text before it is emitted and the stream ends.
+
+Two ways to the text, the same text: for a byte-level tokenizer (`TextCodec.byte_pieces`), each new
+token's bytes go through an incremental UTF-8 decoder, with no tokenizer call per push (on a router
+busy with gRPC, a call into the tokenizer cost ~8 us with its caches cold); for any other, a window of
+recent tokens is decoded by the tokenizer per push (`StreamingText.decoded`).
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from cedserve.model.tokenizer import TextCodec
@@ -34,9 +40,13 @@ class StreamingText:
         self._start = 0  # the window the next decode starts from, at a complete piece's first token
         self._read = 0
         self._window_text = ""  # the decode of token_ids[self._start : self._read]
+        self._pieces = codec.byte_pieces
+        self._undecoded = b""  # byte-level: an incomplete character's first bytes, waiting for the rest
 
     def decoded(self) -> str:
         """`codec.decode(token_ids)`, from the kept text plus the tokens since its last complete piece."""
+        if self._pieces is not None:
+            return self._decoded_bytes()
         ids = self.token_ids
         if self._read == len(ids):
             return self._text
@@ -58,6 +68,30 @@ class StreamingText:
             self._window_text = after
         self._read = len(ids)
         return self._text
+
+    def _decoded_bytes(self) -> str:
+        """`decoded` for a byte-level tokenizer: the new tokens' bytes decoded after those of an
+        incomplete character (`utf_8_decode` leaves a character's bytes undecoded until it is
+        complete, as an incremental decoder does); the incomplete tail decodes as the whole decode
+        ends it (one U+FFFD)."""
+        ids = self.token_ids
+        if self._read < len(ids):
+            data = self._undecoded + self._bytes(ids[self._read :])
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._text += text
+            self._undecoded = data[used:]
+            self._read = len(ids)
+        tail = self._undecoded
+        return self._text + tail.decode("utf-8", "replace") if tail else self._text
+
+    def _bytes(self, token_ids: list[int]) -> bytes:
+        pieces = self._pieces
+        assert pieces is not None
+        try:
+            return b"".join([pieces[t] for t in token_ids])
+        except IndexError:  # past the tokenizer's ids: nothing within the model's vocabulary, an error beyond
+            self.codec.decode(token_ids)  # raises for an id outside the model's vocabulary
+            return b"".join([pieces[t] if t < len(pieces) else b"" for t in token_ids])
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly final text (maybe empty). Sets `stopped` on a stop string."""
@@ -82,7 +116,7 @@ class StreamingText:
         """The rest of the text once no more tokens come (held-back tails included)."""
         if self.stopped:
             return ""
-        return self._emit(self.codec.decode(self.token_ids))
+        return self._emit(self.decoded() if self._pieces is not None else self.codec.decode(self.token_ids))
 
     def _emit(self, final: str) -> str:
         new = final[self.emitted :]

@@ -27,6 +27,8 @@ def test_definition_is_the_documented_chain() -> None:
 
 def test_same_tokens_and_salt_hit() -> None:
     assert hash_blocks(TOKENS, "a", 8) == hash_blocks(np.asarray(TOKENS, dtype=np.int32), "a", 8)
+    assert hash_blocks(tuple(TOKENS), "a", 8) == hash_blocks(TOKENS, "a", 8)  # lists and tuples: packed apart
+    assert hash_blocks([0, 2**32 - 1] * 4, "a", 8) == hash_blocks(np.asarray([0, 2**32 - 1] * 4), "a", 8)
     assert len(hash_blocks([*TOKENS, 1, 2, 3], "a", 8)) == 5  # the partial block is not hashed
 
 
@@ -50,8 +52,11 @@ def test_continuing_a_chain_equals_hashing_all() -> None:
 
 
 def test_bad_token_ids_are_rejected() -> None:
-    with pytest.raises(ValueError, match="2\\*\\*32"):
-        hash_blocks([-1] * 8, "", 8)
+    for bad in ([-1] * 8, (2**32,) * 8):
+        with pytest.raises(ValueError, match="2\\*\\*32"):
+            hash_blocks(bad, "", 8)
+    with pytest.raises(ValueError, match="integers"):
+        hash_blocks([1.5] * 8, "", 8)
     with pytest.raises(ValueError, match="integers"):
         hash_blocks(np.zeros(8, dtype=np.float32), "", 8)
 

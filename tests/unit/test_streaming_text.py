@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders
 
 from cedserve.model.tokenizer import TextCodec, tiny_tokenizer_path
 from cedserve.router.text import StreamingText
@@ -71,3 +72,32 @@ def test_an_incomplete_character_waits_for_the_token_that_completes_it() -> None
     seen = [st.push(p) for p in pieces]
     assert "\ufffd" not in "".join(seen)
     assert "".join(seen) + st.finish() == "a\u00e9\u4e2d b"
+
+
+def _not_byte_level() -> TextCodec:
+    """The tiny tokenizer with another decoder: `byte_pieces` is None, so the text goes through the
+    tokenizer's own decode (a window per push)."""
+    tok = Tokenizer.from_file(str(tiny_tokenizer_path()))
+    tok.decoder = decoders.BPEDecoder()
+    return TextCodec(tok, 1 << 20)
+
+
+def test_both_ways_to_the_text_give_the_whole_text() -> None:
+    """The byte-level path (the shipped tokenizers) and the tokenizer path stream what `decode` gives."""
+    byte_level, other = TextCodec.from_file(tiny_tokenizer_path(), 1 << 20), _not_byte_level()
+    assert byte_level.byte_pieces is not None and other.byte_pieces is None
+    rng = random.Random(2)
+    for codec in (byte_level, other):
+        for _ in range(40):
+            ids = [rng.randrange(520) for _ in range(rng.randrange(1, 60))]  # a few past the tokenizer's ids
+            text, _ = stream(codec, ids, [], rng)
+            assert text == codec.decode(ids)
+
+
+def test_an_id_outside_the_model_vocabulary_fails_as_decode_does() -> None:
+    codec = TextCodec.from_file(tiny_tokenizer_path(), 600)
+    assert codec.byte_pieces is not None
+    st = StreamingText(codec, [])
+    st.push([65, 550])  # past the tokenizer's 512 ids, within the model's 600: no text
+    with pytest.raises(ValueError, match="out of range"):
+        st.push([600])
