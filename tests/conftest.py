@@ -11,23 +11,24 @@ from tls_pki import TLSFiles
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _inductor_cache_per_kernel_set() -> None:
-    """Give each CPU kernel setting its own Inductor cache folder. Inductor's FX-graph cache key
-    leaves out ATEN_CPU_CAPABILITY, so a graph compiled under the default ISA (AVX-512) and loaded
-    under ATEN_CPU_CAPABILITY=avx2 (same thread count) returned NaN from
-    test_fused.py::test_compiled_global_kv_writes_its_rings_as_written; caches off or a fresh
-    folder, it passes. An explicit TORCHINDUCTOR_CACHE_DIR is left alone."""
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each ATEN_CPU_CAPABILITY its own Inductor cache folder, unless TORCHINDUCTOR_CACHE_DIR is
+    set. Inductor's CPU code is generated for the vector ISA that variable picks (unset: the
+    machine's best, AVX-512 here; `avx2`; `default`: none), but its FX-graph cache key leaves the
+    variable out: in one shared folder, a graph compiled unset and loaded under `avx2` returned NaN
+    from test_fused.py::test_compiled_global_kv_writes_its_rings_as_written, and under `default` it
+    failed to compile (`at::vec` undeclared). So unset and `default` must not share a folder. The
+    thread count, which the generated code also depends on, is in Inductor's key already.
+    MKL_ENABLE_INSTRUCTIONS only steers MKL's own kernels at run time, not Inductor's code."""
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         return
     import getpass
+    import re
     import tempfile
 
-    kernels = "-".join(os.environ.get(v, "default") for v in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"))
-    folder = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{kernels}"
+    isa = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("ATEN_CPU_CAPABILITY", "unset"))
+    folder = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_isa-{isa}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-
-
-_inductor_cache_per_kernel_set()
 
 
 def fixture_a_dir() -> Path:
