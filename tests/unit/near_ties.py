@@ -122,8 +122,22 @@ def rounding_envelope(run: Callable[[], Tensor], seeds: int = SEEDS) -> Tensor:
     return moved
 
 
+def causal_reach(moved: Tensor, sequences: Tensor | None = None) -> Tensor:
+    """For each row, the most `moved` holds at it or at an earlier row of its sequence: rows
+    `[rows]` in causal order within each sequence; `sequences [rows]` labels each row's sequence
+    (None: all one sequence). Independent sequences (a batch's slots) do not reach each other."""
+    if sequences is None:
+        return torch.cummax(moved, dim=0).values
+    reach = torch.empty_like(moved)
+    for label in sequences.unique():
+        rows = (sequences == label).nonzero().squeeze(1)
+        reach[rows] = torch.cummax(moved[rows], dim=0).values
+    return reach
+
+
 def assert_close_but_near_ties(
-    got: Tensor, want: Tensor, run: Callable[[], Tensor], tight: float, flip_margin: float, what: str
+    got: Tensor, want: Tensor, run: Callable[[], Tensor], tight: float, flip_margin: float, what: str,
+    sequences: Tensor | None = None,
 ) -> None:
     """`got` (what `run()` returns, rows `[positions, ...]` in causal order) equals `want` within
     `tight` in each row (other dims reduced) that no nudge moves and no nudge moves a row before:
@@ -131,13 +145,14 @@ def assert_close_but_near_ties(
     nudges moved any row up to them (`rounding_envelope(run)`): once a tie rounded apart has moved the
     stream, later rows' own discrete picks (an indexer's top-k, the MoE route) may flip too, each
     moving its row about as far as the picks the nudges flipped. The envelope is computed only when
-    some row is off by more than `tight`."""
+    some row is off by more than `tight`. With `sequences` (`causal_reach`), rows come from several
+    independent sequences, each in causal order, and "before" means earlier in the same sequence."""
     error = (got - want).abs().flatten(1).amax(-1)
     worst = int(error.argmax())
     if error[worst] <= tight:
         return
     moved = rounding_envelope(run).flatten(1).amax(-1)
-    reach = torch.cummax(moved, dim=0).values
+    reach = causal_reach(moved, sequences)
     excess = error - (tight + flip_margin * reach)
     row = int(excess.argmax())
     assert excess[row] <= 0, (

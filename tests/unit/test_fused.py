@@ -219,3 +219,18 @@ def test_compiled_global_kv_writes_its_rings_as_written(config: ModelConfig) -> 
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(compiled[5], eager[5], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(compiled[6], eager[6], atol=ATOL, rtol=RTOL)
+
+
+def test_a_cpu_runner_runs_the_chains_as_written() -> None:
+    """`compile_fused` compiles only on CUDA: a CPU runner asked for it runs the functions as written.
+    No server's CPU path loads Inductor code, whose CPU kernels follow ATEN_CPU_CAPABILITY while its
+    FX-graph cache key leaves that out (tests/conftest.py: a shared cache gave NaN under another ISA)."""
+    from decode_support import tiny
+
+    from cedserve.model import fused
+    from cedserve.model.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(tiny()[0], RunnerConfig(max_slots=2, max_context=64, compile_fused=True))
+    ops = runner.slot_step.ops
+    assert ops.project is fused.project and ops.dense_moe is fused.dense_moe
+    assert ops.global_kv.keywords["from_rings"] is fused.global_kv_from_rings

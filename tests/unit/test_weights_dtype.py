@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from decode_support import Rig, greedy_rounds, greedy_ties, prompt, tiny, tiny_bf16
+from near_ties import assert_close_but_near_ties
 
 from cedserve.kernels.paged import PagedRecords
 from cedserve.kernels.records import write_index_key, write_main_kv, write_swa
@@ -29,6 +30,7 @@ from cedserve.model.kv_format import KVFormat, encode_index_key, encode_main, en
 from cedserve.model.network import BatchItem, CEDModel
 from cedserve.model.presets import preset
 from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.state import SequenceState
 from cedserve.model.state_format import (
     BoundedState,
     StateFormatError,
@@ -57,9 +59,21 @@ CLEAR_MARGIN = 1.0
 """Logit gap between float32's best and second token above which bf16 must pick the same (the
 disagreements seen had gaps up to 0.07 on these prompts, 0.5 on others)."""
 
-RUNNER_ATOL = 0.05
-"""The runner's bf16 step against `forward_batch`'s on the same paged reference path, logits (seen
-<= 1e-2: the same bf16 values, other groupings of the MoE's float32 sums)."""
+RUNNER_ATOL = 0.02
+"""The runner's bf16 step against `forward_batch`'s on the same paged reference path, a row's largest
+logit error: the same bf16 values in other float32 groupings (concatenated weights, the MoE's sums),
+which now and then round an activation one bf16 step the other way (a row then moves <= 1e-2; these
+logits lie within +-0.85, where a bf16 step is <= 2**-8)."""
+RUNNER_FLIP_MARGIN = 2.0
+"""Where a near-tie reaches (`near_ties`, per slot), a row may differ by this many times what nudging
+the reference's steps moved that slot's rows so far."""
+RUNNER_FLIPPED_SHARE = 0.25
+"""At most this share of the rows may be off by more than RUNNER_ATOL: float noise moves a row further
+only where it crosses a near-tie (seen: 1 of the 14, under ATen `default` with MKL SSE4_2 kernels: a
+bf16 step in slot 2's stream rounded an FP4 index query the other way, layers 8 and 10 picked other
+entries, 0.14). A float32 parameter held in bf16 moves every row, 6-10 of the 14 past RUNNER_ATOL."""
+RUNNER_STEPS = 4
+
 ENGINE_MARGIN = 0.1
 """`greedy_ties` margin for the bf16 engines against the bf16 dense reference: another computation
 of the same bf16 model (the paged path's float32 attention logits, chunked encoding) moves a flat
@@ -196,41 +210,73 @@ def test_records_are_bit_exact_for_the_same_values_in_bf16(dim: int) -> None:
 # ------------------------------------------------------------------ the runner
 
 
+def _eager_steps(
+    model: CEDModel,
+    starts: dict[int, tuple[SequenceState, int]],
+    joins: dict[int, int],
+    fed: dict[tuple[int, int], int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[tuple[int, int], int]]:
+    """`forward_batch` over RUNNER_STEPS steps from copies of the prefilled `starts` (slot: state, its
+    first token), slot s taking part from step `joins[s]` on, each step fed the reference's own greedy
+    tokens (or `fed`'s). Returns the logits `[rows, vocab]` step by step in slot order, each row's
+    slot `[rows]` and the tokens fed by (slot, step)."""
+    states: dict[int, SequenceState] = {}
+    greedy: dict[int, int] = {}
+    rows, row_slots, tokens = [], [], {}
+    for step in range(RUNNER_STEPS):
+        for slot in (s for s, at in joins.items() if at == step):
+            states[slot], greedy[slot] = copy.deepcopy(starts[slot][0]), starts[slot][1]
+        slots = sorted(states)
+        for slot in slots:
+            tokens[slot, step] = fed[slot, step] if fed is not None else greedy[slot]
+        outs = model.forward_batch([BatchItem([tokens[s, step]], states[s], taps=True) for s in slots])
+        for slot, out in zip(slots, outs):
+            rows.append(out.logits[0])
+            row_slots.append(slot)
+            greedy[slot] = int(out.logits[0].argmax())
+    return torch.stack(rows), torch.tensor(row_slots), tokens
+
+
 def test_runner_step_equals_the_eager_bf16_step() -> None:
     """The model runner's slot step (eager on a CPU) with bf16 weights against `forward_batch` on the
-    paged reference path, over four steps with a join: logits within RUNNER_ATOL, the same greedy
-    tokens, taps in the model's dtype."""
+    paged reference path, over four steps with a join, both fed the reference's greedy tokens: each
+    row's logits within RUNNER_ATOL, but for the few (RUNNER_FLIPPED_SHARE) a near-tie reaches, which
+    stay within RUNNER_FLIP_MARGIN times how far nudges to the reference's steps move them; the greedy
+    token wherever the reference's best leads by more than twice RUNNER_ATOL; taps in the model's dtype."""
     model, _ = tiny_bf16()
     model.use_paged_attention("reference")
     try:
         gen = torch.Generator().manual_seed(2)
-        runner = ModelRunner(model, RunnerConfig(max_slots=4, max_context=256))
-        seqs = {}
-        for slot, length in enumerate([3, 40, 101]):
+        prompts = {slot: torch.randint(3, 500, (length,), generator=gen).tolist()
+                   for slot, length in enumerate([3, 40, 101])}
+        prompts[3] = prompt(30, 4)
+        joins = {0: 0, 1: 0, 2: 0, 3: 2}
+        starts = {}
+        for slot, tokens in prompts.items():
             state = model.new_state()
-            seqs[slot] = [
-                state,
-                int(
-                    model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)[
-                        -1
-                    ].argmax()
-                ),
-            ]
-            runner.load(slot, copy.deepcopy(state))
-        for step in range(4):
-            if step == 2:
-                state = model.new_state()
-                seqs[3] = [state, int(model.prefill(prompt(30, 4), state)[-1].argmax())]
-                runner.load(3, copy.deepcopy(state))
-            slots = sorted(seqs)
-            outs = model.forward_batch([BatchItem([seqs[s][1]], seqs[s][0], taps=True) for s in slots])
-            expected = torch.cat([out.logits for out in outs])
-            got, taps = runner.step_outputs(slots, [seqs[s][1] for s in slots])
+            starts[slot] = (state, int(model.prefill(tokens, state)[-1].argmax()))
+        want, slots, fed = _eager_steps(model, starts, joins)
+        runner = ModelRunner(model, RunnerConfig(max_slots=4, max_context=256))
+        steps = []
+        for step in range(RUNNER_STEPS):
+            for slot in (s for s, at in joins.items() if at == step):
+                runner.load(slot, copy.deepcopy(starts[slot][0]))
+            step_slots = [s for s, at in sorted(joins.items()) if at <= step]
+            logits, taps = runner.step_outputs(step_slots, [fed[s, step] for s in step_slots])
             assert taps.dtype == torch.bfloat16
-            torch.testing.assert_close(got, expected, atol=RUNNER_ATOL, rtol=0)
-            assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
-            for s, t in zip(slots, expected.argmax(-1).tolist()):
-                seqs[s][1] = t
+            steps.append(logits.clone())  # the runner's outputs are views into its next step
+        got = torch.cat(steps)
+        error = (got - want).abs().amax(-1)
+        assert float((error > RUNNER_ATOL).float().mean()) <= RUNNER_FLIPPED_SHARE, (
+            f"rows off by more than {RUNNER_ATOL}: {(error > RUNNER_ATOL).nonzero().flatten().tolist()}"
+            f" of {len(error)} (errors {[round(e, 3) for e in error.tolist()]})"
+        )
+        assert_close_but_near_ties(got, want, lambda: _eager_steps(model, starts, joins, fed)[0],
+                                   RUNNER_ATOL, RUNNER_FLIP_MARGIN, "runner step", sequences=slots)
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1] > 2 * RUNNER_ATOL) & (error <= RUNNER_ATOL)
+        assert int(clear.sum()) >= 5  # seen 9 of 14
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     finally:
         model.use_paged_attention(None)
 
