@@ -137,7 +137,10 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     benchmarks/step.py's graph-fused cells disagreed with forward_batch,
     docs/benchmarks/decode-step-h200-fused-unverified.json), and with 16 buckets the decode worker's
     capture compiled for minutes (1 of 16 buckets after ~80 s) where `cedserve serve` waits 150 s.
-    The plain ops are captured as they are; True is for measuring it, not for serving."""
+    On an H100 on 2026-12-05 the decode worker's build at the 1M limit with it on took 49.5 s with
+    warm caches but over 250 s cold (two buckets' compiles 55 s and 25 s), and its replay test was
+    again cut by time (docs/benchmarks/gpu-2026-12-05b/). The plain ops are captured as they are;
+    True is for measuring it, not for serving."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
     set for the worker process when the engine starts): a model held in float32 (`[model] dtype`, the
