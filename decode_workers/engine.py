@@ -241,6 +241,10 @@ class DecodeEngine:
                                           if lease.request_id not in self.sequences)]
             return [o for rid in targets for o in self.cancel(replace(cmd, request_id=rid, lease_id=""))]
         seq = self.sequences.get(cmd.request_id)
+        if seq is not None and cmd.lease_id and seq.lease.lease_id != cmd.lease_id:
+            # A late Cancel of an earlier attempt (the router retries under the same request id): the
+            # sequence running now belongs to the retry's lease, which this Cancel does not name.
+            seq = None
         if seq is not None:
             finished = self._finish(seq, "cancelled")
             if cmd.hand_back:

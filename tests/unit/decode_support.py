@@ -193,9 +193,9 @@ class Rig:
     # -------------------------------------------------------------- the router's part
 
     def reserve(self, tokens: Sequence[int], sender: bool = True, request_id: str | None = None,
-                lease_ms: int = 30_000, ship_state: bool | None = None) -> Reserved | Failed:
+                lease_ms: int = 30_000, ship_state: bool | None = None, lease_id: str = "") -> Reserved | Failed:
         rid = request_id or f"req-{next(_ids)}"
-        cmd = ReserveCommand(0, rid, f"lease-{rid}", len(tokens), tuple(tokens), lease_ms,
+        cmd = ReserveCommand(0, rid, lease_id or f"lease-{rid}", len(tokens), tuple(tokens), lease_ms,
                              sender_agent="prefill" if sender else "", ship_state=ship_state)
         out = self.engine.handle(cmd)[0]
         assert isinstance(out, Reserved | Failed)

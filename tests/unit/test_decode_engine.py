@@ -165,6 +165,30 @@ def test_a_retry_waits_for_its_earlier_lease_to_be_released() -> None:
     rig.assert_all_free()
 
 
+def test_a_late_cancel_of_an_earlier_attempt_leaves_the_retry_decoding() -> None:
+    """The router cancels a failed attempt's lease, then retries under the same request id; its
+    Cancel may arrive after the retry is already decoding. Matched by request id alone it would end
+    the retry; it names the old lease, so the retry runs on to its full length."""
+    model, drafter = tiny()
+    rig = Rig(model, drafter)
+    tokens = PROMPTS[0]
+    first = rig.reserve(tokens, request_id="twice")
+    assert isinstance(first, Reserved)
+    rig.engine.handle(CancelCommand(0, "twice", first.lease_id))
+    rig.engine.poll()
+    retry = rig.reserve(tokens, request_id="twice", lease_id="lease-twice-retry")
+    assert isinstance(retry, Reserved) and retry.lease_id != first.lease_id
+    rig.attach(retry, tokens, rig.prefill(retry, tokens), 12)
+    for _ in range(2):
+        rig.outputs += rig.engine.poll() + rig.engine.step()
+    assert rig.engine.handle(CancelCommand(0, "twice", first.lease_id)) == []  # the stale one
+    rig.run()
+    done = rig.finished("twice")
+    assert isinstance(done, Finished) and done.finish_reason != "cancelled"
+    assert len(rig.tokens("twice")) == 12
+    rig.assert_all_free()
+
+
 def test_prefill_side_dying_mid_transfer_frees_every_block() -> None:
     model, drafter = tiny()
     rig = Rig(model, drafter)
