@@ -104,6 +104,9 @@ _DecodeCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.DecodeRequest, wor
 _PrefillCall: TypeAlias = "grpc.aio.UnaryStreamCall[worker_pb2.PrefillRequest, worker_pb2.PrefillEvent]"
 _LAST_EVENTS = frozenset({"complete", "error"})
 """A decode stream's events after which the worker sends nothing but the call's status."""
+_SOLE_WORKER_PAUSE_S = 0.25
+"""The pause before retrying on a worker that failed but is the only one of its role (doubling
+per attempt): longer than a scheduling stall usually lasts, short against a request's life."""
 _PREFILL_VERDICT_S = 1.0
 """How long a decode stream that failed before its first event waits for its prefill's end: when
 the KV transfer between them failed, both report it, and the prefill worker is the one to blame
@@ -287,6 +290,7 @@ class GenerationCore:
                    start: float) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         progress = _Progress(text=StreamingText(self.codec, req.stop))
         excluded: set[str] = set()
+        failed: list[str] = []
         attempt = 0
         while True:
             try:
@@ -297,12 +301,14 @@ class GenerationCore:
                 break
             except WorkerFailed as exc:
                 attempt += 1
-                excluded.add(exc.worker_id)
+                failed += [] if exc.worker_id in failed else [exc.worker_id]
                 self.metrics.retries.labels(reason=exc.code.name).inc()
                 log.warning("request %s: %s (attempt %d of %d)", req.request_id, exc, attempt, self.max_retries + 1)
                 if attempt > self.max_retries:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE, f"gave up after {attempt} attempts: {exc}",
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, f"gave up after {attempt} attempts (failed on {', '.join(failed)}): {exc}",
                                        retry_after_s=1.0, request_id=req.request_id) from exc
+                await self._exclude_or_pause(exc.worker_id, excluded, req,
+                                             len(req.token_ids) + len(progress.output_ids), attempt, deadline)
         assert progress.text is not None
         tail = progress.text.finish()
         if tail:
@@ -322,6 +328,30 @@ class GenerationCore:
             finish_reason=progress.finish, usage=usage))
         if progress.releasing is not None:  # no lease outlives the stream (shielded: it must finish)
             await asyncio.shield(progress.releasing)
+
+    async def _exclude_or_pause(self, worker_id: str, excluded: set[str], req: PreparedRequest, prompt_len: int,
+                                attempt: int, deadline: Deadline) -> None:
+        """Before a retry: keep the failed worker out of it, unless that leaves the request nowhere
+        to go (it was the only worker of its role, and no decode worker may prefill the prompt
+        itself: the embedded default has one prefill worker). Then it is tried again after a pause,
+        since its failures are the retryable kind (a stall that cost a KV link, a lease still being
+        released), and the health checks take a dead worker out of placement anyway."""
+        excluded.add(worker_id)
+        handle = self.pool.workers.get(worker_id)
+        if handle is None or self.pool.loads.num_workers(handle.role, excluded):
+            return
+        try:
+            self._placement(req, prompt_len, frozenset(excluded))
+            return  # placeable without it (a short prompt prefilled by its decode worker)
+        except _NoRoom:
+            return
+        except RequestError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE:
+                return
+        excluded.discard(worker_id)
+        pause = _SOLE_WORKER_PAUSE_S * 2 ** (attempt - 1)
+        remaining = deadline.remaining_s()
+        await asyncio.sleep(pause if remaining is None else max(0.0, min(pause, remaining)))
 
     async def _place_and_reserve(self, req: PreparedRequest, prompt: tuple[int, ...], excluded: frozenset[str],
                                  deadline: Deadline, first_token_only: bool
