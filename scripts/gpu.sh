@@ -72,6 +72,11 @@
 #                   Needs NIXL (the slim wheel, ../shared/tools/slim_nixl_wheel.sh) and the gRPC extras:
 #                   carry them in build/gpu_wheels (--prepare-wheels, below) or .whl/.
 #   serve-test      tests/e2e/test_serve_one_gpu.py alone       serve-test/gpu-test.log   SERVE_TEST_S=200
+#   held            issue 32's figures on this host's quiet CPUs (the 2-core dev VM is shared): `cedserve bench held`
+#                   (it starts `cedserve serve --device cpu`, demo checkpoint) with HELD_SCENARIOS (burst deadlines
+#                   huge), then HELD_HUGE_RUNS (4) fresh systems of the huge scenario alone, senders alternating
+#                   (client, bytes)          held/{held-cpu-quiet.json, huge-*.json, held.log, logs*/}
+#                                                                       HELD_S=240, HELD_HUGE_S=90 per run
 #   serve-bench     `cedserve bench serve --device cuda` starting its own arms (disaggregated, colocated) on
 #                   GPUS_LIST (0,0); SERVE_BENCH_ARGS replaces the workload, checkpoint and arm flags
 #                   serve-bench/{bench-serve.json, bench.log, logs/}   SERVE_BENCH_S=300
@@ -458,6 +463,22 @@ part_serve_test() (  # the GPU test of `cedserve serve` on one GPU alone (needs 
   [ "$rc" -eq 0 ]
 )
 
+part_held() (  # issue 32 on quiet CPUs: the embedded default on CPU under load, abuse and huge prompts
+  local out=$OUT/held i sender
+  mkdir -p "$out"
+  export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
+  (nproc; uptime) > "$out/host.txt" 2>&1
+  # shellcheck disable=SC2086
+  (cd /tmp && timeout "${HELD_S:-240}" "$PY" -P -m cedserve.cli bench held --scenarios ${HELD_SCENARIOS:-burst deadlines huge} \
+     --log-dir "$out/logs" --out "$out/held-cpu-quiet.json") 2>&1 | grep -v "NIXL INFO" | tail -60 | tee "$out/held.log"
+  for i in $(seq "${HELD_HUGE_RUNS:-4}"); do
+    sender=client; [ $((i % 2)) -eq 0 ] && sender=bytes
+    echo "== huge, fresh system $i, sender $sender" | tee -a "$out/held.log"
+    (cd /tmp && timeout "${HELD_HUGE_S:-90}" "$PY" -P -m cedserve.cli bench held --scenarios huge --huge-sender "$sender" \
+       --log-dir "$out/logs-huge-$i" --out "$out/huge-$i-$sender.json") 2>&1 | grep -v "NIXL INFO" | tail -12 | tee -a "$out/held.log"
+  done
+)
+
 part_serve_bench() (  # `cedserve bench serve` starting its own arms on this GPU: disaggregated beside colocated
   local out=$OUT/serve-bench
   mkdir -p "$out"
@@ -641,6 +662,7 @@ run_part() {  # $1: part name
     transfer) part_transfer ;;
     serve) part_serve ;;
     serve-test) part_serve_test ;;
+    held) part_held ;;
     serve-bench) part_serve_bench ;;
     transfer-one) part_transfer_one ;;
     disagg-ttft) part_disagg_ttft ;;
