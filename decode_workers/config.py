@@ -139,8 +139,10 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     capture compiled for minutes (1 of 16 buckets after ~80 s) where `cedserve serve` waits 150 s.
     On an H100 on 2026-12-05 the decode worker's build at the 1M limit with it on took 49.5 s with
     warm caches but over 250 s cold (two buckets' compiles 55 s and 25 s), and its replay test was
-    again cut by time (docs/benchmarks/gpu-2026-12-05b/). The plain ops are captured as they are;
-    True is for measuring it, not for serving."""
+    again cut by time (docs/benchmarks/gpu-2026-12-05b/). On an H100 on 2026-12-06 the replay tests
+    passed (every bucket, float32 and bfloat16, and the engine: docs/benchmarks/gpu-2026-12-06/), so
+    what keeps it off now is the cold start alone. The plain ops are captured as they are; True is
+    for serving where the Triton and Inductor caches persist across restarts, and for measuring it."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
     set for the worker process when the engine starts): a model held in float32 (`[model] dtype`, the
