@@ -34,13 +34,13 @@ def test_generated_proto_code_is_fresh(tmp_path: Path) -> None:
     checked_in = sorted(p.name for p in (REPO / "proto").iterdir()
                         if p.is_file() and (p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))))
     assert generated == checked_in, "run scripts/gen_proto.sh: the set of generated files differs"
-    stale = [name for name in generated
-             if _unstamped((out / name).read_text()) != _unstamped((REPO / "proto" / name).read_text())]
+    ours = {name: (REPO / "proto" / name).read_text() for name in checked_in}
+    stale = [name for name in generated if _unstamped((out / name).read_text()) != _unstamped(ours[name])]
     assert not stale, f"stale generated code (run scripts/gen_proto.sh): {stale}"
-    for name in checked_in:
-        stamp = GRPC_STAMP.search((REPO / "proto" / name).read_text())
-        if stamp is not None:
-            assert _version(stamp.group(1)) <= _version(grpc.__version__), (name, stamp.group(1), grpc.__version__)
+    stamps = {name: stamp.group(1) for name, text in ours.items() if (stamp := GRPC_STAMP.search(text))}
+    assert stamps, "no GRPC_GENERATED_VERSION line found: the stamp's pattern no longer matches the generated code"
+    too_new = {name: v for name, v in stamps.items() if _version(v) > _version(grpc.__version__)}
+    assert not too_new, f"generated for a newer grpcio than the installed {grpc.__version__}: {too_new}"
 
 
 def test_generated_modules_import_through_the_namespace() -> None:
