@@ -371,27 +371,78 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
                       floor_ms, dtype))
     cells[-1].update(agreement)
     log(row(cells[-1]))
-    log(f"  vs eager: max |dlogit| {agreement['max_abs_logit_diff_vs_eager']:.2e} (logit scale "
-        f"{agreement['logit_scale']:.2f}), greedy agreement {agreement['greedy_agreement_vs_eager']:.3f}")
+    log(f"  vs the same step uncaptured: max |dlogit| {agreement['max_abs_logit_diff_vs_uncaptured']:.2e}, greedy "
+        f"agreement {agreement['greedy_agreement_vs_uncaptured']:.3f}; vs forward_batch: max |dlogit| "
+        f"{agreement['max_abs_logit_diff_vs_eager']:.2e} (logit scale {agreement['logit_scale']:.2f}), greedy "
+        f"agreement {agreement['greedy_agreement_vs_eager']:.3f}, rows tied at the k-th index pick "
+        f"{agreement['index_top_ties']}")
     log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
                                      for k in cells[-1]["top_kernels"][:8]))
 
 
 def graph_vs_eager(runner: ModelRunner, base: SequenceState, batch: int, rows: int) -> dict[str, Any]:
-    """One step of the runner's graphs against `CEDModel.forward_batch` from the same state and
-    tokens: the largest logit difference, the logits' scale and how often the greedy tokens agree
-    (the figures are only worth something if the graphs compute the same step)."""
+    """One step of the runner's graphs against the same step uncaptured (`runner.uncaptured()`) and
+    against `CEDModel.forward_batch`, from the same state and tokens: the largest logit difference,
+    the logits' scale and how often the greedy tokens agree. The uncaptured step is the check of the
+    replay (the same kernels in the same order). `forward_batch` is another top-k implementation, so
+    where a layer's index scores tie at its k-th pick the two may pick different entries, both
+    correct: random weights make such ties common (a token whose index head weights are all negative
+    scores every entry its ReLU zeroes at 0, the top score), and then those figures differ a lot
+    without anything being wrong; `index_top_ties` counts the rows of the first index layer whose
+    k-th and (k+1)-th dense scores are equal, summed over its full-scan index layers."""
     model = runner.model
     gen = torch.Generator().manual_seed(7)
     feed = [int(t) for t in torch.randint(3, model.config.vocab_size, (batch * rows,), generator=gen)]
     slot_rows = [slot for slot in range(batch) for _ in range(rows)]
+
+    def fresh() -> None:
+        for slot in range(batch):
+            runner.load(slot, base)
+
     with torch.no_grad():
+        fresh()
         graph = runner.step_logits(slot_rows, feed).float()
+        fresh()
+        with runner.uncaptured():
+            uncaptured = runner.step_logits(slot_rows, feed).float()
         items = [BatchItem(feed[i * rows:(i + 1) * rows], copy.deepcopy(base)) for i in range(batch)]
         eager = torch.cat([out.logits for out in model.forward_batch(items)]).float()
-    return {"max_abs_logit_diff_vs_eager": float((graph - eager).abs().max()),
+    return {"max_abs_logit_diff_vs_uncaptured": float((graph - uncaptured).abs().max()),
+            "greedy_agreement_vs_uncaptured": float((graph.argmax(-1) == uncaptured.argmax(-1)).float().mean()),
+            "max_abs_logit_diff_vs_eager": float((graph - eager).abs().max()),
             "logit_scale": float(eager.abs().max()),
-            "greedy_agreement_vs_eager": float((graph.argmax(-1) == eager.argmax(-1)).float().mean())}
+            "greedy_agreement_vs_eager": float((graph.argmax(-1) == eager.argmax(-1)).float().mean()),
+            "index_top_ties": index_top_ties(model, base, feed, rows)}
+
+
+def index_top_ties(model: CEDModel, base: SequenceState, feed: list[int], rows: int) -> int:
+    """Rows whose index scores tie at the k-th pick, summed over the full-scan index layers of a
+    `forward_batch` pass from `base`: where two top-k implementations may rightly pick different
+    entries."""
+    from cedserve.kernels import indexer
+    from cedserve.model import paged_attention
+
+    ties = [0]
+    original = paged_attention.layer_topk
+
+    def spy(config: Any, layer_id: int, q: torch.Tensor, weights: torch.Tensor, keys: Any, width: int,
+            pool: Any, impl: Any) -> Any:
+        if config.layer_plan[layer_id].mode.value == "full":
+            dense = indexer.range_scores_reference(q.to(torch.bfloat16), weights, keys, width)
+            k = config.index_topk
+            if dense.shape[1] > k:
+                top = dense.topk(k + 1, dim=1).values
+                ties[0] += int(((top[:, k - 1] == top[:, k]) & torch.isfinite(top[:, k])).sum())
+        return original(config, layer_id, q, weights, keys, width, pool, impl)
+
+    paged_attention.layer_topk = spy
+    try:
+        with torch.no_grad():
+            items = [BatchItem(feed[i * rows:(i + 1) * rows], copy.deepcopy(base)) for i in range(len(feed) // rows)]
+            model.forward_batch(items)
+    finally:
+        paged_attention.layer_topk = original
+    return ties[0]
 
 
 def dtype_agreement(model: CEDModel, reference: CEDModel, base: SequenceState, feed: list[int],

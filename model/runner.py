@@ -29,12 +29,14 @@ included.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -184,6 +186,9 @@ class ModelRunner:
                                   engram=self.engram, exchange=self.exchange)
         cuda = pin = self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
+        self._staging_np = self._staging.numpy()
+        """The staging's memory as numpy: the host fills it with numpy stores (a torch op per field
+        costs several microseconds of the step's host time; a numpy store well under one)."""
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
         self._tokens_host = torch.zeros(width, dtype=torch.long, pin_memory=pin)
         self._positions = [0] * self.config.max_slots  # host mirror: no step reads the device's
@@ -335,21 +340,20 @@ class ModelRunner:
 
     def _stage(self, slots: Sequence[int], token_ids: Sequence[int], offsets: list[int],
                sampling: Sequence[SamplingParams], bucket: int) -> None:
-        staging, rows = self._staging, len(slots)
+        staging, rows = self._staging_np, len(slots)
         staging[:, rows:bucket] = 0
         staging[_SLOTS, rows:bucket] = self.pools.scratch_slot
-        staging[_TOKENS, :rows] = torch.tensor(list(token_ids), dtype=torch.long)
-        staging[_SLOTS, :rows] = torch.tensor(list(slots), dtype=torch.long)
-        staging[_OFFSETS, :rows] = torch.tensor(offsets, dtype=torch.long)
-        staging[_TOP_K, :rows] = torch.tensor([p.top_k for p in sampling], dtype=torch.long)
-        staging[_TEMPERATURE, :rows] = torch.tensor([p.temperature for p in sampling],
-                                                    dtype=torch.float64).view(torch.long)
-        staging[_TOP_P, :bucket] = torch.ones(bucket, dtype=torch.float64).view(torch.long)
-        staging[_TOP_P, :rows] = torch.tensor([p.top_p for p in sampling], dtype=torch.float64).view(torch.long)
-        seeds = [p.seed if p.seed is not None else self._seeds.getrandbits(63) for p in sampling]
-        staging[_SEEDS, :rows] = torch.tensor(seeds, dtype=torch.long)
-        staging[_COUNTERS, :rows] = torch.tensor([self._positions[s] + o for s, o in zip(slots, offsets)],
-                                                 dtype=torch.long)
+        staging[_TOKENS, :rows] = token_ids
+        staging[_SLOTS, :rows] = slots
+        staging[_OFFSETS, :rows] = offsets
+        staging[_TOP_K, :rows] = [p.top_k for p in sampling]
+        staging[_TEMPERATURE].view(np.float64)[:rows] = [p.temperature for p in sampling]
+        top_p = staging[_TOP_P].view(np.float64)
+        top_p[rows:bucket] = 1.0
+        top_p[:rows] = [p.top_p for p in sampling]
+        staging[_SEEDS, :rows] = [p.seed if p.seed is not None else self._seeds.getrandbits(63) for p in sampling]
+        positions = self._positions
+        staging[_COUNTERS, :rows] = [positions[s] + o for s, o in zip(slots, offsets)]
 
     def _forward(self, bucket: int) -> _Outputs:
         """The step over the first `bucket` staged rows."""
@@ -374,6 +378,16 @@ class ModelRunner:
         self._graphs.update({bucket: _Graph(graph, outputs) for bucket, (graph, outputs) in captured.items()})
         return CaptureReport(tuple(sorted(self._graphs)), time.perf_counter() - start,
                              torch.cuda.memory_reserved(self.device) - before)
+
+    @contextlib.contextmanager
+    def uncaptured(self) -> Iterator[None]:
+        """Steps inside run the eager step of their bucket instead of its graph (the comparison that
+        checks a replay: the same kernels in the same order, so top-k ties break alike)."""
+        graphs, self._graphs = self._graphs, {}
+        try:
+            yield
+        finally:
+            self._graphs = graphs
 
     def _stage_scratch(self, bucket: int) -> None:
         """Inputs whose every row is padding: warm-ups and captures touch only the scratch slot."""

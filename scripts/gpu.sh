@@ -83,6 +83,8 @@
 #   transfer-one    KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE, the real block
 #                   layout, contiguous and scattered ids: `cedserve bench kv-transfer` at $TRANSFER_SIZES
 #                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-h200.json}  TRANSFER_ONE_S=150
+#                   TRANSFER_WHOLE=1 then the same with each request in one write_blocks call
+#                   (transfer-one/kv-transfer-cuda-whole.json)
 #                   With build/kv_before (--prepare-before REF) instead: benchmarks/kv_transfer_old_new.py,
 #                   this kv_transfer, it without the spin, and REF's, rounds alternating, then 64-byte
 #                   blocks (only the fixed cost left), new and old    transfer-one/{bench.log,
@@ -605,6 +607,13 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
   if [ ! -f build/kv_before/agent.py ]; then
     (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
        --only cross_layer --json "$out/kv-transfer-cuda-h200.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
+    # TRANSFER_WHOLE=1: the same cells with each request handed over in one write_blocks call (a prefill
+    # that writes its KV at the end), beside the default 128-block pieces: what the pieces cost
+    if [ "${TRANSFER_WHOLE:-0}" = 1 ]; then
+      (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
+         --only cross_layer --stream-blocks 65536 --json "$out/kv-transfer-cuda-whole.json") 2>&1 \
+         | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
+    fi
     return
   fi
   echo "== old path: $(cat build/kv_before/REF)" | tee "$out/bench.log"
