@@ -122,6 +122,8 @@ spec:
           value: {{ $v.ucxPortRange | quote }}
         - name: TRITON_CACHE_DIR
           value: /var/cache/cedserve/triton
+        - name: TORCHINDUCTOR_CACHE_DIR
+          value: /var/cache/cedserve/triton/inductor
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
