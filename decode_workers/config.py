@@ -135,7 +135,9 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the compiled compressor step, the mHC site kernels) the Inductor variant's graph replays did not
     equal its eager step on an H200 (test_graph_replay_equals_eager_every_bucket[inductor] failed;
     benchmarks/step.py's graph-fused cells disagreed with forward_batch,
-    docs/benchmarks/decode-step-h200-fused-unverified.json), and with 16 buckets the decode worker's
+    docs/benchmarks/decode-step-h200-fused-unverified.json: so did its plain graph cells, and on
+    2026-12-06 that disagreement turned out to be top-k ties in step.py's random-weight states, not
+    the graphs: step.py now checks each graph against its own step uncaptured), and with 16 buckets the decode worker's
     capture compiled for minutes (1 of 16 buckets after ~80 s) where `cedserve serve` waits 150 s.
     On an H100 on 2026-12-05 the decode worker's build at the 1M limit with it on took 49.5 s with
     warm caches but over 250 s cold (two buckets' compiles 55 s and 25 s), and its replay test was
