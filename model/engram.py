@@ -103,6 +103,26 @@ def load_compressed_token_map(tokenizer_json: str, config: ModelConfig) -> list[
     return mapping
 
 
+def hash_rows(history: Tensor, history_len: Tensor, compressed: Tensor, multipliers: Tensor, primes: Tensor,
+              offsets: Tensor, pad_id: int) -> Tensor:
+    """`EngramHasher.hash_rows` as a function of tensors (the decode step compiles it with the history
+    gather, `cedserve.model.fused.engram_hashes`): `multipliers [L, N]`, `primes [L, N-1, heads]`,
+    `offsets [L, (N-1)*heads]` as the hasher holds them."""
+    max_ngram = multipliers.shape[-1]
+    keep = max_ngram - 1
+    grams = [compressed]
+    for shift in range(1, max_ngram):
+        source = history[:, keep - shift]
+        grams.append(torch.where(history_len >= shift, source, torch.full_like(source, pad_id)))
+    tokens = torch.stack(grams, dim=-1)  # [B, N]
+    products = tokens.unsqueeze(-2) * multipliers  # [B, L, N]
+    rolling, hashes = products[..., 0], []
+    for i in range(1, max_ngram):
+        rolling = torch.bitwise_xor(rolling, products[..., i])
+        hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
+    return torch.cat(hashes, dim=-1) + offsets
+
+
 class EngramHasher:
     """Hash ids of the n-grams ending at each position, for all Engram layers at once."""
 
@@ -133,18 +153,7 @@ class EngramHasher:
         ids of the tokens before, of which the last `history_len [B]` are known; `compressed [B]`
         -> `[B, layers, (N-1)*heads]`. Equals `hash_ids(history[b, N-1-len:], compressed[b:b+1],
         start)` of each row when its start >= len (unknown history reads the pad id)."""
-        keep = self.max_ngram - 1
-        grams = [compressed]
-        for shift in range(1, self.max_ngram):
-            source = history[:, keep - shift]
-            grams.append(torch.where(history_len >= shift, source, torch.full_like(source, self.pad_id)))
-        tokens = torch.stack(grams, dim=-1)  # [B, N]
-        products = tokens.unsqueeze(-2) * self.multipliers  # [B, L, N]
-        rolling, hashes = products[..., 0], []
-        for i in range(1, self.max_ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
-        return torch.cat(hashes, dim=-1) + self.offsets
+        return hash_rows(history, history_len, compressed, self.multipliers, self.primes, self.offsets, self.pad_id)
 
     def hash_ids(self, history: Tensor, compressed: Tensor, start: int) -> Tensor:
         """Row ids `[S, layers, (N-1)*heads]` for compressed ids `[S]` at positions

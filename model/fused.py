@@ -25,6 +25,7 @@ from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.model.compressor import pool_groups
 from cedserve.model.device_sampling import sample_rows
+from cedserve.model.engram import hash_rows
 from cedserve.model.mhc import hc_expand
 from cedserve.model.moe import score_logits
 from cedserve.model.norm import rms_normalize
@@ -187,6 +188,20 @@ def route_with_shared(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp:
     return torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1), torch.cat([indices, shared], dim=1)
 
 
+def engram_hashes(compressed: Tensor, slots: Tensor, positions: Tensor, engram_ids: Tensor, engram_first: Tensor,
+                  keep: int, multipliers: Tensor, primes: Tensor, offsets: Tensor, pad_id: int) -> Tensor:
+    """The rows' Engram hash ids `[B, layers, (N-1)*heads]` from their slots' id rings (`engram_ids
+    [slots, ring]`, this step's ids already written; `engram_first [slots]` the first position each
+    ring holds): the `keep` ids before each row's position, how many of them are known, then
+    `engram.hash_rows` (the gather, the masks and the hash arithmetic, some twenty small integer
+    kernels as written)."""
+    ring = engram_ids.shape[1]
+    before = positions.unsqueeze(-1) - keep + torch.arange(keep, device=positions.device)  # [B, N-1]
+    history = engram_ids[slots.unsqueeze(-1), before.remainder(ring)]
+    known = (positions - engram_first[slots].clamp_min(0)).clamp(0, keep)
+    return hash_rows(history, known, compressed, multipliers, primes, offsets, pad_id)
+
+
 RECOMPILE_LIMIT = 64
 """Dynamo's per-function recompile limit while fused ops are compiled (`FusedOps`)."""
 
@@ -218,3 +233,4 @@ class FusedOps:
         self.expand = wrap(hc_expand)
         self.entries_to_slots = wrap(entries_to_slots)
         self.sample_rows = wrap(sample_rows)
+        self.engram_hashes = wrap(engram_hashes)

@@ -208,10 +208,9 @@ class SlotStep:
         pools.engram_ids[slots, positions % ring] = compressed
         if self.staged_engram is not None:
             return self.staged_engram.device_rows(token_ids.shape[0])
-        before = positions.unsqueeze(-1) - keep + torch.arange(keep, device=positions.device)  # [B, N-1]
-        history = pools.engram_ids[slots.unsqueeze(-1), before.remainder(ring)]
-        known = (positions - pools.engram_first[slots].clamp_min(0)).clamp(0, keep)
-        hash_ids = self.hasher.hash_rows(history, known, compressed)
+        hasher = self.hasher
+        hash_ids = self.ops.engram_hashes(compressed, slots, positions, pools.engram_ids, pools.engram_first, keep,
+                                          hasher.multipliers, hasher.primes, hasher.offsets, hasher.pad_id)
         tables = [self.model._engram(layer_id) for layer_id in self.config.engram_layer_ids]
         return torch.stack([t.lookup(hash_ids[:, i]) for i, t in enumerate(tables)], dim=1)
 

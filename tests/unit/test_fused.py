@@ -234,3 +234,33 @@ def test_a_cpu_runner_runs_the_chains_as_written() -> None:
     ops = runner.slot_step.ops
     assert ops.project is fused.project and ops.dense_moe is fused.dense_moe
     assert ops.global_kv.keywords["from_rings"] is fused.global_kv_from_rings
+
+
+def test_engram_hashes_equal_the_hashers_own_ids_compiled_or_not() -> None:
+    """`fused.engram_hashes` (the history gather, masks and hash arithmetic the decode step compiles)
+    on fresh random id rings: bit-exact with the hasher's `hash_ids` over each row's known history,
+    and `FusedOps(compiled=True)`'s (Inductor on this CPU) bit-exact with the function as written.
+    Rows sit at positions with every count of known ids (0 to N-1) and with ring wrap-around."""
+    from cedserve.model.engram import EngramHasher
+    from cedserve.model.fused import engram_hashes
+
+    config = preset("tiny")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    vocab = config.engram_compressed_vocab_size
+    hasher = EngramHasher(config, torch.randint(0, vocab, (config.vocab_size,), generator=gen).tolist())
+    keep, slots_n, ring = config.engram_max_ngram_size - 1, 12, config.engram_max_ngram_size - 1 + 2
+    ids = torch.randint(0, vocab, (slots_n, ring), generator=gen)
+    first = torch.randint(0, 40, (slots_n,), generator=gen)
+    slots = torch.randperm(slots_n, generator=gen)[:10]
+    positions = first[slots] + torch.arange(10) % (keep + 2)  # 0 .. keep + 1 known ids
+    compressed = torch.randint(0, vocab, (10,), generator=gen)
+    args = (compressed, slots, positions, ids, first, keep, hasher.multipliers, hasher.primes, hasher.offsets,
+            hasher.pad_id)
+    want = engram_hashes(*args)
+    for b in range(10):
+        p, s = int(positions[b]), int(slots[b])
+        known = min(keep, p - int(first[s]))
+        history = torch.tensor([int(ids[s, q % ring]) for q in range(p - known, p)], dtype=torch.long)
+        own = hasher.hash_ids(history.unsqueeze(0), compressed[b:b + 1].view(1, 1), start=known)
+        assert torch.equal(want[b], own[0, 0]), f"row {b}: {known} known ids"
+    assert torch.equal(FusedOps(compiled=True).engram_hashes(*args), want)
