@@ -426,8 +426,10 @@ class NixlEngine:
         if chunk.packed is not None:
             return chunk
         slot_blocks = self._slot_blocks(t)
-        if slot_blocks < 2 or not should_pack(count_runs(chunk.src, chunk.dst),
-                                              chunk.src.size * self.region.block_bytes, self._pack_threshold):
+        if slot_blocks >= 2:
+            chunk.runs = count_runs(chunk.src, chunk.dst)
+        if slot_blocks < 2 or not should_pack(chunk.runs or 0, chunk.src.size * self.region.block_bytes,
+                                              self._pack_threshold):
             chunk.packed = False
             return chunk
         pieces = split_positions(chunk.src.size, slot_blocks, first_max=self._packed_room(t))
@@ -657,7 +659,7 @@ class NixlEngine:
         if slot is not None:
             return self.memory.staging_job(t, seq, "WRITE", slot, remote_slot, peer, notice, n * bb, None,
                                            peer_row=remote_row)
-        return self.memory.blocks_job(t, seq, "WRITE", c.src, c.dst, peer, notice)
+        return self.memory.blocks_job(t, seq, "WRITE", c.src, c.dst, peer, notice, runs=c.runs)
 
     def _commit(self, job: PostJob, handle: object, status: str, error: NixlCallError | None) -> None:
         """Phase three: record a posted request (or its failure) on its transfer."""

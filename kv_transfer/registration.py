@@ -71,14 +71,15 @@ class LocalMemory:
             return None
 
     def blocks_job(self, t: Transfer, seq: int, op: Literal["WRITE", "READ"], local_ids: np.ndarray,
-                   peer_ids: np.ndarray, peer: PeerState, notif: bytes) -> PostJob:
+                   peer_ids: np.ndarray, peer: PeerState, notif: bytes, runs: int | None = None) -> PostJob:
         """The request moving our blocks `local_ids[i]` to or from the peer's `peer_ids[i]`: indices into
-        the prepared block lists (cross-layer; NIXL merges runs), or the per-layer descriptors."""
+        the prepared block lists (cross-layer; NIXL merges runs), or the per-layer descriptors.
+        `runs`: `count_runs` of the pairs when the caller already has it."""
         nbytes = int(local_ids.size) * self.region.block_bytes
         if self.blocks_list is not None and peer.blocks_list is not None:
             return PostJob(t, seq, op, None, peer.kv_mem, notif, nbytes, None, None,
                            blocks=(local_ids, peer_ids), blocks_lists=(self.blocks_list, peer.blocks_list),
-                           descriptors=count_runs(local_ids, peer_ids))
+                           descriptors=count_runs(local_ids, peer_ids) if runs is None else runs)
         descs = block_descs(self.layout, self.address, peer.kv, local_ids, peer_ids)
         return PostJob(t, seq, op, descs, peer.kv_mem, notif, nbytes, None, None, descriptors=descs.count)
 

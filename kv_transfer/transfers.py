@@ -68,6 +68,9 @@ class Chunk:
     packed: bool | None
     """Through a staging slot; None: not decided yet (decided per NIXL request, `agent._next_chunk`)."""
     last: bool
+    runs: int | None = None
+    """Runs consecutive on both sides (`count_runs`), once counted for the packing decision: the post
+    reuses it instead of counting the ids again."""
 
 
 @dataclass
