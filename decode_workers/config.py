@@ -128,23 +128,25 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graphs: bool = True
     """With the runner on CUDA: capture its step (and the drafter's, `runner_drafter`) per batch
     bucket at start-up (False: run it eagerly)."""
-    compile_fused: bool = False
+    compile_fused: bool = True
     """With the runner on CUDA: its chains of small ops (RoPE, mHC expansion, window slots, the
-    compressor step, the dense MoE, sampling) compiled by Inductor (`cedserve.model.fused`) before
-    capture. Off by default since session 17: after the fused-step changes (concatenated weights,
-    the compiled compressor step, the mHC site kernels) the Inductor variant's graph replays did not
-    equal its eager step on an H200 (test_graph_replay_equals_eager_every_bucket[inductor] failed;
-    benchmarks/step.py's graph-fused cells disagreed with forward_batch,
-    docs/benchmarks/decode-step-h200-fused-unverified.json: so did its plain graph cells, and on
-    2026-12-06 that disagreement turned out to be top-k ties in step.py's random-weight states, not
-    the graphs: step.py now checks each graph against its own step uncaptured), and with 16 buckets the decode worker's
-    capture compiled for minutes (1 of 16 buckets after ~80 s) where `cedserve serve` waits 150 s.
-    On an H100 on 2026-12-05 the decode worker's build at the 1M limit with it on took 49.5 s with
-    warm caches but over 250 s cold (two buckets' compiles 55 s and 25 s), and its replay test was
-    again cut by time (docs/benchmarks/gpu-2026-12-05b/). On an H100 on 2026-12-06 the replay tests
-    passed (every bucket, float32 and bfloat16, and the engine: docs/benchmarks/gpu-2026-12-06/), so
-    what keeps it off now is the cold start alone. The plain ops are captured as they are; True is
-    for serving where the Triton and Inductor caches persist across restarts, and for measuring it."""
+    compressor step, the dense MoE, the Engram hashes, sampling) compiled by Inductor
+    (`cedserve.model.fused`) before capture: a mini-40 step of ~1,300-1,500 kernels instead of
+    ~4,300 and about half the plain graph's time (H100: 5.1-5.6 ms against 11.3 at 4K x 1, 8.1
+    against 14.6-15.0 at 32 rows; docs/benchmarks/gpu-2026-12-06b/). On by default since
+    2026-12-06, when `cedserve serve` ran with it on an H100 (TPOT p50 4.0 ms at one stream, 5.9 at
+    four, against 5.3 and 7.1 with the plain graph on 12-05) and its graph replays equal their eager
+    step (tests/unit/test_runner_gpu.py, every bucket, float32 and bf16, and the engine).
+    What it costs is the first start on a host: Inductor compiles each bucket family once (the
+    demo checkpoint's 16 buckets: 149 s cold on that H100, the worker ready after 212 s; the
+    released 1M limit's build 49.5 s with warm caches), and later starts load the compiled graphs
+    from Inductor's cache (`TORCHINDUCTOR_CACHE_DIR`, on the chart's kernel-cache volume). False
+    captures the plain ops (a quick first start; twice the step time). A CPU ignores it.
+    History: off from session 17 to 2026-12-06, after its replays disagreed with the eager step on
+    an H200 (test_graph_replay_equals_eager_every_bucket[inductor] failed, fixed by moving the
+    compressor's ring writes out of the compiled graph; benchmarks/step.py's disagreement with
+    forward_batch, which the plain graphs shared, was top-k ties in its random-weight states) and
+    while its cold start took longer than `cedserve serve` waited (now 600 s on CUDA)."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
     set for the worker process when the engine starts): a model held in float32 (`[model] dtype`, the

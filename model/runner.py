@@ -87,8 +87,8 @@ class RunnerConfig:
     """The step's MoE (`cedserve.model.slot_step`)."""
     compile_fused: bool = False
     """On CUDA, compile the step's chains of small ops with Inductor (`cedserve.model.fused`) to cut
-    its kernels. Off by default, as `decode.compile_fused` (its docstring says why: its graph replays
-    disagreed with its eager step on an H200 after the session-17 changes)."""
+    its kernels. Off here (a runner built in a test or a benchmark captures in seconds); the decode
+    worker's `decode.compile_fused` turns it on by default (its docstring gives the figures)."""
 
     def __post_init__(self) -> None:
         SlotShape(self.max_slots, self.max_context, self.max_rows_per_slot)
