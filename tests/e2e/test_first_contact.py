@@ -35,6 +35,8 @@ from cedserve.model.presets import preset
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NUM_REQUESTS = 32
+_EOS = preset("tiny").eos_token_id
+EOS_IDS = {_EOS} if isinstance(_EOS, int) else set(_EOS or ())
 PROMPT_LEN = 300  # above the decode-only threshold (256): every request is prefilled and sent over NIXL
 STALL_AFTER_S = 0.3
 STALL_S = 1.5  # > peer_timeout_s (0.9 s): the decode worker is declared dead and declares its peers dead
@@ -73,7 +75,12 @@ def _burst(address: str, seed: int, during: threading.Event | None = None) -> li
             start.wait()
             try:
                 done = client.generate(prompt, max_tokens=4)
-                outcomes[i] = "ok" if len(done.token_ids) == 4 else f"short: {done.token_ids}"
+                # all 4 tokens, or fewer ending in the model's end of sequence: the random checkpoint's
+                # own greedy answer to one of these prompts is [258, EOS] (checked against the model
+                # alone); a stream cut short by the stall ends without it
+                full = done.finish_reason == "length" and len(done.token_ids) == 4
+                ended = done.finish_reason == "stop" and done.token_ids[-1:] and done.token_ids[-1] in EOS_IDS
+                outcomes[i] = "ok" if full or ended else f"short: {done.token_ids} ({done.finish_reason})"
             except CedserveError as exc:
                 outcomes[i] = f"{exc.code.name}: {exc}"
 
