@@ -388,8 +388,8 @@ def graph_vs_eager(runner: ModelRunner, base: SequenceState, batch: int, rows: i
     where a layer's index scores tie at its k-th pick the two may pick different entries, both
     correct: random weights make such ties common (a token whose index head weights are all negative
     scores every entry its ReLU zeroes at 0, the top score), and then those figures differ a lot
-    without anything being wrong; `index_top_ties` counts the rows of the first index layer whose
-    k-th and (k+1)-th dense scores are equal, summed over its full-scan index layers."""
+    without anything being wrong; `index_top_ties` counts the rows whose k-th and (k+1)-th dense
+    index scores are equal, summed over the full-scan index layers."""
     model = runner.model
     gen = torch.Generator().manual_seed(7)
     feed = [int(t) for t in torch.randint(3, model.config.vocab_size, (batch * rows,), generator=gen)]
@@ -427,7 +427,7 @@ def index_top_ties(model: CEDModel, base: SequenceState, feed: list[int], rows: 
 
     def spy(config: Any, layer_id: int, q: torch.Tensor, weights: torch.Tensor, keys: Any, width: int,
             pool: Any, impl: Any) -> Any:
-        if config.layer_plan[layer_id].mode.value == "full":
+        if config.layer_plan[layer_id].mode is AttentionMode.FULL:
             dense = indexer.range_scores_reference(q.to(torch.bfloat16), weights, keys, width)
             k = config.index_topk
             if dense.shape[1] > k:

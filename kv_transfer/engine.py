@@ -426,10 +426,11 @@ class NixlEngine:
         if chunk.packed is not None:
             return chunk
         slot_blocks = self._slot_blocks(t)
-        if slot_blocks >= 2:
-            chunk.runs = count_runs(chunk.src, chunk.dst)
-        if slot_blocks < 2 or not should_pack(chunk.runs or 0, chunk.src.size * self.region.block_bytes,
-                                              self._pack_threshold):
+        if slot_blocks < 2:
+            chunk.packed = False
+            return chunk
+        chunk.runs = count_runs(chunk.src, chunk.dst)
+        if not should_pack(chunk.runs, chunk.src.size * self.region.block_bytes, self._pack_threshold):
             chunk.packed = False
             return chunk
         pieces = split_positions(chunk.src.size, slot_blocks, first_max=self._packed_room(t))

@@ -114,10 +114,16 @@ def hash_rows(history: Tensor, history_len: Tensor, compressed: Tensor, multipli
     for shift in range(1, max_ngram):
         source = history[:, keep - shift]
         grams.append(torch.where(history_len >= shift, source, torch.full_like(source, pad_id)))
-    tokens = torch.stack(grams, dim=-1)  # [B, N]
-    products = tokens.unsqueeze(-2) * multipliers  # [B, L, N]
+    return hash_grams(torch.stack(grams, dim=-1), multipliers, primes, offsets)
+
+
+def hash_grams(tokens: Tensor, multipliers: Tensor, primes: Tensor, offsets: Tensor) -> Tensor:
+    """Row ids `[..., L, (N-1)*heads]` of the n-grams `tokens [..., N]` (the token itself first, then
+    the ids before it, newest first): each layer's rolling multiply-xor hash of the 2..N-grams, modulo
+    each head's prime, offset to its rows."""
+    products = tokens.unsqueeze(-2) * multipliers  # [..., L, N]
     rolling, hashes = products[..., 0], []
-    for i in range(1, max_ngram):
+    for i in range(1, multipliers.shape[-1]):
         rolling = torch.bitwise_xor(rolling, products[..., i])
         hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
     return torch.cat(hashes, dim=-1) + offsets
@@ -170,12 +176,8 @@ class EngramHasher:
             known = (positions >= shift) & (index >= shift)  # unknown history counts as the start
             grams.append(torch.where(known, source, torch.full_like(source, self.pad_id)))
         tokens = torch.stack(grams, dim=-1)  # [(B,) S, N]
-        products = tokens.unsqueeze(-2) * self.multipliers.to(tokens.device)  # [(B,) S, L, N]
-        rolling, hashes = products[..., 0], []
-        for i in range(1, self.max_ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1].to(tokens.device))
-        return torch.cat(hashes, dim=-1) + self.offsets.to(tokens.device)
+        device = tokens.device
+        return hash_grams(tokens, self.multipliers.to(device), self.primes.to(device), self.offsets.to(device))
 
 
 ENGRAM_SCALE_BLOCK = 32

@@ -79,7 +79,7 @@ def _burst(address: str, seed: int, during: threading.Event | None = None) -> li
                 # own greedy answer to one of these prompts is [258, EOS] (checked against the model
                 # alone); a stream cut short by the stall ends without it
                 full = done.finish_reason == "length" and len(done.token_ids) == 4
-                ended = done.finish_reason == "stop" and done.token_ids[-1:] and done.token_ids[-1] in EOS_IDS
+                ended = done.finish_reason == "stop" and bool(done.token_ids) and done.token_ids[-1] in EOS_IDS
                 outcomes[i] = "ok" if full or ended else f"short: {done.token_ids} ({done.finish_reason})"
             except CedserveError as exc:
                 outcomes[i] = f"{exc.code.name}: {exc}"

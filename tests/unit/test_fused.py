@@ -245,7 +245,8 @@ def test_engram_hashes_equal_the_hashers_own_ids_compiled_or_not() -> None:
     from cedserve.model.fused import engram_hashes
 
     config = preset("tiny")
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    gen = torch.Generator().manual_seed(seed)
     vocab = config.engram_compressed_vocab_size
     hasher = EngramHasher(config, torch.randint(0, vocab, (config.vocab_size,), generator=gen).tolist())
     keep, slots_n, ring = config.engram_max_ngram_size - 1, 12, config.engram_max_ngram_size - 1 + 2
@@ -262,5 +263,5 @@ def test_engram_hashes_equal_the_hashers_own_ids_compiled_or_not() -> None:
         known = min(keep, p - int(first[s]))
         history = torch.tensor([int(ids[s, q % ring]) for q in range(p - known, p)], dtype=torch.long)
         own = hasher.hash_ids(history.unsqueeze(0), compressed[b:b + 1].view(1, 1), start=known)
-        assert torch.equal(want[b], own[0, 0]), f"row {b}: {known} known ids"
-    assert torch.equal(FusedOps(compiled=True).engram_hashes(*args), want)
+        assert torch.equal(want[b], own[0, 0]), f"seed {seed}, row {b}: {known} known ids"
+    assert torch.equal(FusedOps(compiled=True).engram_hashes(*args), want), f"seed {seed}"
