@@ -84,12 +84,14 @@
 #                   layout, contiguous and scattered ids: `cedserve bench kv-transfer` at $TRANSFER_SIZES
 #                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-h200.json}  TRANSFER_ONE_S=150
 #                   TRANSFER_WHOLE=1 then the same with each request in one write_blocks call
-#                   (transfer-one/kv-transfer-cuda-whole.json)
+#                   (transfer-one/kv-transfer-cuda-whole.json); TRANSFER_VARIANTS="name:flags;..." then the
+#                   same cells with loadtest flags added, each into transfer-one/kv-transfer-cuda-<name>.json
 #                   With build/kv_before (--prepare-before REF) instead: benchmarks/kv_transfer_old_new.py,
 #                   this kv_transfer, it without the spin, and REF's, rounds alternating, then 64-byte
 #                   blocks (only the fixed cost left), new and old    transfer-one/{bench.log,
 #                   kv-transfer-old-new-cuda.json, kv-transfer-old-new-tiny-cuda.json}  TRANSFER_ONE_S=330,
-#                   TINY_S=150, ROUNDS=3
+#                   TINY_S=150 (0: skipped), ROUNDS=3; OLD_NEW_ARMS / OLD_ARMS="name:flags;..." replace
+#                   the extra arm of this engine (it without the spin) / add arms of the old one
 #   train-demo      python -m cedserve.training.demo, then benchmarks/demo_eval.py on its checkpoint
 #                   (BACKBONE_S=200, DRAFTER_S=80 budgets)      train-demo/{demo/, train.log,
 #                   train-demo.json, eval.log, demo-eval.json}  TRAIN_TIMEOUT_S=430 EVAL_TIMEOUT_S=150
@@ -614,13 +616,33 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
          --only cross_layer --stream-blocks 65536 --json "$out/kv-transfer-cuda-whole.json") 2>&1 \
          | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
     fi
+    # TRANSFER_VARIANTS="name:flags;name2:flags2": the same cells again with loadtest flags added (e.g.
+    # "whole-spin5ms:--stream-blocks 65536 --set spin_s=0.005"), each into kv-transfer-cuda-<name>.json
+    local variant name flags
+    IFS=';' read -r -a variants <<< "${TRANSFER_VARIANTS:-}"
+    for variant in "${variants[@]}"; do
+      name=${variant%%:*} flags=${variant#*:}
+      echo "== variant $name: $flags" | tee -a "$out/bench.log"
+      # shellcheck disable=SC2086
+      (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
+         --only cross_layer $flags --json "$out/kv-transfer-cuda-$name.json") 2>&1 \
+         | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
+    done
     return
   fi
   echo "== old path: $(cat build/kv_before/REF)" | tee "$out/bench.log"
+  # OLD_NEW_ARMS="name:flags;...": arms of this engine beside "new" and "old" (default: it without the
+  # spin); OLD_ARMS likewise of the old engine (e.g. "old-whole:--stream-blocks 65536")
+  local arms=() spec
+  IFS=';' read -r -a specs <<< "${OLD_NEW_ARMS-new-nospin:--set spin_s=0}"
+  for spec in "${specs[@]}"; do arms+=(--arm "$spec"); done
+  IFS=';' read -r -a specs <<< "${OLD_ARMS:-}"
+  for spec in "${specs[@]}"; do arms+=(--old-arm "$spec"); done
   (cd /tmp && timeout "${TRANSFER_ONE_S:-330}" "$PY" -P "$ROOT/benchmarks/kv_transfer_old_new.py" \
-     --old-kv "$ROOT/build/kv_before" --rounds "${ROUNDS:-3}" --arm "new-nospin:--set spin_s=0" \
+     --old-kv "$ROOT/build/kv_before" --rounds "${ROUNDS:-3}" "${arms[@]}" \
      --json "$out/kv-transfer-old-new-cuda.json" -- "${cells[@]}" --only cross_layer) 2>&1 \
      | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
+  [ "${TINY_S:-150}" = 0 ] && return
   (cd /tmp && timeout "${TINY_S:-150}" "$PY" -P "$ROOT/benchmarks/kv_transfer_old_new.py" \
      --old-kv "$ROOT/build/kv_before" --rounds 2 --json "$out/kv-transfer-old-new-tiny-cuda.json" -- \
      --device cuda --block-bytes 64 --sizes 4K,128K --batch 1 --modes write --fan-in 1 --reps 5 --only cross_layer,auto) \
