@@ -29,6 +29,8 @@
 #                                                                 STARTUP_COLD_S=260 STARTUP_WARM_S=120
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
+#   mhc-blocks      benchmarks/mhc_blocks.py: the mHC site kernel's column blocks at decode batches
+#                                   mhc-blocks.json, mhc-blocks.log                              MHC_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
 #                   batches, old rule beside the default     attention-splits-h200.json   SPLITS_S=120
 #   kernels         kernel-tests, then kernel-bench
@@ -697,6 +699,8 @@ run_part() {  # $1: part name
     serve-bench) part_serve_bench ;;
     transfer-one) part_transfer_one ;;
     disagg-ttft) part_disagg_ttft ;;
+    mhc-blocks) timeout "${MHC_S:-90}" "$PY" -P benchmarks/mhc_blocks.py --out "$OUT/mhc-blocks.json" 2>&1 \
+                  | tee "$OUT/mhc-blocks.log" ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
   esac
 }
