@@ -42,7 +42,8 @@
 #   prefill-runner  tests/unit/test_prefill_runner_gpu.py, tests/kernels/test_capture_trace.py -k prefill
 #                   (prefill-runner-tests.log), then benchmarks/prefill.py: the engine through the kernels
 #                   with and without the prefill runner (its graph per chunk) at $TOKENS (4K 32K) in
-#                   chunks of $CHUNK (8192)          prefill-runner.json, prefill-runner.log
+#                   chunks of $CHUNK (8192); PREFILL_ARGS adds flags (--released-attention)
+#                                                    prefill-runner.json, prefill-runner.log
 #                                                               TESTS_S=200 LIMIT_S=235 BUDGET_S=190
 #   prefill-paged   the prefill engine dense and through the kernels at $TOKENS (4K 32K 128K);
 #   prefill-paged-released  the same with the released attention geometry
@@ -326,7 +327,7 @@ part_prefill_runner() {  # the prefill runner (docs/prefill.md, *The prefill chu
   timeout "${LIMIT_S:-235}" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 \
     --tokens ${TOKENS:-4096 32768} --chunk-tokens ${CHUNK:-8192} --attention kernels kernels+runner --repeats 2 \
     --skip-all-layers --time-budget-s "${BUDGET_S:-190}" --note "$NOTE; prefill through the kernels, runner off vs on" \
-    --out "$OUT/prefill-runner.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill-runner.log"
+    ${PREFILL_ARGS:-} --out "$OUT/prefill-runner.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill-runner.log"
 }
 
 part_decode_mode() {  # $1: the part's name; rest: benchmarks/decode.py arguments
