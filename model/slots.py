@@ -196,10 +196,18 @@ class SlotPools:
         if pos >= self.shape.max_context:
             raise ValueError(f"a state at position {pos} does not fit a slot of {self.shape.max_context} tokens "
                              "(raise the runner's max_context)")
-        self.position[slot] = pos
+        # Fills and one vector copy, not item stores: each `t[i] = value` copies a host scalar in and
+        # waits for it (~40 host syncs a join for mini-40's layers before this).
+        self.position.narrow(0, slot, 1).fill_(pos)
+        if state.swa:
+            layers = sorted(state.swa)
+            firsts = torch.tensor([pos - int(state.swa[layer].shape[0]) for layer in layers], dtype=torch.long)
+            if layers == list(range(len(layers))):
+                self.swa_first[: len(layers), slot].copy_(firsts)
+            else:
+                self.swa_first[torch.tensor(layers, device=self.device), slot] = firsts.to(self.device)
         for layer, records in state.swa.items():
             n = int(records.shape[0])
-            self.swa_first[layer, slot] = pos - n
             if n:
                 rows = torch.arange(pos - n, pos, device=self.device) % self.ring
                 self.swa[layer, slot, rows] = records.to(self.device)
@@ -219,7 +227,7 @@ class SlotPools:
                     self.pending_gate[spec.layer_id][slot, rows] = pending.gate.to(self.device)
         tail = state.engram_tail[-self.engram_keep:] if self.engram_keep else state.engram_tail[:0]
         n = int(tail.shape[0])
-        self.engram_first[slot] = pos - n
+        self.engram_first.narrow(0, slot, 1).fill_(pos - n)
         if n:
             self.engram_ids[slot, torch.arange(pos - n, pos, device=self.device) % self.engram_ring] = \
                 tail.to(self.device)
