@@ -24,6 +24,7 @@ after the initiator's word (see `transfers.py`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -634,7 +636,8 @@ class NixlEngine:
                     self.staging.release(slot)
                     return False
                 remote_slot, remote_row = place
-            gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb), self.staging.stream)
+            with self._staging_timer(t, "gather"):
+                gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb), self.staging.stream)
         t.record.num_chunks += 1
         if t.mode is TransferMode.READ:
             notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
@@ -748,9 +751,10 @@ class NixlEngine:
         if m.staging_slot >= 0:
             assert self.staging is not None
             dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
-            scatter_blocks(self.region.blocks(), dst,
-                           self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes,
-                                                  m.staging_offset), self.staging.stream)
+            with self._staging_timer(t, "scatter"):
+                scatter_blocks(self.region.blocks(), dst,
+                               self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes,
+                                                      m.staging_offset), self.staging.stream)
             self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
         t.record.start_transferring(time.monotonic())
         t.seen.add(m.seq)
@@ -806,9 +810,10 @@ class NixlEngine:
             del t.inflight[seq]
             if status == "DONE" and not t.record.state.terminal:
                 if inf.scatter_ids is not None and inf.local_slot is not None and self.staging is not None:
-                    scatter_blocks(self.region.blocks(), inf.scatter_ids,
-                                   self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
-                                                          self.region.block_bytes), self.staging.stream)
+                    with self._staging_timer(t, "scatter"):
+                        scatter_blocks(self.region.blocks(), inf.scatter_ids,
+                                       self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
+                                                              self.region.block_bytes), self.staging.stream)
                 t.record.num_bytes += inf.nbytes
                 if isinstance(t, RecvTransfer):
                     t.blocks_landed += inf.nbytes // self.region.block_bytes
@@ -816,6 +821,17 @@ class NixlEngine:
                 self._fail(t, TransferState.FAILED, FailureCause.TRANSFER_ERROR,
                            f"NIXL request of chunk {seq} ended in error", tell_peer=True)
             self.memory.release_slot(inf.local_slot)
+
+    @contextlib.contextmanager
+    def _staging_timer(self, t: Transfer, op: str) -> Iterator[None]:
+        """Time one staging copy (with its wait) into `t`'s record and the staging histogram."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            took = time.monotonic() - start
+            t.record.staging_s += took
+            self.metrics.staging_seconds.labels(op).observe(took)
 
     def _release_handle(self, handle: object, peer: str) -> None:
         try:

@@ -41,6 +41,10 @@ class TransferMetrics:
                                       "Per-request transfer time after the sender's last handoff (not "
                                       "overlapped with the prefill)", ["role"], buckets=_TAIL_BUCKETS,
                                       registry=r)
+        self.staging_seconds = Histogram("cedserve_kv_transfer_staging_seconds",
+                                         "Staging copies of packed chunks, each with its wait: the "
+                                         "sender's gather, the receiver's scatter", ["op"],
+                                         buckets=_TAIL_BUCKETS, registry=r)
         self.gbps = Histogram("cedserve_kv_transfer_gbps", "Per-request transfer rate (GB/s)", ["role"],
                               buckets=_GBPS_BUCKETS, registry=r)
         self.ttft_share = Histogram("cedserve_kv_transfer_ttft_share",

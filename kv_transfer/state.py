@@ -85,6 +85,9 @@ class TransferResult:
     last_post_s: float | None = None
     """When this side began posting its last NIXL request (the initiator); None when it posted none.
     With `closed_s` and `finished_s` it splits a sender's tail into queueing, and posting to done."""
+    staging_s: float = 0.0
+    """Wall seconds this side spent in staging copies for the request, each with its wait: the
+    sender's gathers of packed chunks, the receiver's scatters (0 when nothing was packed)."""
 
     @property
     def duration_s(self) -> float:
@@ -138,6 +141,8 @@ class TransferRecord:
         """See `TransferResult.closed_s`."""
         self.last_post_s: float | None = None
         """See `TransferResult.last_post_s`."""
+        self.staging_s = 0.0
+        """See `TransferResult.staging_s`."""
         self.num_bytes = 0
         self.num_descriptors = 0
         self.num_chunks = 0
@@ -169,5 +174,6 @@ class TransferRecord:
             request_id=self.request_id, role=self.role, peer=self.peer, state=self.state,
             block_ids=self.block_ids, num_bytes=self.num_bytes, num_descriptors=self.num_descriptors,
             num_chunks=self.num_chunks, started_s=self.started_s, first_byte_s=self.first_byte_s,
-            finished_s=now_s, error=self.error, closed_s=self.closed_s, last_post_s=self.last_post_s)
+            finished_s=now_s, error=self.error, closed_s=self.closed_s, last_post_s=self.last_post_s,
+            staging_s=self.staging_s)
         return self.result

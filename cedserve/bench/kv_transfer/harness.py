@@ -133,7 +133,8 @@ def result_dict(result: TransferResult | None) -> dict[str, Any]:
         "descriptors": result.num_descriptors, "chunks": result.num_chunks,
         "latency_s": result.finished_s - result.started_s, "duration_s": result.duration_s,
         "finished_s": result.finished_s, "started_s": result.started_s, "closed_s": result.closed_s,
-        "last_post_s": getattr(result, "last_post_s", None)}  # None from a tree before it existed
+        "last_post_s": getattr(result, "last_post_s", None),  # None from a tree before it existed
+        "staging_s": getattr(result, "staging_s", None)}
     if result.error is not None:
         out.update(cause=result.error.cause.value, error=str(result.error))
     return out

@@ -262,7 +262,8 @@ class Group:
     block_size_tokens = 64
 
 
-_PHASES = ("writes", "closed_to_sender_done", "queued", "posted_to_sender_done", "sender_to_receiver_done")
+_PHASES = ("writes", "closed_to_sender_done", "queued", "posted_to_sender_done", "sender_to_receiver_done",
+           "sender_staging", "receiver_staging")
 """Where a request's time from its first `write_blocks` goes (one clock; see `_phases`)."""
 
 
@@ -272,8 +273,10 @@ def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
     then sends its notification) and the receiver's DONE: `writes` (the producer's calls),
     `closed_to_sender_done`, itself `queued` (handoff to post: the thread wake-up and the step before
     it) plus `posted_to_sender_done` (the post, the bytes, the completion poll), and
-    `sender_to_receiver_done` (the notification and the receiver's poll). An engine that does not
-    stamp its posts (an older one) gives all but the two parts of `closed_to_sender_done`; a request
+    `sender_to_receiver_done` (the notification and the receiver's poll); beside them, each side's
+    time in staging copies (`sender_staging`: gathers, `receiver_staging`: scatters, each with its
+    wait), which fall inside the phases above. An engine that does not stamp its posts (an older
+    one) gives all but the two parts of `closed_to_sender_done` and the staging times; a request
     without a handoff (READ) none."""
     first, closed, post = sent.get("first_write_s"), sent.get("closed_s"), sent.get("last_post_s")
     if first is None or closed is None:
@@ -282,6 +285,8 @@ def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
            "sender_to_receiver_done": got["finished_s"] - sent["finished_s"]}
     if post is not None:
         out.update(queued=post - closed, posted_to_sender_done=sent["finished_s"] - post)
+    if sent.get("staging_s") is not None and got.get("staging_s") is not None:
+        out.update(sender_staging=sent["staging_s"], receiver_staging=got["staging_s"])
     return out
 
 
