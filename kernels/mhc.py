@@ -215,15 +215,19 @@ def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: 
 
 
 def _site_blocks(rows: int, dim: int) -> tuple[int, int]:
-    """`(BLOCK_R, BLOCK_D)` of the streams kernel. A program holds a `[BLOCK_R, 32, BLOCK_D]` float32
-    product (the 24 rows of `fn` padded) in registers, so BLOCK_R * BLOCK_D stays at 128 on a GPU:
-    one row per program at small batch (hidden 4096 at one row is 32 programs), four rows per program
-    past 8 rows (each program reads its `fn` chunk once for the four). The interpreter pays ~2 ms a
-    program whatever its size: there, few large blocks."""
+    """`(BLOCK_R, BLOCK_D)` of the streams kernel: one row a program at small batch, four past 8 rows
+    (each program reads its `fn` chunk once for the four); columns in at least 8 chunks, 16 to 128
+    wide. Measured on an H100 as 40 captured sites (benchmarks/mhc_blocks.py, docs/benchmarks/
+    mhc-blocks-h100.json): mini-40's 256 columns at one row ran 2 programs of 128 (12.1 us a site)
+    where 8 of 32 take 9.3; the released 4096 at 32 and 192 rows took 35.6 and 119 us in blocks
+    of 32 (the old rule kept BLOCK_R x BLOCK_D at 128) against 19.3 and 56.3 in blocks of 128;
+    every other cell measured within 1 us of its best. The interpreter pays ~2 ms a program
+    whatever its size: there, few large blocks."""
     if interpreting():
         return min(next_power_of_2(rows), 16), min(next_power_of_2(dim), 1024)
     block_r = 1 if rows <= 8 else 4
-    return block_r, min(next_power_of_2(dim), 128 // block_r)
+    block_d = 1 << (max(dim // 8, 1).bit_length() - 1)  # the largest power of two <= dim / 8
+    return block_r, min(max(block_d, 16), 128)
 
 
 def _check_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,

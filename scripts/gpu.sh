@@ -29,6 +29,8 @@
 #                                                                 STARTUP_COLD_S=260 STARTUP_WARM_S=120
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
+#   staging-probe   benchmarks/staging_probe.py: a KV transfer's staging gather in parts, alone on the GPU
+#                   and beside a second process        staging-probe.json, staging-probe.log     PROBE_S=60
 #   mhc-blocks      benchmarks/mhc_blocks.py: the mHC site kernel's column blocks at decode batches
 #                                   mhc-blocks.json, mhc-blocks.log                              MHC_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
@@ -700,6 +702,8 @@ run_part() {  # $1: part name
     serve-bench) part_serve_bench ;;
     transfer-one) part_transfer_one ;;
     disagg-ttft) part_disagg_ttft ;;
+    staging-probe) timeout "${PROBE_S:-60}" "$PY" -P benchmarks/staging_probe.py --out "$OUT/staging-probe.json" 2>&1 \
+                  | tee "$OUT/staging-probe.log" ;;
     mhc-blocks) timeout "${MHC_S:-90}" "$PY" -P benchmarks/mhc_blocks.py --out "$OUT/mhc-blocks.json" 2>&1 \
                   | tee "$OUT/mhc-blocks.log" ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
