@@ -103,8 +103,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spin_s: float | None = None
     """While this side is hot (a request of its own in flight, or one the peer announced landing), the
     progress loop steps again at once, yielding the core and the GIL between rounds, for up to this
-    long after its latest post or announced landing before it falls back to `poll_interval_s` sleeps
-    (a spell counted from the first of a request's chunks ran out before its last one completed). A sleep and its wake-up cost
+    long per hot spell before it falls back to `poll_interval_s` sleeps. A sleep and its wake-up cost
     every request tens of microseconds on each side (more in a VM) and one per detection: the
     sender's completion poll, the receiver's notification drain. Bounded, since a spinning Python
     thread keeps the process's other threads from the GIL meanwhile. None: 0.5 ms for device memory,

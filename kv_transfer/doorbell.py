@@ -112,27 +112,3 @@ def peer_doorbell(control_address: str, port: int) -> tuple[str, int] | None:
         return None
     host = control_address.rpartition(":")[0].strip("[]")
     return (host, port) if host else None
-
-
-class HotSpell:
-    """How long the progress loop may spin instead of sleeping: up to `spin_s` from the start of a
-    hot spell, where `renew` (a post of ours, a peer's announced post) starts the spell again. A
-    spell counted only from its first round ran out while a request streamed in many chunks was still
-    in flight, and its last chunk, the one nothing overlaps, was then polled at the sleeping rate."""
-
-    def __init__(self, spin_s: float) -> None:
-        self.spin_s = spin_s
-        self._until = 0.0  # end of the current spell (0: none started)
-
-    def renew(self) -> None:
-        self._until = 0.0
-
-    def spinning(self, hot: bool, now: float) -> bool:
-        """Whether a round at `now` may spin: hot, and inside the spell (which starts at the first
-        hot round after a renewal or a cold round)."""
-        if not hot or self.spin_s <= 0:
-            self._until = 0.0
-            return False
-        if not self._until:
-            self._until = now + self.spin_s
-        return now < self._until

@@ -39,7 +39,7 @@ import numpy as np
 
 from cedserve.kv_transfer.config import KVTransferConfig
 from cedserve.kv_transfer.descriptors import as_block_ids, count_runs, should_pack, split_positions
-from cedserve.kv_transfer.doorbell import Doorbell, HotSpell, LocalBell
+from cedserve.kv_transfer.doorbell import Doorbell, LocalBell
 from cedserve.kv_transfer.errors import FailureCause, KVTransferError, RequestId
 from cedserve.kv_transfer.handshake import check_peer_info, load_peer
 from cedserve.kv_transfer.metrics import TransferMetrics
@@ -116,7 +116,8 @@ class NixlEngine:
         self._pack_threshold = config.pack_threshold(self.region.device_memory)
         self._hot_poll_s, self._target_poll_s = _filled(config.poll_interval_s), _filled(config.target_poll_s)
         self._chunk_blocks = int(_filled(config.chunk_blocks))
-        self._spell = HotSpell(_filled(config.spin_s))
+        self._spin_s = _filled(config.spin_s)
+        self._spin_until = 0.0  # end of the current hot spell's spinning (0: not in one)
         self._slots_per_request = int(_filled(config.staging_slots_per_request))
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
 
@@ -523,12 +524,16 @@ class NixlEngine:
 
     def _spin(self, hot: bool) -> bool:
         """True when the loop should step again at once instead of sleeping: while this side is hot (a
-        request of ours in flight, an announced one landing), for up to `spin_s` from the latest post
-        or announcement (each one restarts the spell, so the last of a request's chunks is polled as
-        tightly as its first). Each round yields the core and the GIL (`sched_yield`), and the spell is
-        bounded, because a spinning Python thread keeps the process's other threads from the GIL
-        meanwhile."""
-        if not self._spell.spinning(hot, time.monotonic()):
+        request of ours in flight, an announced one landing), for up to `spin_s` per hot spell. Each
+        round yields the core and the GIL (`sched_yield`), and the spell is bounded, because a
+        spinning Python thread keeps the process's other threads from the GIL meanwhile."""
+        if not hot or self._spin_s <= 0:
+            self._spin_until = 0.0
+            return False
+        now = time.monotonic()
+        if not self._spin_until:
+            self._spin_until = now + self._spin_s
+        if now >= self._spin_until:
             return False
         os.sched_yield()
         self._bell.wait(0.0)  # consume wakes: this round steps anyway
@@ -677,7 +682,6 @@ class NixlEngine:
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
         t.record.num_descriptors += job.descriptors
         t.record.last_post_s = max(t.record.last_post_s or 0.0, job.posted_s)
-        self._spell.renew()  # a new request in flight: poll it as tightly as the first
         if self.config.announce_posts and job.op == "WRITE":
             # Sent (and rung) once the post returned, so a receiver is on its short poll while the
             # bytes land, but not while a host-memory post still copies them synchronously.
@@ -905,7 +909,6 @@ class NixlEngine:
                     and seq <= recv.dst_ids.size):  # a chunk holds a block at least (the empty last one aside)
                 recv.record.start_transferring(now)
                 recv.announcing = True
-                self._spell.renew()  # bytes on the way: poll for them as tightly as for the first
                 recv.posted.add(seq)  # bytes on the way: poll short until its ChunkDone (has_local_work)
         elif kind == "chunk_done" and recv is not None:
             self._on_chunk_done(recv, notice.chunk_done)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cedserve.kv_transfer.doorbell import Doorbell, HotSpell, peer_doorbell
+from cedserve.kv_transfer.doorbell import Doorbell, peer_doorbell
 
 pytestmark = pytest.mark.unit
 
@@ -73,21 +73,3 @@ def test_ringing_a_closed_or_absent_doorbell_is_harmless() -> None:
 def test_peer_doorbell_takes_the_host_of_the_control_address(address: str, port: int,
                                                              want: tuple[str, int] | None) -> None:
     assert peer_doorbell(address, port) == want
-
-
-def test_hot_spell_spins_spin_s_from_its_start_and_again_after_each_renewal() -> None:
-    spell = HotSpell(spin_s=0.5)
-    assert spell.spinning(True, 10.0)  # the first hot round starts the spell
-    assert spell.spinning(True, 10.49)
-    assert not spell.spinning(True, 10.5)  # spent: the loop sleeps between polls
-    spell.renew()  # a post (the request's last chunk, say) while the spell was spent
-    assert spell.spinning(True, 10.6) and spell.spinning(True, 11.09)
-    assert not spell.spinning(True, 11.1)
-    assert not spell.spinning(False, 11.2)  # cold: no spin, and the next hot round starts a spell
-    assert spell.spinning(True, 20.0) and not spell.spinning(True, 20.5)
-
-
-def test_hot_spell_never_spins_with_spin_s_zero() -> None:
-    spell = HotSpell(spin_s=0.0)
-    spell.renew()
-    assert not spell.spinning(True, 1.0)
