@@ -91,6 +91,7 @@
 #                   TRANSFER_WHOLE=1 then the same with each request in one write_blocks call
 #                   (transfer-one/kv-transfer-cuda-whole.json); TRANSFER_VARIANTS="name:flags;..." then the
 #                   same cells with loadtest flags added, each into transfer-one/kv-transfer-cuda-<name>.json
+#                   (TRANSFER_BASE=0: only the variants)
 #                   With build/kv_before (--prepare-before REF) instead: benchmarks/kv_transfer_old_new.py,
 #                   this kv_transfer, it without the spin, and REF's, rounds alternating, then 64-byte
 #                   blocks (only the fixed cost left), new and old    transfer-one/{bench.log,
@@ -612,7 +613,7 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
   mkdir -p "$out"
   export PYTHONUNBUFFERED=1
   if [ ! -f build/kv_before/agent.py ]; then
-    (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
+    [ "${TRANSFER_BASE:-1}" = 0 ] || (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
        --only cross_layer --json "$out/kv-transfer-cuda-h200.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
     # TRANSFER_WHOLE=1: the same cells with each request handed over in one write_blocks call (a prefill
     # that writes its KV at the end), beside the default 128-block pieces: what the pieces cost
