@@ -44,7 +44,8 @@
 #   prefill-runner  tests/unit/test_prefill_runner_gpu.py, tests/kernels/test_capture_trace.py -k prefill
 #                   (prefill-runner-tests.log), then benchmarks/prefill.py: the engine through the kernels
 #                   with and without the prefill runner (its graph per chunk) at $TOKENS (4K 32K) in
-#                   chunks of $CHUNK (8192); PREFILL_ARGS adds flags (--released-attention)
+#                   chunks of $CHUNK (8192); PREFILL_ARGS adds flags (--released-attention), PREFILL_ATTN
+#                   replaces the paths (prefill.py --attention), PREFILL_TESTS=0 skips the tests
 #                                                    prefill-runner.json, prefill-runner.log
 #                                                               TESTS_S=200 LIMIT_S=235 BUDGET_S=190
 #   prefill-paged   the prefill engine dense and through the kernels at $TOKENS (4K 32K 128K);
@@ -62,7 +63,8 @@
 #                   two-rank test where two GPUs exist)      ep-runner-tests.log         EP_RUNNER_S=200
 #                                                                                     EP_TESTS_S=200
 #   disagg-ttft     benchmarks/disagg_ttft.py --device cuda: colocated beside disaggregated on this GPU, TTFT
-#                   beyond compute (issue 29)   disagg/{disagg-ttft-cuda.json,disagg-ttft.log}  DISAGG_S=240
+#                   beyond compute (issue 29)   disagg/{disagg-ttft-cuda.json,disagg-ttft.log}  DISAGG_S=240;
+#                   DISAGG_ARGS replaces the prompts and rounds, DISAGG_SERVE_ARGS the serve flags (--gpus 0)
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
@@ -323,12 +325,12 @@ part_prefill_paged() {  # $1: prefill-paged or prefill-paged-released
 }
 
 part_prefill_runner() {  # the prefill runner (docs/prefill.md, *The prefill chunk runner*)
-  timeout "${TESTS_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_prefill_runner_gpu.py \
+  [ "${PREFILL_TESTS:-1}" = 0 ] || timeout "${TESTS_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_prefill_runner_gpu.py \
     tests/kernels/test_capture_trace.py -k prefill -p no:warnings -rfE --durations=8 2>&1 \
     | grep -v "NIXL INFO\|DEBUG" | tail -150 | tee "$OUT/prefill-runner-tests.log"
   # shellcheck disable=SC2086
   timeout "${LIMIT_S:-235}" "$PY" benchmarks/prefill.py --device cuda --preset mini-40 \
-    --tokens ${TOKENS:-4096 32768} --chunk-tokens ${CHUNK:-8192} --attention kernels kernels+runner --repeats 2 \
+    --tokens ${TOKENS:-4096 32768} --chunk-tokens ${CHUNK:-8192} --attention ${PREFILL_ATTN:-kernels kernels+runner} --repeats 2 \
     --skip-all-layers --time-budget-s "${BUDGET_S:-190}" --note "$NOTE; prefill through the kernels, runner off vs on" \
     ${PREFILL_ARGS:-} --out "$OUT/prefill-runner.json" 2>&1 | grep -v NIXL | tee "$OUT/prefill-runner.log"
 }
@@ -666,7 +668,7 @@ part_disagg_ttft() (  # issue 29: TTFT that disaggregation adds at low load, sam
   # shellcheck disable=SC2086
   timeout "${DISAGG_S:-240}" "$PY" -P benchmarks/disagg_ttft.py --tree "new=$shim" --device cuda \
     ${DISAGG_ARGS:---prompt-tokens 64,512 --long-tokens 2048 --rounds 8 --long-rounds 3 --runs 1} \
-    --serve-args "--gpus 0" --ready-timeout-s 180 --note "one GPU, both systems on it" --out "$OUT/disagg/disagg-ttft-cuda.json" 2>&1 \
+    --serve-args "${DISAGG_SERVE_ARGS:---gpus 0}" --ready-timeout-s 180 --note "one GPU, both systems on it" --out "$OUT/disagg/disagg-ttft-cuda.json" 2>&1 \
     | grep -v "NIXL INFO" | tail -80 | tee "$OUT/disagg/disagg-ttft.log"
 )
 
