@@ -16,15 +16,21 @@ float64 reference to float32 rounding (tests/kernels/test_skinny.py), not bit fo
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cedserve.kernels.triton_support import can_launch, cdiv, next_power_of_2
+from cedserve.kernels.triton_support import cdiv, next_power_of_2
 
 SKINNY_MAX_ROWS = 16
 """Most rows :func:`linear` and :func:`bmm` send to the kernel (its `[rows, BLOCK_N, BLOCK_K]`
 products live in registers)."""
+
+ENABLED = os.environ.get("CEDSERVE_SKINNY_MATMUL", "1") != "0"
+"""`CEDSERVE_SKINNY_MATMUL=0` sends every call to torch (benchmarks time the step both ways; read once,
+at import, so that a compiled or captured step sees one choice)."""
 
 _ELEMENTS = 8192
 """Products per program per K step (`M_P2 * BLOCK_N * BLOCK_K`): 64 registers a thread at 4 warps."""
@@ -82,8 +88,9 @@ def skinny_matmul(x: Tensor, w: Tensor) -> Tensor:
 
 
 def _skinny(x: Tensor, w: Tensor, rows: int) -> bool:
-    return (x.dtype == torch.float32 and w.dtype == torch.float32 and 2 <= rows <= SKINNY_MAX_ROWS
-            and x.device.type == "cuda" and can_launch(x, w))
+    # only attributes Dynamo resolves while tracing (the callers are compiled with fullgraph=True)
+    return (ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32 and 2 <= rows <= SKINNY_MAX_ROWS
+            and x.device.type == "cuda" and w.device == x.device)
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
