@@ -83,8 +83,10 @@ def _skinny_mm_fake(x: Tensor, w: Tensor) -> Tensor:
 def skinny_matmul(x: Tensor, w: Tensor) -> Tensor:
     """`x [M, K] @ w[N, K]^T` (F.linear's layout) -> `[M, N]`, or batched `[B, M, K]`, `[B, N, K]`."""
     if x.dim() == 2:
-        return skinny_mm(x.unsqueeze(0), w.unsqueeze(0)).squeeze(0)
-    return skinny_mm(x, w)
+        out: Tensor = skinny_mm(x.unsqueeze(0), w.unsqueeze(0))
+        return out.squeeze(0)
+    batched: Tensor = skinny_mm(x, w)
+    return batched
 
 
 def _skinny(x: Tensor, w: Tensor, rows: int) -> bool:
@@ -105,4 +107,5 @@ def bmm(x: Tensor, w: Tensor) -> Tensor:
     """`torch.bmm(x [B, M, K], w [B, K, N])`, through the kernel where it pays (see the module)."""
     if not _skinny(x, w, x.shape[1]):
         return torch.bmm(x, w)
-    return skinny_mm(x, w.transpose(1, 2))
+    out: Tensor = skinny_mm(x, w.transpose(1, 2))
+    return out
