@@ -53,6 +53,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 3, 4, 6, 10])
+    parser.add_argument("--geometries", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     dev = profiling_device()
@@ -62,7 +63,8 @@ def main() -> int:
     main_pool = _pool("main", 512, 1 << 20, 32, dev, fill=True)
     cells: list[dict[str, Any]] = []
     print(f"{'geometry':<16} {'batch':>5} {'splits':<14} {'us/layer':>9} {'vs old':>7}")
-    for name, (heads, topk, window) in GEOMETRIES.items():
+    for name in args.geometries:
+        heads, topk, window = GEOMETRIES[name]
         for n in args.batches:
             layers = [problem(dev, n, heads, topk, window, main_pool) for _ in range(LAYERS)]
             keys = max(topk, window)

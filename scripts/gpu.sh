@@ -244,7 +244,7 @@ part_engine() {
 }
 
 part_attention_splits() {  # the Triton sparse attention's key splits: old rule, default, a sweep
-  timeout "${SPLITS_S:-120}" "$PY" -P benchmarks/attention_splits.py --out "$OUT/attention-splits-h200.json" 2>&1 \
+  timeout "${SPLITS_S:-120}" "$PY" -P benchmarks/attention_splits.py ${SPLITS_ARGS:-} --out "$OUT/attention-splits-h200.json" 2>&1 \
     | quiet | tee "$OUT/attention-splits.log"
 }
 
