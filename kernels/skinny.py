@@ -6,8 +6,8 @@ several times slower: on an H100, mini-40's batch-1 verify step (6 rows) spent 3
 where the 1-row step spent 0.8 (docs/benchmarks/gpu-2026-12-06c, `decode-step-h100.json`).
 :func:`skinny_matmul` is one Triton program per `BLOCK_N` output columns that reads its slab of the
 weight once and multiplies it with every row (`_skinny_mm_kernel`); :func:`linear` and :func:`bmm`
-route a call there when it is float32 on a CUDA device with `SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS`, and to
-torch otherwise. The op is registered as `cedserve::skinny_mm` so Inductor-compiled functions
+route a call there when it is float32 on a CUDA device with `SKINNY_MIN_ROWS <= rows <=
+SKINNY_MAX_ROWS`, and to torch otherwise. The op is registered as `cedserve::skinny_mm` so Inductor-compiled functions
 (`model/fused.py`) keep it as one opaque call and CUDA graphs capture its launch.
 
 The sums run in float32 FMAs in `BLOCK_K` steps, another order than cuBLAS's: results agree with a
@@ -94,8 +94,8 @@ def skinny_matmul(x: Tensor, w: Tensor) -> Tensor:
 
 def _skinny(x: Tensor, w: Tensor, rows: int) -> bool:
     # only attributes Dynamo resolves while tracing (the callers are compiled with fullgraph=True)
-    return (ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32 and SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS
-            and x.device.type == "cuda" and w.device == x.device)
+    return (ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32
+            and SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and x.device.type == "cuda" and w.device == x.device)
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
