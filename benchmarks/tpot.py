@@ -155,6 +155,10 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
             # TPOT (and the steady ITL) over the decode engine's step time per token after the join
             "tpot_over_step": span / (n - 1) / (steady_s / (n - 2)) if split else float("nan"),
             "itl_over_step": steady_span / steady_s if split else float("nan"),
+            # the same over every step of the request, its join included: needs no read between two
+            # steps (a GPU's few-ms steps often outrun the read at the second token, leaving no split)
+            "step_per_token_all_s": (step_s1 - step_s0) / (n - 1),
+            "tpot_over_step_all": span / (step_s1 - step_s0) if step_s1 > step_s0 else float("nan"),
             **(_phase_rows(mid, r1, steady_span, n - 2, steady_steps) if split else
                {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})}
 
@@ -195,7 +199,8 @@ async def _group(client: AsyncClient, system: System, prompts: list[list[int]], 
                      "steady_step_s": step_s / steps if ok else float("nan"),
                      "steady_steps_per_token": steps * len(prompts) / tokens if ok else float("nan"),
                      "steady_step_per_token_s": step_per_token, "tpot_over_step": tpot / step_per_token,
-                     "itl_over_step": (a[-1] - a[1]) / (n - 2) / step_per_token, **phases})
+                     "itl_over_step": (a[-1] - a[1]) / (n - 2) / step_per_token,
+                     "step_per_token_all_s": step_per_token, "tpot_over_step_all": tpot / step_per_token, **phases})
     return rows
 
 
@@ -204,7 +209,7 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {"requests": len(rows), "tokens": statistics.median(r["tokens"] for r in rows)}
     for key in ("ttft_s", "tpot_s", "first_gap_s", "steady_itl_s", "outside_per_step_s", "join_step_s",
                 "steady_step_s", "steady_steps_per_token", "steady_step_per_token_s", "tpot_over_step", "itl_over_step",
-                *(f"phase_{p}_s" for p in (*PHASES, *EXTRA))):
+                "step_per_token_all_s", "tpot_over_step_all", *(f"phase_{p}_s" for p in (*PHASES, *EXTRA))):
         values = [r[key] for r in rows if r[key] == r[key]]
         scale = 1e3 if key.endswith("_s") else 1.0
         out[key[:-2] + "_ms" if key.endswith("_s") else key] = scale * statistics.median(values) if values else float("nan")
@@ -271,7 +276,8 @@ def _phase_table(results: dict[str, Any]) -> str:
 
 def _table(results: dict[str, Any]) -> str:
     head = (f"{'case':<27} {'system':<9} {'TTFT':>5} {'TPOT':>6} {'1st gap':>7} {'join':>6} {'ITL':>6} "
-            f"{'step':>6} {'steps/tok':>9} {'outside/step':>12} {'TPOT/step':>9} {'ITL/step':>8}")
+            f"{'step':>6} {'steps/tok':>9} {'outside/step':>12} {'TPOT/step':>9} {'ITL/step':>8} {'step/tok all':>12} "
+            f"{'TPOT/all':>8}")
     lines = [head, "-" * len(head)]
     for case, by_system in results.items():
         for name, r in by_system.items():
@@ -279,10 +285,13 @@ def _table(results: dict[str, Any]) -> str:
             lines.append(f"{case:<27} {name:<9} {s['ttft_ms']:>5.0f} {s['tpot_ms']:>6.1f} {s['first_gap_ms']:>7.1f} "
                          f"{s['join_step_ms']:>6.1f} {s['steady_itl_ms']:>6.1f} {s['steady_step_ms']:>6.1f} "
                          f"{s['steady_steps_per_token']:>9.2f} {s['outside_per_step_ms']:>12.2f} "
-                         f"{s['tpot_over_step']:>9.2f} {s['itl_over_step']:>8.2f}")
+                         f"{s['tpot_over_step']:>9.2f} {s['itl_over_step']:>8.2f} "
+                         f"{s['step_per_token_all_ms']:>12.2f} {s['tpot_over_step_all']:>8.2f}")
     lines.append("medians over requests, ms. 1st gap: first -> second token at the client; join: the decode "
                  "worker's first step of the request; ITL, step, steps/tok: after it; outside/step: client span "
-                 "after the join minus its steps, per step; X/step: X over the step time per token after the join")
+                 "after the join minus its steps, per step; X/step: X over the step time per token after the join; "
+                 "step/tok all, TPOT/all: every step of the request (its join too) per token after the first, "
+                 "TPOT over it")
     return "\n".join(lines)
 
 

@@ -67,6 +67,11 @@
 #   disagg-ttft     benchmarks/disagg_ttft.py --device cuda: colocated beside disaggregated on this GPU, TTFT
 #                   beyond compute (issue 29)   disagg/{disagg-ttft-cuda.json,disagg-ttft.log}  DISAGG_S=240;
 #                   DISAGG_ARGS replaces the prompts and rounds, DISAGG_SERVE_ARGS the serve flags (--gpus 0)
+#   tpot            benchmarks/tpot.py --device cuda: `cedserve serve` on this GPU (demo checkpoint), every token
+#                   timed at the client beside the decode worker's step histogram, one request at a time
+#                   (issue 28: TPOT within 1.25x of the step)   tpot/{tpot-cuda.json,tpot.log}  TPOT_S=200;
+#                   TPOT_SERVE="name:section.field=value,...;..." the systems (graphs:decode.compile_fused=false),
+#                   TPOT_ARGS the load (--prompt-tokens 600 --max-tokens 64 --rounds 10)
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
@@ -659,13 +664,34 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
      2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
 )
 
-part_disagg_ttft() (  # issue 29: TTFT that disaggregation adds at low load, same prompts, same GPU
-  # benchmarks/disagg_ttft.py starts `TREE/.venv/bin/cedserve`: a shim runs this host's python over the gpu tree
+cedserve_shim() {  # a `cedserve` executable at $ROOT/build/disagg_shim/.venv/bin that runs this host's python over the gpu tree
   local shim=$ROOT/build/disagg_shim py
   py=$(command -v "$PY")
-  mkdir -p "$shim/.venv/bin" "$OUT/disagg"
+  mkdir -p "$shim/.venv/bin"
   printf '#!/bin/sh\nexec "%s" -P -m cedserve.cli "$@"\n' "$py" > "$shim/.venv/bin/cedserve"
   chmod +x "$shim/.venv/bin/cedserve"
+}
+
+part_tpot() (  # issue 28: TPOT against the decode worker's step time, per request, on this GPU
+  local shim=$ROOT/build/disagg_shim spec serves=() bins=()
+  cedserve_shim
+  mkdir -p "$OUT/tpot"
+  IFS=';' read -r -a specs <<< "${TPOT_SERVE:-graphs:decode.compile_fused=false}"
+  for spec in "${specs[@]}"; do
+    serves+=(--serve "$spec") bins+=(--serve-bin "${spec%%:*}=$shim/.venv/bin/cedserve")
+  done
+  export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
+  # shellcheck disable=SC2086
+  timeout "${TPOT_S:-200}" "$PY" -P benchmarks/tpot.py --device cuda "${serves[@]}" "${bins[@]}" \
+    ${TPOT_ARGS:---prompt-tokens 600 --max-tokens 64 --rounds 10} --note "one GPU, demo checkpoint" \
+    --out "$OUT/tpot/tpot-cuda.json" 2>&1 | grep -v "NIXL INFO" | tail -60 | tee "$OUT/tpot/tpot.log"
+)
+
+part_disagg_ttft() (  # issue 29: TTFT that disaggregation adds at low load, same prompts, same GPU
+  # benchmarks/disagg_ttft.py starts `TREE/.venv/bin/cedserve`: the shim runs this host's python over the gpu tree
+  local shim=$ROOT/build/disagg_shim
+  cedserve_shim
+  mkdir -p "$OUT/disagg"
   export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
   # shellcheck disable=SC2086
   timeout "${DISAGG_S:-240}" "$PY" -P benchmarks/disagg_ttft.py --tree "new=$shim" --device cuda \
@@ -707,6 +733,7 @@ run_part() {  # $1: part name
     serve-bench) part_serve_bench ;;
     transfer-one) part_transfer_one ;;
     disagg-ttft) part_disagg_ttft ;;
+    tpot) part_tpot ;;
     staging-probe) timeout "${PROBE_S:-60}" "$PY" -P benchmarks/staging_probe.py --out "$OUT/staging-probe.json" 2>&1 \
                   | tee "$OUT/staging-probe.log" ;;
     skinny-gemm) timeout "${SKINNY_S:-90}" "$PY" -P benchmarks/skinny_gemm.py --out "$OUT/skinny-gemm.json" 2>&1 \
