@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 
-from cedserve.kernels import skinny
 from cedserve.model import presets
 from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
@@ -273,7 +272,7 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                               buckets=tuple(sorted({b * r for b, r in cases})))
         runner = ModelRunner(model, config)
         graph_runners = {"graph": runner}
-        for path in ("graph-fused", "graph-fused-tf32", "graph-fused-cublas"):
+        for path in ("graph-fused", "graph-fused-tf32"):
             if path in args.paths and args.device == "cuda":
                 graph_runners[path] = ModelRunner(model, RunnerConfig(**{**config.__dict__, "compile_fused": True}))
         for batch, rows in cases:
@@ -319,7 +318,7 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                 log(row(cells[-1]))
             for path, graph_runner in graph_runners.items():
                 if path in args.paths and args.device == "cuda":
-                    with tf32(path.endswith("-tf32")), skinny_off(path.endswith("-cublas")):
+                    with tf32(path.endswith("-tf32")):
                         run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args,
                                   log, cells, dtype)
                     cells[-1].update(versus)
@@ -339,18 +338,6 @@ def tf32(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-
-
-@contextlib.contextmanager
-def skinny_off(on: bool) -> Iterator[None]:
-    """Every matmul through torch (cuBLAS) while `on`, as before `kernels.skinny` (capture and replay
-    both run inside; the compiled functions guard on the switch and recompile)."""
-    before = skinny.ENABLED
-    skinny.ENABLED = before and not on
-    try:
-        yield
-    finally:
-        skinny.ENABLED = before
 
 
 def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
@@ -507,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", nargs="+", default=["eager", "runner-eager", "graph", "graph-fused"],
                         help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
                         "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
-                        "float32 matmuls on TF32 tensor cores), graph-fused-cublas (the same with every matmul through "
-                        "torch: float32 calls of 2-16 rows as before kernels/skinny.py)")
+                        "float32 matmuls on TF32 tensor cores)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
                         "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")

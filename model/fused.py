@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cedserve.kernels import skinny
 from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.model.compressor import pool_groups
@@ -39,10 +38,10 @@ def project(x: Tensor, wa: Tensor, q_rank: int, q_norm: Tensor, wq_b: Tensor, kv
     `q_rank` rows, then `wkv`'s, then any more (an index source's `weights_proj`). Returns the query
     residual `[B, q_rank]`, RoPE'd queries `[B, H, D]` in `q_dtype` (the attention's), window KV `[B, D]`
     and the further rows' logits `[B, rest]` (`[B, 0]` when there are none)."""
-    a = skinny.linear(x, wa)  # [B, q_rank + D + rest]
+    a = F.linear(x, wa)  # [B, q_rank + D + rest]
     dim = kv_norm.shape[0]
     q_residual = q_norm * rms_normalize(a[:, :q_rank], eps)
-    q = skinny.linear(q_residual, wq_b).view(x.shape[0], heads, -1)
+    q = F.linear(q_residual, wq_b).view(x.shape[0], heads, -1)
     q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).to(q_dtype)
     kv = apply_rope(kv_norm * rms_normalize(a[:, q_rank:q_rank + dim], eps), cos, sin)
     return q_residual, q, kv, a[:, q_rank + dim:]
@@ -54,8 +53,8 @@ def output(out: Tensor, cos: Tensor, sin: Tensor, wo_a: Tensor, groups: int, wo_
     out = apply_rope(out.to(wo_b.dtype), cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
     x = out.reshape(out.shape[0], groups, -1)  # [B, G, in]
     w = wo_a.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in, rank]
-    grouped = skinny.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
-    return skinny.linear(grouped, wo_b)
+    grouped = torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
+    return F.linear(grouped, wo_b)
 
 
 def index_query(q_residual: Tensor, wq_b: Tensor, head_logits: Tensor, cos: Tensor, sin: Tensor, heads: int,
@@ -63,7 +62,7 @@ def index_query(q_residual: Tensor, wq_b: Tensor, head_logits: Tensor, cos: Tens
     """`Indexer.query` (no autograd) and `Indexer.head_weights` from `weights_proj`'s logits
     `head_logits [B, H]`: RoPE'd, FP4 fake-quantized index queries `[B, H, d]` in bf16 (exact: what
     `layer_topk` scores) and float32 head weights `[B, H]`."""
-    q = skinny.linear(q_residual, wq_b).view(q_residual.shape[0], heads, -1)
+    q = F.linear(q_residual, wq_b).view(q_residual.shape[0], heads, -1)
     q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
     return fake_quant_fp4(q, block, "ue8m0").to(torch.bfloat16), head_logits.float() * heads**-0.5
 
@@ -88,7 +87,7 @@ def write_pending(x: Tensor, w: Tensor, pending_kv: Tensor, pending_gate: Tensor
     rings are a mutation followed by a gather of the same buffer, which a GPU kernel may reorder
     (the compiled step's replays disagreed with eager on an H200 while its CPU code agreed)."""
     ring, dim = pending_kv.shape[1], pending_kv.shape[2]
-    projected = skinny.linear(x.float(), w)  # [B, 2D]: latent, then gate
+    projected = F.linear(x.float(), w)  # [B, 2D]: latent, then gate
     rows = positions % ring
     pending_kv[slots, rows] = projected[:, :dim]
     pending_gate[slots, rows] = projected[:, dim:]
@@ -101,7 +100,7 @@ def global_kv_from_rings(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm:
     """`global_kv` after `write_pending` (ratio m > 1: the rings hold the rows' projections already;
     this reads them only, a pure function of its inputs)."""
     if pending_kv is None or pending_gate is None:
-        latent = norm * rms_normalize(skinny.linear(x, w), eps)
+        latent = norm * rms_normalize(F.linear(x, w), eps)
         entry, complete = positions, None
     else:
         ring = pending_kv.shape[1]
@@ -111,7 +110,7 @@ def global_kv_from_rings(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm:
         latent = norm * rms_normalize(pooled.squeeze(1).to(x.dtype), eps)
         complete = positions % ratio == ratio - 1
     cos, sin = rope_cos_sin(entry * ratio, inv_freq, rope_scaling)
-    keys = apply_rope(k_norm * rms_normalize(skinny.linear(latent, wk), eps), cos, sin)
+    keys = apply_rope(k_norm * rms_normalize(F.linear(latent, wk), eps), cos, sin)
     slot_map = entries_to_slots(entry.unsqueeze(-1), block_table, entries_per_block).squeeze(-1)
     keep = slots != scratch_slot
     if complete is not None:
@@ -158,19 +157,19 @@ def dense_experts(x: Tensor, routing: Tensor, w13: Tensor, w2: Tensor, limit: fl
     the down projections as one batched GEMM; each expert's output is rounded to `x.dtype` before
     the float32 sum."""
     experts, inter = w13.shape[0], w2.shape[-1]
-    gate_up = skinny.linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E', 2I]
+    gate_up = F.linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E', 2I]
     g, u = gate_up[..., :inter], gate_up[..., inter:]
     if limit > 0:
         u, g = u.clamp(-limit, limit), g.clamp(max=limit)
     y = routing.unsqueeze(-1) * (F.silu(g) * u)  # [B, E', I]
-    down = skinny.bmm(y.transpose(0, 1).to(x.dtype), w2.transpose(1, 2))  # [E', B, D]
+    down = torch.bmm(y.transpose(0, 1).to(x.dtype), w2.transpose(1, 2))  # [E', B, D]
     return down.float().sum(dim=0).to(x.dtype)
 
 
 def route_topk(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float, top_k: int, renorm: bool,
                scaling: float) -> tuple[Tensor, Tensor]:
     """`moe.route` with float32 `gate [E, D]` and `bias [E]`: float32 weights `[B, k]`, indices `[B, k]`."""
-    scores = score_logits(skinny.linear(x.float(), gate) / temp, scoring)
+    scores = score_logits(F.linear(x.float(), gate) / temp, scoring)
     # Unsorted: the same experts, without the sort a sorted top-k adds per layer (one more kernel each
     # on CUDA); the callers scatter the pairs or sum them per row, so their order does not matter.
     indices = (scores + bias).topk(top_k, dim=-1, sorted=False).indices

@@ -31,8 +31,6 @@
 #                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
 #   staging-probe   benchmarks/staging_probe.py: a KV transfer's staging gather in parts, alone on the GPU
 #                   and beside a second process        staging-probe.json, staging-probe.log     PROBE_S=60
-#   skinny-gemm     benchmarks/skinny_gemm.py: float32 matmuls of 1-16 rows, cuBLAS beside kernels/skinny.py
-#                                   skinny-gemm.json, skinny-gemm.log                          SKINNY_S=90
 #   mhc-blocks      benchmarks/mhc_blocks.py: the mHC site kernel's column blocks at decode batches
 #                                   mhc-blocks.json, mhc-blocks.log                              MHC_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
@@ -736,8 +734,6 @@ run_part() {  # $1: part name
     tpot) part_tpot ;;
     staging-probe) timeout "${PROBE_S:-60}" "$PY" -P benchmarks/staging_probe.py --out "$OUT/staging-probe.json" 2>&1 \
                   | tee "$OUT/staging-probe.log" ;;
-    skinny-gemm) timeout "${SKINNY_S:-90}" "$PY" -P benchmarks/skinny_gemm.py --out "$OUT/skinny-gemm.json" 2>&1 \
-                  | tee "$OUT/skinny-gemm.log" ;;
     mhc-blocks) timeout "${MHC_S:-90}" "$PY" -P benchmarks/mhc_blocks.py --out "$OUT/mhc-blocks.json" 2>&1 \
                   | tee "$OUT/mhc-blocks.log" ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
