@@ -9,7 +9,7 @@ It reads what other runs wrote and writes nothing new about them:
 - `--serve FILE` (repeatable): `cedserve bench serve --out` runs (scripts/gpu.sh PART=serve or
   serve-bench). Each arm's load point becomes a `serve` entry: `workload`, `mode` (`colocated` or
   `disaggregated`), TTFT and TPOT p50 / p99, the transfer's share of TTFT and the transfer's p50.
-- `--serve-summary FILE` (repeatable): scripts/gpu.sh's serve-h200.json (start-up time, memory).
+- `--serve-summary FILE` (repeatable): scripts/gpu.sh's serve-<gpu>.json (start-up time, memory).
 - Where one file holds a colocated arm and disaggregated ones over the same workload and load,
   `disaggregation` entries give TTFT p50 disaggregated minus colocated, and that minus the
   transfer's own p50: what disaggregation adds beyond moving the bytes.

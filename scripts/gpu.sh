@@ -11,16 +11,16 @@
 #   step            benchmarks/step.py, mini-40 at 4K / 64K x batch 1 / 32 (eager, graph, graph-fused),
 #                   then the released attention geometry at 64K x 32, its weights in float32 and in
 #                   bfloat16 side by side (issue 28; RELEASED_DTYPES, STEP_DTYPES: step.py --dtypes)
-#                                   decode-step-h200.json, decode-step-h200-released.json, step.log
+#                                   decode-step-<gpu>.json, decode-step-<gpu>-released.json, step.log
 #                                                                                 STEP_S=220 RELEASED_S=220
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
-#                                   decode-engine-h200.json, engine.log                       ENGINE_S=120
+#                                   decode-engine-<gpu>.json, engine.log                       ENGINE_S=120
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
 #                   --contexts, --batches, --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths) and
 #                   ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused auto-fused-tf32 off-tf32).
 #   engram          the runner over memory-mapped Engram tables: tests/unit/test_runner_gpu.py -k engram, then
 #                   benchmarks/engram_staging.py --device cuda (host staging and the pinned copy per batch)
-#                                   engram-tests.log, engram-staging-h200.json, engram-staging.log
+#                                   engram-tests.log, engram-staging-<gpu>.json, engram-staging.log
 #                                                                     ENGRAM_TESTS_S=150 ENGRAM_BENCH_S=120
 #   startup         benchmarks/kernel_warmup.py --engines --only decode: the decode worker's build (kernel warm-up
 #                   and the runner's capture) at the released 1M limit, cold Triton and Inductor caches then
@@ -28,18 +28,18 @@
 #                                   startup-cold.json, startup-warm.json, startup.log
 #                                                                 STARTUP_COLD_S=260 STARTUP_WARM_S=120
 #   tf32            benchmarks/tf32_agreement.py: logits with and without TF32 matmuls
-#                                   tf32-agreement-h200.json, tf32.log                          TF32_S=90
+#                                   tf32-agreement-<gpu>.json, tf32.log                          TF32_S=90
 #   staging-probe   benchmarks/staging_probe.py: a KV transfer's staging gather in parts, alone on the GPU
 #                   and beside a second process        staging-probe.json, staging-probe.log     PROBE_S=60
 #   mhc-blocks      benchmarks/mhc_blocks.py: the mHC site kernel's column blocks at decode batches
 #                                   mhc-blocks.json, mhc-blocks.log                              MHC_S=90
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
-#                   batches, old rule beside the default     attention-splits-h200.json   SPLITS_S=120
+#                   batches, old rule beside the default     attention-splits-<gpu>.json   SPLITS_S=120
 #   kernels         kernel-tests, then kernel-bench
 #   kernel-tests    tests/kernels -m "$MARK" (default gpu)  kernel-tests.log, kernel-tests.xml
 #                                                                     KERNEL_TESTS_S=200 (QUICK=1: 130)
 #   kernel-bench    benchmarks/kernels.py (QUICK=1: --quick; ATTN_SDPA=1 adds dense SDPA)
-#                                   kernels-h200.json, kernels.log    KERNEL_BENCH_S=380 (QUICK=1: 200)
+#                                   kernels-<gpu>.json, kernels.log    KERNEL_BENCH_S=380 (QUICK=1: 200)
 #   prefill         benchmarks/prefill.py, mini-40, 4K-128K prompts, engine and all 40 layers
 #   prefill-runner  tests/unit/test_prefill_runner_gpu.py, tests/kernels/test_capture_trace.py -k prefill
 #                   (prefill-runner-tests.log), then benchmarks/prefill.py: the engine through the kernels
@@ -73,12 +73,12 @@
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
-#                   full-topology-h200x$GPUS.json, logs/}         TOPOLOGY_S=340, MAX_RUN_S=60 per arm
+#                   full-topology-<gpu>x$GPUS.json, logs/}         TOPOLOGY_S=340, MAX_RUN_S=60 per arm
 #   serve           the whole system on this host's GPU(s) as a user starts it: `cedserve serve --device auto`
 #                   (one GPU: router, prefill and decode workers share it, each under its memory share)
 #                   with the demo checkpoint, then `cedserve generate` and a short `cedserve bench serve`
 #                   against it, then stopped      serve/{serve.log, logs/, generate.log, bench-serve.json,
-#                   metrics-*.txt, gpu-apps.csv, serve-h200.json}   READY_S=300 GENERATE_S=60 BENCH_S=150;
+#                   metrics-*.txt, gpu-apps.csv, serve-<gpu>.json}   READY_S=300 GENERATE_S=60 BENCH_S=150;
 #                   SERVE_ARGS adds `cedserve serve` flags, BENCH_ARGS replaces the bench's load flags;
 #                   SERVE_TEST=1 then runs tests/e2e/test_serve_one_gpu.py (gpu-test.log, SERVE_TEST_S=200).
 #                   Needs NIXL (the slim wheel, ../shared/tools/slim_nixl_wheel.sh) and the gRPC extras:
@@ -94,7 +94,7 @@
 #                   serve-bench/{bench-serve.json, bench.log, logs/}   SERVE_BENCH_S=300
 #   transfer-one    KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE, the real block
 #                   layout, contiguous and scattered ids: `cedserve bench kv-transfer` at $TRANSFER_SIZES
-#                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-h200.json}  TRANSFER_ONE_S=150
+#                   (4K,32K,128K)       transfer-one/{bench.log, kv-transfer-cuda-<gpu>.json}  TRANSFER_ONE_S=150
 #                   TRANSFER_WHOLE=1 then the same with each request in one write_blocks call
 #                   (transfer-one/kv-transfer-cuda-whole.json); TRANSFER_VARIANTS="name:flags;..." then the
 #                   same cells with loadtest flags added, each into transfer-one/kv-transfer-cuda-<name>.json
@@ -121,7 +121,8 @@
 #                   kv-transfer-$DEVICE.json, core-new.json, core-new-noannounce.json, core-old.json}
 #                   (DEVICE=cpu QUICK=1: a smoke test on this machine)
 #
-# Every call writes $OUT/env.txt (torch, the GPU and its clocks). Two calls may run at once on
+# Every call writes $OUT/env.txt (torch, the GPU and its clocks); <gpu> in a file name is the card's
+# model as nvidia-smi names it (h100, h200, ...; "gpu" when it names none). Two calls may run at once on
 # different GPUs (CUDA_VISIBLE_DEVICES) with different OUT: each PART list has its own tree.
 #
 # The project need not be installed: a folder of symlinks (build/gpu_tree/<parts>) puts `cedserve.*`
@@ -220,6 +221,10 @@ export PYTHONPATH="$ROOT/$tree:$ROOT/build/gpu_site${SITE:+:$SITE}${PYTHONPATH:+
 [ -d build/gpu_pydeps ] && export PYTHONPATH="$PYTHONPATH:$ROOT/build/gpu_pydeps"  # after the host's own
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt"
+# <gpu> in the output names: the card's model (h100, h200, ...), so a file says which card made it
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[abhl][0-9]{2,3}' | head -1 \
+          | tr '[:upper:]' '[:lower:]')
+GPU_TAG=${GPU_TAG:-gpu}
 quiet() { grep -v "USDT\|profiler_st\|_warn_once\|UserWarning\|sync_debug"; }
 NOTE="mini-40 layer plan, random weights, vocabulary 512; torch ops but the mHC kernel and (decode) the paged attention"
 
@@ -232,22 +237,22 @@ part_runner_tests() {
 part_step() {
   timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py ${STEP_CELLS:---contexts 4096 65536 --batches 1 32 --rows 1 6} --steps 5 \
     --warmup 3 --paths ${STEP_PATHS:-eager graph graph-fused} --dtypes ${STEP_DTYPES:-float32} \
-    --out "$OUT/decode-step-h200.json" 2>&1 | quiet | tee "$OUT/step.log"
+    --out "$OUT/decode-step-$GPU_TAG.json" 2>&1 | quiet | tee "$OUT/step.log"
   timeout "${RELEASED_S:-220}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
     --batches 32 --steps 5 --warmup 3 --paths ${RELEASED_PATHS:-${STEP_PATHS:-eager graph graph-fused}} \
     --dtypes ${RELEASED_DTYPES:-float32 bfloat16} \
-    --out "$OUT/decode-step-h200-released.json" 2>&1 \
+    --out "$OUT/decode-step-$GPU_TAG-released.json" 2>&1 \
     | quiet | tee -a "$OUT/step.log"
 }
 
 part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
-    --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-h200.json" 2>&1 \
+    --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-$GPU_TAG.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
 }
 
 part_attention_splits() {  # the Triton sparse attention's key splits: old rule, default, a sweep
-  timeout "${SPLITS_S:-120}" "$PY" -P benchmarks/attention_splits.py ${SPLITS_ARGS:-} --out "$OUT/attention-splits-h200.json" 2>&1 \
+  timeout "${SPLITS_S:-120}" "$PY" -P benchmarks/attention_splits.py ${SPLITS_ARGS:-} --out "$OUT/attention-splits-$GPU_TAG.json" 2>&1 \
     | quiet | tee "$OUT/attention-splits.log"
 }
 
@@ -257,7 +262,7 @@ part_engram() {  # the runner over memory-mapped Engram tables (docs/model.md, *
     -k engram -p no:warnings -rfE --durations=5 2>&1 | grep -v "NIXL INFO\|DEBUG" | tail -100 \
     | tee "$OUT/engram-tests.log" || rc=$?
   timeout "${ENGRAM_BENCH_S:-120}" "$PY" -P benchmarks/engram_staging.py --device cuda \
-    --out "$OUT/engram-staging-h200.json" 2>&1 | quiet | tee "$OUT/engram-staging.log" || rc=$?
+    --out "$OUT/engram-staging-$GPU_TAG.json" 2>&1 | quiet | tee "$OUT/engram-staging.log" || rc=$?
   return "$rc"
 }
 
@@ -276,7 +281,7 @@ part_startup() {  # the decode worker's start-up at the released 1M limit: cold 
 }
 
 part_tf32() {  # what decode.matmul_tf32 does to the logits (teacher-forced, demo checkpoint and mini-40)
-  timeout "${TF32_S:-90}" "$PY" -P benchmarks/tf32_agreement.py --out "$OUT/tf32-agreement-h200.json" 2>&1 \
+  timeout "${TF32_S:-90}" "$PY" -P benchmarks/tf32_agreement.py --out "$OUT/tf32-agreement-$GPU_TAG.json" 2>&1 \
     | quiet | tee "$OUT/tf32.log"
 }
 
@@ -307,7 +312,7 @@ part_kernel_bench() (
   local limit=${KERNEL_BENCH_S:-$([ "${QUICK:-0}" = 1 ] && echo 200 || echo 380)} quick=()
   [ "${QUICK:-0}" = 1 ] && quick=(--quick)
   echo "== benchmarks/kernels.py ${quick[*]}"
-  timeout "$limit" "$PY" -P benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels-h200.json" 2>&1 \
+  timeout "$limit" "$PY" -P benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels-$GPU_TAG.json" 2>&1 \
     | tee "$OUT/kernels.log"
   return "${PIPESTATUS[0]}"
 )
@@ -390,7 +395,7 @@ for m in ('grpc', 'msgspec', 'tokenizers', 'safetensors', 'prometheus_client', '
 " | tee -a "$out/env.txt"
   # shellcheck disable=SC2086
   timeout "${TOPOLOGY_S:-340}" "$PY" benchmarks/full_topology.py --gpus "$gpus" --max-run-s "${MAX_RUN_S:-60}" \
-    --no-progress --out "$out/full-topology-h200x$gpus.json" --log-dir "$out/logs" ${TOPOLOGY_ARGS:-} 2>&1 \
+    --no-progress --out "$out/full-topology-${GPU_TAG}x$gpus.json" --log-dir "$out/logs" ${TOPOLOGY_ARGS:-} 2>&1 \
     | grep -v NIXL | tee "$out/bench.log"
   local rc=${PIPESTATUS[0]}
   echo "exit $rc" | tee -a "$out/bench.log"
@@ -458,7 +463,7 @@ for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "g
   kill -KILL "$pid" 2>/dev/null
   wait "$pid" 2>/dev/null
   "$PY" -P "$ROOT/benchmarks/serve_summary.py" "$out" --startup-ms "$ready_ms" --generate-rc "$rc_gen" \
-    --bench-rc "$rc_bench" --out "$out/serve-h200.json" 2>&1 | tee -a "$out/bench.log"
+    --bench-rc "$rc_bench" --out "$out/serve-$GPU_TAG.json" 2>&1 | tee -a "$out/bench.log"
   if [ "${SERVE_TEST:-0}" = 1 ]; then  # the GPU test of the same path (needs pytest: --prepare-deps)
     timeout "${SERVE_TEST_S:-200}" "$PY" -P -m pytest -q -p no:cacheprovider -o addopts="" -rA \
       tests/e2e/test_serve_one_gpu.py 2>&1 | grep -v NIXL | tail -40 | tee "$out/gpu-test.log"
@@ -621,7 +626,7 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
   export PYTHONUNBUFFERED=1
   if [ ! -f build/kv_before/agent.py ]; then
     [ "${TRANSFER_BASE:-1}" = 0 ] || (cd /tmp && timeout "${TRANSFER_ONE_S:-150}" "$PY" -P -m cedserve.bench.kv_transfer.loadtest "${cells[@]}" \
-       --only cross_layer --json "$out/kv-transfer-cuda-h200.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
+       --only cross_layer --json "$out/kv-transfer-cuda-$GPU_TAG.json") 2>&1 | grep -v "NIXL INFO\|^\[" | tee "$out/bench.log"
     # TRANSFER_WHOLE=1: the same cells with each request handed over in one write_blocks call (a prefill
     # that writes its KV at the end), beside the default 128-block pieces: what the pieces cost
     if [ "${TRANSFER_WHOLE:-0}" = 1 ]; then
