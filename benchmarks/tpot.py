@@ -33,6 +33,11 @@ decode worker is printed by `cedserve serve` at start-up), or started here by `-
 `--serve replay:decode.ship_state=false --serve shipped:decode.ship_state=true`). On CUDA the started
 systems share the GPU: each worker gets `--gpu-share` of it.
 
+`--dspark-pair ON,OFF` (two of the systems, one drafting and one not, e.g. `--serve on --serve
+off:decode.dspark=false`) reports issue 28's DSpark figure per case: the TPOT speedup (OFF's p50 over
+ON's) against its bound, the tokens ON's verifications emitted each (`cedserve_decode_tokens_per_verify`:
+1 + the drafts accepted), and the fraction of the bound reached.
+
 `--serve-bin NAME=PATH` starts NAME's system with another `cedserve` executable (another tree's
 virtual environment: the old code beside the new in one run).
 
@@ -70,6 +75,7 @@ from cedserve.client import AsyncClient, CedserveError, Piece
 STEP = "cedserve_decode_step_seconds"
 TOKENS = "cedserve_decode_output_tokens_total"
 PHASE = "cedserve_decode_loop_phase_seconds"
+VERIFY = "cedserve_decode_tokens_per_verify"
 STREAM_PHASES = ("handoff", "grpc_write")
 PHASES = ("idle_wait", "commands", "poll", "report", "schedule", "join", "propose", "plan", "model", "accept",
           "persist", "observe", "account", "handoff", "grpc_write")
@@ -93,20 +99,25 @@ class Reading:
     """Output tokens the worker emitted so far."""
     phase_s: dict[str, float]
     """Seconds so far by loop phase (NaN: the worker has no such histogram)."""
+    verifies: int = 0
+    """DSpark verification passes so far, counted per request (`cedserve_decode_tokens_per_verify`)."""
+    verify_tokens: float = 0.0
+    """Tokens those passes emitted (each: 1 + the drafts it accepted)."""
 
 
 def _steps(metrics_url: str) -> Reading:
     """The decode worker's steps, step seconds and phase seconds so far."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     values = {}
-    for name in (f"{STEP}_count", f"{STEP}_sum", TOKENS):
+    for name in (f"{STEP}_count", f"{STEP}_sum", TOKENS, f"{VERIFY}_count", f"{VERIFY}_sum"):
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         values[name] = float(m.group(1)) if m else 0.0
     phases = {}
     for phase in PHASES:
         m = re.search(rf'^{PHASE}_sum{{phase="{phase}"}} ([0-9.e+-]+)$', text, re.M)
         phases[phase] = float(m.group(1)) if m else float("nan")
-    return Reading(int(values[f"{STEP}_count"]), values[f"{STEP}_sum"], int(values[TOKENS]), phases)
+    return Reading(int(values[f"{STEP}_count"]), values[f"{STEP}_sum"], int(values[TOKENS]), phases,
+                   int(values[f"{VERIFY}_count"]), values[f"{VERIFY}_sum"])
 
 
 def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: int, steps: int) -> dict[str, float]:
@@ -158,6 +169,7 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
             # the same over every step of the request, its join included: needs no read between two
             # steps (a GPU's few-ms steps often outrun the read at the second token, leaving no split)
             "step_per_token_all_s": (step_s1 - step_s0) / (n - 1),
+            "verifications": r1.verifies - r0.verifies, "verify_tokens": r1.verify_tokens - r0.verify_tokens,
             "tpot_over_step_all": span / (step_s1 - step_s0) if step_s1 > step_s0 else float("nan"),
             **(_phase_rows(mid, r1, steady_span, n - 2, steady_steps) if split else
                {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})}
@@ -200,7 +212,10 @@ async def _group(client: AsyncClient, system: System, prompts: list[list[int]], 
                      "steady_steps_per_token": steps * len(prompts) / tokens if ok else float("nan"),
                      "steady_step_per_token_s": step_per_token, "tpot_over_step": tpot / step_per_token,
                      "itl_over_step": (a[-1] - a[1]) / (n - 2) / step_per_token,
-                     "step_per_token_all_s": step_per_token, "tpot_over_step_all": tpot / step_per_token, **phases})
+                     "step_per_token_all_s": step_per_token, "tpot_over_step_all": tpot / step_per_token,
+                     # the batch's verifications in the window, a request's share (their ratio is the batch's)
+                     "verifications": (r1.verifies - mid.verifies) / len(prompts),
+                     "verify_tokens": (r1.verify_tokens - mid.verify_tokens) / len(prompts), **phases})
     return rows
 
 
@@ -216,7 +231,31 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     out["draft_tokens"] = statistics.fmean(r["draft_tokens"] for r in rows)  # means: small counts
     out["accepted_drafts"] = statistics.fmean(r["accepted_drafts"] for r in rows)
     out["requests_split"] = sum(1 for r in rows if r["join_step_s"] == r["join_step_s"])
+    verifications = sum(r["verifications"] for r in rows)
+    # pooled over the requests: tokens a verification emitted, 1 + the drafts it accepted (DSpark's bound
+    # on tokens per step; NaN without verifications)
+    out["verifications"] = statistics.fmean(r["verifications"] for r in rows)
+    out["tokens_per_verify"] = sum(r["verify_tokens"] for r in rows) / verifications if verifications else float("nan")
     return out
+
+
+def dspark_pairs(results: dict[str, Any], pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Issue 28's DSpark figure per case and pair (ON drafting, OFF not): the speedup in TPOT (p50 of
+    OFF over p50 of ON, requests alternated in one run) against its bound, the tokens ON's verifications
+    emitted each (1 + mean accepted drafts); `fraction` = speedup / bound (the issue asks >= 0.9 at batch
+    1, >= 0.8 at 32)."""
+    rows = []
+    for case, by_system in results.items():
+        for on, off in pairs:
+            if on not in by_system or off not in by_system:
+                continue
+            a, b = by_system[on]["median"], by_system[off]["median"]
+            speedup = b["tpot_ms"] / a["tpot_ms"] if a["tpot_ms"] > 0 else float("nan")
+            bound = a["tokens_per_verify"]
+            rows.append({"case": case, "on": on, "off": off, "tpot_on_ms": a["tpot_ms"], "tpot_off_ms": b["tpot_ms"],
+                         "speedup": speedup, "tokens_per_verify": bound, "verifications_per_request": a["verifications"],
+                         "fraction_of_bound": speedup / bound if bound == bound and bound > 0 else float("nan")})
+    return rows
 
 
 async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: list[int], rounds: int, vocab: int,
@@ -371,6 +410,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=500, help="prompt ids drawn from [3, vocab)")
     ap.add_argument("--concurrency", default="1",
                     help="requests in flight at once, e.g. 1,4 (> 1: phases per token over the batch's window)")
+    ap.add_argument("--dspark-pair", action="append", default=[], metavar="ON,OFF",
+                    help="two system names, drafting and not: report TPOT speedup against DSpark's bound (repeat)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="")
@@ -387,6 +428,13 @@ def main() -> None:
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     if min(max_tokens) < 3:
         ap.error("--max-tokens: at least 3 (a first gap and a steady token)")
+    names = {*given, *(spec.partition(":")[0] for spec in args.serve)}
+    pairs: list[tuple[str, str]] = []
+    for spec in args.dspark_pair:
+        on, _, off = spec.partition(",")
+        if on not in names or off not in names or on == off:
+            ap.error(f"--dspark-pair {spec!r}: give two different system names of {sorted(names)}, drafting first")
+        pairs.append((on, off))
     binaries = dict(spec.split("=", 1) for spec in args.serve_bin)
     with tempfile.TemporaryDirectory(prefix="tpot-") as tmp, _serve(args.serve, args.device, args.gpu_share,
                                                                        Path(tmp), binaries) as started:
@@ -399,6 +447,11 @@ def main() -> None:
     print(_table(results))
     print()
     print(_phase_table(results))
+    dspark = dspark_pairs(results, pairs)
+    for d in dspark:
+        print(f"{d['case']:<27} DSpark {d['on']} vs {d['off']}: TPOT {d['tpot_on_ms']:.2f} vs {d['tpot_off_ms']:.2f} ms, "
+              f"speedup {d['speedup']:.2f}, bound {d['tokens_per_verify']:.2f} tokens a verification "
+              f"({d['verifications_per_request']:.1f} a request), {d['fraction_of_bound']:.2f} of it")
     report = {"benchmark": "tpot", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", *sys.argv]),
               "machine": {"hostname": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
@@ -406,7 +459,7 @@ def main() -> None:
                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
               "device": args.device, "note": args.note, "systems": args.system + args.serve,
               "binaries": binaries, "rounds": args.rounds,
-              "wall_s": round(wall_s, 1), "results": results}
+              "wall_s": round(wall_s, 1), "results": results, "dspark": dspark}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"# wrote {args.out}")
