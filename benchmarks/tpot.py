@@ -36,7 +36,9 @@ systems share the GPU: each worker gets `--gpu-share` of it.
 `--dspark-pair ON,OFF` (two of the systems, one drafting and one not, e.g. `--serve on --serve
 off:decode.dspark=false`) reports issue 28's DSpark figure per case: the TPOT speedup (OFF's p50 over
 ON's) against its bound, the tokens ON's verifications emitted each (`cedserve_decode_tokens_per_verify`:
-1 + the drafts accepted), and the fraction of the bound reached.
+1 + the drafts accepted), and the fraction of the bound reached. Measure it on `--prompts heldout`
+(windows of the demo corpus's held-out code): on random ids every draft is a guess, and the engine's
+cost check rightly declines to draft.
 
 `--serve-bin NAME=PATH` starts NAME's system with another `cedserve` executable (another tree's
 virtual environment: the old code beside the new in one run).
@@ -63,7 +65,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -258,14 +260,41 @@ def dspark_pairs(results: dict[str, Any], pairs: list[tuple[str, str]]) -> list[
     return rows
 
 
-async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: list[int], rounds: int, vocab: int,
-              warmup: int, seed: int, concurrency: list[int] | None = None) -> dict[str, Any]:
+PromptSource = Callable[[random.Random, int], list[int]]
+"""A fresh prompt of the given length (random ids, or a window of held-out code)."""
+
+
+def random_prompts(vocab: int) -> PromptSource:
+    return lambda rng, n: [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def heldout_prompts(checkpoint: Path) -> PromptSource:
+    """Windows of the demo corpus's held-out code (the standard library files `training/data.py`
+    holds out), tokenized with the checkpoint's tokenizer, at random offsets: text the drafter can
+    predict as well as it did in training, where random ids make every draft a guess."""
+    from cedserve.model.tokenizer import TextCodec
+    from cedserve.training.data import code_files, load_corpus, token_stream
+
+    vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+    codec = TextCodec.from_file(checkpoint, vocab)
+    stream = token_stream(codec.tokenizer, code_files(load_corpus().heldout)).tolist()
+
+    def take(rng: random.Random, n: int) -> list[int]:
+        if len(stream) < n:
+            raise ValueError(f"the held-out code has {len(stream)} tokens, fewer than a {n}-token prompt")
+        start = rng.randrange(0, len(stream) - n + 1)
+        return list(stream[start:start + n])
+    return take
+
+
+async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: list[int], rounds: int,
+              prompt: PromptSource, warmup: int, seed: int, concurrency: list[int] | None = None) -> dict[str, Any]:
     clients = {name: AsyncClient(s.address, timeout_s=300) for name, s in systems.items()}
     rng = random.Random(seed)
     try:
         for i in range(warmup):
             for name, client in clients.items():
-                await _one(client, systems[name], [rng.randrange(3, vocab) for _ in range(prompt_lens[0])], 8,
+                await _one(client, systems[name], prompt(rng, prompt_lens[0]), 8,
                            f"warm-{name}-{i}-{seed}")
         out: dict[str, Any] = {}
         for c in concurrency or [1]:
@@ -274,7 +303,7 @@ async def run(systems: dict[str, System], prompt_lens: list[int], max_tokens: li
                     rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
                     failed: dict[str, int] = {}
                     for r in range(rounds):
-                        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for _ in range(c)]
+                        prompts = [prompt(rng, n) for _ in range(c)]
                         order = list(systems) if r % 2 == 0 else list(reversed(systems))
                         for name in order:
                             salt = f"{name}-{c}-{n}-{m}-{r}-{seed}"
@@ -408,6 +437,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", default="12,64", help="12: the agentic sessions' mean output on the H200 run")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--vocab", type=int, default=500, help="prompt ids drawn from [3, vocab)")
+    ap.add_argument("--prompts", choices=("random", "heldout"), default="random",
+                    help="random ids (default), or windows of the demo corpus's held-out code tokenized with "
+                    "--checkpoint's tokenizer (what DSpark's acceptance is measured on)")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="with --prompts heldout: the served checkpoint folder (default: the shipped demo)")
     ap.add_argument("--concurrency", default="1",
                     help="requests in flight at once, e.g. 1,4 (> 1: phases per token over the batch's window)")
     ap.add_argument("--dspark-pair", action="append", default=[], metavar="ON,OFF",
@@ -436,12 +470,18 @@ def main() -> None:
             ap.error(f"--dspark-pair {spec!r}: give two different system names of {sorted(names)}, drafting first")
         pairs.append((on, off))
     binaries = dict(spec.split("=", 1) for spec in args.serve_bin)
+    if args.prompts == "heldout":
+        from importlib import resources
+
+        source = heldout_prompts(args.checkpoint or Path(str(resources.files("cedserve") / "assets" / "demo")))
+    else:
+        source = random_prompts(args.vocab)
     with tempfile.TemporaryDirectory(prefix="tpot-") as tmp, _serve(args.serve, args.device, args.gpu_share,
                                                                        Path(tmp), binaries) as started:
         systems = {**given, **started}
         load_before = os.getloadavg()
         t0 = time.monotonic()
-        results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, args.vocab, args.warmup, args.seed,
+        results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, source, args.warmup, args.seed,
                                   [int(x) for x in args.concurrency.split(",")]))
         wall_s = time.monotonic() - t0
     print(_table(results))
@@ -458,7 +498,7 @@ def main() -> None:
                           "loadavg_before": [round(x, 2) for x in load_before],
                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
               "device": args.device, "note": args.note, "systems": args.system + args.serve,
-              "binaries": binaries, "rounds": args.rounds,
+              "binaries": binaries, "rounds": args.rounds, "prompts": args.prompts,
               "wall_s": round(wall_s, 1), "results": results, "dspark": dspark}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

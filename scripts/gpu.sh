@@ -71,7 +71,7 @@
 #                   TPOT_SERVE="name:section.field=value,...;..." the systems (graphs:decode.compile_fused=false),
 #                   TPOT_ARGS the load (--prompt-tokens 600 --max-tokens 64 --rounds 10); DSpark against its bound:
 #                   TPOT_SERVE="on:decode.compile_fused=false;off:decode.compile_fused=false,decode.dspark=false"
-#                   TPOT_ARGS="--prompt-tokens 600 --max-tokens 64 --rounds 10 --dspark-pair on,off"
+#                   TPOT_ARGS="--prompt-tokens 600 --max-tokens 64 --rounds 10 --prompts heldout --dspark-pair on,off"
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,

@@ -5,6 +5,7 @@ verification). The end-to-end run (real `cedserve serve` processes) is the bench
 from __future__ import annotations
 
 import math
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,3 +57,15 @@ def test_tokens_per_verify_pools_the_requests_and_the_pair_divides_by_it() -> No
     assert row["speedup"] == pytest.approx(4.0 / 2.5)  # medians: 2.5 ms and 4 ms
     assert row["fraction_of_bound"] == pytest.approx(4.0 / 2.5 / 1.5)
     assert tpot.dspark_pairs(results, [("on", "missing")]) == []
+
+
+def test_heldout_prompts_are_windows_of_the_tokenized_heldout_code() -> None:
+    from importlib import resources
+
+    demo = Path(str(resources.files("cedserve") / "assets" / "demo"))
+    take = tpot.heldout_prompts(demo)
+    a, b = take(random.Random(1), 300), take(random.Random(1), 300)
+    assert a == b and len(a) == 300 and all(0 <= t < 4096 for t in a)
+    assert take(random.Random(2), 300) != a
+    with pytest.raises(ValueError, match="fewer than"):
+        take(random.Random(0), 10**9)
