@@ -339,6 +339,7 @@ class NixlEngine:
         for job in jobs:
             job.posted_s = time.monotonic()
             posted.append((job, *self.memory.post(job)))
+            job.returned_s = time.monotonic()
         return posted
 
     def _enqueue_chunks(self, t: SendTransfer, src: np.ndarray, last: bool) -> None:
@@ -681,7 +682,8 @@ class NixlEngine:
         t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
         t.record.num_descriptors += job.descriptors
-        t.record.last_post_s = max(t.record.last_post_s or 0.0, job.posted_s)
+        if job.posted_s >= (t.record.last_post_s or 0.0):
+            t.record.last_post_s, t.record.last_posted_s = job.posted_s, job.returned_s
         if self.config.announce_posts and job.op == "WRITE":
             # Sent (and rung) once the post returned, so a receiver is on its short poll while the
             # bytes land, but not while a host-memory post still copies them synchronously.
@@ -809,6 +811,8 @@ class NixlEngine:
                 status = "ERR"
             if status == "PROC":
                 continue
+            seen_s = time.monotonic()
+            t.record.nixl_done_s = max(t.record.nixl_done_s or 0.0, seen_s)
             self._ring(t.peer)  # NIXL sent the request's notification when this poll saw it end
             self._release_handle(inf.handle, t.peer)
             del t.inflight[seq]

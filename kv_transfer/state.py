@@ -88,6 +88,12 @@ class TransferResult:
     staging_s: float = 0.0
     """Wall seconds this side spent in staging copies for the request, each with its wait: the
     sender's gathers of packed chunks, the receiver's scatters (0 when nothing was packed)."""
+    last_posted_s: float | None = None
+    """When the post of this side's last NIXL request returned (after `last_post_s`): the post call's
+    own cost is the difference."""
+    nixl_done_s: float | None = None
+    """When a poll of this side first saw its last NIXL request complete; `finished_s` follows after
+    the handle's release, the peer's doorbell and the transfer's bookkeeping."""
 
     @property
     def duration_s(self) -> float:
@@ -143,6 +149,10 @@ class TransferRecord:
         """See `TransferResult.last_post_s`."""
         self.staging_s = 0.0
         """See `TransferResult.staging_s`."""
+        self.last_posted_s: float | None = None
+        """See `TransferResult.last_posted_s`."""
+        self.nixl_done_s: float | None = None
+        """See `TransferResult.nixl_done_s`."""
         self.num_bytes = 0
         self.num_descriptors = 0
         self.num_chunks = 0
@@ -175,5 +185,5 @@ class TransferRecord:
             block_ids=self.block_ids, num_bytes=self.num_bytes, num_descriptors=self.num_descriptors,
             num_chunks=self.num_chunks, started_s=self.started_s, first_byte_s=self.first_byte_s,
             finished_s=now_s, error=self.error, closed_s=self.closed_s, last_post_s=self.last_post_s,
-            staging_s=self.staging_s)
+            staging_s=self.staging_s, last_posted_s=self.last_posted_s, nixl_done_s=self.nixl_done_s)
         return self.result

@@ -112,6 +112,8 @@ class PostJob:
     """Descriptors the request moves (after merging runs)."""
     posted_s: float = 0.0
     """When its post began (monotonic; set by the posting thread)."""
+    returned_s: float = 0.0
+    """When its post returned."""
 
 
 @dataclass

@@ -135,7 +135,11 @@ def test_the_last_write_blocks_posts_from_the_callers_thread() -> None:
         sender.sender().write_blocks("caller", ids, last=True)
         posted = sender.engine._record(Role.SENDER, "caller").last_post_s
         assert posted is not None  # posted before write_blocks returned
-        assert sender.sender().wait("caller", 10.0).num_bytes == 20 * BLOCK_BYTES
+        result = sender.sender().wait("caller", 10.0)
+        assert result.num_bytes == 20 * BLOCK_BYTES
+        # the tail's stamps, in order: post began, post returned, a poll saw it done, the sender's DONE
+        assert result.last_post_s is not None and result.last_posted_s is not None and result.nixl_done_s is not None
+        assert result.last_post_s <= result.last_posted_s <= result.nixl_done_s <= result.finished_s
         receiver.receiver().wait("caller", 10.0)
         assert torch.equal(dst.blocks()[10:30], src.blocks()[10:30])
     finally:

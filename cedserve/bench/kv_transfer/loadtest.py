@@ -263,7 +263,7 @@ class Group:
 
 
 _PHASES = ("writes", "closed_to_sender_done", "queued", "posted_to_sender_done", "sender_to_receiver_done",
-           "sender_staging", "receiver_staging")
+           "sender_staging", "receiver_staging", "post_call", "returned_to_nixl_done", "nixl_done_to_sender_done")
 """Where a request's time from its first `write_blocks` goes (one clock; see `_phases`)."""
 
 
@@ -277,7 +277,10 @@ def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
     time in staging copies (`sender_staging`: gathers, `receiver_staging`: scatters, each with its
     wait), which fall inside the phases above. An engine that does not stamp its posts (an older
     one) gives all but the two parts of `closed_to_sender_done` and the staging times; a request
-    without a handoff (READ) none."""
+    without a handoff (READ) none. `posted_to_sender_done` splits further where the engine stamps
+    them: `post_call` (the last post itself), `returned_to_nixl_done` (from its return to the poll that
+    saw it complete: the bytes and the polling) and `nixl_done_to_sender_done` (the handle's release,
+    the doorbell and the bookkeeping before the sender's DONE)."""
     first, closed, post = sent.get("first_write_s"), sent.get("closed_s"), sent.get("last_post_s")
     if first is None or closed is None:
         return {}
@@ -285,6 +288,10 @@ def _phases(sent: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
            "sender_to_receiver_done": got["finished_s"] - sent["finished_s"]}
     if post is not None:
         out.update(queued=post - closed, posted_to_sender_done=sent["finished_s"] - post)
+    returned, seen = sent.get("last_posted_s"), sent.get("nixl_done_s")
+    if post is not None and returned is not None and seen is not None:
+        out.update(post_call=returned - post, returned_to_nixl_done=seen - returned,
+                   nixl_done_to_sender_done=sent["finished_s"] - seen)
     if sent.get("staging_s") is not None and got.get("staging_s") is not None:
         out.update(sender_staging=sent["staging_s"], receiver_staging=got["staging_s"])
     return out
