@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from cedserve.client import AsyncClient, CedserveError, Piece
+from cedserve.launcher import shipped_demo_checkpoint
 
 STEP = "cedserve_decode_step_seconds"
 TOKENS = "cedserve_decode_output_tokens_total"
@@ -171,8 +172,9 @@ async def _one(client: AsyncClient, system: System, prompt: list[int], max_token
             # the same over every step of the request, its join included: needs no read between two
             # steps (a GPU's few-ms steps often outrun the read at the second token, leaving no split)
             "step_per_token_all_s": (step_s1 - step_s0) / (n - 1),
-            "verifications": r1.verifies - r0.verifies, "verify_tokens": r1.verify_tokens - r0.verify_tokens,
             "tpot_over_step_all": span / (step_s1 - step_s0) if step_s1 > step_s0 else float("nan"),
+            # DSpark: the request's verification passes and the tokens they emitted
+            "verifications": r1.verifies - r0.verifies, "verify_tokens": r1.verify_tokens - r0.verify_tokens,
             **(_phase_rows(mid, r1, steady_span, n - 2, steady_steps) if split else
                {f"phase_{p}_s": float("nan") for p in (*PHASES, *EXTRA)})}
 
@@ -275,7 +277,8 @@ def heldout_prompts(checkpoint: Path) -> PromptSource:
     from cedserve.model.tokenizer import TextCodec
     from cedserve.training.data import code_files, load_corpus, token_stream
 
-    vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+    config = json.loads((checkpoint / "config.json").read_text())
+    vocab = int(config.get("text_config", config)["vocab_size"])  # a composite checkpoint nests it
     codec = TextCodec.from_file(checkpoint, vocab)
     stream = token_stream(codec.tokenizer, code_files(load_corpus().heldout)).tolist()
 
@@ -471,9 +474,7 @@ def main() -> None:
         pairs.append((on, off))
     binaries = dict(spec.split("=", 1) for spec in args.serve_bin)
     if args.prompts == "heldout":
-        from importlib import resources
-
-        source = heldout_prompts(args.checkpoint or Path(str(resources.files("cedserve") / "assets" / "demo")))
+        source = heldout_prompts(args.checkpoint or shipped_demo_checkpoint())
     else:
         source = random_prompts(args.vocab)
     with tempfile.TemporaryDirectory(prefix="tpot-") as tmp, _serve(args.serve, args.device, args.gpu_share,

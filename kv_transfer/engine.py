@@ -811,8 +811,7 @@ class NixlEngine:
                 status = "ERR"
             if status == "PROC":
                 continue
-            seen_s = time.monotonic()
-            t.record.nixl_done_s = max(t.record.nixl_done_s or 0.0, seen_s)
+            t.record.nixl_done_s = max(t.record.nixl_done_s or 0.0, time.monotonic())
             self._ring(t.peer)  # NIXL sent the request's notification when this poll saw it end
             self._release_handle(inf.handle, t.peer)
             del t.inflight[seq]

@@ -669,8 +669,10 @@ part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU 
      2>&1 | grep -v "NIXL INFO\|^\[" | tee -a "$out/bench.log"
 )
 
-cedserve_shim() {  # a `cedserve` executable at $ROOT/build/disagg_shim/.venv/bin that runs this host's python over the gpu tree
-  local shim=$ROOT/build/disagg_shim py
+SHIM=$ROOT/build/disagg_shim  # a tree whose .venv/bin/cedserve runs this host's python over the gpu tree (cedserve_shim)
+
+cedserve_shim() {  # write $SHIM/.venv/bin/cedserve
+  local shim=$SHIM py
   py=$(command -v "$PY")
   mkdir -p "$shim/.venv/bin"
   printf '#!/bin/sh\nexec "%s" -P -m cedserve.cli "$@"\n' "$py" > "$shim/.venv/bin/cedserve"
@@ -678,12 +680,12 @@ cedserve_shim() {  # a `cedserve` executable at $ROOT/build/disagg_shim/.venv/bi
 }
 
 part_tpot() (  # issue 28: TPOT against the decode worker's step time, per request, on this GPU
-  local shim=$ROOT/build/disagg_shim spec serves=() bins=()
+  local spec specs serves=() bins=()
   cedserve_shim
   mkdir -p "$OUT/tpot"
   IFS=';' read -r -a specs <<< "${TPOT_SERVE:-graphs:decode.compile_fused=false}"
   for spec in "${specs[@]}"; do
-    serves+=(--serve "$spec") bins+=(--serve-bin "${spec%%:*}=$shim/.venv/bin/cedserve")
+    serves+=(--serve "$spec") bins+=(--serve-bin "${spec%%:*}=$SHIM/.venv/bin/cedserve")
   done
   export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
   # shellcheck disable=SC2086
@@ -694,12 +696,11 @@ part_tpot() (  # issue 28: TPOT against the decode worker's step time, per reque
 
 part_disagg_ttft() (  # issue 29: TTFT that disaggregation adds at low load, same prompts, same GPU
   # benchmarks/disagg_ttft.py starts `TREE/.venv/bin/cedserve`: the shim runs this host's python over the gpu tree
-  local shim=$ROOT/build/disagg_shim
   cedserve_shim
   mkdir -p "$OUT/disagg"
   export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
   # shellcheck disable=SC2086
-  timeout "${DISAGG_S:-240}" "$PY" -P benchmarks/disagg_ttft.py --tree "new=$shim" --device cuda \
+  timeout "${DISAGG_S:-240}" "$PY" -P benchmarks/disagg_ttft.py --tree "new=$SHIM" --device cuda \
     ${DISAGG_ARGS:---prompt-tokens 64,512 --long-tokens 2048 --rounds 8 --long-rounds 3 --runs 1} \
     --serve-args "${DISAGG_SERVE_ARGS:---gpus 0}" --ready-timeout-s 180 --note "one GPU, both systems on it" --out "$OUT/disagg/disagg-ttft-cuda.json" 2>&1 \
     | grep -v "NIXL INFO" | tail -80 | tee "$OUT/disagg/disagg-ttft.log"

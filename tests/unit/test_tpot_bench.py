@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from cedserve.launcher import shipped_demo_checkpoint
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import tpot
 
@@ -60,10 +62,7 @@ def test_tokens_per_verify_pools_the_requests_and_the_pair_divides_by_it() -> No
 
 
 def test_heldout_prompts_are_windows_of_the_tokenized_heldout_code() -> None:
-    from importlib import resources
-
-    demo = Path(str(resources.files("cedserve") / "assets" / "demo"))
-    take = tpot.heldout_prompts(demo)
+    take = tpot.heldout_prompts(shipped_demo_checkpoint())
     a, b = take(random.Random(1), 300), take(random.Random(1), 300)
     assert a == b and len(a) == 300 and all(0 <= t < 4096 for t in a)
     assert take(random.Random(2), 300) != a
