@@ -78,6 +78,7 @@ class GroupedOutput(nn.Module):
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(groups * rank, in_per_group))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default: defined before a checkpoint lands
 
     def forward(self, x: Tensor) -> Tensor:
         """`[..., S, groups, in_per_group]` -> `[..., S, groups * rank]`."""

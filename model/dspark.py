@@ -159,8 +159,8 @@ class DraftLayer(nn.Module):
 class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(vocab, rank))
-        self.w2 = nn.Parameter(torch.empty(rank, vocab))
+        self.w1 = nn.Parameter(torch.zeros(vocab, rank))  # zeros until a checkpoint lands: no offset
+        self.w2 = nn.Parameter(torch.zeros(rank, vocab))
 
     def bias(self, previous: Tensor) -> Tensor:
         """Logit offsets `[n, V]` given the previous tokens `[n]`."""

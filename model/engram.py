@@ -199,7 +199,7 @@ class EngramEmbedding(nn.Module):
     def __init__(self, rows: int, head_dim: int, block: int = ENGRAM_SCALE_BLOCK) -> None:
         super().__init__()
         self.block = block
-        self.weight = nn.Parameter(torch.empty(rows, head_dim))
+        self.weight = nn.Parameter(torch.zeros(rows, head_dim))  # defined until a checkpoint lands
         self.scale = nn.Parameter(torch.ones(rows, max(1, head_dim // block)))
 
     def forward(self, ids: Tensor) -> Tensor:

@@ -39,7 +39,9 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        # defined values before a checkpoint lands (never uninitialised memory: a model built and run
+        # without one, as tests and the random demo do, must not read garbage or NaN)
+        self.weight = nn.Parameter(torch.randn(config.n_routed_experts, config.hidden_size) * config.initializer_range)
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts))
         self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts))
 
