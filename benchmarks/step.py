@@ -272,9 +272,10 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                               buckets=tuple(sorted({b * r for b, r in cases})))
         runner = ModelRunner(model, config)
         graph_runners = {"graph": runner}
-        for path in ("graph-fused", "graph-fused-tf32"):
+        for path in ("graph-fused", "graph-fused-tf32", "graph-fused-grouped"):
             if path in args.paths and args.device == "cuda":
-                graph_runners[path] = ModelRunner(model, RunnerConfig(**{**config.__dict__, "compile_fused": True}))
+                graph_runners[path] = ModelRunner(model, RunnerConfig(**{
+                    **config.__dict__, "compile_fused": True, "grouped_attention": path.endswith("-grouped")}))
         for batch, rows in cases:
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             states = [copy.deepcopy(base) for _ in range(batch)]
@@ -494,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", nargs="+", default=["eager", "runner-eager", "graph", "graph-fused"],
                         help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
                         "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
-                        "float32 matmuls on TF32 tensor cores)")
+                        "float32 matmuls on TF32 tensor cores), graph-fused-grouped (graph-fused with a request's rows attended "
+                        "together: RunnerConfig.grouped_attention)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
                         "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")

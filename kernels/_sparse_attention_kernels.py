@@ -350,3 +350,135 @@ def _combine_splits_kernel(
     _store_output(out_ptr + n.to(tl.int64) * out_stride_n, out_stride_h, o_lo * inv, o_hi * inv, 0,
                   cos_ptr + n.to(tl.int64) * cs_stride, sin_ptr + n.to(tl.int64) * cs_stride,
                   h, h_ok, D, D, ROPE_PAIRS)
+
+
+@triton.jit
+def _store_output_rows(out_ptr, out_stride_n, out_stride_h, o_lo, o_hi, row, hh, ok, cos_ptr, sin_ptr, cs_stride,
+                       D: tl.constexpr, ROPE_PAIRS: tl.constexpr):
+    """`_store_output` for a tile whose M rows are (token `row[m]`, head `hh[m]`) pairs, each with
+    its token's own RoPE angles; all D channels."""
+    i = tl.arange(0, D // 2)
+    pair = i - (D // 2 - ROPE_PAIRS)
+    is_rope = (pair >= 0)[None, :] & ok[:, None]
+    cs = row[:, None].to(tl.int64) * cs_stride + pair[None, :]
+    cos = tl.load(cos_ptr + cs, mask=is_rope, other=1.0)
+    sin = tl.load(sin_ptr + cs, mask=is_rope, other=0.0)
+    o = tl.join(o_lo * cos + o_hi * sin, o_hi * cos - o_lo * sin)  # [BLOCK_M, D // 2, 2]
+    o = tl.reshape(o, [o_lo.shape[0], D])
+    ptr = (out_ptr + row[:, None].to(tl.int64) * out_stride_n + hh[:, None].to(tl.int64) * out_stride_h
+           + tl.arange(0, D)[None, :])
+    tl.store(ptr, _to_output(o, out_ptr), mask=ok[:, None])
+
+
+@triton.jit
+def _grouped_attention_kernel(
+    q_ptr, q_stride_n, q_stride_h, sink_ptr, offsets_ptr, num_tokens,
+    main_ptr, topk_ptr, topk_stride, num_topk,
+    main_num_slots, main_offset, main_spb, main_slot_stride, main_block_stride,
+    swa_ptr, win_ptr, win_stride, num_win,
+    swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride,
+    cos_ptr, sin_ptr, cs_stride,
+    out_ptr, out_stride_n, out_stride_h,
+    part_acc_ptr, part_ml_ptr,
+    num_heads, sm_scale_log2,
+    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAIN: tl.constexpr, HAS_SWA: tl.constexpr,
+    MAIN_ALIGN: tl.constexpr, SWA_ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Program (token n, -, key split): when n is the first of a sequence's consecutive rows
+    (`offsets[n] == 0`), attend every head of rows n .. n + R - 1 (R <= RP: those whose offsets
+    continue 1, 2, ...) together, M row m = (row m // HP, head m % HP); other programs do nothing.
+
+    The rows' windows are one run of positions (row r's list is row 0's shifted by r: W ring slots
+    ending at its own position), so their union, row 0's list then the last row's newest R - 1
+    slots, is decoded once and each row masked to its own W keys. Each row's selected main-KV
+    entries are its own: their tiles are decoded once and multiplied for every row, masked to the
+    row they belong to. The same split-KV partials and combine as `_sparse_decode_attention_kernel`
+    (one value half: all D channels a program)."""
+    C: tl.constexpr = D
+    n = tl.program_id(0)
+    split = tl.program_id(2)
+    m = tl.arange(0, BLOCK_M)
+    r_m = m // HP
+    hh = m % HP
+    row = n + r_m
+    first = tl.load(offsets_ptr + n + 0 * m)  # (as a tensor: the interpreter's scalar & tensor is no mask)
+    offs = tl.load(offsets_ptr + row, mask=(row < num_tokens) & (r_m < RP), other=-1)
+    row_ok = (offs == r_m) & (first == 0) & (r_m < RP)  # the rows of n's sequence (none unless n is its first)
+    count = tl.max(tl.where(row_ok, r_m + 1, 0), axis=0)
+    m_ok = row_ok & (hh < num_heads)
+    row = tl.where(row_ok, row, n)
+
+    q_row = q_ptr + row[:, None].to(tl.int64) * q_stride_n + hh[:, None].to(tl.int64) * q_stride_h
+    q_lo, q_hi = _load_q(q_row, m_ok, 0, C, DOT_F32)
+    acc_lo = tl.zeros([BLOCK_M, C // 2], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, C // 2], dtype=tl.float32)
+    if NUM_SPLITS == 1:
+        m_i = tl.load(sink_ptr + hh, mask=m_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    jn = tl.arange(0, BLOCK_N)
+    # tiles: each row's main list (count x main_tiles), then the union window, dealt out to splits
+    main_tiles = tl.cdiv(num_topk, BLOCK_N)
+    union = tl.where(count > 0, num_win + count - 1, 0)
+    row_main = count * main_tiles
+    total_tiles = row_main + tl.cdiv(union, BLOCK_N)
+    t0 = split * total_tiles // NUM_SPLITS
+    t1 = (split + 1) * total_tiles // NUM_SPLITS
+
+    if HAS_MAIN:
+        for t in range(tl.minimum(t0, row_main), tl.minimum(t1, row_main)):
+            r = t // main_tiles
+            j0 = (t - r * main_tiles) * BLOCK_N
+            slot_row = topk_ptr + (n + r).to(tl.int64) * topk_stride
+            rec, ok = _record_rows(slot_row, j0 + jn, num_topk, main_num_slots, main_offset, main_spb,
+                                   main_slot_stride, main_block_stride, MAIN_ALIGN)
+            codes, scales = _load_main(main_ptr, rec, ok, 0, D, C)
+            k_lo, k_hi = _decode_main(codes, scales, BLOCK_N, C, HW_CVT)
+            s = _logits(q_lo, q_hi, k_lo, k_hi, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
+            keep = ok[None, :] & (r_m == r)[:, None]
+            s = tl.where(keep, s * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            m_i, l_i = m_new, l_i * alpha + tl.sum(p, axis=1)
+            acc_lo, acc_hi = _accumulate(p, alpha, k_lo, k_hi, acc_lo, acc_hi, DOT_F32)
+
+    if HAS_SWA:
+        u_start = tl.maximum(t0 - row_main, 0) * BLOCK_N
+        u_end = tl.minimum(tl.maximum(t1 - row_main, 0) * BLOCK_N, union)
+        first_row = win_ptr + n.to(tl.int64) * win_stride
+        last_row = win_ptr + (n + tl.maximum(count, 1) - 1).to(tl.int64) * win_stride
+        for u0 in range(u_start, u_end, BLOCK_N):
+            u = u0 + jn
+            from_first = u < num_win
+            slot = tl.where(from_first,
+                            tl.load(first_row + u, mask=from_first & (u < u_end), other=-1),
+                            tl.load(last_row + (u - count + 1), mask=(u >= num_win) & (u < u_end), other=-1))
+            rec, ok = _slot_address(slot, swa_num_slots, swa_offset, swa_spb, swa_slot_stride, swa_block_stride)
+            rec = tl.multiple_of(rec, SWA_ALIGN)
+            ok = ok & (u < u_end)
+            values, scales = _load_swa(swa_ptr, rec, ok, 0, D, C, SWA_ALIGN)
+            k_lo, k_hi = _decode_swa(values, scales, BLOCK_N, C, HW_CVT)
+            s = _logits(q_lo, q_hi, k_lo, k_hi, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
+            # row r's window: union positions r .. r + W - 1
+            keep = ok[None, :] & (u[None, :] >= r_m[:, None]) & (u[None, :] < r_m[:, None] + num_win)
+            s = tl.where(keep, s * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            m_i, l_i = m_new, l_i * alpha + tl.sum(p, axis=1)
+            acc_lo, acc_hi = _accumulate(p, alpha, k_lo, k_hi, acc_lo, acc_hi, DOT_F32)
+
+    if NUM_SPLITS == 1:
+        inv_l = (1.0 / l_i)[:, None]
+        _store_output_rows(out_ptr, out_stride_n, out_stride_h, acc_lo * inv_l, acc_hi * inv_l, row, hh, m_ok,
+                           cos_ptr, sin_ptr, cs_stride, D, ROPE_PAIRS)
+    else:
+        part = (row.to(tl.int64) * NUM_SPLITS + split) * num_heads + hh.to(tl.int64)
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_M, C])
+        tl.store(part_acc_ptr + part[:, None] * D + tl.arange(0, C)[None, :], acc, mask=m_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=m_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_ok)

@@ -56,6 +56,8 @@ from cedserve.kernels.triton_support import (
 )
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
+_GROUPED_MAX_HEADS = 16
+"""The grouped kernel holds every head of a run's rows in one tile (runs of 8 x 16 heads: 128 rows)."""
 
 
 def _merge_heads(splits: int, dim: int, cap: int = 16) -> int:
@@ -227,14 +229,28 @@ def _check_inputs(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_slots
 def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_slots: Tensor | None,
                      swa: PagedRecords | None, window_slots: Tensor | None, cos: Tensor, sin: Tensor, *,
                      softmax_scale: float | None = None, out: Tensor | None = None,
-                     config: AttentionConfig | None = None, impl: Impl = "auto") -> Tensor:
+                     config: AttentionConfig | None = None, impl: Impl = "auto",
+                     row_offsets: Tensor | None = None, max_rows: int = 1) -> Tensor:
     """Attention of `q [N, H, D]` (bf16, RoPE applied) over each token's selected main-KV
     records and window records (module docstring). `topk_slots [N, K]`, `window_slots [N, W]`:
     int32/int64 slots of `main` / `swa` (-1 = none); either pair may be None (SWA-only layers have
     no main KV). `sink [H]`; `cos`/`sin` float32 `[N, rope_dim / 2]` of the query positions;
-    `softmax_scale` defaults to `D ** -0.5`. Returns `out [N, H, D]` in `q.dtype`."""
+    `softmax_scale` defaults to `D ** -0.5`. Returns `out [N, H, D]` in `q.dtype`.
+
+    `row_offsets` (int `[N]`, with `max_rows` > 1): rows come in runs of one sequence's consecutive
+    positions (a DSpark verify's 1 + K rows), each row's place in its run (0 starts a run, at most
+    `max_rows` rows a run), and each row's window list is the W ring slots ending at its own
+    position (as the slot step's `window_slots` builds them). Then a run is one program of the
+    grouped kernel (`_grouped_attention_kernel`: the run's windows decoded once, not once per row)
+    where it applies (the Triton kernel, at most 16 heads); the result is the same either way."""
     _check_inputs(q, sink, main, topk_slots, swa, window_slots, cos, sin)
     tokens, heads, dim = q.shape
+    if row_offsets is not None:
+        check_tensor(row_offsets, "sparse_attention: row_offsets", dtypes=_SLOT_DTYPES, dim=1)
+        if row_offsets.shape[0] != tokens or row_offsets.device != q.device:
+            raise ValueError(f"sparse_attention: row_offsets must be [{tokens}] on {q.device}")
+        if max_rows < 1:
+            raise ValueError(f"sparse_attention: max_rows must be >= 1, got {max_rows}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -263,6 +279,9 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
                      dim**-0.5 if softmax_scale is None else softmax_scale)
     config = config or AttentionConfig()
     keys = max(num_topk, num_win)
+    if row_offsets is not None and max_rows > 1 and heads <= _GROUPED_MAX_HEADS and config.kernel != "gluon":
+        launch.run_grouped(config, row_offsets, max_rows)
+        return out
     if not config.auto:
         launch.run(config.resolve(tokens, heads, keys, q.device, dim, lists=(num_topk, num_win)))
         return out
@@ -343,6 +362,53 @@ class _Launch:
             out.stride(1), heads,
             D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=merge_h, NUM_SPLITS=splits, NORMALIZED=True, num_warps=4,
         )
+
+    def run_grouped(self, config: AttentionConfig, offsets: Tensor, max_rows: int) -> None:
+        """`_grouped_attention_kernel` (see `sparse_attention`'s `row_offsets`): one program per
+        (run, key split); programs of rows that do not start a run exit at once. Of `config` it
+        takes `block_n`, `num_splits` and `num_warps`; the split count is chosen for the runs the
+        rows would make if every run were `max_rows` long."""
+        from cedserve.kernels import _sparse_attention_kernels as k
+
+        q, out, main, swa = self.q, self.out, self.main, self.swa
+        tokens, heads, dim = q.shape
+        gpu = q.device.type == "cuda" and not interpreting()
+        hp, rp = next_power_of_2(heads), next_power_of_2(max_rows)
+        block_m = max(16, hp * rp)
+        block_n = config.block_n or 64
+        splits = config.num_splits
+        if splits is None:
+            tiles = cdiv(max_rows * self.num_topk, block_n) + cdiv(self.num_win + max_rows - 1, block_n)
+            runs = max(1, tokens // max_rows)
+            splits = max(1, min(tiles, num_sms(q.device) // runs)) if gpu else 1
+        if splits > 1:
+            part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
+        else:
+            part_acc = part_ml = out  # unused
+        k._grouped_attention_kernel[(tokens, 1, splits)](
+            q, q.stride(0), q.stride(1), self.sink, offsets, tokens,
+            main.storage, self.topk, self.topk.stride(0), self.num_topk,
+            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
+            swa.storage, self.win, self.win.stride(0), self.num_win,
+            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
+            self.cos, self.sin, self.cos.stride(0),
+            out, out.stride(0), out.stride(1),
+            part_acc, part_ml,
+            heads, self.scale * math.log2(math.e),
+            D=dim, ROPE_PAIRS=self.cos.shape[1], HP=hp, RP=rp, BLOCK_M=block_m, BLOCK_N=block_n,
+            NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
+            MAIN_ALIGN=main.alignment, SWA_ALIGN=swa.alignment, HW_CVT=hardware_fp8(q.device),
+            DOT_F32=interpreting(),
+            num_warps=config.num_warps or (8 if block_m * dim >= 16384 else 4), num_stages=1 if not gpu else 2,
+        )
+        if splits > 1:
+            combine_h = _merge_heads(splits, dim, min(16, hp))
+            k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
+                part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
+                out.stride(1), heads,
+                D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4,
+            )
 
     def run(self, cfg: AttentionConfig) -> None:
         from cedserve.kernels import _sparse_attention_kernels as k

@@ -90,6 +90,12 @@ class RunnerConfig:
     its kernels. Off here (a runner built in a test or a benchmark captures in seconds); the decode
     worker's `decode.compile_fused` turns it on by default (its docstring gives the figures)."""
 
+    grouped_attention: bool = False
+    """On CUDA, attend each slot's rows of a step together (`sparse_attention`'s `row_offsets`: a
+    DSpark verify's windows decoded once per request, not once per row; models of at most 16 heads).
+    Off: not yet measured against the per-row kernel on a GPU (`benchmarks/step.py --paths
+    graph-fused-grouped`)."""
+
     def __post_init__(self) -> None:
         SlotShape(self.max_slots, self.max_context, self.max_rows_per_slot)
         if self.buckets and (sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1):
@@ -183,7 +189,8 @@ class ModelRunner:
         self.engram = self._engram_staging(width)
         """The step's Engram rows when an `EngramStore` serves the tables (None: the step looks them up)."""
         self.slot_step = SlotStep(self.model, self.pools, self.config.moe, fused=self.config.compile_fused,
-                                  engram=self.engram, exchange=self.exchange)
+                                  engram=self.engram, exchange=self.exchange,
+                                  group_rows=self.config.max_rows_per_slot if self.config.grouped_attention else 1)
         cuda = pin = self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
         self._staging_np = self._staging.numpy()

@@ -67,6 +67,7 @@ class _Pass:
     """Values the layers of one step share."""
 
     slots: Tensor  # long [B]
+    offsets: Tensor  # long [B]: each row's place among its slot's rows
     positions: Tensor  # long [B]
     rope: dict[str, tuple[Tensor, Tensor]]  # kind -> cos, sin [B, rope_dim / 2]
     block_table: Tensor  # int32 [B, blocks_per_slot]: each row's slot's blocks
@@ -85,11 +86,14 @@ class SlotStep:
     """The captured decode step's computation (module docstring)."""
 
     def __init__(self, model: CEDModel, pools: SlotPools, moe: MoeMode = "auto", fused: bool = True,
-                 engram: EngramStaging | None = None, exchange: FixedCapacityEP | None = None) -> None:
+                 engram: EngramStaging | None = None, exchange: FixedCapacityEP | None = None,
+                 group_rows: int = 1) -> None:
         """`engram`: the static buffer of each step's Engram rows, row b for step row b, filled before
         each step (`cedserve.model.engram_staging`), which the step reads instead of looking rows up
         in the model's tables: required when an `EngramStore` serves them. `exchange`: expert
-        parallelism's fixed-capacity all-to-all (module docstring)."""
+        parallelism's fixed-capacity all-to-all (module docstring). `group_rows` > 1: the sparse
+        attention kernel takes each slot's rows (at most that many) together (`RunnerConfig.
+        grouped_attention`)."""
         config = model.config
         if model.engram_store is not None and engram is None:
             raise ValueError("the model's Engram tables are served by an EngramStore: the slot step needs the "
@@ -106,6 +110,7 @@ class SlotStep:
         """Where the mHC sites run (`kernels.mhc.hc_site`): its two kernels on CUDA, the torch
         reference (the modules' composition) elsewhere; "triton" on CPU under `TRITON_INTERPRET=1`
         (tests/kernels/test_mhc_site.py)."""
+        self.group_rows = group_rows
         self.annotate = False
         """Mark each part of a layer as a profiler range `slot:<part>` (benchmarks/step.py counts the
         kernels each part launches; off in serving: a range costs host time)."""
@@ -150,7 +155,7 @@ class SlotStep:
             positions = pools.position[slots] + offsets
             rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
             ring_slot, windows = self.ops.window_slots(positions, slots, pools.swa_first, pools.window, pools.ring)
-            step = _Pass(slots, positions, rope, pools.block_table[slots],
+            step = _Pass(slots, offsets, positions, rope, pools.block_table[slots],
                          self._engram_rows(token_ids, slots, positions), ring_slot, windows,
                          torch.zeros(token_ids.shape[0], 0, device=self.device))
             streams, pre = self.model._embed(token_ids)
@@ -178,7 +183,7 @@ class SlotStep:
         positions = pools.position[slots] + offsets
         rope = {kind: table.cos_sin(positions) for kind, table in self.ropes.items()}
         ring_slot, windows = self.ops.window_slots(positions, slots, pools.swa_first, pools.window, pools.ring)
-        step = _Pass(slots, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots, positions),
+        step = _Pass(slots, offsets, positions, rope, pools.block_table[slots], self._engram_rows(token_ids, slots, positions),
                      ring_slot, windows, torch.zeros(token_ids.shape[0], 0, device=self.device))
         streams, pre = self.model._embed(token_ids)
         pending: Expansion | None = None
@@ -339,6 +344,9 @@ class SlotStep:
         scale = self.config.head_dim**-0.5
         if not self.kernels:
             return sparse_attention_reference(q, sink, main, topk_slots, swa, window, no_rope, no_rope, scale)
+        if self.group_rows > 1:
+            return sparse_attention(q, sink, main, topk_slots, swa, window, no_rope, no_rope, softmax_scale=scale,
+                                    row_offsets=step.offsets, max_rows=self.group_rows)
         return sparse_attention(q, sink, main, topk_slots, swa, window, no_rope, no_rope, softmax_scale=scale)
 
     # ------------------------------------------------------------------ MoE

@@ -158,6 +158,72 @@ def test_chunked_prefill_equals_decode(gen: torch.Generator, device: torch.devic
     _check(chunk, sparse_attention_reference(q, sink, main, topk, staging, win, cos, sin))
 
 
+def _verify_rows(runs: list[int], starts: list[int], window: int, ring: int, first: list[int],
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """A verify step's rows: run i is `runs[i]` consecutive positions from `starts[i]` of slot i
+    (rings of `ring` records, position p at ring row p % ring, records before `first[i]` gone).
+    Returns (row offsets long [N], window slot lists int32 [N, window]) laid out as the slot step's
+    `window_slots` lays them out: each row's W slots ending at its own position."""
+    offsets, lists = [], []
+    for slot, (rows, start, lo) in enumerate(zip(runs, starts, first, strict=True)):
+        for r in range(rows):
+            keys = torch.arange(start + r - window + 1, start + r + 1)
+            inside = (keys >= 0) & (keys >= lo)
+            lists.append(torch.where(inside, slot * ring + keys.remainder(ring), -1))
+            offsets.append(r)
+    return (torch.tensor(offsets, device=device),
+            torch.stack(lists).to(device=device, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(("splits", "block_n", "heads"), [(1, 16, 4), (3, 16, 4), (None, 32, 3), (2, 16, 16)])
+def test_grouped_rows_equal_row_by_row(splits: int | None, block_n: int, heads: int, gen: torch.Generator,
+                                       device: torch.device) -> None:
+    """A DSpark verify's runs of rows through the grouped kernel (each run's union window decoded
+    once, every row masked to its own W keys; each row's own selected entries) equal the float32
+    reference row by row: runs of 1 to 6 rows (a plain decode row among them), a window not yet
+    full, a ring that dropped its oldest records, rows with few or no selected entries."""
+    dim, window, ring, topk = 64, 9, 16, 20
+    runs, starts, first = [3, 1, 6, 2, 5], [40, 7, 3, 100, 12], [0, 0, 0, 95, 10]
+    offsets, win = _verify_rows(runs, starts, window, ring, first, device)
+    tokens = offsets.shape[0]
+    swa = _records("swa", len(runs) * ring, dim, gen, device)
+    main = _records("main", 3 * topk + 5, dim, gen, device)
+    lengths = torch.randint(0, topk + 1, (tokens,), generator=gen, device=device)
+    lengths[0], lengths[4] = topk, 0
+    topk_slots = _slot_lists(tokens, topk, main.num_slots, gen, device, lengths)
+    q = (torch.randn(tokens, heads, dim, generator=gen, device=device) * 0.5).bfloat16()
+    sink = torch.randn(heads, generator=gen, device=device)
+    cos, sin = _rope_tables(tokens, 8, gen, device)
+    ref = sparse_attention_reference(q, sink, main, topk_slots, swa, win, cos, sin)
+    config = AttentionConfig(num_splits=splits, block_n=block_n)
+    out = torch.full_like(q, float("nan"))
+    sparse_attention(q, sink, main, topk_slots, swa, win, cos, sin, out=out, config=config, impl="triton",
+                     row_offsets=offsets, max_rows=6)
+    _check(out, ref)
+    # the window alone (an SWA-only layer), and the per-row kernel on the same rows
+    alone = torch.full_like(q, float("nan"))
+    sparse_attention(q, sink, None, None, swa, win, cos, sin, out=alone, config=config, impl="triton",
+                     row_offsets=offsets, max_rows=6)
+    _check(alone, sparse_attention_reference(q, sink, None, None, swa, win, cos, sin))
+    per_row = sparse_attention(q, sink, main, topk_slots, swa, win, cos, sin, config=AttentionConfig(block_n=block_n),
+                               impl="triton")
+    _check(per_row, ref)
+
+
+def test_grouped_rows_checks(gen: torch.Generator, device: torch.device) -> None:
+    swa = _records("swa", 4, 64, gen, device)
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device=device)
+    cos = sin = torch.zeros(2, 8, device=device)
+    win = torch.zeros(2, 3, dtype=torch.int32, device=device)
+    sink = torch.zeros(4, device=device)
+    with pytest.raises(ValueError, match="row_offsets must be"):
+        sparse_attention(q, sink, None, None, swa, win, cos, sin, row_offsets=torch.zeros(3, dtype=torch.long,
+                                                                                          device=device), max_rows=2)
+    with pytest.raises(ValueError, match="max_rows"):
+        sparse_attention(q, sink, None, None, swa, win, cos, sin, row_offsets=torch.zeros(2, dtype=torch.long,
+                                                                                          device=device), max_rows=0)
+
+
 def test_launcher_checks(gen: torch.Generator, device: torch.device) -> None:
     swa = _records("swa", 4, 64, gen, device)
     q = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device=device)

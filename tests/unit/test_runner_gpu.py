@@ -100,6 +100,32 @@ def test_slot_step_equals_forward_batch_on_kernels(dtype: str) -> None:
             pair[1] = token
 
 
+def test_grouped_attention_equals_row_by_row() -> None:
+    """`RunnerConfig.grouped_attention`: verify steps (runs of 1 to 6 rows per slot, padded buckets)
+    whose sparse attention takes each slot's rows together give the per-row kernel's logits (both
+    bf16 attention with fp32 accumulation, summed in another order), captured or not."""
+    model = cuda_model()
+    config = RunnerConfig(max_slots=4, max_context=512, max_rows_per_slot=6, buckets=(8, 16, 24))
+    grouped = ModelRunner(model, RunnerConfig(**{**config.__dict__, "grouped_attention": True}))
+    per_row = ModelRunner(model, RunnerConfig(**{**config.__dict__, "cuda_graphs": False}))
+    assert grouped.capture().buckets == (8, 16, 24)
+    seqs = states(model, [9, 40, 130, 200], seed=3)
+    for slot, (state, _) in enumerate(seqs):
+        grouped.load(slot, state)
+        per_row.load(slot, state)
+    gen = torch.Generator().manual_seed(4)
+    for runs in ([6, 1, 3, 2], [1, 1, 1, 1], [5, 6, 6, 6], [2, 0, 4, 1]):
+        slots = [slot for slot, rows in enumerate(runs) for _ in range(rows)]
+        feed = torch.randint(3, 500, (len(slots),), generator=gen).tolist()
+        start = {slot: grouped.position(slot) for slot in set(slots)}
+        got = grouped.step_logits(slots, feed)
+        want = per_row.step_logits(slots, feed)
+        torch.testing.assert_close(got, want, atol=KERNEL_ATOL, rtol=0)
+        for slot, position in start.items():  # every draft rejected but the first row
+            grouped.rewind(slot, position + 1)
+            per_row.rewind(slot, position + 1)
+
+
 @pytest.mark.parametrize("compile_fused", [False, True], ids=["plain", "inductor"])
 def test_decode_engine_runner_on_cuda(compile_fused: bool) -> None:
     """The decode engine on CUDA with `runner = "auto"` (graphs captured at start) against `off`:
