@@ -151,16 +151,30 @@ def _index_scores_kernel(
     HALF: tl.constexpr, HEADS_P2: tl.constexpr, TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
     LIST_MODE: tl.constexpr, CAND_BLOCK: tl.constexpr, WRITE_SCORES: tl.constexpr, WRITE_BLOCK_MAX: tl.constexpr,
     ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, VERSION: tl.constexpr = 4,
-    QSHIFT: tl.constexpr = 64, PREFETCH: tl.constexpr = 0,
+    QSHIFT: tl.constexpr = 64, PREFETCH: tl.constexpr = 0, offsets_ptr=None, RUNS: tl.constexpr = False,
 ):
-    """Program (group of TOKENS tokens, span of TILES x BLOCK_T entries)."""
+    """Program (group of TOKENS tokens, span of TILES x BLOCK_T entries). `RUNS`: program axis 0 is a
+    token n instead, and the group is the run of consecutive rows starting at n (`offsets[n] == 0`
+    and the next rows' offsets 1, 2, ..., at most TOKENS of them: one request's verify rows); a
+    program whose token does not start a run does nothing."""
     QR: tl.constexpr = TOKENS * HEADS_P2  # query rows of the group: token-major, heads padded
-    g = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
+    if RUNS:
+        base = tl.program_id(0).to(tl.int64)
+    else:
+        base = tl.program_id(0).to(tl.int64) * TOKENS
+    g = base + tl.arange(0, TOKENS)  # [TOKENS]
     g_ok = g < num_tokens
     r = tl.arange(0, QR)
-    n_r = tl.program_id(0).to(tl.int64) * TOKENS + r // HEADS_P2
+    n_r = base + r // HEADS_P2
     h_r = r % HEADS_P2
     r_ok = (n_r < num_tokens) & (h_r < num_heads)
+    span = TILES
+    if RUNS:  # (offsets loaded as tensors: the interpreter takes no scalar & tensor as a mask)
+        g_ok = g_ok & (tl.load(offsets_ptr + g, mask=g_ok, other=-1) == tl.arange(0, TOKENS))
+        g_ok = g_ok & (tl.load(offsets_ptr + base + 0 * g) == 0)
+        r_ok = r_ok & (tl.load(offsets_ptr + n_r, mask=n_r < num_tokens, other=-1) == r // HEADS_P2)
+        r_ok = r_ok & (tl.load(offsets_ptr + base + 0 * r) == 0)
+        span = tl.where(tl.load(offsets_ptr + base) == 0, TILES, 0)
     q_row = q_ptr + n_r[:, None] * q_stride_n + h_r[:, None] * q_stride_h
     if VERSION == 4:
         NW: tl.constexpr = HALF // 4  # 32-bit code words per record
@@ -178,14 +192,14 @@ def _index_scores_kernel(
             q_hi = q_hi.to(tl.float32)
     w = tl.load(w_ptr + n_r * w_stride_n + h_r, mask=r_ok, other=0.0).to(tl.float32) * scale  # [QR]
     visible = tl.load(visible_ptr + g, mask=g_ok, other=0)  # [TOKENS]
-    req = tl.load(token_req_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
+    req = tl.load(token_req_ptr + base).to(tl.int64)
 
     first = tl.program_id(1) * TILES
     if PREFETCH:  # the next tile's slots (list entries, block ids) are loaded a tile ahead
         n_t, n_t_ok, n_entry, n_ok, n_rec = _tile_records(
             first, g, req, entries_ptr, entries_stride, num_entries, block_table_ptr, bt_stride, max_blocks,
             num_blocks, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes, BLOCK_T, LIST_MODE)
-    for tile in range(TILES):
+    for tile in range(span):
         if PREFETCH:
             t, t_ok, entry, ok, rec = n_t, n_t_ok, n_entry, n_ok, n_rec
             n_t, n_t_ok, n_entry, n_ok, n_rec = _tile_records(

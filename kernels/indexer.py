@@ -206,7 +206,8 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
                  width: int | None = None, block_max: int | None = None, write_scores: bool = True,
                  softmax_scale: float | None = None, out: Tensor | None = None, maxima_out: Tensor | None = None,
                  tokens_per_request: int = 1, config: IndexConfig | None = None,
-                 impl: Impl = "auto") -> tuple[Tensor | None, Tensor | None]:
+                 impl: Impl = "auto", row_offsets: Tensor | None = None,
+                 max_rows: int = 1) -> tuple[Tensor | None, Tensor | None]:
     """Index scores of `q [N, H, d]` (bf16) with head weights `weights [N, H]`.
 
     List mode (`entries [N, T]` int, -1 = none): scores `[N, T]`. Range mode (`width`): scores of
@@ -217,8 +218,22 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
 
     `tokens_per_request=G` (range mode): the tokens come in consecutive groups of G that share one
     request (`token_req` equal within a group: a prefill chunk, speculative drafts); the kernel then
-    decodes each key tile once per group and scores it against the G x H queries in one MMA."""
+    decodes each key tile once per group and scores it against the G x H queries in one MMA.
+    `row_offsets` (int `[N]`, with `max_rows` > 1; range mode): the same for groups of varying
+    length, up to `max_rows`: each row's place in its run of one request's consecutive rows (0
+    starts a run; a DSpark verify's rows, which a step mixes with single decode rows). The Triton
+    kernel takes a run per program (while a run's rows x heads fit 256 query rows); the scores are
+    the same either way."""
     _check_scores(q, weights, keys)
+    # runs of rows share a program while their queries fit one tile (256 rows); else a program a row
+    runs = (row_offsets is not None and max_rows > 1 and entries is None
+            and next_power_of_2(max_rows) * max(8, next_power_of_2(q.shape[1])) <= 256)
+    if row_offsets is not None:
+        check_tensor(row_offsets, "index_scores: row_offsets", dtypes=_INTS, dim=1)
+        if row_offsets.shape[0] != q.shape[0] or row_offsets.device != q.device:
+            raise ValueError(f"index_scores: row_offsets must be [{q.shape[0]}] on {q.device}")
+        if tokens_per_request != 1:
+            raise ValueError("index_scores: give tokens_per_request or row_offsets, not both")
     if tokens_per_request < 1 or q.shape[0] % tokens_per_request:
         raise ValueError(f"index_scores: tokens_per_request must divide the {q.shape[0]} tokens, got "
                          f"{tokens_per_request}")
@@ -258,6 +273,8 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     if tokens == 0 or num == 0:
         return out, maxima_out
     why_not = _gluon_scan_unsupported(q, keys, entries, cand, tokens_per_request)
+    if runs:
+        why_not = "it takes one token per program (row_offsets: runs of rows)"
     kernel = config.kernel if config is not None else None
     if kernel is None:  # Gluon where it runs, unless Triton-only launch fields were given
         triton_fields = config is not None and any(
@@ -272,10 +289,12 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         _launch_gluon(q, weights, keys, num, cand, write, block_max is not None, scores, maxima, softmax_scale, config)
         return out, maxima_out
     cfg = (config or IndexConfig()).resolve(cand, q.shape[2])
-    group = tokens_per_request
+    group = next_power_of_2(max_rows) if runs else tokens_per_request
+    programs = tokens if runs else tokens // group  # (runs: a program per row, those not starting one idle)
+    busy = tokens // max_rows if runs else programs  # the programs that scan when every run is max_rows long
     heads_p2 = max(16 if group == 1 else 8, next_power_of_2(heads))
     if group * heads_p2 > 256:
-        raise ValueError(f"index_scores: tokens_per_request x heads must be <= 256, got {group} x {heads_p2}")
+        raise ValueError(f"index_scores: rows per group x heads must be <= 256, got {group} x {heads_p2}")
     assert cfg.block_t and cfg.tiles and cfg.num_warps and cfg.num_stages
     block_t = cfg.block_t
     # tiles per program (the group's queries are loaded once per span), a power of two: TILES is a
@@ -283,11 +302,11 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
     tiles = min(cfg.tiles, 1 << (cdiv(num, block_t).bit_length() - 1)) if num else 1
     if config is None or config.tiles is None:  # keep >= 2 programs per SM where the work allows (at
         # batch 1, a 4,096-entry list: 32 programs of one tile instead of 8 of 4)
-        while tiles > 1 and (tokens // group) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
+        while tiles > 1 and max(1, busy) * cdiv(num, block_t * tiles) < 2 * num_sms(device):
             tiles //= 2
     entries_arg = entries if entries is not None else keys.visible
     rec = keys.records
-    k._index_scores_kernel[(tokens // group, cdiv(num, block_t * tiles))](
+    k._index_scores_kernel[(programs, cdiv(num, block_t * tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0),
         rec.storage, rec.num_blocks, rec.offset_bytes, rec.slots_per_block, rec.slot_stride_bytes,
         rec.block_stride_bytes,
@@ -298,7 +317,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         HALF=dim // 2, HEADS_P2=heads_p2, TOKENS=group, BLOCK_T=block_t, TILES=tiles,
         LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
         ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(), VERSION=cfg.version,
-        PREFETCH=cfg.prefetch or 0,
+        PREFETCH=cfg.prefetch or 0, offsets_ptr=row_offsets if runs else keys.visible, RUNS=runs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, maxima_out
@@ -528,11 +547,12 @@ def _pool_entries(blocks: Tensor, visible: Tensor, block_size: int) -> Tensor:
 def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width: int,
                candidates: Tensor | None = None, candidate_blocks: int | None = None, candidate_block_size: int = 8,
                softmax_scale: float | None = None, tokens_per_request: int = 1, config: IndexConfig | None = None,
-               impl: Impl = "auto") -> IndexSelection:
+               impl: Impl = "auto", row_offsets: Tensor | None = None, max_rows: int = 1) -> IndexSelection:
     """Each token's top-`topk` entries among `[0, width)` (`width` >= every token's visible
     count; a host int so nothing syncs), in the mode the arguments select (module docstring).
-    `tokens_per_request` as in :func:`index_scores` (the full scan reads each key once per group);
-    `config` launches every scoring pass (the benchmark times scan versions in the step)."""
+    `tokens_per_request`, or `row_offsets` and `max_rows`, as in :func:`index_scores` (the full
+    scan reads each key once per group); `config` launches every scoring pass (the benchmark times
+    scan versions in the step)."""
     if candidates is not None:  # Reindex: inside the pool
         scores, _ = index_scores(q, weights, keys, entries=candidates, softmax_scale=softmax_scale, config=config,
                                  impl=impl)
@@ -540,7 +560,7 @@ def index_topk(q: Tensor, weights: Tensor, keys: IndexKeys, *, topk: int, width:
         return IndexSelection(topk_entries(scores, topk, candidates), None)
     _, maxima = index_scores(q, weights, keys, width=width, block_max=candidate_block_size, write_scores=False,
                              softmax_scale=softmax_scale, tokens_per_request=tokens_per_request, config=config,
-                             impl=impl)
+                             impl=impl, row_offsets=row_offsets, max_rows=max_rows)
     assert maxima is not None
     # exact top-k through the top-k blocks (unpinned: this list is not the published pool)
     pool = None

@@ -117,20 +117,23 @@ def enable_paged_attention(model: CEDModel, mode: str, field_name: str, cpu_auto
 
 
 def layer_topk(config: ModelConfig, layer_id: int, q: Tensor, weights: Tensor, keys: IndexKeys, width: int,
-               pool: Tensor | None, impl: Impl) -> IndexSelection:
+               pool: Tensor | None, impl: Impl, row_offsets: Tensor | None = None, max_rows: int = 1) -> IndexSelection:
     """Index source `layer_id`'s picks by the two-level rules: the candidate source picks over every
     visible entry and publishes its pool (`IndexSelection.candidates`), later sources pick inside
     `pool` (when one exists), others over every visible entry. `q` is cast to bf16 (FP4-quantized
-    queries are exact in it)."""
+    queries are exact in it). `row_offsets`, `max_rows`: the rows' runs of one request, for the
+    scans over every visible entry (`cedserve.kernels.indexer.index_scores`)."""
     q = q.to(torch.bfloat16)
     cand = config.candidate_source_layer_id
     if layer_id == cand and config.has_candidate_pool:
         return index_topk(q, weights, keys, topk=config.index_topk, width=width,
                           candidate_blocks=config.candidate_topk_blocks,
-                          candidate_block_size=config.candidate_block_size, impl=impl)
+                          candidate_block_size=config.candidate_block_size, impl=impl, row_offsets=row_offsets,
+                          max_rows=max_rows)
     if cand is not None and 0 <= cand < layer_id and pool is not None:
         return index_topk(q, weights, keys, topk=config.index_topk, width=width, candidates=pool, impl=impl)
-    return index_topk(q, weights, keys, topk=config.index_topk, width=width, impl=impl)
+    return index_topk(q, weights, keys, topk=config.index_topk, width=width, impl=impl, row_offsets=row_offsets,
+                      max_rows=max_rows)
 
 
 @dataclass

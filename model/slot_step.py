@@ -92,8 +92,8 @@ class SlotStep:
         each step (`cedserve.model.engram_staging`), which the step reads instead of looking rows up
         in the model's tables: required when an `EngramStore` serves them. `exchange`: expert
         parallelism's fixed-capacity all-to-all (module docstring). `group_rows` > 1: the sparse
-        attention kernel takes each slot's rows (at most that many) together (`RunnerConfig.
-        grouped_attention`)."""
+        attention and the index scan take each slot's rows (at most that many) together
+        (`RunnerConfig.grouped_attention`)."""
         config = model.config
         if model.engram_store is not None and engram is None:
             raise ValueError("the model's Engram tables are served by an EngramStore: the slot step needs the "
@@ -321,7 +321,8 @@ class SlotStep:
         keys = IndexKeys(pools.records(kv_layer, "index"), pools.block_table, step.slots, step.visible[ratio])
         width = pools.max_entries(kv_layer)
         impl: Impl = "auto" if self.kernels else "torch"
-        selection = layer_topk(config, layer_id, q, weights, keys, width, step.pool, impl)
+        runs = step.offsets if self.group_rows > 1 else None
+        selection = layer_topk(config, layer_id, q, weights, keys, width, step.pool, impl, runs, self.group_rows)
         if selection.candidates is not None:
             step.pool = selection.candidates
         step.selections[layer_id] = selection.entries

@@ -161,6 +161,38 @@ def test_scores_tokens_per_request(group: int, heads: int, gen: torch.Generator,
     _assert_scores(maxima, ref_maxima)
 
 
+@pytest.mark.parametrize(("heads", "max_rows", "tiles"), [(4, 6, 2), (32, 3, 1)])
+def test_scores_runs_of_rows(heads: int, max_rows: int, tiles: int, gen: torch.Generator,
+                             device: torch.device) -> None:
+    # a verify step's rows: runs of 1 .. max_rows consecutive rows of one request (a plain decode
+    # row among them), each run scanned by one program; every row keeps its own visible count
+    width, dim = 300, 64
+    runs = [r for r in (max_rows, 1, 2, max_rows, 1) if r <= max_rows]
+    tokens = sum(runs)
+    keys = _keys(requests=len(runs), tokens=tokens, dim=dim, entries_per_block=16, blocks_per_req=19,
+                 max_visible=width, gen=gen, device=device)
+    req = torch.tensor([i for i, r in enumerate(runs) for _ in range(r)], device=device).int()
+    offsets = torch.tensor([o for r in runs for o in range(r)], device=device)
+    keys = IndexKeys(keys.records, keys.block_table, req, keys.visible)
+    q, w = _queries(tokens, heads, dim, gen, device)
+    scores = torch.full((tokens, width), float("nan"), device=device)
+    maxima = torch.full((tokens, -(-width // 8)), float("nan"), device=device)
+    index_scores(q, w, keys, width=width, block_max=8, out=scores, maxima_out=maxima, row_offsets=offsets,
+                 max_rows=max_rows, config=IndexConfig(tiles=tiles), impl="triton")
+    ref_scores, ref_maxima = index_scores(q, w, keys, width=width, block_max=8, impl="torch")
+    magnitude, _ = index_scores(q, w.abs(), keys, width=width, impl="torch")
+    assert ref_scores is not None and ref_maxima is not None and magnitude is not None
+    _assert_scores(scores, ref_scores, magnitude)
+    _assert_scores(maxima, ref_maxima)
+    # the two-level top-k through the runs: the same picks as the reference
+    sel = index_topk(q, w, keys, topk=12, width=width, candidate_blocks=5, row_offsets=offsets, max_rows=max_rows,
+                     impl="triton")
+    ref, dense = index_topk_reference(q, w, keys, topk=12, width=width, candidate_blocks=5)
+    _assert_selection(sel.entries, ref.entries, dense)
+    with pytest.raises(ValueError, match="not both"):
+        index_scores(q, w, keys, width=width, row_offsets=offsets, max_rows=max_rows, tokens_per_request=2)
+
+
 @pytest.mark.parametrize("mode", ["full", "candidate", "candidate wide pool", "reindex"])
 def test_two_level_topk(mode: str, gen: torch.Generator, device: torch.device,
                         monkeypatch: pytest.MonkeyPatch) -> None:
