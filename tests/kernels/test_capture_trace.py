@@ -172,3 +172,37 @@ def test_prefill_runner_chunk_is_the_same_graph_for_other_inputs() -> None:
         traces.append(recorded)
     assert len(traces[0].ops) > 500 and any(op.name.startswith("triton.") for op in traces[0].ops)
     assert compare(traces[0], traces[1]) is None, compare(traces[0], traces[1])
+
+
+@pytest.mark.slow
+def test_grouped_rows_step_equals_per_row_and_is_graph_safe() -> None:
+    """`RunnerConfig.grouped_attention` on the runner's CUDA branches (on a CPU: forced, the kernels
+    interpreted): a verify step whose slots feed runs of 6, 1, 3 and 2 rows gives the per-row
+    step's logits (the grouped sparse attention and index scan sum in another order: bf16 outputs
+    that may differ by an ulp), and two staged inputs of one bucket with other runs trace the same
+    graph."""
+    model, _ = tiny_on_device()
+    gen = torch.Generator().manual_seed(5)
+    config = RunnerConfig(max_slots=4, max_context=512, max_rows_per_slot=6, buckets=(8, 16))
+    grouped = ModelRunner(model, RunnerConfig(**{**config.__dict__, "grouped_attention": True}))
+    per_row = ModelRunner(model, config)
+    assert grouped.slot_step.group_rows == 6 and per_row.slot_step.group_rows == 1
+    for slot, length in enumerate([9, 40, 130, 200]):
+        state = model.new_state()
+        model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
+        grouped.load(slot, state)
+        per_row.load(slot, state)
+    if not CUDA:
+        for runner in (grouped, per_row):
+            runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+    slots = [s for s, rows in enumerate([6, 1, 3, 2]) for _ in range(rows)]
+    feed = torch.randint(3, 500, (len(slots),), generator=gen).tolist()
+    start = {s: grouped.position(s) for s in set(slots)}
+    got, want = grouped.step_logits(slots, feed), per_row.step_logits(slots, feed)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    for slot, position in start.items():
+        grouped.rewind(slot, position)
+    greedy = [SamplingParams(temperature=0.0)]
+    first = staged_step(grouped, slots, feed, greedy * len(slots), bucket=16)
+    second = staged_step(grouped, [0, 1, 1, 1, 1, 1, 2, 3, 3], feed[:9], greedy * 9, bucket=16)
+    assert compare(first, second) is None, compare(first, second)
