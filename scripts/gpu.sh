@@ -12,7 +12,7 @@
 #                   then the released attention geometry at 64K x 32, its weights in float32 and in
 #                   bfloat16 side by side (issue 28; RELEASED_DTYPES, STEP_DTYPES: step.py --dtypes)
 #                                   decode-step-<gpu>.json, decode-step-<gpu>-released.json, step.log
-#                                                                                 STEP_S=220 RELEASED_S=220
+#                                                                                 STEP_S=220 RELEASED_S=220  (RELEASED_S=0: no released cells)
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
 #                                   decode-engine-<gpu>.json, engine.log                       ENGINE_S=120
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
@@ -240,6 +240,7 @@ part_step() {
   timeout "${STEP_S:-220}" "$PY" -P benchmarks/step.py ${STEP_CELLS:---contexts 4096 65536 --batches 1 32 --rows 1 6} --steps 5 \
     --warmup 3 --paths ${STEP_PATHS:-eager graph graph-fused} --dtypes ${STEP_DTYPES:-float32} \
     --out "$OUT/decode-step-$GPU_TAG.json" 2>&1 | quiet | tee "$OUT/step.log"
+  [ "${RELEASED_S:-220}" = 0 ] && return 0  # (timeout 0 would mean no limit: 0 skips the released cells)
   timeout "${RELEASED_S:-220}" "$PY" -P benchmarks/step.py --released-attention yes --contexts 65536 \
     --batches 32 --steps 5 --warmup 3 --paths ${RELEASED_PATHS:-${STEP_PATHS:-eager graph graph-fused}} \
     --dtypes ${RELEASED_DTYPES:-float32 bfloat16} \
