@@ -56,8 +56,10 @@ from cedserve.kernels.triton_support import (
 )
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
-_GROUPED_MAX_HEADS = 16
-"""The grouped kernel holds every head of a run's rows in one tile (runs of 8 x 16 heads: 128 rows)."""
+_GROUPED_MAX_ROWS = 64
+"""The grouped kernel holds every head of a run's rows as the M rows of one tile, with a `[M, D]`
+float32 accumulator in registers: at most 64 (heads and run length each padded to a power of two;
+mini-40's 4 heads take runs of up to 16 rows). Larger products run row by row."""
 
 
 def _merge_heads(splits: int, dim: int, cap: int = 16) -> int:
@@ -242,7 +244,8 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
     `max_rows` rows a run), and each row's window list is the W ring slots ending at its own
     position (as the slot step's `window_slots` builds them). Then a run is one program of the
     grouped kernel (`_grouped_attention_kernel`: the run's windows decoded once, not once per row)
-    where it applies (the Triton kernel, at most 16 heads); the result is the same either way."""
+    where it applies (the Triton kernel, heads x run length at most 64 once each is padded to a power
+    of two); the result is the same either way."""
     _check_inputs(q, sink, main, topk_slots, swa, window_slots, cos, sin)
     tokens, heads, dim = q.shape
     if row_offsets is not None:
@@ -279,7 +282,8 @@ def sparse_attention(q: Tensor, sink: Tensor, main: PagedRecords | None, topk_sl
                      dim**-0.5 if softmax_scale is None else softmax_scale)
     config = config or AttentionConfig()
     keys = max(num_topk, num_win)
-    if row_offsets is not None and max_rows > 1 and heads <= _GROUPED_MAX_HEADS and config.kernel != "gluon":
+    grouped = next_power_of_2(heads) * next_power_of_2(max_rows) <= _GROUPED_MAX_ROWS
+    if row_offsets is not None and max_rows > 1 and grouped and config.kernel != "gluon":
         launch.run_grouped(config, row_offsets, max_rows)
         return out
     if not config.auto:

@@ -92,7 +92,7 @@ class RunnerConfig:
 
     grouped_attention: bool = False
     """On CUDA, attend each slot's rows of a step together (`sparse_attention`'s `row_offsets`: a
-    DSpark verify's windows decoded once per request, not once per row; models of at most 16 heads)
+    DSpark verify's windows decoded once per request, not once per row; heads x rows per slot <= 64)
     and scan its index keys once for them (`index_scores`' `row_offsets`).
     Off: not yet measured against the per-row kernel on a GPU (`benchmarks/step.py --paths
     graph-fused-grouped`)."""

@@ -175,13 +175,20 @@ def _verify_rows(runs: list[int], starts: list[int], window: int, ring: int, fir
             torch.stack(lists).to(device=device, dtype=torch.int32))
 
 
-@pytest.mark.parametrize(("splits", "block_n", "heads"), [(1, 16, 4), (3, 16, 4), (None, 32, 3), (2, 16, 16)])
+@pytest.mark.parametrize(("splits", "block_n", "heads"), [(1, 16, 4), (3, 16, 4), (None, 32, 3), (2, 16, 8),
+                                                          (1, 16, 16)])
 def test_grouped_rows_equal_row_by_row(splits: int | None, block_n: int, heads: int, gen: torch.Generator,
-                                       device: torch.device) -> None:
+                                       device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A DSpark verify's runs of rows through the grouped kernel (each run's union window decoded
     once, every row masked to its own W keys; each row's own selected entries) equal the float32
     reference row by row: runs of 1 to 6 rows (a plain decode row among them), a window not yet
-    full, a ring that dropped its oldest records, rows with few or no selected entries."""
+    full, a ring that dropped its oldest records, rows with few or no selected entries. 16 heads x
+    runs of 6 (8) exceed the grouped tile's 64 rows: those go row by row, with the same result."""
+    import cedserve.kernels.sparse_attention as sa
+
+    launches: list[int] = []
+    grouped_run = sa._Launch.run_grouped
+    monkeypatch.setattr(sa._Launch, "run_grouped", lambda self, *a: launches.append(1) or grouped_run(self, *a))
     dim, window, ring, topk = 64, 9, 16, 20
     runs, starts, first = [3, 1, 6, 2, 5], [40, 7, 3, 100, 12], [0, 0, 0, 95, 10]
     offsets, win = _verify_rows(runs, starts, window, ring, first, device)
@@ -200,6 +207,7 @@ def test_grouped_rows_equal_row_by_row(splits: int | None, block_n: int, heads: 
     sparse_attention(q, sink, main, topk_slots, swa, win, cos, sin, out=out, config=config, impl="triton",
                      row_offsets=offsets, max_rows=6)
     _check(out, ref)
+    assert len(launches) == (0 if heads > 8 else 1)
     # the window alone (an SWA-only layer), and the per-row kernel on the same rows
     alone = torch.full_like(q, float("nan"))
     sparse_attention(q, sink, None, None, swa, win, cos, sin, out=alone, config=config, impl="triton",
