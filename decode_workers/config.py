@@ -147,6 +147,12 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compressor's ring writes out of the compiled graph; benchmarks/step.py's disagreement with
     forward_batch, which the plain graphs shared, was top-k ties in its random-weight states) and
     while its cold start took longer than `cedserve serve` waited (now 600 s on CUDA)."""
+    grouped_attention: bool = False
+    """With the runner on CUDA: the sparse attention and the index scan take a request's verify rows
+    together (`RunnerConfig.grouped_attention`: its window decoded and its index keys scanned once per
+    request instead of once per row; models of up to 64 heads x rows per slot, padded to powers of
+    two, else row by row). The same results as row by row (tests/kernels/test_capture_trace.py);
+    off until a GPU measures it (`benchmarks/step.py --paths graph-fused graph-fused-grouped`)."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
     set for the worker process when the engine starts): a model held in float32 (`[model] dtype`, the

@@ -450,7 +450,7 @@ class DecodeEngine:
                 book = SlotBook.create(self.model, self.cache.pool.storage, self.layout,
                                        self.config.max_running_requests, max_context, max_drafts,
                                        self.config.cuda_graphs, self.config.compile_fused, self.metrics,
-                                       self._runner_exchange)
+                                       self._runner_exchange, self.config.grouped_attention)
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:

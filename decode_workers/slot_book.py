@@ -69,12 +69,15 @@ class SlotBook:
     def create(model: CEDModel, storage: Tensor, layout: BlockLayout, max_slots: int, max_context: int,
                max_drafts: int, cuda_graphs: bool, compile_fused: bool = False,
                metrics: DecodeMetrics | None = None,
-               exchange: Callable[[int], FixedCapacityEP | None] | None = None) -> SlotBook:
+               exchange: Callable[[int], FixedCapacityEP | None] | None = None,
+               grouped_attention: bool = False) -> SlotBook:
         """A runner whose slots take a step's carried tokens (up to `max_drafts` accepted last step),
         the anchor and `max_drafts` drafts: `2 x max_drafts + 1` rows. `exchange(max_rows)`: the
-        group's fixed-capacity exchange for that many rows per rank (expert parallelism), or None."""
+        group's fixed-capacity exchange for that many rows per rank (expert parallelism), or None.
+        `grouped_attention`: `DecodeConfig.grouped_attention`."""
         config = RunnerConfig(max_slots=max_slots, max_context=max_context, max_rows_per_slot=2 * max_drafts + 1,
-                              cuda_graphs=cuda_graphs, compile_fused=compile_fused and storage.is_cuda)
+                              cuda_graphs=cuda_graphs, compile_fused=compile_fused and storage.is_cuda,
+                              grouped_attention=grouped_attention and storage.is_cuda)
         group = exchange(config.bucket_sizes[-1]) if exchange is not None else None
         return SlotBook(ModelRunner(model, config, storage=storage, layout=layout, exchange=group), metrics)
 
