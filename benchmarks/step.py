@@ -175,39 +175,67 @@ def profile(run: Callable[[], None], steps: int) -> dict[str, Any]:
 
 def part_profile(runner: ModelRunner, run: Callable[[], None]) -> list[dict[str, Any]]:
     """Kernels launched and device ms per part of a layer (`SlotStep.annotate`'s ranges, summed over the
-    layers) in one eager step of `runner`: which chains a fusion would pay for. A kernel is paired with
-    its launch by order (one stream, eager), so device ms are given only when the counts agree."""
-    import bisect
-
+    layers) in one eager step of `runner` (its graphs set aside): which chains a fusion would pay for,
+    and which kernels a part's time goes to (`attribute_kernels`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     runner.slot_step.annotate = True
     try:
-        run()
-        sync()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with runner.uncaptured():
             run()
             sync()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run()
+                sync()
     finally:
         runner.slot_step.annotate = False
     events = prof.events()
-    parts = sorted((e.time_range.start, e.time_range.end, e.name[5:]) for e in events if e.name.startswith("slot:"))
-    launches = sorted(e.time_range.start for e in events
-                      if e.device_type == torch.autograd.DeviceType.CPU and "LaunchKernel" in e.name)
-    kernels = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
-    paired = len(kernels) == len(launches)
-    starts = [p[0] for p in parts]
-    table: dict[str, list[float]] = {}
-    for i, at in enumerate(launches):
-        k = bisect.bisect_right(starts, at) - 1
-        name = parts[k][2] if k >= 0 and at <= parts[k][1] else "(outside)"
-        entry = table.setdefault(name, [0.0, 0.0])
+    cpu = torch.autograd.DeviceType.CPU
+    parts = [(e.time_range.start, e.time_range.end, e.name[5:]) for e in events if e.name.startswith("slot:")]
+    # a kernel's id is its launch's CUDA correlation id; its linked id, the op or range it ran under
+    launched = {e.id: e.time_range.start for e in events if e.device_type == cpu and "LaunchKernel" in e.name}
+    ops = {e.id: e.time_range.start for e in events if e.device_type == cpu and "LaunchKernel" not in e.name}
+    kernels = []
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            at = launched.get(e.id, ops.get(getattr(e, "linked_correlation_id", 0)))
+            kernels.append((at, e.name, e.time_range.elapsed_us()))
+    return attribute_kernels(parts, kernels)
+
+
+def attribute_kernels(parts: list[tuple[float, float, str]], kernels: list[tuple[float | None, str, float]],
+                      top: int = 4) -> list[dict[str, Any]]:
+    """Each kernel `(launch time, name, us)` to the part whose range `(start, end, name)` holds its
+    launch ("(outside)" when none does, "(unlinked)" when its launch was not found): per part the
+    kernels, their ms and the `top` kernels by ms, most kernels first. (Nested ranges: the
+    innermost, the latest-starting one that holds the launch.)"""
+    import bisect
+
+    ordered = sorted(parts)
+    starts = [p[0] for p in ordered]
+    table: dict[str, dict[str, list[float]]] = {}
+    for at, name, us in kernels:
+        part = "(unlinked)"
+        if at is not None:
+            part = "(outside)"
+            k = bisect.bisect_right(starts, at) - 1
+            while k >= 0:
+                if at <= ordered[k][1]:
+                    part = ordered[k][2]
+                    break
+                k -= 1
+        entry = table.setdefault(part, {}).setdefault(name[:80], [0.0, 0.0])
         entry[0] += 1
-        entry[1] += kernels[i][1] / 1000 if paired else 0.0
-    return [{"part": n, "kernels": int(c), "ms": round(ms, 3) if paired else None}
-            for n, (c, ms) in sorted(table.items(), key=lambda kv: -kv[1][0])]
+        entry[1] += us / 1000
+    rows = []
+    for part, by_name in table.items():
+        count = sum(c for c, _ in by_name.values())
+        ms = sum(t for _, t in by_name.values())
+        heavy = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+        rows.append({"part": part, "kernels": int(count), "ms": round(ms, 3),
+                     "top": [{"name": n, "kernels": int(c), "ms": round(t, 3)} for n, (c, t) in heavy]})
+    return sorted(rows, key=lambda r: (-r["kernels"], r["part"]))
 
 
 def sync_sites(run: Callable[[], None]) -> list[str]:
@@ -346,13 +374,17 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
               args: argparse.Namespace, log: Callable[[str], None], cells: list[dict[str, Any]],
               dtype: str = "float32") -> None:
     """Time `slot_step` on `runner` replaying its CUDA graphs (captured at its first cell)."""
+    for slot in range(batch):
+        runner.load(slot, base)
+    parts = part_profile(runner, lambda: slot_step(runner=runner))
+    log(f"{path} {context}x{batch}x{rows}: kernels per part (eager step, all layers): " + "; ".join(
+        f"{p['part']} {p['kernels']} ({p['ms']:.2f} ms)" for p in parts))
+    heavy = sorted(((k["ms"], p["part"], k["name"], k["kernels"]) for p in parts for k in p["top"]), reverse=True)[:6]
+    log("  heaviest: " + "; ".join(f"{part}: {kname[:48]} x{count} {ms:.2f} ms" for ms, part, kname, count in heavy))
+    PARTS[f"{name} {context}x{batch}x{rows} {path}"] = parts
     if not runner.graphs_captured:
         sites = sync_sites(lambda: slot_step(runner=runner))
         log(f"{path}: runner eager step: {len(sites)} synchronising sites: {sites[:20]}")
-        parts = part_profile(runner, lambda: slot_step(runner=runner))
-        log(f"{path}: kernels per part (eager step, all layers): " + "; ".join(
-            f"{p['part']} {p['kernels']}" + (f" ({p['ms']:.2f} ms)" if p["ms"] is not None else "") for p in parts))
-        PARTS[f"{name} {context}x{batch}x{rows} {path}"] = parts
         capture_start = time.perf_counter()
         report = runner.capture()
         log(f"{path}: captured buckets {report.buckets} in {time.perf_counter() - capture_start:.1f} s "

@@ -1,0 +1,35 @@
+"""`benchmarks/step.py`'s attribution of a profiled step's kernels to the parts of a layer: each kernel
+to the range that held its launch (found by correlation id in the profiled run, which needs a GPU;
+pairing by order broke when a part's launches and kernels did not count alike)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import step
+
+pytestmark = pytest.mark.unit
+
+
+def test_kernels_go_to_the_range_that_launched_them() -> None:
+    # two layers' "moe" and "attend" ranges, a nested "select" inside the second "attend"
+    parts = [(0.0, 10.0, "attend"), (10.0, 20.0, "moe"), (20.0, 40.0, "attend"), (25.0, 30.0, "select"),
+             (40.0, 50.0, "moe")]
+    kernels: list[tuple[float | None, str, float]] = [
+        (2.0, "attn", 5.0), (12.0, "gemm", 20.0), (21.0, "attn", 7.0), (26.0, "topk", 3.0), (31.0, "attn", 1.0),
+        (45.0, "gemm", 30.0), (60.0, "sample", 2.0), (13.0, "bmm", 4.0), (None, "orphan", 1.0)]
+    rows = {r["part"]: r for r in step.attribute_kernels(parts, kernels, top=2)}
+    assert set(rows) == {"attend", "moe", "select", "(outside)", "(unlinked)"}
+    assert rows["attend"]["kernels"] == 3 and rows["attend"]["ms"] == pytest.approx(0.013)
+    assert rows["attend"]["top"] == [{"name": "attn", "kernels": 3, "ms": pytest.approx(0.013)}]
+    assert rows["moe"]["kernels"] == 3 and rows["moe"]["ms"] == pytest.approx(0.054)
+    assert [k["name"] for k in rows["moe"]["top"]] == ["gemm", "bmm"]  # heaviest first, at most `top`
+    assert rows["select"]["kernels"] == 1 and rows["select"]["top"][0]["name"] == "topk"  # the inner range
+    assert rows["(outside)"]["top"][0]["name"] == "sample"
+    assert rows["(unlinked)"]["top"][0]["name"] == "orphan"
+    order = [r["part"] for r in step.attribute_kernels(parts, kernels)]
+    assert order[:2] == ["attend", "moe"]  # most kernels first, ties by name
