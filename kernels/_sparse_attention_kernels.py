@@ -147,7 +147,13 @@ def _logits(q_lo, q_hi, k_lo, k_hi, s, DOT_F32: tl.constexpr):
 @triton.jit
 def _softmax_step(s, ok, m_i, l_i, sm_scale_log2):
     """Online softmax over one tile's logits `s [BLOCK_H, BLOCK_N]`: (p, alpha, m, l)."""
-    s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))
+    return _masked_softmax_step(s, ok[None, :], m_i, l_i, sm_scale_log2)
+
+
+@triton.jit
+def _masked_softmax_step(s, keep, m_i, l_i, sm_scale_log2):
+    """`_softmax_step` with a mask per logit, `keep [BLOCK_H, BLOCK_N]` (or broadcast to it)."""
+    s = tl.where(keep, s * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -438,12 +444,7 @@ def _grouped_attention_kernel(
             codes, scales = _load_main(main_ptr, rec, ok, 0, D, C)
             k_lo, k_hi = _decode_main(codes, scales, BLOCK_N, C, HW_CVT)
             s = _logits(q_lo, q_hi, k_lo, k_hi, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
-            keep = ok[None, :] & (r_m == r)[:, None]
-            s = tl.where(keep, s * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            m_i, l_i = m_new, l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_i, l_i = _masked_softmax_step(s, ok[None, :] & (r_m == r)[:, None], m_i, l_i, sm_scale_log2)
             acc_lo, acc_hi = _accumulate(p, alpha, k_lo, k_hi, acc_lo, acc_hi, DOT_F32)
 
     if HAS_SWA:
@@ -465,11 +466,7 @@ def _grouped_attention_kernel(
             s = _logits(q_lo, q_hi, k_lo, k_hi, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
             # row r's window: union positions r .. r + W - 1
             keep = ok[None, :] & (u[None, :] >= r_m[:, None]) & (u[None, :] < r_m[:, None] + num_win)
-            s = tl.where(keep, s * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            m_i, l_i = m_new, l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_i, l_i = _masked_softmax_step(s, keep, m_i, l_i, sm_scale_log2)
             acc_lo, acc_hi = _accumulate(p, alpha, k_lo, k_hi, acc_lo, acc_hi, DOT_F32)
 
     if NUM_SPLITS == 1:
