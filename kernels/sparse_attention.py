@@ -374,7 +374,7 @@ class _Launch:
         rows would make if every run were `max_rows` long."""
         from cedserve.kernels import _sparse_attention_kernels as k
 
-        q, out, main, swa = self.q, self.out, self.main, self.swa
+        q, main, swa = self.q, self.main, self.swa
         tokens, heads, dim = q.shape
         gpu = q.device.type == "cuda" and not interpreting()
         hp, rp = next_power_of_2(heads), next_power_of_2(max_rows)
@@ -385,20 +385,10 @@ class _Launch:
             tiles = cdiv(max_rows * self.num_topk, block_n) + cdiv(self.num_win + max_rows - 1, block_n)
             runs = max(1, tokens // max_rows)
             splits = max(1, min(tiles, num_sms(q.device) // runs)) if gpu else 1
-        if splits > 1:
-            part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-        else:
-            part_acc = part_ml = out  # unused
+        part_acc, part_ml = self._partials(splits)
         k._grouped_attention_kernel[(tokens, 1, splits)](
             q, q.stride(0), q.stride(1), self.sink, offsets, tokens,
-            main.storage, self.topk, self.topk.stride(0), self.num_topk,
-            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
-            swa.storage, self.win, self.win.stride(0), self.num_win,
-            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
-            self.cos, self.sin, self.cos.stride(0),
-            out, out.stride(0), out.stride(1),
-            part_acc, part_ml,
+            *self._keys_and_output(), part_acc, part_ml,
             heads, self.scale * math.log2(math.e),
             D=dim, ROPE_PAIRS=self.cos.shape[1], HP=hp, RP=rp, BLOCK_M=block_m, BLOCK_N=block_n,
             NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
@@ -406,13 +396,41 @@ class _Launch:
             DOT_F32=interpreting(),
             num_warps=config.num_warps or (8 if block_m * dim >= 16384 else 4), num_stages=1 if not gpu else 2,
         )
-        if splits > 1:
-            combine_h = _merge_heads(splits, dim, min(16, hp))
-            k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
-                part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
-                out.stride(1), heads,
-                D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4,
-            )
+        self._combine(part_acc, part_ml, splits, min(16, hp))
+
+    def _partials(self, splits: int) -> tuple[Tensor, Tensor]:
+        """Split-KV partials: fp32 accumulators `[N, splits, H, D]` and (max, sum) `[N, splits, H, 2]`
+        (with one split the kernel writes the output directly: stand-ins)."""
+        if splits == 1:
+            return self.out, self.out
+        tokens, heads, dim = self.q.shape
+        return (torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=self.q.device),
+                torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=self.q.device))
+
+    def _keys_and_output(self) -> tuple[object, ...]:
+        """The Triton kernels' arguments from the main records to the output's strides."""
+        main, swa, out = self.main, self.swa, self.out
+        return (main.storage, self.topk, self.topk.stride(0), self.num_topk,
+                main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes,
+                main.block_stride_bytes,
+                swa.storage, self.win, self.win.stride(0), self.num_win,
+                swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
+                self.cos, self.sin, self.cos.stride(0),
+                out, out.stride(0), out.stride(1))
+
+    def _combine(self, part_acc: Tensor, part_ml: Tensor, splits: int, max_heads: int) -> None:
+        """`_combine_splits_kernel` over the partials (nothing with one split)."""
+        from cedserve.kernels import _sparse_attention_kernels as k
+
+        if splits == 1:
+            return
+        tokens, heads, dim = self.q.shape
+        combine_h = _merge_heads(splits, dim, max_heads)
+        k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
+            part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), self.out, self.out.stride(0),
+            self.out.stride(1), heads,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4,
+        )
 
     def run(self, cfg: AttentionConfig) -> None:
         from cedserve.kernels import _sparse_attention_kernels as k
@@ -421,26 +439,16 @@ class _Launch:
             self.run_gluon(cfg)
             return
         assert cfg.block_h and cfg.block_n and cfg.num_splits and cfg.num_warps and cfg.num_stages
-        q, out, main, swa = self.q, self.out, self.main, self.swa
+        q, main, swa = self.q, self.main, self.swa
         tokens, heads, dim = q.shape
         splits = cfg.num_splits
-        if splits > 1:  # per split: unnormalised accumulator and (max, sum)
-            part_acc = torch.empty(tokens, splits, heads, dim, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-        else:
-            part_acc = part_ml = out  # unused
+        part_acc, part_ml = self._partials(splits)  # per split: unnormalised accumulator and (max, sum)
         dv_split = cfg.dv_split or 1
         if dv_split not in (1, 2):
             raise ValueError(f"sparse_attention: dv_split must be 1 or 2, got {dv_split}")
         k._sparse_decode_attention_kernel[(tokens, cdiv(heads, cfg.block_h) * dv_split, splits)](
             q, q.stride(0), q.stride(1), self.sink,
-            main.storage, self.topk, self.topk.stride(0), self.num_topk,
-            main.num_slots, main.offset_bytes, main.slots_per_block, main.slot_stride_bytes, main.block_stride_bytes,
-            swa.storage, self.win, self.win.stride(0), self.num_win,
-            swa.num_slots, swa.offset_bytes, swa.slots_per_block, swa.slot_stride_bytes, swa.block_stride_bytes,
-            self.cos, self.sin, self.cos.stride(0),
-            out, out.stride(0), out.stride(1),
-            part_acc, part_ml,
+            *self._keys_and_output(), part_acc, part_ml,
             heads, self.scale * math.log2(math.e),
             D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
             NUM_SPLITS=splits, DV_SPLIT=dv_split, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
@@ -448,13 +456,7 @@ class _Launch:
             DOT_F32=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        if splits > 1:
-            combine_h = _merge_heads(splits, dim, min(16, cfg.block_h))
-            k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
-                part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
-                out.stride(1), heads,
-                D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4,
-            )
+        self._combine(part_acc, part_ml, splits, min(16, cfg.block_h))
 
 
 def window_slots_for_chunk(positions: Tensor, window: int, ring_slot_of: Tensor, first_position: int) -> Tensor:
