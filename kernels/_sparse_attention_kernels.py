@@ -187,6 +187,22 @@ def _store_output(out_ptr, out_stride_h, o_lo, o_hi, first, cos_ptr, sin_ptr, h,
 
 
 @triton.jit
+def _start_rows(sink_ptr, h, h_ok, ROWS: tl.constexpr, C: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A program's accumulators for `ROWS` query rows of heads `h`: (acc_lo, acc_hi [ROWS, C // 2],
+    m, l [ROWS]); the sink starts the running max and sum, except in a split's partials (the combine
+    adds it)."""
+    acc_lo = tl.zeros([ROWS, C // 2], dtype=tl.float32)
+    acc_hi = tl.zeros([ROWS, C // 2], dtype=tl.float32)
+    if NUM_SPLITS == 1:
+        m_i = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([ROWS], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@triton.jit
 def _sparse_decode_attention_kernel(
     q_ptr, q_stride_n, q_stride_h, sink_ptr,
     main_ptr, topk_ptr, topk_stride, num_topk,
@@ -219,14 +235,7 @@ def _sparse_decode_attention_kernel(
     q2_lo, q2_hi = q_lo, q_hi
     if TWO:
         q2_lo, q2_hi = _load_q(q_row, h_ok, other, C, DOT_F32)
-    acc_lo = tl.zeros([BLOCK_H, C // 2], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_H, C // 2], dtype=tl.float32)
-    if NUM_SPLITS == 1:
-        m_i = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
-        l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_lo, acc_hi, m_i, l_i = _start_rows(sink_ptr, h, h_ok, BLOCK_H, C, NUM_SPLITS)
     jn = tl.arange(0, BLOCK_N)
     # key split: the token's tiles, main then window, dealt out in contiguous runs of equal length
     # (+-1 tile), so a split may end in the main list and continue in the window
@@ -417,14 +426,7 @@ def _grouped_attention_kernel(
 
     q_row = q_ptr + row[:, None].to(tl.int64) * q_stride_n + hh[:, None].to(tl.int64) * q_stride_h
     q_lo, q_hi = _load_q(q_row, m_ok, 0, C, DOT_F32)
-    acc_lo = tl.zeros([BLOCK_M, C // 2], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, C // 2], dtype=tl.float32)
-    if NUM_SPLITS == 1:
-        m_i = tl.load(sink_ptr + hh, mask=m_ok, other=0.0).to(tl.float32) * LOG2E
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_lo, acc_hi, m_i, l_i = _start_rows(sink_ptr, hh, m_ok, BLOCK_M, C, NUM_SPLITS)
     jn = tl.arange(0, BLOCK_N)
     # tiles: each row's main list (count x main_tiles), then the union window, dealt out to splits
     main_tiles = tl.cdiv(num_topk, BLOCK_N)
