@@ -81,6 +81,8 @@ def test_bytes_arrive_intact(cluster: Cluster, mode: str, alloc: str, packing: b
     sent, got, local = transfer(cluster, sender, [rid], 300, mode, alloc, stream_blocks=64)
     assert sent[rid]["state"] == "done", sent[rid]
     assert got[rid]["state"] == "done", got[rid]
+    for side in (sent[rid], got[rid]):  # each process's CPU seconds at the request's start and end
+        assert 0 <= float(side["cpu_start_s"]) <= float(side["cpu_end_s"])  # type: ignore[arg-type]
     check = cluster.receiver.call("verify", request_id=rid, src_seed=cluster.seeds[sender.spec.name],
                                   src_ids=local[rid])
     assert check == {"ok": True, "mismatched_blocks": 0}

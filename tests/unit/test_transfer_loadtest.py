@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from cedserve.bench.kv_transfer.harness import FreeList, LayoutSpec, pattern_rows, read_logical, write_logical
-from cedserve.bench.kv_transfer.loadtest import default_matrix, main, parse_tokens, render_table
+from cedserve.bench.kv_transfer.loadtest import (
+    _cpu_per_request,
+    default_matrix,
+    main,
+    parse_tokens,
+    render_table,
+)
 from cedserve.cli import main as cli_main
 from cedserve.kv_transfer.region import KVRegion
 
@@ -36,9 +42,19 @@ def test_table_renders_a_row() -> None:
     row = {"layout": "cross_layer", "alloc": "random", "pack": "auto", "mode": "write", "tokens": 131072,
            "batch": 1, "fan_in": 2, "gbps": 2.5, "raw_gbps": 3.0, "ratio_to_raw": 0.83,
            "nixl_same_descs_gbps": 2.6, "memcpy_gbps": 9.0, "p50_ms": 40.0, "p99_ms": 60.0,
-           "fixed_ms": 1.25, "descriptors_per_request": 2048, "failures": [], "verified": True}
+           "fixed_ms": 1.25, "descriptors_per_request": 2048, "failures": [], "verified": True,
+           "sender_cpu_us_per_request": 812.4, "receiver_cpu_us_per_request": 301.0}
     line = render_table([row]).splitlines()[-1]
-    assert "128K" in line and "0.83" in line and " 1.25 " in line and line.endswith("v")
+    assert "128K" in line and "0.83" in line and " 1.25 " in line and "812/301" in line and line.endswith("v")
+
+
+def test_cpu_per_request_spans_a_processs_round() -> None:
+    # two overlapping DONE requests of one process: (latest end - earliest start) / 2; a failed one and
+    # one without marks (a tree before them) do not count
+    results = [{"state": "done", "cpu_start_s": 1.0, "cpu_end_s": 1.5}, {"state": "done", "cpu_start_s": 1.2,
+               "cpu_end_s": 1.9}, {"state": "failed", "cpu_start_s": 0.0, "cpu_end_s": 9.0}, {"state": "done"}]
+    assert _cpu_per_request(results) == [pytest.approx(0.45)]
+    assert _cpu_per_request([{"state": "done"}]) == []
 
 
 @pytest.mark.parametrize("kind", ["cross_layer", "per_layer"])

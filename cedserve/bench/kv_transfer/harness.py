@@ -165,14 +165,21 @@ class Worker:
         self.held: dict[str, np.ndarray] = {}  # receiver blocks holding DONE transfers
         self.send_errors: dict[str, str] = {}
         self.first_write: dict[str, float] = {}  # request -> its first write_blocks call (monotonic)
+        self.cpu_marks: dict[str, tuple[float, float]] = {}
+        """request -> this process's CPU seconds (every thread: `time.process_time`) at its start (the
+        sender's first write_blocks call, the receiver's reservation) and at its end (`on_finish`)."""
         self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
         self._copy_dst: torch.Tensor | None = None
         self.after_reply: threading.Thread | None = None
         """A writer `send` prepared, started once its reply is out (see `_send`)."""
 
     def _on_finish(self, result: TransferResult) -> None:
+        cpu = time.process_time()
         with self.lock:
             self.results[result.request_id] = result
+            start = self.cpu_marks.get(result.request_id)
+            if start is not None:
+                self.cpu_marks[result.request_id] = (start[0], cpu)
             if result.role.value == "receiver" and result.state.value == "done":
                 self.held[result.request_id] = np.asarray(result.block_ids, dtype=np.int64)
             elif result.role.value == "receiver":
@@ -209,6 +216,8 @@ class Worker:
         out = []
         for r in a["requests"]:
             ids = self.blocks.allocate(r["num_blocks"], a.get("alloc", "random"))
+            with self.lock:
+                self.cpu_marks[r["request_id"]] = (time.process_time(), float("nan"))
             res = self.agent.receiver().reserve(r["request_id"], ids, sender=r["sender"],
                                                 mode=TransferMode(r.get("mode", "write")),
                                                 lease_s=r.get("lease_s"), on_finish=self._on_finish)
@@ -228,6 +237,10 @@ class Worker:
                 out[rid] = {"state": "error", "error": self.send_errors.get(rid) or f"{type(exc).__name__}: {exc}"}
             if a["role"] == "sender" and rid in self.first_write:
                 out[rid]["first_write_s"] = self.first_write[rid]
+            with self.lock:
+                marks = self.cpu_marks.pop(rid, None)
+            if marks is not None and marks[1] == marks[1]:  # (NaN: it never finished here)
+                out[rid]["cpu_start_s"], out[rid]["cpu_end_s"] = marks
         return {"results": out}
 
     def cmd_verify(self, a: dict[str, Any]) -> dict[str, Any]:
@@ -369,7 +382,10 @@ class Worker:
                 still = []
                 for rid, ids in pending:
                     end = min(cursor[rid] + stream, ids.size)
-                    self.first_write.setdefault(rid, time.monotonic())
+                    if rid not in self.first_write:
+                        self.first_write[rid] = time.monotonic()
+                        with self.lock:
+                            self.cpu_marks[rid] = (time.process_time(), float("nan"))
                     try:
                         sender.write_blocks(rid, ids[cursor[rid]:end], last=end == ids.size)
                     except (ValueError, KVTransferError) as exc:

@@ -25,7 +25,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,7 @@ class Group:
         same: list[float] = []
         copy: list[float] = []
         pack: list[tuple[float, float]] = []
+        cpu: dict[str, list[float]] = {"sender": [], "receiver": []}
         nbytes = blocks * self.block_bytes
         for rep in range(reps):
             names = [[f"{cell.key()}-r{rep}-s{j}-b{i}" for i in range(cell.batch)] for j in range(cell.fan_in)]
@@ -222,6 +223,9 @@ class Group:
                 descriptors += [r["descriptors"] + got[rid]["descriptors"] for rid, r in ok.items()]
             failures += [f"{rid} (receiver): {r.get('error', r['state'])}" for rid, r in got.items()
                          if r["state"] != "done"]
+            for j in range(cell.fan_in):
+                cpu["sender"] += _cpu_per_request(sent[j].values())
+            cpu["receiver"] += _cpu_per_request(got.values())
             if verify and rep == 0 and not failures:
                 rid = names[0][0]
                 check = self.receiver.call("verify", request_id=rid, src_seed=100, src_ids=local[0][rid],
@@ -249,6 +253,9 @@ class Group:
                                "gather_ms": _median([g for g, _ in pack]) * 1e3,
                                "scatter_ms": _median([s for _, s in pack]) * 1e3,
                                "phases_p50_ms": {name: round(_pct(v, 50) * 1e3, 4) for name, v in phases.items() if v},
+                               # host CPU (every thread of the process) per request, median over rounds
+                               "sender_cpu_us_per_request": round(_median(cpu["sender"]) * 1e6, 1),
+                               "receiver_cpu_us_per_request": round(_median(cpu["receiver"]) * 1e6, 1),
                                "verified": verified, "failures": failures[:5]}
         out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
         # What a request costs beyond moving its bytes at the raw one-descriptor rate.
@@ -260,6 +267,17 @@ class Group:
         return out
 
     block_size_tokens = 64
+
+
+def _cpu_per_request(results: Iterable[dict[str, Any]]) -> list[float]:
+    """One process's CPU seconds per request in a round: from the earliest start to the latest end of
+    its DONE requests' `cpu_start_s` / `cpu_end_s` (its `time.process_time`: every thread, the
+    progress loop's polls and the harness's own commands included), over how many there were; [] when
+    none carries them."""
+    marks = [(r["cpu_start_s"], r["cpu_end_s"]) for r in results if r.get("state") == "done" and "cpu_end_s" in r]
+    if not marks:
+        return []
+    return [(max(e for _, e in marks) - min(b for b, _ in marks)) / len(marks)]
 
 
 _PHASES = ("writes", "closed_to_sender_done", "queued", "posted_to_sender_done", "sender_to_receiver_done",
@@ -318,7 +336,7 @@ def _pct(values: list[float], q: float) -> float:
 def render_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'layout':<11} {'alloc':<10} {'pack':<4} {'mode':<5} {'tokens':>7} {'b':>2} {'fi':>2} "
             f"{'GB/s':>6} {'raw1':>6} {'ratio':>5} {'sameD':>6} {'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'fixed':>6} "
-            f"{'desc/req':>8} ok")
+            f"{'desc/req':>8} {'cpu us s/r':>13} ok")
     lines = [head, "-" * len(head)]
     for r in rows:
         tokens = f"{r['tokens'] // 1024}K" if r["tokens"] < 1 << 20 else f"{r['tokens'] >> 20}M"
@@ -327,7 +345,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['batch']:>2} {r['fan_in']:>2} {r['gbps']:>6.2f} {r['raw_gbps']:>6.2f} "
                      f"{r['ratio_to_raw']:>5.2f} {r['nixl_same_descs_gbps']:>6.2f} {r['memcpy_gbps']:>6.2f} "
                      f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r.get('fixed_ms', 0.0):>6.2f} "
-                     f"{r['descriptors_per_request']:>8.0f} {ok}")
+                     f"{r['descriptors_per_request']:>8.0f} "
+                     f"{r.get('sender_cpu_us_per_request', 0.0):>6.0f}/{r.get('receiver_cpu_us_per_request', 0.0):<6.0f} "
+                     f"{ok}")
     return "\n".join(lines)
 
 
