@@ -33,6 +33,8 @@
 #                   and beside a second process        staging-probe.json, staging-probe.log     PROBE_S=60
 #   mhc-blocks      benchmarks/mhc_blocks.py: the mHC site kernel's column blocks at decode batches
 #                                   mhc-blocks.json, mhc-blocks.log                              MHC_S=90
+#   batched-gemm    benchmarks/batched_gemm.py: wo_a's and the MoE down projections' float32 bmm at 1-192 rows
+#                   beside per-group / concatenated F.linear, einsum, TF32, bf16   batched-gemm-<gpu>.json  BATCHED_S=60
 #   attention-splits  benchmarks/attention_splits.py: the Triton sparse attention's key splits at decode
 #                   batches, old rule beside the default     attention-splits-<gpu>.json   SPLITS_S=120
 #   kernels         kernel-tests, then kernel-bench
@@ -252,6 +254,11 @@ part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
     --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-$GPU_TAG.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
+}
+
+part_batched_gemm() {  # the step's two batched float32 GEMMs a layer at verify rows, beside other forms
+  timeout "${BATCHED_S:-60}" "$PY" -P benchmarks/batched_gemm.py ${BATCHED_ARGS:-} --out "$OUT/batched-gemm-$GPU_TAG.json" 2>&1 \
+    | quiet | tee "$OUT/batched-gemm.log"
 }
 
 part_attention_splits() {  # the Triton sparse attention's key splits: old rule, default, a sweep
@@ -717,6 +724,7 @@ run_part() {  # $1: part name
     tf32) part_tf32 ;;
     startup) part_startup ;;
     attention-splits) part_attention_splits ;;
+    batched-gemm) part_batched_gemm ;;
     kernels) local rc=0; part_kernel_tests || rc=$?; part_kernel_bench || rc=$?; return "$rc" ;;
     kernel-tests) part_kernel_tests ;;
     kernel-bench) part_kernel_bench ;;
