@@ -14,8 +14,8 @@ times each at a preset's shapes (mini-40 by default), beside:
   order of the sum), and `einsum`;
 * both in TF32 and bfloat16 (other numerics: for scale).
 
-Each form is 40 calls (40 layers' weights) captured as one CUDA graph and replayed (microseconds
-per call), and checked against a float64 reference of the same math (max relative error).
+Each form is 40 calls (40 layers' weights) captured as one CUDA graph and replayed
+(`benchmarks/kernels.py`'s `_graph_time_s`; microseconds per call), and checked against a float64 reference of the same math (max relative error).
 
     python -P benchmarks/batched_gemm.py --out /tmp/batched-gemm.json
 
@@ -35,31 +35,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cedserve.model.presets import preset
+from kernels import Bench, _graph_time_s
 
 CALLS = 40
-
-
-def graph_us(calls: list[Callable[[], Any]], replays: int = 200) -> float:
-    """Microseconds per call of `calls` captured as one CUDA graph (median of `replays` replays)."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(20):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -93,14 +73,14 @@ def down_forms(y: torch.Tensor, w2: torch.Tensor) -> dict[str, Callable[[], torc
 Forms = dict[str, Callable[[], torch.Tensor]]
 
 
-def measure(name: str, rows: int, layers: Callable[[torch.dtype], list[Forms]], want: torch.Tensor,
+def measure(bench: Bench, name: str, rows: int, layers: Callable[[torch.dtype], list[Forms]], want: torch.Tensor,
             tf32: bool) -> list[dict[str, Any]]:
     """Each form's us per call over the layers' weights (float32; the step's form also in TF32 and
     bfloat16), and its error against `want` (the first layer's float64 result)."""
     out = []
 
     def row(form: str, numerics: str, per_layer: list[Forms]) -> dict[str, Any]:
-        us = graph_us([forms[form] for forms in per_layer])
+        us = _graph_time_s(bench, [forms[form] for forms in per_layer], f"{name} {form}") * 1e6 / len(per_layer)
         return {"gemm": name, "rows": rows, "form": form, "numerics": numerics, "us": round(us, 2),
                 "rel_err": rel_err(per_layer[0][form]().float(), want)}
 
@@ -130,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     c = preset(args.preset)
     device = torch.device("cuda")
+    bench = Bench(device, smoke=False)
     gen = torch.Generator(device=device).manual_seed(0)
     groups = c.o_groups
     k_group, n_group = c.num_attention_heads * c.head_dim // groups, c.o_lora_rank
@@ -153,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             return [down_forms(y.to(dtype), w.to(dtype)) for w in w2]
 
         for name, layers, want in (("wo_a", a_layers, want_a.transpose(0, 1).flatten(1)), ("down", d_layers, want_d)):
-            for r in measure(name, rows, layers, want, tf32=True):
+            for r in measure(bench, name, rows, layers, want, tf32=True):
                 rows_out.append(r)
                 print(f"{r['gemm']:<6} {r['rows']:>4}  {r['form']:<26} {r['numerics']:<9} {r['us']:>8.2f} "
                       f"{r['rel_err']:>9.2e}", flush=True)
@@ -164,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                         "python": platform.python_version()},
             "preset": args.preset, "shapes": {"wo_a": [groups, k_group, n_group], "down": [experts, inter, dim]},
-            "notes": "us per call: 40 calls (40 layers' weights) in one CUDA graph, median of 200 replays; "
+            "notes": "us per call: 40 calls (40 layers' weights) in one CUDA graph, do_bench's median replay; "
                      "rel_err: max |got - float64| / max |float64| on the first layer's weights",
             "rows": rows_out}, indent=1))
     return 0

@@ -165,9 +165,10 @@ class Worker:
         self.held: dict[str, np.ndarray] = {}  # receiver blocks holding DONE transfers
         self.send_errors: dict[str, str] = {}
         self.first_write: dict[str, float] = {}  # request -> its first write_blocks call (monotonic)
-        self.cpu_marks: dict[str, tuple[float, float]] = {}
+        self.cpu_start: dict[str, float] = {}
         """request -> this process's CPU seconds (every thread: `time.process_time`) at its start (the
-        sender's first write_blocks call, the receiver's reservation) and at its end (`on_finish`)."""
+        sender's first write_blocks call, the receiver's reservation); `cpu_end`: at its `on_finish`."""
+        self.cpu_end: dict[str, float] = {}
         self.send_blocks: dict[str, np.ndarray] = {}  # sender blocks allocated per request
         self._copy_dst: torch.Tensor | None = None
         self.after_reply: threading.Thread | None = None
@@ -177,9 +178,8 @@ class Worker:
         cpu = time.process_time()
         with self.lock:
             self.results[result.request_id] = result
-            start = self.cpu_marks.get(result.request_id)
-            if start is not None:
-                self.cpu_marks[result.request_id] = (start[0], cpu)
+            if result.request_id in self.cpu_start:
+                self.cpu_end[result.request_id] = cpu
             if result.role.value == "receiver" and result.state.value == "done":
                 self.held[result.request_id] = np.asarray(result.block_ids, dtype=np.int64)
             elif result.role.value == "receiver":
@@ -217,7 +217,7 @@ class Worker:
         for r in a["requests"]:
             ids = self.blocks.allocate(r["num_blocks"], a.get("alloc", "random"))
             with self.lock:
-                self.cpu_marks[r["request_id"]] = (time.process_time(), float("nan"))
+                self.cpu_start[r["request_id"]] = time.process_time()
             res = self.agent.receiver().reserve(r["request_id"], ids, sender=r["sender"],
                                                 mode=TransferMode(r.get("mode", "write")),
                                                 lease_s=r.get("lease_s"), on_finish=self._on_finish)
@@ -238,9 +238,9 @@ class Worker:
             if a["role"] == "sender" and rid in self.first_write:
                 out[rid]["first_write_s"] = self.first_write[rid]
             with self.lock:
-                marks = self.cpu_marks.pop(rid, None)
-            if marks is not None and marks[1] == marks[1]:  # (NaN: it never finished here)
-                out[rid]["cpu_start_s"], out[rid]["cpu_end_s"] = marks
+                start, end = self.cpu_start.pop(rid, None), self.cpu_end.pop(rid, None)
+            if start is not None and end is not None:
+                out[rid]["cpu_start_s"], out[rid]["cpu_end_s"] = start, end
         return {"results": out}
 
     def cmd_verify(self, a: dict[str, Any]) -> dict[str, Any]:
@@ -385,7 +385,7 @@ class Worker:
                     if rid not in self.first_write:
                         self.first_write[rid] = time.monotonic()
                         with self.lock:
-                            self.cpu_marks[rid] = (time.process_time(), float("nan"))
+                            self.cpu_start[rid] = time.process_time()
                     try:
                         sender.write_blocks(rid, ids[cursor[rid]:end], last=end == ids.size)
                     except (ValueError, KVTransferError) as exc:
