@@ -8,7 +8,9 @@ step's only two batched GEMMs a layer are `wo_a`'s groups (`fused.output`'s `bmm
 the dense MoE's down projections (`fused.dense_experts`' `bmm`), so they are the first suspects; this
 times each at a preset's shapes (mini-40 by default), beside:
 
-* `wo_a`: one `F.linear` per group, and one `F.linear` over a block-diagonal weight (G x the work);
+* `wo_a`: the Triton kernel the step now runs (`cedserve.kernels.grouped_linear`, which these
+  timings motivated), one `F.linear` per group, and one `F.linear` over a block-diagonal weight
+  (G x the work);
 * the MoE down projections: one `F.linear` over the experts' concatenated weights, which sums the
   experts inside the GEMM (the step sums their outputs after: the same float32 result up to the
   order of the sum), and `einsum`;
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cedserve.kernels.grouped_linear import grouped_linear
 from cedserve.model.presets import preset
 from kernels import Bench, _graph_time_s
 
@@ -52,7 +55,8 @@ def wo_a_forms(x: torch.Tensor, weight: torch.Tensor, groups: int) -> dict[str, 
     rows = weight.shape[0] // groups
     blocks = torch.block_diag(*[weight[g * rows:(g + 1) * rows] for g in range(groups)])  # [G N, G K]
     return {
-        "bmm (the step)": lambda: torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1),
+        "bmm (cuBLAS)": lambda: torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1),
+        "grouped_linear (Triton)": lambda: grouped_linear(x, weight),
         "linear per group": lambda: torch.cat([F.linear(x[:, g], weight[g * rows:(g + 1) * rows])
                                                for g in range(groups)], dim=1),
         "linear block-diagonal": lambda: F.linear(x.flatten(1), blocks),
@@ -94,7 +98,9 @@ def measure(bench: Bench, name: str, rows: int, layers: Callable[[torch.dtype], 
             out.append(row(step_form, "tf32", float32))
         finally:
             torch.backends.cuda.matmul.allow_tf32 = False
-    out.append(row(step_form, "bfloat16", layers(torch.bfloat16)))
+    bf16 = layers(torch.bfloat16)
+    for form in (step_form, *(f for f in bf16[0] if "Triton" in f)):
+        out.append(row(form, "bfloat16", bf16))
     return out
 
 

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from cedserve.model import presets
+from cedserve.kernels.grouped_linear import grouped_linear_reference
+from cedserve.model import fused, presets
 from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.config import AttentionMode
@@ -300,7 +301,7 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                               buckets=tuple(sorted({b * r for b, r in cases})))
         runner = ModelRunner(model, config)
         graph_runners = {"graph": runner}
-        for path in ("graph-fused", "graph-fused-tf32", "graph-fused-grouped"):
+        for path in ("graph-fused", "graph-fused-tf32", "graph-fused-grouped", "graph-fused-bmm"):
             if path in args.paths and args.device == "cuda":
                 graph_runners[path] = ModelRunner(model, RunnerConfig(**{
                     **config.__dict__, "compile_fused": True, "grouped_attention": path.endswith("-grouped")}))
@@ -347,7 +348,7 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                 log(row(cells[-1]))
             for path, graph_runner in graph_runners.items():
                 if path in args.paths and args.device == "cuda":
-                    with tf32(path.endswith("-tf32")):
+                    with tf32(path.endswith("-tf32")), cublas_wo_a(path.endswith("-bmm")):
                         run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args,
                                   log, cells, dtype)
                     cells[-1].update(versus)
@@ -367,6 +368,22 @@ def tf32(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@contextlib.contextmanager
+def cublas_wo_a(on: bool) -> Iterator[None]:
+    """While `on`, the fused step projects `wo_a` with cuBLAS's `bmm` as it did before the Triton
+    kernel (`cedserve.kernels.grouped_linear`): the old path, for a side-by-side cell. Graphs keep
+    what was captured under it, so capture and the uncaptured comparisons both run inside."""
+    if not on:
+        yield
+        return
+    before = fused.grouped_linear
+    fused.grouped_linear = grouped_linear_reference
+    try:
+        yield
+    finally:
+        fused.grouped_linear = before
 
 
 def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
@@ -528,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
                         "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
                         "float32 matmuls on TF32 tensor cores), graph-fused-grouped (graph-fused with a request's rows attended "
-                        "together: RunnerConfig.grouped_attention)")
+                        "together: RunnerConfig.grouped_attention), graph-fused-bmm (graph-fused with wo_a on cuBLAS's bmm, "
+                        "the path before the grouped_linear kernel)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
                         "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from cedserve.kernels.grouped_linear import grouped_linear
 from cedserve.model.batch import BatchPass, PaddedKV, device_ints, snapshot_layer
 from cedserve.model.compressor import Compressor, PendingGroup
 from cedserve.model.config import AttentionMode, LayerSpec, ModelConfig
@@ -83,9 +84,7 @@ class GroupedOutput(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """`[..., S, groups, in_per_group]` -> `[..., S, groups * rank]`."""
         lead = x.shape[:-2]
-        x = x.reshape(-1, *x.shape[-2:])  # [N, groups, in]
-        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in, rank]
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1).view(*lead, -1)
+        return grouped_linear(x.reshape(-1, *x.shape[-2:]), self.weight).view(*lead, -1)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,103 @@
+"""A grouped linear layer at decode row counts: `wo_a`'s block-diagonal projection in one launch.
+
+Attention's `wo_a` projects each group of heads on its own: from `x [N, G, K]` and the checkpoint's
+`weight [G * R, K]` (group g's rows are `[g * R, (g + 1) * R)`),
+
+    out[n, g * R + r] = sum_k x[n, g, k] * weight[g * R + r, k]          -> [N, G * R]
+
+which :func:`grouped_linear_reference` computes as one `torch.bmm` (the model's `GroupedOutput`).
+On an H100 that `bmm` in float32 took 34-36 us a call at 2 to 192 rows against 2.9 us at one row
+(cuBLAS picks a 32x32 tile kernel there; `benchmarks/batched_gemm.py`, docs/benchmarks/
+gpu-2026-12-06e): 1.4 ms of a 40-layer verify step. :func:`grouped_linear` is one Triton launch
+(`_grouped_linear_kernels.py`) whose grid spreads the weight's rows over the GPU, each program
+reading its block of weights once for up to `MAX_BLOCK_M` rows. Float32 products are full
+float32 (not TF32); results agree with the `bmm` to float32 rounding of a sum in another order.
+
+Implementations (`impl`): "triton" (CUDA tensors, or CPU under `TRITON_INTERPRET=1`), "torch"
+(:func:`grouped_linear_reference`) or "auto" (the kernel where it can run and `N <= MAX_ROWS`;
+the `bmm` above that, since prefill chunks of thousands of rows are cuBLAS's strength, and where
+autograd records, since the kernel has no backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cedserve.kernels.triton_support import (
+    Impl,
+    can_launch,
+    cdiv,
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+    num_sms,
+    require_triton,
+)
+
+MAX_ROWS = 256
+"""Most rows "auto" sends to the kernel (decode buckets, verify rows); more go to the `bmm`."""
+
+MAX_BLOCK_M = 64
+"""Most rows a program holds (`[BLOCK_M, BLOCK_R]` float32 accumulators in registers)."""
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_linear_reference(x: Tensor, weight: Tensor) -> Tensor:
+    """`x [N, G, K]`, `weight [G * R, K]` -> `[N, G * R]` by `torch.bmm` (the module docstring's sum)."""
+    groups = x.shape[1]
+    w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, K, R]
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto") -> Tensor:
+    """`out [N, G * R]` in `x`'s dtype (module docstring) from `x [N, G, K]` and `weight [G * R, K]`
+    of the same dtype (float32, bf16 or fp16), both with a unit stride in K."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[-1] != x.shape[-1] or weight.shape[0] % x.shape[1]:
+        raise ValueError(f"grouped_linear: expected x [N, G, K] and weight [G * R, K], got {list(x.shape)} "
+                         f"and {list(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"grouped_linear: x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernel has no backward
+    if impl == "torch" or (impl == "auto" and (x.shape[0] > MAX_ROWS or needs_grad or not can_launch(x, weight))):
+        return grouped_linear_reference(x, weight)
+    if impl not in ("auto", "triton"):
+        raise ValueError(f"grouped_linear: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    require_triton("grouped_linear")
+    if not can_launch(x, weight):
+        raise ValueError("grouped_linear: the Triton kernel needs both tensors on one CUDA device "
+                         "(or on CPU with TRITON_INTERPRET=1)")
+    check_tensor(x, "grouped_linear: x", dtypes=_DTYPES, dim=3)
+    check_tensor(weight, "grouped_linear: weight", dtypes=_DTYPES, dim=2)
+    rows, groups, k = x.shape
+    r = weight.shape[0] // groups
+    out = torch.empty(rows, groups * r, dtype=x.dtype, device=x.device)
+    if rows == 0 or out.numel() == 0:
+        return out
+    from cedserve.kernels._grouped_linear_kernels import _grouped_linear_kernel
+
+    block_m, block_r, block_k = _blocks(rows, groups, r, k, x.device)
+    _grouped_linear_kernel[(groups * cdiv(r, block_r), cdiv(rows, block_m))](
+        x, x.stride(0), x.stride(1),
+        weight, weight.stride(0),
+        out, out.stride(0),
+        rows, k, r,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, DOT_F32=interpreting(),
+        num_warps=4,
+    )
+    return out
+
+
+def _blocks(rows: int, groups: int, r: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """`(BLOCK_M, BLOCK_R, BLOCK_K)`: all rows in one row block up to `MAX_BLOCK_M` (16 at least:
+    `tl.dot`'s smallest tile), and the widest column block that still gives every SM a program."""
+    block_m = min(max(next_power_of_2(rows), 16), MAX_BLOCK_M)
+    if interpreting():  # the interpreter pays per program: few, large ones
+        return block_m, min(max(next_power_of_2(r), 16), 128), min(max(next_power_of_2(k), 16), 512)
+    row_blocks = cdiv(rows, block_m)
+    block_r = 64
+    while block_r > 16 and groups * cdiv(r, block_r) * row_blocks < num_sms(device):
+        block_r //= 2
+    return block_m, block_r, 64

@@ -1,0 +1,94 @@
+"""`wo_a`'s grouped projection in one launch (`cedserve.kernels.grouped_linear`) against a float64
+reference of the same sum, on fresh random inputs.
+
+Tolerance, per output element: float32 operands, `1e-5 * sum_k |x||w|` (a float32 dot product of K
+terms rounds to ~sqrt(K) * 2^-24 of that; a wrong group, row or column is off by O(1) of it);
+bf16 / fp16 operands (exact products, a float32 sum, one rounding to the output dtype): an ulp of
+the output dtype plus the same float32 term (a GPU rounds to nearest, half an ulp; Triton's CPU
+interpreter may round its float32 -> bf16 cast a whole ulp away).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from cedserve.kernels import grouped_linear as gl
+from cedserve.kernels.grouped_linear import grouped_linear, grouped_linear_reference
+
+pytestmark = pytest.mark.kernels
+
+
+def _check(got: Tensor, x: Tensor, w: Tensor) -> None:
+    groups = x.shape[1]
+    wg = w.double().view(groups, -1, x.shape[-1])  # [G, R, K]
+    exact = torch.einsum("ngk,grk->ngr", x.double(), wg).flatten(1)
+    scale = torch.einsum("ngk,grk->ngr", x.double().abs(), wg.abs()).flatten(1)
+    assert got.shape == exact.shape and got.dtype == x.dtype
+    assert not got.isnan().any()
+    ulp = 0.0 if x.dtype == torch.float32 else torch.finfo(x.dtype).eps
+    bound = 1e-5 * scale + ulp * exact.abs()
+    excess = ((got.double() - exact).abs() - bound).max().item()
+    assert excess <= 0, f"error past the bound by {excess:.3g}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 17, 64, 65, 192])
+def test_float32_matches_float64(rows: int, gen: torch.Generator, device: torch.device) -> None:
+    groups, r, k = 2, 128, 1024  # mini-40's wo_a
+    x = torch.randn(rows, groups, k, generator=gen, device=device)
+    w = torch.randn(groups * r, k, generator=gen, device=device) / k**0.5
+    _check(grouped_linear(x, w, impl="triton"), x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_operands(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> None:
+    x = torch.randn(6, 4, 96, generator=gen, device=device).to(dtype)
+    w = (torch.randn(4 * 24, 96, generator=gen, device=device) / 10).to(dtype)
+    _check(grouped_linear(x, w, impl="triton"), x, w)
+
+
+def test_ragged_shapes_and_strided_rows(gen: torch.Generator, device: torch.device) -> None:
+    """K and R not multiples of any block, groups of 3, and `x` a view whose rows and groups are
+    strided (the attention output reshaped from a wider buffer)."""
+    groups, r, k, rows = 3, 40, 100, 9
+    wide = torch.randn(rows, groups, k + 7, generator=gen, device=device)
+    x = wide[:, :, 3:3 + k]
+    assert not x.is_contiguous()
+    w = torch.randn(groups * r, k, generator=gen, device=device)
+    _check(grouped_linear(x, w, impl="triton"), x, w)
+
+
+def test_auto_sends_many_rows_to_bmm(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
+                                     device: torch.device) -> None:
+    monkeypatch.setattr(gl, "MAX_ROWS", 4)
+    x = torch.randn(5, 2, 32, generator=gen, device=device)
+    w = torch.randn(2 * 16, 32, generator=gen, device=device)
+    assert torch.equal(grouped_linear(x, w), grouped_linear_reference(x, w))
+    _check(grouped_linear(x[:4], w), x[:4], w)
+
+
+def test_zero_rows(device: torch.device) -> None:
+    out = grouped_linear(torch.empty(0, 2, 8, device=device), torch.zeros(6, 8, device=device), impl="triton")
+    assert out.shape == (0, 6)
+
+
+def test_bad_inputs_are_named(device: torch.device) -> None:
+    x = torch.zeros(2, 2, 8, device=device)
+    with pytest.raises(ValueError, match="G \\* R, K"):
+        grouped_linear(x, torch.zeros(5, 8, device=device))
+    with pytest.raises(ValueError, match="G \\* R, K"):
+        grouped_linear(x, torch.zeros(6, 9, device=device))
+    with pytest.raises(TypeError, match="share a dtype"):
+        grouped_linear(x, torch.zeros(6, 8, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="impl"):
+        grouped_linear(x, torch.zeros(6, 8, device=device), impl="cuda")  # type: ignore[arg-type]
+
+
+def test_auto_keeps_autograd(gen: torch.Generator, device: torch.device) -> None:
+    """Training reaches `wo_a` with gradients on: "auto" takes the differentiable `bmm` there."""
+    x = torch.randn(3, 2, 16, generator=gen, device=device, requires_grad=True)
+    w = torch.randn(2 * 8, 16, generator=gen, device=device, requires_grad=True)
+    grouped_linear(x, w).sum().backward()
+    assert x.grad is not None and w.grad is not None
+    assert torch.allclose(w.grad.view(2, 8, 16), x.detach().sum(0).unsqueeze(1).expand(2, 8, 16))
