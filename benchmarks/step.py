@@ -379,7 +379,7 @@ def cublas_wo_a(on: bool) -> Iterator[None]:
         yield
         return
     before = fused.grouped_linear
-    fused.grouped_linear = grouped_linear_reference
+    fused.grouped_linear = lambda x, weight, impl="torch": grouped_linear_reference(x, weight)
     try:
         yield
     finally:

@@ -84,7 +84,8 @@ class GroupedOutput(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """`[..., S, groups, in_per_group]` -> `[..., S, groups * rank]`."""
         lead = x.shape[:-2]
-        return grouped_linear(x.reshape(-1, *x.shape[-2:]), self.weight).view(*lead, -1)
+        # the Triton kernel on CUDA only: CPU tensors keep the `bmm` even under TRITON_INTERPRET=1
+        return grouped_linear(x.reshape(-1, *x.shape[-2:]), self.weight, "auto" if x.is_cuda else "torch").view(*lead, -1)
 
 
 class Attention(nn.Module):

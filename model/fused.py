@@ -24,6 +24,7 @@ from torch import Tensor
 from cedserve.kernels.grouped_linear import grouped_linear
 from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
+from cedserve.kernels.triton_support import Impl
 from cedserve.model.compressor import pool_groups
 from cedserve.model.device_sampling import sample_rows
 from cedserve.model.engram import hash_rows
@@ -56,11 +57,11 @@ def unrope_output(out: Tensor, cos: Tensor, sin: Tensor, groups: int, dtype: tor
 
 
 def output(out: Tensor, cos: Tensor, sin: Tensor, wo_a: Tensor, groups: int, wo_b: Tensor,
-           unrope: Callable[..., Tensor] = unrope_output) -> Tensor:
+           unrope: Callable[..., Tensor] = unrope_output, impl: Impl = "torch") -> Tensor:
     """`Attention._output` of the attention's `out [B, H, D]`: inverse RoPE (`unrope`: compiled in
-    `FusedOps`), grouped `wo_a` (`grouped_linear`: one Triton launch on a GPU, where cuBLAS's float32
-    `bmm` took ~35 us at 2-192 rows), `wo_b` -> `[B, hidden]`."""
-    return F.linear(grouped_linear(unrope(out, cos, sin, groups, wo_b.dtype), wo_a), wo_b)
+    `FusedOps`), grouped `wo_a` (`grouped_linear` with `impl`: one Triton launch on a GPU, where
+    cuBLAS's float32 `bmm` took ~35 us at 2-192 rows), `wo_b` -> `[B, hidden]`."""
+    return F.linear(grouped_linear(unrope(out, cos, sin, groups, wo_b.dtype), wo_a, impl), wo_b)
 
 
 def index_query(q_residual: Tensor, wq_b: Tensor, head_logits: Tensor, cos: Tensor, sin: Tensor, heads: int,
@@ -213,9 +214,10 @@ RECOMPILE_LIMIT = 64
 
 
 class FusedOps:
-    """The functions above, compiled (`compiled=True`, CUDA) or as written."""
+    """The functions above, compiled (`compiled=True`, CUDA) or as written; `kernels` (default:
+    `compiled`) sends `wo_a` to its Triton kernel (CUDA, or CPU under `TRITON_INTERPRET=1`)."""
 
-    def __init__(self, compiled: bool) -> None:
+    def __init__(self, compiled: bool, kernels: bool | None = None) -> None:
         if compiled:
             # One compiled function serves every layer and batch bucket, with two index dtypes
             # (`entries_to_slots`: long entries and int32 picks): the engine's bucket set recompiled
@@ -228,7 +230,8 @@ class FusedOps:
             return torch.compile(fn, fullgraph=True) if compiled else fn
 
         self.project = wrap(project)
-        self.output = partial(output, unrope=wrap(unrope_output))  # wo_a's kernel stays outside Inductor
+        grouped: Impl = "auto" if (compiled if kernels is None else kernels) else "torch"
+        self.output = partial(output, unrope=wrap(unrope_output), impl=grouped)  # wo_a's kernel stays outside Inductor
         self.index_query = wrap(index_query)
         self.window_slots = wrap(window_slots)
         self.global_kv = partial(global_kv, from_rings=wrap(global_kv_from_rings))  # ring writes stay eager

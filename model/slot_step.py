@@ -105,7 +105,7 @@ class SlotStep:
         self.ropes = {kind: device_rope(table, self.device) for kind, table in model.ropes.items()}
         self.hasher = model.hasher.to(self.device) if model.hasher is not None else None
         self.moe_mode = resolve_moe_mode(moe, config.n_routed_experts, self.kernels)
-        self.ops = FusedOps(compiled=self.kernels and fused)
+        self.ops = FusedOps(compiled=self.kernels and fused, kernels=self.kernels)
         self.site_impl: Impl = "triton" if self.kernels else "torch"
         """Where the mHC sites run (`kernels.mhc.hc_site`): its two kernels on CUDA, the torch
         reference (the modules' composition) elsewhere; "triton" on CPU under `TRITON_INTERPRET=1`

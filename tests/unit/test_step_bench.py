@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import step
@@ -33,3 +34,19 @@ def test_kernels_go_to_the_range_that_launched_them() -> None:
     assert rows["(unlinked)"]["top"][0]["name"] == "orphan"
     order = [r["part"] for r in step.attribute_kernels(parts, kernels)]
     assert order[:2] == ["attend", "moe"]  # most kernels first, ties by name
+
+
+def test_cublas_wo_a_puts_the_old_bmm_back_for_its_cells() -> None:
+    """`--paths graph-fused-bmm` measures the step as it was before the grouped_linear kernel: inside
+    the context the fused step's `wo_a` is cuBLAS's `bmm` whatever impl it asks for; after, the kernel's
+    launcher again."""
+    from cedserve.kernels.grouped_linear import grouped_linear, grouped_linear_reference
+    from cedserve.model import fused
+
+    x, w = torch.randn(3, 2, 8), torch.randn(2 * 4, 8)
+    with step.cublas_wo_a(True):
+        assert fused.grouped_linear is not grouped_linear
+        assert torch.equal(fused.grouped_linear(x, w, "triton"), grouped_linear_reference(x, w))
+    assert fused.grouped_linear is grouped_linear
+    with step.cublas_wo_a(False):
+        assert fused.grouped_linear is grouped_linear
