@@ -170,6 +170,8 @@ def engine(block_bytes: int, blocks: int, stream: int, reps: int, variant: str,
             send_done: list[float] = []
             recv_done: list[float] = []
             opens: list[float] = []
+            last_post: list[float] = []
+            cpu: list[float] = []
             for rep in range(reps + 2):
                 rid = f"{variant}-{alloc}-{rep}"
                 ids = (np.arange(blocks, dtype=np.int64) if alloc == "contiguous"
@@ -181,22 +183,29 @@ def engine(block_bytes: int, blocks: int, stream: int, reps: int, variant: str,
                 t0 = time.perf_counter()
                 sender.sender().open(res, timeout_s=30.0, on_finish=None)
                 t1 = time.perf_counter()
-                start_mono = time.monotonic()
+                time.sleep(0.002)  # both loops back asleep, as when a prefill's first KV is ready
+                t2 = time.perf_counter()
+                start_mono, start_cpu = time.monotonic(), time.process_time()
                 for s in range(0, blocks, stream):
                     sender.sender().write_blocks(rid, ids[s: s + stream], last=s + stream >= blocks)
-                t2 = time.perf_counter()
+                t3 = time.perf_counter()
                 r_send = sender.sender().wait(rid, 30.0)
                 r_recv = receiver.receiver().wait(rid, 30.0)
+                cpu_s = time.process_time() - start_cpu
                 if rep < 2:
                     continue
                 opens.append(t1 - t0)
-                calls.append(t2 - t1)
+                cpu.append(cpu_s)
+                last_post.append((r_send.last_post_s or start_mono) - start_mono)
+                calls.append(t3 - t2)
                 send_done.append(r_send.finished_s - start_mono)
                 recv_done.append(r_recv.finished_s - start_mono)
             rows.append({"part": "engine", "variant": variant, "alloc": alloc, "blocks": blocks,
                          "block_bytes": block_bytes, "stream_blocks": stream, "overrides": overrides,
                          "open_us": round(_us(opens), 1), "write_calls_us": round(_us(calls), 1),
                          "write_call_us_each": round(_us(calls) / -(-blocks // stream), 2),
+                         "last_post_us": round(_us(last_post), 1),
+                         "cpu_us": round(_us(cpu), 1),
                          "sender_done_us": round(_us(send_done), 1), "receiver_done_us": round(_us(recv_done), 1),
                          "receiver_done_p90_us": round(float(np.percentile(recv_done, 90)) * 1e6, 1)})
     finally:
@@ -242,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         for stream in sorted({args.stream_blocks, args.blocks}):
             erows += engine(args.block_bytes, args.blocks, stream, args.engine_reps, name, overrides)
     print(f"\n{'engine variant':<16} {'alloc':<11} {'stream':>6} {'open':>8} {'writes':>8} {'each':>7} "
-          f"{'send DONE':>10} {'recv DONE':>10} {'recv p90':>9}  (us; DONE from the first write_blocks)")
+          f"{'last post':>10} {'send DONE':>10} {'recv DONE':>10} {'recv p90':>9} {'cpu':>7}  (us; from the first write_blocks)")
     for r in erows:
         print(f"{r['variant']:<16} {r['alloc']:<11} {r['stream_blocks']:>6} {r['open_us']:>8.0f} "
-              f"{r['write_calls_us']:>8.0f} {r['write_call_us_each']:>7.1f} {r['sender_done_us']:>10.0f} "
-              f"{r['receiver_done_us']:>10.0f} {r['receiver_done_p90_us']:>9.0f}")
+              f"{r['write_calls_us']:>8.0f} {r['write_call_us_each']:>7.1f} {r['last_post_us']:>10.0f} "
+              f"{r['sender_done_us']:>10.0f} {r['receiver_done_us']:>10.0f} {r['receiver_done_p90_us']:>9.0f} "
+              f"{r['cpu_us']:>7.0f}")
     rows += erows
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "python benchmarks/kv_transfer_host.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -255,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                      "NIXL phase, two agents in one process over UCX loopback; per_transfer_path = numpy lists + "
                      "get_xfer_descs + initialize_xfer (what a post without prepared lists costs before posting). "
                      "engine rows: two NixlTransferAgents in one process; writes = all write_blocks calls of a "
-                     "request; send/recv DONE = from the first write_blocks call to that side's finish."),
+                     "request; last_post = from the first write_blocks call to the start of the sender's last NIXL post; "
+                     "send/recv DONE = from the first write_blocks call to that side's finish; cpu = the process's "
+                     "CPU time (every thread: caller, both progress loops) from the first write_blocks call to "
+                     "both sides' DONE."),
            "rows": rows}
     path = Path(args.json) if args.json else Path("docs/benchmarks/kv-transfer-host-cpu.json")
     if path.parent.is_dir():
