@@ -230,7 +230,8 @@ class NixlEngine:
                 # as many slots as the request's bytes fill (packed chunks share slots), up to the cap
                 needed = -(-ids.size // max(1, self.staging.slot_blocks(self.region.block_bytes)))
                 slots = tuple(self.staging.acquire_up_to(min(self._slots_per_request, needed)))
-            record = TransferRecord(request_id, Role.RECEIVER, sender, tuple(ids.tolist()), now + lease, on_finish, now)
+            block_ids = tuple(ids.tolist())
+            record = TransferRecord(request_id, Role.RECEIVER, sender, block_ids, now + lease, on_finish, now)
             t = RecvTransfer(record=record, mode=mode, initiator=mode is TransferMode.READ, dst_ids=ids,
                              granted_slots=slots)
             try:
@@ -241,7 +242,7 @@ class NixlEngine:
                 raise
         self._bell.wake()
         return Reservation(request_id=request_id, receiver=self._name, sender=sender,
-                           block_ids=tuple(ids.tolist()), mode=mode, staging_slots=slots, lease_s=lease,
+                           block_ids=block_ids, mode=mode, staging_slots=slots, lease_s=lease,
                            compat_hash=self._compat.compat_hash)
 
     def check_reservation(self, reservation: Reservation) -> None:
@@ -346,15 +347,19 @@ class NixlEngine:
         """Queue one `write_blocks` call as chunks of at most `chunk_blocks`. Whether a chunk is packed
         is decided later, once per NIXL request, on the chunks merged for it (`_next_chunk`): the
         caller's thread does no per-call run counting (it holds the GIL while a prefill queues)."""
-        dst = t.dst_ids[t.next_pos: t.next_pos + src.size]
+        n = src.size
+        dst = t.dst_ids[t.next_pos: t.next_pos + n]
         packable: bool | None = False
-        if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and src.size > 1:
+        if self.staging is not None and self.layout.kind is LayoutKind.CROSS_LAYER and n > 1:
             packable = None if self._slot_blocks(t) >= 2 else False
-        pieces = split_positions(src.size, self._chunk_blocks) or ([(0, 0)] if last else [])
-        for i, (a, b) in enumerate(pieces):
-            t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b],
-                                 packed=packable if b - a > 1 else False, last=last and i == len(pieces) - 1))
-        t.next_pos += src.size
+        if 0 < n <= self._chunk_blocks:  # a prefill's usual call: one chunk
+            t.queue.append(Chunk(first=t.next_pos, src=src, dst=dst, packed=packable if n > 1 else False, last=last))
+        else:
+            pieces = split_positions(n, self._chunk_blocks) or ([(0, 0)] if last else [])
+            for i, (a, b) in enumerate(pieces):
+                t.queue.append(Chunk(first=t.next_pos + a, src=src[a:b], dst=dst[a:b],
+                                     packed=packable if b - a > 1 else False, last=last and i == len(pieces) - 1))
+        t.next_pos += n
         t.written.append(src)
         t.closed = last
 
@@ -423,9 +428,10 @@ class NixlEngine:
             nxt = t.queue.popleft()
             parts.append(nxt)
             size += nxt.src.size
+        # queued chunks are consecutive positions: their receiver ids are one slice of the reservation's
         chunk = head if len(parts) == 1 else Chunk(
             first=head.first, src=np.concatenate([p.src for p in parts]),
-            dst=np.concatenate([p.dst for p in parts]), packed=head.packed, last=parts[-1].last)
+            dst=t.dst_ids[head.first: head.first + size], packed=head.packed, last=parts[-1].last)
         if chunk.packed is not None:
             return chunk
         slot_blocks = self._slot_blocks(t)
@@ -679,9 +685,10 @@ class NixlEngine:
             self._release_handle(handle, t.peer)
             self.memory.release_slot(job.local_slot)
             return
-        t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=job.descriptors, handle=handle,
+        descriptors = self.memory.descriptors(job)
+        t.inflight[job.seq] = Inflight(seq=job.seq, nbytes=job.nbytes, descriptors=descriptors, handle=handle,
                                        local_slot=job.local_slot, scatter_ids=job.scatter_ids)
-        t.record.num_descriptors += job.descriptors
+        t.record.num_descriptors += descriptors
         if job.posted_s >= (t.record.last_post_s or 0.0):
             t.record.last_post_s, t.record.last_posted_s = job.posted_s, job.returned_s
         if self.config.announce_posts and job.op == "WRITE":
@@ -693,6 +700,8 @@ class NixlEngine:
                        f"{job.op} of chunk {job.seq} failed at post", tell_peer=True)
         elif t.record.state.terminal:
             self._cancel_inflight(t)  # aborted while we posted
+        elif isinstance(t, SendTransfer) and t.closed and not t.queue and not t.posting:
+            t.join_written()  # all of it posted: the result's ids now, while the bytes move
 
     # ------------------------------------------------------------------ receiver side
 
@@ -838,7 +847,7 @@ class NixlEngine:
         finally:
             took = time.monotonic() - start
             t.record.staging_s += took
-            self.metrics.staging_seconds.labels(op).observe(took)
+            self.metrics.observe_staging(op, took)
 
     def _release_handle(self, handle: object, peer: str) -> None:
         try:
@@ -893,10 +902,9 @@ class NixlEngine:
             log.warning("ignoring notification from %s: %s", peer_name, exc)
             return
         kind = notice.WhichOneof("body")
-        if kind != "heartbeat":
-            self.metrics.notices_total.labels(kind).inc()
         if kind == "heartbeat":
             return
+        self.metrics.count_notice(kind)
         if kind == "probe":
             if self.probe_sink is not None:
                 self.probe_sink.arrived(notice.probe.probe_id, now)
@@ -1026,8 +1034,8 @@ class NixlEngine:
             self._recvs.pop(t.request_id, None)
         else:
             self._sends.pop(t.request_id, None)
-            if isinstance(t, SendTransfer) and t.written:
-                t.record.block_ids = tuple(np.concatenate(t.written).tolist())
+            if isinstance(t, SendTransfer):
+                t.join_written()
         for inf in t.inflight.values():
             self.memory.release_slot(inf.local_slot)
         t.inflight.clear()

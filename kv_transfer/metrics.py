@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -53,17 +54,34 @@ class TransferMetrics:
         self._lock = threading.Lock()
         self._durations: OrderedDict[RequestId, float] = OrderedDict()
         self._remember = remember
+        # (collector, label values) -> its child: `labels()` validates and locks on every call, a few us
+        # each, several times per request on the progress thread
+        self._children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *values: str) -> Any:
+        child = self._children.get((metric, values))
+        if child is None:  # two threads racing here get the same child from `labels`
+            child = self._children[(metric, values)] = metric.labels(*values)
+        return child
+
+    def count_notice(self, kind: str) -> None:
+        """One data-path notification of `kind` (the `TransferNotice` body field) received."""
+        self._child(self.notices_total, kind).inc()
+
+    def observe_staging(self, op: str, seconds: float) -> None:
+        """One staging copy (`op`: gather or scatter) took `seconds`, its wait included."""
+        self._child(self.staging_seconds, op).observe(seconds)
 
     def record(self, result: TransferResult, mode: str) -> None:
         role = result.role.value
-        self.requests_total.labels(role, result.state.value).inc()
-        self.bytes_total.labels(role, mode).inc(result.num_bytes)
-        self.descriptors_total.labels(role).inc(result.num_descriptors)
+        self._child(self.requests_total, role, result.state.value).inc()
+        self._child(self.bytes_total, role, mode).inc(result.num_bytes)
+        self._child(self.descriptors_total, role).inc(result.num_descriptors)
         if result.state is TransferState.DONE:
-            self.duration_seconds.labels(role).observe(result.duration_s)
+            self._child(self.duration_seconds, role).observe(result.duration_s)
             if result.tail_s is not None:
-                self.tail_seconds.labels(role).observe(result.tail_s)
-            self.gbps.labels(role).observe(result.gbps)
+                self._child(self.tail_seconds, role).observe(result.tail_s)
+            self._child(self.gbps, role).observe(result.gbps)
             with self._lock:
                 self._durations[result.request_id] = result.duration_s
                 while len(self._durations) > self._remember:

@@ -74,12 +74,13 @@ class LocalMemory:
                    peer_ids: np.ndarray, peer: PeerState, notif: bytes, runs: int | None = None) -> PostJob:
         """The request moving our blocks `local_ids[i]` to or from the peer's `peer_ids[i]`: indices into
         the prepared block lists (cross-layer; NIXL merges runs), or the per-layer descriptors.
-        `runs`: `count_runs` of the pairs when the caller already has it."""
+        `runs`: `count_runs` of the pairs when the caller already has it; else they are counted once
+        the request is posted (`PostJob.descriptors`), not on the way to its post."""
         nbytes = int(local_ids.size) * self.region.block_bytes
         if self.blocks_list is not None and peer.blocks_list is not None:
             return PostJob(t, seq, op, None, peer.kv_mem, notif, nbytes, None, None,
                            blocks=(local_ids, peer_ids), blocks_lists=(self.blocks_list, peer.blocks_list),
-                           descriptors=count_runs(local_ids, peer_ids) if runs is None else runs)
+                           descriptors=runs)
         descs = block_descs(self.layout, self.address, peer.kv, local_ids, peer_ids)
         return PostJob(t, seq, op, descs, peer.kv_mem, notif, nbytes, None, None, descriptors=descs.count)
 
@@ -93,6 +94,14 @@ class LocalMemory:
                             peer.staging_address(peer_slot) + peer_row * self.region.block_bytes,
                             peer.staging_device, nbytes)
         return PostJob(t, seq, op, descs, peer.staging_mem, notif, nbytes, local_slot, scatter_ids, descriptors=1)
+
+    @staticmethod
+    def descriptors(job: PostJob) -> int:
+        """Descriptors `job` moves (after NIXL merges runs), counted now if `blocks_job` left it open."""
+        if job.descriptors is None:
+            assert job.blocks is not None
+            job.descriptors = count_runs(*job.blocks)
+        return job.descriptors
 
     def post(self, job: PostJob) -> tuple[object, str, NixlCallError | None]:
         """Hand one request to NIXL: `(handle, status, None)`, or `(None, "ERR", error)`."""

@@ -108,8 +108,9 @@ class PostJob:
     blocks_lists: tuple[int, int] = (0, 0)
     """Our prepared block list and the peer's, as they were when the job was made (a peer that
     handshakes again gets a new list; a post naming the released one fails)."""
-    descriptors: int = 0
-    """Descriptors the request moves (after merging runs)."""
+    descriptors: int | None = 0
+    """Descriptors the request moves (after merging runs); None: not counted yet (block indices are
+    counted once posted, `LocalMemory.descriptors`, so the count does not delay the post)."""
     posted_s: float = 0.0
     """When its post began (monotonic; set by the posting thread)."""
     returned_s: float = 0.0
@@ -169,6 +170,13 @@ class SendTransfer(Transfer):
 
     def has_local_work(self) -> bool:
         return bool(self.queue) or super().has_local_work()
+
+    def join_written(self) -> None:
+        """Set the record's `block_ids` from the `write_blocks` calls so far (once: a 2,048-block
+        tuple costs tens of us, paid once the last request is posted rather than after it is done)."""
+        if self.written:
+            self.record.block_ids = tuple(np.concatenate(self.written).tolist())
+            self.written.clear()
 
 
 @dataclass
