@@ -69,9 +69,16 @@ def paired_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def count_runs(src: np.ndarray, dst: np.ndarray) -> int:
     """Descriptors `coalesced_descs` would build for these pairs."""
-    if src.shape[0] == 0:
-        return 0
-    return 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+    if src.shape[0] < 2:
+        return int(src.shape[0])
+    # a run continues where both steps are 1: (step - 1) of both sides OR to zero exactly there
+    # (slices instead of np.diff and in-place ops: this runs per NIXL request on the progress thread)
+    steps = src[1:] - src[:-1]
+    steps -= 1
+    dst_steps = dst[1:] - dst[:-1]
+    dst_steps -= 1
+    steps |= dst_steps
+    return 1 + int(np.count_nonzero(steps))
 
 
 def _rows(addresses: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
