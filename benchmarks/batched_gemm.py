@@ -74,6 +74,15 @@ def down_forms(y: torch.Tensor, w2: torch.Tensor) -> dict[str, Callable[[], torc
     }
 
 
+def linear_forms(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """`x [B, K]`, `weight [N, K]` (a plain projection of the step): `[B, N]` by cuBLAS, and by the
+    grouped kernel as one group (whether it also beats cuBLAS's picks at verify rows)."""
+    return {
+        "F.linear (cuBLAS)": lambda: F.linear(x, weight),
+        "grouped_linear G=1 (Triton)": lambda: grouped_linear(x.unsqueeze(1), weight),
+    }
+
+
 Forms = dict[str, Callable[[], torch.Tensor]]
 
 
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini-40")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 6, 12, 16, 32, 192])
+    p.add_argument("--gemms", nargs="+", choices=("wo_a", "down", "linear"), default=["wo_a", "down", "linear"],
+                   help="linear: the step's plain projections wa ([wq_a; wkv]), wq_b and wo_b")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -124,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     # one weight per layer (40 calls read 40 weights, as the step does, not one cached in L2)
     wo_a = [torch.randn(groups * n_group, k_group, device=device, generator=gen) * k_group**-0.5 for _ in range(CALLS)]
     w2 = [torch.randn(experts, dim, inter, device=device, generator=gen) * inter**-0.5 for _ in range(CALLS)]
+    linears = {name: [torch.randn(n, k, device=device, generator=gen) * k**-0.5 for _ in range(CALLS)]
+               for name, (n, k) in {"wa": (c.q_lora_rank + c.head_dim, dim),
+                                    "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank),
+                                    "wo_b": (dim, groups * n_group)}.items()} if "linear" in args.gemms else {}
     rows_out: list[dict[str, Any]] = []
     print(f"{'gemm':<6} {'rows':>4}  {'form':<26} {'numerics':<9} {'us/call':>8} {'rel err':>9}")
     for rows in args.rows:
@@ -139,7 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         def d_layers(dtype: torch.dtype, y: torch.Tensor = y) -> list[Forms]:
             return [down_forms(y.to(dtype), w.to(dtype)) for w in w2]
 
-        for name, layers, want in (("wo_a", a_layers, want_a.transpose(0, 1).flatten(1)), ("down", d_layers, want_d)):
+        cases: list[tuple[str, Callable[[torch.dtype], list[Forms]], torch.Tensor]] = []
+        if "wo_a" in args.gemms:
+            cases.append(("wo_a", a_layers, want_a.transpose(0, 1).flatten(1)))
+        if "down" in args.gemms:
+            cases.append(("down", d_layers, want_d))
+        if "linear" in args.gemms:
+            for lname, ws in linears.items():
+                xl = torch.randn(rows, ws[0].shape[1], device=device, generator=gen)
+
+                def l_layers(dtype: torch.dtype, x: torch.Tensor = xl, ws: list[torch.Tensor] = ws) -> list[Forms]:
+                    return [linear_forms(x.to(dtype), w.to(dtype)) for w in ws]
+
+                cases.append((lname, l_layers, xl.double() @ ws[0].double().T))
+        for name, layers, want in cases:
             for r in measure(bench, name, rows, layers, want, tf32=True):
                 rows_out.append(r)
                 print(f"{r['gemm']:<6} {r['rows']:>4}  {r['form']:<26} {r['numerics']:<9} {r['us']:>8.2f} "
@@ -150,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -P benchmarks/batched_gemm.py " + " ".join(argv),
             "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                         "python": platform.python_version()},
-            "preset": args.preset, "shapes": {"wo_a": [groups, k_group, n_group], "down": [experts, inter, dim]},
+            "preset": args.preset, "shapes": {"wo_a": [groups, k_group, n_group], "down": [experts, inter, dim],
+                                                  **{n: list(ws[0].shape) for n, ws in linears.items()}},
             "notes": "us per call: 40 calls (40 layers' weights) in one CUDA graph, do_bench's median replay; "
                      "rel_err: max |got - float64| / max |float64| on the first layer's weights",
             "rows": rows_out}, indent=1))

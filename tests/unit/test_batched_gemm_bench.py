@@ -38,3 +38,11 @@ def test_down_forms_equal_the_dense_experts_sum(rows: int) -> None:
     assert isinstance(want, torch.Tensor)
     for form, fn in batched_gemm.down_forms(y, w2).items():
         torch.testing.assert_close(fn().double(), want, atol=1e-4, rtol=1e-5, msg=form)
+
+
+def test_linear_forms_equal_f_linear() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    want = x.double() @ w.double().T
+    for form, fn in batched_gemm.linear_forms(x, w).items():
+        torch.testing.assert_close(fn().double(), want, atol=1e-4, rtol=1e-5, msg=form)
