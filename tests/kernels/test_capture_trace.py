@@ -15,6 +15,7 @@ from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_mod
 from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
 from cedserve.model.dspark import Drafter
 from cedserve.model.expert_exchange import FixedCapacityEP
+from cedserve.model.fused import FusedOps
 from cedserve.model.network import CEDModel
 from cedserve.model.prefill_runner import PrefillRunner, PrefillRunnerConfig
 from cedserve.model.presets import preset
@@ -44,8 +45,14 @@ def prefilled_runner(model: CEDModel, lengths: list[int], exchange: FixedCapacit
         model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
         runner.load(slot, state)
     if not CUDA:  # the CUDA branches, the kernels interpreted
-        runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+        cuda_branches(runner)
     return runner
+
+
+def cuda_branches(runner: ModelRunner | PrefillRunner) -> None:
+    """The slot step as it runs on CUDA (kernels, mHC sites and `wo_a` in Triton), on a CPU."""
+    runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+    runner.slot_step.ops = FusedOps(compiled=False, kernels=True)
 
 
 def staged_step(runner: ModelRunner, slots: list[int], tokens: list[int], sampling: list[SamplingParams],
@@ -66,6 +73,7 @@ def test_runner_step_is_the_same_graph_for_other_inputs() -> None:
     second = staged_step(runner, [3, 4, 4], [40, 41, 42], [hot, greedy, greedy], bucket=4)
     assert len(first.ops) > 1000  # the whole step: every layer's operations were recorded
     assert any(op.name.startswith("triton.") for op in first.ops)  # and its kernels' launches
+    assert any("_grouped_linear_kernel" in op.name for op in first.ops)  # wo_a's among them
     assert compare(first, second) is None, compare(first, second)
     third = staged_step(runner, [1], [9], [greedy], bucket=1)  # another bucket: another graph
     assert compare(first, third) is not None
@@ -163,7 +171,7 @@ def test_prefill_runner_chunk_is_the_same_graph_for_other_inputs() -> None:
             model.prefill(torch.randint(3, 500, (length,), generator=gen).tolist(), state)
         runner.load(slot, state)
     if not CUDA:  # the CUDA branches, the kernels interpreted
-        runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+        cuda_branches(runner)
     traces = []
     for slot, rows in ((0, 16), (1, 11)):
         runner._stage(slot, torch.randint(3, 500, (rows,), generator=gen).numpy(), 16)
@@ -194,7 +202,7 @@ def test_grouped_rows_step_equals_per_row_and_is_graph_safe() -> None:
         per_row.load(slot, state)
     if not CUDA:
         for runner in (grouped, per_row):
-            runner.slot_step.kernels, runner.slot_step.site_impl = True, "triton"
+            cuda_branches(runner)
     slots = [s for s, rows in enumerate([6, 1, 3, 2]) for _ in range(rows)]
     feed = torch.randint(3, 500, (len(slots),), generator=gen).tolist()
     start = {s: grouped.position(s) for s in set(slots)}
