@@ -14,9 +14,10 @@ reading its block of weights once for up to `MAX_BLOCK_M` rows. Float32 products
 float32 (not TF32); results agree with the `bmm` to float32 rounding of a sum in another order.
 
 Implementations (`impl`): "triton" (CUDA tensors, or CPU under `TRITON_INTERPRET=1`), "torch"
-(:func:`grouped_linear_reference`) or "auto" (the kernel where it can run and `N <= MAX_ROWS`;
-the `bmm` above that, since prefill chunks of thousands of rows are cuBLAS's strength, and where
-autograd records, since the kernel has no backward).
+(:func:`grouped_linear_reference`) or "auto" (the kernel where it can run and `MIN_ROWS <= N <=
+MAX_ROWS`; the `bmm` at one row, where cuBLAS's GEMV was fast, above 256 rows, since prefill chunks
+of thousands of rows are cuBLAS's strength, and where autograd records, since the kernel has no
+backward).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from cedserve.kernels.triton_support import (
     num_sms,
     require_triton,
 )
+
+MIN_ROWS = 2
+"""Fewest rows "auto" sends to the kernel: at one row cuBLAS runs the `bmm` as a GEMV at 2.9 us (H100),
+which the kernel is not known to beat; from 2 rows on it took ~35 us."""
 
 MAX_ROWS = 256
 """Most rows "auto" sends to the kernel (decode buckets, verify rows); more go to the `bmm`."""
@@ -60,7 +65,8 @@ def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto") -> Tensor:
     if x.dtype != weight.dtype:
         raise TypeError(f"grouped_linear: x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernel has no backward
-    if impl == "torch" or (impl == "auto" and (x.shape[0] > MAX_ROWS or needs_grad or not can_launch(x, weight))):
+    cublas_rows = not MIN_ROWS <= x.shape[0] <= MAX_ROWS
+    if impl == "torch" or (impl == "auto" and (cublas_rows or needs_grad or not can_launch(x, weight))):
         return grouped_linear_reference(x, weight)
     if impl not in ("auto", "triton"):
         raise ValueError(f"grouped_linear: impl must be 'auto', 'triton' or 'torch', got {impl!r}")

@@ -59,13 +59,20 @@ def test_ragged_shapes_and_strided_rows(gen: torch.Generator, device: torch.devi
     _check(grouped_linear(x, w, impl="triton"), x, w)
 
 
-def test_auto_sends_many_rows_to_bmm(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
+def test_auto_sends_one_row_and_many_rows_to_bmm(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
                                      device: torch.device) -> None:
     monkeypatch.setattr(gl, "MAX_ROWS", 4)
     x = torch.randn(5, 2, 32, generator=gen, device=device)
     w = torch.randn(2 * 16, 32, generator=gen, device=device)
     assert torch.equal(grouped_linear(x, w), grouped_linear_reference(x, w))
     _check(grouped_linear(x[:4], w), x[:4], w)
+    def no_kernel(*args: object) -> None:
+        raise AssertionError("the kernel was launched")
+
+    monkeypatch.setattr(gl, "_blocks", no_kernel)
+    assert torch.equal(grouped_linear(x[:1], w), grouped_linear_reference(x[:1], w))  # one row: cuBLAS's GEMV
+    with pytest.raises(AssertionError, match="launched"):
+        grouped_linear(x[:2], w)
 
 
 def test_zero_rows(device: torch.device) -> None:
