@@ -9,7 +9,11 @@ Per cell (preset, context, batch, path), on one device:
 * `gpu_kernel_ms`, `kernels_per_step`: device kernel time and count per step (torch profiler over
   `--profile-steps` steps; graph replays show their kernels);
 * `host_syncs_per_step`: device-to-host copies plus explicit synchronise calls per step (profiler);
-  the runner's step has exactly one of each kind by design (its sampled tokens);
+  the runner's step makes three by design, all at its edges: the copy of its sampled tokens and the
+  stream synchronise that waits for them, and, before it stages the next inputs, an event synchronise
+  on the previous step's input copy (the pinned staging buffer is free again; it returns at once
+  after a step whose tokens were read). A graph cell reads ~3.3: the profiler's own closing calls
+  spread over the profiled steps;
 * `memory_floor_ms`: bytes the step must read (every weight but the embedding tables, and per row
   each layer's window, its top-k main-KV records and its index scan) over the copy bandwidth
   measured in the same run.
