@@ -56,7 +56,7 @@ def wo_a_forms(x: torch.Tensor, weight: torch.Tensor, groups: int) -> dict[str, 
     blocks = torch.block_diag(*[weight[g * rows:(g + 1) * rows] for g in range(groups)])  # [G N, G K]
     return {
         "bmm (cuBLAS)": lambda: torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1),
-        "grouped_linear (Triton)": lambda: grouped_linear(x, weight),
+        "grouped_linear (Triton)": lambda: grouped_linear(x, weight, "triton"),  # at any row count, 1 too
         "linear per group": lambda: torch.cat([F.linear(x[:, g], weight[g * rows:(g + 1) * rows])
                                                for g in range(groups)], dim=1),
         "linear block-diagonal": lambda: F.linear(x.flatten(1), blocks),
@@ -79,7 +79,7 @@ def linear_forms(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[]
     grouped kernel as one group (whether it also beats cuBLAS's picks at verify rows)."""
     return {
         "F.linear (cuBLAS)": lambda: F.linear(x, weight),
-        "grouped_linear G=1 (Triton)": lambda: grouped_linear(x.unsqueeze(1), weight),
+        "grouped_linear G=1 (Triton)": lambda: grouped_linear(x.unsqueeze(1), weight, "triton"),
     }
 
 

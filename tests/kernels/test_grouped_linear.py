@@ -10,6 +10,9 @@ interpreter may round its float32 -> bf16 cast a whole ulp away).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import Tensor
@@ -99,3 +102,17 @@ def test_auto_keeps_autograd(gen: torch.Generator, device: torch.device) -> None
     grouped_linear(x, w).sum().backward()
     assert x.grad is not None and w.grad is not None
     assert torch.allclose(w.grad.view(2, 8, 16), x.detach().sum(0).unsqueeze(1).expand(2, 8, 16))
+
+
+def test_the_benchmark_forms_run_the_kernel(gen: torch.Generator, device: torch.device) -> None:
+    """benchmarks/batched_gemm.py's Triton forms launch the kernel at every row count (one row too,
+    which "auto" leaves to cuBLAS) and compute the step's sums."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import batched_gemm
+
+    for rows in (1, 6):
+        x = torch.randn(rows, 2, 64, generator=gen, device=device)
+        w = torch.randn(2 * 16, 64, generator=gen, device=device)
+        _check(batched_gemm.wo_a_forms(x, w, 2)["grouped_linear (Triton)"](), x, w)
+        flat = batched_gemm.linear_forms(x.flatten(1), w.view(16, 128).contiguous())["grouped_linear G=1 (Triton)"]()
+        _check(flat, x.flatten(1).unsqueeze(1), w.view(16, 128))
