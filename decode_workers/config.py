@@ -152,7 +152,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     together (`RunnerConfig.grouped_attention`: its window decoded and its index keys scanned once per
     request instead of once per row; models of up to 64 heads x rows per slot, padded to powers of
     two, else row by row). The same results as row by row (tests/kernels/test_capture_trace.py);
-    off until a GPU measures it (`benchmarks/step.py --paths graph-fused graph-fused-grouped`)."""
+    off: measured on an H100 it moved mini-40's step by -4 % to +4 % at 1 and 32 requests x 1 and 6 rows
+    (docs/benchmarks/gpu-2026-12-06e; `benchmarks/step.py --paths graph-fused graph-fused-grouped`)."""
     matmul_tf32: bool = False
     """On CUDA, float32 matrix products on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`,
     set for the worker process when the engine starts): a model held in float32 (`[model] dtype`, the

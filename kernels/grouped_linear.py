@@ -27,13 +27,12 @@ from torch import Tensor
 
 from cedserve.kernels.triton_support import (
     Impl,
-    can_launch,
     cdiv,
     check_tensor,
     interpreting,
     next_power_of_2,
     num_sms,
-    require_triton,
+    resolve_impl,
 )
 
 MIN_ROWS = 2
@@ -65,15 +64,10 @@ def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto") -> Tensor:
     if x.dtype != weight.dtype:
         raise TypeError(f"grouped_linear: x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernel has no backward
-    cublas_rows = not MIN_ROWS <= x.shape[0] <= MAX_ROWS
-    if impl == "torch" or (impl == "auto" and (cublas_rows or needs_grad or not can_launch(x, weight))):
+    if impl == "auto" and (not MIN_ROWS <= x.shape[0] <= MAX_ROWS or needs_grad):
+        impl = "torch"
+    if resolve_impl(impl, "grouped_linear", x, weight) == "torch":
         return grouped_linear_reference(x, weight)
-    if impl not in ("auto", "triton"):
-        raise ValueError(f"grouped_linear: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    require_triton("grouped_linear")
-    if not can_launch(x, weight):
-        raise ValueError("grouped_linear: the Triton kernel needs both tensors on one CUDA device "
-                         "(or on CPU with TRITON_INTERPRET=1)")
     check_tensor(x, "grouped_linear: x", dtypes=_DTYPES, dim=3)
     check_tensor(weight, "grouped_linear: weight", dtypes=_DTYPES, dim=2)
     rows, groups, k = x.shape

@@ -94,8 +94,8 @@ class RunnerConfig:
     """On CUDA, attend each slot's rows of a step together (`sparse_attention`'s `row_offsets`: a
     DSpark verify's windows decoded once per request, not once per row; heads x rows per slot <= 64)
     and scan its index keys once for them (`index_scores`' `row_offsets`).
-    Off: not yet measured against the per-row kernel on a GPU (`benchmarks/step.py --paths
-    graph-fused-grouped`)."""
+    Off: no gain over the per-row kernels on an H100 (-4 % to +4 %, docs/benchmarks/gpu-2026-12-06e;
+    `benchmarks/step.py --paths graph-fused-grouped`)."""
 
     def __post_init__(self) -> None:
         SlotShape(self.max_slots, self.max_context, self.max_rows_per_slot)
