@@ -305,7 +305,7 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                               buckets=tuple(sorted({b * r for b, r in cases})))
         runner = ModelRunner(model, config)
         graph_runners = {"graph": runner}
-        for path in ("graph-fused", "graph-fused-tf32", "graph-fused-grouped", "graph-fused-bmm"):
+        for path in ("graph-fused", "graph-fused-tf32", "graph-fused-grouped", "graph-fused-before"):
             if path in args.paths and args.device == "cuda":
                 graph_runners[path] = ModelRunner(model, RunnerConfig(**{
                     **config.__dict__, "compile_fused": True, "grouped_attention": path.endswith("-grouped")}))
@@ -352,7 +352,7 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                 log(row(cells[-1]))
             for path, graph_runner in graph_runners.items():
                 if path in args.paths and args.device == "cuda":
-                    with tf32(path.endswith("-tf32")), cublas_wo_a(path.endswith("-bmm")):
+                    with tf32(path.endswith("-tf32")), library_ops(path.endswith("-before")):
                         run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args,
                                   log, cells, dtype)
                     cells[-1].update(versus)
@@ -375,19 +375,22 @@ def tf32(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cublas_wo_a(on: bool) -> Iterator[None]:
-    """While `on`, the fused step projects `wo_a` with cuBLAS's `bmm` as it did before the Triton
-    kernel (`cedserve.kernels.grouped_linear`): the old path, for a side-by-side cell. Graphs keep
-    what was captured under it, so capture and the uncaptured comparisons both run inside."""
+def library_ops(on: bool) -> Iterator[None]:
+    """While `on`, the fused step runs two chains as it did before session 28/29's changes, for a
+    side-by-side cell: `wo_a` by cuBLAS's `bmm` (not the `grouped_linear` kernel) and the MoE's
+    top-k by `topk` (not `fused.pick_topk`'s fused rounds of argmax: `ARGMAX_TOPK = 0`; Dynamo
+    guards that global, so the compiled routing recompiles). Graphs keep what was captured under
+    it, so capture and the uncaptured comparisons both run inside."""
     if not on:
         yield
         return
-    before = fused.grouped_linear
+    before, argmax_topk = fused.grouped_linear, fused.ARGMAX_TOPK
     fused.grouped_linear = lambda x, weight, impl="torch": grouped_linear_reference(x, weight)
+    fused.ARGMAX_TOPK = 0
     try:
         yield
     finally:
-        fused.grouped_linear = before
+        fused.grouped_linear, fused.ARGMAX_TOPK = before, argmax_topk
 
 
 def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
@@ -549,8 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager (forward_batch), runner-eager (the slot step uncaptured), graph (its CUDA "
                         "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
                         "float32 matmuls on TF32 tensor cores), graph-fused-grouped (graph-fused with a request's rows attended "
-                        "together: RunnerConfig.grouped_attention), graph-fused-bmm (graph-fused with wo_a on cuBLAS's bmm, "
-                        "the path before the grouped_linear kernel)")
+                        "together: RunnerConfig.grouped_attention), graph-fused-before (graph-fused with "
+                        "wo_a on cuBLAS's bmm and the MoE's top-k by topk: the path before the grouped_linear "
+                        "kernel and the fused argmax routing)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
                         "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")

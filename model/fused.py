@@ -144,12 +144,12 @@ def global_kv(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm: Tensor, pe
 
 
 def dense_moe(x: Tensor, gate: Tensor, bias: Tensor, w13: Tensor, w2: Tensor, scoring: str, temp: float, top_k: int,
-              renorm: bool, scaling: float, limit: float) -> Tensor:
+              renorm: bool, scaling: float, limit: float, by_argmax: bool = False) -> Tensor:
     """`MoE.forward` with every routed expert run over every row (unrouted pairs weighted 0) and the
     shared expert as one more, weighted 1: `x [B, D]`; float32 `gate [E, D]`, `bias [E]`; `w13
     [E + 1, 2I, D]` (each expert's `w1` rows, then its `w3` rows; the shared expert last) and `w2
-    [E + 1, D, I]` (`dense_experts`)."""
-    weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling)  # [B, k]
+    [E + 1, D, I]` (`dense_experts`). `by_argmax`: `route_topk`'s."""
+    weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling, by_argmax)  # [B, k]
     ids = torch.arange(w13.shape[0], device=x.device)
     # [B, E + 1]: each expert's routing weight (a one-hot sum: at most one term is nonzero, so exact)
     routing = ((indices.unsqueeze(-1) == ids) * weights.unsqueeze(-1)).sum(dim=1)
@@ -173,13 +173,36 @@ def dense_experts(x: Tensor, routing: Tensor, w13: Tensor, w2: Tensor, limit: fl
     return down.float().sum(dim=0).to(x.dtype)
 
 
+ARGMAX_TOPK = 4
+"""Largest `top_k` that `route_topk(by_argmax=True)` picks by repeated argmax rather than `topk`."""
+
+
+def pick_topk(scores: Tensor, k: int, by_argmax: bool) -> Tensor:
+    """The indices of the `k` largest of `scores [B, E]` along the last dimension, `[B, k]`, in no
+    promised order. `by_argmax` (and `k <= ARGMAX_TOPK`): `k` rounds of argmax, each masking its
+    pick with -inf, in descending order (ties: the lowest index first). Compiled, Inductor fuses
+    those rounds with the scoring around them into one reduction kernel, where `topk` is an
+    extern op of its own (`sbtopk::gatherTopK`, ~5 us a layer on an H100 at 8 experts and one row).
+    Uncompiled, `topk` is one kernel and the rounds 2k, so the eager and graph paths keep `topk`."""
+    if not by_argmax or k > ARGMAX_TOPK or k >= scores.shape[-1]:
+        return scores.topk(k, dim=-1, sorted=False).indices
+    ids = torch.arange(scores.shape[-1], device=scores.device)
+    picks = []
+    for _ in range(k):
+        pick = scores.argmax(dim=-1, keepdim=True)  # [B, 1]
+        picks.append(pick)
+        scores = torch.where(ids == pick, float("-inf"), scores)  # pointwise: fuses, where a scatter would not
+    return torch.cat(picks, dim=-1)
+
+
 def route_topk(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float, top_k: int, renorm: bool,
-               scaling: float) -> tuple[Tensor, Tensor]:
-    """`moe.route` with float32 `gate [E, D]` and `bias [E]`: float32 weights `[B, k]`, indices `[B, k]`."""
+               scaling: float, by_argmax: bool = False) -> tuple[Tensor, Tensor]:
+    """`moe.route` with float32 `gate [E, D]` and `bias [E]`: float32 weights `[B, k]`, indices `[B, k]`.
+    `by_argmax`: the picks by `pick_topk`'s rounds of argmax (the compiled ops' choice)."""
     scores = score_logits(F.linear(x.float(), gate) / temp, scoring)
     # Unsorted: the same experts, without the sort a sorted top-k adds per layer (one more kernel each
     # on CUDA); the callers scatter the pairs or sum them per row, so their order does not matter.
-    indices = (scores + bias).topk(top_k, dim=-1, sorted=False).indices
+    indices = pick_topk(scores + bias, top_k, by_argmax)
     weights = scores.gather(1, indices)
     if renorm and top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -187,10 +210,10 @@ def route_topk(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float,
 
 
 def route_with_shared(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float, top_k: int, renorm: bool,
-                      scaling: float) -> tuple[Tensor, Tensor]:
+                      scaling: float, by_argmax: bool = False) -> tuple[Tensor, Tensor]:
     """`route_topk` with the shared expert as one more pair of every row: expert `E` (after the routed
     ones), weight 1: `[B, k + 1]` each."""
-    weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling)
+    weights, indices = route_topk(x, gate, bias, scoring, temp, top_k, renorm, scaling, by_argmax)
     shared = torch.full_like(indices[:, :1], gate.shape[0])
     return torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1), torch.cat([indices, shared], dim=1)
 
@@ -235,10 +258,14 @@ class FusedOps:
         self.index_query = wrap(index_query)
         self.window_slots = wrap(window_slots)
         self.global_kv = partial(global_kv, from_rings=wrap(global_kv_from_rings))  # ring writes stay eager
-        self.dense_moe = wrap(dense_moe)
+        def argmax_topk(fn: Callable[..., Any]) -> Callable[..., Any]:
+            # compiled routing picks its top-k by rounds of argmax, which Inductor fuses (`pick_topk`)
+            return wrap(partial(fn, by_argmax=True)) if compiled else fn
+
+        self.dense_moe = argmax_topk(dense_moe)
         self.dense_experts = wrap(dense_experts)
-        self.route_topk = wrap(route_topk)
-        self.route_with_shared = wrap(route_with_shared)
+        self.route_topk = argmax_topk(route_topk)
+        self.route_with_shared = argmax_topk(route_with_shared)
         self.expand = wrap(hc_expand)
         self.entries_to_slots = wrap(entries_to_slots)
         self.sample_rows = wrap(sample_rows)

@@ -9,6 +9,8 @@ checked against the same function as written."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,15 @@ from cedserve.model.attention import Attention
 from cedserve.model.compressor import Compressor
 from cedserve.model.config import AttentionMode, ModelConfig
 from cedserve.model.device_moe import DeviceMoE
-from cedserve.model.fused import FusedOps, global_kv, route_with_shared, window_slots
+from cedserve.model.fused import (
+    ARGMAX_TOPK,
+    FusedOps,
+    global_kv,
+    pick_topk,
+    route_topk,
+    route_with_shared,
+    window_slots,
+)
 from cedserve.model.indexer import INDEX_QUANT_BLOCK, Indexer
 from cedserve.model.moe import MoE, route
 from cedserve.model.presets import preset
@@ -93,6 +103,48 @@ def test_route_with_shared_appends_expert_e_weight_one(config: ModelConfig) -> N
     want_w, want_i = route(x, moe.gate.weight, moe.gate.bias, config)
     assert torch.equal(indices[:, :-1], want_i) and torch.equal(weights[:, :-1], want_w)
     assert (indices[:, -1] == c.n_routed_experts).all() and (weights[:, -1] == 1).all()
+
+
+@pytest.mark.parametrize(("experts", "k"), [(8, 1), (8, 2), (16, 4), (9, 3), (64, 4), (8, 6)])
+def test_pick_topk_by_argmax_picks_topks_experts_in_descending_order(experts: int, k: int) -> None:
+    """`pick_topk`'s rounds of argmax pick what `topk` picks, largest first; past `ARGMAX_TOPK` it is
+    `topk` itself. Fresh scores with distinct values, rows from 1 to 37."""
+    gen = torch.Generator().manual_seed(experts * 10 + k)
+    for rows in (1, 5, 37):
+        scores = torch.randn(rows, experts, generator=gen)
+        got = pick_topk(scores, k, by_argmax=True)
+        want = scores.topk(k, dim=-1).indices  # sorted: descending
+        if k <= ARGMAX_TOPK:
+            assert torch.equal(got, want), (rows, got, want)
+        else:
+            assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
+        assert got.dtype == torch.long and got.shape == (rows, k)
+
+
+def test_pick_topk_by_argmax_breaks_ties_towards_the_lower_index() -> None:
+    """Equal scores: the rounds take the lower index first and never the same expert twice."""
+    scores = torch.tensor([[0.5, 0.9, 0.9, 0.1, 0.9], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert pick_topk(scores, 3, by_argmax=True).tolist() == [[1, 2, 4], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_route_topk_by_argmax_equals_the_modules_routing(config: ModelConfig, scoring: str) -> None:
+    """The compiled ops' routing (`by_argmax=True`, as written and under Inductor on this CPU) equals
+    `moe.route` (sorted `topk`): the same experts in the same order, the same weights."""
+    moe = MoE(config)
+    _randomize(moe, 7)
+    x = torch.randn(11, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    c = config
+    rules = (scoring, c.gate_temp, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
+    want_w, want_i = route(x, moe.gate.weight, moe.gate.bias, dataclasses.replace(config, scoring_func=scoring))
+    weights, indices = route_topk(x, moe.gate.weight, moe.gate.bias, *rules, by_argmax=True)
+    assert torch.equal(indices, want_i) and torch.equal(weights, want_w)
+    ops = FusedOps(compiled=True)
+    with torch.no_grad():
+        weights, indices = ops.route_with_shared(x, moe.gate.weight.detach().float(), moe.gate.bias.detach().float(),
+                                                 *rules)
+    assert torch.equal(indices[:, :-1], want_i)
+    torch.testing.assert_close(weights[:, :-1], want_w, rtol=1e-6, atol=0)
 
 
 def _compress_rope(config: ModelConfig) -> RopeTable:

@@ -36,17 +36,22 @@ def test_kernels_go_to_the_range_that_launched_them() -> None:
     assert order[:2] == ["attend", "moe"]  # most kernels first, ties by name
 
 
-def test_cublas_wo_a_puts_the_old_bmm_back_for_its_cells() -> None:
-    """`--paths graph-fused-bmm` measures the step as it was before the grouped_linear kernel: inside
-    the context the fused step's `wo_a` is cuBLAS's `bmm` whatever impl it asks for; after, the kernel's
-    launcher again."""
+def test_library_ops_put_the_old_bmm_and_topk_back_for_their_cells() -> None:
+    """`--paths graph-fused-before` measures the step as it was before the grouped_linear kernel and
+    the argmax routing: inside the context the fused step's `wo_a` is cuBLAS's `bmm` whatever impl it
+    asks for and the routing's top-k is `topk`; after, the kernel's launcher and the rounds again."""
     from cedserve.kernels.grouped_linear import grouped_linear, grouped_linear_reference
     from cedserve.model import fused
 
     x, w = torch.randn(3, 2, 8), torch.randn(2 * 4, 8)
-    with step.cublas_wo_a(True):
+    scores = torch.tensor([[0.1, 0.7, 0.3, 0.9]])
+    with step.library_ops(True):
         assert fused.grouped_linear is not grouped_linear
         assert torch.equal(fused.grouped_linear(x, w, "triton"), grouped_linear_reference(x, w))
-    assert fused.grouped_linear is grouped_linear
-    with step.cublas_wo_a(False):
-        assert fused.grouped_linear is grouped_linear
+        assert fused.ARGMAX_TOPK == 0
+        assert sorted(fused.pick_topk(scores, 2, by_argmax=True).tolist()[0]) == [1, 3]
+    assert fused.grouped_linear is grouped_linear and fused.ARGMAX_TOPK > 0
+    assert fused.pick_topk(scores, 2, by_argmax=True).tolist() == [[3, 1]]
+    with step.library_ops(False):
+        assert fused.grouped_linear is grouped_linear and fused.ARGMAX_TOPK > 0
+
