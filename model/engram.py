@@ -234,14 +234,22 @@ class Engram(nn.Module):
         return rows
 
     def forward(self, streams: Tensor, rows: Tensor) -> Tensor:
-        """`streams [S, hc, D]`, table `rows [S, columns, head_dim]` -> `[S, hc, D]`."""
-        kv: Tensor = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))
-        key = kv[:, : self.hc * self.hidden].float().view(-1, self.hc, self.hidden)  # [S, hc, D]
-        value = kv[:, self.hc * self.hidden :]  # [S, D]
-        h = streams.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        weight = self.q_weight.float() * self.k_weight.float()
-        dot = (h * weight * key).sum(-1) * rstd * self.hidden**-0.5  # [S, hc]
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        out: Tensor = (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
-        return out
+        """`streams [S, hc, D]`, table `rows [S, columns, head_dim]` -> `[S, hc, D]` (`engram_mix`)."""
+        return engram_mix(streams, rows, self.wkv.weight, self.q_weight, self.k_weight, self.eps)
+
+def engram_mix(streams: Tensor, rows: Tensor, wkv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+    """`Engram.forward` as a function of its weights (the decode step compiles it: `FusedOps.engram`):
+    `streams [S, hc, D]`, table `rows [S, columns, head_dim]`, `wkv [(hc + 1) D, columns * head_dim]`,
+    `q_weight`, `k_weight [hc, D]` -> `[S, hc, D]`. Each stream is gated by its normalised dot
+    product with its key and gets the gated value added."""
+    hc, hidden = q_weight.shape
+    kv = F.linear(rows.flatten(-2).to(wkv.dtype), wkv)
+    key = kv[:, : hc * hidden].float().view(-1, hc, hidden)  # [S, hc, D]
+    value = kv[:, hc * hidden :]  # [S, D]
+    h = streams.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    weight = q_weight.float() * k_weight.float()
+    dot = (h * weight * key).sum(-1) * rstd * hidden**-0.5  # [S, hc]
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    out: Tensor = (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+    return out

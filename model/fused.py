@@ -27,7 +27,7 @@ from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.kernels.triton_support import Impl
 from cedserve.model.compressor import pool_groups
 from cedserve.model.device_sampling import sample_rows
-from cedserve.model.engram import hash_rows
+from cedserve.model.engram import engram_mix, hash_rows
 from cedserve.model.mhc import hc_expand
 from cedserve.model.moe import score_logits
 from cedserve.model.norm import rms_normalize
@@ -270,3 +270,4 @@ class FusedOps:
         self.entries_to_slots = wrap(entries_to_slots)
         self.sample_rows = wrap(sample_rows)
         self.engram_hashes = wrap(engram_hashes)
+        self.engram = wrap(engram_mix)

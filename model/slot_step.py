@@ -49,6 +49,7 @@ from cedserve.model.attention import Attention
 from cedserve.model.block import Block
 from cedserve.model.compressor import Compressor
 from cedserve.model.device_moe import DENSE_MAX_EXPERTS, DeviceMoE, MoeMode, resolve_moe_mode
+from cedserve.model.engram import Engram
 from cedserve.model.engram_staging import EngramStaging
 from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.fused import FusedOps
@@ -194,13 +195,18 @@ class SlotStep:
         entering = streams
         if block.engram is not None and block.engram_index is not None:
             assert step.engram_rows is not None
-            entering = block.engram(streams, step.engram_rows[:, block.engram_index])
+            entering = self._engram(block.engram, streams, step.engram_rows[:, block.engram_index])
         site = self._site(entering, pre, None, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base,
                           block.attn_norm.weight)
         self._write_global_kv(block.attn, site.x, step)
         pools.position.scatter_reduce_(0, slots, positions + 1, "amax")
         pools.position.narrow(0, pools.scratch_slot, 1).zero_()
         return streams, pre
+
+    def _engram(self, engram: Engram, streams: Tensor, rows: Tensor) -> Tensor:
+        """`Engram.forward` through the fused ops (`engram_mix`, compiled with `compile_fused`)."""
+        mixed: Tensor = self.ops.engram(streams, rows, engram.wkv.weight, engram.q_weight, engram.k_weight, engram.eps)
+        return mixed
 
     def _engram_rows(self, token_ids: Tensor, slots: Tensor, positions: Tensor) -> Tensor | None:
         """Write the rows' compressed ids into the slots' rings, then hash each row's n-grams and
@@ -231,7 +237,7 @@ class SlotStep:
                 streams = self._expand(streams, pending)
             pending = None
             with self._part("engram"):
-                streams = block.engram(streams, step.engram_rows[:, block.engram_index])
+                streams = self._engram(block.engram, streams, step.engram_rows[:, block.engram_index])
         with self._part("mix"):
             attn = self._site(streams, pre, pending, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base,
                               block.attn_norm.weight)

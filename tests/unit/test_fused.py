@@ -9,6 +9,7 @@ checked against the same function as written."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -317,3 +318,36 @@ def test_engram_hashes_equal_the_hashers_own_ids_compiled_or_not() -> None:
         own = hasher.hash_ids(history.unsqueeze(0), compressed[b:b + 1].view(1, 1), start=known)
         assert torch.equal(want[b], own[0, 0]), f"seed {seed}, row {b}: {known} known ids"
     assert torch.equal(FusedOps(compiled=True).engram_hashes(*args), want), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engram_mix_compiled_equals_the_module_against_float64(dtype: torch.dtype) -> None:
+    """`FusedOps.engram` (`engram_mix`, which the decode step compiles) on fresh random streams and
+    table rows: as written it is the module's forward bit for bit; compiled (Inductor on this CPU) and
+    as written both sit within the dtype's rounding of the module run in float64 (float32: 1e-5
+    relative to the output's scale; bf16: two ulps of bf16 at that scale, the final cast's rounding)."""
+    from cedserve.model.engram import Engram
+
+    config = preset("tiny")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    engram = Engram(config, rows=64, with_table=False)
+    with torch.no_grad():
+        for p in engram.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+    streams = torch.randn(9, config.hc_mult, config.hidden_size, generator=gen).to(dtype)
+    rows = torch.randn(9, columns, config.engram_head_dim, generator=gen)
+    with torch.no_grad():
+        want64 = copy.deepcopy(engram).double()(streams.double(), rows.double())
+        module = engram.to(dtype)(streams, rows)
+        args = (streams, rows, engram.wkv.weight, engram.q_weight, engram.k_weight, engram.eps)
+        plain = FusedOps(compiled=False).engram(*args)
+        compiled = FusedOps(compiled=True).engram(*args)
+    assert torch.equal(plain, module), f"seed {seed}"
+    scale = want64.abs().max().item()
+    bound = 1e-5 * scale if dtype == torch.float32 else 2 * 2.0**-8 * scale
+    for got in (plain, compiled):
+        assert got.dtype == dtype and got.shape == streams.shape
+        err = (got.double() - want64).abs().max().item()
+        assert err <= bound, f"seed {seed}: max error {err:.3g} > {bound:.3g}"
