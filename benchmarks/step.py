@@ -58,6 +58,7 @@ from cedserve.model import fused, presets
 from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
 from cedserve.model.config import AttentionMode
+from cedserve.model.engram import engram_mix
 from cedserve.model.kv_format import KVFormat, encode_index_key, encode_main, encode_window
 from cedserve.model.network import BatchItem, CEDModel
 from cedserve.model.runner import ModelRunner, RunnerConfig
@@ -309,6 +310,8 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
             if path in args.paths and args.device == "cuda":
                 graph_runners[path] = ModelRunner(model, RunnerConfig(**{
                     **config.__dict__, "compile_fused": True, "grouped_attention": path.endswith("-grouped")}))
+                if path.endswith("-before"):  # the Engram mix eager, as before it was a fused op
+                    graph_runners[path].slot_step.ops.engram = engram_mix
         for batch, rows in cases:
             floor_ms = 1000 * floor_bytes(model, context, batch) / bandwidth
             states = [copy.deepcopy(base) for _ in range(batch)]
@@ -553,8 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                         "graphs), graph-fused (the same with compile_fused), graph-fused-tf32 (the same with "
                         "float32 matmuls on TF32 tensor cores), graph-fused-grouped (graph-fused with a request's rows attended "
                         "together: RunnerConfig.grouped_attention), graph-fused-before (graph-fused with "
-                        "wo_a on cuBLAS's bmm and the MoE's top-k by topk: the path before the grouped_linear "
-                        "kernel and the fused argmax routing)")
+                        "wo_a on cuBLAS's bmm, the MoE's top-k by topk and the Engram mix eager: the path before "
+                        "the grouped_linear kernel, the fused argmax routing and the compiled Engram mix)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
                         "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")
