@@ -236,6 +236,14 @@ RECOMPILE_LIMIT = 64
 """Dynamo's per-function recompile limit while fused ops are compiled (`FusedOps`)."""
 
 
+def compiled_form(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What `FusedOps(compiled=True)` hands Inductor for `fn`: the routing functions pick their top-k
+    by rounds of argmax, which Inductor fuses (`pick_topk`); the rest as written."""
+    if fn in (dense_moe, route_topk, route_with_shared):
+        return partial(fn, by_argmax=True)
+    return fn
+
+
 class FusedOps:
     """The functions above, compiled (`compiled=True`, CUDA) or as written; `kernels` (default:
     `compiled`) sends `wo_a` to its Triton kernel (CUDA, or CPU under `TRITON_INTERPRET=1`)."""
@@ -258,14 +266,10 @@ class FusedOps:
         self.index_query = wrap(index_query)
         self.window_slots = wrap(window_slots)
         self.global_kv = partial(global_kv, from_rings=wrap(global_kv_from_rings))  # ring writes stay eager
-        def argmax_topk(fn: Callable[..., Any]) -> Callable[..., Any]:
-            # compiled routing picks its top-k by rounds of argmax, which Inductor fuses (`pick_topk`)
-            return wrap(partial(fn, by_argmax=True)) if compiled else fn
-
-        self.dense_moe = argmax_topk(dense_moe)
+        self.dense_moe = wrap(compiled_form(dense_moe)) if compiled else dense_moe
         self.dense_experts = wrap(dense_experts)
-        self.route_topk = argmax_topk(route_topk)
-        self.route_with_shared = argmax_topk(route_with_shared)
+        self.route_topk = wrap(compiled_form(route_topk)) if compiled else route_topk
+        self.route_with_shared = wrap(compiled_form(route_with_shared)) if compiled else route_with_shared
         self.expand = wrap(hc_expand)
         self.entries_to_slots = wrap(entries_to_slots)
         self.sample_rows = wrap(sample_rows)
