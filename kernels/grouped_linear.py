@@ -55,14 +55,17 @@ def grouped_linear_reference(x: Tensor, weight: Tensor) -> Tensor:
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
 
 
-def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto") -> Tensor:
+def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto", *, splits: int | None = None) -> Tensor:
     """`out [N, G * R]` in `x`'s dtype (module docstring) from `x [N, G, K]` and `weight [G * R, K]`
-    of the same dtype (float32, bf16 or fp16), both with a unit stride in K."""
+    of the same dtype (float32, bf16 or fp16), both with a unit stride in K. `splits`: how many
+    programs share a column block's `K` (None: enough to give every SM a program; see `_blocks`)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[-1] != x.shape[-1] or weight.shape[0] % x.shape[1]:
         raise ValueError(f"grouped_linear: expected x [N, G, K] and weight [G * R, K], got {list(x.shape)} "
                          f"and {list(weight.shape)}")
     if x.dtype != weight.dtype:
         raise TypeError(f"grouped_linear: x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"grouped_linear: splits must be positive, got {splits}")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernel has no backward
     if impl == "auto" and (not MIN_ROWS <= x.shape[0] <= MAX_ROWS or needs_grad):
         impl = "torch"
@@ -75,29 +78,43 @@ def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto") -> Tensor:
     out = torch.empty(rows, groups * r, dtype=x.dtype, device=x.device)
     if rows == 0 or out.numel() == 0:
         return out
-    from cedserve.kernels._grouped_linear_kernels import _grouped_linear_kernel
+    from cedserve.kernels._grouped_linear_kernels import _grouped_linear_kernel, _sum_splits_kernel
 
-    block_m, block_r, block_k = _blocks(rows, groups, r, k, x.device)
-    _grouped_linear_kernel[(groups * cdiv(r, block_r), cdiv(rows, block_m))](
+    block_m, block_r, block_k, k_split = _blocks(rows, groups, r, k, x.device, splits)
+    n_splits = cdiv(k, k_split)
+    # several splits: float32 partial sums per split, added in split order by a second launch
+    target = out if n_splits == 1 else torch.empty(n_splits, rows, groups * r, dtype=torch.float32, device=x.device)
+    _grouped_linear_kernel[(groups * cdiv(r, block_r), cdiv(rows, block_m), n_splits)](
         x, x.stride(0), x.stride(1),
         weight, weight.stride(0),
-        out, out.stride(0),
-        rows, k, r,
+        target, target.stride(0) if n_splits > 1 else 0, groups * r,
+        rows, k, r, k_split,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, DOT_F32=interpreting(),
         num_warps=4,
     )
+    if n_splits > 1:
+        block = 4096 if interpreting() else 1024
+        _sum_splits_kernel[(cdiv(out.numel(), block),)](target, target.stride(0), out, out.numel(),
+                                                         SPLITS=n_splits, BLOCK=block, num_warps=4)
     return out
 
 
-def _blocks(rows: int, groups: int, r: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """`(BLOCK_M, BLOCK_R, BLOCK_K)`: all rows in one row block up to `MAX_BLOCK_M` (16 at least:
-    `tl.dot`'s smallest tile), and the widest column block that still gives every SM a program."""
+def _blocks(rows: int, groups: int, r: int, k: int, device: torch.device,
+            splits: int | None = None) -> tuple[int, int, int, int]:
+    """`(BLOCK_M, BLOCK_R, BLOCK_K, K_SPLIT)`: all rows in one row block up to `MAX_BLOCK_M` (16 at
+    least: `tl.dot`'s smallest tile), column blocks of 32, and the group's `K` cut into splits of
+    `K_SPLIT` (a multiple of `BLOCK_K`) until every SM has a program. Without the splits mini-40's
+    `wo_a` (2 groups of 128 columns) was 16 programs each walking K = 1,024 in 16 steps: 22 us at 6
+    rows and 40 us at 32 on an H100 (gpu-2026-12-07)."""
     block_m = min(max(next_power_of_2(rows), 16), MAX_BLOCK_M)
     if interpreting():  # the interpreter pays per program: few, large ones
-        return block_m, min(max(next_power_of_2(r), 16), 128), min(max(next_power_of_2(k), 16), 512)
-    row_blocks = cdiv(rows, block_m)
-    block_r = 64
-    while block_r > 16 and groups * cdiv(r, block_r) * row_blocks < num_sms(device):
-        block_r //= 2
-    return block_m, block_r, 64
+        block_r, block_k = min(max(next_power_of_2(r), 16), 128), min(max(next_power_of_2(k), 16), 512)
+        wanted = splits or 1
+    else:
+        block_r, block_k = 32, 64
+        programs = groups * cdiv(r, block_r) * cdiv(rows, block_m)
+        wanted = splits or max(1, num_sms(device) // programs)
+    k_blocks = cdiv(k, block_k)
+    k_split = cdiv(k_blocks, min(wanted, k_blocks)) * block_k
+    return block_m, block_r, block_k, k_split

@@ -62,6 +62,42 @@ def test_ragged_shapes_and_strided_rows(gen: torch.Generator, device: torch.devi
     _check(grouped_linear(x, w, impl="triton"), x, w)
 
 
+@pytest.mark.parametrize(("splits", "dtype"), [(2, torch.float32), (3, torch.float32), (64, torch.float32),
+                                             (3, torch.bfloat16)])
+def test_k_splits_sum_to_the_same_product(splits: int, dtype: torch.dtype, gen: torch.Generator,
+                                          device: torch.device) -> None:
+    """`K` cut across programs (float32 partials per split, a second launch adding them in order):
+    within the same bound, K ragged against the blocks (split counts past K's blocks are capped),
+    and the same bits on a second call (no atomics)."""
+    groups, r, k, rows = 2, 40, 1000, 7
+    x = torch.randn(rows, groups, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(groups * r, k, generator=gen, device=device) / k**0.5).to(dtype)
+    got = grouped_linear(x, w, impl="triton", splits=splits)
+    _check(got, x, w)
+    assert torch.equal(grouped_linear(x, w, impl="triton", splits=splits), got)
+
+
+def test_blocks_split_k_until_the_sms_are_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the interpreter, mini-40's wo_a at decode rows gets about one program per SM: 16 splits of
+    64 at 6 and 32 rows on 132 SMs, fewer when the rows give more programs, one when K has one block."""
+    monkeypatch.setattr(gl, "interpreting", lambda: False)
+    monkeypatch.setattr(gl, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    for rows in (6, 32):
+        block_m, block_r, block_k, k_split = gl._blocks(rows, 2, 128, 1024, cpu)
+        assert block_m == (16 if rows == 6 else 32)
+        assert (block_r, block_k, k_split) == (32, 64, 64) and 2 * 4 * 1024 // k_split <= 132
+    assert gl._blocks(192, 2, 128, 1024, cpu)[3] == 256  # 24 programs a split: 5 wanted, 4 of 256
+    assert gl._blocks(6, 2, 128, 64, cpu)[3] == 64
+    assert gl._blocks(6, 2, 128, 1024, cpu, splits=1)[3] == 1024
+
+
+def test_bad_splits_are_refused(device: torch.device) -> None:
+    x, w = torch.randn(3, 2, 8, device=device), torch.randn(2 * 4, 8, device=device)
+    with pytest.raises(ValueError, match="splits"):
+        grouped_linear(x, w, impl="triton", splits=0)
+
+
 def test_auto_sends_one_row_and_many_rows_to_bmm(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
                                      device: torch.device) -> None:
     monkeypatch.setattr(gl, "MAX_ROWS", 4)
