@@ -10,7 +10,9 @@ On an H100 that `bmm` in float32 took 34-36 us a call at 2 to 192 rows against 2
 (cuBLAS picks a 32x32 tile kernel there; `benchmarks/batched_gemm.py`, docs/benchmarks/
 gpu-2026-12-06e): 1.4 ms of a 40-layer verify step. :func:`grouped_linear` is one Triton launch
 (`_grouped_linear_kernels.py`) whose grid spreads the weight's rows over the GPU, each program
-reading its block of weights once for up to `MAX_BLOCK_M` rows. Float32 products are full
+reading its block of weights once for up to `MAX_BLOCK_M` rows, with the group's `K` split across
+programs until every SM has one (float32 partials, added in split order by a second launch: without
+the splits `wo_a` had 16 programs and took 22-45 us a call on an H100). Float32 products are full
 float32 (not TF32); results agree with the `bmm` to float32 rounding of a sum in another order.
 
 Implementations (`impl`): "triton" (CUDA tensors, or CPU under `TRITON_INTERPRET=1`), "torch"
