@@ -1,4 +1,5 @@
-"""A grouped linear layer at decode row counts: `wo_a`'s block-diagonal projection in one launch.
+"""A grouped linear layer at decode row counts: `wo_a`'s block-diagonal projection in one
+or two launches.
 
 Attention's `wo_a` projects each group of heads on its own: from `x [N, G, K]` and the checkpoint's
 `weight [G * R, K]` (group g's rows are `[g * R, (g + 1) * R)`),
@@ -8,7 +9,7 @@ Attention's `wo_a` projects each group of heads on its own: from `x [N, G, K]` a
 which :func:`grouped_linear_reference` computes as one `torch.bmm` (the model's `GroupedOutput`).
 On an H100 that `bmm` in float32 took 34-36 us a call at 2 to 192 rows against 2.9 us at one row
 (cuBLAS picks a 32x32 tile kernel there; `benchmarks/batched_gemm.py`, docs/benchmarks/
-gpu-2026-12-06e): 1.4 ms of a 40-layer verify step. :func:`grouped_linear` is one Triton launch
+gpu-2026-12-06e): 1.4 ms of a 40-layer verify step. :func:`grouped_linear` is one Triton launch, two with K splits
 (`_grouped_linear_kernels.py`) whose grid spreads the weight's rows over the GPU, each program
 reading its block of weights once for up to `MAX_BLOCK_M` rows, with the group's `K` split across
 programs until every SM has one (float32 partials, added in split order by a second launch: without

@@ -220,7 +220,7 @@ class Engram(nn.Module):
         super().__init__()
         hidden, hc = config.hidden_size, config.hc_mult
         columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-        self.hidden, self.hc, self.eps = hidden, hc, config.rms_norm_eps
+        self.eps = config.rms_norm_eps
         self.embed = EngramEmbedding(rows, config.engram_head_dim) if with_table else None
         self.wkv = nn.Linear(columns * config.engram_head_dim, hidden * (hc + 1), bias=False)
         self.q_weight = nn.Parameter(torch.ones(hc, hidden))
@@ -236,6 +236,7 @@ class Engram(nn.Module):
     def forward(self, streams: Tensor, rows: Tensor) -> Tensor:
         """`streams [S, hc, D]`, table `rows [S, columns, head_dim]` -> `[S, hc, D]` (`engram_mix`)."""
         return engram_mix(streams, rows, self.wkv.weight, self.q_weight, self.k_weight, self.eps)
+
 
 def engram_mix(streams: Tensor, rows: Tensor, wkv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
     """`Engram.forward` as a function of its weights (the decode step compiles it: `FusedOps.engram`):

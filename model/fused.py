@@ -258,7 +258,7 @@ class FusedOps:
             # dynamic=None: a second batch size makes the batch dimension symbolic; widths and head
             # counts stay constants (dynamic=True made them symbols too, and Inductor's Triton codegen
             # then failed to split `view(B, heads, -1)` into FP4 blocks: "CantSplit", torch 2.11)
-            return torch.compile(fn, fullgraph=True) if compiled else fn
+            return torch.compile(compiled_form(fn), fullgraph=True) if compiled else fn
 
         self.project = wrap(project)
         grouped: Impl = "auto" if (compiled if kernels is None else kernels) else "torch"
@@ -266,10 +266,10 @@ class FusedOps:
         self.index_query = wrap(index_query)
         self.window_slots = wrap(window_slots)
         self.global_kv = partial(global_kv, from_rings=wrap(global_kv_from_rings))  # ring writes stay eager
-        self.dense_moe = wrap(compiled_form(dense_moe)) if compiled else dense_moe
+        self.dense_moe = wrap(dense_moe)
         self.dense_experts = wrap(dense_experts)
-        self.route_topk = wrap(compiled_form(route_topk)) if compiled else route_topk
-        self.route_with_shared = wrap(compiled_form(route_with_shared)) if compiled else route_with_shared
+        self.route_topk = wrap(route_topk)
+        self.route_with_shared = wrap(route_with_shared)
         self.expand = wrap(hc_expand)
         self.entries_to_slots = wrap(entries_to_slots)
         self.sample_rows = wrap(sample_rows)
