@@ -22,6 +22,7 @@ collectives line up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +62,7 @@ from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
 from cedserve.kv_transfer.protocol import TransferEndpoint
 from cedserve.model import kernel_warmup
+from cedserve.model.cache.errors import CacheExhaustedError
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
 from cedserve.model.config_table import config_error
@@ -496,11 +498,25 @@ class DecodeEngine:
             return set()
         fast: set[int] = set()
         for i, (seq, draft) in enumerate(zip(running, drafts)):
-            if self.slots.fits(seq, draft, self.cache.block_table(seq.request_id)):
+            if self.slots.fits(seq, draft, self._table_for_rows(seq, draft)):
                 fast.add(i)
             elif self.slots.holds(seq):
                 self.slots.slot_out(seq)
         return fast
+
+    def _table_for_rows(self, seq: DecodeSequence, draft: Draft | None) -> list[int]:
+        """`seq`'s block table, grown first to hold this step's rows where its drafts reach past the
+        last block (the cache allocates for accepted tokens only). The scheduler counted `lookahead`
+        tokens of growth for every running request, so the pool has the blocks; if it has not, the
+        table stays and the step takes `forward_batch`. Without this every verify step crossing a
+        block boundary left the runner: the request slotted out, ran eagerly and slotted back in,
+        one candidate for the serving path's 25 ms verify steps against 2.7 ms plain on an H100
+        (gpu-2026-12-07; unmeasured since)."""
+        if draft is not None and seq.state is not None:
+            with contextlib.suppress(CacheExhaustedError):
+                self.cache.reserve_tokens(seq.request_id,
+                                          seq.state.position + len(seq.pending) + len(draft.tokens))
+        return self.cache.block_table(seq.request_id)
 
     def _agree_passes(self, eager: bool, runner_rows: int) -> tuple[bool, int]:
         """Which passes this step runs, the same on every rank of an expert-parallel group (each pass's

@@ -268,14 +268,27 @@ class KVCacheManager:
     def append_tokens(self, request_id: RequestId, token_ids: Sequence[int]) -> list[int]:
         """Add generated (or draft) tokens; returns blocks newly allocated to hold them."""
         req = self._get(request_id)
-        need = math.ceil((req.num_tokens + len(token_ids)) / self.block_size) - len(req.block_ids)
-        fresh: list[int] = []
-        if need > 0:
-            hint = req.block_ids[-1] + 1 if req.block_ids else None
-            fresh = self._allocate(need, request_id, hint)
-            req.block_ids += fresh
+        fresh = self._cover(req, req.num_tokens + len(token_ids))
         req.pending.extend(int(t) for t in token_ids)
         self.events.flush()
+        return fresh
+
+    def reserve_tokens(self, request_id: RequestId, num_tokens: int) -> list[int]:
+        """Grow the request's table to hold `num_tokens` tokens without adding any (a step's draft
+        rows, whose records are written before acceptance is known); returns the new blocks. Later
+        tokens fill them first (`append_tokens`), and `free` returns them. `CacheExhaustedError`
+        (nothing taken) when the pool cannot supply them."""
+        fresh = self._cover(self._get(request_id), num_tokens)
+        self.events.flush()  # making room may have evicted cached blocks
+        return fresh
+
+    def _cover(self, req: _Request, num_tokens: int) -> list[int]:
+        """Allocate the blocks `req` lacks to hold `num_tokens` tokens."""
+        need = math.ceil(num_tokens / self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return []
+        fresh = self._allocate(need, req.request_id, req.block_ids[-1] + 1 if req.block_ids else None)
+        req.block_ids += fresh
         return fresh
 
     def truncate(self, request_id: RequestId, num_tokens: int) -> None:

@@ -131,6 +131,28 @@ def test_decode_grows_contiguously_commits_and_truncates() -> None:
         cache.commit("a", 9)
 
 
+def test_reserved_blocks_hold_no_tokens_until_tokens_fill_them() -> None:
+    """`reserve_tokens` grows the table for draft rows without adding tokens: a later
+    `append_tokens` fills the reserved block before taking a new one, `free` returns it, and a pool
+    that cannot supply the blocks raises with nothing taken."""
+    cache = make(num_blocks=4)
+    cache.admit("a", list(range(6)))  # 2 blocks
+    table = cache.block_table("a")
+    assert cache.reserve_tokens("a", 8) == []  # 8 tokens fit the 2 blocks
+    fresh = cache.reserve_tokens("a", 11)  # a verify's drafts reaching into a third block
+    assert fresh == [table[-1] + 1] and cache.block_table("a") == table + fresh and cache.num_tokens("a") == 6
+    assert cache.append_tokens("a", [6, 7, 8]) == [] and cache.block_table("a") == table + fresh
+    assert cache.num_tokens("a") == 9
+    free = cache.pool.num_free
+    with pytest.raises(CacheExhaustedError):
+        cache.reserve_tokens("a", 4 * 6)  # three more blocks, one free
+    assert cache.pool.num_free == free and len(cache.block_table("a")) == 3
+    cache.check_invariants()
+    cache.free("a")
+    assert cache.pool.num_free == 4
+    cache.check_invariants()
+
+
 def test_metrics_export_to_prometheus() -> None:
     cache = make()
     run(cache, "a", list(range(8)))

@@ -69,10 +69,11 @@ class EveryOtherStep(DSparkProposer):
 def test_dspark_verify_rows_on_the_runner() -> None:
     """DSpark on (`runner = "on"`): verify steps (carried tokens, the anchor and its drafts) run
     through the runner too, rejected drafts rolled back by rewinding the slot; a verify whose drafts
-    would cross into a block the cache has not allocated yet takes `forward_batch` for that step
-    (the state exported, then loaded again). The tokens are those of the engine without the runner
-    (the random drafter's drafts are checked losslessly)."""
-    outs, steps = [], 0
+    cross into the next block gets that block first (`reserve_tokens`) and stays in its slot: each
+    request slots in once and never out (before, here, one crossing verify slotted out and back).
+    The tokens are those of the engine without the runner (the random drafter's drafts are checked
+    losslessly)."""
+    outs, steps, moves = [], 0, (0.0, 0.0)
     for runner in ("off", "on"):
         model, drafter = tiny()
         config = DecodeConfig(runner=runner, adaptive_verify=False)
@@ -82,8 +83,11 @@ def test_dspark_verify_rows_on_the_runner() -> None:
         rig.assert_all_free()
         if rig.engine.slots is not None:
             steps = rig.engine.slots.runner.steps
+            moved = rig.engine.metrics.runner_moves
+            moves = (moved.labels("in")._value.get(), moved.labels("out")._value.get())
     assert outs[0][0] == outs[1][0] and outs[0][1][:6] == outs[1][1][:6]  # (prompt 1's step 6: a tie)
-    assert steps >= 10  # of 27 passes here (13 seen): the rest are joins and block-crossing verifies
+    assert steps >= 10  # of 27 passes here (13 seen): the rest are the joins' passes
+    assert moves == (2, 0)
 
 
 def test_runner_config_is_checked() -> None:
