@@ -104,9 +104,9 @@ class SlotBook:
         """Whether `seq`'s rows this step (carried tokens, its anchor and `draft`'s tokens) can go
         through the runner: its state is ready (no join or replay pass), the rows fit a slot's
         `max_rows_per_slot` and its blocks (`table`: the step writes every row's record into them;
-        drafts past the last block, which the cache allocates only for accepted tokens, take
-        `forward_batch` for that step), and it holds a slot or one is free with its records all in
-        its blocks."""
+        the engine grows it for the drafts first, `DecodeEngine._table_for_rows`, and drafts still
+        past the last block, when the pool had none, take `forward_batch` for that step), and it
+        holds a slot or one is free with its records all in its blocks."""
         if seq.state is None or seq.join in (JoinKind.REPLAY, JoinKind.PREFILL) or seq.needs_pass_to_join():
             return False
         rows = len(seq.pending) + (0 if draft is None else len(draft.tokens))
