@@ -74,6 +74,9 @@
 #                   TPOT_ARGS the load (--prompt-tokens 600 --max-tokens 64 --rounds 10); DSpark against its bound:
 #                   TPOT_SERVE="on:decode.compile_fused=false;off:decode.compile_fused=false,decode.dspark=false"
 #                   TPOT_ARGS="--prompt-tokens 600 --max-tokens 64 --rounds 10 --prompts heldout --dspark-pair on,off"
+#   dspark-cycle    benchmarks/dspark_cycle.py --device cuda: the decode engine on the demo checkpoint, DSpark on
+#                   and off, each engine phase's host ms, kernels, GPU ms and syncs (issue 28's DSpark bound)
+#                   dspark-cycle.json, dspark-cycle.log   CYCLE_S=150; CYCLE_ARGS adds flags (--compile-fused)
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
@@ -749,6 +752,8 @@ run_part() {  # $1: part name
     transfer-one) part_transfer_one ;;
     disagg-ttft) part_disagg_ttft ;;
     tpot) part_tpot ;;
+    dspark-cycle) timeout "${CYCLE_S:-150}" "$PY" -P benchmarks/dspark_cycle.py --device cuda ${CYCLE_ARGS:-} \
+                  --out "$OUT/dspark-cycle.json" 2>&1 | grep -v "NIXL INFO\|USDT" | tee "$OUT/dspark-cycle.log" ;;
     staging-probe) timeout "${PROBE_S:-60}" "$PY" -P benchmarks/staging_probe.py --out "$OUT/staging-probe.json" 2>&1 \
                   | tee "$OUT/staging-probe.log" ;;
     mhc-blocks) timeout "${MHC_S:-90}" "$PY" -P benchmarks/mhc_blocks.py --out "$OUT/mhc-blocks.json" 2>&1 \

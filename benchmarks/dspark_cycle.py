@@ -1,0 +1,256 @@
+"""Where a DSpark decode cycle's time goes, phase by phase, beside the plain decode step, in one process.
+
+`benchmarks/tpot.py` measures issue 28's DSpark bound through `cedserve serve` and reads the decode
+loop's phase histograms, which give host seconds per phase but not what the GPU did in them. This
+runs the decode engine itself (the same `DecodeEngine`, model runner and slot drafter a decode worker
+builds from the default `[decode]` table) on the shipped demo checkpoint, one request at a time on
+held-out code (so the drafter's guesses are accepted as in serving), and profiles a stretch of steps
+with the torch profiler. Each engine phase (`schedule`, `join`, `propose`, `plan`, `model`, `accept`,
+`persist`, `observe`, `account`: the phases of `cedserve_decode_loop_phase_seconds`) is marked in the
+trace, and per phase and step it reports:
+
+* `host_ms`: wall time on the host (what the loop waits for, kernels included when it synchronises);
+* `kernels`, `gpu_ms`: kernels launched in the phase (by launch time, graph replays' kernels included)
+  and their device time;
+* `syncs`: calls that make the host wait for the device (`cudaStreamSynchronize`, device-to-host
+  copies, ...).
+
+Per system (`on`: DSpark with the engine's adaptive verification, as served; `off`: no drafting):
+median step ms, tokens per step, tokens/s; and for the pair the DSpark bound of issue 28:
+tokens/s on / ((tokens per verification) x tokens/s off). On a CPU the same runs (no kernels are
+counted; useful to test the script and to count host work).
+
+    python benchmarks/dspark_cycle.py --device cuda --prompt-tokens 600 --steps 40 --profile-steps 12 \\
+        --out docs/benchmarks/dspark-cycle-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import itertools
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step import attribute_kernels  # benchmarks/step.py
+from tpot import heldout_prompts  # benchmarks/tpot.py
+
+from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.drafting import DSparkProposer
+from cedserve.decode_workers.engine import DecodeEngine
+from cedserve.decode_workers.messages import AttachCommand, CancelCommand, Sampling, Tokens
+from cedserve.launcher import shipped_demo_checkpoint
+from cedserve.model.cache.config import KVCacheConfig
+from cedserve.model.cache.layout import BlockLayout
+from cedserve.model.cache.manager import KVCacheManager
+from cedserve.model.checkpoint import load_model
+from cedserve.model.checkpoint_writer import load_drafter
+from cedserve.model.dspark import Drafter
+from cedserve.model.network import CEDModel
+
+BLOCK = 64
+PHASES = ("schedule", "join", "propose", "plan", "model", "accept", "persist", "observe", "account")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""Runtime calls that block the host until the device catches up (`cudaMemcpy`: the synchronous
+copy, `.item()` / `.tolist()` of a device tensor; `cudaMemcpyAsync` does not count)."""
+
+
+class MarkedPhases:
+    """The engine's phase timer, marking each phase's end in the profiler's trace as well."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def lap(self, phase: str, since: float) -> float:
+        with torch.profiler.record_function(f"lap:{phase}"):
+            pass
+        return float(self.inner.lap(phase, since))
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.inner.add(phase, seconds)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def prefill(model: CEDModel, tokens: list[int], chunk: int = 2048) -> tuple[Any, int]:
+    state = model.new_state()
+    logits = None
+    for at in range(0, len(tokens), chunk):
+        logits = model.prefill(tokens[at:at + chunk], state)
+    assert logits is not None
+    return state, int(logits[-1].argmax())
+
+
+def build_engine(model: CEDModel, drafter: Drafter | None, args: argparse.Namespace,
+                 dspark: bool) -> tuple[DecodeEngine, KVCacheManager]:
+    """An engine as a decode worker builds it from the default `[decode]` table (one request at a time)."""
+    blocks = (args.prompt_tokens + args.steps * 8 + 4 * BLOCK) // BLOCK + 8
+    layout = BlockLayout.from_config(model.config, BLOCK)
+    cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=blocks), "bench", args.device)
+    config = DecodeConfig(max_running_requests=args.max_running, dspark=dspark, device=args.device,
+                          compile_fused=args.compile_fused, kernel_warmup=False,  # the untimed first steps compile instead
+                          runner=args.runner, runner_drafter=args.runner_drafter)
+    proposer = DSparkProposer(drafter, model, config.draft_tokens) if dspark and drafter is not None else None
+    return DecodeEngine(config, model, cache, proposer=proposer), cache
+
+
+def phase_table(prof: Any, steps: int) -> dict[str, dict[str, float]]:
+    """Per phase: host ms, kernels, kernel ms and syncs per step, from the `lap:` marks (module docstring)."""
+    events = prof.events()
+    cpu = torch.autograd.DeviceType.CPU
+    marks = sorted((e.time_range.start, e.time_range.end, e.name[4:]) for e in events if e.name.startswith("lap:"))
+    parts = [(prev[1], cur[0], cur[2]) for prev, cur in itertools.pairwise(marks) if cur[2] != "start"]
+    launched = {e.id: e.time_range.start for e in events if e.device_type == cpu and "Launch" in e.name}
+    ops = {e.id: e.time_range.start for e in events if e.device_type == cpu and "Launch" not in e.name}
+    kernels = []
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            kernels.append((launched.get(e.id, ops.get(getattr(e, "linked_correlation_id", 0))), e.name,
+                            e.time_range.elapsed_us()))
+    by_part = {r["part"]: r for r in attribute_kernels(parts, kernels)}
+    syncs = [e.time_range.start for e in events if e.device_type == cpu and e.name.startswith(SYNC_CALLS)
+             and not e.name.startswith("cudaMemcpyAsync")]
+    table: dict[str, dict[str, float]] = {}
+    for phase in PHASES:
+        spans = [(a, b) for a, b, name in parts if name == phase]
+        row = by_part.get(phase, {"kernels": 0, "ms": 0.0, "top": []})
+        table[phase] = {
+            "host_ms": sum(b - a for a, b in spans) / 1000 / steps,
+            "kernels": row["kernels"] / steps,
+            "gpu_ms": row["ms"] / steps,
+            "syncs": sum(any(a <= t <= b for a, b in spans) for t in syncs) / steps,
+            "top": row["top"],
+        }
+    return table
+
+
+def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespace, dspark: bool,
+               prompts: list[list[int]], log: Callable[[str], None]) -> dict[str, Any]:
+    """Each prompt decoded for `--steps` steps on a fresh engine (first steps untimed); the profiled
+    stretch is the last prompt's last `--profile-steps` steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    gc.collect()
+    engine, cache = build_engine(model, drafter, args, dspark)
+    engine.metrics.phases = MarkedPhases(engine.metrics.phases)  # type: ignore[assignment]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    times: list[float] = []
+    tokens = 0
+    table: dict[str, dict[str, float]] = {}
+    for i, prompt in enumerate(prompts):
+        state, first = prefill(model, prompt)
+        rid = f"r{i}"
+        cmd = AttachCommand(0, rid, f"l{i}", tuple(prompt), first, 100, Sampling(max_tokens=100_000, ignore_eos=True))
+        engine.attach_state(rid, prompt, copy.deepcopy(state), first, cmd)
+        for step in range(args.steps):
+            profiled = i == len(prompts) - 1 and step == args.steps - args.profile_steps
+            if profiled:
+                sync(args.device)
+                prof = torch_profile(activities=activities)
+                prof.__enter__()
+            sync(args.device)
+            start = time.perf_counter()
+            with torch.profiler.record_function("lap:start"):
+                pass
+            outputs = engine.step()
+            sync(args.device)
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup_steps:
+                times.append(elapsed)
+                tokens += sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
+        if i == len(prompts) - 1:
+            prof.__exit__(None, None, None)
+            table = phase_table(prof, args.profile_steps)
+        engine.cancel(CancelCommand(0, rid))  # its blocks and slots back before the next request
+    steps = len(times)
+    step_ms = 1000 * statistics.median(times)
+    per_step = tokens / steps
+    result = {"dspark": dspark, "steps": steps, "step_ms": step_ms, "mean_step_ms": 1000 * sum(times) / steps,
+              "tokens_per_step": per_step, "tokens_per_s": tokens / sum(times),
+              "drafted": int(engine.drafted_tokens), "accepted": int(engine.accepted_drafts),
+              "runner": engine.slots is not None, "drafter_on_slots": type(engine.proposer).__name__,
+              "phases": table}
+    log(f"{'on' if dspark else 'off':>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
+        f"tokens/s {result['tokens_per_s']:8.1f}  (runner {result['runner']}, proposer "
+        f"{result['drafter_on_slots']})")
+    log(f"     {'phase':<9} {'host ms':>8} {'kernels':>8} {'gpu ms':>7} {'syncs':>6}")
+    for phase, row in table.items():
+        if row["host_ms"] >= 0.005 or row["kernels"]:
+            log(f"     {phase:<9} {row['host_ms']:8.3f} {row['kernels']:8.1f} {row['gpu_ms']:7.3f} {row['syncs']:6.1f}")
+    cache.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--checkpoint", type=Path, default=None, help="default: the shipped demo checkpoint")
+    p.add_argument("--prompt-tokens", type=int, default=600)
+    p.add_argument("--prompts", type=int, default=2, help="requests per system, one after the other")
+    p.add_argument("--steps", type=int, default=40, help="engine steps per request")
+    p.add_argument("--warmup-steps", type=int, default=4, help="untimed first steps of each request")
+    p.add_argument("--profile-steps", type=int, default=12, help="the last request's last N steps, profiled")
+    p.add_argument("--max-running", type=int, default=4, help="decode.max_running_requests (the graphs' buckets)")
+    p.add_argument("--runner", default="auto", choices=("auto", "on", "off"), help="decode.runner")
+    p.add_argument("--runner-drafter", default="auto", choices=("auto", "on", "off"), help="decode.runner_drafter")
+    p.add_argument("--compile-fused", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if not 0 < args.profile_steps <= args.steps - args.warmup_steps:
+        p.error("--profile-steps must be in 1 .. steps - warmup-steps")
+    checkpoint = args.checkpoint or shipped_demo_checkpoint()
+    model = load_model(checkpoint, device=args.device)
+    drafter = load_drafter(checkpoint, model.config).to(args.device)
+    source = heldout_prompts(checkpoint)
+    rng = random.Random(args.seed)
+    prompts = [source(rng, args.prompt_tokens) for _ in range(args.prompts)]
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    started = time.perf_counter()
+    systems = {"off": run_system(model, drafter, args, False, prompts, log),
+               "on": run_system(model, drafter, args, True, prompts, log)}
+    on, off = systems["on"], systems["off"]
+    per_verify = on["tokens_per_step"]
+    bound = per_verify * off["tokens_per_s"]
+    summary = {"speedup": on["tokens_per_s"] / off["tokens_per_s"], "tokens_per_verify": per_verify,
+               "fraction_of_bound": on["tokens_per_s"] / bound,
+               "cycle_over_plain_step": on["step_ms"] / off["step_ms"]}
+    log(f"DSpark on vs off: speedup {summary['speedup']:.2f}, {per_verify:.2f} tokens a step, "
+        f"{summary['fraction_of_bound']:.2f} of the bound; a drafting step costs "
+        f"{summary['cycle_over_plain_step']:.2f}x a plain one")
+    if args.out:
+        machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+        if args.device.startswith("cuda"):
+            machine["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
+            "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - started, 1),
+            "checkpoint": str(checkpoint), "systems": systems, "summary": summary, "log": lines}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
