@@ -484,7 +484,8 @@ class DecodeEngine:
                 log.info("drafter on slots off: %s", reason)
             return proposer
         assert isinstance(proposer, DSparkProposer)
-        config = DraftRunnerConfig(max_slots=self.config.max_running_requests, cuda_graphs=self.config.cuda_graphs)
+        config = DraftRunnerConfig(max_slots=self.config.max_running_requests, cuda_graphs=self.config.cuda_graphs,
+                                   compile_fused=self.config.compile_fused)
         slotted = SlotDSparkProposer.replacing(proposer, config)
         report = slotted.runner.capture(lambda done, total: log.info("drafter: captured %d of %d buckets", done, total))
         if report.buckets:

@@ -50,6 +50,9 @@ class DraftRunnerConfig:
     """Replay captured graphs on CUDA (False: run the same step eagerly)."""
     moe: MoeMode = "auto"
     """The draft layers' MoE (`cedserve.model.device_moe`)."""
+    compile_fused: bool = False
+    """On CUDA, compile the pass's sampling loop and its dense MoE with Inductor before capture
+    (`DraftStep.sample`; the decode worker's `decode.compile_fused`)."""
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -100,7 +103,8 @@ class DraftRunner:
         self.config = config or DraftRunnerConfig()
         self.device = drafter.fc.weight.device
         self.pools = DraftPools(drafter, self.config.max_slots, self.device)
-        self.step_fn = DraftStep(drafter, model, self.pools, self.config.moe)
+        self.step_fn = DraftStep(drafter, model, self.pools, self.config.moe,
+                                 compiled=self.config.compile_fused and self.device.type == "cuda")
         self.block_size = drafter.config.dspark_block_size
         self.buckets = self.config.bucket_sizes
         width, pin = self.buckets[-1], self.device.type == "cuda"

@@ -267,3 +267,35 @@ def test_runner_drafter_config() -> None:
         Rig(model, None, proposer=TargetProposer(model, 3), dspark=True, runner_drafter="on")
     auto = Rig(model, drafter, dspark=True, runner="on", runner_drafter="auto")  # a CPU: eager
     assert type(auto.engine.proposer) is DSparkProposer
+
+
+def test_compiled_draft_step_equals_the_step_as_written() -> None:
+    """`DraftStep(compiled=True)` (Inductor over the sampling loop and the dense MoE; a decode worker
+    on CUDA compiles it with `decode.compile_fused`) against the step as written, on fresh random
+    memory: greedy rows draft the same tokens and both kinds of row the same q_k and confidences
+    (float32 rounding: `ATOL`); sampled rows draw the same tokens (the counter hash is integer math)."""
+    from cedserve.model.draft_step import DraftPools, DraftStep
+
+    model, drafter = tiny()
+    gen = torch.Generator().manual_seed(23)
+    pools = DraftPools(drafter, max_slots=4, device=torch.device("cpu"))
+    pools.vectors.copy_(torch.randn(pools.vectors.shape, generator=gen))
+    plain = DraftStep(drafter, model, pools)
+    compiled = DraftStep(drafter, model, pools, compiled=True)
+    k, vocab = drafter.config.dspark_block_size, model.config.vocab_size
+    for batch in (3,):  # a greedy row and two sampled ones (one batch size: each more recompiles)
+        slots = torch.arange(batch)
+        anchors = torch.randint(3, vocab, (batch,), generator=gen)
+        ends = torch.randint(pools.window, 4 * pools.window, (batch,), generator=gen)
+        counts = torch.randint(1, pools.window + 1, (batch,), generator=gen)
+        temperature = torch.tensor([0.0, 0.8, 1.3][:batch])
+        seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
+        outs = []
+        for step in (plain, compiled):
+            probs = torch.zeros(batch, k, vocab)
+            outs.append((step.forward(slots, anchors, ends, counts, temperature, seeds, probs), probs))
+        (want, want_probs), (got, got_probs) = outs
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got_probs, want_probs, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got.confidences, want.confidences, atol=ATOL, rtol=0)
+        assert float(want_probs.sum(-1).sub(1).abs().max()) < 1e-4  # distributions, not zeros
