@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
+import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +41,15 @@ def neighbour(stop: Any, ready: Any) -> None:
         x.add_(1.0)
         time.sleep(1e-4)
     torch.cuda.synchronize()
+
+
+def spinner(stop: Any) -> None:
+    """The transfer engine's progress thread in a hot spell (`TransferEngine._spin`): `sched_yield`
+    and a zero wait on its doorbell, round after round, in Python (holding the GIL between them)."""
+    bell = threading.Event()
+    while not stop.is_set():
+        os.sched_yield()
+        bell.wait(0.0)
 
 
 def probe(blocks: torch.Tensor, staging: torch.Tensor, n: int, reps: int, rng: np.random.Generator,
@@ -79,13 +91,23 @@ def main() -> None:
     probe(blocks, staging, 64, 3, rng, stream)  # warm
     cells = []
     ctx = mp.get_context("spawn")
-    for setting in ("alone", "with a busy neighbour process"):
+    settings = ("alone", "with a busy neighbour process", "beside a spinning thread",
+                "beside a spinning thread, switch interval 50 us")
+    for setting in settings:
         stop, ready = ctx.Event(), ctx.Event()
-        proc = None
-        if setting != "alone":
+        proc = thread = None
+        if setting == "with a busy neighbour process":
             proc = ctx.Process(target=neighbour, args=(stop, ready), daemon=True)
             proc.start()
             ready.wait(120)
+        elif setting.startswith("beside a spinning thread"):
+            # the copy's waits release the GIL; taking it back competes with the spinning thread
+            # (a transfer agent's sender gathers on the caller's thread while its progress thread spins)
+            thread_stop = threading.Event()
+            thread = threading.Thread(target=spinner, args=(thread_stop,), daemon=True)
+            thread.start()
+            if "switch interval" in setting:
+                sys.setswitchinterval(5e-5)
         try:
             for n in (64, 1024):
                 cell = {"setting": setting, "blocks": n, **probe(blocks, staging, n, args.reps, rng, stream)}
@@ -95,6 +117,10 @@ def main() -> None:
             stop.set()
             if proc is not None:
                 proc.join(30)
+            if thread is not None:
+                thread_stop.set()
+                thread.join(5)
+                sys.setswitchinterval(0.005)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
