@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -113,13 +114,15 @@ class SurvivalCalibration:
 
     def calibrated(self, confidences: Tensor) -> Tensor:
         """`confidences [..., K]` (c_k) -> confidences whose running product is the calibrated
-        survival: survival x measured ratio, kept in [0, 1] and non-increasing along k."""
-        survival = torch.cumprod(confidences.double().clamp(0.0, 1.0), dim=-1)
-        ratio = torch.tensor(self.ratios(confidences.shape[-1]), dtype=torch.float64)
-        fixed = torch.cummin((survival * ratio).clamp(0.0, 1.0), dim=-1).values
-        previous = torch.cat([torch.ones_like(fixed[..., :1]), fixed[..., :-1]], dim=-1)
-        out = torch.where(previous > 0, fixed / previous.clamp_min(1e-12), torch.zeros_like(fixed))
-        return out.to(confidences.dtype)
+        survival: survival x measured ratio, kept in [0, 1] and non-increasing along k. (numpy in
+        float64: it runs on the host between the GPU's passes, like `choose_verify_lengths`.)"""
+        c = np.clip(confidences.detach().cpu().numpy().astype(np.float64), 0.0, 1.0)
+        survival = np.cumprod(c, axis=-1)
+        ratio = np.asarray(self.ratios(confidences.shape[-1]), dtype=np.float64)
+        fixed = np.minimum.accumulate(np.clip(survival * ratio, 0.0, 1.0), axis=-1)
+        previous = np.concatenate([np.ones_like(fixed[..., :1]), fixed[..., :-1]], axis=-1)
+        out = np.where(previous > 0, fixed / np.maximum(previous, 1e-12), 0.0)
+        return torch.from_numpy(out).to(confidences.dtype)
 
 
 class StepProfile:
