@@ -108,6 +108,12 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sender's completion poll, the receiver's notification drain. Bounded, since a spinning Python
     thread keeps the process's other threads from the GIL meanwhile. None: 0.5 ms for device memory,
     0 (never) for host memory (on a small host the spin takes the cores a host copy needs)."""
+    spin_switch_interval_s: float | None = None
+    """During a spin spell (`spin_s`) the interpreter's thread switch interval is at most this
+    (`sys.setswitchinterval`; the process's, restored when the last spell ends): a spinning thread
+    holds the GIL between its yields, and a thread that released it (a staging copy waiting on its
+    stream, the caller's `write_blocks`) otherwise waits up to the default 5 ms before the
+    interpreter forces a hand-over. None: 50 us where spinning is on (device memory); 0: leave it."""
     caller_posts_last: bool | None = None
     """WRITE: `write_blocks(last=True)` posts what is queued of its transfer from the caller's thread
     (the chunks queued behind each other merge into one request) instead of waking the progress
@@ -141,6 +147,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 fail("kv_transfer", name, f"must be positive, got {getattr(self, name)}")
         if self.spin_s is not None and not 0 <= self.spin_s <= 0.1:
             fail("kv_transfer", "spin_s", f"must be in [0, 0.1] s, got {self.spin_s}")
+        if self.spin_switch_interval_s is not None and not 0 <= self.spin_switch_interval_s <= 0.005:
+            fail("kv_transfer", "spin_switch_interval_s", f"must be in [0, 0.005] s, got {self.spin_switch_interval_s}")
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
             fail("kv_transfer", "peer_timeout_s", f"{self.peer_timeout_s} s leaves room for fewer than two heartbeats "
                   f"at {self.heartbeat_interval_s} s")
@@ -150,10 +158,12 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         block pool is in device memory or not; explicit values stay."""
         device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
                   "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4,
-                  "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4}
+                  "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4,
+                  "spin_switch_interval_s": 5e-5}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
-                "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0}
+                "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0,
+                "spin_switch_interval_s": 0.0}
         defaults = device if device_memory else host
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 

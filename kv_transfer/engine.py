@@ -73,6 +73,39 @@ _FORGET_AFTER = 4096  # finished results kept for wait()/state() after the fact
 _HOT_ROUNDS_AFTER_RING = 4  # short polls after a peer's ring (see `_run`)
 
 
+class _SwitchInterval:
+    """The interpreter's thread switch interval, shortened while any engine of the process spins
+    (`KVTransferConfig.spin_switch_interval_s`), restored when the last spell ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved = 0.0
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def enter(self, interval_s: float) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._saved = sys.getswitchinterval()
+            self._holders += 1
+            if interval_s < sys.getswitchinterval():
+                sys.setswitchinterval(interval_s)
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                return
+            self._holders -= 1
+            if self._holders == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH = _SwitchInterval()
+
+
 class ProbeSink(Protocol):
     """Where `Probe` notifications go: a link measurement (the benchmark's `LinkMeter`) installs
     one; a serving agent has none and ignores probes."""
@@ -118,6 +151,8 @@ class NixlEngine:
         self._chunk_blocks = int(_filled(config.chunk_blocks))
         self._spin_s = _filled(config.spin_s)
         self._spin_until = 0.0  # end of the current hot spell's spinning (0: not in one)
+        self._spin_switch_s = _filled(config.spin_switch_interval_s)
+        self._switch_held = False  # this engine holds `_SWITCH` (a spell is spinning)
         self._slots_per_request = int(_filled(config.staging_slots_per_request))
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
 
@@ -511,6 +546,12 @@ class NixlEngine:
 
     def _run(self) -> None:
         _tight_timer_slack()
+        try:
+            self._loop()
+        finally:
+            self._release_switch()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 sleep_s = self._step()
@@ -536,15 +577,25 @@ class NixlEngine:
         spinning Python thread keeps the process's other threads from the GIL meanwhile."""
         if not hot or self._spin_s <= 0:
             self._spin_until = 0.0
+            self._release_switch()
             return False
         now = time.monotonic()
         if not self._spin_until:
             self._spin_until = now + self._spin_s
+            if self._spin_switch_s > 0 and not self._switch_held:
+                _SWITCH.enter(self._spin_switch_s)
+                self._switch_held = True
         if now >= self._spin_until:
+            self._release_switch()
             return False
         os.sched_yield()
         self._bell.wait(0.0)  # consume wakes: this round steps anyway
         return True
+
+    def _release_switch(self) -> None:
+        if self._switch_held:
+            self._switch_held = False
+            _SWITCH.leave()
 
     def _fail_everything(self, detail: str) -> None:
         with self._lock:

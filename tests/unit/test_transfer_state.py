@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -129,6 +132,7 @@ def test_staging_gather_scatter_round_trip() -> None:
     ("pack_below_bytes", -1, "pack_below_bytes"),
     ("spin_s", -1e-6, "spin_s"),
     ("spin_s", 1.0, "spin_s"),  # a spin that long would starve the worker's other threads of the GIL
+    ("spin_switch_interval_s", 0.01, "spin_switch_interval_s"),
 ])
 def test_config_validation_names_the_field(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -155,6 +159,39 @@ def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> 
     # device memory: the caller posts its last chunk and the loop spins briefly while hot; host: neither
     assert (device.caller_posts_last, device.spin_s, host.caller_posts_last, host.spin_s) == (True, 5e-4, False, 0.0)
     assert KVTransferConfig(spin_s=0.0).resolved(True).spin_s == 0.0
+    assert (device.spin_switch_interval_s, host.spin_switch_interval_s) == (5e-5, 0.0)
+
+
+def test_a_spin_spell_shortens_the_switch_interval_until_it_ends() -> None:
+    """While the progress thread spins (a hot spell of `spin_s`) the process's switch interval is at
+    most `spin_switch_interval_s`, so a thread taking the GIL back (a staging copy after its stream
+    wait) is not held up to the default 5 ms; the interval comes back when the spell runs out, when
+    the side cools, and when the loop exits; two engines spinning at once restore it once, last."""
+    import threading
+
+    from cedserve.kv_transfer import engine as transfer_engine
+    from cedserve.kv_transfer.engine import NixlEngine
+
+    def spinner(spin_s: float) -> NixlEngine:
+        e = NixlEngine.__new__(NixlEngine)  # only the spell's fields: no agent, no NIXL
+        e._spin_s, e._spin_until, e._spin_switch_s, e._switch_held = spin_s, 0.0, 5e-5, False
+        e._bell = threading.Event()  # type: ignore[assignment]
+        return e
+
+    default = sys.getswitchinterval()
+    a, b = spinner(10.0), spinner(10.0)
+    assert a._spin(hot=True) and sys.getswitchinterval() == pytest.approx(5e-5)
+    assert b._spin(hot=True) and transfer_engine._SWITCH.holders == 2
+    assert not a._spin(hot=False)  # a cools; b still spins: the interval stays short
+    assert sys.getswitchinterval() == pytest.approx(5e-5)
+    b._spin_until = time.monotonic() - 1  # b's spell runs out while still hot
+    assert not b._spin(hot=True)
+    assert sys.getswitchinterval() == default and transfer_engine._SWITCH.holders == 0
+    assert not b._spin(hot=True)  # the spent spell does not restart (nor take the interval again)
+    assert transfer_engine._SWITCH.holders == 0
+    c = spinner(10.0)
+    c._spin_switch_s = 0.0  # 0: leave the interval alone
+    assert c._spin(hot=True) and sys.getswitchinterval() == default
 
 
 def test_metrics_count_bytes_failures_and_ttft_share() -> None:
