@@ -186,10 +186,12 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
               "tokens_per_step": per_step, "tokens_per_s": tokens / sum(times),
               "drafted": int(engine.drafted_tokens), "accepted": int(engine.accepted_drafts),
               "runner": engine.slots is not None, "drafter_on_slots": type(engine.proposer).__name__,
+              "paths": {p: bool(engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p}))
+                        for p in ("runner", "runner_graphs", "drafter_slots", "drafter_graphs", "compiled")},
               "phases": table}
     log(f"{'on' if dspark else 'off':>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
-        f"tokens/s {result['tokens_per_s']:8.1f}  (runner {result['runner']}, proposer "
-        f"{result['drafter_on_slots']})")
+        f"tokens/s {result['tokens_per_s']:8.1f}  (proposer {result['drafter_on_slots']}; paths on: "
+        f"{', '.join(p for p, v in result['paths'].items() if v) or 'none'})")
     log(f"     {'phase':<9} {'host ms':>8} {'kernels':>8} {'gpu ms':>7} {'syncs':>6}")
     for phase, row in table.items():
         if row["host_ms"] >= 0.005 or row["kernels"]:

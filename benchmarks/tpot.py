@@ -123,6 +123,13 @@ def _steps(metrics_url: str) -> Reading:
                    int(values[f"{VERIFY}_count"]), values[f"{VERIFY}_sum"])
 
 
+def _paths(metrics_url: str) -> dict[str, bool]:
+    """The decode worker's `cedserve_decode_path_on` gauges (empty for a worker without them)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) > 0
+            for m in re.finditer(r'^cedserve_decode_path_on\{path="([a-z_]+)"\} ([0-9.e+-]+)$', text, re.M)}
+
+
 def _phase_rows(before: Reading, after: Reading, steady_span_s: float, tokens: int, steps: int) -> dict[str, float]:
     """Per token of the window between two readings: each phase's seconds, the loop's in-series
     overhead (`loop`: every tick phase but the model pass and the idle wait), and the span's rest
@@ -480,6 +487,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tpot-") as tmp, _serve(args.serve, args.device, args.gpu_share,
                                                                        Path(tmp), binaries) as started:
         systems = {**given, **started}
+        paths = {name: _paths(system.metrics_url) for name, system in systems.items()}
+        for name, on in paths.items():
+            print(f"# {name}: decode paths on: {', '.join(p for p, v in on.items() if v) or 'none (eager)'}")
         load_before = os.getloadavg()
         t0 = time.monotonic()
         results = asyncio.run(run(systems, prompt_lens, max_tokens, args.rounds, source, args.warmup, args.seed,
@@ -499,7 +509,7 @@ def main() -> None:
                           "loadavg_before": [round(x, 2) for x in load_before],
                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
               "device": args.device, "note": args.note, "systems": args.system + args.serve,
-              "binaries": binaries, "rounds": args.rounds, "prompts": args.prompts,
+              "binaries": binaries, "paths": paths, "rounds": args.rounds, "prompts": args.prompts,
               "wall_s": round(wall_s, 1), "results": results, "dspark": dspark}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -130,6 +130,7 @@ class DecodeEngine:
             torch.backends.cuda.matmul.allow_tf32 = config.matmul_tf32
         self.warmup = self._warm_up(lookahead)
         self.slots = self._slot_book()
+        self._publish_paths()
         self._offloaded_bytes = 0
         self._eos = self._eos_ids()
         self.draining = False
@@ -462,6 +463,19 @@ class DecodeEngine:
             return None
         book.capture()
         return book
+
+    def _publish_paths(self) -> None:
+        """Which step paths this worker took at start-up, on `cedserve_decode_path_on` (an operator, or
+        a benchmark, can tell a worker that fell back to the eager paths from one that did not)."""
+        runner = self.slots.runner if self.slots is not None else None
+        drafter = self.proposer.runner if isinstance(self.proposer, SlotDSparkProposer) else None
+        on = {"runner": runner is not None,
+              "runner_graphs": runner is not None and bool(runner.graphs_captured),
+              "drafter_slots": drafter is not None,
+              "drafter_graphs": drafter is not None and bool(drafter.graphs_captured),
+              "compiled": runner is not None and runner.slot_step.ops.compiled}
+        for path, value in on.items():
+            self.metrics.paths.labels(path).set(int(value))
 
     def _runner_exchange(self, max_rows: int) -> FixedCapacityEP | None:
         """The runner's fixed-capacity exchange for `max_rows` rows per rank (None on one rank)."""

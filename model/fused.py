@@ -249,6 +249,7 @@ class FusedOps:
     `compiled`) sends `wo_a` to its Triton kernel (CUDA, or CPU under `TRITON_INTERPRET=1`)."""
 
     def __init__(self, compiled: bool, kernels: bool | None = None) -> None:
+        self.compiled = compiled
         if compiled:
             # One compiled function serves every layer and batch bucket, with two index dtypes
             # (`entries_to_slots`: long entries and int32 picks): the engine's bucket set recompiled

@@ -267,6 +267,15 @@ def test_runner_drafter_config() -> None:
         Rig(model, None, proposer=TargetProposer(model, 3), dspark=True, runner_drafter="on")
     auto = Rig(model, drafter, dspark=True, runner="on", runner_drafter="auto")  # a CPU: eager
     assert type(auto.engine.proposer) is DSparkProposer
+    on = Rig(model, drafter, dspark=True, runner="on", runner_drafter="on")
+    off = Rig(model, drafter, dspark=True, runner="off")
+    # the paths each engine took, on `cedserve_decode_path_on` (a CPU captures and compiles nothing)
+    want = {"auto": {"runner": 1, "drafter_slots": 0}, "on": {"runner": 1, "drafter_slots": 1},
+            "off": {"runner": 0, "drafter_slots": 0}}
+    for name, rig in (("auto", auto), ("on", on), ("off", off)):
+        got = {p: rig.engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p})
+               for p in ("runner", "runner_graphs", "drafter_slots", "drafter_graphs", "compiled")}
+        assert got == {**want[name], "runner_graphs": 0, "drafter_graphs": 0, "compiled": 0}, name
 
 
 def test_compiled_draft_step_equals_the_step_as_written() -> None:
