@@ -27,7 +27,9 @@ counted; useful to test the script and to count host work).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import gc
 import itertools
 import json
@@ -36,7 +38,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -140,8 +142,21 @@ def phase_table(prof: Any, steps: int) -> dict[str, dict[str, float]]:
     return table
 
 
+@contextlib.contextmanager
+def uncompiled_drafter() -> Iterator[None]:
+    """Engines built inside take the drafter's pass uncompiled whatever `decode.compile_fused` says."""
+    from cedserve.decode_workers import engine as engine_module
+
+    original = engine_module.DraftRunnerConfig
+    engine_module.DraftRunnerConfig = functools.partial(original, compile_fused=False)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        engine_module.DraftRunnerConfig = original  # type: ignore[misc]
+
+
 def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespace, dspark: bool,
-               prompts: list[list[int]], log: Callable[[str], None]) -> dict[str, Any]:
+               prompts: list[list[int]], log: Callable[[str], None], name: str = "") -> dict[str, Any]:
     """Each prompt decoded for `--steps` steps on a fresh engine (first steps untimed); the profiled
     stretch is the last prompt's last `--profile-steps` steps."""
     from torch.profiler import ProfilerActivity
@@ -189,7 +204,7 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
               "paths": {p: bool(engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p}))
                         for p in ("runner", "runner_graphs", "drafter_slots", "drafter_graphs", "compiled")},
               "phases": table}
-    log(f"{'on' if dspark else 'off':>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
+    log(f"{name or ('on' if dspark else 'off'):>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
         f"tokens/s {result['tokens_per_s']:8.1f}  (proposer {result['drafter_on_slots']}; paths on: "
         f"{', '.join(p for p, v in result['paths'].items() if v) or 'none'})")
     log(f"     {'phase':<9} {'host ms':>8} {'kernels':>8} {'gpu ms':>7} {'syncs':>6}")
@@ -213,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runner", default="auto", choices=("auto", "on", "off"), help="decode.runner")
     p.add_argument("--runner-drafter", default="auto", choices=("auto", "on", "off"), help="decode.runner_drafter")
     p.add_argument("--compile-fused", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--systems", default="off,on",
+                   help="off (no drafting), on (DSpark as configured), on-drafter-uncompiled (DSpark, the "
+                        "drafter's pass uncompiled: the `on` of before its compiled sampling loop)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -231,17 +249,26 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
 
     started = time.perf_counter()
-    systems = {"off": run_system(model, drafter, args, False, prompts, log),
-               "on": run_system(model, drafter, args, True, prompts, log)}
-    on, off = systems["on"], systems["off"]
-    per_verify = on["tokens_per_step"]
-    bound = per_verify * off["tokens_per_s"]
-    summary = {"speedup": on["tokens_per_s"] / off["tokens_per_s"], "tokens_per_verify": per_verify,
-               "fraction_of_bound": on["tokens_per_s"] / bound,
-               "cycle_over_plain_step": on["step_ms"] / off["step_ms"]}
-    log(f"DSpark on vs off: speedup {summary['speedup']:.2f}, {per_verify:.2f} tokens a step, "
-        f"{summary['fraction_of_bound']:.2f} of the bound; a drafting step costs "
-        f"{summary['cycle_over_plain_step']:.2f}x a plain one")
+    systems = {}
+    for name in args.systems.split(","):
+        if name == "on-drafter-uncompiled":  # the drafter's pass as before its compiled sampling loop
+            with uncompiled_drafter():
+                systems[name] = run_system(model, drafter, args, True, prompts, log, name)
+        else:
+            systems[name] = run_system(model, drafter, args, name == "on", prompts, log, name)
+    summary = {}
+    off = systems.get("off")
+    for name, on in systems.items():
+        if name == "off" or off is None:
+            continue
+        per_verify = on["tokens_per_step"]
+        bound = per_verify * off["tokens_per_s"]
+        summary[name] = {"speedup": on["tokens_per_s"] / off["tokens_per_s"], "tokens_per_verify": per_verify,
+                         "fraction_of_bound": on["tokens_per_s"] / bound,
+                         "cycle_over_plain_step": on["step_ms"] / off["step_ms"]}
+        log(f"DSpark {name} vs off: speedup {summary[name]['speedup']:.2f}, {per_verify:.2f} tokens a step, "
+            f"{summary[name]['fraction_of_bound']:.2f} of the bound; a drafting step costs "
+            f"{summary[name]['cycle_over_plain_step']:.2f}x a plain one")
     if args.out:
         machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
         if args.device.startswith("cuda"):
