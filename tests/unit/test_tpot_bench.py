@@ -68,3 +68,24 @@ def test_heldout_prompts_are_windows_of_the_tokenized_heldout_code() -> None:
     assert take(random.Random(2), 300) != a
     with pytest.raises(ValueError, match="fewer than"):
         take(random.Random(0), 10**9)
+
+
+def test_paths_read_the_decode_workers_path_gauges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tpot._paths`: which step paths a decode worker took, from `cedserve_decode_path_on`; a worker
+    from before the gauge existed reads as no paths (not as an error)."""
+    text = METRICS + "".join(f'cedserve_decode_path_on{{path="{p}"}} {v}\n'
+                             for p, v in (("runner", "1.0"), ("runner_graphs", "1.0"), ("drafter_slots", "1.0"),
+                                          ("drafter_graphs", "0.0"), ("compiled", "0.0")))
+    pages = iter([text, METRICS])
+
+    class Response:
+        def __init__(self) -> None:
+            self.body = next(pages)
+
+        def read(self) -> bytes:
+            return self.body.encode()
+
+    monkeypatch.setattr(tpot.urllib.request, "urlopen", lambda url, timeout: Response())
+    assert tpot._paths("http://127.0.0.1:1/metrics") == {
+        "runner": True, "runner_graphs": True, "drafter_slots": True, "drafter_graphs": False, "compiled": False}
+    assert tpot._paths("http://127.0.0.1:1/metrics") == {}
