@@ -73,6 +73,9 @@
 #                   TPOT_SERVE="name:section.field=value,...;..." the systems (graphs:decode.compile_fused=false),
 #                   TPOT_ARGS the load (--prompt-tokens 600 --max-tokens 64 --rounds 10); DSpark against its bound:
 #                   TPOT_SERVE="on:decode.compile_fused=false;off:decode.compile_fused=false,decode.dspark=false"
+#                   (the default compile_fused, with fewer buckets to compile cold: TPOT_SERVE="on:decode.
+#                   max_running_requests=4;off:decode.max_running_requests=4,decode.dspark=false"; tpot prints
+#                   each system's decode paths, `cedserve_decode_path_on`)
 #                   TPOT_ARGS="--prompt-tokens 600 --max-tokens 64 --rounds 10 --prompts heldout --dspark-pair on,off"
 #   dspark-cycle    benchmarks/dspark_cycle.py --device cuda: the decode engine on the demo checkpoint, DSpark on
 #                   and off, each engine phase's host ms, kernels, GPU ms and syncs (issue 28's DSpark bound)
