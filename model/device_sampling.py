@@ -27,7 +27,9 @@ def _fmix32(h: Tensor) -> Tensor:
 
 
 def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
-    """float32 `[B, vocab]` in (0, 1): hash of (`seeds [B]`, `counters [B]`, token id)."""
+    """float32 `[..., vocab]` in (0, 1): hash of (`seeds`, `counters`, token id), `seeds` and
+    `counters` long tensors broadcast together (`[B]` each: one row per request; `[B, 1]` with
+    `[B, k]`: k counters per request, each row the values `[B]` calls would give)."""
     token = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     row = _fmix32((seeds & _MASK32) ^ _fmix32((counters * 0x9E3779B9 + (seeds >> 32)) & _MASK32))
     h = _fmix32((row.unsqueeze(-1) ^ (token * 0x27D4EB2F)) & _MASK32)

@@ -39,6 +39,12 @@ from cedserve.model.fused import FusedOps
 from cedserve.model.network import CEDModel
 from cedserve.model.rope import device_rope
 
+HOISTED_NOISE_ELEMENTS = 1 << 22
+"""Up to this many `[B, k, vocab]` elements the pass hashes every drafted position's noise at once
+(~20 kernels) instead of once per position (~20 each; uncompiled, ~100 of the pass's ~620 ops at
+k = 6). The same values; larger products (a released vocabulary at larger buckets) keep the
+per-position `[B, vocab]` temporaries, the hash's int64 intermediates being 8 bytes an element."""
+
 DRAFT_SEED_SALT = 0x5D_EECE_66D
 """Mixed into a request's seed for its drafts, so they never reuse the target sampler's noise."""
 
@@ -136,18 +142,22 @@ class DraftStep:
                 probs: Tensor) -> DraftOutputs:
         """`Drafter._sample_batch` on the device: left to right, each token from the Markov-adjusted
         q_k given the one before (module docstring for the sampled rows' noise)."""
-        vocab = base.shape[-1]
+        batch, k, vocab = base.shape
         sampled = temperature > 0  # [B]
         scale = torch.where(sampled, temperature, torch.ones_like(temperature)).unsqueeze(-1)  # [B, 1]
         salted = seeds ^ DRAFT_SEED_SALT
+        races = None
+        if batch * k * vocab <= HOISTED_NOISE_ELEMENTS:  # every position's noise in one pass of the hash
+            counters = ends.unsqueeze(-1) + 1 + torch.arange(k, device=ends.device)  # [B, k]
+            races = -torch.log(uniform_noise(salted.unsqueeze(-1), counters, vocab))  # [B, k, V]: Exp(1)
         previous = anchors
         tokens, confidences = [], []
-        for pos in range(base.shape[1]):
+        for pos in range(k):
             logits, confidence = self.drafter.heads(h[:, pos], base[:, pos], previous)  # [B, V], [B, 1]
             greedy = logits.argmax(-1)
             one_hot = torch.zeros_like(logits).scatter_(1, greedy.unsqueeze(-1), 1.0)
             dist = torch.where(sampled.unsqueeze(-1), torch.softmax(logits / scale, dim=-1), one_hot)
-            race = -torch.log(uniform_noise(salted, ends + 1 + pos, vocab))  # [B, V]: Exp(1)
+            race = races[:, pos] if races is not None else -torch.log(uniform_noise(salted, ends + 1 + pos, vocab))
             previous = torch.where(sampled, (dist / race).argmax(-1), greedy)
             probs[:, pos].copy_(dist)
             tokens.append(previous)

@@ -308,3 +308,35 @@ def test_compiled_draft_step_equals_the_step_as_written() -> None:
         torch.testing.assert_close(got_probs, want_probs, atol=ATOL, rtol=0)
         torch.testing.assert_close(got.confidences, want.confidences, atol=ATOL, rtol=0)
         assert float(want_probs.sum(-1).sub(1).abs().max()) < 1e-4  # distributions, not zeros
+
+
+def test_hoisted_draft_noise_is_the_per_position_noise() -> None:
+    """The pass hashes all drafted positions' noise at once below `HOISTED_NOISE_ELEMENTS`: the same
+    values `uniform_noise` gives per position, so sampled drafts draw the same tokens either way."""
+    from cedserve.model import draft_step
+    from cedserve.model.device_sampling import uniform_noise
+    from cedserve.model.draft_step import DraftPools, DraftStep
+
+    gen = torch.Generator().manual_seed(31)
+    seeds = torch.randint(0, 1 << 62, (5,), generator=gen)
+    counters = torch.randint(0, 1 << 20, (5,), generator=gen)
+    together = uniform_noise(seeds.unsqueeze(-1), counters.unsqueeze(-1) + torch.arange(4), 64)  # [5, 4, 64]
+    for pos in range(4):
+        assert torch.equal(together[:, pos], uniform_noise(seeds, counters + pos, 64))
+    model, drafter = tiny()
+    pools = DraftPools(drafter, max_slots=3, device=torch.device("cpu"))
+    pools.vectors.copy_(torch.randn(pools.vectors.shape, generator=gen))
+    step = DraftStep(drafter, model, pools)
+    k, vocab = drafter.config.dspark_block_size, model.config.vocab_size
+    args = (torch.arange(3), torch.tensor([5, 77, 301]), torch.tensor([40, 90, 160]), torch.tensor([9, 32, 17]),
+            torch.tensor([0.0, 0.8, 1.3]), torch.tensor([11, 12, 13]))
+    outs = []
+    for limit in (1 << 30, 0):  # hoisted, then per position
+        old, draft_step.HOISTED_NOISE_ELEMENTS = draft_step.HOISTED_NOISE_ELEMENTS, limit
+        try:
+            probs = torch.zeros(3, k, vocab)
+            outs.append((step.forward(*args, probs), probs))
+        finally:
+            draft_step.HOISTED_NOISE_ELEMENTS = old
+    (hoisted, p1), (per_position, p2) = outs
+    assert torch.equal(hoisted.tokens, per_position.tokens) and torch.equal(p1, p2)
