@@ -93,6 +93,7 @@ def serve_cells(run: dict[str, Any], model: str | None = None) -> list[dict[str,
         for point in arm["runs"]:
             s = point["summary"]
             share = s.get("kv_transfer_share_of_ttft") or {}
+            tail = s.get("kv_transfer_tail_share_of_ttft") or {}  # reports before the field: none
             out.append({
                 "workload": f"{name}, {point['load']['label']}", "mode": "colocated" if meta.get("colocated") else
                 "disaggregated", "policy": meta.get("policy"), "api": point.get("api", "grpc"),
@@ -100,6 +101,7 @@ def serve_cells(run: dict[str, Any], model: str | None = None) -> list[dict[str,
                 "ttft_p50_ms": _ms(s["ttft_s"], "p50"), "ttft_p99_ms": _ms(s["ttft_s"], "p99"),
                 "tpot_p50_ms": _ms(s["tpot_s"], "p50"), "tpot_p99_ms": _ms(s["tpot_s"], "p99"),
                 "transfer_share_of_ttft": share.get("p50"),
+                "transfer_tail_share_of_ttft": tail.get("p50"),
                 "kv_transfer_p50_ms": _ms(s.get("kv_transfer_s") or {}, "p50"),
                 "kv_transfer_bytes": s.get("kv_transfer_bytes"), "output_tokens_per_s": s.get("output_tokens_per_s"),
                 "goodput_rps": s.get("goodput_rps"),

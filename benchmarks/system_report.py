@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv transfer {c['tokens']:>7} {c['layout']:<10} {c['op']:<5} {c['gbps']:8.1f} GB/s of "
               f"{c['raw_gbps']:8.1f} raw ({c['ratio_to_raw']:.2f})")
     for c in report["serve"]:
-        share = c["transfer_share_of_ttft"]
+        share, tail = c["transfer_share_of_ttft"], c.get("transfer_tail_share_of_ttft")
         print(f"serve {c['workload']:<58} {c['mode']:<13} TTFT p50 {c['ttft_p50_ms'] or 0:8.1f} ms  TPOT p50 "
-              f"{c['tpot_p50_ms'] or 0:7.1f} ms  transfer {'-' if share is None else f'{100 * share:.1f} %'}")
+              f"{c['tpot_p50_ms'] or 0:7.1f} ms  transfer open {'-' if share is None else f'{100 * share:.1f} %'}"
+              f", exposed {'-' if tail is None else f'{100 * tail:.1f} %'} of TTFT")
     for d in report["disaggregation"]:
         print(f"disaggregation adds {d['ttft_added_ms']:.1f} ms TTFT p50 ({d['ttft_added_beyond_transfer_ms']:.1f} "
               f"beyond the transfer): {d['workload']}, {d['policy']}")

@@ -273,7 +273,7 @@ class _Collector:
                      "completion_tokens": u.completion_tokens, "draft_tokens": u.draft_tokens,
                      "accepted_draft_tokens": u.accepted_draft_tokens, "ttft_s": u.ttft_s, "total_s": u.total_s,
                      "kv_transfer_bytes": u.kv_transfer_bytes, "kv_transfer_s": u.kv_transfer_s,
-                     "decode_only": float(u.decode_only)}
+                     "kv_transfer_tail_s": u.kv_transfer_tail_s, "decode_only": float(u.decode_only)}
             reason = generation_pb2.FinishReason.Name(response.complete.finish_reason).removeprefix("FINISH_REASON_")
             self.done = Completion(self.request_id, "".join(self.text), self.token_ids, reason.lower(), usage)
         return None

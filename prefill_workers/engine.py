@@ -529,7 +529,8 @@ class PrefillEngine:
         done = wpb.PrefillDone(prompt_tokens=job.spec.prompt_len, cached_tokens=job.cached_tokens,
                                computed_tokens=job.computed_tokens, prefill_s=job.compute_s,
                                bytes_sent=result.num_bytes if result else 0,
-                               transfer_s=result.duration_s if result else 0.0)
+                               transfer_s=result.duration_s if result else 0.0,
+                               transfer_tail_s=(result.tail_s or 0.0) if result else 0.0)
         if target is not None:
             done.handoff.CopyFrom(wpb.PrefillHandoff(
                 request_id=job.request_id, lease_id=target.lease_id, num_tokens=job.spec.prompt_len,

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\x0b\x63\x65\x64serve.v1\"K\n\x06\x45\x66\x66ort\x12\x0f\n\x05level\x18\x01 \x01(\rH\x00\x12\'\n\x04name\x18\x02 \x01(\x0e\x32\x17.cedserve.v1.EffortNameH\x00\x42\x07\n\x05value\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.cedserve.v1.ChatMessage\"o\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.cedserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.cedserve.v1.ChatH\x00\x42\x06\n\x04kind\"k\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\rB\x07\n\x05_seed\"\x89\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.cedserve.v1.Prompt\x12#\n\x06\x65\x66\x66ort\x18\x03 \x01(\x0b\x32\x13.cedserve.v1.Effort\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.cedserve.v1.Sampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.cedserve.v1.TopLogprobs\"9\n\x0bTopLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.cedserve.v1.TokenLogprob\"\xed\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\t \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_only\x18\n \x01(\x08\"_\n\x08\x43omplete\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.cedserve.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.cedserve.v1.Usage\"X\n\x0bStreamError\x12\x11\n\tgrpc_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"\xad\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.cedserve.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x15.cedserve.v1.CompleteH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.cedserve.v1.StreamErrorH\x00\x42\n\n\x08response\"m\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.cedserve.v1.Prompt\x12#\n\x06\x65\x66\x66ort\x18\x03 \x01(\x0b\x32\x13.cedserve.v1.Effort\"<\n\x13\x43ountTokensResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x13\n\x11ListModelsRequest\"\x9f\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12!\n\x19global_kv_bytes_per_token\x18\x04 \x01(\x01\x12\x19\n\x11max_request_bytes\x18\x05 \x01(\x04\x12\x18\n\x10max_prompt_bytes\x18\x06 \x01(\x04\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.cedserve.v1.ModelCard*i\n\nEffortName\x12\x1b\n\x17\x45\x46\x46ORT_NAME_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45\x46\x46ORT_NAME_LOW\x10\x01\x12\x14\n\x10\x45\x46\x46ORT_NAME_HIGH\x10\x02\x12\x13\n\x0f\x45\x46\x46ORT_NAME_MAX\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xf8\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.cedserve.v1.GenerateRequest\x1a\x1d.cedserve.v1.GenerateResponse0\x01\x12P\n\x0b\x43ountTokens\x12\x1f.cedserve.v1.CountTokensRequest\x1a .cedserve.v1.CountTokensResponse\x12M\n\nListModels\x12\x1e.cedserve.v1.ListModelsRequest\x1a\x1f.cedserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\x0b\x63\x65\x64serve.v1\"K\n\x06\x45\x66\x66ort\x12\x0f\n\x05level\x18\x01 \x01(\rH\x00\x12\'\n\x04name\x18\x02 \x01(\x0e\x32\x17.cedserve.v1.EffortNameH\x00\x42\x07\n\x05value\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.cedserve.v1.ChatMessage\"o\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.cedserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.cedserve.v1.ChatH\x00\x42\x06\n\x04kind\"k\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\rB\x07\n\x05_seed\"\x89\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.cedserve.v1.Prompt\x12#\n\x06\x65\x66\x66ort\x18\x03 \x01(\x0b\x32\x13.cedserve.v1.Effort\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.cedserve.v1.Sampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.cedserve.v1.TopLogprobs\"9\n\x0bTopLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.cedserve.v1.TokenLogprob\"\x89\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\r\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\t \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_only\x18\n \x01(\x08\x12\x1a\n\x12kv_transfer_tail_s\x18\x0b \x01(\x01\"_\n\x08\x43omplete\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.cedserve.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.cedserve.v1.Usage\"X\n\x0bStreamError\x12\x11\n\tgrpc_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"\xad\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.cedserve.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x15.cedserve.v1.CompleteH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.cedserve.v1.StreamErrorH\x00\x42\n\n\x08response\"m\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.cedserve.v1.Prompt\x12#\n\x06\x65\x66\x66ort\x18\x03 \x01(\x0b\x32\x13.cedserve.v1.Effort\"<\n\x13\x43ountTokensResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x13\n\x11ListModelsRequest\"\x9f\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12!\n\x19global_kv_bytes_per_token\x18\x04 \x01(\x01\x12\x19\n\x11max_request_bytes\x18\x05 \x01(\x04\x12\x18\n\x10max_prompt_bytes\x18\x06 \x01(\x04\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.cedserve.v1.ModelCard*i\n\nEffortName\x12\x1b\n\x17\x45\x46\x46ORT_NAME_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45\x46\x46ORT_NAME_LOW\x10\x01\x12\x14\n\x10\x45\x46\x46ORT_NAME_HIGH\x10\x02\x12\x13\n\x0f\x45\x46\x46ORT_NAME_MAX\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xf8\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.cedserve.v1.GenerateRequest\x1a\x1d.cedserve.v1.GenerateResponse0\x01\x12P\n\x0b\x43ountTokens\x12\x1f.cedserve.v1.CountTokensRequest\x1a .cedserve.v1.CountTokensResponse\x12M\n\nListModels\x12\x1e.cedserve.v1.ListModelsRequest\x1a\x1f.cedserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EFFORTNAME']._serialized_start=1962
-  _globals['_EFFORTNAME']._serialized_end=2067
-  _globals['_FINISHREASON']._serialized_start=2069
-  _globals['_FINISHREASON']._serialized_end=2193
+  _globals['_EFFORTNAME']._serialized_start=1990
+  _globals['_EFFORTNAME']._serialized_end=2095
+  _globals['_FINISHREASON']._serialized_start=2097
+  _globals['_FINISHREASON']._serialized_end=2221
   _globals['_EFFORT']._serialized_start=33
   _globals['_EFFORT']._serialized_end=108
   _globals['_CHATMESSAGE']._serialized_start=110
@@ -56,23 +56,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROBS']._serialized_start=882
   _globals['_TOPLOGPROBS']._serialized_end=939
   _globals['_USAGE']._serialized_start=942
-  _globals['_USAGE']._serialized_end=1179
-  _globals['_COMPLETE']._serialized_start=1181
-  _globals['_COMPLETE']._serialized_end=1276
-  _globals['_STREAMERROR']._serialized_start=1278
-  _globals['_STREAMERROR']._serialized_end=1366
-  _globals['_GENERATERESPONSE']._serialized_start=1369
-  _globals['_GENERATERESPONSE']._serialized_end=1542
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=1544
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=1653
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1655
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1715
-  _globals['_LISTMODELSREQUEST']._serialized_start=1717
-  _globals['_LISTMODELSREQUEST']._serialized_end=1736
-  _globals['_MODELCARD']._serialized_start=1739
-  _globals['_MODELCARD']._serialized_end=1898
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1900
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1960
-  _globals['_GENERATION']._serialized_start=2196
-  _globals['_GENERATION']._serialized_end=2444
+  _globals['_USAGE']._serialized_end=1207
+  _globals['_COMPLETE']._serialized_start=1209
+  _globals['_COMPLETE']._serialized_end=1304
+  _globals['_STREAMERROR']._serialized_start=1306
+  _globals['_STREAMERROR']._serialized_end=1394
+  _globals['_GENERATERESPONSE']._serialized_start=1397
+  _globals['_GENERATERESPONSE']._serialized_end=1570
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=1572
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1681
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1683
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1743
+  _globals['_LISTMODELSREQUEST']._serialized_start=1745
+  _globals['_LISTMODELSREQUEST']._serialized_end=1764
+  _globals['_MODELCARD']._serialized_start=1767
+  _globals['_MODELCARD']._serialized_end=1926
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1928
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1988
+  _globals['_GENERATION']._serialized_start=2224
+  _globals['_GENERATION']._serialized_end=2472
 # @@protoc_insertion_point(module_scope)

@@ -132,7 +132,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "ttft_s", "total_s", "kv_transfer_bytes", "kv_transfer_s", "decode_only")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "ttft_s", "total_s", "kv_transfer_bytes", "kv_transfer_s", "decode_only", "kv_transfer_tail_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class Usage(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TAIL_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -153,7 +154,8 @@ class Usage(_message.Message):
     kv_transfer_bytes: int
     kv_transfer_s: float
     decode_only: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., decode_only: _Optional[bool] = ...) -> None: ...
+    kv_transfer_tail_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., decode_only: _Optional[bool] = ..., kv_transfer_tail_s: _Optional[float] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "usage")

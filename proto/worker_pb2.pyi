@@ -124,7 +124,7 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "bytes_sent", "prefill_s", "transfer_s", "handoff")
+    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "bytes_sent", "prefill_s", "transfer_s", "handoff", "transfer_tail_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class PrefillDone(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TAIL_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
@@ -139,7 +140,8 @@ class PrefillDone(_message.Message):
     prefill_s: float
     transfer_s: float
     handoff: PrefillHandoff
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., handoff: _Optional[_Union[PrefillHandoff, _Mapping]] = ...) -> None: ...
+    transfer_tail_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., handoff: _Optional[_Union[PrefillHandoff, _Mapping]] = ..., transfer_tail_s: _Optional[float] = ...) -> None: ...
 
 class PrefillHandoff(_message.Message):
     __slots__ = ("request_id", "lease_id", "num_tokens", "first_block_index", "num_blocks_sent", "replay_span", "first_token", "first_logprob", "state_bytes", "state_format_version")

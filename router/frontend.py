@@ -92,6 +92,7 @@ class _Progress:
     finish: generation_pb2.FinishReason = generation_pb2.FINISH_REASON_UNSPECIFIED
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
+    kv_transfer_tail_s: float = 0.0
     decode_only: bool = False
     call_s: float = 0.0
     """When the worker call that brings the first token was opened (`time.monotonic`)."""
@@ -317,7 +318,8 @@ class GenerationCore:
                                      completion_tokens=len(progress.output_ids), draft_tokens=progress.drafts,
                                      accepted_draft_tokens=progress.accepted, ttft_s=progress.ttft_s,
                                      total_s=time.monotonic() - start, kv_transfer_bytes=progress.kv_transfer_bytes,
-                                     kv_transfer_s=progress.kv_transfer_s, decode_only=progress.decode_only)
+                                     kv_transfer_s=progress.kv_transfer_s,
+                                     kv_transfer_tail_s=progress.kv_transfer_tail_s, decode_only=progress.decode_only)
         klass = effort_class(req.effort)
         if len(progress.output_ids) > 1:
             self._tpot_s[klass].observe(
@@ -647,6 +649,7 @@ class GenerationCore:
             if event.WhichOneof("event") == "done":
                 progress.kv_transfer_bytes += int(event.done.bytes_sent)
                 progress.kv_transfer_s += float(event.done.transfer_s)
+                progress.kv_transfer_tail_s += float(event.done.transfer_tail_s)
                 self.links.observe(prefill.worker_id, decode.worker_id, int(event.done.bytes_sent),
                                    float(event.done.transfer_s))
                 return

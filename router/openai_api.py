@@ -336,7 +336,8 @@ def usage_json(usage: generation_pb2.Usage) -> dict[str, Any]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             "cedserve": {"ttft_s": usage.ttft_s, "total_s": usage.total_s, "kv_transfer_bytes": usage.kv_transfer_bytes,
-                         "kv_transfer_s": usage.kv_transfer_s, "decode_only": float(usage.decode_only),
+                         "kv_transfer_s": usage.kv_transfer_s, "kv_transfer_tail_s": usage.kv_transfer_tail_s,
+                         "decode_only": float(usage.decode_only),
                          "draft_tokens": usage.draft_tokens, "accepted_draft_tokens": usage.accepted_draft_tokens}}
 
 

@@ -119,6 +119,7 @@ def test_shipped_kv_decodes_like_the_monolithic_model_and_prefixes_are_reused(se
     assert decoded_from_blocks(setup, "lease-a", tokens, 5) == expected
     done = events[1].done
     assert done.bytes_sent == 4 * BlockLayout.from_config(setup.loaded.model.config, BLOCK).block_bytes
+    assert 0 < done.transfer_tail_s <= done.transfer_s  # real NIXL: the last chunk's tail took some time
     assert done.handoff.lease_id == "lease-a" and done.handoff.num_tokens == 200
 
     second = tokens[:128] + prompt(136, seed=2)

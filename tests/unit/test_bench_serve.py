@@ -198,6 +198,19 @@ def test_summary_figures_and_goodput() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == pytest.approx(1.99)
 
 
+def test_the_transfers_exposed_tail_as_a_share_of_ttft() -> None:
+    """`kv_transfer_share_of_ttft` is how long a transfer was open (it streams beside the prefill's
+    compute); `kv_transfer_tail_share_of_ttft` the part after the prefill's last handoff, which
+    nothing overlapped. Requests that moved nothing take no part in either."""
+    moved = [_result(50, 2.0, 3.0, 4), _result(50, 1.0, 2.0, 4)]
+    for r, (open_s, tail_s) in zip(moved, [(1.8, 0.1), (0.9, 0.02)]):
+        r.kv_transfer_bytes, r.kv_transfer_s, r.kv_transfer_tail_s = 10 << 20, open_s, tail_s
+    s = summarize([*moved, _result(50, 0.5, 1.0, 4)], wall_s=4.0, slo=Slo(1.0, 1.0))
+    assert s["kv_transfer_share_of_ttft"]["p50"] == pytest.approx(0.9)
+    assert s["kv_transfer_tail_share_of_ttft"]["mean"] == pytest.approx((0.1 / 2.0 + 0.02 / 1.0) / 2)
+    assert s["kv_transfer_tail_s"]["mean"] == pytest.approx(0.06)
+
+
 def test_invariants_hold_for_consistent_runs_and_catch_broken_ones() -> None:
     slo = Slo(1.0, 1.0)
     good = [_result(50, 0.1, 1.0, 4, 64, 128), _result(100, 0.1, 1.0, 4, 0, 0), _result(75, 0, 0, 0, error="UNAVAILABLE")]

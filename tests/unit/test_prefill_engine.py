@@ -144,6 +144,7 @@ def test_prefill_then_decode_matches_monolithic(rig: Rig) -> None:
     assert (done.prompt_tokens, done.cached_tokens, done.computed_tokens) == (200, 0, 200)
     assert done.handoff.num_tokens == 200 and done.handoff.num_blocks_sent == 4
     assert done.bytes_sent == 4 * rig.layout.block_bytes
+    assert 0 <= done.transfer_tail_s <= done.transfer_s  # the part after the last handoff, within the whole
     expected = greedy_monolithic(rig.model, tokens, 6)
     assert events[0].first_token.token_id == expected[0] == done.handoff.first_token
     assert rig.decode.receiver().wait("lease-a", 1).state.value == "done"

@@ -56,6 +56,7 @@ class Script:
     bytes_sent: int = 0
     """What PrefillDone reports of the KV transfer (bytes, seconds)."""
     transfer_s: float = 0.0
+    transfer_tail_s: float = 0.0
     queued_tokens: int = 0
     """What GetLoad reports: a prefill worker's uncomputed tokens, a decode worker's waiting requests."""
     queued_requests: int = 0
@@ -107,7 +108,8 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected KV transfer failure")
         yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillDone(prompt_tokens=len(request.token_ids),
                                                                   bytes_sent=self.script.bytes_sent,
-                                                                  transfer_s=self.script.transfer_s))
+                                                                  transfer_s=self.script.transfer_s,
+                                                                  transfer_tail_s=self.script.transfer_tail_s))
 
     async def Cancel(self, request: Any, context: Any) -> worker_pb2.CancelReply:
         self.cancelled.append(request.request_id)
@@ -1056,6 +1058,7 @@ def test_the_first_token_is_streamed_before_the_prefill_is_done(cluster: Cluster
     prompt = list(range(3, 200))
     for p in cluster.prefill:
         p.script.done_delay_s, p.script.bytes_sent, p.script.transfer_s = 0.8, 12_345, 0.5
+        p.script.transfer_tail_s = 0.125
     with _client(cluster) as client:
         start = time.monotonic()
         stream = client.stream(prompt, max_tokens=3, effort="low")
@@ -1068,6 +1071,7 @@ def test_the_first_token_is_streamed_before_the_prefill_is_done(cluster: Cluster
         done = client.last
     assert done is not None and done.token_ids == _expected(prompt, 3)
     assert done.usage["kv_transfer_bytes"] == 12_345 and done.usage["ttft_s"] < 0.5
+    assert (done.usage["kv_transfer_s"], done.usage["kv_transfer_tail_s"]) == (0.5, 0.125)
     assert all(not d.leases for d in cluster.decode)
 
 

@@ -82,6 +82,8 @@ class RequestResult:
     cached_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
+    kv_transfer_tail_s: float = 0.0
+    """Of `kv_transfer_s`, the part after the prefill's last chunk was handed over (`Usage`)."""
     decode_only: bool = False
     server_s: float | None = None
     """The router's own time for the request (`Usage.total_s`): admission to the last token."""
@@ -230,6 +232,7 @@ class Driver:
         result.cached_tokens = int(u["cached_tokens"])
         result.kv_transfer_bytes = int(u.get("kv_transfer_bytes", 0))
         result.kv_transfer_s = float(u.get("kv_transfer_s", 0.0))
+        result.kv_transfer_tail_s = float(u.get("kv_transfer_tail_s", 0.0))
         result.decode_only = bool(u.get("decode_only", 0.0))
         result.server_s = float(u["total_s"]) if "total_s" in u else None
         return result

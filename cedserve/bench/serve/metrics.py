@@ -87,6 +87,8 @@ def summarize(results: Sequence[RequestResult], wall_s: float, slo: Slo, sent: i
         "kv_transfer_gbps": moved_bytes / moved_s / 1e9 if moved_s > 0 else None,
         "kv_transfer_s": _dist([r.kv_transfer_s for r in moved]),
         "kv_transfer_share_of_ttft": _dist([r.kv_transfer_s / r.ttft_s for r in moved if r.ttft_s]),
+        "kv_transfer_tail_s": _dist([r.kv_transfer_tail_s for r in moved]),
+        "kv_transfer_tail_share_of_ttft": _dist([r.kv_transfer_tail_s / r.ttft_s for r in moved if r.ttft_s]),
         "wall_s": wall_s,
     }
 

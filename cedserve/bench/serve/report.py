@@ -59,7 +59,7 @@ def render_table(report: dict[str, Any]) -> str:
 def request_rows(results: list[Any]) -> list[dict[str, Any]]:
     keys = ("session", "turn", "effort", "prompt_tokens", "max_tokens", "output_tokens", "cached_tokens",
             "oracle_cached_tokens", "sent_s", "ttft_s", "e2e_s", "kv_transfer_bytes", "kv_transfer_s",
-            "decode_only", "server_s", "error")
+            "kv_transfer_tail_s", "decode_only", "server_s", "error")
     rows = []
     for r in results:
         row = {k: getattr(r, k) for k in keys}
