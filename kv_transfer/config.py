@@ -113,7 +113,11 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (`sys.setswitchinterval`; the process's, restored when the last spell ends): a spinning thread
     holds the GIL between its yields, and a thread that released it (a staging copy waiting on its
     stream, the caller's `write_blocks`) otherwise waits up to the default 5 ms before the
-    interpreter forces a hand-over. None: 50 us where spinning is on (device memory); 0: leave it."""
+    interpreter forces a hand-over. None: 0 (leave it) until a GPU run shows it pays: on the dev VM
+    (2 cores, Python 3.11, the two threads pinned to different cores) a thread's GIL-releasing
+    50 us wait came back as fast beside a spinning thread as alone (median 72 us against 71), so the
+    ~0.5 ms per staging copy seen in an agent on an H100 may have another cause (the CUDA driver's
+    locks while UCX polls, a stream sync's own wait). `benchmarks/staging_probe.py` tells."""
     caller_posts_last: bool | None = None
     """WRITE: `write_blocks(last=True)` posts what is queued of its transfer from the caller's thread
     (the chunks queued behind each other merge into one request) instead of waking the progress
@@ -159,7 +163,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
                   "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4,
                   "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4,
-                  "spin_switch_interval_s": 5e-5}
+                  "spin_switch_interval_s": 0.0}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
                 "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0,

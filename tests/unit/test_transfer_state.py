@@ -159,7 +159,7 @@ def test_fields_left_none_are_chosen_by_memory_kind_and_explicit_ones_stay() -> 
     # device memory: the caller posts its last chunk and the loop spins briefly while hot; host: neither
     assert (device.caller_posts_last, device.spin_s, host.caller_posts_last, host.spin_s) == (True, 5e-4, False, 0.0)
     assert KVTransferConfig(spin_s=0.0).resolved(True).spin_s == 0.0
-    assert (device.spin_switch_interval_s, host.spin_switch_interval_s) == (5e-5, 0.0)
+    assert (device.spin_switch_interval_s, host.spin_switch_interval_s) == (0.0, 0.0)  # off until measured
 
 
 def test_a_spin_spell_shortens_the_switch_interval_until_it_ends() -> None:
