@@ -47,13 +47,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step import attribute_kernels  # benchmarks/step.py
+from step import attribute_kernels, kernel_launches  # benchmarks/step.py
 from tpot import heldout_prompts  # benchmarks/tpot.py
 
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.messages import AttachCommand, CancelCommand, Sampling, Tokens
+from cedserve.decode_workers.metrics import DECODE_PATHS
 from cedserve.launcher import shipped_demo_checkpoint
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
@@ -118,14 +119,7 @@ def phase_table(prof: Any, steps: int) -> dict[str, dict[str, float]]:
     cpu = torch.autograd.DeviceType.CPU
     marks = sorted((e.time_range.start, e.time_range.end, e.name[4:]) for e in events if e.name.startswith("lap:"))
     parts = [(prev[1], cur[0], cur[2]) for prev, cur in itertools.pairwise(marks) if cur[2] != "start"]
-    launched = {e.id: e.time_range.start for e in events if e.device_type == cpu and "Launch" in e.name}
-    ops = {e.id: e.time_range.start for e in events if e.device_type == cpu and "Launch" not in e.name}
-    kernels = []
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
-            kernels.append((launched.get(e.id, ops.get(getattr(e, "linked_correlation_id", 0))), e.name,
-                            e.time_range.elapsed_us()))
-    by_part = {r["part"]: r for r in attribute_kernels(parts, kernels)}
+    by_part = {r["part"]: r for r in attribute_kernels(parts, kernel_launches(events))}
     syncs = [e.time_range.start for e in events if e.device_type == cpu and e.name.startswith(SYNC_CALLS)
              and not e.name.startswith("cudaMemcpyAsync")]
     table: dict[str, dict[str, float]] = {}
@@ -157,8 +151,9 @@ def uncompiled_drafter() -> Iterator[None]:
 
 def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespace, dspark: bool,
                prompts: list[list[int]], log: Callable[[str], None], name: str = "") -> dict[str, Any]:
-    """Each prompt decoded for `--steps` steps on a fresh engine (first steps untimed); the profiled
-    stretch is the last prompt's last `--profile-steps` steps."""
+    """One engine for the system; each prompt in turn decoded for `--steps` steps (its first
+    `--warmup-steps` untimed), then cancelled; the profiled stretch is the last prompt's last
+    `--profile-steps` steps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -200,12 +195,12 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
     result = {"dspark": dspark, "steps": steps, "step_ms": step_ms, "mean_step_ms": 1000 * sum(times) / steps,
               "tokens_per_step": per_step, "tokens_per_s": tokens / sum(times),
               "drafted": int(engine.drafted_tokens), "accepted": int(engine.accepted_drafts),
-              "runner": engine.slots is not None, "drafter_on_slots": type(engine.proposer).__name__,
+              "proposer": type(engine.proposer).__name__,
               "paths": {p: bool(engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p}))
-                        for p in ("runner", "runner_graphs", "drafter_slots", "drafter_graphs", "compiled")},
+                        for p in DECODE_PATHS},
               "phases": table}
     log(f"{name or ('on' if dspark else 'off'):>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
-        f"tokens/s {result['tokens_per_s']:8.1f}  (proposer {result['drafter_on_slots']}; paths on: "
+        f"tokens/s {result['tokens_per_s']:8.1f}  (proposer {result['proposer']}; paths on: "
         f"{', '.join(p for p, v in result['paths'].items() if v) or 'none'})")
     log(f"     {'phase':<9} {'host ms':>8} {'kernels':>8} {'gpu ms':>7} {'syncs':>6}")
     for phase, row in table.items():

@@ -44,7 +44,7 @@ def neighbour(stop: Any, ready: Any) -> None:
 
 
 def spinner(stop: Any) -> None:
-    """The transfer engine's progress thread in a hot spell (`TransferEngine._spin`): `sched_yield`
+    """The transfer engine's progress thread in a hot spell (`NixlEngine._spin`): `sched_yield`
     and a zero wait on its doorbell, round after round, in Python (holding the GIL between them)."""
     bell = threading.Event()
     while not stop.is_set():
@@ -93,6 +93,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     settings = ("alone", "with a busy neighbour process", "beside a spinning thread",
                 "beside a spinning thread, switch interval 50 us")
+    default_interval = sys.getswitchinterval()
     for setting in settings:
         stop, ready = ctx.Event(), ctx.Event()
         proc = thread = None
@@ -120,7 +121,7 @@ def main() -> None:
             if thread is not None:
                 thread_stop.set()
                 thread.join(5)
-                sys.setswitchinterval(0.005)
+                sys.setswitchinterval(default_interval)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),

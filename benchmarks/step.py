@@ -197,17 +197,21 @@ def part_profile(runner: ModelRunner, run: Callable[[], None]) -> list[dict[str,
     finally:
         runner.slot_step.annotate = False
     events = prof.events()
-    cpu = torch.autograd.DeviceType.CPU
     parts = [(e.time_range.start, e.time_range.end, e.name[5:]) for e in events if e.name.startswith("slot:")]
-    # a kernel's id is its launch's CUDA correlation id; its linked id, the op or range it ran under
-    launched = {e.id: e.time_range.start for e in events if e.device_type == cpu and "LaunchKernel" in e.name}
-    ops = {e.id: e.time_range.start for e in events if e.device_type == cpu and "LaunchKernel" not in e.name}
-    kernels = []
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
-            at = launched.get(e.id, ops.get(getattr(e, "linked_correlation_id", 0)))
-            kernels.append((at, e.name, e.time_range.elapsed_us()))
-    return attribute_kernels(parts, kernels)
+    return attribute_kernels(parts, kernel_launches(events))
+
+
+def kernel_launches(events: Any) -> list[tuple[float | None, str, float]]:
+    """Every kernel of a profile's `events` as `(its launch's host time, name, us)` for
+    `attribute_kernels` (None: its launch was not found). A kernel's id is its launch's CUDA
+    correlation id (`cudaLaunchKernel`, or `cudaGraphLaunch` for a replay's kernels); its linked id,
+    the op or range it ran under."""
+    cpu = torch.autograd.DeviceType.CPU
+    launched = {e.id: e.time_range.start for e in events if e.device_type == cpu and "Launch" in e.name}
+    ops = {e.id: e.time_range.start for e in events if e.device_type == cpu and "Launch" not in e.name}
+    return [(launched.get(e.id, ops.get(getattr(e, "linked_correlation_id", 0))), e.name, e.time_range.elapsed_us())
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
 
 
 def attribute_kernels(parts: list[tuple[float, float, str]], kernels: list[tuple[float | None, str, float]],

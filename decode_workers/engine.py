@@ -51,7 +51,7 @@ from cedserve.decode_workers.messages import (
     RenewCommand,
     ReserveCommand,
 )
-from cedserve.decode_workers.metrics import DecodeMetrics
+from cedserve.decode_workers.metrics import DECODE_PATHS, DecodeMetrics
 from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sched_output import SchedulerOutput
 from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
@@ -474,6 +474,7 @@ class DecodeEngine:
               "drafter_slots": drafter is not None,
               "drafter_graphs": drafter is not None and bool(drafter.graphs_captured),
               "compiled": runner is not None and runner.slot_step.ops.compiled}
+        assert tuple(on) == DECODE_PATHS
         for path, value in on.items():
             self.metrics.paths.labels(path).set(int(value))
 

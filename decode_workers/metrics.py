@@ -55,6 +55,10 @@ class PhaseClock:
         self._observe[phase](seconds)
 
 
+DECODE_PATHS = ("runner", "runner_graphs", "drafter_slots", "drafter_graphs", "compiled")
+"""The labels of `cedserve_decode_path_on` (`DecodeEngine._publish_paths`)."""
+
+
 class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()

@@ -105,7 +105,8 @@ class DraftStep:
         self.sample = torch.compile(self._sample, fullgraph=True) if compiled else self._sample
         """`_sample`, or with `compiled` (Inductor) its left-to-right loop as a few fused kernels: as
         written it is ~75 % of the pass's ~620 ops (each position's heads, softmax, one-hot and the
-        counter hash over the vocabulary), ~1.5 ms of kernels a pass on a GPU."""
+        counter hash over the vocabulary), each op a kernel on a GPU (what that costs there is
+        `benchmarks/dspark_cycle.py`'s to measure: not yet run)."""
 
     @torch.no_grad()
     def forward(self, slots: Tensor, anchors: Tensor, ends: Tensor, counts: Tensor, temperature: Tensor,

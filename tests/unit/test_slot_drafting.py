@@ -13,6 +13,7 @@ from decode_support import Rig, greedy_rounds, prompt, tiny
 
 from cedserve.decode_workers.config import DecodeConfig, PreemptionPolicy
 from cedserve.decode_workers.drafting import DSparkProposer, Observation
+from cedserve.decode_workers.metrics import DECODE_PATHS
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease
 from cedserve.decode_workers.slot_drafting import SlotDSparkProposer
 from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
@@ -274,7 +275,7 @@ def test_runner_drafter_config() -> None:
             "off": {"runner": 0, "drafter_slots": 0}}
     for name, rig in (("auto", auto), ("on", on), ("off", off)):
         got = {p: rig.engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p})
-               for p in ("runner", "runner_graphs", "drafter_slots", "drafter_graphs", "compiled")}
+               for p in DECODE_PATHS}
         assert got == {**want[name], "runner_graphs": 0, "drafter_graphs": 0, "compiled": 0}, name
 
 
