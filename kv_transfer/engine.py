@@ -869,6 +869,7 @@ class NixlEngine:
             except NixlCallError as exc:
                 self._nixl_failed(t, exc)
                 status = "ERR"
+            t.record.status_polls += 1
             if status == "PROC":
                 continue
             t.record.nixl_done_s = max(t.record.nixl_done_s or 0.0, time.monotonic())

@@ -94,6 +94,9 @@ class TransferResult:
     nixl_done_s: float | None = None
     """When a poll of this side first saw its last NIXL request complete; `finished_s` follows after
     the handle's release, the peer's doorbell and the transfer's bookkeeping."""
+    status_polls: int = 0
+    """NIXL status polls this side made of its requests while they ran: with `last_posted_s` and
+    `nixl_done_s`, how often the progress loop looked (a slow loop step shows as few polls)."""
 
     @property
     def duration_s(self) -> float:
@@ -153,6 +156,8 @@ class TransferRecord:
         """See `TransferResult.last_posted_s`."""
         self.nixl_done_s: float | None = None
         """See `TransferResult.nixl_done_s`."""
+        self.status_polls = 0
+        """See `TransferResult.status_polls`."""
         self.num_bytes = 0
         self.num_descriptors = 0
         self.num_chunks = 0
@@ -185,5 +190,6 @@ class TransferRecord:
             block_ids=self.block_ids, num_bytes=self.num_bytes, num_descriptors=self.num_descriptors,
             num_chunks=self.num_chunks, started_s=self.started_s, first_byte_s=self.first_byte_s,
             finished_s=now_s, error=self.error, closed_s=self.closed_s, last_post_s=self.last_post_s,
-            staging_s=self.staging_s, last_posted_s=self.last_posted_s, nixl_done_s=self.nixl_done_s)
+            staging_s=self.staging_s, last_posted_s=self.last_posted_s, nixl_done_s=self.nixl_done_s,
+            status_polls=self.status_polls)
         return self.result

@@ -10,6 +10,7 @@ from cedserve.bench.kv_transfer.loadtest import (
     default_matrix,
     main,
     parse_tokens,
+    render_phases,
     render_table,
 )
 from cedserve.cli import main as cli_main
@@ -46,6 +47,13 @@ def test_table_renders_a_row() -> None:
            "sender_cpu_us_per_request": 812.4, "receiver_cpu_us_per_request": 301.0}
     line = render_table([row]).splitlines()[-1]
     assert "128K" in line and "0.83" in line and " 1.25 " in line and "812/301" in line and line.endswith("v")
+
+
+def test_phases_line_carries_the_senders_poll_cadence() -> None:
+    row = {"alloc": "contiguous", "tokens": 4096, "sender_status_polls_p50": 4.0, "sender_poll_interval_us": 50.0,
+           "phases_p50_ms": {"queued": 0.1, "returned_to_nixl_done": 0.2}}
+    line = render_phases([row, {"alloc": "random", "tokens": 4096, "phases_p50_ms": {}}])
+    assert line == "# phases contiguous 4096: queued=0.100 returned_to_nixl_done=0.200 | polls 4, every 50.0 us"
 
 
 def test_cpu_per_request_spans_a_processs_round() -> None:

@@ -140,6 +140,7 @@ def test_the_last_write_blocks_posts_from_the_callers_thread() -> None:
         # the tail's stamps, in order: post began, post returned, a poll saw it done, the sender's DONE
         assert result.last_post_s is not None and result.last_posted_s is not None and result.nixl_done_s is not None
         assert result.last_post_s <= result.last_posted_s <= result.nixl_done_s <= result.finished_s
+        assert result.status_polls >= 1  # the poll that saw it done is counted
         receiver.receiver().wait("caller", 10.0)
         assert torch.equal(dst.blocks()[10:30], src.blocks()[10:30])
     finally:

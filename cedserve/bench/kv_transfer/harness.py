@@ -135,7 +135,7 @@ def result_dict(result: TransferResult | None) -> dict[str, Any]:
         "finished_s": result.finished_s, "started_s": result.started_s, "closed_s": result.closed_s,
         "last_post_s": getattr(result, "last_post_s", None),  # None from a tree before it existed
         "staging_s": getattr(result, "staging_s", None), "last_posted_s": getattr(result, "last_posted_s", None),
-        "nixl_done_s": getattr(result, "nixl_done_s", None)}
+        "nixl_done_s": getattr(result, "nixl_done_s", None), "status_polls": getattr(result, "status_polls", None)}
     if result.error is not None:
         out.update(cause=result.error.cause.value, error=str(result.error))
     return out

@@ -185,6 +185,7 @@ class Group:
         copy: list[float] = []
         pack: list[tuple[float, float]] = []
         cpu: dict[str, list[float]] = {"sender": [], "receiver": []}
+        polls: list[float] = []
         nbytes = blocks * self.block_bytes
         for rep in range(reps):
             names = [[f"{cell.key()}-r{rep}-s{j}-b{i}" for i in range(cell.batch)] for j in range(cell.fan_in)]
@@ -221,6 +222,7 @@ class Group:
                         for name, value in _phases(r, got[rid]).items():
                             phases[name].append(value)
                 descriptors += [r["descriptors"] + got[rid]["descriptors"] for rid, r in ok.items()]
+                polls += [float(r["status_polls"]) for r in ok.values() if r.get("status_polls") is not None]
             failures += [f"{rid} (receiver): {r.get('error', r['state'])}" for rid, r in got.items()
                          if r["state"] != "done"]
             for j in range(cell.fan_in):
@@ -250,6 +252,8 @@ class Group:
                                "p50_ms": _pct(latencies, 50) * 1e3, "p99_ms": _pct(latencies, 99) * 1e3,
                                "p50_from_write_ms": _pct(from_write, 50) * 1e3,
                                "descriptors_per_request": statistics.mean(descriptors) if descriptors else 0,
+                               # the sender's NIXL status polls per request (an older engine: None)
+                               "sender_status_polls_p50": _pct(polls, 50) if polls else None,
                                "gather_ms": _median([g for g, _ in pack]) * 1e3,
                                "scatter_ms": _median([s for _, s in pack]) * 1e3,
                                "phases_p50_ms": {name: round(_pct(v, 50) * 1e3, 4) for name, v in phases.items() if v},
@@ -258,6 +262,11 @@ class Group:
                                "receiver_cpu_us_per_request": round(_median(cpu["receiver"]) * 1e6, 1),
                                "verified": verified, "failures": failures[:5]}
         out["ratio_to_raw"] = out["gbps"] / out["raw_gbps"] if out["raw_gbps"] else 0.0
+        # How often the sender's loop looked while its request ran: the post's return to the poll
+        # that saw it done, over the polls (one request per transfer: `--stream-blocks` above its size).
+        seen = out["phases_p50_ms"].get("returned_to_nixl_done")
+        out["sender_poll_interval_us"] = (round(seen * 1e3 / out["sender_status_polls_p50"], 2)
+                                          if seen is not None and out["sender_status_polls_p50"] else None)
         # What a request costs beyond moving its bytes at the raw one-descriptor rate.
         out["fixed_ms"] = out["p50_from_write_ms"] - (nbytes / out["raw_gbps"] / 1e6 if out["raw_gbps"] else 0.0)
         out["ratio_to_raw_best"] = out["gbps_best"] / out["raw_gbps_best"] if out["raw_gbps_best"] else 0.0
@@ -351,6 +360,19 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def render_phases(rows: list[dict[str, Any]]) -> str:
+    """Each cell's `phases_p50_ms` on one line (ms), with the sender's status polls per request."""
+    lines = []
+    for r in rows:
+        if not r.get("phases_p50_ms"):
+            continue
+        parts = " ".join(f"{name}={ms:.3f}" for name, ms in r["phases_p50_ms"].items())
+        polls = r.get("sender_status_polls_p50")
+        tail = "" if polls is None else f" | polls {polls:.0f}, every {r.get('sender_poll_interval_us')} us"
+        lines.append(f"# phases {r['alloc']} {r['tokens']}: {parts}{tail}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cedserve bench kv-transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -424,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if netns is not None:
             netns.__exit__()
     print(render_table(rows))
+    print(render_phases(rows))
     out = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "cedserve bench kv-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "elapsed_s": round(time.time() - started, 1),
