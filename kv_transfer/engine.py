@@ -152,6 +152,7 @@ class NixlEngine:
         self._spin_s = _filled(config.spin_s)
         self._spin_until = 0.0  # end of the current hot spell's spinning (0: not in one)
         self._spin_switch_s = _filled(config.spin_switch_interval_s)
+        self._caller_waits_s = _filled(config.caller_waits_s)
         self._switch_held = False  # this engine holds `_SWITCH` (a spell is spinning)
         self._slots_per_request = int(_filled(config.staging_slots_per_request))
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -368,6 +369,25 @@ class NixlEngine:
         with self._lock:
             for job, handle, status, error in posted:
                 self._commit(job, handle, status, error)
+        if self._caller_waits_s > 0:
+            self._finish_from_caller(t, time.monotonic() + self._caller_waits_s)
+
+    def _finish_from_caller(self, t: SendTransfer, deadline: float) -> None:
+        """Poll `t`'s requests from this (the producer's) thread, as a step of the progress loop would,
+        until the last one completes and `t` settles here, or until `deadline` (then the loop goes on
+        polling them). A poll between the post and the loop's next step: the loop's wake-up took
+        longer than a whole request's bytes on one GPU (`KVTransferConfig.caller_waits_s`). Returns
+        at once while more of `t` waits to be posted (the loop's work)."""
+        while True:
+            with self._lock:
+                if t.finalized or t.queue or t.posting:
+                    break
+                now = time.monotonic()
+                self._advance_send(t, now)
+                if t.finalized or now >= deadline:
+                    break
+            os.sched_yield()  # the GIL and the core, between polls (the loop may take a step meanwhile)
+        self._run_callbacks()
 
     def _post_jobs(self, jobs: list[PostJob]) -> list[tuple[PostJob, object, str, NixlCallError | None]]:
         """Hand prepared requests to NIXL (outside the engine lock), stamping when each post began."""

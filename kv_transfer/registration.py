@@ -16,7 +16,13 @@ from typing import Literal
 import numpy as np
 
 from cedserve.kv_transfer.config import KVTransferConfig
-from cedserve.kv_transfer.descriptors import RegionAddress, block_descs, count_runs, single_desc
+from cedserve.kv_transfer.descriptors import (
+    RegionAddress,
+    block_descs,
+    coalesced_descs,
+    count_runs,
+    single_desc,
+)
 from cedserve.kv_transfer.nixl_backend import MemType, NixlBackend, NixlCallError, mem_type
 from cedserve.kv_transfer.region import KVLayout, KVRegion, LayoutKind
 from cedserve.kv_transfer.staging import StagingPool
@@ -34,6 +40,7 @@ class LocalMemory:
         self.region = region
         self.layout = layout
         self.mem: MemType = mem_type(region.tensor)
+        self.run_descs_max = config.run_descs_max or 0
         backend.register(region.tensor)
         # Cross-layer blocks are posted by index into lists prepared once (ours here, a peer's at its
         # handshake); the per-layer baseline builds its unmerged descriptors per transfer.
@@ -75,9 +82,15 @@ class LocalMemory:
         """The request moving our blocks `local_ids[i]` to or from the peer's `peer_ids[i]`: indices into
         the prepared block lists (cross-layer; NIXL merges runs), or the per-layer descriptors.
         `runs`: `count_runs` of the pairs when the caller already has it; else they are counted once
-        the request is posted (`PostJob.descriptors`), not on the way to its post."""
+        the request is posted (`PostJob.descriptors`), not on the way to its post. Pairs of at most
+        `run_descs_max` runs go as one descriptor per run instead (`KVTransferConfig.run_descs_max`)."""
         nbytes = int(local_ids.size) * self.region.block_bytes
         if self.blocks_list is not None and peer.blocks_list is not None:
+            if self.run_descs_max and local_ids.size > 1:
+                runs = count_runs(local_ids, peer_ids) if runs is None else runs
+                if runs <= self.run_descs_max:
+                    descs = coalesced_descs(self.address, peer.kv, self.region.block_bytes, local_ids, peer_ids)
+                    return PostJob(t, seq, op, descs, peer.kv_mem, notif, nbytes, None, None, descriptors=descs.count)
             return PostJob(t, seq, op, None, peer.kv_mem, notif, nbytes, None, None,
                            blocks=(local_ids, peer_ids), blocks_lists=(self.blocks_list, peer.blocks_list),
                            descriptors=runs)

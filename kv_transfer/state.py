@@ -125,6 +125,9 @@ class TransferResult:
 
 
 FinishCallback = Callable[[TransferResult], None]
+"""Runs once per transfer with its result: on the progress thread, or on the thread of the
+`write_blocks(last=True)` that saw the transfer end itself (`KVTransferConfig.caller_waits_s`). It
+must not block."""
 
 
 class TransferRecord:
