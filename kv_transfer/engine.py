@@ -47,7 +47,6 @@ from cedserve.kv_transfer.nixl_backend import NixlCallError
 from cedserve.kv_transfer.protocol import BlockIds, Reservation, TransferMode
 from cedserve.kv_transfer.region import LayoutKind
 from cedserve.kv_transfer.registration import LocalMemory
-from cedserve.kv_transfer.staging import gather_blocks, scatter_blocks
 from cedserve.kv_transfer.state import (
     FinishCallback,
     Role,
@@ -720,7 +719,7 @@ class NixlEngine:
                     return False
                 remote_slot, remote_row = place
             with self._staging_timer(t, "gather"):
-                gather_blocks(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb), self.staging.stream)
+                self.staging.gather(self.region.blocks(), c.src, self.staging.slot_rows(slot, n, bb))
         t.record.num_chunks += 1
         if t.mode is TransferMode.READ:
             notice = encode_notice(t.request_id, chunk_ready=pb.ChunkReady(
@@ -838,9 +837,9 @@ class NixlEngine:
             assert self.staging is not None
             dst = t.dst_ids[m.first_index: m.first_index + m.num_blocks]
             with self._staging_timer(t, "scatter"):
-                scatter_blocks(self.region.blocks(), dst,
-                               self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes,
-                                                      m.staging_offset), self.staging.stream)
+                self.staging.scatter(self.region.blocks(), dst,
+                                     self.staging.slot_rows(m.staging_slot, m.num_blocks, self.region.block_bytes,
+                                                            m.staging_offset))
             self._notify(t.peer, encode_notice(t.request_id, slot_free=pb.SlotFree(staging_slot=m.staging_slot)))
         t.record.start_transferring(time.monotonic())
         t.seen.add(m.seq)
@@ -899,9 +898,9 @@ class NixlEngine:
             if status == "DONE" and not t.record.state.terminal:
                 if inf.scatter_ids is not None and inf.local_slot is not None and self.staging is not None:
                     with self._staging_timer(t, "scatter"):
-                        scatter_blocks(self.region.blocks(), inf.scatter_ids,
-                                       self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
-                                                              self.region.block_bytes), self.staging.stream)
+                        self.staging.scatter(self.region.blocks(), inf.scatter_ids,
+                                             self.staging.slot_rows(inf.local_slot, inf.scatter_ids.size,
+                                                                    self.region.block_bytes))
                 t.record.num_bytes += inf.nbytes
                 if isinstance(t, RecvTransfer):
                     t.blocks_landed += inf.nbytes // self.region.block_bytes

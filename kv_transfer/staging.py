@@ -30,6 +30,8 @@ class StagingPool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.stream: torch.cuda.Stream | None = None
         """Where gathers and scatters of this pool run (device memory), apart from the worker's compute."""
+        self._ids_host: torch.Tensor | None = None  # pinned int64, the block ids of the copy in progress
+        self._ids_device: torch.Tensor | None = None
         if tensor.device.type == "cuda":
             torch.cuda.synchronize(tensor.device)  # the tensor's zeroing, on the default stream, is done
             self.stream = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
@@ -65,6 +67,39 @@ class StagingPool:
     def slot_address(self, slot: int) -> int:
         return self.base_address + slot * self.slot_bytes
 
+    def gather(self, blocks: torch.Tensor, ids: np.ndarray, out: torch.Tensor) -> None:
+        """`out[i] = blocks[ids[i]]` (`gather_blocks` on this pool's stream and index buffers); returns
+        when `out` holds the bytes."""
+        if self.stream is None:
+            gather_blocks(blocks, ids, out)
+            return
+        with torch.cuda.stream(self.stream):
+            take_rows(blocks, self._device_ids(ids), out)
+        self.stream.synchronize()
+
+    def scatter(self, blocks: torch.Tensor, ids: np.ndarray, src: torch.Tensor) -> None:
+        """`blocks[ids[i]] = src[i]` (`scatter_blocks` likewise); returns when `blocks` hold them."""
+        if self.stream is None:
+            scatter_blocks(blocks, ids, src)
+            return
+        with torch.cuda.stream(self.stream):
+            put_rows(blocks, self._device_ids(ids), src)
+        self.stream.synchronize()
+
+    def _device_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """`ids` on the device, copied on the current stream (the pool's) from the pinned buffer. The
+        buffer is free again once that stream's last copy ended, which every gather and scatter waits
+        for before it returns; the owning agent's lock keeps two copies from overlapping."""
+        n = int(ids.size)
+        if self._ids_host is None or self._ids_device is None or self._ids_host.numel() < n:
+            size = 1 << max(10, (n - 1).bit_length())
+            self._ids_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._ids_device = torch.empty(size, dtype=torch.int64, device=self.tensor.device)
+        self._ids_host.numpy()[:n] = ids
+        device_ids = self._ids_device[:n]
+        device_ids.copy_(self._ids_host[:n], non_blocking=True)
+        return device_ids
+
     def slot_rows(self, slot: int, num_blocks: int, block_bytes: int, first_row: int = 0) -> torch.Tensor:
         """`[num_blocks, block_bytes]` view of `slot` from row `first_row`."""
         if (first_row + num_blocks) * block_bytes > self.slot_bytes:
@@ -74,28 +109,33 @@ class StagingPool:
         return self.tensor[start: start + num_blocks * block_bytes].view(num_blocks, block_bytes)
 
 
-def take_rows(src: torch.Tensor, ids: np.ndarray, out: torch.Tensor) -> None:
+def take_rows(src: torch.Tensor, ids: np.ndarray | torch.Tensor, out: torch.Tensor) -> None:
     """`out[i] = src[ids[i]]` for 2-D uint8 tensors. On the host through numpy (`torch.index_select`
     on uint8 rows runs element by element: ~100x slower than a row memcpy); on the device with the
-    rows viewed as the widest integers they divide into (8 bytes a thread instead of 1)."""
+    rows viewed as the widest integers they divide into (8 bytes a thread instead of 1). On the device
+    `ids` may already be a device tensor (`StagingPool`'s buffers)."""
     if src.device.type == "cpu":
-        np.take(src.numpy(), ids, axis=0, out=out.numpy())
+        np.take(src.numpy(), np.asarray(ids), axis=0, out=out.numpy())
     else:
         wide_src, wide_out = _wide(src), _wide(out)
         if wide_src.dtype != wide_out.dtype:
             wide_src, wide_out = src, out
-        torch.index_select(wide_src, 0, torch.from_numpy(ids).to(src.device), out=wide_out)
+        torch.index_select(wide_src, 0, _on_device(ids, src.device), out=wide_out)
 
 
-def put_rows(dst: torch.Tensor, ids: np.ndarray, src: torch.Tensor) -> None:
+def put_rows(dst: torch.Tensor, ids: np.ndarray | torch.Tensor, src: torch.Tensor) -> None:
     """`dst[ids[i]] = src[i]` for 2-D uint8 tensors (numpy on the host, as `take_rows`)."""
     if dst.device.type == "cpu":
-        dst.numpy()[ids] = src.numpy()
+        dst.numpy()[np.asarray(ids)] = src.numpy()
     else:
         wide_dst, wide_src = _wide(dst), _wide(src)
         if wide_dst.dtype != wide_src.dtype:
             wide_dst, wide_src = dst, src
-        wide_dst.index_copy_(0, torch.from_numpy(ids).to(dst.device), wide_src)
+        wide_dst.index_copy_(0, _on_device(ids, dst.device), wide_src)
+
+
+def _on_device(ids: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return ids if isinstance(ids, torch.Tensor) else torch.from_numpy(ids).to(device)
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:

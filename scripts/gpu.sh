@@ -108,7 +108,7 @@
 #                   TRANSFER_WHOLE=1 then the same with each request in one write_blocks call
 #                   (transfer-one/kv-transfer-cuda-whole.json); TRANSFER_VARIANTS="name:flags;..." then the
 #                   same cells with loadtest flags added, each into transfer-one/kv-transfer-cuda-<name>.json
-#                   (TRANSFER_BASE=0: only the variants)
+#                   (TRANSFER_BASE=0: only the variants); TRANSFER_CELL_ARGS adds loadtest flags to every run
 #                   With build/kv_before (--prepare-before REF) instead: benchmarks/kv_transfer_old_new.py,
 #                   this kv_transfer, it without the spin, and REF's, rounds alternating, then 64-byte
 #                   blocks (only the fixed cost left), new and old    transfer-one/{bench.log,
@@ -638,6 +638,8 @@ EOF
 part_transfer_one() (  # issue 29: KV transfer between two processes on ONE GPU (UCX cuda_ipc), WRITE
   local out=$OUT/transfer-one
   local cells=(--device cuda --sizes "${TRANSFER_SIZES:-4K,32K,128K}" --batch 1 --modes write --fan-in 1 --reps 3)
+  # shellcheck disable=SC2206
+  cells+=(${TRANSFER_CELL_ARGS:-})  # e.g. "--stream-blocks 65536": every arm and variant hands each request over in one call
   mkdir -p "$out"
   export PYTHONUNBUFFERED=1
   if [ ! -f build/kv_before/agent.py ]; then

@@ -125,6 +125,27 @@ def test_staging_gather_scatter_round_trip() -> None:
         pool.slot_rows(1, 4, 8, first_row=5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_staging_pool_copies_through_its_index_buffers(device: str) -> None:
+    """The pool's gather and scatter (its stream and reused index buffers on a device) move the same
+    rows as the reference indexing, chunk after chunk, while the buffers grow past their first size
+    and are reused for shorter chunks after."""
+    rng = np.random.default_rng(3)
+    num_blocks, block_bytes = 3000, 24
+    blocks = torch.from_numpy(rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)).to(device)
+    pool = StagingPool.allocate(2, 2048 * block_bytes, torch.device(device))
+    target = torch.zeros_like(blocks)
+    for n in (5, 1500, 2048, 7):  # 1500 outgrows the first 1,024-id buffer
+        ids = rng.choice(num_blocks, n, replace=False).astype(np.int64)
+        dst = rng.choice(num_blocks, n, replace=False).astype(np.int64)
+        rows = pool.slot_rows(1, n, block_bytes)
+        pool.gather(blocks, ids, rows)
+        assert torch.equal(rows, blocks[torch.from_numpy(ids).to(device)])
+        pool.scatter(target, dst, rows)
+        assert torch.equal(target[torch.from_numpy(dst).to(device)], blocks[torch.from_numpy(ids).to(device)])
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("chunk_blocks", 0, "chunk_blocks"),
     ("control_port", 70000, "control_port"),
