@@ -14,8 +14,17 @@ the engine's `StepProfile` (`attach_profile`, or `profile=` outside an engine), 
 drafting pays for this batch at all: each sequence's confidences from its previous draft predict
 what verifying would gain, and `choose_verify_lengths` with the draft pass's measured cost
 (`StepProfile.draft_seconds`) added to the step must choose something. When it does not, nobody
-drafts; every `probe_every`-th such step drafts anyway, so the prediction follows a changing batch.
-A sequence with no previous draft makes the step draft.
+drafts; every `probe_every`-th such step drafts anyway, so the prediction follows a changing batch,
+and each such probe that is turned down again doubles the interval (up to 8x `probe_every`), so a
+drafter that does not pay costs a probe every 64 steps, not every 8. A sequence with no previous
+draft makes the step draft.
+
+The check compares passes the engine measured, so it needs both kinds: after `plain_probe_every`
+drafting steps in a row it turns one step down (a plain pass over the anchors alone). Without it a
+batch that always drafts never measures a plain pass, and the pass-cost line stays at its prior
+(50 ms fixed: a CPU's figure), against which any draft pass looks cheap: on an H100 the demo
+checkpoint drafted every step at 6.4 ms a step for 2.0 tokens where a plain step took 1.3 ms
+(gpu-2026-12-07c). `probe_every = 1` drafts every step (no check, no plain probes).
 """
 
 from __future__ import annotations
@@ -87,17 +96,26 @@ class DSparkProposer:
     vectors; with a `profile`, only when drafting pays (module docstring)."""
 
     def __init__(self, drafter: Drafter, model: CEDModel, num_tokens: int = 0, profile: StepProfile | None = None,
-                 probe_every: int = 8, verify_all: bool = False) -> None:
+                 probe_every: int = 8, verify_all: bool = False, plain_probe_every: int = 16) -> None:
         block = drafter.config.dspark_block_size
         if not 0 <= num_tokens <= block:
             raise ValueError(f"config field `decode.draft_tokens`: must be in [0, {block}], got {num_tokens}")
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        if plain_probe_every < 1:
+            raise ValueError(f"plain_probe_every must be >= 1, got {plain_probe_every}")
         self.drafter = drafter
         self.model = model
         self.profile = profile
         """The engine's measured costs; None: always draft (and measure nothing)."""
         self.probe_every = probe_every
+        self.plain_probe_every = plain_probe_every
+        """Drafting steps in a row after which one step is turned down to measure a plain pass."""
+        self._probe_interval = probe_every  # declined steps before a drafting probe (backs off)
+        self._probing = False  # the last drafting step was a probe after declines
+        self._drafted_run = 0  # drafting steps in a row since the last plain pass
+        self.plain_probes = 0
+        """Steps turned down only to measure a plain pass (cumulative)."""
         self.verify_all = verify_all
         """The engine verifies every draft (`DecodeConfig.adaptive_verify` off): the check then weighs
         verifying all against none."""
@@ -156,12 +174,19 @@ class DSparkProposer:
     def _worth_drafting(self, seqs: Sequence[DecodeSequence], ready: list[int]) -> bool:
         """Whether the expected gain of verifying pays for the draft pass plus the verified rows."""
         profile = self.profile
-        if profile is None:
+        if profile is None or self.probe_every == 1:
             return True
+        if self._drafted_run >= self.plain_probe_every:
+            self._drafted_run = 0
+            self.plain_probes += 1
+            return False
         history = [self._last_confidences(seqs[i]) for i in ready]
-        if any(c is None for c in history) or self._declined + 1 >= self.probe_every:
+        if any(c is None for c in history):
+            return self._draft()
+        if self._declined + 1 >= self._probe_interval:
             self._declined = 0
-            return True
+            self._probing = True
+            return self._draft()
         # [batch, K]: the sequences that cannot draft take part with no drafts (one token each)
         predicted = torch.zeros(len(seqs), self._k)
         caps = torch.zeros(len(seqs), dtype=torch.long)
@@ -181,10 +206,19 @@ class DSparkProposer:
             pays = int(lengths.sum()) > 0
         if pays:
             self._declined = 0
-            return True
+            self._probe_interval = self.probe_every
+            return self._draft()
+        if self._probing:  # a probe, and drafting still does not pay: probe less often
+            self._probe_interval = min(2 * self._probe_interval, 8 * self.probe_every)
+        self._probing = False
+        self._drafted_run = 0
         self._declined += 1
         self.declined_steps += 1
         return False
+
+    def _draft(self) -> bool:
+        self._drafted_run += 1
+        return True
 
     def observe(self, seq: DecodeSequence, first_position: int, taps: Tensor, keep_end: int) -> None:
         self.observe_many([Observation(seq, first_position, taps, keep_end)])

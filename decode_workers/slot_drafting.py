@@ -52,8 +52,9 @@ class SlotDSparkProposer(DSparkProposer):
     """The DSpark proposer over a `DraftRunner`'s slots (module docstring)."""
 
     def __init__(self, drafter: Drafter, model: CEDModel, runner: DraftRunner, num_tokens: int = 0,
-                 probe_every: int = 8, verify_all: bool = False) -> None:
-        super().__init__(drafter, model, num_tokens, probe_every=probe_every, verify_all=verify_all)
+                 probe_every: int = 8, verify_all: bool = False, plain_probe_every: int = 16) -> None:
+        super().__init__(drafter, model, num_tokens, probe_every=probe_every, verify_all=verify_all,
+                         plain_probe_every=plain_probe_every)
         self.runner = runner
         self._slot: dict[str, int] = {}  # request id -> slot
         self._free = list(range(runner.config.max_slots - 1, -1, -1))
@@ -65,7 +66,7 @@ class SlotDSparkProposer(DSparkProposer):
         """A slot proposer with `eager`'s drafter, draft count and cost-check settings."""
         runner = DraftRunner(eager.drafter, eager.model, config)
         slotted = SlotDSparkProposer(eager.drafter, eager.model, runner, eager.max_tokens, eager.probe_every,
-                                     eager.verify_all)
+                                     eager.verify_all, eager.plain_probe_every)
         slotted.profile = eager.profile
         return slotted
 

@@ -131,15 +131,18 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sender's DONE, its `on_finish` on this thread); a request still running then is left to the
     progress loop. On one H100 (two processes, cuda_ipc) the loop's first poll of a whole 128K-token
     request came 0.24-0.33 ms after its post returned and already saw it done, where NIXL alone posts
-    and completes the same request in 0.14 ms: the loop's wake-up, not the bytes. None: 1 ms for device
-    memory (a 128K-token request moves in ~0.1 ms; the caller, a prefill finishing its request,
-    blocks at most that long), 0 (never) for host memory."""
+    and completes the same request in 0.14 ms. Timed on the next H100 (gpu-2026-12-07c, beside the
+    engine without it): the caller's own polls saw the request done 0.20-0.27 ms after the post
+    returned, as the loop did (0.20-0.33): the wait is UCX's, not the loop's. None: 0 (off) for both
+    memory kinds, since the prefill thread would block for no gain."""
     run_descs_max: int | None = None
     """A cross-layer request whose block pairs form at most this many runs is posted as one descriptor
     per run (built for it, as a staging slot's is) instead of by index into the prepared block lists,
     where NIXL walks every index: on one H100 the post of a contiguous 128K-token request (2,048
-    indices, one run) took 0.21 ms by index against 0.05 ms for a packed one of one descriptor. 0:
-    always by index. None: 32."""
+    indices, one run) took 0.21 ms by index against 0.05 ms for a packed one of one descriptor. Timed on
+    the next H100 (gpu-2026-12-07c): the post of one run descriptor took as long (0.16-0.23 ms), and
+    building its descriptor list per request added 0.15-0.27 ms before the post (contiguous 128K:
+    0.25-0.29 of raw against 0.35 by index). 0: always by index. None: 0."""
     idle_poll_s: float = 0.005
     """Progress-loop sleep with nothing in flight (heartbeats and notifications still flow)."""
     tls: TLSConfig = msgspec.field(default_factory=TLSConfig)
@@ -182,11 +185,11 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
                   "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4,
                   "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4,
-                  "spin_switch_interval_s": 0.0, "caller_waits_s": 1e-3, "run_descs_max": 32}
+                  "spin_switch_interval_s": 0.0, "caller_waits_s": 0.0, "run_descs_max": 0}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
                 "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0,
-                "spin_switch_interval_s": 0.0, "caller_waits_s": 0.0, "run_descs_max": 32}
+                "spin_switch_interval_s": 0.0, "caller_waits_s": 0.0, "run_descs_max": 0}
         defaults = device if device_memory else host
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 

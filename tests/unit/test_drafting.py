@@ -198,3 +198,54 @@ def test_engine_hands_its_profile_to_the_proposer(adaptive_verify: bool, wrapped
     assert rig.engine.profile.draft_seconds(2) == 0.0
     greedy_rounds(rig, [prompt(19, 3), prompt(23, 4)], 3)
     assert rig.engine.profile.draft_seconds(2) > 0.0
+
+
+def _run_steps(proposer: DSparkProposer, seqs: list[DecodeSequence], steps: int, plain_s: float, verify_s: float,
+               confidence: float) -> list[bool]:
+    """`steps` engine steps as the proposer sees them: each drafting step's pass over 1 + K rows per
+    sequence costs `verify_s`, a plain pass over the anchors `plain_s` (recorded as the engine does),
+    and every draft's confidences are `confidence`. Returns whether each step drafted."""
+    profile = proposer.profile
+    assert profile is not None
+    drafted = []
+    for _ in range(steps):
+        drafts = proposer.propose(seqs)
+        did = any(d is not None for d in drafts)
+        drafted.append(did)
+        if did:
+            profile.record_pass(len(seqs) * (1 + proposer.max_tokens), verify_s)
+            for seq in seqs:
+                assert seq.draft is not None
+                seq.draft.last_confidences = torch.full((proposer.max_tokens,), confidence)
+        else:
+            profile.record_pass(len(seqs), plain_s)
+    return drafted
+
+
+def test_a_batch_that_always_drafts_measures_a_plain_pass_and_then_stops_drafting() -> None:
+    """The GPU case (gpu-2026-12-07c): a verify pass costs several plain ones, but a batch that drafts
+    every step never measured a plain pass, so against the prior (50 ms a pass) drafting always
+    looked worth it. The plain probe measures one; the check then turns drafting down, and its own
+    probes back off while drafting keeps not paying."""
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model, profile=StepProfile(0.05, 0.002), plain_probe_every=16)
+    seqs = _batch(model, drafter, proposer, [0.0])
+    # ~2 tokens per verification (c = 0.5) for a 10 ms pass, against 1 token per 1 ms plain pass
+    drafted = _run_steps(proposer, seqs, 120, plain_s=1e-3, verify_s=1e-2, confidence=0.5)
+    assert all(drafted[:16]) and not drafted[16] and proposer.plain_probes >= 1
+    later = drafted[20:]
+    assert sum(later) <= 4, f"drafted {sum(later)} of the last {len(later)} steps"  # probes 8, 16, 32, 64 apart
+    assert proposer.declined_steps >= len(later) - sum(later) - proposer.plain_probes
+
+
+def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then() -> None:
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model, profile=StepProfile(0.05, 0.002), plain_probe_every=16)
+    seqs = _batch(model, drafter, proposer, [0.0])
+    # ~4.4 tokens per verification (c = 0.9) for 1.2 ms, against 1 token per 1 ms; drafting costs
+    # this CPU's real draft pass, which the check also weighs: give it room
+    drafted = _run_steps(proposer, seqs, 68, plain_s=1e-3, verify_s=1.2e-3, confidence=0.9)
+    if proposer.profile is not None and proposer.profile.draft_seconds(1) > 3e-3:
+        pytest.skip("this machine's draft pass alone costs more than the plain passes drafting saves")
+    assert sum(not d for d in drafted) == proposer.plain_probes == 4  # steps 17, 34, 51, 68
+    assert proposer.declined_steps == 0

@@ -116,5 +116,6 @@ def test_caller_wait_and_run_descriptor_limits_are_checked() -> None:
         KVTransferConfig(auth_token="t", run_descs_max=-1)
     device = _config().resolved(device_memory=True)
     host = _config().resolved(device_memory=False)
-    assert (device.caller_waits_s, host.caller_waits_s) == (1e-3, 0.0)
-    assert device.run_descs_max == host.run_descs_max == 32
+    # both off by default: timed on an H100 (gpu-2026-12-07c), neither shortened a request
+    assert (device.caller_waits_s, host.caller_waits_s) == (0.0, 0.0)
+    assert device.run_descs_max == host.run_descs_max == 0
