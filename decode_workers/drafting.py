@@ -25,6 +25,13 @@ batch that always drafts never measures a plain pass, and the pass-cost line sta
 (50 ms fixed: a CPU's figure), against which any draft pass looks cheap: on an H100 the demo
 checkpoint drafted every step at 6.4 ms a step for 2.0 tokens where a plain step took 1.3 ms
 (gpu-2026-12-07c). `probe_every = 1` drafts every step (no check, no plain probes).
+
+The passes are not all a drafting step costs (the observe of its taps, acceptance, the syncs), so
+the check also asks what whole steps measured (`StepProfile.cycle_rates`, fed by the engine with
+every steady step): where drafting steps at this batch size yielded fewer tokens a second than plain
+ones, it turns drafting down whatever the passes predict. With the plain probe alone the same H100
+run still drafted nearly every step (6.1 ms a step for 2.2 tokens against 1.7 ms plain), since its
+verify pass measured only 0.4 ms above a plain one and the other ~2 ms of the step were not in it.
 """
 
 from __future__ import annotations
@@ -204,6 +211,9 @@ class DSparkProposer:
             lengths = choose_verify_lengths(predicted, lambda n: profile.steps_per_s(n - len(seqs) + rows), caps,
                                             draft_s=profile.draft_seconds(len(ready)))
             pays = int(lengths.sum()) > 0
+        measured = profile.cycle_rates(len(seqs))
+        if pays and measured is not None and measured[0] < measured[1]:
+            pays = False  # whole drafting steps yielded fewer tokens a second than plain ones did
         if pays:
             self._declined = 0
             self._probe_interval = self.probe_every

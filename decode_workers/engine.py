@@ -135,6 +135,7 @@ class DecodeEngine:
         self._eos = self._eos_ids()
         self.draining = False
         self.tokens_emitted = 0
+        self._draft_pass_ran = False
         self.busy_s = 0.0
         self.passes = 0
         self.verify_passes = 0
@@ -342,6 +343,8 @@ class DecodeEngine:
         plain rows through the model runner when it is on (`slot_book`), every other row through
         `forward_batch`."""
         start = time.perf_counter()
+        emitted = self.tokens_emitted
+        self._draft_pass_ran = False  # a draft pass ran this step (its drafts verified or not)
         phases = self.metrics.phases  # each phase's seconds (docs/decode.md, Where a token's time goes)
         sched = self.scheduler.schedule()
         outputs: list[Output] = []
@@ -383,6 +386,9 @@ class DecodeEngine:
             self.proposer.observe_many(observations)  # one batched drafter call for the whole step
         t = phases.lap("observe", t)
         self._account(sched, start, len(running))
+        if running and not sched.joins and not sched.preemptions:  # a steady step: what drafting costs and yields
+            self.profile.record_cycle(len(running), time.perf_counter() - start, self.tokens_emitted - emitted,
+                                      self._draft_pass_ran)
         for kind in join_kinds:
             self.metrics.join_step_seconds.labels(kind).observe(time.perf_counter() - start)
         phases.lap("account", t)
@@ -393,6 +399,7 @@ class DecodeEngine:
             return [None] * len(running)
         steady = [s for s in running if not s.needs_pass_to_join()]
         proposed = dict(zip((s.request_id for s in steady), self.proposer.propose(steady)))
+        self._draft_pass_ran = any(d is not None for d in proposed.values())
         drafts = [_cut(proposed.get(s.request_id), s.max_drafts) for s in running]
         with_drafts = [i for i, d in enumerate(drafts) if d is not None]
         if not with_drafts:

@@ -6,7 +6,9 @@ configured prior. `draft_seconds(num_seqs)` predicts a DSpark draft pass for `nu
 same way (no prior: 0 until one is measured, the mean while all measured passes had one size), so
 the decision to draft at all (`DSparkProposer`) counts what the draft pass itself costs. `step_s()`
 is seconds per decode step by batch size (index = batch size), an exponential average of whole
-steps, for the router's placement formula.
+steps, for the router's placement formula. `cycle_rates(batch)` is what whole steady steps yielded
+per second with drafts and without (`record_cycle`): the proposer's check on its own prediction,
+since the passes leave out what a drafting step costs besides them (observe, acceptance, syncs).
 
 `calibrated(confidences)` corrects the drafter's confidences by what verification measured
 (`SurvivalCalibration`): a confidence head trained on per-position agreement predicts the
@@ -133,6 +135,7 @@ class StepProfile:
         self._passes = CostLine(self.prior, window)
         self._drafts = CostLine(None, window)
         self._by_batch: dict[int, float] = {}
+        self._cycles: dict[tuple[int, bool], tuple[float, float]] = {}  # (batch, drafted) -> (seconds, tokens)
         self._ema = ema
 
     def record_pass(self, rows: int, seconds: float) -> None:
@@ -147,6 +150,24 @@ class StepProfile:
         """One whole decode step (drafting included) of `batch` requests took `seconds`."""
         old = self._by_batch.get(batch)
         self._by_batch[batch] = seconds if old is None else (1 - self._ema) * old + self._ema * seconds
+
+    def record_cycle(self, batch: int, seconds: float, tokens: int, drafted: bool) -> None:
+        """One steady step (no join, no preemption) of `batch` requests emitted `tokens` in `seconds`,
+        with drafts verified (`drafted`) or without: what a drafting step really costs and yields,
+        the draft pass, the verify pass, observe and every sync in it included."""
+        key = (batch, drafted)
+        old = self._cycles.get(key)
+        now = (seconds, float(tokens))
+        self._cycles[key] = now if old is None else (
+            (1 - self._ema) * old[0] + self._ema * now[0], (1 - self._ema) * old[1] + self._ema * now[1])
+
+    def cycle_rates(self, batch: int) -> tuple[float, float] | None:
+        """(tokens/s of drafting steps, tokens/s of plain steps) at `batch`, as measured (exponential
+        averages of whole steps); None until both kinds were seen at that batch size."""
+        drafting, plain = self._cycles.get((batch, True)), self._cycles.get((batch, False))
+        if drafting is None or plain is None or drafting[0] <= 0 or plain[0] <= 0:
+            return None
+        return drafting[1] / drafting[0], plain[1] / plain[0]
 
     def line(self) -> tuple[float, float]:
         """(fixed seconds, seconds per row) of a target pass."""

@@ -146,6 +146,9 @@
 #     WHEELS="msgspec==0.23.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1
 #             grpcio-reflection==1.85.1 grpcio-status==1.85.3 googleapis-common-protos nixl-cu13" \
 #       bash scripts/gpu.sh --prepare-wheels
+#     # the router's HTTP API (`cedserve serve`, `cedserve bench serve`) needs these too:
+#     WHEELS="uvicorn==0.55.0 starlette==1.10.0 anyio==4.16.0 click==8.5.1 h11==0.16.0 idna==3.21 prometheus_client tqdm" \
+#       bash scripts/gpu.sh --prepare-wheels
 #     bash scripts/gpu.sh --prepare-deps         # pytest, hypothesis into build/gpu_pydeps (for hosts
 #                                                # without them)
 #     bash scripts/gpu.sh --prepare-before REF   # kv_transfer of commit REF into build/kv_before

@@ -249,3 +249,35 @@ def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then() -> 
         pytest.skip("this machine's draft pass alone costs more than the plain passes drafting saves")
     assert sum(not d for d in drafted) == proposer.plain_probes == 4  # steps 17, 34, 51, 68
     assert proposer.declined_steps == 0
+
+
+def test_whole_steps_that_yield_less_turn_drafting_down_whatever_the_passes_predict() -> None:
+    """The passes leave out part of what a drafting step costs (observe, acceptance, syncs): on an H100
+    the verify pass measured 0.4 ms above a plain one while the drafting step took 6.1 ms against 1.7.
+    Whole steady steps measured per kind (`StepProfile.cycle_rates`) overrule the prediction."""
+    model, drafter = tiny()
+    profile = StepProfile(0.05, 0.002)
+    proposer = DSparkProposer(drafter, model, profile=profile)
+    seqs = _batch(model, drafter, proposer, [0.0])
+    assert all(d is not None for d in proposer.propose(seqs))  # no history: drafts
+    for rows, seconds in ((1, 1.6e-3), (6, 2.0e-3)):  # the passes: a verify barely above a plain pass
+        for _ in range(8):
+            profile.record_pass(rows, seconds)
+
+    def confident() -> list[DecodeSequence]:  # ~4 tokens a verification predicted (each draft remembers its own)
+        for seq in seqs:
+            assert seq.draft is not None
+            seq.draft.last_confidences = torch.full((proposer.max_tokens,), 0.9)
+        return seqs
+
+    if profile.draft_seconds(1) > 4e-3:
+        pytest.skip("this machine's draft pass alone costs more than drafting saves here")
+    assert profile.cycle_rates(1) is None
+    assert all(d is not None for d in proposer.propose(confident()))  # the passes alone: drafting pays
+    profile.record_cycle(1, 6.1e-3, 2, drafted=True)  # what whole steps measured
+    profile.record_cycle(1, 1.7e-3, 1, drafted=False)
+    assert profile.cycle_rates(1) == pytest.approx((2 / 6.1e-3, 1 / 1.7e-3))
+    assert proposer.propose(confident()) == [None] and proposer.declined_steps == 1
+    for _ in range(20):  # drafting steps got better: the average follows
+        profile.record_cycle(1, 3.0e-3, 4, drafted=True)
+    assert all(d is not None for d in proposer.propose(confident()))
