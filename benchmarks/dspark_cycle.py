@@ -162,7 +162,8 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
     engine.metrics.phases = MarkedPhases(engine.metrics.phases)  # type: ignore[assignment]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     times: list[float] = []
-    tokens = 0
+    tokens = verify_tokens = 0
+    verify_steps: list[float] = []  # the timed steps that verified drafts
     table: dict[str, dict[str, float]] = {}
     for i, prompt in enumerate(prompts):
         state, first = prefill(model, prompt)
@@ -176,6 +177,7 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
                 prof = torch_profile(activities=activities)
                 prof.__enter__()
             sync(args.device)
+            verifies = engine.verify_passes
             start = time.perf_counter()
             with torch.profiler.record_function("lap:start"):
                 pass
@@ -184,7 +186,11 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
             elapsed = time.perf_counter() - start
             if step >= args.warmup_steps:
                 times.append(elapsed)
-                tokens += sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
+                emitted = sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
+                tokens += emitted
+                if engine.verify_passes > verifies:  # this step verified drafts
+                    verify_steps.append(elapsed)
+                    verify_tokens += emitted
         if i == len(prompts) - 1:
             prof.__exit__(None, None, None)
             table = phase_table(prof, args.profile_steps)
@@ -195,6 +201,11 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
     result = {"dspark": dspark, "steps": steps, "step_ms": step_ms, "mean_step_ms": 1000 * sum(times) / steps,
               "tokens_per_step": per_step, "tokens_per_s": tokens / sum(times),
               "drafted": int(engine.drafted_tokens), "accepted": int(engine.accepted_drafts),
+              "verify_steps": len(verify_steps),
+              "tokens_per_verify_step": verify_tokens / len(verify_steps) if verify_steps else None,
+              "verify_step_ms": 1000 * statistics.median(verify_steps) if verify_steps else None,
+              "declined_steps": int(getattr(engine.proposer, "declined_steps", 0)),
+              "plain_probes": int(getattr(engine.proposer, "plain_probes", 0)),
               "proposer": type(engine.proposer).__name__,
               "paths": {p: bool(engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p}))
                         for p in DECODE_PATHS},
@@ -202,6 +213,11 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
     log(f"{name or ('on' if dspark else 'off'):>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
         f"tokens/s {result['tokens_per_s']:8.1f}  (proposer {result['proposer']}; paths on: "
         f"{', '.join(p for p, v in result['paths'].items() if v) or 'none'})")
+    if dspark:
+        each = (f" ({result['verify_step_ms']:.2f} ms, {result['tokens_per_verify_step']:.2f} tokens each)"
+                if verify_steps else "")
+        log(f"     {len(verify_steps)} of {steps} steps verified drafts{each}; the cost check declined "
+            f"{result['declined_steps']} steps and made {result['plain_probes']} plain probes")
     log(f"     {'phase':<9} {'host ms':>8} {'kernels':>8} {'gpu ms':>7} {'syncs':>6}")
     for phase, row in table.items():
         if row["host_ms"] >= 0.005 or row["kernels"]:
@@ -256,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, on in systems.items():
         if name == "off" or off is None:
             continue
-        per_verify = on["tokens_per_step"]
+        # tokens per verification: over the steps that verified (the check may decline some steps)
+        per_verify = on.get("tokens_per_verify_step") or on["tokens_per_step"]
         bound = per_verify * off["tokens_per_s"]
         summary[name] = {"speedup": on["tokens_per_s"] / off["tokens_per_s"], "tokens_per_verify": per_verify,
                          "fraction_of_bound": on["tokens_per_s"] / bound,
