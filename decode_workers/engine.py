@@ -398,8 +398,10 @@ class DecodeEngine:
         if self.proposer is None or not running:
             return [None] * len(running)
         steady = [s for s in running if not s.needs_pass_to_join()]
+        declined = (getattr(self.proposer, "declined_steps", 0), getattr(self.proposer, "plain_probes", 0))
         proposed = dict(zip((s.request_id for s in steady), self.proposer.propose(steady)))
         self._draft_pass_ran = any(d is not None for d in proposed.values())
+        self._count_decision(declined)
         drafts = [_cut(proposed.get(s.request_id), s.max_drafts) for s in running]
         with_drafts = [i for i, d in enumerate(drafts) if d is not None]
         if not with_drafts:
@@ -410,6 +412,17 @@ class DecodeEngine:
             assert d is not None
             drafts[i] = Draft(d.tokens[:j], d.probs[:j], d.confidences[:j]) if j else None
         return drafts
+
+    def _count_decision(self, before: tuple[int, int]) -> None:
+        """`cedserve_decode_draft_decisions`: what the proposer's cost check made of this step."""
+        declined = getattr(self.proposer, "declined_steps", 0) - before[0]
+        probes = getattr(self.proposer, "plain_probes", 0) - before[1]
+        if self._draft_pass_ran:
+            self.metrics.draft_decisions.labels("drafted").inc()
+        elif probes:
+            self.metrics.draft_decisions.labels("plain_probe").inc()
+        elif declined:
+            self.metrics.draft_decisions.labels("declined").inc()
 
     def _verify_lengths(self, drafts: list[Draft], running: list[DecodeSequence], sched: SchedulerOutput) -> list[int]:
         """Each request's verification length, at most its draft's (already cut to its effort's limit)."""

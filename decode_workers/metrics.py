@@ -72,6 +72,10 @@ class DecodeMetrics:
         self.output_tokens = Counter("cedserve_decode_output_tokens", "Tokens emitted", registry=r)
         self.draft_tokens = Counter("cedserve_decode_draft_tokens", "DSpark drafts verified", registry=r)
         self.accepted_drafts = Counter("cedserve_decode_accepted_drafts", "DSpark drafts accepted", registry=r)
+        self.draft_decisions = Counter(
+            "cedserve_decode_draft_decisions", "Steps by what DSpark's cost check decided: drafted (a draft pass "
+            "ran), declined (drafting would not pay), plain_probe (declined to measure a plain step)",
+            ["decision"], registry=r)
         self.step_seconds = Histogram("cedserve_decode_step_seconds", "Seconds per decode step",
                                       buckets=_STEP_BUCKETS, registry=r)
         self.loop_phase_seconds = Histogram(

@@ -148,6 +148,16 @@ def test_engine_with_the_cost_check_declines_and_stays_lossless() -> None:
     prompts = [prompt(37, 1), prompt(21, 2)]
     got = greedy_rounds(rig, prompts, 12)
     assert proposer.declined_steps > 0
+
+    def decisions(label: str) -> float:
+        return rig.engine.metrics.registry.get_sample_value("cedserve_decode_draft_decisions_total",
+                                                            {"decision": label}) or 0.0
+
+    # every declined step on the metric; the steps that drafted (no history yet, the probes) too
+    assert decisions("declined") == proposer.declined_steps
+    assert decisions("drafted") >= 1 and decisions("plain_probe") == proposer.plain_probes == 0
+    # the engine measured whole steady steps of both kinds (the check's second opinion)
+    assert rig.engine.profile.cycle_rates(2) is not None or rig.engine.profile.cycle_rates(1) is not None
     # Tokens as without drafting, up to numerical ties (tests/unit/test_decode_engine.py)
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, got.values())) <= 1
     for rid in got:
