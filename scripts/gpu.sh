@@ -427,22 +427,7 @@ part_serve() (
   mkdir -p "$out/logs"
   # workers start as `python -m cedserve.cli` from here: keep the checkout's cedserve/ off sys.path
   export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 CEDSERVE_HOME="$ROOT/build/cedserve_home"
-  {
-    date -u +"%Y-%m-%dT%H:%M:%SZ"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
-    "$PY" -P -c 'import importlib, torch
-print("torch", torch.__version__, "gpus", torch.cuda.device_count())
-for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "grpc_status", "msgspec", "tokenizers",
-          "uvicorn", "starlette", "prometheus_client", "tqdm", "safetensors"):
-    try:
-        importlib.import_module(m); print("have", m)
-    except ImportError as exc:
-        print("MISSING", m, exc)'
-  } 2>&1 | tee "$out/env.txt"
-  if grep -v nixl_cu "$out/env.txt" | grep -q '^MISSING' || ! grep -q '^have nixl_cu' "$out/env.txt"; then
-    echo "a module cedserve serve needs is missing here (see above): carry its wheel in build/gpu_wheels"
-    return 1
-  fi
+  serve_modules "$out/env.txt" || return 1
   t0=$(date +%s%N)
   # shellcheck disable=SC2086
   "$PY" -P -m cedserve.cli serve --device "${SERVE_DEVICE:-auto}" --port "$port" --http-port -1 \
@@ -520,9 +505,29 @@ part_held() (  # issue 32 on quiet CPUs: the embedded default on CPU under load,
   done
 )
 
+serve_modules() {  # $1: where to write what this host has; fails (naming the module) where `cedserve serve` lacks one
+  {
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
+    "$PY" -P -c 'import importlib, torch
+print("torch", torch.__version__, "gpus", torch.cuda.device_count())
+for m in ("nixl_cu13", "nixl_cu12", "grpc", "grpc_health", "grpc_reflection", "grpc_status", "msgspec", "tokenizers",
+          "uvicorn", "starlette", "prometheus_client", "tqdm", "safetensors"):
+    try:
+        importlib.import_module(m); print("have", m)
+    except ImportError as exc:
+        print("MISSING", m, exc)'
+  } 2>&1 | tee "$1"
+  if grep -v nixl_cu "$1" | grep -q '^MISSING' || ! grep -q '^have nixl_cu' "$1"; then
+    echo "a module cedserve serve needs is missing here (see above): carry its wheel in build/gpu_wheels"
+    return 1
+  fi
+}
+
 part_serve_bench() (  # `cedserve bench serve` starting its own arms on this GPU: disaggregated beside colocated
   local out=$OUT/serve-bench
   mkdir -p "$out"
+  serve_modules "$out/env.txt" || return 1
   (cd /tmp && timeout "${SERVE_BENCH_S:-300}" "$PY" -P -m cedserve.cli bench serve --device cuda --gpus "${GPUS_LIST:-0,0}" \
      ${SERVE_BENCH_ARGS:---checkpoint "$ROOT/cedserve/assets/demo" --policies cache_aware --colocated --concurrency 1 --sessions 4 --max-run-s 30} \
      --no-progress --log-dir "$out/logs" --out "$out/bench-serve.json") 2>&1 | grep -v "NIXL INFO" | tee "$out/bench.log"
