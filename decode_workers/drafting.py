@@ -29,11 +29,14 @@ checkpoint drafted every step at 6.4 ms a step for 2.0 tokens where a plain step
 (gpu-2026-12-07c). `probe_every = 1` drafts every step (no check, no plain probes).
 
 The passes are not all a drafting step costs (the observe of its taps, acceptance, the syncs), so
-the check also asks what whole steps measured (`StepProfile.cycle_rates`, fed by the engine with
-every steady step): where drafting steps at this batch size yielded fewer tokens a second than plain
-ones, it turns drafting down whatever the passes predict. With the plain probe alone the same H100
-run still drafted nearly every step (6.1 ms a step for 2.2 tokens against 1.7 ms plain), since its
-verify pass measured only 0.4 ms above a plain one and the other ~2 ms of the step were not in it.
+the check also asks what whole steady steps yielded (`StepProfile.cycle_rates`, fed by the engine
+with every steady step, once each kind was seen a few times at this batch size): where drafting steps
+yielded less than `VETO_BELOW` (0.8) of the tokens a second of plain ones, it turns drafting down
+whatever the passes predict. (With the plain probe alone the H100 run above still drafted nearly
+every step: its verify pass measured 0.4 ms above a plain one, the other ~2 ms of the drafting step
+in no pass; drafting steps there yield ~0.6 of plain ones. Whole steps deciding alone, or vetoing at
+any shortfall, declined most steps on a CPU where drafting paid 1.6x: a step's tokens are noisy and
+the confidences there predicted 1.1-1.2 tokens a verification where verification accepted 2.2.)
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.decode_workers.speculative import choose_verify_lengths, expected_tokens
 from cedserve.model.dspark import Draft, Drafter, DraftRequest, DraftState
 from cedserve.model.network import CEDModel
+
+VETO_BELOW = 0.8
+"""Drafting is turned down where whole drafting steps yielded less than this fraction of the tokens a
+second of plain steps at the same batch size (`StepProfile.cycle_rates`), whatever the passes predict."""
 
 
 @dataclass(frozen=True)
@@ -218,8 +225,8 @@ class DSparkProposer:
                                             draft_s=profile.draft_seconds(len(ready)))
             pays = int(lengths.sum()) > 0
         measured = profile.cycle_rates(len(seqs))
-        if pays and measured is not None and measured[0] < measured[1]:
-            pays = False  # whole drafting steps yielded fewer tokens a second than plain ones did
+        if pays and measured is not None and measured[0] < VETO_BELOW * measured[1]:
+            pays = False  # whole drafting steps yielded clearly fewer tokens a second than plain ones
         if pays:
             self._declined = 0
             self._probe_interval = self.probe_every

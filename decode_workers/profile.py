@@ -7,8 +7,9 @@ same way (no prior: 0 until one is measured, the mean while all measured passes 
 the decision to draft at all (`DSparkProposer`) counts what the draft pass itself costs. `step_s()`
 is seconds per decode step by batch size (index = batch size), an exponential average of whole
 steps, for the router's placement formula. `cycle_rates(batch)` is what whole steady steps yielded
-per second with drafts and without (`record_cycle`): the proposer's check on its own prediction,
-since the passes leave out what a drafting step costs besides them (observe, acceptance, syncs).
+per second with a draft pass and without (`record_cycle`): where it has both, the proposer decides
+on it instead of its prediction, since the passes leave out what a drafting step costs besides them
+(observe, acceptance, syncs) and the confidences what verification would have accepted.
 
 `calibrated(confidences)` corrects the drafter's confidences by what verification measured
 (`SurvivalCalibration`): a confidence head trained on per-position agreement predicts the
@@ -27,6 +28,10 @@ from torch import Tensor
 
 MIN_SAMPLES = 8
 """Passes measured before the fitted line replaces the prior."""
+MIN_CYCLES = 3
+"""Whole steady steps of each kind (drafting, plain) at a batch size before `cycle_rates` answers."""
+CYCLE_EMA = 0.1
+"""Weight of the newest whole step in `cycle_rates`' averages."""
 
 
 class CostLine:
@@ -135,7 +140,7 @@ class StepProfile:
         self._passes = CostLine(self.prior, window)
         self._drafts = CostLine(None, window)
         self._by_batch: dict[int, float] = {}
-        self._cycles: dict[tuple[int, bool], tuple[float, float]] = {}  # (batch, drafted) -> (seconds, tokens)
+        self._cycles: dict[tuple[int, bool], tuple[float, float, int]] = {}  # (batch, drafted) -> (s, tokens, n)
         self._ema = ema
 
     def record_pass(self, rows: int, seconds: float) -> None:
@@ -153,19 +158,22 @@ class StepProfile:
 
     def record_cycle(self, batch: int, seconds: float, tokens: int, drafted: bool) -> None:
         """One steady step (no join, no preemption) of `batch` requests emitted `tokens` in `seconds`,
-        with drafts verified (`drafted`) or without: what a drafting step really costs and yields,
-        the draft pass, the verify pass, observe and every sync in it included."""
+        with a draft pass (`drafted`) or without: what a drafting step really costs and yields, the
+        draft pass, the verify pass, observe and every sync in it included. Averaged over about the
+        last 10 steps of each kind (a step's tokens range over 1 .. K + 1 per request)."""
         key = (batch, drafted)
         old = self._cycles.get(key)
-        now = (seconds, float(tokens))
-        self._cycles[key] = now if old is None else (
-            (1 - self._ema) * old[0] + self._ema * now[0], (1 - self._ema) * old[1] + self._ema * now[1])
+        if old is None:
+            self._cycles[key] = (seconds, float(tokens), 1)
+            return
+        keep = 1 - CYCLE_EMA
+        self._cycles[key] = (keep * old[0] + CYCLE_EMA * seconds, keep * old[1] + CYCLE_EMA * tokens, old[2] + 1)
 
     def cycle_rates(self, batch: int) -> tuple[float, float] | None:
-        """(tokens/s of drafting steps, tokens/s of plain steps) at `batch`, as measured (exponential
-        averages of whole steps); None until both kinds were seen at that batch size."""
+        """(tokens/s of drafting steps, tokens/s of plain steps) at `batch`, as whole steady steps
+        measured them; None until each kind was seen `MIN_CYCLES` times at that batch size."""
         drafting, plain = self._cycles.get((batch, True)), self._cycles.get((batch, False))
-        if drafting is None or plain is None or drafting[0] <= 0 or plain[0] <= 0:
+        if drafting is None or plain is None or min(drafting[2], plain[2]) < MIN_CYCLES:
             return None
         return drafting[1] / drafting[0], plain[1] / plain[0]
 

@@ -157,7 +157,7 @@ def test_engine_with_the_cost_check_declines_and_stays_lossless() -> None:
     assert decisions("declined") == proposer.declined_steps
     assert decisions("drafted") >= 1 and decisions("plain_probe") == proposer.plain_probes == 0
     # the engine measured whole steady steps of both kinds (the check's second opinion)
-    assert rig.engine.profile.cycle_rates(2) is not None or rig.engine.profile.cycle_rates(1) is not None
+    assert any(key[1] for key in rig.engine.profile._cycles) and any(not key[1] for key in rig.engine.profile._cycles)
     # Tokens as without drafting, up to numerical ties (tests/unit/test_decode_engine.py)
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, got.values())) <= 1
     for rid in got:
@@ -263,33 +263,38 @@ def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then() -> 
     assert proposer.declined_steps == 0
 
 
-def test_whole_steps_that_yield_less_turn_drafting_down_whatever_the_passes_predict() -> None:
+def test_whole_steps_that_yield_clearly_less_turn_drafting_down_whatever_the_passes_predict() -> None:
     """The passes leave out part of what a drafting step costs (observe, acceptance, syncs): on an H100
     the verify pass measured 0.4 ms above a plain one while the drafting step took 6.1 ms against 1.7.
-    Whole steady steps measured per kind (`StepProfile.cycle_rates`) overrule the prediction."""
+    Whole steady steps measured per kind (`StepProfile.cycle_rates`) veto drafting that clearly loses
+    (below `VETO_BELOW` of the plain rate), and only that: a step's tokens are noisy."""
     model, drafter = tiny()
     profile = StepProfile(0.05, 0.002)
     proposer = DSparkProposer(drafter, model, profile=profile)
     seqs = _batch(model, drafter, proposer, [0.0])
     assert all(d is not None for d in proposer.propose(seqs))  # no history: drafts
-    for rows, seconds in ((1, 1.6e-3), (6, 2.0e-3)):  # the passes: a verify barely above a plain pass
+    for rows, seconds in ((1, 1.6e-3), (6, 1.7e-3)):  # the passes: a verify barely above a plain pass
         for _ in range(8):
             profile.record_pass(rows, seconds)
+    for _ in range(400):  # a 0.1 ms draft pass (this CPU's real one, measured above, weighs 1/401)
+        profile.record_draft(1, 1e-4)
 
-    def confident() -> list[DecodeSequence]:  # ~4 tokens a verification predicted (each draft remembers its own)
+    def predicted() -> list[DecodeSequence]:  # ~2 tokens a verification (each draft remembers its own)
         for seq in seqs:
             assert seq.draft is not None
-            seq.draft.last_confidences = torch.full((proposer.max_tokens,), 0.9)
+            seq.draft.last_confidences = torch.full((proposer.max_tokens,), 0.5)
         return seqs
 
-    if profile.draft_seconds(1) > 4e-3:
-        pytest.skip("this machine's draft pass alone costs more than drafting saves here")
-    assert profile.cycle_rates(1) is None
-    assert all(d is not None for d in proposer.propose(confident()))  # the passes alone: drafting pays
-    profile.record_cycle(1, 6.1e-3, 2, drafted=True)  # what whole steps measured
+    assert all(d is not None for d in proposer.propose(predicted()))  # the passes alone: drafting pays
+    for _ in range(2):
+        profile.record_cycle(1, 6.1e-3, 2, drafted=True)  # what whole steps measured
+        profile.record_cycle(1, 1.7e-3, 1, drafted=False)
+    assert profile.cycle_rates(1) is None  # fewer than MIN_CYCLES of each kind: no veto yet
+    assert all(d is not None for d in proposer.propose(predicted()))
+    profile.record_cycle(1, 6.1e-3, 2, drafted=True)
     profile.record_cycle(1, 1.7e-3, 1, drafted=False)
-    assert profile.cycle_rates(1) == pytest.approx((2 / 6.1e-3, 1 / 1.7e-3))
-    assert proposer.propose(confident()) == [None] and proposer.declined_steps == 1
-    for _ in range(20):  # drafting steps got better: the average follows
-        profile.record_cycle(1, 3.0e-3, 4, drafted=True)
-    assert all(d is not None for d in proposer.propose(confident()))
+    assert profile.cycle_rates(1) == pytest.approx((2 / 6.1e-3, 1 / 1.7e-3))  # 0.56 of plain
+    assert proposer.propose(predicted()) == [None] and proposer.declined_steps == 1
+    for _ in range(30):  # drafting steps now yield 0.9 of plain: noise, not a clear loss; no veto
+        profile.record_cycle(1, 3.78e-3, 2, drafted=True)
+    assert all(d is not None for d in proposer.propose(predicted()))
