@@ -22,11 +22,11 @@ draft makes the step draft.
 The check compares passes the engine measured, so it needs both kinds: after `plain_probe_every`
 drafting steps in a row it turns one step down (a plain pass over the anchors alone); where drafting
 still pays right after such a probe the interval doubles (up to 8x), so a drafter that pays loses one
-step in ~130 to them, not one in 17. Without it a
-batch that always drafts never measures a plain pass, and the pass-cost line stays at its prior
-(50 ms fixed: a CPU's figure), against which any draft pass looks cheap: on an H100 the demo
-checkpoint drafted every step at 6.4 ms a step for 2.0 tokens where a plain step took 1.3 ms
-(gpu-2026-12-07c). `probe_every = 1` drafts every step (no check, no plain probes).
+step in ~130 to them, not one in 17. Without them a batch that always drafts never measures a plain
+pass, and the pass-cost line stays at its prior (50 ms fixed: a CPU's figure), against which any
+draft pass looks cheap: on an H100 the demo checkpoint drafted every step at 6.4 ms a step for 2.0
+tokens where a plain step took 1.3 ms (gpu-2026-12-07c). `probe_every = 1` drafts every step (no
+check, no plain probes).
 
 The passes are not all a drafting step costs (the observe of its taps, acceptance, the syncs), so
 the check also asks what whole steady steps yielded (`StepProfile.cycle_rates`, fed by the engine

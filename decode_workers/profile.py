@@ -7,9 +7,9 @@ same way (no prior: 0 until one is measured, the mean while all measured passes 
 the decision to draft at all (`DSparkProposer`) counts what the draft pass itself costs. `step_s()`
 is seconds per decode step by batch size (index = batch size), an exponential average of whole
 steps, for the router's placement formula. `cycle_rates(batch)` is what whole steady steps yielded
-per second with a draft pass and without (`record_cycle`): where it has both, the proposer decides
-on it instead of its prediction, since the passes leave out what a drafting step costs besides them
-(observe, acceptance, syncs) and the confidences what verification would have accepted.
+per second with a draft pass and without (`record_cycle`): where drafting steps clearly yielded less,
+the proposer turns drafting down whatever its prediction says, since the passes leave out what a
+drafting step costs besides them (observe, acceptance, syncs).
 
 `calibrated(confidences)` corrects the drafter's confidences by what verification measured
 (`SurvivalCalibration`): a confidence head trained on per-position agreement predicts the

@@ -13,6 +13,7 @@ compute on its default stream, and each ends in one wait on that stream.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -70,20 +71,20 @@ class StagingPool:
     def gather(self, blocks: torch.Tensor, ids: np.ndarray, out: torch.Tensor) -> None:
         """`out[i] = blocks[ids[i]]` (`gather_blocks` on this pool's stream and index buffers); returns
         when `out` holds the bytes."""
-        if self.stream is None:
-            gather_blocks(blocks, ids, out)
-            return
-        with torch.cuda.stream(self.stream):
-            take_rows(blocks, self._device_ids(ids), out)
-        self.stream.synchronize()
+        self._copy(take_rows, gather_blocks, blocks, ids, out)
 
     def scatter(self, blocks: torch.Tensor, ids: np.ndarray, src: torch.Tensor) -> None:
         """`blocks[ids[i]] = src[i]` (`scatter_blocks` likewise); returns when `blocks` hold them."""
+        self._copy(put_rows, scatter_blocks, blocks, ids, src)
+
+    def _copy(self, on_device: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+              on_host: Callable[[torch.Tensor, np.ndarray, torch.Tensor], None],
+              blocks: torch.Tensor, ids: np.ndarray, rows: torch.Tensor) -> None:
         if self.stream is None:
-            scatter_blocks(blocks, ids, src)
+            on_host(blocks, ids, rows)
             return
         with torch.cuda.stream(self.stream):
-            put_rows(blocks, self._device_ids(ids), src)
+            on_device(blocks, self._device_ids(ids), rows)
         self.stream.synchronize()
 
     def _device_ids(self, ids: np.ndarray) -> torch.Tensor:
