@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="mini-40")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 6, 12, 16, 32, 192])
     p.add_argument("--gemms", nargs="+", choices=("wo_a", "down", "linear"), default=["wo_a", "down", "linear"],
-                   help="linear: the step's plain projections wa ([wq_a; wkv]), wq_b and wo_b")
+                   help="linear: the step's plain projections (--linears)")
+    p.add_argument("--linears", nargs="+", default=["wa", "wq_b", "wo_b"],
+                   choices=("wa", "wq_b", "wo_b", "gate", "w13", "compress", "head"),
+                   help="which plain projections --gemms linear times")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -135,10 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     # one weight per layer (40 calls read 40 weights, as the step does, not one cached in L2)
     wo_a = [torch.randn(groups * n_group, k_group, device=device, generator=gen) * k_group**-0.5 for _ in range(CALLS)]
     w2 = [torch.randn(experts, dim, inter, device=device, generator=gen) * inter**-0.5 for _ in range(CALLS)]
+    shapes = {"wa": (c.q_lora_rank + c.head_dim, dim),
+              "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank),
+              "wo_b": (dim, groups * n_group),
+              # the rest of a float32 model's projections: the router, the experts' gate and up (all
+              # experts and the shared one, `dense_experts`), a ratio > 1 compressor's [wkv; wgate], the head
+              "gate": (c.n_routed_experts, dim),
+              "w13": (experts * 2 * inter, dim),
+              "compress": (2 * c.head_dim, dim),
+              "head": (c.vocab_size, dim)}
     linears = {name: [torch.randn(n, k, device=device, generator=gen) * k**-0.5 for _ in range(CALLS)]
-               for name, (n, k) in {"wa": (c.q_lora_rank + c.head_dim, dim),
-                                    "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank),
-                                    "wo_b": (dim, groups * n_group)}.items()} if "linear" in args.gemms else {}
+               for name, (n, k) in shapes.items() if name in args.linears} if "linear" in args.gemms else {}
     rows_out: list[dict[str, Any]] = []
     print(f"{'gemm':<6} {'rows':>4}  {'form':<26} {'numerics':<9} {'us/call':>8} {'rel err':>9}")
     for rows in args.rows:

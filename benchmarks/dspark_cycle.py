@@ -59,7 +59,7 @@ from cedserve.launcher import shipped_demo_checkpoint
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
 from cedserve.model.cache.manager import KVCacheManager
-from cedserve.model.checkpoint import load_model
+from cedserve.model.checkpoint import cast_weights, load_model
 from cedserve.model.checkpoint_writer import load_drafter
 from cedserve.model.dspark import Drafter
 from cedserve.model.network import CEDModel
@@ -108,8 +108,10 @@ def build_engine(model: CEDModel, drafter: Drafter | None, args: argparse.Namesp
     cache = KVCacheManager(layout, KVCacheConfig(block_size=BLOCK, num_blocks=blocks), "bench", args.device)
     config = DecodeConfig(max_running_requests=args.max_running, dspark=dspark, device=args.device,
                           compile_fused=args.compile_fused, kernel_warmup=False,  # the untimed first steps compile instead
-                          runner=args.runner, runner_drafter=args.runner_drafter)
-    proposer = DSparkProposer(drafter, model, config.draft_tokens) if dspark and drafter is not None else None
+                          runner=args.runner, runner_drafter=args.runner_drafter, matmul_tf32=args.matmul_tf32)
+    probe_every = 1 if args.cost_check == "off" else 8  # 1: the proposer drafts at every anchor
+    proposer = (DSparkProposer(drafter, model, config.draft_tokens, probe_every=probe_every)
+                if dspark and drafter is not None else None)
     return DecodeEngine(config, model, cache, proposer=proposer), cache
 
 
@@ -242,14 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="off,on",
                    help="off (no drafting), on (DSpark as configured), on-drafter-uncompiled (DSpark, the "
                         "drafter's pass uncompiled: the `on` of before its compiled sampling loop)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the weights' dtype (`[model] dtype`; the reference's float32 parameters stay float32)")
+    p.add_argument("--matmul-tf32", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode.matmul_tf32: float32 products on TF32 tensor cores")
+    p.add_argument("--cost-check", default="on", choices=("on", "off"),
+                   help="off: DSpark drafts at every anchor (the phases of drafting steps alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not 0 < args.profile_steps <= args.steps - args.warmup_steps:
         p.error("--profile-steps must be in 1 .. steps - warmup-steps")
     checkpoint = args.checkpoint or shipped_demo_checkpoint()
-    model = load_model(checkpoint, device=args.device)
-    drafter = load_drafter(checkpoint, model.config).to(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = load_model(checkpoint, dtype=dtype, device=args.device)
+    drafter = cast_weights(load_drafter(checkpoint, model.config), dtype).to(args.device)
     source = heldout_prompts(checkpoint)
     rng = random.Random(args.seed)
     prompts = [source(rng, args.prompt_tokens) for _ in range(args.prompts)]

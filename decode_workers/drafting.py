@@ -22,7 +22,9 @@ draft makes the step draft.
 The check compares passes the engine measured, so it needs both kinds: after `plain_probe_every`
 drafting steps in a row it turns one step down (a plain pass over the anchors alone); where drafting
 still pays right after such a probe the interval doubles (up to 8x), so a drafter that pays loses one
-step in ~130 to them, not one in 17. Without them a batch that always drafts never measures a plain
+step in ~130 to them, not one in 17; the interval stays put until whole steps of both kinds are
+known (below), else the third plain step, and with it the veto, came after ~110 drafting steps
+(gpu-2026-12-07d: 79 of 104 steps drafted at 0.63x of plain). Without them a batch that always drafts never measures a plain
 pass, and the pass-cost line stays at its prior (50 ms fixed: a CPU's figure), against which any
 draft pass looks cheap: on an H100 the demo checkpoint drafted every step at 6.4 ms a step for 2.0
 tokens where a plain step took 1.3 ms (gpu-2026-12-07c). `probe_every = 1` drafts every step (no
@@ -230,7 +232,9 @@ class DSparkProposer:
         if pays:
             self._declined = 0
             self._probe_interval = self.probe_every
-            if probed:  # drafting still pays with a fresh plain pass: measure plain steps less often
+            if probed and measured is not None:
+                # drafting still pays with a fresh plain pass, and whole steps of both kinds are known
+                # (the veto can act): measure plain steps less often
                 self._plain_interval = min(2 * self._plain_interval, 8 * self.plain_probe_every)
             return self._draft()
         self._plain_interval = self.plain_probe_every

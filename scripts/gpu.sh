@@ -79,7 +79,8 @@
 #                   TPOT_ARGS="--prompt-tokens 600 --max-tokens 64 --rounds 10 --prompts heldout --dspark-pair on,off"
 #   dspark-cycle    benchmarks/dspark_cycle.py --device cuda: the decode engine on the demo checkpoint, DSpark on
 #                   and off, each engine phase's host ms, kernels, GPU ms and syncs (issue 28's DSpark bound)
-#                   dspark-cycle.json, dspark-cycle.log   CYCLE_S=150; CYCLE_ARGS adds flags (--compile-fused)
+#                   dspark-cycle.json, dspark-cycle.log   CYCLE_S=150 (each run); CYCLE_ARGS adds flags (--compile-fused);
+#                   CYCLE_VARIANTS="f32:;bf16:--dtype bfloat16" runs once per variant (dspark-cycle-<name>.json)
 #   full-topology   benchmarks/full_topology.py: prefill on GPU 0, decode on the next $GPUS-1 GPUs,
 #                   against colocated serving; $TOPOLOGY_ARGS adds flags (e.g. --colocated-policies
 #                   cache_aware,least_loaded,round_robin)          full-topology/{env.txt, bench.log,
@@ -263,6 +264,20 @@ part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
     --batches 1 32 --steps 5 --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-$GPU_TAG.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
+}
+
+part_dspark_cycle() {  # each of CYCLE_VARIANTS ("name:flags;name:flags"; default one unnamed run) with CYCLE_ARGS
+  local rc=0 variant name suffix
+  local -a variants
+  IFS=';' read -ra variants <<< "${CYCLE_VARIANTS:-:}"
+  for variant in "${variants[@]}"; do
+    name=${variant%%:*}; suffix=${name:+-$name}
+    echo "-- dspark-cycle$suffix: ${CYCLE_ARGS:-} ${variant#*:}"
+    # shellcheck disable=SC2086
+    timeout "${CYCLE_S:-150}" "$PY" -P benchmarks/dspark_cycle.py --device cuda ${CYCLE_ARGS:-} ${variant#*:} \
+      --out "$OUT/dspark-cycle$suffix.json" 2>&1 | grep -v "NIXL INFO\|USDT" | tee "$OUT/dspark-cycle$suffix.log" || rc=1
+  done
+  return "$rc"
 }
 
 part_batched_gemm() {  # the step's two batched float32 GEMMs a layer at verify rows, beside other forms
@@ -765,8 +780,7 @@ run_part() {  # $1: part name
     transfer-one) part_transfer_one ;;
     disagg-ttft) part_disagg_ttft ;;
     tpot) part_tpot ;;
-    dspark-cycle) timeout "${CYCLE_S:-150}" "$PY" -P benchmarks/dspark_cycle.py --device cuda ${CYCLE_ARGS:-} \
-                  --out "$OUT/dspark-cycle.json" 2>&1 | grep -v "NIXL INFO\|USDT" | tee "$OUT/dspark-cycle.log" ;;
+    dspark-cycle) part_dspark_cycle ;;
     staging-probe) timeout "${PROBE_S:-60}" "$PY" -P benchmarks/staging_probe.py --out "$OUT/staging-probe.json" 2>&1 \
                   | tee "$OUT/staging-probe.log" ;;
     mhc-blocks) timeout "${MHC_S:-90}" "$PY" -P benchmarks/mhc_blocks.py --out "$OUT/mhc-blocks.json" 2>&1 \

@@ -211,10 +211,12 @@ def test_engine_hands_its_profile_to_the_proposer(adaptive_verify: bool, wrapped
 
 
 def _run_steps(proposer: DSparkProposer, seqs: list[DecodeSequence], steps: int, plain_s: float, verify_s: float,
-               confidence: float) -> list[bool]:
+               confidence: float, step_tokens: float | None = None) -> list[bool]:
     """`steps` engine steps as the proposer sees them: each drafting step's pass over 1 + K rows per
     sequence costs `verify_s`, a plain pass over the anchors `plain_s` (recorded as the engine does),
-    and every draft's confidences are `confidence`. Returns whether each step drafted."""
+    and every draft's confidences are `confidence`. `step_tokens`: each drafting step is also recorded
+    as a whole steady step of that many tokens per sequence (a plain one, one each), as the engine
+    records them. Returns whether each step drafted."""
     profile = proposer.profile
     assert profile is not None
     drafted = []
@@ -229,6 +231,9 @@ def _run_steps(proposer: DSparkProposer, seqs: list[DecodeSequence], steps: int,
                 seq.draft.last_confidences = torch.full((proposer.max_tokens,), confidence)
         else:
             profile.record_pass(len(seqs), plain_s)
+        if step_tokens is not None:
+            tokens = round(step_tokens * len(seqs)) if did else len(seqs)
+            profile.record_cycle(len(seqs), verify_s if did else plain_s, tokens, drafted=did)
     return drafted
 
 
@@ -248,18 +253,24 @@ def test_a_batch_that_always_drafts_measures_a_plain_pass_and_then_stops_draftin
     assert proposer.declined_steps >= len(later) - sum(later) - proposer.plain_probes
 
 
-def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then() -> None:
+@pytest.mark.parametrize("whole_steps", [True, False], ids=["whole-steps-recorded", "passes-only"])
+def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then(whole_steps: bool) -> None:
+    """Plain probes every 16 drafting steps until whole steps of both kinds are known (three each: the
+    veto can act), then further apart while drafting keeps paying (32, then 64 drafting steps)."""
     model, drafter = tiny()
     proposer = DSparkProposer(drafter, model, profile=StepProfile(0.05, 0.002), plain_probe_every=16)
     seqs = _batch(model, drafter, proposer, [0.0])
     # ~4.4 tokens per verification (c = 0.9) for 1.2 ms, against 1 token per 1 ms; drafting costs
     # this CPU's real draft pass, which the check also weighs: give it room
-    drafted = _run_steps(proposer, seqs, 68, plain_s=1e-3, verify_s=1.2e-3, confidence=0.9)
+    drafted = _run_steps(proposer, seqs, 100, plain_s=1e-3, verify_s=1.2e-3, confidence=0.9,
+                         step_tokens=4.0 if whole_steps else None)
     if proposer.profile is not None and proposer.profile.draft_seconds(1) > 3e-3:
         pytest.skip("this machine's draft pass alone costs more than the plain passes drafting saves")
-    # plain probes at steps 17 and 50: drafting paid after the first, so the second came 32 drafting
-    # steps later, and the next would come 64 later
-    assert [i + 1 for i, d in enumerate(drafted) if not d] == [17, 50] and proposer.plain_probes == 2
+    probes = [i + 1 for i, d in enumerate(drafted) if not d]
+    if whole_steps:  # the third plain step (51) made them known: the next probe 32 drafting steps later
+        assert probes == [17, 34, 51, 84] and proposer.plain_probes == 4
+    else:  # never known: no back-off (the veto could never catch a loss the passes miss)
+        assert probes == [17, 34, 51, 68, 85] and proposer.plain_probes == 5
     assert proposer.declined_steps == 0
 
 
