@@ -55,6 +55,7 @@ from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.engine import DecodeEngine
 from cedserve.decode_workers.messages import AttachCommand, CancelCommand, Sampling, Tokens
 from cedserve.decode_workers.metrics import DECODE_PATHS
+from cedserve.kernels import grouped_linear as grouped_linear_module
 from cedserve.launcher import shipped_demo_checkpoint
 from cedserve.model.cache.config import KVCacheConfig
 from cedserve.model.cache.layout import BlockLayout
@@ -167,11 +168,14 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
     tokens = verify_tokens = 0
     verify_steps: list[float] = []  # the timed steps that verified drafts
     table: dict[str, dict[str, float]] = {}
+    emitted_ids: list[list[int]] = []  # each prompt's greedy continuation (the systems must agree)
     for i, prompt in enumerate(prompts):
         state, first = prefill(model, prompt)
         rid = f"r{i}"
         cmd = AttachCommand(0, rid, f"l{i}", tuple(prompt), first, 100, Sampling(max_tokens=100_000, ignore_eos=True))
         engine.attach_state(rid, prompt, copy.deepcopy(state), first, cmd)
+        ids: list[int] = []
+        emitted_ids.append(ids)
         for step in range(args.steps):
             profiled = i == len(prompts) - 1 and step == args.steps - args.profile_steps
             if profiled:
@@ -186,6 +190,7 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
             outputs = engine.step()
             sync(args.device)
             elapsed = time.perf_counter() - start
+            ids.extend(t for o in outputs if isinstance(o, Tokens) for t in o.token_ids)
             if step >= args.warmup_steps:
                 times.append(elapsed)
                 emitted = sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
@@ -211,7 +216,7 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
               "proposer": type(engine.proposer).__name__,
               "paths": {p: bool(engine.metrics.registry.get_sample_value("cedserve_decode_path_on", {"path": p}))
                         for p in DECODE_PATHS},
-              "phases": table}
+              "phases": table, "token_ids": emitted_ids}
     log(f"{name or ('on' if dspark else 'off'):>4} step {step_ms:7.2f} ms  tokens/step {per_step:5.2f}  "
         f"tokens/s {result['tokens_per_s']:8.1f}  (proposer {result['proposer']}; paths on: "
         f"{', '.join(p for p, v in result['paths'].items() if v) or 'none'})")
@@ -226,6 +231,16 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
             log(f"     {phase:<9} {row['host_ms']:8.3f} {row['kernels']:8.1f} {row['gpu_ms']:7.3f} {row['syncs']:6.1f}")
     cache.close()
     return result
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the weights' dtype (`[model] dtype`; the reference's float32 parameters stay float32)")
     p.add_argument("--matmul-tf32", action=argparse.BooleanOptionalAction, default=False,
                    help="decode.matmul_tf32: float32 products on TF32 tensor cores")
+    p.add_argument("--f32-rows-kernel", default="on", choices=("on", "off"),
+                   help="off: float32 projections of 2-32 rows on cuBLAS, as before `kernels.grouped_linear.linear`")
     p.add_argument("--cost-check", default="on", choices=("on", "off"),
                    help="off: DSpark drafts at every anchor (the phases of drafting steps alone)")
     p.add_argument("--seed", type=int, default=0)
@@ -255,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.profile_steps <= args.steps - args.warmup_steps:
         p.error("--profile-steps must be in 1 .. steps - warmup-steps")
+    if args.f32_rows_kernel == "off":
+        grouped_linear_module.ROW_LINEAR_MAX_ROWS = 0  # before any step is compiled
     checkpoint = args.checkpoint or shipped_demo_checkpoint()
     dtype = getattr(torch, args.dtype)
     model = load_model(checkpoint, dtype=dtype, device=args.device)
@@ -287,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {"speedup": on["tokens_per_s"] / off["tokens_per_s"], "tokens_per_verify": per_verify,
                          "fraction_of_bound": on["tokens_per_s"] / bound,
                          "cycle_over_plain_step": on["step_ms"] / off["step_ms"]}
+        agree = [_common_prefix(a, b) for a, b in zip(off["token_ids"], on["token_ids"])]
+        shorter = [min(len(a), len(b)) for a, b in zip(off["token_ids"], on["token_ids"])]
+        summary[name]["greedy_agreement"] = {"agreeing_prefix": agree, "compared": shorter}
+        log(f"greedy tokens: {name} agrees with off over {agree} of the first {shorter} (each prompt)")
         log(f"DSpark {name} vs off: speedup {summary[name]['speedup']:.2f}, {per_verify:.2f} tokens a step, "
             f"{summary[name]['fraction_of_bound']:.2f} of the bound; a drafting step costs "
             f"{summary[name]['cycle_over_plain_step']:.2f}x a plain one")

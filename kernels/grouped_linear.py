@@ -16,6 +16,14 @@ programs until every SM has one (float32 partials, added in split order by a sec
 the splits `wo_a` had 16 programs and took 22-45 us a call on an H100). Float32 products are full
 float32 (not TF32); results agree with the `bmm` to float32 rounding of a sum in another order.
 
+The same kernel as one group is :func:`linear`'s float32 product at 2 to `ROW_LINEAR_MAX_ROWS` rows on
+CUDA: cuBLAS's float32 GEMM picks a ~52 us kernel at 8 and 16 rows for `[128, 128]` weights (the demo
+checkpoint's `wa`, `wo_b` and compressor), against 5.9 us at 6 rows and 2.6 us (a GEMV) at one; the
+kernel takes 5.3-7.5 us at 2-32 rows for every projection of the demo's step (an H100,
+`benchmarks/batched_gemm.py --preset demo`, docs/benchmarks/gpu-2026-12-07d). A DSpark verify pass
+(1 + 5 rows, bucket 8) spent 1.3 ms of its 2.4 ms in those GEMMs (25 a step). :func:`linear` calls it
+through the custom op `cedserve::row_linear`, which `torch.compile` keeps as one opaque call.
+
 Implementations (`impl`): "triton" (CUDA tensors, or CPU under `TRITON_INTERPRET=1`), "torch"
 (:func:`grouped_linear_reference`) or "auto" (the kernel where it can run and `MIN_ROWS <= N <=
 MAX_ROWS`; the `bmm` at one row, where cuBLAS's GEMV was fast, above 256 rows, since prefill chunks
@@ -26,6 +34,7 @@ backward).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from cedserve.kernels.triton_support import (
@@ -44,6 +53,9 @@ which the kernel is not known to beat; from 2 rows on it took ~35 us."""
 
 MAX_ROWS = 256
 """Most rows "auto" sends to the kernel (decode buckets, verify rows); more go to the `bmm`."""
+
+ROW_LINEAR_MAX_ROWS = 32
+"""Most rows :func:`linear` sends to the kernel (float32, CUDA); more, and one row, go to cuBLAS."""
 
 MAX_BLOCK_M = 64
 """Most rows a program holds (`[BLOCK_M, BLOCK_R]` float32 accumulators in registers)."""
@@ -121,3 +133,29 @@ def _blocks(rows: int, groups: int, r: int, k: int, device: torch.device,
     k_blocks = cdiv(k, block_k)
     k_split = cdiv(k_blocks, min(wanted, k_blocks)) * block_k
     return block_m, block_r, block_k, k_split
+
+
+@torch.library.custom_op("cedserve::row_linear", mutates_args=())
+def row_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """`x [N, K] @ weight [R, K]^T` -> `[N, R]` by the grouped kernel as one group (`impl` "triton"):
+    an opaque call to `torch.compile`, so a compiled function can hold it."""
+    return grouped_linear(x.unsqueeze(1), weight, "triton")
+
+
+@row_linear.register_fake
+def _row_linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """`F.linear(x, weight)` (no bias) for `x [N, K]`; a float32 product of `MIN_ROWS` to
+    `ROW_LINEAR_MAX_ROWS` rows on CUDA runs the grouped kernel as one group (`row_linear`; module
+    docstring: cuBLAS's pick there took ~52 us at some row counts). Full float32 products either way;
+    the two sum in different orders (agree to float32 rounding)."""
+    if (x.dim() == 2 and x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and MIN_ROWS <= x.shape[0] <= ROW_LINEAR_MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        out: Tensor = torch.ops.cedserve.row_linear(x if x.stride(-1) == 1 else x.contiguous(),
+                                                    weight if weight.stride(-1) == 1 else weight.contiguous())
+        return out
+    return F.linear(x, weight)

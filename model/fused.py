@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cedserve.kernels.grouped_linear import grouped_linear
+from cedserve.kernels.grouped_linear import grouped_linear, linear
 from cedserve.kernels.paged import entries_to_slots
 from cedserve.kernels.reference import fake_quant_fp4
 from cedserve.kernels.triton_support import Impl
@@ -40,10 +40,10 @@ def project(x: Tensor, wa: Tensor, q_rank: int, q_norm: Tensor, wq_b: Tensor, kv
     `q_rank` rows, then `wkv`'s, then any more (an index source's `weights_proj`). Returns the query
     residual `[B, q_rank]`, RoPE'd queries `[B, H, D]` in `q_dtype` (the attention's), window KV `[B, D]`
     and the further rows' logits `[B, rest]` (`[B, 0]` when there are none)."""
-    a = F.linear(x, wa)  # [B, q_rank + D + rest]
+    a = linear(x, wa)  # [B, q_rank + D + rest]
     dim = kv_norm.shape[0]
     q_residual = q_norm * rms_normalize(a[:, :q_rank], eps)
-    q = F.linear(q_residual, wq_b).view(x.shape[0], heads, -1)
+    q = linear(q_residual, wq_b).view(x.shape[0], heads, -1)
     q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).to(q_dtype)
     kv = apply_rope(kv_norm * rms_normalize(a[:, q_rank:q_rank + dim], eps), cos, sin)
     return q_residual, q, kv, a[:, q_rank + dim:]
@@ -61,7 +61,7 @@ def output(out: Tensor, cos: Tensor, sin: Tensor, wo_a: Tensor, groups: int, wo_
     """`Attention._output` of the attention's `out [B, H, D]`: inverse RoPE (`unrope`: compiled in
     `FusedOps`), grouped `wo_a` (`grouped_linear` with `impl`: one Triton launch on a GPU, where
     cuBLAS's float32 `bmm` took ~35 us at 2-192 rows), `wo_b` -> `[B, hidden]`."""
-    return F.linear(grouped_linear(unrope(out, cos, sin, groups, wo_b.dtype), wo_a, impl), wo_b)
+    return linear(grouped_linear(unrope(out, cos, sin, groups, wo_b.dtype), wo_a, impl), wo_b)
 
 
 def index_query(q_residual: Tensor, wq_b: Tensor, head_logits: Tensor, cos: Tensor, sin: Tensor, heads: int,
@@ -69,7 +69,7 @@ def index_query(q_residual: Tensor, wq_b: Tensor, head_logits: Tensor, cos: Tens
     """`Indexer.query` (no autograd) and `Indexer.head_weights` from `weights_proj`'s logits
     `head_logits [B, H]`: RoPE'd, FP4 fake-quantized index queries `[B, H, d]` in bf16 (exact: what
     `layer_topk` scores) and float32 head weights `[B, H]`."""
-    q = F.linear(q_residual, wq_b).view(q_residual.shape[0], heads, -1)
+    q = linear(q_residual, wq_b).view(q_residual.shape[0], heads, -1)
     q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
     return fake_quant_fp4(q, block, "ue8m0").to(torch.bfloat16), head_logits.float() * heads**-0.5
 
@@ -94,7 +94,7 @@ def write_pending(x: Tensor, w: Tensor, pending_kv: Tensor, pending_gate: Tensor
     rings are a mutation followed by a gather of the same buffer, which a GPU kernel may reorder
     (the compiled step's replays disagreed with eager on an H200 while its CPU code agreed)."""
     ring, dim = pending_kv.shape[1], pending_kv.shape[2]
-    projected = F.linear(x.float(), w)  # [B, 2D]: latent, then gate
+    projected = linear(x.float(), w)  # [B, 2D]: latent, then gate
     rows = positions % ring
     pending_kv[slots, rows] = projected[:, :dim]
     pending_gate[slots, rows] = projected[:, dim:]
@@ -107,7 +107,7 @@ def global_kv_from_rings(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm:
     """`global_kv` after `write_pending` (ratio m > 1: the rings hold the rows' projections already;
     this reads them only, a pure function of its inputs)."""
     if pending_kv is None or pending_gate is None:
-        latent = norm * rms_normalize(F.linear(x, w), eps)
+        latent = norm * rms_normalize(linear(x, w), eps)
         entry, complete = positions, None
     else:
         ring = pending_kv.shape[1]
@@ -117,7 +117,7 @@ def global_kv_from_rings(x: Tensor, w: Tensor, norm: Tensor, wk: Tensor, k_norm:
         latent = norm * rms_normalize(pooled.squeeze(1).to(x.dtype), eps)
         complete = positions % ratio == ratio - 1
     cos, sin = rope_cos_sin(entry * ratio, inv_freq, rope_scaling)
-    keys = apply_rope(k_norm * rms_normalize(F.linear(latent, wk), eps), cos, sin)
+    keys = apply_rope(k_norm * rms_normalize(linear(latent, wk), eps), cos, sin)
     slot_map = entries_to_slots(entry.unsqueeze(-1), block_table, entries_per_block).squeeze(-1)
     keep = slots != scratch_slot
     if complete is not None:
@@ -164,7 +164,7 @@ def dense_experts(x: Tensor, routing: Tensor, w13: Tensor, w2: Tensor, limit: fl
     the down projections as one batched GEMM; each expert's output is rounded to `x.dtype` before
     the float32 sum."""
     experts, inter = w13.shape[0], w2.shape[-1]
-    gate_up = F.linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E', 2I]
+    gate_up = linear(x, w13.flatten(0, 1)).view(x.shape[0], experts, 2 * inter).float()  # [B, E', 2I]
     g, u = gate_up[..., :inter], gate_up[..., inter:]
     if limit > 0:
         u, g = u.clamp(-limit, limit), g.clamp(max=limit)
@@ -199,7 +199,7 @@ def route_topk(x: Tensor, gate: Tensor, bias: Tensor, scoring: str, temp: float,
                scaling: float, by_argmax: bool = False) -> tuple[Tensor, Tensor]:
     """`moe.route` with float32 `gate [E, D]` and `bias [E]`: float32 weights `[B, k]`, indices `[B, k]`.
     `by_argmax`: the picks by `pick_topk`'s rounds of argmax (the compiled ops' choice)."""
-    scores = score_logits(F.linear(x.float(), gate) / temp, scoring)
+    scores = score_logits(linear(x.float(), gate) / temp, scoring)
     # Unsorted: the same experts, without the sort a sorted top-k adds per layer (one more kernel each
     # on CUDA); the callers scatter the pairs or sum them per row, so their order does not matter.
     indices = pick_topk(scores + bias, top_k, by_argmax)

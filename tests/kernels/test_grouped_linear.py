@@ -152,3 +152,62 @@ def test_the_benchmark_forms_run_the_kernel(gen: torch.Generator, device: torch.
         _check(batched_gemm.wo_a_forms(x, w, 2)["grouped_linear (Triton)"](), x, w)
         flat = batched_gemm.linear_forms(x.flatten(1), w.view(16, 128).contiguous())["grouped_linear G=1 (Triton)"]()
         _check(flat, x.flatten(1).unsqueeze(1), w.view(16, 128))
+
+
+@pytest.mark.parametrize("rows,r,k", [(2, 128, 128), (8, 128, 128), (16, 1152, 128), (32, 8, 128), (8, 256, 64)])
+def test_row_linear_matches_float64(rows: int, r: int, k: int, gen: torch.Generator, device: torch.device) -> None:
+    """`cedserve::row_linear` (the kernel as one group): the demo step's float32 projections at verify
+    row counts, against float64."""
+    x = torch.randn(rows, k, generator=gen, device=device)
+    w = torch.randn(r, k, generator=gen, device=device) / k**0.5
+    got = torch.ops.cedserve.row_linear(x, w)
+    _check(got, x.unsqueeze(1), w)
+
+
+def test_linear_sends_float32_verify_rows_to_the_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch,
+                                                                 gen: torch.Generator, device: torch.device) -> None:
+    """`linear`: the kernel for float32 at 2 .. ROW_LINEAR_MAX_ROWS rows on CUDA; cuBLAS for one row,
+    more rows, bf16, a CPU tensor, and where autograd records."""
+    x = torch.randn(40, 64, generator=gen, device=device)
+    w = torch.randn(48, 64, generator=gen, device=device)
+    launched: list[int] = []
+    kernel = gl.grouped_linear
+
+    def counting(x: Tensor, weight: Tensor, impl: str = "auto", **kwargs: object) -> Tensor:
+        launched.append(x.shape[0])
+        return kernel(x, weight, impl, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gl, "grouped_linear", counting)
+    for rows in (1, 2, 8, 32, 33, 40):
+        _check(gl.linear(x[:rows], w), x[:rows].unsqueeze(1), w)
+    assert gl.linear(x[:8].bfloat16(), w.bfloat16()).dtype == torch.bfloat16
+    wg = w.clone().requires_grad_(True)
+    gl.linear(x[:8], wg).sum().backward()
+    assert wg.grad is not None
+    assert launched == ([2, 8, 32] if device.type == "cuda" else [])
+    monkeypatch.setattr(gl, "ROW_LINEAR_MAX_ROWS", 0)  # the switch benchmarks/dspark_cycle.py turns off
+    gl.linear(x[:8], w)
+    assert launched == ([2, 8, 32] if device.type == "cuda" else [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor and CUDA graphs: a CUDA device")
+def test_row_linear_compiles_and_captures(gen: torch.Generator, device: torch.device) -> None:
+    """Inside `torch.compile(fullgraph=True)` (as `FusedOps` compiles `project`) and a captured CUDA
+    graph, `linear` gives the eager kernel's bits."""
+    w = torch.randn(128, 128, generator=gen, device=device)
+
+    def chain(x: Tensor) -> Tensor:
+        return torch.relu(gl.linear(x * 2.0, w)) + 1.0
+
+    compiled = torch.compile(chain, fullgraph=True)
+    x = torch.randn(8, 128, generator=gen, device=device)
+    want = chain(x)
+    assert torch.equal(compiled(x), want)
+    static = x.clone()
+    compiled(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(static)
+    static.copy_(torch.randn(8, 128, generator=gen, device=device))
+    graph.replay()
+    assert torch.equal(out, chain(static))
