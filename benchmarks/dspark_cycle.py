@@ -200,6 +200,9 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
                     verify_tokens += emitted
         if i == len(prompts) - 1:
             prof.__exit__(None, None, None)
+            if args.trace:  # the host's timeline too: which calls of a phase its host time goes to
+                args.trace.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(args.trace / f"{name or ('on' if dspark else 'off')}.json"))
             table = phase_table(prof, args.profile_steps)
         engine.cancel(CancelCommand(0, rid))  # its blocks and slots back before the next request
     steps = len(times)
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="off: float32 projections of 2-32 rows on cuBLAS, as before `kernels.grouped_linear.linear`")
     p.add_argument("--cost-check", default="on", choices=("on", "off"),
                    help="off: DSpark drafts at every anchor (the phases of drafting steps alone)")
+    p.add_argument("--trace", type=Path, help="a folder: each system's profiled steps as a Chrome trace (<system>.json)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
