@@ -3,7 +3,8 @@ receiver's `scatter_blocks` is its mirror) split into the ids' copy in, the kern
 wait, for a 4K-token (64 blocks) and a 64K-token (1,024 blocks) request of 56,960-byte blocks:
 in a process alone on the GPU, then with a second process holding a CUDA context that launches a
 small kernel every 100 us (two agents sharing one GPU, as `cedserve bench kv-transfer --device
-cuda` runs them). On an H100 the bench measured 0.4-0.65 ms per staging copy of either size (session
+cuda` runs them), beside a spinning thread, in a process holding an idle NIXL agent, and in one whose
+agent sends request after request to a second agent meanwhile. On an H100 the bench measured 0.4-0.65 ms per staging copy of either size (session
 25), where the kernel itself takes tens of microseconds.
 
     python -P benchmarks/staging_probe.py --out /tmp/staging-probe.json
@@ -66,6 +67,39 @@ def idle_agent(blocks: torch.Tensor) -> Any:
                              "staging-probe")
 
 
+def busy_agents(blocks: torch.Tensor) -> tuple[Any, Any] | None:
+    """A sending agent over `blocks` (as `idle_agent`) and a receiving one over a region of the same
+    size, handshaken on loopback in this process; None without NIXL."""
+    from cedserve.kv_transfer.agent import NixlTransferAgent
+    from cedserve.kv_transfer.config import KVTransferConfig
+    from cedserve.kv_transfer.nixl_backend import nixl_available
+    from cedserve.kv_transfer.region import KVLayout, KVRegion
+    if not nixl_available():
+        print("no NIXL here: the transfer-in-flight setting is skipped", flush=True)
+        return None
+    config = KVTransferConfig(auth_token="staging-probe")
+    layout = KVLayout.raw(BLOCK_BYTES)
+    sender = NixlTransferAgent(config, KVRegion(blocks.view(-1), BLOCK_BYTES), layout, "staging-probe-sender")
+    target = torch.zeros_like(blocks)
+    receiver = NixlTransferAgent(config, KVRegion(target.view(-1), BLOCK_BYTES), layout, "staging-probe-receiver")
+    sender.handshake(receiver.control_address)
+    return sender, receiver
+
+
+def keep_transferring(sender: Any, receiver: Any, stop: threading.Event, blocks: int, done: list[int]) -> None:
+    """Request after request of `blocks` contiguous blocks from `sender` to `receiver` until `stop`
+    (a worker's agent with a transfer always in flight); `done` counts the finished requests."""
+    ids = np.arange(blocks)
+    while not stop.is_set():
+        rid = f"busy-{len(done)}"
+        reservation = receiver.receiver().reserve(rid, ids, sender=sender.name, lease_s=30.0)
+        sender.sender().open(reservation, timeout_s=30.0)
+        sender.sender().write_blocks(rid, ids, last=True)
+        sender.sender().wait(rid, 30.0).raise_for_state()
+        receiver.receiver().wait(rid, 30.0).raise_for_state()
+        done.append(1)
+
+
 def probe(blocks: torch.Tensor, staging: torch.Tensor, n: int, reps: int, rng: np.random.Generator,
           stream: torch.cuda.Stream) -> dict[str, float]:
     ids_in, launch, wait, whole = [], [], [], []
@@ -106,12 +140,26 @@ def main() -> None:
     cells = []
     ctx = mp.get_context("spawn")
     settings = ("alone", "with a busy neighbour process", "beside a spinning thread",
-                "beside a spinning thread, switch interval 50 us", "in a process holding an idle NIXL agent")
+                "beside a spinning thread, switch interval 50 us", "in a process holding an idle NIXL agent",
+                "in a process whose NIXL agent has a transfer in flight")
     default_interval = sys.getswitchinterval()
     for setting in settings:
         stop, ready = ctx.Event(), ctx.Event()
         proc = thread = agent = None
-        if setting == "in a process holding an idle NIXL agent":
+        receiver = None
+        transfers: list[int] = []
+        if setting == "in a process whose NIXL agent has a transfer in flight":
+            # the agent over these blocks sends 1,024-block requests to a second agent, one after
+            # another, while the copies are timed (UCX's progress, the engine's loop and threads busy)
+            pair = busy_agents(blocks)
+            if pair is None:
+                continue
+            agent, receiver = pair
+            thread_stop = threading.Event()
+            thread = threading.Thread(target=keep_transferring, args=(agent, receiver, thread_stop, 1024, transfers),
+                                      daemon=True)
+            thread.start()
+        elif setting == "in a process holding an idle NIXL agent":
             # a transfer agent over these very blocks (UCX registered, its progress thread idle):
             # inside an agent each staging copy took 0.4-0.7 ms on an H100 (gpu-2026-12-07c)
             agent = idle_agent(blocks)
@@ -142,18 +190,22 @@ def main() -> None:
                         pool.gather(blocks, ids, rows)
                         took.append(time.perf_counter() - t0)
                     cell["pool_gather_us"] = round(statistics.median(took) * 1e6, 1)
+                if receiver is not None:
+                    cell["transfers_done"] = len(transfers)  # so far: the transfers did run meanwhile
                 print(cell, flush=True)
                 cells.append(cell)
         finally:
-            if agent is not None:
-                agent.close()
             stop.set()
-            if proc is not None:
-                proc.join(30)
             if thread is not None:
                 thread_stop.set()
-                thread.join(5)
+                thread.join(30)
                 sys.setswitchinterval(default_interval)
+            if agent is not None:
+                agent.close()
+            if receiver is not None:
+                receiver.close()
+            if proc is not None:
+                proc.join(30)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
