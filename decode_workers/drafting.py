@@ -114,7 +114,8 @@ class DSparkProposer:
     vectors; with a `profile`, only when drafting pays (module docstring)."""
 
     def __init__(self, drafter: Drafter, model: CEDModel, num_tokens: int = 0, profile: StepProfile | None = None,
-                 probe_every: int = 8, verify_all: bool = False, plain_probe_every: int = 16) -> None:
+                 probe_every: int = 8, verify_all: bool = False, plain_probe_every: int = 16,
+                 defer_observes: int = 16) -> None:
         block = drafter.config.dspark_block_size
         if not 0 <= num_tokens <= block:
             raise ValueError(f"config field `decode.draft_tokens`: must be in [0, {block}], got {num_tokens}")
@@ -122,6 +123,8 @@ class DSparkProposer:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         if plain_probe_every < 1:
             raise ValueError(f"plain_probe_every must be >= 1, got {plain_probe_every}")
+        if defer_observes < 0:
+            raise ValueError(f"defer_observes must be >= 0, got {defer_observes}")
         self.drafter = drafter
         self.model = model
         self.profile = profile
@@ -136,6 +139,10 @@ class DSparkProposer:
         self._plain_probed = False  # the last step was a plain probe
         self.plain_probes = 0
         """Steps turned down only to measure a plain pass (cumulative)."""
+        self.defer_observes = defer_observes
+        """While the check declines, plain steps' observations wait and are applied together, up to this
+        many steps at a time, or at once before a draft pass (0: every step's at once)."""
+        self._deferred: list[list[Observation]] = []  # declined steps' observations, oldest first
         self.verify_all = verify_all
         """The engine verifies every draft (`DecodeConfig.adaptive_verify` off): the check then weighs
         verifying all against none."""
@@ -153,11 +160,14 @@ class DSparkProposer:
         self.verify_all = verify_all
 
     def propose(self, seqs: Sequence[DecodeSequence]) -> list[Draft | None]:
-        ready = [i for i, seq in enumerate(seqs) if self._at_anchor(seq)]
+        deferred = self._deferred_ends()
+        ready = [i for i, seq in enumerate(seqs)
+                 if deferred.get(seq.request_id) == len(seq.tokens) - 1 or self._at_anchor(seq)]
         out: list[Draft | None] = [None] * len(seqs)
         if not ready or not self._worth_drafting(seqs, ready):
             return out
         start = time.perf_counter()
+        self._flush()  # the memories reach their anchors before the draft pass reads them
         drafts = self._draft_pass([seqs[i] for i in ready])
         k = self._k
         confidences = torch.stack([d.confidences[:k] for d in drafts]).cpu()  # [ready, K]
@@ -189,7 +199,15 @@ class DSparkProposer:
         _draft_state(seq).last_confidences = confidences
 
     def release(self, seq: DecodeSequence, keep: bool) -> None:
-        pass  # the memory is `seq.draft` itself
+        self._settle(seq, keep)  # otherwise the memory is `seq.draft` itself
+
+    def _settle(self, seq: DecodeSequence, keep: bool) -> None:
+        """Before `seq`'s memory leaves: its deferred rows applied (`keep`: it must hold them all)
+        or dropped."""
+        if keep:
+            self._flush(only=seq)
+        else:
+            self._drop_deferred(seq)
 
     def _worth_drafting(self, seqs: Sequence[DecodeSequence], ready: list[int]) -> bool:
         """Whether the expected gain of verifying pays for the draft pass plus the verified rows."""
@@ -209,26 +227,12 @@ class DSparkProposer:
             self._declined = 0
             self._probing = True
             return self._draft()
-        # [batch, K]: the sequences that cannot draft take part with no drafts (one token each)
-        predicted = torch.zeros(len(seqs), self._k)
-        caps = torch.zeros(len(seqs), dtype=torch.long)
-        for i, confidences in zip(ready, history):
-            assert confidences is not None
-            known = profile.survival.calibrated(confidences[: self._k].float())
-            predicted[i, : known.shape[0]] = known
-            caps[i] = min(seqs[i].max_drafts, known.shape[0])
-        rows = sum(len(s.pending) for s in seqs)  # anchors and carries
-        if self.verify_all:
-            draft_s = profile.draft_seconds(len(ready))
-            tokens = float(expected_tokens(predicted, caps).sum())
-            pays = tokens / (profile.seconds(rows + int(caps.sum())) + draft_s) > len(seqs) / profile.seconds(rows)
-        else:
-            lengths = choose_verify_lengths(predicted, lambda n: profile.steps_per_s(n - len(seqs) + rows), caps,
-                                            draft_s=profile.draft_seconds(len(ready)))
-            pays = int(lengths.sum()) > 0
         measured = profile.cycle_rates(len(seqs))
-        if pays and measured is not None and measured[0] < VETO_BELOW * measured[1]:
-            pays = False  # whole drafting steps yielded clearly fewer tokens a second than plain ones
+        # whole drafting steps yielded clearly fewer tokens a second than plain ones: a veto, whatever
+        # the passes predict (checked first: a vetoed step skips the prediction's host work)
+        pays = not (measured is not None and measured[0] < VETO_BELOW * measured[1])
+        if pays:
+            pays = self._passes_pay(seqs, ready, history, profile)
         if pays:
             self._declined = 0
             self._probe_interval = self.probe_every
@@ -246,6 +250,27 @@ class DSparkProposer:
         self.declined_steps += 1
         return False
 
+    def _passes_pay(self, seqs: Sequence[DecodeSequence], ready: list[int], history: list[Tensor | None],
+                    profile: StepProfile) -> bool:
+        """Whether the measured passes predict a gain: `ready`'s calibrated confidences against the
+        draft pass plus the verified rows (module docstring)."""
+        # [batch, K]: the sequences that cannot draft take part with no drafts (one token each)
+        predicted = torch.zeros(len(seqs), self._k)
+        caps = torch.zeros(len(seqs), dtype=torch.long)
+        for i, confidences in zip(ready, history):
+            assert confidences is not None
+            known = profile.survival.calibrated(confidences[: self._k].float())
+            predicted[i, : known.shape[0]] = known
+            caps[i] = min(seqs[i].max_drafts, known.shape[0])
+        rows = sum(len(s.pending) for s in seqs)  # anchors and carries
+        if self.verify_all:
+            draft_s = profile.draft_seconds(len(ready))
+            tokens = float(expected_tokens(predicted, caps).sum())
+            return tokens / (profile.seconds(rows + int(caps.sum())) + draft_s) > len(seqs) / profile.seconds(rows)
+        lengths = choose_verify_lengths(predicted, lambda n: profile.steps_per_s(n - len(seqs) + rows), caps,
+                                        draft_s=profile.draft_seconds(len(ready)))
+        return int(lengths.sum()) > 0
+
     def _draft(self) -> bool:
         self._drafted_run += 1
         return True
@@ -253,10 +278,65 @@ class DSparkProposer:
     def observe(self, seq: DecodeSequence, first_position: int, taps: Tensor, keep_end: int) -> None:
         self.observe_many([Observation(seq, first_position, taps, keep_end)])
 
+    def observe_many(self, observations: Sequence[Observation]) -> None:
+        """`_apply` the observations, or, where the check declined this step and every observation is
+        one plain row, keep them for later (`defer_observes`): a declined step's observe cost a plain
+        step ~0.6 ms of host time on an H100 (the drafter's context vectors and the memory write, ~12
+        launches; gpu-2026-12-07d), and a batch the check keeps declining drafts only at its probes.
+        Deferred rows are applied together (one call for up to `defer_observes` steps), before any
+        draft pass, and before a sequence's memory leaves (`release`)."""
+        if not observations:
+            return
+        if (self.defer_observes and self.profile is not None and self._declined > 0
+                and all(o.taps.shape[0] == 1 and o.keep_end == o.first_position + 1 for o in observations)):
+            self._deferred.append(list(observations))
+            if len(self._deferred) >= self.defer_observes:
+                self._flush()
+            return
+        self._flush()
+        self._apply(observations)
+
+    def _deferred_ends(self) -> dict[str, int]:
+        """Each sequence with deferred rows: where its memory will end once they are applied."""
+        ends: dict[str, int] = {}
+        for step in self._deferred:
+            for o in step:
+                ends[o.seq.request_id] = o.keep_end
+        return ends
+
+    def _flush(self, only: DecodeSequence | None = None) -> None:
+        """Apply the deferred rows (of `only`, or of every sequence) as one observation per sequence
+        (its consecutive rows joined), in one `_apply` call."""
+        if not self._deferred:
+            return
+        runs: dict[str, list[Observation]] = {}
+        kept: list[list[Observation]] = []
+        for step in self._deferred:
+            rest = []
+            for o in step:
+                if only is None or o.seq is only:
+                    runs.setdefault(o.seq.request_id, []).append(o)
+                else:
+                    rest.append(o)
+            if rest:
+                kept.append(rest)
+        self._deferred = kept
+        joined = []
+        for rows in runs.values():
+            first = rows[0]
+            for a, b in zip(rows, rows[1:]):  # each step's row follows the last: one contiguous run
+                assert b.first_position == a.keep_end, "deferred observations of a sequence are not consecutive"
+            joined.append(Observation(first.seq, first.first_position, torch.cat([o.taps for o in rows]),
+                                      rows[-1].keep_end))
+        self._apply(joined)
+
+    def _drop_deferred(self, seq: DecodeSequence) -> None:
+        self._deferred = [kept for kept in ([o for o in step if o.seq is not seq] for step in self._deferred) if kept]
+
     # The drafter's weights require grad: without no_grad each step's vectors would keep an autograd
     # graph chaining every earlier step's taps alive.
     @torch.no_grad()
-    def observe_many(self, observations: Sequence[Observation]) -> None:
+    def _apply(self, observations: Sequence[Observation]) -> None:
         """Context vectors of every sequence's taps in one `context_vectors` call, then each
         sequence's memory rolled back to `first_position`, extended and cut at `keep_end`."""
         if not observations:

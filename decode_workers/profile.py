@@ -32,6 +32,12 @@ MIN_CYCLES = 3
 """Whole steady steps of each kind (drafting, plain) at a batch size before `cycle_rates` answers."""
 CYCLE_EMA = 0.1
 """Weight of the newest whole step in `cycle_rates`' averages."""
+STALE_CYCLES = 32
+"""A kind (drafting, plain) last seen more than this many steady steps ago at a batch size starts its
+average afresh from its next step: after the veto, drafting steps come only as the proposer's probes
+(8 to 64 steps apart), and an average still weighing the old ones kept drafting vetoed for hundreds
+of steps after a noisy spell had passed (two of six CPU runs declined 60 and 85 of 104 steps where
+drafting paid 1.6x, docs/benchmarks/dspark-probe-explore-cpu.json)."""
 
 
 class CostLine:
@@ -141,6 +147,8 @@ class StepProfile:
         self._drafts = CostLine(None, window)
         self._by_batch: dict[int, float] = {}
         self._cycles: dict[tuple[int, bool], tuple[float, float, int]] = {}  # (batch, drafted) -> (s, tokens, n)
+        self._cycle_seen: dict[tuple[int, bool], int] = {}  # (batch, drafted) -> steady steps counted when last seen
+        self._steady_steps = 0
         self._ema = ema
 
     def record_pass(self, rows: int, seconds: float) -> None:
@@ -160,11 +168,15 @@ class StepProfile:
         """One steady step (no join, no preemption) of `batch` requests emitted `tokens` in `seconds`,
         with a draft pass (`drafted`) or without: what a drafting step really costs and yields, the
         draft pass, the verify pass, observe and every sync in it included. Averaged over about the
-        last 10 steps of each kind (a step's tokens range over 1 .. K + 1 per request)."""
+        last 10 steps of each kind (a step's tokens range over 1 .. K + 1 per request); a kind not seen
+        for `STALE_CYCLES` steady steps starts afresh (its count kept)."""
         key = (batch, drafted)
+        self._steady_steps += 1
         old = self._cycles.get(key)
-        if old is None:
-            self._cycles[key] = (seconds, float(tokens), 1)
+        stale = old is not None and self._steady_steps - self._cycle_seen[key] > STALE_CYCLES
+        self._cycle_seen[key] = self._steady_steps
+        if old is None or stale:
+            self._cycles[key] = (seconds, float(tokens), 1 if old is None else old[2] + 1)
             return
         keep = 1 - CYCLE_EMA
         self._cycles[key] = (keep * old[0] + CYCLE_EMA * seconds, keep * old[1] + CYCLE_EMA * tokens, old[2] + 1)

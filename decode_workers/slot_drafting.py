@@ -52,9 +52,10 @@ class SlotDSparkProposer(DSparkProposer):
     """The DSpark proposer over a `DraftRunner`'s slots (module docstring)."""
 
     def __init__(self, drafter: Drafter, model: CEDModel, runner: DraftRunner, num_tokens: int = 0,
-                 probe_every: int = 8, verify_all: bool = False, plain_probe_every: int = 16) -> None:
+                 probe_every: int = 8, verify_all: bool = False, plain_probe_every: int = 16,
+                 defer_observes: int = 16) -> None:
         super().__init__(drafter, model, num_tokens, probe_every=probe_every, verify_all=verify_all,
-                         plain_probe_every=plain_probe_every)
+                         plain_probe_every=plain_probe_every, defer_observes=defer_observes)
         self.runner = runner
         self._slot: dict[str, int] = {}  # request id -> slot
         self._free = list(range(runner.config.max_slots - 1, -1, -1))
@@ -66,7 +67,7 @@ class SlotDSparkProposer(DSparkProposer):
         """A slot proposer with `eager`'s drafter, draft count and cost-check settings."""
         runner = DraftRunner(eager.drafter, eager.model, config)
         slotted = SlotDSparkProposer(eager.drafter, eager.model, runner, eager.max_tokens, eager.probe_every,
-                                     eager.verify_all, eager.plain_probe_every)
+                                     eager.verify_all, eager.plain_probe_every, eager.defer_observes)
         slotted.profile = eager.profile
         return slotted
 
@@ -102,7 +103,7 @@ class SlotDSparkProposer(DSparkProposer):
     def _remember(self, seq: DecodeSequence, confidences: Tensor) -> None:
         self._confidences[self._slot[seq.request_id]] = confidences
 
-    def observe_many(self, observations: Sequence[Observation]) -> None:
+    def _apply(self, observations: Sequence[Observation]) -> None:
         """Each sequence's kept taps into its slot (`DraftRunner.observe`); a sequence without one
         gets a free slot."""
         slots = []
@@ -113,6 +114,7 @@ class SlotDSparkProposer(DSparkProposer):
                             [o.taps for o in observations])
 
     def release(self, seq: DecodeSequence, keep: bool) -> None:
+        self._settle(seq, keep)
         slot = self._slot.pop(seq.request_id, None)
         if not keep:
             self._passes.pop(seq.request_id, None)

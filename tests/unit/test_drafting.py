@@ -13,6 +13,8 @@ from cedserve.decode_workers.drafting import DSparkProposer, Observation
 from cedserve.decode_workers.messages import Finished
 from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease
+from cedserve.decode_workers.slot_drafting import SlotDSparkProposer
+from cedserve.model.draft_runner import DraftRunner, DraftRunnerConfig
 from cedserve.model.dspark import Draft, Drafter, DraftState
 from cedserve.model.network import CEDModel
 from cedserve.model.sampling import SamplingParams, make_generator
@@ -309,3 +311,122 @@ def test_whole_steps_that_yield_clearly_less_turn_drafting_down_whatever_the_pas
     for _ in range(30):  # drafting steps now yield 0.9 of plain: noise, not a clear loss; no veto
         profile.record_cycle(1, 3.78e-3, 2, drafted=True)
     assert all(d is not None for d in proposer.propose(predicted()))
+
+
+def test_a_kind_not_seen_for_a_while_starts_its_average_afresh() -> None:
+    """After a veto, drafting steps come only as probes, far apart: the drafting average starts again
+    from the first one after `STALE_CYCLES` steady steps, so one noisy spell does not keep drafting
+    vetoed until many probes have outweighed it. Within that many steps, the average moves by
+    `CYCLE_EMA` a step as before."""
+    from cedserve.decode_workers.profile import CYCLE_EMA, MIN_CYCLES, STALE_CYCLES
+
+    profile = StepProfile(0.05, 0.002)
+    for _ in range(MIN_CYCLES):  # a noisy spell: drafting steps at a third of their usual rate
+        profile.record_cycle(1, 6e-3, 2, drafted=True)
+        profile.record_cycle(1, 1e-3, 1, drafted=False)
+    rates = profile.cycle_rates(1)
+    assert rates is not None and rates[0] < 0.8 * rates[1]  # vetoed
+    profile.record_cycle(1, 2e-3, 2, drafted=True)  # a prompt fast one: one EMA step, still vetoed
+    rates = profile.cycle_rates(1)
+    assert rates is not None and rates[0] == pytest.approx(2 / ((1 - CYCLE_EMA) * 6e-3 + CYCLE_EMA * 2e-3))
+    for _ in range(STALE_CYCLES + 1):  # declined steps: plain only
+        profile.record_cycle(1, 1e-3, 1, drafted=False)
+    profile.record_cycle(1, 2e-3, 2, drafted=True)  # the next probe, on a quiet machine
+    rates = profile.cycle_rates(1)
+    assert rates == pytest.approx((2 / 2e-3, 1 / 1e-3))  # drafting pays again: no veto
+    assert profile._cycles[(1, True)][2] == MIN_CYCLES + 2  # the count goes on
+
+
+def _plain_step(proposer: DSparkProposer, seqs: list[DecodeSequence], rows: list[torch.Tensor]) -> None:
+    """A plain pass as the engine shows it: each sequence's anchor row, one new token each."""
+    observations = []
+    for seq, row in zip(seqs, rows):
+        anchor = len(seq.tokens) - 1
+        seq.tokens.append(7)
+        observations.append(Observation(seq, anchor, row, anchor + 1))
+    proposer.observe_many(observations)
+
+
+def _memory(proposer: DSparkProposer, seq: DecodeSequence) -> tuple[int, torch.Tensor]:
+    """(end position, vectors) of `seq`'s drafter memory, wherever the proposer keeps it."""
+    if isinstance(proposer, SlotDSparkProposer):
+        slot = proposer._slot[seq.request_id]
+        _, end = proposer.runner.extent(slot) or (0, 0)
+        return end, proposer.runner.export(slot).vectors
+    assert seq.draft is not None
+    return seq.draft.end_position, seq.draft.vectors
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["eager", "slots"])
+def test_declined_steps_defer_their_observes_until_a_draft_pass(slots: bool) -> None:
+    """While the check declines, a plain step's observe waits (the drafter's context vectors cost a
+    declined step ~0.6 ms of host on an H100); the probe's draft pass first applies every waiting row,
+    and the memories are those of observing each step at once (to float rounding: one context-vector
+    GEMM over three rows instead of three over one)."""
+    model, drafter = tiny()
+
+    def proposer(defer: int) -> DSparkProposer:
+        if not slots:
+            return DSparkProposer(drafter, model, profile=_profile(draft_s=1.0), probe_every=4, defer_observes=defer)
+        runner = DraftRunner(drafter, model, DraftRunnerConfig(4))
+        slotted = SlotDSparkProposer(drafter, model, runner, probe_every=4, defer_observes=defer)
+        slotted.attach_profile(_profile(draft_s=1.0), verify_all=False)
+        return slotted
+
+    lazy, eager = proposer(16), proposer(0)
+    seqs = {p: _batch(model, drafter, p, [0.0, 0.0]) for p in (lazy, eager)}
+    gen = torch.Generator().manual_seed(5)
+    for p in (lazy, eager):
+        assert all(d is not None for d in p.propose(seqs[p]))  # no history: drafts
+        for seq in seqs[p]:
+            p._remember(seq, torch.full((5,), 0.9))
+    for _ in range(3):  # three declined steps
+        rows = [_taps(model, 1, gen) for _ in range(2)]
+        for p in (lazy, eager):
+            assert p.propose(seqs[p]) == [None, None]
+            _plain_step(p, seqs[p], rows)
+    assert len(lazy._deferred) == 3 and not eager._deferred
+    for a, b in zip(seqs[lazy], seqs[eager]):
+        assert _memory(lazy, a)[0] == _memory(eager, b)[0] - 3  # the lazy memory waits 3 rows behind
+    assert all(d is not None for d in lazy.propose(seqs[lazy]))  # the probe: applied, then drafted
+    assert not lazy._deferred
+    for a, b in zip(seqs[lazy], seqs[eager]):
+        end_a, vectors_a = _memory(lazy, a)
+        end_b, vectors_b = _memory(eager, b)
+        assert end_a == end_b == len(a.tokens) - 1
+        torch.testing.assert_close(vectors_a, vectors_b, atol=1e-5, rtol=0)  # normed vectors, O(1)
+
+
+
+def test_deferred_rows_are_applied_every_few_steps_and_settled_on_release() -> None:
+    """At most `defer_observes` steps wait; a preempted sequence (`release(keep=True)`) carries its
+    rows applied, a finished one drops them; a step with a multi-row observation (a verify pass)
+    applies everything first."""
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model, profile=_profile(draft_s=1.0), probe_every=64, defer_observes=2)
+    seqs = _batch(model, drafter, proposer, [0.0, 0.0, 0.0])
+    proposer.propose(seqs)
+    for seq in seqs:
+        proposer._remember(seq, torch.full((5,), 0.9))
+    gen = torch.Generator().manual_seed(3)
+
+    def declined_step() -> None:
+        assert proposer.propose(seqs) == [None] * 3
+        _plain_step(proposer, seqs, [_taps(model, 1, gen) for _ in seqs])
+
+    declined_step()
+    assert len(proposer._deferred) == 1
+    declined_step()  # the second waiting step: both applied
+    assert not proposer._deferred and all(_memory(proposer, s)[0] == len(s.tokens) - 1 for s in seqs)
+    declined_step()
+    kept, done = seqs[0], seqs[1]
+    proposer.release(kept, keep=True)  # preempted: its memory must hold every row
+    assert _memory(proposer, kept)[0] == len(kept.tokens) - 1
+    proposer.release(done, keep=False)  # finished: its rows are dropped
+    assert [o.seq for step in proposer._deferred for o in step] == [seqs[2]]
+    anchor = len(seqs[2].tokens) - 1
+    seqs[2].tokens += [7, 7]  # a verify pass: two rows kept
+    proposer.observe_many([Observation(seqs[2], anchor, _taps(model, 2, gen), anchor + 2)])
+    assert not proposer._deferred and _memory(proposer, seqs[2])[0] == len(seqs[2].tokens) - 1
+    with pytest.raises(ValueError, match="defer_observes"):
+        DSparkProposer(drafter, model, defer_observes=-1)
