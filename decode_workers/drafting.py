@@ -43,6 +43,7 @@ the confidences there predicted 1.1-1.2 tokens a verification where verification
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -324,7 +325,7 @@ class DSparkProposer:
         joined = []
         for rows in runs.values():
             first = rows[0]
-            for a, b in zip(rows, rows[1:]):  # each step's row follows the last: one contiguous run
+            for a, b in itertools.pairwise(rows):  # each step's row follows the last: one contiguous run
                 assert b.first_position == a.keep_end, "deferred observations of a sequence are not consecutive"
             joined.append(Observation(first.seq, first.first_position, torch.cat([o.taps for o in rows]),
                                       rows[-1].keep_end))
