@@ -193,8 +193,9 @@ class DSparkProposer:
         return self.drafter.draft_batch(requests, self.model.embed, self.model.lm_head)
 
     def _last_confidences(self, seq: DecodeSequence) -> Tensor | None:
-        """float32 `[K]` on the host: the confidences of the sequence's latest draft (None: none yet)."""
-        return _draft_state(seq).last_confidences
+        """float32 `[K]` on the host: the confidences of the sequence's latest draft (None: none yet,
+        or no memory yet: its first rows may still wait among the deferred observations)."""
+        return None if seq.draft is None else seq.draft.last_confidences
 
     def _remember(self, seq: DecodeSequence, confidences: Tensor) -> None:
         _draft_state(seq).last_confidences = confidences

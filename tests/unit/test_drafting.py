@@ -430,3 +430,29 @@ def test_deferred_rows_are_applied_every_few_steps_and_settled_on_release() -> N
     assert not proposer._deferred and _memory(proposer, seqs[2])[0] == len(seqs[2].tokens) - 1
     with pytest.raises(ValueError, match="defer_observes"):
         DSparkProposer(drafter, model, defer_observes=-1)
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["eager", "slots"])
+def test_a_new_sequence_whose_first_rows_wait_drafts_at_its_next_step(slots: bool) -> None:
+    """A request joining while the check declines: its first observation (one plain row) waits like
+    the others', so it has no memory yet; with no draft behind it, its next step drafts (as any new
+    sequence's), applying the waiting rows first. (The HTTP API's system crashed here: the eager
+    proposer asked a memory-less sequence for its last confidences.)"""
+    model, drafter = tiny()
+    if slots:
+        proposer: DSparkProposer = SlotDSparkProposer(drafter, model, DraftRunner(drafter, model, DraftRunnerConfig(4)),
+                                                      probe_every=64)
+        proposer.attach_profile(_profile(draft_s=1.0), verify_all=False)
+    else:
+        proposer = DSparkProposer(drafter, model, profile=_profile(draft_s=1.0), probe_every=64)
+    old = _batch(model, drafter, proposer, [0.0])
+    proposer.propose(old)
+    proposer._remember(old[0], torch.full((5,), 0.9))
+    gen = torch.Generator().manual_seed(4)
+    assert proposer.propose(old) == [None]  # declined
+    new = _sequence(model, "new", 9, 0.0, seed=77)
+    _plain_step(proposer, [*old, new], [_taps(model, 1, gen), _taps(model, 1, gen)])
+    assert proposer._deferred and new.draft is None  # its one row waits
+    drafts = proposer.propose([*old, new])
+    assert drafts[1] is not None and not proposer._deferred  # a new sequence drafts: the rows applied first
+    assert _memory(proposer, new)[0] == len(new.tokens) - 1
