@@ -183,6 +183,9 @@ class EngineLoop:
         self.stop_requested = False
         self.last_tick_s = time.monotonic()
         self.error: BaseException | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called with the exception when the loop fails (the leader's output router fails every
+        waiting call with it, so none waits for outputs that will never come)."""
         self.lock = threading.Lock()
         """Held while the engine runs; other threads hold it to read the engine's cache safely."""
 
@@ -253,6 +256,8 @@ class EngineLoop:
         except BaseException as exc:
             self.error = exc
             log.exception("decode engine loop of rank %d failed", self.channel.rank)
+            if self.on_failure is not None:
+                self.on_failure(exc)
             raise
 
     def start(self) -> threading.Thread:

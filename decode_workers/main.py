@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 import torch.distributed as dist
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.engine import DecodeEngine
@@ -220,6 +221,10 @@ def build_worker(opts: WorkerOptions) -> DecodeWorker:
     server, drain = build_server(opts, serve, cfg.drain_timeout_s, max_workers=rpc_threads(cfg))
     worker = DecodeWorker(opts, settings, kv, engine, loop, router, server, drain)
     if router is not None:
+        leader_router = router
+        # a failed loop answers no call again: fail them all now (the router places them elsewhere)
+        loop.on_failure = lambda exc: leader_router.fail_all(ErrorKind.UNAVAILABLE,
+                                                              f"the decode engine stopped: {exc!r}")
         service = DecodeService(cfg.worker_id, inbox, router, kv.feed, lambda: _snapshot(worker), drain, cfg.lease_ms,
                                 settings.kv_transfer.auth_token, engine.metrics.phases)
         add_decode_service(server.grpc, service)
@@ -256,7 +261,7 @@ def serve_rank(worker: DecodeWorker) -> bool:
     if worker.router is None:  # a follower: the leader decides when the group stops
         return _follow(worker, thread)
     drained = serve_until_drained(worker.drain, health, lambda: _alive(worker, thread),
-                                  GroupDrain(worker.loop, worker.router))
+                                  GroupDrain(worker.loop, worker.router), failed=lambda: not thread.is_alive())
     worker.loop.stop_requested = True
     thread.join(timeout=30.0)
     stop_worker(worker)

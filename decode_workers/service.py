@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import grpc
 
+from cedserve.common.errors import ErrorKind
 from cedserve.decode_workers.leases import new_lease_id
 from cedserve.decode_workers.loop import CommandInbox
 from cedserve.decode_workers.messages import (
@@ -77,6 +78,7 @@ class OutputRouter:
         self._rank_of: dict[str, int] = {}  # request id -> rank holding it
         self._early_cancels: dict[str, float] = {}  # request id -> when a Cancel came before its Reserve
         self._held: list[Routed] = []  # streams' outputs reported by `hold_report`, not yet released
+        self._failed: tuple[ErrorKind, str] | None = None  # the engine stopped: every call fails with it
         self.loads = [RankLoad(rank=r) for r in range(num_ranks)]
         self.last_report_s = time.monotonic()
 
@@ -146,9 +148,25 @@ class OutputRouter:
         """The future the next output for `request_id` (of lease `lease_id`, when given) answers."""
         future: Future[Output] = Future()
         with self._lock:
+            if self._failed is not None:  # no engine will answer it
+                future.set_result(Failed(request_id, *self._failed, lease_id=lease_id))
+                return future
             self._reserves[request_id] = (future, lease_id)
             self._rank_of[request_id] = rank
         return future
+
+    def fail_all(self, kind: ErrorKind, message: str) -> None:
+        """The engine stopped for good: every waiting Reserve and every open Decode stream ends with a
+        `Failed` of `kind` now, and so does every later one (the caller sees a status at once, and the
+        router places the request elsewhere), instead of each waiting for outputs that never come."""
+        now = time.perf_counter()
+        with self._lock:
+            self._failed = (kind, message)
+            for request_id, (future, lease_id) in self._reserves.items():
+                future.set_result(Failed(request_id, kind, message, lease_id=lease_id))
+            self._reserves.clear()
+            for request_id, stream in self._streams.items():
+                stream.put((now, Failed(request_id, kind, message)))
 
     def note_early_cancel(self, request_id: str) -> None:
         """A Cancel for `request_id` arrived before its Reserve (see `EARLY_CANCEL_TTL_S`)."""
@@ -177,6 +195,8 @@ class OutputRouter:
         stream: queue.SimpleQueue[Routed] = queue.SimpleQueue()
         with self._lock:
             self._streams[request_id] = stream
+            if self._failed is not None:
+                stream.put((time.perf_counter(), Failed(request_id, *self._failed)))
         return stream
 
     def close_stream(self, request_id: str) -> None:

@@ -275,11 +275,17 @@ def drain_requests(target: Drainable, drain: DrainController) -> bool:
 
 
 def serve_until_drained(drain: DrainController, health: Health, alive: Callable[[], bool],
-                        target: Drainable) -> bool:
+                        target: Drainable, failed: Callable[[], bool] | None = None) -> bool:
     """Refresh liveness until a drain is requested, drain `target`, then keep answering health
     checks until the process is told to exit. True when nothing had to be handed back; the caller
-    stops its parts."""
+    stops its parts. `failed()` True (the engine's thread died): return False at once, not alive, so
+    the process exits and its supervisor starts it again (`cedserve serve`; a pod's liveness probe
+    would only notice after its period)."""
     while not drain.wait_requested(HEALTH_POLL_S):
+        if failed is not None and failed():
+            health.set_alive(False)
+            health.set_ready(False)
+            return False
         health.set_alive(alive())
     drained = drain_requests(target, drain)
     while not drain.wait_exit(HEALTH_POLL_S):
