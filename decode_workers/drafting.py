@@ -58,6 +58,11 @@ from cedserve.decode_workers.speculative import choose_verify_lengths, expected_
 from cedserve.model.dspark import Draft, Drafter, DraftRequest, DraftState
 from cedserve.model.network import CEDModel
 
+DEFER_MAX_BYTES = 64 << 20
+"""Most bytes of taps the deferred observations hold before they are applied, whatever their step
+count: the released model's taps are 0.25 MB a row (3 taps x 4 streams x 5,120 float32), so 16
+steps of 256 requests would hold ~1 GB of GPU memory outside every budget."""
+
 VETO_BELOW = 0.8
 """Drafting is turned down where whole drafting steps yielded less than this fraction of the tokens a
 second of plain steps at the same batch size (`StepProfile.cycle_rates`), whatever the passes predict."""
@@ -142,7 +147,8 @@ class DSparkProposer:
         """Steps turned down only to measure a plain pass (cumulative)."""
         self.defer_observes = defer_observes
         """While the check declines, plain steps' observations wait and are applied together, up to this
-        many steps at a time, or at once before a draft pass (0: every step's at once)."""
+        many steps (and `DEFER_MAX_BYTES` of taps) at a time, or at once before a draft pass (0: every
+        step's at once)."""
         self._deferred: list[list[Observation]] = []  # declined steps' observations, oldest first
         self.verify_all = verify_all
         """The engine verifies every draft (`DecodeConfig.adaptive_verify` off): the check then weighs
@@ -292,7 +298,8 @@ class DSparkProposer:
         if (self.defer_observes and self.profile is not None and self._declined > 0
                 and all(o.taps.shape[0] == 1 and o.keep_end == o.first_position + 1 for o in observations)):
             self._deferred.append(list(observations))
-            if len(self._deferred) >= self.defer_observes:
+            held = sum(o.taps.numel() * o.taps.element_size() for step in self._deferred for o in step)
+            if len(self._deferred) >= self.defer_observes or held >= DEFER_MAX_BYTES:
                 self._flush()
             return
         self._flush()

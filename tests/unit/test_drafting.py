@@ -456,3 +456,24 @@ def test_a_new_sequence_whose_first_rows_wait_drafts_at_its_next_step(slots: boo
     drafts = proposer.propose([*old, new])
     assert drafts[1] is not None and not proposer._deferred  # a new sequence drafts: the rows applied first
     assert _memory(proposer, new)[0] == len(new.tokens) - 1
+
+
+def test_deferred_taps_are_applied_once_they_hold_too_many_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte budget bounds what waits whatever the step count (a large model's taps are big)."""
+    import cedserve.decode_workers.drafting as drafting
+
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model, profile=_profile(draft_s=1.0), probe_every=64, defer_observes=16)
+    seqs = _batch(model, drafter, proposer, [0.0, 0.0])
+    proposer.propose(seqs)
+    for seq in seqs:
+        proposer._remember(seq, torch.full((5,), 0.9))
+    gen = torch.Generator().manual_seed(6)
+    row_bytes = _taps(model, 1, gen).numel() * 4
+    monkeypatch.setattr(drafting, "DEFER_MAX_BYTES", 5 * row_bytes)  # two steps of two rows wait, the third applies
+    waiting = []
+    for _ in range(3):
+        assert proposer.propose(seqs) == [None, None]
+        _plain_step(proposer, seqs, [_taps(model, 1, gen) for _ in seqs])
+        waiting.append(len(proposer._deferred))
+    assert waiting == [1, 2, 0] and all(_memory(proposer, s)[0] == len(s.tokens) - 1 for s in seqs)
