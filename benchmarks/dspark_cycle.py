@@ -64,6 +64,7 @@ from cedserve.model.checkpoint import cast_weights, load_model
 from cedserve.model.checkpoint_writer import load_drafter
 from cedserve.model.dspark import Drafter
 from cedserve.model.network import CEDModel
+from cedserve.serving.worker_model import torch_dtype
 
 BLOCK = 64
 PHASES = ("schedule", "join", "propose", "plan", "model", "accept", "persist", "observe", "account")
@@ -190,10 +191,11 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
             outputs = engine.step()
             sync(args.device)
             elapsed = time.perf_counter() - start
-            ids.extend(t for o in outputs if isinstance(o, Tokens) for t in o.token_ids)
+            chunk = [t for o in outputs if isinstance(o, Tokens) for t in o.token_ids]
+            ids.extend(chunk)
             if step >= args.warmup_steps:
                 times.append(elapsed)
-                emitted = sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
+                emitted = len(chunk)
                 tokens += emitted
                 if engine.verify_passes > verifies:  # this step verified drafts
                     verify_steps.append(elapsed)
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.f32_rows_kernel == "off":
         grouped_linear_module.ROW_LINEAR_MAX_ROWS = 0  # before any step is compiled
     checkpoint = args.checkpoint or shipped_demo_checkpoint()
-    dtype = getattr(torch, args.dtype)
+    dtype = torch_dtype(args.dtype)
     model = load_model(checkpoint, dtype=dtype, device=args.device)
     drafter = cast_weights(load_drafter(checkpoint, model.config), dtype).to(args.device)
     source = heldout_prompts(checkpoint)

@@ -53,35 +53,35 @@ def spinner(stop: Any) -> None:
         bell.wait(0.0)
 
 
-def idle_agent(blocks: torch.Tensor) -> Any:
-    """A NIXL transfer agent registering `blocks` (as a worker's pool), or None without NIXL."""
+def _agent(blocks: torch.Tensor, name: str) -> Any:
+    """A NIXL transfer agent registering `blocks` (as a worker's pool)."""
     from cedserve.kv_transfer.agent import NixlTransferAgent
     from cedserve.kv_transfer.config import KVTransferConfig
-    from cedserve.kv_transfer.nixl_backend import nixl_available
     from cedserve.kv_transfer.region import KVLayout, KVRegion
+    return NixlTransferAgent(KVTransferConfig(auth_token="staging-probe"), KVRegion(blocks.view(-1), BLOCK_BYTES),
+                             KVLayout.raw(BLOCK_BYTES), name)
+
+
+def _have_nixl(setting: str) -> bool:
+    from cedserve.kv_transfer.nixl_backend import nixl_available
     if not nixl_available():
-        print("no NIXL here: the in-agent setting is skipped", flush=True)
-        return None
-    region = KVRegion(blocks.view(-1), BLOCK_BYTES)
-    return NixlTransferAgent(KVTransferConfig(auth_token="staging-probe"), region, KVLayout.raw(BLOCK_BYTES),
-                             "staging-probe")
+        print(f"no NIXL here: the {setting} setting is skipped", flush=True)
+        return False
+    return True
+
+
+def idle_agent(blocks: torch.Tensor) -> Any:
+    """An agent over `blocks` (its progress thread idle), or None without NIXL."""
+    return _agent(blocks, "staging-probe") if _have_nixl("in-agent") else None
 
 
 def busy_agents(blocks: torch.Tensor) -> tuple[Any, Any] | None:
-    """A sending agent over `blocks` (as `idle_agent`) and a receiving one over a region of the same
-    size, handshaken on loopback in this process; None without NIXL."""
-    from cedserve.kv_transfer.agent import NixlTransferAgent
-    from cedserve.kv_transfer.config import KVTransferConfig
-    from cedserve.kv_transfer.nixl_backend import nixl_available
-    from cedserve.kv_transfer.region import KVLayout, KVRegion
-    if not nixl_available():
-        print("no NIXL here: the transfer-in-flight setting is skipped", flush=True)
+    """A sending agent over `blocks` and a receiving one over a region of the same size, handshaken
+    on loopback in this process; None without NIXL."""
+    if not _have_nixl("transfer-in-flight"):
         return None
-    config = KVTransferConfig(auth_token="staging-probe")
-    layout = KVLayout.raw(BLOCK_BYTES)
-    sender = NixlTransferAgent(config, KVRegion(blocks.view(-1), BLOCK_BYTES), layout, "staging-probe-sender")
-    target = torch.zeros_like(blocks)
-    receiver = NixlTransferAgent(config, KVRegion(target.view(-1), BLOCK_BYTES), layout, "staging-probe-receiver")
+    sender = _agent(blocks, "staging-probe-sender")
+    receiver = _agent(torch.zeros_like(blocks), "staging-probe-receiver")
     sender.handshake(receiver.control_address)
     return sender, receiver
 

@@ -39,7 +39,6 @@ def test_a_failed_router_fails_every_waiting_and_later_call() -> None:
     assert later.done() and isinstance(later.result(), Failed)
     _, opened = router.open_stream("r4").get(timeout=1)
     assert isinstance(opened, Failed) and opened.message == "the decode engine stopped"
-    router.on_report([])  # a late report changes nothing
 
 
 def test_a_reserve_on_a_failed_engine_is_unavailable_at_once() -> None:
