@@ -275,7 +275,7 @@ class DSparkProposer:
             draft_s = profile.draft_seconds(len(ready))
             tokens = float(expected_tokens(predicted, caps).sum())
             return tokens / (profile.seconds(rows + int(caps.sum())) + draft_s) > len(seqs) / profile.seconds(rows)
-        lengths = choose_verify_lengths(predicted, lambda n: profile.steps_per_s(n - len(seqs) + rows), caps,
+        lengths = choose_verify_lengths(predicted, lambda n: profile.steps_per_s_many(n - len(seqs) + rows), caps,
                                         draft_s=profile.draft_seconds(len(ready)))
         return int(lengths.sum()) > 0
 

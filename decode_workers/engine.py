@@ -436,7 +436,7 @@ class DecodeEngine:
         for i, row in enumerate(torch.split(host, limits)):
             confidences[i, : limits[i]] = row
         confidences = self.profile.survival.calibrated(confidences)  # survival as verification measured it
-        lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s(n + other_rows),
+        lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s_many(n + other_rows),
                                         torch.tensor(limits))
         return [int(j) for j in lengths]
 

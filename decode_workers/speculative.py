@@ -99,12 +99,14 @@ def expected_tokens(confidences: Tensor, lengths: Tensor) -> Tensor:
     return torch.from_numpy(1.0 + (survival * mask).sum(axis=-1))
 
 
-def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[int], float],
+def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[np.ndarray], np.ndarray | float],
                           max_lengths: Tensor | None = None, draft_s: float = 0.0) -> Tensor:
     """Per-request verification lengths maximising the batch's expected tokens per second.
 
     `steps_per_s(n)` is the profiled rate of target passes verifying `n` positions in total
-    (`n = batch + sum(lengths)`). `max_lengths [batch]` (default K) caps each request (its effort's
+    (`n = batch + sum(lengths)`), asked once for an int64 array of every total (a scalar answer
+    is taken for all of them): one call, not one per position, since at batch 32 the per-total
+    Python calls were most of the choice's host time. `max_lengths [batch]` (default K) caps each request (its effort's
     draft limit; its confidences past the cap are ignored). `draft_s` is what drafting adds to a
     step that verifies any draft (the draft pass, `StepProfile.draft_seconds`): count it when the
     choice decides whether to draft at all, leave it 0 once the drafts exist (then it is spent
@@ -132,10 +134,11 @@ def choose_verify_lengths(confidences: Tensor, steps_per_s: Callable[[int], floa
     if gains.shape[0] == 0:
         return torch.from_numpy(lengths)
     tokens = batch + np.cumsum(gains[order])  # [T]: expected tokens after 1..T positions
-    seconds = np.array([1.0 / steps_per_s(batch + extra) for extra in range(1, tokens.shape[0] + 1)]) + draft_s
-    values = tokens / seconds
+    totals = batch + np.arange(tokens.shape[0] + 1, dtype=np.int64)  # [T + 1]: no drafts, then 1..T positions
+    rates = np.broadcast_to(np.asarray(steps_per_s(totals), dtype=np.float64), totals.shape)
+    values = tokens / (1.0 / rates[1:] + draft_s)
     best = int(values.argmax())
-    if float(values[best]) > batch * steps_per_s(batch):
+    if float(values[best]) > batch * float(rates[0]):
         lengths = np.bincount(rows[order[: best + 1]], minlength=batch).astype(np.int64)
     return torch.from_numpy(lengths)
 

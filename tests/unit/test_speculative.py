@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,11 +76,11 @@ def test_verify_lengths_match_brute_force(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     conf = torch.rand(3, 4, generator=gen) ** 0.3
 
-    def rate(n: int) -> float:  # a saturating throughput curve: flat until 6 positions, then 1/n
-        return 100.0 / max(6, n)
+    def rate(n: Any) -> Any:  # a saturating throughput curve: flat until 6 positions, then 1/n (ints or arrays)
+        return 100.0 / np.maximum(6, n)
 
     lengths = choose_verify_lengths(conf, rate)
-    got = float(expected_tokens(conf, lengths).sum()) * rate(int(lengths.sum()) + 3)
+    got = float(expected_tokens(conf, lengths).sum()) * float(rate(int(lengths.sum()) + 3))
     assert got == pytest.approx(_brute_force(conf, rate), rel=1e-9)
 
 
