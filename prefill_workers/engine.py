@@ -581,7 +581,7 @@ class PrefillEngine:
 
     def _publish_stats(self) -> None:
         pool = self.cache.pool
-        idle = int(pool.idle_mask().sum())
+        idle = pool.num_idle
         evictable = self.cache.prefix.num_evictable()
         queued = sum(j.uncomputed_tokens for j in list(self._jobs.values()))
         self._stats = EngineStats(queued, len(self._jobs), pool.num_free + evictable,

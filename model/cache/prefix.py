@@ -71,8 +71,9 @@ class PrefixCache:
 
     def num_evictable(self) -> int:
         """Cached blocks that nobody references."""
-        # every tick asks (the load report, the scheduler's budget): count_nonzero is half of a bool sum
-        return int(np.count_nonzero(self._cached & self.pool.idle_mask()))
+        # every tick asks (the load report, the scheduler's budget): the pool counts the cached blocks
+        # as they go idle and back (`BlockPool.track`), no pass over the pool
+        return self.pool.num_idle_tracked
 
     def metadata_bytes(self) -> int:
         """Bytes of the per-block arrays (the dict is measured separately)."""
@@ -97,6 +98,7 @@ class PrefixCache:
         rows = b"".join(h for h, keep in zip(block_hashes, inserted.tolist()) if keep)
         self._hashes[new] = np.frombuffer(rows, dtype=np.uint8).reshape(-1, HASH_BYTES)
         self._cached[new] = True
+        self.pool.track(new, True)
         return inserted
 
     def touch_released(self, block_ids: BlockIds) -> None:
@@ -122,4 +124,5 @@ class PrefixCache:
         for h in hashes:
             del self._block_of[h]
         self._cached[ids] = False
+        self.pool.track(ids, False)
         return hashes

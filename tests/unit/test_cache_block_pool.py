@@ -102,3 +102,33 @@ def test_random_allocate_free_never_overlaps(ops: list[tuple[bool, int, int]]) -
         flat = [b for ids in held for b in ids]
         assert len(flat) == len(set(flat)) == 32 - pool.num_free
         assert (pool.refcount(np.asarray(flat, dtype=np.int64)) == 1).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_idle_counts_follow_every_operation(seed: int) -> None:
+    """`num_idle` and `num_idle_tracked` (kept as counters, not counted per call) equal the pool's
+    masks after every operation of a random run of allocate, incref, decref, free and track."""
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(64, 4)
+    held: list[int] = []  # one entry per reference
+    for _ in range(600):
+        op = rng.integers(6)
+        idle = np.flatnonzero(pool.idle_mask())
+        if op == 0 and pool.num_free:
+            held += pool.allocate(int(rng.integers(1, min(pool.num_free, 6) + 1)), "r")
+        elif op == 1 and held:  # more references, repeats included, to blocks in use or idle
+            ids = [held[i] for i in rng.integers(len(held), size=3)] + idle[:2].tolist()
+            pool.incref(ids)
+            held += ids
+        elif op == 2 and held:
+            picks = sorted(set(rng.integers(len(held), size=4).tolist()), reverse=True)
+            pool.decref([held.pop(i) for i in picks])
+        elif op == 3 and idle.size:
+            pool.free(idle[rng.random(idle.size) < 0.5])
+        elif op == 4:
+            ids = rng.integers(64, size=5)
+            pool.track(np.concatenate([ids, ids[:2]]), bool(rng.integers(2)))  # repeats count once
+        mask = pool.idle_mask()
+        assert pool.num_idle == int(mask.sum())
+        assert pool.num_idle_tracked == int((mask & pool._tracked).sum())
+        pool.check_invariants()
