@@ -431,11 +431,14 @@ class DecodeEngine:
             return limits
         other_rows = sched.num_join_rows + sum(len(s.pending) for s in running) - len(drafts)
         # one device-to-host copy for the batch (not a read-back per request)
-        host = torch.cat([d.confidences[:n].float() for d, n in zip(drafts, limits)]).cpu()
-        confidences = torch.zeros(len(drafts), max(limits))  # [batch, K]; past a request's limit: unused
-        for i, row in enumerate(torch.split(host, limits)):
-            confidences[i, : limits[i]] = row
-        confidences = self.profile.survival.calibrated(confidences)  # survival as verification measured it
+        host = torch.cat([d.confidences[:n].float() for d, n in zip(drafts, limits)]).cpu().numpy()
+        # [batch, K]; past a request's limit: unused (filled in one numpy store, not a torch op a request)
+        counts = np.asarray(limits, dtype=np.int64)
+        rows = np.repeat(np.arange(len(limits)), counts)
+        cols = np.arange(host.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+        filled = np.zeros((len(drafts), max(limits)), dtype=np.float32)
+        filled[rows, cols] = host
+        confidences = self.profile.survival.calibrated(torch.from_numpy(filled))  # as verification measured it
         lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s_many(n + other_rows),
                                         torch.tensor(limits))
         return [int(j) for j in lengths]

@@ -477,3 +477,28 @@ def test_deferred_taps_are_applied_once_they_hold_too_many_bytes(monkeypatch: py
         _plain_step(proposer, seqs, [_taps(model, 1, gen) for _ in seqs])
         waiting.append(len(proposer._deferred))
     assert waiting == [1, 2, 0] and all(_memory(proposer, s)[0] == len(s.tokens) - 1 for s in seqs)
+
+
+def test_the_batch_prediction_equals_calibrating_each_sequence_alone() -> None:
+    """`_prediction` calibrates the batch's histories in one call (zero-padded to K): each row must
+    equal that sequence's own history calibrated alone, with its cap, and nothing for the rest."""
+    model, drafter = tiny()
+    proposer = DSparkProposer(drafter, model, num_tokens=4)
+    profile = StepProfile(0.05, 0.001)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(40):  # a calibration that is not the identity: survival measured below prediction
+        c = torch.rand(4, generator=gen) ** 0.3
+        profile.survival.record(torch.cumprod(c.double(), 0).tolist(), int(torch.randint(0, 5, (1,), generator=gen)))
+    seqs = [_sequence(model, f"r{i}", 5 + i, 0.0, seed=i) for i in range(5)]
+    seqs[3].max_drafts = 2
+    ready = [0, 1, 3, 4]
+    history: list[torch.Tensor | None] = [torch.rand(n, generator=gen) for n in (4, 2, 4, 3)]
+    predicted, caps = proposer._prediction(seqs, ready, history, profile)
+    assert predicted.shape == (5, 4) and predicted[2].abs().sum() == 0 and caps[2] == 0
+    for i, confidences in zip(ready, history):
+        assert confidences is not None
+        alone = profile.survival.calibrated(confidences.float())
+        n = alone.shape[0]
+        torch.testing.assert_close(predicted[i, :n], alone, rtol=1e-6, atol=1e-7)
+        assert predicted[i, n:].abs().sum() == 0
+        assert int(caps[i]) == min(seqs[i].max_drafts, n)
