@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -109,6 +110,9 @@ class DraftRunner:
         self.buckets = self.config.bucket_sizes
         width, pin = self.buckets[-1], self.device.type == "cuda"
         self._staging = torch.zeros(_ROWS, width, dtype=torch.long, pin_memory=pin)
+        self._staging_np = self._staging.numpy()
+        """The staging's memory as numpy: filled with numpy stores (a torch op per field costs several
+        microseconds of the pass's host time, as in `ModelRunner`)."""
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
         self._probs = torch.zeros(width, self.block_size, model.config.vocab_size, device=self.device)
         self._host = torch.zeros(width, 2 * self.block_size, dtype=torch.float64, pin_memory=pin)
@@ -266,21 +270,19 @@ class DraftRunner:
 
     def _stage_draft(self, slots: Sequence[int], anchors: Sequence[int], temperatures: Sequence[float],
                      seeds: Sequence[int | None], bucket: int) -> None:
-        staging, rows = self._staging, len(slots)
+        staging, rows = self._staging_np, len(slots)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging
         staging[:, rows:bucket] = 0
         staging[_SLOTS, rows:bucket] = self.pools.scratch_slot
-        extents = [self._extents[s] for s in slots]
-        ends = [e.end for e in extents if e is not None]
-        counts = [min(e.end - e.first, self.pools.window) for e in extents if e is not None]
-        staging[_SLOTS, :rows] = torch.tensor(list(slots), dtype=torch.long)
-        staging[_ANCHORS, :rows] = torch.tensor(list(anchors), dtype=torch.long)
-        staging[_ENDS, :rows] = torch.tensor(ends, dtype=torch.long)
-        staging[_COUNTS, :rows] = torch.tensor(counts, dtype=torch.long)
-        staging[_TEMPERATURE, :rows] = torch.tensor(list(temperatures), dtype=torch.float64).view(torch.long)
-        drawn = [(s if s is not None else self._seeds.getrandbits(63)) & _SEED_MASK for s in seeds]
-        staging[_SEEDS, :rows] = torch.tensor(drawn, dtype=torch.long)
+        window = self.pools.window
+        extents = [self._extents[s] for s in slots]  # each holds memory (`_check_draft`)
+        staging[_SLOTS, :rows] = slots
+        staging[_ANCHORS, :rows] = anchors
+        staging[_ENDS, :rows] = [e.end for e in extents if e is not None]
+        staging[_COUNTS, :rows] = [min(e.end - e.first, window) for e in extents if e is not None]
+        staging[_TEMPERATURE, :rows] = np.asarray(temperatures, dtype=np.float64).view(np.int64)
+        staging[_SEEDS, :rows] = [(s if s is not None else self._seeds.getrandbits(63)) & _SEED_MASK for s in seeds]
 
     def _forward(self, bucket: int) -> DraftOutputs:
         """The step over the first `bucket` staged rows."""
