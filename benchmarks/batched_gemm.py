@@ -81,7 +81,7 @@ def linear_forms(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[]
         "F.linear (cuBLAS)": lambda: F.linear(x, weight),
         "grouped_linear G=1 (Triton)": lambda: grouped_linear(x.unsqueeze(1), weight, "triton"),
         # one launch: K not split across programs (no second launch adding the splits)
-        "grouped_linear G=1, one launch": lambda: grouped_linear(x.unsqueeze(1), weight, "triton", splits=1),
+        "grouped_linear G=1, one launch (Triton)": lambda: grouped_linear(x.unsqueeze(1), weight, "triton", splits=1),
     }
 
 
