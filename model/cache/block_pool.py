@@ -98,6 +98,12 @@ class BlockPool:
         self._num_idle_tracked += idle if on else -idle
         self._tracked[changed] = on
 
+    def idle(self, block_ids: BlockIds) -> npt.NDArray[np.bool_]:
+        """Which of `block_ids` are idle (allocated, nobody references them)."""
+        ids = as_block_ids(block_ids)
+        mask: npt.NDArray[np.bool_] = (self._ref[ids] == 0) & ~self._free[ids]
+        return mask
+
     def idle_mask(self) -> npt.NDArray[np.bool_]:
         """`bool [num_blocks]`: allocated blocks nobody references (candidates for eviction)."""
         mask: npt.NDArray[np.bool_] = (self._ref == 0) & ~self._free

@@ -10,6 +10,7 @@ import pytest
 
 from cedserve.model.cache.block_pool import BlockPool
 from cedserve.model.cache.hashing import hash_blocks, root_hash
+from cedserve.model.cache import prefix as prefix_module
 from cedserve.model.cache.prefix import PrefixCache
 
 pytestmark = pytest.mark.unit
@@ -90,3 +91,52 @@ def test_eviction_takes_idle_blocks_tail_first() -> None:
     assert cache.pick_victims(8).tolist() == [first[1], first[0]]
     assert cache.remove([first[1]]) == [hashes[1]]
     assert hashes[1] not in cache and len(cache) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_victims_from_the_release_queue_equal_sorting_every_idle_block(seed: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a random run of allocations, inserts, releases, revivals and evictions, `pick_victims`
+    (read from the release queue) names exactly what sorting every idle cached block by stamp names,
+    through the queue's re-layouts (a small queue) and without falling back to the sort."""
+    monkeypatch.setattr(prefix_module, "QUEUE_MIN", 8)
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(48, 4)
+    cache = PrefixCache(pool, 8)
+    reference = cache._scan_victims
+    fallbacks: list[int] = []
+    monkeypatch.setattr(cache, "_scan_victims", lambda n: fallbacks.append(n) or reference(n))
+    held: dict[str, list[int]] = {}
+    serial = 0
+    for step in range(800):
+        op = rng.integers(5)
+        if op == 0 and pool.num_free:  # a request computes blocks, and they are cached
+            blocks = pool.allocate(int(rng.integers(1, min(pool.num_free, 5) + 1)), f"r{serial}")
+            cache.insert(blocks, [f"{serial}-{i}".encode().ljust(32, b"-")[:32] for i in range(len(blocks))])
+            held[f"r{serial}"] = blocks
+            serial += 1
+        elif op == 1 and held:  # a request leaves: its blocks go idle, stamped tail first
+            blocks = held.pop(list(held)[int(rng.integers(len(held)))])
+            idle = pool.decref(blocks)
+            table = np.asarray(blocks)
+            cache.touch_released(table[np.isin(table, idle)])
+        elif op == 2:  # a prefix hit revives idle cached blocks
+            idle = np.flatnonzero(pool.idle_mask())
+            if idle.size:
+                revived = idle[rng.random(idle.size) < 0.3].tolist()
+                if revived:
+                    pool.incref(revived)
+                    held[f"r{serial}"] = revived
+                    serial += 1
+        elif op == 3:  # eviction
+            n = int(rng.integers(1, 6))
+            victims = cache.pick_victims(n)
+            assert victims.tolist() == reference(n).tolist(), step
+            cache.remove(victims)
+            pool.free(victims)
+        else:
+            n = int(rng.integers(1, 50))
+            assert cache.pick_victims(n).tolist() == reference(n).tolist(), step
+        assert cache.num_evictable() == int((pool.idle_mask() & cache.cached_mask(np.arange(48))).sum())
+        pool.check_invariants()
+    assert fallbacks == [] and cache._queue.shape[1] < 200  # the queue answered; stale entries were dropped
