@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
+from cedserve.model.cache import prefix as prefix_module
 from cedserve.model.cache.block_pool import BlockPool
 from cedserve.model.cache.hashing import hash_blocks, root_hash
-from cedserve.model.cache import prefix as prefix_module
 from cedserve.model.cache.prefix import PrefixCache
 
 pytestmark = pytest.mark.unit
