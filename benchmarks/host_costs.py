@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from cedserve.common.machine import describe_machine
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe_machine(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": describe_machine("cpu"),
             "command": " ".join(sys.argv), "trees": trees, "rounds": args.rounds, "cells": cells}, indent=1) + "\n")
         print(f"# wrote {args.out}")
     return 0
