@@ -12,6 +12,8 @@ median microseconds per call over its rounds.
   engine's rate curve (twice a drafting step).
 * `cost_check b1 / b32`: `DSparkProposer._passes_pay` (the check's prediction and length choice) on
   the tiny test model's proposer, every sequence with a history.
+* `calibrate b32`: a step's 32 verifications recorded into the survival calibration, as the engine
+  records them (one `record_many`, or a `record` each where a tree has no `record_many`).
 * `num_evictable 1M`: the evictable count of a 1M-block pool, half cached and idle (every scheduler
   tick and load report).
 * `pick_victims 100K / 1M`: 64 eviction victims from a pool whose blocks are all cached and idle
@@ -35,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-CELLS = ("cost_line", "verify_lengths b1", "verify_lengths b32", "cost_check b1", "cost_check b32",
+CELLS = ("cost_line", "verify_lengths b1", "verify_lengths b32", "cost_check b1", "cost_check b32", "calibrate b32",
          "num_evictable 1M", "pick_victims 100K", "pick_victims 1M")
 
 # Runs inside each tree's process: prints {cell: microseconds per call}. Only public names that both
@@ -83,6 +85,15 @@ for b in (1, 32):
     history = [torch.rand(5, generator=torch.Generator().manual_seed(i)) for i in range(b)]
     ready = list(range(b))
     out[f"cost_check b{b}"] = per_call(lambda: proposer._passes_pay(seqs, ready, history, profile), 200)
+
+survival = profile.survival
+verified = np.cumprod(np.random.default_rng(0).random((32, 5)), axis=1)
+lengths, accepted = np.full(32, 5), np.full(32, 2)
+if hasattr(survival, "record_many"):
+    calibrate = lambda: survival.record_many(verified, lengths, accepted)
+else:
+    calibrate = lambda: [survival.record(row.tolist(), 2) for row in verified]
+out["calibrate b32"] = per_call(calibrate, 300)
 
 def cached_pool(n, idle_fraction):
     pool = BlockPool(n, 1, "cpu")

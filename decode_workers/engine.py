@@ -602,9 +602,14 @@ class DecodeEngine:
         """What verification measured against the drafter's predicted survival (one host copy)."""
         if not verified:
             return
-        confidences = torch.split(torch.cat([c.float() for c, _ in verified]).cpu(), [c.shape[0] for c, _ in verified])
-        for c, (_, accepted) in zip(confidences, verified):
-            self.profile.survival.record(torch.cumprod(c.double(), 0).tolist(), accepted)
+        host = torch.cat([c.float() for c, _ in verified]).cpu().numpy().astype(np.float64)
+        lengths = np.array([c.shape[0] for c, _ in verified], dtype=np.int64)
+        rows = np.repeat(np.arange(lengths.size), lengths)
+        cols = np.arange(host.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        confidences = np.ones((lengths.size, max(int(lengths.max()), 1)))  # past a row's length: unused
+        confidences[rows, cols] = host
+        accepted = np.array([a for _, a in verified], dtype=np.int64)
+        self.profile.survival.record_many(np.cumprod(confidences, axis=1), lengths, accepted)
 
     def _conclude(self, plan: SeqPlan, results: list[BatchOutput], observations: list[Observation],
                   verified: list[tuple[Tensor, int]], persist: list[DecodeSequence]) -> list[Output]:

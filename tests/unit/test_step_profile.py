@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from cedserve.decode_workers.profile import MIN_SAMPLES, CostLine, StepProfile
 
@@ -68,3 +69,32 @@ def test_steps_per_s_many_is_steps_per_s_of_each() -> None:
     rows = np.arange(1, 50, dtype=np.int64)
     many = profile.steps_per_s_many(rows)
     assert many.tolist() == pytest.approx([profile.steps_per_s(int(n)) for n in rows], rel=1e-12)
+
+
+def test_recording_a_batch_equals_recording_each_in_turn() -> None:
+    """`record_many` (a step's verifications in one numpy pass) leaves what `record` of each row in
+    turn leaves, rows of different lengths included, so the calibrated confidences agree."""
+    from cedserve.decode_workers.profile import SurvivalCalibration
+
+    rng = np.random.default_rng(5)
+    one, many = SurvivalCalibration(window=64), SurvivalCalibration(window=64)
+    for _ in range(30):
+        n = int(rng.integers(1, 9))
+        lengths = rng.integers(1, 6, size=n)
+        predicted = np.cumprod(rng.random((n, 5)), axis=1)
+        accepted = rng.integers(0, 6, size=n)
+        for row, length, ok in zip(predicted, lengths, accepted):
+            one.record(row[:length].tolist(), int(ok))
+        many.record_many(predicted, lengths, accepted)
+        assert many.ratios(7) == pytest.approx(one.ratios(7), rel=1e-12)
+    confidences = torch.tensor(rng.random((4, 5)), dtype=torch.float32)
+    torch.testing.assert_close(many.calibrated(confidences), one.calibrated(confidences), rtol=1e-6, atol=0)
+
+
+def test_ratios_fill_positions_never_verified_from_the_one_before() -> None:
+    from cedserve.decode_workers.profile import SurvivalCalibration
+
+    cal = SurvivalCalibration(window=10, prior_weight=0.0)
+    assert cal.ratios(3) == [1.0, 1.0, 1.0]
+    cal.record([0.5, 0.25], 1)  # position 0 survived (ratio 1 / 0.5), position 1 did not (0)
+    assert cal.ratios(4) == pytest.approx([2.0, 0.0, 0.0, 0.0])
