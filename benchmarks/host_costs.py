@@ -13,7 +13,7 @@ median microseconds per call over its rounds.
 * `cost_check b1 / b32`: `DSparkProposer._passes_pay` (the check's prediction and length choice) on
   the tiny test model's proposer, every sequence with a history.
 * `calibrate b32`: a step's 32 verifications recorded into the survival calibration, as the engine
-  records them (one `record_many`, or a `record` each where a tree has no `record_many`).
+  records them (`record_many`, or a `record` each where a tree has no `record_many`).
 * `num_evictable 1M`: the evictable count of a 1M-block pool, half cached and idle (every scheduler
   tick and load report).
 * `pick_victims 100K / 1M`: 64 eviction victims from a pool whose blocks are all cached and idle

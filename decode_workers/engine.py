@@ -602,14 +602,20 @@ class DecodeEngine:
         """What verification measured against the drafter's predicted survival (one host copy)."""
         if not verified:
             return
-        host = torch.cat([c.float() for c, _ in verified]).cpu().numpy().astype(np.float64)
+        host = torch.cat([c.float() for c, _ in verified]).cpu()
+        survival = self.profile.survival
+        if len(verified) < survival.BATCH_MIN:  # a few: each in turn (numpy's fixed cost would dominate)
+            for c, (_, accepted) in zip(torch.split(host, [c.shape[0] for c, _ in verified]), verified):
+                survival.record(torch.cumprod(c.double(), 0).tolist(), accepted)
+            return
+        values = host.numpy().astype(np.float64)
         lengths = np.array([c.shape[0] for c, _ in verified], dtype=np.int64)
         rows = np.repeat(np.arange(lengths.size), lengths)
-        cols = np.arange(host.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        confidences = np.ones((lengths.size, max(int(lengths.max()), 1)))  # past a row's length: unused
-        confidences[rows, cols] = host
+        cols = np.arange(values.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        confidences = np.ones((lengths.size, int(lengths.max())))  # past a row's length: unused
+        confidences[rows, cols] = values
         accepted = np.array([a for _, a in verified], dtype=np.int64)
-        self.profile.survival.record_many(np.cumprod(confidences, axis=1), lengths, accepted)
+        survival.record_many(np.cumprod(confidences, axis=1), lengths, accepted)
 
     def _conclude(self, plan: SeqPlan, results: list[BatchOutput], observations: list[Observation],
                   verified: list[tuple[Tensor, int]], persist: list[DecodeSequence]) -> list[Output]:

@@ -115,67 +115,78 @@ class SurvivalCalibration:
     the drafter predicted for them, over about the last `window` verifications (exponential
     decay), starting from `prior_weight` verifications at ratio 1.
 
-    A step's verifications are recorded together (`record_many`: one numpy pass for the batch, where
-    a Python loop per request and position took ~175 us a step at batch 32 on the dev VM); the
-    result is the sequential `record` of each in turn, up to float rounding."""
+    A step's verifications are recorded together (`record_many`): a few in turn, more in one numpy
+    pass (a Python loop per request and position took ~175 us a step at batch 32 on the dev VM, where
+    numpy's fixed cost makes one or two records slower); either way the result is that of `record`
+    for each in turn, up to float rounding."""
+
+    BATCH_MIN = 4
+    """Verifications from which `record_many` takes the numpy pass."""
 
     def __init__(self, window: int = 256, prior_weight: float = 4.0) -> None:
         self.window = window
         self.prior_weight = prior_weight
-        self._predicted = np.zeros(0)
-        self._survived = np.zeros(0)
-        self._count = np.zeros(0)
-        self._ratios: dict[int, list[float]] = {}  # k -> `ratios(k)` since the last record
+        self._predicted: list[float] = []
+        self._survived: list[float] = []
+        self._count: list[float] = []
 
     def record(self, predicted: Sequence[float], accepted: int) -> None:
         """One verification: `predicted[j]` the drafter's survival of the first j + 1 drafts (the
         product of their confidences), for the positions verified; `accepted` how many survived."""
-        values = np.asarray(predicted, dtype=np.float64).reshape(1, -1)
-        self.record_many(values, np.array([values.shape[1]]), np.array([accepted]))
+        keep = 1.0 - 1.0 / self.window
+        while len(self._predicted) < len(predicted):
+            self._predicted.append(0.0)
+            self._survived.append(0.0)
+            self._count.append(0.0)
+        for j in range(len(self._predicted)):
+            self._predicted[j] *= keep
+            self._survived[j] *= keep
+            self._count[j] *= keep
+        for j, value in enumerate(predicted):
+            self._predicted[j] += float(value)
+            self._survived[j] += float(accepted > j)
+            self._count[j] += 1.0
 
     def record_many(self, predicted: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
         """Verifications in order: row i of `predicted [n, K]` holds the drafter's survival of its
         first `lengths[i]` positions (the rest is ignored), `accepted[i]` how many survived."""
-        n, k = predicted.shape
-        if n == 0:
+        n = predicted.shape[0]
+        if n < self.BATCH_MIN:
+            for row, length, ok in zip(predicted.tolist(), lengths.tolist(), accepted.tolist()):
+                self.record(row[:length], ok)
             return
-        self._ratios.clear()
-        width = int(lengths.max()) if k else 0
-        if width > self._predicted.shape[0]:
-            grow = width - self._predicted.shape[0]
-            self._predicted, self._survived, self._count = (np.concatenate([a, np.zeros(grow)]) for a in
-                                                            (self._predicted, self._survived, self._count))
+        width = int(lengths.max())
+        while len(self._predicted) < width:
+            self._predicted.append(0.0)
+            self._survived.append(0.0)
+            self._count.append(0.0)
         keep = 1.0 - 1.0 / self.window
         # record i is decayed by the n - 1 - i records after it
         weights = keep ** np.arange(n - 1, -1, -1, dtype=np.float64)[:, None]  # [n, 1]
         positions = np.arange(width)[None, :]
-        valid = positions < np.asarray(lengths)[:, None]  # [n, width]
-        self._predicted *= keep**n
-        self._survived *= keep**n
-        self._count *= keep**n
-        self._predicted[:width] += (weights * np.where(valid, predicted[:, :width], 0.0)).sum(axis=0)
-        self._survived[:width] += (weights * (valid & (np.asarray(accepted)[:, None] > positions))).sum(axis=0)
-        self._count[:width] += (weights * valid).sum(axis=0)
+        valid = positions < lengths[:, None]  # [n, width]
+        decay = keep**n
+        sums = (
+            (weights * np.where(valid, predicted[:, :width], 0.0)).sum(axis=0),
+            (weights * (valid & (accepted[:, None] > positions))).sum(axis=0),
+            (weights * valid).sum(axis=0),
+        )
+        for kept, added in zip((self._predicted, self._survived, self._count), sums):
+            values = np.asarray(kept) * decay
+            values[:width] += added
+            kept[:] = values.tolist()
 
     def ratios(self, k: int) -> list[float]:
         """Measured / predicted survival for positions 0..k-1; a position never verified takes the
-        ratio of the one before (so its own c_k stays as the drafter said), 1.0 before any. Kept
-        until the next record (each drafting step asks twice between two records)."""
-        cached = self._ratios.get(k)
-        if cached is not None:
-            return cached
-        m = min(k, self._predicted.shape[0])
-        ratio = np.ones(k)
-        known = np.zeros(k, dtype=np.bool_)
-        predicted, count = self._predicted[:m], self._count[:m]
-        known[:m] = predicted > 0
-        safe = np.where(known[:m], predicted, 1.0)
-        # the prior: `prior_weight` verifications that survived as often as predicted
-        prior = self.prior_weight * safe / np.where(known[:m], count, 1.0)
-        ratio[:m] = (self._survived[:m] + prior) / (safe + prior)
-        source = np.maximum.accumulate(np.where(known, np.arange(k), -1))  # the last known position
-        filled = np.where(source >= 0, ratio[np.maximum(source, 0)], 1.0)
-        out = self._ratios[k] = [float(r) for r in filled]
+        ratio of the one before (so its own c_k stays as the drafter said), 1.0 before any."""
+        out: list[float] = []
+        for j in range(k):
+            if j < len(self._predicted) and self._predicted[j] > 0:
+                # the prior: `prior_weight` verifications that survived as often as predicted
+                prior = self.prior_weight * self._predicted[j] / self._count[j]
+                out.append((self._survived[j] + prior) / (self._predicted[j] + prior))
+            else:
+                out.append(out[-1] if out else 1.0)
         return out
 
     def calibrated(self, confidences: Tensor) -> Tensor:
