@@ -605,8 +605,8 @@ class DecodeEngine:
         host = torch.cat([c.float() for c, _ in verified]).cpu()
         survival = self.profile.survival
         if len(verified) < survival.BATCH_MIN:  # a few: each in turn (numpy's fixed cost would dominate)
-            for c, (_, accepted) in zip(torch.split(host, [c.shape[0] for c, _ in verified]), verified):
-                survival.record(torch.cumprod(c.double(), 0).tolist(), accepted)
+            for c, (_, ok) in zip(torch.split(host, [c.shape[0] for c, _ in verified]), verified):
+                survival.record(torch.cumprod(c.double(), 0).tolist(), ok)
             return
         values = host.numpy().astype(np.float64)
         lengths = np.array([c.shape[0] for c, _ in verified], dtype=np.int64)
