@@ -203,7 +203,10 @@ class DraftRunner:
             return
         shapes = {t.shape[1:] for t in taps}
         # shipped taps hold one "stream" (the mean): average each pass's streams first when they differ
-        joined = torch.cat(list(taps) if len(shapes) == 1 else [t.mean(dim=-2, keepdim=True) for t in taps])
+        if len(taps) == 1:  # one sequence (batch 1): its own taps, no copy
+            joined = taps[0]
+        else:
+            joined = torch.cat(list(taps) if len(shapes) == 1 else [t.mean(dim=-2, keepdim=True) for t in taps])
         staged = self._stage_rows([index, where, at]).to(self.device, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
