@@ -68,6 +68,8 @@ from cedserve.serving.worker_model import torch_dtype
 
 BLOCK = 64
 PHASES = ("schedule", "join", "propose", "plan", "model", "accept", "persist", "observe", "account")
+HOST_TOP = 6
+"""Outermost host calls listed per phase (`phase_table`'s `host_top`)."""
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 """Runtime calls that block the host until the device catches up (`cudaMemcpy`: the synchronous
 copy, `.item()` / `.tolist()` of a device tensor; `cudaMemcpyAsync` does not count)."""
@@ -126,16 +128,30 @@ def phase_table(prof: Any, steps: int) -> dict[str, dict[str, float]]:
     by_part = {r["part"]: r for r in attribute_kernels(parts, kernel_launches(events))}
     syncs = [e.time_range.start for e in events if e.device_type == cpu and e.name.startswith(SYNC_CALLS)
              and not e.name.startswith("cudaMemcpyAsync")]
-    table: dict[str, dict[str, float]] = {}
+    # the host's own calls: ops and runtime calls that no other op holds (what the phase's Python made)
+    outer = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in events
+             if e.device_type == cpu and getattr(e, "cpu_parent", None) is None and not e.name.startswith("lap:")]
+    table: dict[str, dict[str, Any]] = {}
     for phase in PHASES:
         spans = [(a, b) for a, b, name in parts if name == phase]
         row = by_part.get(phase, {"kernels": 0, "ms": 0.0, "top": []})
+        calls: dict[str, list[float]] = {}
+        for at, us, name in outer:
+            if any(a <= at <= b for a, b in spans):
+                entry = calls.setdefault(name[:60], [0.0, 0.0])
+                entry[0] += 1
+                entry[1] += us
+        host_ms = sum(b - a for a, b in spans) / 1000 / steps
+        in_calls = sum(us for _, us in calls.values()) / 1000 / steps
         table[phase] = {
-            "host_ms": sum(b - a for a, b in spans) / 1000 / steps,
+            "host_ms": host_ms,
             "kernels": row["kernels"] / steps,
             "gpu_ms": row["ms"] / steps,
             "syncs": sum(any(a <= t <= b for a, b in spans) for t in syncs) / steps,
             "top": row["top"],
+            "host_calls_ms": in_calls,  # in outermost ops and runtime calls; the rest is Python between them
+            "host_top": [{"name": name, "calls": n / steps, "ms": us / 1000 / steps}
+                         for name, (n, us) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:HOST_TOP]],
         }
     return table
 
@@ -234,6 +250,10 @@ def run_system(model: CEDModel, drafter: Drafter | None, args: argparse.Namespac
     for phase, row in table.items():
         if row["host_ms"] >= 0.005 or row["kernels"]:
             log(f"     {phase:<9} {row['host_ms']:8.3f} {row['kernels']:8.1f} {row['gpu_ms']:7.3f} {row['syncs']:6.1f}")
+    for phase, row in table.items():  # where each costly phase's host time goes
+        if row["host_ms"] >= 0.1:
+            calls = ", ".join(f"{c['name']} x{c['calls']:.1f} {c['ms']:.3f}" for c in row["host_top"])
+            log(f"     {phase}: {row['host_calls_ms']:.3f} of {row['host_ms']:.3f} ms in calls ({calls})")
     cache.close()
     return result
 

@@ -56,3 +56,7 @@ def test_each_phases_host_time_is_what_ran_between_its_marks() -> None:
         assert row["kernels"] == 0 and row["gpu_ms"] == 0 and row["syncs"] == 0  # a CPU launches none
     # the phases are disjoint stretches of each step: together no longer than the steps themselves
     assert sum(row["host_ms"] for row in table.values()) <= wall_ms
+    for phase, row in table.items():  # each phase's one op is listed as its own, once a step
+        assert sorted(c["name"] for c in row["host_top"]) == ["aten::add_", "aten::ones"], (phase, row["host_top"])
+        assert all(c["calls"] == 1 for c in row["host_top"])
+        assert 0 < row["host_calls_ms"] <= row["host_ms"]
