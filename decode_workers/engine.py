@@ -432,12 +432,7 @@ class DecodeEngine:
         other_rows = sched.num_join_rows + sum(len(s.pending) for s in running) - len(drafts)
         # one device-to-host copy for the batch (not a read-back per request)
         host = torch.cat([d.confidences[:n].float() for d, n in zip(drafts, limits)]).cpu().numpy()
-        # [batch, K]; past a request's limit: unused (filled in one numpy store, not a torch op a request)
-        counts = np.asarray(limits, dtype=np.int64)
-        rows = np.repeat(np.arange(len(limits)), counts)
-        cols = np.arange(host.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
-        filled = np.zeros((len(drafts), max(limits)), dtype=np.float32)
-        filled[rows, cols] = host
+        filled = _padded(host, np.asarray(limits, dtype=np.int64), 0.0)  # [batch, K]; past a limit: unused
         confidences = self.profile.survival.calibrated(torch.from_numpy(filled))  # as verification measured it
         lengths = choose_verify_lengths(confidences, lambda n: self.profile.steps_per_s_many(n + other_rows),
                                         torch.tensor(limits))
@@ -608,12 +603,8 @@ class DecodeEngine:
             for c, (_, ok) in zip(torch.split(host, [c.shape[0] for c, _ in verified]), verified):
                 survival.record(torch.cumprod(c.double(), 0).tolist(), ok)
             return
-        values = host.numpy().astype(np.float64)
         lengths = np.array([c.shape[0] for c, _ in verified], dtype=np.int64)
-        rows = np.repeat(np.arange(lengths.size), lengths)
-        cols = np.arange(values.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        confidences = np.ones((lengths.size, int(lengths.max())))  # past a row's length: unused
-        confidences[rows, cols] = values
+        confidences = _padded(host.numpy().astype(np.float64), lengths, 1.0)  # past a row's length: unused
         accepted = np.array([a for _, a in verified], dtype=np.int64)
         survival.record_many(np.cumprod(confidences, axis=1), lengths, accepted)
 
@@ -886,6 +877,16 @@ class DecodeEngine:
                 arena.trim()  # idle: give back what the largest batch grew it to
             self.metrics.paged_blocks.set(arena.num_blocks - arena.num_free)
             self.metrics.paged_copied.set(arena.copied_entries)
+
+
+def _padded(values: np.ndarray, lengths: np.ndarray, fill: float) -> np.ndarray:
+    """Rows of `lengths[i]` values laid end to end in `values` as `[rows, max(lengths)]`, each row's
+    tail `fill` (one numpy store, not a torch op a row)."""
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    cols = np.arange(values.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out = np.full((lengths.size, int(lengths.max())), fill, dtype=values.dtype)
+    out[rows, cols] = values
+    return out
 
 
 def _cut(draft: Draft | None, max_drafts: int) -> Draft | None:

@@ -502,3 +502,15 @@ def test_the_batch_prediction_equals_calibrating_each_sequence_alone() -> None:
         torch.testing.assert_close(predicted[i, :n], alone, rtol=1e-6, atol=1e-7)
         assert predicted[i, n:].abs().sum() == 0
         assert int(caps[i]) == min(seqs[i].max_drafts, n)
+
+
+def test_ragged_rows_are_padded_in_order() -> None:
+    """The engine's one-store padding of a batch's confidences (verify lengths, calibration)."""
+    import numpy as np
+
+    from cedserve.decode_workers.engine import _padded
+
+    values = np.arange(1, 7, dtype=np.float32)  # rows of 3, 1, 2
+    out = _padded(values, np.array([3, 1, 2]), -1.0)
+    assert out.dtype == np.float32
+    assert out.tolist() == [[1, 2, 3], [4, -1, -1], [5, 6, -1]]
