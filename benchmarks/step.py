@@ -42,6 +42,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -54,6 +55,7 @@ from typing import Any
 import torch
 
 from cedserve.kernels.grouped_linear import grouped_linear_reference
+from cedserve.kernels.triton_support import PDL_ENV
 from cedserve.model import fused, presets
 from cedserve.model.checkpoint import cast_weights
 from cedserve.model.checkpoint_writer import fit_config_to_tokenizer, random_model
@@ -544,6 +546,17 @@ def row(c: dict[str, Any]) -> str:
             f"{c['host_syncs_per_step']:>6.0f} {c['memory_floor_ms']:>8.3f}")
 
 
+def pdl_settings() -> dict[str, bool | None]:
+    """Which kernels this process launches with programmatic dependent launch: the project's Triton
+    kernels (`CEDSERVE_PDL=1`, `kernels.triton_support.pdl_launch`) and Inductor's
+    (`TORCHINDUCTOR_ENABLE_PDL=1`; None where this torch has no such setting). Both are set per
+    process, so a side-by-side comparison is one process per setting on the same machine."""
+    import torch._inductor.config as inductor_config
+
+    return {"triton": os.environ.get(PDL_ENV, "0") == "1",
+            "inductor": getattr(inductor_config.triton, "enable_pdl", None)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="mini-40")
@@ -593,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.node()} " + (torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"), "torch": torch.__version__,
               "command": "python benchmarks/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "cells": cells, "parts": PARTS})
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "pdl": pdl_settings(), "cells": cells, "parts": PARTS})
     for released in variants:
         for dtype in args.dtypes:
             run_cells(args, released, dtype, bandwidth, log, cells)

@@ -46,9 +46,13 @@ def _compress_kernel(
     RATIO: tl.constexpr, FORMAT: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, WPB: tl.constexpr,
     ROPE_PAIRS: tl.constexpr, ACT_ROUND: tl.constexpr, OUT_ROUND: tl.constexpr, BLOCK_G: tl.constexpr,
     WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr, WRITE_LATENT: tl.constexpr, HW_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Groups `g` of `RATIO` rows of `kv` (softmax(`gate`)-weighted over the rows when RATIO > 1)
     -> latent (RMSNorm with `weight`) -> RoPE with `cos/sin[g]` -> FP4 record at `slot[g]`."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_ok = g < num_groups
     pair = (tl.arange(0, NB)[:, None, None] * WPB + tl.arange(0, WPB)[None, :, None]) * 4 \

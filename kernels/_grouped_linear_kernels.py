@@ -25,7 +25,11 @@ def _grouped_linear_kernel(
     N, K, R, K_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     col_blocks = tl.cdiv(R, BLOCK_R)
     group = tl.program_id(0) // col_blocks
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,8 +59,11 @@ def _grouped_linear_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, stride_ps, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, stride_ps, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """`out[i] = sum over s of part[s, i]` (float32, in split order), cast to `out`'s dtype."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)

@@ -152,11 +152,15 @@ def _index_scores_kernel(
     LIST_MODE: tl.constexpr, CAND_BLOCK: tl.constexpr, WRITE_SCORES: tl.constexpr, WRITE_BLOCK_MAX: tl.constexpr,
     ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, VERSION: tl.constexpr = 4,
     QSHIFT: tl.constexpr = 64, PREFETCH: tl.constexpr = 0, offsets_ptr=None, RUNS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (group of TOKENS tokens, span of TILES x BLOCK_T entries). `RUNS`: program axis 0 is a
     token n instead, and the group is the run of consecutive rows starting at n (`offsets[n] == 0`
     and the next rows' offsets 1, 2, ..., at most TOKENS of them: one request's verify rows); a
     program whose token does not start a run does nothing."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     QR: tl.constexpr = TOKENS * HEADS_P2  # query rows of the group: token-major, heads padded
     if RUNS:
         base = tl.program_id(0).to(tl.int64)
@@ -282,7 +286,7 @@ def _radix_pass(key, valid, prefix, remaining, P: tl.constexpr, RADIX_BITS: tl.c
 @triton.jit
 def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, out_ptr, out_stride, values_ptr,
                         values_stride, width, k, chunk, BLOCK_T: tl.constexpr, HAS_ENTRIES: tl.constexpr,
-                        CHUNKED: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
+                        CHUNKED: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr, PDL: tl.constexpr = False):
     """One row, or one `chunk`-wide part of it (program axis 1): the ids of its `k` best scores
     (ties at the k-th value taken in column order), unsorted. The part is held in registers as
     order-preserving uint32 keys; a radix select (passes of `RADIX_BITS` bits, each a histogram
@@ -295,6 +299,9 @@ def _topk_select_kernel(scores_ptr, scores_stride, entries_ptr, entries_stride, 
     `[c * k, (c + 1) * k)` of `values` / `out`, padded with (-inf, -1) when it has fewer, in
     column order of the kept ones, so that a select over the concatenation keeps the row's
     order (score, then column) and with it the same top-k as one program over the row."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     start = part * chunk

@@ -54,8 +54,12 @@ def _hc_mix_tail_kernel(
     pre_ptr, post_ptr, comb_ptr,
     num_tokens, iters, hc_eps,
     N: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """pre/post `[S, N]` and comb `[S, N, N]` (contiguous) from `mixes [S, (2+N)*N]`."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = s < num_tokens
     c = tl.arange(0, N)
@@ -82,6 +86,7 @@ def _hc_site_streams_kernel(
     num_rows, dim, num_chunks,
     N: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, EXPAND: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One `[BLOCK_R, N, BLOCK_D]` block of the site's streams -> partials and collapsed chunk.
 
@@ -90,6 +95,9 @@ def _hc_site_streams_kernel(
     float32 contiguous; `out` contiguous), else the streams themselves. `pre_ptr [S, N]` float32:
     the previous site's `pre`; `fn [M, N * D]`; `collapsed [S, D]` (streams dtype) and `part [S,
     chunks, M + 2]` contiguous."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows_ok, cols_ok = rows < num_rows, cols < dim
@@ -139,9 +147,13 @@ def _hc_site_finish_kernel(
     pre_ptr, post_ptr, comb_ptr, x_ptr,
     num_rows, dim, num_chunks, iters, hc_eps, norm_eps,
     N: tl.constexpr, M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """`BLOCK_S` rows: the partials -> `pre`, `post` `[S, N]`, `comb [S, N, N]` and `x [S, D]`
     (all contiguous; `collapsed [S, D]` in the streams dtype, `weight [D]`)."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     rows_ok = rows < num_rows
     rows64 = rows.to(tl.int64)

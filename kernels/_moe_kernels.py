@@ -64,8 +64,12 @@ def _moe_gate_up_kernel(
     hidden, inter, swiglu_limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """h[tile rows, n-block] = w * silu(min(g, L)) * clamp(u, -L, L), g/u = x @ w1^T / x @ w3^T."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -104,8 +108,12 @@ def _moe_down_kernel(
     hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[pair, n-block] = h[tile rows] @ w2^T, rounded to the output dtype."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:

@@ -162,11 +162,15 @@ def _write_words_kernel(
     NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
     BLOCK_T: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr, HW_FP8: tl.constexpr,
     FAST_E2M1: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Quantize `x [num_tokens, NB * SCALE_BLOCK]` rows and store each as a record at its slot, a
     32-bit word of `CPW` element codes at a time (`[T, NB, WPB, CPW]` tiles; byte stores when
     records are not 4-byte aligned). Measured faster than `_write_records_kernel` for the E2M1
     formats on the H200 (kernels-notes.md)."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
@@ -190,6 +194,7 @@ def _write_words_v5_kernel(
     NB: tl.constexpr, NB_P2: tl.constexpr, WPB: tl.constexpr, CPW: tl.constexpr, CODE_BYTES: tl.constexpr,
     BLOCK_T: tl.constexpr, TILES: tl.constexpr, WORD_STORES: tl.constexpr, SCALE_WORDS: tl.constexpr,
     HW_FP8: tl.constexpr, FAST_E2M1: tl.constexpr, APPROX_RCP: tl.constexpr, RCP_NUDGE: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """v5 of `_write_words_kernel`: a program writes `TILES` consecutive tiles of `BLOCK_T` rows
     and loads tile i + 1 (rows and slots) into registers before it quantizes and stores tile i, so
@@ -198,6 +203,9 @@ def _write_words_v5_kernel(
     whatever their slot (the mask is the row count only, so the prefetch needs no slot); the
     stores are masked by the slot as in v4. Same arithmetic as v4 (`FAST_E2M1`), and with
     `APPROX_RCP` the main-KV 1 / scale from one MUFU.RCP (`_approx_reciprocal`)."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.arange(0, NB_P2)
     channel = (b[:, None, None] * SCALE_BLOCK + tl.arange(0, WPB)[None, :, None] * CPW
                + tl.arange(0, CPW)[None, None, :])  # [NB_P2, WPB, CPW]
@@ -233,6 +241,7 @@ def _write_records_kernel(
     FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, ELEM_BITS: tl.constexpr,
     NB: tl.constexpr, NB_P2: tl.constexpr, CODE_BYTES: tl.constexpr,
     BLOCK_T: tl.constexpr, ALIGN: tl.constexpr, HW_FP8: tl.constexpr, FAST_E2M1: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Quantize `x [num_tokens, NB * SCALE_BLOCK]` rows and store each as a record at its slot.
 
@@ -240,6 +249,9 @@ def _write_records_kernel(
     loads are 16-byte vectors, the block maxima reduce inside a few threads, and the element
     bytes (E2M1 pairs: `low | high << 4` of channels 2i, 2i + 1; or E4M3 bytes) are stored as
     contiguous bytes, which the compiler vectorises when records are `ALIGN`-byte aligned."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
@@ -273,8 +285,12 @@ def _read_records_kernel(
     num_tokens, num_slots, offset_bytes, slots_per_block, slot_stride_bytes, block_stride_bytes,
     FORMAT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ELEM_BITS: tl.constexpr, CODE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Decode the records at `slots [num_tokens]` into `out [num_tokens, D]` (zeros for -1)."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)

@@ -217,10 +217,14 @@ def _sparse_decode_attention_kernel(
     NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr, HAS_MAIN: tl.constexpr, HAS_SWA: tl.constexpr,
     MAIN_ALIGN: tl.constexpr, SWA_ALIGN: tl.constexpr, HW_CVT: tl.constexpr, PREFETCH: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (token n, head block x value half, key split): attend `BLOCK_H` heads of token n over
     its split of the selected main-KV entries (`topk_slots[n]`) and of its window
     (`window_slots[n]`), accumulating the output channels `[mine, mine + C)`, C = D / DV_SPLIT."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     C: tl.constexpr = D // DV_SPLIT
     TWO: tl.constexpr = DV_SPLIT == 2
     n = tl.program_id(0)
@@ -333,9 +337,13 @@ def _combine_splits_kernel(
     num_heads,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NORMALIZED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Merge the splits of one (token, head block) with the sink, then store like the main kernel.
     `NORMALIZED`: the partials are divided by their row sums (the Gluon kernel's fp16 partials)."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
@@ -399,6 +407,7 @@ def _grouped_attention_kernel(
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MAIN: tl.constexpr, HAS_SWA: tl.constexpr,
     MAIN_ALIGN: tl.constexpr, SWA_ALIGN: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (token n, -, key split): when n is the first of a sequence's consecutive rows
     (`offsets[n] == 0`), attend every head of rows n .. n + R - 1 (R <= RP: those whose offsets
@@ -410,6 +419,9 @@ def _grouped_attention_kernel(
     entries are its own: their tiles are decoded once and multiplied for every row, masked to the
     row they belong to. The same split-KV partials and combine as `_sparse_decode_attention_kernel`
     (one value half: all D channels a program)."""
+    if PDL:  # programmatic dependent launch: wait for the kernels before, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     C: tl.constexpr = D
     n = tl.program_id(0)
     split = tl.program_id(2)

@@ -38,6 +38,7 @@ from cedserve.kernels.triton_support import (
     check_tensor,
     hardware_fp8,
     next_power_of_2,
+    pdl_launch,
     resolve_impl,
 )
 
@@ -176,7 +177,7 @@ def _launch(op: str, kv: Tensor, gate: Tensor | None, ratio: int, act_dtype: tor
         RATIO=ratio, FORMAT=fmt.format_id, HALF=half, NB=nb, WPB=wpb, ROPE_PAIRS=cos.shape[1],
         ACT_ROUND=_ROUND_CODE[act_dtype], OUT_ROUND=_ROUND_CODE[out_dtype], BLOCK_G=block_g,
         WORD_STORES=word_stores, SCALE_WORDS=word_stores and nb % 4 == 0, WRITE_LATENT=latent is not None,
-        HW_FP8=hardware_fp8(kv.device), num_warps=4, enable_fp_fusion=False,
+        HW_FP8=hardware_fp8(kv.device), num_warps=4, enable_fp_fusion=False, **pdl_launch(kv.device),
     )
 
 

@@ -44,6 +44,7 @@ from cedserve.kernels.triton_support import (
     interpreting,
     next_power_of_2,
     num_sms,
+    pdl_launch,
     resolve_impl,
 )
 
@@ -106,12 +107,12 @@ def grouped_linear(x: Tensor, weight: Tensor, impl: Impl = "auto", *, splits: in
         rows, k, r, k_split,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, DOT_F32=interpreting(),
-        num_warps=4,
+        num_warps=4, **pdl_launch(x.device),
     )
     if n_splits > 1:
         block = 4096 if interpreting() else 1024
         _sum_splits_kernel[(cdiv(out.numel(), block),)](target, target.stride(0), out, out.numel(),
-                                                         SPLITS=n_splits, BLOCK=block, num_warps=4)
+                                                         SPLITS=n_splits, BLOCK=block, num_warps=4, **pdl_launch(target.device),)
     return out
 
 

@@ -50,6 +50,7 @@ from cedserve.kernels.triton_support import (
     log2_if_power_of_2,
     next_power_of_2,
     num_sms,
+    pdl_launch,
     resolve_impl,
 )
 
@@ -318,7 +319,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: IndexKeys, *, entries: Tensor
         LIST_MODE=entries is not None, CAND_BLOCK=cand, WRITE_SCORES=write, WRITE_BLOCK_MAX=block_max is not None,
         ALIGN=rec.alignment, HW_CVT=hardware_fp8(q.device), DOT_F32=interpreting(), VERSION=cfg.version,
         PREFETCH=cfg.prefetch or 0, offsets_ptr=row_offsets if runs else keys.visible, RUNS=runs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q.device),
     )
     return out, maxima_out
 
@@ -517,7 +518,7 @@ def _launch_topk(kern: Any, scores: Tensor, src: Tensor, has_entries: bool, out:
     kern._topk_select_kernel[(scores.shape[0], parts)](
         scores, scores.stride(0), src, src.stride(0), out, out.stride(0), values, values.stride(0), width, k, chunk,
         BLOCK_T=block_t, HAS_ENTRIES=has_entries, CHUNKED=parts > 1, RADIX_BITS=bits, EARLY_EXIT=early,
-        num_warps=min(32, max(4, block_t // (32 * per_thread))))
+        num_warps=min(32, max(4, block_t // (32 * per_thread))), **pdl_launch(scores.device),)
 
 
 def candidate_pool(block_scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:

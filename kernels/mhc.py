@@ -51,6 +51,7 @@ from cedserve.kernels.triton_support import (
     check_tensor,
     interpreting,
     next_power_of_2,
+    pdl_launch,
     resolve_impl,
 )
 
@@ -118,7 +119,7 @@ def hc_mix_tail(mixes: Tensor, scale: Tensor, base: Tensor, sinkhorn_iters: int,
     _hc_mix_tail_kernel[(cdiv(num_tokens, block_s),)](
         mixes, mixes.stride(0), scale, base, pre, post, comb,
         num_tokens, sinkhorn_iters, hc_eps,
-        N=hc, BLOCK_S=block_s, num_warps=1 if block_s * hc * hc <= 256 else 4,
+        N=hc, BLOCK_S=block_s, num_warps=1 if block_s * hc * hc <= 256 else 4, **pdl_launch(mixes.device),
     )
     return pre, post, comb
 
@@ -201,7 +202,7 @@ def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: 
         collapsed, part,
         rows, dim, chunks,
         N=hc, M=width, M_PAD=next_power_of_2(width), EXPAND=expand is not None,
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        BLOCK_R=block_r, BLOCK_D=block_d, **pdl_launch(streams.device),
     )
     block_s = min(next_power_of_2(rows), 16) if interpreting() else 1  # one row a program on a GPU
     _hc_site_finish_kernel[(cdiv(rows, block_s),)](
@@ -210,6 +211,7 @@ def hc_site(streams: Tensor, pre_prev: Tensor, fn: Tensor, scale: Tensor, base: 
         rows, dim, chunks, sinkhorn_iters, hc_eps, norm_eps,
         N=hc, M=width, BLOCK_S=block_s, BLOCK_D=min(next_power_of_2(dim), 1024),
         num_warps=1 if block_s * hc * hc <= 256 else 4,  # the tail's reductions within one warp, as hc_mix_tail
+        **pdl_launch(part.device),
     )
     return HcSite(out, x, pre, post, comb)
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, interpreting, resolve_impl
+from cedserve.kernels.triton_support import Impl, cdiv, check_tensor, interpreting, pdl_launch, resolve_impl
 from cedserve.kernels.weight_formats import FP4_WEIGHT_BLOCK, dequantize_fp4_weight
 
 MoeImpl = Literal["auto", "triton", "grouped_mm", "torch"]
@@ -263,13 +263,13 @@ def moe_experts_per_pair(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13:
         w13.weight, w13.weight.stride(0), w13.weight.stride(1), s13, s13.stride(0), s13.stride(1),
         h, h.stride(0), hidden, inter, float(swiglu_limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP4=w13.fp4,
-        HAS_LIMIT=swiglu_limit > 0, DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_LIMIT=swiglu_limit > 0, DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     k._moe_down_kernel[(tiles, cdiv(hidden, cfg.block_n))](
         h, h.stride(0), plan.block_expert, plan.padded_pair,
         w2.weight, w2.weight.stride(0), w2.weight.stride(1), s2, s2.stride(0), s2.stride(1),
         per_pair, per_pair.stride(0), hidden, inter,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP4=w2.fp4, DOT_F32=dot_f32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(h.device),
     )
     return out

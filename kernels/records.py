@@ -46,6 +46,7 @@ from cedserve.kernels.triton_support import (
     interpreting,
     log2_if_power_of_2,
     next_power_of_2,
+    pdl_launch,
     resolve_impl,
 )
 
@@ -199,13 +200,13 @@ def write_records(kind: RecordKind, x: Tensor, slot_mapping: Tensor, dest: Paged
             *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
             NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw, CODE_BYTES=dim * fmt.elem_bits // 8,
             BLOCK_T=block_t, WORD_STORES=words, SCALE_WORDS=words and nb % 4 == 0 and nb == next_power_of_2(nb),
-            HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4,
+            HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4, **pdl_launch(x.device),
         )
         return
     k._write_records_kernel[grid](
         *common, FORMAT=fmt.format_id, SCALE_BLOCK=fmt.scale_block, ELEM_BITS=fmt.elem_bits,
         NB=nb, NB_P2=next_power_of_2(nb), CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t,
-        ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4,
+        ALIGN=dest.alignment, HW_FP8=hardware_fp8(x.device), FAST_E2M1=fast, num_warps=num_warps or 4, **pdl_launch(x.device),
     )
 
 
@@ -260,7 +261,7 @@ def _launch_v5(k: ModuleType, fmt: RecordFormat, x: Tensor, slot_mapping: Tensor
         NB=nb, NB_P2=next_power_of_2(nb), WPB=fmt.scale_block // cpw, CPW=cpw, CODE_BYTES=dim * fmt.elem_bits // 8,
         BLOCK_T=block_t, TILES=tiles, WORD_STORES=words,
         SCALE_WORDS=words and nb % 4 == 0 and nb == next_power_of_2(nb), HW_FP8=hardware_fp8(x.device),
-        FAST_E2M1=fast, APPROX_RCP=fast, RCP_NUDGE=rcp_nudge, num_warps=num_warps or 4, num_stages=num_stages or 1,
+        FAST_E2M1=fast, APPROX_RCP=fast, RCP_NUDGE=rcp_nudge, num_warps=num_warps or 4, num_stages=num_stages or 1, **pdl_launch(x.device),
     )
 
 
@@ -307,7 +308,7 @@ def read_records(kind: RecordKind, src: PagedRecords, slots: Tensor, *, dtype: t
         slots.shape[0], src.num_slots, src.offset_bytes, src.slots_per_block, src.slot_stride_bytes,
         src.block_stride_bytes,
         FORMAT=fmt.format_id, D=dim, D_P2=next_power_of_2(dim), SCALE_BLOCK=fmt.scale_block,
-        ELEM_BITS=fmt.elem_bits, CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t, num_warps=4,
+        ELEM_BITS=fmt.elem_bits, CODE_BYTES=dim * fmt.elem_bits // 8, BLOCK_T=block_t, num_warps=4, **pdl_launch(out.device),
     )
     return out
 

@@ -52,6 +52,7 @@ from cedserve.kernels.triton_support import (
     log2_if_power_of_2,
     next_power_of_2,
     num_sms,
+    pdl_launch,
     resolve_impl,
 )
 
@@ -364,7 +365,7 @@ class _Launch:
         k._combine_splits_kernel[(tokens, cdiv(heads, merge_h))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), out, out.stride(0),
             out.stride(1), heads,
-            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=merge_h, NUM_SPLITS=splits, NORMALIZED=True, num_warps=4,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=merge_h, NUM_SPLITS=splits, NORMALIZED=True, num_warps=4, **pdl_launch(part_acc.device),
         )
 
     def run_grouped(self, config: AttentionConfig, offsets: Tensor, max_rows: int) -> None:
@@ -394,7 +395,7 @@ class _Launch:
             NUM_SPLITS=splits, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
             MAIN_ALIGN=main.alignment, SWA_ALIGN=swa.alignment, HW_CVT=hardware_fp8(q.device),
             DOT_F32=interpreting(),
-            num_warps=config.num_warps or (8 if block_m * dim >= 16384 else 4), num_stages=1 if not gpu else 2,
+            num_warps=config.num_warps or (8 if block_m * dim >= 16384 else 4), num_stages=1 if not gpu else 2, **pdl_launch(q.device),
         )
         self._combine(part_acc, part_ml, splits, min(16, hp))
 
@@ -429,7 +430,7 @@ class _Launch:
         k._combine_splits_kernel[(tokens, cdiv(heads, combine_h))](
             part_acc, part_ml, self.sink, self.cos, self.sin, self.cos.stride(0), self.out, self.out.stride(0),
             self.out.stride(1), heads,
-            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4,
+            D=dim, ROPE_PAIRS=self.cos.shape[1], BLOCK_H=combine_h, NUM_SPLITS=splits, num_warps=4, **pdl_launch(part_acc.device),
         )
 
     def run(self, cfg: AttentionConfig) -> None:
@@ -454,7 +455,7 @@ class _Launch:
             NUM_SPLITS=splits, DV_SPLIT=dv_split, HAS_MAIN=self.num_topk > 0, HAS_SWA=self.num_win > 0,
             MAIN_ALIGN=main.alignment, SWA_ALIGN=swa.alignment, HW_CVT=bool(cfg.hw_cvt), PREFETCH=bool(cfg.prefetch),
             DOT_F32=interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q.device),
         )
         self._combine(part_acc, part_ml, splits, min(16, cfg.block_h))
 

@@ -102,6 +102,26 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+PDL_ENV = "CEDSERVE_PDL"
+"""`CEDSERVE_PDL=1`: the project's Triton kernels launch with programmatic dependent launch on
+sm90+ (`pdl_launch`); read at each launch, so a graph keeps what was set when it was captured."""
+
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch options for programmatic dependent launch (PDL), `{}` when off. With them a kernel may
+    be launched while the kernel before it in the stream still runs (the launch gap, ~1 us a kernel
+    inside a CUDA graph, overlaps its predecessor's tail): every kernel taking them starts with
+    `gdc_wait` (it reads nothing before its predecessors have finished and their writes are
+    visible) and then lets its own successor launch (`gdc_launch_dependents`). The results are the
+    same bits either way; off unless `CEDSERVE_PDL=1` (on sm90+, CUDA, not interpreting)."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "0") != "1" or interpreting():
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _PDL_ON if _capability(index) >= (9, 0) else {}
+
+
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(n - 1, 0).bit_length()
