@@ -13,6 +13,11 @@
 #                   bfloat16 side by side (issue 28; RELEASED_DTYPES, STEP_DTYPES: step.py --dtypes)
 #                                   decode-step-<gpu>.json, decode-step-<gpu>-released.json, step.log
 #                                                                                 STEP_S=220 RELEASED_S=220  (RELEASED_S=0: no released cells)
+#   pdl             programmatic dependent launch: tests/kernels/test_pdl.py, the GPU kernel tests (PDL_TESTS_K,
+#                   default grouped_linear, mhc, sparse_attention) with CEDSERVE_PDL=1, then benchmarks/step.py (PDL_CELLS, PDL_PATHS: graph-fused) once per
+#                   PDL_VARIANTS entry "name:ours,inductor" (default off:0,0 inductor:0,1 all:1,1)
+#                                   pdl-tests.log, decode-step-<gpu>-pdl-<name>.json, pdl-step.log
+#                                                       PDL_TESTS_S=150 PDL_STEP_S=150 (PDL_TESTS_K: -k)
 #   engine          benchmarks/decode.py, the decode engine with the runner off and auto
 #                                   decode-engine-<gpu>.json, engine.log                       ENGINE_S=120
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
@@ -258,6 +263,27 @@ part_step() {
     --dtypes ${RELEASED_DTYPES:-float32 bfloat16} \
     --out "$OUT/decode-step-$GPU_TAG-released.json" 2>&1 \
     | quiet | tee -a "$OUT/step.log"
+}
+
+part_pdl() {  # programmatic dependent launch (CEDSERVE_PDL, Inductor's enable_pdl): its bit-equality test and
+  # the kernel tests with it on, then benchmarks/step.py once per setting (PDL_VARIANTS "name:ours,inductor ...")
+  local rc=0 variant name ours inductor
+  timeout 60 "$PY" -P -m pytest -q -p no:cacheprovider -o addopts="" -rA tests/kernels/test_pdl.py 2>&1 \
+    | tail -15 | tee "$OUT/pdl-tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  CEDSERVE_PDL=1 timeout "${PDL_TESTS_S:-150}" "$PY" -P -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
+    tests/kernels -m kernels -k "${PDL_TESTS_K:-grouped_linear or mhc or sparse_attention}" 2>&1 \
+    | tail -30 | tee -a "$OUT/pdl-tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  for variant in ${PDL_VARIANTS:-off:0,0 inductor:0,1 all:1,1}; do
+    name=${variant%%:*}; ours=${variant#*:}; inductor=${ours#*,}; ours=${ours%,*}
+    echo "== step.py, PDL $name (ours $ours, Inductor $inductor)" | tee -a "$OUT/pdl-step.log"
+    CEDSERVE_PDL=$ours TORCHINDUCTOR_ENABLE_PDL=$inductor timeout "${PDL_STEP_S:-150}" "$PY" -P benchmarks/step.py \
+      ${PDL_CELLS:---contexts 4096 --batches 1 32} --steps 7 --warmup 3 --paths ${PDL_PATHS:-graph-fused} \
+      --out "$OUT/decode-step-$GPU_TAG-pdl-$name.json" 2>&1 | quiet | grep -v "^graph-fused\|^  \|Online softmax\|split the" \
+      | tee -a "$OUT/pdl-step.log" || rc=1
+  done
+  return "$rc"
 }
 
 part_engine() {
@@ -751,6 +777,7 @@ run_part() {  # $1: part name
     runner-tests) part_runner_tests ;;
     step) part_step ;;
     engine) part_engine ;;
+    pdl) part_pdl ;;
     engram) part_engram ;;
     tf32) part_tf32 ;;
     startup) part_startup ;;
