@@ -12,7 +12,9 @@ the first pass's taps), then times `--steps` steps. Reported per cell:
 * `tpot_ms`: time per output token of one request (median step time / tokens per request per step);
 * `tokens_per_step`: tokens each request emits per step (1 without DSpark; 1 + accepted drafts with);
 * DSpark: drafts proposed/accepted and the measured speedup over the same cell without it;
-* `peak_memory_gb` on CUDA (this rank's device).
+* `peak_memory_gb` on CUDA (this rank's device);
+* `loop_step_ms`, `loop_tokens_per_s`, `loop_gpu_busy`: the same number of steps again back to back,
+  synchronised only at the loop's ends (`_unsynced_loop`: what overlapped steps, `-overlap`, change).
 
 The preset's drafter has random weights, so its drafts are almost never accepted and the measured
 DSpark speedup is below 1: it shows what drafting and verifying K positions cost. `projected_speedup`
@@ -172,7 +174,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
                           paged_attention=attention, kernel_warmup=False,  # per cell: --warmup-steps instead
                           runner=runner.split("-")[0], compile_fused="-fused" in runner,
                           runner_drafter=("on" if runner.startswith("on") else "auto") if "-drafter" in runner else "off",
-                          matmul_tf32=runner.endswith("-tf32"))
+                          matmul_tf32=runner.endswith("-tf32"), overlap="-overlap" in runner)
     proposer = DSparkProposer(drafter, model, draft_tokens) if dspark else None
     engine = DecodeEngine(config, model, cache, proposer=proposer, ep=ep)
     for i in range(batch):
@@ -197,6 +199,7 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
         elapsed = time.perf_counter() - start
         times.append(group.max(elapsed) if group is not None else elapsed)  # the slowest rank's step
         emitted += sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
+    loop = _unsynced_loop(engine, steps, device, group)
     drafted, accepted = int(engine.drafted_tokens - drafted0), int(engine.accepted_drafts - accepted0)
     if group is not None:
         emitted, drafted, accepted = group.sum(emitted), group.sum(drafted), group.sum(accepted)
@@ -211,7 +214,39 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
             "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
             "tokens_per_step": per_request_step, "drafted": drafted, "accepted": accepted,
-            "peak_memory_gb": _peak_memory_gb(device)}
+            "peak_memory_gb": _peak_memory_gb(device), **loop}
+
+
+def _unsynced_loop(engine: DecodeEngine, steps: int, device: str, group: Group | None) -> dict[str, Any]:
+    """`steps` more steps back to back, the device synchronised only before the first and after the
+    last: what a decode worker's loop gets. An overlapped step (`decode.overlap`) returns the step
+    before's tokens while the device runs its own, which the synchronised per-step times above
+    cannot show; for the others the two agree but for the synchronise calls. `loop_step_ms`: the
+    loop's wall time per step; `loop_gpu_busy`: kernel time over that wall time (torch profiler over
+    the loop, on CUDA), the figure issue 28 asks >= 85 % of."""
+    def run() -> tuple[float, int]:
+        _sync(device)
+        start = time.perf_counter()
+        emitted = 0
+        for _ in range(steps):
+            emitted += sum(len(o.token_ids) for o in engine.step() if isinstance(o, Tokens))
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        return (group.max(elapsed) if group is not None else elapsed), emitted
+
+    elapsed, emitted = run()
+    out: dict[str, Any] = {"loop_step_ms": 1000 * elapsed / steps, "loop_tokens": emitted,
+                           "loop_tokens_per_s": (group.sum(emitted) if group is not None else emitted) / elapsed}
+    if device.startswith("cuda") and group is None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            profiled, _ = run()
+        kernel_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+        out.update({"loop_gpu_kernel_ms": kernel_us / 1000 / steps, "loop_profiled_step_ms": 1000 * profiled / steps,
+                    "loop_gpu_busy": round(kernel_us / 1e6 / profiled, 3)})
+    return out
 
 
 def _sync(device: str) -> None:
@@ -349,11 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
     p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused", "auto-fused-tf32",
                                                                    "auto-fused-drafter", "auto-fused-drafter-tf32",
-                                                                   "on-drafter", "off-tf32"],
+                                                                   "on-drafter", "off-tf32", "auto-fused-overlap",
+                                                                   "on-overlap"],
                    help="`decode.runner` values to time, each cell once per value (auto: the model runner's "
                         "CUDA graphs for the target's rows, plain and DSpark verify, on one CUDA rank; -fused: "
                         "with `decode.compile_fused`; -drafter: the DSpark drafter's pass on slots too, "
-                        "`decode.runner_drafter = auto`, on with on-drafter (a CPU: its eager pass); -tf32: with `decode.matmul_tf32`)")
+                        "`decode.runner_drafter = auto`, on with on-drafter (a CPU: its eager pass); -tf32: with `decode.matmul_tf32`; "
+                        "-overlap: with `decode.overlap`, compare its loop_step_ms)")
     p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "off", "kernels", "reference"],
                    help="decode attention paths to time, each cell once per path (`decode.paged_attention`: "
                         "off = dense masks, kernels = the compact-cache kernels over paged records); a path "

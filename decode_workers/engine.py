@@ -56,7 +56,7 @@ from cedserve.decode_workers.profile import StepProfile
 from cedserve.decode_workers.sched_output import SchedulerOutput
 from cedserve.decode_workers.scheduler import BlockBudget, DecodeScheduler
 from cedserve.decode_workers.sequence import DecodeSequence, JoinKind, Lease, Status
-from cedserve.decode_workers.slot_book import SlotBook, runner_unavailable
+from cedserve.decode_workers.slot_book import AheadStep, SlotBook, runner_unavailable
 from cedserve.decode_workers.slot_drafting import SlotDSparkProposer, slot_drafting_unavailable
 from cedserve.decode_workers.speculative import choose_verify_lengths
 from cedserve.decode_workers.step import SeqPlan, StopCheck, decide, emit, plan_rows, plan_taps
@@ -130,6 +130,8 @@ class DecodeEngine:
             torch.backends.cuda.matmul.allow_tf32 = config.matmul_tf32
         self.warmup = self._warm_up(lookahead)
         self.slots = self._slot_book()
+        self._ahead: AheadStep | None = None
+        """A step launched before the last one's tokens were read (`decode.overlap`), not yet collected."""
         self._publish_paths()
         self._offloaded_bytes = 0
         self._eos = self._eos_ids()
@@ -303,7 +305,8 @@ class DecodeEngine:
         return out
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self.scheduler.preempted)
+        sched = self.scheduler
+        return bool(sched.running or sched.waiting or sched.preempted or self._ahead is not None)
 
     @property
     def num_in_flight(self) -> int:
@@ -341,7 +344,17 @@ class DecodeEngine:
     def step(self) -> list[Output]:
         """One decode step (an empty pass when this rank has nothing, so group peers stay in step):
         plain rows through the model runner when it is on (`slot_book`), every other row through
-        `forward_batch`."""
+        `forward_batch`. With `decode.overlap`, a batch that only decodes launches each step before
+        the last one's tokens are read (`_step_ahead`); any other step first collects the one in flight."""
+        outputs: list[Output] = []
+        if self._ahead is not None or self.config.overlap:
+            if self._overlappable():
+                return self._step_ahead()
+            if self._ahead is not None:
+                outputs = self._drain_ahead()
+        return outputs + self._step()
+
+    def _step(self) -> list[Output]:
         start = time.perf_counter()
         emitted = self.tokens_emitted
         self._draft_pass_ran = False  # a draft pass ran this step (its drafts verified or not)
@@ -392,6 +405,82 @@ class DecodeEngine:
         for kind in join_kinds:
             self.metrics.join_step_seconds.labels(kind).observe(time.perf_counter() - start)
         phases.lap("account", t)
+        return outputs
+
+    # ------------------------------------------------------------------ overlapped steps (decode.overlap)
+
+    def _overlappable(self) -> bool:
+        """Whether this step can be launched before the last one's tokens are read: overlap on, one
+        rank, the runner on without an Engram store or a proposer, a steady batch (no join, no
+        preemption: `DecodeScheduler.steady`) of greedy requests without logprobs, each in its slot,
+        the same requests as the step in flight, and room in each slot for two more tokens."""
+        slots, sched = self.slots, self.scheduler
+        if (not self.config.overlap or slots is None or self.proposer is not None or self.ep.world_size > 1
+                or slots.runner.engram is not None or not sched.running or not sched.steady()):
+            return False
+        ahead = self._ahead
+        if ahead is not None and (len(ahead.seqs) != len(sched.running)
+                                  or any(s.request_id not in ahead.request_ids for s in sched.running)):
+            return False
+        limit = slots.runner.config.max_context - 2
+        for seq in sched.running:
+            params, state = seq.params, seq.state
+            if (not params.greedy or params.logprobs or state is None or state.position >= limit
+                    or not slots.holds(seq) or (ahead is None and len(seq.pending) != 1)):
+                return False
+        return True
+
+    def _step_ahead(self) -> list[Output]:
+        """Launch this step's plain rows (each fed, on the device, the token the step in flight picks),
+        then read and conclude the step in flight: the GPU runs this step while the host streams the
+        last one's tokens. A request that stops in the step read had one more row launched for it,
+        whose pick is dropped; its blocks are freed once that row has run (`AheadStep.after`)."""
+        assert self.slots is not None
+        start = time.perf_counter()
+        phases = self.metrics.phases
+        sched = self.scheduler.schedule()
+        assert not sched.joins and not sched.preemptions, "steady() promised a batch that stays as it is"
+        running = [self.sequences[rid] for rid in sched.running]
+        t = phases.lap("schedule", start)
+        tables = []
+        for seq in running:
+            assert seq.state is not None
+            try:  # this launch writes the record of `state.position` (steady(): the pool has the blocks)
+                self.cache.reserve_tokens(seq.request_id, seq.state.position + 1)
+            except CacheExhaustedError:
+                return self._drain_ahead() + self._step()
+            tables.append(self.cache.block_table(seq.request_id))
+        t = phases.lap("plan", t)
+        launched = self.slots.launch(running, tables, fed=self._ahead is not None)
+        self.passes += 1
+        self.metrics.pass_rows.observe(len(running))
+        if self.on_passes is not None:
+            self.on_passes()
+        previous, self._ahead = self._ahead, launched
+        t = phases.lap("model", t)
+        outputs = self._conclude_ahead(previous) if previous is not None else []
+        t = phases.lap("accept", t)
+        self._account(sched, start, len(running))
+        phases.lap("account", t)
+        return outputs
+
+    def _drain_ahead(self) -> list[Output]:
+        """Collect and conclude the step in flight (before a step that changes the batch)."""
+        previous, self._ahead = self._ahead, None
+        return self._conclude_ahead(previous) if previous is not None else []
+
+    def _conclude_ahead(self, step: AheadStep) -> list[Output]:
+        """Wait for a launched step's picks, free what waited for it, and stream its tokens."""
+        assert self.slots is not None
+        plans, results = self.slots.collect(step)
+        for release in step.after:
+            release()
+        outputs: list[Output] = []
+        persist: list[DecodeSequence] = []
+        for plan in plans:
+            outputs.extend(self._conclude(plan, results, [], [], persist))
+        for seq in persist:
+            self._persist(seq)
         return outputs
 
     def _drafts(self, running: list[DecodeSequence], sched: SchedulerOutput) -> list[Draft | None]:
@@ -780,8 +869,8 @@ class DecodeEngine:
             seq.stored_entries = self.slots.stored_entries(seq)
         else:
             state_io.store_new_records(seq, self.layout, self.cache.pool.storage, table)
-        if seq.lease.cacheable:
-            self.cache.commit(seq.request_id, seq.state.position)
+        if seq.lease.cacheable:  # the records of concluded steps (an overlapped step's may be in flight)
+            self.cache.commit(seq.request_id, min(seq.state.position, len(seq.tokens) - 1))
 
     def _finish(self, seq: DecodeSequence, reason: str) -> Output:
         """Retire `seq` (any status): free its blocks, state and lease."""
@@ -797,6 +886,17 @@ class DecodeEngine:
             self._offloaded_bytes -= seq.offloaded.nbytes
             seq.offloaded = None
         seq.shipped = None
+        if self._ahead is not None and self._ahead.holds(seq):  # a launched step still writes into its blocks
+            self._ahead.after.append(lambda: self._release_lease(seq, reason))
+        else:
+            self._release_lease(seq, reason)
+        self.metrics.finished.labels(reason).inc()
+        if reason == "deadline":
+            return Failed(seq.request_id, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return Finished(seq.request_id, reason, seq.num_emitted, seq.draft_tokens, seq.accepted_drafts)
+
+    def _release_lease(self, seq: DecodeSequence, reason: str) -> None:
+        """A retired request's lease and blocks back."""
         lease = seq.lease
         if lease.transfer_open:
             self.leases.cancel(lease, reason)  # blocks freed once the transfer lets go
@@ -805,10 +905,6 @@ class DecodeEngine:
             self.leases.free_state(lease)
             if seq.request_id in self.cache:
                 self.cache.free(seq.request_id)
-        self.metrics.finished.labels(reason).inc()
-        if reason == "deadline":
-            return Failed(seq.request_id, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
-        return Finished(seq.request_id, reason, seq.num_emitted, seq.draft_tokens, seq.accepted_drafts)
 
     def _drop_lease(self, lease: Lease, detail: str) -> None:
         """End an unattached lease (an open transfer is aborted; `poll` frees its blocks once it let go)."""

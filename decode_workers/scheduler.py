@@ -95,6 +95,13 @@ class DecodeScheduler:
         self._step += 1
         return out
 
+    def steady(self) -> bool:
+        """Whether `schedule` would keep the running batch as it is: nobody could join (no one waits,
+        or the batch is full) and every running request's growth fits the pool (no preemption)."""
+        if (self.waiting or self.preempted) and len(self.running) < self.config.max_running_requests:
+            return False
+        return sum(self._growth(s) for s in self.running) <= self.budget.available()
+
     def _joins(self, available: int, just_preempted: frozenset[RequestId]) -> tuple[list[JoinPlan], int]:
         joins: list[JoinPlan] = []
         rows = 0

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from cedserve.decode_workers.metrics import DecodeMetrics
@@ -30,7 +31,7 @@ from cedserve.model.config import AttentionMode
 from cedserve.model.dspark import Draft
 from cedserve.model.expert_exchange import FixedCapacityEP
 from cedserve.model.network import BatchOutput, CEDModel
-from cedserve.model.runner import CaptureReport, ModelRunner, RunnerConfig
+from cedserve.model.runner import FED, CaptureReport, ModelRunner, RunnerConfig
 from cedserve.model.state import SequenceState, StateSnapshot
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,25 @@ def runner_unavailable(model: CEDModel, mode: str, world_size: int) -> str | Non
 
 
 @dataclass
+class AheadStep:
+    """A step `SlotBook.launch`ed and not yet collected: its requests, each one's row position, its
+    picks' pinned host buffer and the event after their copy (None on a CPU: the copy was done)."""
+
+    seqs: list[DecodeSequence]
+    positions: list[int]
+    picks: Tensor
+    done: torch.cuda.Event | None
+    after: list[Callable[[], None]] = field(default_factory=list)
+    """What waits for this step to finish (the blocks of a request that finished while it ran)."""
+
+    def __post_init__(self) -> None:
+        self.request_ids = frozenset(seq.request_id for seq in self.seqs)
+
+    def holds(self, seq: DecodeSequence) -> bool:
+        return seq.request_id in self.request_ids
+
+
+@dataclass
 class SlotBook:
     """The runner and the requests in its slots (module docstring)."""
 
@@ -62,6 +82,10 @@ class SlotBook:
 
     def __post_init__(self) -> None:
         self._free = list(range(self.runner.config.max_slots - 1, -1, -1))
+        pin = self.runner.device.type == "cuda"
+        self._picks_host = [torch.zeros(self.runner.config.max_slots, dtype=torch.long, pin_memory=pin)
+                            for _ in range(2)]  # two launched steps' picks may be in flight: one buffer each
+        self._launches = 0
         self._ratios = {spec.layer_id: spec.compress_ratio for spec in self.runner.model.config.layer_plan
                         if spec.mode is AttentionMode.FULL}
 
@@ -164,6 +188,52 @@ class SlotBook:
         """Entries in the blocks of a slotted request (the step wrote them there)."""
         assert seq.state is not None
         return {layer: seq.state.position // ratio for layer, ratio in self._ratios.items()}
+
+    def launch(self, seqs: list[DecodeSequence], tables: list[list[int]], fed: bool) -> AheadStep:
+        """Launch one plain row per request in `seqs` (each in its slot, greedy) without waiting for it:
+        the row's token is the request's anchor, or with `fed` the token the step before picked for
+        it, still on the device (`runner.FED`). Its picks (the logits' argmax) are kept on the device
+        for the next launch and copied to the host behind the step; `collect` waits for them."""
+        rows: list[int] = []
+        for seq, table in zip(seqs, tables):
+            slot = self._slot[seq.request_id]
+            if len(table) != self._blocks[seq.request_id]:
+                self.runner.set_blocks(slot, table)
+                self._blocks[seq.request_id] = len(table)
+            rows.append(slot)
+        tokens = [FED] * len(seqs) if fed else [seq.pending[-1] for seq in seqs]
+        logits, _ = self.runner.step_outputs(rows, tokens)
+        picks = logits.argmax(dim=-1)
+        self.runner.remember(len(rows), picks)
+        self._launches += 1
+        host = self._picks_host[self._launches % 2][: len(rows)]
+        host.copy_(picks, non_blocking=True)
+        done = None
+        if picks.is_cuda:
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        positions = []
+        for seq in seqs:
+            assert seq.state is not None
+            positions.append(seq.state.position)
+            seq.state.position += 1
+        if self.metrics is not None:
+            self.metrics.runner_rows.inc(len(rows))
+        return AheadStep(list(seqs), positions, host, done)
+
+    def collect(self, step: AheadStep) -> tuple[list[SeqPlan], list[BatchOutput]]:
+        """The plans and outputs of a `launch`ed step, once its picks are on the host (a greedy row
+        needs only its argmax: the logits stand in empty)."""
+        if step.done is not None:
+            step.done.synchronize()
+        picks = step.picks.tolist()
+        plans: list[SeqPlan] = []
+        outputs: list[BatchOutput] = []
+        for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
+            plans.append(SeqPlan(seq, i, 1, position, None, verify=True))
+            empty = step.picks.new_zeros(1, 0, dtype=torch.float32)
+            outputs.append(BatchOutput(empty, empty, None, picks[i : i + 1]))
+        return plans, outputs
 
     @staticmethod
     def rows(seqs: list[DecodeSequence], drafts: list[Draft | None]) -> int:

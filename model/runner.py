@@ -52,6 +52,10 @@ from cedserve.model.state import SequenceState
 _ROWS = 8  # staging rows: tokens, slots, offsets, top_k, temperature, top_p (float64 bits), seeds, counters
 _TOKENS, _SLOTS, _OFFSETS, _TOP_K, _TEMPERATURE, _TOP_P, _SEEDS, _COUNTERS = range(_ROWS)
 GREEDY = SamplingParams()
+FED = -1
+"""A row's token id meaning "the token `remember` last left for this slot on the device": a step can
+then be launched before the previous step's tokens reach the host (the decode engine's overlapped
+steps, docs/decode.md)."""
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -200,6 +204,8 @@ class ModelRunner:
         self._inputs = torch.zeros(_ROWS, width, dtype=torch.long, device=self.device)
         self._tokens_host = torch.zeros(width, dtype=torch.long, pin_memory=pin)
         self._positions = [0] * self.config.max_slots  # host mirror: no step reads the device's
+        self._fed = torch.zeros(self.config.max_slots + 1, dtype=torch.long, device=self.device)
+        """Each slot's token for a `FED` row (`remember`); the last entry is the scratch slot's."""
         self._graphs: dict[int, _Graph] = {}
         self._seeds = random.Random()
         self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
@@ -309,6 +315,9 @@ class ModelRunner:
             self.engram.upload(self.engram.stage(slots, token_ids, positions))
         self._stage(slots, token_ids, offsets, sampling or [GREEDY] * rows, bucket)
         self._upload()
+        if FED in token_ids:  # the rows' tokens from the device (`remember`), before the step reads them
+            tokens, rows_slots = self._inputs[_TOKENS, :rows], self._inputs[_SLOTS, :rows]
+            tokens.copy_(torch.where(tokens == FED, self._fed[rows_slots], tokens))
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.graph.replay()
@@ -319,6 +328,12 @@ class ModelRunner:
             self._positions[slot] += 1
         self.steps += 1
         return outputs
+
+    def remember(self, rows: int, tokens: Tensor) -> None:
+        """Keep `tokens [rows]` (on the device: the last step's picks, one row per slot) as the tokens
+        of its rows' slots for a later step's `FED` rows; no host sync. Call it after the step that
+        produced them and before the next one is launched."""
+        self._fed.index_copy_(0, self._inputs[_SLOTS, :rows], tokens[:rows])
 
     def _upload(self) -> None:
         self._inputs.copy_(self._staging, non_blocking=True)
@@ -336,8 +351,10 @@ class ModelRunner:
             previous = slot
         vocab = self.model.config.vocab_size
         for token in token_ids:
-            if not 0 <= token < vocab:
+            if not 0 <= token < vocab and token != FED:
                 raise ValueError(f"runner.step: token id {token} outside [0, {vocab})")
+        if self.engram is not None and FED in token_ids:
+            raise ValueError("runner.step: FED rows with an Engram store (its rows are hashed on the host)")
         for slot, count in counts.items():
             self.pools.check_slot(slot)
             if count > self.config.max_rows_per_slot:

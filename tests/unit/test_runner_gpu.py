@@ -1,7 +1,7 @@
 """The model runner on a GPU: graph replays equal the eager slot step (every bucket, full and
 padded, with rows joining and leaving, sampled with seeds), and the slot step equals
 `forward_batch` on the paged kernels; the DSpark drafter's graphs equal its eager step, and the
-engine with the drafter on slots emits the tokens it emits without; with the Engram tables in an
+engine with the drafter on slots emits the tokens it emits without, as do its overlapped steps; with the Engram tables in an
 `EngramStore`, graph replays equal those over the loaded tables. Skipped without CUDA (`PART=runner bash scripts/gpu.sh` runs them)."""
 
 from __future__ import annotations
@@ -153,6 +153,33 @@ def test_decode_engine_runner_on_cuda(compile_fused: bool) -> None:
     assert [len(o) for o in outs[1]] == [len(o) for o in outs[0]] == [12] * 3
     # bf16 attention on both paths, rounded differently: a few numerical ties, each one checked
     assert sum(len(greedy_ties(model, p, out)) for p, out in zip(prompts, outs[1])) <= 3
+
+
+def test_decode_engine_overlap_on_cuda() -> None:
+    """`decode.overlap` on CUDA (graphs captured, picks copied behind the step into pinned buffers):
+    the tokens of the engine without it, requests of different budgets stopping while a step is in
+    flight, most steps launched ahead, every block and slot free at the end."""
+    from decode_support import Rig, prompt
+
+    model = cuda_model()
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+    budgets = [12, 5, 20]
+    outs, launches = [], 0
+    for overlap in (False, True):
+        rig = Rig(model, None, dspark=False, runner="auto", device="cuda", max_running_requests=4,
+                  overlap=overlap)
+        rids = []
+        for tokens, budget in zip(prompts, budgets):
+            reserved = rig.reserve(tokens, sender=False)
+            rig.attach(reserved, tokens, None, budget)
+            rids.append(reserved.request_id)
+        rig.run()
+        outs.append([rig.tokens(rid) for rid in rids])
+        rig.assert_all_free()
+        assert rig.engine.slots is not None and rig.engine.slots.num_free == 4
+        launches = rig.engine.slots._launches
+    assert outs[1] == outs[0] and [len(o) for o in outs[0]] == budgets
+    assert launches >= 15
 
 
 # ---------------------------------------------------------------------- the DSpark drafter on slots

@@ -1,0 +1,147 @@
+"""Overlapped decode steps (`decode.overlap`): each plain step launched before the last one's tokens
+are read, its rows fed on the device (`ModelRunner.remember`, `FED` rows). The tokens are the ones
+the engine gives without overlap, requests that stop (a stop id, their budget, a cancel, a
+deadline) have their blocks back once the row launched past their stop has run, a join or a
+sampled request ends the overlap and a later steady batch starts it again. On a CPU the runner
+runs its steps eagerly (`runner = "on"`): the same bookkeeping as on a GPU, without the overlap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from decode_support import Rig, prompt, tiny
+
+from cedserve.decode_workers.messages import CancelCommand, Finished, Reserved
+from cedserve.model.runner import FED, ModelRunner, RunnerConfig
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [prompt(37, 1), prompt(21, 2), prompt(50, 3), prompt(29, 4)]
+
+
+def _start(rig: Rig, tokens: list[int], max_tokens: int, **sampling: Any) -> str:
+    reserved = rig.reserve(tokens)
+    assert isinstance(reserved, Reserved), reserved
+    first = rig.prefill(reserved, tokens)
+    rig.attach(reserved, tokens, first, max_tokens, **sampling)
+    return reserved.request_id
+
+
+def _decode(overlap: bool, plan: list[tuple[list[int], int, dict[str, Any]]], *,
+            cancel_after: int | None = None, late: list[tuple[list[int], int]] = ()) -> tuple[Rig, list[list[int]]]:
+    """Run `plan` (prompt, budget, sampling) together; `cancel_after`: cancel the second request after
+    that many steps; `late`: requests attached after 5 steps (a join mid-run)."""
+    model, _ = tiny()
+    rig = Rig(model, None, dspark=False, runner="on", overlap=overlap)
+    ids = [_start(rig, tokens, budget, **sampling) for tokens, budget, sampling in plan]
+    for step in range(400):
+        rig.outputs += rig.engine.poll()
+        if not rig.engine.has_work():
+            break
+        if step == 5:
+            ids += [_start(rig, tokens, budget) for tokens, budget in late]
+        if cancel_after is not None and step == cancel_after:
+            lease = rig.engine.sequences[ids[1]].lease.lease_id
+            rig.outputs += rig.engine.handle(CancelCommand(0, ids[1], lease))
+        rig.outputs += rig.engine.step()
+    else:
+        raise AssertionError("the engine did not finish")
+    return rig, [rig.tokens(rid) for rid in ids]
+
+
+def test_overlapped_steps_give_the_same_tokens_and_free_every_block() -> None:
+    first = PROMPTS[0]
+    # a stop id that the first request reaches mid-run: its next row is already launched when it stops
+    _, probe = _decode(False, [(first, 30, {})])
+    stop = probe[0][9]
+    plan = [(first, 30, {"stop_token_ids": (stop,)}), (PROMPTS[1], 7, {}), (PROMPTS[2], 19, {}), (PROMPTS[3], 1, {})]
+    off, want = _decode(False, plan)
+    on, got = _decode(True, plan)
+    assert got == want
+    assert got[0][-1] == stop and len(got[0]) == probe[0].index(stop) + 1
+    assert [len(t) for t in got[1:]] == [7, 19, 1]  # each its whole budget
+    on.assert_all_free()
+    off.assert_all_free()
+    book = on.engine.slots
+    assert book is not None and book._launches >= 15  # most steps were launched ahead
+    assert book.num_free == on.config.max_running_requests
+    assert off.engine.slots is not None and off.engine.slots._launches == 0
+    assert all(isinstance(on.finished(rid), Finished) for rid in {o.request_id for o in on.outputs})
+
+
+def test_a_cancel_and_a_join_mid_run() -> None:
+    plan = [(PROMPTS[0], 24, {}), (PROMPTS[1], 24, {}), (PROMPTS[2], 12, {})]
+    late = [(PROMPTS[3], 9)]
+    _, want = _decode(False, plan, cancel_after=8, late=late)
+    on, got = _decode(True, plan, cancel_after=8, late=late)
+    assert got == want
+    assert 0 < len(got[1]) < 23  # cancelled mid-run
+    assert len(got[3]) == 9  # the late request decoded its whole budget
+    on.assert_all_free()
+    assert on.engine.slots is not None and on.engine.slots._launches >= 10
+
+
+def test_sampled_requests_are_not_overlapped() -> None:
+    """A sampled request (its token drawn on the host from its own generator) keeps the steps in
+    series; its tokens, and the greedy ones beside it, are those without overlap."""
+    plan = [(PROMPTS[0], 10, {"temperature": 0.8, "seed": 3}), (PROMPTS[1], 10, {})]
+    _, want = _decode(False, plan)
+    on, got = _decode(True, plan)
+    assert got == want
+    assert on.engine.slots is not None and on.engine.slots._launches == 0
+    on.assert_all_free()
+
+
+def test_a_deadline_while_a_step_is_in_flight() -> None:
+    """A request whose deadline passes while a step holding it is in flight: it fails at once, its
+    blocks come back once that step has been collected."""
+    model, _ = tiny()
+    now = [0.0]
+    rig = Rig(model, None, dspark=False, runner="on", overlap=True)
+    rig.engine.clock = lambda: now[0]
+    rid = _start(rig, PROMPTS[0], 40)
+    other = _start(rig, PROMPTS[1], 40)
+    for _ in range(6):
+        rig.outputs += rig.engine.poll()
+        rig.outputs += rig.engine.step()
+    assert rig.engine._ahead is not None and rig.engine._ahead.holds(rig.engine.sequences[rid])
+    rig.engine.sequences[rid].deadline_s = -1.0  # passed
+    rig.outputs += rig.engine.poll()
+    failed = rig.finished(rid)
+    assert failed is not None and not isinstance(failed, Finished)
+    assert rig.engine._ahead is not None and rig.engine._ahead.after  # its blocks wait for the step
+    held_before = rig.cache.pool.num_blocks - rig.cache.pool.num_free
+    rig.outputs += rig.engine.step()  # collects the step in flight: the blocks come back
+    assert rig.cache.pool.num_blocks - rig.cache.pool.num_free < held_before
+    rig.run()
+    assert rig.finished(other) is not None
+    rig.assert_all_free()
+
+
+def test_fed_rows_take_the_remembered_tokens() -> None:
+    """The runner alone: a step whose rows are `FED` gives the logits of the same step fed the same
+    tokens from the host."""
+    model, _ = tiny()
+    config = RunnerConfig(max_slots=3, max_context=256)
+    runners = [ModelRunner(model, config) for _ in range(2)]
+    state = model.new_state()
+    model.prefill(prompt(20, 5), state)
+    for runner in runners:
+        for slot in range(3):
+            runner.load(slot, state)
+    slots = [2, 0, 1]
+    tokens = [5, 17, 300]
+    a = runners[0].step_logits(slots, tokens)
+    b = runners[1].step_logits(slots, tokens)
+    assert torch.equal(a, b)
+    picks = a.argmax(-1)
+    runners[0].remember(3, picks)
+    fed = runners[0].step_logits(slots, [FED, FED, FED])
+    host = runners[1].step_logits(slots, picks.tolist())
+    assert torch.equal(fed, host)
+    mixed = runners[0].step_logits([0, 1], [FED, 9])  # FED beside a host token: slot 0 remembered row 1's pick
+    assert torch.equal(mixed, runners[1].step_logits([0, 1], [int(picks[1]), 9]))
+    with pytest.raises(ValueError, match="outside"):
+        runners[0].step_logits([0], [-2])
