@@ -452,6 +452,7 @@ class DecodeEngine:
             tables.append(self.cache.block_table(seq.request_id))
         t = phases.lap("plan", t)
         launched = self.slots.launch(running, tables, fed=self._ahead is not None)
+        self.metrics.overlapped_steps.inc()
         self.passes += 1
         self.metrics.pass_rows.observe(len(running))
         if self.on_passes is not None:

@@ -118,6 +118,9 @@ class DecodeMetrics:
         self.runner_rows = Counter("cedserve_decode_runner_rows", "Rows run through the model runner (the rest "
                                    "through forward_batch: cedserve_decode_pass_rows counts both)", registry=r)
         self.runner_slots = Gauge("cedserve_decode_runner_slots", "Requests holding a model-runner slot", registry=r)
+        self.overlapped_steps = Counter("cedserve_decode_overlapped_steps", "Steps launched before the step "
+                                        "before's tokens were read (decode.overlap); the rest ran in series",
+                                        registry=r)
         self.paths = Gauge("cedserve_decode_path_on", "1 where this decode worker takes the path: runner (the "
                            "model runner's slots), runner_graphs (its steps as CUDA graph replays), drafter_slots "
                            "(the DSpark drafter's pass on slots), drafter_graphs, compiled (Inductor's fused ops)",

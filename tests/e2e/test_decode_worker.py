@@ -9,7 +9,9 @@ returned reservation) -> Decode.
   prefill worker over NIXL and decodes to the replay path's tokens and the reference's; a state region
   holding another format version fails the Decode call naming it, with every block freed;
 - a client that cancels its Decode call, and a prefill side killed mid-transfer, leave every block free;
-- health, load, metrics and KV events are served; a drain refuses new leases; SIGTERM exits cleanly.
+- health, load, metrics and KV events are served; a drain refuses new leases; SIGTERM exits cleanly;
+- with `decode.overlap` (steps launched before the last one's tokens are read) two streams decode to the
+  reference's tokens and a cancel mid-stream frees every block.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ ROUTED: dict[str, object] = {"effort": 75, "sampling": wpb.SamplingParams(top_p=
 
 
 class Cluster:
-    def __init__(self) -> None:
+    def __init__(self, **decode: object) -> None:
         torch.set_num_threads(1)  # the reference checks run the tiny model here: intra-op threads only contend
         self.model = load_worker_model(None, "tiny", seed=0).model  # both workers' weights, bit for bit
-        self.decode = DecodeProcess(num_blocks=64)
+        self.decode = DecodeProcess(num_blocks=64, **decode)
         self.prefill = WorkerProcess(num_blocks=64)
 
     def reserve(self, rid: str, tokens: list[int], sender: dict[str, str] | None = None,
@@ -223,3 +225,38 @@ def test_health_metrics_events_drain_and_exit(cluster: Cluster) -> None:
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     decode.proc.send_signal(signal.SIGTERM)
     assert decode.proc.wait(30) == 0
+
+
+def test_overlapped_steps_in_a_worker_process() -> None:
+    """`decode.overlap` in a real worker (the runner's steps run eagerly on a CPU: `runner = "on"`,
+    no drafter): two requests streaming at once decode to the reference's tokens, each step launched
+    before the last one's tokens were read; a client that cancels mid-stream leaves every block free."""
+    import threading
+
+    c = Cluster(runner="on", overlap=True, dspark=False)
+    try:
+        prompts = {"o1": prompt(150, 1), "o2": prompt(90, 4)}
+        got: dict[str, list[int]] = {}
+        threads = [threading.Thread(target=lambda rid=rid, tokens=tokens: got.__setitem__(rid, c.generate(rid, tokens, 14)[0]))
+                   for rid, tokens in prompts.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert set(got) == set(prompts)
+        for rid, tokens in prompts.items():
+            assert len(got[rid]) == 15 and len(greedy_ties(c.model, tokens, got[rid])) <= 1
+        tokens = prompt(100, 3)
+        lease = c.reserve("oc", tokens)
+        first, _ = c.prefill_into("oc", tokens, lease)
+        call = c.decode_call("oc", lease, tokens, first, 500)
+        assert next(call).WhichOneof("event") == "tokens"
+        call.cancel()
+        load = c.decode.wait_all_free()
+        assert load.held_blocks == 0 and load.running_requests == 0
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{c.decode.ready['metrics_port']}/metrics",
+                                         timeout=10).read().decode()
+        rows = [line for line in metrics.splitlines() if line.startswith("cedserve_decode_overlapped_steps_total")]
+        assert rows and float(rows[0].split()[-1]) >= 10  # most steps were launched ahead
+    finally:
+        c.close()

@@ -64,10 +64,9 @@ def test_overlapped_steps_give_the_same_tokens_and_free_every_block() -> None:
     assert [len(t) for t in got[1:]] == [7, 19, 1]  # each its whole budget
     on.assert_all_free()
     off.assert_all_free()
-    book = on.engine.slots
-    assert book is not None and book._launches >= 15  # most steps were launched ahead
-    assert book.num_free == on.config.max_running_requests
-    assert off.engine.slots is not None and off.engine.slots._launches == 0
+    assert on.engine.metrics.overlapped_steps._value.get() >= 15  # most steps were launched ahead
+    assert on.engine.slots is not None and on.engine.slots.num_free == on.config.max_running_requests
+    assert off.engine.metrics.overlapped_steps._value.get() == 0
     assert all(isinstance(on.finished(rid), Finished) for rid in {o.request_id for o in on.outputs})
 
 
@@ -80,7 +79,7 @@ def test_a_cancel_and_a_join_mid_run() -> None:
     assert 0 < len(got[1]) < 23  # cancelled mid-run
     assert len(got[3]) == 9  # the late request decoded its whole budget
     on.assert_all_free()
-    assert on.engine.slots is not None and on.engine.slots._launches >= 10
+    assert on.engine.metrics.overlapped_steps._value.get() >= 10
 
 
 def test_sampled_requests_are_not_overlapped() -> None:
@@ -90,7 +89,7 @@ def test_sampled_requests_are_not_overlapped() -> None:
     _, want = _decode(False, plan)
     on, got = _decode(True, plan)
     assert got == want
-    assert on.engine.slots is not None and on.engine.slots._launches == 0
+    assert on.engine.metrics.overlapped_steps._value.get() == 0
     on.assert_all_free()
 
 

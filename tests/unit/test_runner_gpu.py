@@ -177,7 +177,7 @@ def test_decode_engine_overlap_on_cuda() -> None:
         outs.append([rig.tokens(rid) for rid in rids])
         rig.assert_all_free()
         assert rig.engine.slots is not None and rig.engine.slots.num_free == 4
-        launches = rig.engine.slots._launches
+        launches = rig.engine.metrics.overlapped_steps._value.get()
     assert outs[1] == outs[0] and [len(o) for o in outs[0]] == budgets
     assert launches >= 15
 
