@@ -182,10 +182,11 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
                             Sampling(max_tokens=100_000, ignore_eos=True))
         engine.attach_state(f"r{i}", prompt.tokens, copy.deepcopy(prompt.state), prompt.first, cmd)
     warmup_times = []
+    first_tokens: list[int] = []  # request r0's tokens, every step: runner modes of one cell must agree
     for _ in range(max(warmup_steps, 2 if dspark else 1)):  # joins; the drafter's memory fills from the first
         _sync(device)  # pass's taps; the first launches of each kernel variant compile it (JIT)
         start = time.perf_counter()
-        engine.step()
+        _keep_first(engine.step(), first_tokens)
         _sync(device)
         warmup_times.append(time.perf_counter() - start)
     drafted0, accepted0 = engine.drafted_tokens, engine.accepted_drafts
@@ -195,11 +196,12 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
         _sync(device)
         start = time.perf_counter()
         outputs = engine.step()
+        _keep_first(outputs, first_tokens)
         _sync(device)
         elapsed = time.perf_counter() - start
         times.append(group.max(elapsed) if group is not None else elapsed)  # the slowest rank's step
         emitted += sum(len(o.token_ids) for o in outputs if isinstance(o, Tokens))
-    loop = _unsynced_loop(engine, steps, device, group)
+    loop = _unsynced_loop(engine, steps, device, group, first_tokens)
     drafted, accepted = int(engine.drafted_tokens - drafted0), int(engine.accepted_drafts - accepted0)
     if group is not None:
         emitted, drafted, accepted = group.sum(emitted), group.sum(drafted), group.sum(accepted)
@@ -214,10 +216,16 @@ def run_cell(model: CEDModel, drafter: Drafter, prompt: Prefilled, batch: int, d
             "step_ms_each": [round(1000 * t, 1) for t in times], "step_ms": 1000 * step_s,
             "tokens_per_s": total * per_request_step / step_s, "tpot_ms": 1000 * step_s / per_request_step,
             "tokens_per_step": per_request_step, "drafted": drafted, "accepted": accepted,
-            "peak_memory_gb": _peak_memory_gb(device), **loop}
+            "peak_memory_gb": _peak_memory_gb(device), "r0_tokens": first_tokens, **loop}
 
 
-def _unsynced_loop(engine: DecodeEngine, steps: int, device: str, group: Group | None) -> dict[str, Any]:
+def _keep_first(outputs: list[Any], into: list[int]) -> list[Any]:
+    into.extend(t for o in outputs if isinstance(o, Tokens) and o.request_id == "r0" for t in o.token_ids)
+    return outputs
+
+
+def _unsynced_loop(engine: DecodeEngine, steps: int, device: str, group: Group | None,
+                   first_tokens: list[int]) -> dict[str, Any]:
     """`steps` more steps back to back, the device synchronised only before the first and after the
     last: what a decode worker's loop gets. An overlapped step (`decode.overlap`) returns the step
     before's tokens while the device runs its own, which the synchronised per-step times above
@@ -229,7 +237,7 @@ def _unsynced_loop(engine: DecodeEngine, steps: int, device: str, group: Group |
         start = time.perf_counter()
         emitted = 0
         for _ in range(steps):
-            emitted += sum(len(o.token_ids) for o in engine.step() if isinstance(o, Tokens))
+            emitted += sum(len(o.token_ids) for o in _keep_first(engine.step(), first_tokens) if isinstance(o, Tokens))
         _sync(device)
         elapsed = time.perf_counter() - start
         return (group.max(elapsed) if group is not None else elapsed), emitted
@@ -308,8 +316,9 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
             for attention, runner in [(a, r) for r in args.runner for a in args.attention]:
                 pair = [run_cell(model, drafter, prompts[context], batch // ep_world, dspark, args.steps, device,
                                  args.draft_tokens, group, attention, args.warmup_steps, runner)
-                        for dspark in (False, True)]
-                compare(*pair)
+                        for dspark in {"both": (False, True), "off": (False,), "on": (True,)}[args.dspark]]
+                if len(pair) == 2:
+                    compare(*pair)
                 for r in pair:  # the same cell on the dense path, measured just before in this run
                     if r["attention"] == "off":
                         dense[r["dspark"]] = r
@@ -325,6 +334,9 @@ def run_all(args: argparse.Namespace, device: str, control: Any = None) -> tuple
                               f"{r['tokens_per_s']:8.2f} tok/s  "
                               f"tpot {r['tpot_ms']:9.1f} ms  tokens/step {r['tokens_per_step']:.2f}  "
                               f"peak {r['peak_memory_gb']} GB{over}", flush=True)
+                        busy = f", GPU busy {r['loop_gpu_busy']:.0%}" if "loop_gpu_busy" in r else ""
+                        print(f"    {r['runner_mode']}: back to back {r['loop_step_ms']:.3f} ms a step{busy}; "
+                              f"r0's first tokens {r['r0_tokens'][:12]}", flush=True)
     return rows, {c: p.seconds for c, p in prompts.items()}
 
 
@@ -381,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 256])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="requests per cell (the group's total)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per cell (after the warm-up)")
+    p.add_argument("--dspark", choices=("both", "off", "on"), default="both",
+                   help="each cell without DSpark, with it, or both (default; the DSpark cell reports its speedup)")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts per pass (0: the model's block size)")
     p.add_argument("--runner", nargs="+", default=["off"], choices=["auto", "off", "on", "auto-fused", "auto-fused-tf32",
                                                                    "auto-fused-drafter", "auto-fused-drafter-tf32",

@@ -23,7 +23,8 @@
 #                   The runner's parts are narrowed by TESTS_K (a pytest -k filter), STEP_CELLS (step.py's
 #                   --contexts, --batches, --rows), STEP_PATHS / RELEASED_PATHS (step.py --paths) and
 #                   ENGINE_RUNNERS (decode.py --runner: off auto on auto-fused auto-fused-tf32 off-tf32
-#                   auto-fused-overlap), ENGINE_BATCHES (1 32) and ENGINE_STEPS (5).
+#                   auto-fused-overlap), ENGINE_BATCHES (1 32), ENGINE_STEPS (5) and ENGINE_ARGS (more
+#                   decode.py flags, e.g. --dspark off).
 #   engram          the runner over memory-mapped Engram tables: tests/unit/test_runner_gpu.py -k engram, then
 #                   benchmarks/engram_staging.py --device cuda (host staging and the pinned copy per batch)
 #                                   engram-tests.log, engram-staging-<gpu>.json, engram-staging.log
@@ -289,7 +290,7 @@ part_pdl() {  # programmatic dependent launch (CEDSERVE_PDL, Inductor's enable_p
 
 part_engine() {
   timeout "${ENGINE_S:-120}" "$PY" -P benchmarks/decode.py --device cuda --preset mini-40 --contexts 4096 \
-    --batches ${ENGINE_BATCHES:-1 32} --steps ${ENGINE_STEPS:-5} --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} --out "$OUT/decode-engine-$GPU_TAG.json" 2>&1 \
+    --batches ${ENGINE_BATCHES:-1 32} --steps ${ENGINE_STEPS:-5} --warmup-steps 3 --runner ${ENGINE_RUNNERS:-off auto} ${ENGINE_ARGS:-} --out "$OUT/decode-engine-$GPU_TAG.json" 2>&1 \
     | quiet | tee "$OUT/engine.log"
 }
 
