@@ -115,8 +115,11 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
     inside a CUDA graph, overlaps its predecessor's tail): every kernel taking them starts with
     `gdc_wait` (it reads nothing before its predecessors have finished and their writes are
     visible) and then lets its own successor launch (`gdc_launch_dependents`). The results are the
-    same bits either way; off unless `CEDSERVE_PDL=1` (on sm90+, CUDA, not interpreting)."""
+    same bits either way; off unless `CEDSERVE_PDL=1` (on sm90+, CUDA, not interpreting), and for a
+    launch that `torch.compile` traces into its graph (Inductor then launches the kernel itself)."""
     if device.type != "cuda" or os.environ.get(PDL_ENV, "0") != "1" or interpreting():
+        return {}
+    if torch.compiler.is_compiling():  # a launch traced into a compiled graph: Inductor launches it, as it does its own
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _PDL_ON if _capability(index) >= (9, 0) else {}

@@ -31,6 +31,9 @@ def test_off_unless_asked_for_on_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(triton_support, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(triton_support, "interpreting", lambda: True)
     assert pdl_launch(cuda) == {}
+    monkeypatch.setattr(triton_support, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert pdl_launch(cuda) == {}  # traced into a compiled graph: Inductor launches it
 
 
 def _chain(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
