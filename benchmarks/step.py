@@ -18,6 +18,10 @@ Per cell (preset, context, batch, path), on one device:
   each layer's window, its top-k main-KV records and its index scan) over the copy bandwidth
   measured in the same run.
 
+`--paths graph-fused-overlap` adds, beside each `graph-fused` cell of one row per request, the same
+graphs' plain steps launched back to back as `decode.overlap` runs them (`OverlappedSteps`; `step_ms`
+there is a loop's wall time over its steps, synchronised only at the loop's ends).
+
 `--dtypes float32 bfloat16` measures every cell once per weights dtype (`[model] dtype`: the model
 built from the same seed, `checkpoint.cast_weights`), on the same synthetic states and tokens; a
 cell's `dtype` names it, and a bfloat16 cell also carries `vs_float32_*`: its eager step's logits
@@ -63,7 +67,7 @@ from cedserve.model.config import AttentionMode
 from cedserve.model.engram import engram_mix
 from cedserve.model.kv_format import KVFormat, encode_index_key, encode_main, encode_window
 from cedserve.model.network import BatchItem, CEDModel
-from cedserve.model.runner import ModelRunner, RunnerConfig
+from cedserve.model.runner import FED, ModelRunner, RunnerConfig
 from cedserve.model.state import SequenceState
 from cedserve.model.tokenizer import tiny_tokenizer_path
 from cedserve.serving.worker_model import torch_dtype
@@ -365,6 +369,8 @@ def run_cells(args: argparse.Namespace, released: bool, dtype: str, bandwidth: f
                         run_graph(path, graph_runner, base, batch, slot_step, name, context, rows, floor_ms, args,
                                   log, cells, dtype)
                     cells[-1].update(versus)
+            if "graph-fused-overlap" in args.paths and args.device == "cuda" and rows == 1 and "graph-fused" in graph_runners:
+                run_overlap(graph_runners["graph-fused"], base, batch, name, context, floor_ms, args, log, cells, dtype)
             del states
             gc.collect()
         if args.device == "cuda":
@@ -444,6 +450,91 @@ def run_graph(path: str, runner: ModelRunner, base: SequenceState, batch: int,
         f"{agreement['index_top_ties']}")
     log("  top kernels: " + "; ".join(f"{k['name'][:40]} x{k['per_step']:.0f} {k['ms']:.2f} ms"
                                      for k in cells[-1]["top_kernels"][:8]))
+
+
+class OverlappedSteps:
+    """Plain steps of `batch` slots launched back to back as the decode engine's overlapped steps run
+    them (`decode.overlap`: `SlotBook.launch` / `collect`): each step's rows are `FED` the picks the
+    step before left on the device (`ModelRunner.remember`), its picks are copied behind it into one
+    of two pinned buffers, and the host waits for the step before's copy only after launching this
+    one. `picks` collects every step's tokens as the host reads them."""
+
+    def __init__(self, runner: ModelRunner, batch: int, first: list[int]) -> None:
+        self.runner, self.slots, self.first = runner, list(range(batch)), first
+        cuda = runner.device.type == "cuda"
+        self.buffers = [torch.zeros(batch, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self.launched = 0
+        self.picks: list[list[int]] = []
+
+    def __call__(self) -> None:
+        tokens = self.first if self.launched == 0 else [FED] * len(self.slots)
+        logits, _ = self.runner.step_outputs(self.slots, tokens)
+        picks = logits.argmax(dim=-1)
+        self.runner.remember(len(self.slots), picks)
+        host = self.buffers[self.launched % 2]
+        host.copy_(picks, non_blocking=True)
+        done = None
+        if picks.is_cuda:
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        self.launched += 1
+        self.collect()
+        self.pending = (host, done)
+
+    def collect(self) -> None:
+        if self.pending is not None:
+            host, done = self.pending
+            if done is not None:
+                done.synchronize()
+            self.picks.append(host.tolist())
+            self.pending = None
+
+
+def run_overlap(runner: ModelRunner, base: SequenceState, batch: int, name: str, context: int, floor_ms: float,
+                args: argparse.Namespace, log: Callable[[str], None], cells: list[dict[str, Any]],
+                dtype: str = "float32") -> None:
+    """The `graph-fused` runner's plain step overlapped (`OverlappedSteps`), path `graph-fused-overlap`:
+    `step_ms` is the wall time of `--steps` steps back to back, synchronised only at the loop's ends,
+    over the steps (a step's own wait is for the step before it). First the tokens: 6 overlapped steps
+    against 6 in series from the same states and the same first tokens (`overlap_tokens_equal`)."""
+    gen = torch.Generator().manual_seed(11)
+    first = [int(t) for t in torch.randint(3, runner.model.config.vocab_size, (batch,), generator=gen)]
+
+    def fresh() -> None:
+        for slot in range(batch):
+            runner.load(slot, base)
+
+    fresh()
+    series, tokens = [], first
+    for _ in range(6):
+        tokens = runner.step_logits(list(range(batch)), tokens).argmax(-1).tolist()
+        series.append(tokens)
+    fresh()
+    check = OverlappedSteps(runner, batch, first)
+    for _ in range(6):
+        check()
+    check.collect()
+    fresh()
+    steps = OverlappedSteps(runner, batch, first)
+    for _ in range(args.warmup):
+        steps()
+
+    def loop() -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            steps()
+        steps.collect()
+        sync()
+        return 1000 * (time.perf_counter() - start) / args.steps
+
+    step_ms = statistics.median(loop() for _ in range(3))
+    cells.append(cell(name, context, batch, 1, "graph-fused-overlap", step_ms, profile(steps, args.profile_steps),
+                      floor_ms, dtype))
+    cells[-1]["overlap_tokens_equal"] = check.picks == series
+    log(row(cells[-1]))
+    log(f"  overlapped steps' tokens {'equal' if check.picks == series else 'DIFFER FROM'} the steps in series")
 
 
 def graph_vs_eager(runner: ModelRunner, base: SequenceState, batch: int, rows: int) -> dict[str, Any]:
@@ -574,7 +665,9 @@ def main(argv: list[str] | None = None) -> int:
                         "float32 matmuls on TF32 tensor cores), graph-fused-grouped (graph-fused with a request's rows attended "
                         "together: RunnerConfig.grouped_attention), graph-fused-before (graph-fused with "
                         "wo_a on cuBLAS's bmm, the MoE's top-k by topk and the Engram mix eager: the path before "
-                        "the grouped_linear kernel, the fused argmax routing and the compiled Engram mix)")
+                        "the grouped_linear kernel, the fused argmax routing and the compiled Engram mix), "
+                        "graph-fused-overlap (graph-fused's plain steps launched back to back, each fed the "
+                        "step before's picks on the device, as decode.overlap runs them; needs graph-fused)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="weights dtypes to measure, each on the same states and tokens ([model] dtype; "
                         "a bfloat16 cell also reports its logits against float32's, vs_float32_*)")

@@ -1,6 +1,7 @@
 """`benchmarks/step.py`'s attribution of a profiled step's kernels to the parts of a layer: each kernel
 to the range that held its launch (found by correlation id in the profiled run, which needs a GPU;
-pairing by order broke when a part's launches and kernels did not count alike)."""
+pairing by order broke when a part's launches and kernels did not count alike); its overlapped
+steps' loop reads the tokens of the same steps in series."""
 
 from __future__ import annotations
 
@@ -55,3 +56,33 @@ def test_library_ops_put_the_old_bmm_and_topk_back_for_their_cells() -> None:
     with step.library_ops(False):
         assert fused.grouped_linear is grouped_linear and fused.ARGMAX_TOPK > 0
 
+
+def test_overlapped_steps_read_the_tokens_of_steps_in_series() -> None:
+    """`graph-fused-overlap`'s loop (`OverlappedSteps`, the engine's launch-then-collect): each step
+    fed the step before's picks on the device reads back the tokens of the same steps in series."""
+    from decode_support import prompt, tiny
+
+    from cedserve.model.runner import ModelRunner, RunnerConfig
+
+    model, _ = tiny()
+    runner = ModelRunner(model, RunnerConfig(max_slots=3, max_context=128))
+    state = model.new_state()
+    model.prefill(prompt(24, 6), state)
+    first = [7, 99, 300]
+
+    def fresh() -> None:
+        for slot in range(3):
+            runner.load(slot, state)
+
+    fresh()
+    series, tokens = [], first
+    for _ in range(5):
+        tokens = runner.step_logits([0, 1, 2], tokens).argmax(-1).tolist()
+        series.append(tokens)
+    fresh()
+    steps = step.OverlappedSteps(runner, 3, first)
+    for _ in range(5):
+        steps()
+    assert len(steps.picks) == 4  # the fifth is still in flight
+    steps.collect()
+    assert steps.picks == series
