@@ -14,7 +14,7 @@
 #                                   decode-step-<gpu>.json, decode-step-<gpu>-released.json, step.log
 #                                                                                 STEP_S=220 RELEASED_S=220  (RELEASED_S=0: no released cells)
 #   pdl             programmatic dependent launch: tests/kernels/test_pdl.py, the GPU kernel tests (PDL_TESTS_K,
-#                   default grouped_linear, mhc, sparse_attention) with CEDSERVE_PDL=1, then benchmarks/step.py (PDL_CELLS, PDL_PATHS: graph-fused) once per
+#                   default grouped_linear, mhc, sparse_attention) with CEDSERVE_PDL=1, then benchmarks/step.py (PDL_CELLS, PDL_PATHS: graph-fused graph-fused-overlap) once per
 #                   PDL_VARIANTS entry "name:ours,inductor" (default off:0,0 inductor:0,1 all:1,1)
 #                                   pdl-tests.log, decode-step-<gpu>-pdl-<name>.json, pdl-step.log
 #                                                       PDL_TESTS_S=150 PDL_STEP_S=150 (PDL_TESTS_K: -k)
@@ -281,7 +281,7 @@ part_pdl() {  # programmatic dependent launch (CEDSERVE_PDL, Inductor's enable_p
     name=${variant%%:*}; ours=${variant#*:}; inductor=${ours#*,}; ours=${ours%,*}
     echo "== step.py, PDL $name (ours $ours, Inductor $inductor)" | tee -a "$OUT/pdl-step.log"
     CEDSERVE_PDL=$ours TORCHINDUCTOR_ENABLE_PDL=$inductor timeout "${PDL_STEP_S:-150}" "$PY" -P benchmarks/step.py \
-      ${PDL_CELLS:---contexts 4096 --batches 1 32} --steps 7 --warmup 3 --paths ${PDL_PATHS:-graph-fused} \
+      ${PDL_CELLS:---contexts 4096 --batches 1 32} --steps 7 --warmup 3 --paths ${PDL_PATHS:-graph-fused graph-fused-overlap} \
       --out "$OUT/decode-step-$GPU_TAG-pdl-$name.json" 2>&1 | quiet | grep -v "^graph-fused\|^  \|Online softmax\|split the" \
       | tee -a "$OUT/pdl-step.log" || rc=1
   done
