@@ -163,3 +163,30 @@ def test_preemption_takes_the_latest_due_and_it_still_returns_before_new_joins()
     sched.remove("late-low")
     del pool.tables["late-low"]
     assert [j.request_id for j in sched.schedule().joins] == ["early-max", "new"]
+
+
+def test_steady_means_the_next_schedule_keeps_the_batch() -> None:
+    """`steady()` (the overlapped steps' condition): no one can join and every running request's growth
+    fits; each time it says so, `schedule` indeed neither joins nor preempts."""
+    pool = Pool(4)
+    sched = scheduler(pool, lookahead=1, max_running_requests=2)
+    a, b = seq("a", 15, 0), seq("b", 14, 1)
+    assert sched.steady()  # nothing runs or waits: nothing would change (the engine also asks for a batch)
+    for s in (a, b):
+        pool.hold(s)
+        sched.add(s)
+    assert not sched.steady()  # two wait and there is room: they would join
+    sched.schedule()
+    assert sched.steady()  # 15 + 1 and 14 + 1 tokens fit their one block each
+    out = sched.schedule()
+    assert not out.joins and not out.preemptions
+    c = seq("c", 5, 2)
+    pool.hold(c)
+    sched.add(c)
+    assert sched.steady()  # c waits, but the batch is full: it cannot join
+    a.tokens += [3]  # 16 tokens + 1: a needs a second block; one of the pool's four is free
+    assert sched.steady()
+    b.tokens += [3, 3]  # 16 + 1 as well: two more blocks needed, one is free: a preemption would follow
+    assert not sched.steady()
+    out = sched.schedule()
+    assert out.preemptions
