@@ -149,12 +149,13 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     while its cold start took longer than `cedserve serve` waited (now 600 s on CUDA)."""
     overlap: bool = False
     """With the runner on (`runner`): while the batch only decodes (no join, preemption or drafting
-    step; greedy requests without logprobs; one rank; no Engram store), launch each step before the
-    last one's tokens are read: the step's rows take the tokens the step before picked on the device
-    (`ModelRunner.remember`, `FED` rows), and the host streams that step's tokens while the GPU runs
-    this one, instead of the GPU waiting for the host between steps. A request that stops has one
-    more row computed, which is dropped; any other step first collects the one in flight. Off until
-    its GPU figures are in (docs/decode.md, *Overlapped steps*); the tokens are the same either way
+    step; greedy or unseeded requests without logprobs; one rank; no Engram store), launch each step
+    before the last one's tokens are read: the step's rows take the tokens the step before picked on
+    the device (`ModelRunner.remember`, `FED` rows; an unseeded sampled request's pick is the
+    runner's draw on the device), and the host streams that step's tokens while the GPU runs this
+    one, instead of the GPU waiting for the host between steps. A request that stops has one more row
+    computed, which is dropped; any other step first collects the one in flight. Off until its GPU
+    figures are in (docs/decode.md, *Overlapped steps*); greedy tokens are the same either way
     (tests/unit/test_decode_overlap.py)."""
     grouped_attention: bool = False
     """With the runner on CUDA: the sparse attention and the index scan take a request's verify rows

@@ -412,8 +412,10 @@ class DecodeEngine:
     def _overlappable(self) -> bool:
         """Whether this step can be launched before the last one's tokens are read: overlap on, one
         rank, the runner on without an Engram store or a proposer, a steady batch (no join, no
-        preemption: `DecodeScheduler.steady`) of greedy requests without logprobs, each in its slot,
-        the same requests as the step in flight, and room in each slot for two more tokens."""
+        preemption: `DecodeScheduler.steady`) of greedy or unseeded requests without logprobs, each
+        in its slot, the same requests as the step in flight, and room in each slot for two more
+        tokens. (An unseeded sampled request's overlapped tokens are drawn on the device, by the
+        runner's sampler: the same distribution as the host's draw, another random stream.)"""
         slots, sched = self.slots, self.scheduler
         if (not self.config.overlap or slots is None or self.proposer is not None or self.ep.world_size > 1
                 or slots.runner.engram is not None or not sched.running or not sched.steady()):
@@ -425,7 +427,10 @@ class DecodeEngine:
         limit = slots.runner.config.max_context - 2
         for seq in sched.running:
             params, state = seq.params, seq.state
-            if (not params.greedy or params.logprobs or state is None or state.position >= limit
+            # a seeded request draws from its own generator on the host, step by step (reproducible):
+            # only a greedy or unseeded one may take the device's draw
+            if ((params.seed is not None and not params.greedy) or params.logprobs or state is None
+                    or state.position >= limit
                     or not slots.holds(seq) or (ahead is None and len(seq.pending) != 1)):
                 return False
         return True

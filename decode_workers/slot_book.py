@@ -190,10 +190,11 @@ class SlotBook:
         return {layer: seq.state.position // ratio for layer, ratio in self._ratios.items()}
 
     def launch(self, seqs: list[DecodeSequence], tables: list[list[int]], fed: bool) -> AheadStep:
-        """Launch one plain row per request in `seqs` (each in its slot, greedy) without waiting for it:
-        the row's token is the request's anchor, or with `fed` the token the step before picked for
-        it, still on the device (`runner.FED`). Its picks (the logits' argmax) are kept on the device
-        for the next launch and copied to the host behind the step; `collect` waits for them."""
+        """Launch one plain row per request in `seqs` (each in its slot) without waiting for it: the
+        row's token is the request's anchor, or with `fed` the token the step before picked for it,
+        still on the device (`runner.FED`). Its picks (sampled on the device under each request's
+        parameters: the argmax for a greedy one) are kept on the device for the next launch and
+        copied to the host behind the step; `collect` waits for them."""
         rows: list[int] = []
         for seq, table in zip(seqs, tables):
             slot = self._slot[seq.request_id]
@@ -202,8 +203,7 @@ class SlotBook:
                 self._blocks[seq.request_id] = len(table)
             rows.append(slot)
         tokens = [FED] * len(seqs) if fed else [seq.pending[-1] for seq in seqs]
-        logits, _ = self.runner.step_outputs(rows, tokens)
-        picks = logits.argmax(dim=-1)
+        picks = self.runner.step_picks(rows, tokens, [seq.params for seq in seqs])
         self.runner.remember(len(rows), picks)
         self._launches += 1
         host = self._picks_host[self._launches % 2][: len(rows)]
@@ -222,15 +222,15 @@ class SlotBook:
         return AheadStep(list(seqs), positions, host, done)
 
     def collect(self, step: AheadStep) -> tuple[list[SeqPlan], list[BatchOutput]]:
-        """The plans and outputs of a `launch`ed step, once its picks are on the host (a greedy row
-        needs only its argmax: the logits stand in empty)."""
+        """The plans and outputs of a `launch`ed step, once its picks are on the host: each plan is
+        `picked` (its token is its pick, `decide` draws none), so the logits stand in empty."""
         if step.done is not None:
             step.done.synchronize()
         picks = step.picks.tolist()
         plans: list[SeqPlan] = []
         outputs: list[BatchOutput] = []
         for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
-            plans.append(SeqPlan(seq, i, 1, position, None, verify=True))
+            plans.append(SeqPlan(seq, i, 1, position, None, verify=True, picked=True))
             empty = step.picks.new_zeros(1, 0, dtype=torch.float32)
             outputs.append(BatchOutput(empty, empty, None, picks[i : i + 1]))
         return plans, outputs

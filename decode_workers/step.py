@@ -38,6 +38,7 @@ class SeqPlan:
     first_position: int  # position of its first row
     draft: Draft | None  # the drafts verified (already cut to the chosen length)
     verify: bool  # the last item is a verify chunk (else: a prefill's last row samples)
+    picked: bool = False  # one plain row whose token was sampled on the device (its output's `argmax`)
 
     @property
     def num_drafts(self) -> int:
@@ -72,6 +73,9 @@ def decide(plan: SeqPlan, outputs: list[BatchOutput]) -> tuple[Verdict, Tensor]:
     rows = last.logits if plan.verify else last.logits[-1:]
     argmax = None if last.argmax is None else last.argmax if plan.verify else last.argmax[-1:]
     drafts = [] if plan.draft is None else plan.draft.tokens
+    if plan.picked:  # an overlapped step's row: sampled on the device already (greedy: its argmax)
+        assert not drafts and argmax is not None and len(argmax) == 1
+        return Verdict(0, [int(argmax[0])]), rows
     if seq.params.greedy:
         verdict = accept_greedy(drafts, rows, argmax)
     else:

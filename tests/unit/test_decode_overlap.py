@@ -2,7 +2,8 @@
 are read, its rows fed on the device (`ModelRunner.remember`, `FED` rows). The tokens are the ones
 the engine gives without overlap, requests that stop (a stop id, their budget, a cancel, a
 deadline) have their blocks back once the row launched past their stop has run, a join or a
-sampled request ends the overlap and a later steady batch starts it again. On a CPU the runner
+seeded sampled request ends the overlap and a later steady batch starts it again, an unseeded one
+takes the runner's draw on the device. On a CPU the runner
 runs its steps eagerly (`runner = "on"`): the same bookkeeping as on a GPU, without the overlap."""
 
 from __future__ import annotations
@@ -82,15 +83,36 @@ def test_a_cancel_and_a_join_mid_run() -> None:
     assert on.engine.metrics.overlapped_steps._value.get() >= 10
 
 
-def test_sampled_requests_are_not_overlapped() -> None:
-    """A sampled request (its token drawn on the host from its own generator) keeps the steps in
-    series; its tokens, and the greedy ones beside it, are those without overlap."""
+def test_seeded_sampled_requests_are_not_overlapped() -> None:
+    """A seeded sampled request (its tokens drawn on the host from its own generator, the same on
+    every run) keeps the steps in series; its tokens, and the greedy ones beside it, are those
+    without overlap."""
     plan = [(PROMPTS[0], 10, {"temperature": 0.8, "seed": 3}), (PROMPTS[1], 10, {})]
     _, want = _decode(False, plan)
     on, got = _decode(True, plan)
     assert got == want
     assert on.engine.metrics.overlapped_steps._value.get() == 0
     on.assert_all_free()
+
+
+def test_unseeded_sampled_requests_overlap_with_the_device_draw() -> None:
+    """An unseeded sampled request overlaps: its overlapped tokens are the runner's draw on the device
+    (`sample_rows`), under its own parameters. With top-k 1 the draw is the argmax, so the tokens are
+    the greedy ones exactly; at temperature 0.8 they are valid tokens, the budget is kept and every
+    block comes back."""
+    greedy = [(PROMPTS[0], 12, {}), (PROMPTS[2], 9, {})]
+    _, want = _decode(False, greedy)
+    top1 = [(tokens, budget, {"temperature": 1.0, "top_k": 1}) for tokens, budget, _ in greedy]
+    on, got = _decode(True, top1)
+    assert got == want
+    assert on.engine.metrics.overlapped_steps._value.get() >= 8
+    on.assert_all_free()
+    warm, sampled = _decode(True, [(PROMPTS[1], 15, {"temperature": 0.8}), (PROMPTS[3], 15, {"temperature": 0.8,
+                                                                                              "top_p": 0.9})])
+    assert [len(t) for t in sampled] == [15, 15]
+    assert all(0 <= t < warm.model.config.vocab_size for t in sampled[0] + sampled[1])
+    assert warm.engine.metrics.overlapped_steps._value.get() >= 10
+    warm.assert_all_free()
 
 
 def test_a_deadline_while_a_step_is_in_flight() -> None:
