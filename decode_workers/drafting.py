@@ -300,6 +300,20 @@ class DSparkProposer:
         self._drafted_run += 1
         return True
 
+    def plain_steps_ahead(self) -> int:
+        """After a step this check declined: how many steps after it the check declines as well while
+        nothing new is measured and no one joins (until its next drafting probe). The engine runs those
+        overlapped (`decode.overlap`), measuring nothing, and counts them with `take_plain_steps`.
+        0 after a drafting step, a plain probe, or without a cost check."""
+        if self.profile is None or self.probe_every == 1 or self._declined == 0 or self._drafted_run:
+            return 0
+        return max(0, self._probe_interval - self._declined - 1)
+
+    def take_plain_steps(self, n: int) -> None:
+        """`n` steps declined without asking the check (`plain_steps_ahead` promised them)."""
+        self._declined += n
+        self.declined_steps += n
+
     def observe(self, seq: DecodeSequence, first_position: int, taps: Tensor, keep_end: int) -> None:
         self.observe_many([Observation(seq, first_position, taps, keep_end)])
 

@@ -132,6 +132,8 @@ class DecodeEngine:
         self.slots = self._slot_book()
         self._ahead: AheadStep | None = None
         """A step launched before the last one's tokens were read (`decode.overlap`), not yet collected."""
+        self._plain_ahead = 0
+        """Steps the proposer's cost check has promised to decline (`plain_steps_ahead`): these may overlap."""
         self._publish_paths()
         self._offloaded_bytes = 0
         self._eos = self._eos_ids()
@@ -411,14 +413,17 @@ class DecodeEngine:
 
     def _overlappable(self) -> bool:
         """Whether this step can be launched before the last one's tokens are read: overlap on, one
-        rank, the runner on without an Engram store or a proposer, a steady batch (no join, no
+        rank, the runner on without an Engram store, no proposer or one whose cost check has promised
+        to decline this step (`DSparkProposer.plain_steps_ahead`), a steady batch (no join, no
         preemption: `DecodeScheduler.steady`) of greedy or unseeded requests without logprobs, each
         in its slot, the same requests as the step in flight, and room in each slot for two more
         tokens. (An unseeded sampled request's overlapped tokens are drawn on the device, by the
         runner's sampler: the same distribution as the host's draw, another random stream.)"""
         slots, sched = self.slots, self.scheduler
-        if (not self.config.overlap or slots is None or self.proposer is not None or self.ep.world_size > 1
-                or slots.runner.engram is not None or not sched.running or not sched.steady()):
+        if (not self.config.overlap or slots is None or self.ep.world_size > 1 or slots.runner.engram is not None
+                or not sched.running or not sched.steady()):
+            return False
+        if self.proposer is not None and self._plain_ahead <= 0:  # the proposer may draft: a step in series
             return False
         ahead = self._ahead
         if ahead is not None and (len(ahead.seqs) != len(sched.running)
@@ -456,7 +461,12 @@ class DecodeEngine:
                 return self._drain_ahead() + self._step()
             tables.append(self.cache.block_table(seq.request_id))
         t = phases.lap("plan", t)
-        launched = self.slots.launch(running, tables, fed=self._ahead is not None)
+        proposer = self.proposer
+        launched = self.slots.launch(running, tables, fed=self._ahead is not None, taps=proposer is not None)
+        if proposer is not None:  # a step its check promised to decline: counted as one
+            self._plain_ahead -= 1
+            proposer.take_plain_steps(1)  # type: ignore[attr-defined]
+            self.metrics.draft_decisions.labels("declined").inc()
         self.metrics.overlapped_steps.inc()
         self.passes += 1
         self.metrics.pass_rows.observe(len(running))
@@ -483,10 +493,13 @@ class DecodeEngine:
             release()
         outputs: list[Output] = []
         persist: list[DecodeSequence] = []
+        observations: list[Observation] = []  # (a proposer's: the drafter's memory follows every token)
         for plan in plans:
-            outputs.extend(self._conclude(plan, results, [], [], persist))
+            outputs.extend(self._conclude(plan, results, observations, [], persist))
         for seq in persist:
             self._persist(seq)
+        if observations and self.proposer is not None:
+            self.proposer.observe_many(observations)
         return outputs
 
     def _drafts(self, running: list[DecodeSequence], sched: SchedulerOutput) -> list[Draft | None]:
@@ -497,6 +510,9 @@ class DecodeEngine:
         proposed = dict(zip((s.request_id for s in steady), self.proposer.propose(steady)))
         self._draft_pass_ran = any(d is not None for d in proposed.values())
         self._count_decision(declined)
+        # a declined step: the check's next declines may overlap (`_overlappable`)
+        ahead = getattr(self.proposer, "plain_steps_ahead", None)
+        self._plain_ahead = ahead() if ahead is not None and not self._draft_pass_ran and len(steady) == len(running) else 0
         drafts = [_cut(proposed.get(s.request_id), s.max_drafts) for s in running]
         with_drafts = [i for i, d in enumerate(drafts) if d is not None]
         if not with_drafts:

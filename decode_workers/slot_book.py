@@ -58,6 +58,8 @@ class AheadStep:
     positions: list[int]
     picks: Tensor
     done: torch.cuda.Event | None
+    taps: Tensor | None = None
+    """A copy of the rows' DSpark taps (`launch(..., taps=True)`), for the drafter's memory."""
     after: list[Callable[[], None]] = field(default_factory=list)
     """What waits for this step to finish (the blocks of a request that finished while it ran)."""
 
@@ -189,12 +191,13 @@ class SlotBook:
         assert seq.state is not None
         return {layer: seq.state.position // ratio for layer, ratio in self._ratios.items()}
 
-    def launch(self, seqs: list[DecodeSequence], tables: list[list[int]], fed: bool) -> AheadStep:
+    def launch(self, seqs: list[DecodeSequence], tables: list[list[int]], fed: bool, taps: bool = False) -> AheadStep:
         """Launch one plain row per request in `seqs` (each in its slot) without waiting for it: the
         row's token is the request's anchor, or with `fed` the token the step before picked for it,
         still on the device (`runner.FED`). Its picks (sampled on the device under each request's
         parameters: the argmax for a greedy one) are kept on the device for the next launch and
-        copied to the host behind the step; `collect` waits for them."""
+        copied to the host behind the step; `collect` waits for them. `taps`: keep a copy of the rows'
+        DSpark taps for the drafter's memory (`collect` hands them out with the rows)."""
         rows: list[int] = []
         for seq, table in zip(seqs, tables):
             slot = self._slot[seq.request_id]
@@ -203,8 +206,9 @@ class SlotBook:
                 self._blocks[seq.request_id] = len(table)
             rows.append(slot)
         tokens = [FED] * len(seqs) if fed else [seq.pending[-1] for seq in seqs]
-        picks = self.runner.step_picks(rows, tokens, [seq.params for seq in seqs])
+        picks, step_taps = self.runner.step_picks(rows, tokens, [seq.params for seq in seqs])
         self.runner.remember(len(rows), picks)
+        kept_taps = step_taps.clone() if taps and step_taps.dim() > 2 else None  # the next replay rewrites them
         self._launches += 1
         host = self._picks_host[self._launches % 2][: len(rows)]
         host.copy_(picks, non_blocking=True)
@@ -219,7 +223,7 @@ class SlotBook:
             seq.state.position += 1
         if self.metrics is not None:
             self.metrics.runner_rows.inc(len(rows))
-        return AheadStep(list(seqs), positions, host, done)
+        return AheadStep(list(seqs), positions, host, done, kept_taps)
 
     def collect(self, step: AheadStep) -> tuple[list[SeqPlan], list[BatchOutput]]:
         """The plans and outputs of a `launch`ed step, once its picks are on the host: each plan is
@@ -232,7 +236,8 @@ class SlotBook:
         for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
             plans.append(SeqPlan(seq, i, 1, position, None, verify=True, picked=True))
             empty = step.picks.new_zeros(1, 0, dtype=torch.float32)
-            outputs.append(BatchOutput(empty, empty, None, picks[i : i + 1]))
+            row_taps = step.taps[i : i + 1] if step.taps is not None else empty
+            outputs.append(BatchOutput(empty, row_taps, None, picks[i : i + 1]))
         return plans, outputs
 
     @staticmethod

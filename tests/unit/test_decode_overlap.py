@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from decode_support import Rig, prompt, tiny
+from decode_support import Rig, greedy_rounds, prompt, tiny
 
+from cedserve.decode_workers.config import DecodeConfig
+from cedserve.decode_workers.drafting import DSparkProposer
 from cedserve.decode_workers.messages import CancelCommand, Finished, Reserved
 from cedserve.model.runner import FED, ModelRunner, RunnerConfig
 
@@ -166,3 +168,35 @@ def test_fed_rows_take_the_remembered_tokens() -> None:
     assert torch.equal(mixed, runners[1].step_logits([0, 1], [int(picks[1]), 9]))
     with pytest.raises(ValueError, match="outside"):
         runners[0].step_logits([0], [-2])
+
+
+class DeclinesAfterFirstDrafts(DSparkProposer):
+    """The DSpark proposer whose cost check finds that drafting never pays once each request has
+    drafted once (its probes aside): deterministic, where the real check weighs measured times."""
+
+    def _passes_pay(self, *args: Any) -> bool:
+        return False
+
+
+def test_a_proposer_declining_lets_its_promised_plain_steps_overlap() -> None:
+    """DSpark on: while its cost check declines, the steps it has promised to decline until its next
+    probe (`plain_steps_ahead`) overlap, their taps still reach the drafter's memory (deferred, as a
+    declined step's are), and the probes and any drafting step run in series. Greedy tokens are the
+    engine's without overlap; every block and slot is free at the end."""
+    outs, counts = [], []
+    for overlap in (False, True):
+        model, drafter = tiny()
+        config = DecodeConfig(runner="on")
+        proposer = DeclinesAfterFirstDrafts(drafter, model, config.draft_tokens)
+        rig = Rig(model, None, proposer=proposer, runner="on", overlap=overlap)
+        outs.append(list(greedy_rounds(rig, [PROMPTS[0], PROMPTS[1]], 60).values()))
+        rig.assert_all_free()
+        assert rig.engine.proposer is not None
+        counts.append((rig.engine.metrics.overlapped_steps._value.get(), rig.engine.proposer.declined_steps,
+                       rig.engine.verify_passes))
+    assert outs[0] == outs[1] and [len(o) for o in outs[1]] == [61, 61]
+    (off, declined_off, verify_off), (on, declined_on, verify_on) = counts
+    assert off == 0 and on >= 20  # most declined steps overlapped
+    # the check's schedule is the same: its probes verify at the same steps; the overlapped engine
+    # counts one declined step more, launched past the requests' last token
+    assert verify_on == verify_off and 0 <= declined_on - declined_off <= 1
