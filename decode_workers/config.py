@@ -147,7 +147,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compressor's ring writes out of the compiled graph; benchmarks/step.py's disagreement with
     forward_batch, which the plain graphs shared, was top-k ties in its random-weight states) and
     while its cold start took longer than `cedserve serve` waited (now 600 s on CUDA)."""
-    overlap: bool = False
+    overlap: bool = True
     """With the runner on (`runner`): while the batch only decodes (no join, preemption or drafting
     step: with DSpark, the steps its cost check has promised to decline; greedy or unseeded requests
     without logprobs; one rank; no Engram store), launch each step
@@ -155,9 +155,11 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the device (`ModelRunner.remember`, `FED` rows; an unseeded sampled request's pick is the
     runner's draw on the device), and the host streams that step's tokens while the GPU runs this
     one, instead of the GPU waiting for the host between steps. A request that stops has one more row
-    computed, which is dropped; any other step first collects the one in flight. Off until its GPU
-    figures are in (docs/decode.md, *Overlapped steps*); greedy tokens are the same either way
-    (tests/unit/test_decode_overlap.py)."""
+    computed, which is dropped; any other step first collects the one in flight. On by default since
+    2026-12-07: on an H100 the engine's mini-40 step went 4.62 -> 3.92 ms at batch 1 and 8.66 -> 5.91
+    at 32 (GPU busy 74 -> 88 % and 62 -> 90 %) with the same tokens, and its GPU test passed
+    (docs/decode.md, *Overlapped steps*); greedy tokens are the same either way
+    (tests/unit/test_decode_overlap.py). False: every step in series."""
     grouped_attention: bool = False
     """With the runner on CUDA: the sparse attention and the index scan take a request's verify rows
     together (`RunnerConfig.grouped_attention`: its window decoded and its index keys scanned once per

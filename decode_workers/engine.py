@@ -420,8 +420,8 @@ class DecodeEngine:
         tokens. (An unseeded sampled request's overlapped tokens are drawn on the device, by the
         runner's sampler: the same distribution as the host's draw, another random stream.)"""
         slots, sched = self.slots, self.scheduler
-        if (not self.config.overlap or slots is None or self.ep.world_size > 1 or slots.runner.engram is not None
-                or not sched.running or not sched.steady()):
+        if (not self.config.overlap or slots is None or self.ep.world_size > 1 or slots.collective
+                or slots.runner.engram is not None or not sched.running or not sched.steady()):
             return False
         if self.proposer is not None and self._plain_ahead <= 0:  # the proposer may draft: a step in series
             return False

@@ -25,7 +25,7 @@ def test_runner_rows_give_forward_batch_tokens() -> None:
     model, _ = tiny()
     off = Rig(model, None, dspark=False, runner="off")
     want = list(greedy_rounds(off, PROMPTS, 12).values())
-    on = Rig(model, None, dspark=False, runner="on")
+    on = Rig(model, None, dspark=False, runner="on", overlap=False)  # (the row counts below: steps in series)
     got = list(greedy_rounds(on, PROMPTS, 12).values())
     # prompt 1's step 6 is a numerical tie (margin 0.005, test_decode_engine.py): there the two paths
     # may pick differently and go on from different tokens; every other step must agree, and every
@@ -106,7 +106,7 @@ def test_state_handed_over_in_process_waits_for_its_records() -> None:
     model, _ = tiny()
     tokens = prompt(45, 9)
     want = reference_greedy(model, tokens, 8)
-    rig = Rig(model, None, dspark=False, runner="on")
+    rig = Rig(model, None, dspark=False, runner="on", overlap=False)  # (the step count below: in series)
     state = model.new_state()
     first = int(model.prefill(tokens, state)[-1].argmax())
     assert first == want[0]
