@@ -159,10 +159,15 @@ def test_state_region_of_another_version_is_rejected_and_frees_every_block(clust
 
 
 def test_client_cancel_frees_every_block(cluster: Cluster) -> None:
+    cancel_mid_stream(cluster, "c")
+
+
+def cancel_mid_stream(cluster: Cluster, rid: str) -> None:
+    """A Decode call cancelled by its client after its first tokens: every block comes back."""
     tokens = prompt(100, 3)
-    lease = cluster.reserve("c", tokens)
-    first, _ = cluster.prefill_into("c", tokens, lease)
-    call = cluster.decode_call("c", lease, tokens, first, 500)
+    lease = cluster.reserve(rid, tokens)
+    first, _ = cluster.prefill_into(rid, tokens, lease)
+    call = cluster.decode_call(rid, lease, tokens, first, 500)
     assert next(call).WhichOneof("event") == "tokens"
     call.cancel()
     load = cluster.decode.wait_all_free()
@@ -246,14 +251,7 @@ def test_overlapped_steps_in_a_worker_process() -> None:
         assert set(got) == set(prompts)
         for rid, tokens in prompts.items():
             assert len(got[rid]) == 15 and len(greedy_ties(c.model, tokens, got[rid])) <= 1
-        tokens = prompt(100, 3)
-        lease = c.reserve("oc", tokens)
-        first, _ = c.prefill_into("oc", tokens, lease)
-        call = c.decode_call("oc", lease, tokens, first, 500)
-        assert next(call).WhichOneof("event") == "tokens"
-        call.cancel()
-        load = c.decode.wait_all_free()
-        assert load.held_blocks == 0 and load.running_requests == 0
+        cancel_mid_stream(c, "oc")
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{c.decode.ready['metrics_port']}/metrics",
                                          timeout=10).read().decode()
         rows = [line for line in metrics.splitlines() if line.startswith("cedserve_decode_overlapped_steps_total")]
