@@ -171,9 +171,14 @@ class SlotPools:
             raise ValueError("set_blocks: these pools own their blocks")
         if len(block_ids) > self.blocks_per_slot:
             raise ValueError(f"{len(block_ids)} blocks exceed a slot's {self.blocks_per_slot}")
-        row = torch.zeros(self.blocks_per_slot, dtype=torch.int32)
+        # pinned and not waited for: the copy is ordered after the steps already launched (an
+        # overlapped step still reads the old row) and before the next, and the caching host
+        # allocator keeps the pinned row until the copy is done. A pageable copy made the host wait
+        # for every step in flight: with overlapped steps, each time a request crossed into a new block.
+        cuda = self.block_table.is_cuda
+        row = torch.zeros(self.blocks_per_slot, dtype=torch.int32, pin_memory=cuda)
         row[: len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
-        self.block_table[slot].copy_(row, non_blocking=False)
+        self.block_table[slot].copy_(row, non_blocking=cuda)
 
     def rewind(self, slot: int, position: int) -> None:
         """Forget the slot's tokens from `position` on (rejected drafts): only the position moves,
