@@ -183,7 +183,9 @@ class DSparkProposer:
             self.profile.record_draft(len(ready), time.perf_counter() - start)
         for row, (i, draft) in enumerate(zip(ready, drafts)):
             self._remember(seqs[i], confidences[row])
-            out[i] = Draft(draft.tokens[:k], draft.probs[:k], draft.confidences[:k])
+            # the host copy: what reads a draft's confidences (verify lengths, calibration) reads them
+            # on the host, so that copy is made once, here
+            out[i] = Draft(draft.tokens[:k], draft.probs[:k], confidences[row])
         return out
 
     # The drafter memory's hooks: here it lives in `seq.draft`; `SlotDSparkProposer` keeps it in slots.
