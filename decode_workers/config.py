@@ -149,8 +149,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     while its cold start took longer than `cedserve serve` waited (now 600 s on CUDA)."""
     overlap: bool = True
     """With the runner on (`runner`): while the batch only decodes (no join, preemption or drafting
-    step: with DSpark, the steps its cost check has promised to decline; greedy or unseeded requests
-    without logprobs; one rank; no Engram store), launch each step
+    step: with DSpark, the steps its cost check has promised to decline; greedy or unseeded
+    requests; one rank; no Engram store), launch each step
     before the last one's tokens are read: the step's rows take the tokens the step before picked on
     the device (`ModelRunner.remember`, `FED` rows; an unseeded sampled request's pick is the
     runner's draw on the device), and the host streams that step's tokens while the GPU runs this

@@ -415,8 +415,8 @@ class DecodeEngine:
         """Whether this step can be launched before the last one's tokens are read: overlap on, one
         rank, the runner on without an Engram store, no proposer or one whose cost check has promised
         to decline this step (`DSparkProposer.plain_steps_ahead`), a steady batch (no join, no
-        preemption: `DecodeScheduler.steady`) of greedy or unseeded requests without logprobs, each
-        in its slot, the same requests as the step in flight, and room in each slot for two more
+        preemption: `DecodeScheduler.steady`) of greedy or unseeded requests (logprobs: from the
+        logits copied behind the step), each in its slot, the same requests as the step in flight, and room in each slot for two more
         tokens. (An unseeded sampled request's overlapped tokens are drawn on the device, by the
         runner's sampler: the same distribution as the host's draw, another random stream.)"""
         slots, sched = self.slots, self.scheduler
@@ -434,8 +434,7 @@ class DecodeEngine:
             params, state = seq.params, seq.state
             # a seeded request draws from its own generator on the host, step by step (reproducible):
             # only a greedy or unseeded one may take the device's draw
-            if ((params.seed is not None and not params.greedy) or params.logprobs or state is None
-                    or state.position >= limit
+            if ((params.seed is not None and not params.greedy) or state is None or state.position >= limit
                     or not slots.holds(seq) or (ahead is None and len(seq.pending) != 1)):
                 return False
         return True

@@ -60,6 +60,8 @@ class AheadStep:
     done: torch.cuda.Event | None
     taps: Tensor | None = None
     """A copy of the rows' DSpark taps (`launch(..., taps=True)`), for the drafter's memory."""
+    logits: Tensor | None = None
+    """The rows' logits copied to the host, when a request asks for logprobs."""
     after: list[Callable[[], None]] = field(default_factory=list)
     """What waits for this step to finish (the blocks of a request that finished while it ran)."""
 
@@ -206,12 +208,16 @@ class SlotBook:
                 self._blocks[seq.request_id] = len(table)
             rows.append(slot)
         tokens = [FED] * len(seqs) if fed else [seq.pending[-1] for seq in seqs]
-        picks, step_taps = self.runner.step_picks(rows, tokens, [seq.params for seq in seqs])
+        picks, logits, step_taps = self.runner.step_picks(rows, tokens, [seq.params for seq in seqs])
         self.runner.remember(len(rows), picks)
         kept_taps = step_taps.clone() if taps and step_taps.dim() > 2 else None  # the next replay rewrites them
         self._launches += 1
         host = self._picks_host[self._launches % 2][: len(rows)]
         host.copy_(picks, non_blocking=True)
+        host_logits = None
+        if any(seq.params.logprobs for seq in seqs):  # their logprobs are read from the logits on the host
+            host_logits = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=logits.is_cuda)
+            host_logits.copy_(logits, non_blocking=True)
         done = None
         if picks.is_cuda:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -223,11 +229,12 @@ class SlotBook:
             seq.state.position += 1
         if self.metrics is not None:
             self.metrics.runner_rows.inc(len(rows))
-        return AheadStep(list(seqs), positions, host, done, kept_taps)
+        return AheadStep(list(seqs), positions, host, done, kept_taps, host_logits)
 
     def collect(self, step: AheadStep) -> tuple[list[SeqPlan], list[BatchOutput]]:
         """The plans and outputs of a `launch`ed step, once its picks are on the host: each plan is
-        `picked` (its token is its pick, `decide` draws none), so the logits stand in empty."""
+        `picked` (its token is its pick, `decide` draws none); the logits are the host copy where a
+        request asks for logprobs, else they stand in empty."""
         if step.done is not None:
             step.done.synchronize()
         picks = step.picks.tolist()
@@ -237,7 +244,8 @@ class SlotBook:
             plans.append(SeqPlan(seq, i, 1, position, None, verify=True, picked=True))
             empty = step.picks.new_zeros(1, 0, dtype=torch.float32)
             row_taps = step.taps[i : i + 1] if step.taps is not None else empty
-            outputs.append(BatchOutput(empty, row_taps, None, picks[i : i + 1]))
+            row_logits = step.logits[i : i + 1] if step.logits is not None else empty
+            outputs.append(BatchOutput(row_logits, row_taps, None, picks[i : i + 1]))
         return plans, outputs
 
     @staticmethod

@@ -291,16 +291,18 @@ class ModelRunner:
         return outputs.logits[:rows], outputs.taps[:rows]
 
     def step_picks(self, slots: Sequence[int], token_ids: Sequence[int],
-                   sampling: Sequence[SamplingParams]) -> tuple[Tensor, Tensor]:
-        """`step` without the wait: the rows' tokens sampled on the device, long `[rows]`, and their
-        DSpark taps `[rows, n_taps, hc, hidden]` (views of the step's outputs, valid until the next
-        step; `remember` the tokens, copy out what is kept)."""
+                   sampling: Sequence[SamplingParams]) -> tuple[Tensor, Tensor, Tensor]:
+        """`step` without the wait: the rows' tokens sampled on the device, long `[rows]`, their
+        logits `[rows, vocab]` and DSpark taps `[rows, n_taps, hc, hidden]` (views of the step's
+        outputs, valid until the next step; `remember` the tokens, copy out what is kept)."""
         if len(sampling) != len(slots):
             raise ValueError(f"runner.step: {len(slots)} slots, {len(sampling)} sampling parameters")
         outputs = self._run(slots, token_ids, sampling, 0)
         if outputs is None:
-            return torch.zeros(0, dtype=torch.long, device=self.device), torch.zeros(0, 0, device=self.device)
-        return outputs.tokens[: len(slots)], outputs.taps[: len(slots)]
+            empty = torch.zeros(0, 0, device=self.device)
+            return torch.zeros(0, dtype=torch.long, device=self.device), empty, empty
+        rows = len(slots)
+        return outputs.tokens[:rows], outputs.logits[:rows], outputs.taps[:rows]
 
     def step_logits(self, slots: Sequence[int], token_ids: Sequence[int], group_rows: int = 0) -> Tensor:
         """The rows' logits of a step, copied (tests, benchmarks)."""

@@ -16,7 +16,7 @@ from decode_support import Rig, greedy_rounds, prompt, tiny
 
 from cedserve.decode_workers.config import DecodeConfig
 from cedserve.decode_workers.drafting import DSparkProposer
-from cedserve.decode_workers.messages import CancelCommand, Finished, Reserved
+from cedserve.decode_workers.messages import CancelCommand, Finished, Reserved, Tokens
 from cedserve.model.runner import FED, ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.unit
@@ -200,3 +200,19 @@ def test_a_proposer_declining_lets_its_promised_plain_steps_overlap() -> None:
     # the check's schedule is the same: its probes verify at the same steps; the overlapped engine
     # counts one declined step more, launched past the requests' last token
     assert verify_on == verify_off and 0 <= declined_on - declined_off <= 1
+
+
+def test_logprobs_requests_overlap_with_the_same_logprobs() -> None:
+    """A request asking for logprobs overlaps too: its step's logits are copied to the host behind the
+    step, and its chunks (tokens, each token's logprob, the top-n) are those without overlap."""
+    plan = [(PROMPTS[0], 10, {"logprobs": 3}), (PROMPTS[2], 10, {})]
+    chunks = []
+    for overlap in (False, True):
+        rig, _ = _decode(overlap, plan)
+        rid = next(o.request_id for o in rig.outputs if isinstance(o, Tokens) and o.logprobs)
+        chunks.append([(o.token_ids, o.logprobs, o.top_logprobs) for o in rig.outputs
+                       if isinstance(o, Tokens) and o.request_id == rid])
+        assert (rig.engine.metrics.overlapped_steps._value.get() >= 6) is overlap
+        rig.assert_all_free()
+    flat = [[(t, lp, top) for ids, lps, tops in c for t, lp, top in zip(ids, lps, tops)] for c in chunks]
+    assert flat[0] == flat[1] and len(flat[0]) == 10 and all(len(top) == 3 for _, _, top in flat[0])
