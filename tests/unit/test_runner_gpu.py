@@ -182,6 +182,47 @@ def test_decode_engine_overlap_on_cuda() -> None:
     assert launches >= 15
 
 
+def test_decode_engine_overlap_with_dspark_declining_on_cuda() -> None:
+    """`decode.overlap` on CUDA with DSpark on and its cost check declining (an eager proposer whose
+    passes never pay: the steps it promises to decline overlap, their taps copied for the drafter's
+    memory), beside a request asking for logprobs (its logits copied to the host behind the step) and
+    an unseeded one at top-k 1 (the device's draw, the argmax): the tokens and logprobs of the engine
+    without overlap, most steps overlapped, every block free at the end."""
+    from decode_support import Rig, prompt
+
+    from cedserve.decode_workers.drafting import DSparkProposer
+    from cedserve.decode_workers.messages import Tokens
+
+    class Declines(DSparkProposer):
+        def _passes_pay(self, *args: object) -> bool:
+            return False
+
+    model = cuda_model()
+    drafter = cuda_drafter(model)
+    prompts = [prompt(37, 1), prompt(21, 2), prompt(50, 3)]
+    sampling: list[dict[str, object]] = [{}, {"logprobs": 2}, {"temperature": 1.0, "top_k": 1}]
+    tokens_by_run, logprobs_by_run, overlapped = [], [], []
+    for overlap in (False, True):
+        rig = Rig(model, None, proposer=Declines(drafter, model), runner="auto", runner_drafter="off",
+                  device="cuda", max_running_requests=4, overlap=overlap)
+        rids = []
+        for tokens, extra in zip(prompts, sampling):
+            reserved = rig.reserve(tokens, sender=False)
+            rig.attach(reserved, tokens, None, 40, **extra)
+            rids.append(reserved.request_id)
+        rig.run()
+        chunks = [[o for o in rig.outputs if isinstance(o, Tokens) and o.request_id == rid] for rid in rids]
+        tokens_by_run.append([[t for c in cs for t in c.token_ids] for cs in chunks])
+        logprobs_by_run.append([lp for c in chunks[1] for lp in c.logprobs])
+        overlapped.append(rig.engine.metrics.overlapped_steps._value.get())
+        rig.assert_all_free()
+    assert tokens_by_run[0] == tokens_by_run[1] and [len(t) for t in tokens_by_run[1]] == [40] * 3
+    assert len(logprobs_by_run[1]) == 40
+    # the series step reads them on the GPU, the overlapped one from the host copy: float32 rounding
+    assert max(abs(a - b) for a, b in zip(*logprobs_by_run)) < 1e-4
+    assert overlapped[0] == 0 and overlapped[1] >= 20
+
+
 # ---------------------------------------------------------------------- the DSpark drafter on slots
 
 
