@@ -462,9 +462,9 @@ class DecodeEngine:
         t = phases.lap("plan", t)
         proposer = self.proposer
         launched = self.slots.launch(running, tables, fed=self._ahead is not None, taps=proposer is not None)
-        if proposer is not None:  # a step its check promised to decline: counted as one
+        if isinstance(proposer, DSparkProposer):  # a step its check promised to decline: counted as one
             self._plain_ahead -= 1
-            proposer.take_plain_steps(1)  # type: ignore[attr-defined]
+            proposer.take_plain_steps(1)
             self.metrics.draft_decisions.labels("declined").inc()
         self.metrics.overlapped_steps.inc()
         self.passes += 1
@@ -509,9 +509,10 @@ class DecodeEngine:
         proposed = dict(zip((s.request_id for s in steady), self.proposer.propose(steady)))
         self._draft_pass_ran = any(d is not None for d in proposed.values())
         self._count_decision(declined)
-        # a declined step: the check's next declines may overlap (`_overlappable`)
-        ahead = getattr(self.proposer, "plain_steps_ahead", None)
-        self._plain_ahead = ahead() if ahead is not None and not self._draft_pass_ran and len(steady) == len(running) else 0
+        # a declined step: the check's next declines may overlap (`_overlappable`); other proposers promise none
+        proposer, self._plain_ahead = self.proposer, 0
+        if isinstance(proposer, DSparkProposer) and not self._draft_pass_ran and len(steady) == len(running):
+            self._plain_ahead = proposer.plain_steps_ahead()
         drafts = [_cut(proposed.get(s.request_id), s.max_drafts) for s in running]
         with_drafts = [i for i, d in enumerate(drafts) if d is not None]
         if not with_drafts:
