@@ -132,6 +132,9 @@ class DecodeEngine:
         self.slots = self._slot_book()
         self._ahead: AheadStep | None = None
         """A step launched before the last one's tokens were read (`decode.overlap`), not yet collected."""
+        self._ahead_start: float | None = None
+        """When the overlapped step now in flight was launched (None: none, or one launched after a
+        step in series): the cost check's plain cycle spans one launch to the next."""
         self._plain_ahead = 0
         """Steps the proposer's cost check has promised to decline (`plain_steps_ahead`): these may overlap."""
         self._publish_paths()
@@ -473,15 +476,21 @@ class DecodeEngine:
             self.on_passes()
         previous, self._ahead = self._ahead, launched
         t = phases.lap("model", t)
+        emitted = self.tokens_emitted
         outputs = self._conclude_ahead(previous) if previous is not None else []
         t = phases.lap("accept", t)
         self._account(sched, start, len(running))
+        if previous is not None and self._ahead_start is not None:
+            # a plain step as it runs overlapped, for the cost check's veto (`StepProfile.cycle_rates`):
+            # launch to launch, the step's GPU time and whatever the host did beside it, against its tokens
+            self.profile.record_cycle(len(running), start - self._ahead_start, self.tokens_emitted - emitted, False)
+        self._ahead_start = start
         phases.lap("account", t)
         return outputs
 
     def _drain_ahead(self) -> list[Output]:
         """Collect and conclude the step in flight (before a step that changes the batch)."""
-        previous, self._ahead = self._ahead, None
+        previous, self._ahead, self._ahead_start = self._ahead, None, None
         return self._conclude_ahead(previous) if previous is not None else []
 
     def _conclude_ahead(self, step: AheadStep) -> list[Output]:

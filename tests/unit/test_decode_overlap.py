@@ -202,6 +202,25 @@ def test_a_proposer_declining_lets_its_promised_plain_steps_overlap() -> None:
     assert verify_on == verify_off and 0 <= declined_on - declined_off <= 1
 
 
+def test_overlapped_plain_steps_feed_the_cost_checks_plain_rate() -> None:
+    """The veto weighs whole drafting steps against plain steps as they run: overlapped ones too (launch
+    to launch, with the tokens each concluded), not only the plain steps in series."""
+    counts = []
+    for overlap in (False, True):
+        model, drafter = tiny()
+        proposer = DeclinesAfterFirstDrafts(drafter, model, DecodeConfig(runner="on").draft_tokens)
+        rig = Rig(model, None, proposer=proposer, runner="on", overlap=overlap)
+        greedy_rounds(rig, [PROMPTS[0], PROMPTS[1]], 60)
+        cycles = rig.engine.profile._cycles
+        seconds, tokens, n = cycles[(2, False)]
+        assert seconds > 0 and 1 <= tokens <= 2  # two requests, one token each (fewer as one stops)
+        counts.append((n, rig.engine.metrics.overlapped_steps._value.get()))
+    (series, _), (with_overlap, overlapped) = counts
+    # every overlapped step but the first of each run of them adds a plain cycle (without them only the
+    # few plain steps in series between the runs would count)
+    assert overlapped >= 20 and with_overlap >= 3 * series // 4 and with_overlap > overlapped // 2
+
+
 def test_logprobs_requests_overlap_with_the_same_logprobs() -> None:
     """A request asking for logprobs overlaps too: its step's logits are copied to the host behind the
     step, and its chunks (tokens, each token's logprob, the top-n) are those without overlap."""
