@@ -358,6 +358,9 @@ class NixlEngine:
         """Post what is queued of `t` from this (the producer's) thread, as a step of the progress loop
         would: prepare under the lock, post outside it, commit under it. The progress thread may post
         other chunks of `t` meanwhile; `t.posting` keeps the transfer from settling under either."""
+        if self.config.caller_holds_lock:
+            self._post_holding_lock(t)
+            return
         jobs: list[PostJob] = []
         with self._lock:
             if not t.finalized:
@@ -370,6 +373,28 @@ class NixlEngine:
                 self._commit(job, handle, status, error)
         if self._caller_waits_s > 0:
             self._finish_from_caller(t, time.monotonic() + self._caller_waits_s)
+
+    def _post_holding_lock(self, t: SendTransfer) -> None:
+        """`_post_from_caller` with the engine lock held from the prepare to the commit and, with
+        `caller_waits_s`, through polls without a pause until `t` settles or the time is up
+        (`KVTransferConfig.caller_holds_lock`): one Python thread runs meanwhile, since the loop
+        blocks on the lock with the GIL released."""
+        with self._lock:
+            jobs: list[PostJob] = []
+            if not t.finalized:
+                self._pump_send(t, jobs)
+            if not jobs:
+                return
+            for job, handle, status, error in self._post_jobs(jobs):
+                self._commit(job, handle, status, error)
+            if self._caller_waits_s > 0:
+                deadline = time.monotonic() + self._caller_waits_s
+                while not (t.finalized or t.queue or t.posting):
+                    now = time.monotonic()
+                    self._advance_send(t, now)
+                    if now >= deadline:
+                        break
+        self._run_callbacks()
 
     def _finish_from_caller(self, t: SendTransfer, deadline: float) -> None:
         """Poll `t`'s requests from this (the producer's) thread, as a step of the progress loop would,

@@ -71,12 +71,16 @@ def test_a_request_of_few_runs_posts_one_descriptor_per_run(run_descs_max: int) 
         receiver.close()
 
 
-def test_the_caller_settles_its_last_request_before_write_blocks_returns() -> None:
+@pytest.mark.parametrize("holds_lock", [False, True])
+def test_the_caller_settles_its_last_request_before_write_blocks_returns(holds_lock: bool) -> None:
+    """Polling between yields, or with the engine lock held from the prepare to the end
+    (`caller_holds_lock`): the same request, settled on the caller's thread."""
     src, dst = _regions()
     # the sender's loop sleeps 5 s between steps: only the caller's own polls can end the request soon
-    slow = _config(caller_posts_last=True, caller_waits_s=0.1, target_poll_s=5.0, idle_poll_s=5.0)
-    sender = NixlTransferAgent(slow, src, LAYOUT, "prefill-caller-waits")
-    receiver = NixlTransferAgent(_config(), dst, LAYOUT, "decode-caller-waits")
+    slow = _config(caller_posts_last=True, caller_waits_s=0.1, target_poll_s=5.0, idle_poll_s=5.0,
+                   caller_holds_lock=holds_lock)
+    sender = NixlTransferAgent(slow, src, LAYOUT, f"prefill-caller-waits{int(holds_lock)}")
+    receiver = NixlTransferAgent(_config(), dst, LAYOUT, f"decode-caller-waits{int(holds_lock)}")
     finished_on: list[int] = []
     results: list[TransferResult] = []
 
@@ -119,3 +123,42 @@ def test_caller_wait_and_run_descriptor_limits_are_checked() -> None:
     # both off by default: timed on an H100 (gpu-2026-12-07c), neither shortened a request
     assert (device.caller_waits_s, host.caller_waits_s) == (0.0, 0.0)
     assert device.run_descs_max == host.run_descs_max == 0
+    assert device.caller_holds_lock is False and host.caller_holds_lock is False
+
+
+def test_callers_holding_the_lock_beside_each_other_and_the_loop() -> None:
+    """Two producers post their last blocks at once with `caller_holds_lock` while the progress loop
+    polls at its usual pace: each waits for the lock in turn, nothing deadlocks, every byte lands."""
+    src, dst = _regions()
+    sender = NixlTransferAgent(_config(caller_posts_last=True, caller_waits_s=0.05, caller_holds_lock=True), src,
+                               LAYOUT, "prefill-holders")
+    receiver = NixlTransferAgent(_config(), dst, LAYOUT, "decode-holders")
+    try:
+        sender.handshake(receiver.control_address)
+        pairs = {"a": (np.arange(0, 40), np.arange(50, 90)), "b": (np.arange(40, 48), np.arange(0, 8))}
+        for rid, (_, dst_ids) in pairs.items():
+            reservation = receiver.receiver().reserve(rid, dst_ids, sender=sender.name, lease_s=20.0)
+            sender.sender().open(reservation, timeout_s=20.0)
+        errors: list[BaseException] = []
+
+        def produce(rid: str) -> None:
+            try:
+                src_ids = pairs[rid][0]
+                sender.sender().write_blocks(rid, src_ids[: len(src_ids) // 2], last=False)
+                sender.sender().write_blocks(rid, src_ids[len(src_ids) // 2:], last=True)
+            except BaseException as exc:  # handed to the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=produce, args=(rid,)) for rid in pairs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10.0)
+        assert not errors and not any(thread.is_alive() for thread in threads)
+        for rid, (src_ids, dst_ids) in pairs.items():
+            sender.sender().wait(rid, 10.0).raise_for_state()
+            receiver.receiver().wait(rid, 10.0).raise_for_state()
+            assert torch.equal(dst.blocks()[torch.from_numpy(dst_ids)], src.blocks()[torch.from_numpy(src_ids)])
+    finally:
+        sender.close()
+        receiver.close()
