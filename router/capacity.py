@@ -57,7 +57,8 @@ class CapacityWaiter:
         expired = remaining is not None and remaining < left
         wait_s = min(left, remaining) if remaining is not None else left
         try:
-            await asyncio.wait_for(self._turn.wait(), max(0.0, wait_s))
+            async with asyncio.timeout(max(0.0, wait_s)):  # (wait_for may swallow a cancel: workers.py)
+                await self._turn.wait()
         except TimeoutError:
             if expired:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while it "

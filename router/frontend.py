@@ -518,8 +518,9 @@ class GenerationCore:
         `done` follows the first token at once (nothing is sent): after `_PREFILL_VERDICT_S` the call
         is cancelled (a request without a deadline gives it no timeout)."""
         try:
-            await asyncio.wait_for(self._drain_prefill(call, prefill), _PREFILL_VERDICT_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(_PREFILL_VERDICT_S):  # (wait_for may swallow a cancel: workers.py)
+                await self._drain_prefill(call, prefill)
+        except TimeoutError:
             log.debug("prefill-only request on %s: no end %.1f s after its first token", prefill.worker_id,
                       _PREFILL_VERDICT_S)
         except (WorkerFailed, RequestError) as exc:

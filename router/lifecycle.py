@@ -93,8 +93,9 @@ class RouterDrain:
     async def _drain(self) -> None:
         while self._in_flight and time.monotonic() < self._deadline_s:
             # Re-check the deadline every 0.1 s: a later request may have shortened it.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), min(0.1, max(0.0, self._deadline_s - time.monotonic())))
+            with contextlib.suppress(TimeoutError):  # (asyncio.timeout: wait_for may swallow a cancel)
+                async with asyncio.timeout(min(0.1, max(0.0, self._deadline_s - time.monotonic()))):
+                    await self._idle.wait()
         self._result = (self._in_flight == 0, self._in_flight)
         log.info("router drain %s (%d streams open)", "finished" if not self._in_flight else "timed out",
                  self._in_flight)
@@ -103,8 +104,9 @@ class RouterDrain:
     async def wait_finished(self, timeout_s: float | None) -> tuple[bool, int]:
         """(drained, streams still open); (False, -1) when `timeout_s` passed first."""
         try:
-            await asyncio.wait_for(self._finished.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self._finished.wait()
+        except TimeoutError:
             return False, -1
         return self._result
 

@@ -293,8 +293,12 @@ class WorkerPool:
 
     async def _pause(self, handle: WorkerHandle) -> None:
         """`poll_s`, or less when something suggests the worker is gone (`WorkerHandle.wake`)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(handle.wake.wait(), self.poll_s)
+        # `asyncio.timeout`, not `wait_for`: Python 3.11's `wait_for` returns instead of raising when
+        # the task is cancelled as the wait ends (a wake beside `remove`'s cancel), and the poll loop
+        # then ran on: its retirement, and the pool's `close`, waited for it forever
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.poll_s):
+                await handle.wake.wait()
         handle.wake.clear()
 
     def _report(self, handle: WorkerHandle) -> None:

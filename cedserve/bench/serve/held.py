@@ -120,10 +120,11 @@ async def _one(client: AsyncClient, prompt: str, max_tokens: int, timeout_s: flo
             first.append(time.monotonic() - start)
 
     try:
-        await asyncio.wait_for(client.generate(prompt, on_piece=on_piece, max_tokens=max_tokens), timeout_s)
+        async with asyncio.timeout(timeout_s):  # (not wait_for: Python 3.11's may swallow a cancel)
+            await client.generate(prompt, on_piece=on_piece, max_tokens=max_tokens)
     except CedserveError as exc:
         return Outcome(exc.code.name, time.monotonic() - start, retry_after=exc.retry_after_s > 0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Outcome("CLIENT_TIMEOUT", time.monotonic() - start)
     return Outcome("OK", time.monotonic() - start, first[0] if first else None)
 

@@ -66,8 +66,9 @@ class HttpClient:
         if cache_salt:
             body["user"] = cache_salt
         try:
-            return await asyncio.wait_for(self._generate(json.dumps(body).encode(), on_piece), self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):  # (not wait_for: Python 3.11's may swallow a cancel)
+                return await self._generate(json.dumps(body).encode(), on_piece)
+        except TimeoutError:
             raise CedserveError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out") from None
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise CedserveError(grpc.StatusCode.UNAVAILABLE, f"HTTP connection failed: {exc}") from None
