@@ -332,18 +332,25 @@ def test_a_15_mb_prompt_is_refused_alike_by_the_client_and_the_router(system: Sy
         assert sock.recv(64).startswith(b"HTTP/1.1 413 ")
 
 
-def test_admission_refusal_is_429_with_retry_after(system: System) -> None:
-    """The low effort class runs one request and queues none (this module's config)."""
+def _refused_once(system: System) -> openai.RateLimitError:
+    """A request refused with 429: the low effort class runs one request and queues none (this
+    module's config), so a second one beside a decoding one is turned away."""
     client = system.client()
     holder = client.completions.create(model=MODEL, prompt="def main():", max_tokens=200, stream=True,
                                        extra_body={"reasoning_effort": "low"})
     next(iter(holder))  # admitted and decoding
     with pytest.raises(openai.RateLimitError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"reasoning_effort": 50})
-    assert info.value.status_code == 429 and int(info.value.response.headers["retry-after"]) >= 1
-    assert _error(info.value)["type"] == "rate_limit_error"
     holder.close()
     system.wait_decode_idle(8)
+    return info.value
+
+
+def test_admission_refusal_is_429_with_retry_after(system: System) -> None:
+    client = system.client()
+    refused = _refused_once(system)
+    assert refused.status_code == 429 and int(refused.response.headers["retry-after"]) >= 1
+    assert _error(refused)["type"] == "rate_limit_error"
     # the class is free again: the same request is served
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                      extra_body={"reasoning_effort": "low"}).usage is not None
@@ -361,8 +368,16 @@ def test_no_worker_with_room_is_503(system: System) -> None:
 
 
 def test_router_metrics_count_http_requests(system: System) -> None:
-    page = urllib.request.urlopen(system.metrics["router"], timeout=10).read().decode()
-    ok = re.search(r'^cedserve_router_http_requests_total\{endpoint="completions",status="200"\} (\S+)$', page,
-                   re.MULTILINE)
-    assert ok and float(ok.group(1)) >= 10
-    assert 'cedserve_router_http_requests_total{endpoint="completions",status="429"}' in page
+    """Its own requests counted (whatever ran before it in the module): two served, one refused."""
+
+    def count(status: str) -> float:
+        page = urllib.request.urlopen(system.metrics["router"], timeout=10).read().decode()
+        line = 'cedserve_router_http_requests_total{endpoint="completions",status="' + status + '"} '
+        found = re.search("^" + re.escape(line) + r"(\S+)$", page, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    before = count("200"), count("429")
+    for _ in range(2):
+        system.client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    _refused_once(system)  # its holder's stream counts as one more 200 once it is closed
+    assert count("200") >= before[0] + 2 and count("429") == before[1] + 1
