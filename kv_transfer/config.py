@@ -133,8 +133,10 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request came 0.24-0.33 ms after its post returned and already saw it done, where NIXL alone posts
     and completes the same request in 0.14 ms. Timed on the next H100 (gpu-2026-12-07c, beside the
     engine without it): the caller's own polls saw the request done 0.20-0.27 ms after the post
-    returned, as the loop did (0.20-0.33): the wait is UCX's, not the loop's. None: 0 (off) for both
-    memory kinds, since the prefill thread would block for no gain."""
+    returned, as the loop did (0.20-0.33), while the loop ran beside them. With `caller_holds_lock`
+    (the loop blocked meanwhile) it saw them done 0.18-0.21 ms after the post: the default since
+    (gpu-2026-12-08). None: 2 ms for device memory (with `caller_holds_lock`), 0 (off) for host memory
+    (a host post copies synchronously; the loop finishes the request)."""
     caller_holds_lock: bool | None = None
     """WRITE, with `caller_posts_last`: the caller keeps the engine's lock from preparing its last post
     until the post returns and, with `caller_waits_s`, through its polls until the request completes
@@ -142,8 +144,12 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     released, instead of running Python beside the caller's NIXL calls: on one H100 the engine's post
     of a contiguous 128K-token request took 0.16-0.23 ms and its completion 0.20-0.33 ms more, where
     NIXL alone, in a process whose loop idles, posts, completes and notifies the same request in
-    0.13-0.23 ms (gpu-2026-12-07b/c). Other transfers' producers wait for the lock meanwhile (a post
-    and at most `caller_waits_s`). None: off."""
+    0.13-0.23 ms (gpu-2026-12-07b/c). One H100, each request in one call, 3 rounds beside the engine
+    without it (gpu-2026-12-08): contiguous 4K / 128K-token requests 0.38 / 0.43 of the raw NIXL rate
+    against 0.30 / 0.32 (post 0.22 / 0.19 ms against 0.27 / 0.36, post to done 0.18 / 0.21 against
+    0.33 / 0.43); scattered ones 0.14-0.15 against 0.12-0.16 (their staging copies dominate). Other
+    transfers' producers wait for the lock meanwhile (a post and at most `caller_waits_s`). None: on
+    for device memory, off for host memory."""
     run_descs_max: int | None = None
     """A cross-layer request whose block pairs form at most this many runs is posted as one descriptor
     per run (built for it, as a staging slot's is) instead of by index into the prepared block lists,
@@ -194,8 +200,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         device = {"chunk_blocks": 8192, "staging_slots": 16, "staging_slot_bytes": 64 << 20,
                   "staging_slots_per_request": 2, "poll_interval_s": 2e-5, "target_poll_s": 2e-4,
                   "announce_posts": True, "caller_posts_last": True, "spin_s": 5e-4,
-                  "spin_switch_interval_s": 0.0, "caller_waits_s": 0.0, "run_descs_max": 0,
-                  "caller_holds_lock": False}
+                  "spin_switch_interval_s": 0.0, "caller_waits_s": 2e-3, "run_descs_max": 0,
+                  "caller_holds_lock": True}
         host = {"chunk_blocks": 1024, "staging_slots": 8, "staging_slot_bytes": 16 << 20,
                 "staging_slots_per_request": 4, "poll_interval_s": 2e-4, "target_poll_s": 1e-3,
                 "announce_posts": True, "caller_posts_last": False, "spin_s": 0.0,

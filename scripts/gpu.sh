@@ -38,6 +38,8 @@
 #                                   tf32-agreement-<gpu>.json, tf32.log                          TF32_S=90
 #   staging-probe   benchmarks/staging_probe.py: a KV transfer's staging gather in parts, alone on the GPU
 #                   and beside a second process        staging-probe.json, staging-probe.log     PROBE_S=60
+#   graph-launch    benchmarks/graph_launch.py: host cost of a CUDA graph launch by kernel count, idle and
+#                   behind a running launch           graph-launch.json, graph-launch.log         GRAPH_S=60
 #   mhc-blocks      benchmarks/mhc_blocks.py: the mHC site kernel's column blocks at decode batches
 #                                   mhc-blocks.json, mhc-blocks.log                              MHC_S=90
 #   batched-gemm    benchmarks/batched_gemm.py: wo_a's and the MoE down projections' float32 bmm at 1-192 rows
@@ -812,6 +814,8 @@ run_part() {  # $1: part name
     dspark-cycle) part_dspark_cycle ;;
     staging-probe) timeout "${PROBE_S:-60}" "$PY" -P benchmarks/staging_probe.py --out "$OUT/staging-probe.json" 2>&1 \
                   | tee "$OUT/staging-probe.log" ;;
+    graph-launch) timeout "${GRAPH_S:-60}" "$PY" -P benchmarks/graph_launch.py --out "$OUT/graph-launch.json" 2>&1 \
+                  | tee "$OUT/graph-launch.log" ;;
     mhc-blocks) timeout "${MHC_S:-90}" "$PY" -P benchmarks/mhc_blocks.py --out "$OUT/mhc-blocks.json" 2>&1 \
                   | tee "$OUT/mhc-blocks.log" ;;
     *) echo "unknown part $1 (see the top of scripts/gpu.sh)" >&2; return 2 ;;
