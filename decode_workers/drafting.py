@@ -24,7 +24,9 @@ drafting steps in a row it turns one step down (a plain pass over the anchors al
 still pays right after such a probe the interval doubles (up to 8x), so a drafter that pays loses one
 step in ~130 to them, not one in 17; the interval stays put until whole steps of both kinds are
 known (below), else the third plain step, and with it the veto, came after ~110 drafting steps
-(gpu-2026-12-07d: 79 of 104 steps drafted at 0.63x of plain). Without them a batch that always drafts never measures a plain
+(gpu-2026-12-07d: 79 of 104 steps drafted at 0.63x of plain). The first three plain probes come
+`FIRST_PLAIN_EVERY` (4) drafting steps apart while whole plain steps are unknown at the batch size,
+so the veto can act after ~15 steps, not ~50. Without them a batch that always drafts never measures a plain
 pass, and the pass-cost line stays at its prior (50 ms fixed: a CPU's figure), against which any
 draft pass looks cheap: on an H100 the demo checkpoint drafted every step at 6.4 ms a step for 2.0
 tokens where a plain step took 1.3 ms (gpu-2026-12-07c). `probe_every = 1` drafts every step (no
@@ -53,11 +55,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cedserve.decode_workers.profile import StepProfile
+from cedserve.decode_workers.profile import MIN_CYCLES, StepProfile
 from cedserve.decode_workers.sequence import DecodeSequence
 from cedserve.decode_workers.speculative import choose_verify_lengths, expected_tokens
 from cedserve.model.dspark import Draft, Drafter, DraftRequest, DraftState
 from cedserve.model.network import CEDModel
+
+FIRST_PLAIN_EVERY = 4
+"""The proposer's first `MIN_CYCLES` plain probes come this many drafting steps apart (not
+`plain_probe_every`) while whole plain steps at the batch size are not yet known: the veto needs them,
+and until it can act a drafter that loses keeps losing (one H100, the demo checkpoint, overlap on:
+87 of 104 steps drafted at 0.61x of plain, gpu-2026-12-08, the probes 16 steps apart)."""
 
 DEFER_MAX_BYTES = 64 << 20
 """Most bytes of taps the deferred observations hold before they are applied, whatever their step
@@ -225,7 +233,9 @@ class DSparkProposer:
         profile = self.profile
         if profile is None or self.probe_every == 1:
             return True
-        if self._drafted_run >= self._plain_interval:
+        if self._drafted_run >= self._plain_interval or (
+                self._drafted_run >= FIRST_PLAIN_EVERY and self.plain_probes < MIN_CYCLES
+                and profile.cycle_rates(len(seqs)) is None):
             self._drafted_run = 0
             self._plain_probed = True
             self.plain_probes += 1

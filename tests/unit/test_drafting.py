@@ -249,7 +249,8 @@ def test_a_batch_that_always_drafts_measures_a_plain_pass_and_then_stops_draftin
     seqs = _batch(model, drafter, proposer, [0.0])
     # ~2 tokens per verification (c = 0.5) for a 10 ms pass, against 1 token per 1 ms plain pass
     drafted = _run_steps(proposer, seqs, 120, plain_s=1e-3, verify_s=1e-2, confidence=0.5)
-    assert all(drafted[:16]) and not drafted[16] and proposer.plain_probes >= 1
+    # the first plain probe after four drafting steps (`FIRST_PLAIN_EVERY`: no whole steps known yet)
+    assert all(drafted[:4]) and not drafted[4] and proposer.plain_probes >= 1
     later = drafted[20:]
     assert sum(later) <= 4, f"drafted {sum(later)} of the last {len(later)} steps"  # probes 8, 16, 32, 64 apart
     assert proposer.declined_steps >= len(later) - sum(later) - proposer.plain_probes
@@ -257,8 +258,9 @@ def test_a_batch_that_always_drafts_measures_a_plain_pass_and_then_stops_draftin
 
 @pytest.mark.parametrize("whole_steps", [True, False], ids=["whole-steps-recorded", "passes-only"])
 def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then(whole_steps: bool) -> None:
-    """Plain probes every 16 drafting steps until whole steps of both kinds are known (three each: the
-    veto can act), then further apart while drafting keeps paying (32, then 64 drafting steps)."""
+    """The first three plain probes every 4 drafting steps while whole steps are unknown (the veto needs
+    three of each kind), then every 16 until they are known, then further apart while drafting keeps
+    paying (32, then 64 drafting steps)."""
     model, drafter = tiny()
     proposer = DSparkProposer(drafter, model, profile=StepProfile(0.05, 0.002), plain_probe_every=16)
     seqs = _batch(model, drafter, proposer, [0.0])
@@ -269,10 +271,10 @@ def test_drafting_that_pays_keeps_drafting_with_a_plain_probe_now_and_then(whole
     if proposer.profile is not None and proposer.profile.draft_seconds(1) > 3e-3:
         pytest.skip("this machine's draft pass alone costs more than the plain passes drafting saves")
     probes = [i + 1 for i, d in enumerate(drafted) if not d]
-    if whole_steps:  # the third plain step (51) made them known: the next probe 32 drafting steps later
-        assert probes == [17, 34, 51, 84] and proposer.plain_probes == 4
+    if whole_steps:  # the third plain step (15) made them known: the next probe 32 drafting steps later
+        assert probes == [5, 10, 15, 48] and proposer.plain_probes == 4
     else:  # never known: no back-off (the veto could never catch a loss the passes miss)
-        assert probes == [17, 34, 51, 68, 85] and proposer.plain_probes == 5
+        assert probes == [5, 10, 15, 32, 49, 66, 83, 100] and proposer.plain_probes == 8
     assert proposer.declined_steps == 0
 
 
