@@ -11,7 +11,10 @@ rest) or a wait for the same graph's previous launch (then two graphs a bucket, 
 
 Each graph: a `torch.cuda._sleep` of about `--busy-us` (so a launch behind it finds it running),
 then N one-element additions (N kernel nodes). Median host microseconds of the `replay()` call over
-`--reps` launches. Needs a CUDA device.
+`--reps` launches. Then the lever it points to: the same N nodes (no sleep) as one graph against
+`--pieces` graphs of N / pieces nodes launched one after the other, wall microseconds from the first
+launch to the stream's end, the GPU idle before: whether the GPU starts on the first piece while the
+host launches the rest. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ def capture(n: int, busy_cycles: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def whole_us(graphs: list[torch.cuda.CUDAGraph]) -> float:
+    """Wall microseconds from the first graph's launch to the end of the last, launched back to back."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for graph in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6
+
+
 def timed(call) -> float:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     call()
@@ -53,6 +66,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 512, 1024, 1536])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--busy-us", type=float, default=2000.0)
+    p.add_argument("--pieces", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -89,9 +103,26 @@ def main() -> int:
         cells.append(cell)
         print(f"{n:>6} {cell['idle_us']:>9.1f} {cell['behind_same_us']:>15.1f} {cell['behind_other_us']:>16.1f} "
               f"{cell['gpu_us']:>8.1f}")
+    split = []
+    print(f"{'nodes':>6} {'pieces':>6} {'launch to end us':>17} {'one graph us':>13} {'ratio':>6}")
+    for n in args.nodes:
+        one = [capture(n, 0, x)]
+        for k in args.pieces:
+            if n % k:
+                continue
+            parts = [capture(n // k, 0, x) for _ in range(k)]
+            whole, pieced = [], []
+            for _ in range(args.reps):  # alternating, so drift hits both
+                whole.append(whole_us(one))
+                pieced.append(whole_us(parts))
+            cell = {"nodes": n, "pieces": k, "pieces_us": statistics.median(pieced),
+                    "one_graph_us": statistics.median(whole)}
+            cell["ratio"] = cell["pieces_us"] / cell["one_graph_us"]
+            split.append(cell)
+            print(f"{n:>6} {k:>6} {cell['pieces_us']:>17.1f} {cell['one_graph_us']:>13.1f} {cell['ratio']:>6.2f}")
     out = {"benchmark": "graph_launch", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{torch.cuda.get_device_name(dev)}, {platform.node()}", "torch": torch.__version__,
-           "command": "python -P benchmarks/graph_launch.py", "busy_us": args.busy_us, "cells": cells}
+           "command": "python -P benchmarks/graph_launch.py", "busy_us": args.busy_us, "cells": cells, "pieces": split}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
