@@ -240,9 +240,9 @@ class SlotBook:
         picks = step.picks.tolist()
         plans: list[SeqPlan] = []
         outputs: list[BatchOutput] = []
+        empty = step.picks.new_zeros(1, 0, dtype=torch.float32)  # read by no one: one for every row
         for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
             plans.append(SeqPlan(seq, i, 1, position, None, verify=True, picked=True))
-            empty = step.picks.new_zeros(1, 0, dtype=torch.float32)
             row_taps = step.taps[i : i + 1] if step.taps is not None else empty
             row_logits = step.logits[i : i + 1] if step.logits is not None else empty
             outputs.append(BatchOutput(row_logits, row_taps, None, picks[i : i + 1]))

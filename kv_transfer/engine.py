@@ -357,51 +357,34 @@ class NixlEngine:
     def _post_from_caller(self, t: SendTransfer) -> None:
         """Post what is queued of `t` from this (the producer's) thread, as a step of the progress loop
         would: prepare under the lock, post outside it, commit under it. The progress thread may post
-        other chunks of `t` meanwhile; `t.posting` keeps the transfer from settling under either."""
-        if self.config.caller_holds_lock:
-            self._post_holding_lock(t)
-            return
-        jobs: list[PostJob] = []
-        with self._lock:
-            if not t.finalized:
-                self._pump_send(t, jobs)
-        if not jobs:
-            return
-        posted = self._post_jobs(jobs)
-        with self._lock:
-            for job, handle, status, error in posted:
-                self._commit(job, handle, status, error)
-        if self._caller_waits_s > 0:
-            self._finish_from_caller(t, time.monotonic() + self._caller_waits_s)
-
-    def _post_holding_lock(self, t: SendTransfer) -> None:
-        """`_post_from_caller` with the engine lock held from the prepare to the commit and, with
-        `caller_waits_s`, through polls without a pause until `t` settles or the time is up
-        (`KVTransferConfig.caller_holds_lock`): one Python thread runs meanwhile, since the loop
-        blocks on the lock with the GIL released."""
-        with self._lock:
+        other chunks of `t` meanwhile; `t.posting` keeps the transfer from settling under either.
+        With `caller_holds_lock` the lock stays held from the prepare to the end of the polls
+        (`_finish_from_caller`): one Python thread runs meanwhile, since the loop blocks on the lock
+        with the GIL released."""
+        holds = bool(self.config.caller_holds_lock)
+        with self._lock if holds else contextlib.nullcontext():
             jobs: list[PostJob] = []
-            if not t.finalized:
-                self._pump_send(t, jobs)
+            with self._lock:
+                if not t.finalized:
+                    self._pump_send(t, jobs)
             if not jobs:
                 return
-            for job, handle, status, error in self._post_jobs(jobs):
-                self._commit(job, handle, status, error)
+            posted = self._post_jobs(jobs)
+            with self._lock:
+                for job, handle, status, error in posted:
+                    self._commit(job, handle, status, error)
             if self._caller_waits_s > 0:
-                deadline = time.monotonic() + self._caller_waits_s
-                while not (t.finalized or t.queue or t.posting):
-                    now = time.monotonic()
-                    self._advance_send(t, now)
-                    if now >= deadline:
-                        break
-        self._run_callbacks()
+                self._finish_from_caller(t, time.monotonic() + self._caller_waits_s, yields=not holds)
+        if self._caller_waits_s > 0:
+            self._run_callbacks()  # outside the lock, held or not
 
-    def _finish_from_caller(self, t: SendTransfer, deadline: float) -> None:
+    def _finish_from_caller(self, t: SendTransfer, deadline: float, yields: bool) -> None:
         """Poll `t`'s requests from this (the producer's) thread, as a step of the progress loop would,
         until the last one completes and `t` settles here, or until `deadline` (then the loop goes on
         polling them). A poll between the post and the loop's next step: the loop's wake-up took
         longer than a whole request's bytes on one GPU (`KVTransferConfig.caller_waits_s`). Returns
-        at once while more of `t` waits to be posted (the loop's work)."""
+        at once while more of `t` waits to be posted (the loop's work). `yields`: give up the core
+        between polls (the loop may take a step meanwhile; not while the caller holds the lock)."""
         while True:
             with self._lock:
                 if t.finalized or t.queue or t.posting:
@@ -410,8 +393,8 @@ class NixlEngine:
                 self._advance_send(t, now)
                 if t.finalized or now >= deadline:
                     break
-            os.sched_yield()  # the GIL and the core, between polls (the loop may take a step meanwhile)
-        self._run_callbacks()
+            if yields:
+                os.sched_yield()  # the GIL and the core, between polls
 
     def _post_jobs(self, jobs: list[PostJob]) -> list[tuple[PostJob, object, str, NixlCallError | None]]:
         """Hand prepared requests to NIXL (outside the engine lock), stamping when each post began."""

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from cedserve.router.config import WorkerEndpoint
 from cedserve.router.index import GlobalPrefixIndex
 from cedserve.router.workers import WorkerPool
 
@@ -53,7 +54,5 @@ def test_a_removed_worker_retires_while_its_stream_wakes_its_poll() -> None:
     asyncio.run(scenario())
 
 
-def _endpoint():  # type: ignore[no-untyped-def]
-    from cedserve.router.config import WorkerEndpoint
-
-    return WorkerEndpoint("decode-x", "127.0.0.1:1")
+def _endpoint() -> WorkerEndpoint:
+    return WorkerEndpoint("decode-x", "127.0.0.1:1")  # nothing listens: its polls fail
